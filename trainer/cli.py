@@ -1,0 +1,180 @@
+"""The `dittrain` command. Wiring and error presentation only: every command calls one function elsewhere.
+
+A `UserError` (bad config, missing path, corrupt data, out of memory) prints one line and exits with its code;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import typer
+
+from .errors import UserError
+
+app = typer.Typer(
+    name="dittrain",
+    help="Fine-tune diffusion transformers (Flux, SD3/SD3.5, Qwen-Image) with LoRA or full fine-tuning on GPUs "
+    "far smaller than the model, by streaming blocks between pinned CPU RAM and the GPU.\n\n"
+    "Start from a preset (`dittrain presets`), copy it, edit the paths, then `dittrain fit my.yaml`.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+CONFIG_ARG = typer.Argument(..., help="YAML config (start from one in configs/, see `dittrain presets`).", show_default=False)
+SET_OPT = typer.Option(
+    [], "--set", metavar="KEY=VALUE", help="Override a config value, e.g. --set train.steps=500 (repeatable).", show_default=False
+)
+
+
+def _user_errors(fn):
+    """Turn a UserError into one line on stderr and its exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(e.exit_code) from None
+
+    return wrapper
+
+
+def _load(config: Path, overrides: list[str]):
+    from .config import load_config
+
+    return load_config(config, overrides)
+
+
+@app.command()
+@_user_errors
+def fit(
+    config: Path = CONFIG_ARG,
+    overrides: list[str] = SET_OPT,
+    resume: str | None = typer.Option(
+        None,
+        "--resume",
+        metavar="latest|PATH",
+        help="Continue a run: 'latest' (the newest complete checkpoint in output.dir) or a checkpoint folder. "
+        "A missing checkpoint is an error, never a silent fresh start.",
+        show_default=False,
+    ),
+) -> None:
+    """Train a LoRA or fine-tune the transformer as the config says.
+
+    Saves a resumable checkpoint every train.checkpoint_every steps and at the end; Ctrl-C finishes the current
+    step and saves one (press it twice to quit at once)."""
+    cfg = _load(config, overrides)
+    from .train.trainer import Trainer
+
+    Trainer(cfg, resume=resume).fit()
+
+
+@app.command()
+@_user_errors
+def sample(
+    config: Path = CONFIG_ARG,
+    overrides: list[str] = SET_OPT,
+    prompt: list[str] = typer.Option([], "--prompt", "-p", metavar="TEXT", help="Prompt (repeatable).", show_default=False),
+    prompts_file: Path | None = typer.Option(None, "--prompts", help="Text file with one prompt per line.", show_default=False),
+    lora: list[str] = typer.Option(
+        [], "--lora", metavar="PATH[:WEIGHT]", help="LoRA .safetensors to apply, optionally weighted as PATH:WEIGHT (repeatable).", show_default=False
+    ),
+    offload: float | None = typer.Option(
+        None, "--offload", min=0.0, max=1.0, help="Share of transformer block bytes kept in CPU RAM (overrides offload.transformer)."
+    ),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="Denoising steps (default: sample.steps)."),
+    guidance: float | None = typer.Option(None, "--guidance", help="Guidance scale (default: sample.guidance)."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of the first image (default: sample.seed)."),
+    width: int | None = typer.Option(None, "--width", min=16, help="Width in pixels (default: sample.width)."),
+    height: int | None = typer.Option(None, "--height", min=16, help="Height in pixels (default: sample.height)."),
+    num: int = typer.Option(1, "--num", min=1, help="Images per prompt."),
+    out: Path | None = typer.Option(None, "--out", help="Output folder (default: <output.dir>/samples).", show_default=False),
+) -> None:
+    """Generate images with the family's diffusers pipeline, the transformer streamed by the offload conductor.
+
+    PNGs carry the prompt, seed, steps and model in their metadata; several images also get a contact sheet."""
+    cfg = _load(config, overrides)
+    from .sample import SampleRequest, run_sample
+
+    run_sample(
+        cfg,
+        SampleRequest(
+            prompts=list(prompt),
+            prompts_file=prompts_file,
+            loras=list(lora),
+            offload=offload,
+            steps=steps,
+            guidance=guidance,
+            seed=seed,
+            width=width,
+            height=height,
+            num=num,
+            out=out,
+        ),
+    )
+
+
+@app.command()
+@_user_errors
+def plan(
+    config: Path = CONFIG_ARG,
+    overrides: list[str] = SET_OPT,
+    vram: float | None = typer.Option(None, "--vram", help="VRAM budget in GB to pick the offload fraction for."),
+    ram: float | None = typer.Option(None, "--ram", help="CPU RAM in GB to check the pinned arena against."),
+) -> None:
+    """Predict VRAM, RAM and step time per offload fraction without training, and pick the fraction that fits."""
+    cfg = _load(config, overrides)
+    from .offload.planner import run_plan
+
+    run_plan(cfg, vram_gb=vram, ram_gb=ram)
+
+
+@app.command()
+@_user_errors
+def cache(config: Path = CONFIG_ARG, overrides: list[str] = SET_OPT) -> None:
+    """Encode the data set's latents and captions once into data.cache_dir (fit reuses them).
+
+    Entries are keyed by file content, model, resolution and crop: a changed image or model re-encodes only
+    its own entries."""
+    cfg = _load(config, overrides)
+    from .data.cache import run_cache
+
+    run_cache(cfg)
+
+
+@app.command()
+@_user_errors
+def presets(
+    configs_dir: Path = typer.Option(Path("configs"), "--dir", help="Folder of presets."),
+) -> None:
+    """List the shipped presets per model family and GPU size."""
+    from .presets import print_presets
+
+    print_presets(configs_dir)
+
+
+@app.command("make-tiny")
+@_user_errors
+def make_tiny(
+    out: Path = typer.Option(Path("models/tiny"), "--out", help="Folder to write <family>/ model folders into."),
+    family: list[str] = typer.Option([], "--family", metavar="NAME", help="Only these families (flux, sd3, qwen_image).", show_default=False),
+) -> None:
+    """Write tiny random-weight models of every family in diffusers format (for the demo and the tests)."""
+    from .models.tiny import make_tiny_models
+
+    for path in make_tiny_models(out, families=family or None):
+        typer.echo(f"wrote {path}")
+
+
+def main() -> None:  # pragma: no cover - `python -m trainer`
+    app(prog_name="dittrain")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""YAML -> one validated, typed `Config`.
+
+Every field is documented where it is declared (the descriptions are what `dittrain fit --help` and the
+presets point to). Unknown keys are errors: a misspelt `learning_rate` must never train with the default.
+`load_config` reports the first problems as one line each, with the file, the line and the closest valid key,
+and raises `ConfigError` (exit code 2) before anything heavy is imported or allocated.
+
+Relative paths in a config are taken relative to the current directory (where `dittrain` runs), like every
+other command-line tool.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+Family = Literal["flux", "sd3", "qwen_image"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    family: Family = Field(description="Model family: flux (dev or schnell), sd3 (SD3 / SD3.5) or qwen_image.")
+    path: Path = Field(
+        description="Local diffusers-format folder (model_index.json, transformer/, vae/, text_encoder*/, "
+        "tokenizer*/). Nothing is downloaded."
+    )
+    transformer_file: Path | None = Field(
+        default=None,
+        description="Optional single .safetensors file with the transformer weights; its config is read from "
+        "<path>/transformer/config.json.",
+    )
+    dtype: Literal["bf16", "fp16", "fp32"] = Field(
+        default="bf16", description="Dtype of the frozen weights (LoRA weights and optimizer state stay fp32)."
+    )
+    guidance: float = Field(
+        default=1.0,
+        description="Guidance value fed to a guidance-distilled transformer (Flux dev) while training. "
+        "Ignored by models without a guidance embedding.",
+    )
+
+
+class LoraConfig(_Section):
+    rank: int = Field(default=16, ge=1, description="LoRA rank r.")
+    alpha: float = Field(default=16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    targets: list[str] | None = Field(
+        default=None,
+        description="Module names (peft target_modules) to adapt; null uses the family's default list.",
+    )
+
+
+class OptimizerConfig(_Section):
+    name: Literal["adamw", "adamw8bit", "adafactor"] = Field(
+        default="adamw", description="adamw; adamw8bit (needs bitsandbytes and a GPU); adafactor."
+    )
+    lr: float = Field(default=1e-4, gt=0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="Adam betas.")
+    eps: float = Field(default=1e-8, gt=0, description="Adam epsilon.")
+    weight_decay: float = Field(default=0.0, ge=0, description="Decoupled weight decay.")
+    scheduler: Literal["constant", "cosine", "linear"] = Field(
+        default="constant", description="Learning-rate schedule after warmup."
+    )
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup from 0 to lr over this many steps.")
+    max_grad_norm: float | None = Field(
+        default=1.0, description="Clip the global gradient norm to this value; null disables clipping."
+    )
+    fused_back_pass: bool = Field(
+        default=False,
+        description="Run each parameter's optimizer step inside backward and free its gradient at once, so "
+        "full fine-tuning never holds all gradients. Needed to offload trainable weights.",
+    )
+    stochastic_rounding: bool = Field(
+        default=False, description="Stochastic rounding when writing bf16 weights in full fine-tuning."
+    )
+
+
+class TrainConfig(_Section):
+    method: Literal["lora", "full"] = Field(default="lora", description="lora, or full fine-tuning of the transformer.")
+    steps: int = Field(default=1000, ge=1, description="Optimizer steps to train.")
+    batch_size: int = Field(default=1, ge=1, description="Images per step (one aspect-ratio bucket per batch).")
+    grad_accum: int = Field(default=1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    seed: int = Field(default=42, description="Seed for weights init, noise, timesteps and data order.")
+    gradient_checkpointing: bool = Field(
+        default=True, description="Recompute each block in backward instead of storing its activations."
+    )
+    timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
+        default="logit_normal", description="How training timesteps t in (0, 1) are drawn."
+    )
+    logit_mean: float = Field(default=0.0, description="Mean of the logit-normal timestep distribution.")
+    logit_std: float = Field(default=1.0, gt=0, description="Std of the logit-normal timestep distribution.")
+    mode_scale: float = Field(default=1.29, description="Scale of the mode timestep distribution (SD3 paper).")
+    shift: float | Literal["auto"] = Field(
+        default="auto",
+        description="Timestep shift t' = s t / (1 + (s - 1) t); auto uses the family's resolution-dependent shift.",
+    )
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field(
+        default="none", description="Per-timestep loss weighting."
+    )
+    checkpoint_every: int = Field(default=0, ge=0, description="Save a resumable checkpoint every N steps (0: only at the end).")
+    keep_checkpoints: int = Field(default=2, ge=1, description="How many step checkpoints to keep.")
+    log_every: int = Field(default=1, ge=1, description="Write metrics every N steps.")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when present.")
+    attention: Literal["auto", "flash", "efficient", "math"] = Field(
+        default="auto",
+        description="Attention backend for scaled_dot_product_attention; auto avoids cuDNN attention, which "
+        "fails in backward on some drivers.",
+    )
+
+
+class SourceConfig(_Section):
+    path: Path = Field(description="Folder of images; captions are same-named .txt files beside them.")
+    metadata: Path | None = Field(
+        default=None, description='Optional metadata.jsonl of {"file": ..., "caption": ...} lines (file relative to path).'
+    )
+    repeats: int = Field(default=1, ge=1, description="How many times each image appears per epoch.")
+    caption_prefix: str = Field(default="", description="Text put before every caption (a trigger word).")
+    caption_dropout: float = Field(default=0.0, ge=0, le=1, description="Probability of training on an empty caption.")
+    recursive: bool = Field(default=True, description="Search sub-folders too.")
+
+
+class DataConfig(_Section):
+    sources: list[SourceConfig] = Field(min_length=1, description="One or more image sources.")
+    resolutions: list[int] = Field(default=[512], min_length=1, description="Target side lengths; buckets keep ~res^2 pixels.")
+    crop: Literal["center", "random"] = Field(default="center", description="Crop after resizing to cover the bucket.")
+    strict: bool = Field(default=False, description="Stop on the first bad file instead of leaving it out.")
+    cache_dir: Path = Field(default=Path("cache"), description="Folder for cached latents and text embeddings.")
+    cache: bool = Field(default=True, description="Encode latents and captions once and reuse them.")
+
+    @field_validator("resolutions")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if any(r < 16 for r in v):
+            raise ValueError("every resolution must be at least 16 pixels")
+        return v
+
+
+class OffloadConfig(_Section):
+    transformer: float | Literal["auto"] = Field(
+        default=0.0,
+        description="Share of the transformer's block bytes kept in CPU RAM (0: resident, 1: every block "
+        "streamed); auto picks the smallest share that fits vram_budget_gb.",
+    )
+    text_encoders: float = Field(default=0.0, ge=0, le=1, description="Same, for the text encoders.")
+    activations: bool = Field(default=False, description="Move checkpointed block inputs to pinned CPU RAM in forward.")
+    nano_batches: int = Field(default=1, ge=1, description="Split the batch inside MLP sub-layers into this many parts.")
+    vram_budget_gb: float | None = Field(default=None, gt=0, description="VRAM to plan for with transformer: auto.")
+
+    @field_validator("transformer")
+    @classmethod
+    def _fraction(cls, v: float | str) -> float | str:
+        if isinstance(v, float) and not 0.0 <= v <= 1.0:
+            raise ValueError("offload fraction must be between 0 and 1 (or auto)")
+        return v
+
+
+class SampleConfig(_Section):
+    prompts: list[str] = Field(default_factory=list, description="Prompts sampled during training and by default in `sample`.")
+    every: int = Field(default=0, ge=0, description="Sample every N training steps (0: never during training).")
+    steps: int = Field(default=20, ge=1, description="Denoising steps.")
+    guidance: float = Field(default=3.5, description="Guidance scale.")
+    width: int = Field(default=512, ge=16, description="Image width in pixels.")
+    height: int = Field(default=512, ge=16, description="Image height in pixels.")
+    seed: int = Field(default=0, description="Seed of the first image; image i uses seed + i.")
+
+
+class OutputConfig(_Section):
+    dir: Path = Field(description="Folder for the trained weights, checkpoints, metrics and samples.")
+    tensorboard: bool = Field(default=True, description="Write TensorBoard curves and sample images.")
+
+
+class Config(_Section):
+    model: ModelConfig
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    data: DataConfig | None = Field(default=None, description="Training data; needed by fit and cache.")
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    sample: SampleConfig = Field(default_factory=SampleConfig)
+    output: OutputConfig
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Config:
+        o, t, opt = self.offload, self.train, self.optimizer
+        if o.transformer == "auto" and o.vram_budget_gb is None:
+            raise ValueError("offload.transformer: auto needs offload.vram_budget_gb (the VRAM to fit in, in GB)")
+        streams = o.transformer == "auto" or o.transformer > 0
+        if streams and t.method == "full" and not opt.fused_back_pass:
+            raise ValueError(
+                "offload.transformer > 0 in full fine-tuning needs optimizer.fused_back_pass: true "
+                "(each block's weights are stepped while the block is on the GPU)"
+            )
+        if streams and not t.gradient_checkpointing:
+            raise ValueError(
+                "offload.transformer > 0 needs train.gradient_checkpointing: true "
+                "(an offloaded block is reloaded and recomputed in backward)"
+            )
+        if o.activations and not t.gradient_checkpointing:
+            raise ValueError("offload.activations needs train.gradient_checkpointing: true")
+        if opt.fused_back_pass and t.grad_accum > 1:
+            raise ValueError(
+                "optimizer.fused_back_pass steps inside backward, so train.grad_accum must be 1 "
+                "(raise train.batch_size instead)"
+            )
+        if opt.fused_back_pass and opt.max_grad_norm is not None:
+            raise ValueError(
+                "optimizer.fused_back_pass cannot clip the global gradient norm (each parameter steps before "
+                "the norm is known): set optimizer.max_grad_norm: null"
+            )
+        if opt.stochastic_rounding and t.method != "full":
+            raise ValueError("optimizer.stochastic_rounding applies to full fine-tuning only (train.method: full)")
+        return self
+
+    def digest(self) -> str:
+        """Short hash of the whole config, stored in checkpoints and weight headers."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+class _MarkedLoader(yaml.SafeLoader):
+    """SafeLoader that remembers the line of every mapping key, by dotted path."""
+
+
+def _compose_lines(text: str) -> dict[tuple, int]:
+    lines: dict[tuple, int] = {}
+
+    def walk(node: yaml.Node, path: tuple) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                p = (*path, k.value)
+                lines[p] = k.start_mark.line + 1
+                walk(v, p)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                lines[(*path, i)] = v.start_mark.line + 1
+                walk(v, (*path, i))
+
+    root = yaml.compose(text, Loader=_MarkedLoader)
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set train.steps=500")
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+
+
+def _apply_override(data: dict, keys: list[str], value: Any, item: str) -> None:
+    node = data
+    for k in keys[:-1]:
+        nxt = node.get(k)
+        if nxt is None:
+            nxt = node[k] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {item}: {k!r} is not a section")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """Valid field names of the model found by following `loc` (a pydantic error location) from Config."""
+    model: Any = Config
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        for cand in _unwrap(ann):
+            if isinstance(cand, type) and issubclass(cand, BaseModel):
+                model = cand
+                break
+        else:
+            return []
+    return list(model.model_fields)
+
+
+def _unwrap(ann: Any) -> list[Any]:
+    args = getattr(ann, "__args__", None)
+    if not args:
+        return [ann]
+    out = []
+    for a in args:
+        out.extend(_unwrap(a))
+    return out
+
+
+def _describe(err: dict, lines: dict[tuple, int], source: str) -> str:
+    loc = tuple(err["loc"])
+    dotted = ".".join(str(p) for p in loc) or "(top level)"
+    # Errors from a model validator carry the location of the section, or none.
+    line = lines.get(loc) or next((lines[loc[:i]] for i in range(len(loc), 0, -1) if loc[:i] in lines), None)
+    where = f"{source}:{line}" if line and source != "--set" else source
+    if err["type"] == "extra_forbidden":
+        valid = _fields_at(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+        hint = f"; did you mean {'.'.join(str(p) for p in (*loc[:-1], close[0]))!r}?" if close else ""
+        section = ".".join(str(p) for p in loc[:-1]) or "the top level"
+        return f"{where}: unknown key {dotted!r}{hint} (valid keys in {section}: {', '.join(valid)})"
+    if err["type"] == "missing":
+        return f"{where}: {dotted} is required"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] in ("value_error", "assertion_error") and not loc:
+        return f"{where}: {msg}"
+    got = err.get("input")
+    shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
+    return f"{where}: {dotted}: {msg}{shown}"
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read, override and validate a config. Raises `ConfigError` with one line per problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found (presets are listed by `dittrain presets`)")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text)
+        lines = _compose_lines(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{at}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (model:, train:, ...), got {type(data).__name__}")
+    from_set: set[tuple] = set()
+    for item in overrides:
+        keys, value = _parse_override(item)
+        _apply_override(data, keys, value, item)
+        from_set.add(tuple(keys))
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            src = "--set" if any(loc[: len(k)] == k for k in from_set) else str(path)
+            msgs.append(_describe(err, lines, src))
+        raise ConfigError("\n".join(msgs[:5]) + (f"\n(and {len(msgs) - 5} more)" if len(msgs) > 5 else "")) from None

@@ -1,0 +1,26 @@
+"""Errors a user can act on.
+
+Everything that is the user's to fix (a typo in a config, a missing folder, a corrupt image, a fraction that
+does not fit the card) is raised as a `UserError` with one line that names the file or key and the fix. The CLI
+prints that line and exits with the error's code; anything else is a bug in dittrain and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A problem with the user's input; `str(err)` is the one line the CLI prints."""
+
+    exit_code = 1
+
+
+class ConfigError(UserError):
+    """A config file or `--set` override that does not validate. Exit code 2, like a usage error."""
+
+    exit_code = 2
+
+
+class NonFiniteLossError(UserError):
+    """A NaN or inf loss; raised before any weight changes."""
+
+    exit_code = 3

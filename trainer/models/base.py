@@ -1,0 +1,109 @@
+"""The one protocol every model family implements.
+
+The training loop, the data caches, the offload conductor and the sampler never branch on a model's name:
+whatever differs between Flux, SD3 and Qwen-Image (which diffusers classes, which blocks stream, how text is
+encoded, how latents are packed into tokens, where LoRA goes, what the bucket sides must divide by) is data or
+a method here.
+
+Tensors crossing this boundary:
+
+- images: float pixels in [-1, 1], shape (B, 3, H, W), H and W divisible by `resolution_divisor`;
+- latents: the VAE's latents already shifted and scaled for the transformer, shape (B, C, H/8, W/8) (for
+  Qwen-Image the single-frame video axis is squeezed out);
+- text: a dict of tensors with a leading batch axis (`encode_prompts`). One caption's entry (`t[i]` for each
+  value) is what the text cache stores; `collate_text` stacks cached entries back into a batch;
+- timesteps: t in [0, 1] of shape (B,), the flow-matching time (1 = pure noise); `predict` converts it into
+  the transformer's own convention.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+
+
+@dataclass
+class Components:
+    """What `ModelAdapter.load` returns. Parts not asked for are None / empty."""
+
+    transformer: nn.Module | None = None
+    vae: nn.Module | None = None
+    text_encoders: list[nn.Module] = field(default_factory=list)
+    tokenizers: list[Any] = field(default_factory=list)
+    scheduler: Any = None
+
+
+class ModelAdapter(ABC):
+    """One model family. Subclasses are stateless apart from class-level data."""
+
+    family: ClassVar[str]
+    #: diffusers transformer class, e.g. FluxTransformer2DModel
+    transformer_cls: ClassVar[type]
+    #: diffusers pipeline class, e.g. FluxPipeline
+    pipeline_cls: ClassVar[type]
+    #: peft target_modules used when the config gives none
+    default_lora_targets: ClassVar[tuple[str, ...]]
+    #: sub-folders of the diffusers model folder holding the text encoders, in pipeline order
+    text_encoder_dirs: ClassVar[tuple[str, ...]]
+
+    @property
+    @abstractmethod
+    def resolution_divisor(self) -> int:
+        """Pixel sides must be multiples of this (VAE downscale x patch/packing size)."""
+
+    @abstractmethod
+    def load(
+        self,
+        cfg: ModelConfig,
+        *,
+        parts: set[str],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> Components:
+        """Load the named parts ({"transformer", "vae", "text", "scheduler"}) from local files only.
+
+        A missing folder or file raises `UserError` naming the path and what was expected there, before any
+        weights are allocated."""
+
+    @abstractmethod
+    def blocks(self, transformer: nn.Module) -> list[nn.Module]:
+        """The transformer's blocks in execution order: the units offloading and checkpointing wrap."""
+
+    @abstractmethod
+    def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Text-encoder outputs for a batch of prompts (no grad), keyed as `predict` expects."""
+
+    @abstractmethod
+    def collate_text(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Stack per-caption entries (each without batch axis) into one batch dict."""
+
+    @abstractmethod
+    def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels in [-1, 1] (B, 3, H, W) -> transformer-ready latents (B, C, H/8, W/8)."""
+
+    @abstractmethod
+    def predict(
+        self,
+        transformer: nn.Module,
+        noisy_latents: torch.Tensor,
+        t: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        guidance: float = 1.0,
+    ) -> torch.Tensor:
+        """Run the transformer on (B, C, h, w) latents at flow time t (B,); returns the velocity prediction
+        (noise - x0 direction) in the same (B, C, h, w) layout. Packing and positions are done here."""
+
+    @abstractmethod
+    def timestep_shift(self, height: int, width: int) -> float:
+        """The family's resolution-dependent shift s for an image of this many pixels (t' = s t / (1 + (s-1) t))."""
+
+    @abstractmethod
+    def pipeline(self, components: Components) -> Any:
+        """The family's diffusers pipeline built from loaded components (used by `sample`)."""
