@@ -1,0 +1,269 @@
+"""Checkpoints that survive a kill at any moment, and LoRA files diffusers loads.
+
+How. A checkpoint is a folder `<output.dir>/checkpoints/step-000120/`. It is written under a temporary name
+(`.tmp-step-000120-<pid>`), every file is flushed to disk, then a marker file `COMPLETE` is written last and the
+folder is renamed into place (`os.replace`, atomic on one file system). Only folders holding the marker count:
+a run killed mid-write leaves a `.tmp-*` folder that is ignored and deleted by the next run, and the previous
+checkpoint is untouched. Old checkpoints are pruned only after the new one is in place.
+
+What a checkpoint holds (no pickle anywhere):
+- `lora.safetensors` (LoRA) or `transformer/` (full fine-tune, diffusers `save_pretrained` format);
+- the optimizer state as safetensors + JSON (written by `trainer.optim`);
+- `rng.safetensors`: generator states as uint8 tensors (the objective's noise generator, torch's global CPU
+  generator that LoRA dropout draws from, and each CUDA device's);
+- `state.json`: step, scheduler and data-sampler state, the config digest.
+
+LoRA files. Keys are peft's (`get_peft_model_state_dict`) under the `transformer.` prefix, which is the
+diffusers format every Flux / SD3 / Qwen-Image pipeline's `load_lora_weights` accepts. The header carries
+diffusers' `lora_adapter_metadata` (the peft LoraConfig, so alpha != rank and the target list survive loading)
+and dittrain's own keys: rank, alpha, step, config digest.
+
+Left out: sharded LoRA files (LoRAs are small) and checkpoints on several hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from ..errors import UserError
+
+MARKER = "COMPLETE"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+LORA_PREFIX = "transformer."
+LORA_METADATA_KEY = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
+
+
+# ---------------------------------------------------------------------------------------------- disk helpers
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync_file(path)
+    except OSError:  # some file systems cannot fsync a directory; the rename is still atomic
+        pass
+
+
+def fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            _fsync_file(Path(dirpath) / f)
+        _fsync_dir(Path(dirpath))
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True))
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write one file through `write(tmp_path)`, then rename it over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    try:
+        write(tmp)
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_dir(path: Path, write: Callable[[Path], None]) -> None:
+    """Write a folder through `write(tmp_dir)`, then put it in place of `path` (replacing an old one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    old = path.with_name(f".old-{path.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write(tmp)
+        fsync_tree(tmp)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint folders
+
+
+def checkpoint_root(output_dir: Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def is_complete(folder: Path) -> bool:
+    return (Path(folder) / MARKER).is_file()
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and is_complete(p):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def remove_partial(root: Path) -> list[Path]:
+    """Delete folders an interrupted write left behind (never a complete checkpoint)."""
+    gone = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(".old-"):
+                # Killed between moving an old folder aside and renaming its replacement in: put it back.
+                target = root / p.name[len(".old-") :].rsplit("-", 1)[0]
+                if not target.exists():
+                    os.replace(p, target)
+                    continue
+            if p.name.startswith((".tmp-", ".old-")):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                gone.append(p)
+    return gone
+
+
+def write_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep: int) -> Path:
+    """Write checkpoint `step` atomically through `write(tmp_dir)`, then prune to the newest `keep`."""
+    final = root / f"step-{step:06d}"
+
+    def _write(tmp: Path) -> None:
+        write(tmp)
+        fsync_tree(tmp)
+        # The marker goes last: a folder without it is never loaded.
+        write_json(tmp / MARKER, {"step": step, "files": sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*"))})
+
+    atomic_dir(final, _write)
+    for _, old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def resolve_resume(output_dir: Path, resume: str) -> Path:
+    """`latest` -> the newest complete checkpoint of this run; otherwise a checkpoint folder. Missing -> UserError."""
+    root = checkpoint_root(output_dir)
+    if resume == "latest":
+        found = list_checkpoints(root)
+        if not found:
+            raise UserError(
+                f"--resume latest: no complete checkpoint in {root} (train without --resume to start a new run)"
+            )
+        return found[-1][1]
+    path = Path(resume)
+    if not path.is_dir():
+        raise UserError(f"--resume {resume}: no such checkpoint folder (expected e.g. {root}/step-000100)")
+    if not is_complete(path):
+        raise UserError(
+            f"--resume {resume}: checkpoint is incomplete (no {MARKER} marker; it was interrupted while being "
+            "written); use --resume latest for the newest complete one"
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- RNG state
+
+
+def rng_state(objective_state: torch.Tensor) -> dict[str, torch.Tensor]:
+    out = {"objective": objective_state, "torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"cuda_{i}"] = s
+    return out
+
+
+def restore_rng(states: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Restore torch's global generators; returns the objective's state for `FlowMatching.load_state`."""
+    torch.set_rng_state(states["torch_cpu"])
+    cuda = [states[k] for k in sorted((k for k in states if k.startswith("cuda_")), key=lambda k: int(k[5:]))]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    return states["objective"]
+
+
+# ---------------------------------------------------------------------------------------------- LoRA files
+
+
+def lora_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's weights in peft's naming, on the CPU, contiguous (safetensors needs that)."""
+    from peft.utils import get_peft_model_state_dict
+
+    sd = get_peft_model_state_dict(transformer)
+    # Device-to-host copy of the (small) LoRA weights.
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
+
+
+def save_lora(path: Path, transformer: torch.nn.Module, meta: dict[str, str]) -> None:
+    """Write the LoRA in diffusers' format (see the module essay), atomically."""
+    peft_cfg = transformer.peft_config["default"].to_dict()
+    for k, v in list(peft_cfg.items()):
+        if isinstance(v, set):
+            peft_cfg[k] = sorted(v)
+    packed = {f"{LORA_PREFIX}{k}": v for k, v in peft_cfg.items()}
+    header = {"format": "pt", LORA_METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True, default=str)}
+    header.update({f"dittrain.{k}": str(v) for k, v in meta.items()})
+    weights = {f"{LORA_PREFIX}{k}": v for k, v in lora_state_dict(transformer).items()}
+    atomic_write(Path(path), lambda tmp: save_file(weights, str(tmp), metadata=header))
+
+
+def lora_metadata(path: Path) -> dict[str, str]:
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def load_lora(path: Path, transformer: torch.nn.Module) -> None:
+    """Put a file written by `save_lora` back into a transformer that has the same adapter (resume)."""
+    from peft.utils import set_peft_model_state_dict
+
+    sd = {k.removeprefix(LORA_PREFIX): v for k, v in load_file(str(path)).items()}
+    expected = set(lora_state_dict(transformer))
+    if set(sd) != expected:
+        missing, extra = sorted(expected - set(sd))[:3], sorted(set(sd) - expected)[:3]
+        raise UserError(
+            f"{path}: LoRA does not match this model and lora config (missing {missing}, unexpected {extra}); "
+            "resume with the config the run was started with"
+        )
+    result = set_peft_model_state_dict(transformer, sd)
+    if getattr(result, "unexpected_keys", None):
+        raise UserError(f"{path}: unexpected LoRA keys {result.unexpected_keys[:3]}")
+
+
+# ---------------------------------------------------------------------------------------------- full weights
+
+
+def save_transformer(folder: Path, transformer: torch.nn.Module) -> None:
+    """Diffusers-format transformer folder (config.json + safetensors)."""
+    transformer.save_pretrained(str(folder), safe_serialization=True)
+
+
+def load_transformer_weights(folder: Path, transformer: torch.nn.Module) -> None:
+    """Load the weights of a `save_transformer` folder into an already built transformer, strictly."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{folder}: no .safetensors weights (expected a transformer saved by dittrain)")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    missing, unexpected = transformer.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise UserError(f"{folder}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")

@@ -1,0 +1,76 @@
+"""What happens when a run is stopped or breaks.
+
+Ctrl-C / SIGTERM. The first signal only sets a flag: the current step finishes (a step cut in half would leave
+the optimizer state and the weights out of step), the loop sees the flag, saves a resumable checkpoint and ends
+with exit code 130. A second signal raises `KeyboardInterrupt` at once, wherever the program is. That is safe
+for the checkpoints because every one is written under a temporary name and renamed into place only when
+complete: the worst a second Ctrl-C can do is leave a `.tmp-*` folder, which the next run deletes.
+
+Non-finite loss. The loss is checked before backward: with the fused back pass the optimizer steps inside
+backward, so a check afterwards would come after the weights changed. The error names the step and the batch's
+files (a broken image is the usual cause) and nothing is saved, so the last good checkpoint stays the newest.
+
+CUDA out of memory becomes a one-line `UserError` that says which knob to turn.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from ..errors import UserError
+
+
+class TrainingInterrupted(UserError):
+    """The run stopped on request after saving a resumable checkpoint (or at once, on a second signal)."""
+
+    exit_code = 130
+
+
+class StopFlag:
+    """Installs SIGINT/SIGTERM handlers for the duration of a run (main thread only)."""
+
+    def __init__(self, say=print):
+        self.requested = False
+        self.signal_name = ""
+        self._say = say
+        self._previous: dict[int, object] = {}
+
+    def handler(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        name = signal.Signals(signum).name
+        if self.requested:
+            raise KeyboardInterrupt(name)
+        self.requested, self.signal_name = True, name
+        self._say(f"{name}: finishing this step and saving a checkpoint (press Ctrl-C again to quit at once)")
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread; run without them
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self.handler)
+
+    def restore(self) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+        self._previous.clear()
+
+
+def oom_error(step: int, offload_fraction, method: str) -> UserError:
+    """The message for a CUDA out-of-memory error in training."""
+    import torch
+
+    if isinstance(offload_fraction, float) and offload_fraction < 1.0:
+        more = min(1.0, round(offload_fraction + 0.25, 2))
+        knob = f"raise offload.transformer from {offload_fraction:g} to {more:g} (or auto with offload.vram_budget_gb)"
+    else:
+        knob = "lower train.batch_size or data.resolutions"
+    used = ""
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        used = f" ({(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use)"
+    extra = "; LoRA needs far less memory than train.method: full" if method == "full" else ""
+    return UserError(
+        f"CUDA out of memory at step {step}{used}: {knob}, or start from a preset for a smaller GPU "
+        f"(`dittrain presets`; `dittrain plan CONFIG --vram GB` predicts what fits){extra}"
+    )

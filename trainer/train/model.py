@@ -1,0 +1,72 @@
+"""Turning a loaded transformer into the thing being trained: LoRA or full weights, checkpointed blocks.
+
+LoRA is injected with peft into the diffusers model itself (`inject_adapter_in_model` through diffusers'
+`add_adapter`), not wrapped in a `PeftModel`: the transformer keeps its class, so the adapter's `predict`, its
+block list, the offload conductor and the family's diffusers pipeline all see the same module. The base weights
+keep the config's dtype (bf16 on a GPU) and are frozen; the LoRA weights are fp32, because Adam updates of
+1e-4 relative size vanish in bf16. peft casts a LoRA layer's input to the LoRA dtype and the sum back to the
+base dtype, so mixed dtypes need nothing else.
+
+Gradient checkpointing wraps each block from `adapter.blocks` with `torch.utils.checkpoint` (non-reentrant:
+it supports keyword arguments, blocks whose inputs do not require grad, and hooks). The block's `forward` is
+replaced on the instance, so module names and state-dict keys do not change. Only the checkpoint inputs of a
+block are kept for backward; its inside is recomputed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import Config
+
+
+def add_lora(transformer: nn.Module, cfg: Config, default_targets: tuple[str, ...]) -> list[nn.Parameter]:
+    """Freeze the transformer, add the LoRA adapter (fp32 weights), return the trainable parameters.
+
+    The LoRA A matrices are initialised from torch's global generator: seed it first."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    lc = cfg.lora
+    targets = list(lc.targets) if lc.targets else list(default_targets)
+    transformer.requires_grad_(False)
+    peft_cfg = PeftLoraConfig(
+        r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets, init_lora_weights=True
+    )
+    try:
+        transformer.add_adapter(peft_cfg)
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        from ..errors import UserError
+
+        raise UserError(f"lora.targets {targets}: {e}") from None
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    return params
+
+
+def full_params(transformer: nn.Module) -> list[nn.Parameter]:
+    transformer.requires_grad_(True)
+    return list(transformer.parameters())
+
+
+def _checkpointed(block: nn.Module, forward, *args, **kwargs):
+    if torch.is_grad_enabled() and block.training:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return forward(*args, **kwargs)
+
+
+def checkpoint_blocks(blocks: list[nn.Module]) -> None:
+    """Recompute each block in backward (see the module essay). Idempotent."""
+    for block in blocks:
+        if getattr(block, "_dittrain_checkpointed", False):
+            continue
+        block.forward = functools.partial(_checkpointed, block, block.forward)
+        block._dittrain_checkpointed = True
+
+
+def count(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() for p in params)

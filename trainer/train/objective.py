@@ -1,0 +1,130 @@
+"""The flow-matching objective shared by Flux, SD3 and Qwen-Image.
+
+How. A clean latent x0 and Gaussian noise eps are mixed along a straight line, x_t = (1 - t) x0 + t eps, with
+t in (0, 1) (1 = pure noise). The transformer predicts the velocity of that line, eps - x0, and the loss is the
+mean squared error to it, optionally weighted per timestep. Which t are trained matters more than anything
+else here: the SD3 paper's logit-normal density puts most samples in the middle of the path, "mode" is its
+heavier-tailed alternative, and every family shifts t towards noise for larger images (s t / (1 + (s - 1) t),
+with s from the adapter when `train.shift: auto`), because more pixels keep more signal at the same t.
+
+Why a separate generator. Noise and timesteps come from one seeded CPU `torch.Generator` owned by this object,
+never from the global RNG: its state is saved in every checkpoint, so a resumed run draws exactly the noise the
+uninterrupted run would have drawn, and the numbers do not depend on the device (CUDA's generator would give
+other noise than the CPU's for the same seed). Drawing on the CPU costs one small host-to-device copy per
+step (a latent's size; 1 MiB at 1024x1024), which is nothing next to a transformer step.
+
+Left out. Per-family input packing and positions are the adapter's (`predict`); so is Flux's guidance
+embedding (the guidance value is passed through). Min-SNR or debiased weightings of epsilon-prediction models
+do not apply to a velocity target and are not offered.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..config import TrainConfig
+
+#: latents are the image downscaled by the VAE by this factor in every supported family
+VAE_SCALE = 8
+
+
+def shift_timesteps(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """Resolution shift t' = s t / (1 + (s - 1) t); s = 1 leaves t unchanged."""
+    if shift == 1.0:
+        return t
+    return shift * t / (1.0 + (shift - 1.0) * t)
+
+
+def loss_weights(t: torch.Tensor, weighting: str) -> torch.Tensor:
+    """Per-sample loss weights for sigma = t (the formulas of the SD3 paper as diffusers implements them)."""
+    if weighting == "none":
+        return torch.ones_like(t)
+    if weighting == "sigma_sqrt":
+        return t.clamp_min(1e-4) ** -2.0
+    if weighting == "cosmap":
+        bot = 1.0 - 2.0 * t + 2.0 * t**2
+        return 2.0 / (math.pi * bot)
+    raise ValueError(f"unknown loss weighting {weighting!r}")
+
+
+@dataclass
+class Noised:
+    """One batch prepared for the transformer."""
+
+    noisy: torch.Tensor  #: x_t, the transformer input, in the model's dtype, on the latents' device
+    t: torch.Tensor  #: (B,) fp32 flow time (after the shift), on the latents' device
+    target: torch.Tensor  #: eps - x0 in fp32
+    weight: torch.Tensor  #: (B,) fp32 loss weights
+
+
+class FlowMatching:
+    """Samples timesteps and noise from its own generator and computes the weighted velocity loss."""
+
+    def __init__(self, cfg: TrainConfig, shift_fn=None, seed: int | None = None):
+        """`shift_fn(height_px, width_px) -> s` is the adapter's `timestep_shift`, used when `cfg.shift` is
+        auto. `seed` defaults to the training seed."""
+        self.cfg = cfg
+        self._shift_fn = shift_fn
+        self.generator = torch.Generator("cpu")
+        self.generator.manual_seed(cfg.seed if seed is None else seed)
+
+    # -- state (saved in checkpoints as a uint8 tensor) ------------------------------------------------------
+
+    def state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def load_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+    # -- sampling --------------------------------------------------------------------------------------------
+
+    def shift_for(self, latents: torch.Tensor) -> float:
+        if self.cfg.shift != "auto":
+            return float(self.cfg.shift)
+        if self._shift_fn is None:
+            return 1.0
+        h, w = latents.shape[-2] * VAE_SCALE, latents.shape[-1] * VAE_SCALE
+        return float(self._shift_fn(h, w))
+
+    def sample_t(self, n: int) -> torch.Tensor:
+        """(n,) fp32 timesteps on the CPU, before the shift."""
+        g, c = self.generator, self.cfg
+        if c.timestep_sampling == "uniform":
+            u = torch.rand(n, generator=g)
+        elif c.timestep_sampling == "logit_normal":
+            u = torch.sigmoid(torch.randn(n, generator=g) * c.logit_std + c.logit_mean)
+        elif c.timestep_sampling == "mode":
+            u = torch.rand(n, generator=g)
+            u = 1.0 - u - c.mode_scale * (torch.cos(math.pi * u / 2.0) ** 2 - 1.0 + u)
+        else:  # pragma: no cover - the config's Literal rules this out
+            raise ValueError(c.timestep_sampling)
+        return u.clamp(0.0, 1.0)
+
+    def noise(self, x0: torch.Tensor, dtype: torch.dtype | None = None) -> Noised:
+        """Draw t and eps for a batch of clean latents (B, C, h, w) and build x_t (cast to `dtype`, default the
+        latents' dtype) and the fp32 target."""
+        b = x0.shape[0]
+        t = shift_timesteps(self.sample_t(b), self.shift_for(x0))
+        eps = torch.randn(x0.shape, generator=self.generator, dtype=torch.float32)
+        # Host-to-device copies of t and eps (small; see the module essay). The mix is done in fp32 and only the
+        # transformer input is cast to the model's dtype.
+        dev = x0.device
+        t, eps = t.to(dev), eps.to(dev)
+        x0f = x0.float()
+        tb = t.view(-1, *([1] * (x0.ndim - 1)))
+        noisy = (1.0 - tb) * x0f + tb * eps
+        return Noised(
+            noisy=noisy.to(dtype or x0.dtype),
+            t=t,
+            target=eps - x0f,
+            weight=loss_weights(t, self.cfg.loss_weighting),
+        )
+
+    @staticmethod
+    def loss(pred: torch.Tensor, noised: Noised) -> torch.Tensor:
+        """Weighted mean squared error, fp32, a scalar."""
+        per_sample = (pred.float() - noised.target).pow(2).flatten(1).mean(1)
+        return (per_sample * noised.weight).mean()
