@@ -172,6 +172,11 @@ class SampleConfig(_Section):
     width: int = Field(default=512, ge=16, description="Image width in pixels.")
     height: int = Field(default=512, ge=16, description="Image height in pixels.")
     seed: int = Field(default=0, description="Seed of the first image; image i uses seed + i.")
+    negative_prompt: str = Field(
+        default="",
+        description="Negative prompt for families that run classifier-free guidance when guidance > 1 "
+        "(SD3, Qwen-Image); Flux (guidance-distilled) ignores it.",
+    )
 
 
 class OutputConfig(_Section):
