@@ -1,0 +1,185 @@
+"""`dittrain sample`: images from the family's diffusers pipeline, the transformer streamed by the conductor.
+
+The run reads top to bottom as a few named steps:
+
+1. `resolve` the request against the config: prompts, LoRA files, size, seeds, output names. Every problem a user
+   can fix is reported here, before a weight is read.
+2. Load the pipeline's parts from local files (`adapter.load`) onto the CPU, build the pipeline, and apply the
+   LoRAs with diffusers' own `load_lora_weights` / `set_adapters`.
+3. Encode all prompts (text encoders on the GPU one run at a time, streamed if `offload.text_encoders` > 0), then
+   release the encoders.
+4. Place the transformer: resident at fraction 0, otherwise its blocks streamed by the offload conductor at
+   `--offload` (or `offload.transformer`) on its cyclic sampling schedule. On a CPU there is nothing to stream
+   to: the fraction is accepted and the blocks stay where they are (same images, which the tests check).
+5. Denoise image by image (`sampling.engine.generate`), write PNGs with metadata and, for several images, a
+   contact sheet.
+
+The shared pieces live in `trainer/sampling/`; the training loop calls `trainer.sampling.generate` directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .config import Config
+from .errors import UserError
+from .sampling.engine import encode_prompts, generate, release_text_encoders
+from .sampling.lora import load_loras
+from .sampling.output import contact_sheet, image_metadata, save_png
+from .sampling.placement import place_text_encoders, place_transformer
+from .sampling.request import (
+    Job,
+    LoraSpec,
+    SampleRequest,
+    SampleSettings,
+    check_loras,
+    check_size,
+    collect_prompts,
+    parse_lora,
+    plan_jobs,
+)
+
+__all__ = ["SampleRequest", "SamplePlan", "resolve", "run_sample"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SHEET_NAME = "contact_sheet.png"
+
+
+@dataclass
+class SamplePlan:
+    """A checked request: everything `run_sample` needs besides the weights."""
+
+    prompts: list[str]
+    loras: list[LoraSpec]
+    settings: SampleSettings
+    jobs: list[Job]
+    num: int
+    offload: float
+    out: Path
+    device: torch.device
+
+
+def _device(cfg: Config) -> torch.device:
+    want = cfg.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device is cuda but no CUDA device is visible (use auto or cpu)")
+    return torch.device("cuda" if want != "cpu" and torch.cuda.is_available() else "cpu")
+
+
+def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
+    """Merge the flags with the config's sample: and offload: sections; raise UserError on bad input."""
+    s = cfg.sample
+    prompts = collect_prompts(req, s.prompts)
+    loras = [parse_lora(x) for x in req.loras]
+    check_loras(loras)
+    width = req.width if req.width is not None else s.width
+    height = req.height if req.height is not None else s.height
+    check_size(width, height, adapter.resolution_divisor, adapter.family)
+    if req.num < 1:
+        raise UserError(f"--num {req.num}: at least one image per prompt")
+    offload = req.offload if req.offload is not None else cfg.offload.transformer
+    if offload == "auto":
+        raise UserError(
+            "offload.transformer is auto, which sampling does not plan: pass --offload FRACTION "
+            "(run `dittrain plan` to see which fraction fits)"
+        )
+    if not 0.0 <= float(offload) <= 1.0:
+        raise UserError(f"--offload {offload}: the fraction must be between 0 and 1")
+    settings = SampleSettings(
+        steps=req.steps if req.steps is not None else s.steps,
+        guidance=req.guidance if req.guidance is not None else s.guidance,
+        width=width,
+        height=height,
+        negative_prompt=s.negative_prompt,
+    )
+    seed = req.seed if req.seed is not None else s.seed
+    out = req.out if req.out is not None else cfg.output.dir / "samples"
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: --out must be a folder, and this is a file")
+    return SamplePlan(
+        prompts,
+        loras,
+        settings,
+        plan_jobs(prompts, req.num, seed),
+        req.num,
+        float(offload),
+        out,
+        _device(cfg),
+    )
+
+
+def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
+    """Generate the requested images; returns the written PNG paths (the contact sheet last, if any)."""
+    from .models import get_adapter
+
+    adapter = get_adapter(cfg.model)
+    plan = resolve(cfg, req, adapter)
+    dtype = _DTYPES[cfg.model.dtype]
+
+    comps = adapter.load(
+        cfg.model, parts={"transformer", "vae", "text", "scheduler"}, dtype=dtype, device="cpu"
+    )
+    pipe = adapter.pipeline(comps)
+    del comps  # the pipeline holds the only references from here, so releasing the encoders frees them
+    names = load_loras(pipe, plan.loras, adapter.family)
+
+    # Phase 1: text. Encoders on the device, all prompts encoded, encoders gone before the transformer moves.
+    unique = list(dict.fromkeys(plan.prompts))
+    with place_text_encoders(pipe, plan.device, cfg.offload.text_encoders):
+        embeds = encode_prompts(
+            pipe,
+            adapter.family,
+            unique,
+            guidance=plan.settings.guidance,
+            negative_prompt=plan.settings.negative_prompt,
+            device=plan.device,
+        )
+    release_text_encoders(pipe)
+    by_prompt = dict(zip(unique, embeds, strict=True))
+
+    # Phase 2: denoise. The VAE is small (Flux: 168 MB) and decodes on the device.
+    pipe.vae.to(plan.device)
+    lora_meta = ",".join(str(s) for s in plan.loras) or None
+    written: list[Path] = []
+    images = []
+    with place_transformer(adapter, pipe.transformer, plan.device, plan.offload):
+        for job in tqdm(plan.jobs, desc="images", unit="img", disable=len(plan.jobs) < 2):
+            (image,) = generate(
+                pipe,
+                adapter,
+                [by_prompt[job.prompt]],
+                settings=plan.settings,
+                seeds=[job.seed],
+                progress=True,
+            )
+            meta = image_metadata(
+                prompt=job.prompt,
+                seed=job.seed,
+                steps=plan.settings.steps,
+                guidance=plan.settings.guidance,
+                width=plan.settings.width,
+                height=plan.settings.height,
+                model=cfg.model.path,
+                family=adapter.family,
+                loras=lora_meta,
+                offload=plan.offload,
+                negative_prompt=plan.settings.negative_prompt or None,
+            )
+            written.append(save_png(image, plan.out / job.filename, meta))
+            images.append(image)
+    if len(images) > 1:
+        sheet_meta = image_metadata(
+            prompts=" | ".join(plan.prompts),
+            files=",".join(p.name for p in written),
+            model=cfg.model.path,
+            loras=lora_meta,
+        )
+        written.append(save_png(contact_sheet(images, columns=plan.num), plan.out / SHEET_NAME, sheet_meta))
+    tqdm.write(
+        f"wrote {len(images)} image(s) to {plan.out}" + (f" (adapters: {', '.join(names)})" if names else "")
+    )
+    return written

@@ -1,0 +1,17 @@
+"""Image generation through the family's diffusers pipeline, shared by `dittrain sample` and the training loop.
+
+Public surface: `generate` and `encode_prompts` (what the training loop calls), `SampleSettings`,
+`release_text_encoders`; `trainer/sample.py` holds the `dittrain sample` command built on them.
+"""
+
+from .engine import encode_prompts, generate, release_text_encoders
+from .request import LoraSpec, SampleRequest, SampleSettings
+
+__all__ = [
+    "LoraSpec",
+    "SampleRequest",
+    "SampleSettings",
+    "encode_prompts",
+    "generate",
+    "release_text_encoders",
+]

@@ -1,0 +1,169 @@
+"""Making images with a family's diffusers pipeline: encode every prompt, free the encoders, denoise.
+
+How. A sampling run has two phases that never need the GPU at the same time. First every prompt (and the
+negative prompt, where the family runs classifier-free guidance) is encoded through the pipeline's own
+`encode_prompt`; then the text encoders are dropped from the pipeline and their memory released. Only then is
+the transformer placed (resident, or streamed by the offload conductor) and each image denoised by calling the
+pipeline with the stored embeddings (`families.py` names the arguments per family). One pipeline call per image,
+each with its own CPU `torch.Generator` seeded with the image's seed, so an image depends only on its prompt,
+seed and settings: not on the batch it came in, the device the noise was drawn for, or how many images came
+before it.
+
+Why through diffusers' pipeline. Its scheduler, latent packing, guidance and VAE decoding are what users compare
+against; `tests/test_sample*.py` checks that our images equal `pipe(prompt=...)` bit for bit on the CPU.
+
+`generate` is also what the training loop calls to sample with the model being trained (see its docstring): it
+swaps the given transformer into the pipeline by reference (no copy), switches it to eval mode for the call, and
+restores both afterwards. It never touches the global RNG.
+
+Left out: batching several images into one pipeline call (faster on a big GPU, but it makes an image depend on
+its batch), VAE tiling for very large images, negative prompts for Flux's "true CFG".
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from diffusers import DiffusionPipeline
+from PIL import Image
+
+from .families import Embeds, family_sampling
+from .request import SampleSettings
+
+
+def text_encoder_names(pipe) -> list[str]:
+    """The pipeline's text-encoder components (text_encoder, text_encoder_2, ...) that are loaded."""
+    return [n for n, m in pipe.components.items() if n.startswith("text_encoder") and m is not None]
+
+
+def encode_prompts(
+    pipe,
+    family: str,
+    prompts: Sequence[str],
+    *,
+    guidance: float,
+    negative_prompt: str = "",
+    device: torch.device | str | None = None,
+) -> list[Embeds]:
+    """Pipeline call kwargs holding each prompt's embeddings (and the negative prompt's when guidance > 1 runs a
+    second pass). Needs the text encoders in `pipe`; identical prompts are encoded once."""
+    fam = family_sampling(family)
+    device = torch.device(device) if device is not None else pipe._execution_device
+    negative = negative_prompt if fam.uses_negative and guidance > 1 else None
+    cache: dict[str, Embeds] = {}
+    with torch.no_grad():
+        for p in prompts:
+            if p not in cache:
+                cache[p] = fam.encode(pipe, p, negative, device)
+    return [cache[p] for p in prompts]
+
+
+def release_text_encoders(pipe) -> None:
+    """Drop the text encoders from the pipeline and give their memory back.
+
+    Their weights are freed only if the pipeline held the last reference (`run_sample` makes sure of that); a
+    caller that keeps its own reference keeps the memory."""
+    for name in text_encoder_names(pipe):
+        pipe.register_modules(**{name: None})
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _to(embeds: Embeds, device: torch.device) -> Embeds:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in embeds.items()}
+
+
+def generate(
+    pipe_or_components: Any,
+    adapter: Any,
+    prompts: Sequence[str | Embeds],
+    *,
+    settings: SampleSettings,
+    seeds: Sequence[int],
+    transformer: torch.nn.Module | None = None,
+    progress: bool = False,
+) -> list[Image.Image]:
+    """Images for `prompts[i]` with `seeds[i]`, one pipeline call each.
+
+    `pipe_or_components`: a pipeline from `adapter.pipeline(...)`, or the adapter's `Components` (a pipeline is
+    then built around them with a private copy of the scheduler, so the caller's scheduler state is untouched).
+    `prompts`: strings (encoded now: the text encoders must be loaded) or the kwargs dicts `encode_prompts`
+    returned earlier (the text encoders may be gone).
+    `transformer`: use this module for denoising instead of the pipeline's, by reference. The training loop
+    passes the diffusers transformer it is training (not a peft `PeftModel` wrapper: the pipeline calls it with
+    diffusers' keyword arguments); its LoRA layers act as they are, its `training` flag is restored afterwards.
+
+    For the training loop, once at setup while the text encoders are loaded::
+
+        embeds = encode_prompts(pipe, adapter.family, cfg.sample.prompts, guidance=s.guidance)
+
+    then every `sample.every` steps::
+
+        images = generate(components, adapter, embeds, settings=s, seeds=[cfg.sample.seed + i ...],
+                          transformer=model)
+
+    The model's blocks must be reachable on the pipeline's device while it runs (resident, or streamed by an
+    offload handle in a mode that allows forward-only passes).
+    """
+    if len(prompts) != len(seeds):
+        raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds")
+    pipe = _as_pipeline(pipe_or_components, adapter)
+    fam = family_sampling(adapter.family)
+    old = pipe.transformer
+    model = transformer if transformer is not None else old
+    was_training = model.training
+    if transformer is not None:
+        pipe.transformer = transformer  # a reference swap: no weights are copied
+    model.eval()
+    pipe.set_progress_bar_config(disable=not progress, leave=False)
+    try:
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = (
+            iter(
+                encode_prompts(
+                    pipe,
+                    adapter.family,
+                    texts,
+                    guidance=settings.guidance,
+                    negative_prompt=settings.negative_prompt,
+                )
+            )
+            if texts
+            else iter(())
+        )
+        device = pipe._execution_device
+        images = []
+        for prompt, seed in zip(prompts, seeds, strict=True):
+            embeds = next(encoded) if isinstance(prompt, str) else prompt
+            generator = torch.Generator("cpu").manual_seed(int(seed))
+            out = pipe(
+                **_to(embeds, device),
+                **fam.guidance_kwargs(pipe, settings.guidance),
+                negative_prompt=None,
+                height=settings.height,
+                width=settings.width,
+                num_inference_steps=settings.steps,
+                generator=generator,
+                output_type="pil",
+            )
+            images.append(out.images[0])
+        return images
+    finally:
+        model.train(was_training)
+        if transformer is not None:
+            pipe.transformer = old
+
+
+def _as_pipeline(pipe_or_components: Any, adapter: Any):
+    if isinstance(pipe_or_components, DiffusionPipeline):
+        return pipe_or_components
+    comps = pipe_or_components
+    sched = comps.scheduler
+    pipe = adapter.pipeline(comps)
+    if sched is not None:
+        pipe.register_modules(scheduler=type(sched).from_config(sched.config))
+    return pipe

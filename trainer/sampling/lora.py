@@ -1,0 +1,82 @@
+"""Apply LoRA files to a pipeline exactly as diffusers does, and fail clearly when a file does not fit.
+
+Loading goes through the pipeline's own `load_lora_weights` (one adapter per file) and `set_adapters` (the
+per-file weights), so a LoRA changes an image here exactly as it does in any diffusers script: there is no second
+implementation to drift. What diffusers does not do is refuse a file made for another model; depending on how the
+keys differ it raises an error deep in peft, logs a warning and loads part of the file, or logs that "no LoRA keys"
+were found and loads nothing. All three become one `UserError` naming the file:
+
+- an exception from diffusers / peft (shape mismatch, keys without "lora", target modules not in the model);
+- a warning from the `diffusers` logger about unexpected keys or no matching keys (captured while loading);
+- an adapter that ended up in no component of the pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+from ..errors import UserError
+from .request import LoraSpec
+
+_BAD_SIGNS = ("unexpected keys", "No LoRA keys", "missing keys", "not found in the base model")
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextmanager
+def _diffusers_warnings():
+    """Collect what diffusers (and peft, which uses `warnings`) report while a LoRA loads."""
+    import warnings
+
+    cap = _Capture()
+    logger = logging.getLogger("diffusers")
+    logger.addHandler(cap)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield cap
+        cap.messages += [str(w.message) for w in caught]
+    finally:
+        logger.removeHandler(cap)
+
+
+def _short(msg: str, limit: int = 160) -> str:
+    msg = " ".join(msg.split())
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+def adapter_name(index: int) -> str:
+    return f"lora{index}"
+
+
+def load_loras(pipe, specs: list[LoraSpec], family: str) -> list[str]:
+    """Load each file as adapter `lora<i>` and activate them all with their weights. Returns the adapter names."""
+    names = []
+    for i, spec in enumerate(specs):
+        name = adapter_name(i)
+        hint = f"was it trained for another model? this run samples {family} from the config's model.path"
+        with _diffusers_warnings() as cap:
+            try:
+                pipe.load_lora_weights(str(spec.path), adapter_name=name)
+            except (ValueError, RuntimeError, KeyError, TypeError) as e:
+                raise UserError(
+                    f"{spec.path}: LoRA does not fit this model ({_short(str(e))}); {hint}"
+                ) from None
+        bad = [m for m in cap.messages if any(s in m for s in _BAD_SIGNS)]
+        if bad:
+            raise UserError(f"{spec.path}: LoRA keys do not match this model ({_short(bad[0])}); {hint}")
+        loaded_into = [part for part, adapters in pipe.get_list_adapters().items() if name in adapters]
+        if not loaded_into:
+            raise UserError(f"{spec.path}: no LoRA weights in this file match the model; {hint}")
+        names.append(name)
+    if names:
+        pipe.set_adapters(names, adapter_weights=[s.weight for s in specs])
+    return names

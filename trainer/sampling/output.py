@@ -1,0 +1,56 @@
+"""Writing sampled images: PNG text metadata that says how each image was made, and a contact sheet.
+
+Every PNG carries tEXt chunks `prompt`, `seed`, `steps`, `guidance`, `width`, `height`, `model`, `family`,
+`loras` (`path:weight`, comma-separated), `offload` and `software`, plus `dittrain` with all of them as one JSON
+object, so an image found later can be remade. Read them with `PIL.Image.open(p).text`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+
+from .. import __version__
+
+
+def image_metadata(**fields: Any) -> dict[str, str]:
+    """String metadata for one image; None values are left out."""
+    meta = {k: str(v) for k, v in fields.items() if v is not None}
+    meta["software"] = f"dittrain {__version__}"
+    meta["dittrain"] = json.dumps({k: v for k, v in meta.items() if k != "software"}, sort_keys=True)
+    return meta
+
+
+def save_png(image: Image.Image, path: Path, metadata: dict[str, str]) -> Path:
+    info = PngInfo()
+    for key, value in metadata.items():
+        info.add_text(key, value)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path, format="PNG", pnginfo=info)
+    return path
+
+
+def contact_sheet(images: list[Image.Image], columns: int | None = None, pad: int = 4) -> Image.Image:
+    """All images on one white grid, row-major in the given order (one row per prompt when `columns` = --num).
+
+    Cells take the size of the largest image; smaller ones are centred."""
+    if not images:
+        raise ValueError("contact_sheet needs at least one image")
+    n = len(images)
+    cols = columns if columns and columns > 1 else math.ceil(math.sqrt(n))
+    cols = min(cols, n)
+    rows = math.ceil(n / cols)
+    cw = max(im.width for im in images)
+    ch = max(im.height for im in images)
+    sheet = Image.new("RGB", (cols * cw + (cols + 1) * pad, rows * ch + (rows + 1) * pad), "white")
+    for k, im in enumerate(images):
+        r, c = divmod(k, cols)
+        x = pad + c * (cw + pad) + (cw - im.width) // 2
+        y = pad + r * (ch + pad) + (ch - im.height) // 2
+        sheet.paste(im.convert("RGB"), (x, y))
+    return sheet

@@ -1,0 +1,81 @@
+"""Where the weights sit while sampling: resident on the device, or streamed by the offload conductor.
+
+A fraction f of a component's block bytes stays in pinned CPU RAM and is streamed through the conductor's GPU ring
+on its cyclic sampling schedule (`trainer/offload/`); everything that is not a block (embedders, final norms)
+goes to the device. f = 0 moves the whole module. On a CPU there is nowhere to stream to: the conductor accepts
+the fraction and runs the blocks where they are, so the CPU path gives the same images at every fraction.
+
+Text encoders have no adapter-declared block list; their blocks are taken to be their largest `nn.ModuleList`
+by parameter count (T5's `encoder.block`, CLIP's `encoder.layers`, Qwen2.5-VL's language-model `layers`).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+
+import torch
+from torch import nn
+
+
+def _move_except(module: nn.Module, skip: set[int], device: torch.device) -> None:
+    """Move `module`'s parameters and buffers to `device`, except inside the modules whose id is in `skip`."""
+    if id(module) in skip:
+        return
+    for child in module.children():
+        _move_except(child, skip, device)
+    for p in module.parameters(recurse=False):
+        if p is not None and p.device != device:
+            p.data = p.data.to(device)  # allocation on the device, once per run (not in the hot path)
+    for name, b in module.named_buffers(recurse=False):
+        if b is not None and b.device != device:
+            module._buffers[name] = b.to(device)
+
+
+def _attach(blocks: list[nn.Module], device: torch.device, fraction: float):
+    from ..offload import attach_offload
+
+    return attach_offload(blocks, device, fraction, mode="sample")
+
+
+@contextmanager
+def place_transformer(adapter, transformer: nn.Module, device: torch.device, fraction: float):
+    """Resident (f = 0) or streamed (f > 0) for the duration of the block; the stream handle is closed after."""
+    if fraction <= 0:
+        transformer.to(device)
+        yield None
+        return
+    blocks = adapter.blocks(transformer)
+    _move_except(transformer, {id(b) for b in blocks}, device)
+    handle = _attach(blocks, device, fraction)
+    try:
+        yield handle
+    finally:
+        handle.close()
+
+
+def encoder_blocks(encoder: nn.Module) -> list[nn.Module]:
+    """The encoder's largest ModuleList (by parameter count): the units to stream."""
+    best, size = None, -1
+    for m in encoder.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 0:
+            n = sum(p.numel() for p in m.parameters())
+            if n > size:
+                best, size = m, n
+    return list(best) if best is not None else []
+
+
+@contextmanager
+def place_text_encoders(pipe, device: torch.device, fraction: float):
+    """Put every loaded text encoder on `device` (streamed at `fraction` > 0) while prompts are encoded."""
+    from .engine import text_encoder_names
+
+    with ExitStack() as stack:
+        for name in text_encoder_names(pipe):
+            enc = getattr(pipe, name)
+            blocks = encoder_blocks(enc) if fraction > 0 else []
+            if not blocks:
+                enc.to(device)
+                continue
+            _move_except(enc, {id(b) for b in blocks}, device)
+            stack.callback(_attach(blocks, device, fraction).close)
+        yield

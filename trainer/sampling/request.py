@@ -1,0 +1,156 @@
+"""What to sample, checked before any weights are read.
+
+`dittrain sample` arrives here with the command-line flags (`SampleRequest`); `resolve` merges them with the
+config's `sample:` section and turns every problem a user can fix (no prompts, an empty or missing prompt file, a
+missing LoRA file, a size the model cannot make) into one `UserError` line. Checking all of this first matters:
+loading a 12 B model only to fail on a typo in a LoRA path costs minutes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UserError
+
+
+@dataclass
+class SampleRequest:
+    """The `dittrain sample` flags; None means "take it from the config's sample: section"."""
+
+    prompts: list[str] = field(default_factory=list)
+    prompts_file: Path | None = None
+    loras: list[str] = field(default_factory=list)
+    offload: float | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    seed: int | None = None
+    width: int | None = None
+    height: int | None = None
+    num: int = 1
+    out: Path | None = None
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """One `--lora PATH[:WEIGHT]`."""
+
+    path: Path
+    weight: float = 1.0
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.weight:g}"
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    """How each image is denoised (shared by `dittrain sample` and sampling during training)."""
+
+    steps: int
+    guidance: float
+    width: int
+    height: int
+    negative_prompt: str = ""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One image to make: which prompt (index into the prompt list), its seed, and its file name."""
+
+    prompt_index: int
+    prompt: str
+    seed: int
+    filename: str
+
+
+def parse_lora(text: str) -> LoraSpec:
+    """`PATH` or `PATH:WEIGHT`. A colon followed by something that is not a number stays part of the path."""
+    path, sep, weight = text.rpartition(":")
+    if sep and path:
+        try:
+            return LoraSpec(Path(path), float(weight))
+        except ValueError:
+            pass
+    return LoraSpec(Path(text), 1.0)
+
+
+def read_prompts_file(path: Path) -> list[str]:
+    """One prompt per line; blank lines and lines starting with '#' are skipped."""
+    if not path.is_file():
+        raise UserError(
+            f"{path}: prompt file not found (--prompts expects a text file with one prompt per line)"
+        )
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: prompt file is not UTF-8 text (one prompt per line expected)") from None
+    prompts = [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
+    if not prompts:
+        raise UserError(f"{path}: prompt file has no prompts (one prompt per line; '#' starts a comment)")
+    return prompts
+
+
+def check_size(width: int, height: int, divisor: int, family: str) -> None:
+    """Sides must be positive multiples of the model's divisor; the error names the nearest valid sides."""
+    for name, side in (("width", width), ("height", height)):
+        if side < divisor:
+            raise UserError(
+                f"--{name} {side} is too small for {family}: the smallest side is {divisor} pixels "
+                f"(sides must be multiples of {divisor})"
+            )
+        if side % divisor:
+            lo = side - side % divisor
+            raise UserError(
+                f"--{name} {side} is not a multiple of {divisor} (needed by {family}): use {lo} or {lo + divisor}"
+            )
+
+
+def slug(text: str, limit: int = 40) -> str:
+    """A file-name-safe, deterministic short form of a prompt."""
+    out, dash = [], False
+    for ch in text.lower():
+        if ch.isascii() and ch.isalnum():
+            out.append(ch)
+            dash = False
+        elif not dash and out:
+            out.append("-")
+            dash = True
+    return "".join(out)[:limit].strip("-") or "prompt"
+
+
+def plan_jobs(prompts: list[str], num: int, seed: int) -> list[Job]:
+    """Image k (prompt-major, `num` per prompt) uses seed + k; its name encodes k, the seed and the prompt.
+
+    Names depend only on the inputs, so the same command writes the same files (and overwrites them)."""
+    jobs = []
+    for i, prompt in enumerate(prompts):
+        for j in range(num):
+            k = i * num + j
+            jobs.append(Job(i, prompt, seed + k, f"{k:04d}-seed{seed + k}-{slug(prompt)}.png"))
+    return jobs
+
+
+def collect_prompts(req: SampleRequest, config_prompts: list[str]) -> list[str]:
+    """--prompt and --prompts together; the config's sample.prompts only when neither is given."""
+    prompts = [p for p in req.prompts if p.strip()]
+    if req.prompts and not prompts:
+        raise UserError('--prompt is empty: give the text to generate, e.g. --prompt "a red square"')
+    if req.prompts_file is not None:
+        prompts += read_prompts_file(req.prompts_file)
+    if not prompts:
+        prompts = [p for p in config_prompts if p.strip()]
+    if not prompts:
+        raise UserError("no prompts: pass --prompt TEXT, --prompts FILE, or set sample.prompts in the config")
+    return prompts
+
+
+def check_loras(specs: list[LoraSpec]) -> None:
+    for spec in specs:
+        if not spec.path.is_file():
+            raise UserError(
+                f"{spec.path}: LoRA file not found (--lora expects a .safetensors file, PATH[:WEIGHT])"
+            )
+        if spec.path.suffix != ".safetensors":
+            raise UserError(
+                f"{spec.path}: a LoRA must be a .safetensors file (pickled .bin/.pt files are not read)"
+            )
