@@ -7,7 +7,7 @@ keys differ it raises an error deep in peft, logs a warning and loads part of th
 were found and loads nothing. All three become one `UserError` naming the file:
 
 - an exception from diffusers / peft (shape mismatch, keys without "lora", target modules not in the model);
-- a warning from the `diffusers` logger about unexpected keys or no matching keys (captured while loading);
+- a warning from the `diffusers` logger about unexpected or missing LoRA keys (captured while loading);
 - an adapter that ended up in no component of the pipeline.
 """
 
@@ -19,7 +19,10 @@ from contextlib import contextmanager
 from ..errors import UserError
 from .request import LoraSpec
 
-_BAD_SIGNS = ("unexpected keys", "No LoRA keys", "missing keys", "not found in the base model")
+# "No LoRA keys associated to <component>" is not among them: diffusers logs it for every component a file has no
+# weights for (a transformer-only LoRA and the text encoders); a file that fits no component at all is caught by
+# the adapter check after loading.
+_BAD_SIGNS = ("unexpected keys", "missing keys", "not found in the base model")
 
 
 class _Capture(logging.Handler):
