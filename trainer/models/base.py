@@ -41,7 +41,15 @@ class Components:
 
 
 class ModelAdapter(ABC):
-    """One model family. Subclasses are stateless apart from class-level data."""
+    """One model family. An instance is bound to one `ModelConfig` (`get_adapter(cfg.model)`) and may read that
+    model folder's small JSON configs lazily (never weights), so sizes such as `resolution_divisor` come from the
+    actual model. Apart from that it holds no state; in particular no tensors.
+
+    The diffusers-based adapters also offer `latent_channels`, `vae_scale_factor`, `patch_size`,
+    `guidance_embeds`, `image_seq_len(height, width)` and `max_sequence_length` (see `_diffusers.py`)."""
+
+    def __init__(self, model_cfg: ModelConfig | None = None) -> None:
+        self.cfg = model_cfg
 
     family: ClassVar[str]
     #: diffusers transformer class, e.g. FluxTransformer2DModel

@@ -1,0 +1,257 @@
+"""What the three diffusers-based families share: checking and loading a local model folder, reading its small
+JSON configs, the resolution divisor, the resolution-dependent timestep shift and building the pipeline.
+
+Loading is two-phase on purpose. `_check` looks at the file system only (config files present, the transformer
+class the family expects) and raises a `UserError` naming the path and what belongs there; only then does
+`load` call `from_pretrained(..., local_files_only=True)`. A typo in `model.path` therefore costs milliseconds,
+not a half-loaded 24 GB model, and nothing is ever fetched from a network.
+
+A single-file transformer (`model.transformer_file`) goes through diffusers' `from_single_file` with the local
+folder as its config, which accepts both diffusers-named keys and the original (BFL / Stability) checkpoints.
+
+The adapter instance reads `model_index`-level configs lazily (a few hundred bytes each) so that the divisor,
+latent channels and shift come from the actual model, tiny or real, instead of being hard-coded per family.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from .base import Components, ModelAdapter
+
+PARTS = frozenset({"transformer", "vae", "text", "scheduler"})
+
+
+def _quiet() -> None:
+    """Loading bars of tiny sub-models are noise in a CLI that has its own progress output."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+
+
+class DiffusersAdapter(ModelAdapter):
+    """Shared implementation; subclasses set the class data and the family-specific tensor work."""
+
+    #: transformers classes of the text encoders, in `text_encoder_dirs` order (set by subclasses)
+    text_encoder_classes: ClassVar[tuple[str, ...]]
+    tokenizer_dirs: ClassVar[tuple[str, ...]]
+    vae_cls_name: ClassVar[str] = "AutoencoderKL"
+    #: the family's fallback scheduler settings when the folder has no scheduler config
+    default_scheduler: ClassVar[dict[str, Any]] = {}
+    #: latents are packed 2x2 into tokens by the pipeline (Flux, Qwen-Image) rather than patchified inside the
+    #: transformer (SD3, whose `patch_size` says so)
+    packs_2x2: ClassVar[bool] = True
+
+    # ------------------------------------------------------------------------------------------ small configs
+
+    def _json(self, rel: str, required: bool = True) -> dict:
+        if self.cfg is None:
+            raise UserError(f"{self.family}: this needs the model folder (get_adapter(model_cfg) with model.path)")
+        p = Path(self.cfg.path) / rel
+        if not p.is_file():
+            if not required:
+                return {}
+            raise UserError(f"{p} not found: expected a diffusers-format {self.family} folder at model.path "
+                            f"({self._expected()})")
+        try:
+            return json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{p}: not a readable JSON config ({e})") from None
+
+    def _expected(self) -> str:
+        dirs = ["transformer/", "vae/", *(d + "/" for d in self.text_encoder_dirs), *(d + "/" for d in self.tokenizer_dirs)]
+        return "model_index.json, " + ", ".join(dirs) + ", scheduler/"
+
+    @cached_property
+    def transformer_config(self) -> dict:
+        return self._json("transformer/config.json")
+
+    @cached_property
+    def vae_config(self) -> dict:
+        return self._json("vae/config.json")
+
+    @cached_property
+    def scheduler_config(self) -> dict:
+        return self._json("scheduler/scheduler_config.json", required=False) or dict(self.default_scheduler)
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """Pixels per latent side (8 for every shipped family)."""
+        c = self.vae_config
+        if "temperal_downsample" in c:  # Qwen-Image's video VAE (as its pipeline computes it)
+            return 2 ** len(c["temperal_downsample"])
+        return 2 ** (len(c.get("block_out_channels", [0] * 4)) - 1)
+
+    @property
+    def patch_size(self) -> int:
+        """Latent pixels per token side."""
+        return 2 if self.packs_2x2 else int(self.transformer_config.get("patch_size", 2))
+
+    @property
+    def resolution_divisor(self) -> int:
+        return self.vae_scale_factor * self.patch_size
+
+    @property
+    def latent_channels(self) -> int:
+        c = self.vae_config
+        return int(c.get("z_dim", c.get("latent_channels", 16)))
+
+    @property
+    def guidance_embeds(self) -> bool:
+        """Whether the transformer takes a guidance value (Flux dev); read from its config."""
+        return bool(self.transformer_config.get("guidance_embeds", False))
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        """Image tokens the transformer sees for an image of this size."""
+        d = self.resolution_divisor
+        return (height // d) * (width // d)
+
+    def timestep_shift(self, height: int, width: int) -> float:
+        s = self.scheduler_config
+        if not s.get("use_dynamic_shifting", False):
+            return float(s.get("shift", 1.0))
+        # mu exactly as the pipelines' calculate_shift; the scheduler then applies exp(mu) (or mu for "linear").
+        base_len, max_len = s.get("base_image_seq_len", 256), s.get("max_image_seq_len", 4096)
+        base, top = s.get("base_shift", 0.5), s.get("max_shift", 1.15)
+        m = (top - base) / (max_len - base_len)
+        mu = self.image_seq_len(height, width) * m + (base - m * base_len)
+        return math.exp(mu) if s.get("time_shift_type", "exponential") == "exponential" else mu
+
+    # ------------------------------------------------------------------------------------------ loading
+
+    def _check(self, cfg, parts: set[str]) -> None:
+        """File-system checks only: every problem is a UserError before any weight is allocated."""
+        unknown = set(parts) - PARTS
+        if unknown:
+            raise ValueError(f"unknown parts {sorted(unknown)}; choose from {sorted(PARTS)}")
+        root = Path(cfg.path)
+        if not root.is_dir():
+            raise UserError(f"{root}: model folder not found (model.path): expected a diffusers-format {self.family} "
+                            f"folder with {self._expected()}")
+
+        def need(rel: str, what: str) -> None:
+            if not (root / rel).exists():
+                raise UserError(f"{root / rel} not found: expected {what} of a diffusers-format {self.family} folder "
+                                f"({self._expected()})")
+
+        if "transformer" in parts:
+            need("transformer/config.json", "the transformer config")
+            cls = self.transformer_config.get("_class_name")
+            if cls and cls != self.transformer_cls.__name__:
+                raise UserError(f"{root / 'transformer/config.json'}: the transformer is a {cls}, but model.family is "
+                                f"{self.family} (which needs a {self.transformer_cls.__name__})")
+            if cfg.transformer_file is not None:
+                f = Path(cfg.transformer_file)
+                if not f.is_file():
+                    raise UserError(f"{f}: transformer file not found (model.transformer_file): expected a .safetensors "
+                                    f"file with the transformer weights")
+                if f.suffix != ".safetensors":
+                    raise UserError(f"{f}: model.transformer_file must be a .safetensors file (pickled checkpoints are "
+                                    f"not loaded)")
+            elif not any((root / "transformer").glob("*.safetensors")):
+                raise UserError(f"{root / 'transformer'}: no .safetensors weights found (expected "
+                                f"diffusion_pytorch_model*.safetensors, or set model.transformer_file)")
+        if "vae" in parts:
+            need("vae/config.json", "the VAE config")
+        if "text" in parts:
+            for d in self.text_encoder_dirs:
+                need(f"{d}/config.json", "a text encoder config")
+            for d in self.tokenizer_dirs:
+                need(d, "a tokenizer folder")
+
+    def load(self, cfg, *, parts, dtype, device="cpu") -> Components:
+        if self.cfg is None or Path(self.cfg.path) != Path(cfg.path):
+            self.cfg = cfg
+            for name in ("transformer_config", "vae_config", "scheduler_config"):
+                self.__dict__.pop(name, None)  # cached_property values of another folder
+        parts = set(parts)
+        self._check(cfg, parts)
+        _quiet()
+        import transformers
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        root = str(cfg.path)
+        out = Components()
+        try:
+            if "transformer" in parts:
+                if cfg.transformer_file is not None:
+                    tr = self.transformer_cls.from_single_file(
+                        str(cfg.transformer_file), config=root, subfolder="transformer", torch_dtype=dtype,
+                        local_files_only=True,
+                    )
+                else:
+                    tr = self.transformer_cls.from_pretrained(
+                        root, subfolder="transformer", torch_dtype=dtype, local_files_only=True
+                    )
+                out.transformer = tr.to(device)
+            if "vae" in parts:
+                import diffusers
+
+                vae_cls = getattr(diffusers, self.vae_cls_name)
+                out.vae = vae_cls.from_pretrained(root, subfolder="vae", torch_dtype=dtype, local_files_only=True)
+                out.vae = out.vae.to(device).eval().requires_grad_(False)
+            if "text" in parts:
+                for d, cls_name in zip(self.text_encoder_dirs, self.text_encoder_classes, strict=True):
+                    enc = getattr(transformers, cls_name).from_pretrained(
+                        root, subfolder=d, dtype=dtype, local_files_only=True
+                    )
+                    out.text_encoders.append(enc.to(device).eval().requires_grad_(False))
+                for d in self.tokenizer_dirs:
+                    out.tokenizers.append(transformers.AutoTokenizer.from_pretrained(root, subfolder=d, local_files_only=True))
+            if "scheduler" in parts:
+                if (Path(root) / "scheduler" / "scheduler_config.json").is_file():
+                    out.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+                        root, subfolder="scheduler", local_files_only=True
+                    )
+                else:
+                    out.scheduler = FlowMatchEulerDiscreteScheduler(**self.default_scheduler)
+        except (OSError, ValueError, KeyError) as e:
+            # Files present but unreadable or mismatched (truncated safetensors, wrong shapes, ...).
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"{root}: could not load the {self.family} model: {first}") from e
+        return out
+
+    # ------------------------------------------------------------------------------------------ shared helpers
+
+    def pipeline(self, components: Components) -> Any:
+        kw = {"transformer": components.transformer, "vae": components.vae, "scheduler": components.scheduler}
+        for i, d in enumerate(self.text_encoder_dirs):
+            kw[d] = components.text_encoders[i] if i < len(components.text_encoders) else None
+        for i, d in enumerate(self.tokenizer_dirs):
+            kw[d] = components.tokenizers[i] if i < len(components.tokenizers) else None
+        return self.pipeline_cls(**kw)
+
+    def collate_text(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        if not items:
+            raise ValueError("collate_text needs at least one entry")
+        return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+
+    @staticmethod
+    def _kl_encode(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """Mean of the latent distribution (deterministic, so cached latents never depend on a seed), shifted and
+        scaled as the pipelines undo it before decoding."""
+        c = vae.config
+        lat = vae.encode(pixels.to(vae.dtype)).latent_dist.mode()
+        return (lat - (c.shift_factor or 0.0)) * c.scaling_factor
+
+
+def pack_2x2(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, h/2 * w/2, 4C), the token order of the Flux / Qwen-Image pipelines' `_pack_latents`."""
+    b, c, h, w = x.shape
+    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_2x2(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Inverse of `pack_2x2`: (B, h/2 * w/2, 4C) -> (B, C, h, w)."""
+    b, _, d = x.shape
+    return x.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)

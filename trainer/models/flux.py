@@ -1,0 +1,91 @@
+"""Flux.1 (dev and schnell): FluxTransformer2DModel, CLIP-L (pooled) + T5-XXL (sequence) text, 16-channel VAE.
+
+How each piece mirrors diffusers' FluxPipeline (0.42):
+
+- text: CLIP's `pooler_output` on 77 padded tokens -> `pooled_prompt_embeds`; T5's last hidden state on
+  `max_sequence_length` (512) padded tokens -> `prompt_embeds`. Text position ids are zeros (made in `predict`).
+- latents: VAE mean, then (z - shift_factor) * scaling_factor; the pipeline undoes exactly this before decoding.
+- predict: latents are packed 2x2 into tokens (`_pack_latents`), image ids are (0, row, col) per token, the
+  timestep given to the transformer is the flow time t itself (the pipeline passes scheduler timesteps / 1000, and
+  scheduler timesteps are sigma * 1000), and the guidance value goes in only when the transformer has a guidance
+  embedding (`config.guidance_embeds`: dev yes, schnell no).
+- shift: the scheduler config decides: dev uses dynamic shifting with mu linear in the image token count
+  (`calculate_shift`), schnell a fixed shift of 1.
+
+Left out: IP-adapter and ControlNet inputs; the final `proj_out` and the single blocks' `proj_out` are not in the
+default LoRA targets, because peft's suffix matching cannot tell them apart (add "proj_out" to lora.targets to
+adapt both).
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import FluxPipeline, FluxTransformer2DModel
+from torch import nn
+
+from ._diffusers import DiffusersAdapter, pack_2x2, unpack_2x2
+from .base import Components
+
+
+class FluxAdapter(DiffusersAdapter):
+    family = "flux"
+    transformer_cls = FluxTransformer2DModel
+    pipeline_cls = FluxPipeline
+    default_lora_targets = (
+        "to_q", "to_k", "to_v", "to_out.0",
+        "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+        "proj_mlp",
+    )
+    text_encoder_dirs = ("text_encoder", "text_encoder_2")
+    text_encoder_classes = ("CLIPTextModel", "T5EncoderModel")
+    tokenizer_dirs = ("tokenizer", "tokenizer_2")
+    default_scheduler = {"shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
+                         "base_image_seq_len": 256, "max_image_seq_len": 4096}
+    max_sequence_length = 512  # FluxPipeline's default
+
+    def blocks(self, transformer: nn.Module) -> list[nn.Module]:
+        return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+
+    @torch.no_grad()
+    def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
+        clip, t5 = components.text_encoders
+        clip_tok, t5_tok = components.tokenizers
+        dev = next(clip.parameters()).device
+        ids = clip_tok(prompts, padding="max_length", max_length=clip_tok.model_max_length, truncation=True,
+                       return_tensors="pt").input_ids
+        pooled = clip(ids.to(dev), output_hidden_states=False).pooler_output.to(clip.dtype)
+        dev = next(t5.parameters()).device
+        ids = t5_tok(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+                     return_tensors="pt").input_ids
+        embeds = t5(ids.to(dev), output_hidden_states=False)[0].to(t5.dtype)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+    def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        return self._kl_encode(vae, pixels)
+
+    def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:
+        b, _, h, w = noisy_latents.shape
+        dev = noisy_latents.device
+        x = pack_2x2(noisy_latents)
+        # Hot path: small id tensors built per call (h/2 * w/2 rows); the rotary tables are computed from them
+        # inside the transformer anyway.
+        img_ids = torch.zeros(h // 2, w // 2, 3, device=dev)
+        img_ids[..., 1] += torch.arange(h // 2, device=dev)[:, None]
+        img_ids[..., 2] += torch.arange(w // 2, device=dev)[None, :]
+        embeds = text["prompt_embeds"]
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=dev)
+        g = None
+        if transformer.config.guidance_embeds:
+            g = torch.full((b,), float(guidance), device=dev, dtype=torch.float32)
+        out = transformer(
+            hidden_states=x,
+            timestep=t.to(x.dtype),
+            guidance=g,
+            pooled_projections=text["pooled_prompt_embeds"],
+            encoder_hidden_states=embeds,
+            txt_ids=txt_ids,
+            img_ids=img_ids.reshape(-1, 3),
+            return_dict=False,
+        )[0]
+        return unpack_2x2(out, h, w)

@@ -1,0 +1,118 @@
+"""Qwen-Image: QwenImageTransformer2DModel (MMDiT, 60 blocks), Qwen2.5-VL text encoder, a video VAE used on
+single frames.
+
+How it mirrors diffusers' QwenImagePipeline (0.42):
+
+- text: the prompt is put in the pipeline's chat template, run through Qwen2.5-VL, the last hidden state taken
+  at the valid tokens, and the template's first 34 tokens (the system prompt) dropped. Lengths differ per prompt,
+  so the result is `prompt_embeds` (B, L, D) zero-padded plus `prompt_embeds_mask` (B, L), 1 = real token.
+- collate: cached entries are trimmed to their own length and re-padded to the longest in the batch; when no entry
+  needs padding the mask is left out, as the pipeline does (and attention then needs no mask at all). This is
+  done on the CPU in the data path, so `predict` never syncs with the device to look at a mask.
+- latents: the VAE takes (B, 3, 1, H, W) (one frame); its mean is normalised per channel with the config's
+  `latents_mean` / `latents_std` and the frame axis squeezed, giving (B, C, H/8, W/8).
+- predict: latents packed 2x2 into tokens as for Flux, `img_shapes` = (1, h/2, w/2) per sample for the 3-D rotary
+  positions, timestep = t (the transformer scales by 1000 inside its timestep embedding).
+- shift: dynamic (mu from the image token count, Qwen's `max_image_seq_len` 8192 and `max_shift` 0.9), read from
+  the scheduler config.
+
+Left out: the edit / layered variants (extra image conditioning), true CFG inside training.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
+from torch import nn
+
+from ._diffusers import DiffusersAdapter, pack_2x2, unpack_2x2
+from .base import Components
+
+TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+TEMPLATE_DROP = 34  # tokens of the system prompt, as QwenImagePipeline.prompt_template_encode_start_idx
+
+
+class QwenImageAdapter(DiffusersAdapter):
+    family = "qwen_image"
+    transformer_cls = QwenImageTransformer2DModel
+    pipeline_cls = QwenImagePipeline
+    default_lora_targets = (
+        "to_q", "to_k", "to_v", "to_out.0",
+        "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+        "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+    )
+    text_encoder_dirs = ("text_encoder",)
+    text_encoder_classes = ("Qwen2_5_VLForConditionalGeneration",)
+    tokenizer_dirs = ("tokenizer",)
+    vae_cls_name = "AutoencoderKLQwenImage"
+    default_scheduler = {"shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 0.9,
+                         "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02,
+                         "time_shift_type": "exponential"}
+    max_sequence_length = 1024  # QwenImagePipeline.tokenizer_max_length
+
+    def blocks(self, transformer: nn.Module) -> list[nn.Module]:
+        return list(transformer.transformer_blocks)
+
+    @torch.no_grad()
+    def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
+        (enc,), (tok,) = components.text_encoders, components.tokenizers
+        dev = next(enc.parameters()).device
+        toks = tok([TEMPLATE.format(p) for p in prompts], max_length=self.max_sequence_length + TEMPLATE_DROP,
+                   padding=True, truncation=True, return_tensors="pt").to(dev)
+        hidden = enc(input_ids=toks.input_ids, attention_mask=toks.attention_mask, output_hidden_states=True)
+        hidden = hidden.hidden_states[-1]
+        # Host-device sync (lengths), fine here: text encoding is off the training hot path.
+        lengths = toks.attention_mask.sum(1).tolist()
+        valid = toks.attention_mask.bool()
+        parts = [h[m][TEMPLATE_DROP:] for h, m in zip(hidden, valid, strict=True)]
+        longest = max(p.shape[0] for p in parts)
+        embeds = torch.stack([nn.functional.pad(p, (0, 0, 0, longest - p.shape[0])) for p in parts]).to(enc.dtype)
+        mask = torch.zeros(len(parts), longest, dtype=torch.long, device=dev)
+        for i, n in enumerate(lengths):
+            mask[i, : n - TEMPLATE_DROP] = 1
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+    def collate_text(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        if not items:
+            raise ValueError("collate_text needs at least one entry")
+        # Entries are CPU tensors from the cache here, so these lengths are no device sync.
+        lengths = [int(it["prompt_embeds_mask"].sum()) if "prompt_embeds_mask" in it else it["prompt_embeds"].shape[0]
+                   for it in items]
+        longest = max(lengths)
+        embeds = torch.stack([
+            nn.functional.pad(it["prompt_embeds"][:n], (0, 0, 0, longest - n)) for it, n in zip(items, lengths, strict=True)
+        ])
+        out = {"prompt_embeds": embeds}
+        if any(n < longest for n in lengths):
+            mask = torch.zeros(len(items), longest, dtype=torch.long)
+            for i, n in enumerate(lengths):
+                mask[i, :n] = 1
+            out["prompt_embeds_mask"] = mask
+        return out
+
+    def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        c = vae.config
+        lat = vae.encode(pixels.to(vae.dtype).unsqueeze(2)).latent_dist.mode()[:, :, 0]
+        mean = torch.tensor(c.latents_mean, device=lat.device, dtype=lat.dtype).view(1, -1, 1, 1)
+        std = torch.tensor(c.latents_std, device=lat.device, dtype=lat.dtype).view(1, -1, 1, 1)
+        return (lat - mean) / std
+
+    def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:
+        b, _, h, w = noisy_latents.shape
+        x = pack_2x2(noisy_latents)
+        g = None
+        if transformer.config.guidance_embeds:
+            g = torch.full((b,), float(guidance), device=x.device, dtype=torch.float32)
+        out = transformer(
+            hidden_states=x,
+            timestep=t.to(x.dtype),
+            guidance=g,
+            encoder_hidden_states=text["prompt_embeds"],
+            encoder_hidden_states_mask=text.get("prompt_embeds_mask"),
+            img_shapes=[[(1, h // 2, w // 2)]] * b,
+            return_dict=False,
+        )[0]
+        return unpack_2x2(out, h, w)

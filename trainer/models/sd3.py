@@ -1,0 +1,80 @@
+"""Stable Diffusion 3 / 3.5: SD3Transformer2DModel (MMDiT), two CLIP encoders with projection + T5-XXL.
+
+How it mirrors diffusers' StableDiffusion3Pipeline (0.42):
+
+- text: each CLIP runs on 77 padded tokens with hidden states; its penultimate hidden state is the sequence part
+  and its projected `text_embeds` the pooled part. The two CLIP sequences are concatenated on the feature axis,
+  zero-padded (or cut) to T5's width, and put in front of T5's 256 tokens -> `prompt_embeds` (B, 77 + 256, D);
+  the two pooled vectors are concatenated -> `pooled_prompt_embeds` (B, 2 * proj).
+- latents: VAE mean, then (z - shift_factor) * scaling_factor.
+- predict: no packing (the transformer patchifies itself, `patch_size` 2); the timestep is t * 1000 (the
+  pipeline passes the scheduler's timesteps, sigma * 1000, unchanged).
+- shift: fixed `shift` from the scheduler config (3.0 for SD3 and SD3.5); dynamic shifting is honoured if a
+  scheduler config asks for it, with the image token count as the pipeline computes it.
+- variants: SD3.5's `qk_norm` and `dual_attention_layers` live in the transformer config; nothing here depends on
+  them, and the default LoRA targets also match the second attention (`attn2.to_q`, ...) of dual blocks.
+
+Left out: running without T5 (the pipeline then feeds zeros), clip_skip, skip-layer guidance.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+from torch import nn
+
+from ._diffusers import DiffusersAdapter
+from .base import Components
+
+
+class SD3Adapter(DiffusersAdapter):
+    family = "sd3"
+    transformer_cls = SD3Transformer2DModel
+    pipeline_cls = StableDiffusion3Pipeline
+    default_lora_targets = (
+        "to_q", "to_k", "to_v", "to_out.0",
+        "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+    )
+    text_encoder_dirs = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    text_encoder_classes = ("CLIPTextModelWithProjection", "CLIPTextModelWithProjection", "T5EncoderModel")
+    tokenizer_dirs = ("tokenizer", "tokenizer_2", "tokenizer_3")
+    default_scheduler = {"shift": 3.0}
+    packs_2x2 = False
+    max_sequence_length = 256  # StableDiffusion3Pipeline's default
+
+    def blocks(self, transformer: nn.Module) -> list[nn.Module]:
+        return list(transformer.transformer_blocks)
+
+    @torch.no_grad()
+    def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
+        clips, t5 = components.text_encoders[:2], components.text_encoders[2]
+        toks, t5_tok = components.tokenizers[:2], components.tokenizers[2]
+        seqs, pooled = [], []
+        for enc, tok in zip(clips, toks, strict=True):
+            ids = tok(prompts, padding="max_length", max_length=toks[0].model_max_length, truncation=True,
+                      return_tensors="pt").input_ids
+            out = enc(ids.to(next(enc.parameters()).device), output_hidden_states=True)
+            pooled.append(out[0])
+            seqs.append(out.hidden_states[-2].to(clips[0].dtype))
+        ids = t5_tok(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+                     add_special_tokens=True, return_tensors="pt").input_ids
+        t5_embeds = t5(ids.to(next(t5.parameters()).device))[0].to(t5.dtype)
+        clip_seq = torch.cat(seqs, dim=-1)
+        clip_seq = nn.functional.pad(clip_seq, (0, t5_embeds.shape[-1] - clip_seq.shape[-1]))
+        return {
+            "prompt_embeds": torch.cat([clip_seq.to(t5_embeds.device), t5_embeds], dim=-2),
+            "pooled_prompt_embeds": torch.cat(pooled, dim=-1),
+        }
+
+    def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        return self._kl_encode(vae, pixels)
+
+    def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:
+        return transformer(
+            hidden_states=noisy_latents,
+            timestep=t * 1000.0,
+            encoder_hidden_states=text["prompt_embeds"],
+            pooled_projections=text["pooled_prompt_embeds"],
+            return_dict=False,
+        )[0]

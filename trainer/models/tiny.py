@@ -1,0 +1,299 @@
+"""Tiny random-weight models of every family, written in full diffusers format.
+
+How: each family's real architecture classes (the diffusers transformer and VAE, the transformers text encoders)
+are built with tiny configs and seeded random weights, the tokenizers are trained here with the `tokenizers`
+package on a small built-in corpus, and the whole set is saved through the family's own pipeline
+(`save_pretrained`), so `model_index.json`, the sub-folders and the file names are exactly what a real
+download has. Loading them goes through the very code path real weights use.
+
+Why: tests and the demo must run offline on a laptop CPU in seconds, yet exercise the real classes, the real
+latent packing and the real tokenizer wiring. A model that is only "shaped like" Flux would hide exactly the
+bugs this project is likely to have.
+
+Left out: the weights are noise, so images are noise too; the tokenizers know only the corpus below (other
+words still encode, byte by byte or via <unk>). The VAEs downscale by 8 like the real ones but have 4 latent
+channels (the real ones have 16), and the transformers' `in_channels` follow from that (x4 where latents are
+packed 2x2).
+
+Folders written under `out`: flux (dev-like: guidance embedding, dynamic shift), flux-schnell (no guidance
+embedding, fixed shift 1), sd3 (SD3.5-like: qk RMS norm and dual-attention blocks), qwen_image.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+
+# Family -> model folder names this module writes for it.
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "flux": ("flux", "flux-schnell"),
+    "sd3": ("sd3",),
+    "qwen_image": ("qwen_image",),
+}
+
+QWEN_TEMPLATE_PREFIX = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
+)
+
+_CORPUS = """\
+a red square on a blue background
+a green circle on a white background
+a yellow triangle on a black background
+a photo of a cat sitting on a wooden table
+a painting of a dog running in the park
+a small house next to a tall tree under a cloudy sky
+two blue circles and one orange square
+a portrait of a woman with long hair, soft light
+a close-up photo of a flower, shallow depth of field
+an astronaut riding a horse on the moon, digital art
+a city street at night with neon lights and rain
+a bowl of fruit: apples, bananas and grapes
+the quick brown fox jumps over the lazy dog
+a minimalist logo with the text hello in bold letters
+a mountain lake at sunrise, mist over the water
+Describe the image by detailing the color, shape, size, texture, quantity, text, spatial relationships of the objects and background
+"""
+
+
+def _corpus() -> list[str]:
+    lines = [s for s in _CORPUS.splitlines() if s.strip()]
+    # Repeating the Qwen system prompt makes each of its words one token, so the template prefix is exactly the
+    # 34 tokens the pipeline drops (`prompt_template_encode_start_idx`), as with the real tokenizer.
+    return lines * 4 + [QWEN_TEMPLATE_PREFIX + s + "<|im_end|>\n<|im_start|>assistant\n" for s in lines] * 8
+
+
+def _bpe_vocab_merges(tok) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    model = json.loads(tok.to_str())["model"]
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    return model["vocab"], merges
+
+
+def _clip_tokenizer():
+    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+    from transformers import CLIPTokenizer
+
+    tok = Tokenizer(BPE(unk_token="<|endoftext|>", end_of_word_suffix="</w>"))
+    # The same normalizer and pre-tokenizer as transformers' CLIPTokenizer.
+    tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(
+            Regex(r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""),
+            behavior="removed",
+            invert=True,
+        ),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ])
+    trainer = BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<|startoftext|>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        end_of_word_suffix="</w>",
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    vocab, merges = _bpe_vocab_merges(tok)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+
+
+def _t5_tokenizer():
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import Unigram
+    from tokenizers.trainers import UnigramTrainer
+    from transformers import T5Tokenizer
+
+    tok = Tokenizer(Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)]
+    )
+    trainer = UnigramTrainer(
+        vocab_size=400, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>", show_progress=False
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    vocab = [(p, float(s)) for p, s in json.loads(tok.to_str())["model"]["vocab"]]
+    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=512)
+
+
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def _qwen_tokenizer():
+    from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    trainer = BpeTrainer(
+        vocab_size=700, special_tokens=QWEN_SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    vocab, merges = _bpe_vocab_merges(tok)
+    vocab = {k: v for k, v in vocab.items() if k not in QWEN_SPECIAL}
+    out = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=2048)
+    out.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL[1:]], special_tokens=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- components
+
+
+def _kl_vae(shift: float, scale: float):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, sample_size=64, layers_per_block=1, norm_num_groups=4,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),  # 3 downsamples: 8x, like the real VAEs
+        use_quant_conv=False, use_post_quant_conv=False, shift_factor=shift, scaling_factor=scale,
+    )
+
+
+def _clip(tokenizer, hidden: int, projection: int | None, seed: int):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    cfg = CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=projection or hidden,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(cfg).eval()
+
+
+def _t5(tokenizer, d_model: int):
+    from transformers import T5Config, T5EncoderModel
+
+    cfg = T5Config(
+        vocab_size=len(tokenizer), d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0,
+    )
+    torch.manual_seed(3)
+    return T5EncoderModel(cfg).eval()
+
+
+def _flow_scheduler(**kw):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **kw)
+
+
+def _flux(schnell: bool):
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
+    torch.manual_seed(10)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=not schnell, axes_dims_rope=(4, 4, 8),
+    )
+    sched = (
+        _flow_scheduler(shift=1.0, use_dynamic_shifting=False)
+        if schnell
+        else _flow_scheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                             base_image_seq_len=256, max_image_seq_len=4096)
+    )
+    return FluxPipeline(
+        scheduler=sched, vae=_kl_vae(0.1159, 0.3611), text_encoder=_clip(clip_tok, 32, None, 1), tokenizer=clip_tok,
+        text_encoder_2=_t5(t5_tok, 32), tokenizer_2=t5_tok, transformer=transformer,
+    )
+
+
+def _sd3():
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
+    torch.manual_seed(11)
+    transformer = SD3Transformer2DModel(
+        sample_size=32, patch_size=2, in_channels=4, num_layers=4, attention_head_dim=8, num_attention_heads=4,
+        caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64, out_channels=4,
+        pos_embed_max_size=64, qk_norm="rms_norm", dual_attention_layers=(0, 1),
+    )
+    return StableDiffusion3Pipeline(
+        scheduler=_flow_scheduler(shift=3.0), vae=_kl_vae(0.0609, 1.5035),
+        text_encoder=_clip(clip_tok, 16, 32, 1), tokenizer=clip_tok,
+        text_encoder_2=_clip(clip_tok, 16, 32, 2), tokenizer_2=clip_tok,
+        text_encoder_3=_t5(t5_tok, 32), tokenizer_3=t5_tok, transformer=transformer,
+    )
+
+
+def _qwen_image():
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tok = _qwen_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    cfg = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tok), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1000000.0},
+            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16},
+        vocab_size=len(tok), hidden_size=16, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(4)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    torch.manual_seed(5)
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.05, 0.0], latents_std=[1.5, 2.0, 1.2, 1.8],
+    )
+    torch.manual_seed(12)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+        joint_attention_dim=16, axes_dims_rope=(8, 4, 4),
+    )
+    sched = _flow_scheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+    return QwenImagePipeline(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
+
+
+_BUILDERS = {
+    "flux": lambda: _flux(schnell=False),
+    "flux-schnell": lambda: _flux(schnell=True),
+    "sd3": _sd3,
+    "qwen_image": _qwen_image,
+}
+
+
+def make_tiny_models(out: str | Path, families: list[str] | None = None) -> list[Path]:
+    """Write tiny random models into out/<name>/ (see VARIANTS) and return the folders written."""
+    out = Path(out)
+    families = list(families) if families else list(VARIANTS)
+    unknown = [f for f in families if f not in VARIANTS]
+    if unknown:
+        raise UserError(f"make-tiny: unknown family {unknown[0]!r} (choose from {', '.join(VARIANTS)})")
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # deterministic tokenizer training
+    written = []
+    for fam in families:
+        for name in VARIANTS[fam]:
+            pipe = _BUILDERS[name]()
+            folder = out / name
+            folder.mkdir(parents=True, exist_ok=True)
+            pipe.save_pretrained(folder, safe_serialization=True)
+            written.append(folder)
+    return written
+
