@@ -1,0 +1,167 @@
+"""The pure schedule against the seed's three diagrams, and invariants on uneven (Flux-like) blocks."""
+
+import pytest
+
+from trainer.offload.plan import (
+    PlanError,
+    allocation_diagram,
+    capacity_for,
+    execution_diagram,
+    make_plan,
+    residency_rows,
+)
+
+# Copied verbatim from seeds/000 (annotations in parentheses dropped).
+SEED_SAMPLING_9_33 = """
+->  ■ X X X X X _ _ _
+->  _ ■ X X X X X _ _
+->  _ _ ■ X X X X X _
+->  _ _ _ ■ X X X X X
+->  X _ _ _ ■ X X X X
+->  X X _ _ _ ■ X X X
+->  X X X _ _ _ ■ X X
+->  X X X X _ _ _ ■ X
+->  X X X X X _ _ _ ■
+->  ■ X X X X X _ _ _
+->  _ ■ X X X X X _ _
+->  _ _ ■ X X X X X _
+->  _ _ _ ■ X X X X X
+->  X _ _ _ ■ X X X X
+->  X X _ _ _ ■ X X X
+->  X X X _ _ _ ■ X X
+->  X X X X _ _ _ ■ X
+->  X X X X X _ _ _ ■
+"""
+
+SEED_TRAINING_9_33 = """
+->  ■ X X X X X _ _ _
+->  _ ■ X X X X X _ _
+->  _ _ ■ X X X X X _
+->  _ _ _ ■ X X X X X
+->  _ _ _ X ■ X X X X
+->  _ _ _ X X ■ X X X
+->  _ _ _ X X X ■ X X
+->  _ _ _ X X X X ■ X
+->  _ _ _ X X X X X ■
+<-  _ _ _ X X X X X ■
+<-  _ _ X X X X X ■ _
+<-  _ X X X X X ■ _ _
+<-  X X X X X ■ _ _ _
+<-  X X X X ■ X _ _ _
+<-  X X X ■ X X _ _ _
+<-  X X ■ X X X _ _ _
+<-  X ■ X X X X _ _ _
+<-  ■ X X X X X _ _ _
+"""
+
+SEED_ALLOCATION_12_50 = """
+->  *00* 01  02  03  04  05
+->   06 *01* 02  03  04  05
+->   06  07 *02* 03  04  05
+->   06  07  08 *03* 04  05
+->   06  07  08  09 *04* 05
+->   06  07  08  09  10 *05*
+->  *06* 07  08  09  10  11
+->   06 *07* 08  09  10  11
+->   06  07 *08* 09  10  11
+->   06  07  08 *09* 10  11
+->   06  07  08  09 *10* 11
+->   06  07  08  09  10 *11*
+<-   06  07  08  09  10 *11*
+<-   06  07  08  09 *10* 05
+<-   06  07  08 *09* 04  05
+<-   06  07 *08* 03  04  05
+<-   06 *07* 02  03  04  05
+<-  *06* 01  02  03  04  05
+<-   00  01  02  03  04 *05*
+<-   00  01  02  03 *04* 05
+<-   00  01  02 *03* 04  05
+<-   00  01 *02* 03  04  05
+<-   00 *01* 02  03  04  05
+<-  *00* 01  02  03  04  05
+"""
+
+
+def _rows(text):
+    return [r for r in text.strip("\n").splitlines()]
+
+
+def test_seed_sampling_diagram_9_blocks_33_percent():
+    plan = make_plan([100] * 9, capacity_for([100] * 9, 0.33), "sample")
+    assert plan.capacity == 600
+    assert execution_diagram(plan, steps=2) == _rows(SEED_SAMPLING_9_33)
+
+
+def test_seed_training_diagram_9_blocks_33_percent():
+    plan = make_plan([100] * 9, capacity_for([100] * 9, 0.33), "train")
+    assert execution_diagram(plan, steps=1) == _rows(SEED_TRAINING_9_33)
+    # and every later step is the same picture (the tail kept across the turn, start state restored)
+    assert execution_diagram(plan, steps=3)[36:] == _rows(SEED_TRAINING_9_33)
+
+
+def test_seed_allocation_diagram_12_blocks_50_percent():
+    plan = make_plan([64] * 12, capacity_for([64] * 12, 0.5), "train")
+    assert allocation_diagram(plan, steps=1) == _rows(SEED_ALLOCATION_12_50)
+    assert allocation_diagram(plan, steps=2)[24:] == _rows(SEED_ALLOCATION_12_50)
+
+
+def _check_invariants(plan, steps):
+    """Replay with explicit release/claim bookkeeping: no overlap, in bounds, used only when resident,
+    a region is reused only after the last use of what it held, and each load starts before its use."""
+    L = len(plan.sequence)
+    sizes = plan.sizes
+    state = dict(plan.initial)
+    last_use = {}
+    for s in range(steps):
+        by_after = {}
+        for ld in plan.step_loads(s):
+            assert ld.after < ld.use, ld
+            by_after.setdefault(ld.after, []).append(ld)
+        for i, (_, b) in enumerate(plan.sequence):
+            assert b in state, f"step {s} position {i}: block {b} not resident"
+            last_use[b] = s * L + i
+            for ld in by_after.get(i, []):
+                for x in ld.claims:
+                    assert x in state
+                    assert last_use.get(x, -1) <= s * L + i
+                    del state[x]
+                assert ld.block not in state
+                state[ld.block] = ld.offset
+            regions = sorted((off, off + sizes[x]) for x, off in state.items())
+            assert all(0 <= a and e <= plan.capacity for a, e in regions)
+            assert all(regions[k][1] <= regions[k + 1][0] for k in range(len(regions) - 1)), regions
+
+
+FLUX_LIKE = [679] * 19 + [283] * 38  # MB of Flux's double and single blocks
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 0.75, 1.0])
+@pytest.mark.parametrize("mode", ["train", "sample"])
+def test_uneven_blocks_invariants(fraction, mode):
+    cap = capacity_for(FLUX_LIKE, fraction)
+    plan = make_plan(FLUX_LIKE, cap, mode)
+    _check_invariants(plan, steps=len(plan.steps) + 3)
+    if fraction == 0.0:
+        assert plan.steps == () or all(not s for s in plan.steps)
+    if fraction == 1.0:
+        assert cap == 2 * 679
+
+
+@pytest.mark.parametrize("n,k", [(9, 3), (12, 6), (10, 1), (8, 6)])
+def test_training_moves_two_f_w_per_step(n, k):
+    """The training floor: each offloaded block crosses PCIe once in forward and once in backward."""
+    sizes = [10] * n
+    plan = make_plan(sizes, 10 * (n - k), "train")
+    assert plan.bytes_per_step() == 2 * 10 * k
+    assert plan.steps[plan.loop] and plan.start_state(5) == plan.initial
+
+
+def test_ring_smaller_than_a_block_is_refused():
+    with pytest.raises(PlanError):
+        make_plan([10, 30, 10], 20, "train")
+
+
+def test_residency_rows_never_exceed_capacity():
+    plan = make_plan([3, 5, 2, 7, 1, 4], 12, "sample")
+    for _, _, state in residency_rows(plan, steps=len(plan.steps) + 2):
+        assert sum(plan.sizes[b] for b in state) <= plan.capacity

@@ -1,0 +1,279 @@
+"""Pure schedules: which block sits where in the GPU ring, and when each copy may start.
+
+How. The GPU keeps one ring buffer of `capacity` bytes for the streamed blocks. At the start of a step the
+first blocks of the execution order fill it from offset 0. Every block that is needed but not resident is
+placed at a moving pointer: *upwards* while the pass runs forward, *downwards* while it runs backward, wrapping
+at either end (the seed's allocation diagram: "tensors can be allocated in both directions depending on the
+execution direction"). A placement claims the resident blocks it overlaps; the copy may start once every
+claimed block has passed its last use before the new block is needed (its *release point*). Loads are issued
+in the order the blocks are needed, each as early as its region is free, which loads as far ahead as the ring
+allows. Blocks whose region nobody claims simply stay: in training that is the tail kept across the turn.
+
+Why pure. Everything here is decided from block sizes alone, so it is tested on the CPU against the seed's
+three diagrams (9 blocks at 33% sampling and training, 12 blocks at 50% allocation), and the conductor only
+replays it: on the GPU nothing is decided in the hot path, and every wait is an event the plan names.
+
+Periodicity. Training returns to its start state after every step (forward fills upwards, backward refills
+downwards to the same places). Cyclic sampling need not: 9 blocks in 6 slots shift by 3 slots a step. The
+plan simulates steps until the state at a step boundary repeats and stores the steps from there as a loop.
+
+Left out: choosing *which* blocks stay resident by cost (the window is always the next blocks in execution
+order), and any timing model; `trainer/offload/planner.py` turns sizes and rates into predicted times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FWD, BWD = "F", "B"
+MODES = ("train", "sample")
+
+
+class PlanError(ValueError):
+    """The ring cannot hold what the schedule needs at once (raise `capacity`)."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """Copy `block` into the ring at byte `offset`, once position `after` has passed its release point.
+
+    Positions count executions within one step (`Plan.sequence`); `after == -1` means before the step.
+    `use` is the position the block is first needed at; `use >= len(sequence)` means the next step."""
+
+    block: int
+    offset: int
+    after: int
+    use: int
+    claims: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str
+    sizes: tuple[int, ...]
+    capacity: int
+    sequence: tuple[tuple[str, int], ...]
+    initial: dict[int, int]  # block -> ring offset resident before the first step
+    steps: tuple[tuple[Load, ...], ...]  # loads issued during step i, in issue order
+    loop: int  # steps[loop:] repeat for ever
+    states: tuple[dict[int, int], ...] = field(default=(), repr=False)  # residency at each step start
+
+    def step_loads(self, step: int) -> tuple[Load, ...]:
+        return self.steps[self._index(step)]
+
+    def start_state(self, step: int) -> dict[int, int]:
+        return self.states[self._index(step)]
+
+    def _index(self, step: int) -> int:
+        if step < len(self.steps):
+            return step
+        period = len(self.steps) - self.loop
+        return self.loop + (step - self.loop) % period
+
+    @property
+    def streamed(self) -> tuple[int, ...]:
+        """Blocks that ever leave the ring: they need a host copy."""
+        out = {ld.block for loads in self.steps for ld in loads}
+        return tuple(sorted(out))
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.capacity
+
+    def bytes_per_step(self) -> int:
+        """Host-to-device bytes of one steady-state step (averaged over the loop)."""
+        loop = self.steps[self.loop :]
+        return sum(self.sizes[ld.block] for loads in loop for ld in loads) // max(1, len(loop))
+
+
+def sequence_for(mode: str, n: int) -> tuple[tuple[str, int], ...]:
+    if mode == "train":
+        return tuple((FWD, i) for i in range(n)) + tuple((BWD, i) for i in reversed(range(n)))
+    if mode == "sample":
+        return tuple((FWD, i) for i in range(n))
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def capacity_for(sizes: list[int] | tuple[int, ...], fraction: float, min_blocks: int = 2) -> int:
+    """Ring bytes for an offload `fraction` (share of block bytes kept in CPU RAM).
+
+    The GPU keeps the first blocks (in execution order) whose sizes add up to at most (1 - fraction) of the
+    total, so a fraction is rounded to whole blocks the way the seed counts them (33% of 9 blocks: 6 stay).
+    Streaming needs room for at least `min_blocks` of the largest block (one computing, one arriving)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"offload fraction must be in [0, 1], got {fraction}")
+    total = sum(sizes)
+    budget = (1.0 - fraction) * total + 1e-9 * total
+    acc = 0
+    for s in sizes:
+        if acc + s > budget:
+            break
+        acc += s
+    if acc == total:
+        return total
+    return min(total, max(acc, min_blocks * max(sizes)))
+
+
+def _place(ptr: int, n: int, direction: int, cap: int) -> tuple[int, int]:
+    """Region start for n bytes at the pointer, wrapping; returns (start, new pointer)."""
+    if direction > 0:
+        start = ptr if ptr + n <= cap else 0
+        return start, start + n
+    start = ptr - n if ptr - n >= 0 else cap - n
+    return start, start
+
+
+def make_plan(sizes: list[int] | tuple[int, ...], capacity: int, mode: str, max_steps: int = 64) -> Plan:
+    """Simulate the ring until its state at a step boundary repeats; see the module docstring."""
+    sizes = tuple(int(s) for s in sizes)
+    n = len(sizes)
+    if n == 0:
+        raise ValueError("no blocks")
+    if max(sizes) > capacity:
+        raise PlanError(f"ring of {capacity} bytes is smaller than the largest block ({max(sizes)} bytes)")
+    seq = sequence_for(mode, n)
+    L = len(seq)
+
+    # Initial state: blocks in first-use order, packed upwards from 0 while they fit.
+    res: dict[int, tuple[int, int]] = {}  # block -> (offset, loaded_for position)
+    ptr = 0
+    for _, b in seq:
+        if b in res:
+            continue
+        if ptr + sizes[b] > capacity:
+            break
+        res[b] = (ptr, 0)
+        ptr += sizes[b]
+    initial = {b: off for b, (off, _) in res.items()}
+    if ptr == capacity:
+        ptr = capacity  # full ring: the next upward placement wraps to 0
+
+    last_use: dict[int, int] = {}
+    last_after = -1
+    loads: list[Load] = []
+    seen: dict[tuple, int] = {}
+    states: list[dict[int, int]] = []
+    t = 0
+    loop = None
+    nsteps = extra = 0
+    for step in range(max_steps + 3):
+        key = (
+            ptr,
+            last_after - step * L if last_after >= 0 else None,
+            tuple(
+                sorted(
+                    (b, off, last_use.get(b, -1) >= lf, last_use.get(b, -(10**9)) - step * L)
+                    for b, (off, lf) in res.items()
+                )
+            ),
+        )
+        if loop is None and key in seen:
+            # Plan two more steps so that loads released in the last step but used in the next are known.
+            loop, nsteps, extra = seen[key], step, 2
+        if loop is not None:
+            if extra == 0:
+                break
+            extra -= 1
+        else:
+            seen[key] = step
+            states.append({b: off for b, (off, _) in res.items()})
+        for _ in range(L):
+            pas, b = seq[t % L]
+            if b not in res:
+                direction = 1 if pas == FWD else -1
+                start, new_ptr = _place(ptr, sizes[b], direction, capacity)
+                end = start + sizes[b]
+                claimed = [x for x, (off, _) in res.items() if off < end and start < off + sizes[x]]
+                after = last_after
+                for x in claimed:
+                    off_x, loaded_for = res[x]
+                    if loaded_for >= t or x not in last_use or last_use[x] < loaded_for:
+                        raise PlanError(
+                            f"ring of {capacity} bytes too small: loading block {b} would evict block {x} "
+                            "before it is used"
+                        )
+                    after = max(after, last_use[x])
+                for x in claimed:
+                    del res[x]
+                res[b] = (start, t)
+                ptr = new_ptr
+                loads.append(Load(b, start, after, t, tuple(sorted(claimed))))
+                last_after = after
+            last_use[b] = t
+            t += 1
+    if loop is None:
+        raise PlanError(f"schedule did not become periodic within {max_steps} steps")
+
+    # Group loads by the step their release point falls in; positions relative to that step.
+    per_step: list[list[Load]] = [[] for _ in range(nsteps)]
+    for ld in loads:
+        if ld.after < 0:
+            continue
+        s = ld.after // L
+        if s >= nsteps:
+            continue
+        per_step[s].append(Load(ld.block, ld.offset, ld.after - s * L, ld.use - s * L, ld.claims))
+    # Loads with after == -1 fit in free space at the start: they join the initial state.
+    for ld in loads:
+        if ld.after < 0:
+            initial[ld.block] = ld.offset
+    return Plan(
+        mode=mode,
+        sizes=sizes,
+        capacity=capacity,
+        sequence=seq,
+        initial=initial,
+        steps=tuple(tuple(s) for s in per_step),
+        loop=loop,
+        states=tuple(states[:nsteps]),
+    )
+
+
+# ------------------------------------------------------------------------------------ diagrams (tests, docs)
+
+
+def residency_rows(plan: Plan, steps: int = 1) -> list[tuple[str, int, dict[int, int]]]:
+    """Idealised view of the seed's diagrams: for each execution, (pass, block, {block: offset} in VRAM).
+
+    A load counts as done, and the blocks it claims as gone, from the position after its release point."""
+    L = len(plan.sequence)
+    state = dict(plan.initial)
+    pending: list[tuple[int, Load]] = []  # (global after, load)
+    rows = []
+    for s in range(steps):
+        for ld in plan.step_loads(s):
+            pending.append((s * L + ld.after, ld))
+        for i, (pas, b) in enumerate(plan.sequence):
+            t = s * L + i
+            for g, ld in [p for p in pending if p[0] < t]:
+                for x in ld.claims:
+                    state.pop(x, None)
+                state[ld.block] = ld.offset
+            pending = [p for p in pending if p[0] >= t]
+            rows.append((pas, b, dict(state)))
+    return rows
+
+
+def execution_diagram(plan: Plan, steps: int = 1) -> list[str]:
+    """Rows like the seed's execution diagrams: '->  ■ X X _'."""
+    n = len(plan.sizes)
+    out = []
+    for pas, b, state in residency_rows(plan, steps):
+        cells = ["■" if i == b else ("X" if i in state else "_") for i in range(n)]
+        out.append(("->  " if pas == FWD else "<-  ") + " ".join(cells))
+    return out
+
+
+def allocation_diagram(plan: Plan, steps: int = 1) -> list[str]:
+    """Rows like the seed's allocation diagram (equal block sizes): slot contents, '*07*' = executing."""
+    slot = plan.sizes[0]
+    nslots = plan.capacity // slot
+    out = []
+    for pas, b, state in residency_rows(plan, steps):
+        cells = []
+        for k in range(nslots):
+            who = [x for x, off in state.items() if off == k * slot]
+            label = f"{who[0]:02d}" if who else "  "
+            cells.append(f"*{label}*" if who and who[0] == b else f" {label} ")
+        out.append(("->  " if pas == FWD else "<-  ") + "".join(cells).rstrip())
+    return out
