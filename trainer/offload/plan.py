@@ -245,7 +245,7 @@ def residency_rows(plan: Plan, steps: int = 1) -> list[tuple[str, int, dict[int,
             pending.append((s * L + ld.after, ld))
         for i, (pas, b) in enumerate(plan.sequence):
             t = s * L + i
-            for g, ld in [p for p in pending if p[0] < t]:
+            for _g, ld in [p for p in pending if p[0] < t]:
                 for x in ld.claims:
                     state.pop(x, None)
                 state[ld.block] = ld.offset
