@@ -132,10 +132,37 @@ class SourceConfig(_Section):
 class DataConfig(_Section):
     sources: list[SourceConfig] = Field(min_length=1, description="One or more image sources.")
     resolutions: list[int] = Field(default=[512], min_length=1, description="Target side lengths; buckets keep ~res^2 pixels.")
-    crop: Literal["center", "random"] = Field(default="center", description="Crop after resizing to cover the bucket.")
-    strict: bool = Field(default=False, description="Stop on the first bad file instead of leaving it out.")
+    crop: Literal["center", "random"] = Field(
+        default="center",
+        description="Crop after resizing to cover the bucket. random: one seeded random crop per image (from "
+        "train.seed and the image content), fixed while the cache lives, not a new one each epoch.",
+    )
+    strict: bool = Field(
+        default=False,
+        description="Stop (listing every bad file) if any image is corrupt, unreadable, uncaptioned or too small, "
+        "instead of training without them.",
+    )
     cache_dir: Path = Field(default=Path("cache"), description="Folder for cached latents and text embeddings.")
     cache: bool = Field(default=True, description="Encode latents and captions once and reuse them.")
+    remainder: Literal["smaller", "wrap"] = Field(
+        default="smaller",
+        description="A bucket's last partial batch: smaller (train it as is) or wrap (fill it with images from the "
+        "start of the same bucket). No image is ever dropped.",
+    )
+    bucket_step: int = Field(
+        default=64,
+        ge=1,
+        description="Bucket sides step by this many pixels (capped at resolution/4, rounded to the family's "
+        "divisor); smaller steps fit aspect ratios closer but spread images over more buckets.",
+    )
+    max_aspect: float = Field(default=4.0, ge=1.0, description="Largest bucket side ratio (long side / short side).")
+    max_upscale: float = Field(
+        default=1.0,
+        ge=1.0,
+        description="Largest enlargement allowed to cover a bucket; an image needing more at every resolution is "
+        "left out as too small (1.0: never upscale).",
+    )
+    encode_batch_size: int = Field(default=4, ge=1, description="Images or captions per encoder call when caching.")
 
     @field_validator("resolutions")
     @classmethod

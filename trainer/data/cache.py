@@ -1,0 +1,330 @@
+"""Latent and text-embedding caches, and the `dittrain cache` command.
+
+Training never needs the VAE or the text encoders once every image's latent and every caption's embedding is
+stored: they are computed once here and read back each step. Entries are safetensors files (no pickle) under
+`data.cache_dir`:
+
+    <cache_dir>/latents/<vae id>/<k[:2]>/<k>.safetensors     k = hash(image content, bucket w x h, crop box)
+    <cache_dir>/text/<text id>/<k[:2]>/<k>.safetensors       k = hash(final caption text)
+
+The model id is a hash of what determines the encoder's output: family, dtype, and the folder's config files
+(by content) and weight files (by name and size) for the VAE (`vae/`) or the text encoders and tokenizers
+(`text_encoder*/`, `tokenizer*/`). So a changed image misses only its own entry (its content hash changed), a
+different VAE or dtype misses every latent but keeps the text entries, and a moved model folder still hits.
+Old entries are never deleted automatically (another config may share the folder); `cache_dir` can be removed
+at any time.
+
+The empty caption is always encoded too: caption dropout trains on its embedding.
+
+**Random crops.** With `data.crop: random` each image gets one random crop, drawn from (train.seed, image
+content), fixed for the life of the cache; the crop box is part of the key. It varies between images, not between
+epochs (a new crop each epoch would need the VAE in every step, which is what caching avoids).
+
+**Non-finite values.** A latent or embedding with NaN or inf is never written: the image (or every image with
+that caption) is left out with the reason, typically an fp16 overflow in the encoder. An entry that reads back
+non-finite (written by something else, or damaged) is deleted and re-encoded at start-up; `prepare_data` checks
+every latent at start-up and `dittrain cache` also every text entry; the batch loader checks what it reads.
+
+With `data.cache: false` the same code encodes into a dict in memory at start-up and keeps nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from ..errors import UserError
+from .images import BadImage, load_pixels
+
+CACHE_VERSION = "1"
+_SMALL_FILE = 1 << 20  # config / tokenizer files up to this size are hashed by content, weights by name + size
+
+
+# ---------------------------------------------------------------------------------------------- identity
+
+
+def model_identity(model_cfg, adapter, part: str) -> str:
+    """Short hash naming the encoder that produced a cache entry ("vae" or "text")."""
+    root = Path(model_cfg.path)
+    if part == "vae":
+        dirs = ["vae"]
+    else:
+        te = list(getattr(adapter, "text_encoder_dirs", ()) or ("text_encoder",))
+        dirs = te + [d.replace("text_encoder", "tokenizer") for d in te]
+    h = hashlib.sha256(f"{CACHE_VERSION}|{part}|{getattr(adapter, 'family', '?')}|{model_cfg.dtype}".encode())
+    for d in dirs:
+        folder = root / d
+        h.update(f"|dir:{d}".encode())
+        if not folder.is_dir():
+            h.update(b"<missing>")
+            continue
+        for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+            size = f.stat().st_size
+            h.update(f"|{f.relative_to(folder).as_posix()}:{size}".encode())
+            if size <= _SMALL_FILE:
+                h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+def latent_key(sha: str, bucket: tuple[int, int], box: tuple[int, int]) -> str:
+    return hashlib.sha256(f"{sha}|{bucket[0]}x{bucket[1]}|{box[0]},{box[1]}".encode()).hexdigest()[:32]
+
+
+def text_key(caption: str) -> str:
+    return hashlib.sha256(caption.encode("utf-8")).hexdigest()[:32]
+
+
+# ---------------------------------------------------------------------------------------------- stores
+
+
+class MemoryStore:
+    """`data.cache: false`: entries live in a dict for this run only."""
+
+    def __init__(self) -> None:
+        self._d: dict[str, dict[str, torch.Tensor]] = {}
+
+    def has(self, key: str) -> bool:
+        return key in self._d
+
+    def get(self, key: str) -> dict[str, torch.Tensor]:
+        return self._d[key]
+
+    def put(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        self._d[key] = tensors
+
+    def drop(self, key: str) -> None:
+        self._d.pop(key, None)
+
+    def where(self, key: str) -> str:
+        return "memory"
+
+
+class DiskStore:
+    """One safetensors file per entry, written atomically (temp file + rename)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    def where(self, key: str) -> str:
+        return str(self.folder / key[:2] / f"{key}.safetensors")
+
+    def has(self, key: str) -> bool:
+        return os.path.isfile(self.where(key))
+
+    def get(self, key: str) -> dict[str, torch.Tensor]:
+        try:
+            return load_file(self.where(key))
+        except (OSError, SafetensorError) as e:
+            raise UserError(f"cache entry {self.where(key)} is unreadable ({e}): delete it and run again") from None
+
+    def put(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        path = Path(self.where(key))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+
+    def drop(self, key: str) -> None:
+        Path(self.where(key)).unlink(missing_ok=True)
+
+
+def finite(tensors: dict[str, torch.Tensor]) -> bool:
+    # CPU tensors: no device sync.
+    return all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
+
+
+# ---------------------------------------------------------------------------------------------- encoding
+
+
+@dataclass
+class LatentJob:
+    """One latent to have in the store: the image, its bucket and crop, and who asked (for error reports)."""
+
+    key: str
+    file: str
+    bucket: tuple[int, int]
+    box: tuple[int, int]
+
+
+@dataclass
+class EncodeResult:
+    latents_new: int = 0
+    latents_hit: int = 0
+    texts_new: int = 0
+    texts_hit: int = 0
+    reencoded: int = 0
+    #: latent keys / captions that could not be encoded, with the reason
+    bad_latents: dict[str, str] = field(default_factory=dict)
+    bad_texts: dict[str, str] = field(default_factory=dict)
+    loaded_encoders: bool = False
+
+
+def _missing(store, keys: Iterable[str], verify: bool, res: EncodeResult) -> list[str]:
+    out = []
+    for k in keys:
+        if store.has(k):
+            if verify and not finite(store.get(k)):
+                store.drop(k)  # NaN / inf on disk: never train on it, encode it again
+                res.reencoded += 1
+                out.append(k)
+        else:
+            out.append(k)
+    return out
+
+
+def ensure_encoded(
+    adapter,
+    load_encoders: Callable[[], object],
+    latent_store,
+    text_store,
+    jobs: Sequence[LatentJob],
+    captions: Iterable[str],
+    *,
+    batch_size: int = 4,
+    verify_latents: bool = True,
+    verify_texts: bool = False,
+    progress: bool = True,
+) -> EncodeResult:
+    """Make sure every job's latent and every caption's embedding is in its store; encode what is missing.
+
+    `load_encoders()` is called at most once, only when something is missing; the components are freed before
+    returning."""
+    res = EncodeResult()
+    unique_jobs = list({j.key: j for j in jobs}.values())
+    todo_lat = set(_missing(latent_store, (j.key for j in unique_jobs), verify_latents, res))
+    caps = sorted(set(captions) | {""})
+    todo_txt = _missing(text_store, (text_key(c) for c in caps), verify_texts, res)
+    todo_txt_set = set(todo_txt)
+    todo_caps = [c for c in caps if text_key(c) in todo_txt_set]
+    res.latents_hit = len(unique_jobs) - len(todo_lat)
+    res.texts_hit = len(caps) - len(todo_caps)
+    if not todo_lat and not todo_caps:
+        return res
+
+    comps = load_encoders()
+    res.loaded_encoders = True
+    try:
+        if todo_lat:
+            _encode_latents(adapter, comps.vae, latent_store, [j for j in unique_jobs if j.key in todo_lat],
+                            batch_size, progress, res)
+        if todo_caps:
+            _encode_texts(adapter, comps, text_store, todo_caps, batch_size, progress, res)
+    finally:
+        del comps  # the encoders are not needed again this run
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if "" in res.bad_texts:
+        raise UserError(f"the empty caption's embedding is not finite ({res.bad_texts['']}); try model.dtype: bf16 or fp32")
+    return res
+
+
+def _device_dtype(module) -> tuple[torch.device, torch.dtype]:
+    p = next(iter(module.parameters()), None)
+    return (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
+
+
+def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int, progress: bool, res) -> None:
+    if vae is None:
+        raise RuntimeError("load_encoders() returned Components without a vae")
+    device, dtype = _device_dtype(vae)
+    by_bucket: dict[tuple[int, int], list[LatentJob]] = {}
+    for j in jobs:
+        by_bucket.setdefault(j.bucket, []).append(j)
+    chunks = [g[i : i + batch_size] for g in by_bucket.values() for i in range(0, len(g), batch_size)]
+    bar = tqdm(total=len(jobs), desc="encoding latents", unit="img", disable=not progress)
+    # Decoding and resizing release the GIL: a few threads keep the VAE fed.
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        for chunk in chunks:
+            pixels, ok = [], []
+            for j, px in zip(chunk, pool.map(_pixels_or_reason, chunk), strict=True):
+                if isinstance(px, str):
+                    res.bad_latents[j.key] = px
+                else:
+                    pixels.append(px)
+                    ok.append(j)
+            if ok:
+                batch = torch.stack(pixels).to(device=device, dtype=dtype)
+                with torch.no_grad():
+                    lat = adapter.encode_images(vae, batch).float().cpu()  # device->host sync, once per chunk
+                for j, x in zip(ok, lat, strict=True):
+                    t = {"latent": x.clone()}
+                    if not finite(t):
+                        res.bad_latents[j.key] = "VAE latent has NaN/inf (fp16 overflow? try model.dtype: bf16 or fp32)"
+                        continue
+                    store.put(j.key, t, {"file": j.file, "bucket": f"{j.bucket[0]}x{j.bucket[1]}",
+                                         "crop": f"{j.box[0]},{j.box[1]}", "version": CACHE_VERSION})
+                    res.latents_new += 1
+            bar.update(len(chunk))
+    bar.close()
+
+
+def _pixels_or_reason(job: LatentJob) -> torch.Tensor | str:
+    try:
+        return load_pixels(job.file, job.bucket, job.box)
+    except BadImage as e:
+        return f"{e} (changed since the scan?)"
+
+
+def _encode_texts(adapter, comps, store, captions: list[str], batch_size: int, progress: bool, res) -> None:
+    bar = tqdm(total=len(captions), desc="encoding captions", unit="cap", disable=not progress)
+    for i in range(0, len(captions), batch_size):
+        chunk = captions[i : i + batch_size]
+        with torch.no_grad():
+            out = adapter.encode_prompts(comps, chunk)
+        out = {k: v.detach().cpu() for k, v in out.items()}  # device->host sync, once per chunk
+        for n, cap in enumerate(chunk):
+            # clone: one caption's slice must not keep the whole batch alive (and safetensors refuses views)
+            t = {k: v[n].clone() for k, v in out.items()}
+            if not finite(t):
+                res.bad_texts[cap] = "text embedding has NaN/inf (fp16 overflow? try model.dtype: bf16 or fp32)"
+                continue
+            store.put(text_key(cap), t, {"caption": cap, "version": CACHE_VERSION})
+            res.texts_new += 1
+        bar.update(len(chunk))
+    bar.close()
+
+
+# ---------------------------------------------------------------------------------------------- command
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def encoder_loader(cfg, adapter, device: torch.device | str | None = None) -> Callable[[], object]:
+    """The default `load_encoders`: VAE + text encoders of `cfg.model` on `device` (default: train.device)."""
+
+    def load():
+        dev = device if device is not None else cfg.train.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        return adapter.load(cfg.model, parts={"vae", "text"}, dtype=_DTYPES[cfg.model.dtype], device=dev)
+
+    return load
+
+
+def run_cache(cfg) -> None:
+    """`dittrain cache`: scan, then encode every missing latent and caption into data.cache_dir."""
+    from ..models import get_adapter
+    from .pipeline import drop_encoding_failures, plan_data
+
+    if cfg.data is None:
+        raise UserError("the config has no data: section; `dittrain cache` needs data.sources")
+    adapter = get_adapter(cfg.model)
+    plan = plan_data(cfg, adapter, force_disk=True)
+    tqdm.write(plan.summary())
+    res = ensure_encoded(
+        adapter, encoder_loader(cfg, adapter), plan.latent_store, plan.text_store, plan.latent_jobs(),
+        plan.captions(), batch_size=cfg.data.encode_batch_size, verify_latents=True, verify_texts=True,
+    )
+    drop_encoding_failures(plan, res)
+    tqdm.write(plan.encode_summary(res))

@@ -1,0 +1,272 @@
+"""From a config to batches: scan -> buckets -> caches -> sampler -> `Batch`.
+
+`plan_data` does everything that needs no model weights (scan, bucket assignment, bad-input report, cache
+keys); `prepare_data` then makes sure the caches are complete (calling `load_encoders` only if they are not),
+builds the sampler and returns `TrainData`. A batch is read back from the stores by the sampler's position
+alone, so its content depends only on (seed, position): resume is exact and nothing is random at batch time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import UserError
+from .buckets import BucketSampler, Entry, Slot, assign_buckets
+from .cache import (
+    DiskStore,
+    EncodeResult,
+    LatentJob,
+    MemoryStore,
+    encoder_loader,
+    ensure_encoded,
+    finite,
+    latent_key,
+    model_identity,
+    text_key,
+)
+from .sources import Item, ScanReport, check_report, scan_sources
+
+
+@dataclass
+class Batch:
+    """One training micro-batch, all from one bucket.
+
+    latents: (B, C, h, w) float32 on the CPU, as `adapter.encode_images` returned them (move and cast them
+    yourself); text: `adapter.collate_text` of the cached entries (CPU); captions: the caption each sample trains
+    on ("" where dropped); files: the image of each sample; size: (height, width) of the bucket in pixels (for
+    `adapter.timestep_shift`); position: the sampler position this batch was drawn at."""
+
+    latents: torch.Tensor
+    text: dict[str, torch.Tensor]
+    captions: list[str]
+    files: list[str]
+    size: tuple[int, int]
+    position: int
+
+
+@dataclass
+class DataPlan:
+    """Everything known before any encoder runs."""
+
+    cfg: object  # Config
+    report: ScanReport
+    entries: list[Entry]
+    latent_store: DiskStore | MemoryStore
+    text_store: DiskStore | MemoryStore
+    divisor: int
+
+    @property
+    def items(self) -> list[Item]:
+        return self.report.items
+
+    def latent_key(self, e: Entry) -> str:
+        return latent_key(self.items[e.item].sha, e.bucket, e.box)
+
+    def latent_jobs(self) -> list[LatentJob]:
+        return [LatentJob(self.latent_key(e), self.items[e.item].file, e.bucket, e.box) for e in self.entries]
+
+    def captions(self) -> list[str]:
+        return sorted({it.caption for it in self.items})
+
+    def summary(self) -> str:
+        d = self.cfg.data
+        srcs = d.sources
+        found = ", ".join(f"{s.path}: {n} found" + (f" x{s.repeats}" if s.repeats > 1 else "")
+                          for s, n in zip(srcs, self.report.found, strict=True))
+        lines = [f"data: {len(self.items)} images from {len(srcs)} source{'s' * (len(srcs) > 1)} ({found}); "
+                 f"{len(self.report.bad)} left out"]
+        per: Counter = Counter()
+        imgs: Counter = Counter()
+        for e in self.entries:
+            per[(e.resolution, e.bucket)] += srcs[self.items[e.item].source].repeats
+            imgs[(e.resolution, e.bucket)] += 1
+        bs = self.cfg.train.batch_size
+        for r in sorted({e.resolution for e in self.entries}):
+            keys = sorted(k for k in per if k[0] == r)
+            lines.append(f"  resolution {r} (sides divisible by {self.divisor}): {len(keys)} buckets")
+            for k in keys:
+                w, h = k[1]
+                lines.append(f"    {w:>5}x{h:<5} {imgs[k]:>6} images, {per[k]:>6} per epoch, "
+                             f"{-(-per[k] // bs):>5} batches")
+        lines.append(f"  {sum(-(-n // bs) for n in per.values())} batches per epoch at batch size {bs} "
+                     f"(remainder: {d.remainder})")
+        lines += [f"  hint: {h}" for h in self.report.hints]
+        if self.report.bad:
+            lines.append(f"left out {len(self.report.bad)} files (data.strict: true stops instead):")
+            lines += self.report.bad_lines()
+        return "\n".join(lines)
+
+    def encode_summary(self, res: EncodeResult) -> str:
+        where = "memory" if isinstance(self.latent_store, MemoryStore) else str(self.cfg.data.cache_dir)
+        s = (f"cache ({where}): latents {res.latents_hit} reused, {res.latents_new} encoded; captions "
+             f"{res.texts_hit} reused, {res.texts_new} encoded")
+        if res.reencoded:
+            s += f"; {res.reencoded} non-finite entries re-encoded"
+        if res.bad_latents or res.bad_texts:
+            s += f"; {len(res.bad_latents) + len(res.bad_texts)} could not be encoded (see above)"
+        return s
+
+
+def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) -> DataPlan:
+    """Scan the sources, assign buckets and list bad input. Loads no model. Raises UserError on an empty or
+    missing data set, or on any bad file under data.strict."""
+    d = cfg.data
+    if d is None:
+        raise UserError("the config has no data: section (data.sources lists the image folders)")
+    disk = d.cache or force_disk
+    report = scan_sources(d.sources, index_dir=Path(d.cache_dir) if disk else None, progress=progress)
+    divisor = int(adapter.resolution_divisor)
+    entries, too_small = assign_buckets(
+        report.items, d.resolutions, divisor, crop=d.crop, seed=cfg.train.seed, max_upscale=d.max_upscale,
+        max_aspect=d.max_aspect, step=d.bucket_step,
+    )
+    for idx, reason in too_small:
+        report.bad.append((report.items[idx].file, reason))
+    entries = _keep_items(report, entries, {idx for idx, _ in too_small})
+    check_report(report, d.strict)
+    if disk:
+        latent_store = DiskStore(Path(d.cache_dir) / "latents" / model_identity(cfg.model, adapter, "vae"))
+        text_store = DiskStore(Path(d.cache_dir) / "text" / model_identity(cfg.model, adapter, "text"))
+    else:
+        latent_store, text_store = MemoryStore(), MemoryStore()
+    return DataPlan(cfg, report, entries, latent_store, text_store, divisor)
+
+
+def _keep_items(report: ScanReport, entries: list[Entry], drop: set[int]) -> list[Entry]:
+    """Remove items `drop` from the report and renumber the entries of the others."""
+    if not drop:
+        return entries
+    new_index, kept = {}, []
+    for i, it in enumerate(report.items):
+        if i not in drop:
+            new_index[i] = len(kept)
+            kept.append(it)
+    report.items = kept
+    return [Entry(new_index[e.item], e.resolution, e.bucket, e.box) for e in entries if e.item in new_index]
+
+
+class TrainData:
+    """What the training loop holds: the scan report, the sampler and batches read from the caches."""
+
+    def __init__(self, plan: DataPlan, adapter, encode: EncodeResult):
+        self.plan = plan
+        self.report = plan.report
+        self.encode = encode
+        self._adapter = adapter
+        cfg = plan.cfg
+        srcs = cfg.data.sources
+        self.entries = plan.entries
+        self._lat_keys = [plan.latent_key(e) for e in self.entries]
+        items = plan.items
+        self.sampler = BucketSampler(
+            [e.bucket for e in self.entries],
+            [srcs[items[e.item].source].repeats for e in self.entries],
+            [srcs[items[e.item].source].caption_dropout for e in self.entries],
+            batch_size=cfg.train.batch_size,
+            seed=cfg.train.seed,
+            remainder=cfg.data.remainder,
+            fingerprint="|".join(self._lat_keys),
+        )
+
+    def state_dict(self) -> dict:
+        """JSON-able; the sampler's state (see BucketSampler.state_dict)."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.sampler.batches_per_epoch
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def next_batch(self) -> Batch:
+        """The batch at the sampler's position; advances it (checkpoint `sampler.state_dict()` after the step)."""
+        pos = self.sampler.position
+        batch = self.batch_at(pos)
+        self.sampler.position = pos + 1
+        return batch
+
+    def batch_at(self, position: int) -> Batch:
+        """The batch at any position, without moving the sampler."""
+        slots: list[Slot] = self.sampler.batch_at(position)
+        lats, texts, caps, files = [], [], [], []
+        for s in slots:
+            e = self.entries[s.entry]
+            it = self.plan.items[e.item]
+            cap = "" if s.dropped else it.caption
+            lats.append(self._read(self.plan.latent_store, self._lat_keys[s.entry], it.file)["latent"])
+            texts.append(self._read(self.plan.text_store, text_key(cap), it.file))
+            caps.append(cap)
+            files.append(it.file)
+        bucket = self.entries[slots[0].entry].bucket
+        # Host-side stack of small cached tensors; the loop moves the batch to the device.
+        return Batch(torch.stack(lats), self._adapter.collate_text(texts), caps, files, (bucket[1], bucket[0]), position)
+
+    def _read(self, store, key: str, file: str) -> dict[str, torch.Tensor]:
+        if not store.has(key):
+            raise UserError(f"cache entry {store.where(key)} for {file} disappeared during the run; restart to re-encode it")
+        t = store.get(key)
+        if not finite(t):
+            store.drop(key)
+            raise UserError(
+                f"cache entry {store.where(key)} for {file} has NaN/inf values; it was deleted: resume the run "
+                "(or `dittrain cache`) to re-encode it"
+            )
+        return t
+
+
+def prepare_data(
+    cfg,
+    adapter,
+    load_encoders: Callable[[], object] | None = None,
+    *,
+    device: torch.device | str | None = None,
+    progress: bool = True,
+) -> TrainData:
+    """Scan, bucket, fill the caches (loading the encoders only if something is missing), build the sampler.
+
+    `load_encoders`: returns Components with the vae, text encoders and tokenizers; default: the adapter's own
+    loader on `device` (default train.device). Prints the data summary (tqdm.write) and returns `TrainData`."""
+    if load_encoders is None:
+        load_encoders = encoder_loader(cfg, adapter, device)
+    plan = plan_data(cfg, adapter, progress=progress)
+    tqdm.write(plan.summary())
+    res = ensure_encoded(
+        adapter, load_encoders, plan.latent_store, plan.text_store, plan.latent_jobs(), plan.captions(),
+        batch_size=cfg.data.encode_batch_size, verify_latents=True, progress=progress,
+    )
+    drop_encoding_failures(plan, res)
+    tqdm.write(plan.encode_summary(res))
+    return TrainData(plan, adapter, res)
+
+
+def drop_encoding_failures(plan: DataPlan, res: EncodeResult) -> None:
+    """Leave out entries whose latent or caption could not be encoded; items left with no entry are listed as
+    bad. Under data.strict any such failure stops the run."""
+    if not res.bad_latents and not res.bad_texts:
+        return
+    keep, reasons = [], {}
+    for e in plan.entries:
+        it = plan.items[e.item]
+        why = res.bad_latents.get(plan.latent_key(e)) or res.bad_texts.get(it.caption)
+        if why:
+            reasons.setdefault(e.item, why)
+        else:
+            keep.append(e)
+    kept_items = {e.item for e in keep}
+    gone = {i for i in reasons if i not in kept_items}
+    for i in sorted(gone):
+        plan.report.bad.append((plan.items[i].file, reasons[i]))
+        tqdm.write(f"left out: {plan.items[i].file}: {reasons[i]}")
+    plan.entries = _keep_items(plan.report, keep, gone)
+    check_report(plan.report, plan.cfg.data.strict)

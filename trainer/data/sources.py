@@ -1,0 +1,230 @@
+"""Finding the images and captions of every source, and the bad-input scan.
+
+A source is either a folder of images with same-named `.txt` captions beside them (searched recursively unless
+`recursive: false`), or a folder plus a `metadata.jsonl` whose lines are `{"file": "rel/path.png", "caption":
+"..."}` (file relative to the folder). Both give a list of `Item`s: one usable image with its final caption
+(prefix applied), its upright size and its content hash.
+
+The scan runs before any model is loaded and decodes every image completely, so a corrupt, truncated,
+zero-byte or unreadable file, a missing caption or a bad metadata line is found in seconds, not hours into a
+run. Each such file becomes a `(file, reason)` line in the report. The bucket step adds images too small for
+every bucket. What happens next (leave them out and say how many, or stop under `data.strict`) is decided by
+`check_report`.
+
+Decoding thousands of images on every start would be slow, so with the cache on, the scan keeps
+`<cache_dir>/scan-index.json`: per file its size, modification time, content hash and size in pixels. A file
+whose size and mtime are unchanged is not decoded again. Bad files are never indexed (they are re-checked every
+run, so a fixed file is picked up).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ..errors import UserError
+from .images import IMAGE_SUFFIXES, BadImage, open_image
+
+INDEX_NAME = "scan-index.json"
+
+
+@dataclass(frozen=True)
+class Item:
+    """One usable image: path, final caption, which source, upright size in pixels, sha256 of the bytes."""
+
+    file: str
+    caption: str
+    source: int
+    width: int
+    height: int
+    sha: str
+
+
+@dataclass
+class ScanReport:
+    items: list[Item] = field(default_factory=list)
+    #: (file, reason) for every file left out
+    bad: list[tuple[str, str]] = field(default_factory=list)
+    #: per source: how many candidate images it listed
+    found: list[int] = field(default_factory=list)
+    hints: list[str] = field(default_factory=list)
+
+    def bad_lines(self, limit: int = 50) -> list[str]:
+        lines = [f"  {f}: {r}" for f, r in self.bad[:limit]]
+        if len(self.bad) > limit:
+            lines.append(f"  ... and {len(self.bad) - limit} more")
+        return lines
+
+
+def join_caption(prefix: str, caption: str) -> str:
+    """`caption_prefix` + caption, with one space between unless the prefix already ends in whitespace."""
+    if not prefix:
+        return caption
+    if not caption:
+        return prefix.strip()
+    return prefix + caption if prefix[-1].isspace() else f"{prefix} {caption}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _folder_candidates(i: int, root: Path, recursive: bool, report: ScanReport) -> list[tuple[Path, str | None]]:
+    walk = root.rglob("*") if recursive else root.glob("*")
+    images = sorted(p for p in walk if p.suffix.lower() in IMAGE_SUFFIXES and not p.is_dir())
+    out: list[tuple[Path, str | None]] = []
+    missing = 0
+    for p in images:
+        txt = p.with_suffix(".txt")
+        if not txt.is_file():
+            report.bad.append((str(p), f"missing caption ({txt.name} not found)"))
+            missing += 1
+            continue
+        try:
+            out.append((p, txt.read_text(encoding="utf-8").strip()))
+        except UnicodeDecodeError:
+            report.bad.append((str(p), f"caption {txt.name} is not UTF-8 text"))
+        except OSError as e:
+            report.bad.append((str(p), f"caption {txt.name} unreadable ({e.strerror or e})"))
+    if missing and (root / "metadata.jsonl").is_file():
+        report.hints.append(
+            f"data.sources[{i}]: {missing} images have no .txt caption but {root / 'metadata.jsonl'} exists; "
+            "set metadata: metadata.jsonl to use it"
+        )
+    report.found.append(len(images))
+    return out
+
+
+def _metadata_path(i: int, root: Path, metadata: Path) -> Path:
+    # Relative paths are taken from the current directory like every path in a config; a bare name that only
+    # exists inside the source folder ("metadata.jsonl") is found there too.
+    if metadata.is_file():
+        return metadata
+    if not metadata.is_absolute() and (root / metadata).is_file():
+        return root / metadata
+    raise UserError(f"data.sources[{i}].metadata: file '{metadata}' not found (looked in . and in {root})")
+
+
+def _metadata_candidates(i: int, root: Path, metadata: Path, report: ScanReport) -> list[tuple[Path, str | None]]:
+    meta = _metadata_path(i, root, metadata)
+    out: list[tuple[Path, str | None]] = []
+    lines = meta.read_text(encoding="utf-8", errors="replace").splitlines()
+    n = 0
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        n += 1
+        where = f"{meta}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            report.bad.append((where, f"not valid JSON ({e.msg})"))
+            continue
+        if not isinstance(rec, dict) or not isinstance(rec.get("file"), str):
+            report.bad.append((where, 'expected an object with a "file" string'))
+            continue
+        path = root / rec["file"]
+        caption = rec.get("caption")
+        if not isinstance(caption, str):
+            report.bad.append((str(path), f'missing caption (no "caption" string at {where})'))
+            continue
+        if path.suffix.lower() not in IMAGE_SUFFIXES:
+            report.bad.append((str(path), f"not a JPEG/PNG/WebP file name ({where})"))
+            continue
+        if not path.exists():
+            report.bad.append((str(path), f"file not found ({where})"))
+            continue
+        out.append((path, caption.strip()))
+    report.found.append(n)
+    return out
+
+
+def scan_sources(sources, index_dir: Path | None = None, progress: bool = True) -> ScanReport:
+    """Scan every source (a list of `SourceConfig`). Raises `UserError` for a missing folder or an empty data set.
+
+    `index_dir`: where to keep the scan index (None: decode everything, keep nothing)."""
+    report = ScanReport()
+    per_source: list[list[tuple[Path, str | None]]] = []
+    for i, src in enumerate(sources):
+        root = Path(src.path)
+        if not root.exists():
+            raise UserError(f"data.sources[{i}].path: folder '{root}' not found")
+        if not root.is_dir():
+            raise UserError(f"data.sources[{i}].path: '{root}' is a file, expected a folder of images")
+        if src.metadata is not None:
+            per_source.append(_metadata_candidates(i, root, Path(src.metadata), report))
+        else:
+            per_source.append(_folder_candidates(i, root, src.recursive, report))
+    if sum(report.found) == 0:
+        where = ", ".join(str(s.path) for s in sources)
+        raise UserError(f"no images ({' '.join(IMAGE_SUFFIXES)}) found in {where}")
+
+    index_file = index_dir / INDEX_NAME if index_dir is not None else None
+    index = _read_index(index_file)
+    new_index: dict[str, dict] = {}
+    total = sum(len(c) for c in per_source)
+    bar = tqdm(total=total, desc="scanning images", unit="img", disable=not progress or total < 50, leave=False)
+    for i, (src, cands) in enumerate(zip(sources, per_source, strict=True)):
+        for path, caption in cands:
+            bar.update(1)
+            try:
+                st = path.stat()
+                key = str(path.resolve())
+                hit = index.get(key)
+                if hit and hit["size"] == st.st_size and hit["mtime_ns"] == st.st_mtime_ns:
+                    w, h, sha = hit["w"], hit["h"], hit["sha"]
+                else:
+                    im = open_image(path)
+                    w, h = im.size
+                    sha = _sha256(path)
+                new_index[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "w": w, "h": h, "sha": sha}
+            except BadImage as e:
+                report.bad.append((str(path), str(e)))
+                continue
+            except OSError as e:
+                report.bad.append((str(path), f"unreadable ({e.strerror or e})"))
+                continue
+            report.items.append(Item(str(path), join_caption(src.caption_prefix, caption or ""), i, w, h, sha))
+    bar.close()
+    if index_file is not None and new_index != index:
+        _write_index(index_file, {**index, **new_index})
+    return report
+
+
+def check_report(report: ScanReport, strict: bool) -> None:
+    """`data.strict`: any bad file stops the run. Always: nothing usable left stops the run."""
+    if report.bad and strict:
+        raise UserError(
+            f"data.strict is true and {len(report.bad)} input files are bad (fix or remove them, or set "
+            "data.strict: false to train without them):\n" + "\n".join(report.bad_lines(20))
+        )
+    if not report.items:
+        raise UserError(
+            f"no usable images: all {len(report.bad)} were left out:\n" + "\n".join(report.bad_lines(20))
+        )
+
+
+def _read_index(path: Path | None) -> dict[str, dict]:
+    if path is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # a damaged index only costs a re-scan
+
+
+def _write_index(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, sort_keys=True))
+    os.replace(tmp, path)  # atomic: a crash never leaves half an index
