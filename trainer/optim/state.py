@@ -1,0 +1,125 @@
+"""Optimizer state <-> safetensors + JSON, no pickle.
+
+A torch state dict is a tree of dicts, lists, tuples, numbers, strings and tensors. We walk it once: every
+tensor goes into a flat `{name: tensor}` dict for safetensors (its name is its path in the tree, e.g.
+`state/3/exp_avg`), and the tree itself, with each tensor replaced by `{"__tensor__": name}`, becomes JSON.
+Two shapes JSON cannot say directly are tagged: dicts with int keys (`state` is keyed by parameter index)
+as `{"__intdict__": [[k, v], ...]}` and tuples (Adam's `betas`) as `{"__tuple__": [...]}`. Tensors that
+share storage (bitsandbytes shares one quantisation map between parameters) are stored once and referenced
+by name, since safetensors refuses aliased tensors. Floats go through JSON's repr, which round-trips exactly.
+
+`save_optimizer_state(optimizer, folder)` writes `folder/optimizer.safetensors` with the JSON tree in the
+header metadata (key `dittrain.optimizer`), one file per checkpoint; the tensors are the optimizer's live
+state (copied to the CPU by safetensors as it writes), so write them before the next step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..errors import UserError
+
+FORMAT = "dittrain.optimizer/1"
+FILE_NAME = "optimizer.safetensors"
+_META_KEY = "dittrain.optimizer"
+
+
+def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[Any, str]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.numel():
+            storage = (t.untyped_storage().data_ptr(), str(t.device))
+            view = (*storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if view in seen:
+                return {"__tensor__": seen[view]}
+            if storage in seen:
+                t = t.clone()  # another view of a stored tensor's memory: safetensors wants no overlap
+            seen[view] = seen[storage] = path
+        tensors[path] = t.contiguous()
+        return {"__tensor__": path}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: _encode(v, _join(path, k), tensors, seen) for k, v in obj.items()}
+        if all(isinstance(k, int) for k in obj):
+            return {"__intdict__": [[k, _encode(v, _join(path, k), tensors, seen)] for k, v in obj.items()]}
+        raise TypeError(f"optimizer state at {path!r}: dict keys must be all str or all int")
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, _join(path, i), tensors, seen) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, _join(path, i), tensors, seen) for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    raise TypeError(f"optimizer state at {path!r}: cannot store a {type(obj).__name__} without pickle")
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}/{key}" if path else str(key)
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__intdict__" in obj:
+            return {int(k): _decode(v, tensors) for k, v in obj["__intdict__"]}
+        if "__tuple__" in obj:
+            return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+        return {k: _decode(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    return obj
+
+
+def optimizer_state_to_safetensors(optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, meta): the optimizer's `state_dict()` as safetensors-ready tensors and a JSON-able tree.
+
+    Works for torch optimizers, `Fp32StepOptimizer` and `FusedBackPass`. The tensors alias the live state.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _encode(optimizer.state_dict(), "", tensors, {})
+    return tensors, {"format": FORMAT, "state_dict": tree}
+
+
+def optimizer_state_from_safetensors(optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Load (tensors, meta) from `optimizer_state_to_safetensors` into an optimizer built the same way."""
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"optimizer state format {meta.get('format')!r}, expected {FORMAT!r}")
+    optimizer.load_state_dict(_decode(meta["state_dict"], tensors))
+
+
+def save_optimizer_state(optimizer, folder: str | Path) -> Path:
+    """Write `folder/optimizer.safetensors` (tensors, with the JSON tree in the header). Returns the path."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # host-device sync: state copied off the GPU asynchronously must be complete
+    tensors, meta = optimizer_state_to_safetensors(optimizer)
+    path = Path(folder) / FILE_NAME
+    save_file(tensors, str(path), metadata={_META_KEY: json.dumps(meta)})
+    return path
+
+
+def load_optimizer_state(optimizer, folder: str | Path) -> None:
+    """Load `folder/optimizer.safetensors` into `optimizer` (built with the same parameters and config)."""
+    path = Path(folder) / FILE_NAME
+    if not path.is_file():
+        raise UserError(f"{path}: optimizer state missing; the checkpoint is incomplete, resume from another one")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+        raise UserError(f"{path}: cannot read the optimizer state ({e}); resume from another checkpoint") from None
+    if _META_KEY not in header:
+        raise UserError(f"{path}: not a dittrain optimizer state (no {_META_KEY!r} header)")
+    try:
+        optimizer_state_from_safetensors(optimizer, tensors, json.loads(header[_META_KEY]))
+    except (ValueError, KeyError) as e:
+        raise UserError(
+            f"{path}: optimizer state does not fit this run's parameters or optimizer ({e}); "
+            "resume with the config it was saved with"
+        ) from None
