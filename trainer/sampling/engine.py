@@ -23,6 +23,7 @@ its batch), VAE tiling for very large images, negative prompts for Flux's "true 
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,6 +74,14 @@ def release_text_encoders(pipe) -> None:
         torch.cuda.empty_cache()
 
 
+class _DropMaskNotice(logging.Filter):
+    """Qwen-Image's pipeline warns when `prompt_embeds_mask` is None, but its own `encode_prompt` returns None for
+    an unpadded prompt (every token valid), which is what we pass back: the warning would be noise on each image."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "_mask` is not provided" not in record.getMessage()
+
+
 def _to(embeds: Embeds, device: torch.device) -> Embeds:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in embeds.items()}
 
@@ -120,6 +129,8 @@ def generate(
         pipe.transformer = transformer  # a reference swap: no weights are copied
     model.eval()
     pipe.set_progress_bar_config(disable=not progress, leave=False)
+    pipe_logger, quiet = logging.getLogger(type(pipe).__module__), _DropMaskNotice()
+    pipe_logger.addFilter(quiet)
     try:
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = (
@@ -153,6 +164,7 @@ def generate(
             images.append(out.images[0])
         return images
     finally:
+        pipe_logger.removeFilter(quiet)
         model.train(was_training)
         if transformer is not None:
             pipe.transformer = old

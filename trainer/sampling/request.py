@@ -52,6 +52,12 @@ class SampleSettings:
     height: int
     negative_prompt: str = ""
 
+    @classmethod
+    def from_config(cls, sample_cfg) -> SampleSettings:
+        """The config's `sample:` section as settings (what sampling during training uses)."""
+        s = sample_cfg
+        return cls(s.steps, s.guidance, s.width, s.height, s.negative_prompt)
+
 
 @dataclass(frozen=True)
 class Job:
