@@ -287,6 +287,9 @@ def make_tiny_models(out: str | Path, families: list[str] | None = None) -> list
     if unknown:
         raise UserError(f"make-tiny: unknown family {unknown[0]!r} (choose from {', '.join(VARIANTS)})")
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # deterministic tokenizer training
+    from ._diffusers import _quiet
+
+    _quiet()
     written = []
     for fam in families:
         for name in VARIANTS[fam]:

@@ -1,0 +1,264 @@
+"""Model adapters on the tiny models: loading (folder and single file), path errors, forward + backward, block
+lists, LoRA targets, timestep shift, and agreement with each family's own diffusers pipeline."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.config import ModelConfig
+from trainer.errors import UserError
+from trainer.models import get_adapter
+from trainer.models._diffusers import pack_2x2, unpack_2x2
+
+VARIANTS = {"flux": "flux", "flux-schnell": "flux", "sd3": "sd3", "qwen_image": "qwen_image"}
+ALL = {"transformer", "vae", "text", "scheduler"}
+PROMPTS = ["a red square on a blue background", "a cat"]
+
+
+def _mc(root: Path, name: str, **kw) -> ModelConfig:
+    return ModelConfig(family=VARIANTS[name], path=root / name, dtype="fp32", **kw)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_models):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            mc = _mc(tiny_models, name)
+            adapter = get_adapter(mc)
+            cache[name] = (adapter, adapter.load(mc, parts=ALL, dtype=torch.float32))
+        return cache[name]
+
+    return get
+
+
+def _batch(adapter, comps, b=2, side=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    text = adapter.encode_prompts(comps, PROMPTS[:b])
+    text = adapter.collate_text([{k: v[i] for k, v in text.items()} for i in range(b)])
+    f = adapter.vae_scale_factor
+    lat = torch.randn(b, adapter.latent_channels, side // f, side // f, generator=g)
+    return lat, torch.rand(b, generator=g), text
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_forward_backward_finite_grads(loaded, name):
+    adapter, comps = loaded(name)
+    tr = comps.transformer
+    tr.requires_grad_(True)
+    tr.zero_grad()
+    lat, t, text = _batch(adapter, comps)
+    out = adapter.predict(tr, lat, t, text, guidance=3.5)
+    assert out.shape == lat.shape
+    out.float().square().mean().backward()
+    missing = [n for n, p in tr.named_parameters() if p.grad is None]
+    # Qwen-Image drops the text stream after the last block: that block's text output projection and text MLP
+    # get no gradient (a LoRA there stays at its init).
+    last = f"transformer_blocks.{len(adapter.blocks(tr)) - 1}."
+    unused = (last + "attn.to_add_out.", last + "txt_mlp.")
+    expected = [n for n in missing if name == "qwen_image" and n.startswith(unused)]
+    assert (len(expected) == 6) == (name == "qwen_image")
+    assert missing == expected
+    bad = [n for n, p in tr.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    assert not bad
+    assert any(p.grad.abs().sum() > 0 for p in tr.parameters() if p.grad is not None)
+    tr.zero_grad(set_to_none=True)
+    tr.requires_grad_(False)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_blocks_in_execution_order_cover_block_params(loaded, name):
+    adapter, comps = loaded(name)
+    tr = comps.transformer
+    blocks = adapter.blocks(tr)
+    order = []
+    hooks = [b.register_forward_hook(lambda m, a, o, i=i: order.append(i)) for i, b in enumerate(blocks)]
+    try:
+        with torch.no_grad():
+            adapter.predict(tr, *_batch(adapter, comps, b=1))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert order == list(range(len(blocks)))
+    in_blocks = [id(p) for b in blocks for p in b.parameters()]
+    assert len(in_blocks) == len(set(in_blocks))
+    lists = [n for n in ("transformer_blocks", "single_transformer_blocks") if hasattr(tr, n)]
+    under = {id(p) for n, p in tr.named_parameters() if n.split(".")[0] in lists}
+    assert set(in_blocks) == under
+    assert len(under) < len(list(tr.parameters()))  # embedders and final norm are not blocks
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_default_lora_targets_match_inside_blocks(loaded, name):
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    adapter, comps = loaded(name)
+    tr = comps.transformer.__class__.from_config(comps.transformer.config)
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=list(adapter.default_lora_targets)), tr)
+    keys = list(get_peft_model_state_dict(tr))
+    assert keys and all(k.split(".")[0] in ("transformer_blocks", "single_transformer_blocks") for k in keys)
+    for target in adapter.default_lora_targets:
+        assert any(f".{target}.lora_A" in k for k in keys), target
+
+
+def test_interfaces_and_shift(loaded):
+    expected = {  # name: (divisor, latent channels, text keys, shift at 1024^2, shift at 256^2)
+        "flux": (16, 4, {"prompt_embeds", "pooled_prompt_embeds"}, 1.15, 0.5),
+        "flux-schnell": (16, 4, {"prompt_embeds", "pooled_prompt_embeds"}, 0.0, 0.0),
+        "sd3": (16, 4, {"prompt_embeds", "pooled_prompt_embeds"}, 1.0986, 1.0986),
+        "qwen_image": (16, 4, {"prompt_embeds", "prompt_embeds_mask"}, 0.6935, 0.5),
+    }
+    for name, (div, ch, keys, log_s1024, log_s256) in expected.items():
+        adapter, comps = loaded(name)
+        assert (adapter.resolution_divisor, adapter.latent_channels) == (div, ch)
+        assert set(adapter.encode_prompts(comps, ["x"])) == keys
+        assert adapter.timestep_shift(1024, 1024) == pytest.approx(torch.tensor(log_s1024).exp().item(), rel=1e-3)
+        assert adapter.timestep_shift(256, 256) == pytest.approx(torch.tensor(log_s256).exp().item(), rel=1e-3)
+        # The scheduler itself shifts a sigma the same way when given the pipelines' mu.
+        sched = comps.scheduler.__class__.from_config({**comps.scheduler.config, "shift_terminal": None})
+        s = adapter.timestep_shift(512, 512)
+        mu = torch.tensor(s).log().item() if sched.config.use_dynamic_shifting else None
+        sched.set_timesteps(sigmas=[0.3], mu=mu)
+        assert sched.sigmas[0].item() == pytest.approx(s * 0.3 / (1 + (s - 1) * 0.3), rel=1e-5)
+
+
+def test_qwen_collate_pads_and_masks(loaded):
+    adapter, comps = loaded("qwen_image")
+    enc = adapter.encode_prompts(comps, PROMPTS)
+    items = [{k: v[i] for k, v in enc.items()} for i in range(2)]
+    n0, n1 = (int(it["prompt_embeds_mask"].sum()) for it in items)
+    assert n0 > n1
+    both = adapter.collate_text(items)
+    assert both["prompt_embeds"].shape[1] == n0 and both["prompt_embeds_mask"].sum(1).tolist() == [n0, n1]
+    one = adapter.collate_text(items[1:])  # no padding needed: no mask, as the pipeline does
+    assert set(one) == {"prompt_embeds"} and one["prompt_embeds"].shape[1] == n1
+
+
+def _capture(pipe):
+    seen = {}
+
+    def hook(_m, _args, kwargs, out):
+        if "kw" not in seen:
+            seen["kw"], seen["out"] = kwargs, out[0]
+
+    return seen, pipe.transformer.register_forward_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_predict_matches_pipeline_transformer_call(loaded, name):
+    adapter, comps = loaded(name)
+    pipe = adapter.pipeline(comps)
+    pipe.set_progress_bar_config(disable=True)
+    seen, h = _capture(pipe)
+    try:
+        extra = {"guidance_scale": 1.0} if name == "sd3" else {"guidance_scale": 3.5} if name == "flux" else {}
+        pipe(PROMPTS, num_inference_steps=2, height=64, width=64, output_type="latent",
+             generator=torch.Generator().manual_seed(0), **extra)
+    finally:
+        h.remove()
+    kw, ref = seen["kw"], seen["out"]
+    sigma = pipe.scheduler.sigmas[0].item()
+    packed = adapter.patch_size == 2 and kw["hidden_states"].ndim == 3
+    lat = unpack_2x2(kw["hidden_states"], 8, 8) if packed else kw["hidden_states"]
+    if packed:
+        assert torch.equal(pack_2x2(lat), kw["hidden_states"])
+    text = adapter.encode_prompts(comps, PROMPTS)
+    text = adapter.collate_text([{k: v[i] for k, v in text.items()} for i in range(2)])
+    assert torch.allclose(text["prompt_embeds"], kw["encoder_hidden_states"], atol=1e-6)
+    if "pooled_prompt_embeds" in text:
+        assert torch.allclose(text["pooled_prompt_embeds"], kw["pooled_projections"], atol=1e-6)
+    if name == "qwen_image":
+        assert torch.equal(text["prompt_embeds_mask"], kw["encoder_hidden_states_mask"])
+    with torch.no_grad():
+        out = adapter.predict(comps.transformer, lat, torch.full((2,), sigma), text, guidance=3.5)
+    ref = unpack_2x2(ref, 8, 8) if packed else ref
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), (out - ref).abs().max()
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_pipeline_from_folder_makes_image(tiny_models, name):
+    adapter = get_adapter(_mc(tiny_models, name))
+    pipe = adapter.pipeline_cls.from_pretrained(str(tiny_models / name), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    img = pipe("a red square", num_inference_steps=2, height=64, width=64, output_type="pt",
+               generator=torch.Generator().manual_seed(0)).images
+    assert img.shape == (1, 3, 64, 64) and torch.isfinite(img).all()
+
+
+@pytest.mark.parametrize("name", ["flux", "qwen_image"])
+def test_encode_images_inverts_pipeline_decode_scaling(loaded, name):
+    adapter, comps = loaded(name)
+    px = torch.rand(1, 3, 64, 64) * 2 - 1
+    lat = adapter.encode_images(comps.vae, px)
+    assert lat.shape == (1, adapter.latent_channels, 8, 8)
+    c = comps.vae.config
+    if name == "qwen_image":  # QwenImagePipeline: latents / (1 / std) + mean, on (B, C, 1, h, w)
+        raw = comps.vae.encode(px.unsqueeze(2)).latent_dist.mode()[:, :, 0]
+        back = lat / (1.0 / torch.tensor(c.latents_std).view(1, -1, 1, 1)) + torch.tensor(c.latents_mean).view(1, -1, 1, 1)
+    else:  # FluxPipeline: latents / scaling_factor + shift_factor
+        raw = comps.vae.encode(px).latent_dist.mode()
+        back = lat / c.scaling_factor + c.shift_factor
+    assert torch.allclose(back, raw, atol=1e-5)
+
+
+def test_single_file_transformer_matches_folder(tiny_models, loaded, tmp_path):
+    from safetensors.torch import save_file
+
+    adapter, comps = loaded("flux")
+    f = tmp_path / "flux-transformer.safetensors"
+    save_file({k: v.contiguous() for k, v in comps.transformer.state_dict().items()}, str(f))
+    mc = _mc(tiny_models, "flux", transformer_file=f)
+    tr = get_adapter(mc).load(mc, parts={"transformer"}, dtype=torch.float32).transformer
+    batch = _batch(adapter, comps, b=1)
+    with torch.no_grad():
+        assert torch.equal(adapter.predict(tr, *batch), adapter.predict(comps.transformer, *batch))
+
+
+def test_parts_load_only_what_is_asked(tiny_models):
+    mc = _mc(tiny_models, "sd3")
+    c = get_adapter(mc).load(mc, parts={"vae", "text"}, dtype=torch.float32)
+    assert c.transformer is None and c.scheduler is None and c.vae is not None
+    assert len(c.text_encoders) == 3 and len(c.tokenizers) == 3
+
+
+def test_bad_paths_are_user_errors_naming_the_path(tiny_models, tmp_path):
+    def fails(mc, parts, *needles):
+        with pytest.raises(UserError) as e:
+            get_adapter(mc).load(mc, parts=parts, dtype=torch.float32)
+        for n in needles:
+            assert str(n) in str(e.value), str(e.value)
+
+    missing = tmp_path / "nope"
+    fails(ModelConfig(family="flux", path=missing), ALL, missing, "diffusers-format")
+    fails(ModelConfig(family="flux", path=tmp_path), {"transformer"}, tmp_path / "transformer/config.json", "transformer/")
+    fails(_mc(tiny_models, "flux", transformer_file=tmp_path / "t.safetensors"), {"transformer"}, tmp_path / "t.safetensors")
+    fails(ModelConfig(family="flux", path=tiny_models / "sd3"), {"transformer"}, "SD3Transformer2DModel", "flux")
+    fails(ModelConfig(family="sd3", path=tiny_models / "flux"), {"text"}, tiny_models / "flux" / "text_encoder_3")
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(b"x")
+    fails(_mc(tiny_models, "flux", transformer_file=bad), {"transformer"}, bad, ".safetensors")
+
+
+def test_make_tiny_is_deterministic_and_qwen_template_is_34_tokens(tiny_models, tmp_path):
+    from trainer.models.qwen_image import TEMPLATE, TEMPLATE_DROP
+    from trainer.models.tiny import make_tiny_models
+
+    (again,) = make_tiny_models(tmp_path, families=["qwen_image"])
+
+    def digest(folder: Path) -> dict[str, str]:
+        return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(folder.rglob("*")) if p.is_file()}
+
+    assert digest(again) == digest(tiny_models / "qwen_image")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(again / "tokenizer"), local_files_only=True)
+    prefix = TEMPLATE.split("{}")[0]
+    assert len(tok(prefix).input_ids) == TEMPLATE_DROP
+    with pytest.raises(UserError, match="unknown family"):
+        make_tiny_models(tmp_path, families=["sdxl"])
