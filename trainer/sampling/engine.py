@@ -128,7 +128,7 @@ def generate(
     if transformer is not None:
         pipe.transformer = transformer  # a reference swap: no weights are copied
     model.eval()
-    pipe.set_progress_bar_config(disable=not progress, leave=False)
+    pipe.set_progress_bar_config(disable=not progress, leave=False, desc="steps")
     pipe_logger, quiet = logging.getLogger(type(pipe).__module__), _DropMaskNotice()
     pipe_logger.addFilter(quiet)
     try:
