@@ -95,6 +95,7 @@ def generate(
     seeds: Sequence[int],
     transformer: torch.nn.Module | None = None,
     progress: bool = False,
+    output_type: str = "pil",
 ) -> list[Image.Image]:
     """Images for `prompts[i]` with `seeds[i]`, one pipeline call each.
 
@@ -114,6 +115,8 @@ def generate(
 
         images = generate(components, adapter, embeds, settings=s, seeds=[cfg.sample.seed + i ...],
                           transformer=model)
+
+    `output_type`: "pil" (default), or "np" / "pt" for float images in [0, 1] (exactness tests compare those).
 
     The model's blocks must be reachable on the pipeline's device while it runs (resident, or streamed by an
     offload handle in a mode that allows forward-only passes).
@@ -159,7 +162,7 @@ def generate(
                 width=settings.width,
                 num_inference_steps=settings.steps,
                 generator=generator,
-                output_type="pil",
+                output_type=output_type,
             )
             images.append(out.images[0])
         return images
