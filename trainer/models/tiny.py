@@ -22,6 +22,7 @@ embedding, fixed shift 1), sd3 (SD3.5-like: qk RMS norm and dual-attention block
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -74,16 +75,46 @@ def _bpe_vocab_merges(tok) -> tuple[dict[str, int], list[tuple[str, str]]]:
     return model["vocab"], merges
 
 
+def _learn_bpe(words: dict[tuple[str, ...], int], merges: int) -> list[tuple[str, str]]:
+    """Plain BPE merge learning with deterministic tie-breaking (highest count, then the smallest pair).
+
+    Used for CLIP, whose end-of-word suffix makes the `tokenizers` trainer number its initial symbols in hash
+    order (different on every run); the corpus is tiny, so a direct loop is fast enough."""
+    words = dict(words)
+    out = []
+    for _ in range(merges):
+        pairs: dict[tuple[str, str], int] = {}
+        for w, n in words.items():
+            for pair in zip(w, w[1:], strict=False):
+                pairs[pair] = pairs.get(pair, 0) + n
+        if not pairs:
+            break
+        best = min(pairs, key=lambda pr: (-pairs[pr], pr))
+        out.append(best)
+        joined = best[0] + best[1]
+        new = {}
+        for w, n in words.items():
+            sym, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    sym.append(joined)
+                    i += 2
+                else:
+                    sym.append(w[i])
+                    i += 1
+            new[tuple(sym)] = new.get(tuple(sym), 0) + n
+        words = new
+    return out
+
+
 def _clip_tokenizer():
-    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
-    from tokenizers.models import BPE
-    from tokenizers.trainers import BpeTrainer
+    from tokenizers import Regex, normalizers, pre_tokenizers
     from transformers import CLIPTokenizer
 
-    tok = Tokenizer(BPE(unk_token="<|endoftext|>", end_of_word_suffix="</w>"))
-    # The same normalizer and pre-tokenizer as transformers' CLIPTokenizer.
-    tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()])
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
+    # The same normalizer and pre-tokenizer as transformers' CLIPTokenizer; they come from `tokenizers`, the merge
+    # learning is `_learn_bpe`.
+    norm = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()])
+    pre = pre_tokenizers.Sequence([
         pre_tokenizers.Split(
             Regex(r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""),
             behavior="removed",
@@ -91,34 +122,40 @@ def _clip_tokenizer():
         ),
         pre_tokenizers.ByteLevel(add_prefix_space=False),
     ])
-    trainer = BpeTrainer(
-        vocab_size=600,
-        special_tokens=["<|startoftext|>", "<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        end_of_word_suffix="</w>",
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    vocab, merges = _bpe_vocab_merges(tok)
+    words: dict[tuple[str, ...], int] = {}
+    for line in _corpus():
+        for w, _ in pre.pre_tokenize_str(norm.normalize_str(line)):
+            key = (*w[:-1], w[-1] + "</w>")
+            words[key] = words.get(key, 0) + 1
+    merges = _learn_bpe(words, 300)
+    # Vocabulary laid out like the real one: 256 byte symbols, the same with </w>, merges, specials last.
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = alphabet + [c + "</w>" for c in alphabet] + [a + b for a, b in merges]
+    tokens = list(dict.fromkeys(tokens)) + ["<|startoftext|>", "<|endoftext|>"]
+    vocab = {t: i for i, t in enumerate(tokens)}
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
 
 
 def _t5_tokenizer():
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers.models import Unigram
-    from tokenizers.trainers import UnigramTrainer
+    from tokenizers import pre_tokenizers
     from transformers import T5Tokenizer
 
-    tok = Tokenizer(Unigram())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
+    # A sentencepiece-style unigram vocabulary estimated by counting: every corpus word (with its "▁" word-start
+    # marker) and every character, scored by log relative frequency. The `tokenizers` UnigramTrainer gives
+    # slightly different scores and piece orders on every run (EM over hash-ordered candidates); counting is
+    # exact, so the same corpus always yields the same files.
+    pre = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)]
     )
-    trainer = UnigramTrainer(
-        vocab_size=400, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>", show_progress=False
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    vocab = [(p, float(s)) for p, s in json.loads(tok.to_str())["model"]["vocab"]]
-    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=512)
+    counts: dict[str, int] = {}
+    for line in _corpus():
+        for w, _ in pre.pre_tokenize_str(line):
+            for piece in (w, *w):
+                counts[piece] = counts.get(piece, 0) + 1
+    total = sum(counts.values())
+    pieces = sorted(((p, round(math.log(n / total), 6)) for p, n in counts.items()), key=lambda ps: (-ps[1], ps[0]))
+    specials = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]  # ids 0, 1, 2 as in T5
+    return T5Tokenizer(vocab=specials + pieces, extra_ids=0, model_max_length=512)
 
 
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
