@@ -18,7 +18,11 @@ STEPS = 4
 def _mlp() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)
+        torch.nn.Linear(8, 16),
+        torch.nn.GELU(),
+        torch.nn.Linear(16, 16),
+        torch.nn.GELU(),
+        torch.nn.Linear(16, 4),
     )
 
 
@@ -84,7 +88,7 @@ def test_fused_equals_unfused_bitwise(make, name):
     got, lrs_fused = _train(copy.deepcopy(start), cfg, fused=True)
     assert lrs == lrs_fused and lrs[0] < lrs[1] > lrs[-1]  # warmup, then cosine decay
     trained = 0
-    for (n, a), b, s in zip(ref.named_parameters(), got.parameters(), start.parameters()):
+    for (n, a), b, s in zip(ref.named_parameters(), got.parameters(), start.parameters(), strict=True):
         assert torch.equal(a, b), n
         trained += not torch.equal(a, s)
     assert trained == sum(p.requires_grad for p in start.parameters())  # every trainable weight moved
@@ -128,7 +132,7 @@ def test_step_hooks_see_the_state_the_optimizer_uses():
 
     got, _ = _train(copy.deepcopy(start), _cfg("adamw"), fused=True, hooks=[(pre, post)])
     assert calls == ["pre", "post"] * (STEPS * len(list(start.parameters())))
-    for a, b in zip(ref.parameters(), got.parameters()):
+    for a, b in zip(ref.parameters(), got.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -139,7 +143,7 @@ def test_state_offload_hooks_on_cpu_keep_results():
     offload = StateOffload(list(model.parameters()), pin=False)
     got, _ = _train(model, _cfg("adafactor"), fused=True, hooks=[(offload.pre, offload.post)])
     offload.synchronize()
-    for a, b in zip(ref.parameters(), got.parameters()):
+    for a, b in zip(ref.parameters(), got.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -154,15 +158,15 @@ def test_disable_leaves_grads_and_weights():
         torch.nn.functional.mse_loss(model(x), y).backward()
     assert fb.enabled and fb.stepped == 0
     assert all(p.grad is not None for p in params)
-    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
     opt.zero_grad(set_to_none=True)
     fb.disable()
     torch.nn.functional.mse_loss(model(x), y).backward()
-    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
     opt.zero_grad(set_to_none=True)
     fb.enable()
     torch.nn.functional.mse_loss(model(x), y).backward()
-    assert all(not torch.equal(a, b) for a, b in zip(before, params))
+    assert all(not torch.equal(a, b) for a, b in zip(before, params, strict=True))
     assert fb.lr == 3e-2  # no scheduler attached here
 
 

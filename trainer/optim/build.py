@@ -48,8 +48,13 @@ def _factory(cfg: OptimizerConfig) -> Callable[[list[dict]], torch.optim.Optimiz
         from transformers.optimization import Adafactor
 
         return lambda groups: Adafactor(
-            groups, lr=cfg.lr, weight_decay=cfg.weight_decay, beta1=None,
-            relative_step=False, scale_parameter=False, warmup_init=False,
+            groups,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            beta1=None,
+            relative_step=False,
+            scale_parameter=False,
+            warmup_init=False,
         )
     if cfg.name == "adamw8bit":
         if not torch.cuda.is_available():
@@ -119,7 +124,7 @@ class _Schedule(LambdaLR):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
             group["lr"] = lr
 
 

@@ -19,13 +19,14 @@ What the training loop must do differently (the contract):
 - Gradient accumulation and global-norm clipping cannot work this way (each parameter steps before the other
   gradients exist); config.py `_combinations` rejects both with the fix to apply.
 
-Hook point for offloading. `add_step_hooks(pre=, post=)` registers callables `f(param, state)` run right before
-and after each parameter's step, where `state` is that parameter's optimizer state dict (the same dict object
-the optimizer fills on its first step; empty before it). A pre hook can bring state tensors to the
-parameter's device, a post hook can move them back to CPU RAM and record that the parameter's new values are
-ready to be written back; `synchronize` runs before the state is read on the host. `StateOffload` is a ready-made pair that keeps the state of chosen parameters in
-(pinned) CPU RAM between steps. `step_param(p)` is public too, for an offloader that prefers to call the step
-from its own hooks (create the FusedBackPass with `params=` the ones it should hook itself).
+Hook point for offloading. `add_step_hooks(pre=, post=, synchronize=)` registers callables `f(param, state)`
+run right before and after each parameter's step, where `state` is that parameter's optimizer state dict (the
+same dict object the optimizer fills on its first step; empty before it). A pre hook can bring state tensors
+to the parameter's device, a post hook can move them back to CPU RAM and record that the parameter's new
+values are ready to be written back; `synchronize()` runs before the state is read on the host. `StateOffload`
+is a ready-made pair that keeps the state of chosen parameters in (pinned) CPU RAM between steps.
+`step_param(p)` is public too, for an offloader that prefers to call the step from its own hooks (create the
+FusedBackPass with `params=` the ones it should hook itself).
 
 Numbers: in fp32 on the CPU the weights after N steps equal those of `optimizer.step()` after backward,
 bitwise (tests/test_optim_fused.py), for AdamW and Adafactor, with weight decay and a warmup + cosine schedule.

@@ -26,26 +26,33 @@ import torch
 class NarrowStep:
     """`narrow(p)` runs `optimizer.step()` as if `p` were its only parameter.
 
-    The per-parameter lists are built once here, so a step allocates nothing on the Python side.
-    Parameters added to the optimizer later (`add_param_group`) are not known to this object.
+    The group is looked up by index at each call: `Optimizer.load_state_dict` replaces the group dicts (a
+    cached dict would keep stepping with the hyper-parameters, e.g. the lr, of before the load). The one-item
+    lists are reused, so a step allocates nothing on the Python side. Parameters added to the optimizer later
+    (`add_param_group`) are not known to this object.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
-        self._one: dict[torch.Tensor, tuple[dict, list, list]] = {}
-        for group in optimizer.param_groups:
+        self._one: dict[torch.Tensor, tuple[int, list]] = {}
+        for i, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
-                self._one[p] = (group, [p], [group])
+                self._one[p] = (i, [p])
+        self._only_group: list[dict] = [{}]
 
     def __contains__(self, p: torch.Tensor) -> bool:
         return p in self._one
 
     def __call__(self, p: torch.Tensor) -> None:
-        group, only_p, only_group = self._one[p]
+        index, only_p = self._one[p]
         opt = self.optimizer
-        params, groups = group["params"], opt.param_groups
-        group["params"], opt.param_groups = only_p, only_group
+        groups = opt.param_groups
+        group = groups[index]
+        params = group["params"]
+        self._only_group[0] = group
+        group["params"], opt.param_groups = only_p, self._only_group
         try:
             opt.step()
         finally:
             group["params"], opt.param_groups = params, groups
+            self._only_group[0] = {}

@@ -86,7 +86,9 @@ def optimizer_state_to_safetensors(optimizer) -> tuple[dict[str, torch.Tensor], 
     return tensors, {"format": FORMAT, "state_dict": tree}
 
 
-def optimizer_state_from_safetensors(optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+def optimizer_state_from_safetensors(
+    optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> None:
     """Load (tensors, meta) from `optimizer_state_to_safetensors` into an optimizer built the same way."""
     if meta.get("format") != FORMAT:
         raise ValueError(f"optimizer state format {meta.get('format')!r}, expected {FORMAT!r}")
@@ -107,13 +109,17 @@ def load_optimizer_state(optimizer, folder: str | Path) -> None:
     """Load `folder/optimizer.safetensors` into `optimizer` (built with the same parameters and config)."""
     path = Path(folder) / FILE_NAME
     if not path.is_file():
-        raise UserError(f"{path}: optimizer state missing; the checkpoint is incomplete, resume from another one")
+        raise UserError(
+            f"{path}: optimizer state missing; the checkpoint is incomplete, resume from another one"
+        )
     try:
         with safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
-        raise UserError(f"{path}: cannot read the optimizer state ({e}); resume from another checkpoint") from None
+        raise UserError(
+            f"{path}: cannot read the optimizer state ({e}); resume from another checkpoint"
+        ) from None
     if _META_KEY not in header:
         raise UserError(f"{path}: not a dittrain optimizer state (no {_META_KEY!r} header)")
     try:

@@ -51,7 +51,11 @@ def _mix(*values: int) -> int:
 
 
 def copy_stochastic_(
-    dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None, *, clobber_src: bool = False
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    clobber_src: bool = False,
 ) -> torch.Tensor:
     """dst (bf16) <- src (fp32) with stochastic rounding. Returns dst.
 
@@ -103,7 +107,9 @@ class Fp32StepOptimizer:
         self.rounding = rounding
         self.seed = seed
         self.params: list[torch.Tensor] = []
-        self._key: dict[torch.Tensor, torch.Tensor] = {}  # weight -> optimizer key (itself, or its fp32 shadow)
+        self._key: dict[
+            torch.Tensor, torch.Tensor
+        ] = {}  # weight -> optimizer key (itself, or its fp32 shadow)
         inner_groups = []
         for g in groups:
             keys = []
