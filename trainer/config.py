@@ -62,16 +62,21 @@ class LoraConfig(_Section):
 
 class OptimizerConfig(_Section):
     name: Literal["adamw", "adamw8bit", "adafactor"] = Field(
-        default="adamw", description="adamw; adamw8bit (needs bitsandbytes and a GPU); adafactor."
+        default="adamw",
+        description="adamw; adamw8bit (needs bitsandbytes and a GPU); adafactor (transformers' Adafactor with "
+        "lr as an absolute step size: relative_step and scale_parameter off, no momentum).",
     )
     lr: float = Field(default=1e-4, gt=0, description="Peak learning rate.")
-    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="Adam betas.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="Adam betas (adamw, adamw8bit).")
     eps: float = Field(default=1e-8, gt=0, description="Adam epsilon.")
     weight_decay: float = Field(default=0.0, ge=0, description="Decoupled weight decay.")
     scheduler: Literal["constant", "cosine", "linear"] = Field(
-        default="constant", description="Learning-rate schedule after warmup."
+        default="constant",
+        description="Learning-rate schedule after warmup: constant, or cosine / linear decay towards 0 at train.steps.",
     )
-    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup from 0 to lr over this many steps.")
+    warmup_steps: int = Field(
+        default=0, ge=0, description="Linear warmup: step s < warmup_steps uses lr * (s + 1) / warmup_steps."
+    )
     max_grad_norm: float | None = Field(
         default=1.0, description="Clip the global gradient norm to this value; null disables clipping."
     )
