@@ -105,17 +105,21 @@ def test_same_seed_same_image_and_equal_to_diffusers(tiny_models, tmp_path, fami
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 def test_offload_fraction_gives_identical_images_on_cpu(tiny_models, tmp_path, monkeypatch, fraction):
-    import trainer.offload
+    """On a CPU the conductor still packs the blocks into its host arena and replays the cyclic plan through a
+    (CPU) ring: the images must not change, and blocks must really have been offloaded."""
     import trainer.sampling.placement as placement
 
-    if not hasattr(trainer.offload, "attach_offload"):  # TODO(sample): remove once the conductor has landed
-        pytest.skip("trainer.offload.attach_offload is not in the tree yet")
-
-    calls = []
+    calls, stats = [], []
     real = placement._attach
-    monkeypatch.setattr(
-        placement, "_attach", lambda blocks, dev, f: calls.append((len(blocks), f)) or real(blocks, dev, f)
-    )
+
+    def spy(blocks, dev, f):
+        handle = real(blocks, dev, f)
+        calls.append((len(blocks), f))
+        close = handle.close
+        handle.close = lambda: (stats.append(handle.stats()), close())
+        return handle
+
+    monkeypatch.setattr(placement, "_attach", spy)
     cfg = _cfg(tiny_models, "flux", tmp_path)
     ref = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, offload=0.0, out=tmp_path / "f0"))
     assert calls == []
@@ -125,9 +129,19 @@ def test_offload_fraction_gives_identical_images_on_cpu(tiny_models, tmp_path, m
         adapter.blocks(adapter.load(cfg.model, parts={"transformer"}, dtype=torch.float32).transformer)
     )
     assert calls == [(n_blocks, fraction)], "the conductor must be attached to every block at fraction > 0"
+    assert stats[0]["offloaded_bytes"] > 0 and stats[0]["ring_bytes"] < stats[0]["block_bytes"]
     np.testing.assert_array_equal(_pixels(ref[0]), _pixels(got[0]))
     with Image.open(got[0]) as im:
         assert im.text["offload"] == str(fraction)
+
+
+def test_offloaded_lora_sampling_is_identical(tiny_models, tmp_path):
+    """LoRA layers live inside the blocks: loaded first, frozen, then packed and streamed with them."""
+    cfg = _cfg(tiny_models, "sd3", tmp_path)
+    lora = _save_lora(_lora_transformer(cfg), tmp_path / "lora.safetensors")
+    a = run_sample(cfg, SampleRequest(prompts=[PROMPT], loras=[str(lora)], offload=0.0, out=tmp_path / "a"))
+    b = run_sample(cfg, SampleRequest(prompts=[PROMPT], loras=[str(lora)], offload=1.0, out=tmp_path / "b"))
+    np.testing.assert_array_equal(_pixels(a[0]), _pixels(b[0]))
 
 
 @pytest.mark.parametrize("family", ["flux", "sd3"])

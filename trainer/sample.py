@@ -126,6 +126,9 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
     pipe = adapter.pipeline(comps)
     del comps  # the pipeline holds the only references from here, so releasing the encoders frees them
     names = load_loras(pipe, plan.loras, adapter.family)
+    # Inference only. It also tells the conductor that every block weight (LoRA layers included) is frozen, so
+    # all of it is packed and streamed; a parameter that requires grad would be kept resident on the device.
+    pipe.transformer.requires_grad_(False)
 
     # Phase 1: text. Encoders on the device, all prompts encoded, encoders gone before the transformer moves.
     unique = list(dict.fromkeys(plan.prompts))
