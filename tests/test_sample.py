@@ -262,3 +262,19 @@ def test_training_sampler_without_prompts_makes_nothing(tiny_models, tmp_path):
     adapter = get_adapter(cfg.model)
     model = adapter.load(cfg.model, parts={"transformer"}, dtype=torch.float32).transformer
     assert TrainingSampler(cfg, adapter, "cpu", torch.float32)(model) == []
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+def test_streamed_text_encoders_give_identical_images(tiny_models, tmp_path, monkeypatch, family):
+    import trainer.sampling.placement as placement
+
+    attached = []
+    real = placement._attach
+    monkeypatch.setattr(placement, "_attach", lambda b, d, f: attached.append(len(b)) or real(b, d, f))
+    cfg = _cfg(tiny_models, family, tmp_path)
+    ref = run_sample(cfg, SampleRequest(prompts=[PROMPT], out=tmp_path / "a"))
+    cfg.offload.text_encoders = 1.0
+    got = run_sample(cfg, SampleRequest(prompts=[PROMPT], out=tmp_path / "b"))
+    # Flux: CLIP's and T5's layer lists; Qwen-Image: the language model's layers
+    assert len(attached) == {"flux": 2, "qwen_image": 1}[family] and all(n >= 2 for n in attached)
+    np.testing.assert_array_equal(_pixels(ref[0]), _pixels(got[0]))
