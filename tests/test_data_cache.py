@@ -279,3 +279,17 @@ def test_bundled_demo_data_at_resolution_64(tmp_path):
     data, _, _ = prepare(cfg)
     assert data.report.bad == [] and len(data.report.items) == 12
     assert len({e.bucket for e in data.entries}) >= 4
+
+
+def test_ranks_split_the_single_process_sequence(setup):
+    tmp_path, _ = setup
+    cfg = config(tmp_path, remainder="wrap")
+    single, _, _ = prepare(cfg)
+    want = [single.next_batch().files for _ in range(8)]
+    ranks = [prepare_data(cfg, FakeAdapter(), Loader(), progress=False, rank=r, world_size=2) for r in (0, 1)]
+    got = []
+    for _ in range(4):
+        got += [r.next_batch().files for r in ranks]
+    assert got == want
+    assert ranks[0].state_dict() == ranks[1].state_dict()
+    assert ranks[0].epoch == 8 // single.batches_per_epoch

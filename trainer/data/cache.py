@@ -322,6 +322,8 @@ def run_cache(cfg) -> None:
     adapter = get_adapter(cfg.model)
     plan = plan_data(cfg, adapter, force_disk=True)
     tqdm.write(plan.summary())
+    if not cfg.data.cache:
+        tqdm.write(f"note: data.cache is false, so fit will encode in memory and not read {cfg.data.cache_dir}")
     res = ensure_encoded(
         adapter, encoder_loader(cfg, adapter), plan.latent_store, plan.text_store, plan.latent_jobs(),
         plan.captions(), batch_size=cfg.data.encode_batch_size, verify_latents=True, verify_texts=True,

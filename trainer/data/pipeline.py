@@ -38,9 +38,10 @@ class Batch:
     """One training micro-batch, all from one bucket.
 
     latents: (B, C, h, w) float32 on the CPU, as `adapter.encode_images` returned them (move and cast them
-    yourself); text: `adapter.collate_text` of the cached entries (CPU); captions: the caption each sample trains
-    on ("" where dropped); files: the image of each sample; size: (height, width) of the bucket in pixels (for
-    `adapter.timestep_shift`); position: the sampler position this batch was drawn at."""
+    yourself); text: `adapter.collate_text` of the cached entries (CPU, in the text encoders' dtype); captions:
+    the caption each sample trains on ("" where dropped); files: the image of each sample; size: (height, width)
+    of the bucket in pixels (for `adapter.timestep_shift`); position: the global sampler position this batch was
+    drawn at."""
 
     latents: torch.Tensor
     text: dict[str, torch.Tensor]
@@ -154,7 +155,10 @@ def _keep_items(report: ScanReport, entries: list[Entry], drop: set[int]) -> lis
 class TrainData:
     """What the training loop holds: the scan report, the sampler and batches read from the caches."""
 
-    def __init__(self, plan: DataPlan, adapter, encode: EncodeResult):
+    def __init__(self, plan: DataPlan, adapter, encode: EncodeResult, rank: int = 0, world_size: int = 1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.rank, self.world_size = rank, world_size
         self.plan = plan
         self.report = plan.report
         self.encode = encode
@@ -187,12 +191,16 @@ class TrainData:
 
     @property
     def epoch(self) -> int:
-        return self.sampler.epoch
+        return self.sampler.position * self.world_size // self.sampler.batches_per_epoch
 
     def next_batch(self) -> Batch:
-        """The batch at the sampler's position; advances it (checkpoint `sampler.state_dict()` after the step)."""
+        """The next batch; advances the sampler (checkpoint `state_dict()` after the step).
+
+        With several ranks the sampler position counts rounds: in round p rank r trains the global batch
+        p * world_size + r, so the ranks together see the single-process sequence, and every rank saves the
+        same state."""
         pos = self.sampler.position
-        batch = self.batch_at(pos)
+        batch = self.batch_at(pos * self.world_size + self.rank)
         self.sampler.position = pos + 1
         return batch
 
@@ -232,22 +240,28 @@ def prepare_data(
     *,
     device: torch.device | str | None = None,
     progress: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> TrainData:
     """Scan, bucket, fill the caches (loading the encoders only if something is missing), build the sampler.
 
     `load_encoders`: returns Components with the vae, text encoders and tokenizers; default: the adapter's own
-    loader on `device` (default train.device). Prints the data summary (tqdm.write) and returns `TrainData`."""
+    loader on `device` (default train.device). Prints the data summary (tqdm.write) and returns `TrainData`.
+
+    Several processes (rank / world_size): call it on rank 0 first, then (after a barrier) on the others, which
+    find the cache complete and load no encoder; each rank then draws its own share of every round."""
     if load_encoders is None:
         load_encoders = encoder_loader(cfg, adapter, device)
     plan = plan_data(cfg, adapter, progress=progress)
-    tqdm.write(plan.summary())
+    if rank == 0:
+        tqdm.write(plan.summary())
     res = ensure_encoded(
         adapter, load_encoders, plan.latent_store, plan.text_store, plan.latent_jobs(), plan.captions(),
         batch_size=cfg.data.encode_batch_size, verify_latents=True, progress=progress,
     )
     drop_encoding_failures(plan, res)
     tqdm.write(plan.encode_summary(res))
-    return TrainData(plan, adapter, res)
+    return TrainData(plan, adapter, res, rank=rank, world_size=world_size)
 
 
 def drop_encoding_failures(plan: DataPlan, res: EncodeResult) -> None:
