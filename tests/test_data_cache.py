@@ -293,3 +293,13 @@ def test_ranks_split_the_single_process_sequence(setup):
     assert got == want
     assert ranks[0].state_dict() == ranks[1].state_dict()
     assert ranks[0].epoch == 8 // single.batches_per_epoch
+
+
+def test_text_sequence_length_is_part_of_the_text_identity(setup):
+    tmp_path, _ = setup
+    cfg = config(tmp_path)
+    prepare(cfg)
+    longer = FakeAdapter()
+    longer.max_sequence_length = 512
+    _, adapter, _ = prepare(cfg, longer)
+    assert adapter.images == [] and len(adapter.prompts) == 6

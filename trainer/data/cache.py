@@ -7,9 +7,11 @@ stored: they are computed once here and read back each step. Entries are safeten
     <cache_dir>/latents/<vae id>/<k[:2]>/<k>.safetensors     k = hash(image content, bucket w x h, crop box)
     <cache_dir>/text/<text id>/<k[:2]>/<k>.safetensors       k = hash(final caption text)
 
-The model id is a hash of what determines the encoder's output: family, dtype, and the folder's config files
-(by content) and weight files (by name and size) for the VAE (`vae/`) or the text encoders and tokenizers
-(`text_encoder*/`, `tokenizer*/`). So a changed image misses only its own entry (its content hash changed), a
+The model id is a hash of what determines the encoder's output: family, dtype, the adapter's
+`max_sequence_length` (text), and the folder's config files (by content) and weight files (by name and size)
+for the VAE (`vae/`) or the text encoders and tokenizers (`text_encoder*/`, `tokenizer*/`). Weights are not
+hashed by content (gigabytes on every start): weights replaced by others of exactly the same file size keep the
+old entries; delete `cache_dir` after such a swap. So a changed image misses only its own entry (its content hash changed), a
 different VAE or dtype misses every latent but keeps the text entries, and a moved model folder still hits.
 Old entries are never deleted automatically (another config may share the folder); `cache_dir` can be removed
 at any time.
@@ -61,7 +63,11 @@ def model_identity(model_cfg, adapter, part: str) -> str:
     else:
         te = list(getattr(adapter, "text_encoder_dirs", ()) or ("text_encoder",))
         dirs = te + [d.replace("text_encoder", "tokenizer") for d in te]
-    h = hashlib.sha256(f"{CACHE_VERSION}|{part}|{getattr(adapter, 'family', '?')}|{model_cfg.dtype}".encode())
+    # The adapter's own encoding settings count too (a longer T5 sequence gives different embeddings).
+    extra = getattr(adapter, "max_sequence_length", "") if part == "text" else ""
+    h = hashlib.sha256(
+        f"{CACHE_VERSION}|{part}|{getattr(adapter, 'family', '?')}|{model_cfg.dtype}|{extra}".encode()
+    )
     for d in dirs:
         folder = root / d
         h.update(f"|dir:{d}".encode())
