@@ -138,3 +138,7 @@ def test_missing_or_foreign_state_is_a_user_error(tmp_path):
     save_optimizer_state(small.opt, tmp_path)
     with pytest.raises(UserError, match="does not fit"):
         load_optimizer_state(run.opt, tmp_path)
+    other = _Run(_model(), _cfg("adafactor"))
+    save_optimizer_state(other.opt, tmp_path)
+    with pytest.raises(UserError, match="different optimizer"):
+        load_optimizer_state(run.opt, tmp_path)

@@ -17,6 +17,11 @@ fused (`cfg.optimizer.fused_back_pass`):
     norm = fused.finish_step()
     sched.step()
 
+Offloading (trainer/offload/), fused pass only: `fused.add_step_hooks(pre=f, post=g, synchronize=h)` with
+`f(param, state)` / `g(param, state)` around each parameter's step inside backward (`state` is its optimizer
+state dict, `fused.state_of(param)`); `StateOffload(params)` is a ready pair keeping that state in pinned CPU
+RAM; `FusedBackPass(opt, params=subset)` + `fused.step_param(p)` to drive the step from the offloader's hooks.
+
 Checkpoints: `save_optimizer_state(opt, folder)` / `load_optimizer_state(opt, folder)` (one file,
 `folder/optimizer.safetensors`), or `optimizer_state_to_safetensors(opt) -> (tensors, meta)` and
 `optimizer_state_from_safetensors(opt, tensors, meta)`; `sched.state_dict()` is plain JSON.

@@ -100,8 +100,9 @@ class FusedBackPass:
         if p.grad is None:
             return
         if self.track_grad_norm:
-            # Stays on the device (no sync); allocation: one fp32 scalar per parameter.
-            sq = p.grad.detach().float().pow(2).sum()
+            # Stays on the device (no sync); allocation: one fp32 scalar per parameter (no fp32 copy of the
+            # gradient: the norm kernel accumulates in fp32).
+            sq = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32).square()
             acc = self._sq_norm.get(sq.device)
             self._sq_norm[sq.device] = sq if acc is None else acc.add_(sq)
         state = self._state_of(p) if (self._pre or self._post) else None

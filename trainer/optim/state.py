@@ -92,7 +92,14 @@ def optimizer_state_from_safetensors(
     """Load (tensors, meta) from `optimizer_state_to_safetensors` into an optimizer built the same way."""
     if meta.get("format") != FORMAT:
         raise ValueError(f"optimizer state format {meta.get('format')!r}, expected {FORMAT!r}")
-    optimizer.load_state_dict(_decode(meta["state_dict"], tensors))
+    state_dict = _decode(meta["state_dict"], tensors)
+    # torch loads another optimizer's state silently and fails at the next step; compare the groups' keys.
+    ignore = {"params", "initial_lr"}
+    saved = [set(g) - ignore for g in state_dict.get("param_groups", [])]
+    have = [set(g) - ignore for g in optimizer.param_groups]
+    if saved != have:
+        raise ValueError("it was saved by a different optimizer (its param groups have other settings)")
+    optimizer.load_state_dict(state_dict)
 
 
 def save_optimizer_state(optimizer, folder: str | Path) -> Path:
