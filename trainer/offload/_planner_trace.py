@@ -1,0 +1,442 @@
+"""Exact weight bytes and estimated activation bytes of a transformer, counted on the meta device.
+
+How: the family's diffusers transformer is built on the meta device from its config (the model folder's
+`transformer/config.json`, or the built-in full-size config for presets), so a 20 B-parameter model costs no
+memory and builds in a fraction of a second. Parameter bytes per block are then exact. For activations the
+whole transformer runs one forward pass on meta tensors of the bucket's shape (meta ops only compute shapes),
+with hooks on every block:
+
+- the *checkpoint inputs* of a block are the tensors it is called with (what non-reentrant
+  `torch.utils.checkpoint` keeps alive between forward and backward, and what activation offloading moves to
+  the host). They are counted once per storage: a block's outputs are the next block's inputs, and Flux's
+  single blocks get two views of one tensor;
+- the *saved tensors of one block* (what its recompute holds for backward) are counted with
+  `torch.autograd.graph.saved_tensors_hooks` around the block, deduplicated by storage, leaving out the
+  weights (they are not activations) and the block's inputs (already counted).
+
+Attention and RMS norm are the two ops whose saved tensors depend on the kernel, not the Python code. On meta,
+`scaled_dot_product_attention` takes the math path (an N x N score matrix), which no GPU kernel stores, so a
+`TorchFunctionMode` swaps it for a stand-in that saves what the flash / memory-efficient kernels save (q, k, v,
+the output and a float32 log-sum-exp per query row); CPU's flash kernel saves the same. On CUDA `rms_norm` is one
+fused kernel saving its input and a float32 rstd per row; on CPU it is decomposed into float32 ops; `kernels=
+"cuda"` models the former, `"cpu"` leaves the decomposition alone (the tests compare that mode with real CPU
+runs of the tiny models).
+
+Left out: the transient tensors of backward (gradients of intermediates, kernel workspaces) are not traced;
+the planner adds a stated estimate for them. LoRA is injected into the meta model with peft exactly as the
+trainer does (fp32 LoRA weights, so peft's input casts show up as saved fp32 copies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+# Full-size transformer configs for presets and `plan` without a model folder (real runs read the folder).
+FULL_CONFIGS: dict[str, dict] = {
+    "flux": {  # FLUX.1-dev: FluxTransformer2DModel defaults + guidance embedding (11.9 B parameters)
+        "patch_size": 1,
+        "in_channels": 64,
+        "num_layers": 19,
+        "num_single_layers": 38,
+        "attention_head_dim": 128,
+        "num_attention_heads": 24,
+        "joint_attention_dim": 4096,
+        "pooled_projection_dim": 768,
+        "guidance_embeds": True,
+        "axes_dims_rope": [16, 56, 56],
+    },
+    "sd3": {  # SD3.5-large (8.1 B)
+        "sample_size": 128,
+        "patch_size": 2,
+        "in_channels": 16,
+        "num_layers": 38,
+        "attention_head_dim": 64,
+        "num_attention_heads": 38,
+        "joint_attention_dim": 4096,
+        "caption_projection_dim": 2432,
+        "pooled_projection_dim": 2048,
+        "out_channels": 16,
+        "pos_embed_max_size": 192,
+        "qk_norm": "rms_norm",
+    },
+    "qwen_image": {  # Qwen-Image: QwenImageTransformer2DModel defaults (20.4 B)
+        "patch_size": 2,
+        "in_channels": 64,
+        "out_channels": 16,
+        "num_layers": 60,
+        "attention_head_dim": 128,
+        "num_attention_heads": 24,
+        "joint_attention_dim": 3584,
+        "guidance_embeds": False,
+        "axes_dims_rope": [16, 56, 56],
+    },
+}
+
+# Text tokens per caption the transformer sees (the adapters' padding): Flux pads T5 to 512; SD3 joins CLIP's
+# 77 and T5's 256; Qwen-Image pads to the longest caption in the batch, assumed 256 here.
+TEXT_TOKENS = {"flux": 512, "sd3": 77 + 256, "qwen_image": 256}
+
+# Text encoders in bf16 (parameters, from the public configs): used when no model folder is at hand.
+TEXT_ENCODERS: dict[str, list[tuple[str, int]]] = {
+    "flux": [("CLIP-L", 123_060_480), ("T5-XXL encoder", 4_762_310_656)],
+    "sd3": [("CLIP-L", 123_650_304), ("CLIP-G", 694_659_840), ("T5-XXL encoder", 4_762_310_656)],
+    "qwen_image": [("Qwen2.5-VL-7B", 8_292_166_656)],
+}
+
+_FALLBACK_TARGETS = {
+    "flux": (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+        "proj_mlp",
+    ),
+    "sd3": (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    ),
+    "qwen_image": (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "img_mlp.net.0.proj",
+        "img_mlp.net.2",
+        "txt_mlp.net.0.proj",
+        "txt_mlp.net.2",
+    ),
+}
+
+_CLASSES = {
+    "flux": "FluxTransformer2DModel",
+    "sd3": "SD3Transformer2DModel",
+    "qwen_image": "QwenImageTransformer2DModel",
+}
+
+
+def transformer_class(family: str) -> type:
+    import diffusers
+
+    return getattr(diffusers, _CLASSES[family])
+
+
+def default_lora_targets(family: str) -> tuple[str, ...]:
+    try:  # the models helper's adapter is the source of truth when it is importable
+        import importlib
+
+        mod = importlib.import_module(f"trainer.models.{family}")
+        for obj in vars(mod).values():
+            if (
+                isinstance(obj, type)
+                and getattr(obj, "family", None) == family
+                and hasattr(obj, "default_lora_targets")
+            ):
+                return tuple(obj.default_lora_targets)
+    except Exception:  # noqa: BLE001 - fall back to the same list, kept here
+        pass
+    return _FALLBACK_TARGETS[family]
+
+
+def meta_transformer(family: str, config: dict, dtype: torch.dtype) -> nn.Module:
+    """The transformer on the meta device (no memory), parameters in `dtype`."""
+    cls = transformer_class(family)
+    known = {k: v for k, v in config.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        model = cls.from_config(known)
+    return model.to(dtype)
+
+
+def blocks_of(family: str, transformer: nn.Module) -> list[nn.Module]:
+    """Blocks in execution order, as the adapters list them (the units offloading streams)."""
+    if family == "flux":
+        return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+    return list(transformer.transformer_blocks)
+
+
+def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, alpha: float) -> int:
+    """Inject LoRA as the trainer does (peft, fp32 weights) on the meta model; returns its parameter count."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    with torch.device("meta"):
+        inject_adapter_in_model(
+            LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets)), transformer
+        )
+    n = 0
+    for name, p in transformer.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+            n += p.numel()
+    return n
+
+
+# ------------------------------------------------------------------------------------------- kernel model
+
+
+class _FlashAttn(torch.autograd.Function):
+    """Stand-in for SDPA that saves what flash / memory-efficient attention saves (shapes only)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # pragma: no cover - shape bookkeeping only, never differentiated
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class _FusedRms(torch.autograd.Function):
+    """Stand-in for CUDA's fused rms_norm: saves the input and a float32 rstd per row."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, w, rstd) if w is not None else ctx.save_for_backward(x, rstd)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, g):  # pragma: no cover
+        return torch.empty_like(g), None
+
+
+class _KernelModel:
+    """Context manager: `F.scaled_dot_product_attention` (and with kernels="cuda" `F.rms_norm`) replaced by the
+    stand-ins above while tracing. diffusers and torch.nn.RMSNorm look both up on `torch.nn.functional` at call
+    time; patching the attribute is ~10x cheaper than a TorchFunctionMode seeing every op."""
+
+    def __init__(self, kernels: str):
+        self.kernels = kernels
+        self.attn_flops = 0
+
+    def _sdpa(self, query, key, value, *args, **kwargs):
+        # QK^T and PV: 2 multiply-adds each per (query, key, channel)
+        self.attn_flops += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
+        return _FlashAttn.apply(query, key, value)
+
+    @staticmethod
+    def _rms(input, normalized_shape, weight=None, eps=None):
+        return _FusedRms.apply(input, weight)
+
+    def __enter__(self):
+        F = torch.nn.functional
+        self._saved = (F.scaled_dot_product_attention, F.rms_norm)
+        F.scaled_dot_product_attention = self._sdpa
+        if self.kernels == "cuda":
+            F.rms_norm = self._rms
+        return self
+
+    def __exit__(self, *exc):
+        F = torch.nn.functional
+        F.scaled_dot_product_attention, F.rms_norm = self._saved
+        return False
+
+
+# ----------------------------------------------------------------------------------------------- tracing
+
+
+@dataclass
+class Trace:
+    """Activation bytes of one training forward at one bucket shape (batch included)."""
+
+    checkpoint_inputs: int  #: all blocks' checkpoint inputs, each storage once
+    block_inputs: list[int]  #: per block: bytes of its input storages first seen at that block
+    block_saved: list[int]  #: per block: bytes autograd saves inside it (weights and inputs left out)
+    block_largest: list[int]  #: per block: its largest single saved tensor (sizes backward's transients)
+    outside_saved: int  #: saved by the embedders, final norm and projection (outside any block), and shared
+    #: block arguments passed inside tuples (Flux's rotary cos/sin): kept once for the whole step
+    linear_flops: int = 0  #: forward FLOPs of every nn.Linear (LoRA's included)
+    attn_flops: int = 0  #: forward FLOPs of attention (QK^T and PV)
+    storages: dict[int, int] = field(default_factory=dict, repr=False)
+    #: per block class name: the index and (args, kwargs) of its first call, meta tensors (for GPU timing)
+    calls: dict[str, tuple[int, tuple, dict]] = field(default_factory=dict, repr=False)
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s._cdata, s.nbytes()
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, list | tuple):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def trace_forward(
+    transformer: nn.Module, blocks: list[nn.Module], inputs: dict, kernels: str = "cuda"
+) -> Trace:
+    """Run `transformer(**inputs)` (meta or CPU tensors) with hooks on `blocks`; see the module essay."""
+    weights = {_storage(p)[0] for p in transformer.parameters()} | {
+        _storage(b)[0] for b in transformer.buffers()
+    }
+    seen: dict[int, int] = {}  # storages already counted as checkpoint inputs
+    outside: dict[int, int] = {}
+    b_inputs: list[int] = [0] * len(blocks)
+    b_saved: list[int] = [0] * len(blocks)
+    b_largest: list[int] = [0] * len(blocks)
+    current: list[int] = []  # index of the block being run (a stack of one)
+    inside: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        sid, nbytes = _storage(t)
+        if sid in weights:
+            return t
+        if current:
+            if sid not in seen:
+                inside[sid] = nbytes
+        elif sid not in seen:
+            outside[sid] = nbytes
+        return t
+
+    calls: dict[str, tuple[int, tuple, dict]] = {}
+
+    def pre(mod, args, kwargs):
+        i = index[id(mod)]
+        calls.setdefault(type(mod).__name__, (i, args, dict(kwargs)))
+        new = 0
+        # Only direct tensor arguments: tensors nested in tuples (rotary embeddings) are shared by all blocks
+        # and reach checkpoint as one Python object; they are counted once, with the outside tensors.
+        direct = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        for t in _tensors(args) + _tensors(kwargs):
+            if not any(t is d for d in direct):
+                sid, nbytes = _storage(t)
+                if sid not in weights:
+                    outside[sid] = nbytes
+                continue
+            if not t.is_floating_point() and not t.is_complex():
+                continue
+            sid, nbytes = _storage(t)
+            if sid not in seen and sid not in weights:
+                seen[sid] = nbytes
+                outside.pop(sid, None)  # a block input saved outside too (e.g. temb) is counted once, here
+                new += nbytes
+        b_inputs[i] = new
+        current.append(i)
+        inside.clear()
+
+    def post(mod, args, kwargs, out):
+        i = current.pop()
+        saved = {s: n for s, n in inside.items() if s not in seen}
+        b_saved[i] = sum(saved.values())
+        b_largest[i] = max(saved.values(), default=0)
+
+    index = {id(b): i for i, b in enumerate(blocks)}
+    handles = [b.register_forward_pre_hook(pre, with_kwargs=True) for b in blocks]
+    handles += [b.register_forward_hook(post, with_kwargs=True) for b in blocks]
+    linear_flops = [0]
+
+    def count_linear(mod, args):
+        x = args[0]
+        linear_flops[0] += 2 * (x.numel() // mod.in_features) * mod.in_features * mod.out_features
+
+    # Every matmul of these models is an nn.Linear (LoRA's too); attention is counted by the kernel model.
+    handles += [
+        m.register_forward_pre_hook(count_linear) for m in transformer.modules() if isinstance(m, nn.Linear)
+    ]
+    mode = _KernelModel(kernels)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+            transformer(**inputs, return_dict=False)
+    finally:
+        for h in handles:
+            h.remove()
+    for s in seen:
+        outside.pop(s, None)
+    return Trace(
+        checkpoint_inputs=sum(seen.values()),
+        block_inputs=b_inputs,
+        block_saved=b_saved,
+        block_largest=b_largest,
+        outside_saved=sum(outside.values()),
+        linear_flops=int(linear_flops[0]),
+        attn_flops=int(mode.attn_flops),
+        storages=dict(seen),
+        calls=calls,
+    )
+
+
+def forward_inputs(
+    family: str,
+    transformer: nn.Module,
+    batch: int,
+    height: int,
+    width: int,
+    text_tokens: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "meta",
+) -> dict:
+    """Transformer call arguments for one bucket (pixels height x width), shaped as the adapters build them.
+
+    The image tokens need requires_grad=False (latents); the hidden states start requiring grad at the first
+    LoRA/embedder layer, as in training."""
+    c = transformer.config
+    dev = torch.device(device)
+    rnd = {"device": dev, "dtype": dtype}
+    lh, lw = height // 8, width // 8  # every family's VAE downscales by 8
+    if family == "flux":
+        ni = (lh // 2) * (lw // 2)
+        kw = dict(
+            hidden_states=torch.randn(batch, ni, c.in_channels, **rnd),
+            encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
+            pooled_projections=torch.randn(batch, c.pooled_projection_dim, **rnd),
+            timestep=torch.ones(batch, **rnd),
+            img_ids=torch.zeros(ni, 3, device=dev),
+            txt_ids=torch.zeros(text_tokens, 3, device=dev),
+        )
+        if c.guidance_embeds:
+            kw["guidance"] = torch.ones(batch, **rnd)
+        return kw
+    if family == "sd3":
+        return dict(
+            hidden_states=torch.randn(batch, c.in_channels, lh, lw, **rnd),
+            encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
+            pooled_projections=torch.randn(batch, c.pooled_projection_dim, **rnd),
+            timestep=torch.ones(batch, **rnd),
+        )
+    if family == "qwen_image":
+        ph, pw = lh // 2, lw // 2
+        return dict(
+            hidden_states=torch.randn(batch, ph * pw, c.in_channels, **rnd),
+            encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
+            encoder_hidden_states_mask=torch.ones(batch, text_tokens, dtype=torch.long, device=dev),
+            timestep=torch.ones(batch, **rnd),
+            img_shapes=[[(1, ph, pw)]] * batch,
+        )
+    raise ValueError(f"unknown family {family!r}")
+
+
+def image_tokens(height: int, width: int) -> int:
+    """Image tokens of every family: 8x VAE, then 2x2 patches (packing or patchify)."""
+    return (height // 16) * (width // 16)

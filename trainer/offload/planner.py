@@ -1,0 +1,576 @@
+"""The memory planner: predicted VRAM, RAM and step time per offload fraction, and the automatic fraction.
+
+How. Everything is derived from the model's own code and the conductor's own arithmetic, not from tables:
+
+- weights: the transformer is built on the meta device from its config (trainer/offload/_planner_trace.py) and
+  every block is packed with `allocators.BlockPacking` exactly as the conductor packs it (LoRA weights stay out
+  of the pack and resident; a full fine-tune packs the fp32 optimizer state beside each weight). The ring size is
+  `plan.capacity_for`, the streamed blocks and the host-to-device bytes per step come from `plan.make_plan`,
+  and the pinned arena is the sum of the streamed blocks' packed bytes (`HostArena` is exact);
+- activations per bucket: one forward on meta tensors of the bucket's shape counts each block's checkpoint
+  inputs and what one block's recompute saves for backward (with the attention and RMS-norm kernels modelled
+  as the GPU runs them). Backward's transients are an estimate: the working set of the block being
+  differentiated is taken as its saved tensors + twice its largest saved tensor (the gradient of that tensor
+  and of its producer's input coexist) + twice its input bytes (gradient in, gradient out);
+- with activation offloading the checkpoint inputs live in pinned host RAM; the GPU keeps the first block's
+  inputs (they need no grad, so the offloader leaves them) and two blocks' worth in flight;
+- LoRA: fp32 weights, fp32 gradients (freed per parameter under the fused back pass) and the optimizer state,
+  all resident. Full fine-tune: every block's weights train and stream with their state; the embedders train
+  resident;
+- peak reserved VRAM = static allocations (ring or resident blocks, non-block weights, trainable state), each
+  rounded to the allocator's 2 MiB, + `ALLOCATOR_OVERHEAD` x the activation peak (the caching allocator's
+  rounding and fragmentation for the varying activation tensors) + `WORKSPACE` (cuBLAS and attention
+  workspaces). The CUDA context (0.5-1 GB, never in `max_memory_reserved`) is on top of that;
+- step time = max(compute, transfer) (trainer/offload/_planner_time.py).
+
+`choose_fraction` walks fractions on a 0.05 grid (the ring rounds to whole blocks, plan.capacity_for) and returns
+the smallest one whose predicted reserved peak fits the budget at every bucket (the largest bucket decides).
+
+Left out: nano-batching's saving (it only lowers the MLP's share of the block working set), the text encoders
+and VAE during training when captions and latents are cached (they run in `dittrain cache`, reported apart),
+and the optimizer's transient fp32 copies of one parameter (at most a few hundred MB for the largest matrix).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from . import _planner_time as ptime
+from . import _planner_trace as ptrace
+from .allocators import BlockPacking
+from .plan import capacity_for, make_plan
+
+GB = 1e9
+MIB2 = 2 << 20
+ALLOCATOR_OVERHEAD = (
+    1.10  # reserved / allocated for activations (assumption; bench/bench_plan.py measures it)
+)
+WORKSPACE = 0.25 * GB  # cuBLAS workspaces, attention scratch, small tensors
+GRID = [round(0.05 * i, 2) for i in range(21)]
+TABLE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "adamw8bit": (), "adafactor": ()}
+_STATE_BYTES = {
+    "adamw": 8.0,
+    "adamw8bit": 2.0,
+    "adafactor": 0.1,
+}  # per trainable parameter (8bit/factored: approx.)
+
+
+@dataclass
+class Facts:
+    """What the planner derives once per config: sizes and the meta model to trace activations with."""
+
+    family: str
+    source: str
+    method: str
+    dtype: torch.dtype
+    batch: int
+    checkpointing: bool
+    fused: bool
+    optimizer: str
+    model: torch.nn.Module
+    blocks: list
+    packed: list[int]  #: per block: packed bytes the conductor streams (full FT: with optimizer state)
+    block_param_bytes: list[int]  #: per block: frozen/trained weight bytes in the model dtype (no alignment)
+    nonblock_bytes: int  #: embedders, final norm and projection (always resident)
+    nonblock_params: int
+    trainable_params: int  #: LoRA parameters, or every parameter (full)
+    largest_param: int  #: numel of the largest trainable parameter (fused back pass keeps one gradient)
+    text_tokens: int
+    text_encoders: list[tuple[str, int]]
+    resolutions: list[int]
+    traces: dict = field(default_factory=dict)
+
+    def trace(self, res: int) -> ptrace.Trace:
+        if res not in self.traces:
+            inputs = ptrace.forward_inputs(
+                self.family, self.model, self.batch, res, res, self.text_tokens, self.dtype
+            )
+            self.traces[res] = ptrace.trace_forward(self.model, self.blocks, inputs, kernels="cuda")
+        return self.traces[res]
+
+
+def _transformer_config(cfg) -> tuple[dict, str]:
+    path = Path(cfg.model.path) / "transformer" / "config.json"
+    if path.is_file():
+        try:
+            return json.loads(path.read_text()), str(path)
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"{path}: cannot read the transformer config ({e})") from None
+    return dict(
+        ptrace.FULL_CONFIGS[cfg.model.family]
+    ), f"built-in full-size {cfg.model.family} config ({path} not found)"
+
+
+def _text_encoders(cfg) -> list[tuple[str, int]]:
+    """(name, bytes in the model dtype): from safetensors headers when the folder has them, else built in."""
+    nbytes = torch.tensor([], dtype=_DTYPES[cfg.model.dtype]).element_size()
+    root = Path(cfg.model.path)
+    found = []
+    for d in sorted(root.glob("text_encoder*")):
+        numel = 0
+        for f in d.glob("*.safetensors"):
+            with open(f, "rb") as fh:
+                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+            numel += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+        if numel:
+            found.append((d.name, numel * nbytes))
+    if found:
+        return found
+    return [(name, n * nbytes) for name, n in ptrace.TEXT_ENCODERS[cfg.model.family]]
+
+
+def analyze(cfg) -> Facts:
+    """Build the meta model for `cfg` and pack its blocks as the conductor would (no weights allocated)."""
+    family, method = cfg.model.family, cfg.train.method
+    dtype = _DTYPES[cfg.model.dtype]
+    config, source = _transformer_config(cfg)
+    model = ptrace.meta_transformer(family, config, dtype)
+    blocks = ptrace.blocks_of(family, model)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    nonblock = [p for p in model.parameters() if id(p) not in in_blocks]
+    nonblock_bytes = sum(p.numel() * p.element_size() for p in nonblock)
+    block_param_bytes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
+    if method == "lora":
+        model.requires_grad_(False)
+        targets = tuple(cfg.lora.targets) if cfg.lora.targets else ptrace.default_lora_targets(family)
+        trainable = ptrace.add_meta_lora(model, targets, cfg.lora.rank, cfg.lora.alpha)
+        packed = [BlockPacking.of(b, include_trainable=False).nbytes for b in blocks]
+        largest = max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
+    else:
+        model.requires_grad_(True)
+        trainable = sum(p.numel() for p in model.parameters())
+        names = _STATE_NAMES[cfg.optimizer.name]
+        packed = [BlockPacking.of(b, include_trainable=True, state_names=names).nbytes for b in blocks]
+        if not names:  # 8-bit / factored state is not packed by the conductor: approximate per parameter
+            packed = [
+                n + int(_STATE_BYTES[cfg.optimizer.name] * sum(p.numel() for p in b.parameters()))
+                for n, b in zip(packed, blocks, strict=True)
+            ]
+        largest = max(p.numel() for p in model.parameters())
+    res = sorted(set(cfg.data.resolutions)) if cfg.data is not None else [cfg.sample.width]
+    return Facts(
+        family=family,
+        source=source,
+        method=method,
+        dtype=dtype,
+        batch=cfg.train.batch_size,
+        checkpointing=cfg.train.gradient_checkpointing,
+        fused=cfg.optimizer.fused_back_pass,
+        optimizer=cfg.optimizer.name,
+        model=model,
+        blocks=blocks,
+        packed=packed,
+        block_param_bytes=block_param_bytes,
+        nonblock_bytes=nonblock_bytes,
+        nonblock_params=sum(p.numel() for p in nonblock),
+        trainable_params=trainable,
+        largest_param=largest,
+        text_tokens=ptrace.TEXT_TOKENS[family],
+        text_encoders=_text_encoders(cfg),
+        resolutions=res,
+    )
+
+
+# ------------------------------------------------------------------------------------- pure arithmetic
+
+
+def streaming(packed: list[int], fraction: float) -> tuple[int, int, int]:
+    """(ring bytes, pinned host bytes, host-to-device bytes per training step) for an offload fraction,
+    exactly as the conductor sizes them (plan.capacity_for / make_plan / HostArena)."""
+    total = sum(packed)
+    if fraction <= 0.0:
+        return total, 0, 0
+    cap = capacity_for(packed, fraction)
+    plan = make_plan(packed, cap, "train")
+    return cap, sum(packed[b] for b in plan.streamed), plan.bytes_per_step()
+
+
+def _round2m(n: float) -> float:
+    return math.ceil(n / MIB2) * MIB2
+
+
+@dataclass
+class Prediction:
+    fraction: float
+    resolution: int
+    activation_offload: bool
+    ring: int  #: GPU bytes of blocks (the ring, or every block when nothing streams)
+    nonblock: int
+    trainable: int  #: LoRA weights + grads + optimizer state, or full FT's non-packed state and gradients
+    act_checkpoint_gpu: int
+    act_checkpoint_host: int
+    act_block: int  #: working set of the largest block's backward
+    act_other: int
+    pinned: int
+    h2d: int
+    d2h: int
+    peak_allocated: float
+    peak_reserved: float
+    ram_peak: float
+    compute_s: float
+    transfer_s: float
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_s, self.transfer_s)
+
+
+def predict(
+    facts: Facts,
+    fraction: float,
+    res: int,
+    activation_offload: bool = False,
+    rates: ptime.Rates | None = None,
+) -> Prediction:
+    rates = rates or ptime.reference_rates()
+    tr = facts.trace(res)
+    ring, pinned, h2d = streaming(facts.packed, fraction)
+    full = facts.method == "full"
+    if full:
+        state = _STATE_BYTES[facts.optimizer]
+        # Non-block parameters train resident (weights counted in nonblock): state + gradients.
+        grads = facts.largest_param * 2 if facts.fused else facts.nonblock_params * 2
+        trainable = int(facts.nonblock_params * state + grads)
+        if fraction <= 0.0:  # no packing: block state sits beside the weights on the GPU
+            ring = sum(facts.block_param_bytes)
+            nblock = sum(facts.block_param_bytes) // torch.tensor([], dtype=facts.dtype).element_size()
+            trainable += int(nblock * state) + (0 if facts.fused else int(nblock * 2))
+        d2h = h2d  # every streamed block is written back before its region is reused
+    else:
+        state = _STATE_BYTES[facts.optimizer]
+        grads = facts.largest_param * 4 if facts.fused else facts.trainable_params * 4
+        trainable = int(facts.trainable_params * (4 + state) + grads)
+        d2h = 0
+    ws = [
+        s + 2 * big + 2 * inp
+        for s, big, inp in zip(tr.block_saved, tr.block_largest, tr.block_inputs, strict=True)
+    ]
+    if facts.checkpointing:
+        act_block = max(ws)
+        if activation_offload:
+            ck_gpu = tr.block_inputs[0] + 2 * max(tr.block_inputs[1:] or [0])
+            ck_host = tr.checkpoint_inputs - tr.block_inputs[0]
+        else:
+            ck_gpu, ck_host = tr.checkpoint_inputs, 0
+    else:  # every block's saved tensors stay; one block's transients on top
+        act_block = sum(tr.block_saved) + max(w - s for w, s in zip(ws, tr.block_saved, strict=True))
+        ck_gpu, ck_host = tr.checkpoint_inputs, 0
+    if activation_offload:
+        h2d += ck_host
+        d2h += ck_host
+    act = ck_gpu + act_block + tr.outside_saved
+    static = _round2m(ring) + _round2m(facts.nonblock_bytes) + _round2m(trainable)
+    allocated = ring + facts.nonblock_bytes + trainable + act
+    reserved = static + ALLOCATOR_OVERHEAD * act + WORKSPACE
+    # RAM: the transformer is read into (pageable) RAM before its blocks are packed into the arena.
+    model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
+    ram = model_bytes + pinned + ck_host
+    flops = ptime.train_flops(
+        tr.linear_flops, tr.attn_flops, checkpointing=facts.checkpointing, weights_train=full
+    )
+    return Prediction(
+        fraction=fraction,
+        resolution=res,
+        activation_offload=activation_offload,
+        ring=ring,
+        nonblock=facts.nonblock_bytes,
+        trainable=trainable,
+        act_checkpoint_gpu=ck_gpu,
+        act_checkpoint_host=ck_host,
+        act_block=act_block,
+        act_other=tr.outside_saved,
+        pinned=pinned,
+        h2d=h2d,
+        d2h=d2h,
+        peak_allocated=allocated,
+        peak_reserved=reserved,
+        ram_peak=ram,
+        compute_s=flops / rates.flops_per_s,
+        transfer_s=ptime.transfer_seconds(h2d, d2h, rates),
+    )
+
+
+def _fraction_of(cfg) -> float | None:
+    f = cfg.offload.transformer
+    return None if f == "auto" else float(f)
+
+
+def choose_fraction(
+    cfg,
+    vram_gb: float | None = None,
+    *,
+    facts: Facts | None = None,
+    activation_offload: bool | None = None,
+    log=print,
+) -> float:
+    """The smallest fraction (0.05 grid) whose predicted reserved peak fits `vram_gb` (default
+    offload.vram_budget_gb) at every bucket; raises UserError when even 1.0 does not fit."""
+    budget = vram_gb if vram_gb is not None else cfg.offload.vram_budget_gb
+    if budget is None:
+        raise UserError("offload.transformer: auto needs offload.vram_budget_gb (or pass --vram)")
+    facts = facts or analyze(cfg)
+    act = cfg.offload.activations if activation_offload is None else activation_offload
+    if cfg.train.method == "full" and not cfg.optimizer.fused_back_pass:
+        grid = [0.0]  # streaming trained weights needs the fused back pass (config.py says so)
+    elif not cfg.train.gradient_checkpointing:
+        grid = [0.0]
+    else:
+        grid = GRID
+    chosen = 0.0
+    for res in facts.resolutions:
+        fit = next((f for f in grid if predict(facts, f, res, act).peak_reserved <= budget * GB), None)
+        if fit is None:
+            need = predict(facts, grid[-1], res, act).peak_reserved / GB
+            hint = "lower the resolution" + (
+                "" if act else " / use activation offloading (offload.activations: true)"
+            )
+            raise UserError(
+                f"offload: {facts.family} {facts.method} at {res} px needs at least {need:.1f} GB even with every "
+                f"block streamed (budget {budget:g} GB); {hint}"
+            )
+        p = predict(facts, fit, res, act)
+        log(
+            f"offload: bucket {res} px fits {budget:g} GB at transformer fraction {fit:.2f} "
+            f"(predicted peak reserved {p.peak_reserved / GB:.1f} GB)"
+        )
+        chosen = max(chosen, fit)
+    log(f"offload: auto chose transformer fraction {chosen:.2f} (largest bucket decides)")
+    return chosen
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.2f}"
+
+
+def _table(rows: list[tuple]) -> list[str]:
+    w = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for k, r in enumerate(rows):
+        out.append("  ".join(str(c).rjust(w[i]) if i else str(c).ljust(w[i]) for i, c in enumerate(r)))
+        if k == 0:
+            out.append("  ".join("-" * x for x in w))
+    return out
+
+
+def report(
+    cfg,
+    vram_gb: float | None = None,
+    ram_gb: float | None = None,
+    rates: ptime.Rates | None = None,
+    facts: Facts | None = None,
+) -> tuple[list[str], float | None]:
+    """The lines `dittrain plan` prints, and the chosen fraction (None when no budget was given)."""
+    facts = facts or analyze(cfg)
+    rates = rates or ptime.reference_rates()
+    act = cfg.offload.activations
+    big = max(facts.resolutions)
+    lines = [
+        f"dittrain plan: {facts.family} {facts.method}"
+        + (
+            f" rank {cfg.lora.rank}"
+            if facts.method == "lora"
+            else f" ({facts.optimizer}, fused back pass)"
+            if facts.fused
+            else f" ({facts.optimizer})"
+        )
+        + f", {cfg.model.dtype}, batch {facts.batch}, buckets {', '.join(map(str, facts.resolutions))} px",
+        f"model: {facts.source}",
+        "",
+    ]
+    total_blocks = sum(facts.packed)
+    rows = [("component", "params (B)", "GB", "resident GB", "streamed GB", "ring GB", "pinned GB")]
+    frac = _fraction_of(cfg)
+    budget = vram_gb if vram_gb is not None else cfg.offload.vram_budget_gb
+    chosen = None
+    if budget is not None:
+        chosen = choose_fraction(cfg, budget, facts=facts, log=lambda s: lines.append(s))
+        lines.append("")
+    f_show = chosen if chosen is not None else (frac or 0.0)
+    ring, pinned, _ = streaming(facts.packed, f_show)
+    nparams = sum(facts.block_param_bytes) / torch.tensor([], dtype=facts.dtype).element_size()
+    rows.append(
+        (
+            f"transformer blocks ({len(facts.blocks)}, f={f_show:.2f})",
+            f"{nparams / 1e9:.2f}",
+            _gb(total_blocks),
+            _gb(ring),
+            _gb(pinned),
+            _gb(ring if f_show > 0 else 0),
+            _gb(pinned),
+        )
+    )
+    rows.append(
+        (
+            "transformer non-block",
+            f"{facts.nonblock_params / 1e9:.2f}",
+            _gb(facts.nonblock_bytes),
+            _gb(facts.nonblock_bytes),
+            "0.00",
+            "-",
+            "0.00",
+        )
+    )
+    if facts.method == "lora":
+        rows.append(
+            (
+                f"LoRA (fp32 + {facts.optimizer})",
+                f"{facts.trainable_params / 1e9:.3f}",
+                _gb(facts.trainable_params * 4),
+                _gb(predict(facts, 0.0, big, act).trainable),
+                "0.00",
+                "-",
+                "0.00",
+            )
+        )
+    f_te = cfg.offload.text_encoders
+    for name, nb in facts.text_encoders:
+        rows.append(
+            (
+                f"text encoder {name} (f={f_te:.2f})",
+                "-",
+                _gb(nb),
+                _gb(nb * (1 - f_te)),
+                _gb(nb * f_te),
+                "-",
+                _gb(nb * f_te),
+            )
+        )
+    lines += _table(rows)
+    cached = cfg.data is None or cfg.data.cache
+    lines.append(
+        "text encoders run "
+        + (
+            "in `dittrain cache` only (data.cache: true): not in the training peak"
+            if cached
+            else "during training (data.cache: false): add their resident GB"
+        )
+    )
+    lines += [
+        "",
+        "Activations per bucket (GB; checkpoint inputs of all blocks, one block's backward working set):",
+    ]
+    rows = [
+        (
+            "bucket",
+            "image+text tokens",
+            "ckpt inputs",
+            "block working set",
+            "other",
+            "with act. offload: GPU",
+            "host",
+        )
+    ]
+    for res in facts.resolutions:
+        p0, p1 = predict(facts, 0.0, res, False), predict(facts, 0.0, res, True)
+        n_img = ptrace.image_tokens(res, res)
+        rows.append(
+            (
+                f"{res} px",
+                f"{n_img}+{facts.text_tokens}",
+                _gb(p0.act_checkpoint_gpu),
+                _gb(p0.act_block),
+                _gb(p0.act_other),
+                _gb(p1.act_checkpoint_gpu + p1.act_block + p1.act_other),
+                _gb(p1.act_checkpoint_host),
+            )
+        )
+    lines += _table(rows)
+    fr = sorted(
+        set(TABLE_FRACTIONS)
+        | ({chosen} if chosen is not None else set())
+        | ({frac} if frac is not None else set())
+    )
+    if not facts.checkpointing or (facts.method == "full" and not facts.fused):
+        fr = [0.0]
+    base = predict(facts, 0.0, big, False, rates)
+    lines += [
+        "",
+        f"Per fraction at the largest bucket ({big} px), activation offloading {'on' if act else 'off'} (GB, s):",
+    ]
+    rows = [
+        (
+            "fraction",
+            "ring",
+            "trainable",
+            "activations",
+            "peak alloc",
+            "peak reserved",
+            "pinned RAM",
+            "peak RAM",
+            "compute",
+            "transfer",
+            "step",
+            "vs resident",
+        )
+    ]
+    for f in fr:
+        p = predict(facts, f, big, act, rates)
+        mark = (
+            " <- chosen"
+            if chosen is not None and f == chosen
+            else (" <- config" if frac == f and chosen is None else "")
+        )
+        rows.append(
+            (
+                f"{f:.2f}{mark}",
+                _gb(p.ring),
+                _gb(p.trainable),
+                _gb(p.act_checkpoint_gpu + p.act_block + p.act_other),
+                _gb(p.peak_allocated),
+                _gb(p.peak_reserved),
+                _gb(p.pinned + p.act_checkpoint_host),
+                _gb(p.ram_peak),
+                f"{p.compute_s:.2f}",
+                f"{p.transfer_s:.2f}",
+                f"{p.step_s:.2f}",
+                f"{p.step_s / base.step_s:.2f}x",
+            )
+        )
+    lines += _table(rows)
+    if ram_gb is not None:
+        p = predict(facts, f_show, big, act, rates)
+        host = (p.pinned + p.act_checkpoint_host) / GB
+        verdict = (
+            "fits" if p.ram_peak / GB <= ram_gb else "does NOT fit (the transformer is read into RAM first)"
+        )
+        lines.append(
+            f"RAM {ram_gb:g} GB: pinned {host:.1f} GB, peak while loading {p.ram_peak / GB:.1f} GB: {verdict}"
+        )
+    lines += [
+        "",
+        "Assumptions (predictions, not measurements):",
+        f"- rates: {rates.source}",
+        f"- peak reserved = static allocations (2 MiB rounded) + {ALLOCATOR_OVERHEAD:.2f} x activations + "
+        f"{WORKSPACE / GB:.2f} GB workspaces; the CUDA context (0.5-1 GB) comes on top",
+        "- block working set = saved tensors of one block's recompute (flash attention, fused RMS norm) "
+        "+ 2 x its largest saved tensor + 2 x its inputs (backward transients, estimated)",
+        f"- text tokens per caption: {facts.text_tokens}; square buckets of res x res pixels",
+        "- step = max(compute, transfer); compute scales the reference by forward FLOPs (matmuls and attention)",
+    ]
+    return lines, chosen
+
+
+def run_plan(cfg, vram_gb: float | None = None, ram_gb: float | None = None) -> None:
+    """`dittrain plan`: print the table; with a GPU present, measure its copy rates and one block first."""
+    facts = analyze(cfg)
+    rates = None
+    if torch.cuda.is_available():
+        try:
+            from ._planner_measure import measure
+
+            rates = measure(facts)
+        except Exception as e:  # noqa: BLE001 - a failed measurement must not stop the plan
+            print(f"(GPU measurement failed: {type(e).__name__}: {e}; using the reference figures)")
+    lines, _ = report(cfg, vram_gb=vram_gb, ram_gb=ram_gb, rates=rates, facts=facts)
+    print("\n".join(lines))
