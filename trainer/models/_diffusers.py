@@ -215,7 +215,7 @@ class DiffusersAdapter(ModelAdapter):
                     )
                 else:
                     out.scheduler = FlowMatchEulerDiscreteScheduler(**self.default_scheduler)
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError) as e:
             # Files present but unreadable or mismatched (truncated safetensors, wrong shapes, ...).
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"{root}: could not load the {self.family} model: {first}") from e
