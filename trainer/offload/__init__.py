@@ -1,1 +1,106 @@
+"""Streaming a model's blocks between pinned CPU RAM and the GPU (the offload conductor).
 
+Public interface (everything else in this package is internal):
+
+    handle = attach_offload(
+        blocks,                 # list[nn.Module] in execution order (adapter.blocks(transformer))
+        device,                 # torch.device or "cuda" / "cpu"
+        fraction,               # share of block bytes kept in CPU RAM: 0 = resident (no streaming)
+        mode="train",           # "train": forward then backward; "sample": cyclic forward
+        activations=False,      # offload checkpoint inputs to pinned RAM (training)
+        nano_batches=1,         # split token-wise MLPs (diffusers FeedForward) into this many checkpointed chunks
+        trainable=False,        # True: block weights are trained (full fine-tune, needs a fused back pass)
+        checkpointing=None,     # default: True in "train"; per-block torch.utils.checkpoint(use_reentrant=False)
+        optimizer_state=(),     # full fine-tune: names of fp32 state tensors packed beside each weight
+        race_detector=False,    # fill released ring regions with NaN at once (tests)
+    )
+    handle.stats()      -> dict: block_bytes, offloaded_bytes, ring_bytes, pinned_bytes, h2d_gbps, ...
+    handle.state_of(p)  -> dict of optimizer-state tensors for a streamed trainable parameter (or None)
+    handle.set_mode(m)  -> switch between "train" and "sample" (re-plans; synchronises)
+    handle.close()      -> restores plain modules with their current weights on the CPU
+
+Contract with the caller:
+- Non-block modules (embedders, final norm, projections) are the caller's: move them to the device yourself.
+- The handle does the per-block gradient checkpointing itself; do NOT also call diffusers'
+  `enable_gradient_checkpointing()` on the model (blocks would be checkpointed twice).
+- Trainable parameters inside blocks (peft LoRA) stay resident on the device and are never packed when
+  `trainable=False`; with `trainable=True` every block parameter streams and the optimizer must step inside
+  backward (trainer/optim fused back pass), reading its state through `handle.state_of(p)`.
+- With `fraction == 0` nothing streams: blocks are moved to the device; checkpointing and activation
+  offloading still apply when asked.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .conductor import Conductor
+from .nano import nano_batch
+
+__all__ = ["OffloadHandle", "attach_offload"]
+
+
+class OffloadHandle:
+    def __init__(self, conductor: Conductor, undo_nano):
+        self._c = conductor
+        self._undo_nano = undo_nano
+        self._args = None
+
+    def stats(self) -> dict:
+        return self._c.stats()
+
+    def state_of(self, p: torch.Tensor):
+        return self._c.state_of(p)
+
+    @property
+    def plan(self):
+        return self._c.plan
+
+    def set_mode(self, mode: str) -> None:
+        if mode == self._c.mode:
+            return
+        c = self._c
+        c.close()
+        self._c = Conductor(
+            c.blocks,
+            c.device,
+            c.fraction,
+            mode=mode,
+            activations=c.act is not None,
+            trainable=c.trainable,
+            checkpointing=None,
+            race_detector=c.race_detector,
+        )
+
+    def close(self) -> None:
+        self._c.close()
+        self._undo_nano()
+
+
+def attach_offload(
+    blocks: list[nn.Module],
+    device: torch.device | str,
+    fraction: float,
+    mode: str = "train",
+    activations: bool = False,
+    nano_batches: int = 1,
+    trainable: bool = False,
+    checkpointing: bool | None = None,
+    optimizer_state: tuple[str, ...] = (),
+    race_detector: bool = False,
+) -> OffloadHandle:
+    """Install streaming on `blocks`; see the module docstring."""
+    undo = nano_batch(blocks, nano_batches)
+    c = Conductor(
+        blocks,
+        device,
+        fraction,
+        mode=mode,
+        activations=activations,
+        trainable=trainable,
+        checkpointing=checkpointing,
+        optimizer_state=optimizer_state,
+        race_detector=race_detector,
+    )
+    return OffloadHandle(c, undo)

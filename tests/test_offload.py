@@ -1,0 +1,169 @@
+"""The conductor on the CPU: the same packing, ring views, plan replay, release points and activation
+hooks as on the GPU (copies are synchronous there, so a wrong release point corrupts results at once)."""
+
+import pytest
+import torch
+from _offload_util import (
+    add_lora,
+    all_state,
+    batch,
+    blocks_of,
+    fused_adamw,
+    tiny_flux,
+    train_steps,
+    trainable_state,
+)
+
+from trainer.offload import attach_offload
+from trainer.offload.allocators import ALIGN, BlockPacking, BumpArena, HostArena, Ring
+from trainer.offload.conductor import Conductor
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def lora_reference():
+    m = add_lora(tiny_flux(0))
+    losses = train_steps(m, STEPS)
+    return losses, trainable_state(m)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 1.0])
+def test_lora_offloaded_training_is_bitwise_resident(lora_reference, fraction):
+    m = add_lora(tiny_flux(0))
+    h = attach_offload(blocks_of(m), "cpu", fraction)
+    losses = train_steps(m, STEPS)
+    assert torch.equal(losses, lora_reference[0])
+    assert _same(trainable_state(m), lora_reference[1])
+    st = h.stats()
+    if fraction > 0:
+        assert st["ring_bytes"] < st["block_bytes"]
+        assert h.plan.streamed  # something really moved
+    h.close()
+    # close restores plain CPU modules that still compute the same thing
+    assert all(p.device.type == "cpu" and p.numel() > 0 for p in m.parameters())
+
+
+def test_race_detector_leaves_results_unchanged(lora_reference):
+    m = add_lora(tiny_flux(0))
+    Conductor(blocks_of(m), "cpu", 0.5, race_detector=True)
+    assert torch.equal(train_steps(m, STEPS), lora_reference[0])
+
+
+def test_release_after_recompute_is_caught():
+    """Negative control: releasing after the recompute (OneTrainer #1306) must poison the run."""
+    m = add_lora(tiny_flux(0))
+    Conductor(blocks_of(m), "cpu", 0.5, race_detector=True, _release_at_recompute=True)
+    losses = train_steps(m, STEPS)
+    assert not torch.isfinite(losses).all()
+
+
+def test_activation_offloading_gives_equal_gradients():
+    def grads(activations):
+        m = add_lora(tiny_flux(0))
+        c = Conductor(blocks_of(m), "cpu", 0.5, activations=activations, activation_min_bytes=0)
+        kw, target = batch(3)
+        torch.nn.functional.mse_loss(m(**kw)[0], target).backward()
+        g = {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+        return g, c
+
+    g0, _ = grads(False)
+    g1, c = grads(True)
+    assert _same(g0, g1)
+    # the checkpoint inputs of every block after the first (the first block's input needs no grad) went out
+    assert c.act.offloaded_bytes > 0 and len(c.act._by_block) == len(c.blocks) - 1
+
+
+def test_full_finetune_streams_weights_and_state_back():
+    ref = tiny_flux(0)  # resident = the same code path with nothing streamed
+    attach_offload(blocks_of(ref), "cpu", 0.0, trainable=True)
+    fused_adamw(ref)
+    l0 = train_steps(ref, STEPS, fused=True)
+    s0 = all_state(ref)
+
+    m = tiny_flux(0)
+    h = attach_offload(blocks_of(m), "cpu", 0.5, trainable=True, optimizer_state=("exp_avg", "exp_avg_sq"))
+    fused_adamw(m, handle=h)
+    l1 = train_steps(m, STEPS, fused=True)
+    assert torch.equal(l0, l1)
+    h.close()
+    assert _same(all_state(m), s0)
+
+
+def test_sampling_mode_matches_resident():
+    ref = tiny_flux(1)
+    with torch.no_grad():
+        o0 = [ref(**batch(5 + i)[0])[0] for i in range(3)]
+    m = tiny_flux(1)
+    h = attach_offload(blocks_of(m), "cpu", 0.5, mode="sample")
+    with torch.no_grad():
+        o1 = [m(**batch(5 + i)[0])[0] for i in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(o0, o1, strict=True))
+    assert h.plan.mode == "sample"
+
+
+def test_no_grad_forward_inside_training_is_absorbed(lora_reference):
+    """A validation forward between steps skips the backward positions; the ring must recover."""
+    m = add_lora(tiny_flux(0))
+    attach_offload(blocks_of(m), "cpu", 0.5)
+    with torch.no_grad():
+        m(**batch(9)[0])
+    assert torch.equal(train_steps(m, STEPS), lora_reference[0])
+
+
+def test_nano_batching_is_exact(lora_reference):
+    m = add_lora(tiny_flux(0))
+    attach_offload(blocks_of(m), "cpu", 0.0, nano_batches=2)
+    losses = train_steps(m, STEPS)
+    torch.testing.assert_close(losses, lora_reference[0], rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- allocators
+
+
+def test_packing_is_aligned_and_round_trips():
+    m = tiny_flux(2)
+    blk = m.transformer_blocks[0]
+    pk = BlockPacking.of(blk, include_trainable=True)
+    assert all(e.offset % ALIGN == 0 for e in pk.entries)
+    assert pk.nbytes % ALIGN == 0
+    raw = sum(p.numel() * p.element_size() for p in blk.parameters())
+    assert raw <= pk.nbytes <= raw + ALIGN * (len(pk.entries) + 1)
+    before = {n: p.detach().clone() for n, p in blk.named_parameters()}
+    buf = torch.empty(pk.nbytes, dtype=torch.uint8)
+    pk.write_into(buf)
+    pk.point_at(pk.views(buf))
+    assert all(torch.equal(before[n], p) for n, p in blk.named_parameters())
+    assert all(p.data_ptr() >= buf.data_ptr() for p in blk.parameters())
+
+
+def test_ring_copies_do_not_bump_saved_versions():
+    ring = Ring(1024, torch.device("cpu"))
+    v = ring.views(0, 0, BlockPacking())  # empty packing: just the cache
+    assert v == []
+    w = ring.buf[0:16].view(torch.float32)
+    before = w._version
+    ring.region(0, 16).copy_(torch.ones(16, dtype=torch.uint8))
+    assert w._version == before  # autograd would not see a refill as an in-place edit
+    assert ring.buf[0].item() == 1
+
+
+def test_host_arena_is_exact():
+    a = HostArena(12345, pin=False)
+    assert a.buf.numel() == 12345 and a.region(100, 5).numel() == 5
+
+
+def test_bump_arena_grows_then_coalesces():
+    b = BumpArena(pin=False, chunk=1024)
+    x = b.alloc(1000)
+    y = b.alloc(1000)  # needs a second chunk
+    assert len(b.chunks) == 2 and x.numel() == 1000 and y.numel() == 1000
+    b.reset()
+    assert len(b.chunks) == 1 and b.chunks[0].nbytes >= 2048
+    b.alloc(1000)
+    b.alloc(1000)
+    assert len(b.chunks) == 1  # steady state: no growth

@@ -1,0 +1,138 @@
+"""Activation offloading: checkpoint inputs go to pinned host memory in forward and come back one block
+ahead in backward.
+
+How. With per-block non-reentrant checkpointing, the only activations a block keeps for backward are its
+inputs, which `torch.utils.checkpoint` saves as saved tensors *outside* its own hooks. The conductor wraps
+each checkpoint call in `saved_tensors_hooks(pack, unpack)` from this module: `pack` copies a large,
+grad-carrying input into a bump-allocated pinned host region on a side stream (after that stream waits for
+the compute stream, so the tensor is complete) and keeps the device tensor alive only until the copy's event
+has passed; `unpack` (the recompute of block j in backward) waits for block j's tensors and starts the copies
+of block j-1's, so the transfer hides behind block j's backward.
+
+Why those tensors. Inputs that do not require grad (the first block's, the rotary tables and `temb` shared
+by every block) are small or shared; copying them once per block would cost more than it saves.
+
+Throttle. A CPU that runs ahead would enqueue many D2H copies whose source tensors stay allocated until the
+copies run, erasing the saving (OneTrainer PR #1649). `max_inflight` bounds the copies in flight; beyond it
+`pack` waits on the oldest event (a host-device sync, marked below).
+
+Left out: offloading activations of non-checkpointed code, and a device-side bump allocator for the
+prefetched tensors (they come from the caching allocator, whose blocks are reused step after step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+
+import torch
+
+from .allocators import BumpArena
+
+
+class _Saved:
+    __slots__ = ("host", "shape", "dtype", "block", "gpu", "event")
+
+    def __init__(self, host, shape, dtype, block):
+        self.host, self.shape, self.dtype, self.block = host, shape, dtype, block
+        self.gpu = None
+        self.event = None
+
+
+class ActivationOffloader:
+    def __init__(self, device: torch.device, min_bytes: int = 1 << 20, max_inflight: int = 4):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.arena = BumpArena(pin=self.cuda)
+        self.min_bytes = min_bytes
+        self.max_inflight = max_inflight
+        self._block = -1
+        self._by_block: dict[int, list[_Saved]] = {}
+        self._inflight: deque = deque()  # (event, device tensor kept alive until its D2H copy has run)
+        self.offloaded_bytes = 0  # of the last forward
+
+    # ------------------------------------------------------------------------------------------ interface
+    def hooks(self, block: int):
+        self._block = block
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def new_step(self) -> None:
+        """Called at the start of each forward pass."""
+        self._by_block.clear()
+        self._drain(block=False)
+        if len(self.arena.chunks) > 1 and self.cuda:
+            self.stream.synchronize()  # host-device sync (growth steps only): chunks are about to be freed
+        self.arena.reset()
+        self.offloaded_bytes = 0
+
+    def close(self) -> None:
+        self._drain(block=True)
+        if self.cuda:
+            self.stream.synchronize()
+        self._by_block.clear()
+        self.arena.close()
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.arena.pinned_bytes
+
+    # ------------------------------------------------------------------------------------------ hooks
+    def _pack(self, t: torch.Tensor):
+        n = t.numel() * t.element_size()
+        if not (t.requires_grad and n >= self.min_bytes and t.device == self.device and t.is_contiguous()):
+            return t
+        host = self.arena.alloc(n)
+        src = t.detach().reshape(-1).view(torch.uint8)
+        if self.cuda:
+            self._drain(block=False)
+            while len(self._inflight) >= self.max_inflight:
+                self._inflight.popleft()[0].synchronize()  # host-device sync: bounds CPU run-ahead
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(src, non_blocking=True)
+                ev = self.stream.record_event()
+            self._inflight.append((ev, t))
+        else:
+            host.copy_(src)
+        s = _Saved(host, t.shape, t.dtype, self._block)
+        self._by_block.setdefault(self._block, []).append(s)
+        self.offloaded_bytes += n
+        return s
+
+    def _unpack(self, s):
+        if not isinstance(s, _Saved):
+            return s
+        if s.gpu is None:
+            self._fetch(s)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(s.event)
+        t, s.gpu = s.gpu, None
+        for prev in self._by_block.get(s.block - 1, ()):  # one block ahead in backward
+            if prev.gpu is None:
+                self._fetch(prev)
+        return t
+
+    def _fetch(self, s: _Saved) -> None:
+        gpu = torch.empty(s.shape, dtype=s.dtype, device=self.device)  # allocation: caching allocator, reused
+        dst = gpu.view(-1).view(torch.uint8)
+        if self.cuda:
+            # The block may have been freed by compute kernels still queued: start after them.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                dst.copy_(s.host, non_blocking=True)
+                s.event = self.stream.record_event()
+        else:
+            dst.copy_(s.host)
+        s.gpu = gpu
+
+    def _drain(self, block: bool) -> None:
+        while self._inflight and (block or self._inflight[0][0].query()):
+            ev, _ = self._inflight.popleft()
+            if block:
+                ev.synchronize()
+
+
+@contextlib.contextmanager
+def nothing():
+    yield

@@ -1,0 +1,228 @@
+"""Memory for streaming: one exact pinned host arena, one GPU ring, and a host bump allocator for activations.
+
+How. Every streamed block's tensors (parameters and buffers) are *packed*: laid out back to back, each start
+aligned to `ALIGN` bytes, so one block is one contiguous byte range that crosses PCIe in one copy. The host
+side of all streamed blocks is a single allocation (`HostArena`): an ordinary CPU tensor page-locked with
+`cudaHostRegister`, so it is exactly as large as the packed bytes (`tensor.pin_memory()` would go through the
+caching host allocator, which rounds each request up to a power of two). The GPU side is one `uint8` tensor
+(`Ring`) allocated once; a block resident at byte offset `o` is a set of views `ring[o + off_i : ...]` that
+replace its parameters' `.data`. Nothing is allocated on the device after setup.
+
+Version counters. Copies into the ring go through a second tensor that aliases the ring's storage
+(`Tensor.set_`) and so has its own autograd version counter: refilling a region never bumps the version of
+weight views that autograd saved (the "modified by an inplace operation" failure other trainers work around).
+The events in the conductor, not version counters, are what keep a region from being overwritten too early.
+
+Activations (`BumpArena`): checkpoint inputs are appended to pinned host chunks during forward and reset every
+step; after a step that needed more than one chunk the chunks are replaced by one exact buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+ALIGN = 256  # bytes; keeps every dtype view aligned and GPU loads vectorised
+
+
+def align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class Entry:
+    """One tensor of a block: where it lives in the block's packed bytes and how to view it."""
+
+    module: nn.Module
+    name: str
+    is_param: bool
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: torch.Size
+
+    def tensor(self) -> torch.Tensor:
+        return self.module._parameters[self.name] if self.is_param else self.module._buffers[self.name]
+
+
+@dataclass
+class BlockPacking:
+    """The packed layout of one block (see module docstring)."""
+
+    entries: list[Entry] = field(default_factory=list)
+    nbytes: int = 0
+    resident: list[torch.Tensor] = field(default_factory=list)  # trainable params kept on the device
+    # optimizer state packed beside trainable weights: (param, state name, offset, nbytes, shape), fp32
+    states: list[tuple[torch.Tensor, str, int, int, torch.Size]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, block: nn.Module, include_trainable: bool, state_names: tuple[str, ...] = ()) -> BlockPacking:
+        pk = cls()
+        seen: set[int] = set()
+        for mod in block.modules():
+            for name, p in mod._parameters.items():
+                if p is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if p.requires_grad and not include_trainable:
+                    pk.resident.append(p)
+                    continue
+                pk._add(mod, name, True, p)
+            for name, b in mod._buffers.items():
+                if b is None or id(b) in seen:
+                    continue
+                seen.add(id(b))
+                pk._add(mod, name, False, b)
+        if include_trainable:
+            for e in list(pk.entries):
+                p = e.tensor()
+                if e.is_param and p.requires_grad:
+                    for sn in state_names:
+                        n = p.numel() * 4
+                        pk.states.append((p, sn, pk.nbytes, n, p.shape))
+                        pk.nbytes += align(n)
+        pk.nbytes = align(pk.nbytes)
+        return pk
+
+    def _add(self, mod: nn.Module, name: str, is_param: bool, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
+        self.entries.append(Entry(mod, name, is_param, self.nbytes, n, t.dtype, t.shape))
+        self.nbytes += align(n)
+
+    def write_into(self, dst: torch.Tensor) -> None:
+        """Copy the block's current tensors into `dst` (a uint8 region of `nbytes`)."""
+        for e in self.entries:
+            src = e.tensor().detach().contiguous().reshape(-1).view(torch.uint8)
+            dst[e.offset : e.offset + e.nbytes].copy_(src)
+        for _, _, off, n, _ in self.states:  # optimizer state starts at zero
+            dst[off : off + n].zero_()
+
+    def views(self, region: torch.Tensor) -> list[torch.Tensor]:
+        return [region[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.entries]
+
+    def state_views(self, region: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for p, sn, off, n, shape in self.states:
+            out.setdefault(id(p), {})[sn] = region[off : off + n].view(torch.float32).view(shape)
+        return out
+
+    def point_at(self, views: list[torch.Tensor]) -> None:
+        """Make the block's tensors views into a region (the Parameter objects stay the same)."""
+        for e, v in zip(self.entries, views, strict=True):
+            if e.is_param:
+                e.module._parameters[e.name].data = v
+            else:
+                e.module._buffers[e.name] = v
+
+
+def _aliasing(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on the same storage with its own version counter (see module docstring)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, t.shape, t.stride())
+
+
+class HostArena:
+    """One exactly sized host buffer, page-locked with cudaHostRegister when `pin` (and CUDA) allow."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.nbytes = int(nbytes)
+        self.buf = torch.empty(max(1, self.nbytes), dtype=torch.uint8)
+        self.pinned_bytes = 0
+        self._registered = False
+        if pin and torch.cuda.is_available() and self.nbytes > 0:
+            err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.buf.numel(), 0)
+            if int(err) == 0:
+                self._registered = True
+            else:  # fall back to the caching host allocator (rounded, but still page-locked)
+                self.buf = torch.empty(max(1, self.nbytes), dtype=torch.uint8, pin_memory=True)
+            self.pinned_bytes = self.buf.numel()
+
+    def region(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.buf[offset : offset + nbytes]
+
+    def close(self) -> None:
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
+            self._registered = False
+        self.pinned_bytes = 0
+        self.buf = torch.empty(0, dtype=torch.uint8)
+
+
+class Ring:
+    """The preallocated device buffer the streamed blocks live in, addressed by byte offsets."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.capacity = int(capacity)
+        self.buf = torch.empty(
+            max(1, self.capacity), dtype=torch.uint8, device=device
+        )  # the only device alloc
+        self._copy_target = _aliasing(self.buf)
+        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._state_views: dict[tuple[int, int], dict[int, dict[str, torch.Tensor]]] = {}
+
+    def region(self, offset: int, nbytes: int) -> torch.Tensor:
+        """Write target for copies (no autograd version bump)."""
+        return self._copy_target[offset : offset + nbytes]
+
+    def views(self, block: int, offset: int, packing: BlockPacking) -> list[torch.Tensor]:
+        key = (block, offset)
+        v = self._views.get(key)
+        if v is None:  # built once per (block, offset); steady state cycles through a fixed set
+            v = self._views[key] = packing.views(self.buf[offset : offset + packing.nbytes])
+        return v
+
+    def state_views(
+        self, block: int, offset: int, packing: BlockPacking
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        key = (block, offset)
+        v = self._state_views.get(key)
+        if v is None:
+            v = self._state_views[key] = packing.state_views(self.buf[offset : offset + packing.nbytes])
+        return v
+
+
+class BumpArena:
+    """Host memory for offloaded activations: bump allocation in pinned chunks, reset each step."""
+
+    def __init__(self, pin: bool, chunk: int = 256 << 20):
+        self.pin = pin and torch.cuda.is_available()
+        self.chunk = chunk
+        self.chunks: list[HostArena] = []
+        self._i = 0  # current chunk
+        self._off = 0  # offset inside it
+        self.used = 0
+        self.high_water = 0
+
+    def reset(self) -> None:
+        """Start of a forward pass. Several chunks from last time become one exact buffer."""
+        if len(self.chunks) > 1:
+            total = sum(c.nbytes for c in self.chunks)
+            for c in self.chunks:
+                c.close()
+            self.chunks = [HostArena(total, self.pin)]
+        self._i = self._off = self.used = 0
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        n = align(nbytes)
+        while True:
+            if self._i < len(self.chunks) and self._off + n <= self.chunks[self._i].nbytes:
+                out = self.chunks[self._i].region(self._off, nbytes)
+                self._off += n
+                self.used += n
+                self.high_water = max(self.high_water, self.used)
+                return out
+            if self._i + 1 < len(self.chunks):
+                self._i, self._off = self._i + 1, 0
+                continue
+            self.chunks.append(HostArena(max(n, self.chunk), self.pin))  # growth: first steps only
+            self._i, self._off = len(self.chunks) - 1, 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(c.pinned_bytes for c in self.chunks)
+
+    def close(self) -> None:
+        for c in self.chunks:
+            c.close()
+        self.chunks = []
