@@ -91,14 +91,13 @@ def _save_lora(transformer, path: Path) -> Path:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_same_seed_same_image_and_equal_to_diffusers(tiny_models, tmp_path, family):
     cfg = _cfg(tiny_models, family, tmp_path)
-    a = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=7, out=tmp_path / "a"))
+    a = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=7, num=2, out=tmp_path / "a"))  # seeds 7 and 8
     b = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=7, out=tmp_path / "b"))
-    c = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=8, out=tmp_path / "c"))
-    assert len(a) == len(b) == 1 and a[0].name == b[0].name
+    assert a[0].name == b[0].name
     img = _pixels(a[0])
     assert img.shape == (32, 32, 3)
     np.testing.assert_array_equal(img, _pixels(b[0]))
-    assert (img != _pixels(c[0])).any(), "a different seed must give a different image"
+    assert (img != _pixels(a[1])).any(), "a different seed must give a different image"
     # Encoding first and denoising from stored embeddings is bit-identical to diffusers' pipe(prompt=...).
     np.testing.assert_array_equal(img, _diffusers_image(cfg, seed=7))
 
