@@ -200,3 +200,78 @@ def test_hooks_survive_data_swaps():
     got, _ = _train(model, _cfg("adamw"), fused=True, hooks=[(swap, None)])
     for a, b in zip(ref.parameters(), got.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+class _PackedStore:
+    """The offload protocol on the CPU: state lives in a host 'arena' between steps; a block load copies it
+    into a 'ring' slot; the step runs on the ring views; a write-back copies the slot to the arena."""
+
+    def __init__(self, fb: FusedBackPass, params):
+        self.fb = fb
+        self.arena = {
+            p: {n: torch.zeros(s, dtype=d) for n, (s, d) in fb.state_layout(p).items()} for p in params
+        }
+        self.ring: dict = {}
+
+    def pre(self, p, state):
+        self.ring[p] = {n: t.clone() for n, t in self.arena[p].items()}  # block load
+        if not state:
+            return  # first step: the optimizer creates its state; post packs it
+        for n, slot in self.ring[p].items():
+            if state[n] is not self.arena[p][n]:
+                slot.copy_(state[n])  # state given by load_state_dict: adopt it
+            state[n] = slot
+
+    def post(self, p, state):
+        for n, slot in self.ring[p].items():
+            if state[n] is not slot:
+                slot.copy_(state[n])
+            self.arena[p][n].copy_(slot)  # write-back before the slot is reused
+            state[n] = self.arena[p][n]
+            slot.fill_(float("nan"))  # the slot is reused: any later read of it would poison the weights
+        del self.ring[p]
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_packed_state_protocol_is_exact_and_resumable(name, tmp_path):
+    from trainer.optim import load_optimizer_state, save_optimizer_state
+
+    cfg = _cfg(name)
+    start = _mlp()
+    ref, _ = _train(copy.deepcopy(start), cfg, fused=False, steps=STEPS)
+
+    def run(model, steps, resume=None, save_dir=None):
+        params = list(model.parameters())
+        opt = build_optimizer(params, cfg)
+        sched = build_scheduler(opt, cfg, total_steps=STEPS + 2)
+        fb = FusedBackPass(opt)
+        store = _PackedStore(fb, params)
+        fb.add_step_hooks(pre=store.pre, post=store.post)
+        if resume is not None:
+            load_optimizer_state(fb, resume[0])
+            sched.load_state_dict(resume[1])
+        for s in steps:
+            x, y = _batches()[s]
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            fb.finish_step()
+            sched.step()
+        for p in params:  # between steps the state dict holds the arena tensors
+            assert all(fb.state_of(p)[n] is t for n, t in store.arena[p].items())
+        if save_dir is not None:
+            save_optimizer_state(fb, save_dir)
+        fb.remove()
+        return model, sched.state_dict()
+
+    half, sched_state = run(copy.deepcopy(start), range(0, 2), save_dir=tmp_path)
+    resumed, _ = run(half, range(2, STEPS), resume=(tmp_path, sched_state))
+    for a, b in zip(ref.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_one_driver_per_parameter():
+    model = _mlp()
+    fb = FusedBackPass(build_optimizer(model.parameters(), _cfg("adamw")))
+    with pytest.raises(ValueError, match="already stepped by another FusedBackPass"):
+        FusedBackPass(build_optimizer(model.parameters(), _cfg("adamw")))
+    fb.remove()
+    FusedBackPass(build_optimizer(model.parameters(), _cfg("adamw")))

@@ -21,12 +21,19 @@ What the training loop must do differently (the contract):
 
 Hook point for offloading. `add_step_hooks(pre=, post=, synchronize=)` registers callables `f(param, state)`
 run right before and after each parameter's step, where `state` is that parameter's optimizer state dict (the
-same dict object the optimizer fills on its first step; empty before it). A pre hook can bring state tensors
-to the parameter's device, a post hook can move them back to CPU RAM and record that the parameter's new
-values are ready to be written back; `synchronize()` runs before the state is read on the host. `StateOffload`
-is a ready-made pair that keeps the state of chosen parameters in (pinned) CPU RAM between steps.
+same dict object the optimizer fills on its first step; empty before it); `synchronize()` runs before the
+state is read on the host (`state_dict`). `StateOffload` is a ready-made pair that keeps the state of chosen
+parameters in (pinned) CPU RAM between steps. For state packed beside streamed weights (tested on the CPU in
+tests/test_optim_fused.py `_PackedStore`):
+- reserve room with `state_layout(p)` (name -> shape, dtype of the tensors the optimizer will keep);
+- between steps `state[name]` is the tensor in the host arena (what a checkpoint reads, after `synchronize`);
+- pre: if `state` is empty (first step) do nothing, the optimizer creates it; else point `state[name]` at the
+  GPU slot the block load filled, first copying `state[name]` into the slot if it is not the arena tensor
+  (it was just set by `load_state_dict`);
+- post: copy `state[name]` into the slot if it is not the slot (first step), set `state[name]` back to the
+  arena tensor; the block's write-back makes the arena current.
 `step_param(p)` is public too, for an offloader that prefers to call the step from its own hooks (create the
-FusedBackPass with `params=` the ones it should hook itself).
+FusedBackPass with `params=` the ones it should hook itself). One FusedBackPass per parameter (checked).
 
 Numbers: in fp32 on the CPU the weights after N steps equal those of `optimizer.step()` after backward,
 bitwise (tests/test_optim_fused.py), for AdamW and Adafactor, with weight decay and a warmup + cosine schedule.
@@ -38,12 +45,15 @@ check would need a host sync each); `track_grad_norm` reports the norm of the gr
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from .build import torch_optimizer
 from .single import NarrowStep
 from .stochastic import Fp32StepOptimizer
 
@@ -63,6 +73,7 @@ class FusedBackPass:
             all_params = optimizer.params
             self._step_one = optimizer.step_param
             self._state_of = optimizer.state_of
+            self._key_of = optimizer.key_of
         else:
             narrow = NarrowStep(optimizer)
             all_params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -74,12 +85,20 @@ class FusedBackPass:
 
             self._step_one = step_one
             self._state_of = lambda p: optimizer.state[p]
+            self._key_of = lambda p: p
         known = set(all_params)
         hooked = [p for p in (all_params if params is None else params) if p.requires_grad]
         unknown = [p for p in hooked if p not in known]
         if unknown:
             raise ValueError(f"{len(unknown)} parameter(s) given to FusedBackPass are not in the optimizer")
         self.params = hooked
+        for p in hooked:
+            owner = _driven_by(p)
+            if owner is not None:
+                raise ValueError(
+                    "a parameter is already stepped by another FusedBackPass: call .remove() on that one first "
+                    "(two would both step it, and the first would free the gradient before the second sees it)"
+                )
         self.enabled = True
         self.track_grad_norm = False
         self._pre: list[StepHook] = []
@@ -87,7 +106,11 @@ class FusedBackPass:
         self._sync: list[Callable[[], None]] = []
         self._sq_norm: dict[torch.device, torch.Tensor] = {}
         self._stepped = 0
+        self._layouts: dict[tuple, dict[str, tuple[torch.Size, torch.dtype]]] = {}
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in hooked]
+        me = weakref.ref(self)
+        for p in hooked:
+            _DRIVERS[id(p)] = (weakref.ref(p), me)
 
     # ------------------------------------------------------------------------------------------- hooks
 
@@ -131,6 +154,31 @@ class FusedBackPass:
     def state_of(self, p: torch.Tensor) -> dict[str, Any]:
         """p's optimizer state dict (empty before its first step)."""
         return self._state_of(p)
+
+    def state_layout(self, p: torch.Tensor) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Name -> (shape, dtype) of the state tensors (dim > 0) the optimizer will keep for p, known before
+        its first step, so an offloader can reserve room for them (Adafactor's are row/column vectors, not
+        p-shaped). Found by stepping a throwaway copy of the optimizer on a meta tensor of p's shape (no
+        memory, no kernels); 0-dim entries (step counts, Adafactor's RMS) are left out: leave them in the dict."""
+        inner = torch_optimizer(self.optimizer)
+        key = self._key_of(p)
+        group = next(g for g in inner.param_groups if any(q is key for q in g["params"]))
+        cache_key = (tuple(p.shape), id(group))
+        layout = self._layouts.get(cache_key)
+        if layout is None:
+            accepted = inspect.signature(type(inner).__init__).parameters
+            kwargs = {k: v for k, v in group.items() if k in accepted and k != "params"}
+            probe = torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device="meta"))
+            probe.grad = torch.empty_like(probe)
+            throwaway = type(inner)([probe], **kwargs)
+            throwaway.step()
+            layout = {
+                k: (v.shape, v.dtype)
+                for k, v in throwaway.state[probe].items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            }
+            self._layouts[cache_key] = layout
+        return dict(layout)
 
     # ------------------------------------------------------------------------------------------ control
 
@@ -177,6 +225,9 @@ class FusedBackPass:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for p in self.params:
+            if _driven_by(p) is self:
+                del _DRIVERS[id(p)]
 
     # ------------------------------------------------------------------------------------------- state
 
@@ -189,6 +240,21 @@ class FusedBackPass:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
+
+
+# id(param) -> (weak param, weak FusedBackPass) for the hooks now registered; guards against two drivers.
+_DRIVERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _driven_by(p: torch.Tensor) -> FusedBackPass | None:
+    entry = _DRIVERS.get(id(p))
+    if entry is None:
+        return None
+    param, owner = entry[0](), entry[1]()
+    if param is not p or owner is None or not owner._handles:
+        del _DRIVERS[id(p)]  # a dead entry (the id was reused, or its FusedBackPass is gone)
+        return None
+    return owner
 
 
 class StateOffload:

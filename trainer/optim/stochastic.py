@@ -137,6 +137,10 @@ class Fp32StepOptimizer:
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
+    def key_of(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor the inner optimizer knows weight p by: p itself (fp32) or its fp32 shadow."""
+        return self._key[p]
+
     def state_of(self, p: torch.Tensor) -> dict[str, Any]:
         """The optimizer state dict of weight p (empty before its first step)."""
         return self.optimizer.state[self._key[p]]
