@@ -29,6 +29,7 @@ trainer does (fp32 LoRA weights, so peft's input casts show up as saved fp32 cop
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -201,16 +202,24 @@ class _FlashAttn(torch.autograd.Function):
     """Stand-in for SDPA that saves what flash / memory-efficient attention saves (shapes only)."""
 
     @staticmethod
-    def forward(ctx, q, k, v):
-        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    def forward(ctx, q, k, v, mask):
+        # (B, H, L, D) viewed from (B, L, H, D) memory, as the flash kernels (CUDA and CPU) lay it out, so the
+        # caller's transpose(1, 2).flatten() is a view of it, not a copy.
+        b, h, lq = q.shape[:-3].numel(), q.shape[-3], q.shape[-2]
+        out = torch.empty(b, lq, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
+        out = out.reshape(*q.shape[:-1], v.shape[-1]) if q.dim() != 4 else out
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # A mask is kept for backward too (CPU flash, CUDA memory-efficient attention), a boolean one after
+        # torch converted it to an additive mask in the query's dtype.
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.empty(mask.shape, dtype=q.dtype, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
         return out
 
     @staticmethod
     def backward(ctx, g):  # pragma: no cover - shape bookkeeping only, never differentiated
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        q, k, v = ctx.saved_tensors[:3]
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
 
 class _FusedRms(torch.autograd.Function):
@@ -236,10 +245,10 @@ class _KernelModel:
         self.kernels = kernels
         self.attn_flops = 0
 
-    def _sdpa(self, query, key, value, *args, **kwargs):
+    def _sdpa(self, query, key, value, attn_mask=None, *args, **kwargs):
         # QK^T and PV: 2 multiply-adds each per (query, key, channel)
         self.attn_flops += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
-        return _FlashAttn.apply(query, key, value)
+        return _FlashAttn.apply(query, key, value, attn_mask if isinstance(attn_mask, torch.Tensor) else None)
 
     @staticmethod
     def _rms(input, normalized_shape, weight=None, eps=None):
@@ -365,7 +374,7 @@ def trace_forward(
     handles += [
         m.register_forward_pre_hook(count_linear) for m in transformer.modules() if isinstance(m, nn.Linear)
     ]
-    mode = _KernelModel(kernels)
+    mode = _KernelModel(kernels) if kernels != "real" else contextlib.nullcontext(_KernelModel(kernels))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
             transformer(**inputs, return_dict=False)
@@ -381,7 +390,7 @@ def trace_forward(
         block_largest=b_largest,
         outside_saved=sum(outside.values()),
         linear_flops=int(linear_flops[0]),
-        attn_flops=int(mode.attn_flops),
+        attn_flops=int(getattr(mode, "attn_flops", 0)),
         storages=dict(seen),
         calls=calls,
     )

@@ -1,0 +1,220 @@
+"""The memory planner's arithmetic against real allocations on the CPU, and the automatic fraction.
+
+- weights: the planner's per-block bytes (meta model from the folder's config) equal the real model's, and its
+  ring / pinned / per-step bytes equal what the real conductor (`attach_offload` on the CPU) reports;
+- activations: its checkpoint-input bytes equal what a checkpointed forward saves (counted with
+  saved_tensors_hooks around reentrant checkpoints), and its per-block saved bytes, traced on meta tensors with
+  the CPU kernel model, equal what the real CPU kernels save;
+- auto: the smallest fitting fraction on synthetic budgets, monotonic, and the one-line error when nothing fits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from trainer.config import Config
+from trainer.errors import UserError
+from trainer.offload import _planner_time as ptime
+from trainer.offload import _planner_trace as ptrace
+from trainer.offload import planner
+
+FAMILIES = ("flux", "sd3", "qwen_image")
+
+
+def _cfg(path, family, method="lora", **offload) -> Config:
+    data = {
+        "model": {"family": family, "path": str(path), "dtype": "fp32"},
+        "train": {"method": method},
+        "lora": {"rank": 4, "alpha": 4},
+        "data": {"sources": [{"path": "unused"}], "resolutions": [64]},
+        "offload": offload,
+        "output": {"dir": "unused"},
+    }
+    if method == "full":
+        data["optimizer"] = {"fused_back_pass": True, "max_grad_norm": None}
+    return Config.model_validate(data)
+
+
+def _real(tiny_models, family, cfg):
+    """The tiny transformer loaded for real, LoRA added the way the trainer adds it."""
+    from trainer.train.model import add_lora
+
+    cls = ptrace.transformer_class(family)
+    model = cls.from_pretrained(tiny_models / family / "transformer", torch_dtype=torch.float32)
+    if cfg.train.method == "lora":
+        torch.manual_seed(0)
+        add_lora(model, cfg, ptrace.default_lora_targets(family))
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_weight_bytes_and_streaming_equal_the_conductor(tiny_models, family, method):
+    from trainer.offload import attach_offload
+
+    cfg = _cfg(tiny_models / family, family, method)
+    facts = planner.analyze(cfg)
+    assert facts.source.endswith("transformer/config.json")
+    model = _real(tiny_models, family, cfg)
+    blocks = ptrace.blocks_of(family, model)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    base = [
+        sum(p.numel() * p.element_size() for n, p in b.named_parameters() if "lora_" not in n) for b in blocks
+    ]
+    assert facts.block_param_bytes == base
+    nonblock = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_blocks)
+    assert facts.nonblock_bytes == nonblock
+    if method == "lora":
+        assert facts.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    state = planner._STATE_NAMES[cfg.optimizer.name] if method == "full" else ()
+    for f in (0.25, 0.5, 1.0):
+        ring, pinned, h2d = planner.streaming(facts.packed, f)
+        handle = attach_offload(blocks, "cpu", f, trainable=method == "full", optimizer_state=state)
+        try:
+            st = handle.stats()
+        finally:
+            handle.close()
+        assert (ring, pinned, h2d) == (st["ring_bytes"], st["offloaded_bytes"], st["h2d_bytes_per_step"]), f
+        assert sum(facts.packed) == st["block_bytes"]
+
+
+def _counted_checkpoint_inputs(model, blocks, inputs) -> int:
+    """Bytes autograd saves for the checkpointed blocks: reentrant checkpoint saves exactly the tensor
+    arguments of each block call (nothing inside runs with grad), counted once per storage."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+    inside = [False]
+
+    def pack(t):
+        s = t.untyped_storage()
+        if inside[0] and s.data_ptr() not in weights and t.is_floating_point():
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    def ckpt(block, *args):
+        inside[0] = True
+        try:
+            return checkpoint(block.__call__, *args, use_reentrant=True)
+        finally:
+            inside[0] = False
+
+    model.enable_gradient_checkpointing(ckpt)
+    model.train()
+    # A reentrant checkpoint records (and saves) only when an input requires grad: make the first one do.
+    inputs = dict(inputs, hidden_states=inputs["hidden_states"].detach().requires_grad_(True))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**inputs, return_dict=False)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_activation_bytes_equal_what_torch_saves(tiny_models, family):
+    cfg = _cfg(tiny_models / family, family)
+    facts = planner.analyze(cfg)
+    meta_in = ptrace.forward_inputs(family, facts.model, 2, 64, 64, facts.text_tokens, torch.float32)
+    traced = ptrace.trace_forward(facts.model, facts.blocks, meta_in, kernels="cpu")
+
+    model = _real(tiny_models, family, cfg)
+    blocks = ptrace.blocks_of(family, model)
+    torch.manual_seed(0)
+    real_in = ptrace.forward_inputs(family, model, 2, 64, 64, facts.text_tokens, torch.float32, device="cpu")
+    real = ptrace.trace_forward(model, blocks, real_in, kernels="real")
+    # meta + the CPU kernel model == real CPU kernels, block by block
+    assert traced.block_saved == real.block_saved
+    assert traced.block_inputs == real.block_inputs
+    assert traced.checkpoint_inputs == real.checkpoint_inputs > 0
+    # and the checkpoint inputs are what checkpointing really keeps
+    assert _counted_checkpoint_inputs(model, blocks, real_in) == traced.checkpoint_inputs
+    # a block saves more than its inputs: the recompute's working set is not negligible
+    assert min(traced.block_saved) > max(traced.block_inputs)
+
+
+@pytest.fixture(scope="module")
+def flux_full_size():
+    """Built-in full-size Flux.1-dev on the meta device (no weights), LoRA r16, buckets 512 and 1024."""
+    data = {
+        "model": {"family": "flux", "path": "/nonexistent/FLUX.1-dev"},
+        "train": {"method": "lora"},
+        "lora": {"rank": 16, "alpha": 16},
+        "data": {"sources": [{"path": "unused"}], "resolutions": [512, 1024]},
+        "output": {"dir": "unused"},
+    }
+    cfg = Config.model_validate(data)
+    return cfg, planner.analyze(cfg)
+
+
+def test_reference_flops_are_the_traced_reference(flux_full_size):
+    _, facts = flux_full_size
+    tr = facts.trace(1024)
+    assert (tr.linear_flops, tr.attn_flops) == (ptime.REF_LINEAR_FLOPS, ptime.REF_ATTN_FLOPS)
+    p = planner.predict(facts, 0.0, 1024)
+    assert p.compute_s == pytest.approx(ptime.REF_STEP_S)
+    # 11.9 B parameters in bf16
+    assert (sum(facts.block_param_bytes) + facts.nonblock_bytes) / 2 == pytest.approx(11.9e9, rel=0.01)
+
+
+def test_predictions_fall_with_the_fraction(flux_full_size):
+    _, facts = flux_full_size
+    preds = [planner.predict(facts, f, 1024) for f in planner.GRID]
+    peaks = [p.peak_reserved for p in preds]
+    assert all(a >= b for a, b in zip(peaks, peaks[1:], strict=False))
+    assert peaks[0] > 25e9 and peaks[-1] < 8e9
+    steps = [p.transfer_s for p in preds]
+    assert steps[0] == 0 and steps[-1] > steps[len(steps) // 2] > 0
+    # activation offloading moves the checkpoint inputs to the host
+    on = planner.predict(facts, 1.0, 1024, activation_offload=True)
+    assert on.act_checkpoint_host > 1e9 and on.peak_reserved < preds[-1].peak_reserved - 1e9
+
+
+def test_auto_picks_the_smallest_fitting_fraction(flux_full_size):
+    cfg, facts = flux_full_size
+    chosen = []
+    for budget in (8, 10, 12, 16, 20, 24, 28, 40):
+        f = planner.choose_fraction(cfg, budget, facts=facts, log=lambda s: None)
+        assert planner.predict(facts, f, 1024).peak_reserved <= budget * planner.GB
+        if f > 0:  # the grid point below does not fit at the largest bucket
+            assert planner.predict(facts, round(f - 0.05, 2), 1024).peak_reserved > budget * planner.GB
+        chosen.append(f)
+    assert chosen == sorted(chosen, reverse=True)
+    assert chosen[0] > 0.5 and chosen[-1] == 0.0
+
+
+def test_auto_boundary_is_inclusive(flux_full_size):
+    cfg, facts = flux_full_size
+    exact = planner.predict(facts, 0.5, 1024).peak_reserved / planner.GB
+    assert planner.choose_fraction(cfg, exact, facts=facts, log=lambda s: None) <= 0.5
+    assert planner.choose_fraction(cfg, exact * 0.999, facts=facts, log=lambda s: None) > 0.5
+
+
+def test_auto_logs_per_bucket_and_largest_decides(flux_full_size):
+    cfg, facts = flux_full_size
+    lines: list[str] = []
+    f = planner.choose_fraction(cfg, 12, facts=facts, log=lines.append)
+    assert any("bucket 512 px" in s for s in lines) and any("bucket 1024 px" in s for s in lines)
+    assert f"fraction {f:.2f} (largest bucket decides)" in lines[-1]
+
+
+def test_nothing_fits_is_one_line(flux_full_size):
+    cfg, facts = flux_full_size
+    with pytest.raises(UserError) as e:
+        planner.choose_fraction(cfg, 3, facts=facts, log=lambda s: None)
+    msg = str(e.value)
+    assert "\n" not in msg and "needs at least" in msg and "activation offloading" in msg
+
+
+def test_report_table(flux_full_size):
+    cfg, facts = flux_full_size
+    lines, chosen = planner.report(cfg, vram_gb=16, ram_gb=64, facts=facts)
+    text = "\n".join(lines)
+    assert chosen is not None and f"{chosen:.2f} <- chosen" in text
+    for f in ("0.00", "0.25", "0.50", "0.75", "1.00"):
+        assert f"\n{f}" in text
+    assert "Assumptions" in text and "RAM 64 GB" in text
+
+
+def test_run_plan_without_budget_prints(tiny_models, capsys):
+    planner.run_plan(_cfg(tiny_models / "flux", "flux"))
+    out = capsys.readouterr().out
+    assert "Per fraction" in out and "<- config" in out
