@@ -14,6 +14,7 @@ were found and loads nothing. All three become one `UserError` naming the file:
 from __future__ import annotations
 
 import logging
+import re
 from contextlib import contextmanager
 
 from ..errors import UserError
@@ -41,19 +42,41 @@ def _diffusers_warnings():
 
     cap = _Capture()
     logger = logging.getLogger("diffusers")
-    logger.addHandler(cap)
+    # diffusers' own handler is swapped out meanwhile: what matters becomes our one-line error, and the benign
+    # "No LoRA keys associated to <text encoder>" notices would only be noise.
+    saved = logger.handlers[:]
+    logger.handlers = [cap]
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             yield cap
         cap.messages += [str(w.message) for w in caught]
     finally:
-        logger.removeHandler(cap)
+        logger.handlers = saved
 
 
 def _short(msg: str, limit: int = 160) -> str:
     msg = " ".join(msg.split())
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+def _explain(msg: str, family: str) -> str:
+    """diffusers' / peft's message in a few words: which weight did not fit and how."""
+    msg = " ".join(msg.split())
+    m = re.search(r"unexpected keys found in the model: (.*?)\.?\s*$", msg)
+    if m:
+        keys = [k.strip() for k in m.group(1).split(",") if k.strip()]
+        return f"{len(keys)} LoRA weights match no layer of this {family} model (first: {keys[0]})"
+    m = re.search(
+        r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from checkpoint, "
+        r"the shape in current model is torch\.Size\((\[[^\]]*\])\)",
+        msg,
+    )
+    if m:
+        name, got, want = m.groups()
+        name = re.sub(r"\.lora\d+\.", ".", name)  # drop our adapter name: the key as the file has it
+        return f"{name} has shape {got} in the file, this {family} model needs {want}"
+    return _short(msg)
 
 
 def adapter_name(index: int) -> str:
@@ -65,17 +88,19 @@ def load_loras(pipe, specs: list[LoraSpec], family: str) -> list[str]:
     names = []
     for i, spec in enumerate(specs):
         name = adapter_name(i)
-        hint = f"was it trained for another model? this run samples {family} from the config's model.path"
+        hint = "was it trained for another model? (model.path in the config is the model it is applied to)"
         with _diffusers_warnings() as cap:
             try:
                 pipe.load_lora_weights(str(spec.path), adapter_name=name)
             except (ValueError, RuntimeError, KeyError, TypeError) as e:
                 raise UserError(
-                    f"{spec.path}: LoRA does not fit this model ({_short(str(e))}); {hint}"
+                    f"{spec.path}: LoRA does not fit this model: {_explain(str(e), family)}; {hint}"
                 ) from None
         bad = [m for m in cap.messages if any(s in m for s in _BAD_SIGNS)]
         if bad:
-            raise UserError(f"{spec.path}: LoRA keys do not match this model ({_short(bad[0])}); {hint}")
+            raise UserError(
+                f"{spec.path}: LoRA keys do not match this model: {_explain(bad[0], family)}; {hint}"
+            )
         loaded_into = [part for part, adapters in pipe.get_list_adapters().items() if name in adapters]
         if not loaded_into:
             raise UserError(f"{spec.path}: no LoRA weights in this file match the model; {hint}")
