@@ -9,8 +9,9 @@ The run reads top to bottom as a few named steps:
 3. Encode all prompts (text encoders on the GPU one run at a time, streamed if `offload.text_encoders` > 0), then
    release the encoders.
 4. Place the transformer: resident at fraction 0, otherwise its blocks streamed by the offload conductor at
-   `--offload` (or `offload.transformer`) on its cyclic sampling schedule. On a CPU there is nothing to stream
-   to: the fraction is accepted and the blocks stay where they are (same images, which the tests check).
+   `--offload` (or `offload.transformer`) on its cyclic sampling schedule. On a CPU nothing is gained (there is
+   no second memory): the fraction is accepted and the conductor replays the same plan through a ring in CPU
+   RAM, which saves nothing and runs at resident speed; the tests use it to check the images do not change.
 5. Denoise image by image (`sampling.engine.generate`), write PNGs with metadata and, for several images, a
    contact sheet.
 

@@ -2,8 +2,12 @@
 
 A fraction f of a component's block bytes stays in pinned CPU RAM and is streamed through the conductor's GPU ring
 on its cyclic sampling schedule (`trainer/offload/`); everything that is not a block (embedders, final norms)
-goes to the device. f = 0 moves the whole module. On a CPU there is nowhere to stream to: the conductor accepts
-the fraction and runs the blocks where they are, so the CPU path gives the same images at every fraction.
+goes to the device. f = 0 moves the whole module. On a CPU there is no second memory to save: the conductor
+accepts the fraction and replays the same plan through a ring in CPU RAM (no saving, same speed), so the CPU path
+gives the same images at every fraction and exercises the same code.
+
+The conductor packs only parameters that do not require grad (trainable ones stay resident), so `run_sample`
+freezes the transformer first: every block weight, LoRA layers included, then streams.
 
 Text encoders have no adapter-declared block list; their blocks are taken to be their largest `nn.ModuleList`
 by parameter count (T5's `encoder.block`, CLIP's `encoder.layers`, Qwen2.5-VL's language-model `layers`).
