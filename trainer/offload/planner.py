@@ -56,11 +56,23 @@ GRID = [round(0.05 * i, 2) for i in range(21)]
 TABLE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "adamw8bit": (), "adafactor": ()}
-_STATE_BYTES = {
-    "adamw": 8.0,
-    "adamw8bit": 2.0,
-    "adafactor": 0.1,
-}  # per trainable parameter (8bit/factored: approx.)
+
+
+def optimizer_state_bytes(name: str, params) -> int:
+    """Bytes of optimizer state for `params`: AdamW two fp32 moments; 8-bit AdamW two uint8 moments (block-wise
+    scales left out); Adafactor (beta1=None, as trainer/optim builds it) factored fp32 row and column second
+    moments for matrices and a full one for vectors."""
+    total = 0
+    for p in params:
+        if name == "adamw":
+            total += 8 * p.numel()
+        elif name == "adamw8bit":
+            total += 2 * p.numel()
+        elif p.dim() >= 2:
+            total += 4 * (p.shape[:-1].numel() + p.shape[:-2].numel() * p.shape[-1])
+        else:
+            total += 4 * p.numel()
+    return total
 
 
 @dataclass
@@ -82,6 +94,8 @@ class Facts:
     nonblock_bytes: int  #: embedders, final norm and projection (always resident)
     nonblock_params: int
     trainable_params: int  #: LoRA parameters, or every parameter (full)
+    state_gpu: int  #: optimizer state that stays on the GPU (LoRA's; full FT: non-block + not packed)
+    block_state: int  #: full FT: optimizer state of all block parameters (packed beside them, or resident)
     largest_param: int  #: numel of the largest trainable parameter (fused back pass keeps one gradient)
     text_tokens: int
     text_encoders: list[tuple[str, int]]
@@ -143,18 +157,19 @@ def analyze(cfg) -> Facts:
         targets = tuple(cfg.lora.targets) if cfg.lora.targets else ptrace.default_lora_targets(family)
         trainable = ptrace.add_meta_lora(model, targets, cfg.lora.rank, cfg.lora.alpha)
         packed = [BlockPacking.of(b, include_trainable=False).nbytes for b in blocks]
-        largest = max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
+        lora = [p for p in model.parameters() if p.requires_grad]
+        largest = max((p.numel() for p in lora), default=0)
+        state_gpu, block_state = optimizer_state_bytes(cfg.optimizer.name, lora), 0
     else:
         model.requires_grad_(True)
         trainable = sum(p.numel() for p in model.parameters())
+        # AdamW's moments are packed beside each weight and stream with it; other optimizers' state is not
+        # packed by the conductor and stays where the optimizer creates it, on the GPU.
         names = _STATE_NAMES[cfg.optimizer.name]
         packed = [BlockPacking.of(b, include_trainable=True, state_names=names).nbytes for b in blocks]
-        if not names:  # 8-bit / factored state is not packed by the conductor: approximate per parameter
-            packed = [
-                n + int(_STATE_BYTES[cfg.optimizer.name] * sum(p.numel() for p in b.parameters()))
-                for n, b in zip(packed, blocks, strict=True)
-            ]
         largest = max(p.numel() for p in model.parameters())
+        block_state = optimizer_state_bytes(cfg.optimizer.name, [p for b in blocks for p in b.parameters()])
+        state_gpu = optimizer_state_bytes(cfg.optimizer.name, nonblock) + (0 if names else block_state)
     res = sorted(set(cfg.data.resolutions)) if cfg.data is not None else [cfg.sample.width]
     return Facts(
         family=family,
@@ -172,6 +187,8 @@ def analyze(cfg) -> Facts:
         nonblock_bytes=nonblock_bytes,
         nonblock_params=sum(p.numel() for p in nonblock),
         trainable_params=trainable,
+        state_gpu=state_gpu,
+        block_state=block_state,
         largest_param=largest,
         text_tokens=ptrace.TEXT_TOKENS[family],
         text_encoders=_text_encoders(cfg),
@@ -234,20 +251,19 @@ def predict(
     tr = facts.trace(res)
     ring, pinned, h2d = streaming(facts.packed, fraction)
     full = facts.method == "full"
+    esize = torch.tensor([], dtype=facts.dtype).element_size()
     if full:
-        state = _STATE_BYTES[facts.optimizer]
-        # Non-block parameters train resident (weights counted in nonblock): state + gradients.
-        grads = facts.largest_param * 2 if facts.fused else facts.nonblock_params * 2
-        trainable = int(facts.nonblock_params * state + grads)
-        if fraction <= 0.0:  # no packing: block state sits beside the weights on the GPU
+        # Gradients in the model dtype: one parameter's under the fused back pass, else all of them.
+        grads = facts.largest_param * esize if facts.fused else facts.trainable_params * esize
+        trainable = facts.state_gpu + grads
+        if fraction <= 0.0:  # nothing streams: blocks are plain modules, their state is created on the GPU
             ring = sum(facts.block_param_bytes)
-            nblock = sum(facts.block_param_bytes) // torch.tensor([], dtype=facts.dtype).element_size()
-            trainable += int(nblock * state) + (0 if facts.fused else int(nblock * 2))
+            if _STATE_NAMES[facts.optimizer]:
+                trainable += facts.block_state
         d2h = h2d  # every streamed block is written back before its region is reused
-    else:
-        state = _STATE_BYTES[facts.optimizer]
+    else:  # LoRA: fp32 weights, fp32 gradients and the optimizer state, all resident
         grads = facts.largest_param * 4 if facts.fused else facts.trainable_params * 4
-        trainable = int(facts.trainable_params * (4 + state) + grads)
+        trainable = facts.trainable_params * 4 + facts.state_gpu + grads
         d2h = 0
     ws = [
         s + 2 * big + 2 * inp

@@ -1,0 +1,211 @@
+"""Writes the sized presets `configs/<family>/<lora|full>-<N>gb.yaml` from the planner's predictions.
+
+    python -m trainer.offload._planner_presets [--out configs] [--check]
+
+For every family, method and card size the planner picks, in order of preference, the first setting that fits
+the card minus `HEADROOM_GB` (CUDA context and other processes): 1024 px without activation offloading, 1024 px
+with it, then 512 px without / with. Within a setting it takes the smallest offload fraction that fits
+(`planner.choose_fraction`). A combination where nothing fits gets no file; `configs/README.md` lists them with
+the reason. The header of each file carries the planner's predictions (VRAM, RAM, speed relative to the same
+training without offloading); they are predictions until bench/bench_plan.py measures them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..config import Config
+from ..errors import UserError
+from . import planner
+
+CARDS = (8, 12, 16, 24, 48, 80)
+HEADROOM_GB = 1.0
+# (resolution, activation offloading, gradient checkpointing), most preferred first. Without checkpointing a
+# step is ~1.4x faster (DESIGN.md: 0.545 s vs 0.775 s) but every block's activations stay: big cards only.
+SETTINGS = (
+    (1024, False, False),
+    (1024, False, True),
+    (1024, True, True),
+    (512, False, True),
+    (512, True, True),
+)
+# Host RAM a preset may assume: workstations with <= 24 GB cards, servers with 48 / 80 GB cards.
+RAM_GB = {8: 128, 12: 128, 16: 128, 24: 128, 48: 256, 80: 256}
+NAMES = {
+    "flux": ("Flux.1-dev", "/path/to/FLUX.1-dev"),
+    "sd3": ("SD3.5-large", "/path/to/stable-diffusion-3.5-large"),
+    "qwen_image": ("Qwen-Image", "/path/to/Qwen-Image"),
+}
+
+
+def _config(
+    family: str,
+    method: str,
+    res: int,
+    act: bool,
+    fraction: float = 0.0,
+    ckpt: bool = True,
+    opt: str = "adamw",
+) -> dict:
+    full = method == "full"
+    return {
+        "model": {"family": family, "path": NAMES[family][1], "dtype": "bf16"},
+        "train": {
+            "method": method,
+            "steps": 2000 if full else 1500,
+            "batch_size": 1,
+            "seed": 42,
+            "gradient_checkpointing": ckpt,
+            "checkpoint_every": 250,
+        },
+        **({} if full else {"lora": {"rank": 16, "alpha": 16}}),
+        "optimizer": {
+            "name": opt,
+            "lr": 1.0e-5 if full else 1.0e-4,
+            "warmup_steps": 50,
+            **({"fused_back_pass": True, "max_grad_norm": None, "stochastic_rounding": True} if full else {}),
+        },
+        "data": {
+            "sources": [{"path": "/path/to/images"}],
+            "resolutions": [res],
+            "cache_dir": f"cache/{family}-{res}",
+        },
+        "offload": {"transformer": fraction, "activations": act},
+        "sample": {
+            "prompts": ["a photo of a cat sitting on a wooden table"],
+            "every": 250,
+            "steps": 28,
+            "width": res,
+            "height": res,
+        },
+        "output": {"dir": f"out/{family}-{method}"},
+    }
+
+
+def _yaml(d: dict, indent: int = 0) -> list[str]:
+    import json
+
+    out = []
+    pad = "  " * indent
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.append(f"{pad}{k}:")
+            out += _yaml(v, indent + 1)
+        elif isinstance(v, list) and v and isinstance(v[0], dict):
+            out.append(f"{pad}{k}:")
+            for item in v:
+                first, *rest = _yaml(item, indent + 2)
+                out.append(f"{pad}  - {first.strip()}")
+                out += rest
+        elif isinstance(v, bool):
+            out.append(f"{pad}{k}: {'true' if v else 'false'}")
+        elif v is None:
+            out.append(f"{pad}{k}: null")
+        elif isinstance(v, str):
+            out.append(f"{pad}{k}: {json.dumps(v) if any(c in v for c in ':#') else v}")
+        else:
+            out.append(f"{pad}{k}: {json.dumps(v)}")
+    return out
+
+
+def _first_fit(family, method, card, opt, cache):
+    budget = card - HEADROOM_GB
+    last = ""
+    for res, act, ckpt in SETTINGS:
+        cfg = Config.model_validate(_config(family, method, res, act, 0.0, ckpt, opt))
+        key = (family, method, opt)
+        if key not in cache:
+            cache[key] = planner.analyze(cfg)
+        facts = cache[key]
+        facts.resolutions, facts.checkpointing = [res], ckpt
+        try:
+            f = planner.choose_fraction(cfg, budget, facts=facts, activation_offload=act, log=lambda s: None)
+        except UserError as e:
+            last = str(e).split(";")[0]
+            continue
+        p = planner.predict(facts, f, res, act)
+        if p.ram_peak / 1e9 > RAM_GB[card]:
+            last = (
+                f"needs {p.ram_peak / 1e9:.0f} GB of CPU RAM at fraction {f:.2f} ({res} px), more than the "
+                f"{RAM_GB[card]} GB assumed beside a {card} GB card"
+            )
+            continue
+        facts.checkpointing = True
+        base = planner.predict(facts, 0.0, res, False)  # the same training without offloading (checkpointed)
+        facts.checkpointing = ckpt
+        return _config(family, method, res, act, f, ckpt, opt), p, min(base.step_s, p.step_s)
+    return last or "does not fit"
+
+
+def plan_preset(
+    family: str, method: str, card: int, cache: dict
+) -> tuple[dict, planner.Prediction, float] | str:
+    """(config dict, prediction, step seconds without offloading) for the first setting that fits, or why none
+    does. Full fine-tunes try AdamW (moments stream with the weights: 10 bytes a parameter) and Adafactor
+    (factored state stays on the GPU: 2 bytes a parameter stream) and keep the higher resolution, then the
+    faster step."""
+    opts = ("adamw", "adafactor") if method == "full" else ("adamw",)
+    found = [_first_fit(family, method, card, o, cache) for o in opts]
+    fits = [r for r in found if not isinstance(r, str)]
+    if not fits:
+        return found[-1]
+    return min(fits, key=lambda r: (-r[0]["data"]["resolutions"][0], r[1].step_s))
+
+
+def header(family: str, method: str, card: int, d: dict, p: planner.Prediction, base_s: float) -> list[str]:
+    name = NAMES[family][0]
+    res, act, f = d["data"]["resolutions"][0], d["offload"]["activations"], d["offload"]["transformer"]
+    opt = {"adamw": "AdamW", "adafactor": "Adafactor"}[d["optimizer"]["name"]]
+    what = (
+        "LoRA rank 16"
+        if method == "lora"
+        else f"full fine-tune ({opt}, fused back pass, bf16 + stochastic rounding)"
+    )
+    ckpt = d["train"]["gradient_checkpointing"]
+    how = f"transformer fraction {f:.2f}" + (" + activation offloading" if act else "")
+    how += "" if ckpt else ", no gradient checkpointing"
+    speed = p.step_s / base_s
+    return [
+        f"# {name} {'LoRA' if method == 'lora' else 'full fine-tune'} for {card} GB cards ({how}, {res} px)",
+        f"# trains: {what} on the transformer, {res}x{res} buckets, batch 1, bf16"
+        + (", gradient checkpointing" if ckpt else ""),
+        f"# expects: {p.peak_reserved / 1e9:.1f} GB VRAM reserved, {(p.pinned + p.act_checkpoint_host) / 1e9:.0f} GB "
+        f"pinned RAM ({p.ram_peak / 1e9:.0f} GB while loading), {speed:.2f}x the step time without offloading "
+        "(planner predictions until measured)",
+        "# Numbers from `dittrain plan` on this file (the planner's assumptions are printed there; the CUDA context,",
+        f"# 0.5-1 GB, is on top of the VRAM figure; {HEADROOM_GB:g} GB of the card was left for it). Predicted step "
+        f"{p.step_s:.2f} s on an H200-class GPU (compute {p.compute_s:.2f} s, PCIe transfer {p.transfer_s:.2f} s).",
+        "# Copy this file, set model.path, data.sources and output.dir, then: dittrain fit my.yaml",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("configs"))
+    ap.add_argument("--families", nargs="*", default=list(NAMES))
+    args = ap.parse_args(argv)
+    cache: dict = {}
+    absent = []
+    for family in args.families:
+        for method in ("lora", "full"):
+            for card in CARDS:
+                r = plan_preset(family, method, card, cache)
+                path = args.out / family / f"{method}-{card}gb.yaml"
+                if isinstance(r, str):
+                    absent.append(f"| {family} | {method} | {card} GB | {r} |")
+                    path.unlink(missing_ok=True)
+                    print(f"absent  {path}: {r}")
+                    continue
+                d, p, base = r
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text("\n".join(header(family, method, card, d, p, base) + _yaml(d)) + "\n")
+                print(f"wrote   {path}: {header(family, method, card, d, p, base)[2][2:]}")
+    print("\nabsent combinations (for configs/README.md):")
+    print("\n".join(absent))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
