@@ -277,3 +277,20 @@ def test_streamed_text_encoders_give_identical_images(tiny_models, tmp_path, mon
     # Flux: CLIP's and T5's layer lists; Qwen-Image: the language model's layers
     assert len(attached) == {"flux": 2, "qwen_image": 1}[family] and all(n >= 2 for n in attached)
     np.testing.assert_array_equal(_pixels(ref[0]), _pixels(got[0]))
+
+
+def test_generate_encodes_string_prompts_like_stored_embeddings(tiny_models, tmp_path):
+    cfg = _cfg(tiny_models, "sd3", tmp_path)
+    adapter = get_adapter(cfg.model)
+    pipe = adapter.pipeline(
+        adapter.load(cfg.model, parts={"transformer", "vae", "text", "scheduler"}, dtype=torch.float32)
+    )
+    settings = SampleSettings.from_config(cfg.sample)
+    embeds = encode_prompts(pipe, "sd3", [PROMPT, "a green circle"], guidance=settings.guidance)
+    a = generate(pipe, adapter, [PROMPT, embeds[1]], settings=settings, seeds=[4, 5], output_type="np")
+    b = generate(pipe, adapter, embeds, settings=settings, seeds=[4, 5], output_type="np")
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert not np.array_equal(a[0], a[1])
+    with pytest.raises(ValueError, match="2 prompts but 1 seeds"):
+        generate(pipe, adapter, embeds, settings=settings, seeds=[4])
