@@ -87,7 +87,7 @@ def read_prompts_file(path: Path) -> list[str]:
             f"{path}: prompt file not found (--prompts expects a text file with one prompt per line)"
         )
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: a BOM is not part of the first prompt
     except UnicodeDecodeError:
         raise UserError(f"{path}: prompt file is not UTF-8 text (one prompt per line expected)") from None
     prompts = [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
