@@ -88,15 +88,21 @@ class DataPlan:
             per[(e.resolution, e.bucket)] += srcs[self.items[e.item].source].repeats
             imgs[(e.resolution, e.bucket)] += 1
         bs = self.cfg.train.batch_size
-        for r in sorted({e.resolution for e in self.entries}):
+        for r in sorted(set(d.resolutions)):
             keys = sorted(k for k in per if k[0] == r)
-            lines.append(f"  resolution {r} (sides divisible by {self.divisor}): {len(keys)} buckets")
+            n_used = len({e.item for e in self.entries if e.resolution == r})
+            lines.append(f"  resolution {r} (sides divisible by {self.divisor}): {len(keys)} buckets"
+                         + (f"; {len(self.items) - n_used} images too small for it train at the other resolutions"
+                            if n_used < len(self.items) else ""))
             for k in keys:
                 w, h = k[1]
                 lines.append(f"    {w:>5}x{h:<5} {imgs[k]:>6} images, {per[k]:>6} per epoch, "
                              f"{-(-per[k] // bs):>5} batches")
         lines.append(f"  {sum(-(-n // bs) for n in per.values())} batches per epoch at batch size {bs} "
                      f"(remainder: {d.remainder})")
+        empty = sum(1 for it in self.items if not it.caption)
+        if empty:
+            lines.append(f"  {empty} images have an empty caption (they train unconditionally)")
         lines += [f"  hint: {h}" for h in self.report.hints]
         if self.report.bad:
             lines.append(f"left out {len(self.report.bad)} files (data.strict: true stops instead):")
