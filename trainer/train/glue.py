@@ -1,0 +1,157 @@
+"""The trainer's calls into the other parts (models, data, optim, offload, sample), in one place.
+
+Each function here is a thin adapter over another package's public API, so the loop in trainer.py reads the
+same whichever way those packages spell things.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import Config
+
+
+def get_adapter(model_cfg):
+    from ..models import get_adapter as _get
+
+    return _get(model_cfg)
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def prepare_data(cfg: Config, adapter, device: torch.device, dtype: torch.dtype):
+    """TrainData with complete caches. The VAE and text encoders are loaded only if something is missing, and
+    freed before this returns."""
+    from ..data.pipeline import prepare_data as _prepare
+
+    def load_encoders():
+        return adapter.load(cfg.model, parts={"vae", "text"}, dtype=dtype, device=device)
+
+    return _prepare(cfg, adapter, load_encoders)
+
+
+def data_state(data) -> dict:
+    return data.sampler.state_dict()
+
+
+def load_data_state(data, state: dict) -> None:
+    data.sampler.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------------------------- optimizer
+
+
+class Optim:
+    """Optimizer, schedule and (optionally) the fused back pass, stepped the same way from the loop.
+
+    Unfused: backward fills `.grad`; `step()` clips, steps and zeroes. Fused (trainer/optim/fused.py): each
+    parameter steps inside backward and its gradient is freed; `step()` only closes the step. Either way the
+    schedule advances once per optimizer step."""
+
+    def __init__(self, cfg: Config, params: list[torch.nn.Parameter]):
+        from ..optim.build import build_optimizer, build_scheduler
+
+        self.cfg = cfg.optimizer
+        self.params = params
+        self.optimizer = build_optimizer(params, cfg.optimizer, seed=cfg.train.seed)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.train.steps)
+        self.fused = None
+        if cfg.optimizer.fused_back_pass:
+            from ..optim.fused import FusedBackPass
+
+            self.fused = FusedBackPass(self.optimizer)
+
+    def before_backward(self, track_norm: bool) -> None:
+        if self.fused is not None:
+            self.fused.track_grad_norm = track_norm
+
+    def step(self):
+        """Finish the optimizer step. Returns the gradient norm (a float, a 0-dim tensor read later on logging
+        steps only, or None)."""
+        norm = None
+        if self.fused is not None:
+            norm = self.fused.finish_step()
+        else:
+            if self.cfg.max_grad_norm is not None:
+                norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return norm
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def save(self, folder: Path) -> None:
+        from ..optim.state import save_optimizer_state
+
+        save_optimizer_state(self.fused or self.optimizer, folder)
+
+    def load(self, folder: Path, scheduler_state: dict) -> None:
+        from ..optim.state import load_optimizer_state
+
+        load_optimizer_state(self.fused or self.optimizer, folder)
+        self.scheduler.load_state_dict(scheduler_state)
+
+    def close(self) -> None:
+        if self.fused is not None:
+            self.fused.remove()
+
+
+# ---------------------------------------------------------------------------------------------- offload
+
+
+def attach_offload(transformer, blocks, cfg: Config, device: torch.device):
+    from ..offload import attach_offload as _attach
+
+    return _attach(blocks, fraction=cfg.offload.transformer, device=device, training=True)
+
+
+def sync_offload(handle) -> None:
+    sync = getattr(handle, "sync", None)
+    if sync is not None:
+        sync()
+
+
+def detach_offload(handle) -> None:
+    close = getattr(handle, "detach", None) or getattr(handle, "close", None)
+    if close is not None:
+        close()
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+
+class Sampler:
+    """Sample images with the model being trained (trainer/sampling/engine.py `generate`).
+
+    Built in setup, before the transformer is loaded: the prompts are encoded once and the text encoders freed,
+    so during training only the VAE and the scheduler stay loaded for sampling."""
+
+    def __init__(self, cfg: Config, adapter, device: torch.device, dtype: torch.dtype):
+        from ..sampling.engine import encode_prompts
+        from ..sampling.request import SampleSettings
+
+        s = cfg.sample
+        self.adapter = adapter
+        self.prompts = list(s.prompts)
+        self.seeds = [s.seed + i for i in range(len(self.prompts))]
+        self.settings = SampleSettings(steps=s.steps, guidance=s.guidance, width=s.width, height=s.height,
+                                       negative_prompt=s.negative_prompt)
+        comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler"}, dtype=dtype, device=device)
+        pipe = adapter.pipeline(comps)
+        self.embeds = encode_prompts(pipe, adapter.family, self.prompts, guidance=s.guidance,
+                                     negative_prompt=s.negative_prompt, device=device)
+        del pipe
+        comps.text_encoders, comps.tokenizers = [], []  # freed: the embeddings are all sampling needs
+        self.components = comps
+
+    def __call__(self, transformer) -> list:
+        from ..sampling.engine import generate
+
+        return generate(self.components, self.adapter, self.embeds, settings=self.settings, seeds=self.seeds,
+                        transformer=transformer)

@@ -1,0 +1,291 @@
+"""`dittrain fit`: one Trainer that reads top to bottom as setup, train_step, save, close.
+
+    Trainer(cfg, resume="latest").fit()
+
+setup     resolves --resume first (a missing checkpoint fails before anything loads); picks the device, dtype and
+          attention backend and says so; builds the data caches (the VAE and text encoders are loaded and freed
+          there) and only then loads the transformer; adds LoRA or unfreezes it; checkpoints each block; attaches
+          offloading on a GPU; builds the optimizer and schedule; restores a checkpoint's state.
+train_step draws grad_accum micro-batches, checks each loss before its backward, clips, steps.
+save      writes a complete, resumable checkpoint atomically (see checkpoint.py) and, at the end, the LoRA file
+          or transformer folder in output.dir.
+close     restores signal handlers, closes the logs, drops the model.
+
+Exactness. With the same config, a resumed run computes bitwise the losses of the uninterrupted run in fp32 on
+the CPU: everything that draws random numbers (noise and timesteps, LoRA dropout, data order) has its generator
+state in the checkpoint, and nothing outside the training step (saving, sampling) draws from those generators.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..config import Config
+from ..errors import NonFiniteLossError, UserError
+from . import checkpoint as ck
+from . import glue
+from .faults import StopFlag, TrainingInterrupted, oom_error
+from .model import add_lora, checkpoint_blocks, count, full_params
+from .monitor import Monitor, say
+from .objective import FlowMatching
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device: cuda, but torch sees no CUDA device (set train.device: cpu or auto)")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
+
+
+def choose_attention(device: torch.device, choice: str) -> str:
+    """Set the scaled_dot_product_attention backends for the run, deliberately, and describe the choice.
+
+    cuDNN attention is never enabled on CUDA: it fails in backward for some shapes and drivers."""
+    if device.type != "cuda":
+        return "cpu (torch's CPU flash / math kernels)"
+    b = torch.backends.cuda
+    b.enable_cudnn_sdp(False)
+    flash, efficient, math_ = {"auto": (True, True, True), "flash": (True, False, False),
+                               "efficient": (False, True, False), "math": (False, False, True)}[choice]
+    b.enable_flash_sdp(flash)
+    b.enable_mem_efficient_sdp(efficient)
+    b.enable_math_sdp(math_ or choice == "auto")
+    names = [n for n, on in (("flash", flash), ("efficient", efficient), ("math", math_)) if on]
+    return "/".join(names) + " (cuDNN attention off)"
+
+
+class Trainer:
+    def __init__(self, cfg: Config, resume: str | None = None):
+        self.cfg = cfg
+        self.resume = resume
+        self.out = Path(cfg.output.dir)
+        self.step = 0
+        self.stop = StopFlag(say)
+        self.monitor: Monitor | None = None
+        self.last_checkpoint: Path | None = None
+        self.offload = None
+        self._ready = False
+
+    # ------------------------------------------------------------------------------------------------ run
+
+    def fit(self) -> Path:
+        """Train to train.steps; returns the final weights' path (lora.safetensors or transformer/)."""
+        c = self.cfg.train
+        try:
+            if not self._ready:
+                self.setup()
+            self.stop.install()
+            while self.step < c.steps:
+                self.train_step()
+                if self.stop.requested:
+                    path = self.save()
+                    raise TrainingInterrupted(
+                        f"{self.stop.signal_name} at step {self.step}: saved {path}; continue with "
+                        "`dittrain fit CONFIG --resume latest`"
+                    )
+                if c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < c.steps:
+                    self.save()
+                if self.sampler is not None and self.step % self.cfg.sample.every == 0:
+                    self.sample()
+            return self.save(final=True)
+        except torch.OutOfMemoryError:
+            raise oom_error(self.step + 1, self.cfg.offload.transformer, c.method) from None
+        except KeyboardInterrupt:
+            last = self.last_checkpoint or (ck.list_checkpoints(ck.checkpoint_root(self.out)) or [(0, None)])[-1][1]
+            raise TrainingInterrupted(
+                f"stopped at once at step {self.step} without saving; the last complete checkpoint is {last}"
+            ) from None
+        finally:
+            self.close()
+
+    # ------------------------------------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        cfg, c = self.cfg, self.cfg.train
+        if cfg.data is None:
+            raise UserError("the config has no data: section; `dittrain fit` needs data.sources")
+        resume_dir = ck.resolve_resume(self.out, self.resume) if self.resume else None
+        ck.remove_partial(ck.checkpoint_root(self.out))
+
+        self.device = pick_device(c.device)
+        self.dtype = DTYPES[cfg.model.dtype]
+        say(f"device {self.device}, weights {cfg.model.dtype}, attention {choose_attention(self.device, c.attention)}")
+
+        self.adapter = glue.get_adapter(cfg.model)
+        # Data first: building the caches loads (and frees) the VAE and text encoders, so the transformer is not
+        # in memory at the same time, and a bad image fails the run before the big load.
+        self.data = glue.prepare_data(cfg, self.adapter, self.device, self.dtype)
+        self.sampler = None
+        if cfg.sample.every and cfg.sample.prompts:
+            self.sampler = glue.Sampler(cfg, self.adapter, self.device, self.dtype)  # encodes prompts, frees encoders
+
+        self._offloaded = self.device.type == "cuda" and cfg.offload.transformer not in (0, 0.0)
+        load_to = torch.device("cpu") if self._offloaded else self.device
+        self.transformer = self.adapter.load(cfg.model, parts={"transformer"}, dtype=self.dtype, device=load_to).transformer
+        self.transformer.train()
+        torch.manual_seed(c.seed)  # LoRA init and dropout draw from torch's global generator
+        if c.method == "lora":
+            self.params = add_lora(self.transformer, cfg, self.adapter.default_lora_targets)
+        else:
+            self.params = full_params(self.transformer)
+        blocks = self.adapter.blocks(self.transformer)
+        if c.gradient_checkpointing:
+            checkpoint_blocks(blocks)
+        if self._offloaded:
+            self.offload = glue.attach_offload(self.transformer, blocks, cfg, self.device)
+        say(f"{c.method}: {count(self.params) / 1e6:.3f} M trainable parameters in {len(self.params)} tensors, "
+            f"{len(blocks)} blocks{' checkpointed' if c.gradient_checkpointing else ''}"
+            f"{', offloaded ' + str(cfg.offload.transformer) if self._offloaded else ''}")
+
+        self.optim = glue.Optim(cfg, self.params)
+        self.objective = FlowMatching(c, self.adapter.timestep_shift)
+        if resume_dir is not None:
+            self._restore(resume_dir)
+        self.monitor = Monitor(self.out, c.steps, self.step, cfg.output.tensorboard)
+        self._ready = True
+
+    def _restore(self, folder: Path) -> None:
+        state = json.loads((folder / "state.json").read_text())
+        if state.get("method") != self.cfg.train.method:
+            raise UserError(f"--resume {folder}: checkpoint of a {state.get('method')} run, config says {self.cfg.train.method}")
+        if state.get("config_digest") != self.cfg.digest():
+            say(f"note: the config differs from the one {folder} was saved with; continuing with the current one")
+        if self.cfg.train.method == "lora":
+            ck.load_lora(folder / "lora.safetensors", self.transformer)
+        else:
+            ck.load_transformer_weights(folder / "transformer", self.transformer)
+        self.optim.load(folder, state["scheduler"])
+        glue.load_data_state(self.data, state["data"])
+        self.objective.load_state(ck.restore_rng(load_file(str(folder / "rng.safetensors"))))
+        self.step = int(state["step"])
+        self.last_checkpoint = folder
+        say(f"resumed from {folder} at step {self.step}")
+
+    # ------------------------------------------------------------------------------------------------ step
+
+    def train_step(self) -> dict[str, float]:
+        cfg, c = self.cfg, self.cfg.train
+        t0 = time.perf_counter()
+        losses, images = [], 0
+        log_now = (self.step + 1) % c.log_every == 0 or self.step + 1 == c.steps
+        self.optim.before_backward(track_norm=log_now)
+        for _ in range(c.grad_accum):
+            batch = self.data.next_batch()
+            latents = batch.latents.to(self.device, non_blocking=True)
+            text = {k: _to(v, self.device, self.dtype) for k, v in batch.text.items()}
+            noised = self.objective.noise(latents, self.dtype)
+            pred = self.adapter.predict(self.transformer, noised.noisy, noised.t, text, guidance=cfg.model.guidance)
+            loss = self.objective.loss(pred, noised)
+            # Host-device sync, needed anyway: the check must come before backward, which may step the weights
+            # (fused back pass).
+            value = loss.item()
+            if not math.isfinite(value):
+                raise NonFiniteLossError(
+                    f"loss is {value} at step {self.step + 1}; no weights were changed by this step "
+                    f"(batch files: {', '.join(map(str, batch.files))}); last checkpoint: {self.last_checkpoint}"
+                )
+            (loss / c.grad_accum if c.grad_accum > 1 else loss).backward()  # fused back pass: steps here
+            del pred, loss, noised
+            losses.append(value)
+            images += latents.shape[0]
+        lr = self.optim.lr  # the rate this step used
+        grad_norm = self.optim.step()
+        self.step += 1
+        dt = time.perf_counter() - t0
+        metrics = {"loss": sum(losses) / len(losses), "lr": lr, "step_time": dt, "samples_per_s": images / dt}
+        if log_now:
+            metrics["grad_norm"] = None if grad_norm is None else float(grad_norm)  # host sync, logging steps only
+            if self.device.type == "cuda":
+                metrics["vram_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        if self.monitor is not None:
+            self.monitor.log(self.step, metrics, log_now)
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------ save
+
+    def _state(self) -> dict:
+        return {"step": self.step, "method": self.cfg.train.method, "config_digest": self.cfg.digest(),
+                "scheduler": self.optim.scheduler.state_dict(), "data": glue.data_state(self.data)}
+
+    def _write_weights(self, folder: Path) -> None:
+        if self.cfg.train.method == "lora":
+            lc = self.cfg.lora
+            meta = {"rank": lc.rank, "alpha": lc.alpha, "step": self.step, "config_digest": self.cfg.digest(),
+                    "family": self.cfg.model.family}
+            ck.save_lora(folder / "lora.safetensors", self.transformer, meta)
+        else:
+            ck.save_transformer(folder / "transformer", self.transformer)
+
+    def save(self, final: bool = False) -> Path:
+        """A complete resumable checkpoint; with `final`, also the weights in output.dir. Returns the checkpoint
+        folder, or the final weights' path."""
+        if self.offload is not None:
+            glue.sync_offload(self.offload)  # host copies of streamed trainable weights must be current
+
+        def write(tmp: Path) -> None:
+            self._write_weights(tmp)
+            self.optim.save(tmp)
+            save_file(ck.rng_state(self.objective.state()), str(tmp / "rng.safetensors"))
+            ck.write_json(tmp / "state.json", self._state())
+
+        root = ck.checkpoint_root(self.out)
+        self.last_checkpoint = ck.write_checkpoint(root, self.step, write, self.cfg.train.keep_checkpoints)
+        if not final:
+            return self.last_checkpoint
+        if self.cfg.train.method == "lora":
+            path = self.out / "lora.safetensors"
+            src = self.last_checkpoint / "lora.safetensors"
+            ck.atomic_write(path, lambda tmp: tmp.write_bytes(src.read_bytes()))
+        else:
+            path = self.out / "transformer"
+            ck.atomic_dir(path, lambda tmp: ck.save_transformer(tmp, self.transformer))
+        say(f"saved {path} (step {self.step})")
+        return path
+
+    # ------------------------------------------------------------------------------------------------ sample
+
+    def sample(self) -> list:
+        """Images for sample.prompts with the model being trained, into output.dir/samples and TensorBoard.
+
+        Runs under `fork_rng` so that nothing it does can move the training generators."""
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            images = self.sampler(self.transformer)
+        from ..sampling.output import image_metadata, save_png
+
+        s = self.cfg.sample
+        for i, (img, prompt) in enumerate(zip(images, s.prompts, strict=True)):
+            meta = image_metadata(prompt=prompt, seed=s.seed + i, steps=s.steps, guidance=s.guidance,
+                                  model=str(self.cfg.model.path), training_step=self.step)
+            save_png(img, self.out / "samples" / f"step-{self.step:06d}-{i}.png", meta)
+        if self.monitor is not None:
+            self.monitor.images(self.step, images, self.cfg.sample.prompts)
+        return images
+
+    # ------------------------------------------------------------------------------------------------ close
+
+    def close(self) -> None:
+        self.stop.restore()
+        if getattr(self, "optim", None) is not None:
+            self.optim.close()
+            self.optim = None
+        if self.monitor is not None:
+            self.monitor.close()
+            self.monitor = None
+        if self.offload is not None:
+            glue.detach_offload(self.offload)
+            self.offload = None
+
+
+def _to(v, device, dtype):
+    if isinstance(v, torch.Tensor):
+        return v.to(device, dtype=dtype if v.is_floating_point() else v.dtype, non_blocking=True)
+    return v
