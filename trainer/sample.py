@@ -119,10 +119,41 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
 
     adapter = get_adapter(cfg.model)
     plan = resolve(cfg, req, adapter)
-    dtype = _DTYPES[cfg.model.dtype]
+    pipe, adapters = _build_pipeline(cfg, adapter, plan)
+    embeds = _encode_and_release(pipe, adapter, plan, cfg.offload.text_encoders)
 
+    pipe.vae.to(plan.device)  # small (Flux: 168 MB); decodes on the device
+    written, images = [], []
+    with place_transformer(adapter, pipe.transformer, plan.device, plan.offload):
+        for job in tqdm(plan.jobs, desc="images", unit="img", disable=len(plan.jobs) < 2):
+            (image,) = generate(
+                pipe, adapter, [embeds[job.prompt]], settings=plan.settings, seeds=[job.seed], progress=True
+            )
+            written.append(
+                save_png(image, plan.out / job.filename, _metadata(cfg, adapter.family, plan, job))
+            )
+            images.append(image)
+    if len(images) > 1:
+        sheet = contact_sheet(images, columns=plan.num)
+        meta = image_metadata(
+            prompts=" | ".join(plan.prompts),
+            files=",".join(p.name for p in written),
+            model=cfg.model.path,
+            loras=",".join(str(x) for x in plan.loras) or None,
+        )
+        written.append(save_png(sheet, plan.out / SHEET_NAME, meta))
+    note = f" (LoRA adapters: {', '.join(adapters)})" if adapters else ""
+    tqdm.write(f"wrote {len(images)} image(s) to {plan.out}{note}")
+    return written
+
+
+def _build_pipeline(cfg: Config, adapter, plan: SamplePlan):
+    """Every part on the CPU, the LoRAs applied by diffusers, the transformer frozen. Returns (pipe, adapter names)."""
     comps = adapter.load(
-        cfg.model, parts={"transformer", "vae", "text", "scheduler"}, dtype=dtype, device="cpu"
+        cfg.model,
+        parts={"transformer", "vae", "text", "scheduler"},
+        dtype=_DTYPES[cfg.model.dtype],
+        device="cpu",
     )
     pipe = adapter.pipeline(comps)
     del comps  # the pipeline holds the only references from here, so releasing the encoders frees them
@@ -130,10 +161,13 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
     # Inference only. It also tells the conductor that every block weight (LoRA layers included) is frozen, so
     # all of it is packed and streamed; a parameter that requires grad would be kept resident on the device.
     pipe.transformer.requires_grad_(False)
+    return pipe, names
 
-    # Phase 1: text. Encoders on the device, all prompts encoded, encoders gone before the transformer moves.
+
+def _encode_and_release(pipe, adapter, plan: SamplePlan, text_fraction: float) -> dict[str, dict]:
+    """Each distinct prompt's pipeline kwargs; the text encoders are gone when this returns."""
     unique = list(dict.fromkeys(plan.prompts))
-    with place_text_encoders(pipe, plan.device, cfg.offload.text_encoders):
+    with place_text_encoders(pipe, plan.device, text_fraction):
         embeds = encode_prompts(
             pipe,
             adapter.family,
@@ -143,47 +177,23 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
             device=plan.device,
         )
     release_text_encoders(pipe)
-    by_prompt = dict(zip(unique, embeds, strict=True))
+    return dict(zip(unique, embeds, strict=True))
 
-    # Phase 2: denoise. The VAE is small (Flux: 168 MB) and decodes on the device.
-    pipe.vae.to(plan.device)
-    lora_meta = ",".join(str(s) for s in plan.loras) or None
-    written: list[Path] = []
-    images = []
-    with place_transformer(adapter, pipe.transformer, plan.device, plan.offload):
-        for job in tqdm(plan.jobs, desc="images", unit="img", disable=len(plan.jobs) < 2):
-            (image,) = generate(
-                pipe,
-                adapter,
-                [by_prompt[job.prompt]],
-                settings=plan.settings,
-                seeds=[job.seed],
-                progress=True,
-            )
-            meta = image_metadata(
-                prompt=job.prompt,
-                seed=job.seed,
-                steps=plan.settings.steps,
-                guidance=plan.settings.guidance,
-                width=plan.settings.width,
-                height=plan.settings.height,
-                model=cfg.model.path,
-                family=adapter.family,
-                loras=lora_meta,
-                offload=plan.offload,
-                negative_prompt=plan.settings.negative_prompt or None,
-            )
-            written.append(save_png(image, plan.out / job.filename, meta))
-            images.append(image)
-    if len(images) > 1:
-        sheet_meta = image_metadata(
-            prompts=" | ".join(plan.prompts),
-            files=",".join(p.name for p in written),
-            model=cfg.model.path,
-            loras=lora_meta,
-        )
-        written.append(save_png(contact_sheet(images, columns=plan.num), plan.out / SHEET_NAME, sheet_meta))
-    tqdm.write(
-        f"wrote {len(images)} image(s) to {plan.out}" + (f" (adapters: {', '.join(names)})" if names else "")
+
+def _metadata(cfg: Config, family: str, plan: SamplePlan, job: Job) -> dict[str, str]:
+    s = plan.settings
+    return image_metadata(
+        prompt=job.prompt,
+        seed=job.seed,
+        steps=s.steps,
+        guidance=s.guidance,
+        width=s.width,
+        height=s.height,
+        model=cfg.model.path,
+        transformer_file=cfg.model.transformer_file,
+        dtype=cfg.model.dtype,
+        family=family,
+        loras=",".join(str(x) for x in plan.loras) or None,
+        offload=plan.offload,
+        negative_prompt=s.negative_prompt or None,
     )
-    return written

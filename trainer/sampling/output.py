@@ -1,8 +1,10 @@
 """Writing sampled images: PNG text metadata that says how each image was made, and a contact sheet.
 
-Every PNG carries tEXt chunks `prompt`, `seed`, `steps`, `guidance`, `width`, `height`, `model`, `family`,
-`loras` (`path:weight`, comma-separated), `offload` and `software`, plus `dittrain` with all of them as one JSON
-object, so an image found later can be remade. Read them with `PIL.Image.open(p).text`.
+Every PNG carries tEXt chunks `prompt`, `seed`, `steps`, `guidance`, `width`, `height`, `model` (model.path),
+`dtype`, `family`, `loras` (`path:weight`, comma-separated; absent without LoRAs), `offload`, `software`, and
+`transformer_file` / `negative_prompt` when set, plus `dittrain` with all of them as one JSON object, so an image
+found later can be remade. Read them with `PIL.Image.open(p).text`. The contact sheet lists its `prompts` and
+`files` instead.
 """
 
 from __future__ import annotations
