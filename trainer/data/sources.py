@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,34 +171,40 @@ def scan_sources(sources, index_dir: Path | None = None, progress: bool = True) 
 
     index_file = index_dir / INDEX_NAME if index_dir is not None else None
     index = _read_index(index_file)
+    flat = [(i, path, caption) for i, cands in enumerate(per_source) for path, caption in cands]
+    bar = tqdm(total=len(flat), desc="scanning images", unit="img", disable=not progress or len(flat) < 50, leave=False)
     new_index: dict[str, dict] = {}
-    total = sum(len(c) for c in per_source)
-    bar = tqdm(total=total, desc="scanning images", unit="img", disable=not progress or total < 50, leave=False)
-    for i, (src, cands) in enumerate(zip(sources, per_source, strict=True)):
-        for path, caption in cands:
+    # Decoding and hashing release the GIL: threads make the first scan of a large folder several times faster.
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for (i, path, caption), got in zip(flat, pool.map(lambda c: _probe(c[1], index), flat), strict=True):
             bar.update(1)
-            try:
-                st = path.stat()
-                key = str(path.resolve())
-                hit = index.get(key)
-                if hit and hit["size"] == st.st_size and hit["mtime_ns"] == st.st_mtime_ns:
-                    w, h, sha = hit["w"], hit["h"], hit["sha"]
-                else:
-                    im = open_image(path)
-                    w, h = im.size
-                    sha = _sha256(path)
-                new_index[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "w": w, "h": h, "sha": sha}
-            except BadImage as e:
-                report.bad.append((str(path), str(e)))
+            if isinstance(got, str):
+                report.bad.append((str(path), got))
                 continue
-            except OSError as e:
-                report.bad.append((str(path), f"unreadable ({e.strerror or e})"))
-                continue
-            report.items.append(Item(str(path), join_caption(src.caption_prefix, caption or ""), i, w, h, sha))
+            key, rec = got
+            new_index[key] = rec
+            caption = join_caption(sources[i].caption_prefix, caption or "")
+            report.items.append(Item(str(path), caption, i, rec["w"], rec["h"], rec["sha"]))
     bar.close()
-    if index_file is not None and new_index != index:
+    if index_file is not None and any(index.get(k) != v for k, v in new_index.items()):
         _write_index(index_file, {**index, **new_index})
     return report
+
+
+def _probe(path: Path, index: dict[str, dict]) -> tuple[str, dict] | str:
+    """(index key, {size, mtime_ns, w, h, sha}) of a good image, or the reason it is bad."""
+    try:
+        st = path.stat()
+        key = str(path.resolve())
+        hit = index.get(key)
+        if hit and hit.get("size") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
+            return key, hit
+        w, h = open_image(path).size
+        return key, {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "w": w, "h": h, "sha": _sha256(path)}
+    except BadImage as e:
+        return str(e)
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
 
 
 def check_report(report: ScanReport, strict: bool) -> None:
