@@ -13,6 +13,7 @@ training without offloading); they are predictions until bench/bench_plan.py mea
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -48,6 +49,7 @@ def _config(
     fraction: float = 0.0,
     ckpt: bool = True,
     opt: str = "adamw",
+    te: float = 0.0,
 ) -> dict:
     full = method == "full"
     return {
@@ -72,7 +74,7 @@ def _config(
             "resolutions": [res],
             "cache_dir": f"cache/{family}-{res}",
         },
-        "offload": {"transformer": fraction, "activations": act},
+        "offload": {"transformer": fraction, "text_encoders": te, "activations": act},
         "sample": {
             "prompts": ["a photo of a cat sitting on a wooden table"],
             "every": 250,
@@ -110,6 +112,16 @@ def _yaml(d: dict, indent: int = 0) -> list[str]:
     return out
 
 
+def text_encoder_fraction(facts: planner.Facts, budget_gb: float) -> float:
+    """Offload share for the text encoders in `dittrain cache` so the largest one fits beside ~1.5 GB of VAE,
+    activations and workspace (0.05 grid)."""
+    biggest = max(nb for _, nb in facts.text_encoders) / 1e9
+    room = budget_gb - 1.5
+    if biggest <= room:
+        return 0.0
+    return min(1.0, math.ceil((1 - room / biggest) * 20 - 1e-9) / 20)
+
+
 def _first_fit(family, method, card, opt, cache):
     budget = card - HEADROOM_GB
     last = ""
@@ -135,7 +147,8 @@ def _first_fit(family, method, card, opt, cache):
         facts.checkpointing = True
         base = planner.predict(facts, 0.0, res, False)  # the same training without offloading (checkpointed)
         facts.checkpointing = ckpt
-        return _config(family, method, res, act, f, ckpt, opt), p, min(base.step_s, p.step_s)
+        te = text_encoder_fraction(facts, budget)
+        return _config(family, method, res, act, f, ckpt, opt, te), p, min(base.step_s, p.step_s)
     return last or "does not fit"
 
 
@@ -171,12 +184,15 @@ def header(family: str, method: str, card: int, d: dict, p: planner.Prediction, 
         f"# {name} {'LoRA' if method == 'lora' else 'full fine-tune'} for {card} GB cards ({how}, {res} px)",
         f"# trains: {what} on the transformer, {res}x{res} buckets, batch 1, bf16"
         + (", gradient checkpointing" if ckpt else ""),
-        f"# expects: {p.peak_reserved / 1e9:.1f} GB VRAM reserved, {(p.pinned + p.act_checkpoint_host) / 1e9:.0f} GB "
-        f"pinned RAM ({p.ram_peak / 1e9:.0f} GB while loading), {speed:.2f}x the step time without offloading "
-        "(planner predictions until measured)",
-        "# Numbers from `dittrain plan` on this file (the planner's assumptions are printed there; the CUDA context,",
-        f"# 0.5-1 GB, is on top of the VRAM figure; {HEADROOM_GB:g} GB of the card was left for it). Predicted step "
-        f"{p.step_s:.2f} s on an H200-class GPU (compute {p.compute_s:.2f} s, PCIe transfer {p.transfer_s:.2f} s).",
+        f"# expects: {p.peak_reserved / 1e9:.1f} GB VRAM, {(p.pinned + p.act_checkpoint_host) / 1e9:.0f} GB pinned RAM "
+        f"({p.ram_peak / 1e9:.0f} GB peak), {speed:.2f}x the step time without offloading (planner prediction, "
+        "not yet measured)",
+        f"# Predicted step {p.step_s:.2f} s on an H200-class GPU (compute {p.compute_s:.2f} s, PCIe {p.transfer_s:.2f} s).",
+        "# VRAM is what torch reserves; the CUDA context (0.5-1 GB) comes on top, and "
+        f"{HEADROOM_GB:g} GB of the card is left for it.",
+        "# `dittrain plan <this file>` prints the whole prediction and its assumptions. Written by",
+        "# `python -m trainer.offload._planner_presets`. Sampling during training is off (sample.every: 0): the",
+        "# pipeline's text encoders would not fit beside training; use `dittrain sample` afterwards.",
         "# Copy this file, set model.path, data.sources and output.dir, then: dittrain fit my.yaml",
     ]
 
