@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+ROPE = {16: [4, 4, 8], 64: [16, 24, 24], 128: [16, 56, 56]}
+
 
 def tiny_flux(
     seed: int, layers: int = 2, singles: int = 4, dtype=torch.float32, device="cpu", dim_head=16, heads=2
@@ -22,7 +24,7 @@ def tiny_flux(
             num_attention_heads=heads,
             joint_attention_dim=32,
             pooled_projection_dim=32,
-            axes_dims_rope=[4, 4, 8] if dim_head == 16 else [16, 56, 56],
+            axes_dims_rope=ROPE[dim_head],
             guidance_embeds=False,
         )
     return m if dtype == torch.float32 else m.to(dtype)
@@ -68,13 +70,13 @@ def batch(seed: int, device="cpu", dtype=torch.float32, side=8, text=8, channels
     ), r(1, n, channels)
 
 
-def train_steps(model, steps: int, lr: float = 1e-2, device="cpu", dtype=torch.float32, fused=None, side=8):
+def train_steps(model, steps: int, lr: float = 1e-2, device="cpu", dtype=torch.float32, fused=None, side=8, text=8):
     """Plain AdamW over the trainable params (or `fused(model)` for in-backward steps); returns losses."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr) if fused is None else None
     losses = []
     for s in range(steps):
-        kw, target = batch(100 + s, device=device, dtype=dtype, side=side)
+        kw, target = batch(100 + s, device=device, dtype=dtype, side=side, text=text)
         out = model(**kw)[0]
         loss = F.mse_loss(out.float(), target.float())
         loss.backward()
@@ -127,3 +129,15 @@ def fused_adamw(model, handle=None, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weigh
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(hook)
     return hook
+
+
+def place_non_blocks(model, blocks, device) -> None:
+    """Move every parameter and buffer outside `blocks` to `device` (the caller's job under offloading)."""
+    inside = {id(t) for b in blocks for t in list(b.parameters()) + list(b.buffers())}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            if id(p) not in inside:
+                p.data = p.data.to(device)
+        for n, b in mod.named_buffers(recurse=False):
+            if id(b) not in inside:
+                mod._buffers[n] = b.to(device)

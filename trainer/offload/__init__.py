@@ -17,12 +17,14 @@ Public interface (everything else in this package is internal):
     handle.stats()      -> dict: block_bytes, offloaded_bytes, ring_bytes, pinned_bytes, h2d_gbps, ...
     handle.state_of(p)  -> dict of optimizer-state tensors for a streamed trainable parameter (or None)
     handle.set_mode(m)  -> switch between "train" and "sample" (re-plans; synchronises)
-    handle.close()      -> restores plain modules with their current weights on the CPU
+    handle.sync()       -> waits; every block parameter then reads current values (to save a full fine-tune)
+    handle.close()      -> restores plain modules with their current weights on the CPU (alias: detach)
 
 Contract with the caller:
 - Non-block modules (embedders, final norm, projections) are the caller's: move them to the device yourself.
 - The handle does the per-block gradient checkpointing itself; do NOT also call diffusers'
-  `enable_gradient_checkpointing()` on the model (blocks would be checkpointed twice).
+  `enable_gradient_checkpointing()` on the model (blocks would be checkpointed twice). Blocks already wrapped
+  by trainer/train/model.checkpoint_blocks are recognised and checkpointed once, by the handle.
 - Trainable parameters inside blocks (peft LoRA) stay resident on the device and are never packed when
   `trainable=False`; with `trainable=True` every block parameter streams and the optimizer must step inside
   backward (trainer/optim fused back pass), reading its state through `handle.state_of(p)`.
@@ -73,9 +75,15 @@ class OffloadHandle:
             race_detector=c.race_detector,
         )
 
+    def sync(self) -> None:
+        """Wait for the device; point every block parameter at current values (ring or host copy)."""
+        self._c.sync()
+
     def close(self) -> None:
         self._c.close()
         self._undo_nano()
+
+    detach = close
 
 
 def attach_offload(
@@ -89,8 +97,11 @@ def attach_offload(
     checkpointing: bool | None = None,
     optimizer_state: tuple[str, ...] = (),
     race_detector: bool = False,
+    training: bool | None = None,
 ) -> OffloadHandle:
-    """Install streaming on `blocks`; see the module docstring."""
+    """Install streaming on `blocks`; see the module docstring. `training` is an alias of `mode`."""
+    if training is not None:
+        mode = "train" if training else "sample"
     undo = nano_batch(blocks, nano_batches)
     c = Conductor(
         blocks,

@@ -35,6 +35,7 @@ GPUs per process, and blocks that appear twice in one pass.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -113,8 +114,13 @@ class Conductor:
         else:
             self._setup_streaming(min_ring_blocks)
         for i, b in enumerate(self.blocks):
-            self._orig_forward.append(b.__dict__.get("forward"))
-            b.forward = self._wrap(i, b.forward)
+            cur = b.__dict__.get("forward")
+            self._orig_forward.append(cur)
+            fwd = b.forward
+            if getattr(b, "_dittrain_checkpointed", False) and isinstance(cur, functools.partial):
+                fwd = cur.args[1]  # the trainer's own checkpoint wrapper: checkpoint here instead, once
+                self.checkpointing = True
+            b.forward = self._wrap(i, fwd)
         self.n = n
 
     # ------------------------------------------------------------------------------------------ setup
@@ -371,6 +377,19 @@ class Conductor:
     def synchronize(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
+
+    def sync(self) -> None:
+        """Make every block's parameters readable with current values (e.g. to save a full fine-tune):
+        resident blocks point at the ring, the others at their host copies, until they run again."""
+        self.synchronize()
+        if not self.streaming:
+            return
+        for b, pk in enumerate(self.packs):
+            if self.where[b] is not None:
+                self._point(b)
+            else:
+                pk.point_at(pk.views(self.arena.region(self.host_off[b], self.plan.sizes[b])))
+                self._pointing[b] = None
 
     def close(self) -> None:
         """Restore ordinary modules: every block's tensors become plain CPU tensors with current values."""

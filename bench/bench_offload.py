@@ -1,0 +1,290 @@
+#!/usr/bin/env python3
+"""Full-size Flux (11.9 B params, random bf16 weights built on the GPU) at 1024x1024, batch 1, LoRA rank 16:
+training and sampling steps resident vs streamed by the offload conductor, and diffusers' group offloading,
+all in one process. Prints one table; writes bench.json and bench.md under --out.
+
+    python bench/bench_offload.py --out /tmp/bench            # the full run (a few minutes)
+    python bench/bench_offload.py --layers 2 --singles 4      # a quick smoke run
+
+Timing: CUDA events around each step after warm-up, median of --steps. Memory: peak max_memory_reserved /
+max_memory_allocated from the moment the configuration is attached (empty_cache first, so earlier
+configurations do not count). Floors (DESIGN.md): training max(resident step, bytes moved per step / B_h2d),
+sampling max(resident forward, bytes per forward / B_h2d), with B_h2d measured here on one pinned 1 GiB copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.offload import attach_offload  # noqa: E402
+
+LORA_TARGETS = [
+    "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out",
+]  # fmt: skip
+
+
+def h2d_rate(dev, nbytes=1 << 30, reps=6) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        dst.copy_(src, non_blocking=True)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1))
+    del src, dst
+    return nbytes / (statistics.median(ts[1:]) * 1e6)
+
+
+def build(args, dev):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(dev):
+        m = FluxTransformer2DModel(
+            num_layers=args.layers, num_single_layers=args.singles, guidance_embeds=True
+        )
+    torch.set_default_dtype(torch.float32)
+    return m
+
+
+def add_lora(m, rank):
+    from peft import LoraConfig
+
+    m.requires_grad_(False)
+    m.add_adapter(
+        LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGETS, init_lora_weights="gaussian")
+    )
+    params = [p for p in m.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()  # as the trainer keeps LoRA weights
+    return params
+
+
+def inputs(dev, res, text=512):
+    side = res // 16
+    n = side * side
+    g = torch.Generator(device="cpu").manual_seed(1)
+
+    def r(*s):
+        return torch.randn(*s, generator=g).to(dev, torch.bfloat16)
+
+    ids = torch.zeros(n, 3)
+    ids[:, 1] = torch.arange(n) // side
+    ids[:, 2] = torch.arange(n) % side
+    kw = dict(
+        hidden_states=r(1, n, 64),
+        encoder_hidden_states=r(1, text, 4096),
+        pooled_projections=r(1, 768),
+        timestep=torch.tensor([0.5], device=dev, dtype=torch.bfloat16),
+        guidance=torch.tensor([3.5], device=dev, dtype=torch.bfloat16),
+        img_ids=ids.to(dev),
+        txt_ids=torch.zeros(text, 3, device=dev),
+        return_dict=False,
+    )
+    return kw, r(1, n, 64).float()
+
+
+def timed(fn, warmup, steps):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    s0 = torch.cuda.memory_stats()
+    ts = []
+    for _ in range(steps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1000)
+    s1 = torch.cuda.memory_stats()
+    mallocs = s1["segment.all.allocated"] - s0["segment.all.allocated"]
+    return ts, mallocs, s1["num_alloc_retries"] - s0["num_alloc_retries"]
+
+
+def block_list(m):
+    return list(m.transformer_blocks) + list(m.single_transformer_blocks)
+
+
+def run_config(name, kind, model, dev, args, fraction, activations=False, group_offload=False, step_fn=None):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    handle = None
+    if group_offload:
+        from diffusers.hooks import apply_group_offloading
+
+        model.to("cpu")
+        apply_group_offloading(
+            model, onload_device=torch.device(dev), offload_device=torch.device("cpu"),
+            offload_type="block_level", num_blocks_per_group=1, use_stream=True,
+        )  # fmt: skip
+    else:
+        handle = attach_offload(block_list(model), dev, fraction, mode=kind, activations=activations)
+    torch.cuda.synchronize()
+    attach_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    ts, mallocs, retries = timed(step_fn, args.warmup, args.steps)
+    row = dict(
+        name=name,
+        kind=kind,
+        fraction=fraction,
+        activations=activations,
+        step_s=statistics.median(ts),
+        steps_s=ts,
+        peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9,
+        peak_allocated_gb=torch.cuda.max_memory_allocated() / 1e9,
+        cuda_mallocs_timed=mallocs,
+        alloc_retries_timed=retries,
+        attach_s=attach_s,
+    )
+    if handle is not None:
+        st = handle.stats()
+        row.update(
+            pinned_bytes=st["pinned_bytes"] + st["activation_pinned_bytes"],
+            weights_pinned_bytes=st["pinned_bytes"],
+            offloaded_bytes=st["offloaded_bytes"],
+            ring_bytes=st["ring_bytes"],
+            block_bytes=st["block_bytes"],
+            h2d_bytes_per_step=st["h2d_bytes_per_step"],
+            h2d_gbps=st.get("h2d_gbps"),
+        )
+        t1 = time.perf_counter()
+        handle.close()
+        row["close_s"] = time.perf_counter() - t1
+    print(json.dumps({k: v for k, v in row.items() if k != "steps_s"}), flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=19)
+    ap.add_argument("--singles", type=int, default=38)
+    ap.add_argument("--res", type=int, default=1024)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=Path("bench_out"))
+    ap.add_argument("--skip", default="", help="comma-separated config names to leave out")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, args.skip.split(",")))
+    dev = "cuda"
+    torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention fails in backward there (GPU.md)
+    B = h2d_rate(dev)
+    print(f"pinned H2D {B:.1f} GB/s", flush=True)
+
+    model = build(args, dev)
+    params = add_lora(model, args.rank)
+    nparams = sum(p.numel() for p in model.parameters())
+    print(f"Flux {nparams / 1e9:.2f} B params, LoRA {sum(p.numel() for p in params) / 1e6:.1f} M", flush=True)
+    model.train()
+    kw, target = inputs(dev, args.res)
+    opt = torch.optim.AdamW(params, lr=1e-5)
+
+    def train_step():
+        out = model(**kw)[0]
+        loss = F.mse_loss(out.float(), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def sample_step():
+        with torch.no_grad():
+            model(**kw)
+
+    configs = [
+        ("sample resident", "sample", 0.0, False, False, sample_step),
+        ("train resident", "train", 0.0, False, False, train_step),
+        ("train f=0.5", "train", 0.5, False, False, train_step),
+        ("train f=0.5 +act", "train", 0.5, True, False, train_step),
+        ("train f=1.0", "train", 1.0, False, False, train_step),
+        ("train f=1.0 +act", "train", 1.0, True, False, train_step),
+        ("sample f=1.0", "sample", 1.0, False, False, sample_step),
+        ("sample f=0.5", "sample", 0.5, False, False, sample_step),
+        ("sample diffusers group offload", "sample", 1.0, False, True, sample_step),
+    ]
+    rows = []
+    for name, kind, f, act, grp, fn in configs:
+        if name in skip:
+            continue
+        try:
+            rows.append(run_config(name, kind, model, dev, args, f, act, grp, fn))
+        except Exception as e:  # keep the other numbers; the failure is a result too
+            print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+            rows.append(
+                dict(name=name, kind=kind, fraction=f, activations=act, error=f"{type(e).__name__}: {e}")
+            )
+            torch.cuda.synchronize()
+
+    base = {r["kind"]: r["step_s"] for r in rows if "resident" in r["name"] and "step_s" in r}
+    for r in rows:
+        if "step_s" not in r or r["kind"] not in base:
+            continue
+        r["ratio_resident"] = r["step_s"] / base[r["kind"]]
+        moved = r.get("h2d_bytes_per_step")
+        if moved is None and "group" in r["name"]:
+            moved = sum(p.numel() * p.element_size() for b in block_list(model) for p in b.parameters())
+        r["floor_s"] = max(base[r["kind"]], (moved or 0) / (B * 1e9))
+        r["ratio_floor"] = r["step_s"] / r["floor_s"]
+
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        h2d_gbps=B,
+        params=nparams,
+        args={k: str(v) for k, v in vars(args).items()},
+    )
+    try:
+        import diffusers
+
+        meta["diffusers"] = diffusers.__version__
+    except Exception:
+        pass
+    (args.out / "bench.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    lines = [
+        f"{meta['date']} {meta['device']} torch {meta['torch']} diffusers {meta.get('diffusers')} "
+        f"H2D {B:.1f} GB/s, {nparams / 1e9:.2f} B params, {args.res}px, LoRA r{args.rank}",
+        "",
+        "| config | step s | x resident | floor s | x floor | peak reserved GB | peak alloc GB | pinned GB "
+        "| ring GB | H2D GB/step | H2D GB/s | mallocs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def g(r, k, fmt="{:.3f}", scale=1.0):
+        v = r.get(k)
+        return "-" if v is None else fmt.format(v / scale)
+
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | FAILED: {r['error'][:80]} |")
+            continue
+        lines.append(
+            f"| {r['name']} | {g(r, 'step_s')} | {g(r, 'ratio_resident', '{:.2f}')} | {g(r, 'floor_s')} "
+            f"| {g(r, 'ratio_floor', '{:.2f}')} | {g(r, 'peak_reserved_gb', '{:.1f}')} "
+            f"| {g(r, 'peak_allocated_gb', '{:.1f}')} | {g(r, 'pinned_bytes', '{:.1f}', 1e9)} "
+            f"| {g(r, 'ring_bytes', '{:.1f}', 1e9)} | {g(r, 'h2d_bytes_per_step', '{:.1f}', 1e9)} "
+            f"| {g(r, 'h2d_gbps', '{:.1f}')} | {r.get('cuda_mallocs_timed', '-')} |"
+        )
+    (args.out / "bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
