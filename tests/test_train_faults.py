@@ -1,0 +1,126 @@
+"""Faults: a checkpoint write cut short, a second Ctrl-C, a NaN batch, CUDA out of memory."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+from test_train_support import losses, make_config, write_images
+
+from trainer.errors import NonFiniteLossError, UserError
+from trainer.train import checkpoint as ck
+from trainer.train import glue
+from trainer.train.faults import TrainingInterrupted
+from trainer.train.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return write_images(tmp_path_factory.mktemp("fault-images"))
+
+
+def _cfg(tiny_models, images, tmp_path, method="lora", **train):
+    return make_config(tiny_models, images, tmp_path / "run", tmp_path / "cache", "flux", method,
+                       train={"steps": 5, "checkpoint_every": 2, **train})
+
+
+def test_checkpoint_write_failing_midway_leaves_the_previous_one_loadable(tiny_models, images, tmp_path, monkeypatch):
+    cfg = _cfg(tiny_models, images, tmp_path)
+    Trainer(cfg).fit()
+    expected = losses(tmp_path / "run")
+    for p in (tmp_path / "run").iterdir():  # start over, keeping the cache
+        if p.name != "cache":
+            import shutil
+
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+    calls = []
+    real = glue.Optim.save
+
+    def failing_save(self, folder):
+        calls.append(folder)
+        if len(calls) == 2:  # the second checkpoint (step 4): weights written, optimizer half-written
+            (folder / "optimizer.safetensors").write_bytes(b"\0" * 10)
+            raise OSError(28, "No space left on device")
+        real(self, folder)
+
+    monkeypatch.setattr(glue.Optim, "save", failing_save)
+    with pytest.raises(OSError, match="No space"):
+        Trainer(cfg).fit()
+    root = tmp_path / "run" / "checkpoints"
+    assert [s for s, _ in ck.list_checkpoints(root)] == [2]
+    assert not any(p.name.startswith(".tmp") for p in root.iterdir())
+    monkeypatch.undo()
+    Trainer(cfg, resume="latest").fit()
+    assert losses(tmp_path / "run") == expected
+
+
+def test_second_ctrl_c_during_the_save_quits_at_once_and_keeps_the_last_checkpoint(tiny_models, images, tmp_path,
+                                                                                    monkeypatch):
+    cfg = _cfg(tiny_models, images, tmp_path)
+    real_step, real_save = Trainer.train_step, ck.save_lora
+
+    def train_step(self):
+        m = real_step(self)
+        if self.step == 3:
+            self.stop.handler(signal.SIGINT, None)  # first Ctrl-C: finish the step, then save
+        return m
+
+    def save_lora(path, transformer, meta):
+        if meta["step"] == 3:
+            (path.parent / "partial").write_text("x")
+            signal.raise_signal(signal.SIGINT)  # second Ctrl-C while the checkpoint is being written
+        real_save(path, transformer, meta)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    monkeypatch.setattr(ck, "save_lora", save_lora)
+    with pytest.raises(TrainingInterrupted, match="stopped at once at step 3.*step-000002"):
+        Trainer(cfg).fit()
+    root = tmp_path / "run" / "checkpoints"
+    assert [s for s, _ in ck.list_checkpoints(root)] == [2]
+    monkeypatch.undo()
+    t = Trainer(cfg, resume="latest")
+    t.fit()
+    assert t.step == 5 and len(losses(tmp_path / "run")) == 5
+    assert not any(p.name.startswith(".tmp") for p in root.iterdir())
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_non_finite_loss_stops_before_any_weight_changes(method, tiny_models, images, tmp_path, monkeypatch):
+    cfg = _cfg(tiny_models, images, tmp_path, method)
+    t = Trainer(cfg)
+    t.setup()
+    real = t.data.next_batch
+    seen = {}
+
+    def next_batch():
+        b = real()
+        if t.step == 3:  # the batch of step 4
+            seen["weights"] = [p.detach().clone() for p in t.params]
+            seen["files"] = b.files
+            b.latents[0, 0, 0, 0] = float("nan")
+        return b
+
+    t.data.next_batch = next_batch
+    with pytest.raises(NonFiniteLossError, match="loss is nan at step 4") as e:
+        t.fit()
+    assert all(f in str(e.value) for f in seen["files"])
+    assert all(torch.equal(a, p) for a, p in zip(seen["weights"], t.params, strict=True))
+    if method == "full":
+        assert all(p.grad is None for p in t.params)  # backward never ran: the fused pass did not step
+    assert [s for s, _ in ck.list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
+    assert not (tmp_path / "run" / "lora.safetensors").exists()
+
+
+def test_cuda_out_of_memory_becomes_advice(tiny_models, images, tmp_path, monkeypatch):
+    cfg = _cfg(tiny_models, images, tmp_path)
+    t = Trainer(cfg)
+    t.setup()
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(t.adapter, "predict", oom)
+    with pytest.raises(UserError, match=r"out of memory at step 1: raise offload.transformer from 0 to 0.25.*presets"):
+        t.fit()
