@@ -218,3 +218,16 @@ def test_run_plan_without_budget_prints(tiny_models, capsys):
     planner.run_plan(_cfg(tiny_models / "flux", "flux"))
     out = capsys.readouterr().out
     assert "Per fraction" in out and "<- config" in out
+
+
+def test_resolve_fraction_and_check_line(flux_full_size):
+    cfg, facts = flux_full_size
+    assert planner.resolve_fraction(cfg, facts=facts) == 0.0  # the config's own number
+    auto = cfg.model_copy(
+        update={"offload": cfg.offload.model_copy(update={"transformer": "auto", "vram_budget_gb": 12})}
+    )
+    f = planner.resolve_fraction(auto, facts=facts, log=lambda s: None)
+    assert f == planner.choose_fraction(cfg, 12, facts=facts, log=lambda s: None) > 0
+    pred = planner.expected(cfg, f, facts=facts)
+    line = planner.check_line(pred, pred.peak_reserved * 0.8, pred.step_s * 2)
+    assert "\n" not in line and "+25 %" in line and "-50 %" in line

@@ -362,6 +362,42 @@ def choose_fraction(
     return chosen
 
 
+def resolve_fraction(cfg, *, facts: Facts | None = None, log=print) -> float:
+    """The transformer offload fraction to train with: the config's number, or `choose_fraction` for auto."""
+    f = _fraction_of(cfg)
+    return f if f is not None else choose_fraction(cfg, facts=facts, log=log)
+
+
+def expected(
+    cfg, fraction: float, *, facts: Facts | None = None, rates: ptime.Rates | None = None
+) -> Prediction:
+    """The prediction for the config's largest bucket at `fraction` (what the first real steps are checked
+    against)."""
+    facts = facts or analyze(cfg)
+    return predict(facts, fraction, max(facts.resolutions), cfg.offload.activations, rates)
+
+
+def check_line(pred: Prediction, reserved_bytes: float, step_s: float | None = None) -> str:
+    """One log line comparing a prediction with the measured peak reserved VRAM (and step time)."""
+
+    def pct(p, m):
+        return f"{100.0 * (p - m) / m:+.0f} %" if m else "n/a"
+
+    line = (
+        f"offload: peak reserved VRAM predicted {pred.peak_reserved / GB:.2f} GB, measured "
+        f"{reserved_bytes / GB:.2f} GB (prediction {pct(pred.peak_reserved, reserved_bytes)})"
+    )
+    if step_s is not None:
+        line += f"; step predicted {pred.step_s:.2f} s, measured {step_s:.2f} s ({pct(pred.step_s, step_s)})"
+    return line
+
+
+def optimizer_state_names(name: str) -> tuple[str, ...]:
+    """State tensors the planner assumes are packed beside streamed trained weights (the conductor's
+    `optimizer_state=`): AdamW's two moments; none for Adafactor / 8-bit AdamW (their state stays on the GPU)."""
+    return _STATE_NAMES[name]
+
+
 # ----------------------------------------------------------------------------------------------- report
 
 
