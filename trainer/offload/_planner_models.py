@@ -1,0 +1,171 @@
+"""The model facts the planner needs without a model folder: full-size configs of the three families, text
+token counts, text-encoder sizes, default LoRA targets, and building a transformer (with LoRA) on the meta device.
+
+Real runs read the folder's `transformer/config.json` and the text encoders' safetensors headers instead
+(trainer/offload/planner.py); these tables serve presets and `dittrain plan` on a config whose model folder is
+not at hand.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Full-size transformer configs for presets and `plan` without a model folder (real runs read the folder).
+FULL_CONFIGS: dict[str, dict] = {
+    "flux": {  # FLUX.1-dev: FluxTransformer2DModel defaults + guidance embedding (11.9 B parameters)
+        "patch_size": 1,
+        "in_channels": 64,
+        "num_layers": 19,
+        "num_single_layers": 38,
+        "attention_head_dim": 128,
+        "num_attention_heads": 24,
+        "joint_attention_dim": 4096,
+        "pooled_projection_dim": 768,
+        "guidance_embeds": True,
+        "axes_dims_rope": [16, 56, 56],
+    },
+    "sd3": {  # SD3.5-large (8.1 B)
+        "sample_size": 128,
+        "patch_size": 2,
+        "in_channels": 16,
+        "num_layers": 38,
+        "attention_head_dim": 64,
+        "num_attention_heads": 38,
+        "joint_attention_dim": 4096,
+        "caption_projection_dim": 2432,
+        "pooled_projection_dim": 2048,
+        "out_channels": 16,
+        "pos_embed_max_size": 192,
+        "qk_norm": "rms_norm",
+    },
+    "qwen_image": {  # Qwen-Image: QwenImageTransformer2DModel defaults (20.4 B)
+        "patch_size": 2,
+        "in_channels": 64,
+        "out_channels": 16,
+        "num_layers": 60,
+        "attention_head_dim": 128,
+        "num_attention_heads": 24,
+        "joint_attention_dim": 3584,
+        "guidance_embeds": False,
+        "axes_dims_rope": [16, 56, 56],
+    },
+}
+
+# Text tokens per caption the transformer sees (the adapters' padding): Flux pads T5 to 512; SD3 joins CLIP's
+# 77 and T5's 256; Qwen-Image pads to the longest caption in the batch, assumed 256 here.
+TEXT_TOKENS = {"flux": 512, "sd3": 77 + 256, "qwen_image": 256}
+
+# Text encoders in bf16 (parameters, from the public configs): used when no model folder is at hand.
+TEXT_ENCODERS: dict[str, list[tuple[str, int]]] = {
+    "flux": [("CLIP-L", 123_060_480), ("T5-XXL encoder", 4_762_310_656)],
+    "sd3": [("CLIP-L", 123_650_304), ("CLIP-G", 694_659_840), ("T5-XXL encoder", 4_762_310_656)],
+    "qwen_image": [("Qwen2.5-VL-7B", 8_292_166_656)],
+}
+
+_FALLBACK_TARGETS = {
+    "flux": (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+        "proj_mlp",
+    ),
+    "sd3": (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    ),
+    "qwen_image": (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "img_mlp.net.0.proj",
+        "img_mlp.net.2",
+        "txt_mlp.net.0.proj",
+        "txt_mlp.net.2",
+    ),
+}
+
+_CLASSES = {
+    "flux": "FluxTransformer2DModel",
+    "sd3": "SD3Transformer2DModel",
+    "qwen_image": "QwenImageTransformer2DModel",
+}
+
+
+def transformer_class(family: str) -> type:
+    import diffusers
+
+    return getattr(diffusers, _CLASSES[family])
+
+
+def default_lora_targets(family: str) -> tuple[str, ...]:
+    try:  # the models helper's adapter is the source of truth when it is importable
+        import importlib
+
+        mod = importlib.import_module(f"trainer.models.{family}")
+        for obj in vars(mod).values():
+            if (
+                isinstance(obj, type)
+                and getattr(obj, "family", None) == family
+                and hasattr(obj, "default_lora_targets")
+            ):
+                return tuple(obj.default_lora_targets)
+    except Exception:  # noqa: BLE001 - fall back to the same list, kept here
+        pass
+    return _FALLBACK_TARGETS[family]
+
+
+def meta_transformer(family: str, config: dict, dtype: torch.dtype) -> nn.Module:
+    """The transformer on the meta device (no memory), parameters in `dtype`."""
+    cls = transformer_class(family)
+    known = {k: v for k, v in config.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        model = cls.from_config(known)
+    return model.to(dtype)
+
+
+def blocks_of(family: str, transformer: nn.Module) -> list[nn.Module]:
+    """Blocks in execution order, as the adapters list them (the units offloading streams)."""
+    if family == "flux":
+        return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+    return list(transformer.transformer_blocks)
+
+
+def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, alpha: float) -> int:
+    """Inject LoRA as the trainer does (peft, fp32 weights) on the meta model; returns its parameter count."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    with torch.device("meta"):
+        inject_adapter_in_model(
+            LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets)), transformer
+        )
+    n = 0
+    for name, p in transformer.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+            n += p.numel()
+    return n

@@ -1,0 +1,234 @@
+"""The text of `dittrain plan`: components, activations per bucket, a table per offload fraction and the
+assumptions. Numbers come from trainer/offload/planner.py; nothing is computed here that the planner does not
+also use to choose a fraction."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _planner_time as ptime
+from . import _planner_trace as ptrace
+from .planner import (
+    ALLOCATOR_OVERHEAD,
+    GB,
+    TABLE_FRACTIONS,
+    WORKSPACE,
+    Facts,
+    _fraction_of,
+    analyze,
+    choose_fraction,
+    predict,
+    streaming,
+)
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.2f}"
+
+
+def _table(rows: list[tuple]) -> list[str]:
+    w = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for k, r in enumerate(rows):
+        out.append("  ".join(str(c).rjust(w[i]) if i else str(c).ljust(w[i]) for i, c in enumerate(r)))
+        if k == 0:
+            out.append("  ".join("-" * x for x in w))
+    return out
+
+
+def report(
+    cfg,
+    vram_gb: float | None = None,
+    ram_gb: float | None = None,
+    rates: ptime.Rates | None = None,
+    facts: Facts | None = None,
+) -> tuple[list[str], float | None]:
+    """The lines `dittrain plan` prints, and the chosen fraction (None when no budget was given)."""
+    facts = facts or analyze(cfg)
+    rates = rates or ptime.reference_rates()
+    act = cfg.offload.activations
+    big = max(facts.resolutions)
+    lines = [
+        f"dittrain plan: {facts.family} {facts.method}"
+        + (
+            f" rank {cfg.lora.rank}"
+            if facts.method == "lora"
+            else f" ({facts.optimizer}, fused back pass)"
+            if facts.fused
+            else f" ({facts.optimizer})"
+        )
+        + f", {cfg.model.dtype}, batch {facts.batch}, buckets {', '.join(map(str, facts.resolutions))} px",
+        f"model: {facts.source}",
+        "",
+    ]
+    total_blocks = sum(facts.packed)
+    rows = [("component", "params (B)", "GB", "resident GB", "streamed GB", "ring GB", "pinned GB")]
+    frac = _fraction_of(cfg)
+    budget = vram_gb if vram_gb is not None else cfg.offload.vram_budget_gb
+    chosen = None
+    if budget is not None:
+        chosen = choose_fraction(cfg, budget, facts=facts, log=lambda s: lines.append(s))
+        lines.append("")
+    f_show = chosen if chosen is not None else (frac or 0.0)
+    ring, pinned, _ = streaming(facts.packed, f_show)
+    nparams = sum(facts.block_param_bytes) / torch.tensor([], dtype=facts.dtype).element_size()
+    rows.append(
+        (
+            f"transformer blocks ({len(facts.blocks)}, f={f_show:.2f})",
+            f"{nparams / 1e9:.2f}",
+            _gb(total_blocks),
+            _gb(ring),
+            _gb(pinned),
+            _gb(ring if f_show > 0 else 0),
+            _gb(pinned),
+        )
+    )
+    rows.append(
+        (
+            "transformer non-block",
+            f"{facts.nonblock_params / 1e9:.2f}",
+            _gb(facts.nonblock_bytes),
+            _gb(facts.nonblock_bytes),
+            "0.00",
+            "-",
+            "0.00",
+        )
+    )
+    if facts.method == "lora":
+        rows.append(
+            (
+                f"LoRA (fp32 + {facts.optimizer})",
+                f"{facts.trainable_params / 1e9:.3f}",
+                _gb(facts.trainable_params * 4),
+                _gb(predict(facts, 0.0, big, act).trainable),
+                "0.00",
+                "-",
+                "0.00",
+            )
+        )
+    f_te = cfg.offload.text_encoders
+    for name, nb in facts.text_encoders:
+        rows.append(
+            (
+                f"text encoder {name} (f={f_te:.2f})",
+                "-",
+                _gb(nb),
+                _gb(nb * (1 - f_te)),
+                _gb(nb * f_te),
+                "-",
+                _gb(nb * f_te),
+            )
+        )
+    lines += _table(rows)
+    cached = cfg.data is None or cfg.data.cache
+    lines.append(
+        "text encoders run "
+        + (
+            "in `dittrain cache` only (data.cache: true): not in the training peak"
+            if cached
+            else "during training (data.cache: false): add their resident GB"
+        )
+    )
+    lines += [
+        "",
+        "Activations per bucket (GB; checkpoint inputs of all blocks, one block's backward working set):",
+    ]
+    rows = [
+        (
+            "bucket",
+            "image+text tokens",
+            "ckpt inputs",
+            "block working set",
+            "other",
+            "with act. offload: GPU",
+            "host",
+        )
+    ]
+    for res in facts.resolutions:
+        p0, p1 = predict(facts, 0.0, res, False), predict(facts, 0.0, res, True)
+        n_img = ptrace.image_tokens(res, res)
+        rows.append(
+            (
+                f"{res} px",
+                f"{n_img}+{facts.text_tokens}",
+                _gb(p0.act_checkpoint_gpu),
+                _gb(p0.act_block),
+                _gb(p0.act_other),
+                _gb(p1.act_checkpoint_gpu + p1.act_block + p1.act_other),
+                _gb(p1.act_checkpoint_host),
+            )
+        )
+    lines += _table(rows)
+    fr = sorted(
+        set(TABLE_FRACTIONS)
+        | ({chosen} if chosen is not None else set())
+        | ({frac} if frac is not None else set())
+    )
+    if not facts.checkpointing or (facts.method == "full" and not facts.fused):
+        fr = [0.0]
+    base = predict(facts, 0.0, big, False, rates)
+    lines += [
+        "",
+        f"Per fraction at the largest bucket ({big} px), activation offloading {'on' if act else 'off'} (GB, s):",
+    ]
+    rows = [
+        (
+            "fraction",
+            "ring",
+            "trainable",
+            "activations",
+            "peak alloc",
+            "peak reserved",
+            "pinned RAM",
+            "peak RAM",
+            "compute",
+            "transfer",
+            "step",
+            "vs resident",
+        )
+    ]
+    for f in fr:
+        p = predict(facts, f, big, act, rates)
+        mark = (
+            " <- chosen"
+            if chosen is not None and f == chosen
+            else (" <- config" if frac == f and chosen is None else "")
+        )
+        rows.append(
+            (
+                f"{f:.2f}{mark}",
+                _gb(p.ring),
+                _gb(p.trainable),
+                _gb(p.act_checkpoint_gpu + p.act_block + p.act_other),
+                _gb(p.peak_allocated),
+                _gb(p.peak_reserved),
+                _gb(p.pinned + p.act_checkpoint_host),
+                _gb(p.ram_peak),
+                f"{p.compute_s:.2f}",
+                f"{p.transfer_s:.2f}",
+                f"{p.step_s:.2f}",
+                f"{p.step_s / base.step_s:.2f}x",
+            )
+        )
+    lines += _table(rows)
+    if ram_gb is not None:
+        p = predict(facts, f_show, big, act, rates)
+        host = (p.pinned + p.act_checkpoint_host) / GB
+        verdict = (
+            "fits" if p.ram_peak / GB <= ram_gb else "does NOT fit (the transformer is read into RAM first)"
+        )
+        lines.append(
+            f"RAM {ram_gb:g} GB: pinned {host:.1f} GB, peak while loading {p.ram_peak / GB:.1f} GB: {verdict}"
+        )
+    lines += [
+        "",
+        "Assumptions (predictions, not measurements):",
+        f"- rates: {rates.source}",
+        f"- peak reserved = static allocations (2 MiB rounded) + {ALLOCATOR_OVERHEAD:.2f} x activations + "
+        f"{WORKSPACE / GB:.2f} GB workspaces; the CUDA context (0.5-1 GB) comes on top",
+        "- block working set = saved tensors of one block's recompute (flash attention, fused RMS norm) "
+        "+ 2 x its largest saved tensor + 2 x its inputs (backward transients, estimated)",
+        f"- text tokens per caption: {facts.text_tokens}; square buckets of res x res pixels",
+        "- step = max(compute, transfer); compute scales the reference by forward FLOPs (matmuls and attention)",
+    ]
+    return lines, chosen
