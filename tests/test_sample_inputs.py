@@ -188,3 +188,16 @@ def test_auto_offload_needs_an_explicit_fraction(tiny_models, tmp_path):
     out_file = tmp_path / "taken"
     out_file.write_text("")
     _fails(cfg, SampleRequest(offload=0.5, out=out_file), "taken: --out must be a folder")
+
+
+def test_out_of_memory_says_which_knob(tiny_models, tmp_path, monkeypatch):
+    import trainer.sample as sample
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    cfg = _cfg(tiny_models, tmp_path, prompts=["x"])
+    monkeypatch.setattr(sample, "generate", oom)
+    _fails(cfg, SampleRequest(offload=0.5), "out of GPU memory sampling 32x32 at --offload 0.5: raise --offload")
+    monkeypatch.setattr(sample, "encode_prompts", oom)
+    _fails(cfg, SampleRequest(), "text encoders do not fit", "offload.text_encoders=1.0")

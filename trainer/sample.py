@@ -20,6 +20,7 @@ The shared pieces live in `trainer/sampling/`; the training loop calls `trainer.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,7 +125,9 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
 
     pipe.vae.to(plan.device)  # small (Flux: 168 MB); decodes on the device
     written, images = [], []
-    with place_transformer(adapter, pipe.transformer, plan.device, plan.offload):
+    fix = "raise --offload (1.0 streams every block)" if plan.offload < 1 else "lower --width/--height"
+    oom = f"out of GPU memory sampling {plan.settings.width}x{plan.settings.height} at --offload {plan.offload}: {fix}"
+    with _oom_as_user_error(oom), place_transformer(adapter, pipe.transformer, plan.device, plan.offload):
         for job in tqdm(plan.jobs, desc="images", unit="img", disable=len(plan.jobs) < 2):
             (image,) = generate(
                 pipe, adapter, [embeds[job.prompt]], settings=plan.settings, seeds=[job.seed], progress=True
@@ -147,6 +150,15 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
     return written
 
 
+@contextmanager
+def _oom_as_user_error(message: str):
+    """A CUDA out-of-memory error is the user's to fix (a fraction or a size): one line instead of a traceback."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise UserError(message) from None
+
+
 def _build_pipeline(cfg: Config, adapter, plan: SamplePlan):
     """Every part on the CPU, the LoRAs applied by diffusers, the transformer frozen. Returns (pipe, adapter names)."""
     comps = adapter.load(
@@ -167,15 +179,19 @@ def _build_pipeline(cfg: Config, adapter, plan: SamplePlan):
 def _encode_and_release(pipe, adapter, plan: SamplePlan, text_fraction: float) -> dict[str, dict]:
     """Each distinct prompt's pipeline kwargs; the text encoders are gone when this returns."""
     unique = list(dict.fromkeys(plan.prompts))
-    with place_text_encoders(pipe, plan.device, text_fraction):
-        embeds = encode_prompts(
-            pipe,
-            adapter.family,
-            unique,
-            guidance=plan.settings.guidance,
-            negative_prompt=plan.settings.negative_prompt,
-            device=plan.device,
-        )
+    fix = "stream them with --set offload.text_encoders=1.0" if text_fraction < 1 else "use a larger GPU"
+    with _oom_as_user_error(
+        f"the text encoders do not fit in GPU memory at offload.text_encoders={text_fraction}: {fix}"
+    ):
+        with place_text_encoders(pipe, plan.device, text_fraction):
+            embeds = encode_prompts(
+                pipe,
+                adapter.family,
+                unique,
+                guidance=plan.settings.guidance,
+                negative_prompt=plan.settings.negative_prompt,
+                device=plan.device,
+            )
     release_text_encoders(pipe)
     return dict(zip(unique, embeds, strict=True))
 
