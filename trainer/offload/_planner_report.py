@@ -17,6 +17,7 @@ from .planner import (
     _fraction_of,
     analyze,
     choose_fraction,
+    optimizer_state_names,
     predict,
     streaming,
 )
@@ -30,7 +31,12 @@ def _table(rows: list[tuple]) -> list[str]:
     w = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     out = []
     for k, r in enumerate(rows):
-        out.append("  ".join(str(c).rjust(w[i]) if i else str(c).ljust(w[i]) for i, c in enumerate(r)))
+        out.append(
+            "  ".join(
+                str(c).rjust(w[i]) if 0 < i < len(r) - 1 or len(r) < 6 else str(c).ljust(w[i])
+                for i, c in enumerate(r)
+            )
+        )
         if k == 0:
             out.append("  ".join("-" * x for x in w))
     return out
@@ -62,7 +68,7 @@ def report(
         "",
     ]
     total_blocks = sum(facts.packed)
-    rows = [("component", "params (B)", "GB", "resident GB", "streamed GB", "ring GB", "pinned GB")]
+    rows = [("component", "params (B)", "GB", "on GPU GB", "pinned host GB", "note")]
     frac = _fraction_of(cfg)
     budget = vram_gb if vram_gb is not None else cfg.offload.vram_budget_gb
     chosen = None
@@ -70,17 +76,23 @@ def report(
         chosen = choose_fraction(cfg, budget, facts=facts, log=lambda s: lines.append(s))
         lines.append("")
     f_show = chosen if chosen is not None else (frac or 0.0)
-    ring, pinned, _ = streaming(facts.packed, f_show)
+    ring, pinned, h2d = streaming(facts.packed, f_show)
     nparams = sum(facts.block_param_bytes) / torch.tensor([], dtype=facts.dtype).element_size()
+    packs_state = bool(optimizer_state_names(facts.optimizer)) and facts.method == "full"
+    if f_show > 0:
+        copies = "every block" if pinned >= total_blocks else f"{_gb(pinned)} GB of blocks"
+        note = f"f={f_show:.2f}: ring {_gb(ring)} GB; host copies of {copies}; {_gb(h2d)} GB H2D per step"
+        note += f" (weights packed with {facts.optimizer} state)" if packs_state else ""
+    else:
+        note = "f=0: resident"
     rows.append(
         (
-            f"transformer blocks ({len(facts.blocks)}, f={f_show:.2f})",
+            f"transformer blocks ({len(facts.blocks)})",
             f"{nparams / 1e9:.2f}",
             _gb(total_blocks),
             _gb(ring),
             _gb(pinned),
-            _gb(ring if f_show > 0 else 0),
-            _gb(pinned),
+            note,
         )
     )
     rows.append(
@@ -90,8 +102,7 @@ def report(
             _gb(facts.nonblock_bytes),
             _gb(facts.nonblock_bytes),
             "0.00",
-            "-",
-            "0.00",
+            "embedders, final norm and projection",
         )
     )
     if facts.method == "lora":
@@ -102,21 +113,35 @@ def report(
                 _gb(facts.trainable_params * 4),
                 _gb(predict(facts, 0.0, big, act).trainable),
                 "0.00",
+                "weights, gradients and optimizer state",
+            )
+        )
+    else:
+        rows.append(
+            (
+                f"optimizer ({facts.optimizer}) + gradients on GPU",
                 "-",
+                "-",
+                _gb(predict(facts, f_show, big, act).trainable),
                 "0.00",
+                "non-block parameters' state"
+                + (
+                    "; block state streams with the blocks"
+                    if packs_state and f_show > 0
+                    else "; every block's state too"
+                ),
             )
         )
     f_te = cfg.offload.text_encoders
     for name, nb in facts.text_encoders:
         rows.append(
             (
-                f"text encoder {name} (f={f_te:.2f})",
+                f"text encoder {name}",
                 "-",
                 _gb(nb),
                 _gb(nb * (1 - f_te)),
                 _gb(nb * f_te),
-                "-",
-                _gb(nb * f_te),
+                f"f={f_te:.2f} (offload.text_encoders)",
             )
         )
     lines += _table(rows)
