@@ -64,6 +64,16 @@ class Optim:
 
             self.fused = FusedBackPass(self.optimizer)
 
+    def keep_state_in_ram(self, params: list[torch.nn.Parameter]) -> None:
+        """Full fine-tune with streamed blocks: the optimizer state of these parameters lives in pinned CPU RAM
+        between steps and visits the GPU only while its parameter steps (trainer/optim StateOffload)."""
+        if not params:
+            return
+        from ..optim.fused import StateOffload
+
+        off = StateOffload(params)
+        self.fused.add_step_hooks(pre=off.pre, post=off.post, synchronize=off.synchronize)
+
     def before_backward(self, track_norm: bool) -> None:
         if self.fused is not None:
             self.fused.track_grad_norm = track_norm
@@ -105,10 +115,44 @@ class Optim:
 # ---------------------------------------------------------------------------------------------- offload
 
 
-def attach_offload(transformer, blocks, cfg: Config, device: torch.device):
+def offload_fraction(cfg: Config) -> float:
+    """The transformer's offload fraction: the config's number, or the planner's choice for `auto`."""
+    if cfg.offload.transformer == "auto":
+        from ..offload.planner import resolve_fraction
+
+        return float(resolve_fraction(cfg))
+    return float(cfg.offload.transformer)
+
+
+def attach_offload(transformer, blocks, cfg: Config, device: torch.device, fraction: float):
+    """Stream the blocks (trainer/offload); move everything outside the blocks to the device ourselves (the
+    conductor's contract). The conductor checkpoints each block itself (recognising blocks already wrapped by
+    `checkpoint_blocks`). Full fine-tuning streams the block weights as trainable (stepped by the fused back
+    pass while their block is on the GPU, then written back)."""
     from ..offload import attach_offload as _attach
 
-    return _attach(blocks, fraction=cfg.offload.transformer, device=device, training=True)
+    handle = _attach(
+        blocks, device, fraction, mode="train", activations=cfg.offload.activations,
+        nano_batches=cfg.offload.nano_batches, trainable=cfg.train.method == "full",
+        checkpointing=cfg.train.gradient_checkpointing,
+    )
+    in_blocks = {id(t) for b in blocks for t in (*b.parameters(), *b.buffers())}
+    for m in transformer.modules():
+        for p in m._parameters.values():
+            if p is not None and id(p) not in in_blocks and p.device != device:
+                p.data = p.data.to(device)  # keeps the Parameter object (the optimizer may hold it)
+        for name, b in m._buffers.items():
+            if b is not None and id(b) not in in_blocks and b.device != device:
+                m._buffers[name] = b.to(device)
+    return handle
+
+
+def streamed_params(handle, blocks) -> list[torch.nn.Parameter]:
+    """Parameters of the blocks the conductor streams (their optimizer state must not stay on the GPU)."""
+    plan = getattr(handle, "plan", None)
+    if plan is None:
+        return []
+    return [p for i in plan.streamed for p in blocks[i].parameters() if p.requires_grad]
 
 
 def sync_offload(handle) -> None:

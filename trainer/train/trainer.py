@@ -128,7 +128,8 @@ class Trainer:
         if cfg.sample.every and cfg.sample.prompts:
             self.sampler = glue.Sampler(cfg, self.adapter, self.device, self.dtype)  # encodes prompts, frees encoders
 
-        self._offloaded = self.device.type == "cuda" and cfg.offload.transformer not in (0, 0.0)
+        fraction = glue.offload_fraction(cfg) if self._can_stream() else 0.0
+        self._offloaded = fraction > 0  # on the CPU, or at 0, the model stays resident
         load_to = torch.device("cpu") if self._offloaded else self.device
         self.transformer = self.adapter.load(cfg.model, parts={"transformer"}, dtype=self.dtype, device=load_to).transformer
         self.transformer.train()
@@ -141,17 +142,24 @@ class Trainer:
         if c.gradient_checkpointing:
             checkpoint_blocks(blocks)
         if self._offloaded:
-            self.offload = glue.attach_offload(self.transformer, blocks, cfg, self.device)
+            self.offload = glue.attach_offload(self.transformer, blocks, cfg, self.device, fraction)
         say(f"{c.method}: {count(self.params) / 1e6:.3f} M trainable parameters in {len(self.params)} tensors, "
             f"{len(blocks)} blocks{' checkpointed' if c.gradient_checkpointing else ''}"
-            f"{', offloaded ' + str(cfg.offload.transformer) if self._offloaded else ''}")
+            f"{f', {fraction:g} of block bytes streamed from CPU RAM' if self._offloaded else ''}")
 
         self.optim = glue.Optim(cfg, self.params)
+        if self.offload is not None and c.method == "full":
+            self.optim.keep_state_in_ram(glue.streamed_params(self.offload, blocks))
         self.objective = FlowMatching(c, self.adapter.timestep_shift)
         if resume_dir is not None:
             self._restore(resume_dir)
         self.monitor = Monitor(self.out, c.steps, self.step, cfg.output.tensorboard)
         self._ready = True
+
+    def _can_stream(self) -> bool:
+        """Streaming pays only between CPU RAM and a GPU; on the CPU the model stays resident. (Tests override
+        this to run the conductor's CPU path through the loop.)"""
+        return self.device.type == "cuda"
 
     def _restore(self, folder: Path) -> None:
         state = json.loads((folder / "state.json").read_text())
