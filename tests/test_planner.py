@@ -165,7 +165,8 @@ def test_predictions_fall_with_the_fraction(flux_full_size):
     assert steps[0] == 0 and steps[-1] > steps[len(steps) // 2] > 0
     # activation offloading moves the checkpoint inputs to the host
     on = planner.predict(facts, 1.0, 1024, activation_offload=True)
-    assert on.act_checkpoint_host > 1e9 and on.peak_reserved < preds[-1].peak_reserved - 1e9
+    assert on.act_checkpoint_host > 1e9
+    assert on.peak_reserved < preds[-1].peak_reserved - 0.5 * on.act_checkpoint_host
 
 
 def test_auto_picks_the_smallest_fitting_fraction(flux_full_size):

@@ -27,13 +27,13 @@ def _gb(n: float) -> str:
     return f"{n / GB:.2f}"
 
 
-def _table(rows: list[tuple]) -> list[str]:
+def _table(rows: list[tuple], note: bool = False) -> list[str]:
     w = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     out = []
     for k, r in enumerate(rows):
         out.append(
             "  ".join(
-                str(c).rjust(w[i]) if 0 < i < len(r) - 1 or len(r) < 6 else str(c).ljust(w[i])
+                str(c).rjust(w[i]) if 0 < i < len(r) - (1 if note else 0) else str(c).ljust(w[i])
                 for i, c in enumerate(r)
             )
         )
@@ -144,7 +144,7 @@ def report(
                 f"f={f_te:.2f} (offload.text_encoders)",
             )
         )
-    lines += _table(rows)
+    lines += _table(rows, note=True)
     cached = cfg.data is None or cfg.data.cache
     lines.append(
         "text encoders run "

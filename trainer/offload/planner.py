@@ -94,6 +94,10 @@ class Facts:
     nonblock_bytes: int  #: embedders, final norm and projection (always resident)
     nonblock_params: int
     trainable_params: int  #: LoRA parameters, or every parameter (full)
+    block_grads: list[
+        int
+    ]  #: per block: gradient bytes that accumulate in backward (0 with the fused back pass)
+    nonblock_grads: int  #: gradient bytes of trained non-block parameters (full FT without fused back pass)
     state_gpu: int  #: optimizer state that stays on the GPU (LoRA's; full FT: non-block + not packed)
     block_state: int  #: full FT: optimizer state of all block parameters (packed beside them, or resident)
     largest_param: int  #: numel of the largest trainable parameter (fused back pass keeps one gradient)
@@ -170,6 +174,12 @@ def analyze(cfg) -> Facts:
         largest = max(p.numel() for p in model.parameters())
         block_state = optimizer_state_bytes(cfg.optimizer.name, [p for b in blocks for p in b.parameters()])
         state_gpu = optimizer_state_bytes(cfg.optimizer.name, nonblock) + (0 if names else block_state)
+    fused = cfg.optimizer.fused_back_pass
+    gsize = 4 if method == "lora" else torch.tensor([], dtype=dtype).element_size()  # LoRA grads are fp32
+    block_grads = [
+        0 if fused else sum(p.numel() * gsize for p in b.parameters() if p.requires_grad) for b in blocks
+    ]
+    nonblock_grads = 0 if fused else sum(p.numel() * gsize for p in nonblock if p.requires_grad)
     res = sorted(set(cfg.data.resolutions)) if cfg.data is not None else [cfg.sample.width]
     return Facts(
         family=family,
@@ -187,6 +197,8 @@ def analyze(cfg) -> Facts:
         nonblock_bytes=nonblock_bytes,
         nonblock_params=sum(p.numel() for p in nonblock),
         trainable_params=trainable,
+        block_grads=block_grads,
+        nonblock_grads=nonblock_grads,
         state_gpu=state_gpu,
         block_state=block_state,
         largest_param=largest,
@@ -253,39 +265,64 @@ def predict(
     full = facts.method == "full"
     esize = torch.tensor([], dtype=facts.dtype).element_size()
     if full:
-        # Gradients in the model dtype: one parameter's under the fused back pass, else all of them.
-        grads = facts.largest_param * esize if facts.fused else facts.trainable_params * esize
-        trainable = facts.state_gpu + grads
+        trainable = facts.state_gpu
         if fraction <= 0.0:  # nothing streams: blocks are plain modules, their state is created on the GPU
             ring = sum(facts.block_param_bytes)
             if _STATE_NAMES[facts.optimizer]:
                 trainable += facts.block_state
         d2h = h2d  # every streamed block is written back before its region is reused
-    else:  # LoRA: fp32 weights, fp32 gradients and the optimizer state, all resident
-        grads = facts.largest_param * 4 if facts.fused else facts.trainable_params * 4
-        trainable = facts.trainable_params * 4 + facts.state_gpu + grads
+        one_grad = facts.largest_param * esize if facts.fused else 0
+    else:  # LoRA: fp32 weights and the optimizer state, resident
+        trainable = facts.trainable_params * 4 + facts.state_gpu
         d2h = 0
+        one_grad = facts.largest_param * 4 if facts.fused else 0
+    # Backward runs blocks last to first. While block i is differentiated, the checkpoint inputs of blocks
+    # 0..i are still held, block i's working set exists, and the gradients of blocks i..n-1 (none under the
+    # fused back pass, which frees each at once) have accumulated. The optimizer step after backward holds
+    # every gradient but no activations. The peak is the larger of the two.
+    n = len(tr.block_inputs)
     ws = [
         s + 2 * big + 2 * inp
         for s, big, inp in zip(tr.block_saved, tr.block_largest, tr.block_inputs, strict=True)
     ]
-    if facts.checkpointing:
-        act_block = max(ws)
-        if activation_offload:
-            ck_gpu = tr.block_inputs[0] + 2 * max(tr.block_inputs[1:] or [0])
-            ck_host = tr.checkpoint_inputs - tr.block_inputs[0]
-        else:
-            ck_gpu, ck_host = tr.checkpoint_inputs, 0
-    else:  # every block's saved tensors stay; one block's transients on top
-        act_block = sum(tr.block_saved) + max(w - s for w, s in zip(ws, tr.block_saved, strict=True))
+    if activation_offload and facts.checkpointing:
+        ck_gpu = tr.block_inputs[0] + 2 * max(tr.block_inputs[1:] or [0])
+        ck_host = tr.checkpoint_inputs - tr.block_inputs[0]
+    else:
         ck_gpu, ck_host = tr.checkpoint_inputs, 0
+    held = 0  # activations kept for backward by blocks 0..i
+    prefix = []
+    for i in range(n):
+        held += tr.block_inputs[i] + (0 if facts.checkpointing else tr.block_saved[i])
+        prefix.append(held)
+    grads_after = [sum(facts.block_grads[i:]) for i in range(n)]
+    peaks = []
+    for i in range(n):
+        kept = ck_gpu if activation_offload and facts.checkpointing else prefix[i]
+        work = ws[i] if facts.checkpointing else ws[i] - tr.block_saved[i]
+        peaks.append(kept + work + grads_after[i])
+    i_peak = max(range(n), key=peaks.__getitem__)
+    bwd = peaks[i_peak] + tr.outside_saved + one_grad
+    step = sum(facts.block_grads) + facts.nonblock_grads + one_grad
+    dynamic = max(bwd, step)
+    grads_at_peak = grads_after[i_peak] + one_grad if bwd >= step else step
+    act = dynamic - grads_at_peak
+    act_block = act - (ck_gpu if bwd >= step else 0) - (tr.outside_saved if bwd >= step else 0)
+    if not (bwd >= step):
+        ck_gpu_shown, other = 0, 0
+    else:
+        ck_gpu_shown, other = (
+            (ck_gpu if activation_offload and facts.checkpointing else prefix[i_peak]),
+            tr.outside_saved,
+        )
+        act_block = act - ck_gpu_shown - other
     if activation_offload:
         h2d += ck_host
         d2h += ck_host
-    act = ck_gpu + act_block + tr.outside_saved
-    static = _round2m(ring) + _round2m(facts.nonblock_bytes) + _round2m(trainable)
+    trainable += grads_at_peak
+    static = _round2m(ring) + _round2m(facts.nonblock_bytes) + _round2m(trainable - grads_at_peak)
     allocated = ring + facts.nonblock_bytes + trainable + act
-    reserved = static + ALLOCATOR_OVERHEAD * act + WORKSPACE
+    reserved = static + ALLOCATOR_OVERHEAD * dynamic + WORKSPACE
     # RAM: the transformer is read into (pageable) RAM before its blocks are packed into the arena.
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
     ram = model_bytes + pinned + ck_host
@@ -299,10 +336,10 @@ def predict(
         ring=ring,
         nonblock=facts.nonblock_bytes,
         trainable=trainable,
-        act_checkpoint_gpu=ck_gpu,
+        act_checkpoint_gpu=ck_gpu_shown,
         act_checkpoint_host=ck_host,
         act_block=act_block,
-        act_other=tr.outside_saved,
+        act_other=other,
         pinned=pinned,
         h2d=h2d,
         d2h=d2h,
