@@ -4,7 +4,8 @@ How. Everything is derived from the model's own code and the conductor's own ari
 
 - weights: the transformer is built on the meta device from its config (trainer/offload/_planner_trace.py) and
   every block is packed with `allocators.BlockPacking` exactly as the conductor packs it (LoRA weights stay out
-  of the pack and resident; a full fine-tune packs the fp32 optimizer state beside each weight). The ring size is
+  of the pack and resident; a full fine-tune with AdamW packs its two fp32 moments beside each weight, other
+  optimizers' state stays on the GPU, counted exactly per parameter shape). The ring size is
   `plan.capacity_for`, the streamed blocks and the host-to-device bytes per step come from `plan.make_plan`,
   and the pinned arena is the sum of the streamed blocks' packed bytes (`HostArena` is exact);
 - activations per bucket: one forward on meta tensors of the bucket's shape counts each block's checkpoint
@@ -14,9 +15,12 @@ How. Everything is derived from the model's own code and the conductor's own ari
   and of its producer's input coexist) + twice its input bytes (gradient in, gradient out);
 - with activation offloading the checkpoint inputs live in pinned host RAM; the GPU keeps the first block's
   inputs (they need no grad, so the offloader leaves them) and two blocks' worth in flight;
-- LoRA: fp32 weights, fp32 gradients (freed per parameter under the fused back pass) and the optimizer state,
-  all resident. Full fine-tune: every block's weights train and stream with their state; the embedders train
-  resident;
+- the peak: backward runs blocks last to first; while block i is differentiated the checkpoint inputs of
+  blocks 0..i are held, block i's working set exists and the gradients of blocks i..n-1 have accumulated
+  (none under the fused back pass, which frees each at once). The optimizer step afterwards holds every
+  gradient and no activations. The predicted peak is the largest of these moments;
+- LoRA: fp32 weights, fp32 gradients and the optimizer state, all resident. Full fine-tune: every block's
+  weights train and stream (written back after their step); the embedders train resident;
 - peak reserved VRAM = static allocations (ring or resident blocks, non-block weights, trainable state), each
   rounded to the allocator's 2 MiB, + `ALLOCATOR_OVERHEAD` x the activation peak (the caching allocator's
   rounding and fragmentation for the varying activation tensors) + `WORKSPACE` (cuBLAS and attention
@@ -25,6 +29,9 @@ How. Everything is derived from the model's own code and the conductor's own ari
 
 `choose_fraction` walks fractions on a 0.05 grid (the ring rounds to whole blocks, plan.capacity_for) and returns
 the smallest one whose predicted reserved peak fits the budget at every bucket (the largest bucket decides).
+For the trainer: `resolve_fraction(cfg)` (the config's number, or auto's choice, logged), `expected(cfg, f)` and
+`check_line(pred, measured_reserved, measured_step)` to log the prediction against the first real steps, and
+`optimizer_state_names(name)` for the conductor's `optimizer_state=` (what this arithmetic assumes).
 
 Left out: nano-batching's saving (it only lowers the MLP's share of the block working set), the text encoders
 and VAE during training when captions and latents are cached (they run in `dittrain cache`, reported apart),
