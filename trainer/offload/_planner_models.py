@@ -8,8 +8,16 @@ not at hand.
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import torch
 from torch import nn
+
+from ..errors import UserError
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Full-size transformer configs for presets and `plan` without a model folder (real runs read the folder).
 FULL_CONFIGS: dict[str, dict] = {
@@ -169,3 +177,50 @@ def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, a
             p.data = p.data.float()
             n += p.numel()
     return n
+
+
+def optimizer_state_bytes(name: str, params) -> int:
+    """Bytes of optimizer state for `params`: AdamW two fp32 moments; 8-bit AdamW two uint8 moments (block-wise
+    scales left out); Adafactor (beta1=None, as trainer/optim builds it) factored fp32 row and column second
+    moments for matrices and a full one for vectors."""
+    total = 0
+    for p in params:
+        if name == "adamw":
+            total += 8 * p.numel()
+        elif name == "adamw8bit":
+            total += 2 * p.numel()
+        elif p.dim() >= 2:
+            total += 4 * (p.shape[:-1].numel() + p.shape[:-2].numel() * p.shape[-1])
+        else:
+            total += 4 * p.numel()
+    return total
+
+
+def transformer_config(cfg) -> tuple[dict, str]:
+    path = Path(cfg.model.path) / "transformer" / "config.json"
+    if path.is_file():
+        try:
+            return json.loads(path.read_text()), str(path)
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"{path}: cannot read the transformer config ({e})") from None
+    return dict(
+        FULL_CONFIGS[cfg.model.family]
+    ), f"built-in full-size {cfg.model.family} config ({path} not found)"
+
+
+def text_encoder_bytes(cfg) -> list[tuple[str, int]]:
+    """(name, bytes in the model dtype): from safetensors headers when the folder has them, else built in."""
+    nbytes = torch.tensor([], dtype=_DTYPES[cfg.model.dtype]).element_size()
+    root = Path(cfg.model.path)
+    found = []
+    for d in sorted(root.glob("text_encoder*")):
+        numel = 0
+        for f in d.glob("*.safetensors"):
+            with open(f, "rb") as fh:
+                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+            numel += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+        if numel:
+            found.append((d.name, numel * nbytes))
+    if found:
+        return found
+    return [(name, n * nbytes) for name, n in TEXT_ENCODERS[cfg.model.family]]

@@ -31,12 +31,12 @@ def _table(rows: list[tuple], note: bool = False) -> list[str]:
     w = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     out = []
     for k, r in enumerate(rows):
-        out.append(
-            "  ".join(
-                str(c).rjust(w[i]) if 0 < i < len(r) - (1 if note else 0) else str(c).ljust(w[i])
-                for i, c in enumerate(r)
-            )
-        )
+        # numbers right-aligned; the first column and a trailing note column left-aligned
+        cells = [
+            str(c).rjust(w[i]) if 0 < i < len(r) - (1 if note else 0) else str(c).ljust(w[i])
+            for i, c in enumerate(r)
+        ]
+        out.append("  ".join(cells).rstrip())
         if k == 0:
             out.append("  ".join("-" * x for x in w))
     return out

@@ -40,16 +40,15 @@ and the optimizer's transient fp32 copies of one parameter (at most a few hundre
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from ..errors import UserError
 from . import _planner_time as ptime
 from . import _planner_trace as ptrace
+from ._planner_models import optimizer_state_bytes, text_encoder_bytes, transformer_config
 from .allocators import BlockPacking
 from .plan import capacity_for, make_plan
 
@@ -63,23 +62,6 @@ GRID = [round(0.05 * i, 2) for i in range(21)]
 TABLE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "adamw8bit": (), "adafactor": ()}
-
-
-def optimizer_state_bytes(name: str, params) -> int:
-    """Bytes of optimizer state for `params`: AdamW two fp32 moments; 8-bit AdamW two uint8 moments (block-wise
-    scales left out); Adafactor (beta1=None, as trainer/optim builds it) factored fp32 row and column second
-    moments for matrices and a full one for vectors."""
-    total = 0
-    for p in params:
-        if name == "adamw":
-            total += 8 * p.numel()
-        elif name == "adamw8bit":
-            total += 2 * p.numel()
-        elif p.dim() >= 2:
-            total += 4 * (p.shape[:-1].numel() + p.shape[:-2].numel() * p.shape[-1])
-        else:
-            total += 4 * p.numel()
-    return total
 
 
 @dataclass
@@ -122,41 +104,11 @@ class Facts:
         return self.traces[res]
 
 
-def _transformer_config(cfg) -> tuple[dict, str]:
-    path = Path(cfg.model.path) / "transformer" / "config.json"
-    if path.is_file():
-        try:
-            return json.loads(path.read_text()), str(path)
-        except (OSError, json.JSONDecodeError) as e:
-            raise UserError(f"{path}: cannot read the transformer config ({e})") from None
-    return dict(
-        ptrace.FULL_CONFIGS[cfg.model.family]
-    ), f"built-in full-size {cfg.model.family} config ({path} not found)"
-
-
-def _text_encoders(cfg) -> list[tuple[str, int]]:
-    """(name, bytes in the model dtype): from safetensors headers when the folder has them, else built in."""
-    nbytes = torch.tensor([], dtype=_DTYPES[cfg.model.dtype]).element_size()
-    root = Path(cfg.model.path)
-    found = []
-    for d in sorted(root.glob("text_encoder*")):
-        numel = 0
-        for f in d.glob("*.safetensors"):
-            with open(f, "rb") as fh:
-                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-            numel += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-        if numel:
-            found.append((d.name, numel * nbytes))
-    if found:
-        return found
-    return [(name, n * nbytes) for name, n in ptrace.TEXT_ENCODERS[cfg.model.family]]
-
-
 def analyze(cfg) -> Facts:
     """Build the meta model for `cfg` and pack its blocks as the conductor would (no weights allocated)."""
     family, method = cfg.model.family, cfg.train.method
     dtype = _DTYPES[cfg.model.dtype]
-    config, source = _transformer_config(cfg)
+    config, source = transformer_config(cfg)
     model = ptrace.meta_transformer(family, config, dtype)
     blocks = ptrace.blocks_of(family, model)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -210,7 +162,7 @@ def analyze(cfg) -> Facts:
         block_state=block_state,
         largest_param=largest,
         text_tokens=ptrace.TEXT_TOKENS[family],
-        text_encoders=_text_encoders(cfg),
+        text_encoders=text_encoder_bytes(cfg),
         resolutions=res,
     )
 
