@@ -14,15 +14,16 @@ from trainer.train.trainer import Trainer
 
 FAMILIES = ["flux", "sd3", "qwen_image"]
 
-# First-step losses on the tests' own image set, seed 0 (tests/test_train_support.py). They change only on purpose:
-# a change here means the objective, the data pipeline, the model adapters or the tiny models changed.
-GOLDEN_FIRST_LOSS = {
-    ("flux", "lora"): None,
-    ("sd3", "lora"): None,
-    ("qwen_image", "lora"): None,
-    ("flux", "full"): None,
-    ("sd3", "full"): None,
-    ("qwen_image", "full"): None,
+# (first, last) step losses of 8 training steps on the tests' own image set, seed 0 (tests/test_train_support.py).
+# They change only on purpose: a change means the objective, the data pipeline, the adapters, the optimizer or the
+# tiny models changed. The first loss is the untrained model's (LoRA B starts at zero), so LoRA and full agree.
+GOLDEN_LOSSES = {
+    ("flux", "lora"): (1.5445270538330078, 1.327577829360962),
+    ("sd3", "lora"): (1.4446372985839844, 1.2604743242263794),
+    ("qwen_image", "lora"): (1.5481176376342773, 1.3484065532684326),
+    ("flux", "full"): (1.5445270538330078, 0.9987795352935791),
+    ("sd3", "full"): (1.4446372985839844, 1.1152362823486328),
+    ("qwen_image", "full"): (1.5481176376342773, 0.959783673286438),
 }
 
 
@@ -55,10 +56,7 @@ def test_lora_training_lowers_the_loss_and_writes_a_lora(family, tiny_models, tr
     assert after < before * 0.95, (before, after)
     got = losses(tmp_path / "out")
     assert len(got) == 8
-    golden = GOLDEN_FIRST_LOSS[(family, "lora")]
-    print(f"GOLDEN {family} lora first loss {got[0]!r}")
-    if golden is not None:
-        assert got[0] == pytest.approx(golden, rel=1e-5)
+    assert (got[0], got[-1]) == pytest.approx(GOLDEN_LOSSES[(family, "lora")], rel=1e-5)
     meta = ck.lora_metadata(path)
     assert meta["dittrain.rank"] == "4" and meta["dittrain.alpha"] == "8.0" and meta["dittrain.step"] == "8"
     assert meta["dittrain.config_digest"] == cfg.digest()
@@ -89,17 +87,15 @@ def test_full_training_lowers_the_loss_with_the_fused_back_pass(family, tiny_mod
     path = t.fit()
     after = eval_loss(t, batches)
     # Parameters that get no gradient (e.g. Qwen-Image's last text-stream outputs, which feed nothing) are not
-    # stepped; every other one is, once per step.
+    # stepped; every other one is, by its hook, once per step (a zero gradient steps without changing it).
     changed = sum(not torch.equal(a, p) for a, p in zip(initial, t.params, strict=True))
-    assert changed > 0.9 * len(t.params) and stepped == [changed] * 8
+    assert stepped == [stepped[0]] * 8 and changed <= stepped[0] <= len(t.params)
+    assert changed > 0.8 * len(t.params)
     assert all(p.grad is None for p in t.params), "fused back pass frees every gradient inside backward"
     assert path == tmp_path / "out" / "transformer" and (path / "config.json").is_file()
     assert after < before, (before, after)
     got = losses(tmp_path / "out")
-    print(f"GOLDEN {family} full first loss {got[0]!r}")
-    golden = GOLDEN_FIRST_LOSS[(family, "full")]
-    if golden is not None:
-        assert got[0] == pytest.approx(golden, rel=1e-5)
+    assert (got[0], got[-1]) == pytest.approx(GOLDEN_LOSSES[(family, "full")], rel=1e-5)
     # The saved folder is a diffusers transformer with the trained weights.
     loaded = type(t.transformer).from_pretrained(str(path))
     sd = t.transformer.state_dict()
