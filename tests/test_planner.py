@@ -232,3 +232,15 @@ def test_resolve_fraction_and_check_line(flux_full_size):
     pred = planner.expected(cfg, f, facts=facts)
     line = planner.check_line(pred, pred.peak_reserved * 0.8, pred.step_s * 2)
     assert "\n" not in line and "+25 %" in line and "-50 %" in line
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_measurement_block_runs_on_cpu(tiny_models, family):
+    """The block `dittrain plan` times on a GPU is rebuilt from the trace and trains (CPU here); torch's
+    FlopCounterMode counts the same matmul FLOPs for it as the trace does."""
+    from trainer.offload._planner_measure import block_pass
+
+    facts = planner.analyze(_cfg(tiny_models / family, family))
+    step, idx, lin, _attn = block_pass(facts, "cpu")
+    step()
+    assert lin == facts.trace(64).block_linear_flops[idx] > 0

@@ -35,13 +35,14 @@ def _materialize(obj, device):
     return obj
 
 
-def measure(facts) -> ptime.Rates:  # pragma: no cover - needs a GPU
+def block_pass(facts, device: str | torch.device = "cuda"):
+    """(step, block index, forward matmul FLOPs, forward attention FLOPs): one block of the most frequent class, random weights on `device`, run as training
+    runs it by `step()` (forward without grad, recompute, backward)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     tr = facts.trace(max(facts.resolutions))
-    counts = Counter(type(b).__name__ for b in facts.blocks)
-    cls = counts.most_common(1)[0][0]
+    cls = Counter(type(b).__name__ for b in facts.blocks).most_common(1)[0][0]
     idx, args, kwargs = tr.calls[cls]
     block = copy.deepcopy(facts.blocks[idx]).to_empty(device=dev)
     with torch.no_grad():
@@ -62,13 +63,17 @@ def measure(facts) -> ptime.Rates:  # pragma: no cover - needs a GPU
         outs = outputs(block(*a, **kw))
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
-    step()  # warm-up (kernel selection, allocator)
     flops = FlopCounterMode(display=False)
     with torch.no_grad(), flops:
         block(*a, **kw)
     per_op = flops.get_flop_counts().get("Global", {})
     attn = sum(v for k, v in per_op.items() if "attention" in str(k))
-    lin = sum(per_op.values()) - attn
+    return step, idx, sum(per_op.values()) - attn, attn
+
+
+def measure(facts) -> ptime.Rates:  # pragma: no cover - needs a GPU
+    step, _, lin, attn = block_pass(facts, "cuda")
     train = ptime.train_flops(lin, attn, checkpointing=True, weights_train=facts.method == "full")
+    step()  # warm-up (kernel selection, allocator)
     # The block and its inputs are freed when this returns; plan does not train afterwards.
     return ptime.measure_rates(step, train)

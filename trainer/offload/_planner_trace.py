@@ -134,6 +134,7 @@ class Trace:
     #: block arguments passed inside tuples (Flux's rotary cos/sin): kept once for the whole step
     linear_flops: int = 0  #: forward FLOPs of every nn.Linear (LoRA's included)
     attn_flops: int = 0  #: forward FLOPs of attention (QK^T and PV)
+    block_linear_flops: list[int] = field(default_factory=list)  #: per block: its share of linear_flops
     storages: dict[int, int] = field(default_factory=dict, repr=False)
     #: per block class name: the index and (args, kwargs) of its first call, meta tensors (for GPU timing)
     calls: dict[str, tuple[int, tuple, dict]] = field(default_factory=dict, repr=False)
@@ -216,10 +217,14 @@ def trace_forward(
     handles = [b.register_forward_pre_hook(pre, with_kwargs=True) for b in blocks]
     handles += [b.register_forward_hook(post, with_kwargs=True) for b in blocks]
     linear_flops = [0]
+    b_linear = [0] * len(blocks)
 
     def count_linear(mod, args):
         x = args[0]
-        linear_flops[0] += 2 * (x.numel() // mod.in_features) * mod.in_features * mod.out_features
+        f = 2 * (x.numel() // mod.in_features) * mod.in_features * mod.out_features
+        linear_flops[0] += f
+        if current:
+            b_linear[current[-1]] += f
 
     # Every matmul of these models is an nn.Linear (LoRA's too); attention is counted by the kernel model.
     handles += [
@@ -241,6 +246,7 @@ def trace_forward(
         block_largest=b_largest,
         outside_saved=sum(outside.values()),
         linear_flops=int(linear_flops[0]),
+        block_linear_flops=b_linear,
         attn_flops=int(getattr(mode, "attn_flops", 0)),
         storages=dict(seen),
         calls=calls,
