@@ -22,23 +22,27 @@ def get_adapter(model_cfg):
 # ---------------------------------------------------------------------------------------------- data
 
 
-def prepare_data(cfg: Config, adapter, device: torch.device, dtype: torch.dtype):
+def prepare_data(cfg: Config, adapter, device: torch.device, dtype: torch.dtype, rank: int = 0, world_size: int = 1):
     """TrainData with complete caches. The VAE and text encoders are loaded only if something is missing, and
-    freed before this returns."""
+    freed before this returns. Several processes: rank r draws its share of every round (trainer/data)."""
     from ..data.pipeline import prepare_data as _prepare
 
     def load_encoders():
         return adapter.load(cfg.model, parts={"vae", "text"}, dtype=dtype, device=device)
 
-    return _prepare(cfg, adapter, load_encoders)
+    return _prepare(cfg, adapter, load_encoders, rank=rank, world_size=world_size, progress=rank == 0)
 
 
 def data_state(data) -> dict:
-    return data.sampler.state_dict()
+    from .distributed import global_data_state  # the global position: resumable on any number of processes
+
+    return global_data_state(data.sampler.state_dict(), getattr(data, "world_size", 1))
 
 
 def load_data_state(data, state: dict) -> None:
-    data.sampler.load_state_dict(state)
+    from .distributed import local_data_state
+
+    data.sampler.load_state_dict(local_data_state(state, getattr(data, "world_size", 1)))
 
 
 # ---------------------------------------------------------------------------------------------- optimizer

@@ -10,6 +10,7 @@ output.dir/tensorboard.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +20,9 @@ from .checkpoint import atomic_write
 
 
 def say(msg: str) -> None:
-    """One line to stderr that does not break the progress bar."""
+    """One line to stderr that does not break the progress bar. Several processes (torchrun): rank 0 speaks."""
+    if os.environ.get("RANK", "0") != "0":
+        return
     tqdm.write(msg, file=sys.stderr)
 
 
@@ -72,6 +75,10 @@ class Monitor:
         for i, (img, prompt) in enumerate(zip(images, prompts, strict=False)):
             self._tb.add_image(f"sample/{i}", np.asarray(img), step, dataformats="HWC")
             self._tb.add_text(f"sample/{i}/prompt", prompt, step)
+
+    def finish(self) -> None:
+        """Close the progress bar (before the closing messages)."""
+        self.bar.close()
 
     def close(self) -> None:
         self.bar.close()

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from ..config import Config
 from ..errors import NonFiniteLossError, UserError
 from . import checkpoint as ck
-from . import glue
+from . import distributed, glue
 from .faults import StopFlag, TrainingInterrupted, oom_error
 from .model import add_lora, checkpoint_blocks, count, full_params
 from .monitor import Monitor, say
@@ -73,6 +73,7 @@ class Trainer:
         self.monitor: Monitor | None = None
         self.last_checkpoint: Path | None = None
         self.offload = None
+        self.dist = distributed.Dist()  # one process until setup reads torchrun's environment
         self._ready = False
 
     # ------------------------------------------------------------------------------------------------ run
@@ -86,7 +87,7 @@ class Trainer:
             self.stop.install()
             while self.step < c.steps:
                 self.train_step()
-                if self.stop.requested:
+                if self.dist.any(self.stop.requested):  # every rank stops at the same step
                     path = self.save()
                     raise TrainingInterrupted(
                         f"{self.stop.signal_name} at step {self.step}: saved {path}; continue with "
@@ -96,6 +97,8 @@ class Trainer:
                     self.save()
                 if self.sampler is not None and self.step % self.cfg.sample.every == 0:
                     self.sample()
+            if self.monitor is not None:
+                self.monitor.finish()
             return self.save(final=True)
         except torch.OutOfMemoryError:
             raise oom_error(self.step + 1, self.cfg.offload.transformer, c.method) from None
@@ -114,18 +117,21 @@ class Trainer:
         if cfg.data is None:
             raise UserError("the config has no data: section; `dittrain fit` needs data.sources")
         resume_dir = ck.resolve_resume(self.out, self.resume) if self.resume else None
-        ck.remove_partial(ck.checkpoint_root(self.out))
+        self.dist = distributed.setup(c.device)  # several processes: process group, cuda:LOCAL_RANK
+        if self.dist.is_main:
+            ck.remove_partial(ck.checkpoint_root(self.out))
 
-        self.device = pick_device(c.device)
+        self.device = self.dist.device or pick_device(c.device)
         self.dtype = DTYPES[cfg.model.dtype]
         say(f"device {self.device}, weights {cfg.model.dtype}, attention {choose_attention(self.device, c.attention)}")
 
         self.adapter = glue.get_adapter(cfg.model)
         # Data first: building the caches loads (and frees) the VAE and text encoders, so the transformer is not
         # in memory at the same time, and a bad image fails the run before the big load.
-        self.data = glue.prepare_data(cfg, self.adapter, self.device, self.dtype)
+        self.data = self.dist.main_first(lambda: glue.prepare_data(  # rank 0 fills the cache, the others read it
+            cfg, self.adapter, self.device, self.dtype, rank=self.dist.rank, world_size=self.dist.world))
         self.sampler = None
-        if cfg.sample.every and cfg.sample.prompts:
+        if cfg.sample.every and cfg.sample.prompts and self.dist.is_main:
             self.sampler = glue.Sampler(cfg, self.adapter, self.device, self.dtype)  # encodes prompts, frees encoders
 
         fraction = glue.offload_fraction(cfg) if self._can_stream() else 0.0
@@ -138,6 +144,8 @@ class Trainer:
             self.params = add_lora(self.transformer, cfg, self.adapter.default_lora_targets)
         else:
             self.params = full_params(self.transformer)
+        if c.method == "lora":
+            self.dist.same_start(self.params)
         blocks = self.adapter.blocks(self.transformer)
         if c.gradient_checkpointing:
             checkpoint_blocks(blocks)
@@ -150,10 +158,12 @@ class Trainer:
         self.optim = glue.Optim(cfg, self.params)
         if self.offload is not None and c.method == "full":
             self.optim.keep_state_in_ram(glue.streamed_params(self.offload, blocks))
+        self.optim = self.dist.wrap_optim(self.optim, c.grad_accum)  # gradients averaged over ranks
         self.objective = FlowMatching(c, self.adapter.timestep_shift)
         if resume_dir is not None:
             self._restore(resume_dir)
-        self.monitor = Monitor(self.out, c.steps, self.step, cfg.output.tensorboard)
+        if self.dist.is_main:
+            self.monitor = Monitor(self.out, c.steps, self.step, cfg.output.tensorboard)
         self._ready = True
 
     def _can_stream(self) -> bool:
@@ -190,12 +200,12 @@ class Trainer:
             batch = self.data.next_batch()
             latents = batch.latents.to(self.device, non_blocking=True)
             text = {k: _to(v, self.device, self.dtype) for k, v in batch.text.items()}
-            noised = self.objective.noise(latents, self.dtype)
+            noised = self.dist.noise(self.objective, latents, self.dtype, batch.position, c.seed)
             pred = self.adapter.predict(self.transformer, noised.noisy, noised.t, text, guidance=cfg.model.guidance)
             loss = self.objective.loss(pred, noised)
             # Host-device sync, needed anyway: the check must come before backward, which may step the weights
             # (fused back pass).
-            value = loss.item()
+            value = self.dist.agree_loss(loss.item(), self.step + 1)  # all ranks raise together
             if not math.isfinite(value):
                 raise NonFiniteLossError(
                     f"loss is {value} at step {self.step + 1}; no weights were changed by this step "
@@ -209,7 +219,7 @@ class Trainer:
         grad_norm = self.optim.step()
         self.step += 1
         dt = time.perf_counter() - t0
-        metrics = {"loss": sum(losses) / len(losses), "lr": lr, "step_time": dt, "samples_per_s": images / dt}
+        metrics = {"loss": sum(losses) / len(losses), "lr": lr, "step_time": dt, "samples_per_s": images * self.dist.world / dt}
         if log_now:
             metrics["grad_norm"] = None if grad_norm is None else float(grad_norm)  # host sync, logging steps only
             if self.device.type == "cuda":
@@ -236,6 +246,11 @@ class Trainer:
     def save(self, final: bool = False) -> Path:
         """A complete resumable checkpoint; with `final`, also the weights in output.dir. Returns the checkpoint
         folder, or the final weights' path."""
+        if not self.dist.is_main:  # rank 0 writes (every rank holds the same weights); the others wait for it
+            self.dist.barrier()
+            lora = self.cfg.train.method == "lora"
+            return (self.out / ("lora.safetensors" if lora else "transformer") if final
+                    else ck.checkpoint_root(self.out) / f"step-{self.step:06d}")
         if self.offload is not None:
             glue.sync_offload(self.offload)  # host copies of streamed trainable weights must be current
 
@@ -248,6 +263,7 @@ class Trainer:
         root = ck.checkpoint_root(self.out)
         self.last_checkpoint = ck.write_checkpoint(root, self.step, write, self.cfg.train.keep_checkpoints)
         if not final:
+            self.dist.barrier()
             return self.last_checkpoint
         if self.cfg.train.method == "lora":
             path = self.out / "lora.safetensors"
@@ -257,6 +273,7 @@ class Trainer:
             path = self.out / "transformer"
             ck.atomic_dir(path, lambda tmp: ck.save_transformer(tmp, self.transformer))
         say(f"saved {path} (step {self.step})")
+        self.dist.barrier()
         return path
 
     # ------------------------------------------------------------------------------------------------ sample
@@ -291,6 +308,7 @@ class Trainer:
         if self.offload is not None:
             glue.detach_offload(self.offload)
             self.offload = None
+        self.dist.close()
 
 
 def _to(v, device, dtype):
