@@ -117,11 +117,60 @@ def timed(fn, warmup, steps):
     return ts, mallocs, s1["num_alloc_retries"] - s0["num_alloc_retries"]
 
 
+class FusedAdamW:
+    """AdamW inside backward (post-accumulate-grad hooks), each gradient freed at once; the state of streamed
+    weights is the fp32 pair the conductor packs beside them (`handle.state_of`), the rest lives here."""
+
+    def __init__(self, model, kw, target, lr=1e-6, betas=(0.9, 0.999), eps=1e-8, wd=0.0):
+        self.model, self.kw, self.target = model, kw, target
+        self.lr, self.b1, self.b2, self.eps, self.wd = lr, betas[0], betas[1], eps, wd
+        self.handle, self.state, self.k = None, {}, {}
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._hook)
+
+    def bind(self, handle):
+        self.handle, self.state, self.k = handle, {}, {}
+
+    def _hook(self, p):
+        st = self.handle.state_of(p) if self.handle is not None else None
+        if st is None:
+            st = self.state.get(id(p))
+            if st is None:
+                z = torch.zeros_like(p, dtype=torch.float32)
+                st = self.state[id(p)] = {"exp_avg": z, "exp_avg_sq": z.clone()}
+        k = self.k[id(p)] = self.k.get(id(p), 0) + 1
+        g = p.grad.float()
+        st["exp_avg"].lerp_(g, 1 - self.b1)
+        st["exp_avg_sq"].mul_(self.b2).addcmul_(g, g, value=1 - self.b2)
+        denom = (st["exp_avg_sq"].sqrt() / (1 - self.b2**k) ** 0.5).add_(self.eps)
+        w = p.data.float().mul_(1 - self.lr * self.wd)
+        w.addcdiv_(st["exp_avg"], denom, value=-self.lr / (1 - self.b1**k))
+        p.data.copy_(w)
+        p.grad = None  # freed at once: no full set of gradients ever exists
+
+    def __call__(self):
+        out = self.model(**self.kw)[0]
+        F.mse_loss(out.float(), self.target).backward()
+
+
 def block_list(m):
     return list(m.transformer_blocks) + list(m.single_transformer_blocks)
 
 
-def run_config(name, kind, model, dev, args, fraction, activations=False, group_offload=False, step_fn=None):
+def run_config(
+    name,
+    kind,
+    model,
+    dev,
+    args,
+    fraction,
+    activations=False,
+    group_offload=False,
+    step_fn=None,
+    nano=1,
+    **attach_kw,
+):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     t0 = time.perf_counter()
@@ -135,10 +184,21 @@ def run_config(name, kind, model, dev, args, fraction, activations=False, group_
             offload_type="block_level", num_blocks_per_group=1, use_stream=True,
         )  # fmt: skip
     else:
-        handle = attach_offload(block_list(model), dev, fraction, mode=kind, activations=activations)
+        handle = attach_offload(
+            block_list(model),
+            dev,
+            fraction,
+            mode="sample" if kind == "sample" else "train",
+            activations=activations,
+            nano_batches=nano,
+            **attach_kw,
+        )
     torch.cuda.synchronize()
     attach_s = time.perf_counter() - t0
+    torch.cuda.empty_cache()  # blocks that were on the GPU before attaching are cached, not in use
     torch.cuda.reset_peak_memory_stats()
+    if attach_kw.get("trainable"):
+        step_fn.bind(handle)
     ts, mallocs, retries = timed(step_fn, args.warmup, args.steps)
     row = dict(
         name=name,
@@ -163,6 +223,7 @@ def run_config(name, kind, model, dev, args, fraction, activations=False, group_
             block_bytes=st["block_bytes"],
             h2d_bytes_per_step=st["h2d_bytes_per_step"],
             h2d_gbps=st.get("h2d_gbps"),
+            fraction_in_ram=st.get("fraction_in_ram", 0.0),
         )
         t1 = time.perf_counter()
         handle.close()
@@ -181,6 +242,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
     ap.add_argument("--skip", default="", help="comma-separated config names to leave out")
+    ap.add_argument(
+        "--ft-layers", type=int, default=4, help="double blocks of the full fine-tune model (0: none)"
+    )
+    ap.add_argument("--ft-singles", type=int, default=8, help="single blocks of the full fine-tune model")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
@@ -209,30 +274,58 @@ def main() -> None:
             model(**kw)
 
     configs = [
-        ("sample resident", "sample", 0.0, False, False, sample_step),
-        ("train resident", "train", 0.0, False, False, train_step),
-        ("train f=0.5", "train", 0.5, False, False, train_step),
-        ("train f=0.5 +act", "train", 0.5, True, False, train_step),
-        ("train f=1.0", "train", 1.0, False, False, train_step),
-        ("train f=1.0 +act", "train", 1.0, True, False, train_step),
-        ("sample f=1.0", "sample", 1.0, False, False, sample_step),
-        ("sample f=0.5", "sample", 0.5, False, False, sample_step),
-        ("sample diffusers group offload", "sample", 1.0, False, True, sample_step),
+        ("sample resident", "sample", 0.0, False, False, sample_step, 1),
+        ("train resident", "train", 0.0, False, False, train_step, 1),
+        ("train f=0.5", "train", 0.5, False, False, train_step, 1),
+        ("train f=0.5 +act", "train", 0.5, True, False, train_step, 1),
+        ("train f=1.0", "train", 1.0, False, False, train_step, 1),
+        ("train f=1.0 +act", "train", 1.0, True, False, train_step, 1),
+        ("train f=1.0 +act +nano2", "train", 1.0, True, False, train_step, 2),
+        ("sample f=1.0", "sample", 1.0, False, False, sample_step, 1),
+        ("sample f=0.5", "sample", 0.5, False, False, sample_step, 1),
+        ("sample diffusers group offload", "sample", 1.0, False, True, sample_step, 1),
     ]
     rows = []
-    for name, kind, f, act, grp, fn in configs:
+
+    def attempt(name, kind, f, mdl, act, grp, fn, nano, **kw):
         if name in skip:
-            continue
+            return
         try:
-            rows.append(run_config(name, kind, model, dev, args, f, act, grp, fn))
+            rows.append(run_config(name, kind, mdl, dev, args, f, act, grp, fn, nano, **kw))
         except Exception as e:  # keep the other numbers; the failure is a result too
             print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
-            rows.append(
-                dict(name=name, kind=kind, fraction=f, activations=act, error=f"{type(e).__name__}: {e}")
-            )
+            rows.append(dict(name=name, kind=kind, fraction=f, error=f"{type(e).__name__}: {e}"))
             torch.cuda.synchronize()
 
+    for name, kind, f, act, grp, fn, nano in configs:
+        attempt(name, kind, f, model, act, grp, fn, nano)
+
+    if args.ft_layers + args.ft_singles > 0:
+        # Full fine-tune with the fused back pass on a shallower Flux (same block sizes): fp32 AdamW state for
+        # every weight does not fit beside the whole model in host RAM here (10 bytes a parameter).
+        del model, opt, params
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        a2 = argparse.Namespace(**{**vars(args), "layers": args.ft_layers, "singles": args.ft_singles})
+        ft = build(a2, dev)
+        ft.requires_grad_(True)
+        ft.train()
+        step = FusedAdamW(ft, kw, target)
+        nft = sum(p.numel() for p in ft.parameters())
+        print(f"full fine-tune model: {nft / 1e9:.2f} B params", flush=True)
+        tag = f"({args.ft_layers}+{args.ft_singles} blocks)"
+        attempt(f"full resident {tag}", "full", 0.0, ft, False, False, step, 1, trainable=True)
+        attempt(
+            f"full f=1.0 +act {tag}", "full", 1.0, ft, True, False, step, 1,
+            trainable=True, optimizer_state=("exp_avg", "exp_avg_sq"),
+        )  # fmt: skip
+
     base = {r["kind"]: r["step_s"] for r in rows if "resident" in r["name"] and "step_s" in r}
+    base_reserved = {
+        r["kind"]: r["peak_reserved_gb"] for r in rows if "resident" in r["name"] and "step_s" in r
+    }
     for r in rows:
         if "step_s" not in r or r["kind"] not in base:
             continue
@@ -242,6 +335,13 @@ def main() -> None:
             moved = sum(p.numel() * p.element_size() for b in block_list(model) for p in b.parameters())
         r["floor_s"] = max(base[r["kind"]], (moved or 0) / (B * 1e9))
         r["ratio_floor"] = r["step_s"] / r["floor_s"]
+        r["reserved_vs_resident"] = r["peak_reserved_gb"] / base_reserved[r["kind"]]
+        if "block_bytes" in r:  # DESIGN.md's floor: 2 f W / B (training), f W / B (sampling)
+            passes = 1 if r["kind"] == "sample" else 2
+            r["design_floor_s"] = max(
+                base[r["kind"]], passes * r["fraction_in_ram"] * r["block_bytes"] / (B * 1e9)
+            )
+            r["ratio_design_floor"] = r["step_s"] / r["design_floor_s"]
 
     meta = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -262,9 +362,9 @@ def main() -> None:
         f"{meta['date']} {meta['device']} torch {meta['torch']} diffusers {meta.get('diffusers')} "
         f"H2D {B:.1f} GB/s, {nparams / 1e9:.2f} B params, {args.res}px, LoRA r{args.rank}",
         "",
-        "| config | step s | x resident | floor s | x floor | peak reserved GB | peak alloc GB | pinned GB "
-        "| ring GB | H2D GB/step | H2D GB/s | mallocs |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| config | step s | x resident | floor s | x floor | x DESIGN floor | peak reserved GB | peak alloc GB "
+        "| pinned GB | ring GB | H2D GB/step | H2D GB/s | mallocs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def g(r, k, fmt="{:.3f}", scale=1.0):
@@ -277,8 +377,9 @@ def main() -> None:
             continue
         lines.append(
             f"| {r['name']} | {g(r, 'step_s')} | {g(r, 'ratio_resident', '{:.2f}')} | {g(r, 'floor_s')} "
-            f"| {g(r, 'ratio_floor', '{:.2f}')} | {g(r, 'peak_reserved_gb', '{:.1f}')} "
-            f"| {g(r, 'peak_allocated_gb', '{:.1f}')} | {g(r, 'pinned_bytes', '{:.1f}', 1e9)} "
+            f"| {g(r, 'ratio_floor', '{:.2f}')} | {g(r, 'ratio_design_floor', '{:.2f}')} "
+            f"| {g(r, 'peak_reserved_gb', '{:.2f}')} "
+            f"| {g(r, 'peak_allocated_gb', '{:.2f}')} | {g(r, 'pinned_bytes', '{:.1f}', 1e9)} "
             f"| {g(r, 'ring_bytes', '{:.1f}', 1e9)} | {g(r, 'h2d_bytes_per_step', '{:.1f}', 1e9)} "
             f"| {g(r, 'h2d_gbps', '{:.1f}')} | {r.get('cuda_mallocs_timed', '-')} |"
         )

@@ -167,3 +167,21 @@ def test_bump_arena_grows_then_coalesces():
     b.alloc(1000)
     b.alloc(1000)
     assert len(b.chunks) == 1  # steady state: no growth
+
+
+def test_blocks_checkpointed_by_the_trainer_are_checkpointed_once(lora_reference):
+    from trainer.train.model import checkpoint_blocks
+
+    m = add_lora(tiny_flux(0))
+    blocks = blocks_of(m)
+    checkpoint_blocks(blocks)
+    calls = []
+    for b in blocks:  # a submodule runs in forward and in every recompute
+        b.attn.register_forward_pre_hook(lambda mod, args: calls.append(mod))
+    h = attach_offload(blocks, "cpu", 0.5, training=True)
+    losses = train_steps(m, STEPS)
+    assert torch.equal(losses, lora_reference[0])
+    # forward + one recompute per block per step (a double wrap would recompute twice)
+    assert len(calls) == 2 * len(blocks) * STEPS
+    h.close()
+    assert all(getattr(b, "_dittrain_checkpointed", False) for b in blocks)

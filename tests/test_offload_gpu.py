@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-
 from _offload_util import (
     add_lora,
     all_state,
@@ -21,6 +20,7 @@ from _offload_util import (
     train_steps,
     trainable_state,
 )
+
 from trainer.offload import attach_offload
 
 DEV = os.environ.get("OFFLOAD_TEST_DEVICE", "cuda")  # "cpu": dry run of these tests' own code
@@ -38,10 +38,9 @@ SIDE, TEXT = int(os.environ.get("OFFLOAD_TEST_SIDE", 32)), 64  # 1024 image toke
 SIZE = dict(layers=2, singles=4, dim_head=64, heads=4)
 
 
-@pytest.fixture(autouse=True)
-def _no_cudnn_attention():
-    torch.backends.cuda.enable_cudnn_sdp(False)  # fails in backward on these machines (GPU.md)
-    yield
+# cuDNN attention fails in backward on these machines (GPU.md); set at import so that module-scoped fixtures
+# (which pytest sets up before function-scoped autouse ones) run without it too.
+torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def _kernel(dtype):

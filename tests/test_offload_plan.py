@@ -9,6 +9,7 @@ from trainer.offload.plan import (
     execution_diagram,
     make_plan,
     residency_rows,
+    spread_fixed,
 )
 
 # Copied verbatim from seeds/000 (annotations in parentheses dropped).
@@ -165,3 +166,18 @@ def test_residency_rows_never_exceed_capacity():
     plan = make_plan([3, 5, 2, 7, 1, 4], 12, "sample")
     for _, _, state in residency_rows(plan, steps=len(plan.steps) + 2):
         assert sum(plan.sizes[b] for b in state) <= plan.capacity
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
+def test_sampling_with_a_spread_resident_part_moves_about_f_w(fraction):
+    """Beyond the seed: keep part of the model resident, stream the rest through a two-block window."""
+    cap = capacity_for(FLUX_LIKE, fraction)
+    fixed = spread_fixed(FLUX_LIKE, cap)
+    plan = make_plan(FLUX_LIKE, cap, "sample", fixed=fixed)
+    _check_invariants(plan, steps=len(plan.steps) + 3)
+    total = sum(FLUX_LIKE)
+    cyclic = make_plan(FLUX_LIKE, cap, "sample").bytes_per_step()
+    assert cyclic >= 0.95 * total  # the seed's cycle moves (nearly) everything
+    assert plan.bytes_per_step() <= (fraction + 0.12) * total
+    assert all(plan.initial[b] < sum(FLUX_LIKE[x] for x in fixed) for b in fixed)
+    assert all(b not in fixed for ld in plan.steps[plan.loop] for b in (ld.block, *ld.claims))

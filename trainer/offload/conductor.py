@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .activations import ActivationOffloader
 from .allocators import BlockPacking, HostArena, Ring
-from .plan import BWD, FWD, Plan, capacity_for, make_plan
+from .plan import BWD, FWD, Plan, capacity_for, make_plan, spread_fixed
 
 
 class _ReleaseAfterBackward(torch.autograd.Function):
@@ -128,6 +128,12 @@ class Conductor:
         sizes = [pk.nbytes for pk in self.packs]
         cap = capacity_for(sizes, self.fraction, min_blocks=min_ring_blocks)
         self.plan: Plan = make_plan(sizes, cap, self.mode)
+        if self.mode == "sample":  # keep a spread part resident when that moves fewer bytes than the cycle
+            fixed = spread_fixed(sizes, cap, min_ring_blocks)
+            if fixed:
+                alt = make_plan(sizes, cap, self.mode, fixed=fixed)
+                if alt.bytes_per_step() < self.plan.bytes_per_step():
+                    self.plan = alt
         streamed = self.plan.streamed
         self.host_off: dict[int, int] = {}
         total = 0

@@ -114,17 +114,50 @@ def capacity_for(sizes: list[int] | tuple[int, ...], fraction: float, min_blocks
     return min(total, max(acc, min_blocks * max(sizes)))
 
 
-def _place(ptr: int, n: int, direction: int, cap: int) -> tuple[int, int]:
-    """Region start for n bytes at the pointer, wrapping; returns (start, new pointer)."""
+def _place(ptr: int, n: int, direction: int, cap: int, base: int = 0) -> tuple[int, int]:
+    """Region start for n bytes at the pointer, wrapping inside [base, cap); returns (start, new pointer)."""
     if direction > 0:
-        start = ptr if ptr + n <= cap else 0
+        start = ptr if ptr + n <= cap else base
         return start, start + n
-    start = ptr - n if ptr - n >= 0 else cap - n
+    start = ptr - n if ptr - n >= base else cap - n
     return start, start
 
 
-def make_plan(sizes: list[int] | tuple[int, ...], capacity: int, mode: str, max_steps: int = 64) -> Plan:
-    """Simulate the ring until its state at a step boundary repeats; see the module docstring."""
+def spread_fixed(sizes: list[int] | tuple[int, ...], capacity: int, min_blocks: int = 2) -> frozenset[int]:
+    """Blocks to keep resident for cyclic sampling, spread evenly through the model.
+
+    The seed's cyclic schedule streams every block through the whole ring, so a sampling step moves all W
+    bytes whatever the fraction. When part of the model fits, keeping that part resident and streaming only
+    the rest through a window of `min_blocks` largest blocks moves about f W bytes a step instead (the
+    DESIGN.md floor). Interleaving kept and streamed blocks gives each copy a kept block's compute to hide
+    behind."""
+    total = sum(sizes)
+    if capacity >= total:
+        return frozenset(range(len(sizes)))
+    budget = capacity - min_blocks * max(sizes)
+    if budget <= 0:
+        return frozenset()
+    ratio = budget / total
+    fixed, used, acc = set(), 0, 0.0
+    for i, s in enumerate(sizes):
+        acc += s * ratio
+        if acc >= s and used + s <= budget:
+            fixed.add(i)
+            used += s
+            acc -= s
+    return frozenset(fixed)
+
+
+def make_plan(
+    sizes: list[int] | tuple[int, ...],
+    capacity: int,
+    mode: str,
+    max_steps: int = 64,
+    fixed: frozenset[int] | set[int] = frozenset(),
+) -> Plan:
+    """Simulate the ring until its state at a step boundary repeats; see the module docstring.
+
+    `fixed` blocks sit at the start of the ring for good; the others stream through the rest of it."""
     sizes = tuple(int(s) for s in sizes)
     n = len(sizes)
     if n == 0:
@@ -134,19 +167,24 @@ def make_plan(sizes: list[int] | tuple[int, ...], capacity: int, mode: str, max_
     seq = sequence_for(mode, n)
     L = len(seq)
 
-    # Initial state: blocks in first-use order, packed upwards from 0 while they fit.
-    res: dict[int, tuple[int, int]] = {}  # block -> (offset, loaded_for position)
-    ptr = 0
+    # Initial state: fixed blocks first, then the others in first-use order, packed upwards while they fit.
+    base = 0
+    initial: dict[int, int] = {}
+    for b in sorted(fixed):
+        initial[b] = base
+        base += sizes[b]
+    if any(sizes[b] > capacity - base for b in range(n) if b not in fixed):
+        raise PlanError(f"ring of {capacity} bytes leaves too little room beside the {base} fixed bytes")
+    res: dict[int, tuple[int, int]] = {}  # streamed block -> (offset, loaded_for position)
+    ptr = base
     for _, b in seq:
-        if b in res:
+        if b in res or b in fixed:
             continue
         if ptr + sizes[b] > capacity:
             break
         res[b] = (ptr, 0)
         ptr += sizes[b]
-    initial = {b: off for b, (off, _) in res.items()}
-    if ptr == capacity:
-        ptr = capacity  # full ring: the next upward placement wraps to 0
+    initial.update({b: off for b, (off, _) in res.items()})
 
     last_use: dict[int, int] = {}
     last_after = -1
@@ -176,12 +214,12 @@ def make_plan(sizes: list[int] | tuple[int, ...], capacity: int, mode: str, max_
             extra -= 1
         else:
             seen[key] = step
-            states.append({b: off for b, (off, _) in res.items()})
+            states.append({**{b: initial[b] for b in fixed}, **{b: off for b, (off, _) in res.items()}})
         for _ in range(L):
             pas, b = seq[t % L]
-            if b not in res:
+            if b not in res and b not in fixed:
                 direction = 1 if pas == FWD else -1
-                start, new_ptr = _place(ptr, sizes[b], direction, capacity)
+                start, new_ptr = _place(ptr, sizes[b], direction, capacity, base)
                 end = start + sizes[b]
                 claimed = [x for x, (off, _) in res.items() if off < end and start < off + sizes[x]]
                 after = last_after
