@@ -124,3 +124,41 @@ def test_cuda_out_of_memory_becomes_advice(tiny_models, images, tmp_path, monkey
     monkeypatch.setattr(t.adapter, "predict", oom)
     with pytest.raises(UserError, match=r"out of memory at step 1: raise offload.transformer from 0 to 0.25.*presets"):
         t.fit()
+
+
+def test_ctrl_c_to_dittrain_fit_saves_and_resume_latest_continues(tiny_models, images, tmp_path):
+    """The real thing, end to end: `dittrain fit` in its own process, SIGINT from outside, exit code 130, a
+    complete checkpoint, then `--resume latest` finishing the run."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    cfg = _cfg(tiny_models, images, tmp_path, steps=100000, checkpoint_every=0)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    cmd = [sys.executable, "-m", "trainer", "fit", str(path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "SIGINT at step" in err and "--resume latest" in err
+    found = ck.list_checkpoints(tmp_path / "run" / "checkpoints")
+    assert len(found) == 1
+    step = found[0][0]
+    assert json.loads((found[0][1] / "state.json").read_text())["step"] == step >= 2
+
+    done = subprocess.run([*cmd, "--resume", "latest", "--set", f"train.steps={step + 2}"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resumed from {found[0][1]} at step {step}" in done.stderr
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()][-3:] == [step, step + 1, step + 2]
+    assert (tmp_path / "run" / "lora.safetensors").is_file()
