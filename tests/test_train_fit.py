@@ -144,3 +144,34 @@ def test_samples_tensorboard_and_metrics_do_not_disturb_training(tiny_models, tr
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["lr"] == 1e-3 and r["grad_norm"] > 0 and r["samples_per_s"] > 0 for r in rows)
+
+
+def test_gradient_accumulation_averages_the_micro_batches(tiny_models, train_images, cache_root, tmp_path, monkeypatch):
+    from trainer.train import glue
+
+    cfg = make_config(tiny_models, train_images, tmp_path / "out", cache_root / "flux", "flux",
+                      train={"steps": 1, "batch_size": 1, "grad_accum": 2}, optimizer={"max_grad_norm": None})
+    t = Trainer(cfg)
+    t.setup()
+    state = t.objective.state().clone()
+    # The expected gradient, by hand: two micro-batches of one image, each loss halved, gradients summed.
+    expected_losses = []
+    for i in range(2):
+        b = t.data.batch_at(i)
+        n = t.objective.noise(b.latents)
+        loss = t.objective.loss(t.adapter.predict(t.transformer, n.noisy, n.t, b.text, guidance=cfg.model.guidance), n)
+        (loss / 2).backward()
+        expected_losses.append(loss.item())
+    expected = [p.grad.clone() for p in t.params]
+    for p in t.params:
+        p.grad = None
+    t.objective.load_state(state)
+    seen = {}
+    real = glue.Optim.step
+    monkeypatch.setattr(glue.Optim, "step", lambda self: seen.setdefault("g", [p.grad.clone() for p in t.params])
+                        and real(self))
+    metrics = t.train_step()
+    assert t.data.sampler.position == 2
+    assert all(torch.equal(a, b) for a, b in zip(seen["g"], expected, strict=True))
+    assert metrics["loss"] == sum(expected_losses) / 2
+    t.close()
