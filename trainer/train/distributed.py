@@ -277,7 +277,7 @@ class BucketedAllReduce:
             self._work[i].wait()  # NCCL: the current stream waits; gloo: the host waits
             self._work[i] = None
             self._arrived[i] = 0
-            flat = self._flat[i]
+            flat = self._flat[i].div_(self.world)
             off = 0
             for p in params:
                 n = p.numel()

@@ -1,0 +1,225 @@
+"""Data-parallel training (trainer/train/distributed.py) with two CPU processes over gloo, on the tiny Flux.
+
+2 processes at batch 1 train the same global batch sequence, with the same noise, as 1 process at batch 1 with
+grad_accum 2, so the weights must be bitwise equal in fp32: LoRA (bucketed all-reduce before clipping, blocks
+streamed through the conductor's CPU path) and full fine-tuning (all-reduce inside the fused back pass, against
+the unfused reference). Checkpoints cross world sizes both ways. Rank 0 alone writes; Ctrl-C and a non-finite
+loss on one rank stop both at the same step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train_support import losses, make_config, write_images
+
+from trainer.train import checkpoint as ck
+from trainer.train.trainer import Trainer
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cfg(models, images, out, cache, method="lora", world=1, **train):
+    """Global batch 2: `world` processes x batch 1 x grad_accum 2/world. Full fine-tuning steps inside backward
+    with several processes and unfused in the 1-process reference (it accumulates)."""
+    fused = method == "full" and world > 1
+    return make_config(
+        models, images, out, cache, "flux", method,
+        train={"steps": 4, "batch_size": 1, "grad_accum": 2 // world, "checkpoint_every": 2, "keep_checkpoints": 3,
+               **train},
+        optimizer={"scheduler": "cosine", "warmup_steps": 1, "weight_decay": 0.01, "fused_back_pass": fused,
+                   "max_grad_norm": None if method == "full" else 0.05},
+    )
+
+
+def _weights(out: Path, method: str) -> dict[str, torch.Tensor]:
+    if method == "lora":
+        return load_file(str(out / "lora.safetensors"))
+    sd = {}
+    for f in sorted((out / "transformer").glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    return sd
+
+
+def _assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a
+    diff = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not diff, f"{len(diff)} tensors differ, e.g. {diff[:3]}"
+
+
+# ---------------------------------------------------------------------------------------------- the workers
+
+
+def _job(rank: int, job: dict) -> dict:
+    from trainer.config import Config
+
+    cfg = Config.model_validate(job["cfg"])
+    if job.get("stream"):  # the conductor's CPU path, as tests/test_train_resume.py runs it
+        Trainer._can_stream = lambda self: True
+    t = Trainer(cfg, resume=job.get("resume"))
+    t.setup()
+    info = {"monitor": t.monitor is not None, "sampler": t.sampler is not None, "world": t.dist.world,
+            "rank": t.dist.rank, "error": None}
+    if job.get("stop_after") and rank == 1:  # a stop request seen by rank 1 only
+        inner = t.train_step
+
+        def train_step():
+            m = inner()
+            if t.step == job["stop_after"]:
+                t.stop.requested = True
+            return m
+
+        t.train_step = train_step
+    if job.get("nan_at") and rank == 1:  # a non-finite loss on rank 1 only
+        inner_loss = t.objective.loss
+
+        def loss(pred, noised):
+            out = inner_loss(pred, noised)
+            return out * float("nan") if t.step + 1 == job["nan_at"] else out
+
+        t.objective.loss = loss
+    try:
+        info["path"] = str(t.fit())
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        info["error"] = f"{type(e).__name__}: {e}"
+        info["step"] = t.step
+    return info
+
+
+def _worker(rank: int, port: int, jobs: list[dict], result: str) -> None:
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)  # the same kernels (and summation order) as the 1-thread reference
+    os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank))
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                             timeout=datetime.timedelta(seconds=60))
+    out = []
+    try:
+        for job in jobs:
+            out.append(_job(rank, job))
+    except Exception:  # noqa: BLE001
+        out.append({"error": traceback.format_exc()})
+    finally:
+        Path(result, f"rank{rank}.json").write_text(json.dumps(out))
+        tdist.destroy_process_group()
+
+
+def _run_two(jobs: list[dict], tmp: Path, timeout: float = 120) -> list[list[dict]]:
+    import torch.multiprocessing as mp
+
+    result = tmp / f"results-{time.monotonic_ns()}"
+    result.mkdir()
+    ctx = mp.start_processes(_worker, args=(_free_port(), jobs, str(result)), nprocs=WORLD, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the 2-process run hung")
+    return [json.loads((result / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return write_images(tmp_path_factory.mktemp("dist-images"))
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+
+def test_two_processes_train_lora_like_one_and_checkpoints_cross_world_sizes(tiny_models, images, tmp_path, one_thread):
+    cache = tmp_path / "cache"
+    ref = tmp_path / "ref"
+    Trainer(_cfg(tiny_models, images, ref, cache)).fit()  # 1 process, grad_accum 2; fills the cache
+    ref_w = _weights(ref, "lora")
+
+    two, resumed2 = tmp_path / "two", tmp_path / "resumed-in-two"
+    cfg2 = _cfg(tiny_models, images, two, cache, world=2)
+    cfg2 = cfg2.model_copy(update={
+        "offload": cfg2.offload.model_copy(update={"transformer": 0.5}),
+        "output": cfg2.output.model_copy(update={"tensorboard": True}),
+    })
+    jobs = [
+        {"cfg": cfg2.model_dump(mode="json"), "stream": True},
+        {"cfg": _cfg(tiny_models, images, resumed2, cache, world=2).model_dump(mode="json"),
+         "resume": str(ref / "checkpoints" / "step-000002")},
+    ]
+    r0, r1 = _run_two(jobs, tmp_path)
+    assert all(i["error"] is None for i in r0 + r1), (r0, r1)
+
+    # Same weights and losses as the 1-process run at the same global batch.
+    _assert_equal(_weights(two, "lora"), ref_w)
+    assert losses(two) == pytest.approx(losses(ref), rel=1e-6, abs=0)
+    # A 1-process checkpoint resumed in 2 processes ends where the 1-process run did.
+    _assert_equal(_weights(resumed2, "lora"), ref_w)
+
+    # Rank 0 alone writes: one metrics line per step, one TensorBoard event file, complete checkpoints only.
+    assert (r0[0]["monitor"], r1[0]["monitor"]) == (True, False)
+    assert len(losses(two)) == 4
+    assert len(list((two / "tensorboard").glob("events.*"))) == 1
+    assert [s for s, _ in ck.list_checkpoints(two / "checkpoints")] == [2, 4]
+    assert not [p for p in (two / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert r0[0]["path"] == r1[0]["path"] == str(two / "lora.safetensors")
+    state = json.loads((two / "checkpoints" / "step-000002" / "state.json").read_text())
+    assert state["data"]["position"] == 4  # global: 2 steps x 2 processes x 1 micro-batch
+
+    # A 2-process checkpoint resumed in 1 process ends where the 1-process run did.
+    resumed1 = tmp_path / "resumed-in-one"
+    Trainer(_cfg(tiny_models, images, resumed1, cache), resume=str(two / "checkpoints" / "step-000002")).fit()
+    _assert_equal(_weights(resumed1, "lora"), ref_w)
+
+
+def test_two_processes_full_finetune_with_the_fused_back_pass_like_one(tiny_models, images, tmp_path, one_thread):
+    cache = tmp_path / "cache"
+    ref = tmp_path / "ref"
+    Trainer(_cfg(tiny_models, images, ref, cache, "full", steps=2, checkpoint_every=0)).fit()  # unfused, accumulates
+
+    two = tmp_path / "two"
+    cfg = _cfg(tiny_models, images, two, cache, "full", world=2, steps=2, checkpoint_every=0)
+    assert cfg.optimizer.fused_back_pass
+    r0, r1 = _run_two([{"cfg": cfg.model_dump(mode="json")}], tmp_path)
+    assert all(i["error"] is None for i in r0 + r1), (r0, r1)
+    _assert_equal(_weights(two, "full"), _weights(ref, "full"))
+
+
+def test_stop_and_nonfinite_loss_are_agreed_across_ranks(tiny_models, images, tmp_path):
+    cache = tmp_path / "cache"
+    stop, nan = tmp_path / "stop", tmp_path / "nan"
+    jobs = [
+        {"cfg": _cfg(tiny_models, images, stop, cache, world=2, checkpoint_every=0).model_dump(mode="json"),
+         "stop_after": 1},
+        {"cfg": _cfg(tiny_models, images, nan, cache, world=2).model_dump(mode="json"), "nan_at": 2},
+    ]
+    r0, r1 = _run_two(jobs, tmp_path)
+    # Ctrl-C seen by rank 1 only: both finish step 1, rank 0 saves, both stop.
+    for r in (r0, r1):
+        assert r[0]["error"].startswith("TrainingInterrupted") and r[0]["step"] == 1, r[0]
+    assert [s for s, _ in ck.list_checkpoints(stop / "checkpoints")] == [1]
+    # NaN on rank 1 at step 2: both raise before backward (no collective left waiting); rank 1 names its batch.
+    assert r0[1]["error"].startswith("NonFiniteLossError") and "rank 1" in r0[1]["error"], r0[1]
+    assert r1[1]["error"].startswith("NonFiniteLossError") and "batch files" in r1[1]["error"], r1[1]
+    assert r0[1]["step"] == r1[1]["step"] == 1
