@@ -133,3 +133,25 @@ def test_streamed_blocks_train_bitwise_like_resident(method, tiny_models, images
         # the conductor's autograd functions than through plain checkpointed blocks.
         for k in r:
             torch.testing.assert_close(w[k], r[k], rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_full_fine_tune_with_stochastic_rounding_resumes_bitwise(tiny_models, images, tmp_path, monkeypatch):
+    """bf16 weights, fp32 optimizer state and stochastic rounding (its generator lives in the optimizer state)."""
+
+    def cfg(out):
+        c = _cfg(tiny_models, images, out, tmp_path / "cache", "full", steps=5)
+        return c.model_copy(update={"model": c.model.model_copy(update={"dtype": "bf16"}),
+                                    "optimizer": c.optimizer.model_copy(update={"stochastic_rounding": True})})
+
+    ref = Trainer(cfg(tmp_path / "ref"))
+    ref.fit()
+    assert all(p.dtype == torch.bfloat16 for p in ref.params)
+    with monkeypatch.context() as m:
+        _stop_after(m, 2, "handler")
+        with pytest.raises(TrainingInterrupted):
+            Trainer(cfg(tmp_path / "run")).fit()
+    t = Trainer(cfg(tmp_path / "run"), resume="latest")
+    t.fit()
+    assert losses(tmp_path / "run") == losses(tmp_path / "ref")
+    w, r = _weights(t), _weights(ref)
+    assert all(torch.equal(w[k], r[k]) for k in r)
