@@ -179,20 +179,25 @@ def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, a
     return n
 
 
-def optimizer_state_bytes(name: str, params) -> int:
-    """Bytes of optimizer state for `params`: AdamW two fp32 moments; 8-bit AdamW two uint8 moments (block-wise
-    scales left out); Adafactor (beta1=None, as trainer/optim builds it) factored fp32 row and column second
-    moments for matrices and a full one for vectors."""
+def optimizer_state_bytes(name: str, params, pinned: bool = False) -> int:
+    """Bytes of optimizer state for `params`, fp32 as trainer/optim keeps it: AdamW two moments; 8-bit AdamW two
+    uint8 moments (block-wise scales left out); Adafactor (beta1=None) factored row and column second moments
+    for matrices and a full one for vectors. `pinned`: each tensor rounded up to a power of two, as torch's
+    caching host allocator does for `pin_memory=True` tensors (trainer/optim StateOffload)."""
+
+    def size(n: int) -> int:
+        return 1 << (n - 1).bit_length() if pinned and n > 0 else n
+
     total = 0
     for p in params:
         if name == "adamw":
-            total += 8 * p.numel()
+            total += 2 * size(4 * p.numel())
         elif name == "adamw8bit":
-            total += 2 * p.numel()
+            total += 2 * size(p.numel())
         elif p.dim() >= 2:
-            total += 4 * (p.shape[:-1].numel() + p.shape[:-2].numel() * p.shape[-1])
+            total += size(4 * p.shape[:-1].numel()) + size(4 * p.shape[:-2].numel() * p.shape[-1])
         else:
-            total += 4 * p.numel()
+            total += size(4 * p.numel())
     return total
 
 

@@ -17,7 +17,6 @@ from .planner import (
     _fraction_of,
     analyze,
     choose_fraction,
-    optimizer_state_names,
     predict,
     streaming,
 )
@@ -78,11 +77,9 @@ def report(
     f_show = chosen if chosen is not None else (frac or 0.0)
     ring, pinned, h2d = streaming(facts.packed, f_show)
     nparams = sum(facts.block_param_bytes) / torch.tensor([], dtype=facts.dtype).element_size()
-    packs_state = bool(optimizer_state_names(facts.optimizer)) and facts.method == "full"
     if f_show > 0:
         copies = "every block" if pinned >= total_blocks else f"{_gb(pinned)} GB of blocks"
         note = f"f={f_show:.2f}: ring {_gb(ring)} GB; host copies of {copies}; {_gb(h2d)} GB H2D per step"
-        note += f" (weights packed with {facts.optimizer} state)" if packs_state else ""
     else:
         note = "f=0: resident"
     rows.append(
@@ -117,19 +114,18 @@ def report(
             )
         )
     else:
+        p_show = predict(facts, f_show, big, act)
+        state_host = p_show.pinned - pinned
         rows.append(
             (
-                f"optimizer ({facts.optimizer}) + gradients on GPU",
+                f"optimizer state ({facts.optimizer}, fp32) + gradients",
                 "-",
-                "-",
-                _gb(predict(facts, f_show, big, act).trainable),
-                "0.00",
-                "non-block parameters' state"
-                + (
-                    "; block state streams with the blocks"
-                    if packs_state and f_show > 0
-                    else "; every block's state too"
-                ),
+                _gb(sum(facts.block_states) + facts.state_gpu),
+                _gb(p_show.trainable),
+                _gb(state_host),
+                "streamed blocks' state in pinned RAM, on the GPU while its parameter steps"
+                if state_host
+                else "all on the GPU",
             )
         )
     f_te = cfg.offload.text_encoders

@@ -4,8 +4,9 @@ How. Everything is derived from the model's own code and the conductor's own ari
 
 - weights: the transformer is built on the meta device from its config (trainer/offload/_planner_trace.py) and
   every block is packed with `allocators.BlockPacking` exactly as the conductor packs it (LoRA weights stay out
-  of the pack and resident; a full fine-tune with AdamW packs its two fp32 moments beside each weight, other
-  optimizers' state stays on the GPU, counted exactly per parameter shape). The ring size is
+  of the pack and resident; a full fine-tune packs the weights, and the optimizer state of streamed blocks
+  lives in pinned RAM and visits the GPU while its parameter steps, as trainer/train/glue.py wires it). The
+  ring size is
   `plan.capacity_for`, the streamed blocks and the host-to-device bytes per step come from `plan.make_plan`,
   and the pinned arena is the sum of the streamed blocks' packed bytes (`HostArena` is exact);
 - activations per bucket: one forward on meta tensors of the bucket's shape counts each block's checkpoint
@@ -30,8 +31,7 @@ How. Everything is derived from the model's own code and the conductor's own ari
 `choose_fraction` walks fractions on a 0.05 grid (the ring rounds to whole blocks, plan.capacity_for) and returns
 the smallest one whose predicted reserved peak fits the budget at every bucket (the largest bucket decides).
 For the trainer: `resolve_fraction(cfg)` (the config's number, or auto's choice, logged), `expected(cfg, f)` and
-`check_line(pred, measured_reserved, measured_step)` to log the prediction against the first real steps, and
-`optimizer_state_names(name)` for the conductor's `optimizer_state=` (what this arithmetic assumes).
+and `check_line(pred, measured_reserved, measured_step)` to log the prediction against the first real steps.
 
 Left out: nano-batching's saving (it only lowers the MLP's share of the block working set), the text encoders
 and VAE during training when captions and latents are cached (they run in `dittrain cache`, reported apart),
@@ -40,6 +40,7 @@ and the optimizer's transient fp32 copies of one parameter (at most a few hundre
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -61,7 +62,6 @@ WORKSPACE = 0.25 * GB  # cuBLAS workspaces, attention scratch, small tensors
 GRID = [round(0.05 * i, 2) for i in range(21)]
 TABLE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "adamw8bit": (), "adafactor": ()}
 
 
 @dataclass
@@ -78,17 +78,19 @@ class Facts:
     optimizer: str
     model: torch.nn.Module
     blocks: list
-    packed: list[int]  #: per block: packed bytes the conductor streams (full FT: with optimizer state)
+    packed: list[int]  #: per block: packed bytes the conductor streams
     block_param_bytes: list[int]  #: per block: frozen/trained weight bytes in the model dtype (no alignment)
     nonblock_bytes: int  #: embedders, final norm and projection (always resident)
     nonblock_params: int
     trainable_params: int  #: LoRA parameters, or every parameter (full)
-    block_grads: list[
-        int
-    ]  #: per block: gradient bytes that accumulate in backward (0 with the fused back pass)
+    #: per block: gradient bytes that accumulate in backward (0 with the fused back pass)
+    block_grads: list[int]
     nonblock_grads: int  #: gradient bytes of trained non-block parameters (full FT without fused back pass)
-    state_gpu: int  #: optimizer state that stays on the GPU (LoRA's; full FT: non-block + not packed)
-    block_state: int  #: full FT: optimizer state of all block parameters (packed beside them, or resident)
+    state_gpu: int  #: optimizer state always on the GPU (LoRA's; full FT: the non-block parameters')
+    block_states: list[int]  #: full FT: per block, its parameters' optimizer state (fp32)
+    #: the same in pinned RAM (torch's host allocator rounds each tensor up to a power of 2)
+    block_states_pinned: list[int]
+    largest_state: int  #: full FT: the largest parameter's optimizer state (on the GPU while it steps)
     largest_param: int  #: numel of the largest trainable parameter (fused back pass keeps one gradient)
     text_tokens: int
     text_encoders: list[tuple[str, int]]
@@ -122,17 +124,24 @@ def analyze(cfg) -> Facts:
         packed = [BlockPacking.of(b, include_trainable=False).nbytes for b in blocks]
         lora = [p for p in model.parameters() if p.requires_grad]
         largest = max((p.numel() for p in lora), default=0)
-        state_gpu, block_state = optimizer_state_bytes(cfg.optimizer.name, lora), 0
+        state_gpu = optimizer_state_bytes(cfg.optimizer.name, lora)
+        block_states = block_states_pinned = [0] * len(blocks)
+        largest_state = 0
     else:
         model.requires_grad_(True)
         trainable = sum(p.numel() for p in model.parameters())
-        # AdamW's moments are packed beside each weight and stream with it; other optimizers' state is not
-        # packed by the conductor and stays where the optimizer creates it, on the GPU.
-        names = _STATE_NAMES[cfg.optimizer.name]
-        packed = [BlockPacking.of(b, include_trainable=True, state_names=names).nbytes for b in blocks]
-        largest = max(p.numel() for p in model.parameters())
-        block_state = optimizer_state_bytes(cfg.optimizer.name, [p for b in blocks for p in b.parameters()])
-        state_gpu = optimizer_state_bytes(cfg.optimizer.name, nonblock) + (0 if names else block_state)
+        # As the trainer wires a streamed full fine-tune (trainer/train/glue.py): the conductor packs the weights
+        # only; the optimizer state of streamed blocks lives in pinned RAM (trainer/optim StateOffload) and
+        # visits the GPU while its parameter steps; the state of resident blocks and non-block modules stays on
+        # the GPU.
+        packed = [BlockPacking.of(b, include_trainable=True).nbytes for b in blocks]
+        biggest = max(model.parameters(), key=lambda p: p.numel())
+        largest, largest_state = biggest.numel(), optimizer_state_bytes(cfg.optimizer.name, [biggest])
+        block_states = [optimizer_state_bytes(cfg.optimizer.name, list(b.parameters())) for b in blocks]
+        block_states_pinned = [
+            optimizer_state_bytes(cfg.optimizer.name, list(b.parameters()), pinned=True) for b in blocks
+        ]
+        state_gpu = optimizer_state_bytes(cfg.optimizer.name, nonblock)
     fused = cfg.optimizer.fused_back_pass
     gsize = 4 if method == "lora" else torch.tensor([], dtype=dtype).element_size()  # LoRA grads are fp32
     block_grads = [
@@ -159,7 +168,9 @@ def analyze(cfg) -> Facts:
         block_grads=block_grads,
         nonblock_grads=nonblock_grads,
         state_gpu=state_gpu,
-        block_state=block_state,
+        block_states=block_states,
+        block_states_pinned=block_states_pinned,
+        largest_state=largest_state,
         largest_param=largest,
         text_tokens=ptrace.TEXT_TOKENS[family],
         text_encoders=text_encoder_bytes(cfg),
@@ -173,12 +184,17 @@ def analyze(cfg) -> Facts:
 def streaming(packed: list[int], fraction: float) -> tuple[int, int, int]:
     """(ring bytes, pinned host bytes, host-to-device bytes per training step) for an offload fraction,
     exactly as the conductor sizes them (plan.capacity_for / make_plan / HostArena)."""
-    total = sum(packed)
+    ring, streamed, h2d = _streaming(tuple(packed), fraction)
+    return ring, sum(packed[b] for b in streamed), h2d
+
+
+@functools.lru_cache(maxsize=256)
+def _streaming(packed: tuple[int, ...], fraction: float) -> tuple[int, tuple[int, ...], int]:
     if fraction <= 0.0:
-        return total, 0, 0
+        return sum(packed), (), 0
     cap = capacity_for(packed, fraction)
     plan = make_plan(packed, cap, "train")
-    return cap, sum(packed[b] for b in plan.streamed), plan.bytes_per_step()
+    return cap, plan.streamed, plan.bytes_per_step()
 
 
 def _round2m(n: float) -> float:
@@ -223,14 +239,19 @@ def predict(
     ring, pinned, h2d = streaming(facts.packed, fraction)
     full = facts.method == "full"
     esize = torch.tensor([], dtype=facts.dtype).element_size()
+    state_moved = 0
     if full:
-        trainable = facts.state_gpu
-        if fraction <= 0.0:  # nothing streams: blocks are plain modules, their state is created on the GPU
-            ring = sum(facts.block_param_bytes)
-            if _STATE_NAMES[facts.optimizer]:
-                trainable += facts.block_state
+        _, streamed, _ = _streaming(tuple(facts.packed), fraction)
+        on_gpu = [s for b, s in enumerate(facts.block_states) if b not in streamed]
+        # resident state + one streamed parameter's state while it steps
+        trainable = facts.state_gpu + sum(on_gpu) + (facts.largest_state if streamed else 0)
+        pinned += sum(facts.block_states_pinned[b] for b in streamed)
+        state_moved = sum(facts.block_states[b] for b in streamed)  # to the GPU and back, every step
+        if fraction <= 0.0:
+            ring = sum(facts.block_param_bytes)  # nothing streams: plain modules
         d2h = h2d  # every streamed block is written back before its region is reused
-        one_grad = facts.largest_param * esize if facts.fused else 0
+        # fused back pass: one gradient in the model dtype + the fp32 copies of weight and gradient it steps
+        one_grad = facts.largest_param * (esize + 8) if facts.fused else 0
     else:  # LoRA: fp32 weights and the optimizer state, resident
         trainable = facts.trainable_params * 4 + facts.state_gpu
         d2h = 0
@@ -305,7 +326,8 @@ def predict(
         peak_allocated=allocated,
         peak_reserved=reserved,
         ram_peak=ram,
-        compute_s=flops / rates.flops_per_s,
+        # the state copies of StateOffload run on the compute stream: they add to compute, not overlap it
+        compute_s=flops / rates.flops_per_s + 2 * state_moved / rates.h2d,
         transfer_s=ptime.transfer_seconds(h2d, d2h, rates),
     )
 
@@ -386,12 +408,6 @@ def check_line(pred: Prediction, reserved_bytes: float, step_s: float | None = N
     if step_s is not None:
         line += f"; step predicted {pred.step_s:.2f} s, measured {step_s:.2f} s ({pct(pred.step_s, step_s)})"
     return line
-
-
-def optimizer_state_names(name: str) -> tuple[str, ...]:
-    """State tensors the planner assumes are packed beside streamed trained weights (the conductor's
-    `optimizer_state=`): AdamW's two moments; none for Adafactor / 8-bit AdamW (their state stays on the GPU)."""
-    return _STATE_NAMES[name]
 
 
 def report(cfg, vram_gb=None, ram_gb=None, rates=None, facts=None):
