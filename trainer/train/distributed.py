@@ -199,6 +199,10 @@ def setup(device_choice: str) -> Dist:
         tdist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                                  device_id=device if cuda else None)
         created = True
+    from .monitor import say
+
+    say(f"data parallel: {world} processes over {tdist.get_backend()}, one per "
+        f"{'GPU' if cuda else 'CPU process'}; gradients averaged before every step")
     return Dist(rank, world, local, device, created)
 
 
