@@ -169,8 +169,12 @@ def trace_forward(
     b_largest: list[int] = [0] * len(blocks)
     current: list[int] = []  # index of the block being run (a stack of one)
     inside: dict[int, int] = {}
+    # Every tensor counted is kept alive until the trace ends: storages are told apart by address, and a freed
+    # storage's address can be reused by a later tensor (which would then pass for one already counted).
+    alive: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor):
+        alive.append(t)
         sid, nbytes = _storage(t)
         if sid in weights:
             return t
@@ -191,6 +195,7 @@ def trace_forward(
         # and reach checkpoint as one Python object; they are counted once, with the outside tensors.
         direct = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         for t in _tensors(args) + _tensors(kwargs):
+            alive.append(t)
             if not any(t is d for d in direct):
                 sid, nbytes = _storage(t)
                 if sid not in weights:

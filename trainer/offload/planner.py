@@ -208,10 +208,12 @@ class Prediction:
     activation_offload: bool
     ring: int  #: GPU bytes of blocks (the ring, or every block when nothing streams)
     nonblock: int
-    trainable: int  #: LoRA weights + grads + optimizer state, or full FT's non-packed state and gradients
+    trainable: (
+        int  #: on the GPU at the peak: LoRA weights, optimizer state and gradients (full FT: state, grads)
+    )
     act_checkpoint_gpu: int
     act_checkpoint_host: int
-    act_block: int  #: working set of the largest block's backward
+    act_block: int  #: working set of the block being differentiated at the peak
     act_other: int
     pinned: int
     h2d: int
@@ -284,18 +286,14 @@ def predict(
     i_peak = max(range(n), key=peaks.__getitem__)
     bwd = peaks[i_peak] + tr.outside_saved + one_grad
     step = sum(facts.block_grads) + facts.nonblock_grads + one_grad
-    dynamic = max(bwd, step)
-    grads_at_peak = grads_after[i_peak] + one_grad if bwd >= step else step
+    if bwd >= step:  # the peak is inside backward: split it into its parts for the report
+        dynamic, grads_at_peak = bwd, grads_after[i_peak] + one_grad
+        ck_gpu_shown = ck_gpu if activation_offload and facts.checkpointing else prefix[i_peak]
+        other = tr.outside_saved
+    else:  # the optimizer step: gradients only
+        dynamic, grads_at_peak, ck_gpu_shown, other = step, step, 0, 0
     act = dynamic - grads_at_peak
-    act_block = act - (ck_gpu if bwd >= step else 0) - (tr.outside_saved if bwd >= step else 0)
-    if not (bwd >= step):
-        ck_gpu_shown, other = 0, 0
-    else:
-        ck_gpu_shown, other = (
-            (ck_gpu if activation_offload and facts.checkpointing else prefix[i_peak]),
-            tr.outside_saved,
-        )
-        act_block = act - ck_gpu_shown - other
+    act_block = act - ck_gpu_shown - other
     if activation_offload:
         h2d += ck_host
         d2h += ck_host
