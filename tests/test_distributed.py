@@ -101,12 +101,14 @@ def _job(rank: int, job: dict) -> dict:
     return info
 
 
-def _worker(rank: int, port: int, jobs: list[dict], result: str) -> None:
+def _worker(rank: int, port: int, jobs: list[dict], result: str, backend: str) -> None:
     import torch.distributed as tdist
 
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     torch.set_num_threads(1)  # the same kernels (and summation order) as the 1-thread reference
     os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank))
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+    tdist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                              timeout=datetime.timedelta(seconds=60))
     out = []
     try:
@@ -119,12 +121,12 @@ def _worker(rank: int, port: int, jobs: list[dict], result: str) -> None:
         tdist.destroy_process_group()
 
 
-def _run_two(jobs: list[dict], tmp: Path, timeout: float = 120) -> list[list[dict]]:
+def _run_two(jobs: list[dict], tmp: Path, timeout: float = 120, backend: str = "gloo") -> list[list[dict]]:
     import torch.multiprocessing as mp
 
     result = tmp / f"results-{time.monotonic_ns()}"
     result.mkdir()
-    ctx = mp.start_processes(_worker, args=(_free_port(), jobs, str(result)), nprocs=WORLD, join=False,
+    ctx = mp.start_processes(_worker, args=(_free_port(), jobs, str(result), backend), nprocs=WORLD, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1):

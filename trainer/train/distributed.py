@@ -43,6 +43,7 @@ Left out: several hosts (the data cache must be on a shared file system; unteste
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import math
 import os
@@ -196,8 +197,9 @@ def setup(device_choice: str) -> Dist:
         device = torch.device("cpu")
     created = False
     if not tdist.is_initialized():
+        # 30 minutes: the others wait at a barrier while rank 0 writes a full fine-tune or samples images.
         tdist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                                 device_id=device if cuda else None)
+                                 timeout=datetime.timedelta(minutes=30), device_id=device if cuda else None)
         created = True
     from .monitor import say
 
