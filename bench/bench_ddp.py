@@ -70,8 +70,12 @@ def _measure(step, dev, world, args) -> dict:
     if world > 1:
         tdist.barrier()
     total = time.perf_counter() - t0
-    return {"seconds": total, "step_s_median": statistics.median(per), "steps_s": per,
-            "samples_per_s": world * args.batch * args.steps / total}
+    return {
+        "seconds": total,
+        "step_s_median": statistics.median(per),
+        "steps_s": per,
+        "samples_per_s": world * args.batch * args.steps / total,
+    }
 
 
 def _worker(rank: int, world: int, args, port: int, out: str) -> None:
@@ -83,9 +87,14 @@ def _worker(rank: int, world: int, args, port: int, out: str) -> None:
         torch.cuda.set_device(dev)
         torch.backends.cuda.enable_cudnn_sdp(False)  # fails in backward for some shapes (GPU.md)
     if world > 1:
-        tdist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                 world_size=world, timeout=datetime.timedelta(minutes=10),
-                                 device_id=dev if cuda else None)
+        tdist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=10),
+            device_id=dev if cuda else None,
+        )
     model = build(args, dev)
     params = add_lora(model, args.rank)
     model.train()
@@ -93,7 +102,9 @@ def _worker(rank: int, world: int, args, port: int, out: str) -> None:
     kw, target = inputs(dev, args.res, text=args.text)
     if args.batch > 1:
         batched = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance")
-        kw = {k: (v.expand(args.batch, *v.shape[1:]).contiguous() if k in batched else v) for k, v in kw.items()}
+        kw = {
+            k: (v.expand(args.batch, *v.shape[1:]).contiguous() if k in batched else v) for k, v in kw.items()
+        }
         target = target.expand(args.batch, *target.shape[1:]).contiguous()
     opt = torch.optim.AdamW(params, lr=1e-5)
     if cuda:
@@ -118,8 +129,13 @@ def _worker(rank: int, world: int, args, port: int, out: str) -> None:
         rows.append({"name": "1 process", **run(None)})
     else:
         red = BucketedAllReduce(params, world, 1)
-        rows.append({"name": f"{world} processes, buckets overlapped with backward", "buckets": len(red.buckets),
-                     **run(red)})
+        rows.append(
+            {
+                "name": f"{world} processes, buckets overlapped with backward",
+                "buckets": len(red.buckets),
+                **run(red),
+            }
+        )
         red.remove()
         red = BucketedAllReduce(params, world, 1)
         red.remove()  # no hooks: finish() launches every bucket after backward
@@ -135,9 +151,14 @@ def _worker(rank: int, world: int, args, port: int, out: str) -> None:
         rows[0]["allreduce_lora_s"] = statistics.median(ts[1:])
     st = handle.stats()
     for r in rows:
-        r.update(world=world, rank=rank, lora_params=lora, pinned_bytes=st["pinned_bytes"],
-                 offloaded_bytes=st["offloaded_bytes"],
-                 peak_reserved_gb=torch.cuda.max_memory_reserved(dev) / 1e9 if cuda else None)
+        r.update(
+            world=world,
+            rank=rank,
+            lora_params=lora,
+            pinned_bytes=st["pinned_bytes"],
+            offloaded_bytes=st["offloaded_bytes"],
+            peak_reserved_gb=torch.cuda.max_memory_reserved(dev) / 1e9 if cuda else None,
+        )
     Path(out, f"world{world}-rank{rank}.json").write_text(json.dumps(rows))
     print(json.dumps([{k: v for k, v in r.items() if k != "steps_s"} for r in rows]), flush=True)
     handle.close()
@@ -166,7 +187,9 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     for world in (1, args.gpus):
-        mp.start_processes(_worker, args=(world, args, _port(), str(args.out)), nprocs=world, start_method="spawn")
+        mp.start_processes(
+            _worker, args=(world, args, _port(), str(args.out)), nprocs=world, start_method="spawn"
+        )
 
     def rows(world):
         return json.loads((args.out / f"world{world}-rank0.json").read_text())
@@ -193,8 +216,10 @@ def main() -> None:
     for r in result["rows"]:
         gb = "" if r["peak_reserved_gb"] is None else f"{r['peak_reserved_gb']:.1f}"
         ar = f"{r['allreduce_lora_s']:.4f}" if "allreduce_lora_s" in r else ""
-        lines.append(f"| {r['name']} | {r['samples_per_s']:.3f} | {r['samples_per_s'] / one['samples_per_s']:.2f} | "
-                     f"{r['step_s_median']:.3f} | {gb} | {ar} |")
+        lines.append(
+            f"| {r['name']} | {r['samples_per_s']:.3f} | {r['samples_per_s'] / one['samples_per_s']:.2f} | "
+            f"{r['step_s_median']:.3f} | {gb} | {ar} |"
+        )
     lines.append("")
     lines.append(f"target: >= {result['target']:.1f} x 1 GPU (issue 8)")
     (args.out / "ddp.md").write_text("\n".join(lines) + "\n")
