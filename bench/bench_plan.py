@@ -207,6 +207,8 @@ def predicted(facts, res, fraction, activations, rates_ref, rates_gpu) -> dict:
         pred_allocated_gb=p.peak_allocated / GB,
         pred_pinned_gb=(p.pinned + p.act_checkpoint_host) / GB,
         pred_step_ref_s=p.step_s,
+        pred_static_gb=p.static / GB,
+        pred_dynamic_gb=p.dynamic / GB,
     )
     if rates_gpu is not None:
         out["pred_step_gpu_s"] = planner.predict(facts, fraction, res, activations, rates_gpu).step_s

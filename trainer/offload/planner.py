@@ -220,6 +220,8 @@ class Prediction:
     d2h: int
     peak_allocated: float
     peak_reserved: float
+    static: float  #: the reserved peak's fixed part (2 MiB-rounded allocations that live the whole step)
+    dynamic: float  #: its varying part (activations and gradients at the peak), before ALLOCATOR_OVERHEAD
     ram_peak: float
     compute_s: float
     transfer_s: float
@@ -323,6 +325,8 @@ def predict(
         d2h=d2h,
         peak_allocated=allocated,
         peak_reserved=reserved,
+        static=static,
+        dynamic=dynamic,
         ram_peak=ram,
         # the state copies of StateOffload run on the compute stream: they add to compute, not overlap it
         compute_s=flops / rates.flops_per_s + 2 * state_moved / rates.h2d,
