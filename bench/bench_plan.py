@@ -257,6 +257,27 @@ def markdown(meta, rows, presets) -> str:
             f"({f(r.get('step_err_pct'), '{:+.1f}')}) "
             f"| {f(r.get('pred_pinned_gb'))} / {f(r.get('pinned_gb'))} | {f(r.get('h2d_gbps'), '{:.1f}')} |"
         )
+    # Calibration hints: what the allocator model's constant would have to be for each measured row.
+    cal = []
+    for r in rows:
+        if r.get("status") == "ok" and r.get("pred_dynamic_gb"):
+            implied = (r["reserved_gb"] - r["pred_static_gb"] - meta["workspace_gb"]) / r["pred_dynamic_gb"]
+            alloc_dyn = r["allocated_gb"] - (r["pred_allocated_gb"] - r["pred_dynamic_gb"])
+            cal.append(
+                f"| {r['res']} | {r['fraction']:.2f} | {'on' if r['activations'] else 'off'} "
+                f"| {r['pred_static_gb']:.2f} | {r['pred_dynamic_gb']:.2f} | {alloc_dyn:.2f} | {implied:.2f} |"
+            )
+    if cal:
+        out += [
+            "",
+            f"Allocator model (planner: reserved = static + {meta['allocator_overhead']:.2f} x dynamic + "
+            f"{meta['workspace_gb']:.2f} GB): dynamic measured = allocated peak - predicted static part; "
+            "implied factor = (reserved - static - workspace) / predicted dynamic.",
+            "",
+            "| px | fraction | act | static GB pred | dynamic GB pred | dynamic GB meas | implied factor |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+            *cal,
+        ]
     out += [
         "",
         "### Flux LoRA presets under a VRAM cap (card - 1 GB)",
