@@ -155,3 +155,23 @@ def test_bf16_full_fine_tune_with_stochastic_rounding_resumes_bitwise(tiny_model
     assert losses(tmp_path / "run") == losses(tmp_path / "ref")
     w, r = _weights(t), _weights(ref)
     assert all(torch.equal(w[k], r[k]) for k in r)
+
+
+def test_streamed_text_encoders_give_the_same_cache_and_samples(tiny_models, images, tmp_path, monkeypatch):
+    """offload.text_encoders on the conductor's CPU path: caching and training-time sampling see the same
+    embeddings as with resident encoders, so losses and sample images are identical."""
+    from trainer.train import glue
+
+    def run(name):
+        cfg = _cfg(tiny_models, images, tmp_path / name, tmp_path / f"cache-{name}", steps=2)
+        cfg = cfg.model_copy(update={
+            "offload": cfg.offload.model_copy(update={"text_encoders": 0.5}),
+            "sample": cfg.sample.model_copy(update={"prompts": ["a red square"], "every": 2, "steps": 2,
+                                                    "width": 64, "height": 64}),
+        })
+        Trainer(cfg).fit()
+        return losses(tmp_path / name), (tmp_path / name / "samples" / "step-000002-0.png").read_bytes()
+
+    resident = run("resident")
+    monkeypatch.setattr(glue, "_text_fraction", lambda cfg, device: 0.5)
+    assert run("streamed") == resident

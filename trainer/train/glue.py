@@ -22,15 +22,47 @@ def get_adapter(model_cfg):
 # ---------------------------------------------------------------------------------------------- data
 
 
+def _text_fraction(cfg: Config, device: torch.device) -> float:
+    return float(cfg.offload.text_encoders) if device.type == "cuda" else 0.0
+
+
+def _load_encoders(cfg: Config, adapter, device, dtype, parts: set[str], handles: list):
+    """VAE and text encoders on the device; with offload.text_encoders > 0 (on a GPU) the encoders' blocks are
+    streamed from CPU RAM (a T5-XXL alone is 9.5 GB in bf16). Stream handles are appended to `handles`."""
+    f = _text_fraction(cfg, device)
+    comps = adapter.load(cfg.model, parts=parts, dtype=dtype, device="cpu" if f > 0 else device)
+    if f > 0:
+        from ..offload import attach_offload
+        from ..sampling.placement import encoder_blocks
+
+        if comps.vae is not None:
+            comps.vae.to(device)
+        for enc in comps.text_encoders:
+            blocks = encoder_blocks(enc)
+            inside = {id(t) for b in blocks for t in (*b.parameters(), *b.buffers())}
+            for m in enc.modules():
+                for p in m._parameters.values():
+                    if p is not None and id(p) not in inside:
+                        p.data = p.data.to(device)
+                for k, b in m._buffers.items():
+                    if b is not None and id(b) not in inside:
+                        m._buffers[k] = b.to(device)
+            handles.append(attach_offload(blocks, device, f, mode="sample"))
+    return comps
+
+
 def prepare_data(cfg: Config, adapter, device: torch.device, dtype: torch.dtype, rank: int = 0, world_size: int = 1):
     """TrainData with complete caches. The VAE and text encoders are loaded only if something is missing, and
     freed before this returns. Several processes: rank r draws its share of every round (trainer/data)."""
     from ..data.pipeline import prepare_data as _prepare
 
-    def load_encoders():
-        return adapter.load(cfg.model, parts={"vae", "text"}, dtype=dtype, device=device)
-
-    return _prepare(cfg, adapter, load_encoders, rank=rank, world_size=world_size, progress=rank == 0)
+    handles: list = []
+    try:
+        return _prepare(cfg, adapter, lambda: _load_encoders(cfg, adapter, device, dtype, {"vae", "text"}, handles),
+                        rank=rank, world_size=world_size, progress=rank == 0)
+    finally:
+        for h in handles:
+            h.close()
 
 
 def data_state(data) -> dict:
@@ -190,10 +222,15 @@ class Sampler:
         self.seeds = [s.seed + i for i in range(len(self.prompts))]
         self.settings = SampleSettings(steps=s.steps, guidance=s.guidance, width=s.width, height=s.height,
                                        negative_prompt=s.negative_prompt)
-        comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler"}, dtype=dtype, device=device)
-        pipe = adapter.pipeline(comps)
-        self.embeds = encode_prompts(pipe, adapter.family, self.prompts, guidance=s.guidance,
-                                     negative_prompt=s.negative_prompt, device=device)
+        handles: list = []
+        try:
+            comps = _load_encoders(cfg, adapter, device, dtype, {"vae", "text", "scheduler"}, handles)
+            pipe = adapter.pipeline(comps)
+            self.embeds = encode_prompts(pipe, adapter.family, self.prompts, guidance=s.guidance,
+                                         negative_prompt=s.negative_prompt, device=device)
+        finally:
+            for h in handles:
+                h.close()
         del pipe
         comps.text_encoders, comps.tokenizers = [], []  # freed: the embeddings are all sampling needs
         self.components = comps
