@@ -51,7 +51,7 @@ from . import _planner_time as ptime
 from . import _planner_trace as ptrace
 from ._planner_models import optimizer_state_bytes, text_encoder_bytes, transformer_config
 from .allocators import BlockPacking
-from .plan import capacity_for, make_plan
+from .plan import PlanError, capacity_for, make_plan
 
 GB = 1e9
 MIB2 = 2 << 20
@@ -339,6 +339,15 @@ def _fraction_of(cfg) -> float | None:
     return None if f == "auto" else float(f)
 
 
+def _peak(facts: Facts, fraction: float, res: int, act: bool) -> float:
+    """Predicted reserved peak; inf where the ring schedule cannot be built (plan.PlanError: a block larger
+    than the ring the fraction leaves, possible with very unequal block sizes)."""
+    try:
+        return predict(facts, fraction, res, act).peak_reserved
+    except PlanError:
+        return math.inf
+
+
 def choose_fraction(
     cfg,
     vram_gb: float | None = None,
@@ -362,7 +371,7 @@ def choose_fraction(
         grid = GRID
     chosen = 0.0
     for res in facts.resolutions:
-        fit = next((f for f in grid if predict(facts, f, res, act).peak_reserved <= budget * GB), None)
+        fit = next((f for f in grid if _peak(facts, f, res, act) <= budget * GB), None)
         if fit is None:
             need = predict(facts, grid[-1], res, act).peak_reserved / GB
             hint = "lower the resolution" + (
