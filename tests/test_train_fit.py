@@ -4,6 +4,7 @@ are pinned, the LoRA file works in the diffusers pipeline exactly as in the trai
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -175,3 +176,32 @@ def test_gradient_accumulation_averages_the_micro_batches(tiny_models, train_ima
     assert all(torch.equal(a, b) for a, b in zip(seen["g"], expected, strict=True))
     assert metrics["loss"] == sum(expected_losses) / 2
     t.close()
+
+
+def test_gradient_checkpointing_changes_no_number(tiny_models, train_images, cache_root, tmp_path):
+    """Recomputing each block in backward gives bitwise the losses and weights of storing its activations."""
+    runs = []
+    for ckpt in (False, True):
+        cfg = make_config(tiny_models, train_images, tmp_path / f"out-{ckpt}", cache_root / "flux", "flux",
+                          train={"steps": 3, "gradient_checkpointing": ckpt})
+        t = Trainer(cfg)
+        t.fit()
+        blocks = t.adapter.blocks(t.transformer)
+        assert all(getattr(b, "_dittrain_checkpointed", False) == ckpt for b in blocks)
+        runs.append((losses(tmp_path / f"out-{ckpt}"), [p.detach().clone() for p in t.params]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
+
+
+def test_bf16_base_trains_fp32_lora_weights(tiny_models, train_images, cache_root, tmp_path):
+    cfg = make_config(tiny_models, train_images, tmp_path / "out", cache_root / "flux-bf16", "flux",
+                      model={"dtype": "bf16"}, train={"steps": 2})
+    t = Trainer(cfg)
+    path = t.fit()
+    assert t.params and all(p.dtype == torch.float32 for p in t.params)
+    frozen = [p for p in t.transformer.parameters() if not p.requires_grad]
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
+    from safetensors.torch import load_file
+
+    assert all(v.dtype == torch.float32 for v in load_file(str(path)).values())
+    assert all(math.isfinite(x) for x in losses(tmp_path / "out"))
