@@ -268,3 +268,20 @@ def test_optimizer_state_bytes_equal_the_real_optimizer(tiny_models, name):
     assert optimizer_state_bytes(name, params) == real > 0
     # pinned copies: each tensor rounded up to a power of two, never smaller
     assert optimizer_state_bytes(name, params, pinned=True) >= real
+
+
+def test_cli_plan_nothing_fits_is_one_line_exit_1(tiny_models, tmp_path):
+    import yaml
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    cfg = _cfg(tiny_models / "flux", "flux")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    res = CliRunner().invoke(app, ["plan", str(path), "--vram", "0.01"])
+    assert res.exit_code == 1
+    err = res.stderr.strip() if hasattr(res, "stderr") and res.stderr else res.output.strip()
+    assert err.startswith("error: offload: flux lora at 64 px needs at least") and "\n" not in err
+    ok = CliRunner().invoke(app, ["plan", str(path), "--vram", "8"])
+    assert ok.exit_code == 0 and "auto chose transformer fraction 0.00" in ok.output
