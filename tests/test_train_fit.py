@@ -205,3 +205,12 @@ def test_bf16_base_trains_fp32_lora_weights(tiny_models, train_images, cache_roo
 
     assert all(v.dtype == torch.float32 for v in load_file(str(path)).values())
     assert all(math.isfinite(x) for x in losses(tmp_path / "out"))
+
+
+def test_lora_targets_that_match_nothing_are_a_user_error(tiny_models, train_images, cache_root, tmp_path):
+    from trainer.errors import UserError
+
+    cfg = make_config(tiny_models, train_images, tmp_path / "out", cache_root / "flux", "flux",
+                      lora={"targets": ["to_qq"]})
+    with pytest.raises(UserError, match=r"lora.targets \['to_qq'\]"):
+        Trainer(cfg).fit()
