@@ -320,7 +320,8 @@ def main() -> int:
             rates_gpu = measure(facts)
             log(
                 f"planner measurement: H2D {rates_gpu.h2d / GB:.1f} GB/s, D2H {rates_gpu.d2h / GB:.1f}, both "
-                f"{rates_gpu.bidir / GB:.1f}; effective {rates_gpu.flops_per_s / 1e12:.0f} TFLOP/s "
+                f"{rates_gpu.bidir / GB:.1f}; effective TFLOP/s per bucket "
+                f"{ {r: round(v / 1e12) for r, v in rates_gpu.by_res.items()} } "
                 f"(reference {rates_ref.flops_per_s / 1e12:.0f})"
             )
         except Exception as e:  # noqa: BLE001
@@ -390,7 +391,7 @@ def main() -> int:
         torch=torch.__version__,
         command="python bench/bench_plan.py " + " ".join(sys.argv[1:]),
         h2d_gbps=rates_gpu.h2d / GB if rates_gpu else None,
-        gpu_flops=rates_gpu.flops_per_s if rates_gpu else None,
+        gpu_flops=rates_gpu.by_res if rates_gpu else None,
         ref_flops=rates_ref.flops_per_s,
         allocator_overhead=planner.ALLOCATOR_OVERHEAD,
         workspace_gb=planner.WORKSPACE / GB,

@@ -1,7 +1,7 @@
 """A short measurement on the user's GPU for `dittrain plan`: copy rates and one block's training pass.
 
 One block of the model's most frequent block class is built on the GPU with random weights (a copy of the meta
-block, so LoRA layers are included), fed random inputs of the largest bucket's shapes (recorded by the trace),
+block, so LoRA layers are included), fed random inputs of each bucket's shapes (recorded by the trace),
 and run as training runs it: a forward without grad (the checkpointed forward), a forward with grad (the
 recompute) and a backward. Its FLOPs are counted by `torch.utils.flop_counter` on the forward and turned into
 training FLOPs with the same formula as the whole model (trainer/offload/_planner_time.py), so the measured rate
@@ -35,13 +35,14 @@ def _materialize(obj, device):
     return obj
 
 
-def block_pass(facts, device: str | torch.device = "cuda"):
-    """(step, block index, forward matmul FLOPs, forward attention FLOPs): one block of the most frequent class, random weights on `device`, run as training
-    runs it by `step()` (forward without grad, recompute, backward)."""
+def block_pass(facts, device: str | torch.device = "cuda", res: int | None = None):
+    """(step, block index, forward matmul FLOPs, forward attention FLOPs) for one block of the most frequent
+    class with random weights on `device`, fed the bucket's shapes (`res`, default the largest) and run as
+    training runs it by `step()`: forward without grad, recompute, backward."""
     from torch.utils.flop_counter import FlopCounterMode
 
     dev = torch.device(device)
-    tr = facts.trace(max(facts.resolutions))
+    tr = facts.trace(res or max(facts.resolutions))
     cls = Counter(type(b).__name__ for b in facts.blocks).most_common(1)[0][0]
     idx, args, kwargs = tr.calls[cls]
     block = copy.deepcopy(facts.blocks[idx]).to_empty(device=dev)
@@ -72,8 +73,14 @@ def block_pass(facts, device: str | torch.device = "cuda"):
 
 
 def measure(facts) -> ptime.Rates:  # pragma: no cover - needs a GPU
-    step, _, lin, attn = block_pass(facts, "cuda")
-    train = ptime.train_flops(lin, attn, checkpointing=True, weights_train=facts.method == "full")
-    step()  # warm-up (kernel selection, allocator)
-    # The block and its inputs are freed when this returns; plan does not train afterwards.
-    return ptime.measure_rates(step, train)
+    """Copy rates and one block's training pass at each bucket side (at most the three largest)."""
+    blocks = {}
+    for res in sorted(facts.resolutions)[-3:]:
+        step, _, lin, attn = block_pass(facts, "cuda", res)
+        step()  # warm-up (kernel selection, allocator)
+        blocks[res] = (
+            step,
+            ptime.train_flops(lin, attn, checkpointing=True, weights_train=facts.method == "full"),
+        )
+    # The blocks and their inputs are freed when this returns; plan does not train afterwards.
+    return ptime.measure_rates(blocks)

@@ -23,7 +23,7 @@ block, and the optimizer step itself (LoRA: milliseconds; full fine-tuning on th
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Reference: DESIGN.md, measured on an H200.
 REF_STEP_S = 0.775  # Flux.1-dev LoRA r16, 1024x1024, batch 1, checkpointing
@@ -54,6 +54,11 @@ class Rates:
     d2h: float
     bidir: float  #: both directions at once, total
     source: str  #: where the numbers come from, for the printed assumptions
+    by_res: dict = field(default_factory=dict)  #: measured training FLOP rate per bucket side (px)
+
+    def rate(self, res: int) -> float:
+        """FLOP rate for a bucket: measured at that size when it was, else the general one."""
+        return self.by_res.get(res, self.flops_per_s)
 
 
 def reference_rates() -> Rates:
@@ -74,9 +79,9 @@ def transfer_seconds(h2d_bytes: float, d2h_bytes: float, rates: Rates) -> float:
     return max(h2d_bytes / rates.h2d, d2h_bytes / rates.d2h, (h2d_bytes + d2h_bytes) / rates.bidir)
 
 
-def measure_rates(block_fn=None, block_flops: float = 0.0) -> Rates:  # pragma: no cover - needs a GPU
-    """Short measurement on the current GPU: a pinned 1 GB copy each way (and both at once) and, when given,
-    `block_fn()` (one block's training fwd+recompute+bwd, already warmed up) whose FLOPs are `block_flops`."""
+def measure_rates(blocks: dict | None = None) -> Rates:  # pragma: no cover - needs a GPU
+    """Short measurement on the current GPU: a pinned 1 GB copy each way (and both at once) and, per bucket
+    side in `blocks` ({res: (fn, flops)}), one block's training pass `fn()` (warmed up) of `flops` FLOPs."""
     import torch
 
     n = 1 << 30
@@ -104,11 +109,12 @@ def measure_rates(block_fn=None, block_flops: float = 0.0) -> Rates:  # pragma: 
         torch.cuda.current_stream().wait_stream(side)
 
     bidir = n / timed(both)
-    ref = reference_rates()
-    if block_fn is not None and block_flops > 0:
-        rate = block_flops / timed(block_fn, reps=5)
-        source = f"measured on {torch.cuda.get_device_name()}: pinned copies and one block's training pass"
+    by_res = {res: flops / timed(fn, reps=5) for res, (fn, flops) in (blocks or {}).items() if flops > 0}
+    name = torch.cuda.get_device_name()
+    if by_res:
+        rate = by_res[max(by_res)]
+        source = f"measured on {name}: pinned copies and one block's training pass per bucket"
     else:
-        rate = ref.flops_per_s
-        source = f"measured copies on {torch.cuda.get_device_name()}; compute from the H200 reference"
-    return Rates(rate, h2d, d2h, bidir, source)
+        rate = reference_rates().flops_per_s
+        source = f"measured copies on {name}; compute from the H200 reference"
+    return Rates(rate, h2d, d2h, bidir, source, by_res)

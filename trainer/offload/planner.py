@@ -329,7 +329,7 @@ def predict(
         dynamic=dynamic,
         ram_peak=ram,
         # the state copies of StateOffload run on the compute stream: they add to compute, not overlap it
-        compute_s=flops / rates.flops_per_s + 2 * state_moved / rates.h2d,
+        compute_s=flops / rates.rate(res) + 2 * state_moved / rates.h2d,
         transfer_s=ptime.transfer_seconds(h2d, d2h, rates),
     )
 
