@@ -7,7 +7,9 @@ one forward for the input gradients of every matmul, one more for weight gradien
 fine-tuning; LoRA's weight gradients are negligible), and two forwards for attention (its backward recomputes
 the scores). The rate that turns FLOPs into seconds is calibrated once on the DESIGN.md reference: Flux.1-dev
 LoRA rank 16 at 1024x1024, batch 1, gradient checkpointing, 0.775 s a step on an H200 (torch 2.11,
-diffusers 0.42.1). An H100 has the same compute (both GH100); other GPUs are scaled by nothing, so measure.
+diffusers 0.42.1). An H100 has the same compute (both GH100); other GPUs are scaled by nothing, so measure:
+with a GPU present, `dittrain plan` times one block at each bucket's shapes (trainer/offload/_planner_measure.py)
+and uses that rate per bucket, which also catches small buckets running below the large-bucket efficiency.
 
 Transfer. Host-to-device bytes per step come from the offload plan (trainer/offload/plan.py, the same code the
 conductor replays), plus the checkpoint inputs coming back in backward under activation offloading;
