@@ -15,9 +15,11 @@ with hooks on every block:
   weights (they are not activations) and the block's inputs (already counted).
 
 Attention and RMS norm are the two ops whose saved tensors depend on the kernel, not the Python code. On meta,
-`scaled_dot_product_attention` takes the math path (an N x N score matrix), which no GPU kernel stores, so a
-`TorchFunctionMode` swaps it for a stand-in that saves what the flash / memory-efficient kernels save (q, k, v,
-the output and a float32 log-sum-exp per query row); CPU's flash kernel saves the same. On CUDA `rms_norm` is one
+`scaled_dot_product_attention` takes the math path (an N x N score matrix), which no GPU kernel stores, so
+while tracing it is swapped (on `torch.nn.functional`, where diffusers looks it up at call time; not thread-safe,
+the planner runs before training) for a stand-in that saves what the flash / memory-efficient kernels save
+(q, k, v, the output, a float32 log-sum-exp per query row, and the mask if any); CPU's flash kernel saves the
+same. On CUDA `rms_norm` is one
 fused kernel saving its input and a float32 rstd per row; on CPU it is decomposed into float32 ops; `kernels=
 "cuda"` models the former, `"cpu"` leaves the decomposition alone (the tests compare that mode with real CPU
 runs of the tiny models).
