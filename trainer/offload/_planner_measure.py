@@ -73,14 +73,20 @@ def block_pass(facts, device: str | torch.device = "cuda", res: int | None = Non
 
 
 def measure(facts) -> ptime.Rates:  # pragma: no cover - needs a GPU
-    """Copy rates and one block's training pass at each bucket side (at most the three largest)."""
-    blocks = {}
-    for res in sorted(facts.resolutions)[-3:]:
-        step, _, lin, attn = block_pass(facts, "cuda", res)
-        step()  # warm-up (kernel selection, allocator)
-        blocks[res] = (
-            step,
-            ptime.train_flops(lin, attn, checkpointing=True, weights_train=facts.method == "full"),
-        )
-    # The blocks and their inputs are freed when this returns; plan does not train afterwards.
-    return ptime.measure_rates(blocks)
+    """Copy rates and one block's training pass at each bucket side (at most the three largest).
+
+    cuDNN attention is off while timing, as the trainer's `train.attention: auto` has it (it fails in backward
+    on some drivers, ../shared/GPU.md)."""
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        blocks = {}
+        for res in sorted(facts.resolutions)[-3:]:
+            step, _, lin, attn = block_pass(facts, "cuda", res)
+            step()  # warm-up (kernel selection, allocator)
+            train = ptime.train_flops(lin, attn, checkpointing=True, weights_train=facts.method == "full")
+            blocks[res] = (step, train)
+        # The blocks and their inputs are freed when this returns; plan does not train afterwards.
+        return ptime.measure_rates(blocks)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
