@@ -144,16 +144,19 @@ class Trainer:
             self.params = add_lora(self.transformer, cfg, self.adapter.default_lora_targets)
         else:
             self.params = full_params(self.transformer)
+        if resume_dir is not None:
+            # Before the optimizer sees the weights and before offloading turns block weights into ring views.
+            self._load_weights(resume_dir)
         if c.method == "lora":
             self.dist.same_start(self.params)
         blocks = self.adapter.blocks(self.transformer)
+        say(f"{c.method}: {count(self.params) / 1e6:.3f} M trainable parameters in {len(self.params)} tensors, "
+            f"{len(blocks)} blocks{' checkpointed' if c.gradient_checkpointing else ''}"
+            f"{f', {fraction:g} of block bytes streamed from CPU RAM' if self._offloaded else ''}")
         if c.gradient_checkpointing:
             checkpoint_blocks(blocks)
         if self._offloaded:
             self.offload = glue.attach_offload(self.transformer, blocks, cfg, self.device, fraction)
-        say(f"{c.method}: {count(self.params) / 1e6:.3f} M trainable parameters in {len(self.params)} tensors, "
-            f"{len(blocks)} blocks{' checkpointed' if c.gradient_checkpointing else ''}"
-            f"{f', {fraction:g} of block bytes streamed from CPU RAM' if self._offloaded else ''}")
 
         self.optim = glue.Optim(cfg, self.params)
         if self.offload is not None and c.method == "full":
@@ -171,16 +174,20 @@ class Trainer:
         this to run the conductor's CPU path through the loop.)"""
         return self.device.type == "cuda"
 
-    def _restore(self, folder: Path) -> None:
+    def _load_weights(self, folder: Path) -> None:
         state = json.loads((folder / "state.json").read_text())
         if state.get("method") != self.cfg.train.method:
             raise UserError(f"--resume {folder}: checkpoint of a {state.get('method')} run, config says {self.cfg.train.method}")
-        if state.get("config_digest") != self.cfg.digest():
-            say(f"note: the config differs from the one {folder} was saved with; continuing with the current one")
         if self.cfg.train.method == "lora":
             ck.load_lora(folder / "lora.safetensors", self.transformer)
         else:
             ck.load_transformer_weights(folder / "transformer", self.transformer)
+
+    def _restore(self, folder: Path) -> None:
+        """Everything but the weights (`_load_weights`): optimizer, schedule, data position, generators, step."""
+        state = json.loads((folder / "state.json").read_text())
+        if state.get("config_digest") != self.cfg.digest():
+            say(f"note: the config differs from the one {folder} was saved with; continuing with the current one")
         self.optim.load(folder, state["scheduler"])
         glue.load_data_state(self.data, state["data"])
         self.objective.load_state(ck.restore_rng(load_file(str(folder / "rng.safetensors"))))
