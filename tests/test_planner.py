@@ -285,3 +285,19 @@ def test_cli_plan_nothing_fits_is_one_line_exit_1(tiny_models, tmp_path):
     assert err.startswith("error: offload: flux lora at 64 px needs at least") and "\n" not in err
     ok = CliRunner().invoke(app, ["plan", str(path), "--vram", "8"])
     assert ok.exit_code == 0 and "auto chose transformer fraction 0.00" in ok.output
+
+
+def test_sampling_prediction_uses_the_cyclic_plan(flux_full_size):
+    from trainer.offload._planner_sample import predict_sampling
+    from trainer.offload.plan import capacity_for, make_plan
+
+    _, facts = flux_full_size
+    resident = predict_sampling(facts, 0.0, 1024)
+    assert resident.transfer_s == 0 and resident.compute_s == pytest.approx(ptime.REF_FORWARD_S, rel=0.02)
+    half = predict_sampling(facts, 0.5, 1024)
+    cap = capacity_for(facts.packed, 0.5)
+    assert half.ring == cap
+    assert half.transfer_s == pytest.approx(
+        make_plan(facts.packed, cap, "sample").bytes_per_step() / ptime.REF_H2D
+    )
+    assert half.peak_reserved < resident.peak_reserved - 10e9

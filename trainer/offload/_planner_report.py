@@ -232,6 +232,7 @@ def report(
             )
         )
     lines += _table(rows)
+    lines += _sampling(facts, fr, big, rates)
     if ram_gb is not None:
         p = predict(facts, f_show, big, act, rates)
         host = (p.pinned + p.act_checkpoint_host) / GB
@@ -253,3 +254,30 @@ def report(
         "- step = max(compute, transfer); compute scales the reference by forward FLOPs (matmuls and attention)",
     ]
     return lines, chosen
+
+
+def _sampling(facts: Facts, fractions, res: int, rates) -> list[str]:
+    """`dittrain sample --offload F`: the denoising loop alone (trainer/offload/_planner_sample.py)."""
+    from ._planner_sample import predict_sampling
+
+    base = predict_sampling(facts, 0.0, res, rates)
+    rows = [("fraction", "ring", "peak reserved", "compute", "transfer", "s / step", "vs resident")]
+    for f in sorted(set(fractions) | {1.0}):
+        p = predict_sampling(facts, f, res, rates)
+        rows.append(
+            (
+                f"{f:.2f}",
+                _gb(p.ring),
+                _gb(p.peak_reserved),
+                f"{p.compute_s:.2f}",
+                f"{p.transfer_s:.2f}",
+                f"{p.step_s:.2f}",
+                f"{p.step_s / base.step_s:.2f}x",
+            )
+        )
+    return [
+        "",
+        f"Sampling at {res} px, batch 1, denoising steps only (GB, s; the cyclic plan reloads every "
+        "streamed block each step; text encoders and VAE decode not included):",
+        *_table(rows),
+    ]

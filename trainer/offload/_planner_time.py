@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 # Reference: DESIGN.md, measured on an H200.
 REF_STEP_S = 0.775  # Flux.1-dev LoRA r16, 1024x1024, batch 1, checkpointing
+REF_FORWARD_S = 0.198  # Flux.1-dev resident forward (one sampling step), 1024x1024, batch 1
 REF_H2D = 55.4e9
 REF_D2H = 55.3e9
 REF_BIDIR = 100.7e9
@@ -61,6 +62,14 @@ class Rates:
     def rate(self, res: int) -> float:
         """FLOP rate for a bucket: measured at that size when it was, else the general one."""
         return self.by_res.get(res, self.flops_per_s)
+
+
+def forward_rate(rates: Rates, res: int) -> float:
+    """FLOP rate of a no-grad forward (sampling): the training rate scaled by the reference's ratio of the two
+    (a forward runs bigger kernels back to back; the reference forward is 1.2x as efficient)."""
+    ref_train = REF_TRAIN_FLOPS / REF_STEP_S
+    ref_fwd = (REF_LINEAR_FLOPS + REF_ATTN_FLOPS) / REF_FORWARD_S
+    return rates.rate(res) * ref_fwd / ref_train
 
 
 def reference_rates() -> Rates:

@@ -1,0 +1,47 @@
+"""Sampling (`dittrain sample --offload F`): the denoising loop's VRAM and time per step for an offload fraction.
+
+Same sources as training (trainer/offload/planner.py): the ring and the bytes each step moves come from the
+conductor's cyclic sampling plan (`plan.make_plan(..., "sample")`, the next step's first blocks already loading);
+activations of a no-grad forward are small: the block's inputs and outputs plus its largest intermediate twice
+(produced and consumed), from the same meta-device trace. Time per step = max(forward compute, f W / B_h2d).
+
+Left out: the text encoders (they run first and are released, trainer/sample.py), the VAE decode at the end
+(its own peak, which can exceed the transformer's at large sizes), and classifier-free guidance doubling the batch
+(SD3 / Qwen-Image pipelines with guidance > 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import _planner_time as ptime
+from .plan import capacity_for, make_plan
+
+
+@dataclass
+class SamplePrediction:
+    fraction: float
+    resolution: int
+    ring: int
+    peak_reserved: float
+    step_s: float
+    compute_s: float
+    transfer_s: float
+
+
+def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None = None) -> SamplePrediction:
+    from .planner import ALLOCATOR_OVERHEAD, WORKSPACE, _round2m
+
+    rates = rates or ptime.reference_rates()
+    tr = facts.trace(res)
+    packed = facts.packed if facts.method == "lora" else facts.block_param_bytes
+    if fraction <= 0.0:
+        ring, moved = sum(packed), 0
+    else:
+        ring = capacity_for(packed, fraction)
+        moved = make_plan(packed, ring, "sample").bytes_per_step()
+    act = 2 * max(tr.block_inputs) + 2 * max(tr.block_largest) + tr.outside_saved
+    reserved = _round2m(ring) + _round2m(facts.nonblock_bytes) + ALLOCATOR_OVERHEAD * act + WORKSPACE
+    compute = (tr.linear_flops + tr.attn_flops) / ptime.forward_rate(rates, res)
+    transfer = moved / rates.h2d
+    return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer)
