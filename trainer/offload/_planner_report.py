@@ -246,7 +246,7 @@ def report(
         "",
         "Assumptions (predictions, not measurements):",
         f"- rates: {rates.source}",
-        f"- peak reserved = static allocations (2 MiB rounded) + {ALLOCATOR_OVERHEAD:.2f} x activations + "
+        f"- peak reserved = static allocations (2 MiB rounded) + {ALLOCATOR_OVERHEAD:.2f} x the varying part (activations, gradients) + "
         f"{WORKSPACE / GB:.2f} GB workspaces; the CUDA context (0.5-1 GB) comes on top",
         "- block working set = saved tensors of one block's recompute (flash attention, fused RMS norm) "
         "+ 2 x its largest saved tensor + 2 x its inputs (backward transients, estimated)",
