@@ -185,3 +185,43 @@ def test_blocks_checkpointed_by_the_trainer_are_checkpointed_once(lora_reference
     assert len(calls) == 2 * len(blocks) * STEPS
     h.close()
     assert all(getattr(b, "_dittrain_checkpointed", False) for b in blocks)
+
+
+def test_full_finetune_with_trainer_optim_fused_back_pass_equals_unfused_adamw():
+    """trainer/optim's FusedBackPass with its state packed in the streamed blocks (bind_fused) against a
+    plain optimizer.step() after backward on a resident model: bitwise in fp32 on the CPU."""
+    from trainer.config import OptimizerConfig
+    from trainer.offload.fused import bind_fused
+    from trainer.optim import FusedBackPass, build_optimizer
+
+    cfg = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1, max_grad_norm=None)
+
+    ref = tiny_flux(0)
+    attach_offload(blocks_of(ref), "cpu", 0.0, trainable=True)  # same graph, nothing streamed
+    opt = build_optimizer(list(ref.parameters()), cfg)
+    losses0 = []
+    for s in range(STEPS):
+        kw, target = batch(100 + s)
+        loss = torch.nn.functional.mse_loss(ref(**kw)[0], target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses0.append(loss.detach())
+
+    m = tiny_flux(0)
+    fb = FusedBackPass(build_optimizer(list(m.parameters()), cfg))
+    h = attach_offload(blocks_of(m), "cpu", 0.5, trainable=True, optimizer_state=fb.state_layout)
+    bind_fused(h, fb)
+    losses1 = []
+    for s in range(STEPS):
+        kw, target = batch(100 + s)
+        loss = torch.nn.functional.mse_loss(m(**kw)[0], target)
+        loss.backward()
+        fb.finish_step()
+        losses1.append(loss.detach())
+    assert torch.equal(torch.stack(losses0), torch.stack(losses1))
+    h.sync()  # state dicts now read the host arena, current after the write-back
+    streamed = [p for b in h.plan.streamed for p in blocks_of(m)[b].parameters()]
+    assert streamed and all(fb.state_of(p)["exp_avg"] is h._c.host_state_of(p)["exp_avg"] for p in streamed)
+    h.close()
+    assert _same(all_state(m), all_state(ref))

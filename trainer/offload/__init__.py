@@ -11,7 +11,8 @@ Public interface (everything else in this package is internal):
         nano_batches=1,         # split token-wise MLPs (diffusers FeedForward) into this many checkpointed chunks
         trainable=False,        # True: block weights are trained (full fine-tune, needs a fused back pass)
         checkpointing=None,     # default: True in "train"; per-block torch.utils.checkpoint(use_reentrant=False)
-        optimizer_state=(),     # full fine-tune: names of fp32 state tensors packed beside each weight
+        optimizer_state=(),     # full fine-tune: state packed beside each weight: FusedBackPass.state_layout
+                                #   (p -> {name: (shape, dtype)}) or names of fp32 weight-shaped tensors
         race_detector=False,    # fill released ring regions with NaN at once (tests)
     )
     handle.stats()      -> dict: block_bytes, offloaded_bytes, ring_bytes, pinned_bytes, h2d_gbps, ...
@@ -19,6 +20,14 @@ Public interface (everything else in this package is internal):
     handle.set_mode(m)  -> switch between "train" and "sample" (re-plans; synchronises)
     handle.sync()       -> waits; every block parameter then reads current values (to save a full fine-tune)
     handle.close()      -> restores plain modules with their current weights on the CPU (alias: detach)
+
+    bind_fused(handle, fused)  -> trainer.optim FusedBackPass steps streamed weights with their packed state
+                                  (from trainer.offload.fused; pre/post/synchronize hooks of its protocol)
+
+Full fine-tune with streaming, in this order:
+    fused = FusedBackPass(build_optimizer(params, cfg.optimizer))
+    handle = attach_offload(blocks, device, f, trainable=True, optimizer_state=fused.state_layout)
+    bind_fused(handle, fused)
 
 Contract with the caller:
 - Non-block modules (embedders, final norm, projections) are the caller's: move them to the device yourself.
@@ -38,9 +47,10 @@ import torch
 from torch import nn
 
 from .conductor import Conductor
+from .fused import bind_fused
 from .nano import nano_batch
 
-__all__ = ["OffloadHandle", "attach_offload"]
+__all__ = ["OffloadHandle", "attach_offload", "bind_fused"]
 
 
 class OffloadHandle:
@@ -95,7 +105,7 @@ def attach_offload(
     nano_batches: int = 1,
     trainable: bool = False,
     checkpointing: bool | None = None,
-    optimizer_state: tuple[str, ...] = (),
+    optimizer_state=(),
     race_detector: bool = False,
     training: bool | None = None,
 ) -> OffloadHandle:

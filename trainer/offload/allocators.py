@@ -54,11 +54,13 @@ class BlockPacking:
     entries: list[Entry] = field(default_factory=list)
     nbytes: int = 0
     resident: list[torch.Tensor] = field(default_factory=list)  # trainable params kept on the device
-    # optimizer state packed beside trainable weights: (param, state name, offset, nbytes, shape), fp32
-    states: list[tuple[torch.Tensor, str, int, int, torch.Size]] = field(default_factory=list)
+    # optimizer state packed beside trainable weights: (param, state name, offset, nbytes, shape, dtype)
+    states: list[tuple[torch.Tensor, str, int, int, torch.Size, torch.dtype]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, block: nn.Module, include_trainable: bool, state_names: tuple[str, ...] = ()) -> BlockPacking:
+    def of(cls, block: nn.Module, include_trainable: bool, state_layout=()) -> BlockPacking:
+        """`state_layout`: names of fp32 tensors shaped like each trainable weight, or a callable
+        p -> {name: (shape, dtype)} (trainer/optim FusedBackPass.state_layout)."""
         pk = cls()
         seen: set[int] = set()
         for mod in block.modules():
@@ -75,14 +77,19 @@ class BlockPacking:
                     continue
                 seen.add(id(b))
                 pk._add(mod, name, False, b)
-        if include_trainable:
+        if include_trainable and state_layout:
             for e in list(pk.entries):
                 p = e.tensor()
-                if e.is_param and p.requires_grad:
-                    for sn in state_names:
-                        n = p.numel() * 4
-                        pk.states.append((p, sn, pk.nbytes, n, p.shape))
-                        pk.nbytes += align(n)
+                if not (e.is_param and p.requires_grad):
+                    continue
+                if callable(state_layout):
+                    layout = state_layout(p)
+                else:
+                    layout = {sn: (p.shape, torch.float32) for sn in state_layout}
+                for sn, (shape, dtype) in layout.items():
+                    n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+                    pk.states.append((p, sn, pk.nbytes, n, torch.Size(shape), dtype))
+                    pk.nbytes += align(n)
         pk.nbytes = align(pk.nbytes)
         return pk
 
@@ -96,7 +103,7 @@ class BlockPacking:
         for e in self.entries:
             src = e.tensor().detach().contiguous().reshape(-1).view(torch.uint8)
             dst[e.offset : e.offset + e.nbytes].copy_(src)
-        for _, _, off, n, _ in self.states:  # optimizer state starts at zero
+        for _, _, off, n, _, _ in self.states:  # optimizer state starts at zero
             dst[off : off + n].zero_()
 
     def views(self, region: torch.Tensor) -> list[torch.Tensor]:
@@ -104,8 +111,8 @@ class BlockPacking:
 
     def state_views(self, region: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
         out: dict[int, dict[str, torch.Tensor]] = {}
-        for p, sn, off, n, shape in self.states:
-            out.setdefault(id(p), {})[sn] = region[off : off + n].view(torch.float32).view(shape)
+        for p, sn, off, n, shape, dtype in self.states:
+            out.setdefault(id(p), {})[sn] = region[off : off + n].view(dtype).view(shape)
         return out
 
     def point_at(self, views: list[torch.Tensor]) -> None:

@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .activations import ActivationOffloader
 from .allocators import BlockPacking, HostArena, Ring
-from .plan import BWD, FWD, Plan, capacity_for, make_plan, spread_fixed
+from .plan import BWD, FWD, Plan, capacity_for, plan_for
 
 
 class _ReleaseAfterBackward(torch.autograd.Function):
@@ -75,7 +75,7 @@ class Conductor:
         activations: bool = False,
         trainable: bool = False,
         checkpointing: bool | None = None,
-        optimizer_state: tuple[str, ...] = (),
+        optimizer_state=(),
         race_detector: bool = False,
         min_ring_blocks: int = 2,
         activation_min_bytes: int = 1 << 20,
@@ -100,7 +100,7 @@ class Conductor:
 
         n = len(self.blocks)
         self.packs = [
-            BlockPacking.of(b, include_trainable=trainable, state_names=optimizer_state) for b in self.blocks
+            BlockPacking.of(b, include_trainable=trainable, state_layout=optimizer_state) for b in self.blocks
         ]
         for pk in self.packs:  # LoRA and other trainable params outside the packed region stay resident
             for p in pk.resident:
@@ -127,13 +127,7 @@ class Conductor:
     def _setup_streaming(self, min_ring_blocks: int) -> None:
         sizes = [pk.nbytes for pk in self.packs]
         cap = capacity_for(sizes, self.fraction, min_blocks=min_ring_blocks)
-        self.plan: Plan = make_plan(sizes, cap, self.mode)
-        if self.mode == "sample":  # keep a spread part resident when that moves fewer bytes than the cycle
-            fixed = spread_fixed(sizes, cap, min_ring_blocks)
-            if fixed:
-                alt = make_plan(sizes, cap, self.mode, fixed=fixed)
-                if alt.bytes_per_step() < self.plan.bytes_per_step():
-                    self.plan = alt
+        self.plan: Plan = plan_for(sizes, cap, self.mode, min_ring_blocks)
         streamed = self.plan.streamed
         self.host_off: dict[int, int] = {}
         total = 0
@@ -360,6 +354,21 @@ class Conductor:
                 return sv[id(p)]
         return None
 
+    def host_state_of(self, p: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The host-arena copy of a streamed parameter's packed state (current after its write-back)."""
+        if not self.streaming:
+            return None
+        cache = self.__dict__.setdefault("_host_state", {})
+        if id(p) in cache:
+            return cache[id(p)]
+        for b, pk in enumerate(self.packs):
+            if b not in self.host_off:
+                continue
+            sv = pk.state_views(self.arena.region(self.host_off[b], self.plan.sizes[b]))
+            for pid, views in sv.items():
+                cache[pid] = views
+        return cache.get(id(p))
+
     def stats(self) -> dict:
         """Sizes and the measured host-to-device rate of the last step's copies (synchronises)."""
         out = {
@@ -387,6 +396,11 @@ class Conductor:
     def sync(self) -> None:
         """Make every block's parameters readable with current values (e.g. to save a full fine-tune):
         resident blocks point at the ring, the others at their host copies, until they run again."""
+        if self.streaming:
+            compute = torch.cuda.current_stream(self.device) if self.cuda else None
+            for b in list(self.dirty):
+                if b in self.host_off and self.where[b] is not None:
+                    self._write_back(b, compute)  # host copies (weights and packed state) become current
         self.synchronize()
         if not self.streaming:
             return

@@ -267,6 +267,19 @@ def make_plan(
     )
 
 
+def plan_for(sizes: list[int] | tuple[int, ...], capacity: int, mode: str, min_blocks: int = 2) -> Plan:
+    """The plan the conductor runs: the seed's schedule for training; for sampling the seed's cycle or, when
+    it moves fewer bytes, a spread resident part plus a streaming window (`spread_fixed`)."""
+    plan = make_plan(sizes, capacity, mode)
+    if mode == "sample":
+        fixed = spread_fixed(sizes, capacity, min_blocks)
+        if fixed:
+            alt = make_plan(sizes, capacity, mode, fixed=fixed)
+            if alt.bytes_per_step() < plan.bytes_per_step():
+                plan = alt
+    return plan
+
+
 # ------------------------------------------------------------------------------------ diagrams (tests, docs)
 
 
