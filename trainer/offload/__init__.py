@@ -54,10 +54,10 @@ __all__ = ["OffloadHandle", "attach_offload", "bind_fused"]
 
 
 class OffloadHandle:
-    def __init__(self, conductor: Conductor, undo_nano):
+    def __init__(self, conductor: Conductor, undo_nano, kwargs: dict):
         self._c = conductor
         self._undo_nano = undo_nano
-        self._args = None
+        self._kwargs = kwargs
 
     def stats(self) -> dict:
         return self._c.stats()
@@ -70,20 +70,14 @@ class OffloadHandle:
         return self._c.plan
 
     def set_mode(self, mode: str) -> None:
+        """Re-plan for "train" or "sample". Slow (restores the blocks and packs them again); a no-grad forward
+        under the training plan also works, it just loads the backward's blocks it does not need."""
         if mode == self._c.mode:
             return
         c = self._c
         c.close()
-        self._c = Conductor(
-            c.blocks,
-            c.device,
-            c.fraction,
-            mode=mode,
-            activations=c.act is not None,
-            trainable=c.trainable,
-            checkpointing=None,
-            race_detector=c.race_detector,
-        )
+        self._kwargs["mode"] = mode
+        self._c = Conductor(c.blocks, c.device, c.fraction, **self._kwargs)
 
     def sync(self) -> None:
         """Wait for the device; point every block parameter at current values (ring or host copy)."""
@@ -113,10 +107,7 @@ def attach_offload(
     if training is not None:
         mode = "train" if training else "sample"
     undo = nano_batch(blocks, nano_batches)
-    c = Conductor(
-        blocks,
-        device,
-        fraction,
+    kwargs = dict(
         mode=mode,
         activations=activations,
         trainable=trainable,
@@ -124,4 +115,5 @@ def attach_offload(
         optimizer_state=optimizer_state,
         race_detector=race_detector,
     )
-    return OffloadHandle(c, undo)
+    c = Conductor(blocks, device, fraction, **kwargs)
+    return OffloadHandle(c, undo, kwargs)
