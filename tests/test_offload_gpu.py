@@ -190,3 +190,40 @@ def test_sampling_is_identical():
         o1 = [m(**batch(5 + i, device=DEV, side=SIDE, text=TEXT)[0])[0] for i in range(3)]
     h.close()
     assert all(torch.equal(a, b) for a, b in zip(o0, o1, strict=True))
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_trainer_optim_fused_back_pass_with_packed_state_is_identical(fraction):
+    """The real full fine-tune path: trainer.optim FusedBackPass, its AdamW state packed beside the streamed
+    weights (bind_fused), written back on the side stream; against the same fused pass on the resident path
+    (fused = unfused AdamW is trainer/optim's own test)."""
+    from trainer.config import OptimizerConfig
+    from trainer.offload import bind_fused
+    from trainer.optim import FusedBackPass, build_optimizer
+
+    cfg = OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.1, max_grad_norm=None)
+
+    def run(f):
+        m = tiny_flux(0, **SIZE)
+        blocks = blocks_of(m)
+        place_non_blocks(m, blocks, DEV)
+        fb = FusedBackPass(build_optimizer(list(m.parameters()), cfg))
+        h = attach_offload(blocks, DEV, f, trainable=True, optimizer_state=fb.state_layout if f else ())
+        bind_fused(h, fb)
+        losses = []
+        with _kernel(torch.float32):
+            for s in range(3):
+                kw, target = batch(100 + s, device=DEV, side=SIDE, text=TEXT)
+                loss = torch.nn.functional.mse_loss(m(**kw)[0], target)
+                loss.backward()
+                fb.finish_step()
+                losses.append(loss.detach().cpu())
+        h.sync()
+        _sync()
+        h.close()
+        return torch.stack(losses), all_state(m)
+
+    l0, s0 = run(0.0)
+    l1, s1 = run(fraction)
+    assert torch.equal(l0, l1), (l0, l1)
+    assert all(torch.equal(s0[k], s1[k]) for k in s0)
