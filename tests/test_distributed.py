@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -26,12 +25,6 @@ from trainer.train import checkpoint as ck
 from trainer.train.trainer import Trainer
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cfg(models, images, out, cache, method="lora", world=1, **train):
@@ -101,15 +94,16 @@ def _job(rank: int, job: dict) -> dict:
     return info
 
 
-def _worker(rank: int, port: int, jobs: list[dict], result: str, backend: str) -> None:
+def _worker(rank: int, store: str, jobs: list[dict], result: str, backend: str) -> None:
     import torch.distributed as tdist
 
     if backend == "nccl":
         torch.cuda.set_device(rank)
     torch.set_num_threads(1)  # the same kernels (and summation order) as the 1-thread reference
     os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank))
-    tdist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                             timeout=datetime.timedelta(seconds=60))
+    # A file store, not a TCP port: no race with other programs for a free port.
+    tdist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                             timeout=datetime.timedelta(seconds=300))
     out = []
     try:
         for job in jobs:
@@ -121,12 +115,12 @@ def _worker(rank: int, port: int, jobs: list[dict], result: str, backend: str) -
         tdist.destroy_process_group()
 
 
-def _run_two(jobs: list[dict], tmp: Path, timeout: float = 120, backend: str = "gloo") -> list[list[dict]]:
+def _run_two(jobs: list[dict], tmp: Path, timeout: float = 300, backend: str = "gloo") -> list[list[dict]]:
     import torch.multiprocessing as mp
 
     result = tmp / f"results-{time.monotonic_ns()}"
     result.mkdir()
-    ctx = mp.start_processes(_worker, args=(_free_port(), jobs, str(result), backend), nprocs=WORLD, join=False,
+    ctx = mp.start_processes(_worker, args=(str(result / "store"), jobs, str(result), backend), nprocs=WORLD, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1):
