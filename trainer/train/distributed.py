@@ -118,7 +118,7 @@ class Dist:
         t = torch.tensor([value], dtype=torch.float64, device=self._comm_device())
         all_ = [torch.empty_like(t) for _ in range(self.world)]
         tdist.all_gather(all_, t)
-        values = [float(x) for x in all_]  # host-device sync; replaces the one the check needed anyway
+        values = torch.cat(all_).tolist()  # one host-device sync; the check needed one anyway
         bad = [r for r, v in enumerate(values) if not math.isfinite(v)]
         if not bad or not math.isfinite(value):
             return value if bad else sum(values) / self.world
@@ -143,11 +143,11 @@ class Dist:
         shapes = [torch.empty_like(shape) for _ in range(self.world)]
         tdist.all_gather(shapes, shape)  # ranks may train different buckets this round
         mine = None
-        for r, s in enumerate(shapes):
+        for r, s in enumerate(torch.stack(shapes).tolist()):  # one host-device sync
             if r == self.rank:
                 mine = objective.noise(latents, dtype)
             else:  # advance the generator past rank r's draws (CPU, small; the result is dropped)
-                objective.noise(torch.zeros(tuple(int(x) for x in s.tolist())), torch.float32)
+                objective.noise(torch.zeros(s), torch.float32)
         return mine
 
     # ------------------------------------------------------------------------------------ weights
