@@ -225,3 +225,79 @@ def test_full_finetune_with_trainer_optim_fused_back_pass_equals_unfused_adamw()
     assert streamed and all(fb.state_of(p)["exp_avg"] is h._c.host_state_of(p)["exp_avg"] for p in streamed)
     h.close()
     assert _same(all_state(m), all_state(ref))
+
+
+def _sd3(seed):
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(seed)
+    m = SD3Transformer2DModel(
+        sample_size=32, patch_size=1, in_channels=4, num_layers=4, attention_head_dim=8, num_attention_heads=4,
+        caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64, out_channels=4,
+    )  # fmt: skip
+
+    def inputs(s):
+        g = torch.Generator().manual_seed(s)
+        return dict(
+            hidden_states=torch.randn(1, 4, 8, 8, generator=g),
+            encoder_hidden_states=torch.randn(1, 6, 32, generator=g),
+            pooled_projections=torch.randn(1, 64, generator=g),
+            timestep=torch.tensor([500.0]),
+            return_dict=False,
+        ), torch.randn(1, 4, 8, 8, generator=g)
+
+    return m, list(m.transformer_blocks), inputs
+
+
+def _qwen(seed):
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    m = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=4, attention_head_dim=16, num_attention_heads=4,
+        joint_attention_dim=16, axes_dims_rope=(8, 4, 4),
+    )  # fmt: skip
+
+    def inputs(s):
+        g = torch.Generator().manual_seed(s)
+        return dict(
+            hidden_states=torch.randn(1, 16, 16, generator=g),
+            encoder_hidden_states=torch.randn(1, 5, 16, generator=g),
+            encoder_hidden_states_mask=torch.ones(1, 5, dtype=torch.long),
+            timestep=torch.tensor([0.5]),
+            img_shapes=[[(1, 4, 4)]],
+            return_dict=False,
+        ), torch.randn(1, 16, 16, generator=g)
+
+    return m, list(m.transformer_blocks), inputs
+
+
+@pytest.mark.parametrize("family", [_sd3, _qwen])
+def test_other_families_lora_offloaded_equals_resident(family):
+    from peft import LoraConfig
+
+    def run(fraction):
+        m, blocks, inputs = family(0)
+        m.requires_grad_(False)
+        m.add_adapter(
+            LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False)
+        )
+        h = attach_offload(blocks, "cpu", fraction, race_detector=fraction > 0)
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for s in range(3):
+            kw, target = inputs(s)
+            loss = torch.nn.functional.mse_loss(m(**kw)[0], target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        if fraction:
+            assert h.plan.streamed
+        h.close()
+        return torch.stack(losses), trainable_state(m)
+
+    l0, s0 = run(0.0)
+    l1, s1 = run(0.5)
+    assert torch.equal(l0, l1)
+    assert _same(s0, s1)
