@@ -70,7 +70,9 @@ def batch(seed: int, device="cpu", dtype=torch.float32, side=8, text=8, channels
     ), r(1, n, channels)
 
 
-def train_steps(model, steps: int, lr: float = 1e-2, device="cpu", dtype=torch.float32, fused=None, side=8, text=8):
+def train_steps(
+    model, steps: int, lr: float = 1e-2, device="cpu", dtype=torch.float32, fused=None, side=8, text=8
+):
     """Plain AdamW over the trainable params (or `fused(model)` for in-backward steps); returns losses."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr) if fused is None else None

@@ -95,7 +95,9 @@ class Conductor:
         if self.streaming and mode == "train" and not self.checkpointing:
             # Without recompute, backward reads weights autograd saved in forward, long after their ring
             # region was refilled: streaming in training is only correct with per-block checkpointing.
-            raise ValueError("offloading blocks in training needs per-block checkpointing (checkpointing=True)")
+            raise ValueError(
+                "offloading blocks in training needs per-block checkpointing (checkpointing=True)"
+            )
         self.cuda = self.device.type == "cuda"
         self.act = ActivationOffloader(self.device, min_bytes=activation_min_bytes) if activations else None
         self._orig_forward: list = []
