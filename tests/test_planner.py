@@ -287,9 +287,9 @@ def test_cli_plan_nothing_fits_is_one_line_exit_1(tiny_models, tmp_path):
     assert ok.exit_code == 0 and "auto chose transformer fraction 0.00" in ok.output
 
 
-def test_sampling_prediction_uses_the_cyclic_plan(flux_full_size):
+def test_sampling_prediction_uses_the_conductors_plan(flux_full_size):
     from trainer.offload._planner_sample import predict_sampling
-    from trainer.offload.plan import capacity_for, make_plan
+    from trainer.offload.plan import capacity_for, make_plan, plan_for
 
     _, facts = flux_full_size
     resident = predict_sampling(facts, 0.0, 1024)
@@ -297,7 +297,8 @@ def test_sampling_prediction_uses_the_cyclic_plan(flux_full_size):
     half = predict_sampling(facts, 0.5, 1024)
     cap = capacity_for(facts.packed, 0.5)
     assert half.ring == cap
-    assert half.transfer_s == pytest.approx(
-        make_plan(facts.packed, cap, "sample").bytes_per_step() / ptime.REF_H2D
-    )
+    moved = plan_for(facts.packed, cap, "sample").bytes_per_step()
+    assert half.transfer_s == pytest.approx(moved / ptime.REF_H2D)
+    # The spread-resident plan the conductor picks at 0.5 moves about half the weights a step, not all of them.
+    assert moved < 0.7 * make_plan(facts.packed, cap, "sample").bytes_per_step()
     assert half.peak_reserved < resident.peak_reserved - 10e9

@@ -1,7 +1,8 @@
 """Sampling (`dittrain sample --offload F`): the denoising loop's VRAM and time per step for an offload fraction.
 
 Same sources as training (trainer/offload/planner.py): the ring and the bytes each step moves come from the
-conductor's cyclic sampling plan (`plan.make_plan(..., "sample")`, the next step's first blocks already loading);
+plan the conductor runs (`plan.plan_for(..., "sample")`: the seed's cycle, or a spread resident part plus a
+streaming window when that moves fewer bytes);
 activations of a no-grad forward are small: the block's inputs and outputs plus its largest intermediate twice
 (produced and consumed), from the same meta-device trace. Time per step = max(forward compute, f W / B_h2d).
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import _planner_time as ptime
-from .plan import capacity_for, make_plan
+from .plan import capacity_for, plan_for
 
 
 @dataclass
@@ -39,7 +40,7 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
         ring, moved = sum(packed), 0
     else:
         ring = capacity_for(packed, fraction)
-        moved = make_plan(packed, ring, "sample").bytes_per_step()
+        moved = plan_for(packed, ring, "sample").bytes_per_step()
     act = 2 * max(tr.block_inputs) + 2 * max(tr.block_largest) + tr.outside_saved
     reserved = _round2m(ring) + _round2m(facts.nonblock_bytes) + ALLOCATOR_OVERHEAD * act + WORKSPACE
     compute = (tr.linear_flops + tr.attn_flops) / ptime.forward_rate(rates, res)
