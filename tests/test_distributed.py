@@ -66,8 +66,9 @@ def _job(rank: int, job: dict) -> dict:
         Trainer._can_stream = lambda self: True
     t = Trainer(cfg, resume=job.get("resume"))
     t.setup()
+    reducer = getattr(t.optim, "_reducer", None)
     info = {"monitor": t.monitor is not None, "sampler": t.sampler is not None, "world": t.dist.world,
-            "rank": t.dist.rank, "error": None}
+            "rank": t.dist.rank, "buckets": len(reducer.buckets) if reducer else 0, "error": None}
     if job.get("stop_after") and rank == 1:  # a stop request seen by rank 1 only
         inner = t.train_step
 
@@ -100,6 +101,9 @@ def _worker(rank: int, store: str, jobs: list[dict], result: str, backend: str) 
     if backend == "nccl":
         torch.cuda.set_device(rank)
     torch.set_num_threads(1)  # the same kernels (and summation order) as the 1-thread reference
+    from trainer.train import distributed
+
+    distributed.BUCKET_BYTES = 8192  # several buckets even for the tiny LoRA (~12k parameters)
     os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank))
     # A file store, not a TCP port: no race with other programs for a free port.
     tdist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD,
@@ -163,9 +167,12 @@ def test_two_processes_train_lora_like_one_and_checkpoints_cross_world_sizes(tin
         {"cfg": cfg2.model_dump(mode="json"), "stream": True},
         {"cfg": _cfg(tiny_models, images, resumed2, cache, world=2).model_dump(mode="json"),
          "resume": str(ref / "checkpoints" / "step-000002")},
+        {"cfg": _cfg(tiny_models, images, tmp_path / "accum2", cache, world=2, steps=2, grad_accum=2,
+                     checkpoint_every=0).model_dump(mode="json")},
     ]
     r0, r1 = _run_two(jobs, tmp_path)
     assert all(i["error"] is None for i in r0 + r1), (r0, r1)
+    assert r0[0]["buckets"] > 1
 
     # Same weights and losses as the 1-process run at the same global batch.
     _assert_equal(_weights(two, "lora"), ref_w)
@@ -187,6 +194,14 @@ def test_two_processes_train_lora_like_one_and_checkpoints_cross_world_sizes(tin
     resumed1 = tmp_path / "resumed-in-one"
     Trainer(_cfg(tiny_models, images, resumed1, cache), resume=str(two / "checkpoints" / "step-000002")).fit()
     _assert_equal(_weights(resumed1, "lora"), ref_w)
+
+    # Accumulation in several processes (buckets launched only after the last micro-batch): 2 x grad_accum 2 is
+    # 1 x grad_accum 4, to rounding (the micro-batch gradients are summed in another order).
+    accum4 = tmp_path / "accum4"
+    Trainer(_cfg(tiny_models, images, accum4, cache, steps=2, grad_accum=4, checkpoint_every=0)).fit()
+    a, b = _weights(tmp_path / "accum2", "lora"), _weights(accum4, "lora")
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
 
 
 def test_two_processes_full_finetune_with_the_fused_back_pass_like_one(tiny_models, images, tmp_path, one_thread):

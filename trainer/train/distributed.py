@@ -234,8 +234,9 @@ class BucketedAllReduce:
     """Average the gradients of `params` over ranks, in flat buckets launched from the gradient hooks (see the
     module essay). `finish()` before clipping; then `.grad` are views into the bucket buffers."""
 
-    def __init__(self, params: list[torch.nn.Parameter], world: int, grad_accum: int, bucket_bytes: int = BUCKET_BYTES):
+    def __init__(self, params: list[torch.nn.Parameter], world: int, grad_accum: int, bucket_bytes: int | None = None):
         self.world, self.grad_accum = world, grad_accum
+        bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         self.buckets: list[list[torch.nn.Parameter]] = []
         groups: dict[tuple, list] = {}
         for p in reversed(params):  # backward reaches the last blocks first
