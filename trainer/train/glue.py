@@ -160,6 +160,19 @@ def offload_fraction(cfg: Config) -> float:
     return float(cfg.offload.transformer)
 
 
+def check_plan(cfg: Config, fraction: float, device: torch.device, step_s: float) -> None:
+    """Log the planner's predicted peak VRAM and step time beside what the first real steps measured."""
+    from ..offload.planner import check_line, expected
+    from .monitor import say
+
+    try:
+        pred = expected(cfg, fraction)
+    except Exception as e:  # a prediction that cannot be made must never stop training
+        say(f"offload: no planner prediction to compare with ({type(e).__name__}: {e})")
+        return
+    say(check_line(pred, torch.cuda.max_memory_reserved(device), step_s))
+
+
 def attach_offload(transformer, blocks, cfg: Config, device: torch.device, fraction: float):
     """Stream the blocks (trainer/offload); move everything outside the blocks to the device ourselves (the
     conductor's contract). The conductor checkpoints each block itself (recognising blocks already wrapped by

@@ -85,8 +85,11 @@ class Trainer:
             if not self._ready:
                 self.setup()
             self.stop.install()
+            first = self.step
             while self.step < c.steps:
-                self.train_step()
+                metrics = self.train_step()
+                if self.step == first + 3 and self.device.type == "cuda" and self.dist.is_main:
+                    glue.check_plan(self.cfg, self._fraction, self.device, metrics["step_time"])
                 if self.dist.any(self.stop.requested):  # every rank stops at the same step
                     path = self.save()
                     raise TrainingInterrupted(
@@ -136,6 +139,9 @@ class Trainer:
 
         fraction = glue.offload_fraction(cfg) if self._can_stream() else 0.0
         self._offloaded = fraction > 0  # on the CPU, or at 0, the model stays resident
+        # At fraction 0 the conductor still runs when activation offloading or nano-batching is asked for.
+        conduct = self._offloaded or (self._can_stream() and (cfg.offload.activations or cfg.offload.nano_batches > 1))
+        self._fraction = fraction
         load_to = torch.device("cpu") if self._offloaded else self.device
         self.transformer = self.adapter.load(cfg.model, parts={"transformer"}, dtype=self.dtype, device=load_to).transformer
         self.transformer.train()
@@ -155,7 +161,7 @@ class Trainer:
             f"{f', {fraction:g} of block bytes streamed from CPU RAM' if self._offloaded else ''}")
         if c.gradient_checkpointing:
             checkpoint_blocks(blocks)
-        if self._offloaded:
+        if conduct:
             self.offload = glue.attach_offload(self.transformer, blocks, cfg, self.device, fraction)
 
         self.optim = glue.Optim(cfg, self.params)
