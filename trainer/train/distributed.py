@@ -37,8 +37,14 @@ barrier while it saves. Ctrl-C and the non-finite-loss check are agreed by all-r
 the loss of every micro-batch (an all-gather of one float, which replaces the sync the check needed anyway), so
 all ranks stop, save or raise at the same step and nobody is left waiting inside a collective.
 
+Ctrl-C under torchrun: the workers run in their own sessions, so only torchrun sees the terminal's SIGINT; it
+forwards one SIGINT to every worker (the first signal: finish the step, save, exit 130) and kills them after
+`--shutdown-timeout` seconds (30 by default: raise it for a full fine-tune's checkpoint).
+
 Left out: several hosts (the data cache must be on a shared file system; untested), sharded optimizer state
-(ZeRO / FSDP), and overlapping the fused back pass's reductions with compute.
+(ZeRO / FSDP), overlapping the fused back pass's reductions with compute, and bucket views as gradients (the
+unfused path keeps one flat copy of the trainable gradients: small for LoRA, a model's worth for an unfused full
+fine-tune, which the fused back pass avoids).
 """
 
 from __future__ import annotations
