@@ -162,6 +162,8 @@ def test_two_processes_train_lora_like_one_and_checkpoints_cross_world_sizes(tin
     cfg2 = cfg2.model_copy(update={
         "offload": cfg2.offload.model_copy(update={"transformer": 0.5}),
         "output": cfg2.output.model_copy(update={"tensorboard": True}),
+        "sample": cfg2.sample.model_copy(update={"every": 4, "prompts": ["a red square"], "steps": 2, "width": 64,
+                                                 "height": 64}),
     })
     jobs = [
         {"cfg": cfg2.model_dump(mode="json"), "stream": True},
@@ -182,6 +184,8 @@ def test_two_processes_train_lora_like_one_and_checkpoints_cross_world_sizes(tin
 
     # Rank 0 alone writes: one metrics line per step, one TensorBoard event file, complete checkpoints only.
     assert (r0[0]["monitor"], r1[0]["monitor"]) == (True, False)
+    assert (r0[0]["sampler"], r1[0]["sampler"]) == (True, False)
+    assert [p.name for p in (two / "samples").iterdir()] == ["step-000004-0.png"]
     assert len(losses(two)) == 4
     assert len(list((two / "tensorboard").glob("events.*"))) == 1
     assert [s for s, _ in ck.list_checkpoints(two / "checkpoints")] == [2, 4]
