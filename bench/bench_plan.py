@@ -48,6 +48,9 @@ from trainer.offload import _planner_time as ptime  # noqa: E402
 from trainer.offload import _planner_trace as ptrace  # noqa: E402
 from trainer.offload import planner  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_offload import inputs  # noqa: E402  (the same full-size Flux inputs as the offload benchmark)
+
 GB = 1e9
 T0 = time.perf_counter()
 
@@ -89,30 +92,6 @@ def build(dev: str):
 
 def blocks_of(m):
     return ptrace.blocks_of("flux", m)
-
-
-def inputs(dev: str, res: int, text: int = 512):
-    side = res // 16
-    n = side * side
-    g = torch.Generator(device="cpu").manual_seed(1)
-
-    def r(*s):
-        return torch.randn(*s, generator=g).to(dev, torch.bfloat16)
-
-    ids = torch.zeros(n, 3)
-    ids[:, 1] = torch.arange(n) // side
-    ids[:, 2] = torch.arange(n) % side
-    kw = dict(
-        hidden_states=r(1, n, 64),
-        encoder_hidden_states=r(1, text, 4096),
-        pooled_projections=r(1, 768),
-        timestep=torch.tensor([0.5], device=dev, dtype=torch.bfloat16),
-        guidance=torch.tensor([3.5], device=dev, dtype=torch.bfloat16),
-        img_ids=ids.to(dev),
-        txt_ids=torch.zeros(text, 3, device=dev),
-        return_dict=False,
-    )
-    return kw, r(1, n, 64).float()
 
 
 def attach(blocks, dev, fraction: float, activations: bool):

@@ -71,80 +71,19 @@ TEXT_ENCODERS: dict[str, list[tuple[str, int]]] = {
     "qwen_image": [("Qwen2.5-VL-7B", 8_292_166_656)],
 }
 
-_FALLBACK_TARGETS = {
-    "flux": (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-        "ff.net.0.proj",
-        "ff.net.2",
-        "ff_context.net.0.proj",
-        "ff_context.net.2",
-        "proj_mlp",
-    ),
-    "sd3": (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-        "ff.net.0.proj",
-        "ff.net.2",
-        "ff_context.net.0.proj",
-        "ff_context.net.2",
-    ),
-    "qwen_image": (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-        "img_mlp.net.0.proj",
-        "img_mlp.net.2",
-        "txt_mlp.net.0.proj",
-        "txt_mlp.net.2",
-    ),
-}
-
-_CLASSES = {
-    "flux": "FluxTransformer2DModel",
-    "sd3": "SD3Transformer2DModel",
-    "qwen_image": "QwenImageTransformer2DModel",
-}
-
 
 def transformer_class(family: str) -> type:
-    import diffusers
+    """The family's diffusers transformer class, from its model adapter (the single place that names it)."""
+    from ..models import adapter_class
 
-    return getattr(diffusers, _CLASSES[family])
+    return adapter_class(family).transformer_cls
 
 
 def default_lora_targets(family: str) -> tuple[str, ...]:
-    try:  # the models helper's adapter is the source of truth when it is importable
-        import importlib
+    """The family's default LoRA targets, from its model adapter."""
+    from ..models import adapter_class
 
-        mod = importlib.import_module(f"trainer.models.{family}")
-        for obj in vars(mod).values():
-            if (
-                isinstance(obj, type)
-                and getattr(obj, "family", None) == family
-                and hasattr(obj, "default_lora_targets")
-            ):
-                return tuple(obj.default_lora_targets)
-    except Exception:  # noqa: BLE001 - fall back to the same list, kept here
-        pass
-    return _FALLBACK_TARGETS[family]
+    return tuple(adapter_class(family).default_lora_targets)
 
 
 def meta_transformer(family: str, config: dict, dtype: torch.dtype) -> nn.Module:
@@ -157,10 +96,10 @@ def meta_transformer(family: str, config: dict, dtype: torch.dtype) -> nn.Module
 
 
 def blocks_of(family: str, transformer: nn.Module) -> list[nn.Module]:
-    """Blocks in execution order, as the adapters list them (the units offloading streams)."""
-    if family == "flux":
-        return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
-    return list(transformer.transformer_blocks)
+    """Blocks in execution order, from the family's adapter (the units offloading streams)."""
+    from ..models import adapter_class
+
+    return adapter_class(family)().blocks(transformer)
 
 
 def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, alpha: float) -> int:
