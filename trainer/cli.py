@@ -7,12 +7,17 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from pathlib import Path
 
 import typer
 
 from .errors import UserError
+
+# transformers warns on every run that torchvision is missing; the pipelines' image processors it falls back for
+# are never used by dittrain, so the line is noise to a user.
+logging.getLogger("transformers.utils.import_utils").setLevel(logging.ERROR)
 
 app = typer.Typer(
     name="dittrain",
