@@ -277,7 +277,7 @@ def _sampling(facts: Facts, fractions, res: int, rates) -> list[str]:
         )
     return [
         "",
-        f"Sampling at {res} px, batch 1, denoising steps only (GB, s; the cyclic plan reloads every "
-        "streamed block each step; text encoders and VAE decode not included):",
+        f"Sampling at {res} px, batch 1, denoising steps only (GB, s; streamed blocks are reloaded "
+        "every step, part of the model stays resident; text encoders and VAE decode not included):",
         *_table(rows),
     ]
