@@ -30,7 +30,8 @@ Full fine-tune with streaming, in this order:
     bind_fused(handle, fused)
 
 Contract with the caller:
-- Non-block modules (embedders, final norm, projections) are the caller's: move them to the device yourself.
+- Non-block modules (embedders, final norm, projections) are the caller's: move them to the device yourself
+  (`move_outside_blocks(model, blocks, device)`).
 - The handle does the per-block gradient checkpointing itself; do NOT also call diffusers'
   `enable_gradient_checkpointing()` on the model (blocks would be checkpointed twice). Blocks already wrapped
   by trainer/train/model.checkpoint_blocks are recognised and checkpointed once, by the handle.
@@ -50,7 +51,7 @@ from .conductor import Conductor
 from .fused import bind_fused
 from .nano import nano_batch
 
-__all__ = ["OffloadHandle", "attach_offload", "bind_fused"]
+__all__ = ["OffloadHandle", "attach_offload", "bind_fused", "move_outside_blocks"]
 
 
 class OffloadHandle:
@@ -88,6 +89,28 @@ class OffloadHandle:
         self._undo_nano()
 
     detach = close
+
+
+def move_outside_blocks(module: nn.Module, blocks: list[nn.Module], device: torch.device | str) -> None:
+    """The caller's side of the contract: move every parameter and buffer of `module` that is not inside one of
+    `blocks` to `device`. Parameter objects are kept (`p.data` is replaced), so an optimizer holding them stays
+    valid. One allocation per tensor, once per run (not in the hot path)."""
+    skip = {id(b) for b in blocks}
+    device = torch.device(device)
+
+    def move(m: nn.Module) -> None:
+        if id(m) in skip:
+            return
+        for child in m.children():
+            move(child)
+        for p in m.parameters(recurse=False):
+            if p.device != device:
+                p.data = p.data.to(device)
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None and b.device != device:
+                m._buffers[name] = b.to(device)
+
+    move(module)
 
 
 def attach_offload(

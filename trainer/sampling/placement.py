@@ -20,19 +20,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
-
-def _move_except(module: nn.Module, skip: set[int], device: torch.device) -> None:
-    """Move `module`'s parameters and buffers to `device`, except inside the modules whose id is in `skip`."""
-    if id(module) in skip:
-        return
-    for child in module.children():
-        _move_except(child, skip, device)
-    for p in module.parameters(recurse=False):
-        if p is not None and p.device != device:
-            p.data = p.data.to(device)  # allocation on the device, once per run (not in the hot path)
-    for name, b in module.named_buffers(recurse=False):
-        if b is not None and b.device != device:
-            module._buffers[name] = b.to(device)
+from ..offload import move_outside_blocks
 
 
 def _attach(blocks: list[nn.Module], device: torch.device, fraction: float):
@@ -49,7 +37,7 @@ def place_transformer(adapter, transformer: nn.Module, device: torch.device, fra
         yield None
         return
     blocks = adapter.blocks(transformer)
-    _move_except(transformer, {id(b) for b in blocks}, device)
+    move_outside_blocks(transformer, blocks, device)
     handle = _attach(blocks, device, fraction)
     try:
         yield handle
@@ -68,6 +56,17 @@ def encoder_blocks(encoder: nn.Module) -> list[nn.Module]:
     return list(best) if best is not None else []
 
 
+def place_encoder(encoder: nn.Module, device: torch.device, fraction: float):
+    """Put one text encoder on `device`: resident at fraction 0, else its blocks streamed (returns the handle to
+    close, or None)."""
+    blocks = encoder_blocks(encoder) if fraction > 0 else []
+    if not blocks:
+        encoder.to(device)
+        return None
+    move_outside_blocks(encoder, blocks, device)
+    return _attach(blocks, device, fraction)
+
+
 @contextmanager
 def place_text_encoders(pipe, device: torch.device, fraction: float):
     """Put every loaded text encoder on `device` (streamed at `fraction` > 0) while prompts are encoded."""
@@ -75,11 +74,7 @@ def place_text_encoders(pipe, device: torch.device, fraction: float):
 
     with ExitStack() as stack:
         for name in text_encoder_names(pipe):
-            enc = getattr(pipe, name)
-            blocks = encoder_blocks(enc) if fraction > 0 else []
-            if not blocks:
-                enc.to(device)
-                continue
-            _move_except(enc, {id(b) for b in blocks}, device)
-            stack.callback(_attach(blocks, device, fraction).close)
+            handle = place_encoder(getattr(pipe, name), device, fraction)
+            if handle is not None:
+                stack.callback(handle.close)
         yield

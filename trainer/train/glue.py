@@ -32,22 +32,12 @@ def _load_encoders(cfg: Config, adapter, device, dtype, parts: set[str], handles
     f = _text_fraction(cfg, device)
     comps = adapter.load(cfg.model, parts=parts, dtype=dtype, device="cpu" if f > 0 else device)
     if f > 0:
-        from ..offload import attach_offload
-        from ..sampling.placement import encoder_blocks
+        from ..sampling.placement import place_encoder
 
         if comps.vae is not None:
             comps.vae.to(device)
         for enc in comps.text_encoders:
-            blocks = encoder_blocks(enc)
-            inside = {id(t) for b in blocks for t in (*b.parameters(), *b.buffers())}
-            for m in enc.modules():
-                for p in m._parameters.values():
-                    if p is not None and id(p) not in inside:
-                        p.data = p.data.to(device)
-                for k, b in m._buffers.items():
-                    if b is not None and id(b) not in inside:
-                        m._buffers[k] = b.to(device)
-            handles.append(attach_offload(blocks, device, f, mode="sample"))
+            handles.append(place_encoder(enc, device, f))
     return comps
 
 
@@ -179,20 +169,14 @@ def attach_offload(transformer, blocks, cfg: Config, device: torch.device, fract
     `checkpoint_blocks`). Full fine-tuning streams the block weights as trainable (stepped by the fused back
     pass while their block is on the GPU, then written back)."""
     from ..offload import attach_offload as _attach
+    from ..offload import move_outside_blocks
 
     handle = _attach(
         blocks, device, fraction, mode="train", activations=cfg.offload.activations,
         nano_batches=cfg.offload.nano_batches, trainable=cfg.train.method == "full",
         checkpointing=cfg.train.gradient_checkpointing,
     )
-    in_blocks = {id(t) for b in blocks for t in (*b.parameters(), *b.buffers())}
-    for m in transformer.modules():
-        for p in m._parameters.values():
-            if p is not None and id(p) not in in_blocks and p.device != device:
-                p.data = p.data.to(device)  # keeps the Parameter object (the optimizer may hold it)
-        for name, b in m._buffers.items():
-            if b is not None and id(b) not in in_blocks and b.device != device:
-                m._buffers[name] = b.to(device)
+    move_outside_blocks(transformer, blocks, device)
     return handle
 
 
@@ -219,37 +203,12 @@ def detach_offload(handle) -> None:
 # ---------------------------------------------------------------------------------------------- sampling
 
 
-class Sampler:
-    """Sample images with the model being trained (trainer/sampling/engine.py `generate`).
+# ---------------------------------------------------------------------------------------------- samples
 
-    Built in setup, before the transformer is loaded: the prompts are encoded once and the text encoders freed,
-    so during training only the VAE and the scheduler stay loaded for sampling."""
 
-    def __init__(self, cfg: Config, adapter, device: torch.device, dtype: torch.dtype):
-        from ..sampling.engine import encode_prompts
-        from ..sampling.request import SampleSettings
+def training_sampler(cfg: Config, adapter, device: torch.device, dtype: torch.dtype):
+    """Images of sample.prompts made with the model being trained (trainer/sampling/training.py): the prompts are
+    encoded once here, before the transformer is loaded, and the text encoders freed."""
+    from ..sampling.training import TrainingSampler
 
-        s = cfg.sample
-        self.adapter = adapter
-        self.prompts = list(s.prompts)
-        self.seeds = [s.seed + i for i in range(len(self.prompts))]
-        self.settings = SampleSettings(steps=s.steps, guidance=s.guidance, width=s.width, height=s.height,
-                                       negative_prompt=s.negative_prompt)
-        handles: list = []
-        try:
-            comps = _load_encoders(cfg, adapter, device, dtype, {"vae", "text", "scheduler"}, handles)
-            pipe = adapter.pipeline(comps)
-            self.embeds = encode_prompts(pipe, adapter.family, self.prompts, guidance=s.guidance,
-                                         negative_prompt=s.negative_prompt, device=device)
-        finally:
-            for h in handles:
-                h.close()
-        del pipe
-        comps.text_encoders, comps.tokenizers = [], []  # freed: the embeddings are all sampling needs
-        self.components = comps
-
-    def __call__(self, transformer) -> list:
-        from ..sampling.engine import generate
-
-        return generate(self.components, self.adapter, self.embeds, settings=self.settings, seeds=self.seeds,
-                        transformer=transformer)
+    return TrainingSampler(cfg, adapter, device, dtype)

@@ -135,7 +135,7 @@ class Trainer:
             cfg, self.adapter, self.device, self.dtype, rank=self.dist.rank, world_size=self.dist.world))
         self.sampler = None
         if cfg.sample.every and cfg.sample.prompts and self.dist.is_main:
-            self.sampler = glue.Sampler(cfg, self.adapter, self.device, self.dtype)  # encodes prompts, frees encoders
+            self.sampler = glue.training_sampler(cfg, self.adapter, self.device, self.dtype)  # encodes prompts, frees encoders
 
         fraction = glue.offload_fraction(cfg) if self._can_stream() else 0.0
         self._offloaded = fraction > 0  # on the CPU, or at 0, the model stays resident
