@@ -18,12 +18,15 @@ downwards to the same places). Cyclic sampling need not: 9 blocks in 6 slots shi
 plan simulates steps until the state at a step boundary repeats and stores the steps from there as a loop.
 
 Beyond the seed: its cyclic sampling schedule moves every block every step whatever the fraction. `plan_for`
-(what the conductor runs) keeps an evenly spread part of the model fixed in the ring when that moves fewer
-bytes, and cycles only the rest through a two-block window: about f W bytes a step (measured on Flux-12B at
-f=0.5: 13.7 GB and 1.11x the resident forward, against 23.7 GB and 1.44x for the cycle).
+(what the conductor runs) keeps part of the model fixed in the ring when that moves fewer bytes, and cycles
+only the rest through a two-block window: about f W bytes a step. Which part stays decides whether those
+copies hide behind compute: the streamed blocks are spread evenly by position (`spread_fixed`), so the
+copies arrive at an even rate per block computed (Flux-12B at f=0.5 on an H200: the cycle moved 23.7 GB,
+1.44x the resident forward; spreading by bytes 13.7 GB, 1.11x; by position 13.5 GB, see bench/RESULTS.md).
 
 Left out: choosing which blocks stay resident by measured cost (training always keeps the next blocks in
-execution order; sampling spreads by bytes), and any timing model (`planner.py` predicts times).
+execution order; sampling assumes every block computes for about as long), and any timing model
+(`planner.py` predicts times).
 """
 
 from __future__ import annotations
@@ -129,27 +132,35 @@ def _place(ptr: int, n: int, direction: int, cap: int, base: int = 0) -> tuple[i
 
 
 def spread_fixed(sizes: list[int] | tuple[int, ...], capacity: int, min_blocks: int = 2) -> frozenset[int]:
-    """Blocks to keep resident for cyclic sampling, spread evenly through the model.
+    """Blocks to keep resident for cyclic sampling, chosen so that the streamed bytes are spread evenly over
+    the execution order.
 
     The seed's cyclic schedule streams every block through the whole ring, so a sampling step moves all W
     bytes whatever the fraction. When part of the model fits, keeping that part resident and streaming only
     the rest through a window of `min_blocks` largest blocks moves about f W bytes a step instead (the
-    DESIGN.md floor). Interleaving kept and streamed blocks gives each copy a kept block's compute to hide
-    behind."""
+    DESIGN.md floor). Those bytes hide behind compute only if they arrive at an even rate: the window lets
+    the copies run at most one block ahead, so a stretch where streamed bytes outpace compute stalls. DiT
+    blocks all see the same tokens and do about the same work, whatever their bytes (Flux's double blocks
+    hold 2.4 x the bytes of its single blocks for about the same FLOPs), so the evenness is by *position*:
+    walking the blocks in order, a block streams when the streamed bytes up to and including it stay within
+    an even share per block so far (a copy is due when its block starts, so the streamed bytes never run
+    ahead of that share), otherwise it stays, while the resident budget lasts. Spreading by bytes instead
+    streams 11 of Flux's 19 double blocks, whose copies outrun the double blocks' compute (replayed in
+    tests/test_offload_plan.py: 1.12 x the resident forward at f=0.5, measured 1.11 x; by position 1.00 x)."""
     total = sum(sizes)
     if capacity >= total:
         return frozenset(range(len(sizes)))
     budget = capacity - min_blocks * max(sizes)
     if budget <= 0:
         return frozenset()
-    ratio = budget / total
-    fixed, used, acc = set(), 0, 0.0
+    share = (total - budget) / len(sizes)  # streamed bytes per block if spread evenly
+    fixed, used, streamed = set(), 0, 0
     for i, s in enumerate(sizes):
-        acc += s * ratio
-        if acc >= s and used + s <= budget:
+        if streamed + s <= share * (i + 1) or used + s > budget:
+            streamed += s
+        else:
             fixed.add(i)
             used += s
-            acc -= s
     return frozenset(fixed)
 
 
