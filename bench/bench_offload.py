@@ -158,6 +158,26 @@ def block_list(m):
     return list(m.transformer_blocks) + list(m.single_transformer_blocks)
 
 
+def run3_sampling_plan(sizes, capacity, mode, min_blocks=2):
+    """Control: the sampling plan of run 3, resident blocks spread evenly by *bytes* (the rule plan.py used
+    before it spread the streamed bytes by position), to compare both rules in one process."""
+    from trainer.offload.plan import make_plan, plan_for
+
+    total = sum(sizes)
+    budget = capacity - min_blocks * max(sizes)
+    if mode != "sample" or capacity >= total or budget <= 0:
+        return plan_for(sizes, capacity, mode, min_blocks)
+    ratio = budget / total
+    fixed, used, acc = set(), 0, 0.0
+    for i, s in enumerate(sizes):
+        acc += s * ratio
+        if acc >= s and used + s <= budget:
+            fixed.add(i)
+            used += s
+            acc -= s
+    return make_plan(sizes, capacity, mode, fixed=frozenset(fixed))
+
+
 def run_config(
     name,
     kind,
@@ -169,8 +189,11 @@ def run_config(
     group_offload=False,
     step_fn=None,
     nano=1,
+    plan_fn=None,
     **attach_kw,
 ):
+    import trainer.offload.conductor as conductor
+
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     t0 = time.perf_counter()
@@ -184,15 +207,20 @@ def run_config(
             offload_type="block_level", num_blocks_per_group=1, use_stream=True,
         )  # fmt: skip
     else:
-        handle = attach_offload(
-            block_list(model),
-            dev,
-            fraction,
-            mode="sample" if kind == "sample" else "train",
-            activations=activations,
-            nano_batches=nano,
-            **attach_kw,
-        )
+        saved = conductor.plan_for
+        conductor.plan_for = plan_fn or saved  # the plan the conductor replays (a control row swaps it)
+        try:
+            handle = attach_offload(
+                block_list(model),
+                dev,
+                fraction,
+                mode="sample" if kind == "sample" else "train",
+                activations=activations,
+                nano_batches=nano,
+                **attach_kw,
+            )
+        finally:
+            conductor.plan_for = saved
     if attach_kw.get("trainable"):
         step_fn.bind(handle)  # drops the previous configuration's optimizer state
     torch.cuda.synchronize()
@@ -243,6 +271,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
     ap.add_argument("--skip", default="", help="comma-separated config names to leave out")
     ap.add_argument(
+        "--only",
+        choices=["sample", "train"],
+        help="only this kind's rows (sample: resident, f=1.0, f=0.5, f=0.5 with run 3's plan; no full FT)",
+    )
+    ap.add_argument(
         "--ft-layers", type=int, default=4, help="double blocks of the full fine-tune model (0: none)"
     )
     ap.add_argument("--ft-singles", type=int, default=8, help="single blocks of the full fine-tune model")
@@ -286,11 +319,19 @@ def main() -> None:
         ("sample f=0.5", "sample", 0.5, False, False, sample_step, 1),
         ("sample diffusers group offload", "sample", 1.0, False, True, sample_step, 1),
     ]
+    if args.only:
+        configs = [c for c in configs if c[1] == args.only and not c[4]]
+        args.ft_layers = 0
+    if args.only == "sample":  # the run-3 plan beside the current one, same process, then the current again
+        configs.append(("sample f=0.5 run3 plan", "sample", 0.5, False, False, sample_step, 1))
+        configs.append(("sample f=0.5 again", "sample", 0.5, False, False, sample_step, 1))
     rows = []
 
     def attempt(name, kind, f, mdl, act, grp, fn, nano, **kw):
         if name in skip:
             return
+        if "run3 plan" in name:
+            kw["plan_fn"] = run3_sampling_plan
         try:
             rows.append(run_config(name, kind, mdl, dev, args, f, act, grp, fn, nano, **kw))
         except Exception as e:  # keep the other numbers; the failure is a result too

@@ -22,7 +22,8 @@ Beyond the seed: its cyclic sampling schedule moves every block every step whate
 only the rest through a two-block window: about f W bytes a step. Which part stays decides whether those
 copies hide behind compute: the streamed blocks are spread evenly by position (`spread_fixed`), so the
 copies arrive at an even rate per block computed (Flux-12B at f=0.5 on an H200: the cycle moved 23.7 GB,
-1.44x the resident forward; spreading by bytes 13.7 GB, 1.11x; by position 13.5 GB, see bench/RESULTS.md).
+1.44x the resident forward; spreading by bytes 13.7 GB, 1.11x; by position the same bytes, see
+bench/RESULTS.md).
 
 Left out: choosing which blocks stay resident by measured cost (training always keeps the next blocks in
 execution order; sampling assumes every block computes for about as long), and any timing model
