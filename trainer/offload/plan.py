@@ -22,8 +22,8 @@ Beyond the seed: its cyclic sampling schedule moves every block every step whate
 only the rest through a two-block window: about f W bytes a step. Which part stays decides whether those
 copies hide behind compute: the streamed blocks are spread evenly by position (`spread_fixed`), so the
 copies arrive at an even rate per block computed (Flux-12B at f=0.5 on an H200: the cycle moved 23.7 GB,
-1.44x the resident forward; spreading by bytes 13.7 GB, 1.11x; by position the same bytes, see
-bench/RESULTS.md).
+1.44x the resident forward; spreading by bytes 13.7 GB, 1.10x; by position the same bytes, 1.02-1.03x,
+bench/RESULTS.md run 5).
 
 Left out: choosing which blocks stay resident by measured cost (training always keeps the next blocks in
 execution order; sampling assumes every block computes for about as long), and any timing model
@@ -147,7 +147,8 @@ def spread_fixed(sizes: list[int] | tuple[int, ...], capacity: int, min_blocks: 
     an even share per block so far (a copy is due when its block starts, so the streamed bytes never run
     ahead of that share), otherwise it stays, while the resident budget lasts. Spreading by bytes instead
     streams 11 of Flux's 19 double blocks, whose copies outrun the double blocks' compute (replayed in
-    tests/test_offload_plan.py: 1.12 x the resident forward at f=0.5, measured 1.11 x; by position 1.00 x)."""
+    tests/test_offload_plan.py: 1.12 x the resident forward at f=0.5, measured 1.10 x; by position 1.00 x
+    replayed, 1.02-1.03 x measured)."""
     total = sum(sizes)
     if capacity >= total:
         return frozenset(range(len(sizes)))
