@@ -65,6 +65,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offload import block_list, h2d_rate  # noqa: E402
+from bench_offload import inputs as _flux_inputs  # noqa: E402
 
 from trainer.config import OptimizerConfig  # noqa: E402
 from trainer.offload import attach_offload, bind_fused  # noqa: E402
@@ -98,30 +99,10 @@ def build(args, dev):
 
 
 def inputs(model, dev, res, text):
-    """The inputs of bench_offload.inputs (4,096 image + `text` tokens at 1024 px), sized from model.config."""
+    """bench_offload.inputs sized from model.config (the smoke model is narrower than Flux)."""
     c = model.config
-    side = res // 16
-    n = side * side
-    g = torch.Generator(device="cpu").manual_seed(1)
-
-    def r(*s):
-        return torch.randn(*s, generator=g).to(dev, torch.bfloat16)
-
-    ids = torch.zeros(n, 3)
-    ids[:, 1] = torch.arange(n) // side
-    ids[:, 2] = torch.arange(n) % side
-    kw = dict(
-        hidden_states=r(1, n, c.in_channels),
-        encoder_hidden_states=r(1, text, c.joint_attention_dim),
-        pooled_projections=r(1, c.pooled_projection_dim),
-        timestep=torch.tensor([0.5], device=dev, dtype=torch.bfloat16),
-        guidance=torch.tensor([3.5], device=dev, dtype=torch.bfloat16),
-        img_ids=ids.to(dev),
-        txt_ids=torch.zeros(text, 3, device=dev),
-        return_dict=False,
-    )
-    out_ch = c.out_channels or c.in_channels
-    return kw, r(1, n, out_ch).float()
+    return _flux_inputs(dev, res, text, in_channels=c.in_channels, joint_dim=c.joint_attention_dim,
+                        pooled_dim=c.pooled_projection_dim, out_channels=c.out_channels)
 
 
 def probes(model) -> dict[str, torch.nn.Parameter]:

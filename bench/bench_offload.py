@@ -75,7 +75,9 @@ def add_lora(m, rank):
     return params
 
 
-def inputs(dev, res, text=512):
+def inputs(dev, res, text=512, in_channels=64, joint_dim=4096, pooled_dim=768, out_channels=None):
+    """Flux transformer inputs for one 1024 px image (res // 16 squared image tokens + `text` tokens) and a target;
+    the channel sizes default to full-size Flux (other benches pass their model's config)."""
     side = res // 16
     n = side * side
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -87,16 +89,16 @@ def inputs(dev, res, text=512):
     ids[:, 1] = torch.arange(n) // side
     ids[:, 2] = torch.arange(n) % side
     kw = dict(
-        hidden_states=r(1, n, 64),
-        encoder_hidden_states=r(1, text, 4096),
-        pooled_projections=r(1, 768),
+        hidden_states=r(1, n, in_channels),
+        encoder_hidden_states=r(1, text, joint_dim),
+        pooled_projections=r(1, pooled_dim),
         timestep=torch.tensor([0.5], device=dev, dtype=torch.bfloat16),
         guidance=torch.tensor([3.5], device=dev, dtype=torch.bfloat16),
         img_ids=ids.to(dev),
         txt_ids=torch.zeros(text, 3, device=dev),
         return_dict=False,
     )
-    return kw, r(1, n, 64).float()
+    return kw, r(1, n, out_channels or in_channels).float()
 
 
 def timed(fn, warmup, steps):
