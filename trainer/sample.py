@@ -9,13 +9,14 @@ The run reads top to bottom as a few named steps:
 3. Encode all prompts (text encoders on the GPU one run at a time, streamed if `offload.text_encoders` > 0), then
    release the encoders.
 4. Place the transformer: resident at fraction 0, otherwise its blocks streamed by the offload conductor at
-   `--offload` (or `offload.transformer`) on its cyclic sampling schedule. On a CPU nothing is gained (there is
+   `--offload` (or `offload.transformer`) on its sampling plan (plan.plan_for). On a CPU nothing is gained (there is
    no second memory): the fraction is accepted and the conductor replays the same plan through a ring in CPU
    RAM, which saves nothing and runs at resident speed; the tests use it to check the images do not change.
 5. Denoise image by image (`sampling.engine.generate`), write PNGs with metadata and, for several images, a
    contact sheet.
 
-The shared pieces live in `trainer/sampling/`; the training loop calls `trainer.sampling.generate` directly.
+The shared pieces live in `trainer/sampling/`; the training loop samples through `sampling.TrainingSampler`,
+which calls the same `generate`.
 """
 
 from __future__ import annotations
