@@ -167,6 +167,15 @@ def plan_preset(
     return min(fits, key=lambda r: (-r[0]["data"]["resolutions"][0], r[1].step_s))
 
 
+# Presets run on a GPU with full-size random weights under a VRAM cap of card - 1 GB (bench/bench_plan.py; numbers
+# and command in bench/RESULTS.md, 2026-11-22 01:13 UTC).
+MEASURED: dict[tuple[str, str, int], str] = {
+    ("flux", "lora", 8): "measured on an H200: fits, 6.1 GB reserved, 1.10 s a step",
+    ("flux", "lora", 16): "measured on an H200: fits, 14.3 GB reserved, 1.02 s a step",
+    ("flux", "lora", 24): "measured on an H200: fits, 23.0 GB reserved, 0.96 s a step",
+}
+
+
 def header(family: str, method: str, card: int, d: dict, p: planner.Prediction, base_s: float) -> list[str]:
     name = NAMES[family][0]
     res, act, f = d["data"]["resolutions"][0], d["offload"]["activations"], d["offload"]["transformer"]
@@ -185,8 +194,9 @@ def header(family: str, method: str, card: int, d: dict, p: planner.Prediction, 
         f"# trains: {what} on the transformer, {res}x{res} buckets, batch 1, bf16"
         + (", gradient checkpointing" if ckpt else ""),
         f"# expects: {p.peak_reserved / 1e9:.1f} GB VRAM, {(p.pinned + p.act_checkpoint_host) / 1e9:.0f} GB pinned RAM "
-        f"({p.ram_peak / 1e9:.0f} GB peak), {speed:.2f}x the step time without offloading (planner prediction, "
-        "not yet measured)",
+        f"({p.ram_peak / 1e9:.0f} GB peak), {speed:.2f}x the step time without offloading (planner prediction; "
+        + MEASURED.get((family, method, card), "not yet measured")
+        + ")",
         f"# Predicted step {p.step_s:.2f} s on an H200-class GPU (compute {p.compute_s:.2f} s, PCIe {p.transfer_s:.2f} s).",
         "# VRAM is what torch reserves; the CUDA context (0.5-1 GB) comes on top, and "
         f"{HEADROOM_GB:g} GB of the card is left for it.",
