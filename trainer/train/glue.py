@@ -182,25 +182,7 @@ def attach_offload(transformer, blocks, cfg: Config, device: torch.device, fract
 
 def streamed_params(handle, blocks) -> list[torch.nn.Parameter]:
     """Parameters of the blocks the conductor streams (their optimizer state must not stay on the GPU)."""
-    plan = getattr(handle, "plan", None)
-    if plan is None:
-        return []
-    return [p for i in plan.streamed for p in blocks[i].parameters() if p.requires_grad]
-
-
-def sync_offload(handle) -> None:
-    sync = getattr(handle, "sync", None)
-    if sync is not None:
-        sync()
-
-
-def detach_offload(handle) -> None:
-    close = getattr(handle, "detach", None) or getattr(handle, "close", None)
-    if close is not None:
-        close()
-
-
-# ---------------------------------------------------------------------------------------------- sampling
+    return [p for i in handle.plan.streamed for p in blocks[i].parameters() if p.requires_grad]
 
 
 # ---------------------------------------------------------------------------------------------- samples

@@ -265,7 +265,7 @@ class Trainer:
             return (self.out / ("lora.safetensors" if lora else "transformer") if final
                     else ck.checkpoint_root(self.out) / f"step-{self.step:06d}")
         if self.offload is not None:
-            glue.sync_offload(self.offload)  # host copies of streamed trainable weights must be current
+            self.offload.sync()  # host copies of streamed trainable weights must be current
 
         def write(tmp: Path) -> None:
             self._write_weights(tmp)
@@ -319,7 +319,7 @@ class Trainer:
             self.monitor.close()
             self.monitor = None
         if self.offload is not None:
-            glue.detach_offload(self.offload)
+            self.offload.close()
             self.offload = None
         self.dist.close()
 
