@@ -235,14 +235,19 @@ def test_resolve_fraction_and_check_line(flux_full_size):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_measurement_block_runs_on_cpu(tiny_models, family):
-    """The block `dittrain plan` times on a GPU is rebuilt from the trace and trains (CPU here); torch's
+    """Every block class `dittrain plan` times on a GPU is rebuilt from the trace and trains (CPU here); torch's
     FlopCounterMode counts the same matmul FLOPs for it as the trace does."""
-    from trainer.offload._planner_measure import block_pass
+    from trainer.offload._planner_measure import block_classes, block_pass
 
     facts = planner.analyze(_cfg(tiny_models / family, family))
-    step, idx, lin, _attn = block_pass(facts, "cpu")
-    step()
-    assert lin == facts.trace(64).block_linear_flops[idx] > 0
+    classes = block_classes(facts)
+    assert set(classes) == {type(b).__name__ for b in facts.blocks}
+    for cls in classes:
+        step, idx, lin, _attn, forward = block_pass(facts, "cpu", cls=cls)
+        assert type(facts.blocks[idx]).__name__ == cls
+        forward()
+        step()
+        assert lin == facts.trace(64).block_linear_flops[idx] > 0
 
 
 @pytest.mark.parametrize("name", ["adamw", "adafactor"])

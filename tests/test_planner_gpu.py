@@ -115,3 +115,19 @@ def test_predicted_peak_matches_the_gpu(setup, fraction):
     assert p.peak_allocated == pytest.approx(allocated, rel=0.10), gb
     gb = (p.peak_reserved / 1e9, reserved / 1e9, f"held before the test: {held_before / 1e9:.3f} GB")
     assert p.peak_reserved == pytest.approx(reserved, rel=0.15), gb
+
+
+def test_measurement_times_every_block_class_host_and_gpu_apart(setup):
+    """`dittrain plan`'s GPU measurement: each block class at the bucket, host launch time and GPU time apart,
+    and a step prediction that is at least as long as either alone."""
+    from trainer.offload._planner_measure import measure
+
+    _, facts = setup
+    rates = measure(facts)
+    got = rates.blocks[RES]
+    assert set(got) == {type(b).__name__ for b in facts.blocks}
+    for cost, idx in got.values():
+        assert cost.gpu_bwd > cost.gpu_fwd > 0 and cost.host_bwd > 0 and cost.host_fwd > 0, (cost, idx)
+    assert rates.h2d > 5e9
+    p = planner.predict(facts, 0.0, RES, rates=rates)
+    assert p.step_s >= 0.99 * max(p.host_s, p.compute_s) > 0

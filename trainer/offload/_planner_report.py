@@ -202,8 +202,9 @@ def report(
             "peak reserved",
             "pinned RAM",
             "peak RAM",
-            "compute",
-            "transfer",
+            "GPU",
+            "host",
+            "PCIe",
             "step",
             "vs resident",
         )
@@ -226,6 +227,7 @@ def report(
                 _gb(p.pinned + p.act_checkpoint_host),
                 _gb(p.ram_peak),
                 f"{p.compute_s:.2f}",
+                f"{p.host_s:.2f}",
                 f"{p.transfer_s:.2f}",
                 f"{p.step_s:.2f}",
                 f"{p.step_s / base.step_s:.2f}x",
@@ -251,7 +253,9 @@ def report(
         "- block working set = saved tensors of one block's recompute (flash attention, fused RMS norm) "
         "+ 2 x its largest saved tensor + 2 x its inputs (backward transients, estimated)",
         f"- text tokens per caption: {facts.text_tokens}; square buckets of res x res pixels",
-        "- step = max(compute, transfer); compute scales the reference by forward FLOPs (matmuls and attention)",
+        "- step: the host's launches, the GPU's kernels and the conductor's copies replayed block by block "
+        "over the offload plan (GPU = kernels alone, host = launches alone, PCIe = copies alone); without a GPU "
+        "measurement, GPU time scales the reference by FLOPs and host time by traced operations",
     ]
     return lines, chosen
 

@@ -1,5 +1,5 @@
-"""Step-time model of the planner: compute from FLOPs (reference figures or a short GPU measurement), transfer
-from bytes over the PCIe rate, step = max(compute, transfer).
+"""Costs behind the planner's step time: GPU seconds from FLOPs (reference figures or a short GPU measurement),
+host seconds per block, copy rates. trainer/offload/_planner_pipeline.py turns them into a step.
 
 Compute. Forward FLOPs of the blocks are counted exactly on the meta device (trace). A training step costs a
 multiple of them: with gradient checkpointing the forward runs twice (forward, recompute), and backward costs
@@ -7,9 +7,10 @@ one forward for the input gradients of every matmul, one more for weight gradien
 fine-tuning; LoRA's weight gradients are negligible), and two forwards for attention (its backward recomputes
 the scores). The rate that turns FLOPs into seconds is calibrated once on the DESIGN.md reference: Flux.1-dev
 LoRA rank 16 at 1024x1024, batch 1, gradient checkpointing, 0.775 s a step on an H200 (torch 2.11,
-diffusers 0.42.1). An H100 has the same compute (both GH100); other GPUs are scaled by nothing, so measure:
-with a GPU present, `dittrain plan` times one block at each bucket's shapes (trainer/offload/_planner_measure.py)
-and uses that rate per bucket, which also catches small buckets running below the large-bucket efficiency.
+diffusers 0.42.1), a step the GPU's kernels fill. An H100 has the same compute (both GH100); other GPUs are
+scaled by nothing, so measure: with a GPU present, `dittrain plan` runs one block of every class at each
+bucket's shapes (trainer/offload/_planner_measure.py) and times the host's launches and the GPU's work apart
+(`split_time`), which is what decides small buckets: there the host, not the GPU, sets the pace.
 
 Transfer. Host-to-device bytes per step come from the offload plan (trainer/offload/plan.py, the same code the
 conductor replays), plus the checkpoint inputs coming back in backward under activation offloading;
@@ -17,15 +18,16 @@ device-to-host bytes are the write-back of trained streamed blocks and the check
 Rates: the DESIGN.md figures (pinned H2D 55.4 GB/s, D2H 55.3 GB/s, both at once 100.7 GB/s) or a measured
 pinned 1 GB copy.
 
-Left out: the time the first block of a pass waits for its copy when nothing is resident, Python overhead per
-block, and the optimizer step itself (LoRA: milliseconds; full fine-tuning on the GPU: bandwidth-bound, about
-16 bytes per parameter at HBM speed).
+Left out: the optimizer step itself (LoRA: milliseconds; full fine-tuning on the GPU: bandwidth-bound, about
+16 bytes per parameter at HBM speed) and the layers outside the blocks.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
+from ._planner_pipeline import REF_HOST_S_PER_OP, BlockCost, reference_costs
 
 # Reference: DESIGN.md, measured on an H200.
 REF_STEP_S = 0.775  # Flux.1-dev LoRA r16, 1024x1024, batch 1, checkpointing
@@ -58,10 +60,42 @@ class Rates:
     bidir: float  #: both directions at once, total
     source: str  #: where the numbers come from, for the printed assumptions
     by_res: dict = field(default_factory=dict)  #: measured training FLOP rate per bucket side (px)
+    #: measured per bucket side: {block class name: (BlockCost, index of the block measured)}
+    blocks: dict = field(default_factory=dict)
 
     def rate(self, res: int) -> float:
         """FLOP rate for a bucket: measured at that size when it was, else the general one."""
         return self.by_res.get(res, self.flops_per_s)
+
+
+def block_costs(
+    blocks, tr, rates: Rates, res: int, weights_train: bool, checkpointing: bool
+) -> list[BlockCost]:
+    """Per block: host and GPU seconds of its forward and of its recompute + backward at bucket `res`.
+
+    Measured classes (`rates.blocks[res]`) use the measurement, the GPU part scaled by the block's matmul FLOPs
+    against the measured block's (blocks of one class differ only at the ends, e.g. SD3's last); otherwise GPU
+    time is FLOPs over the rate and host time comes from the traced operation count
+    (trainer/offload/_planner_pipeline.py)."""
+    n = len(blocks)
+    attn = tr.attn_flops / max(1, n)  # every block attends over the same tokens
+    fwd = [lin + attn for lin in tr.block_linear_flops]
+    train = [
+        train_flops(lin, attn, checkpointing=checkpointing, weights_train=weights_train)
+        for lin in tr.block_linear_flops
+    ]
+    rate = rates.rate(res)
+    costs = reference_costs(
+        tr.block_ops, [f / rate for f in fwd], [(t - f) / rate for t, f in zip(train, fwd, strict=True)]
+    )
+    measured = rates.blocks.get(res, {})
+    for b, blk in enumerate(blocks):
+        got = measured.get(type(blk).__name__)
+        if got is not None:
+            cost, idx = got
+            ref = tr.block_linear_flops[idx] or 1
+            costs[b] = cost.scaled(gpu=(tr.block_linear_flops[b] or ref) / ref)
+    return costs
 
 
 def forward_rate(rates: Rates, res: int) -> float:
@@ -79,7 +113,8 @@ def reference_rates() -> Rates:
         REF_D2H,
         REF_BIDIR,
         "DESIGN.md reference figures (H200, PCIe Gen5 x16): Flux-12B LoRA step 0.775 s at 1024 px; "
-        "H2D 55.4 GB/s, D2H 55.3 GB/s, both 100.7 GB/s",
+        "H2D 55.4 GB/s, D2H 55.3 GB/s, both 100.7 GB/s; host "
+        f"{REF_HOST_S_PER_OP * 1e6:.0f} us per traced block operation per training pass (that machine's host)",
     )
 
 
@@ -90,9 +125,63 @@ def transfer_seconds(h2d_bytes: float, d2h_bytes: float, rates: Rates) -> float:
     return max(h2d_bytes / rates.h2d, d2h_bytes / rates.d2h, (h2d_bytes + d2h_bytes) / rates.bidir)
 
 
-def measure_rates(blocks: dict | None = None) -> Rates:  # pragma: no cover - needs a GPU
-    """Short measurement on the current GPU: a pinned 1 GB copy each way (and both at once) and, per bucket
-    side in `blocks` ({res: (fn, flops)}), one block's training pass `fn()` (warmed up) of `flops` FLOPs."""
+def split_time(fn, reps: int = 5) -> tuple[float, float]:  # pragma: no cover - needs a GPU
+    """(host seconds, GPU seconds) of `fn()`, medians over `reps`, apart: a sleep kernel queued first keeps the
+    GPU busy while the host launches `fn`, so the host's time is its own and CUDA events around `fn` time the
+    GPU's work alone. Falls back to the synchronised wall time for both when the sleep is too short (the host
+    filled the launch queue) or torch has no sleep kernel."""
+    import statistics
+
+    import torch
+
+    def wall():
+        torch.cuda.synchronize()  # host-device sync: timing
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    fn()
+    w = statistics.median(wall() for _ in range(reps))
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None:
+        return w, w
+    cycles = _cycles_per_s()
+    host, gpu = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        hold = 2 * w + 0.01
+        sleep(int(hold * cycles))
+        e0.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+        e1.record()
+        e1.synchronize()  # host-device sync: timing
+        gpu.append(e0.elapsed_time(e1) / 1000)
+        if host[-1] > 0.8 * hold:
+            return w, w
+    return statistics.median(host), statistics.median(gpu)
+
+
+def _cycles_per_s() -> float:  # pragma: no cover - needs a GPU
+    import torch
+
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)
+    e0.record()
+    torch.cuda._sleep(50_000_000)
+    e1.record()
+    e1.synchronize()  # host-device sync: timing
+    return 50_000_000 / (e0.elapsed_time(e1) / 1000)
+
+
+def measure_rates(blocks=()) -> Rates:  # pragma: no cover - needs a GPU
+    """Short measurement on the current GPU: a pinned 1 GB copy each way (and both at once) and, for each
+    `(res, class, build)` in `blocks`, the host and GPU time of the block's checkpointed forward and of a whole
+    training pass (forward, recompute, backward); `build()` returns (forward_fn, pass_fn, train FLOPs, block
+    index) and is called one block at a time, so only one block is on the GPU at once."""
     import torch
 
     n = 1 << 30
@@ -120,12 +209,21 @@ def measure_rates(blocks: dict | None = None) -> Rates:  # pragma: no cover - ne
         torch.cuda.current_stream().wait_stream(side)
 
     bidir = n / timed(both)
-    by_res = {res: flops / timed(fn, reps=5) for res, (fn, flops) in (blocks or {}).items() if flops > 0}
+    host = dev = None  # free the 1 GB buffers before the blocks
+    by_res, costs = {}, {}
+    for res, cls, build in blocks:
+        fwd_fn, pass_fn, flops, idx = build()
+        hf, gf = split_time(fwd_fn)
+        hp, gp = split_time(pass_fn)
+        costs.setdefault(res, {})[cls] = (BlockCost(hf, max(0.0, hp - hf), gf, max(0.0, gp - gf)), idx)
+        by_res.setdefault(res, flops / max(gp, 1e-9))  # the first (most frequent) class sets the rate
+        del fwd_fn, pass_fn
+        torch.cuda.empty_cache()
     name = torch.cuda.get_device_name()
     if by_res:
         rate = by_res[max(by_res)]
-        source = f"measured on {name}: pinned copies and one block's training pass per bucket"
+        source = f"measured on {name}: pinned copies; host and GPU time of each block class per bucket"
     else:
         rate = reference_rates().flops_per_s
         source = f"measured copies on {name}; compute from the H200 reference"
-    return Rates(rate, h2d, d2h, bidir, source, by_res)
+    return Rates(rate, h2d, d2h, bidir, source, by_res, costs)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._planner_models import (  # noqa: F401 - re-exported: the planner's one entry point for model facts
     FULL_CONFIGS,
@@ -124,6 +125,20 @@ class _KernelModel:
 # ----------------------------------------------------------------------------------------------- tracing
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten operations each block's forward dispatches (views and metadata queries included: each
+    costs the host a dispatch, whether or not it launches a kernel)."""
+
+    def __init__(self, current: list[int], counts: list[int]):
+        super().__init__()
+        self.current, self.counts = current, counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.current:
+            self.counts[self.current[-1]] += 1
+        return func(*args, **(kwargs or {}))
+
+
 @dataclass
 class Trace:
     """Activation bytes of one training forward at one bucket shape (batch included)."""
@@ -137,6 +152,8 @@ class Trace:
     linear_flops: int = 0  #: forward FLOPs of every nn.Linear (LoRA's included)
     attn_flops: int = 0  #: forward FLOPs of attention (QK^T and PV)
     block_linear_flops: list[int] = field(default_factory=list)  #: per block: its share of linear_flops
+    #: per block: tensor operations its forward dispatches (the host's launch work scales with them)
+    block_ops: list[int] = field(default_factory=list)
     storages: dict[int, int] = field(default_factory=dict, repr=False)
     #: per block class name: the index and (args, kwargs) of its first call, meta tensors (for GPU timing)
     calls: dict[str, tuple[int, tuple, dict]] = field(default_factory=dict, repr=False)
@@ -238,8 +255,9 @@ def trace_forward(
         m.register_forward_pre_hook(count_linear) for m in transformer.modules() if isinstance(m, nn.Linear)
     ]
     mode = _KernelModel(kernels) if kernels != "real" else contextlib.nullcontext(_KernelModel(kernels))
+    b_ops = [0] * len(blocks)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode, _OpCounter(current, b_ops):
             transformer(**inputs, return_dict=False)
     finally:
         for h in handles:
@@ -254,6 +272,7 @@ def trace_forward(
         outside_saved=sum(outside.values()),
         linear_flops=int(linear_flops[0]),
         block_linear_flops=b_linear,
+        block_ops=b_ops,
         attn_flops=int(getattr(mode, "attn_flops", 0)),
         storages=dict(seen),
         calls=calls,

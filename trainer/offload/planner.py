@@ -26,7 +26,8 @@ How. Everything is derived from the model's own code and the conductor's own ari
   rounded to the allocator's 2 MiB, + `ALLOCATOR_OVERHEAD` x the activation peak (the caching allocator's
   rounding and fragmentation for the varying activation tensors) + `WORKSPACE` (cuBLAS and attention
   workspaces). The CUDA context (0.5-1 GB, never in `max_memory_reserved`) is on top of that;
-- step time = max(compute, transfer) (trainer/offload/_planner_time.py).
+- step time: the host's launches, the GPU's kernels and the conductor's copies replayed block by block over
+  the training plan (trainer/offload/_planner_pipeline.py; costs in trainer/offload/_planner_time.py).
 
 `choose_fraction` walks fractions on a 0.05 grid (the ring rounds to whole blocks, plan.capacity_for) and returns
 the smallest one whose predicted reserved peak fits the budget at every bucket (the largest bucket decides).
@@ -50,14 +51,16 @@ from ..errors import UserError
 from . import _planner_time as ptime
 from . import _planner_trace as ptrace
 from ._planner_models import optimizer_state_bytes, text_encoder_bytes, transformer_config
+from ._planner_pipeline import simulate
 from .allocators import BlockPacking
-from .plan import PlanError, capacity_for, make_plan
+from .plan import Plan, PlanError, capacity_for, make_plan
 
 GB = 1e9
 MIB2 = 2 << 20
-ALLOCATOR_OVERHEAD = (
-    1.10  # reserved / allocated for activations (assumption; bench/bench_plan.py measures it)
-)
+# reserved / allocated for the activation peak: the caching allocator's rounding and fragmentation. Measured on an
+# H200 with full-size Flux LoRA (bench/RESULTS.md, 2026-11-22 01:13 UTC): 1.53-1.60 at 512 px, 1.24-1.36 at
+# 1024 px; 1.35 puts all six measured peaks within 5 % (1.10, the first assumption, was 1.4-9.4 % under).
+ALLOCATOR_OVERHEAD = 1.35
 WORKSPACE = 0.25 * GB  # cuBLAS workspaces, attention scratch, small tensors
 GRID = [round(0.05 * i, 2) for i in range(21)]
 TABLE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -189,12 +192,18 @@ def streaming(packed: list[int], fraction: float) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=256)
-def _streaming(packed: tuple[int, ...], fraction: float) -> tuple[int, tuple[int, ...], int]:
+def _train_plan(packed: tuple[int, ...], fraction: float) -> Plan | None:
+    """The training plan the conductor runs at `fraction` (None when nothing streams)."""
     if fraction <= 0.0:
+        return None
+    return make_plan(packed, capacity_for(packed, fraction), "train")
+
+
+def _streaming(packed: tuple[int, ...], fraction: float) -> tuple[int, tuple[int, ...], int]:
+    plan = _train_plan(packed, fraction)
+    if plan is None:
         return sum(packed), (), 0
-    cap = capacity_for(packed, fraction)
-    plan = make_plan(packed, cap, "train")
-    return cap, plan.streamed, plan.bytes_per_step()
+    return plan.capacity, plan.streamed, plan.bytes_per_step()
 
 
 def _round2m(n: float) -> float:
@@ -223,12 +232,14 @@ class Prediction:
     static: float  #: the reserved peak's fixed part (2 MiB-rounded allocations that live the whole step)
     dynamic: float  #: its varying part (activations and gradients at the peak), before ALLOCATOR_OVERHEAD
     ram_peak: float
-    compute_s: float
-    transfer_s: float
+    compute_s: float  #: the GPU's kernel time alone
+    transfer_s: float  #: the copies alone (host-to-device and back, at the PCIe rates)
+    host_s: float = 0.0  #: the host's launch time alone
+    step_time: float = 0.0  #: the three together, block by block (trainer/offload/_planner_pipeline.py)
 
     @property
     def step_s(self) -> float:
-        return max(self.compute_s, self.transfer_s)
+        return self.step_time or max(self.compute_s, self.transfer_s, self.host_s)
 
 
 def predict(
@@ -309,6 +320,23 @@ def predict(
     flops = ptime.train_flops(
         tr.linear_flops, tr.attn_flops, checkpointing=facts.checkpointing, weights_train=full
     )
+    costs = ptime.block_costs(facts.blocks, tr, rates, res, full, facts.checkpointing)
+    plan = _train_plan(tuple(facts.packed), fraction)
+    if state_moved:  # StateOffload's state copies run on the compute stream, in the block's backward
+        streamed_blocks = set(plan.streamed) if plan is not None else set()
+        costs = [
+            c.scaled(extra_gpu_bwd=2 * facts.block_states[b] / rates.h2d) if b in streamed_blocks else c
+            for b, c in enumerate(costs)
+        ]
+    sim = simulate(costs, plan, rates.h2d)
+    block_flops = sum(
+        ptime.train_flops(
+            lin, tr.attn_flops / len(facts.blocks), checkpointing=facts.checkpointing, weights_train=full
+        )
+        for lin in tr.block_linear_flops
+    )
+    outside_s = max(0.0, flops - block_flops) / rates.rate(res)  # embedders and final layers: GPU time
+    transfer_s = ptime.transfer_seconds(h2d, d2h, rates)
     return Prediction(
         fraction=fraction,
         resolution=res,
@@ -328,9 +356,11 @@ def predict(
         static=static,
         dynamic=dynamic,
         ram_peak=ram,
-        # the state copies of StateOffload run on the compute stream: they add to compute, not overlap it
-        compute_s=flops / rates.rate(res) + 2 * state_moved / rates.h2d,
-        transfer_s=ptime.transfer_seconds(h2d, d2h, rates),
+        compute_s=sim.gpu_s + outside_s,
+        transfer_s=transfer_s,
+        host_s=sim.host_s,
+        # activation offloading's copies and full fine-tuning's write-backs are not replayed: a floor
+        step_time=max(sim.step_s + outside_s, transfer_s),
     )
 
 
