@@ -190,7 +190,8 @@ def predicted(facts, res, fraction, activations, rates_ref, rates_gpu) -> dict:
         pred_dynamic_gb=p.dynamic / GB,
     )
     if rates_gpu is not None:
-        out["pred_step_gpu_s"] = planner.predict(facts, fraction, res, activations, rates_gpu).step_s
+        g = planner.predict(facts, fraction, res, activations, rates_gpu)
+        out.update(pred_step_gpu_s=g.step_s, pred_host_s=g.host_s, pred_kernels_s=g.compute_s)
     return out
 
 
@@ -224,8 +225,9 @@ def markdown(meta, rows, presets) -> str:
         f"command: `{meta['command']}`",
         "",
         "| px | fraction | act | status | reserved GB pred / meas (err %) | allocated GB pred / meas | "
-        "step s pred (ref) / pred (GPU) / meas (err % GPU) | pinned GB pred / meas | H2D GB/s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "step s pred (ref) / pred (GPU) / meas (err % GPU) | host / kernels s pred (GPU) | pinned GB pred / meas "
+        "| H2D GB/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         out.append(
@@ -234,6 +236,7 @@ def markdown(meta, rows, presets) -> str:
             f"| {f(r.get('pred_allocated_gb'))} / {f(r.get('allocated_gb'))} "
             f"| {f(r.get('pred_step_ref_s'))} / {f(r.get('pred_step_gpu_s'))} / {f(r.get('step_s'))} "
             f"({f(r.get('step_err_pct'), '{:+.1f}')}) "
+            f"| {f(r.get('pred_host_s'))} / {f(r.get('pred_kernels_s'))} "
             f"| {f(r.get('pred_pinned_gb'))} / {f(r.get('pinned_gb'))} | {f(r.get('h2d_gbps'), '{:.1f}')} |"
         )
     # Calibration hints: what the allocator model's constant would have to be for each measured row.
@@ -371,6 +374,10 @@ def main() -> int:
         command="python bench/bench_plan.py " + " ".join(sys.argv[1:]),
         h2d_gbps=rates_gpu.h2d / GB if rates_gpu else None,
         gpu_flops=rates_gpu.by_res if rates_gpu else None,
+        block_costs={
+            res: {cls: dict(vars(c), block=i) for cls, (c, i) in d.items()}
+            for res, d in (rates_gpu.blocks if rates_gpu else {}).items()
+        },
         ref_flops=rates_ref.flops_per_s,
         allocator_overhead=planner.ALLOCATOR_OVERHEAD,
         workspace_gb=planner.WORKSPACE / GB,
