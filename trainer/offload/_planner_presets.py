@@ -168,11 +168,11 @@ def plan_preset(
 
 
 # Presets run on a GPU with full-size random weights under a VRAM cap of card - 1 GB (bench/bench_plan.py; numbers
-# and command in bench/RESULTS.md, 2026-11-22 01:13 UTC).
+# and command in bench/RESULTS.md, 2026-11-22 02:27 UTC, the planner with the 1.35 allocator factor).
 MEASURED: dict[tuple[str, str, int], str] = {
-    ("flux", "lora", 8): "measured on an H200: fits, 6.1 GB reserved, 1.10 s a step",
-    ("flux", "lora", 16): "measured on an H200: fits, 14.3 GB reserved, 1.02 s a step",
-    ("flux", "lora", 24): "measured on an H200: fits, 23.0 GB reserved, 0.96 s a step",
+    ("flux", "lora", 8): "measured on an H200: fits, 6.3 GB reserved, 1.08 s a step",
+    ("flux", "lora", 16): "measured on an H200: fits, 14.5 GB reserved, 0.95 s a step",
+    ("flux", "lora", 24): "measured on an H200: fits, 22.0 GB reserved, 0.95 s a step",
 }
 
 
@@ -197,7 +197,8 @@ def header(family: str, method: str, card: int, d: dict, p: planner.Prediction, 
         f"({p.ram_peak / 1e9:.0f} GB peak), {speed:.2f}x the step time without offloading (planner prediction; "
         + MEASURED.get((family, method, card), "not yet measured")
         + ")",
-        f"# Predicted step {p.step_s:.2f} s on an H200-class GPU (compute {p.compute_s:.2f} s, PCIe {p.transfer_s:.2f} s).",
+        f"# Predicted step {p.step_s:.2f} s on an H200-class GPU (GPU {p.compute_s:.2f} s, host {p.host_s:.2f} s, "
+        f"PCIe {p.transfer_s:.2f} s).",
         "# VRAM is what torch reserves; the CUDA context (0.5-1 GB) comes on top, and "
         f"{HEADROOM_GB:g} GB of the card is left for it.",
         "# `dittrain plan <this file>` prints the whole prediction and its assumptions. Written by",
