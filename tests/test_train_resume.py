@@ -113,8 +113,8 @@ def test_missing_resume_fails_before_anything_loads(tiny_models, images, tmp_pat
 
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_streamed_blocks_train_bitwise_like_resident(method, tiny_models, images, tmp_path, monkeypatch):
-    """The loop's offload wiring (non-block modules moved, conductor's checkpointing, optimizer state kept in RAM
-    for streamed trainable blocks, save and resume), through the conductor's CPU path: same losses and weights as
+    """The loop's offload wiring (non-block modules moved, conductor's checkpointing, optimizer state packed beside
+    streamed trainable weights, save and resume), through the conductor's CPU path: same losses and weights as
     resident."""
     cache = tmp_path / "cache"
     ref = Trainer(_cfg(tiny_models, images, tmp_path / "ref", cache, method, steps=4))
@@ -187,3 +187,51 @@ def test_streamed_text_encoders_give_the_same_cache_and_samples(tiny_models, ima
     resident = run("resident")
     monkeypatch.setattr(glue, "_text_fraction", lambda cfg, device: 0.5)
     assert run("streamed") == resident
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
+def test_streamed_full_fine_tune_packs_the_optimizer_state_with_its_block(
+    optimizer, tiny_models, images, tmp_path, monkeypatch
+):
+    """fit packs each streamed weight's optimizer state beside it in the block (trainer/offload/fused.py), so
+    between steps it lives in the host arena, and trains bitwise like the state-in-RAM wiring (trainer/optim
+    StateOffload) that 8-bit AdamW falls back to."""
+    from trainer.offload import fused
+
+    monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
+
+    def trainer(out):
+        cfg = _cfg(tiny_models, images, out, tmp_path / "cache", "full", steps=3)
+        return Trainer(cfg.model_copy(update={
+            "offload": cfg.offload.model_copy(update={"transformer": 0.5}),
+            "optimizer": cfg.optimizer.model_copy(update={"name": optimizer}),
+        }))  # fmt: skip
+
+    packed = trainer(tmp_path / "packed")
+    packed.setup()
+    c = packed.offload._c
+    streamed = c.plan.streamed
+    assert streamed and all(c.packs[b].states for b in streamed)
+    p = next(p for b in streamed for p in packed.adapter.blocks(packed.transformer)[b].parameters())
+    seen = {}
+    real_close = Trainer.close
+
+    def close(self):  # before the trainer lets go of its optimizer and conductor
+        if self is packed:
+            host, state = c.host_state_of(p), self.optim.fused.state_of(p)
+            seen["host"] = bool(host) and all(state[k] is v for k, v in host.items())
+        real_close(self)
+
+    monkeypatch.setattr(Trainer, "close", close)
+    packed.fit()
+    assert seen["host"]  # between steps the optimizer reads the host arena's copy of the state
+
+    with monkeypatch.context() as m:
+        m.setattr(fused, "PACKED_STATE_OPTIMIZERS", ())
+        in_ram = trainer(tmp_path / "ram")
+        in_ram.setup()
+        assert not any(pk.states for pk in in_ram.offload._c.packs)
+        in_ram.fit()
+    assert losses(tmp_path / "packed") == losses(tmp_path / "ram")
+    w, r = _weights(packed), _weights(in_ram)
+    assert all(torch.equal(w[k], r[k]) for k in r)

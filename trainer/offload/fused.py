@@ -21,6 +21,10 @@ from typing import Any
 
 import torch
 
+#: Optimizers whose state layout `FusedBackPass.state_layout` knows before the first step, so it can be packed
+#: (8-bit AdamW's is not: the trainer keeps its state in RAM with trainer/optim StateOffload).
+PACKED_STATE_OPTIMIZERS = ("adamw", "adafactor")
+
 
 def bind_fused(handle, fused) -> None:
     """Register the pre/post/synchronize hooks on a trainer.optim `FusedBackPass`."""

@@ -163,20 +163,32 @@ def check_plan(cfg: Config, fraction: float, device: torch.device, step_s: float
     say(check_line(pred, torch.cuda.max_memory_reserved(device), step_s))
 
 
-def attach_offload(transformer, blocks, cfg: Config, device: torch.device, fraction: float):
+def attach_offload(transformer, blocks, cfg: Config, device: torch.device, fraction: float, optim: Optim):
     """Stream the blocks (trainer/offload); move everything outside the blocks to the device ourselves (the
     conductor's contract). The conductor checkpoints each block itself (recognising blocks already wrapped by
-    `checkpoint_blocks`). Full fine-tuning streams the block weights as trainable (stepped by the fused back
-    pass while their block is on the GPU, then written back)."""
+    `checkpoint_blocks`).
+
+    Full fine-tuning streams the block weights as trainable: the fused back pass steps each while its block is
+    on the GPU, then the block is written back. The optimizer state (AdamW's moments, Adafactor's factors) is
+    packed beside each weight and crosses PCIe with it (trainer/offload/fused.py); 8-bit AdamW's, whose layout
+    is unknown before a step, waits in pinned RAM and visits the GPU while its parameter steps
+    (trainer/optim StateOffload)."""
     from ..offload import attach_offload as _attach
     from ..offload import move_outside_blocks
+    from ..offload.fused import PACKED_STATE_OPTIMIZERS, bind_fused
 
+    full = cfg.train.method == "full"
+    packed = full and optim.fused is not None and cfg.optimizer.name in PACKED_STATE_OPTIMIZERS
     handle = _attach(
         blocks, device, fraction, mode="train", activations=cfg.offload.activations,
-        nano_batches=cfg.offload.nano_batches, trainable=cfg.train.method == "full",
-        checkpointing=cfg.train.gradient_checkpointing,
+        nano_batches=cfg.offload.nano_batches, trainable=full, checkpointing=cfg.train.gradient_checkpointing,
+        optimizer_state=optim.fused.state_layout if packed else (),
     )
     move_outside_blocks(transformer, blocks, device)
+    if packed:
+        bind_fused(handle, optim.fused)
+    elif full:
+        optim.keep_state_in_ram(streamed_params(handle, blocks))
     return handle
 
 

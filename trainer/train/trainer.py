@@ -161,12 +161,11 @@ class Trainer:
             f"{f', {fraction:g} of block bytes streamed from CPU RAM' if self._offloaded else ''}")
         if c.gradient_checkpointing:
             checkpoint_blocks(blocks)
-        if conduct:
-            self.offload = glue.attach_offload(self.transformer, blocks, cfg, self.device, fraction)
-
+        # The optimizer before the conductor: a streamed full fine-tune packs each weight's optimizer state beside
+        # it, in the layout the optimizer reports.
         self.optim = glue.Optim(cfg, self.params)
-        if self.offload is not None and c.method == "full":
-            self.optim.keep_state_in_ram(glue.streamed_params(self.offload, blocks))
+        if conduct:
+            self.offload = glue.attach_offload(self.transformer, blocks, cfg, self.device, fraction, self.optim)
         self.optim = self.dist.wrap_optim(self.optim, c.grad_accum)  # gradients averaged over ranks
         self.objective = FlowMatching(c, self.adapter.timestep_shift)
         if resume_dir is not None:
