@@ -68,15 +68,24 @@ def test_weight_bytes_and_streaming_equal_the_conductor(tiny_models, family, met
     assert facts.nonblock_bytes == nonblock
     if method == "lora":
         assert facts.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    layout = ()
+    if method == "full":  # as fit wires it: the optimizer state packed beside each weight (trainer/train/glue.py)
+        from trainer.optim.build import build_optimizer
+        from trainer.optim.fused import FusedBackPass
+
+        fb = FusedBackPass(build_optimizer(list(model.parameters()), cfg.optimizer))
+        layout = fb.state_layout
     for f in (0.25, 0.5, 1.0):
         ring, pinned, h2d = planner.streaming(facts.packed, f)
-        handle = attach_offload(blocks, "cpu", f, trainable=method == "full")
+        handle = attach_offload(blocks, "cpu", f, trainable=method == "full", optimizer_state=layout)
         try:
             st = handle.stats()
         finally:
             handle.close()
         assert (ring, pinned, h2d) == (st["ring_bytes"], st["offloaded_bytes"], st["h2d_bytes_per_step"]), f
         assert sum(facts.packed) == st["block_bytes"]
+    if method == "full":
+        fb.remove()
 
 
 def _counted_checkpoint_inputs(model, blocks, inputs) -> int:
@@ -307,3 +316,26 @@ def test_sampling_prediction_uses_the_conductors_plan(flux_full_size):
     # The spread-resident plan the conductor picks at 0.5 moves about half the weights a step, not all of them.
     assert moved < 0.7 * make_plan(facts.packed, cap, "sample").bytes_per_step()
     assert half.peak_reserved < resident.peak_reserved - 10e9
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_full_fine_tune_packs_the_state_the_optimizer_reports(tiny_models, name):
+    """The planner's packed block bytes for a streamed full fine-tune equal the conductor's packing with the real
+    optimizer's state layout (FusedBackPass.state_layout), as `dittrain fit` packs it."""
+    from trainer.offload.allocators import BlockPacking
+    from trainer.optim.build import build_optimizer
+    from trainer.optim.fused import FusedBackPass
+
+    cfg = _cfg(tiny_models / "flux", "flux", "full")
+    cfg = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"name": name})})
+    facts = planner.analyze(cfg)
+    model = _real(tiny_models, "flux", cfg)
+    fb = FusedBackPass(build_optimizer(list(model.parameters()), cfg.optimizer))
+    try:
+        blocks = ptrace.blocks_of("flux", model)
+        real = [BlockPacking.of(b, include_trainable=True, state_layout=fb.state_layout).nbytes for b in blocks]
+    finally:
+        fb.remove()
+    weights_only = [BlockPacking.of(b, include_trainable=True).nbytes for b in blocks]
+    assert facts.state_packed and facts.packed == real
+    assert all(r > w for r, w in zip(real, weights_only, strict=True))

@@ -140,6 +140,28 @@ def optimizer_state_bytes(name: str, params, pinned: bool = False) -> int:
     return total
 
 
+def packed_state_layout(name: str):
+    """p -> {state name: (shape, dtype)} of the optimizer state the trainer packs beside each streamed weight
+    (trainer/optim FusedBackPass.state_layout, the same shapes as `optimizer_state_bytes`), or None when the
+    trainer keeps that optimizer's state in RAM instead (8-bit AdamW: its layout is not known before a step)."""
+    from .fused import PACKED_STATE_OPTIMIZERS
+
+    f32 = torch.float32
+    if name not in PACKED_STATE_OPTIMIZERS:
+        return None
+    if name == "adamw":
+        return lambda p: {"exp_avg": (p.shape, f32), "exp_avg_sq": (p.shape, f32)}
+    if name == "adafactor":
+
+        def factored(p):
+            if p.dim() < 2:
+                return {"v": (p.shape, f32)}
+            return {"row": (p.shape[:-1], f32), "col": (p.shape[:-2] + p.shape[-1:], f32)}
+
+        return factored
+    raise AssertionError(f"no planner layout for {name}")
+
+
 def transformer_config(cfg) -> tuple[dict, str]:
     path = Path(cfg.model.path) / "transformer" / "config.json"
     if path.is_file():

@@ -18,8 +18,10 @@ device-to-host bytes are the write-back of trained streamed blocks and the check
 Rates: the DESIGN.md figures (pinned H2D 55.4 GB/s, D2H 55.3 GB/s, both at once 100.7 GB/s) or a measured
 pinned 1 GB copy.
 
-Left out: the optimizer step itself (LoRA: milliseconds; full fine-tuning on the GPU: bandwidth-bound, about
-16 bytes per parameter at HBM speed) and the layers outside the blocks.
+A full fine-tune's optimizer steps run inside backward, one parameter at a time (fused back pass): they are
+charged per parameter at the rate measured for Flux-12B with Adafactor (`REF_FULL_STEP_S_PER_PARAM`), to the
+backward of the block that owns the parameter. Left out: LoRA's optimizer step (milliseconds) and the host's
+launches for the layers outside the blocks.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ from ._planner_pipeline import REF_HOST_S_PER_OP, BlockCost, reference_costs
 # Reference: DESIGN.md, measured on an H200.
 REF_STEP_S = 0.775  # Flux.1-dev LoRA r16, 1024x1024, batch 1, checkpointing
 REF_FORWARD_S = 0.198  # Flux.1-dev resident forward (one sampling step), 1024x1024, batch 1
+# A full fine-tune's optimizer steps (fused back pass, Adafactor with fp32 math and stochastic rounding to bf16, one
+# parameter at a time inside backward): the resident Flux-12B full fine-tune at 1024 px took 1.339 s on the H200
+# (bench/RESULTS.md, 02:39 UTC) where its kernels for forward and backward alone take the 0.965 s the FLOP model
+# gives: 0.374 s for 11.90 B parameters.
+REF_FULL_STEP_S_PER_PARAM = 0.374 / 11.90e9
 REF_H2D = 55.4e9
 REF_D2H = 55.3e9
 REF_BIDIR = 100.7e9

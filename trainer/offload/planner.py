@@ -50,7 +50,12 @@ import torch
 from ..errors import UserError
 from . import _planner_time as ptime
 from . import _planner_trace as ptrace
-from ._planner_models import optimizer_state_bytes, text_encoder_bytes, transformer_config
+from ._planner_models import (
+    optimizer_state_bytes,
+    packed_state_layout,
+    text_encoder_bytes,
+    transformer_config,
+)
 from ._planner_pipeline import simulate
 from .allocators import BlockPacking
 from .plan import Plan, PlanError, capacity_for, make_plan
@@ -98,6 +103,9 @@ class Facts:
     text_tokens: int
     text_encoders: list[tuple[str, int]]
     resolutions: list[int]
+    #: full FT: streamed blocks carry their optimizer state in their pack (`packed` includes it); else (8-bit
+    #: AdamW) the state of streamed blocks waits in RAM and visits the GPU while its parameter steps
+    state_packed: bool = False
     traces: dict = field(default_factory=dict)
 
     def trace(self, res: int) -> ptrace.Trace:
@@ -130,14 +138,18 @@ def analyze(cfg) -> Facts:
         state_gpu = optimizer_state_bytes(cfg.optimizer.name, lora)
         block_states = block_states_pinned = [0] * len(blocks)
         largest_state = 0
+        state_packed = False
     else:
         model.requires_grad_(True)
         trainable = sum(p.numel() for p in model.parameters())
-        # As the trainer wires a streamed full fine-tune (trainer/train/glue.py): the conductor packs the weights
-        # only; the optimizer state of streamed blocks lives in pinned RAM (trainer/optim StateOffload) and
-        # visits the GPU while its parameter steps; the state of resident blocks and non-block modules stays on
-        # the GPU.
-        packed = [BlockPacking.of(b, include_trainable=True).nbytes for b in blocks]
+        # As the trainer wires a streamed full fine-tune (trainer/train/glue.py): the conductor packs each
+        # weight's optimizer state beside it (trainer/offload/fused.py), so the state crosses PCIe with its block
+        # and sits in the pinned arena between steps; 8-bit AdamW's state (layout unknown before a step) lives in
+        # pinned RAM instead (trainer/optim StateOffload) and visits the GPU while its parameter steps. The
+        # state of non-block modules stays on the GPU.
+        layout = packed_state_layout(cfg.optimizer.name)
+        state_packed = layout is not None
+        packed = [BlockPacking.of(b, include_trainable=True, state_layout=layout or ()).nbytes for b in blocks]
         biggest = max(model.parameters(), key=lambda p: p.numel())
         largest, largest_state = biggest.numel(), optimizer_state_bytes(cfg.optimizer.name, [biggest])
         block_states = [optimizer_state_bytes(cfg.optimizer.name, list(b.parameters())) for b in blocks]
@@ -174,6 +186,7 @@ def analyze(cfg) -> Facts:
         block_states=block_states,
         block_states_pinned=block_states_pinned,
         largest_state=largest_state,
+        state_packed=state_packed,
         largest_param=largest,
         text_tokens=ptrace.TEXT_TOKENS[family],
         text_encoders=text_encoder_bytes(cfg),
@@ -257,13 +270,16 @@ def predict(
     state_moved = 0
     if full:
         _, streamed, _ = _streaming(tuple(facts.packed), fraction)
-        on_gpu = [s for b, s in enumerate(facts.block_states) if b not in streamed]
-        # resident state + one streamed parameter's state while it steps
-        trainable = facts.state_gpu + sum(on_gpu) + (facts.largest_state if streamed else 0)
-        pinned += sum(facts.block_states_pinned[b] for b in streamed)
-        state_moved = sum(facts.block_states[b] for b in streamed)  # to the GPU and back, every step
-        if fraction <= 0.0:
-            ring = sum(facts.block_param_bytes)  # nothing streams: plain modules
+        if fraction <= 0.0:  # nothing streams: plain modules, the optimizer keeps every state on the GPU
+            ring = sum(facts.block_param_bytes)
+            trainable = facts.state_gpu + sum(facts.block_states)
+        elif facts.state_packed:  # each block's state is in its pack: in the ring, or in the pinned arena
+            trainable = facts.state_gpu
+        else:  # StateOffload: resident blocks' state on the GPU, one streamed parameter's while it steps
+            on_gpu = [s for b, s in enumerate(facts.block_states) if b not in streamed]
+            trainable = facts.state_gpu + sum(on_gpu) + (facts.largest_state if streamed else 0)
+            pinned += sum(facts.block_states_pinned[b] for b in streamed)
+            state_moved = sum(facts.block_states[b] for b in streamed)  # to the GPU and back, every step
         d2h = h2d  # every streamed block is written back before its region is reused
         # fused back pass: one gradient in the model dtype + the fp32 copies of weight and gradient it steps
         one_grad = facts.largest_param * (esize + 8) if facts.fused else 0
@@ -322,12 +338,17 @@ def predict(
     )
     costs = ptime.block_costs(facts.blocks, tr, rates, res, full, facts.checkpointing)
     plan = _train_plan(tuple(facts.packed), fraction)
-    if state_moved:  # StateOffload's state copies run on the compute stream, in the block's backward
-        streamed_blocks = set(plan.streamed) if plan is not None else set()
-        costs = [
-            c.scaled(extra_gpu_bwd=2 * facts.block_states[b] / rates.h2d) if b in streamed_blocks else c
-            for b, c in enumerate(costs)
-        ]
+    streamed_blocks = set(plan.streamed) if plan is not None else set()
+    esize_w = torch.tensor([], dtype=facts.dtype).element_size()
+    opt_step = ptime.REF_FULL_STEP_S_PER_PARAM if full else 0.0  # a full fine-tune's optimizer steps
+    costs = [
+        c.scaled(
+            extra_gpu_bwd=facts.block_param_bytes[b] / esize_w * opt_step
+            # StateOffload's state copies run on the compute stream, in the block's backward
+            + (2 * facts.block_states[b] / rates.h2d if state_moved and b in streamed_blocks else 0.0)
+        )
+        for b, c in enumerate(costs)
+    ]
     sim = simulate(costs, plan, rates.h2d)
     block_flops = sum(
         ptime.train_flops(
@@ -335,7 +356,8 @@ def predict(
         )
         for lin in tr.block_linear_flops
     )
-    outside_s = max(0.0, flops - block_flops) / rates.rate(res)  # embedders and final layers: GPU time
+    # embedders and final layers: GPU time (and their optimizer steps in a full fine-tune)
+    outside_s = max(0.0, flops - block_flops) / rates.rate(res) + facts.nonblock_params * opt_step
     transfer_s = ptime.transfer_seconds(h2d, d2h, rates)
     return Prediction(
         fraction=fraction,
