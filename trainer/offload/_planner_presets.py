@@ -173,6 +173,10 @@ MEASURED: dict[tuple[str, str, int], str] = {
     ("flux", "lora", 8): "measured on an H200: fits, 6.3 GB reserved, 1.08 s a step",
     ("flux", "lora", 16): "measured on an H200: fits, 14.5 GB reserved, 0.95 s a step",
     ("flux", "lora", 24): "measured on an H200: fits, 22.0 GB reserved, 0.95 s a step",
+    # bench/bench_fullft.py --fractions 0.9,0.75 --no-act (02:39 UTC): the fraction and settings of these presets,
+    # uncapped; same process as the resident full fine-tune (1.339 s, 28.2 GB)
+    ("flux", "full", 8): "measured on an H200: 6.4 GB reserved, 1.62 s a step = 1.21x resident",
+    ("flux", "full", 12): "measured on an H200: 9.5 GB reserved, 1.46 s a step = 1.09x resident",
 }
 
 
