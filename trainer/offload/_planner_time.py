@@ -5,8 +5,8 @@ Compute. Forward FLOPs of the blocks are counted exactly on the meta device (tra
 multiple of them: with gradient checkpointing the forward runs twice (forward, recompute), and backward costs
 one forward for the input gradients of every matmul, one more for weight gradients when the weights train (full
 fine-tuning; LoRA's weight gradients are negligible), and two forwards for attention (its backward recomputes
-the scores). The rate that turns FLOPs into seconds is calibrated once on the DESIGN.md reference: Flux.1-dev
-LoRA rank 16 at 1024x1024, batch 1, gradient checkpointing, 0.775 s a step on an H200 (torch 2.11,
+the scores). The rate that turns FLOPs into seconds is calibrated once on this code's own H200 measurement:
+Flux.1-dev LoRA rank 16 at 1024x1024, batch 1, gradient checkpointing, 0.92 s of kernels a step (torch 2.11,
 diffusers 0.42.1), a step the GPU's kernels fill. An H100 has the same compute (both GH100); other GPUs are
 scaled by nothing, so measure: with a GPU present, `dittrain plan` runs one block of every class at each
 bucket's shapes (trainer/offload/_planner_measure.py) and times the host's launches and the GPU's work apart
@@ -15,8 +15,8 @@ bucket's shapes (trainer/offload/_planner_measure.py) and times the host's launc
 Transfer. Host-to-device bytes per step come from the offload plan (trainer/offload/plan.py, the same code the
 conductor replays), plus the checkpoint inputs coming back in backward under activation offloading;
 device-to-host bytes are the write-back of trained streamed blocks and the checkpoint inputs leaving in forward.
-Rates: the DESIGN.md figures (pinned H2D 55.4 GB/s, D2H 55.3 GB/s, both at once 100.7 GB/s) or a measured
-pinned 1 GB copy.
+Rates: the H200 figures (pinned H2D 55.4 GB/s, D2H 55.3 GB/s, both at once 100.7 GB/s; DESIGN.md, and measured
+again there at 55.0-55.4 GB/s) or a measured pinned 1 GB copy.
 
 A full fine-tune's optimizer steps run inside backward, one parameter at a time (fused back pass): they are
 charged per parameter at the rate measured for Flux-12B with Adafactor (`REF_FULL_STEP_S_PER_PARAM`), to the
@@ -31,14 +31,16 @@ from dataclasses import dataclass, field
 
 from ._planner_pipeline import REF_HOST_S_PER_OP, BlockCost, reference_costs
 
-# Reference: DESIGN.md, measured on an H200.
-REF_STEP_S = 0.775  # Flux.1-dev LoRA r16, 1024x1024, batch 1, checkpointing
-REF_FORWARD_S = 0.198  # Flux.1-dev resident forward (one sampling step), 1024x1024, batch 1
+# Reference GPU time, measured with this project's code on the H200 machine (torch 2.11, diffusers 0.42.1, peft
+# 0.21; bench/RESULTS.md). DESIGN.md's figures for the same GPU (0.775 s and 0.198 s) come from another software
+# stack and are 16-34 % faster than what this code's kernels take, so predictions from them ran low.
+REF_STEP_S = 0.92  # Flux.1-dev LoRA r16, 1024x1024, batch 1, checkpointing: kernels busy (profiler, 02:10 UTC)
+REF_FORWARD_S = 0.298  # Flux.1-dev resident forward (one sampling step), 1024x1024, batch 1 (run 5, 01:35 UTC)
 # A full fine-tune's optimizer steps (fused back pass, Adafactor with fp32 math and stochastic rounding to bf16, one
 # parameter at a time inside backward): the resident Flux-12B full fine-tune at 1024 px took 1.339 s on the H200
-# (bench/RESULTS.md, 02:39 UTC) where its kernels for forward and backward alone take the 0.965 s the FLOP model
-# gives: 0.374 s for 11.90 B parameters.
-REF_FULL_STEP_S_PER_PARAM = 0.374 / 11.90e9
+# (bench/RESULTS.md, 02:39 UTC) where its kernels for forward and backward alone take the 1.146 s the FLOP model
+# gives: 0.193 s for 11.90 B parameters.
+REF_FULL_STEP_S_PER_PARAM = 0.193 / 11.90e9
 REF_H2D = 55.4e9
 REF_D2H = 55.3e9
 REF_BIDIR = 100.7e9
@@ -119,8 +121,8 @@ def reference_rates() -> Rates:
         REF_H2D,
         REF_D2H,
         REF_BIDIR,
-        "DESIGN.md reference figures (H200, PCIe Gen5 x16): Flux-12B LoRA step 0.775 s at 1024 px; "
-        "H2D 55.4 GB/s, D2H 55.3 GB/s, both 100.7 GB/s; host "
+        "H200 reference (PCIe Gen5 x16, this code measured there): Flux-12B LoRA step 0.92 s of kernels at "
+        "1024 px; H2D 55.4 GB/s, D2H 55.3 GB/s, both 100.7 GB/s; host "
         f"{REF_HOST_S_PER_OP * 1e6:.0f} us per traced block operation per training pass (that machine's host)",
     )
 
