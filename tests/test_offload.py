@@ -78,6 +78,30 @@ def test_activation_offloading_gives_equal_gradients():
     assert c.act.offloaded_bytes > 0 and len(c.act._by_block) == len(c.blocks) - 1
 
 
+@pytest.mark.parametrize("activations", [False, True])
+def test_activation_offloading_frees_the_block_inputs_after_forward(activations):
+    """After the forward, a block's input storage lives on only while its checkpoint needs it: every one without
+    activation offloading, only the first block's (it needs no grad, so it is not offloaded) with it. Diffusers
+    passes the inputs as keyword arguments; a recompute closure holding them would keep them all on the GPU
+    whatever the offloader copied out (it did, before 2026-11-22 02:55 UTC)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    m = add_lora(tiny_flux(0))
+    Conductor(blocks_of(m), "cpu", 0.5, activations=activations, activation_min_bytes=0)
+    storages = []
+
+    def remember(mod, args, kwargs):
+        storages.append(StorageWeakRef(kwargs["hidden_states"].untyped_storage()))
+
+    for b in blocks_of(m):
+        b.register_forward_pre_hook(remember, with_kwargs=True)
+    kw, target = batch(3)
+    loss = torch.nn.functional.mse_loss(m(**kw)[0], target)
+    alive = [not s.expired() for s in storages]
+    assert alive == ([True] * len(alive) if not activations else [True] + [False] * (len(alive) - 1))
+    loss.backward()
+
+
 def test_full_finetune_streams_weights_and_state_back():
     ref = tiny_flux(0)  # resident = the same code path with nothing streamed
     attach_offload(blocks_of(ref), "cpu", 0.0, trainable=True)

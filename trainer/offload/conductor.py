@@ -209,9 +209,14 @@ class Conductor:
                 for j, o in zip(idx, outs, strict=True):
                     flat[j] = o
         nargs = len(args)
+        # The recompute closure must not hold the tensor arguments themselves: checkpoint hands them back as `a`
+        # (through activation offloading's hooks when on), and a reference here would keep every block's inputs
+        # on the GPU until backward, whatever the offloader copied out.
+        static = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        del kwargs
 
         def inner(*a):
-            kw = dict(kwargs)
+            kw = dict(static)
             kw.update(zip(keys, a[nargs:], strict=True))
             if _in_backward():
                 self._enter(BWD, i)
