@@ -247,3 +247,37 @@ def test_stop_and_nonfinite_loss_are_agreed_across_ranks(tiny_models, images, tm
     assert r0[1]["error"].startswith("NonFiniteLossError") and "rank 1" in r0[1]["error"], r0[1]
     assert r1[1]["error"].startswith("NonFiniteLossError") and "batch files" in r1[1]["error"], r1[1]
     assert r0[1]["step"] == r1[1]["step"] == 1
+
+
+def test_accelerate_launch_trains_like_one_process(tiny_models, images, tmp_path, one_thread):
+    """`accelerate launch --multi_gpu --num_processes 2 -m trainer.cli fit` (on a machine without GPUs: two CPU
+    processes over gloo) sets the environment torchrun sets and trains the same LoRA as one process at the same
+    global batch."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    import yaml
+
+    accelerate = Path(sys.executable).with_name("accelerate")
+    if not accelerate.exists() and shutil.which("accelerate") is None:
+        pytest.skip("accelerate is not installed")
+    cache = tmp_path / "cache"
+    ref = tmp_path / "ref"
+    Trainer(_cfg(tiny_models, images, ref, cache)).fit()  # 1 process, grad_accum 2; fills the cache
+    two = tmp_path / "two"
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(_cfg(tiny_models, images, two, cache, world=2).model_dump(mode="json")))
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(accelerate if accelerate.exists() else shutil.which("accelerate")), "launch", "--multi_gpu",
+           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(port), "-m", "trainer.cli", "fit", str(path)]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "data parallel: 2 processes over gloo" in run.stdout + run.stderr
+    _assert_equal(_weights(two, "lora"), _weights(ref, "lora"))
