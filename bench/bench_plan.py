@@ -107,6 +107,18 @@ def attach(blocks, dev, fraction: float, activations: bool):
     return fn(blocks, dev, fraction, **{k: v for k, v in kw.items() if k in names})
 
 
+def detach(handle, model, params) -> None:
+    """After a configuration: close the conductor, put every block back on the CPU (f = 0 leaves them on the GPU,
+    and each configuration starts from the CPU), drop gradients, and return the freed memory to the driver."""
+    handle.close()
+    for b in blocks_of(model):
+        b.to("cpu")
+    for p in params:
+        p.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------------------------- one run
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offload import inputs  # noqa: E402
-from bench_plan import attach, blocks_of, build, lora_cfg  # noqa: E402
+from bench_plan import attach, blocks_of, build, detach, lora_cfg  # noqa: E402
 
 from trainer.offload import planner  # noqa: E402
 
@@ -97,13 +97,7 @@ def main():
         for r in rows[::6] + [top]:
             print(f"  {r['pas']} {r['block']:3d}  alloc {r['alloc_gb']:.2f}  peak {r['peak_gb']:.2f}")
         opt = kw = target = None
-        h.close()
-        for b in blocks_of(model):
-            b.to("cpu")
-        for prm in params:
-            prm.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        detach(h, model, params)
     (args.out / "act_peak.json").write_text(json.dumps(report, indent=1))
 
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offload import inputs  # noqa: E402
-from bench_plan import attach, blocks_of, build  # noqa: E402
+from bench_plan import attach, blocks_of, build, detach  # noqa: E402
 
 
 def main():
@@ -86,13 +86,7 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
         opt = kw = target = None
-        h.close()
-        for b in blocks_of(model):
-            b.to("cpu")
-        for p in params:
-            p.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        detach(h, model, params)
     (args.out / "cpu.json").write_text(json.dumps(rows, indent=1))
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_offload import inputs  # noqa: E402
-from bench_plan import attach, blocks_of, build, lora_cfg  # noqa: E402
+from bench_plan import attach, blocks_of, build, detach, lora_cfg  # noqa: E402
 
 from trainer.offload import planner  # noqa: E402
 from trainer.offload._planner_measure import _materialize  # noqa: E402
@@ -199,13 +199,7 @@ def model_part(model, params, grid, out):
         rows.append(row)
         log(json.dumps(row))
         opt = kw = target = None
-        h.close()
-        for b in blocks_of(model):
-            b.to("cpu")
-        for p in params:
-            p.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        detach(h, model, params)
         (out / "model.json").write_text(json.dumps(rows, indent=1))
     return rows
 
