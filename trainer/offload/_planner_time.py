@@ -77,6 +77,16 @@ class Rates:
         return self.by_res.get(res, self.flops_per_s)
 
 
+def block_train_flops(tr, n: int, checkpointing: bool, weights_train: bool) -> list[float]:
+    """Per block: the FLOPs of its training pass (every block attends over the same tokens: an equal share of
+    the traced attention FLOPs)."""
+    attn = tr.attn_flops / max(1, n)
+    return [
+        train_flops(lin, attn, checkpointing=checkpointing, weights_train=weights_train)
+        for lin in tr.block_linear_flops
+    ]
+
+
 def block_costs(
     blocks, tr, rates: Rates, res: int, weights_train: bool, checkpointing: bool
 ) -> list[BlockCost]:
@@ -86,13 +96,9 @@ def block_costs(
     against the measured block's (blocks of one class differ only at the ends, e.g. SD3's last); otherwise GPU
     time is FLOPs over the rate and host time comes from the traced operation count
     (trainer/offload/_planner_pipeline.py)."""
-    n = len(blocks)
-    attn = tr.attn_flops / max(1, n)  # every block attends over the same tokens
+    attn = tr.attn_flops / max(1, len(blocks))
     fwd = [lin + attn for lin in tr.block_linear_flops]
-    train = [
-        train_flops(lin, attn, checkpointing=checkpointing, weights_train=weights_train)
-        for lin in tr.block_linear_flops
-    ]
+    train = block_train_flops(tr, len(blocks), checkpointing, weights_train)
     rate = rates.rate(res)
     costs = reference_costs(
         tr.block_ops, [f / rate for f in fwd], [(t - f) / rate for t, f in zip(train, fwd, strict=True)]

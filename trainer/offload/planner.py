@@ -339,23 +339,17 @@ def predict(
     costs = ptime.block_costs(facts.blocks, tr, rates, res, full, facts.checkpointing)
     plan = _train_plan(tuple(facts.packed), fraction)
     streamed_blocks = set(plan.streamed) if plan is not None else set()
-    esize_w = torch.tensor([], dtype=facts.dtype).element_size()
     opt_step = ptime.REF_FULL_STEP_S_PER_PARAM if full else 0.0  # a full fine-tune's optimizer steps
     costs = [
         c.scaled(
-            extra_gpu_bwd=facts.block_param_bytes[b] / esize_w * opt_step
+            extra_gpu_bwd=facts.block_param_bytes[b] / esize * opt_step
             # StateOffload's state copies run on the compute stream, in the block's backward
             + (2 * facts.block_states[b] / rates.h2d if state_moved and b in streamed_blocks else 0.0)
         )
         for b, c in enumerate(costs)
     ]
     sim = simulate(costs, plan, rates.h2d)
-    block_flops = sum(
-        ptime.train_flops(
-            lin, tr.attn_flops / len(facts.blocks), checkpointing=facts.checkpointing, weights_train=full
-        )
-        for lin in tr.block_linear_flops
-    )
+    block_flops = sum(ptime.block_train_flops(tr, len(facts.blocks), facts.checkpointing, full))
     # embedders and final layers: GPU time (and their optimizer steps in a full fine-tune)
     outside_s = max(0.0, flops - block_flops) / rates.rate(res) + facts.nonblock_params * opt_step
     transfer_s = ptime.transfer_seconds(h2d, d2h, rates)
