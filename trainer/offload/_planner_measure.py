@@ -4,9 +4,9 @@ One block of every block class (Flux: double and single) is built on the GPU wit
 meta block, so LoRA layers are included), fed random inputs of each bucket's shapes (recorded by the trace),
 and run as training runs it: a checkpointed forward, then the recompute and the backward. The host's launch
 time and the GPU's time are taken apart (trainer/offload/_planner_time.py `split_time`) for the forward alone and
-the whole pass, and the step is put together from them block by block (trainer/offload/_planner_pipeline.py). The forward's FLOPs are counted by
-`torch.utils.flop_counter` and turned into training FLOPs with the whole model's formula, giving the GPU rate
-sampling predictions use. A few seconds and about two blocks of VRAM.
+the whole pass, and the step is put together from them block by block (trainer/offload/_planner_pipeline.py).
+The forward's FLOPs are counted by `torch.utils.flop_counter` and turned into training FLOPs with the whole
+model's formula, giving the GPU rate sampling predictions use. A few seconds and about two blocks of VRAM.
 """
 
 from __future__ import annotations
