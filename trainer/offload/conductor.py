@@ -9,10 +9,11 @@ a cursor into the plan's execution sequence (forward F0..F(n-1), then backward B
   current graph task) it moves the cursor, makes the compute stream wait for the block's load event, and
   points the block's parameters at their ring views;
 - a block's *release point* is after its forward in forward and sampling, and after its **backward** in
-  training: an identity autograd function on the block's grad-carrying inputs fires once the gradients of
-  those inputs exist, i.e. after every backward kernel that reads the block's weights has been enqueued.
-  Releasing after the recompute instead is the OneTrainer race (issue #1306); `race_detector=True` fills a
-  released region with NaN on the compute stream at once, so any kernel still reading it poisons the loss;
+  training: an identity autograd function on the block's grad-carrying inputs (trainer/offload/_checkpointed.py,
+  with the per-block checkpoint) fires once the gradients of those inputs exist, i.e. after every backward
+  kernel that reads the block's weights has been enqueued. Releasing after the recompute instead is the
+  OneTrainer race (issue #1306); `race_detector=True` fills a released region with NaN on the compute stream
+  at once, so any kernel still reading it poisons the loss;
 - at a release point the compute stream records one event; every load the plan issues there makes the
   transfer stream wait for that event, copies one packed block (one `copy_`, non_blocking, from pinned
   memory), and records the block's load event.
@@ -40,29 +41,11 @@ import time
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from ._checkpointed import checkpointed_forward
 from .activations import ActivationOffloader
 from .allocators import BlockPacking, HostArena, Ring
 from .plan import BWD, FWD, Plan, capacity_for, plan_for
-
-
-class _ReleaseAfterBackward(torch.autograd.Function):
-    """Identity on a block's inputs whose backward is the block's release point in training."""
-
-    @staticmethod
-    def forward(ctx, callback, *xs):
-        ctx.callback = callback
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class Conductor:
@@ -185,57 +168,13 @@ class Conductor:
     def _wrap(self, i: int, fwd):
         def forward(*args, **kwargs):
             if self.checkpointing and torch.is_grad_enabled():
-                return self._forward_checkpointed(i, fwd, args, kwargs)
+                return checkpointed_forward(self, i, fwd, args, kwargs)
             self._enter(FWD, i)
             out = fwd(*args, **kwargs)
             self._leave_forward(i)
             return out
 
         return forward
-
-    def _forward_checkpointed(self, i, fwd, args, kwargs):
-        keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-        flat = list(args) + [kwargs[k] for k in keys]
-        # Also when nothing streams, so that resident and offloaded runs build the same graph (the identity
-        # groups each block's gradient contributions to shared inputs such as temb: same sums, same bits).
-        if self.mode == "train" and not self._release_at_recompute:
-            idx = [j for j, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-            if idx:
-                step = self.step if self.streaming else 0
-                pos = self._position(BWD, i) if self.streaming else 0
-                outs = _ReleaseAfterBackward.apply(
-                    lambda: self._release_from_autograd(step, pos), *[flat[j] for j in idx]
-                )
-                for j, o in zip(idx, outs, strict=True):
-                    flat[j] = o
-        nargs = len(args)
-        # The recompute closure must not hold the tensor arguments themselves: checkpoint hands them back as `a`
-        # (through activation offloading's hooks when on), and a reference here would keep every block's inputs
-        # on the GPU until backward, whatever the offloader copied out.
-        static = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
-        del kwargs
-
-        def inner(*a):
-            kw = dict(static)
-            kw.update(zip(keys, a[nargs:], strict=True))
-            if _in_backward():
-                self._enter(BWD, i)
-                out = fwd(*a[:nargs], **kw)
-                if self._release_at_recompute:
-                    self._release(self.cursor)
-                return out
-            self._enter(FWD, i)
-            return fwd(*a[:nargs], **kw)
-
-        # early_stop=False only for the deliberate race: the recompute must run to its end to release there
-        early = not self._release_at_recompute
-        if self.act is not None:
-            with self.act.hooks(i):
-                out = checkpoint(inner, *flat, use_reentrant=False, early_stop=early)
-        else:
-            out = checkpoint(inner, *flat, use_reentrant=False, early_stop=early)
-        self._leave_forward(i)
-        return out
 
     # ------------------------------------------------------------------------------------------ cursor
     def _position(self, pas: str, i: int) -> int:
