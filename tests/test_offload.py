@@ -83,7 +83,7 @@ def test_activation_offloading_frees_the_block_inputs_after_forward(activations)
     """After the forward, a block's input storage lives on only while its checkpoint needs it: every one without
     activation offloading, only the first block's (it needs no grad, so it is not offloaded) with it. Diffusers
     passes the inputs as keyword arguments; a recompute closure holding them would keep them all on the GPU
-    whatever the offloader copied out (it did, before 2026-11-22 02:55 UTC)."""
+    whatever the offloader copied out (it did, before 2026-11-22 02:49 UTC)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     m = add_lora(tiny_flux(0))
