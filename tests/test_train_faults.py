@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_train_support import losses, make_config, write_images
 
-from trainer.errors import NonFiniteLossError, UserError
+from trainer.errors import NonFiniteLossError, NonFiniteWeightsError, UserError
 from trainer.train import checkpoint as ck
 from trainer.train import glue
 from trainer.train.faults import TrainingInterrupted
@@ -111,6 +111,28 @@ def test_non_finite_loss_stops_before_any_weight_changes(method, tiny_models, im
         assert all(p.grad is None for p in t.params)  # backward never ran: the fused pass did not step
     assert [s for s, _ in ck.list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
     assert not (tmp_path / "run" / "lora.safetensors").exists()
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_non_finite_weights_under_a_finite_loss_are_never_saved(method, tiny_models, images, tmp_path):
+    """A NaN gradient under a finite loss steps a weight to NaN without tripping the loss check; the checkpoint
+    after that step refuses to save it and names the weight, so the previous checkpoint stays the newest."""
+    t = Trainer(_cfg(tiny_models, images, tmp_path, method))
+    t.setup()
+    real = t.train_step
+
+    def train_step():
+        m = real()
+        if t.step == 4:  # after the optimizer step of step 4, before its checkpoint
+            with torch.no_grad():
+                t.params[0].view(-1)[0] = float("nan")
+        return m
+
+    t.train_step = train_step
+    with pytest.raises(NonFiniteWeightsError, match="is NaN or inf after step 4") as e:
+        t.fit()
+    assert "step-000002" in str(e.value) and e.value.exit_code == 3
+    assert [s for s, _ in ck.list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
 
 
 def test_cuda_out_of_memory_becomes_advice(tiny_models, images, tmp_path, monkeypatch):

@@ -24,3 +24,10 @@ class NonFiniteLossError(UserError):
     """A NaN or inf loss; raised before any weight changes."""
 
     exit_code = 3
+
+
+class NonFiniteWeightsError(UserError):
+    """Trained weights that became NaN or inf under a finite loss (a non-finite gradient); raised before they
+    are saved, so the newest checkpoint stays the last good one."""
+
+    exit_code = 3

@@ -201,6 +201,16 @@ def restore_rng(states: dict[str, torch.Tensor]) -> torch.Tensor:
     return states["objective"]
 
 
+def first_nonfinite(named) -> str | None:
+    """The name of the first tensor in `named` ((name, tensor) pairs) holding a NaN or inf, else None. One float32
+    norm per tensor: no copy of the tensor, and a NaN or inf anywhere makes the norm non-finite. Host-device sync
+    per tensor on the GPU (checkpoints only)."""
+    for name, t in named:
+        if t.numel() and not torch.isfinite(torch.linalg.vector_norm(t.detach(), dtype=torch.float32)):
+            return name
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- LoRA files
 
 

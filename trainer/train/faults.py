@@ -10,6 +10,11 @@ Non-finite loss. The loss is checked before backward: with the fused back pass t
 backward, so a check afterwards would come after the weights changed. The error names the step and the batch's
 files (a broken image is the usual cause) and nothing is saved, so the last good checkpoint stays the newest.
 
+Non-finite weights. A NaN or inf gradient under a finite loss (an overflow inside backward) steps weights to NaN
+without tripping the loss check. Every save first checks the trained weights (one float32 norm per tensor) and
+refuses to write non-finite ones (`NonFiniteWeightsError`, exit code 3, naming the weight and the last good
+checkpoint); the next step's loss check would stop the run anyway, this keeps the bad weights off the disk.
+
 CUDA out of memory becomes a one-line `UserError` that says which knob to turn.
 """
 

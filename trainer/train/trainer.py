@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..config import Config
-from ..errors import NonFiniteLossError, UserError
+from ..errors import NonFiniteLossError, NonFiniteWeightsError, UserError
 from . import checkpoint as ck
 from . import distributed, glue
 from .faults import StopFlag, TrainingInterrupted, oom_error
@@ -106,9 +106,9 @@ class Trainer:
         except torch.OutOfMemoryError:
             raise oom_error(self.step + 1, self.cfg.offload.transformer, c.method) from None
         except KeyboardInterrupt:
-            last = self.last_checkpoint or (ck.list_checkpoints(ck.checkpoint_root(self.out)) or [(0, None)])[-1][1]
             raise TrainingInterrupted(
-                f"stopped at once at step {self.step} without saving; the last complete checkpoint is {last}"
+                f"stopped at once at step {self.step} without saving; the last complete checkpoint is "
+                f"{self._newest_checkpoint()}"
             ) from None
         finally:
             self.close()
@@ -255,16 +255,29 @@ class Trainer:
         else:
             ck.save_transformer(folder / "transformer", self.transformer)
 
+    def _newest_checkpoint(self) -> Path | None:
+        """This run's last checkpoint, else the newest complete one in output.dir (a resumed run's)."""
+        return self.last_checkpoint or (ck.list_checkpoints(ck.checkpoint_root(self.out)) or [(0, None)])[-1][1]
+
     def save(self, final: bool = False) -> Path:
         """A complete resumable checkpoint; with `final`, also the weights in output.dir. Returns the checkpoint
         folder, or the final weights' path."""
+        if self.offload is not None:
+            self.offload.sync()  # host copies of streamed trainable weights must be current
+        # A NaN or inf gradient under a finite loss steps the weights to NaN without tripping the loss check; never
+        # save such weights over the last good checkpoint. Every rank holds the same weights, so all raise together.
+        bad = ck.first_nonfinite((n, p) for n, p in self.transformer.named_parameters() if p.requires_grad)
+        if bad is not None:
+            raise NonFiniteWeightsError(
+                f"weight {bad} is NaN or inf after step {self.step} (a non-finite gradient under a finite loss); "
+                f"nothing was saved; last checkpoint: {self._newest_checkpoint()}. Lower optimizer.lr or set "
+                "optimizer.max_grad_norm, then resume from it"
+            )
         if not self.dist.is_main:  # rank 0 writes (every rank holds the same weights); the others wait for it
             self.dist.barrier()
             lora = self.cfg.train.method == "lora"
             return (self.out / ("lora.safetensors" if lora else "transformer") if final
                     else ck.checkpoint_root(self.out) / f"step-{self.step:06d}")
-        if self.offload is not None:
-            self.offload.sync()  # host copies of streamed trainable weights must be current
 
         def write(tmp: Path) -> None:
             self._write_weights(tmp)
