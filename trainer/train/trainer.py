@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -85,11 +86,13 @@ class Trainer:
             if not self._ready:
                 self.setup()
             self.stop.install()
-            first = self.step
+            first, times = self.step, []
             while self.step < c.steps:
                 metrics = self.train_step()
-                if self.step == first + 3 and self.device.type == "cuda" and self.dist.is_main:
-                    glue.check_plan(self.cfg, self._fraction, self.device, metrics["step_time"])
+                times.append(metrics["step_time"])
+                if self.step == first + 5 and self.device.type == "cuda" and self.dist.is_main:
+                    # the median of steps 2-5 (the first warms up; single steps jitter, most at small buckets)
+                    glue.check_plan(self.cfg, self._fraction, self.device, statistics.median(times[1:]))
                 if self.dist.any(self.stop.requested):  # every rank stops at the same step
                     path = self.save()
                     raise TrainingInterrupted(
