@@ -24,6 +24,10 @@ fused kernel saving its input and a float32 rstd per row; on CPU it is decompose
 "cuda"` models the former, `"cpu"` leaves the decomposition alone (the tests compare that mode with real CPU
 runs of the tiny models).
 
+Host work: while tracing, a dispatch mode counts the tensor operations each block's forward dispatches
+(`Trace.block_ops`, the attention stand-in's included); without a GPU measurement the planner turns them into the
+host's launch time (trainer/offload/_planner_pipeline.py).
+
 Left out: the transient tensors of backward (gradients of intermediates, kernel workspaces) are not traced;
 the planner adds a stated estimate for them. LoRA is injected into the meta model with peft exactly as the
 trainer does (fp32 LoRA weights, so peft's input casts show up as saved fp32 copies).
