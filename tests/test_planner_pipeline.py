@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.offload import _planner_trace as ptrace
 from trainer.offload._planner_pipeline import REF_HOST_S_PER_OP, BlockCost, reference_costs, simulate
 from trainer.offload.plan import capacity_for, make_plan
 
@@ -84,4 +83,3 @@ def test_trace_counts_each_blocks_operations(tiny_models):
         by_class.setdefault(type(blk).__name__, set()).add(ops)
     assert len(by_class) == 2 and all(len(v) == 1 for v in by_class.values())
     assert all(a > b > 0 for a, b in zip(lora.trace(64).block_ops, full.trace(64).block_ops, strict=True))
-    assert ptrace.Trace.__dataclass_fields__["block_ops"]
