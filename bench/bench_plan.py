@@ -107,6 +107,18 @@ def attach(blocks, dev, fraction: float, activations: bool):
     return fn(blocks, dev, fraction, **{k: v for k, v in kw.items() if k in names})
 
 
+def training_step(model, kw, target, opt):
+    """One LoRA training step on the bench inputs: forward, MSE loss, backward, optimizer step."""
+
+    def step():
+        out = model(**kw)[0]
+        F.mse_loss(out.float(), target).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def detach(handle, model, params) -> None:
     """After a configuration: close the conductor, put every block back on the CPU (f = 0 leaves them on the GPU,
     and each configuration starts from the CPU), drop gradients, and return the freed memory to the driver."""
@@ -137,13 +149,7 @@ def run(model, params, dev, res, fraction, activations, args, cap_gb=None) -> di
         row["attach_s"] = time.perf_counter() - t0
         kw, target = inputs(dev, res)
         opt = torch.optim.AdamW(params, lr=1e-5)
-
-        def step():
-            out = model(**kw)[0]
-            F.mse_loss(out.float(), target).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        step = training_step(model, kw, target, opt)
         torch.cuda.empty_cache()  # memory the attach freed (GPU originals of packed blocks) is not the run's
         torch.cuda.reset_peak_memory_stats()
         times = []

@@ -20,12 +20,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offload import inputs  # noqa: E402
-from bench_plan import attach, blocks_of, build, detach  # noqa: E402
+from bench_plan import attach, blocks_of, build, detach, training_step  # noqa: E402
 
 
 def main():
@@ -45,12 +44,7 @@ def main():
         h = attach(blocks_of(model), "cuda", f, False)
         kw, target = inputs("cuda", args.res)
         opt = torch.optim.AdamW(params, lr=1e-5)
-
-        def step():
-            o = model(**kw)[0]
-            F.mse_loss(o.float(), target).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        step = training_step(model, kw, target, opt)
 
         for _ in range(2):
             step()

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_offload import inputs  # noqa: E402
-from bench_plan import attach, blocks_of, build, detach, lora_cfg  # noqa: E402
+from bench_plan import attach, blocks_of, build, detach, lora_cfg, training_step  # noqa: E402
 
 from trainer.offload import planner  # noqa: E402
 from trainer.offload._planner_measure import _materialize  # noqa: E402
@@ -174,12 +174,7 @@ def model_part(model, params, grid, out):
         h = attach(blocks_of(model), "cuda", f, False)
         kw, target = inputs("cuda", res)
         opt = torch.optim.AdamW(params, lr=1e-5)
-
-        def step():
-            o = model(**kw)[0]
-            F.mse_loss(o.float(), target).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        step = training_step(model, kw, target, opt)
 
         def fwd_bwd():
             o = model(**kw)[0]
