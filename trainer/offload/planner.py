@@ -247,12 +247,8 @@ class Prediction:
     ram_peak: float
     compute_s: float  #: the GPU's kernel time alone
     transfer_s: float  #: the copies alone (host-to-device and back, at the PCIe rates)
-    host_s: float = 0.0  #: the host's launch time alone
-    step_time: float = 0.0  #: the three together, block by block (trainer/offload/_planner_pipeline.py)
-
-    @property
-    def step_s(self) -> float:
-        return self.step_time or max(self.compute_s, self.transfer_s, self.host_s)
+    host_s: float  #: the host's launch time alone
+    step_s: float  #: the three together, block by block (trainer/offload/_planner_pipeline.py)
 
 
 def predict(
@@ -376,7 +372,7 @@ def predict(
         transfer_s=transfer_s,
         host_s=sim.host_s,
         # activation offloading's copies and full fine-tuning's write-backs are not replayed: a floor
-        step_time=max(sim.step_s + outside_s, transfer_s),
+        step_s=max(sim.step_s + outside_s, transfer_s),
     )
 
 
