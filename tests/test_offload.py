@@ -16,7 +16,7 @@ from _offload_util import (
 
 from trainer.offload import attach_offload
 from trainer.offload.allocators import ALIGN, BlockPacking, BumpArena, HostArena, Ring
-from trainer.offload.conductor import Conductor
+from trainer.offload.block import StreamedBlock
 
 STEPS = 3
 
@@ -50,14 +50,14 @@ def test_lora_offloaded_training_is_bitwise_resident(lora_reference, fraction):
 
 def test_race_detector_leaves_results_unchanged(lora_reference):
     m = add_lora(tiny_flux(0))
-    Conductor(blocks_of(m), "cpu", 0.5, race_detector=True)
+    attach_offload(blocks_of(m), "cpu", 0.5, race_detector=True)
     assert torch.equal(train_steps(m, STEPS), lora_reference[0])
 
 
 def test_release_after_recompute_is_caught():
     """Negative control: releasing after the recompute (OneTrainer #1306) must poison the run."""
     m = add_lora(tiny_flux(0))
-    Conductor(blocks_of(m), "cpu", 0.5, race_detector=True, _release_at_recompute=True)
+    attach_offload(blocks_of(m), "cpu", 0.5, race_detector=True, _release_at_recompute=True)
     losses = train_steps(m, STEPS)
     assert not torch.isfinite(losses).all()
 
@@ -65,17 +65,17 @@ def test_release_after_recompute_is_caught():
 def test_activation_offloading_gives_equal_gradients():
     def grads(activations):
         m = add_lora(tiny_flux(0))
-        c = Conductor(blocks_of(m), "cpu", 0.5, activations=activations, activation_min_bytes=0)
+        h = attach_offload(blocks_of(m), "cpu", 0.5, activations=activations, activation_min_bytes=0)
         kw, target = batch(3)
         torch.nn.functional.mse_loss(m(**kw)[0], target).backward()
         g = {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
-        return g, c
+        return g, h._c
 
     g0, _ = grads(False)
     g1, c = grads(True)
     assert _same(g0, g1)
     # the checkpoint inputs of every block after the first (the first block's input needs no grad) went out
-    assert c.act.offloaded_bytes > 0 and len(c.act._by_block) == len(c.blocks) - 1
+    assert c.activations.offloaded_bytes > 0 and len(c.activations._by_block) == len(c.blocks) - 1
 
 
 @pytest.mark.parametrize("activations", [False, True])
@@ -87,7 +87,7 @@ def test_activation_offloading_frees_the_block_inputs_after_forward(activations)
     from torch.multiprocessing.reductions import StorageWeakRef
 
     m = add_lora(tiny_flux(0))
-    Conductor(blocks_of(m), "cpu", 0.5, activations=activations, activation_min_bytes=0)
+    attach_offload(blocks_of(m), "cpu", 0.5, activations=activations, activation_min_bytes=0)
     storages = []
 
     def remember(mod, args, kwargs):
@@ -193,22 +193,24 @@ def test_bump_arena_grows_then_coalesces():
     assert len(b.chunks) == 1  # steady state: no growth
 
 
-def test_blocks_checkpointed_by_the_trainer_are_checkpointed_once(lora_reference):
-    from trainer.train.model import checkpoint_blocks
-
+def test_blocks_are_checkpointed_once(lora_reference):
+    """The handle is the blocks' only checkpoint (the trainer's own wrapper is gone); a second attach on the same
+    blocks is refused rather than checkpointing twice."""
     m = add_lora(tiny_flux(0))
     blocks = blocks_of(m)
-    checkpoint_blocks(blocks)
     calls = []
     for b in blocks:  # a submodule runs in forward and in every recompute
         b.attn.register_forward_pre_hook(lambda mod, args: calls.append(mod))
     h = attach_offload(blocks, "cpu", 0.5, training=True)
+    with pytest.raises(ValueError, match="already attached"):
+        attach_offload(blocks, "cpu", 0.0)
     losses = train_steps(m, STEPS)
     assert torch.equal(losses, lora_reference[0])
     # forward + one recompute per block per step (a double wrap would recompute twice)
     assert len(calls) == 2 * len(blocks) * STEPS
+    assert all(isinstance(b, StreamedBlock) for b in blocks)
     h.close()
-    assert all(getattr(b, "_dittrain_checkpointed", False) for b in blocks)
+    assert not any(isinstance(b, StreamedBlock) for b in blocks)
 
 
 def test_full_finetune_with_trainer_optim_fused_back_pass_equals_unfused_adamw():
@@ -246,7 +248,7 @@ def test_full_finetune_with_trainer_optim_fused_back_pass_equals_unfused_adamw()
     assert torch.equal(torch.stack(losses0), torch.stack(losses1))
     h.sync()  # state dicts now read the host arena, current after the write-back
     streamed = [p for b in h.plan.streamed for p in blocks_of(m)[b].parameters()]
-    assert streamed and all(fb.state_of(p)["exp_avg"] is h._c.host_state_of(p)["exp_avg"] for p in streamed)
+    assert streamed and all(fb.state_of(p)["exp_avg"] is h.host_state_of(p)["exp_avg"] for p in streamed)
     h.close()
     assert _same(all_state(m), all_state(ref))
 

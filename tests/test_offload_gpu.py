@@ -127,10 +127,8 @@ def test_race_detector_leaves_results_unchanged(references):
 
 
 def test_race_detector_catches_release_after_recompute():
-    from trainer.offload.conductor import Conductor
-
     m = add_lora(tiny_flux(0, **SIZE)).to(DEV)
-    Conductor(blocks_of(m), DEV, 1.0, race_detector=True, _release_at_recompute=True)
+    attach_offload(blocks_of(m), DEV, 1.0, race_detector=True, _release_at_recompute=True)
     with _kernel(torch.float32):
         losses = train_steps(m, 3, device=DEV, side=SIDE, text=TEXT)
     assert not torch.isfinite(losses).all()
@@ -139,15 +137,13 @@ def test_race_detector_catches_release_after_recompute():
 def test_activation_offloading_gives_equal_gradients():
     def grads(activations):
         m = add_lora(tiny_flux(0, **SIZE)).to(DEV)
-        h = attach_offload(blocks_of(m), DEV, 0.5, activations=activations)
-        if activations:
-            h._c.act.min_bytes = 0
+        h = attach_offload(blocks_of(m), DEV, 0.5, activations=activations, activation_min_bytes=0)
         kw, target = batch(3, device=DEV, side=SIDE, text=TEXT)
         with _kernel(torch.float32):
             torch.nn.functional.mse_loss(m(**kw)[0], target).backward()
         _sync()
         out = {n: p.grad.detach().cpu() for n, p in m.named_parameters() if p.requires_grad}
-        moved = h._c.act.offloaded_bytes if activations else 0
+        moved = h._c.activations.offloaded_bytes if activations else 0
         h.close()
         return out, moved
 

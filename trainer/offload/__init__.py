@@ -14,15 +14,23 @@ Public interface (everything else in this package is internal):
         optimizer_state=(),     # full fine-tune: state packed beside each weight: FusedBackPass.state_layout
                                 #   (p -> {name: (shape, dtype)}) or names of fp32 weight-shaped tensors
         race_detector=False,    # fill released ring regions with NaN at once (tests)
+        activation_min_bytes=1 << 20,  # smaller checkpoint inputs stay on the device
     )
     handle.stats()      -> dict: block_bytes, offloaded_bytes, ring_bytes, pinned_bytes, h2d_gbps, ...
     handle.state_of(p)  -> dict of optimizer-state tensors for a streamed trainable parameter (or None)
+    handle.host_state_of(p) -> the host-arena copy of that state (current after the block's write-back)
     handle.set_mode(m)  -> switch between "train" and "sample" (re-plans; synchronises)
     handle.sync()       -> waits; every block parameter then reads current values (to save a full fine-tune)
-    handle.close()      -> restores plain modules with their current weights on the CPU (alias: detach)
+    handle.close()      -> restores plain modules (their own class) with current weights on the CPU (alias: detach)
 
     bind_fused(handle, fused)  -> trainer.optim FusedBackPass steps streamed weights with their packed state
-                                  (from trainer.offload.fused; pre/post/synchronize hooks of its protocol)
+                                  (from trainer.offload.fused; pre/post/synchronize hooks of its protocol,
+                                  through the handle's public methods)
+
+Each block becomes a `StreamedBlock` (trainer/offload/block.py): its class is swapped for a subclass whose
+forward runs the stages (checkpoint, release after backward, activation offload, streaming, nano split) and
+then the block's own forward; module names, state-dict keys and isinstance checks are unchanged, and nothing
+assigns `.forward`. `close` restores the blocks' own classes.
 
 Full fine-tune with streaming, in this order:
     fused = FusedBackPass(build_optimizer(params, cfg.optimizer))
@@ -32,14 +40,14 @@ Full fine-tune with streaming, in this order:
 Contract with the caller:
 - Non-block modules (embedders, final norm, projections) are the caller's: move them to the device yourself
   (`move_outside_blocks(model, blocks, device)`).
-- The handle does the per-block gradient checkpointing itself; do NOT also call diffusers'
-  `enable_gradient_checkpointing()` on the model (blocks would be checkpointed twice). Blocks already wrapped
-  by trainer/train/model.checkpoint_blocks are recognised and checkpointed once, by the handle.
+- The handle does the per-block gradient checkpointing itself (also at fraction 0: it is how the trainer
+  checkpoints blocks); do NOT also call diffusers' `enable_gradient_checkpointing()` on the model (blocks would
+  be checkpointed twice). A block can be attached to one handle at a time (a second attach raises).
 - Trainable parameters inside blocks (peft LoRA) stay resident on the device and are never packed when
   `trainable=False`; with `trainable=True` every block parameter streams and the optimizer must step inside
   backward (trainer/optim fused back pass), reading its state through `handle.state_of(p)`.
-- With `fraction == 0` nothing streams: blocks are moved to the device; checkpointing and activation
-  offloading still apply when asked.
+- With `fraction == 0` nothing streams: blocks are moved to the device and run the same StreamedBlock
+  (checkpointing, the release identity, activation offloading and nano split still apply when asked).
 """
 
 from __future__ import annotations
@@ -47,17 +55,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import block
 from .conductor import Conductor
 from .fused import bind_fused
-from .nano import nano_batch
 
 __all__ = ["OffloadHandle", "attach_offload", "bind_fused", "move_outside_blocks"]
 
 
 class OffloadHandle:
-    def __init__(self, conductor: Conductor, undo_nano, kwargs: dict):
+    def __init__(self, conductor: Conductor, blocks: list[nn.Module], kwargs: dict):
         self._c = conductor
-        self._undo_nano = undo_nano
+        self._blocks = blocks
         self._kwargs = kwargs
 
     def stats(self) -> dict:
@@ -66,27 +74,32 @@ class OffloadHandle:
     def state_of(self, p: torch.Tensor):
         return self._c.state_of(p)
 
+    def host_state_of(self, p: torch.Tensor):
+        return self._c.host_state_of(p)
+
     @property
     def plan(self):
         return self._c.plan
 
     def set_mode(self, mode: str) -> None:
-        """Re-plan for "train" or "sample". Slow (restores the blocks and packs them again); a no-grad forward
-        under the training plan also works, it just loads the backward's blocks it does not need."""
+        """Re-plan for "train" or "sample". Slow (restores the blocks' tensors and packs them again); a no-grad
+        forward under the training plan also works, it just loads the backward's blocks it does not need."""
         if mode == self._c.mode:
             return
         c = self._c
         c.close()
         self._kwargs["mode"] = mode
         self._c = Conductor(c.blocks, c.device, c.fraction, **self._kwargs)
+        for i, b in enumerate(self._blocks):
+            b.bind(self._c, i)
 
     def sync(self) -> None:
         """Wait for the device; point every block parameter at current values (ring or host copy)."""
-        self._c.sync()
+        self._c.expose_current_weights()
 
     def close(self) -> None:
         self._c.close()
-        self._undo_nano()
+        block.remove(self._blocks)
 
     detach = close
 
@@ -124,12 +137,15 @@ def attach_offload(
     checkpointing: bool | None = None,
     optimizer_state=(),
     race_detector: bool = False,
+    activation_min_bytes: int = 1 << 20,
     training: bool | None = None,
+    _release_at_recompute: bool = False,
 ) -> OffloadHandle:
-    """Install streaming on `blocks`; see the module docstring. `training` is an alias of `mode`."""
+    """Install streaming on `blocks`; see the module docstring. `training` is an alias of `mode`;
+    `_release_at_recompute` reproduces the OneTrainer race (tests prove the race detector catches it)."""
     if training is not None:
         mode = "train" if training else "sample"
-    undo = nano_batch(blocks, nano_batches)
+    blocks = list(blocks)
     kwargs = dict(
         mode=mode,
         activations=activations,
@@ -137,6 +153,11 @@ def attach_offload(
         checkpointing=checkpointing,
         optimizer_state=optimizer_state,
         race_detector=race_detector,
+        activation_min_bytes=activation_min_bytes,
+        release_at_recompute=_release_at_recompute,
     )
+    if any(isinstance(b, block.StreamedBlock) for b in blocks):
+        raise ValueError("offload: these blocks are already attached; close their handle first")
     c = Conductor(blocks, device, fraction, **kwargs)
-    return OffloadHandle(c, undo, kwargs)
+    block.install(blocks, c, nano_batches)
+    return OffloadHandle(c, blocks, kwargs)

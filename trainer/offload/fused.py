@@ -28,13 +28,11 @@ PACKED_STATE_OPTIMIZERS = ("adamw", "adafactor")
 
 def bind_fused(handle, fused) -> None:
     """Register the pre/post/synchronize hooks on a trainer.optim `FusedBackPass`."""
-    c = handle._c
-
     def pre(p: torch.Tensor, state: dict[str, Any]) -> None:
-        slots = c.state_of(p)
+        slots = handle.state_of(p)
         if slots is None or not state:
             return  # not streamed, or first step: the optimizer creates its state
-        hosts = c.host_state_of(p) or {}
+        hosts = handle.host_state_of(p) or {}
         for name, slot in slots.items():
             cur = state.get(name)
             if cur is None or cur is slot:
@@ -44,10 +42,10 @@ def bind_fused(handle, fused) -> None:
             state[name] = slot
 
     def post(p: torch.Tensor, state: dict[str, Any]) -> None:
-        slots = c.state_of(p)
+        slots = handle.state_of(p)
         if slots is None:
             return
-        hosts = c.host_state_of(p)
+        hosts = handle.host_state_of(p)
         for name, slot in slots.items():
             cur = state.get(name)
             if cur is None:

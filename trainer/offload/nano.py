@@ -6,6 +6,10 @@ n chunks and checkpointing each chunk keeps only one chunk's intermediate alive 
 n for one more MLP forward per chunk. Results are the same up to the matmul kernel picked for the smaller
 shape (bitwise on the CPU in our tests).
 
+How. A stage of the block's StreamedBlock install (trainer/offload/block.py): every FeedForward inside the block
+becomes a `NanoBatched` subclass of its class (the same class swap, so module names and state-dict keys stay),
+whose forward splits and then calls the MLP's own forward per chunk; `block.remove` restores the class.
+
 Left out: MLPs written inline in a block's forward (Flux's single blocks) are not split.
 """
 
@@ -15,36 +19,35 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .block import swap_class
+
 
 def _is_token_mlp(m: nn.Module) -> bool:
     return type(m).__name__ == "FeedForward"
 
 
-def nano_batch(blocks: list[nn.Module], n: int):
-    """Wrap every FeedForward inside `blocks`; returns a function that undoes it."""
+class NanoBatched:
+    """Mixin of a token-wise MLP's split class; `_nano_batches` is set by `split_mlps`."""
+
+    _nano_batches: int
+
+    def forward(self, hidden_states, *args, **kwargs):
+        n, run = self._nano_batches, super().forward
+        if hidden_states.dim() < 3 or hidden_states.shape[1] < n:
+            return run(hidden_states, *args, **kwargs)
+        chunks = hidden_states.chunk(n, dim=1)
+        if torch.is_grad_enabled():
+            outs = [checkpoint(run, c, *args, use_reentrant=False, **kwargs) for c in chunks]
+        else:
+            outs = [run(c, *args, **kwargs) for c in chunks]
+        return torch.cat(outs, dim=1)
+
+
+def split_mlps(block: nn.Module, n: int) -> None:
+    """Make every FeedForward inside `block` run in `n` token chunks (n <= 1: nothing)."""
     if n <= 1:
-        return lambda: None
-    wrapped = []
-    for blk in blocks:
-        for m in blk.modules():
-            if _is_token_mlp(m):
-                orig = m.forward
-
-                def forward(hidden_states, *args, _orig=orig, **kwargs):
-                    if hidden_states.dim() < 3 or hidden_states.shape[1] < n:
-                        return _orig(hidden_states, *args, **kwargs)
-                    chunks = hidden_states.chunk(n, dim=1)
-                    if torch.is_grad_enabled():
-                        outs = [checkpoint(_orig, c, *args, use_reentrant=False, **kwargs) for c in chunks]
-                    else:
-                        outs = [_orig(c, *args, **kwargs) for c in chunks]
-                    return torch.cat(outs, dim=1)
-
-                m.forward = forward
-                wrapped.append(m)
-
-    def undo():
-        for m in wrapped:
-            m.__dict__.pop("forward", None)
-
-    return undo
+        return
+    for m in list(block.modules()):
+        if _is_token_mlp(m):
+            swap_class(m, NanoBatched, "NanoBatched")
+            m._nano_batches = n

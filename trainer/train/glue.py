@@ -165,8 +165,8 @@ def check_plan(cfg: Config, fraction: float, device: torch.device, step_s: float
 
 def attach_offload(transformer, blocks, cfg: Config, device: torch.device, fraction: float, optim: Optim):
     """Stream the blocks (trainer/offload); move everything outside the blocks to the device ourselves (the
-    conductor's contract). The conductor checkpoints each block itself (recognising blocks already wrapped by
-    `checkpoint_blocks`).
+    conductor's contract). The handle checkpoints each block itself, at fraction 0 too; activation offloading
+    only on a GPU (on the CPU there is no second memory to move to).
 
     Full fine-tuning streams the block weights as trainable: the fused back pass steps each while its block is
     on the GPU, then the block is written back. The optimizer state (AdamW's moments, Adafactor's factors) is
@@ -180,7 +180,7 @@ def attach_offload(transformer, blocks, cfg: Config, device: torch.device, fract
     full = cfg.train.method == "full"
     packed = full and optim.fused is not None and cfg.optimizer.name in PACKED_STATE_OPTIMIZERS
     handle = _attach(
-        blocks, device, fraction, mode="train", activations=cfg.offload.activations,
+        blocks, device, fraction, mode="train", activations=cfg.offload.activations and device.type == "cuda",
         nano_batches=cfg.offload.nano_batches, trainable=full, checkpointing=cfg.train.gradient_checkpointing,
         optimizer_state=optim.fused.state_layout if packed else (),
     )

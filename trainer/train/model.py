@@ -1,4 +1,4 @@
-"""Turning a loaded transformer into the thing being trained: LoRA or full weights, checkpointed blocks.
+"""Turning a loaded transformer into the thing being trained: LoRA or full weights.
 
 LoRA is injected with peft into the diffusers model itself (`inject_adapter_in_model` through diffusers'
 `add_adapter`), not wrapped in a `PeftModel`: the transformer keeps its class, so the adapter's `predict`, its
@@ -7,19 +7,13 @@ keep the config's dtype (bf16 on a GPU) and are frozen; the LoRA weights are fp3
 1e-4 relative size vanish in bf16. peft casts a LoRA layer's input to the LoRA dtype and the sum back to the
 base dtype, so mixed dtypes need nothing else.
 
-Gradient checkpointing wraps each block from `adapter.blocks` with `torch.utils.checkpoint` (non-reentrant:
-it supports keyword arguments, blocks whose inputs do not require grad, and hooks). The block's `forward` is
-replaced on the instance, so module names and state-dict keys do not change. Only the checkpoint inputs of a
-block are kept for backward; its inside is recomputed.
+Gradient checkpointing is not done here: the offload handle checkpoints each block of `adapter.blocks` (at
+every fraction, 0 included; trainer/offload/block.py), so one module owns each block's forward.
 """
 
 from __future__ import annotations
 
-import functools
-
-import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..config import Config
 
@@ -51,21 +45,6 @@ def add_lora(transformer: nn.Module, cfg: Config, default_targets: tuple[str, ..
 def full_params(transformer: nn.Module) -> list[nn.Parameter]:
     transformer.requires_grad_(True)
     return list(transformer.parameters())
-
-
-def _checkpointed(block: nn.Module, forward, *args, **kwargs):
-    if torch.is_grad_enabled() and block.training:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return forward(*args, **kwargs)
-
-
-def checkpoint_blocks(blocks: list[nn.Module]) -> None:
-    """Recompute each block in backward (see the module essay). Idempotent."""
-    for block in blocks:
-        if getattr(block, "_dittrain_checkpointed", False):
-            continue
-        block.forward = functools.partial(_checkpointed, block, block.forward)
-        block._dittrain_checkpointed = True
 
 
 def count(params: list[nn.Parameter]) -> int:

@@ -32,7 +32,7 @@ from ..errors import NonFiniteLossError, NonFiniteWeightsError, UserError
 from . import checkpoint as ck
 from . import distributed, glue
 from .faults import StopFlag, TrainingInterrupted, oom_error
-from .model import add_lora, checkpoint_blocks, count, full_params
+from .model import add_lora, count, full_params
 from .monitor import Monitor, say
 from .objective import FlowMatching
 
@@ -142,8 +142,10 @@ class Trainer:
 
         fraction = glue.offload_fraction(cfg) if self._can_stream() else 0.0
         self._offloaded = fraction > 0  # on the CPU, or at 0, the model stays resident
-        # At fraction 0 the conductor still runs when activation offloading or nano-batching is asked for.
-        conduct = self._offloaded or (self._can_stream() and (cfg.offload.activations or cfg.offload.nano_batches > 1))
+        # At fraction 0 the offload handle still runs: it checkpoints the blocks, and offloads activations or
+        # nano-batches when asked.
+        conduct = (c.gradient_checkpointing or self._offloaded
+                   or (self._can_stream() and (cfg.offload.activations or cfg.offload.nano_batches > 1)))
         self._fraction = fraction
         load_to = torch.device("cpu") if self._offloaded else self.device
         self.transformer = self.adapter.load(cfg.model, parts={"transformer"}, dtype=self.dtype, device=load_to).transformer
@@ -162,8 +164,6 @@ class Trainer:
         say(f"{c.method}: {count(self.params) / 1e6:.3f} M trainable parameters in {len(self.params)} tensors, "
             f"{len(blocks)} blocks{' checkpointed' if c.gradient_checkpointing else ''}"
             f"{f', {fraction:g} of block bytes streamed from CPU RAM' if self._offloaded else ''}")
-        if c.gradient_checkpointing:
-            checkpoint_blocks(blocks)
         # The optimizer before the conductor: a streamed full fine-tune packs each weight's optimizer state beside
         # it, in the layout the optimizer reports.
         self.optim = glue.Optim(cfg, self.params)

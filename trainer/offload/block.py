@@ -1,0 +1,161 @@
+"""One owner per block's forward: `StreamedBlock`, the module every block of the adapter's block list becomes
+while an offload handle is attached.
+
+How. Like torch FSDP2's `fully_shard`, `install` swaps each block instance's class for a subclass made once per
+base class, `type("Streamed" + cls.__name__, (StreamedBlock, cls), {})`: the block keeps its parameters,
+submodules, module names, state-dict keys, peft targets and `isinstance` checks (diffusers pipelines and
+checkpoints see the same model), and `remove` restores the plain class. Nothing assigns `.forward` on an
+instance. `StreamedBlock.forward` runs a block's stages in one place, in this order:
+
+1. checkpoint (training, under grad): a non-reentrant `torch.utils.checkpoint` around the block, wrapped in the
+   activation offloader's saved-tensor hooks when `activations` is on (trainer/offload/activations.py);
+2. release after backward (training): an identity autograd function on the block's grad-carrying inputs,
+   `_ReleaseAfterBackward`, whose backward calls the conductor's `release_callback(i)`: the gradients of the
+   block's inputs exist, so every backward kernel that reads the block's weights has been enqueued and its ring
+   region may be refilled. Releasing after the recompute instead is the OneTrainer race (issue #1306);
+3. streaming: `conductor.enter(phase, i)` before the block computes (in forward, and in its recompute inside
+   backward, told apart by autograd's current graph task) and `conductor.leave_forward(i)` after its forward;
+4. the block's own forward, through `_compute`: the hook point for work on the inner forward (dequantizing
+   packed weights, torch.compile of the block), none of which is done here yet.
+
+The nano split (trainer/offload/nano.py) is a stage of the same install: each token-wise MLP inside a block
+becomes a `NanoBatched` subclass the same way, so it too is undone by `remove`.
+
+At fraction 0 the same module runs: the conductor's streaming calls do nothing, and the identity of stage 2 still
+sits on every block, so that resident and offloaded runs build the same graph (it groups each block's gradient
+contributions to shared inputs such as temb: same sums, same bits).
+
+Why only non-tensor keyword arguments are kept by the recompute closure. Checkpoint hands the tensor arguments
+back to it (through activation offloading's hooks when on), and a reference to them here would keep every block's
+inputs on the GPU, whatever the offloader copied out (bench/RESULTS.md, 02:48 UTC).
+
+Left out: torch.compile of `StreamedBlock.forward` itself (it talks to the conductor eagerly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .plan import BWD, FWD
+
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
+    """Make `module` an instance of `(mixin, type(module))`, one subclass per pair (FSDP2's `fully_shard` way)."""
+    cls = type(module)
+    sub = _SUBCLASSES.get((mixin, cls))
+    if sub is None:
+        sub = _SUBCLASSES[(mixin, cls)] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"_plain_class": cls})
+    module.__class__ = sub
+
+
+def restore_class(module: nn.Module) -> None:
+    module.__class__ = module._plain_class
+
+
+class _ReleaseAfterBackward(torch.autograd.Function):
+    """Identity on a block's inputs whose backward is the block's release point in training."""
+
+    @staticmethod
+    def forward(ctx, callback, *xs):
+        ctx.callback = callback
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class StreamedBlock:
+    """Mixin of a block's streamed class; see the module docstring. `_offload_conductor` and `_offload_index`
+    are set by `install` (and again by `bind` when the handle re-plans)."""
+
+    _plain_class: type
+    _offload_conductor: object
+    _offload_index: int
+
+    def bind(self, conductor, index: int) -> None:
+        self._offload_conductor = conductor
+        self._offload_index = index
+
+    def forward(self, *args, **kwargs):
+        c, i = self._offload_conductor, self._offload_index
+        if c.checkpointing and torch.is_grad_enabled():
+            return self._checkpointed(c, i, args, kwargs)
+        c.enter(FWD, i)
+        out = self._compute(*args, **kwargs)
+        c.leave_forward(i)
+        return out
+
+    def _compute(self, *args, **kwargs):
+        """The block's own forward (hook point for dequantization / compilation of the inner forward)."""
+        return super().forward(*args, **kwargs)
+
+    def _checkpointed(self, c, i: int, args: tuple, kwargs: dict):
+        keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        flat = list(args) + [kwargs[k] for k in keys]
+        if c.mode == "train" and not c.release_at_recompute:
+            idx = [j for j, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+            if idx:
+                outs = _ReleaseAfterBackward.apply(c.release_callback(i), *[flat[j] for j in idx])
+                for j, o in zip(idx, outs, strict=True):
+                    flat[j] = o
+        nargs = len(args)
+        static = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}  # see the module docstring
+        del kwargs
+
+        def inner(*a):
+            kw = dict(static)
+            kw.update(zip(keys, a[nargs:], strict=True))
+            if _in_backward():
+                c.enter(BWD, i)
+                out = self._compute(*a[:nargs], **kw)
+                if c.release_at_recompute:
+                    c.leave_recompute(i)
+                return out
+            c.enter(FWD, i)
+            return self._compute(*a[:nargs], **kw)
+
+        # early_stop=False only for the deliberate race: the recompute must run to its end to release there
+        early = not c.release_at_recompute
+        hooks = c.activations.hooks(i) if c.activations is not None else contextlib.nullcontext()
+        with hooks:
+            out = checkpoint(inner, *flat, use_reentrant=False, early_stop=early)
+        c.leave_forward(i)
+        return out
+
+
+def install(blocks: list[nn.Module], conductor, nano_batches: int = 1) -> None:
+    """Make every block a StreamedBlock bound to `conductor` (and split its token-wise MLPs into
+    `nano_batches`)."""
+    from .nano import split_mlps
+
+    for i, b in enumerate(blocks):
+        split_mlps(b, nano_batches)
+        swap_class(b, StreamedBlock, "Streamed")
+        b.bind(conductor, i)
+
+
+def remove(blocks: list[nn.Module]) -> None:
+    """Undo `install`: plain classes, no conductor reference."""
+    from .nano import NanoBatched
+
+    for b in blocks:
+        if not isinstance(b, StreamedBlock):
+            continue
+        for m in b.modules():
+            if isinstance(m, NanoBatched):
+                restore_class(m)
+                del m._nano_batches
+        restore_class(b)
+        del b._offload_conductor, b._offload_index
