@@ -50,15 +50,15 @@ def main():
         opt = torch.optim.AdamW(params, lr=1e-5)
         c = h._c
         log = []
-        real_enter = c._enter
+        real_enter = c.enter
 
-        def enter(pas, i):
-            log.append((pas, i, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
+        def enter(phase, i):
+            log.append((phase, i, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
             torch.cuda.reset_peak_memory_stats()
-            return real_enter(pas, i)
+            return real_enter(phase, i)
 
         def step(record):
-            c._enter = enter if record else real_enter
+            c.enter = enter if record else real_enter
             o = model(**kw)[0]
             loss = F.mse_loss(o.float(), target)
             if record:
@@ -69,7 +69,7 @@ def main():
                 log.append(("end", -1, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
             opt.step()
             opt.zero_grad(set_to_none=True)
-            c._enter = real_enter
+            c.enter = real_enter
 
         step(False)
         step(False)
@@ -88,7 +88,7 @@ def main():
         top = max(rows, key=lambda r: r["peak_gb"])
         p = planner.predict(facts, f, args.res, act)
         out = dict(fraction=f, act=act, base_gb=base / GB, rows=rows, top=top,
-                   offloaded_gb=(c.act.offloaded_bytes / GB if c.act else 0.0),
+                   offloaded_gb=(c.activations.offloaded_bytes / GB if c.activations else 0.0),
                    pred=dict(peak_allocated=p.peak_allocated / GB, dynamic=p.dynamic / GB, static=p.static / GB,
                              ck_gpu=p.act_checkpoint_gpu / GB, act_block=p.act_block / GB,
                              other=p.act_other / GB, trainable=p.trainable / GB, ring=p.ring / GB))
