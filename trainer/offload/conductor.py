@@ -240,6 +240,7 @@ class Conductor:
 
     # ------------------------------------------------------------------------------------------ release / load
     def _release(self, pos: int) -> None:
+        """Plan position `pos` is done with its block: issue the loads the plan starts there (once)."""
         if self.released[pos]:
             return
         self.released[pos] = True
