@@ -187,7 +187,7 @@ def attach_offload(transformer, blocks, cfg: Config, device: torch.device, fract
     move_outside_blocks(transformer, blocks, device)
     if packed:
         bind_fused(handle, optim.fused)
-    elif full:
+    elif full and handle.plan is not None:  # at fraction 0 nothing streams: the state stays where it is
         optim.keep_state_in_ram(streamed_params(handle, blocks))
     return handle
 
