@@ -22,13 +22,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import Config
+from ..errors import UserError
 
 
 def add_lora(transformer: nn.Module, cfg: Config, default_targets: tuple[str, ...]) -> list[nn.Parameter]:
     """Freeze the transformer, add the LoRA adapter (fp32 weights), return the trainable parameters.
 
     The LoRA A matrices are initialised from torch's global generator: seed it first."""
-    from peft import LoraConfig as PeftLoraConfig
+    from peft import LoraConfig as PeftLoraConfig  # here, not at the top: ~3 s to import, and only LoRA needs it
 
     lc = cfg.lora
     targets = list(lc.targets) if lc.targets else list(default_targets)
@@ -39,8 +40,6 @@ def add_lora(transformer: nn.Module, cfg: Config, default_targets: tuple[str, ..
     try:
         transformer.add_adapter(peft_cfg)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
-        from ..errors import UserError
-
         raise UserError(f"lora.targets {targets}: {e}") from None
     params = [p for p in transformer.parameters() if p.requires_grad]
     for p in params:
