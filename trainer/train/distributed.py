@@ -23,6 +23,9 @@ initialised from the same seed and broadcast from rank 0 anyway) and apply ident
   bucketed version would have to defer steps past the point where the conductor writes a streamed block back to
   CPU RAM, which would lose updates; the per-parameter reduction is the correct one.
 
+The trainer's one optimizer object (trainer/train/optimizer.py) picks one of the two when it is built with more
+than one process; the loop calls it the same way with one process or several.
+
 Same numbers on any number of GPUs. The global batch of a step is batch_size x world x grad_accum; in round p of
 micro-batches rank r trains the data's global batch p * world + r (trainer/data). Each process draws the
 timesteps and noise of *every* rank's micro-batch of the round from the objective's one generator (the shapes
@@ -36,9 +39,6 @@ Rank 0 alone writes checkpoints, the final weights, metrics, TensorBoard, tqdm a
 barrier while it saves. Ctrl-C and the non-finite-loss check are agreed by all-reduce: the stop flag once a step,
 the loss of every micro-batch (an all-gather of one float, which replaces the sync the check needed anyway), so
 all ranks stop, save or raise at the same step and nobody is left waiting inside a collective.
-
-The trainer's one optimizer object (trainer/train/optimizer.py) chooses between the two reductions below when it is
-built with an active `Dist`; the loop calls it the same way with one process or several.
 
 Ctrl-C under torchrun: the workers run in their own sessions, so only torchrun sees the terminal's SIGINT; it
 forwards one SIGINT to every worker (the first signal: finish the step, save, exit 130) and kills them after

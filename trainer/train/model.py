@@ -29,7 +29,8 @@ def add_lora(transformer: nn.Module, cfg: Config, default_targets: tuple[str, ..
     """Freeze the transformer, add the LoRA adapter (fp32 weights), return the trainable parameters.
 
     The LoRA A matrices are initialised from torch's global generator: seed it first."""
-    from peft import LoraConfig as PeftLoraConfig  # here, not at the top: ~3 s to import, and only LoRA needs it
+    # Imported here, not at the top: peft costs ~3 s to import (measured on top of torch), and only LoRA needs it.
+    from peft import LoraConfig as PeftLoraConfig
 
     lc = cfg.lora
     targets = list(lc.targets) if lc.targets else list(default_targets)

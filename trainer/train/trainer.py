@@ -168,7 +168,11 @@ class Trainer:
             f"{len(blocks)} blocks{' checkpointed' if c.gradient_checkpointing else ''}"
             f"{f', {self.fraction:g} of block bytes streamed from CPU RAM' if streamed else ''}")
         self.optim = optimizer_for(cfg, self.params, self.dist)  # gradients averaged over ranks, if several
-        self._place_blocks(blocks)
+        # The optimizer before the conductor: a streamed full fine-tune packs each weight's optimizer state beside
+        # it, in the layout the optimizer reports. Checkpointing and streaming of the blocks: streaming.py.
+        conduct = streaming.conducts(cfg, self.fraction, self._can_stream())
+        self.offload = streaming.place_blocks(self.transformer, blocks, cfg, self.device, self.fraction, conduct,
+                                              self.method, self.optim)
         self.objective = FlowMatching(c, self.adapter.timestep_shift)
         if resume_dir is not None:
             self._restore(resume_dir)
@@ -180,13 +184,6 @@ class Trainer:
         """Streaming pays only between CPU RAM and a GPU; on the CPU the model stays resident. (Tests override
         this to run the conductor's CPU path through the loop.)"""
         return self.device.type == "cuda"
-
-    def _place_blocks(self, blocks) -> None:
-        """Checkpoint the blocks and attach the conductor when it runs (after the optimizer: a streamed full
-        fine-tune packs each weight's optimizer state beside it, in the layout the optimizer reports)."""
-        conduct = streaming.conducts(self.cfg, self.fraction, self._can_stream())
-        self.offload = streaming.place_blocks(self.transformer, blocks, self.cfg, self.device, self.fraction, conduct,
-                                              self.method, self.optim)
 
     def _load_weights(self, folder: Path) -> None:
         state = json.loads((folder / "state.json").read_text())
