@@ -14,7 +14,7 @@ Configurations, in this order (the first one is the one the target needs):
   full f=0.75 +act     if the time budget allows
   full resident        (fraction 0, blocks on the GPU, ~30 GB: an H200/H100 reference for "x resident";
                         impossible on a 24 GB card; --no-resident leaves it out)
-`--state packed,ram` adds, per fraction, the wiring `dittrain fit` uses today (trainer/train/glue.py: optimizer
+`--state packed,ram` adds, per fraction, the wiring `dittrain fit` uses today (trainer/train/method.py: optimizer
 built after attaching, the state of streamed weights in pinned RAM through trainer/optim `StateOffload`, copied
 to the GPU and back around each parameter's step) beside the packed one.
 

@@ -69,7 +69,7 @@ def test_weight_bytes_and_streaming_equal_the_conductor(tiny_models, family, met
     if method == "lora":
         assert facts.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
     layout = ()
-    if method == "full":  # as fit wires it: the optimizer state packed beside each weight (trainer/train/glue.py)
+    if method == "full":  # as fit wires it: the optimizer state packed beside each weight (trainer/train/method.py)
         from trainer.optim.build import build_optimizer
         from trainer.optim.fused import FusedBackPass
 

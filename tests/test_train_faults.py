@@ -10,8 +10,8 @@ from test_train_support import losses, make_config, write_images
 
 from trainer.errors import NonFiniteLossError, NonFiniteWeightsError, UserError
 from trainer.train import checkpoint as ck
-from trainer.train import glue
 from trainer.train.faults import TrainingInterrupted
+from trainer.train.optimizer import Optim
 from trainer.train.trainer import Trainer
 
 
@@ -36,7 +36,7 @@ def test_checkpoint_write_failing_midway_leaves_the_previous_one_loadable(tiny_m
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
     calls = []
-    real = glue.Optim.save
+    real = Optim.save
 
     def failing_save(self, folder):
         calls.append(folder)
@@ -45,7 +45,7 @@ def test_checkpoint_write_failing_midway_leaves_the_previous_one_loadable(tiny_m
             raise OSError(28, "No space left on device")
         real(self, folder)
 
-    monkeypatch.setattr(glue.Optim, "save", failing_save)
+    monkeypatch.setattr(Optim, "save", failing_save)
     with pytest.raises(OSError, match="No space"):
         Trainer(cfg).fit()
     root = tmp_path / "run" / "checkpoints"

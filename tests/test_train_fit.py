@@ -149,7 +149,7 @@ def test_samples_tensorboard_and_metrics_do_not_disturb_training(tiny_models, tr
 
 
 def test_gradient_accumulation_averages_the_micro_batches(tiny_models, train_images, cache_root, tmp_path, monkeypatch):
-    from trainer.train import glue
+    from trainer.train.optimizer import Optim
 
     cfg = make_config(tiny_models, train_images, tmp_path / "out", cache_root / "flux", "flux",
                       train={"steps": 1, "batch_size": 1, "grad_accum": 2}, optimizer={"max_grad_norm": None})
@@ -169,8 +169,8 @@ def test_gradient_accumulation_averages_the_micro_batches(tiny_models, train_ima
         p.grad = None
     t.objective.load_state(state)
     seen = {}
-    real = glue.Optim.step
-    monkeypatch.setattr(glue.Optim, "step", lambda self: seen.setdefault("g", [p.grad.clone() for p in t.params])
+    real = Optim.step
+    monkeypatch.setattr(Optim, "step", lambda self: seen.setdefault("g", [p.grad.clone() for p in t.params])
                         and real(self))
     metrics = t.train_step()
     assert t.data.sampler.position == 2

@@ -101,9 +101,9 @@ def test_resume_from_an_explicit_checkpoint_path(tiny_models, images, tmp_path):
 
 
 def test_missing_resume_fails_before_anything_loads(tiny_models, images, tmp_path, monkeypatch):
-    from trainer.train import glue
+    from trainer.train import trainer
 
-    monkeypatch.setattr(glue, "get_adapter", lambda *a: pytest.fail("loaded a model before checking --resume"))
+    monkeypatch.setattr(trainer, "get_adapter", lambda *a: pytest.fail("loaded a model before checking --resume"))
     cfg = _cfg(tiny_models, images, tmp_path / "run", tmp_path / "cache")
     with pytest.raises(UserError, match="no complete checkpoint"):
         Trainer(cfg, resume="latest").fit()
@@ -172,7 +172,7 @@ def test_bf16_full_fine_tune_with_stochastic_rounding_resumes_bitwise(tiny_model
 def test_streamed_text_encoders_give_the_same_cache_and_samples(tiny_models, images, tmp_path, monkeypatch):
     """offload.text_encoders on the conductor's CPU path: caching and training-time sampling see the same
     embeddings as with resident encoders, so losses and sample images are identical."""
-    from trainer.train import glue
+    from trainer.train import inputs
 
     def run(name):
         cfg = _cfg(tiny_models, images, tmp_path / name, tmp_path / f"cache-{name}", steps=2)
@@ -185,7 +185,7 @@ def test_streamed_text_encoders_give_the_same_cache_and_samples(tiny_models, ima
         return losses(tmp_path / name), (tmp_path / name / "samples" / "step-000002-0.png").read_bytes()
 
     resident = run("resident")
-    monkeypatch.setattr(glue, "_text_fraction", lambda cfg, device: 0.5)
+    monkeypatch.setattr(inputs, "_text_fraction", lambda cfg, device: 0.5)
     assert run("streamed") == resident
 
 

@@ -23,6 +23,9 @@ initialised from the same seed and broadcast from rank 0 anyway) and apply ident
   bucketed version would have to defer steps past the point where the conductor writes a streamed block back to
   CPU RAM, which would lose updates; the per-parameter reduction is the correct one.
 
+The trainer's one optimizer object (trainer/train/optimizer.py) picks one of the two when it is built with more
+than one process; the loop calls it the same way with one process or several.
+
 Same numbers on any number of GPUs. The global batch of a step is batch_size x world x grad_accum; in round p of
 micro-batches rank r trains the data's global batch p * world + r (trainer/data). Each process draws the
 timesteps and noise of *every* rank's micro-batch of the round from the objective's one generator (the shapes
@@ -59,6 +62,7 @@ import torch
 import torch.distributed as tdist
 
 from ..errors import NonFiniteLossError, UserError
+from .monitor import say
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -172,10 +176,6 @@ class Dist:
                 else:
                     tdist.broadcast(p.data, 0)
 
-    def wrap_optim(self, optim, grad_accum: int):
-        """The trainer's `glue.Optim`, with gradients averaged over ranks before every parameter's step."""
-        return DistributedOptim(optim, self.world, grad_accum) if self.active else optim
-
     def close(self) -> None:
         if self._created and tdist.is_initialized():
             tdist.destroy_process_group()
@@ -207,8 +207,6 @@ def setup(device_choice: str) -> Dist:
         tdist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                                  timeout=datetime.timedelta(minutes=30), device_id=device if cuda else None)
         created = True
-    from .monitor import say
-
     say(f"data parallel: {world} processes over {tdist.get_backend()}, one per "
         f"{'GPU' if cuda else 'CPU process'}; gradients averaged before every step")
     return Dist(rank, world, local, device, created)
@@ -328,39 +326,3 @@ class FusedAllReduce:
         out = float(self._sq) ** 0.5  # host-device sync (logging steps only)
         self._sq = None
         return out
-
-
-class DistributedOptim:
-    """`glue.Optim` with gradients averaged over ranks; the loop calls it exactly as the one-process one."""
-
-    def __init__(self, inner, world: int, grad_accum: int):
-        self._inner = inner
-        self._reducer = None
-        self._fused = None
-        if inner.fused is not None:
-            self._fused = FusedAllReduce(world)
-            inner.fused.add_step_hooks(pre=self._fused.pre)
-        else:
-            self._reducer = BucketedAllReduce(inner.params, world, grad_accum)
-
-    def before_backward(self, track_norm: bool) -> None:
-        self._inner.before_backward(track_norm)
-        if self._fused is not None:
-            self._inner.fused.track_grad_norm = False  # it would measure this rank's gradient, before the mean
-            self._fused.track = track_norm
-
-    def step(self):
-        if self._reducer is not None:
-            self._reducer.finish()  # before clipping: clip the mean gradient, as one process would
-        norm = self._inner.step()
-        if self._fused is not None:
-            norm = self._fused.take_norm()
-        return norm
-
-    def close(self) -> None:
-        if self._reducer is not None:
-            self._reducer.remove()
-        self._inner.close()
-
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)

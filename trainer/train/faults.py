@@ -15,13 +15,17 @@ without tripping the loss check. Every save first checks the trained weights (on
 refuses to write non-finite ones (`NonFiniteWeightsError`, exit code 3, naming the weight and the last good
 checkpoint); the next step's loss check would stop the run anyway, this keeps the bad weights off the disk.
 
-CUDA out of memory becomes a one-line `UserError` that says which knob to turn.
+CUDA out of memory becomes a one-line `UserError` that says which knob to turn: a higher offload fraction
+than the one the run streamed with (for `offload.transformer: auto`, the float the planner picked), else a
+smaller batch or resolution.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+
+import torch
 
 from ..errors import UserError
 
@@ -61,21 +65,21 @@ class StopFlag:
         self._previous.clear()
 
 
-def oom_error(step: int, offload_fraction, method: str) -> UserError:
-    """The message for a CUDA out-of-memory error in training."""
-    import torch
-
-    if isinstance(offload_fraction, float) and offload_fraction < 1.0:
-        more = min(1.0, round(offload_fraction + 0.25, 2))
-        knob = f"raise offload.transformer from {offload_fraction:g} to {more:g} (or auto with offload.vram_budget_gb)"
+def oom_error(step: int, fraction: float | None, hint: str = "") -> UserError:
+    """The message for a CUDA out-of-memory error in training. `fraction` is the offload fraction the run
+    streamed with, resolved (for `offload.transformer: auto`, the planner's pick), or None if the error came
+    before it was known; below 1 the message suggests a higher one. `hint` is the training method's own
+    advice (trainer/train/method.py)."""
+    if fraction is not None and fraction < 1.0:
+        more = min(1.0, round(fraction + 0.25, 2))
+        knob = f"raise offload.transformer from {fraction:g} to {more:g} (or auto with offload.vram_budget_gb)"
     else:
         knob = "lower train.batch_size or data.resolutions"
     used = ""
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         used = f" ({(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use)"
-    extra = "; LoRA needs far less memory than train.method: full" if method == "full" else ""
     return UserError(
         f"CUDA out of memory at step {step}{used}: {knob}, or start from a preset for a smaller GPU "
-        f"(`dittrain presets`; `dittrain plan CONFIG --vram GB` predicts what fits){extra}"
+        f"(`dittrain presets`; `dittrain plan CONFIG --vram GB` predicts what fits){hint}"
     )

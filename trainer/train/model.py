@@ -16,12 +16,14 @@ from __future__ import annotations
 from torch import nn
 
 from ..config import Config
+from ..errors import UserError
 
 
 def add_lora(transformer: nn.Module, cfg: Config, default_targets: tuple[str, ...]) -> list[nn.Parameter]:
     """Freeze the transformer, add the LoRA adapter (fp32 weights), return the trainable parameters.
 
     The LoRA A matrices are initialised from torch's global generator: seed it first."""
+    # Imported here, not at the top: peft costs ~3 s to import (measured on top of torch), and only LoRA needs it.
     from peft import LoraConfig as PeftLoraConfig
 
     lc = cfg.lora
@@ -33,8 +35,6 @@ def add_lora(transformer: nn.Module, cfg: Config, default_targets: tuple[str, ..
     try:
         transformer.add_adapter(peft_cfg)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
-        from ..errors import UserError
-
         raise UserError(f"lora.targets {targets}: {e}") from None
     params = [p for p in transformer.parameters() if p.requires_grad]
     for p in params:

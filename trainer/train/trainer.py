@@ -4,12 +4,17 @@
 
 setup     resolves --resume first (a missing checkpoint fails before anything loads); picks the device, dtype and
           attention backend and says so; builds the data caches (the VAE and text encoders are loaded and freed
-          there) and only then loads the transformer; adds LoRA or unfreezes it; checkpoints each block; attaches
-          offloading on a GPU; builds the optimizer and schedule; restores a checkpoint's state.
+          there) and only then loads the transformer; resolves the offload fraction once; lets the training
+          method (method.py: LoRA or full) pick the trainable parameters; builds the one optimizer object
+          (optimizer.py: schedule, fused back pass, averaging over ranks); checkpoints and streams the blocks
+          (streaming.py); restores a checkpoint's state.
 train_step draws grad_accum micro-batches, checks each loss before its backward, clips, steps.
-save      writes a complete, resumable checkpoint atomically (see checkpoint.py) and, at the end, the LoRA file
-          or transformer folder in output.dir.
+save      writes a complete, resumable checkpoint atomically (see checkpoint.py) and, at the end, the method's
+          final weights in output.dir (the LoRA file or the transformer folder).
 close     restores signal handlers, closes the logs, drops the model.
+
+The loop never asks which method it trains: whatever differs between LoRA and full fine-tuning is a call on
+`self.method`.
 
 Exactness. With the same config, a resumed run computes bitwise the losses of the uninterrupted run in fp32 on
 the CPU: everything that draws random numbers (noise and timesteps, LoRA dropout, data order) has its generator
@@ -29,12 +34,17 @@ from safetensors.torch import load_file, save_file
 
 from ..config import Config
 from ..errors import NonFiniteLossError, NonFiniteWeightsError, UserError
+from ..models import get_adapter
+from ..sampling.output import image_metadata, save_png
+from ..sampling.training import TrainingSampler
 from . import checkpoint as ck
-from . import distributed, glue
+from . import distributed, streaming
 from .faults import StopFlag, TrainingInterrupted, oom_error
-from .model import add_lora, count, full_params
+from .inputs import data_state, load_data_state, prepare_data
+from .method import method_for
 from .monitor import Monitor, say
 from .objective import FlowMatching
+from .optimizer import optimizer_for
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -74,6 +84,8 @@ class Trainer:
         self.monitor: Monitor | None = None
         self.last_checkpoint: Path | None = None
         self.offload = None
+        self.method = method_for(cfg)  # LoRA or full: everything the loop would otherwise branch on
+        self.fraction: float | None = None  # offload.transformer resolved (auto: the planner's pick), in setup
         self.dist = distributed.Dist()  # one process until setup reads torchrun's environment
         self._ready = False
 
@@ -92,7 +104,7 @@ class Trainer:
                 times.append(metrics["step_time"])
                 if self.step == first + 5 and self.device.type == "cuda" and self.dist.is_main:
                     # the median of steps 2-5 (the first warms up; single steps jitter, most at small buckets)
-                    glue.check_plan(self.cfg, self._fraction, self.device, statistics.median(times[1:]))
+                    streaming.check_plan(self.cfg, self.fraction, self.device, statistics.median(times[1:]))
                 if self.dist.any(self.stop.requested):  # every rank stops at the same step
                     path = self.save()
                     raise TrainingInterrupted(
@@ -107,7 +119,7 @@ class Trainer:
                 self.monitor.finish()
             return self.save(final=True)
         except torch.OutOfMemoryError:
-            raise oom_error(self.step + 1, self.cfg.offload.transformer, c.method) from None
+            raise oom_error(self.step + 1, self.fraction, self.method.oom_hint) from None
         except KeyboardInterrupt:
             raise TrainingInterrupted(
                 f"stopped at once at step {self.step} without saving; the last complete checkpoint is "
@@ -131,45 +143,36 @@ class Trainer:
         self.dtype = DTYPES[cfg.model.dtype]
         say(f"device {self.device}, weights {cfg.model.dtype}, attention {choose_attention(self.device, c.attention)}")
 
-        self.adapter = glue.get_adapter(cfg.model)
+        self.adapter = get_adapter(cfg.model)
         # Data first: building the caches loads (and frees) the VAE and text encoders, so the transformer is not
         # in memory at the same time, and a bad image fails the run before the big load.
-        self.data = self.dist.main_first(lambda: glue.prepare_data(  # rank 0 fills the cache, the others read it
+        self.data = self.dist.main_first(lambda: prepare_data(  # rank 0 fills the cache, the others read it
             cfg, self.adapter, self.device, self.dtype, rank=self.dist.rank, world_size=self.dist.world))
         self.sampler = None
         if cfg.sample.every and cfg.sample.prompts and self.dist.is_main:
-            self.sampler = glue.training_sampler(cfg, self.adapter, self.device, self.dtype)  # encodes prompts, frees encoders
+            self.sampler = TrainingSampler(cfg, self.adapter, self.device, self.dtype)  # encodes prompts, frees encoders
 
-        fraction = glue.offload_fraction(cfg) if self._can_stream() else 0.0
-        self._offloaded = fraction > 0  # on the CPU, or at 0, the model stays resident
-        # At fraction 0 the offload handle still runs: it checkpoints the blocks, and offloads activations or
-        # nano-batches when asked.
-        conduct = (c.gradient_checkpointing or self._offloaded
-                   or (self._can_stream() and (cfg.offload.activations or cfg.offload.nano_batches > 1)))
-        self._fraction = fraction
-        load_to = torch.device("cpu") if self._offloaded else self.device
+        self.fraction = streaming.transformer_fraction(cfg, self._can_stream())  # resolved once: auto -> a float
+        streamed = self.fraction > 0  # on the CPU, or at 0, the model stays resident
+        load_to = torch.device("cpu") if streamed else self.device
         self.transformer = self.adapter.load(cfg.model, parts={"transformer"}, dtype=self.dtype, device=load_to).transformer
         self.transformer.train()
         torch.manual_seed(c.seed)  # LoRA init and dropout draw from torch's global generator
-        if c.method == "lora":
-            self.params = add_lora(self.transformer, cfg, self.adapter.default_lora_targets)
-        else:
-            self.params = full_params(self.transformer)
+        self.params = self.method.trainable_params(self.transformer, self.adapter)
         if resume_dir is not None:
             # Before the optimizer sees the weights and before offloading turns block weights into ring views.
             self._load_weights(resume_dir)
-        if c.method == "lora":
-            self.dist.same_start(self.params)
+        self.method.same_start(self.dist, self.params)
         blocks = self.adapter.blocks(self.transformer)
-        say(f"{c.method}: {count(self.params) / 1e6:.3f} M trainable parameters in {len(self.params)} tensors, "
+        say(f"{self.method.describe(self.params)}, "
             f"{len(blocks)} blocks{' checkpointed' if c.gradient_checkpointing else ''}"
-            f"{f', {fraction:g} of block bytes streamed from CPU RAM' if self._offloaded else ''}")
+            f"{f', {self.fraction:g} of block bytes streamed from CPU RAM' if streamed else ''}")
+        self.optim = optimizer_for(cfg, self.params, self.dist)  # gradients averaged over ranks, if several
         # The optimizer before the conductor: a streamed full fine-tune packs each weight's optimizer state beside
-        # it, in the layout the optimizer reports.
-        self.optim = glue.Optim(cfg, self.params)
-        if conduct:
-            self.offload = glue.attach_offload(self.transformer, blocks, cfg, self.device, fraction, self.optim)
-        self.optim = self.dist.wrap_optim(self.optim, c.grad_accum)  # gradients averaged over ranks
+        # it, in the layout the optimizer reports. Checkpointing and streaming of the blocks: streaming.py.
+        conduct = streaming.conducts(cfg, self.fraction, self._can_stream())
+        self.offload = streaming.place_blocks(self.transformer, blocks, cfg, self.device, self.fraction, conduct,
+                                              self.method, self.optim)
         self.objective = FlowMatching(c, self.adapter.timestep_shift)
         if resume_dir is not None:
             self._restore(resume_dir)
@@ -184,12 +187,9 @@ class Trainer:
 
     def _load_weights(self, folder: Path) -> None:
         state = json.loads((folder / "state.json").read_text())
-        if state.get("method") != self.cfg.train.method:
-            raise UserError(f"--resume {folder}: checkpoint of a {state.get('method')} run, config says {self.cfg.train.method}")
-        if self.cfg.train.method == "lora":
-            ck.load_lora(folder / "lora.safetensors", self.transformer)
-        else:
-            ck.load_transformer_weights(folder / "transformer", self.transformer)
+        if state.get("method") != self.method.name:
+            raise UserError(f"--resume {folder}: checkpoint of a {state.get('method')} run, config says {self.method.name}")
+        self.method.load_weights(folder)
 
     def _restore(self, folder: Path) -> None:
         """Everything but the weights (`_load_weights`): optimizer, schedule, data position, generators, step."""
@@ -197,7 +197,7 @@ class Trainer:
         if state.get("config_digest") != self.cfg.digest():
             say(f"note: the config differs from the one {folder} was saved with; continuing with the current one")
         self.optim.load(folder, state["scheduler"])
-        glue.load_data_state(self.data, state["data"])
+        load_data_state(self.data, state["data"])
         self.objective.load_state(ck.restore_rng(load_file(str(folder / "rng.safetensors"))))
         self.step = int(state["step"])
         self.last_checkpoint = folder
@@ -246,17 +246,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ save
 
     def _state(self) -> dict:
-        return {"step": self.step, "method": self.cfg.train.method, "config_digest": self.cfg.digest(),
-                "scheduler": self.optim.scheduler.state_dict(), "data": glue.data_state(self.data)}
-
-    def _write_weights(self, folder: Path) -> None:
-        if self.cfg.train.method == "lora":
-            lc = self.cfg.lora
-            meta = {"rank": lc.rank, "alpha": lc.alpha, "step": self.step, "config_digest": self.cfg.digest(),
-                    "family": self.cfg.model.family}
-            ck.save_lora(folder / "lora.safetensors", self.transformer, meta)
-        else:
-            ck.save_transformer(folder / "transformer", self.transformer)
+        return {"step": self.step, "method": self.method.name, "config_digest": self.cfg.digest(),
+                "scheduler": self.optim.scheduler.state_dict(), "data": data_state(self.data)}
 
     def _newest_checkpoint(self) -> Path | None:
         """This run's last checkpoint, else the newest complete one in output.dir (a resumed run's)."""
@@ -278,12 +269,11 @@ class Trainer:
             )
         if not self.dist.is_main:  # rank 0 writes (every rank holds the same weights); the others wait for it
             self.dist.barrier()
-            lora = self.cfg.train.method == "lora"
-            return (self.out / ("lora.safetensors" if lora else "transformer") if final
+            return (self.method.final_output(self.out) if final
                     else ck.checkpoint_root(self.out) / f"step-{self.step:06d}")
 
         def write(tmp: Path) -> None:
-            self._write_weights(tmp)
+            self.method.save_weights(tmp, self.step)
             self.optim.save(tmp)
             save_file(ck.rng_state(self.objective.state()), str(tmp / "rng.safetensors"))
             ck.write_json(tmp / "state.json", self._state())
@@ -293,13 +283,7 @@ class Trainer:
         if not final:
             self.dist.barrier()
             return self.last_checkpoint
-        if self.cfg.train.method == "lora":
-            path = self.out / "lora.safetensors"
-            src = self.last_checkpoint / "lora.safetensors"
-            ck.atomic_write(path, lambda tmp: tmp.write_bytes(src.read_bytes()))
-        else:
-            path = self.out / "transformer"
-            ck.atomic_dir(path, lambda tmp: ck.save_transformer(tmp, self.transformer))
+        path = self.method.write_final(self.out, self.last_checkpoint)
         say(f"saved {path} (step {self.step})")
         self.dist.barrier()
         return path
@@ -312,8 +296,6 @@ class Trainer:
         Runs under `fork_rng` so that nothing it does can move the training generators."""
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             images = self.sampler(self.transformer)
-        from ..sampling.output import image_metadata, save_png
-
         s = self.cfg.sample
         for i, (img, prompt) in enumerate(zip(images, s.prompts, strict=True)):
             meta = image_metadata(prompt=prompt, seed=s.seed + i, steps=s.steps, guidance=s.guidance,

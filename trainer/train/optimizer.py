@@ -1,0 +1,105 @@
+"""The loop's one optimizer object: optimizer, schedule, fused back pass and gradient averaging over ranks.
+
+    optim = optimizer_for(cfg, params, dist)
+    optim.before_backward(track_norm=log_now)    # per step, before the first micro-batch's backward
+    loss.backward()                              # fused back pass: every parameter steps in here
+    norm = optim.step()                          # finishes the step; the schedule advances once
+    optim.save(folder) / optim.load(folder, scheduler_state)
+
+Two ways of stepping, one object. Unfused: backward fills `.grad`; `step()` clips, steps and zeroes. Fused
+(trainer/optim/fused.py): each parameter steps inside backward and its gradient is freed; `step()` only closes
+the step. Either way the schedule advances once per optimizer step.
+
+Several processes (trainer/train/distributed.py) add one thing, chosen here once: unfused, a
+`BucketedAllReduce` averages the gradients in buckets launched from the gradient hooks, and `step()` waits for it
+before clipping; fused, a `FusedAllReduce` pre-step hook averages each gradient right before its parameter
+steps, and measures the norm of the averaged gradients (the fused pass's own would be this rank's). The loop
+calls the same methods with one process or eight.
+
+Where the optimizer state of streamed weights lives is the training method's business (trainer/train/method.py):
+it calls `keep_state_in_ram` or binds `fused` to the conductor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import Config
+from ..optim.build import build_optimizer, build_scheduler
+from ..optim.fused import FusedBackPass, StateOffload
+from ..optim.state import load_optimizer_state, save_optimizer_state
+from .distributed import BucketedAllReduce, Dist, FusedAllReduce
+
+
+class Optim:
+    """See the module essay. Build it with `optimizer_for`."""
+
+    def __init__(self, cfg: Config, params: list[torch.nn.Parameter], dist: Dist):
+        self.max_grad_norm = cfg.optimizer.max_grad_norm
+        self.params = params
+        self.optimizer = build_optimizer(params, cfg.optimizer, seed=cfg.train.seed)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.train.steps)
+        self.fused = FusedBackPass(self.optimizer) if cfg.optimizer.fused_back_pass else None
+        self._reducer: BucketedAllReduce | None = None  # several processes, unfused
+        self._fused_reduce: FusedAllReduce | None = None  # several processes, fused
+        if dist.active and self.fused is not None:
+            self._fused_reduce = FusedAllReduce(dist.world)
+            self.fused.add_step_hooks(pre=self._fused_reduce.pre)
+        elif dist.active:
+            self._reducer = BucketedAllReduce(params, dist.world, cfg.train.grad_accum)
+
+    def keep_state_in_ram(self, params: list[torch.nn.Parameter]) -> None:
+        """Full fine-tune with streamed blocks: the optimizer state of these parameters lives in pinned CPU RAM
+        between steps and visits the GPU only while its parameter steps (trainer/optim StateOffload)."""
+        if not params:
+            return
+        off = StateOffload(params)
+        self.fused.add_step_hooks(pre=off.pre, post=off.post, synchronize=off.synchronize)
+
+    def before_backward(self, track_norm: bool) -> None:
+        if self._fused_reduce is not None:
+            self._fused_reduce.track = track_norm  # the norm of the mean gradient, not of this rank's
+        elif self.fused is not None:
+            self.fused.track_grad_norm = track_norm
+
+    def step(self):
+        """Finish the optimizer step. Returns the gradient norm (a float, a 0-dim tensor read later on logging
+        steps only, or None)."""
+        norm = None
+        if self.fused is not None:
+            norm = self.fused.finish_step()
+            if self._fused_reduce is not None:
+                norm = self._fused_reduce.take_norm()
+        else:
+            if self._reducer is not None:
+                self._reducer.finish()  # before clipping: clip the mean gradient, as one process would
+            if self.max_grad_norm is not None:
+                norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return norm
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def save(self, folder: Path) -> None:
+        save_optimizer_state(self.fused or self.optimizer, folder)
+
+    def load(self, folder: Path, scheduler_state: dict) -> None:
+        load_optimizer_state(self.fused or self.optimizer, folder)
+        self.scheduler.load_state_dict(scheduler_state)
+
+    def close(self) -> None:
+        if self._reducer is not None:
+            self._reducer.remove()
+        if self.fused is not None:
+            self.fused.remove()
+
+
+def optimizer_for(cfg: Config, params: list[torch.nn.Parameter], dist: Dist) -> Optim:
+    """The run's optimizer over `params`: fused or not as cfg.optimizer says, averaging over `dist`'s ranks."""
+    return Optim(cfg, params, dist)

@@ -1,0 +1,66 @@
+"""Streaming the transformer during training: the offload fraction, the conductor, and the planner's check.
+
+The fraction is resolved once, in setup, into one float: the config's number, or for `offload.transformer: auto`
+the planner's choice for this GPU (trainer/offload/planner.py `resolve_fraction`); 0 where nothing streams (on
+the CPU the model stays resident). The same float is what the loop hands to the planner's check after the first
+steps and to the out-of-memory message, which can then suggest a higher one.
+
+`place_blocks` is where the transformer's blocks become what the loop runs: checkpointed (recomputed in backward)
+and, when the conductor runs, streamed between pinned CPU RAM and the GPU. Everything outside the blocks moves to
+the device here (the conductor's contract); the training method then decides where the optimizer state of
+streamed trainable weights lives (trainer/train/method.py). It needs the optimizer built first: a streamed full
+fine-tune packs each weight's optimizer state beside it, in the layout the optimizer reports.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import Config
+from ..offload import attach_offload, move_outside_blocks
+from ..offload.planner import check_line, expected, resolve_fraction
+from .monitor import say
+
+
+def transformer_fraction(cfg: Config, can_stream: bool) -> float:
+    """The share of block bytes this run streams from CPU RAM: the config's number, or the planner's choice for
+    `auto`; 0 where streaming does not pay (`can_stream` False: on the CPU)."""
+    if not can_stream:
+        return 0.0
+    if cfg.offload.transformer == "auto":
+        return float(resolve_fraction(cfg))
+    return float(cfg.offload.transformer)
+
+
+def conducts(cfg: Config, fraction: float, can_stream: bool) -> bool:
+    """Whether the offload handle runs: it streams at fraction > 0, and at 0 still runs to checkpoint the blocks
+    (offload/block.py StreamedBlock owns each block's forward) and for activation offloading or nano-batching."""
+    return (cfg.train.gradient_checkpointing or fraction > 0
+            or (can_stream and (cfg.offload.activations or cfg.offload.nano_batches > 1)))
+
+
+def place_blocks(transformer, blocks, cfg: Config, device: torch.device, fraction: float, conduct: bool, method,
+                 optim):
+    """With `conduct`, hand the blocks to the offload handle, which checkpoints them (at fraction 0 too) and
+    streams them at fraction > 0; returns the handle or None. Activation offloading only on a GPU (on the CPU
+    there is no second memory to move to)."""
+    if not conduct:
+        return None
+    handle = attach_offload(
+        blocks, device, fraction, mode="train", activations=cfg.offload.activations and device.type == "cuda",
+        nano_batches=cfg.offload.nano_batches, trainable=method.streams_trainable,
+        checkpointing=cfg.train.gradient_checkpointing, optimizer_state=method.optimizer_state_layout(optim),
+    )
+    move_outside_blocks(transformer, blocks, device)
+    method.place_optimizer_state(handle, blocks, optim)
+    return handle
+
+
+def check_plan(cfg: Config, fraction: float, device: torch.device, step_s: float) -> None:
+    """Log the planner's predicted peak VRAM and step time beside what the first real steps measured."""
+    try:
+        pred = expected(cfg, fraction)
+    except Exception as e:  # a prediction that cannot be made must never stop training
+        say(f"offload: no planner prediction to compare with ({type(e).__name__}: {e})")
+        return
+    say(check_line(pred, torch.cuda.max_memory_reserved(device), step_s))
