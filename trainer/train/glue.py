@@ -144,7 +144,7 @@ class Optim:
 def offload_fraction(cfg: Config) -> float:
     """The transformer's offload fraction: the config's number, or the planner's choice for `auto`."""
     if cfg.offload.transformer == "auto":
-        from ..offload.planner import resolve_fraction
+        from ..planner import resolve_fraction
 
         return float(resolve_fraction(cfg))
     return float(cfg.offload.transformer)
@@ -152,7 +152,7 @@ def offload_fraction(cfg: Config) -> float:
 
 def check_plan(cfg: Config, fraction: float, device: torch.device, step_s: float) -> None:
     """Log the planner's predicted peak VRAM and step time beside what the first real steps measured."""
-    from ..offload.planner import check_line, expected
+    from ..planner import check_line, expected
     from .monitor import say
 
     try:

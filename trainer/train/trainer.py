@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..config import Config
+from ..dtypes import DTYPES
 from ..errors import NonFiniteLossError, NonFiniteWeightsError, UserError
 from . import checkpoint as ck
 from . import distributed, glue
@@ -35,8 +36,6 @@ from .faults import StopFlag, TrainingInterrupted, oom_error
 from .model import add_lora, checkpoint_blocks, count, full_params
 from .monitor import Monitor, say
 from .objective import FlowMatching
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def pick_device(choice: str) -> torch.device:
