@@ -26,7 +26,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.config import OptimizerConfig  # noqa: E402
+from trainer.models.flux import FluxAdapter  # noqa: E402
 from trainer.offload import attach_offload  # noqa: E402
+from trainer.offload.fused import bind_fused  # noqa: E402
+from trainer.optim import FusedBackPass, build_optimizer  # noqa: E402
 
 LORA_TARGETS = [
     "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -120,44 +124,33 @@ def timed(fn, warmup, steps):
 
 
 class FusedAdamW:
-    """AdamW inside backward (post-accumulate-grad hooks), each gradient freed at once; the state of streamed
-    weights is the fp32 pair the conductor packs beside them (`handle.state_of`), the rest lives here."""
+    """A full fine-tune step with the trainer's own optimizer: AdamW from trainer.optim (`build_optimizer`; bf16
+    weights step in fp32 and round back) inside backward (`FusedBackPass`: each gradient freed at once), bound to
+    the offload handle as trainer/train/glue.py binds it (`bind_fused`: the state of streamed weights is the fp32
+    pair the conductor packs beside them)."""
 
-    def __init__(self, model, kw, target, lr=1e-6, betas=(0.9, 0.999), eps=1e-8, wd=0.0):
+    def __init__(self, model, kw, target, lr=1e-6):
         self.model, self.kw, self.target = model, kw, target
-        self.lr, self.b1, self.b2, self.eps, self.wd = lr, betas[0], betas[1], eps, wd
-        self.handle, self.state, self.k = None, {}, {}
-        for p in model.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._hook)
+        self.cfg = OptimizerConfig(name="adamw", lr=lr, fused_back_pass=True, stochastic_rounding=False)
+        self.fused = None
 
     def bind(self, handle):
-        self.handle, self.state, self.k = handle, {}, {}
-
-    def _hook(self, p):
-        st = self.handle.state_of(p) if self.handle is not None else None
-        if st is None:
-            st = self.state.get(id(p))
-            if st is None:
-                z = torch.zeros_like(p, dtype=torch.float32)
-                st = self.state[id(p)] = {"exp_avg": z, "exp_avg_sq": z.clone()}
-        k = self.k[id(p)] = self.k.get(id(p), 0) + 1
-        g = p.grad.float()
-        st["exp_avg"].lerp_(g, 1 - self.b1)
-        st["exp_avg_sq"].mul_(self.b2).addcmul_(g, g, value=1 - self.b2)
-        denom = (st["exp_avg_sq"].sqrt() / (1 - self.b2**k) ** 0.5).add_(self.eps)
-        w = p.data.float().mul_(1 - self.lr * self.wd)
-        w.addcdiv_(st["exp_avg"], denom, value=-self.lr / (1 - self.b1**k))
-        p.data.copy_(w)
-        p.grad = None  # freed at once: no full set of gradients ever exists
+        """A fresh optimizer (the previous configuration's state dropped) whose steps follow `handle`'s blocks."""
+        if self.fused is not None:
+            self.fused.remove()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.fused = FusedBackPass(build_optimizer(params, self.cfg))
+        bind_fused(handle, self.fused)
 
     def __call__(self):
         out = self.model(**self.kw)[0]
         F.mse_loss(out.float(), self.target).backward()
+        self.fused.finish_step()
 
 
 def block_list(m):
-    return list(m.transformer_blocks) + list(m.single_transformer_blocks)
+    """The blocks the conductor streams, in execution order, as the trainer gets them (the Flux adapter)."""
+    return FluxAdapter().blocks(m)
 
 
 def run3_sampling_plan(sizes, capacity, mode, min_blocks=2):

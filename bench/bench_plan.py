@@ -5,13 +5,13 @@ Full-size Flux.1-dev (11.9 B params, random bf16 weights built on the GPU), LoRA
 default targets (what `dittrain fit` adapts), batch 1, 512 text tokens, trained a few steps through the offload
 conductor (`trainer.offload.attach_offload`) at 512 and 1024 px and fractions 0, 0.5, 0.9 (plus 1.0 with
 activation offloading at 1024). For each configuration it prints the planner's prediction
-(trainer/offload/planner.py `predict`) beside the measurement:
+(trainer/planner/prediction.py `predict`) beside the measurement:
 
 - peak `torch.cuda.max_memory_reserved()` and `max_memory_allocated()` over the measured steps, counted from
   the moment the configuration is attached (`empty_cache` after attaching, so memory freed by the attach itself
   does not count), the first optimizer step included (Adam state is part of the steady state);
 - the median step time (CUDA events, after warm-up), against the planner's step time from the DESIGN.md
-  reference figures and from its own short measurement on this GPU (`_planner_measure.measure`);
+  reference figures and from its own short measurement on this GPU (`trainer.planner.measure`);
 - pinned host bytes and the conductor's measured H2D rate.
 
 Then the Flux LoRA presets (configs/flux/lora-{8,16,24}gb.yaml) run at their fraction and resolution under a
@@ -43,10 +43,11 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from trainer import planner  # noqa: E402
 from trainer.config import Config, load_config  # noqa: E402
-from trainer.offload import _planner_time as ptime  # noqa: E402
-from trainer.offload import _planner_trace as ptrace  # noqa: E402
-from trainer.offload import planner  # noqa: E402
+from trainer.models.flux import FluxAdapter  # noqa: E402
+from trainer.planner import timing as ptime  # noqa: E402
+from trainer.planner import trace as ptrace  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offload import inputs  # noqa: E402  (the same full-size Flux inputs as the offload benchmark)
@@ -69,7 +70,7 @@ def build(dev: str):
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(dev):
-            m = FluxTransformer2DModel(**ptrace.FULL_CONFIGS["flux"])
+            m = FluxTransformer2DModel(**FluxAdapter.full_config)
     finally:
         torch.set_default_dtype(torch.float32)
     from peft import LoraConfig
@@ -315,7 +316,7 @@ def main() -> int:
     rates_ref, rates_gpu = ptime.reference_rates(), None
     if not args.no_measure:
         try:
-            from trainer.offload._planner_measure import measure
+            from trainer.planner.measure import measure
 
             rates_gpu = measure(facts)
             log(

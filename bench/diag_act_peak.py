@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offload import inputs  # noqa: E402
 from bench_plan import attach, blocks_of, build, detach, lora_cfg  # noqa: E402
 
-from trainer.offload import planner  # noqa: E402
+from trainer import planner  # noqa: E402
 
 GB = 1e9
 

@@ -43,12 +43,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from trainer import planner  # noqa: E402
 from trainer.config import Config  # noqa: E402
-from trainer.offload import _planner_trace as ptrace  # noqa: E402
-from trainer.offload import planner  # noqa: E402
+from trainer.models.flux import FluxAdapter  # noqa: E402
+from trainer.planner import trace as ptrace  # noqa: E402
 
 GB = 1e9
-CONFIG = dict(ptrace.FULL_CONFIGS["flux"], num_layers=2, num_single_layers=4)  # as tests/test_planner_gpu.py
+CONFIG = dict(FluxAdapter.full_config, num_layers=2, num_single_layers=4)  # as tests/test_planner_gpu.py
 RES = 512
 
 
@@ -267,7 +268,7 @@ def emulate(config: dict, steps: int = 2) -> int:
 
 
 def run_emulation() -> None:
-    for name, config in (("cut 2+4", CONFIG), ("full 19+38", dict(ptrace.FULL_CONFIGS["flux"]))):
+    for name, config in (("cut 2+4", CONFIG), ("full 19+38", dict(FluxAdapter.full_config))):
         facts = facts_for(config)
         p = planner.predict(facts, 0.0, RES)
         lora = facts.trainable_params * 4

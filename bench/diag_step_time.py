@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offload import inputs  # noqa: E402
 from bench_plan import attach, blocks_of, build, detach, lora_cfg, training_step  # noqa: E402
 
-from trainer.offload import planner  # noqa: E402
-from trainer.offload._planner_measure import _materialize  # noqa: E402
+from trainer import planner  # noqa: E402
+from trainer.planner.measure import materialize  # noqa: E402
 
 T0 = time.perf_counter()
 CYCLES_PER_S = None
@@ -126,7 +126,7 @@ def block_part(facts, out):
                 for p in block.parameters():
                     if p.requires_grad:
                         p.data = p.data.float()
-            a, kw = _materialize(args, "cuda"), _materialize(kwargs, "cuda")
+            a, kw = materialize(args, "cuda"), materialize(kwargs, "cuda")
 
             def outs(o):
                 return [

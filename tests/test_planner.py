@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from trainer import planner
 from trainer.config import Config
 from trainer.errors import UserError
-from trainer.offload import _planner_time as ptime
-from trainer.offload import _planner_trace as ptrace
-from trainer.offload import planner
+from trainer.planner import timing as ptime
+from trainer.planner import trace as ptrace
 
 FAMILIES = ("flux", "sd3", "qwen_image")
 
@@ -246,7 +246,7 @@ def test_resolve_fraction_and_check_line(flux_full_size):
 def test_gpu_measurement_block_runs_on_cpu(tiny_models, family):
     """Every block class `dittrain plan` times on a GPU is rebuilt from the trace and trains (CPU here); torch's
     FlopCounterMode counts the same matmul FLOPs for it as the trace does."""
-    from trainer.offload._planner_measure import block_classes, block_pass
+    from trainer.planner.measure import block_classes, block_pass
 
     facts = planner.analyze(_cfg(tiny_models / family, family))
     classes = block_classes(facts)
@@ -261,8 +261,8 @@ def test_gpu_measurement_block_runs_on_cpu(tiny_models, family):
 
 @pytest.mark.parametrize("name", ["adamw", "adafactor"])
 def test_optimizer_state_bytes_equal_the_real_optimizer(tiny_models, name):
-    from trainer.offload._planner_models import optimizer_state_bytes
     from trainer.optim.build import build_optimizer, torch_optimizer
+    from trainer.planner import optimizer_state_bytes
 
     cfg = _cfg(tiny_models / "flux", "flux", "full")
     cfg = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"name": name})})
@@ -302,8 +302,8 @@ def test_cli_plan_nothing_fits_is_one_line_exit_1(tiny_models, tmp_path):
 
 
 def test_sampling_prediction_uses_the_conductors_plan(flux_full_size):
-    from trainer.offload._planner_sample import predict_sampling
     from trainer.offload.plan import capacity_for, make_plan, plan_for
+    from trainer.planner import predict_sampling
 
     _, facts = flux_full_size
     resident = predict_sampling(facts, 0.0, 1024)

@@ -25,13 +25,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from trainer import planner
 from trainer.config import Config
-from trainer.offload import _planner_trace as ptrace
-from trainer.offload import planner
+from trainer.models.flux import FluxAdapter
+from trainer.planner import trace as ptrace
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-CONFIG = dict(ptrace.FULL_CONFIGS["flux"], num_layers=2, num_single_layers=4)
+CONFIG = dict(FluxAdapter.full_config, num_layers=2, num_single_layers=4)
 RES = 512
 
 
@@ -124,7 +125,7 @@ def test_predicted_peak_matches_the_gpu(setup, fraction):
 def test_measurement_times_every_block_class_host_and_gpu_apart(setup):
     """`dittrain plan`'s GPU measurement: each block class at the bucket, host launch time and GPU time apart,
     and a step prediction that is at least as long as either alone."""
-    from trainer.offload._planner_measure import measure
+    from trainer.planner.measure import measure
 
     _, facts = setup
     rates = measure(facts)

@@ -1,12 +1,12 @@
-"""The planner's step-time replay (trainer/offload/_planner_pipeline.py) against cases worked by hand, and the
+"""The planner's step-time replay (trainer/planner/replay.py) against cases worked by hand, and the
 operation counts it takes host time from."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainer.offload._planner_pipeline import REF_HOST_S_PER_OP, BlockCost, reference_costs, simulate
 from trainer.offload.plan import capacity_for, make_plan
+from trainer.planner.replay import REF_HOST_S_PER_OP, BlockCost, reference_costs, simulate
 
 
 def _costs(n, host=(0.0, 0.0), gpu=(1.0, 2.0)):
@@ -63,8 +63,8 @@ def test_host_costs_follow_the_traced_operations():
 
 def test_trace_counts_each_blocks_operations(tiny_models):
     """Identical blocks dispatch identical numbers of operations, LoRA adds operations to every adapted block."""
+    from trainer import planner
     from trainer.config import Config
-    from trainer.offload import planner
 
     def cfg(method):
         return Config.model_validate(

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trainer.config import Config
+from trainer.dtypes import DTYPES
 from trainer.models import get_adapter
 from trainer.sample import SampleRequest, run_sample
 from trainer.sampling import SampleSettings, encode_prompts, generate, release_text_encoders
@@ -40,7 +41,7 @@ def _cfg(tiny_models: Path, family: str, out: Path, dtype: str) -> Config:
 def _image(cfg: Config, fraction: float, text_fraction: float = 0.0) -> np.ndarray:
     """Float image in [0, 1] made on the GPU with the transformer streamed at `fraction`."""
     adapter = get_adapter(cfg.model)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.model.dtype]
+    dtype = DTYPES[cfg.model.dtype]
     dev = torch.device("cuda")
     comps = adapter.load(
         cfg.model, parts={"transformer", "vae", "text", "scheduler"}, dtype=dtype, device="cpu"

@@ -135,7 +135,7 @@ def plan(
 ) -> None:
     """Predict VRAM, RAM and step time per offload fraction without training, and pick the fraction that fits."""
     cfg = _load(config, overrides)
-    from .offload.planner import run_plan
+    from .planner import run_plan
 
     run_plan(cfg, vram_gb=vram, ram_gb=ram)
 

@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import Config
+from .dtypes import DTYPES
 from .errors import UserError
 from .sampling.engine import encode_prompts, generate, release_text_encoders
 from .sampling.lora import load_loras
@@ -48,7 +49,6 @@ from .sampling.request import (
 
 __all__ = ["SampleRequest", "SamplePlan", "resolve", "run_sample"]
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHEET_NAME = "contact_sheet.png"
 
 
@@ -165,7 +165,7 @@ def _build_pipeline(cfg: Config, adapter, plan: SamplePlan):
     comps = adapter.load(
         cfg.model,
         parts={"transformer", "vae", "text", "scheduler"},
-        dtype=_DTYPES[cfg.model.dtype],
+        dtype=DTYPES[cfg.model.dtype],
         device="cpu",
     )
     pipe = adapter.pipeline(comps)

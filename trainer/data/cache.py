@@ -45,6 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from ..dtypes import DTYPES
 from ..errors import UserError
 from .images import BadImage, load_pixels
 
@@ -303,9 +304,6 @@ def _encode_texts(adapter, comps, store, captions: list[str], batch_size: int, p
 
 # ---------------------------------------------------------------------------------------------- command
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
 def encoder_loader(cfg, adapter, device: torch.device | str | None = None) -> Callable[[], object]:
     """The default `load_encoders`: VAE + text encoders of `cfg.model` on `device` (default: train.device)."""
 
@@ -313,7 +311,7 @@ def encoder_loader(cfg, adapter, device: torch.device | str | None = None) -> Ca
         dev = device if device is not None else cfg.train.device
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
-        return adapter.load(cfg.model, parts={"vae", "text"}, dtype=_DTYPES[cfg.model.dtype], device=dev)
+        return adapter.load(cfg.model, parts={"vae", "text"}, dtype=DTYPES[cfg.model.dtype], device=dev)
 
     return load
 

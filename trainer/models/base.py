@@ -61,6 +61,22 @@ class ModelAdapter(ABC):
     #: sub-folders of the diffusers model folder holding the text encoders, in pipeline order
     text_encoder_dirs: ClassVar[tuple[str, ...]]
 
+    # Facts the memory planner (trainer/planner/) and the presets use when no model folder is at hand; a real
+    # run reads the folder's own configs and safetensors headers instead.
+    #: the full-size transformer's config (`transformer_cls.from_config` keys)
+    full_config: ClassVar[dict[str, Any]]
+    #: the full-size model's name and a placeholder folder for it (the presets' headers and `model.path`)
+    full_name: ClassVar[str]
+    example_path: ClassVar[str]
+    #: text tokens per caption the transformer sees in training (the adapter's padding)
+    text_tokens: ClassVar[int]
+    #: (name, parameter count) of each full-size text encoder, in pipeline order
+    text_encoder_params: ClassVar[tuple[tuple[str, int], ...]]
+
+    #: sampling: does the pipeline run a second, negative-prompt pass when guidance > 1 (so the negative prompt
+    #: must be encoded too)?
+    sampling_uses_negative: ClassVar[bool]
+
     @property
     @abstractmethod
     def resolution_divisor(self) -> int:
@@ -115,3 +131,32 @@ class ModelAdapter(ABC):
     @abstractmethod
     def pipeline(self, components: Components) -> Any:
         """The family's diffusers pipeline built from loaded components (used by `sample`)."""
+
+    @classmethod
+    @abstractmethod
+    def dummy_inputs(
+        cls,
+        transformer: nn.Module,
+        batch: int,
+        height: int,
+        width: int,
+        text_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "meta",
+    ) -> dict[str, Any]:
+        """Transformer call arguments for one bucket (pixels height x width) with random values, shaped as
+        `predict` builds them (the planner traces activations with them on the meta device). The image tokens do
+        not require grad (latents); the hidden states start requiring grad at the first trained layer."""
+
+    @classmethod
+    @abstractmethod
+    def pipeline_embeds(
+        cls, pipe: Any, prompt: str, negative: str | None, device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        """Pipeline call kwargs holding one prompt's embeddings (and the negative prompt's when `negative` is not
+        None), from the pipeline's own `encode_prompt` called as `pipe(prompt=...)` would call it."""
+
+    @classmethod
+    def pipeline_guidance(cls, pipe: Any, guidance: float) -> dict[str, Any]:
+        """Pipeline call kwargs carrying the guidance value."""
+        return {"guidance_scale": guidance}

@@ -11,6 +11,8 @@ How each piece mirrors diffusers' FluxPipeline (0.42):
   embedding (`config.guidance_embeds`: dev yes, schnell no).
 - shift: the scheduler config decides: dev uses dynamic shifting with mu linear in the image token count
   (`calculate_shift`), schnell a fixed shift of 1.
+- sampling (`FluxPipeline`): `prompt_embeds` + `pooled_prompt_embeds`; `guidance_scale` is the distilled guidance
+  value fed to the transformer (dev), ignored by schnell. No negative prompt, one forward per step.
 
 Left out: IP-adapter and ControlNet inputs; the final `proj_out` and the single blocks' `proj_out` are not in the
 default LoRA targets, because peft's suffix matching cannot tell them apart (add "proj_out" to lora.targets to
@@ -43,6 +45,22 @@ class FluxAdapter(DiffusersAdapter):
     default_scheduler = {"shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
                          "base_image_seq_len": 256, "max_image_seq_len": 4096}
     max_sequence_length = 512  # FluxPipeline's default
+    full_name, example_path = "Flux.1-dev", "/path/to/FLUX.1-dev"
+    full_config = {  # FLUX.1-dev: FluxTransformer2DModel defaults + guidance embedding (11.9 B parameters)
+        "patch_size": 1,
+        "in_channels": 64,
+        "num_layers": 19,
+        "num_single_layers": 38,
+        "attention_head_dim": 128,
+        "num_attention_heads": 24,
+        "joint_attention_dim": 4096,
+        "pooled_projection_dim": 768,
+        "guidance_embeds": True,
+        "axes_dims_rope": [16, 56, 56],
+    }
+    text_tokens = 512  # T5 padded to max_sequence_length
+    text_encoder_params = (("CLIP-L", 123_060_480), ("T5-XXL encoder", 4_762_310_656))
+    sampling_uses_negative = False
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
@@ -89,3 +107,25 @@ class FluxAdapter(DiffusersAdapter):
             return_dict=False,
         )[0]
         return unpack_2x2(out, h, w)
+
+    @classmethod
+    def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta") -> dict:
+        c, dev = transformer.config, torch.device(device)
+        rnd = {"device": dev, "dtype": dtype}
+        ni = (height // 16) * (width // 16)  # 8x VAE, then 2x2 packing
+        kw = dict(
+            hidden_states=torch.randn(batch, ni, c.in_channels, **rnd),
+            encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
+            pooled_projections=torch.randn(batch, c.pooled_projection_dim, **rnd),
+            timestep=torch.ones(batch, **rnd),
+            img_ids=torch.zeros(ni, 3, device=dev),
+            txt_ids=torch.zeros(text_tokens, 3, device=dev),
+        )
+        if c.guidance_embeds:
+            kw["guidance"] = torch.ones(batch, **rnd)
+        return kw
+
+    @classmethod
+    def pipeline_embeds(cls, pipe, prompt, negative, device) -> dict[str, torch.Tensor]:
+        pe, pooled, _ = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=device, num_images_per_prompt=1)
+        return {"prompt_embeds": pe, "pooled_prompt_embeds": pooled}

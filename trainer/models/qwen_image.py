@@ -15,6 +15,8 @@ How it mirrors diffusers' QwenImagePipeline (0.42):
   positions, timestep = t (the transformer scales by 1000 inside its timestep embedding).
 - shift: dynamic (mu from the image token count, Qwen's `max_image_seq_len` 8192 and `max_shift` 0.9), read from
   the scheduler config.
+- sampling (`QwenImagePipeline`): `prompt_embeds` + `prompt_embeds_mask`; true classifier-free guidance with
+  `true_cfg_scale` when > 1 and a negative prompt (`guidance_scale` only for guidance-distilled variants).
 
 Left out: the edit / layered variants (extra image conditioning), true CFG inside training.
 """
@@ -52,6 +54,21 @@ class QwenImageAdapter(DiffusersAdapter):
                          "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02,
                          "time_shift_type": "exponential"}
     max_sequence_length = 1024  # QwenImagePipeline.tokenizer_max_length
+    full_name, example_path = "Qwen-Image", "/path/to/Qwen-Image"
+    full_config = {  # Qwen-Image: QwenImageTransformer2DModel defaults (20.4 B)
+        "patch_size": 2,
+        "in_channels": 64,
+        "out_channels": 16,
+        "num_layers": 60,
+        "attention_head_dim": 128,
+        "num_attention_heads": 24,
+        "joint_attention_dim": 3584,
+        "guidance_embeds": False,
+        "axes_dims_rope": [16, 56, 56],
+    }
+    text_tokens = 256  # padded to the longest caption in the batch: assumed 256 for planning
+    text_encoder_params = (("Qwen2.5-VL-7B", 8_292_166_656),)
+    sampling_uses_negative = True
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.transformer_blocks)
@@ -116,3 +133,30 @@ class QwenImageAdapter(DiffusersAdapter):
             return_dict=False,
         )[0]
         return unpack_2x2(out, h, w)
+
+    @classmethod
+    def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta") -> dict:
+        c, dev = transformer.config, torch.device(device)
+        rnd = {"device": dev, "dtype": dtype}
+        ph, pw = height // 16, width // 16  # 8x VAE, then 2x2 packing
+        return dict(
+            hidden_states=torch.randn(batch, ph * pw, c.in_channels, **rnd),
+            encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
+            encoder_hidden_states_mask=torch.ones(batch, text_tokens, dtype=torch.long, device=dev),
+            timestep=torch.ones(batch, **rnd),
+            img_shapes=[[(1, ph, pw)]] * batch,
+        )
+
+    @classmethod
+    def pipeline_embeds(cls, pipe, prompt, negative, device) -> dict[str, torch.Tensor]:
+        pe, mask = pipe.encode_prompt(prompt=prompt, device=device, num_images_per_prompt=1)
+        out = {"prompt_embeds": pe, "prompt_embeds_mask": mask}
+        if negative is not None:
+            npe, nmask = pipe.encode_prompt(prompt=negative, device=device, num_images_per_prompt=1)
+            out |= {"negative_prompt_embeds": npe, "negative_prompt_embeds_mask": nmask}
+        return out
+
+    @classmethod
+    def pipeline_guidance(cls, pipe, guidance: float) -> dict:
+        distilled = bool(getattr(pipe.transformer.config, "guidance_embeds", False))
+        return {"true_cfg_scale": guidance, "guidance_scale": guidance if distilled else None}

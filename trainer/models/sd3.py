@@ -11,6 +11,8 @@ How it mirrors diffusers' StableDiffusion3Pipeline (0.42):
   pipeline passes the scheduler's timesteps, sigma * 1000, unchanged).
 - shift: fixed `shift` from the scheduler config (3.0 for SD3 and SD3.5); dynamic shifting is honoured if a
   scheduler config asks for it, with the image token count as the pipeline computes it.
+- sampling (`StableDiffusion3Pipeline`): classifier-free guidance with `guidance_scale` when > 1, so the negative
+  prompt's `negative_prompt_embeds` + `negative_pooled_prompt_embeds` are encoded too (two forwards per step).
 - variants: SD3.5's `qk_norm` and `dual_attention_layers` live in the transformer config; nothing here depends on
   them, and the default LoRA targets also match the second attention (`attn2.to_q`, ...) of dual blocks.
 
@@ -42,6 +44,28 @@ class SD3Adapter(DiffusersAdapter):
     default_scheduler = {"shift": 3.0}
     packs_2x2 = False
     max_sequence_length = 256  # StableDiffusion3Pipeline's default
+    full_name, example_path = "SD3.5-large", "/path/to/stable-diffusion-3.5-large"
+    full_config = {  # SD3.5-large (8.1 B)
+        "sample_size": 128,
+        "patch_size": 2,
+        "in_channels": 16,
+        "num_layers": 38,
+        "attention_head_dim": 64,
+        "num_attention_heads": 38,
+        "joint_attention_dim": 4096,
+        "caption_projection_dim": 2432,
+        "pooled_projection_dim": 2048,
+        "out_channels": 16,
+        "pos_embed_max_size": 192,
+        "qk_norm": "rms_norm",
+    }
+    text_tokens = 77 + 256  # CLIP's 77 in front of T5's max_sequence_length
+    text_encoder_params = (
+        ("CLIP-L", 123_650_304),
+        ("CLIP-G", 694_659_840),
+        ("T5-XXL encoder", 4_762_310_656),
+    )
+    sampling_uses_negative = True
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.transformer_blocks)
@@ -78,3 +102,30 @@ class SD3Adapter(DiffusersAdapter):
             pooled_projections=text["pooled_prompt_embeds"],
             return_dict=False,
         )[0]
+
+    @classmethod
+    def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta") -> dict:
+        c = transformer.config
+        rnd = {"device": torch.device(device), "dtype": dtype}
+        return dict(
+            hidden_states=torch.randn(batch, c.in_channels, height // 8, width // 8, **rnd),
+            encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
+            pooled_projections=torch.randn(batch, c.pooled_projection_dim, **rnd),
+            timestep=torch.ones(batch, **rnd),
+        )
+
+    @classmethod
+    def pipeline_embeds(cls, pipe, prompt, negative, device) -> dict[str, torch.Tensor]:
+        pe, npe, pooled, npooled = pipe.encode_prompt(
+            prompt=prompt,
+            prompt_2=None,
+            prompt_3=None,
+            device=device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=negative is not None,
+            negative_prompt=negative,
+        )
+        out = {"prompt_embeds": pe, "pooled_prompt_embeds": pooled}
+        if negative is not None:
+            out |= {"negative_prompt_embeds": npe, "negative_pooled_prompt_embeds": npooled}
+        return out

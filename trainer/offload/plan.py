@@ -27,7 +27,7 @@ bench/RESULTS.md run 5).
 
 Left out: choosing which blocks stay resident by measured cost (training always keeps the next blocks in
 execution order; sampling assumes every block computes for about as long), and any timing model
-(`planner.py` predicts times).
+(trainer/planner/ predicts times).
 """
 
 from __future__ import annotations

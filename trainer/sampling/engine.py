@@ -4,7 +4,8 @@ How. A sampling run has two phases that never need the GPU at the same time. Fir
 negative prompt, where the family runs classifier-free guidance) is encoded through the pipeline's own
 `encode_prompt`; then the text encoders are dropped from the pipeline and their memory released. Only then is
 the transformer placed (resident, or streamed by the offload conductor) and each image denoised by calling the
-pipeline with the stored embeddings (`families.py` names the arguments per family). One pipeline call per image,
+pipeline with the stored embeddings (each family's adapter names the arguments: `pipeline_embeds`,
+`pipeline_guidance`, `sampling_uses_negative` in trainer/models/). One pipeline call per image,
 each with its own CPU `torch.Generator` seeded with the image's seed, so an image depends only on its prompt,
 seed and settings: not on the batch it came in, the device the noise was drawn for, or how many images came
 before it.
@@ -31,8 +32,11 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
-from .families import Embeds, family_sampling
+from ..models import adapter_class
 from .request import SampleSettings
+
+#: pipeline call kwargs holding one prompt's embeddings
+Embeds = dict[str, torch.Tensor]
 
 
 def text_encoder_names(pipe) -> list[str]:
@@ -51,14 +55,14 @@ def encode_prompts(
 ) -> list[Embeds]:
     """Pipeline call kwargs holding each prompt's embeddings (and the negative prompt's when guidance > 1 runs a
     second pass). Needs the text encoders in `pipe`; identical prompts are encoded once."""
-    fam = family_sampling(family)
+    fam = adapter_class(family)
     device = torch.device(device) if device is not None else pipe._execution_device
-    negative = negative_prompt if fam.uses_negative and guidance > 1 else None
+    negative = negative_prompt if fam.sampling_uses_negative and guidance > 1 else None
     cache: dict[str, Embeds] = {}
     with torch.no_grad():
         for p in prompts:
             if p not in cache:
-                cache[p] = fam.encode(pipe, p, negative, device)
+                cache[p] = fam.pipeline_embeds(pipe, p, negative, device)
     return [cache[p] for p in prompts]
 
 
@@ -124,7 +128,6 @@ def generate(
     if len(prompts) != len(seeds):
         raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds")
     pipe = _as_pipeline(pipe_or_components, adapter)
-    fam = family_sampling(adapter.family)
     old = pipe.transformer
     model = transformer if transformer is not None else old
     was_training = model.training
@@ -156,7 +159,7 @@ def generate(
             generator = torch.Generator("cpu").manual_seed(int(seed))
             out = pipe(
                 **_to(embeds, device),
-                **fam.guidance_kwargs(pipe, settings.guidance),
+                **adapter.pipeline_guidance(pipe, settings.guidance),
                 negative_prompt=None,
                 height=settings.height,
                 width=settings.width,

@@ -1,7 +1,7 @@
 """Streaming the transformer during training: the offload fraction, the conductor, and the planner's check.
 
 The fraction is resolved once, in setup, into one float: the config's number, or for `offload.transformer: auto`
-the planner's choice for this GPU (trainer/offload/planner.py `resolve_fraction`); 0 where nothing streams (on
+the planner's choice for this GPU (trainer/planner `resolve_fraction`); 0 where nothing streams (on
 the CPU the model stays resident). The same float is what the loop hands to the planner's check after the first
 steps and to the out-of-memory message, which can then suggest a higher one.
 
@@ -18,7 +18,7 @@ import torch
 
 from ..config import Config
 from ..offload import attach_offload, move_outside_blocks
-from ..offload.planner import check_line, expected, resolve_fraction
+from ..planner import check_line, expected, resolve_fraction
 from .monitor import say
 
 

@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..config import Config
+from ..dtypes import DTYPES
 from ..errors import NonFiniteLossError, NonFiniteWeightsError, UserError
 from ..models import get_adapter
 from ..sampling.output import image_metadata, save_png
@@ -45,8 +46,6 @@ from .method import method_for
 from .monitor import Monitor, say
 from .objective import FlowMatching
 from .optimizer import optimizer_for
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def pick_device(choice: str) -> torch.device:

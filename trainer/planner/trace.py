@@ -26,7 +26,7 @@ runs of the tiny models).
 
 Host work: while tracing, a dispatch mode counts the tensor operations each block's forward dispatches
 (`Trace.block_ops`, the attention stand-in's included); without a GPU measurement the planner turns them into the
-host's launch time (trainer/offload/_planner_pipeline.py).
+host's launch time (trainer/planner/replay.py).
 
 Left out: the transient tensors of backward (gradients of intermediates, kernel workspaces) are not traced;
 the planner adds a stated estimate for them. LoRA is injected into the meta model with peft exactly as the
@@ -42,10 +42,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._planner_models import (  # noqa: F401 - re-exported: the planner's one entry point for model facts
-    FULL_CONFIGS,
-    TEXT_ENCODERS,
-    TEXT_TOKENS,
+from ..models import adapter_class
+from .meta import (  # noqa: F401 - re-exported: the planner's one entry point for model facts
     add_meta_lora,
     blocks_of,
     default_lora_targets,
@@ -293,44 +291,9 @@ def forward_inputs(
     dtype: torch.dtype,
     device: str | torch.device = "meta",
 ) -> dict:
-    """Transformer call arguments for one bucket (pixels height x width), shaped as the adapters build them.
-
-    The image tokens need requires_grad=False (latents); the hidden states start requiring grad at the first
-    LoRA/embedder layer, as in training."""
-    c = transformer.config
-    dev = torch.device(device)
-    rnd = {"device": dev, "dtype": dtype}
-    lh, lw = height // 8, width // 8  # every family's VAE downscales by 8
-    if family == "flux":
-        ni = (lh // 2) * (lw // 2)
-        kw = dict(
-            hidden_states=torch.randn(batch, ni, c.in_channels, **rnd),
-            encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
-            pooled_projections=torch.randn(batch, c.pooled_projection_dim, **rnd),
-            timestep=torch.ones(batch, **rnd),
-            img_ids=torch.zeros(ni, 3, device=dev),
-            txt_ids=torch.zeros(text_tokens, 3, device=dev),
-        )
-        if c.guidance_embeds:
-            kw["guidance"] = torch.ones(batch, **rnd)
-        return kw
-    if family == "sd3":
-        return dict(
-            hidden_states=torch.randn(batch, c.in_channels, lh, lw, **rnd),
-            encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
-            pooled_projections=torch.randn(batch, c.pooled_projection_dim, **rnd),
-            timestep=torch.ones(batch, **rnd),
-        )
-    if family == "qwen_image":
-        ph, pw = lh // 2, lw // 2
-        return dict(
-            hidden_states=torch.randn(batch, ph * pw, c.in_channels, **rnd),
-            encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
-            encoder_hidden_states_mask=torch.ones(batch, text_tokens, dtype=torch.long, device=dev),
-            timestep=torch.ones(batch, **rnd),
-            img_shapes=[[(1, ph, pw)]] * batch,
-        )
-    raise ValueError(f"unknown family {family!r}")
+    """Transformer call arguments for one bucket (pixels height x width), from the family's adapter
+    (`ModelAdapter.dummy_inputs`)."""
+    return adapter_class(family).dummy_inputs(transformer, batch, height, width, text_tokens, dtype, device)
 
 
 def image_tokens(height: int, width: int) -> int:

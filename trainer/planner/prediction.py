@@ -2,10 +2,10 @@
 
 How. Everything is derived from the model's own code and the conductor's own arithmetic, not from tables:
 
-- weights: the transformer is built on the meta device from its config (trainer/offload/_planner_trace.py) and
+- weights: the transformer is built on the meta device from its config (trainer/planner/trace.py) and
   every block is packed with `allocators.BlockPacking` exactly as the conductor packs it (LoRA weights stay out
   of the pack and resident; a full fine-tune packs the weights, and the optimizer state of streamed blocks
-  lives in pinned RAM and visits the GPU while its parameter steps, as trainer/train/glue.py wires it). The
+  lives in pinned RAM and visits the GPU while its parameter steps, as trainer/train/method.py wires it). The
   ring size is
   `plan.capacity_for`, the streamed blocks and the host-to-device bytes per step come from `plan.make_plan`,
   and the pinned arena is the sum of the streamed blocks' packed bytes (`HostArena` is exact);
@@ -27,12 +27,13 @@ How. Everything is derived from the model's own code and the conductor's own ari
   rounding and fragmentation for the varying activation tensors) + `WORKSPACE` (cuBLAS and attention
   workspaces). The CUDA context (0.5-1 GB, never in `max_memory_reserved`) is on top of that;
 - step time: the host's launches, the GPU's kernels and the conductor's copies replayed block by block over
-  the training plan (trainer/offload/_planner_pipeline.py; costs in trainer/offload/_planner_time.py).
+  the training plan (trainer/planner/replay.py; costs in trainer/planner/timing.py).
 
 `choose_fraction` walks fractions on a 0.05 grid (the ring rounds to whole blocks, plan.capacity_for) and returns
 the smallest one whose predicted reserved peak fits the budget at every bucket (the largest bucket decides).
-For the trainer: `resolve_fraction(cfg)` (the config's number, or auto's choice, logged), `expected(cfg, f)` and
+For the trainer: `resolve_fraction(cfg)` (the config's number, or auto's choice, logged), `expected(cfg, f)`
 and `check_line(pred, measured_reserved, measured_step)` to log the prediction against the first real steps.
+`dittrain plan`'s text is trainer/planner/report.py.
 
 Left out: nano-batching's saving (it only lowers the MLP's share of the block working set), the text encoders
 and VAE during training when captions and latents are cached (they run in `dittrain cache`, reported apart),
@@ -47,18 +48,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..dtypes import DTYPES
 from ..errors import UserError
-from . import _planner_time as ptime
-from . import _planner_trace as ptrace
-from ._planner_models import (
+from ..models import adapter_class
+from ..offload.allocators import BlockPacking
+from ..offload.plan import Plan, PlanError, capacity_for, make_plan
+from . import timing as ptime
+from . import trace as ptrace
+from .meta import (
     optimizer_state_bytes,
     packed_state_layout,
     text_encoder_bytes,
     transformer_config,
 )
-from ._planner_pipeline import simulate
-from .allocators import BlockPacking
-from .plan import Plan, PlanError, capacity_for, make_plan
+from .replay import simulate
 
 GB = 1e9
 MIB2 = 2 << 20
@@ -69,7 +72,6 @@ ALLOCATOR_OVERHEAD = 1.35
 WORKSPACE = 0.25 * GB  # cuBLAS workspaces, attention scratch, small tensors
 GRID = [round(0.05 * i, 2) for i in range(21)]
 TABLE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
@@ -120,7 +122,7 @@ class Facts:
 def analyze(cfg) -> Facts:
     """Build the meta model for `cfg` and pack its blocks as the conductor would (no weights allocated)."""
     family, method = cfg.model.family, cfg.train.method
-    dtype = _DTYPES[cfg.model.dtype]
+    dtype = DTYPES[cfg.model.dtype]
     config, source = transformer_config(cfg)
     model = ptrace.meta_transformer(family, config, dtype)
     blocks = ptrace.blocks_of(family, model)
@@ -142,7 +144,7 @@ def analyze(cfg) -> Facts:
     else:
         model.requires_grad_(True)
         trainable = sum(p.numel() for p in model.parameters())
-        # As the trainer wires a streamed full fine-tune (trainer/train/glue.py): the conductor packs each
+        # As the trainer wires a streamed full fine-tune (trainer/train/method.py): the conductor packs each
         # weight's optimizer state beside it (trainer/offload/fused.py), so the state crosses PCIe with its block
         # and sits in the pinned arena between steps; 8-bit AdamW's state (layout unknown before a step) lives in
         # pinned RAM instead (trainer/optim StateOffload) and visits the GPU while its parameter steps. The
@@ -188,7 +190,7 @@ def analyze(cfg) -> Facts:
         largest_state=largest_state,
         state_packed=state_packed,
         largest_param=largest,
-        text_tokens=ptrace.TEXT_TOKENS[family],
+        text_tokens=adapter_class(family).text_tokens,
         text_encoders=text_encoder_bytes(cfg),
         resolutions=res,
     )
@@ -248,7 +250,7 @@ class Prediction:
     compute_s: float  #: the GPU's kernel time alone
     transfer_s: float  #: the copies alone (host-to-device and back, at the PCIe rates)
     host_s: float  #: the host's launch time alone
-    step_s: float  #: the three together, block by block (trainer/offload/_planner_pipeline.py)
+    step_s: float  #: the three together, block by block (trainer/planner/replay.py)
 
 
 def predict(
@@ -461,25 +463,3 @@ def check_line(pred: Prediction, reserved_bytes: float, step_s: float | None = N
     if step_s is not None:
         line += f"; step predicted {pred.step_s:.2f} s, measured {step_s:.2f} s ({pct(pred.step_s, step_s)})"
     return line
-
-
-def report(cfg, vram_gb=None, ram_gb=None, rates=None, facts=None):
-    """The lines `dittrain plan` prints and the chosen fraction (trainer/offload/_planner_report.py)."""
-    from ._planner_report import report as _report
-
-    return _report(cfg, vram_gb=vram_gb, ram_gb=ram_gb, rates=rates, facts=facts)
-
-
-def run_plan(cfg, vram_gb: float | None = None, ram_gb: float | None = None) -> None:
-    """`dittrain plan`: print the table; with a GPU present, measure its copy rates and one block first."""
-    facts = analyze(cfg)
-    rates = None
-    if torch.cuda.is_available():
-        try:
-            from ._planner_measure import measure
-
-            rates = measure(facts)
-        except Exception as e:  # noqa: BLE001 - a failed measurement must not stop the plan
-            print(f"(GPU measurement failed: {type(e).__name__}: {e}; using the reference figures)")
-    lines, _ = report(cfg, vram_gb=vram_gb, ram_gb=ram_gb, rates=rates, facts=facts)
-    print("\n".join(lines))

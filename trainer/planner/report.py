@@ -1,14 +1,14 @@
 """The text of `dittrain plan`: components, activations per bucket, a table per offload fraction and the
-assumptions. Numbers come from trainer/offload/planner.py; nothing is computed here that the planner does not
+assumptions. Numbers come from trainer/planner/prediction.py; nothing is computed here that the planner does not
 also use to choose a fraction."""
 
 from __future__ import annotations
 
 import torch
 
-from . import _planner_time as ptime
-from . import _planner_trace as ptrace
-from .planner import (
+from . import timing as ptime
+from . import trace as ptrace
+from .prediction import (
     ALLOCATOR_OVERHEAD,
     GB,
     TABLE_FRACTIONS,
@@ -20,6 +20,7 @@ from .planner import (
     predict,
     streaming,
 )
+from .sampling import predict_sampling
 
 
 def _gb(n: float) -> str:
@@ -261,9 +262,7 @@ def report(
 
 
 def _sampling(facts: Facts, fractions, res: int, rates) -> list[str]:
-    """`dittrain sample --offload F`: the denoising loop alone (trainer/offload/_planner_sample.py)."""
-    from ._planner_sample import predict_sampling
-
+    """`dittrain sample --offload F`: the denoising loop alone (trainer/planner/sampling.py)."""
     base = predict_sampling(facts, 0.0, res, rates)
     rows = [("fraction", "ring", "peak reserved", "compute", "transfer", "s / step", "vs resident")]
     for f in sorted(set(fractions) | {1.0}):
@@ -285,3 +284,18 @@ def _sampling(facts: Facts, fractions, res: int, rates) -> list[str]:
         "every step, part of the model stays resident; text encoders and VAE decode not included):",
         *_table(rows),
     ]
+
+
+def run_plan(cfg, vram_gb: float | None = None, ram_gb: float | None = None) -> None:
+    """`dittrain plan`: print the table; with a GPU present, measure its copy rates and one block first."""
+    facts = analyze(cfg)
+    rates = None
+    if torch.cuda.is_available():
+        try:
+            from .measure import measure
+
+            rates = measure(facts)
+        except Exception as e:  # noqa: BLE001 - a failed measurement must not stop the plan
+            print(f"(GPU measurement failed: {type(e).__name__}: {e}; using the reference figures)")
+    lines, _ = report(cfg, vram_gb=vram_gb, ram_gb=ram_gb, rates=rates, facts=facts)
+    print("\n".join(lines))

@@ -22,9 +22,9 @@ and its recompute + backward, and the GPU's time to run them. `simulate` replays
 
 Several steps are simulated and the steady-state step is taken (the plan is periodic).
 
-The costs come from a short measurement on the user's GPU (trainer/offload/_planner_measure.py: each block class
+The costs come from a short measurement on the user's GPU (trainer/planner/measure.py: each block class
 at each bucket, host and GPU time apart) or, without one, from stated assumptions: GPU time from FLOPs at the
-reference rate (trainer/offload/_planner_time.py), host time from the operations each block dispatches
+reference rate (trainer/planner/timing.py), host time from the operations each block dispatches
 (counted on the meta device, `Trace.block_ops`) at `REF_HOST_S_PER_OP`.
 
 Left out: the launch queue's depth (the host may run ahead of a stalled GPU by some thousand kernels, not
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .plan import BWD, Load, Plan, sequence_for
+from ..offload.plan import BWD, Load, Plan, sequence_for
 
 # Host time per tensor operation of a block's forward, for one whole training pass of it (checkpointed forward
 # + recompute + backward; about one third of it in the forward). Calibrated on the H200 machine's host (a

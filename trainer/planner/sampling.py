@@ -1,6 +1,6 @@
 """Sampling (`dittrain sample --offload F`): the denoising loop's VRAM and time per step for an offload fraction.
 
-Same sources as training (trainer/offload/planner.py): the ring and the bytes each step moves come from the
+Same sources as training (trainer/planner/prediction.py): the ring and the bytes each step moves come from the
 plan the conductor runs (`plan.plan_for(..., "sample")`: the seed's cycle, or a spread resident part plus a
 streaming window when that moves fewer bytes);
 activations of a no-grad forward are small: the block's inputs and outputs plus its largest intermediate twice
@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import _planner_time as ptime
-from .plan import capacity_for, plan_for
+from ..offload.plan import capacity_for, plan_for
+from . import timing as ptime
+from .prediction import ALLOCATOR_OVERHEAD, WORKSPACE, _round2m
 
 
 @dataclass
@@ -31,8 +32,6 @@ class SamplePrediction:
 
 
 def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None = None) -> SamplePrediction:
-    from .planner import ALLOCATOR_OVERHEAD, WORKSPACE, _round2m
-
     rates = rates or ptime.reference_rates()
     tr = facts.trace(res)
     packed = facts.packed if facts.method == "lora" else facts.block_param_bytes

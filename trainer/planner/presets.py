@@ -1,11 +1,11 @@
 """Writes the sized presets `configs/<family>/<lora|full>-<N>gb.yaml` from the planner's predictions.
 
-    python -m trainer.offload._planner_presets [--out configs] [--check]
+    python -m trainer.planner.presets [--out configs] [--check]
 
 For every family, method and card size the planner picks, in order of preference, the first setting that fits
 the card minus `HEADROOM_GB` (CUDA context and other processes): 1024 px without activation offloading, 1024 px
 with it, then 512 px without / with. Within a setting it takes the smallest offload fraction that fits
-(`planner.choose_fraction`). A combination where nothing fits gets no file; `configs/README.md` lists them with
+(`choose_fraction`). A combination where nothing fits gets no file; `configs/README.md` lists them with
 the reason. The header of each file carries the planner's predictions (VRAM, RAM, speed relative to the same
 training without offloading); they are predictions until bench/bench_plan.py measures them.
 """
@@ -19,7 +19,8 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import UserError
-from . import planner
+from ..models import ADAPTERS, adapter_class
+from .prediction import Facts, Prediction, analyze, choose_fraction, predict
 
 CARDS = (8, 12, 16, 24, 48, 80)
 HEADROOM_GB = 1.0
@@ -34,11 +35,6 @@ SETTINGS = (
 )
 # Host RAM a preset may assume: workstations with <= 24 GB cards, servers with 48 / 80 GB cards.
 RAM_GB = {8: 128, 12: 128, 16: 128, 24: 128, 48: 256, 80: 256}
-NAMES = {
-    "flux": ("Flux.1-dev", "/path/to/FLUX.1-dev"),
-    "sd3": ("SD3.5-large", "/path/to/stable-diffusion-3.5-large"),
-    "qwen_image": ("Qwen-Image", "/path/to/Qwen-Image"),
-}
 
 
 def _config(
@@ -53,7 +49,7 @@ def _config(
 ) -> dict:
     full = method == "full"
     return {
-        "model": {"family": family, "path": NAMES[family][1], "dtype": "bf16"},
+        "model": {"family": family, "path": adapter_class(family).example_path, "dtype": "bf16"},
         "train": {
             "method": method,
             "steps": 2000 if full else 1500,
@@ -112,7 +108,7 @@ def _yaml(d: dict, indent: int = 0) -> list[str]:
     return out
 
 
-def text_encoder_fraction(facts: planner.Facts, budget_gb: float) -> float:
+def text_encoder_fraction(facts: Facts, budget_gb: float) -> float:
     """Offload share for the text encoders in `dittrain cache` so the largest one fits beside ~1.5 GB of VAE,
     activations and workspace (0.05 grid)."""
     biggest = max(nb for _, nb in facts.text_encoders) / 1e9
@@ -129,15 +125,15 @@ def _first_fit(family, method, card, opt, cache):
         cfg = Config.model_validate(_config(family, method, res, act, 0.0, ckpt, opt))
         key = (family, method, opt)
         if key not in cache:
-            cache[key] = planner.analyze(cfg)
+            cache[key] = analyze(cfg)
         facts = cache[key]
         facts.resolutions, facts.checkpointing = [res], ckpt
         try:
-            f = planner.choose_fraction(cfg, budget, facts=facts, activation_offload=act, log=lambda s: None)
+            f = choose_fraction(cfg, budget, facts=facts, activation_offload=act, log=lambda s: None)
         except UserError as e:
             last = str(e).split(";")[0]
             continue
-        p = planner.predict(facts, f, res, act)
+        p = predict(facts, f, res, act)
         if p.ram_peak / 1e9 > RAM_GB[card]:
             last = (
                 f"needs {p.ram_peak / 1e9:.0f} GB of CPU RAM at fraction {f:.2f} ({res} px), more than the "
@@ -145,7 +141,7 @@ def _first_fit(family, method, card, opt, cache):
             )
             continue
         facts.checkpointing = True
-        base = planner.predict(facts, 0.0, res, False)  # the same training without offloading (checkpointed)
+        base = predict(facts, 0.0, res, False)  # the same training without offloading (checkpointed)
         facts.checkpointing = ckpt
         te = text_encoder_fraction(facts, budget)
         return _config(family, method, res, act, f, ckpt, opt, te), p, min(base.step_s, p.step_s)
@@ -154,7 +150,7 @@ def _first_fit(family, method, card, opt, cache):
 
 def plan_preset(
     family: str, method: str, card: int, cache: dict
-) -> tuple[dict, planner.Prediction, float] | str:
+) -> tuple[dict, Prediction, float] | str:
     """(config dict, prediction, step seconds without offloading) for the first setting that fits, or why none
     does. Full fine-tunes try AdamW (moments stream with the weights: 10 bytes a parameter) and Adafactor
     (factored state stays on the GPU: 2 bytes a parameter stream) and keep the higher resolution, then the
@@ -180,8 +176,8 @@ MEASURED: dict[tuple[str, str, int], str] = {
 }
 
 
-def header(family: str, method: str, card: int, d: dict, p: planner.Prediction, base_s: float) -> list[str]:
-    name = NAMES[family][0]
+def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: float) -> list[str]:
+    name = adapter_class(family).full_name
     res, act, f = d["data"]["resolutions"][0], d["offload"]["activations"], d["offload"]["transformer"]
     opt = {"adamw": "AdamW", "adafactor": "Adafactor"}[d["optimizer"]["name"]]
     what = (
@@ -206,7 +202,7 @@ def header(family: str, method: str, card: int, d: dict, p: planner.Prediction, 
         "# VRAM is what torch reserves; the CUDA context (0.5-1 GB) comes on top, and "
         f"{HEADROOM_GB:g} GB of the card is left for it.",
         "# `dittrain plan <this file>` prints the whole prediction and its assumptions. Written by",
-        "# `python -m trainer.offload._planner_presets`. Sampling during training is off (sample.every: 0): the",
+        "# `python -m trainer.planner.presets`. Sampling during training is off (sample.every: 0): the",
         "# pipeline's text encoders would not fit beside training; use `dittrain sample` afterwards.",
         "# Copy this file, set model.path, data.sources and output.dir, then: dittrain fit my.yaml",
     ]
@@ -215,7 +211,7 @@ def header(family: str, method: str, card: int, d: dict, p: planner.Prediction, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("configs"))
-    ap.add_argument("--families", nargs="*", default=list(NAMES))
+    ap.add_argument("--families", nargs="*", default=list(ADAPTERS))
     args = ap.parse_args(argv)
     cache: dict = {}
     absent = []

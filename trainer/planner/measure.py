@@ -3,8 +3,8 @@
 One block of every block class (Flux: double and single) is built on the GPU with random weights (a copy of the
 meta block, so LoRA layers are included), fed random inputs of each bucket's shapes (recorded by the trace),
 and run as training runs it: a checkpointed forward, then the recompute and the backward. The host's launch
-time and the GPU's time are taken apart (trainer/offload/_planner_time.py `split_time`) for the forward alone and
-the whole pass, and the step is put together from them block by block (trainer/offload/_planner_pipeline.py).
+time and the GPU's time are taken apart (trainer/planner/timing.py `split_time`) for the forward alone and
+the whole pass, and the step is put together from them block by block (trainer/planner/replay.py).
 The forward's FLOPs are counted by `torch.utils.flop_counter` and turned into training FLOPs with the whole
 model's formula, giving the GPU rate sampling predictions use. A few seconds and about two blocks of VRAM.
 """
@@ -16,10 +16,12 @@ from collections import Counter
 
 import torch
 
-from . import _planner_time as ptime
+from . import timing as ptime
 
 
-def _materialize(obj, device):
+def materialize(obj, device):
+    """`obj` (meta tensors, possibly nested in tuples, lists and dicts) as random tensors of the same shapes on
+    `device`, keeping requires_grad."""
     if isinstance(obj, torch.Tensor):
         t = (
             torch.randn(obj.shape, dtype=obj.dtype, device=device)
@@ -28,11 +30,11 @@ def _materialize(obj, device):
         )
         return t.requires_grad_(obj.requires_grad)
     if isinstance(obj, tuple):
-        return tuple(_materialize(o, device) for o in obj)
+        return tuple(materialize(o, device) for o in obj)
     if isinstance(obj, list):
-        return [_materialize(o, device) for o in obj]
+        return [materialize(o, device) for o in obj]
     if isinstance(obj, dict):
-        return {k: _materialize(v, device) for k, v in obj.items()}
+        return {k: materialize(v, device) for k, v in obj.items()}
     return obj
 
 
@@ -58,7 +60,7 @@ def block_pass(facts, device: str | torch.device = "cuda", res: int | None = Non
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.02)
-    a, kw = _materialize(args, dev), _materialize(kwargs, dev)
+    a, kw = materialize(args, dev), materialize(kwargs, dev)
 
     def outputs(o):
         return [

@@ -1,9 +1,9 @@
-"""The model facts the planner needs without a model folder: full-size configs of the three families, text
-token counts, text-encoder sizes, default LoRA targets, and building a transformer (with LoRA) on the meta device.
+"""A model's sizes without its weights: the transformer's config, the transformer (with LoRA) built on the meta
+device, the text encoders' bytes and the optimizer state's bytes.
 
-Real runs read the folder's `transformer/config.json` and the text encoders' safetensors headers instead
-(trainer/offload/planner.py); these tables serve presets and `dittrain plan` on a config whose model folder is
-not at hand.
+Configs and text-encoder sizes come from the model folder (`transformer/config.json`, the text encoders'
+safetensors headers) when it is at hand; otherwise from the family's adapter (`full_config`,
+`text_encoder_params` in trainer/models/), which is how presets and `dittrain plan` size full-size models.
 """
 
 from __future__ import annotations
@@ -15,74 +15,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..dtypes import DTYPES
 from ..errors import UserError
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-# Full-size transformer configs for presets and `plan` without a model folder (real runs read the folder).
-FULL_CONFIGS: dict[str, dict] = {
-    "flux": {  # FLUX.1-dev: FluxTransformer2DModel defaults + guidance embedding (11.9 B parameters)
-        "patch_size": 1,
-        "in_channels": 64,
-        "num_layers": 19,
-        "num_single_layers": 38,
-        "attention_head_dim": 128,
-        "num_attention_heads": 24,
-        "joint_attention_dim": 4096,
-        "pooled_projection_dim": 768,
-        "guidance_embeds": True,
-        "axes_dims_rope": [16, 56, 56],
-    },
-    "sd3": {  # SD3.5-large (8.1 B)
-        "sample_size": 128,
-        "patch_size": 2,
-        "in_channels": 16,
-        "num_layers": 38,
-        "attention_head_dim": 64,
-        "num_attention_heads": 38,
-        "joint_attention_dim": 4096,
-        "caption_projection_dim": 2432,
-        "pooled_projection_dim": 2048,
-        "out_channels": 16,
-        "pos_embed_max_size": 192,
-        "qk_norm": "rms_norm",
-    },
-    "qwen_image": {  # Qwen-Image: QwenImageTransformer2DModel defaults (20.4 B)
-        "patch_size": 2,
-        "in_channels": 64,
-        "out_channels": 16,
-        "num_layers": 60,
-        "attention_head_dim": 128,
-        "num_attention_heads": 24,
-        "joint_attention_dim": 3584,
-        "guidance_embeds": False,
-        "axes_dims_rope": [16, 56, 56],
-    },
-}
-
-# Text tokens per caption the transformer sees (the adapters' padding): Flux pads T5 to 512; SD3 joins CLIP's
-# 77 and T5's 256; Qwen-Image pads to the longest caption in the batch, assumed 256 here.
-TEXT_TOKENS = {"flux": 512, "sd3": 77 + 256, "qwen_image": 256}
-
-# Text encoders in bf16 (parameters, from the public configs): used when no model folder is at hand.
-TEXT_ENCODERS: dict[str, list[tuple[str, int]]] = {
-    "flux": [("CLIP-L", 123_060_480), ("T5-XXL encoder", 4_762_310_656)],
-    "sd3": [("CLIP-L", 123_650_304), ("CLIP-G", 694_659_840), ("T5-XXL encoder", 4_762_310_656)],
-    "qwen_image": [("Qwen2.5-VL-7B", 8_292_166_656)],
-}
+from ..models import adapter_class
 
 
 def transformer_class(family: str) -> type:
     """The family's diffusers transformer class, from its model adapter (the single place that names it)."""
-    from ..models import adapter_class
-
     return adapter_class(family).transformer_cls
 
 
 def default_lora_targets(family: str) -> tuple[str, ...]:
     """The family's default LoRA targets, from its model adapter."""
-    from ..models import adapter_class
-
     return tuple(adapter_class(family).default_lora_targets)
 
 
@@ -97,8 +41,6 @@ def meta_transformer(family: str, config: dict, dtype: torch.dtype) -> nn.Module
 
 def blocks_of(family: str, transformer: nn.Module) -> list[nn.Module]:
     """Blocks in execution order, from the family's adapter (the units offloading streams)."""
-    from ..models import adapter_class
-
     return adapter_class(family)().blocks(transformer)
 
 
@@ -144,7 +86,7 @@ def packed_state_layout(name: str):
     """p -> {state name: (shape, dtype)} of the optimizer state the trainer packs beside each streamed weight
     (trainer/optim FusedBackPass.state_layout, the same shapes as `optimizer_state_bytes`), or None when the
     trainer keeps that optimizer's state in RAM instead (8-bit AdamW: its layout is not known before a step)."""
-    from .fused import PACKED_STATE_OPTIMIZERS
+    from ..offload.fused import PACKED_STATE_OPTIMIZERS
 
     f32 = torch.float32
     if name not in PACKED_STATE_OPTIMIZERS:
@@ -169,14 +111,13 @@ def transformer_config(cfg) -> tuple[dict, str]:
             return json.loads(path.read_text()), str(path)
         except (OSError, json.JSONDecodeError) as e:
             raise UserError(f"{path}: cannot read the transformer config ({e})") from None
-    return dict(
-        FULL_CONFIGS[cfg.model.family]
-    ), f"built-in full-size {cfg.model.family} config ({path} not found)"
+    full = adapter_class(cfg.model.family).full_config
+    return dict(full), f"built-in full-size {cfg.model.family} config ({path} not found)"
 
 
 def text_encoder_bytes(cfg) -> list[tuple[str, int]]:
     """(name, bytes in the model dtype): from safetensors headers when the folder has them, else built in."""
-    nbytes = torch.tensor([], dtype=_DTYPES[cfg.model.dtype]).element_size()
+    nbytes = torch.tensor([], dtype=DTYPES[cfg.model.dtype]).element_size()
     root = Path(cfg.model.path)
     found = []
     for d in sorted(root.glob("text_encoder*")):
@@ -189,4 +130,4 @@ def text_encoder_bytes(cfg) -> list[tuple[str, int]]:
             found.append((d.name, numel * nbytes))
     if found:
         return found
-    return [(name, n * nbytes) for name, n in TEXT_ENCODERS[cfg.model.family]]
+    return [(name, n * nbytes) for name, n in adapter_class(cfg.model.family).text_encoder_params]

@@ -1,5 +1,5 @@
 """Costs behind the planner's step time: GPU seconds from FLOPs (reference figures or a short GPU measurement),
-host seconds per block, copy rates. trainer/offload/_planner_pipeline.py turns them into a step.
+host seconds per block, copy rates. trainer/planner/replay.py turns them into a step.
 
 Compute. Forward FLOPs of the blocks are counted exactly on the meta device (trace). A training step costs a
 multiple of them: with gradient checkpointing the forward runs twice (forward, recompute), and backward costs
@@ -9,7 +9,7 @@ the scores). The rate that turns FLOPs into seconds is calibrated once on this c
 Flux.1-dev LoRA rank 16 at 1024x1024, batch 1, gradient checkpointing, 0.92 s of kernels a step (torch 2.11,
 diffusers 0.42.1), a step the GPU's kernels fill. An H100 has the same compute (both GH100); other GPUs are
 scaled by nothing, so measure: with a GPU present, `dittrain plan` runs one block of every class at each
-bucket's shapes (trainer/offload/_planner_measure.py) and times the host's launches and the GPU's work apart
+bucket's shapes (trainer/planner/measure.py) and times the host's launches and the GPU's work apart
 (`split_time`), which is what decides small buckets: there the host, not the GPU, sets the pace.
 
 Transfer. Host-to-device bytes per step come from the offload plan (trainer/offload/plan.py, the same code the
@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ._planner_pipeline import REF_HOST_S_PER_OP, BlockCost, reference_costs
+from .replay import REF_HOST_S_PER_OP, BlockCost, reference_costs
 
 # Reference GPU time, measured with this project's code on the H200 machine (torch 2.11, diffusers 0.42.1, peft
 # 0.21; bench/RESULTS.md). DESIGN.md's figures for the same GPU (0.775 s and 0.198 s) come from another software
@@ -95,7 +95,7 @@ def block_costs(
     Measured classes (`rates.blocks[res]`) use the measurement, the GPU part scaled by the block's matmul FLOPs
     against the measured block's (blocks of one class differ only at the ends, e.g. SD3's last); otherwise GPU
     time is FLOPs over the rate and host time comes from the traced operation count
-    (trainer/offload/_planner_pipeline.py)."""
+    (trainer/planner/replay.py)."""
     attn = tr.attn_flops / max(1, len(blocks))
     fwd = [lin + attn for lin in tr.block_linear_flops]
     train = block_train_flops(tr, len(blocks), checkpointing, weights_train)
