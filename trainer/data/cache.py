@@ -16,7 +16,8 @@ different VAE or dtype misses every latent but keeps the text entries, and a mov
 Old entries are never deleted automatically (another config may share the folder); `cache_dir` can be removed
 at any time.
 
-The empty caption is always encoded too: caption dropout trains on its embedding.
+The empty caption is always encoded too: caption dropout trains on its embedding. An image with several captions,
+or with shuffled / dropped-out tags, has several final texts (captions.py): each is its own entry.
 
 **Random crops.** With `data.crop: random` each image gets one random crop, drawn from (train.seed, image
 content), fixed for the life of the cache; the crop box is part of the key. It varies between images, not between

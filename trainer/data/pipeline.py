@@ -30,6 +30,7 @@ from .cache import (
     model_identity,
     text_key,
 )
+from .captions import caption_texts, pick
 from .sources import Item, ScanReport, check_report, scan_sources
 
 
@@ -72,8 +73,14 @@ class DataPlan:
     def latent_jobs(self) -> list[LatentJob]:
         return [LatentJob(self.latent_key(e), self.items[e.item].file, e.bucket, e.box) for e in self.entries]
 
+    def item_texts(self, i: int) -> tuple[str, ...]:
+        """Every final caption text item i may train on (captions.py); each is one text-cache entry."""
+        it = self.items[i]
+        return caption_texts(it.all_captions, self.cfg.data.sources[it.source], self.cfg.data.caption_variants,
+                             self.cfg.train.seed, it.sha)
+
     def captions(self) -> list[str]:
-        return sorted({it.caption for it in self.items})
+        return sorted({t for i in range(len(self.items)) for t in self.item_texts(i)})
 
     def summary(self) -> str:
         d = self.cfg.data
@@ -173,6 +180,8 @@ class TrainData:
         srcs = cfg.data.sources
         self.entries = plan.entries
         self._lat_keys = [plan.latent_key(e) for e in self.entries]
+        self._texts = [plan.item_texts(i) for i in range(len(plan.items))]
+        self._seed = cfg.train.seed
         items = plan.items
         self.sampler = BucketSampler(
             [e.bucket for e in self.entries],
@@ -214,10 +223,10 @@ class TrainData:
         """The batch at any position, without moving the sampler."""
         slots: list[Slot] = self.sampler.batch_at(position)
         lats, texts, caps, files = [], [], [], []
-        for s in slots:
+        for n, s in enumerate(slots):
             e = self.entries[s.entry]
             it = self.plan.items[e.item]
-            cap = "" if s.dropped else it.caption
+            cap = "" if s.dropped else pick(self._texts[e.item], self._seed, position, n)
             lats.append(self._read(self.plan.latent_store, self._lat_keys[s.entry], it.file)["latent"])
             texts.append(self._read(self.plan.text_store, text_key(cap), it.file))
             caps.append(cap)
@@ -277,8 +286,8 @@ def drop_encoding_failures(plan: DataPlan, res: EncodeResult) -> None:
         return
     keep, reasons = [], {}
     for e in plan.entries:
-        it = plan.items[e.item]
-        why = res.bad_latents.get(plan.latent_key(e)) or res.bad_texts.get(it.caption)
+        why = res.bad_latents.get(plan.latent_key(e)) or next(
+            (res.bad_texts[t] for t in plan.item_texts(e.item) if t in res.bad_texts), None)
         if why:
             reasons.setdefault(e.item, why)
         else:

@@ -2,8 +2,10 @@
 
 A source is either a folder of images with same-named `.txt` captions beside them (searched recursively unless
 `recursive: false`), or a folder plus a `metadata.jsonl` whose lines are `{"file": "rel/path.png", "caption":
-"..."}` (file relative to the folder). Both give a list of `Item`s: one usable image with its final caption
-(prefix applied), its upright size and its content hash.
+"..."}` (file relative to the folder). Both give a list of `Item`s: one usable image with its captions (prefix
+applied; several with `several_captions: true`, one per non-empty line of the .txt, or a `"caption"` list in
+metadata.jsonl), its upright size and its content hash. What is made of the captions at training time (shuffle,
+tag dropout, trigger word) is `captions.py`'s.
 
 The scan runs before any model is loaded and decodes every image completely, so a corrupt, truncated,
 zero-byte or unreadable file, a missing caption or a bad metadata line is found in seconds, not hours into a
@@ -36,7 +38,8 @@ INDEX_NAME = "scan-index.json"
 
 @dataclass(frozen=True)
 class Item:
-    """One usable image: path, final caption, which source, upright size in pixels, sha256 of the bytes."""
+    """One usable image: path, first caption, which source, upright size in pixels, sha256 of the bytes, and all
+    its captions (prefix applied; `()` means just `caption`)."""
 
     file: str
     caption: str
@@ -44,6 +47,11 @@ class Item:
     width: int
     height: int
     sha: str
+    captions: tuple[str, ...] = ()
+
+    @property
+    def all_captions(self) -> tuple[str, ...]:
+        return self.captions or (self.caption,)
 
 
 @dataclass
@@ -79,10 +87,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _folder_candidates(i: int, root: Path, recursive: bool, report: ScanReport) -> list[tuple[Path, str | None]]:
+def _caption_lines(text: str, several: bool) -> list[str]:
+    if not several:
+        return [text.strip()]
+    return [line.strip() for line in text.splitlines() if line.strip()] or [""]
+
+
+def _folder_candidates(i: int, root: Path, recursive: bool, several: bool, report: ScanReport) -> list[tuple[Path, list[str]]]:
     walk = root.rglob("*") if recursive else root.glob("*")
     images = sorted(p for p in walk if p.suffix.lower() in IMAGE_SUFFIXES and not p.is_dir())
-    out: list[tuple[Path, str | None]] = []
+    out: list[tuple[Path, list[str]]] = []
     missing = 0
     for p in images:
         txt = p.with_suffix(".txt")
@@ -91,7 +105,7 @@ def _folder_candidates(i: int, root: Path, recursive: bool, report: ScanReport) 
             missing += 1
             continue
         try:
-            out.append((p, txt.read_text(encoding="utf-8").strip()))
+            out.append((p, _caption_lines(txt.read_text(encoding="utf-8"), several)))
         except UnicodeDecodeError:
             report.bad.append((str(p), f"caption {txt.name} is not UTF-8 text"))
         except OSError as e:
@@ -115,9 +129,9 @@ def _metadata_path(i: int, root: Path, metadata: Path) -> Path:
     raise UserError(f"data.sources[{i}].metadata: file '{metadata}' not found (looked in . and in {root})")
 
 
-def _metadata_candidates(i: int, root: Path, metadata: Path, report: ScanReport) -> list[tuple[Path, str | None]]:
+def _metadata_candidates(i: int, root: Path, metadata: Path, report: ScanReport) -> list[tuple[Path, list[str]]]:
     meta = _metadata_path(i, root, metadata)
-    out: list[tuple[Path, str | None]] = []
+    out: list[tuple[Path, list[str]]] = []
     lines = meta.read_text(encoding="utf-8", errors="replace").splitlines()
     n = 0
     for lineno, line in enumerate(lines, 1):
@@ -135,8 +149,12 @@ def _metadata_candidates(i: int, root: Path, metadata: Path, report: ScanReport)
             continue
         path = root / rec["file"]
         caption = rec.get("caption")
-        if not isinstance(caption, str):
-            report.bad.append((str(path), f'missing caption (no "caption" string at {where})'))
+        if isinstance(caption, list) and caption and all(isinstance(c, str) for c in caption):
+            captions = [c.strip() for c in caption]
+        elif isinstance(caption, str):
+            captions = [caption.strip()]
+        else:
+            report.bad.append((str(path), f'missing caption (no "caption" string or list of strings at {where})'))
             continue
         if path.suffix.lower() not in IMAGE_SUFFIXES:
             report.bad.append((str(path), f"not a JPEG/PNG/WebP file name ({where})"))
@@ -144,7 +162,7 @@ def _metadata_candidates(i: int, root: Path, metadata: Path, report: ScanReport)
         if not path.exists():
             report.bad.append((str(path), f"file not found ({where})"))
             continue
-        out.append((path, caption.strip()))
+        out.append((path, captions))
     report.found.append(n)
     return out
 
@@ -154,7 +172,7 @@ def scan_sources(sources, index_dir: Path | None = None, progress: bool = True) 
 
     `index_dir`: where to keep the scan index (None: decode everything, keep nothing)."""
     report = ScanReport()
-    per_source: list[list[tuple[Path, str | None]]] = []
+    per_source: list[list[tuple[Path, list[str]]]] = []
     for i, src in enumerate(sources):
         root = Path(src.path)
         if not root.exists():
@@ -164,27 +182,27 @@ def scan_sources(sources, index_dir: Path | None = None, progress: bool = True) 
         if src.metadata is not None:
             per_source.append(_metadata_candidates(i, root, Path(src.metadata), report))
         else:
-            per_source.append(_folder_candidates(i, root, src.recursive, report))
+            per_source.append(_folder_candidates(i, root, src.recursive, src.several_captions, report))
     if sum(report.found) == 0:
         where = ", ".join(str(s.path) for s in sources)
         raise UserError(f"no images ({' '.join(IMAGE_SUFFIXES)}) found in {where}")
 
     index_file = index_dir / INDEX_NAME if index_dir is not None else None
     index = _read_index(index_file)
-    flat = [(i, path, caption) for i, cands in enumerate(per_source) for path, caption in cands]
+    flat = [(i, path, caps) for i, cands in enumerate(per_source) for path, caps in cands]
     bar = tqdm(total=len(flat), desc="scanning images", unit="img", disable=not progress or len(flat) < 50, leave=False)
     new_index: dict[str, dict] = {}
     # Decoding and hashing release the GIL: threads make the first scan of a large folder several times faster.
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for (i, path, caption), got in zip(flat, pool.map(lambda c: _probe(c[1], index), flat), strict=True):
+        for (i, path, caps), got in zip(flat, pool.map(lambda c: _probe(c[1], index), flat), strict=True):
             bar.update(1)
             if isinstance(got, str):
                 report.bad.append((str(path), got))
                 continue
             key, rec = got
             new_index[key] = rec
-            caption = join_caption(sources[i].caption_prefix, caption or "")
-            report.items.append(Item(str(path), caption, i, rec["w"], rec["h"], rec["sha"]))
+            caps = tuple(join_caption(sources[i].caption_prefix, c) for c in caps)
+            report.items.append(Item(str(path), caps[0], i, rec["w"], rec["h"], rec["sha"], caps if len(caps) > 1 else ()))
     bar.close()
     if index_file is not None and any(index.get(k) != v for k, v in new_index.items()):
         _write_index(index_file, {**index, **new_index})
