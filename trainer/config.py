@@ -185,6 +185,16 @@ class DataConfig(_Section):
         "left out as too small (1.0: never upscale).",
     )
     encode_batch_size: int = Field(default=4, ge=1, description="Images or captions per encoder call when caching.")
+    masked_loss: bool = Field(
+        default=False,
+        description="Weight the loss by a mask per image: <source>/masks/<same name> or a \"mask\" key in "
+        "metadata.jsonl (white = train, black = unmasked_weight); resized and cropped with the image and cached with "
+        "its latent. Images without a mask train on every pixel; a mask not of its image's size or unreadable is "
+        "a bad file.",
+    )
+    unmasked_weight: float = Field(
+        default=0.0, ge=0, le=1, description="With masked_loss: the loss weight where the mask is black (0: ignore)."
+    )
     caption_variants: int = Field(
         default=8,
         ge=1,
