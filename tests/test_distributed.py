@@ -82,8 +82,8 @@ def _job(rank: int, job: dict) -> dict:
     if job.get("nan_at") and rank == 1:  # a non-finite loss on rank 1 only
         inner_loss = t.objective.loss
 
-        def loss(pred, noised):
-            out = inner_loss(pred, noised)
+        def loss(pred, noised, mask=None):
+            out = inner_loss(pred, noised, mask=mask)
             return out * float("nan") if t.step + 1 == job["nan_at"] else out
 
         t.objective.loss = loss

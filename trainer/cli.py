@@ -155,6 +155,29 @@ def cache(config: Path = CONFIG_ARG, overrides: list[str] = SET_OPT) -> None:
 
 @app.command()
 @_user_errors
+def merge(
+    config: Path = CONFIG_ARG,
+    overrides: list[str] = SET_OPT,
+    lora: list[str] = typer.Option(
+        [], "--lora", metavar="PATH[:WEIGHT]", help="LoRA .safetensors to merge, optionally weighted (repeatable).", show_default=False
+    ),
+    out: Path | None = typer.Option(None, "--out", help="Transformer folder to write (default: <output.dir>/merged).", show_default=False),
+    single: Path | None = typer.Option(None, "--single", help="Also write every weight to this one .safetensors file.", show_default=False),
+) -> None:
+    """Merge LoRAs into the config's transformer (model.path) and write a diffusers transformer folder.
+
+    Streams tensor by tensor, so it needs little more RAM than the largest weight."""
+    cfg = _load(config, overrides)
+    from .merge import merge_loras
+    from .sampling.request import parse_lora
+
+    path = merge_loras(cfg.model.path, [parse_lora(x) for x in lora], out or Path(cfg.output.dir) / "merged",
+                       single=single, transformer_file=cfg.model.transformer_file)
+    typer.echo(f"wrote {path}" + (f" and {single}" if single else ""))
+
+
+@app.command()
+@_user_errors
 def presets(
     configs_dir: Path = typer.Option(Path("configs"), "--dir", help="Folder of presets."),
 ) -> None:

@@ -132,6 +132,23 @@ class SourceConfig(_Section):
     caption_prefix: str = Field(default="", description="Text put before every caption (a trigger word).")
     caption_dropout: float = Field(default=0.0, ge=0, le=1, description="Probability of training on an empty caption.")
     recursive: bool = Field(default=True, description="Search sub-folders too.")
+    several_captions: bool = Field(
+        default=False,
+        description="Each non-empty line of a .txt caption is a separate caption; each time the image is drawn one "
+        "is picked (seeded). In metadata.jsonl a \"caption\" list always means several.",
+    )
+    trigger_word: str = Field(
+        default="", description="Put first in every caption (comma-separated), outside tag shuffling and dropout."
+    )
+    shuffle_tags: bool = Field(
+        default=False,
+        description="Shuffle the comma-separated tags after the first keep_tokens; data.caption_variants orders "
+        "per image are cached.",
+    )
+    keep_tokens: int = Field(default=0, ge=0, description="Tags at the front held in place by shuffling and tag dropout.")
+    tag_dropout: float = Field(
+        default=0.0, ge=0, lt=1, description="Probability of leaving out each tag after the first keep_tokens."
+    )
 
 
 class DataConfig(_Section):
@@ -168,6 +185,22 @@ class DataConfig(_Section):
         "left out as too small (1.0: never upscale).",
     )
     encode_batch_size: int = Field(default=4, ge=1, description="Images or captions per encoder call when caching.")
+    masked_loss: bool = Field(
+        default=False,
+        description="Weight the loss by a mask per image: <source>/masks/<same name> or a \"mask\" key in "
+        "metadata.jsonl (white = train, black = unmasked_weight); resized and cropped with the image and cached with "
+        "its latent. Images without a mask train on every pixel; a mask not of its image's size or unreadable is "
+        "a bad file.",
+    )
+    unmasked_weight: float = Field(
+        default=0.0, ge=0, le=1, description="With masked_loss: the loss weight where the mask is black (0: ignore)."
+    )
+    caption_variants: int = Field(
+        default=8,
+        ge=1,
+        description="With shuffle_tags or tag_dropout: how many variants of each image's caption are made (seeded) "
+        "and cached; each time the image is drawn one is picked. Costs one text embedding per variant in the cache.",
+    )
 
     @field_validator("resolutions")
     @classmethod

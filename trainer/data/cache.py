@@ -4,7 +4,7 @@ Training never needs the VAE or the text encoders once every image's latent and 
 stored: they are computed once here and read back each step. Entries are safetensors files (no pickle) under
 `data.cache_dir`:
 
-    <cache_dir>/latents/<vae id>/<k[:2]>/<k>.safetensors     k = hash(image content, bucket w x h, crop box)
+    <cache_dir>/latents/<vae id>/<k[:2]>/<k>.safetensors     k = hash(image content, bucket w x h, crop box[, mask])
     <cache_dir>/text/<text id>/<k[:2]>/<k>.safetensors       k = hash(final caption text)
 
 The model id is a hash of what determines the encoder's output: family, dtype, the adapter's
@@ -16,7 +16,8 @@ different VAE or dtype misses every latent but keeps the text entries, and a mov
 Old entries are never deleted automatically (another config may share the folder); `cache_dir` can be removed
 at any time.
 
-The empty caption is always encoded too: caption dropout trains on its embedding.
+The empty caption is always encoded too: caption dropout trains on its embedding. An image with several captions,
+or with shuffled / dropped-out tags, has several final texts (captions.py): each is its own entry.
 
 **Random crops.** With `data.crop: random` each image gets one random crop, drawn from (train.seed, image
 content), fixed for the life of the cache; the crop box is part of the key. It varies between images, not between
@@ -26,6 +27,11 @@ epochs (a new crop each epoch would need the VAE in every step, which is what ca
 that caption) is left out with the reason, typically an fp16 overflow in the encoder. An entry that reads back
 non-finite (written by something else, or damaged) is deleted and re-encoded at start-up; `prepare_data` checks
 every latent at start-up and `dittrain cache` also every text entry; the batch loader checks what it reads.
+
+**Masks.** With `data.masked_loss` an image's mask goes through the same resize and crop, is averaged down to the
+latent's height and width (area interpolation: a latent cell's weight is the share of its 8x8 pixels the mask
+covers) and is stored as `mask` (1, h, w) in the latent's entry; the mask's content hash is part of the key, so a
+changed mask re-encodes its image.
 
 With `data.cache: false` the same code encodes into a dict in memory at start-up and keeps nothing.
 """
@@ -47,7 +53,7 @@ from tqdm.auto import tqdm
 
 from ..dtypes import DTYPES
 from ..errors import UserError
-from .images import BadImage, load_pixels
+from .images import BadImage, load_mask, load_pixels
 
 CACHE_VERSION = "1"
 _SMALL_FILE = 1 << 20  # config / tokenizer files up to this size are hashed by content, weights by name + size
@@ -83,8 +89,9 @@ def model_identity(model_cfg, adapter, part: str) -> str:
     return h.hexdigest()[:16]
 
 
-def latent_key(sha: str, bucket: tuple[int, int], box: tuple[int, int]) -> str:
-    return hashlib.sha256(f"{sha}|{bucket[0]}x{bucket[1]}|{box[0]},{box[1]}".encode()).hexdigest()[:32]
+def latent_key(sha: str, bucket: tuple[int, int], box: tuple[int, int], mask_sha: str = "") -> str:
+    mask = f"|mask:{mask_sha}" if mask_sha else ""
+    return hashlib.sha256(f"{sha}|{bucket[0]}x{bucket[1]}|{box[0]},{box[1]}{mask}".encode()).hexdigest()[:32]
 
 
 def text_key(caption: str) -> str:
@@ -161,6 +168,7 @@ class LatentJob:
     file: str
     bucket: tuple[int, int]
     box: tuple[int, int]
+    mask: str = ""  #: the mask file ("" without one)
 
 
 @dataclass
@@ -253,19 +261,22 @@ def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int,
     # Decoding and resizing release the GIL: a few threads keep the VAE fed.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         for chunk in chunks:
-            pixels, ok = [], []
+            pixels, masks, ok = [], [], []
             for j, px in zip(chunk, pool.map(_pixels_or_reason, chunk), strict=True):
                 if isinstance(px, str):
                     res.bad_latents[j.key] = px
                 else:
-                    pixels.append(px)
+                    pixels.append(px[0])
+                    masks.append(px[1])
                     ok.append(j)
             if ok:
                 batch = torch.stack(pixels).to(device=device, dtype=dtype)
                 with torch.no_grad():
                     lat = adapter.encode_images(vae, batch).float().cpu()  # device->host sync, once per chunk
-                for j, x in zip(ok, lat, strict=True):
+                for j, x, m in zip(ok, lat, masks, strict=True):
                     t = {"latent": x.clone()}
+                    if m is not None:  # pixel mask -> latent cells: the share of each cell it covers
+                        t["mask"] = torch.nn.functional.interpolate(m[None], size=x.shape[-2:], mode="area")[0]
                     if not finite(t):
                         res.bad_latents[j.key] = "VAE latent has NaN/inf (fp16 overflow? try model.dtype: bf16 or fp32)"
                         continue
@@ -276,11 +287,17 @@ def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int,
     bar.close()
 
 
-def _pixels_or_reason(job: LatentJob) -> torch.Tensor | str:
+def _pixels_or_reason(job: LatentJob) -> tuple[torch.Tensor, torch.Tensor | None] | str:
     try:
-        return load_pixels(job.file, job.bucket, job.box)
+        px = load_pixels(job.file, job.bucket, job.box)
     except BadImage as e:
         return f"{e} (changed since the scan?)"
+    if not job.mask:
+        return px, None
+    try:
+        return px, load_mask(job.mask, job.bucket, job.box)
+    except BadImage as e:
+        return f"mask {job.mask}: {e} (changed since the scan?)"
 
 
 def _encode_texts(adapter, comps, store, captions: list[str], batch_size: int, progress: bool, res) -> None:

@@ -106,11 +106,13 @@ def crop_box(width: int, height: int, bucket: tuple[int, int], mode: str, seed_t
     return rx % (free_x + 1), ry % (free_y + 1)
 
 
-def cover_and_crop(im: Image.Image, bucket: tuple[int, int], box: tuple[int, int]) -> Image.Image:
+def cover_and_crop(
+    im: Image.Image, bucket: tuple[int, int], box: tuple[int, int], resample=Image.Resampling.LANCZOS
+) -> Image.Image:
     """Resize `im` to cover `bucket` and cut the bucket out at `box` (left, top)."""
     cw, ch = cover_size(im.width, im.height, bucket)
     if (cw, ch) != im.size:
-        im = im.resize((cw, ch), Image.Resampling.LANCZOS)
+        im = im.resize((cw, ch), resample)
     left, top = box
     return im.crop((left, top, left + bucket[0], top + bucket[1]))
 
@@ -124,3 +126,11 @@ def to_tensor(im: Image.Image) -> torch.Tensor:
 def load_pixels(path: str | Path, bucket: tuple[int, int], box: tuple[int, int]) -> torch.Tensor:
     """The whole path from file to (3, bh, bw) pixels in [-1, 1]."""
     return to_tensor(cover_and_crop(open_image(path), bucket, box))
+
+
+def load_mask(path: str | Path, bucket: tuple[int, int], box: tuple[int, int]) -> torch.Tensor:
+    """A loss mask through the same resize and crop as its image: (1, bh, bw) float32 in [0, 1] (white = 1).
+
+    Bilinear, not Lanczos: Lanczos rings past 0 and 1 at a mask's hard edges."""
+    im = cover_and_crop(open_image(path).convert("L"), bucket, box, Image.Resampling.BILINEAR)
+    return torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).float().div_(255.0)[None]

@@ -30,6 +30,7 @@ from .cache import (
     model_identity,
     text_key,
 )
+from .captions import caption_texts, pick
 from .sources import Item, ScanReport, check_report, scan_sources
 
 
@@ -41,7 +42,8 @@ class Batch:
     yourself); text: `adapter.collate_text` of the cached entries (CPU, in the text encoders' dtype); captions:
     the caption each sample trains on ("" where dropped); files: the image of each sample; size: (height, width)
     of the bucket in pixels (for `adapter.timestep_shift`); position: the global sampler position this batch was
-    drawn at."""
+    drawn at; mask: with data.masked_loss, (B, 1, h, w) float32 per-latent-cell loss weights (unmasked_weight +
+    (1 - unmasked_weight) * mask; 1 for an image without a mask), else None."""
 
     latents: torch.Tensor
     text: dict[str, torch.Tensor]
@@ -49,6 +51,7 @@ class Batch:
     files: list[str]
     size: tuple[int, int]
     position: int
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -67,13 +70,21 @@ class DataPlan:
         return self.report.items
 
     def latent_key(self, e: Entry) -> str:
-        return latent_key(self.items[e.item].sha, e.bucket, e.box)
+        it = self.items[e.item]
+        return latent_key(it.sha, e.bucket, e.box, it.mask_sha)
 
     def latent_jobs(self) -> list[LatentJob]:
-        return [LatentJob(self.latent_key(e), self.items[e.item].file, e.bucket, e.box) for e in self.entries]
+        return [LatentJob(self.latent_key(e), self.items[e.item].file, e.bucket, e.box, self.items[e.item].mask)
+                for e in self.entries]
+
+    def item_texts(self, i: int) -> tuple[str, ...]:
+        """Every final caption text item i may train on (captions.py); each is one text-cache entry."""
+        it = self.items[i]
+        return caption_texts(it.all_captions, self.cfg.data.sources[it.source], self.cfg.data.caption_variants,
+                             self.cfg.train.seed, it.sha)
 
     def captions(self) -> list[str]:
-        return sorted({it.caption for it in self.items})
+        return sorted({t for i in range(len(self.items)) for t in self.item_texts(i)})
 
     def summary(self) -> str:
         d = self.cfg.data
@@ -127,7 +138,8 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
     if d is None:
         raise UserError("the config has no data: section (data.sources lists the image folders)")
     disk = d.cache or force_disk
-    report = scan_sources(d.sources, index_dir=Path(d.cache_dir) if disk else None, progress=progress)
+    report = scan_sources(d.sources, index_dir=Path(d.cache_dir) if disk else None, progress=progress,
+                          masks=d.masked_loss)
     divisor = int(adapter.resolution_divisor)
     entries, too_small = assign_buckets(
         report.items, d.resolutions, divisor, crop=d.crop, seed=cfg.train.seed, max_upscale=d.max_upscale,
@@ -173,6 +185,9 @@ class TrainData:
         srcs = cfg.data.sources
         self.entries = plan.entries
         self._lat_keys = [plan.latent_key(e) for e in self.entries]
+        self._texts = [plan.item_texts(i) for i in range(len(plan.items))]
+        self._seed = cfg.train.seed
+        self._masked, self._unmasked = cfg.data.masked_loss, cfg.data.unmasked_weight
         items = plan.items
         self.sampler = BucketSampler(
             [e.bucket for e in self.entries],
@@ -213,18 +228,23 @@ class TrainData:
     def batch_at(self, position: int) -> Batch:
         """The batch at any position, without moving the sampler."""
         slots: list[Slot] = self.sampler.batch_at(position)
-        lats, texts, caps, files = [], [], [], []
-        for s in slots:
+        lats, masks, texts, caps, files = [], [], [], [], []
+        for n, s in enumerate(slots):
             e = self.entries[s.entry]
             it = self.plan.items[e.item]
-            cap = "" if s.dropped else it.caption
-            lats.append(self._read(self.plan.latent_store, self._lat_keys[s.entry], it.file)["latent"])
+            cap = "" if s.dropped else pick(self._texts[e.item], self._seed, position, n)
+            entry = self._read(self.plan.latent_store, self._lat_keys[s.entry], it.file)
+            lats.append(entry["latent"])
+            if self._masked:
+                m = entry.get("mask")
+                masks.append(torch.ones_like(entry["latent"][:1]) if m is None else self._unmasked + (1 - self._unmasked) * m)
             texts.append(self._read(self.plan.text_store, text_key(cap), it.file))
             caps.append(cap)
             files.append(it.file)
         bucket = self.entries[slots[0].entry].bucket
         # Host-side stack of small cached tensors; the loop moves the batch to the device.
-        return Batch(torch.stack(lats), self._adapter.collate_text(texts), caps, files, (bucket[1], bucket[0]), position)
+        return Batch(torch.stack(lats), self._adapter.collate_text(texts), caps, files, (bucket[1], bucket[0]), position,
+                     torch.stack(masks) if self._masked else None)
 
     def _read(self, store, key: str, file: str) -> dict[str, torch.Tensor]:
         if not store.has(key):
@@ -277,8 +297,8 @@ def drop_encoding_failures(plan: DataPlan, res: EncodeResult) -> None:
         return
     keep, reasons = [], {}
     for e in plan.entries:
-        it = plan.items[e.item]
-        why = res.bad_latents.get(plan.latent_key(e)) or res.bad_texts.get(it.caption)
+        why = res.bad_latents.get(plan.latent_key(e)) or next(
+            (res.bad_texts[t] for t in plan.item_texts(e.item) if t in res.bad_texts), None)
         if why:
             reasons.setdefault(e.item, why)
         else:

@@ -2,8 +2,15 @@
 
 A source is either a folder of images with same-named `.txt` captions beside them (searched recursively unless
 `recursive: false`), or a folder plus a `metadata.jsonl` whose lines are `{"file": "rel/path.png", "caption":
-"..."}` (file relative to the folder). Both give a list of `Item`s: one usable image with its final caption
-(prefix applied), its upright size and its content hash.
+"..."}` (file relative to the folder). Both give a list of `Item`s: one usable image with its captions (prefix
+applied; several with `several_captions: true`, one per non-empty line of the .txt, or a `"caption"` list in
+metadata.jsonl), its upright size and its content hash. What is made of the captions at training time (shuffle,
+tag dropout, trigger word) is `captions.py`'s.
+
+Masks (`data.masked_loss`). An image's mask is `<source>/masks/<same relative path and name>` (any image suffix), or
+the file named by a `"mask"` key of its metadata.jsonl line (relative to the source folder). The `masks/` folder is
+not scanned for training images. An image without a mask trains on every pixel; a mask that is unreadable or not
+the image's size is a bad file (the image is left out, or `strict` stops); a `"mask"` that names a missing file too.
 
 The scan runs before any model is loaded and decodes every image completely, so a corrupt, truncated,
 zero-byte or unreadable file, a missing caption or a bad metadata line is found in seconds, not hours into a
@@ -32,11 +39,13 @@ from ..errors import UserError
 from .images import IMAGE_SUFFIXES, BadImage, open_image
 
 INDEX_NAME = "scan-index.json"
+MASK_DIR = "masks"
 
 
 @dataclass(frozen=True)
 class Item:
-    """One usable image: path, final caption, which source, upright size in pixels, sha256 of the bytes."""
+    """One usable image: path, first caption, which source, upright size in pixels, sha256 of the bytes, and all
+    its captions (prefix applied; `()` means just `caption`)."""
 
     file: str
     caption: str
@@ -44,6 +53,14 @@ class Item:
     width: int
     height: int
     sha: str
+    captions: tuple[str, ...] = ()
+    #: the mask file and its content hash ("" without a mask)
+    mask: str = ""
+    mask_sha: str = ""
+
+    @property
+    def all_captions(self) -> tuple[str, ...]:
+        return self.captions or (self.caption,)
 
 
 @dataclass
@@ -79,10 +96,25 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _folder_candidates(i: int, root: Path, recursive: bool, report: ScanReport) -> list[tuple[Path, str | None]]:
+def _caption_lines(text: str, several: bool) -> list[str]:
+    if not several:
+        return [text.strip()]
+    return [line.strip() for line in text.splitlines() if line.strip()] or [""]
+
+
+def _folder_mask(root: Path, image: Path) -> Path | None:
+    stem = root / MASK_DIR / image.relative_to(root).with_suffix("")
+    return next((m for m in (stem.with_suffix(s) for s in IMAGE_SUFFIXES) if m.is_file()), None)
+
+
+def _folder_candidates(
+    i: int, root: Path, recursive: bool, several: bool, masks: bool, report: ScanReport
+) -> list[tuple[Path, list[str], Path | None]]:
     walk = root.rglob("*") if recursive else root.glob("*")
     images = sorted(p for p in walk if p.suffix.lower() in IMAGE_SUFFIXES and not p.is_dir())
-    out: list[tuple[Path, str | None]] = []
+    if masks:
+        images = [p for p in images if p.relative_to(root).parts[0] != MASK_DIR]
+    out: list[tuple[Path, list[str], Path | None]] = []
     missing = 0
     for p in images:
         txt = p.with_suffix(".txt")
@@ -91,7 +123,7 @@ def _folder_candidates(i: int, root: Path, recursive: bool, report: ScanReport) 
             missing += 1
             continue
         try:
-            out.append((p, txt.read_text(encoding="utf-8").strip()))
+            out.append((p, _caption_lines(txt.read_text(encoding="utf-8"), several), _folder_mask(root, p) if masks else None))
         except UnicodeDecodeError:
             report.bad.append((str(p), f"caption {txt.name} is not UTF-8 text"))
         except OSError as e:
@@ -115,9 +147,11 @@ def _metadata_path(i: int, root: Path, metadata: Path) -> Path:
     raise UserError(f"data.sources[{i}].metadata: file '{metadata}' not found (looked in . and in {root})")
 
 
-def _metadata_candidates(i: int, root: Path, metadata: Path, report: ScanReport) -> list[tuple[Path, str | None]]:
+def _metadata_candidates(
+    i: int, root: Path, metadata: Path, masks: bool, report: ScanReport
+) -> list[tuple[Path, list[str], Path | None]]:
     meta = _metadata_path(i, root, metadata)
-    out: list[tuple[Path, str | None]] = []
+    out: list[tuple[Path, list[str], Path | None]] = []
     lines = meta.read_text(encoding="utf-8", errors="replace").splitlines()
     n = 0
     for lineno, line in enumerate(lines, 1):
@@ -135,8 +169,12 @@ def _metadata_candidates(i: int, root: Path, metadata: Path, report: ScanReport)
             continue
         path = root / rec["file"]
         caption = rec.get("caption")
-        if not isinstance(caption, str):
-            report.bad.append((str(path), f'missing caption (no "caption" string at {where})'))
+        if isinstance(caption, list) and caption and all(isinstance(c, str) for c in caption):
+            captions = [c.strip() for c in caption]
+        elif isinstance(caption, str):
+            captions = [caption.strip()]
+        else:
+            report.bad.append((str(path), f'missing caption (no "caption" string or list of strings at {where})'))
             continue
         if path.suffix.lower() not in IMAGE_SUFFIXES:
             report.bad.append((str(path), f"not a JPEG/PNG/WebP file name ({where})"))
@@ -144,17 +182,27 @@ def _metadata_candidates(i: int, root: Path, metadata: Path, report: ScanReport)
         if not path.exists():
             report.bad.append((str(path), f"file not found ({where})"))
             continue
-        out.append((path, caption.strip()))
+        mask = None
+        if masks:
+            if isinstance(rec.get("mask"), str):
+                mask = root / rec["mask"]
+                if not mask.is_file():
+                    report.bad.append((str(path), f"mask {mask} not found ({where})"))
+                    continue
+            else:
+                mask = _folder_mask(root, path)
+        out.append((path, captions, mask))
     report.found.append(n)
     return out
 
 
-def scan_sources(sources, index_dir: Path | None = None, progress: bool = True) -> ScanReport:
+def scan_sources(sources, index_dir: Path | None = None, progress: bool = True, masks: bool = False) -> ScanReport:
     """Scan every source (a list of `SourceConfig`). Raises `UserError` for a missing folder or an empty data set.
 
-    `index_dir`: where to keep the scan index (None: decode everything, keep nothing)."""
+    `index_dir`: where to keep the scan index (None: decode everything, keep nothing). `masks`: find and check
+    each image's mask (data.masked_loss)."""
     report = ScanReport()
-    per_source: list[list[tuple[Path, str | None]]] = []
+    per_source: list[list[tuple[Path, list[str], Path | None]]] = []
     for i, src in enumerate(sources):
         root = Path(src.path)
         if not root.exists():
@@ -162,29 +210,43 @@ def scan_sources(sources, index_dir: Path | None = None, progress: bool = True) 
         if not root.is_dir():
             raise UserError(f"data.sources[{i}].path: '{root}' is a file, expected a folder of images")
         if src.metadata is not None:
-            per_source.append(_metadata_candidates(i, root, Path(src.metadata), report))
+            per_source.append(_metadata_candidates(i, root, Path(src.metadata), masks, report))
         else:
-            per_source.append(_folder_candidates(i, root, src.recursive, report))
+            per_source.append(_folder_candidates(i, root, src.recursive, src.several_captions, masks, report))
     if sum(report.found) == 0:
         where = ", ".join(str(s.path) for s in sources)
         raise UserError(f"no images ({' '.join(IMAGE_SUFFIXES)}) found in {where}")
 
     index_file = index_dir / INDEX_NAME if index_dir is not None else None
     index = _read_index(index_file)
-    flat = [(i, path, caption) for i, cands in enumerate(per_source) for path, caption in cands]
+    flat = [(i, path, caps, mask) for i, cands in enumerate(per_source) for path, caps, mask in cands]
     bar = tqdm(total=len(flat), desc="scanning images", unit="img", disable=not progress or len(flat) < 50, leave=False)
     new_index: dict[str, dict] = {}
     # Decoding and hashing release the GIL: threads make the first scan of a large folder several times faster.
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for (i, path, caption), got in zip(flat, pool.map(lambda c: _probe(c[1], index), flat), strict=True):
+        probes = pool.map(lambda c: (_probe(c[1], index), c[3] and _probe(c[3], index)), flat)
+        for (i, path, caps, mask), (got, got_mask) in zip(flat, probes, strict=True):
             bar.update(1)
             if isinstance(got, str):
                 report.bad.append((str(path), got))
                 continue
             key, rec = got
             new_index[key] = rec
-            caption = join_caption(sources[i].caption_prefix, caption or "")
-            report.items.append(Item(str(path), caption, i, rec["w"], rec["h"], rec["sha"]))
+            mask_sha = ""
+            if mask is not None:
+                if isinstance(got_mask, str):
+                    report.bad.append((str(path), f"mask {mask}: {got_mask}"))
+                    continue
+                mkey, mrec = got_mask
+                new_index[mkey] = mrec
+                if (mrec["w"], mrec["h"]) != (rec["w"], rec["h"]):
+                    report.bad.append((str(path), f"mask {mask} is {mrec['w']}x{mrec['h']}, the image "
+                                       f"{rec['w']}x{rec['h']} (a mask must have its image's size)"))
+                    continue
+                mask_sha = mrec["sha"]
+            caps = tuple(join_caption(sources[i].caption_prefix, c) for c in caps)
+            report.items.append(Item(str(path), caps[0], i, rec["w"], rec["h"], rec["sha"], caps if len(caps) > 1 else (),
+                                     str(mask) if mask is not None else "", mask_sha))
     bar.close()
     if index_file is not None and any(index.get(k) != v for k, v in new_index.items()):
         _write_index(index_file, {**index, **new_index})

@@ -124,7 +124,16 @@ class FlowMatching:
         )
 
     @staticmethod
-    def loss(pred: torch.Tensor, noised: Noised) -> torch.Tensor:
-        """Weighted mean squared error, fp32, a scalar."""
-        per_sample = (pred.float() - noised.target).pow(2).flatten(1).mean(1)
+    def loss(pred: torch.Tensor, noised: Noised, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Weighted mean squared error, fp32, a scalar.
+
+        `mask`: optional (B, 1, h, w) per-latent-cell weights (data.masked_loss), broadcast over the channels. The
+        error is multiplied by it before the mean, not renormalised by its sum: a cell keeps the weight it has
+        without a mask, and an image with a small mask contributes less (a weight of 1 everywhere is exactly the
+        unmasked loss). Predictions are in the (B, C, h, w) latent layout for every family (the adapters unpack
+        Flux's and Qwen-Image's 2x2 tokens in `predict`), so the mask needs no packing."""
+        err = (pred.float() - noised.target).pow(2)
+        if mask is not None:
+            err = err * mask.to(err.device, torch.float32, non_blocking=True)  # host-to-device copy, latent-sized / C
+        per_sample = err.flatten(1).mean(1)
         return (per_sample * noised.weight).mean()

@@ -216,7 +216,7 @@ class Trainer:
             text = {k: _to(v, self.device, self.dtype) for k, v in batch.text.items()}
             noised = self.dist.noise(self.objective, latents, self.dtype, batch.position, c.seed)
             pred = self.adapter.predict(self.transformer, noised.noisy, noised.t, text, guidance=cfg.model.guidance)
-            loss = self.objective.loss(pred, noised)
+            loss = self.objective.loss(pred, noised, mask=batch.mask)
             # Host-device sync, needed anyway: the check must come before backward, which may step the weights
             # (fused back pass).
             value = self.dist.agree_loss(loss.item(), self.step + 1)  # all ranks raise together
