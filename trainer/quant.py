@@ -184,6 +184,19 @@ def is_fp8_file(path: str | Path) -> bool:
     return any(d == "F8_E4M3" for d in safetensors_dtypes(path).values())
 
 
+def single_file_source(path: str | Path) -> str | dict[str, torch.Tensor]:
+    """What to hand diffusers' `from_single_file`: the path, or, for a scaled fp8 file, its tensors (memory-mapped,
+    as diffusers itself loads them) without the `scale_weight` / `scaled_fp8` keys, which would stop diffusers
+    from recognising diffusers-named keys. The scales are applied after loading (`prepare_transformer`)."""
+    names = safetensors_dtypes(path)
+    if not any(k.endswith(".scale_weight") or k == "scaled_fp8" for k in names):
+        return str(path)
+    from safetensors.torch import load_file
+
+    sd = load_file(str(path))
+    return {k: v for k, v in sd.items() if not (k.endswith(".scale_weight") or k == "scaled_fp8")}
+
+
 def file_scales(path: str | Path) -> dict[str, float]:
     """Per-tensor `<module>.scale_weight` values of a scaled fp8 file, keyed by module name (a few bytes each)."""
     from safetensors import safe_open
@@ -201,10 +214,11 @@ def adopt_fp8(module: nn.Module, scales: dict[str, float], prefix: str, compute_
     without quantizing again: the 8-bit values are the file's, the scale is the file's per-tensor `scale_weight`
     (1 when absent) broadcast to every output channel. `prefix` is the block's name in the transformer, used to
     find `scales` keys. A weight that is not exactly an fp8 value (the file had it in higher precision) is
-    quantized per channel instead. Returns how many Linears were adopted as they are."""
+    quantized per channel instead, unless it is a modulation Linear (see the essay), which keeps the model dtype.
+    Returns how many Linears were adopted as they are."""
     kept = 0
     for name, lin in module.named_modules():
-        if type(lin) is not nn.Linear or _KEEP.search(name + "."):
+        if type(lin) is not nn.Linear:  # modulation too: its values are the file's fp8 ones either way
             continue
         w = lin.weight.detach()
         q = w.to(torch.float8_e4m3fn)
@@ -213,7 +227,7 @@ def adopt_fp8(module: nn.Module, scales: dict[str, float], prefix: str, compute_
             lin.weight.requires_grad_(False)
             _become_quantized(lin, q, torch.full((w.shape[0],), s), compute_dtype)
             kept += 1
-        else:
+        elif not _KEEP.search(name + "."):
             quantize_linear(lin, "fp8")
     return kept
 

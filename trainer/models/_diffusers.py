@@ -187,7 +187,8 @@ class DiffusersAdapter(ModelAdapter):
             if "transformer" in parts:
                 if cfg.transformer_file is not None:
                     tr = self.transformer_cls.from_single_file(
-                        str(cfg.transformer_file), config=root, subfolder="transformer", torch_dtype=dtype,
+                        quant.single_file_source(cfg.transformer_file), config=root, subfolder="transformer",
+                        torch_dtype=dtype,
                         local_files_only=True,
                     )
                 else:
