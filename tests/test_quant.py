@@ -164,3 +164,53 @@ def test_full_finetune_with_quantize_is_a_config_error():
     assert Config.model_validate(base).model.quantize == "fp8"
     with pytest.raises(ValidationError):
         Config.model_validate({**base, "model": {**base["model"], "quantize": "fp4"}})
+
+
+def _bfl_flux_rows(d=3072, mlp=12288, guidance=True):
+    """Output rows of every tensor of an original-format (BFL) Flux file with one double and one single block."""
+    rows = {"img_in.weight": d, "img_in.bias": d, "txt_in.weight": d, "txt_in.bias": d,
+            "final_layer.linear.weight": 64, "final_layer.linear.bias": 64,
+            "final_layer.adaLN_modulation.1.weight": 2 * d, "final_layer.adaLN_modulation.1.bias": 2 * d}
+    for emb in ("time_in", "vector_in", *(("guidance_in",) if guidance else ())):
+        for layer in ("in_layer", "out_layer"):
+            rows[f"{emb}.{layer}.weight"] = rows[f"{emb}.{layer}.bias"] = d
+    b = "double_blocks.0"
+    for s in ("img", "txt"):
+        for lin, n in (("mod.lin", 6 * d), ("attn.qkv", 3 * d), ("attn.proj", d), ("mlp.0", mlp), ("mlp.2", d)):
+            rows[f"{b}.{s}_{lin}.weight"] = rows[f"{b}.{s}_{lin}.bias"] = n
+        rows[f"{b}.{s}_attn.norm.query_norm.scale"] = rows[f"{b}.{s}_attn.norm.key_norm.scale"] = 128
+    b = "single_blocks.0"
+    for lin, n in (("linear1", 3 * d + mlp), ("linear2", d), ("modulation.lin", 3 * d)):
+        rows[f"{b}.{lin}.weight"] = rows[f"{b}.{lin}.bias"] = n
+    rows[f"{b}.norm.query_norm.scale"] = rows[f"{b}.norm.key_norm.scale"] = 128
+    return rows
+
+
+def test_scales_of_an_original_format_file_follow_diffusers_key_conversion():
+    """A BFL-named scaled fp8 Flux file: each per-tensor scale lands on the diffusers modules its weight becomes,
+    split like the weight (fused qkv -> to_q/to_k/to_v; linear1 -> to_q/k/v + proj_mlp) and reordered like it
+    (the final layer's shift/scale swap). Only row counts are needed, so this runs at full Flux width."""
+    from diffusers import FluxTransformer2DModel
+
+    rows = _bfl_flux_rows()
+    fp8 = {k for k in rows if k.endswith(".weight") and "_in." not in k and "final_layer" not in k}
+    fp8.add("final_layer.adaLN_modulation.1.weight")
+    per_tensor = {k[: -len(".weight")]: 0.001 * (i + 1) for i, k in enumerate(sorted(fp8))}
+    got = quant.convert_scales(FluxTransformer2DModel, {}, rows, fp8, per_tensor)
+    s = per_tensor
+    assert torch.equal(got["transformer_blocks.0.attn.to_k"],
+                       torch.full((3072,), s["double_blocks.0.img_attn.qkv"]))
+    assert torch.equal(got["transformer_blocks.0.attn.add_v_proj"],
+                       torch.full((3072,), s["double_blocks.0.txt_attn.qkv"]))
+    assert torch.equal(got["transformer_blocks.0.ff_context.net.2"],
+                       torch.full((3072,), s["double_blocks.0.txt_mlp.2"]))
+    assert torch.equal(got["single_transformer_blocks.0.proj_mlp"],
+                       torch.full((12288,), s["single_blocks.0.linear1"]))
+    assert torch.equal(got["single_transformer_blocks.0.norm.linear"],
+                       torch.full((9216,), s["single_blocks.0.modulation.lin"]))
+    assert torch.equal(got["norm_out.linear"], torch.full((6144,), s["final_layer.adaLN_modulation.1"]))
+    # tensors that were not fp8 get no scale at all (they are not touched)
+    assert "x_embedder" not in got and "proj_out" not in got
+    # double: 8 attention Linears, 2 modulation, ff 2 + ff_context 2; single: q k v, proj_mlp, proj_out, modulation;
+    # norm_out
+    assert len(got) == 14 + 6 + 1

@@ -172,50 +172,82 @@ def quantize_blocks(blocks: list[nn.Module], mode: str) -> int:
 # ---------------------------------------------------------------------------------------------- fp8 files
 
 
-def safetensors_dtypes(path: str | Path) -> dict[str, str]:
-    """Tensor name -> safetensors dtype string ("F8_E4M3", "BF16", ...) from the file header alone."""
+def _header(path: str | Path) -> dict[str, dict]:
+    """Tensor name -> {"dtype": "F8_E4M3" | "BF16" | ..., "shape": [...]} from the safetensors header alone."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-    return {k: v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    header.pop("__metadata__", None)
+    return header
 
 
 def is_fp8_file(path: str | Path) -> bool:
-    return any(d == "F8_E4M3" for d in safetensors_dtypes(path).values())
+    return any(v["dtype"] == "F8_E4M3" for v in _header(path).values())
+
+
+def _is_scale_key(k: str) -> bool:
+    return k.endswith(".scale_weight") or k == "scaled_fp8"
 
 
 def single_file_source(path: str | Path) -> str | dict[str, torch.Tensor]:
     """What to hand diffusers' `from_single_file`: the path, or, for a scaled fp8 file, its tensors (memory-mapped,
     as diffusers itself loads them) without the `scale_weight` / `scaled_fp8` keys, which would stop diffusers
     from recognising diffusers-named keys. The scales are applied after loading (`prepare_transformer`)."""
-    names = safetensors_dtypes(path)
-    if not any(k.endswith(".scale_weight") or k == "scaled_fp8" for k in names):
+    if not any(_is_scale_key(k) for k in _header(path)):
         return str(path)
     from safetensors.torch import load_file
 
-    sd = load_file(str(path))
-    return {k: v for k, v in sd.items() if not (k.endswith(".scale_weight") or k == "scaled_fp8")}
+    return {k: v for k, v in load_file(str(path)).items() if not _is_scale_key(k)}
 
 
-def file_scales(path: str | Path) -> dict[str, float]:
-    """Per-tensor `<module>.scale_weight` values of a scaled fp8 file, keyed by module name (a few bytes each)."""
+def file_scales(path: str | Path, transformer: nn.Module) -> dict[str, torch.Tensor]:
+    """Module name -> per-output-row fp32 scale of every fp8 weight of a file (all ones where a weight has no
+    `scale_weight`); empty for an unscaled file. Diffusers-named files map directly; files in the original naming
+    (BFL, Stability) go through `convert_scales`."""
     from safetensors import safe_open
 
-    out = {}
+    header = _header(path)
     with safe_open(str(path), framework="pt") as f:
-        for k in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-            if k.endswith(".scale_weight"):
-                out[k[: -len(".scale_weight")]] = float(f.get_tensor(k).float().reshape(-1)[0])
-    return out
+        per_tensor = {k[: -len(".scale_weight")]: float(f.get_tensor(k).float().reshape(-1)[0])
+                      for k in header if k.endswith(".scale_weight")}
+    if not per_tensor:
+        return {}
+    rows = {k: (v["shape"] or [1])[0] for k, v in header.items() if not _is_scale_key(k)}
+    fp8 = {k for k, v in header.items() if v["dtype"] == "F8_E4M3"}
+    mods = dict(transformer.named_modules())
+    if all(name in mods for name in per_tensor):
+        return {k[: -len(".weight")]: torch.full((rows[k],), per_tensor.get(k[: -len(".weight")], 1.0))
+                for k in fp8 if k.endswith(".weight")}
+    return convert_scales(type(transformer), dict(transformer.config), rows, fp8, per_tensor)
 
 
-def adopt_fp8(module: nn.Module, scales: dict[str, float], prefix: str, compute_dtype: torch.dtype) -> int:
+def convert_scales(transformer_cls: type, config: dict, rows: dict[str, int], fp8: set[str],
+                   per_tensor: dict[str, float]) -> dict[str, torch.Tensor]:
+    """Scales of an original-format file, renamed and split exactly as diffusers converts its weights: every
+    tensor of the file becomes a vector with one entry per output row (its scale for fp8 weights, NaN for other
+    tensors) and goes through the family's own key converter, which renames, splits (fused qkv), concatenates and
+    reorders (scale/shift) along that first axis only. Costs a few floats per row, never a weight."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    entry = SINGLE_FILE_LOADABLE_CLASSES.get(transformer_cls.__name__)
+    if entry is None:
+        raise ValueError(f"scaled fp8 file in non-diffusers key names: diffusers has no converter for "
+                         f"{transformer_cls.__name__}")
+    nan = float("nan")
+    fake = {k: torch.full((n,), per_tensor.get(k[: -len(".weight")], 1.0) if k in fp8 else nan)
+            for k, n in rows.items()}
+    out = entry["checkpoint_mapping_fn"](checkpoint=fake, config=config)
+    return {k[: -len(".weight")]: v.float() for k, v in out.items()
+            if k.endswith(".weight") and not torch.isnan(v).any()}
+
+
+def adopt_fp8(module: nn.Module, scales: dict[str, torch.Tensor], prefix: str, compute_dtype: torch.dtype) -> int:
     """Turn the Linears of one block, loaded from an fp8 file (diffusers up-casts e4m3fn exactly), back into fp8
     without quantizing again: the 8-bit values are the file's, the scale is the file's per-tensor `scale_weight`
-    (1 when absent) broadcast to every output channel. `prefix` is the block's name in the transformer, used to
-    find `scales` keys. A weight that is not exactly an fp8 value (the file had it in higher precision) is
-    quantized per channel instead, unless it is a modulation Linear (see the essay), which keeps the model dtype.
-    Returns how many Linears were adopted as they are."""
+    (`file_scales`; 1 when absent) on every output row. `prefix` is the block's name in the transformer. A weight
+    that is not exactly an fp8 value (the file had it in higher precision) is quantized per channel instead,
+    unless it is a modulation Linear (see the essay), which keeps the model dtype. Returns how many Linears were
+    adopted as they are."""
     kept = 0
     for name, lin in module.named_modules():
         if type(lin) is not nn.Linear:  # modulation too: its values are the file's fp8 ones either way
@@ -223,9 +255,9 @@ def adopt_fp8(module: nn.Module, scales: dict[str, float], prefix: str, compute_
         w = lin.weight.detach()
         q = w.to(torch.float8_e4m3fn)
         if torch.equal(q.to(w.dtype), w):
-            s = scales.get(f"{prefix}.{name}", 1.0)
+            s = scales.get(f"{prefix}.{name}")
             lin.weight.requires_grad_(False)
-            _become_quantized(lin, q, torch.full((w.shape[0],), s), compute_dtype)
+            _become_quantized(lin, q, torch.ones(w.shape[0]) if s is None else s, compute_dtype)
             kept += 1
         elif not _KEEP.search(name + "."):
             quantize_linear(lin, "fp8")
@@ -243,24 +275,22 @@ def prepare_transformer(transformer: nn.Module, blocks: list[nn.Module], mode: s
     if mode == "int8":
         raise ValueError(f"{file} holds float8 weights: use model.quantize: fp8 (kept as they are) or none "
                          f"(up-cast to model.dtype), not int8")
-    scales = file_scales(file)
+    scales = file_scales(file, transformer)
     if mode == "fp8":
         names = {id(m): n for n, m in transformer.named_modules()}
         for b in blocks:
             adopt_fp8(b, scales, names[id(b)], dtype)
-    apply_file_scales(transformer, scales)
+    _apply_scales(transformer, scales)
 
 
-def apply_file_scales(transformer: nn.Module, scales: dict[str, float]) -> None:
+def _apply_scales(transformer: nn.Module, scales: dict[str, torch.Tensor]) -> None:
     """Multiply scaled-fp8 weights that stay in the model dtype (outside the quantized blocks, or with quantize
-    none) by their per-tensor scale, so that every weight means what the file says."""
+    none) by their scale, so that every weight means what the file says."""
     mods = dict(transformer.named_modules())
     with torch.no_grad():
         for name, s in scales.items():
-            m = mods.get(name)
-            if m is None:
-                raise ValueError(f"scale_weight for {name!r}, which the model does not have (only diffusers-named "
-                                 f"scaled fp8 files are supported)")
+            m = mods[name]
             if isinstance(m, QuantizedLinear):  # the scale is its weight_scale
                 continue
-            m.weight.mul_(s)
+            if not torch.all(s == 1):
+                m.weight.mul_(s.to(m.weight.dtype)[:, None])
