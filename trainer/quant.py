@@ -93,8 +93,9 @@ class _ScaledMM(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         xs = (x2.abs().amax(dim=1, keepdim=True).float() / 448.0).clamp_(min=1e-12)  # allocation: (M, 1)
         xq = (x2.float() / xs).to(torch.float8_e4m3fn)  # allocation: the activations in fp8
-        out = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.float().view(1, -1), bias=bias,
-                               out_dtype=x.dtype)
+        out = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.float().view(1, -1), out_dtype=x.dtype)
+        if bias is not None:  # added apart: not every torch build takes a bias with row-wise scales
+            out = out + bias
         ctx.save_for_backward(q, scale)
         ctx.x_shape, ctx.dtype = x.shape, x.dtype
         return out.view(*x.shape[:-1], -1)
