@@ -43,6 +43,15 @@ class ModelConfig(_Section):
     dtype: Literal["bf16", "fp16", "fp32"] = Field(
         default="bf16", description="Dtype of the frozen weights (LoRA weights and optimizer state stay fp32)."
     )
+    quantize: Literal["none", "fp8", "int8"] = Field(
+        default="none",
+        description="Hold the frozen Linear weights inside the transformer's blocks as 8 bits (float8_e4m3fn or "
+        "int8, per-output-channel scales) in RAM, over PCIe and on the GPU; dequantized per layer to model.dtype "
+        "to compute. LoRA only. An fp8 model.transformer_file is kept as its own 8-bit values with fp8.",
+    )
+    quantize_text_encoders: Literal["none", "fp8", "int8"] = Field(
+        default="none", description="The same for every Linear of the text encoders (they are frozen in any mode)."
+    )
     guidance: float = Field(
         default=1.0,
         description="Guidance value fed to a guidance-distilled transformer (Flux dev) while training. "
@@ -286,6 +295,11 @@ class Config(_Section):
             raise ValueError(
                 "optimizer.fused_back_pass cannot clip the global gradient norm (each parameter steps before "
                 "the norm is known): set optimizer.max_grad_norm: null"
+            )
+        if self.model.quantize != "none" and t.method == "full":
+            raise ValueError(
+                f"model.quantize: {self.model.quantize} is for a frozen base (train.method: lora); full fine-tuning "
+                "needs model.quantize: none"
             )
         if opt.stochastic_rounding and t.method != "full":
             raise ValueError("optimizer.stochastic_rounding applies to full fine-tuning only (train.method: full)")

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from .. import quant
 from ..errors import UserError
 from .base import Components, ModelAdapter
 
@@ -186,13 +187,16 @@ class DiffusersAdapter(ModelAdapter):
             if "transformer" in parts:
                 if cfg.transformer_file is not None:
                     tr = self.transformer_cls.from_single_file(
-                        str(cfg.transformer_file), config=root, subfolder="transformer", torch_dtype=dtype,
+                        quant.single_file_source(cfg.transformer_file), config=root, subfolder="transformer",
+                        torch_dtype=dtype,
                         local_files_only=True,
                     )
                 else:
                     tr = self.transformer_cls.from_pretrained(
                         root, subfolder="transformer", torch_dtype=dtype, local_files_only=True
                     )
+                # 8-bit frozen base (trainer/quant.py): block by block, before the move to the device
+                quant.prepare_transformer(tr, self.blocks(tr), cfg.quantize, dtype, cfg.transformer_file)
                 out.transformer = tr.to(device)
             if "vae" in parts:
                 import diffusers
@@ -205,6 +209,7 @@ class DiffusersAdapter(ModelAdapter):
                     enc = getattr(transformers, cls_name).from_pretrained(
                         root, subfolder=d, dtype=dtype, local_files_only=True
                     )
+                    quant.quantize_module(enc.requires_grad_(False), cfg.quantize_text_encoders, text_encoder=True)
                     out.text_encoders.append(enc.to(device).eval().requires_grad_(False))
                 for d in self.tokenizer_dirs:
                     out.tokenizers.append(transformers.AutoTokenizer.from_pretrained(root, subfolder=d, local_files_only=True))

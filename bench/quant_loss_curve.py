@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""fp8 base vs bf16 base: the LoRA training loss curve of the tiny Flux on the bundled data/shapes, same seed, on
+the CPU. Prints one table (step, loss bf16, loss fp8, difference) and the mean over the last quarter of steps.
+
+    python bench/quant_loss_curve.py --steps 40 --out /tmp/qlc
+
+Each run is the real trainer (`Trainer.fit`) on a config that differs only in `model.quantize`; the first step's
+loss differs by the fp8 rounding of the untrained base, later steps show whether the LoRA trains the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def run(models: Path, out: Path, quantize: str, steps: int) -> list[float]:
+    from trainer.config import Config
+    from trainer.train.trainer import Trainer
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = Config.model_validate({
+        "model": {"family": "flux", "path": str(models / "flux"), "dtype": "bf16", "quantize": quantize},
+        "train": {"method": "lora", "steps": steps, "batch_size": 2, "seed": 0, "checkpoint_every": 0,
+                  "gradient_checkpointing": True, "device": "cpu"},
+        "lora": {"rank": 8, "alpha": 8},
+        "optimizer": {"lr": 3e-3},
+        "data": {"sources": [{"path": str(root / "data" / "shapes")}], "resolutions": [64],
+                 "cache_dir": str(out / "cache")},
+        "output": {"dir": str(out / quantize), "tensorboard": False},
+    })
+    Trainer(cfg).fit()
+    lines = (out / quantize / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x)["loss"] for x in lines]
+
+
+def main(argv=None) -> dict[str, list[float]]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--out", type=Path, default=Path("quant_loss_curve"))
+    args = ap.parse_args(argv)
+    from trainer.models.tiny import make_tiny_models
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    make_tiny_models(args.out / "models", ["flux"])
+    curves = {q: run(args.out / "models", args.out, q, args.steps) for q in ("none", "fp8")}
+    print(f"{'step':>4s} {'bf16':>9s} {'fp8':>9s} {'fp8-bf16':>9s}")
+    for i, (a, b) in enumerate(zip(curves["none"], curves["fp8"], strict=True)):
+        print(f"{i + 1:4d} {a:9.4f} {b:9.4f} {b - a:+9.4f}")
+    tail = max(1, args.steps // 4)
+    ma, mb = (sum(c[-tail:]) / tail for c in (curves["none"], curves["fp8"]))
+    print(f"mean of the last {tail} steps: bf16 {ma:.4f}  fp8 {mb:.4f}  ({(mb - ma) / ma:+.2%})")
+    (args.out / "curves.json").write_text(json.dumps(curves))
+    return curves
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""The 8-bit frozen base (trainer/quant.py) on the CPU: error bounds per format, a quantized block against the fp32
+block, LoRA gradients through it, streamed == resident bitwise, the config refusal, fp8 single files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _offload_util import add_lora, blocks_of, tiny_flux, train_steps, trainable_state
+from torch import nn
+
+from trainer import quant
+from trainer.quant import QuantizedLinear
+
+
+def _weight(seed=0, out=64, inp=96):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=g) * torch.rand(out, 1, generator=g) * 0.2
+    w[3] = 0.0  # an all-zero row
+    w[5, 7] = 3.0  # an outlier row
+    return w
+
+
+def test_int8_error_is_at_most_half_a_step():
+    w = _weight()
+    q, s = quant.quantize(w, "int8")
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (64,)
+    err = (quant.dequantize(q, s, torch.float32) - w).abs()
+    assert (err <= s[:, None] / 2 * (1 + 1e-6)).all()
+    assert q.abs().amax(dim=1)[w.abs().amax(dim=1) > 0].eq(127).all()  # each row uses the full range
+    assert torch.equal(quant.dequantize(q, s, torch.float32)[3], torch.zeros(96))
+
+
+def test_fp8_error_is_within_e4m3_rounding():
+    w = _weight(1)
+    q, s = quant.quantize(w, "fp8")
+    assert q.dtype == torch.float8_e4m3fn
+    err = (quant.dequantize(q, s, torch.float32) - w).abs()
+    # 3 mantissa bits: relative error <= 2^-4 for normal values; below the smallest normal (2^-6 of the scale
+    # unit) the absolute error is at most half the subnormal step 2^-9, times the row's scale.
+    bound = torch.maximum(w.abs() * 2**-4, s[:, None] * 2**-10)
+    assert (err <= bound * (1 + 1e-6)).all()
+    assert (err > 0).any()  # it really rounds
+    assert not torch.isnan(q.float()).any() and q.float().abs().max() <= 448
+
+
+def test_dequantize_to_bf16_is_exact_upcast_then_one_rounding():
+    w = _weight(2)
+    for mode in ("fp8", "int8"):
+        q, s = quant.quantize(w, mode)
+        exact = q.double() * s.double()[:, None]
+        got = quant.dequantize(q, s, torch.bfloat16)
+        # bf16 keeps 8 significant bits: one rounding of a product of a bf16-rounded scale
+        assert ((got.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-30).all()
+
+
+@pytest.mark.parametrize("mode,tol", [("fp8", 0.08), ("int8", 0.02)])
+def test_quantized_block_matches_the_fp32_block(mode, tol):
+    """A tiny Flux's quantized blocks vs the same blocks in fp32: max |diff| / max |ref| below `tol` (fp8 rounds
+    weights by up to 6%, int8 by half a step of 1/127 of the row's largest weight)."""
+    m = tiny_flux(0)
+    ref = tiny_flux(0)
+    n = quant.quantize_blocks(blocks_of(m), mode)
+    # double blocks: to_q/k/v, to_out.0, add_q/k/v_proj, to_add_out, ff and ff_context 2 each; singles: q k v,
+    # proj_mlp, proj_out
+    assert n == 2 * 12 + 4 * 5
+    # modulation and everything outside the blocks keep the model dtype
+    assert type(m.transformer_blocks[0].norm1.linear) is nn.Linear
+    assert type(m.single_transformer_blocks[0].norm.linear) is nn.Linear
+    assert type(m.proj_out) is nn.Linear and type(m.x_embedder) is nn.Linear
+    from _offload_util import batch
+
+    kw, _ = batch(0)
+    with torch.no_grad():
+        got, want = m(**kw)[0], ref(**kw)[0]
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    assert 0 < rel < tol, rel
+
+
+def test_state_dict_keeps_names_and_the_class_is_still_a_linear():
+    m = tiny_flux(0)
+    names = set(m.state_dict())
+    quant.quantize_blocks(blocks_of(m), "fp8")
+    sd = m.state_dict()
+    lin = m.transformer_blocks[0].attn.to_q
+    assert isinstance(lin, nn.Linear) and isinstance(lin, QuantizedLinear)
+    added = set(sd) - names
+    assert names <= set(sd) and added and all(k.endswith(".weight_scale") for k in added)
+    assert sd["transformer_blocks.0.attn.to_q.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_lora_on_a_quantized_base_gets_gradients_and_stays_fp32():
+    m = tiny_flux(0)
+    quant.quantize_blocks(blocks_of(m), "fp8")
+    add_lora(m)
+    lora = [p for p in m.parameters() if p.requires_grad]
+    for p in lora:
+        p.data = p.data.float()
+    assert lora and all(p.dtype == torch.float32 for p in lora)
+    q = m.transformer_blocks[0].attn.to_q
+    assert q.base_layer.weight.dtype == torch.float8_e4m3fn and not q.base_layer.weight.requires_grad
+    from _offload_util import batch
+
+    kw, target = batch(0)
+    (m(**kw)[0] - target).square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora)
+    assert q.base_layer.weight.grad is None
+
+
+def test_peft_makes_the_lora_in_the_compute_dtype_not_fp8():
+    m = tiny_flux(0, dtype=torch.bfloat16)
+    quant.quantize_blocks(blocks_of(m), "fp8")
+    add_lora(m)
+    q = m.transformer_blocks[0].attn.to_q
+    assert q.lora_A["default"].weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_streamed_quantized_training_is_bitwise_resident(mode, fraction):
+    from trainer.offload import attach_offload
+
+    def run(frac):
+        m = tiny_flux(0)
+        quant.quantize_blocks(blocks_of(m), mode)
+        add_lora(m)
+        h = attach_offload(blocks_of(m), "cpu", frac) if frac else None
+        losses = train_steps(m, 3)
+        st = h.stats() if h else None
+        return losses, trainable_state(m), st, m
+
+    ref_losses, ref_state, _, _ = run(0.0)
+    losses, state, st, m = run(fraction)
+    assert torch.equal(losses, ref_losses)
+    assert ref_state.keys() == state.keys() and all(torch.equal(ref_state[k], state[k]) for k in state)
+    assert st["ring_bytes"] < st["block_bytes"]
+    # the packed block bytes are the quantized ones: 1 byte per quantized weight element
+    q = m.transformer_blocks[0].attn.to_q.base_layer
+    assert q.weight.dtype == quant._DTYPES[mode] and q.weight.element_size() == 1
+
+
+def test_packed_blocks_are_smaller_when_quantized():
+    from trainer.offload.allocators import ALIGN, BlockPacking
+
+    m = tiny_flux(0, dtype=torch.bfloat16).requires_grad_(False)
+    before = sum(BlockPacking.of(b, False).nbytes for b in blocks_of(m))
+    quant.quantize_blocks(blocks_of(m), "fp8")
+    after = sum(BlockPacking.of(b, False).nbytes for b in blocks_of(m))
+    qs = [x for x in m.modules() if isinstance(x, QuantizedLinear)]
+    # each quantized weight: 2 bytes -> 1 byte per element, plus 4 bytes of scale per output channel
+    expected = before - sum(x.weight.numel() for x in qs) + sum(4 * x.out_features for x in qs)
+    assert abs(after - expected) <= ALIGN * len(qs), (before, after, expected)
+
+
+def test_full_finetune_with_quantize_is_a_config_error():
+    from pydantic import ValidationError
+
+    from trainer.config import Config
+
+    base = {"model": {"family": "flux", "path": "x", "quantize": "fp8"}, "train": {"method": "full"},
+            "optimizer": {"fused_back_pass": True, "max_grad_norm": None}, "output": {"dir": "o"}}
+    with pytest.raises(ValidationError, match="model.quantize: fp8 is for a frozen base"):
+        Config.model_validate(base)
+    base["train"]["method"] = "lora"
+    assert Config.model_validate(base).model.quantize == "fp8"
+    with pytest.raises(ValidationError):
+        Config.model_validate({**base, "model": {**base["model"], "quantize": "fp4"}})
+
+
+def _bfl_flux_rows(d=3072, mlp=12288, guidance=True):
+    """Output rows of every tensor of an original-format (BFL) Flux file with one double and one single block."""
+    rows = {"img_in.weight": d, "img_in.bias": d, "txt_in.weight": d, "txt_in.bias": d,
+            "final_layer.linear.weight": 64, "final_layer.linear.bias": 64,
+            "final_layer.adaLN_modulation.1.weight": 2 * d, "final_layer.adaLN_modulation.1.bias": 2 * d}
+    for emb in ("time_in", "vector_in", *(("guidance_in",) if guidance else ())):
+        for layer in ("in_layer", "out_layer"):
+            rows[f"{emb}.{layer}.weight"] = rows[f"{emb}.{layer}.bias"] = d
+    b = "double_blocks.0"
+    for s in ("img", "txt"):
+        for lin, n in (("mod.lin", 6 * d), ("attn.qkv", 3 * d), ("attn.proj", d), ("mlp.0", mlp), ("mlp.2", d)):
+            rows[f"{b}.{s}_{lin}.weight"] = rows[f"{b}.{s}_{lin}.bias"] = n
+        rows[f"{b}.{s}_attn.norm.query_norm.scale"] = rows[f"{b}.{s}_attn.norm.key_norm.scale"] = 128
+    b = "single_blocks.0"
+    for lin, n in (("linear1", 3 * d + mlp), ("linear2", d), ("modulation.lin", 3 * d)):
+        rows[f"{b}.{lin}.weight"] = rows[f"{b}.{lin}.bias"] = n
+    rows[f"{b}.norm.query_norm.scale"] = rows[f"{b}.norm.key_norm.scale"] = 128
+    return rows
+
+
+def test_scales_of_an_original_format_file_follow_diffusers_key_conversion():
+    """A BFL-named scaled fp8 Flux file: each per-tensor scale lands on the diffusers modules its weight becomes,
+    split like the weight (fused qkv -> to_q/to_k/to_v; linear1 -> to_q/k/v + proj_mlp) and reordered like it
+    (the final layer's shift/scale swap). Only row counts are needed, so this runs at full Flux width."""
+    from diffusers import FluxTransformer2DModel
+
+    rows = _bfl_flux_rows()
+    fp8 = {k for k in rows if k.endswith(".weight") and "_in." not in k and "final_layer" not in k}
+    fp8.add("final_layer.adaLN_modulation.1.weight")
+    per_tensor = {k[: -len(".weight")]: 0.001 * (i + 1) for i, k in enumerate(sorted(fp8))}
+    got = quant.convert_scales(FluxTransformer2DModel, {}, rows, fp8, per_tensor)
+    s = per_tensor
+    assert torch.equal(got["transformer_blocks.0.attn.to_k"],
+                       torch.full((3072,), s["double_blocks.0.img_attn.qkv"]))
+    assert torch.equal(got["transformer_blocks.0.attn.add_v_proj"],
+                       torch.full((3072,), s["double_blocks.0.txt_attn.qkv"]))
+    assert torch.equal(got["transformer_blocks.0.ff_context.net.2"],
+                       torch.full((3072,), s["double_blocks.0.txt_mlp.2"]))
+    assert torch.equal(got["single_transformer_blocks.0.proj_mlp"],
+                       torch.full((12288,), s["single_blocks.0.linear1"]))
+    assert torch.equal(got["single_transformer_blocks.0.norm.linear"],
+                       torch.full((9216,), s["single_blocks.0.modulation.lin"]))
+    assert torch.equal(got["norm_out.linear"], torch.full((6144,), s["final_layer.adaLN_modulation.1"]))
+    # tensors that were not fp8 get no scale at all (they are not touched)
+    assert "x_embedder" not in got and "proj_out" not in got
+    # double: 8 attention Linears, 2 modulation, ff 2 + ff_context 2; single: q k v, proj_mlp, proj_out, modulation;
+    # norm_out
+    assert len(got) == 14 + 6 + 1

@@ -1,0 +1,297 @@
+"""Quantized frozen base: 8-bit Linear weights that are stored, pinned, streamed and kept on the GPU as 8 bits.
+
+How. `quantize_module(block, "fp8" | "int8")` turns each eligible `nn.Linear` of a block into a `QuantizedLinear`
+in place, by swapping the instance's class: the module stays an `nn.Linear` (peft's LoRA dispatch checks
+`isinstance(layer, nn.Linear)`), keeps its name and its `weight` / `bias` state-dict keys, and gains one buffer,
+`weight_scale`. `weight` becomes a frozen Parameter of dtype `float8_e4m3fn` or `int8`, one scale per output
+channel (fp32): w ~= weight * weight_scale[:, None]. Symmetric absmax scaling maps each row's largest |w| onto the
+format's largest value (448 for e4m3fn, 127 for int8). The offload packer (`trainer/offload/allocators.py`)
+packs every parameter and buffer of a block, of any dtype, into one byte range, so the quantized weight and its
+scale live in the pinned arena, cross PCIe and sit in the ring as 8-bit bytes with no change to the conductor.
+
+Forward is dequantize-then-matmul: `weight.to(x.dtype) * weight_scale[:, None]` (exact up-cast, then one rounding
+of the product), then `F.linear`. The dequantized matrix is a temporary of the compute dtype, one Linear at a
+time: it costs one layer's bf16 weight in activation memory, never the block's. An optional fp8 matmul path
+(`torch._scaled_mm`, row-wise scales, activations quantized per row on the fly) exists for CUDA GPUs with fp8
+tensor cores (sm89+); it is off unless `set_scaled_mm(True)` or env `DITTRAIN_SCALED_MM=1`, until measured
+faster (bench/bench_quant.py). Its backward (the gradient a LoRA upstream needs) uses the dequantized weight.
+
+Which modules. Only Linears inside the family's blocks (`adapter.blocks`): attention projections, MLPs and the
+blocks' output projections, i.e. nearly all the bytes. Embedders, the final layer, norms, biases and the
+modulation Linears (`norm*.linear` in Flux / SD3, `*_mod.1` in Qwen-Image: they set per-sample scale and shift,
+where an error acts on every token) stay in the model dtype. Text encoders (`model.quantize_text_encoders`)
+quantize every Linear they have.
+
+Why plain torch dtypes, not torchao / optimum-quanto. Both represent a quantized weight as a wrapper tensor
+subclass (torchao `AffineQuantizedTensor` / `Float8Tensor`, quanto `QBytesTensor`) whose bytes live in inner
+tensors (`_data`, `_scale`). The offload packer re-points `param.data` at a view of a uint8 arena region; a wrapper
+subclass has no storage of its own to view, so it can neither be packed nor streamed without teaching the
+conductor about each library's internals. A float8 / int8 Parameter plus a scale buffer are ordinary tensors.
+
+Frozen only. LoRA adapters on top stay full precision (peft creates them in `compute_dtype`, the model dtype,
+like on a bf16 base; the trainer then keeps them fp32). Full fine-tuning of a quantized base is refused by the
+config. Single-file fp8 checkpoints (`float8_e4m3fn` weights, optionally per-tensor `scale_weight`) are taken as
+they are: `adopt_fp8` keeps the file's 8-bit values and its scale instead of quantizing again.
+
+Left out: activation quantization for training matmuls (the `_scaled_mm` path quantizes activations only in
+forward), fp8 e5m2, int4, and quantizing non-block modules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODES = ("none", "fp8", "int8")
+_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+_QMAX = {"fp8": 448.0, "int8": 127.0}
+#: modulation Linears (per-sample scale / shift) stay in the model dtype: Flux / SD3 `norm1.linear`,
+#: `norm1_context.linear`, `norm.linear`; Qwen-Image `img_mod.1`, `txt_mod.1`
+_KEEP = re.compile(r"(^|\.)(norm[^.]*|[^.]*_mod)\.")
+#: text-encoder Linears left alone: T5's `wo` (transformers casts its input to `wo.weight.dtype`, which would be
+#: fp8) and a language-model head (Qwen2.5-VL's, unused for encoding)
+_KEEP_TEXT = re.compile(r"(^|\.)(wo|lm_head)\.")
+
+_scaled_mm = os.environ.get("DITTRAIN_SCALED_MM", "0") == "1"
+
+
+def set_scaled_mm(on: bool) -> None:
+    """Use `torch._scaled_mm` for fp8 Linears on CUDA devices that have it (process-wide switch)."""
+    global _scaled_mm
+    _scaled_mm = bool(on)
+
+
+def quantize(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) weight -> (8-bit weight, fp32 per-output-channel scale). All-zero rows get scale 1."""
+    w32 = w.detach().float()
+    amax = w32.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / _QMAX[mode], torch.ones_like(amax))
+    q = w32 / scale[:, None]
+    if mode == "int8":
+        q = q.round_().clamp_(-127, 127)
+    return q.to(_DTYPES[mode]), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in `dtype`: exact up-cast of the 8-bit values, then one rounding of the product."""
+    return q.to(dtype) * scale.to(dtype)[:, None]
+
+
+class _ScaledMM(torch.autograd.Function):
+    """fp8 x fp8 matmul with row-wise scales in forward; backward w.r.t. the input through the dequantized
+    weight (the weight itself is frozen)."""
+
+    @staticmethod
+    def forward(ctx, x, q, scale, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        xs = (x2.abs().amax(dim=1, keepdim=True).float() / 448.0).clamp_(min=1e-12)  # allocation: (M, 1)
+        xq = (x2.float() / xs).to(torch.float8_e4m3fn)  # allocation: the activations in fp8
+        out = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.float().view(1, -1), out_dtype=x.dtype)
+        if bias is not None:  # added apart: not every torch build takes a bias with row-wise scales
+            out = out + bias
+        ctx.save_for_backward(q, scale)
+        ctx.x_shape, ctx.dtype = x.shape, x.dtype
+        return out.view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, scale = ctx.saved_tensors
+        gx = g @ dequantize(q, scale, ctx.dtype)
+        return gx.view(ctx.x_shape), None, None, None
+
+
+def _scaled_mm_ok(x: torch.Tensor, q: torch.Tensor) -> bool:
+    return (
+        _scaled_mm and x.is_cuda and q.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
+        and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0
+    )
+
+
+class QuantizedLinear(nn.Linear):
+    """An `nn.Linear` whose frozen `weight` is 8-bit with a per-output-channel `weight_scale` buffer. Made only by
+    `quantize_linear` / `adopt_fp8` (class swap of an existing Linear); see the module essay."""
+
+    weight_scale: torch.Tensor
+    #: the dtype the layer computes in (peft creates LoRA weights in it, as bitsandbytes layers do)
+    compute_dtype: torch.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _scaled_mm_ok(x, self.weight):
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return _ScaledMM.apply(x, self.weight, self.weight_scale, bias)
+        # allocation: one dequantized weight of this layer, freed after the matmul
+        return F.linear(x, dequantize(self.weight, self.weight_scale, x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", weight={self.weight.dtype}"
+
+
+def _become_quantized(lin: nn.Linear, q: torch.Tensor, scale: torch.Tensor, compute_dtype: torch.dtype) -> None:
+    lin.weight = nn.Parameter(q, requires_grad=False)
+    lin.register_buffer("weight_scale", scale.to(device=q.device, dtype=torch.float32))
+    lin.compute_dtype = compute_dtype
+    lin.__class__ = QuantizedLinear
+
+
+def quantize_linear(lin: nn.Linear, mode: str) -> None:
+    """Quantize one Linear in place (see the module essay)."""
+    if isinstance(lin, QuantizedLinear):
+        return
+    if lin.weight.requires_grad:
+        lin.weight.requires_grad_(False)
+    dtype = lin.weight.dtype
+    q, scale = quantize(lin.weight, mode)
+    _become_quantized(lin, q, scale, dtype)
+
+
+def quantize_module(module: nn.Module, mode: str, text_encoder: bool = False) -> int:
+    """Quantize the Linears of one block (or, with `text_encoder`, of a whole text encoder) in place; returns
+    how many. `mode` "none" does nothing. One Linear at a time: the peak is one layer's fp32 copy."""
+    if mode == "none":
+        return 0
+    if mode not in _DTYPES:
+        raise ValueError(f"quantize mode {mode!r}: choose from {MODES}")
+    keep = _KEEP_TEXT if text_encoder else _KEEP
+    linears = [m for name, m in module.named_modules() if type(m) is nn.Linear and not keep.search(name + ".")]
+    for lin in linears:
+        quantize_linear(lin, mode)
+    return len(linears)
+
+
+def quantize_blocks(blocks: list[nn.Module], mode: str) -> int:
+    """`quantize_module` over a transformer's blocks, one block after another."""
+    return sum(quantize_module(b, mode) for b in blocks)
+
+
+# ---------------------------------------------------------------------------------------------- fp8 files
+
+
+def _header(path: str | Path) -> dict[str, dict]:
+    """Tensor name -> {"dtype": "F8_E4M3" | "BF16" | ..., "shape": [...]} from the safetensors header alone."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def is_fp8_file(path: str | Path) -> bool:
+    return any(v["dtype"] == "F8_E4M3" for v in _header(path).values())
+
+
+def _is_scale_key(k: str) -> bool:
+    return k.endswith(".scale_weight") or k == "scaled_fp8"
+
+
+def single_file_source(path: str | Path) -> str | dict[str, torch.Tensor]:
+    """What to hand diffusers' `from_single_file`: the path, or, for a scaled fp8 file, its tensors (memory-mapped,
+    as diffusers itself loads them) without the `scale_weight` / `scaled_fp8` keys, which would stop diffusers
+    from recognising diffusers-named keys. The scales are applied after loading (`prepare_transformer`)."""
+    if not any(_is_scale_key(k) for k in _header(path)):
+        return str(path)
+    from safetensors.torch import load_file
+
+    return {k: v for k, v in load_file(str(path)).items() if not _is_scale_key(k)}
+
+
+def file_scales(path: str | Path, transformer: nn.Module) -> dict[str, torch.Tensor]:
+    """Module name -> per-output-row fp32 scale of every fp8 weight of a file (all ones where a weight has no
+    `scale_weight`); empty for an unscaled file. Diffusers-named files map directly; files in the original naming
+    (BFL, Stability) go through `convert_scales`."""
+    from safetensors import safe_open
+
+    header = _header(path)
+    with safe_open(str(path), framework="pt") as f:
+        per_tensor = {k[: -len(".scale_weight")]: float(f.get_tensor(k).float().reshape(-1)[0])
+                      for k in header if k.endswith(".scale_weight")}
+    if not per_tensor:
+        return {}
+    rows = {k: (v["shape"] or [1])[0] for k, v in header.items() if not _is_scale_key(k)}
+    fp8 = {k for k, v in header.items() if v["dtype"] == "F8_E4M3"}
+    mods = dict(transformer.named_modules())
+    if all(name in mods for name in per_tensor):
+        return {k[: -len(".weight")]: torch.full((rows[k],), per_tensor.get(k[: -len(".weight")], 1.0))
+                for k in fp8 if k.endswith(".weight")}
+    return convert_scales(type(transformer), dict(transformer.config), rows, fp8, per_tensor)
+
+
+def convert_scales(transformer_cls: type, config: dict, rows: dict[str, int], fp8: set[str],
+                   per_tensor: dict[str, float]) -> dict[str, torch.Tensor]:
+    """Scales of an original-format file, renamed and split exactly as diffusers converts its weights: every
+    tensor of the file becomes a vector with one entry per output row (its scale for fp8 weights, NaN for other
+    tensors) and goes through the family's own key converter, which renames, splits (fused qkv), concatenates and
+    reorders (scale/shift) along that first axis only. Costs a few floats per row, never a weight."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    entry = SINGLE_FILE_LOADABLE_CLASSES.get(transformer_cls.__name__)
+    if entry is None:
+        raise ValueError(f"scaled fp8 file in non-diffusers key names: diffusers has no converter for "
+                         f"{transformer_cls.__name__}")
+    nan = float("nan")
+    fake = {k: torch.full((n,), per_tensor.get(k[: -len(".weight")], 1.0) if k in fp8 else nan)
+            for k, n in rows.items()}
+    out = entry["checkpoint_mapping_fn"](checkpoint=fake, config=config)
+    return {k[: -len(".weight")]: v.float() for k, v in out.items()
+            if k.endswith(".weight") and not torch.isnan(v).any()}
+
+
+def adopt_fp8(module: nn.Module, scales: dict[str, torch.Tensor], prefix: str, compute_dtype: torch.dtype) -> int:
+    """Turn the Linears of one block, loaded from an fp8 file (diffusers up-casts e4m3fn exactly), back into fp8
+    without quantizing again: the 8-bit values are the file's, the scale is the file's per-tensor `scale_weight`
+    (`file_scales`; 1 when absent) on every output row. `prefix` is the block's name in the transformer. A weight
+    that is not exactly an fp8 value (the file had it in higher precision) is quantized per channel instead,
+    unless it is a modulation Linear (see the essay), which keeps the model dtype. Returns how many Linears were
+    adopted as they are."""
+    kept = 0
+    for name, lin in module.named_modules():
+        if type(lin) is not nn.Linear:  # modulation too: its values are the file's fp8 ones either way
+            continue
+        w = lin.weight.detach()
+        q = w.to(torch.float8_e4m3fn)
+        if torch.equal(q.to(w.dtype), w):
+            s = scales.get(f"{prefix}.{name}")
+            lin.weight.requires_grad_(False)
+            _become_quantized(lin, q, torch.ones(w.shape[0]) if s is None else s, compute_dtype)
+            kept += 1
+        elif not _KEEP.search(name + "."):
+            quantize_linear(lin, "fp8")
+    return kept
+
+
+def prepare_transformer(transformer: nn.Module, blocks: list[nn.Module], mode: str, dtype: torch.dtype,
+                        file: str | Path | None = None) -> None:
+    """What loading does after diffusers built the transformer in `dtype`: quantize the blocks one by one, or,
+    for an fp8 `file`, keep its 8-bit values and apply its per-tensor scales (see `adopt_fp8`)."""
+    fp8_file = file is not None and is_fp8_file(file)
+    if not fp8_file:
+        quantize_blocks(blocks, mode)
+        return
+    if mode == "int8":
+        raise ValueError(f"{file} holds float8 weights: use model.quantize: fp8 (kept as they are) or none "
+                         f"(up-cast to model.dtype), not int8")
+    scales = file_scales(file, transformer)
+    if mode == "fp8":
+        names = {id(m): n for n, m in transformer.named_modules()}
+        for b in blocks:
+            adopt_fp8(b, scales, names[id(b)], dtype)
+    _apply_scales(transformer, scales)
+
+
+def _apply_scales(transformer: nn.Module, scales: dict[str, torch.Tensor]) -> None:
+    """Multiply scaled-fp8 weights that stay in the model dtype (outside the quantized blocks, or with quantize
+    none) by their scale, so that every weight means what the file says."""
+    mods = dict(transformer.named_modules())
+    with torch.no_grad():
+        for name, s in scales.items():
+            m = mods[name]
+            if isinstance(m, QuantizedLinear):  # the scale is its weight_scale
+                continue
+            if not torch.all(s == 1):
+                m.weight.mul_(s.to(m.weight.dtype)[:, None])
