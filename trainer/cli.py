@@ -69,6 +69,12 @@ def fit(
         "A missing checkpoint is an error, never a silent fresh start.",
         show_default=False,
     ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Start a new run in an output.dir that holds another one: deletes its "
+        "checkpoints, weights, metrics, TensorBoard logs and samples first (other files stay)."),
+    resume_other_run: bool = typer.Option(
+        False, "--resume-other-run", help="Allow --resume from a checkpoint of a run other than the one output.dir "
+        "holds (that run's files are kept)."),
 ) -> None:
     """Train a LoRA or fine-tune the transformer as the config says.
 
@@ -77,7 +83,7 @@ def fit(
     cfg = _load(config, overrides)
     from .train.trainer import Trainer
 
-    Trainer(cfg, resume=resume).fit()
+    Trainer(cfg, resume=resume, overwrite=overwrite, resume_other_run=resume_other_run).fit()
 
 
 @app.command()

@@ -214,6 +214,17 @@ class SampleConfig(_Section):
 class OutputConfig(_Section):
     dir: Path = Field(description="Folder for the trained weights, checkpoints, metrics and samples.")
     tensorboard: bool = Field(default=True, description="Write TensorBoard curves and sample images.")
+    save_every: int = Field(
+        default=0,
+        ge=0,
+        description="LoRA: every N steps also keep that step's LoRA as <name>-step-000500.safetensors in output.dir "
+        "(never pruned, unlike checkpoints; a checkpoint is saved at those steps too). 0: only the final LoRA.",
+    )
+    name: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="Name in the per-step LoRA files (<name>-step-000500.safetensors); null: lora.",
+    )
 
 
 class Config(_Section):

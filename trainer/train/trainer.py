@@ -31,6 +31,7 @@ from ..config import Config
 from ..errors import NonFiniteLossError, NonFiniteWeightsError, UserError
 from . import checkpoint as ck
 from . import distributed, glue
+from . import run as runs
 from .faults import StopFlag, TrainingInterrupted, oom_error
 from .model import add_lora, checkpoint_blocks, count, full_params
 from .monitor import Monitor, say
@@ -65,9 +66,10 @@ def choose_attention(device: torch.device, choice: str) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: str | None = None):
+    def __init__(self, cfg: Config, resume: str | None = None, overwrite: bool = False, resume_other_run: bool = False):
         self.cfg = cfg
         self.resume = resume
+        self.overwrite, self.resume_other_run = overwrite, resume_other_run  # see run.py
         self.out = Path(cfg.output.dir)
         self.step = 0
         self.stop = StopFlag(say)
@@ -99,7 +101,7 @@ class Trainer:
                         f"{self.stop.signal_name} at step {self.step}: saved {path}; continue with "
                         "`dittrain fit CONFIG --resume latest`"
                     )
-                if c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < c.steps:
+                if runs.save_due(self.cfg, self.step):  # train.checkpoint_every, output.save_every
                     self.save()
                 if self.sampler is not None and self.step % self.cfg.sample.every == 0:
                     self.sample()
@@ -122,10 +124,17 @@ class Trainer:
         cfg, c = self.cfg, self.cfg.train
         if cfg.data is None:
             raise UserError("the config has no data: section; `dittrain fit` needs data.sources")
-        resume_dir = ck.resolve_resume(self.out, self.resume) if self.resume else None
+        resume_dir = runs.resolve_resume(self.out, self.resume, self.resume_other_run) if self.resume else None
+        if resume_dir is not None:
+            runs.check_target(json.loads((resume_dir / "state.json").read_text()), c.steps, resume_dir)
         self.dist = distributed.setup(c.device)  # several processes: process group, cuda:LOCAL_RANK
         if self.dist.is_main:
+            runs.check_writable(self.out, "output.dir")  # before anything loads
+            if cfg.data.cache:
+                runs.check_writable(cfg.data.cache_dir, "data.cache_dir")
             ck.remove_partial(ck.checkpoint_root(self.out))
+        # The folder belongs to this run from here (or the run stops: another run's outputs are never touched).
+        self.run = runs.claim(self.out, resume_dir, self.overwrite, self.resume_other_run, write=self.dist.is_main)
 
         self.device = self.dist.device or pick_device(c.device)
         self.dtype = DTYPES[cfg.model.dtype]
@@ -195,7 +204,9 @@ class Trainer:
         """Everything but the weights (`_load_weights`): optimizer, schedule, data position, generators, step."""
         state = json.loads((folder / "state.json").read_text())
         if state.get("config_digest") != self.cfg.digest():
-            say(f"note: the config differs from the one {folder} was saved with; continuing with the current one")
+            changes = runs.config_changes(state.get("config"), self.cfg.model_dump(mode="json"))
+            say(f"note: the config differs from the one {folder} was saved with"
+                f"{' (' + '; '.join(changes) + ')' if changes else ''}; continuing with the current one")
         self.optim.load(folder, state["scheduler"])
         glue.load_data_state(self.data, state["data"])
         self.objective.load_state(ck.restore_rng(load_file(str(folder / "rng.safetensors"))))
@@ -224,7 +235,7 @@ class Trainer:
             if not math.isfinite(value):
                 raise NonFiniteLossError(
                     f"loss is {value} at step {self.step + 1}; no weights were changed by this step "
-                    f"(batch files: {', '.join(map(str, batch.files))}); last checkpoint: {self.last_checkpoint}"
+                    f"(batch files: {', '.join(map(str, batch.files))}); last checkpoint: {self._newest_checkpoint()}"
                 )
             (loss / c.grad_accum if c.grad_accum > 1 else loss).backward()  # fused back pass: steps here
             del pred, loss, noised
@@ -247,6 +258,7 @@ class Trainer:
 
     def _state(self) -> dict:
         return {"step": self.step, "method": self.cfg.train.method, "config_digest": self.cfg.digest(),
+                "config": self.cfg.model_dump(mode="json"), **self.run.state(),
                 "scheduler": self.optim.scheduler.state_dict(), "data": glue.data_state(self.data)}
 
     def _write_weights(self, folder: Path) -> None:
@@ -258,9 +270,11 @@ class Trainer:
         else:
             ck.save_transformer(folder / "transformer", self.transformer)
 
-    def _newest_checkpoint(self) -> Path | None:
-        """This run's last checkpoint, else the newest complete one in output.dir (a resumed run's)."""
-        return self.last_checkpoint or (ck.list_checkpoints(ck.checkpoint_root(self.out)) or [(0, None)])[-1][1]
+    def _newest_checkpoint(self) -> str:
+        """This run's last checkpoint, else the newest complete one of this run in output.dir (a resumed run's)."""
+        found = self.last_checkpoint or (runs.run_checkpoints(self.out, getattr(getattr(self, "run", None), "id", None))
+                                         or [(0, None)])[-1][1]
+        return str(found) if found else "none (no checkpoint was saved yet)"
 
     def save(self, final: bool = False) -> Path:
         """A complete resumable checkpoint; with `final`, also the weights in output.dir. Returns the checkpoint
@@ -288,18 +302,22 @@ class Trainer:
             save_file(ck.rng_state(self.objective.state()), str(tmp / "rng.safetensors"))
             ck.write_json(tmp / "state.json", self._state())
 
-        root = ck.checkpoint_root(self.out)
-        self.last_checkpoint = ck.write_checkpoint(root, self.step, write, self.cfg.train.keep_checkpoints)
-        if not final:
-            self.dist.barrier()
-            return self.last_checkpoint
-        if self.cfg.train.method == "lora":
-            path = self.out / "lora.safetensors"
-            src = self.last_checkpoint / "lora.safetensors"
-            ck.atomic_write(path, lambda tmp: tmp.write_bytes(src.read_bytes()))
-        else:
-            path = self.out / "transformer"
-            ck.atomic_dir(path, lambda tmp: ck.save_transformer(tmp, self.transformer))
+        root, keep = ck.checkpoint_root(self.out), self.cfg.train.keep_checkpoints
+        with runs.disk_errors(root, runs.estimate_checkpoint_bytes(self.out, self.params)):
+            self.last_checkpoint = ck.write_checkpoint(
+                root, self.step, write, keep, prune=lambda r: runs.prune(r, self.run.id, self.step, keep))
+            say(f"saved checkpoint {self.last_checkpoint}")
+            runs.keep_step_lora(self.cfg, self.run, self.last_checkpoint, self.step)
+            if not final:
+                self.dist.barrier()
+                return self.last_checkpoint
+            if self.cfg.train.method == "lora":
+                path = self.out / "lora.safetensors"
+                src = self.last_checkpoint / "lora.safetensors"
+                ck.atomic_write(path, lambda tmp: tmp.write_bytes(src.read_bytes()))
+            else:
+                path = self.out / "transformer"
+                ck.atomic_dir(path, lambda tmp: ck.save_transformer(tmp, self.transformer))
         say(f"saved {path} (step {self.step})")
         self.dist.barrier()
         return path
