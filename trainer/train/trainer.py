@@ -183,8 +183,14 @@ class Trainer:
         if resume_dir is not None:
             self._restore(resume_dir)
         if self.dist.is_main:
-            self.monitor = Monitor(self.out, c.steps, self.step, cfg.output.tensorboard)
+            self.monitor = Monitor(self.out, c.steps, self.step, cfg.output.tensorboard, run_id=self.run.id,
+                                   config=cfg, epoch=self._epoch)
         self._ready = True
+
+    def _epoch(self) -> int:
+        """The epoch (from 1) of the batch just trained."""
+        d = self.data
+        return (d.sampler.position * getattr(d, "world_size", 1) - 1) // d.batches_per_epoch + 1
 
     def _can_stream(self) -> bool:
         """Streaming pays only between CPU RAM and a GPU; on the CPU the model stays resident. (Tests override
