@@ -106,6 +106,8 @@ def sample(
     height: int | None = typer.Option(None, "--height", min=16, help="Height in pixels (default: sample.height)."),
     num: int = typer.Option(1, "--num", min=1, help="Images per prompt."),
     out: Path | None = typer.Option(None, "--out", help="Output folder (default: <output.dir>/samples).", show_default=False),
+    base: bool = typer.Option(
+        False, "--base", help="Full fine-tune configs: sample the base model instead of <output.dir>/transformer."),
 ) -> None:
     """Generate images with the family's diffusers pipeline, the transformer streamed by the offload conductor.
 
@@ -127,6 +129,7 @@ def sample(
             height=height,
             num=num,
             out=out,
+            base=base,
         ),
     )
 
