@@ -21,6 +21,7 @@ which calls the same `generate`.
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,7 +128,7 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
     trained = trained_transformer(cfg, req.base)
     pipe, adapters = _build_pipeline(cfg, adapter, plan, trained)
     tqdm.write(f"sampling with {'the fine-tuned transformer ' + str(trained) if trained else 'the base transformer'}"
-               f" ({cfg.model.path}{' + ' + str(len(adapters)) + ' LoRA(s)' if adapters else ''})")
+               f" ({cfg.model.path}{' + ' + str(len(adapters)) + ' LoRA(s)' if adapters else ''})", file=sys.stderr)
     embeds = _encode_and_release(pipe, adapter, plan, cfg.offload.text_encoders)
 
     pipe.vae.to(plan.device)  # small (Flux: 168 MB); decodes on the device
@@ -153,7 +154,7 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
         )
         written.append(save_png(sheet, plan.out / SHEET_NAME, meta))
     note = f" (LoRA adapters: {', '.join(adapters)})" if adapters else ""
-    tqdm.write(f"wrote {len(images)} image(s) to {plan.out}{note}")
+    tqdm.write(f"wrote {len(images)} image(s) to {plan.out}{note}", file=sys.stderr)
     return written
 
 
