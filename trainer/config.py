@@ -61,10 +61,12 @@ class LoraConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    name: Literal["adamw", "adamw8bit", "adafactor"] = Field(
+    name: Literal["adamw", "adamw8bit", "adafactor", "prodigy", "adamw_schedulefree"] = Field(
         default="adamw",
         description="adamw; adamw8bit (needs bitsandbytes and a GPU); adafactor (transformers' Adafactor with "
-        "lr as an absolute step size: relative_step and scale_parameter off, no momentum).",
+        "lr as an absolute step size: relative_step and scale_parameter off, no momentum); prodigy (prodigyopt: "
+        "finds the step size itself, set lr: 1.0); adamw_schedulefree (schedulefree: no decay schedule, "
+        "scheduler: constant; saves and samples the averaged weights).",
     )
     lr: float = Field(default=1e-4, gt=0, description="Peak learning rate.")
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="Adam betas (adamw, adamw8bit).")
@@ -264,6 +266,11 @@ class Config(_Section):
             raise ValueError(
                 "optimizer.fused_back_pass cannot clip the global gradient norm (each parameter steps before "
                 "the norm is known): set optimizer.max_grad_norm: null"
+            )
+        if opt.name == "adamw_schedulefree" and (opt.scheduler != "constant" or opt.fused_back_pass):
+            raise ValueError(
+                "optimizer.name: adamw_schedulefree replaces the decay schedule and steps all weights at once: set "
+                "optimizer.scheduler: constant and optimizer.fused_back_pass: false"
             )
         if opt.stochastic_rounding and t.method != "full":
             raise ValueError("optimizer.stochastic_rounding applies to full fine-tuning only (train.method: full)")

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import Config
 from ..errors import NonFiniteLossError, NonFiniteWeightsError, UserError
+from ..optim.build import eval_weights
 from . import checkpoint as ck
 from . import distributed, glue
 from . import run as runs
@@ -284,7 +285,11 @@ class Trainer:
 
     def save(self, final: bool = False) -> Path:
         """A complete resumable checkpoint; with `final`, also the weights in output.dir. Returns the checkpoint
-        folder, or the final weights' path."""
+        folder, or the final weights' path. (A schedule-free optimizer's averaged weights are what is saved.)"""
+        with eval_weights(getattr(self, "optim", None)):
+            return self._save(final)
+
+    def _save(self, final: bool) -> Path:
         if self.offload is not None:
             self.offload.sync()  # host copies of streamed trainable weights must be current
         # A NaN or inf gradient under a finite loss steps the weights to NaN without tripping the loss check; never
@@ -334,7 +339,8 @@ class Trainer:
         """Images for sample.prompts with the model being trained, into output.dir/samples and TensorBoard.
 
         Runs under `fork_rng` so that nothing it does can move the training generators."""
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
+                eval_weights(self.optim):
             images = self.sampler(self.transformer)
         from ..sampling.output import image_metadata, save_png
 
