@@ -19,6 +19,15 @@ from .errors import UserError
 # are never used by dittrain, so the line is noise to a user.
 logging.getLogger("transformers.utils.import_utils").setLevel(logging.ERROR)
 
+
+def _no_empty_fp32_notice(record: logging.LogRecord) -> bool:
+    """diffusers warns on every `.to(dtype)` of a model that 'should be kept in float32: []', an empty list: no
+    module is affected, so the line says nothing. A non-empty list still shows."""
+    return "should be kept in float32: []" not in record.getMessage()
+
+
+logging.getLogger("diffusers.models.modeling_utils").addFilter(_no_empty_fp32_notice)
+
 app = typer.Typer(
     name="dittrain",
     help="Fine-tune diffusion transformers (Flux, SD3/SD3.5, Qwen-Image) with LoRA or full fine-tuning on GPUs "
@@ -34,6 +43,21 @@ CONFIG_ARG = typer.Argument(..., help="YAML config (start from one in configs/, 
 SET_OPT = typer.Option(
     [], "--set", metavar="KEY=VALUE", help="Override a config value, e.g. --set train.steps=500 (repeatable).", show_default=False
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"dittrain {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """Fine-tune diffusion transformers on GPUs far smaller than the model."""
 
 
 def _user_errors(fn):
