@@ -59,6 +59,11 @@ class DiskFullError(UserError, OSError):
         return str(self.strerror)
 
 
+def is_main_process() -> bool:
+    """Rank 0 of a torchrun / accelerate launch (or a single process): the one that writes output.dir."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def new_run_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
@@ -121,7 +126,9 @@ def describe(out: Path) -> str:
 def claim(out: Path, resume_dir: Path | None, overwrite: bool = False, allow_other_run: bool = False,
           write: bool = True) -> Run:
     """Decide the run id for a `fit` into `out` and record it in run.json (with `write`; rank 0 only). Raises
-    UserError before anything is loaded when the folder belongs to another run."""
+    UserError before anything is loaded when the folder belongs to another run. Every process of a launch calls
+    it before the process group forms, so all of them stop on the same error; only rank 0 writes or deletes (the
+    others' run id is unused: they write nothing)."""
     out = Path(out)
     owner = folder_run_id(out)
     if resume_dir is not None:
@@ -144,7 +151,7 @@ def claim(out: Path, resume_dir: Path | None, overwrite: bool = False, allow_oth
                 f"--overwrite (deletes its checkpoints and weights), or choose another output.dir "
                 f"(--set output.dir=...)"
             )
-        if overwrite or owner:
+        if (overwrite or owner) and write:
             clear(out)  # a run that saved nothing (or --overwrite): nothing trained is lost
         rid = new_run_id()
     run = Run(rid, out)

@@ -128,14 +128,14 @@ class Trainer:
         resume_dir = runs.resolve_resume(self.out, self.resume, self.resume_other_run) if self.resume else None
         if resume_dir is not None:
             runs.check_target(json.loads((resume_dir / "state.json").read_text()), c.steps, resume_dir)
+        runs.check_writable(self.out, "output.dir")  # before anything loads; every process, so all stop together
+        if cfg.data.cache:
+            runs.check_writable(cfg.data.cache_dir, "data.cache_dir")
+        # The folder belongs to this run from here (or the run stops: another run's outputs are never touched).
+        self.run = runs.claim(self.out, resume_dir, self.overwrite, self.resume_other_run, write=runs.is_main_process())
         self.dist = distributed.setup(c.device)  # several processes: process group, cuda:LOCAL_RANK
         if self.dist.is_main:
-            runs.check_writable(self.out, "output.dir")  # before anything loads
-            if cfg.data.cache:
-                runs.check_writable(cfg.data.cache_dir, "data.cache_dir")
             ck.remove_partial(ck.checkpoint_root(self.out))
-        # The folder belongs to this run from here (or the run stops: another run's outputs are never touched).
-        self.run = runs.claim(self.out, resume_dir, self.overwrite, self.resume_other_run, write=self.dist.is_main)
 
         self.device = self.dist.device or pick_device(c.device)
         self.dtype = DTYPES[cfg.model.dtype]
