@@ -162,3 +162,13 @@ def test_a_rerun_with_fewer_steps_is_refused_then_overwrite_trains_cleanly(tiny_
     assert [s for s, _ in ck.list_checkpoints(out / "checkpoints")] == [2]
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert not (out / "cat-step-000004.safetensors").exists()
+
+
+def test_a_resume_that_would_end_below_the_folders_weights_is_refused(tmp_path):
+    _fake_run(tmp_path, "A", [20, 100])
+    state = {"step": 20}
+    ckpt = tmp_path / "checkpoints" / "step-000020"
+    with pytest.raises(UserError, match="already holds this run's weights at step 100, beyond train.steps 40"):
+        runs.check_target(state, 40, ckpt, tmp_path)
+    runs.check_target(state, 100, ckpt, tmp_path)  # recomputing the same run to its end replaces nothing new
+    runs.check_target(state, 40, ckpt, tmp_path / "elsewhere")  # into another folder

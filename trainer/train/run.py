@@ -239,13 +239,29 @@ def resolve_resume(out: Path, resume: str, allow_other_run: bool = False) -> Pat
     return folder
 
 
-def check_target(state: dict, steps: int, folder: Path) -> None:
+def check_target(state: dict, steps: int, folder: Path, out: Path | None = None) -> None:
     """A checkpoint at or past train.steps has nothing left to train; resuming it would only rewrite the final
-    weights."""
+    weights. And a resume that would end below weights the folder already holds (a 100-step run's final LoRA,
+    resumed from step 20 with train.steps 40) would replace them: refused, pointing at another output.dir."""
     if int(state["step"]) >= steps:
         raise UserError(
             f"--resume {folder}: the checkpoint is at step {state['step']} and train.steps is {steps}, so there is "
             f"nothing to train; raise train.steps (--set train.steps=N) to continue it"
+        )
+    if out is None:
+        return
+    reached = [s for s, _ in run_checkpoints(out, folder_run_id(out))]
+    lora = Path(out) / "lora.safetensors"
+    if lora.is_file():
+        try:
+            reached.append(int(ck.lora_metadata(lora).get("dittrain.step", 0)))
+        except (OSError, ValueError, SafetensorError):
+            pass
+    if reached and max(reached) > steps:
+        raise UserError(
+            f"--resume {folder}: {out} already holds this run's weights at step {max(reached)}, beyond train.steps "
+            f"{steps}, and the resumed run's final save would replace them; resume into another output.dir "
+            f"(--set output.dir=...) or raise train.steps to at least {max(reached)}"
         )
 
 
