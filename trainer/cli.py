@@ -19,6 +19,15 @@ from .errors import UserError
 # are never used by dittrain, so the line is noise to a user.
 logging.getLogger("transformers.utils.import_utils").setLevel(logging.ERROR)
 
+
+def _no_empty_fp32_notice(record: logging.LogRecord) -> bool:
+    """diffusers warns on every `.to(dtype)` of a model that 'should be kept in float32: []', an empty list: no
+    module is affected, so the line says nothing. A non-empty list still shows."""
+    return "should be kept in float32: []" not in record.getMessage()
+
+
+logging.getLogger("diffusers.models.modeling_utils").addFilter(_no_empty_fp32_notice)
+
 app = typer.Typer(
     name="dittrain",
     help="Fine-tune diffusion transformers (Flux, SD3/SD3.5, Qwen-Image) with LoRA or full fine-tuning on GPUs "
@@ -34,6 +43,21 @@ CONFIG_ARG = typer.Argument(..., help="YAML config (start from one in configs/, 
 SET_OPT = typer.Option(
     [], "--set", metavar="KEY=VALUE", help="Override a config value, e.g. --set train.steps=500 (repeatable).", show_default=False
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"dittrain {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """Fine-tune diffusion transformers on GPUs far smaller than the model."""
 
 
 def _user_errors(fn):
@@ -69,6 +93,12 @@ def fit(
         "A missing checkpoint is an error, never a silent fresh start.",
         show_default=False,
     ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Start a new run in an output.dir that holds another one: deletes its "
+        "checkpoints, weights, metrics, TensorBoard logs and samples first (other files stay)."),
+    resume_other_run: bool = typer.Option(
+        False, "--resume-other-run", help="Allow --resume from a checkpoint of a run other than the one output.dir "
+        "holds (that run's files are kept)."),
 ) -> None:
     """Train a LoRA or fine-tune the transformer as the config says.
 
@@ -77,7 +107,7 @@ def fit(
     cfg = _load(config, overrides)
     from .train.trainer import Trainer
 
-    Trainer(cfg, resume=resume).fit()
+    Trainer(cfg, resume=resume, overwrite=overwrite, resume_other_run=resume_other_run).fit()
 
 
 @app.command()
@@ -100,6 +130,8 @@ def sample(
     height: int | None = typer.Option(None, "--height", min=16, help="Height in pixels (default: sample.height)."),
     num: int = typer.Option(1, "--num", min=1, help="Images per prompt."),
     out: Path | None = typer.Option(None, "--out", help="Output folder (default: <output.dir>/samples).", show_default=False),
+    base: bool = typer.Option(
+        False, "--base", help="Full fine-tune configs: sample the base model instead of <output.dir>/transformer."),
 ) -> None:
     """Generate images with the family's diffusers pipeline, the transformer streamed by the offload conductor.
 
@@ -121,6 +153,7 @@ def sample(
             height=height,
             num=num,
             out=out,
+            base=base,
         ),
     )
 

@@ -70,10 +70,12 @@ class LoraConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    name: Literal["adamw", "adamw8bit", "adafactor"] = Field(
+    name: Literal["adamw", "adamw8bit", "adafactor", "prodigy", "adamw_schedulefree"] = Field(
         default="adamw",
         description="adamw; adamw8bit (needs bitsandbytes and a GPU); adafactor (transformers' Adafactor with "
-        "lr as an absolute step size: relative_step and scale_parameter off, no momentum).",
+        "lr as an absolute step size: relative_step and scale_parameter off, no momentum); prodigy (prodigyopt: "
+        "finds the step size itself, set lr: 1.0); adamw_schedulefree (schedulefree: no decay schedule, "
+        "scheduler: constant; saves and samples the averaged weights).",
     )
     lr: float = Field(default=1e-4, gt=0, description="Peak learning rate.")
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="Adam betas (adamw, adamw8bit).")
@@ -256,6 +258,17 @@ class SampleConfig(_Section):
 class OutputConfig(_Section):
     dir: Path = Field(description="Folder for the trained weights, checkpoints, metrics and samples.")
     tensorboard: bool = Field(default=True, description="Write TensorBoard curves and sample images.")
+    save_every: int = Field(
+        default=0,
+        ge=0,
+        description="LoRA: every N steps also keep that step's LoRA as <name>-step-000500.safetensors in output.dir "
+        "(never pruned, unlike checkpoints; a checkpoint is saved at those steps too). 0: only the final LoRA.",
+    )
+    name: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="Name in the per-step LoRA files (<name>-step-000500.safetensors); null: lora.",
+    )
 
 
 class Config(_Section):
@@ -300,6 +313,11 @@ class Config(_Section):
             raise ValueError(
                 f"model.quantize: {self.model.quantize} is for a frozen base (train.method: lora); full fine-tuning "
                 "needs model.quantize: none"
+            )
+        if opt.name == "adamw_schedulefree" and (opt.scheduler != "constant" or opt.fused_back_pass):
+            raise ValueError(
+                "optimizer.name: adamw_schedulefree replaces the decay schedule and steps all weights at once: set "
+                "optimizer.scheduler: constant and optimizer.fused_back_pass: false"
             )
         if opt.stochastic_rounding and t.method != "full":
             raise ValueError("optimizer.stochastic_rounding applies to full fine-tuning only (train.method: full)")
@@ -386,6 +404,46 @@ def _unwrap(ann: Any) -> list[Any]:
     return out
 
 
+# Keys of other trainers (kohya sd-scripts, diffusers' example scripts, ai-toolkit, SimpleTuner, OneTrainer) and
+# where dittrain keeps the same setting. Suggested when such a key appears anywhere in a config.
+OTHER_TRAINERS = {
+    "learning_rate": "optimizer.lr", "unet_lr": "optimizer.lr", "lr_scheduler": "optimizer.scheduler",
+    "lr_warmup_steps": "optimizer.warmup_steps", "warmup_steps": "optimizer.warmup_steps",
+    "optimizer_type": "optimizer.name", "optimizer": "optimizer.name", "optim": "optimizer.name",
+    "max_grad_norm": "optimizer.max_grad_norm", "adam_weight_decay": "optimizer.weight_decay",
+    "weight_decay": "optimizer.weight_decay", "adam_epsilon": "optimizer.eps",
+    "network_dim": "lora.rank", "lora_rank": "lora.rank", "rank": "lora.rank", "linear": "lora.rank",
+    "network_alpha": "lora.alpha", "lora_alpha": "lora.alpha", "linear_alpha": "lora.alpha",
+    "network_dropout": "lora.dropout", "lora_dropout": "lora.dropout", "target_modules": "lora.targets",
+    "max_train_steps": "train.steps", "num_train_steps": "train.steps", "steps": "train.steps",
+    "train_batch_size": "train.batch_size", "batch_size": "train.batch_size",
+    "gradient_accumulation_steps": "train.grad_accum", "gradient_accumulation": "train.grad_accum",
+    "seed": "train.seed", "checkpointing_steps": "train.checkpoint_every",
+    "save_every_n_steps": "output.save_every", "save_every": "output.save_every",
+    "checkpoints_total_limit": "train.keep_checkpoints", "save_last_n_steps": "train.keep_checkpoints",
+    "max_step_saves_to_keep": "train.keep_checkpoints", "output_dir": "output.dir", "output_name": "output.name",
+    "logging_dir": "output.tensorboard", "mixed_precision": "model.dtype", "save_precision": "model.dtype",
+    "pretrained_model_name_or_path": "model.path", "name_or_path": "model.path",
+    "train_data_dir": "data.sources", "instance_data_dir": "data.sources", "folder_path": "data.sources",
+    "resolution": "data.resolutions", "cache_latents": "data.cache", "caption_dropout_rate": "caption_dropout",
+    "weighting_scheme": "train.timestep_sampling", "timestep_sampling": "train.timestep_sampling",
+    "guidance_scale": "model.guidance", "gradient_checkpointing": "train.gradient_checkpointing",
+    "sample_every_n_steps": "sample.every", "sample_prompts": "sample.prompts", "validation_prompt": "sample.prompts",
+}
+
+
+def _other_trainer_hint(key: str, section: tuple) -> str | None:
+    """`did you mean` for a key spelt as another trainer spells it; the target may be in another section."""
+    target = OTHER_TRAINERS.get(key.lower())
+    if target is None:
+        return None
+    if "." not in target:  # a per-source key: keep the list position
+        return ".".join(str(p) for p in (*section, target))
+    if ".".join(str(p) for p in section) + "." + key == target:
+        return None  # it is the valid key itself (e.g. train.steps): nothing to suggest
+    return target
+
+
 def _describe(err: dict, lines: dict[tuple, int], source: str) -> str:
     loc = tuple(err["loc"])
     dotted = ".".join(str(p) for p in loc) or "(top level)"
@@ -395,7 +453,11 @@ def _describe(err: dict, lines: dict[tuple, int], source: str) -> str:
     if err["type"] == "extra_forbidden":
         valid = _fields_at(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
-        hint = f"; did you mean {'.'.join(str(p) for p in (*loc[:-1], close[0]))!r}?" if close else ""
+        other = _other_trainer_hint(str(loc[-1]), loc[:-1])
+        if other:
+            hint = f"; did you mean {other!r}? (dittrain's name for it)"
+        else:
+            hint = f"; did you mean {'.'.join(str(p) for p in (*loc[:-1], close[0]))!r}?" if close else ""
         section = ".".join(str(p) for p in loc[:-1]) or "the top level"
         return f"{where}: unknown key {dotted!r}{hint} (valid keys in {section}: {', '.join(valid)})"
     if err["type"] == "missing":
@@ -436,6 +498,8 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         msgs = []
         for err in e.errors():
             loc = tuple(err["loc"])
-            src = "--set" if any(loc[: len(k)] == k for k in from_set) else str(path)
+            # An unknown key's location ends at the first key that does not exist (--set foo.bar=1 fails at
+            # 'foo'), so a location that is a prefix of an override's keys is that override's too.
+            src = "--set" if any(loc[: len(k)] == k or k[: len(loc)] == loc for k in from_set if loc) else str(path)
             msgs.append(_describe(err, lines, src))
         raise ConfigError("\n".join(msgs[:5]) + (f"\n(and {len(msgs) - 5} more)" if len(msgs) > 5 else "")) from None

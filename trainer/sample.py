@@ -21,6 +21,7 @@ which calls the same `generate`.
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,9 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
     out = req.out if req.out is not None else cfg.output.dir / "samples"
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: --out must be a folder, and this is a file")
+    from .train.run import check_writable
+
+    check_writable(out, "--out" if req.out is not None else "the samples folder")  # before any weight loads
     return SamplePlan(
         prompts,
         loras,
@@ -121,7 +125,10 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
 
     adapter = get_adapter(cfg.model)
     plan = resolve(cfg, req, adapter)
-    pipe, adapters = _build_pipeline(cfg, adapter, plan)
+    trained = trained_transformer(cfg, req.base)
+    pipe, adapters = _build_pipeline(cfg, adapter, plan, trained)
+    tqdm.write(f"sampling with {'the fine-tuned transformer ' + str(trained) if trained else 'the base transformer'}"
+               f" ({cfg.model.path}{' + ' + str(len(adapters)) + ' LoRA(s)' if adapters else ''})", file=sys.stderr)
     embeds = _encode_and_release(pipe, adapter, plan, cfg.offload.text_encoders)
 
     pipe.vae.to(plan.device)  # small (Flux: 168 MB); decodes on the device
@@ -147,8 +154,16 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
         )
         written.append(save_png(sheet, plan.out / SHEET_NAME, meta))
     note = f" (LoRA adapters: {', '.join(adapters)})" if adapters else ""
-    tqdm.write(f"wrote {len(images)} image(s) to {plan.out}{note}")
+    tqdm.write(f"wrote {len(images)} image(s) to {plan.out}{note}", file=sys.stderr)
     return written
+
+
+def trained_transformer(cfg: Config, base: bool = False) -> Path | None:
+    """A full fine-tune config samples what it trained: output.dir/transformer when it exists (unless --base)."""
+    folder = Path(cfg.output.dir) / "transformer"
+    if base or cfg.train.method != "full" or not folder.is_dir():
+        return None
+    return folder
 
 
 @contextmanager
@@ -160,8 +175,9 @@ def _oom_as_user_error(message: str):
         raise UserError(message) from None
 
 
-def _build_pipeline(cfg: Config, adapter, plan: SamplePlan):
-    """Every part on the CPU, the LoRAs applied by diffusers, the transformer frozen. Returns (pipe, adapter names)."""
+def _build_pipeline(cfg: Config, adapter, plan: SamplePlan, trained: Path | None = None):
+    """Every part on the CPU, the fine-tuned weights (`trained`) loaded into the transformer, the LoRAs applied by
+    diffusers, the transformer frozen. Returns (pipe, adapter names)."""
     comps = adapter.load(
         cfg.model,
         parts={"transformer", "vae", "text", "scheduler"},
@@ -170,6 +186,10 @@ def _build_pipeline(cfg: Config, adapter, plan: SamplePlan):
     )
     pipe = adapter.pipeline(comps)
     del comps  # the pipeline holds the only references from here, so releasing the encoders frees them
+    if trained is not None:
+        from .train.checkpoint import load_transformer_weights
+
+        load_transformer_weights(trained, pipe.transformer)
     names = load_loras(pipe, plan.loras, adapter.family)
     # Inference only. It also tells the conductor that every block weight (LoRA layers included) is frozen, so
     # all of it is packed and streamed; a parameter that requires grad would be kept resident on the device.

@@ -8,6 +8,7 @@ alone, so its content depends only on (seed, position): resume is exact and noth
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -280,13 +281,13 @@ def prepare_data(
         load_encoders = encoder_loader(cfg, adapter, device)
     plan = plan_data(cfg, adapter, progress=progress)
     if rank == 0:
-        tqdm.write(plan.summary())
+        tqdm.write(plan.summary(), file=sys.stderr)
     res = ensure_encoded(
         adapter, load_encoders, plan.latent_store, plan.text_store, plan.latent_jobs(), plan.captions(),
         batch_size=cfg.data.encode_batch_size, verify_latents=True, progress=progress,
     )
     drop_encoding_failures(plan, res)
-    tqdm.write(plan.encode_summary(res))
+    tqdm.write(plan.encode_summary(res), file=sys.stderr)
     return TrainData(plan, adapter, res, rank=rank, world_size=world_size)
 
 
@@ -307,6 +308,6 @@ def drop_encoding_failures(plan: DataPlan, res: EncodeResult) -> None:
     gone = {i for i in reasons if i not in kept_items}
     for i in sorted(gone):
         plan.report.bad.append((plan.items[i].file, reasons[i]))
-        tqdm.write(f"left out: {plan.items[i].file}: {reasons[i]}")
+        tqdm.write(f"left out: {plan.items[i].file}: {reasons[i]}", file=sys.stderr)
     plan.entries = _keep_items(plan.report, keep, gone)
     check_report(plan.report, plan.cfg.data.strict)

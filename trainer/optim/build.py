@@ -12,12 +12,19 @@ is a relative step size), so a zero-initialised LoRA B barely moves at lr 1e-4. 
 with `relative_step=False, scale_parameter=False, warmup_init=False` (the setting diffusion trainers use), so
 `optimizer.lr` and the schedule mean the same for every optimizer. It has no momentum (beta1=None): `betas`
 apply to the Adam optimizers only.
+
+Prodigy (`prodigy`, the prodigyopt package) estimates the step size itself: `optimizer.lr` is a multiplier of its
+estimate, 1.0 as its authors advise. Schedule-free AdamW (`adamw_schedulefree`, the schedulefree package) replaces
+the decay schedule by averaging: the weights the model trains with are an interpolation, and the weights to save
+or sample are the average, which `eval_weights` swaps in (and back) around every save and sample. It needs a
+constant schedule (warmup still applies) and fp32 trainable weights, and does not run in the fused back pass.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -72,7 +79,36 @@ def _factory(cfg: OptimizerConfig) -> Callable[[list[dict]], torch.optim.Optimiz
         return lambda groups: bnb.optim.AdamW8bit(
             groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
         )
-    raise UserError(f"optimizer.name: unknown optimizer {cfg.name!r} (adamw, adamw8bit, adafactor)")
+    if cfg.name == "prodigy":
+        from prodigyopt import Prodigy
+
+        return lambda groups: Prodigy(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.name == "adamw_schedulefree":
+        from schedulefree import AdamWScheduleFree
+
+        def make(groups):
+            opt = AdamWScheduleFree(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+            opt.train()  # training mode from the first step; eval_weights swaps to the averaged weights
+            return opt
+
+        return make
+    raise UserError(f"optimizer.name: unknown optimizer {cfg.name!r} (adamw, adamw8bit, adafactor, prodigy, "
+                    "adamw_schedulefree)")
+
+
+@contextmanager
+def eval_weights(optimizer):
+    """Inside: the weights to save or sample. A schedule-free optimizer (a torch optimizer with `eval`/`train`)
+    swaps its averaged weights in and back (exactly: the swap is an interpolation it inverts); every other
+    optimizer, or None, does nothing."""
+    if optimizer is None or not hasattr(optimizer, "eval") or not hasattr(optimizer, "train"):
+        yield
+        return
+    optimizer.eval()
+    try:
+        yield
+    finally:
+        optimizer.train()
 
 
 def build_optimizer(params: ParamsT, cfg: OptimizerConfig, *, seed: int = 0):
@@ -92,6 +128,9 @@ def build_optimizer(params: ParamsT, cfg: OptimizerConfig, *, seed: int = 0):
         raise UserError("optimizer.stochastic_rounding needs bf16 weights: set model.dtype: bf16")
     if all(p.dtype == torch.float32 for p in flat):
         return make(groups)
+    if cfg.name == "adamw_schedulefree":
+        raise UserError("optimizer.name: adamw_schedulefree needs fp32 trainable weights (LoRA, or model.dtype: fp32 "
+                        "for full fine-tuning)")
     rounding = "stochastic" if cfg.stochastic_rounding else "nearest"
     return Fp32StepOptimizer(groups, make, rounding=rounding, seed=seed)
 

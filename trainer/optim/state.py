@@ -97,7 +97,8 @@ def optimizer_state_from_safetensors(
     ignore = {"params", "initial_lr"}
     saved = [set(g) - ignore for g in state_dict.get("param_groups", [])]
     have = [set(g) - ignore for g in optimizer.param_groups]
-    if saved != have:
+    # A subset, not equality: some optimizers add group keys at their first step (Prodigy's d_denom, d_hat).
+    if len(saved) != len(have) or any(not h <= s for h, s in zip(have, saved, strict=True)):
         raise ValueError("it was saved by a different optimizer (its param groups have other settings)")
     optimizer.load_state_dict(state_dict)
 
@@ -136,3 +137,8 @@ def load_optimizer_state(optimizer, folder: str | Path) -> None:
             f"{path}: optimizer state does not fit this run's parameters or optimizer ({e}); "
             "resume with the config it was saved with"
         ) from None
+    from .build import torch_optimizer
+
+    inner = torch_optimizer(optimizer)
+    if hasattr(inner, "train") and not all(g.get("train_mode", True) for g in inner.param_groups):
+        inner.train()  # schedule-free: saved with the averaged weights in place (build.eval_weights); train again

@@ -29,6 +29,7 @@ class SampleRequest:
     height: int | None = None
     num: int = 1
     out: Path | None = None
+    base: bool = False  # full fine-tune configs: sample the base model, not output.dir/transformer
 
 
 @dataclass(frozen=True)
@@ -160,3 +161,17 @@ def check_loras(specs: list[LoraSpec]) -> None:
             raise UserError(
                 f"{spec.path}: a LoRA must be a .safetensors file (pickled .bin/.pt files are not read)"
             )
+        _check_safetensors(spec.path)
+
+
+def _check_safetensors(path: Path) -> None:
+    """Read the file's header (not its weights): a file that is not safetensors, or is cut short, is one line
+    here instead of a traceback after the model has loaded."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError, ValueError) as e:
+        first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise UserError(f"{path}: not a readable safetensors LoRA file ({first})") from None

@@ -60,9 +60,19 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
+def umask_mode(mode: int = 0o666) -> int:
+    """`mode` under the process umask: what a plain open() creates. safetensors' writer creates files -rw-------,
+    so saved files are given this mode (a shared machine's group then reads checkpoints as it reads the rest)."""
+    mask = os.umask(0)
+    os.umask(mask)  # no way to read the umask without setting it; both calls are instant
+    return mode & ~mask
+
+
 def fsync_tree(root: Path) -> None:
+    mode = umask_mode()
     for dirpath, _, files in os.walk(root):
         for f in files:
+            os.chmod(Path(dirpath) / f, mode)
             _fsync_file(Path(dirpath) / f)
         _fsync_dir(Path(dirpath))
 
@@ -77,6 +87,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     try:
         write(tmp)
+        os.chmod(tmp, umask_mode())
         _fsync_file(tmp)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
@@ -144,8 +155,10 @@ def remove_partial(root: Path) -> list[Path]:
     return gone
 
 
-def write_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep: int) -> Path:
-    """Write checkpoint `step` atomically through `write(tmp_dir)`, then prune to the newest `keep`."""
+def write_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep: int,
+                     prune: Callable[[Path], object] | None = None) -> Path:
+    """Write checkpoint `step` atomically through `write(tmp_dir)`, then prune: through `prune(root)` (the run's
+    own checkpoints, trainer/train/run.py), else to the newest `keep` in `root`."""
     final = root / f"step-{step:06d}"
 
     def _write(tmp: Path) -> None:
@@ -155,6 +168,9 @@ def write_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep:
         write_json(tmp / MARKER, {"step": step, "files": sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*"))})
 
     atomic_dir(final, _write)
+    if prune is not None:
+        prune(root)
+        return final
     for _, old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -3,8 +3,13 @@
 Every number here is already on the host when it is logged: the loss is read once per micro-batch by the
 non-finite check (a sync the loop needs anyway), the gradient norm only on logging steps. `metrics.jsonl` in
 output.dir gets one line per logged step; on resume, lines after the resumed step are dropped first, so the file
-reads like one run. TensorBoard (if enabled) gets loss, lr, grad norm, VRAM and sample images under
-output.dir/tensorboard.
+reads like one run. Every line carries the run id (trainer/train/run.py) and the epoch. TensorBoard (if
+enabled) gets loss, smoothed loss, lr, grad norm, step time, images/s, VRAM, the run id and config as text, and
+sample images under output.dir/tensorboard.
+
+The progress bar shows a smoothed loss (an exponential moving average, 0.9 per step, bias-corrected, as most
+trainers print), the epoch, s/step and img/s. When stderr is not a terminal (a log file, a job scheduler) there is
+no bar: a plain status line every ~5 % of the run instead, so a log does not fill with carriage returns.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -27,7 +33,12 @@ def say(msg: str) -> None:
 
 
 class Monitor:
-    def __init__(self, out_dir: Path, total: int, start: int, tensorboard: bool):
+    def __init__(self, out_dir: Path, total: int, start: int, tensorboard: bool, run_id: str | None = None,
+                 config=None, epoch: Callable[[], int] | None = None):
+        self.run_id, self._epoch = run_id, epoch or (lambda: 0)
+        self.total, self._ema, self._ema_n = total, 0.0, 0
+        self._tty = sys.stderr.isatty()
+        self._every = max(1, total // 20)  # status lines when stderr is not a terminal
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
@@ -38,7 +49,15 @@ class Monitor:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=start + 1 if start else None)
-        self.bar = tqdm(total=total, initial=start, desc="fit", unit="step", dynamic_ncols=True, file=sys.stderr)
+            if run_id:
+                self._tb.add_text("run/id", run_id, start)
+            if config is not None:
+                import yaml
+
+                text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+                self._tb.add_text("run/config", "\n".join("    " + line for line in text.splitlines()), start)
+        self.bar = tqdm(total=total, initial=start, desc="fit", unit="step", dynamic_ncols=True, file=sys.stderr,
+                        disable=not self._tty)
 
     def _truncate_after(self, step: int) -> None:
         if not self.metrics_path.exists():
@@ -53,21 +72,37 @@ class Monitor:
         text = "".join(line + "\n" for line in keep)
         atomic_write(self.metrics_path, lambda tmp: tmp.write_text(text))
 
+    def smoothed(self, loss: float) -> float:
+        """Bias-corrected exponential moving average of the loss (0.9 per step)."""
+        self._ema, self._ema_n = 0.9 * self._ema + 0.1 * loss, self._ema_n + 1
+        return self._ema / (1 - 0.9**self._ema_n)
+
+    def status(self, step: int, metrics: dict[str, float], smooth: float, epoch: int) -> str:
+        return (f"loss {smooth:.4f} (step {metrics['loss']:.4f}), epoch {epoch}, {metrics['step_time']:.2f} s/step, "
+                f"{metrics['samples_per_s']:.1f} img/s")
+
     def log(self, step: int, metrics: dict[str, float], write: bool) -> None:
-        self.bar.update(1)
-        self.bar.set_postfix(
-            loss=f"{metrics['loss']:.4f}", s_step=f"{metrics['step_time']:.2f}", img_s=f"{metrics['samples_per_s']:.1f}"
-        )
+        smooth, epoch = self.smoothed(metrics["loss"]), int(self._epoch())
+        line = self.status(step, metrics, smooth, epoch)
+        if self._tty:
+            self.bar.update(1)
+            self.bar.set_postfix_str(line, refresh=False)
+        elif step % self._every == 0 or step == self.total:
+            say(f"step {step}/{self.total}: {line}")
         if not write:
             return
-        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._file.write(json.dumps({"step": step, **metrics, "loss_smoothed": smooth, "epoch": epoch,
+                                     "run": self.run_id}) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for k in ("loss", "lr", "grad_norm", "vram_gb", "samples_per_s"):
+            for k in ("loss", "lr", "grad_norm", "vram_gb", "samples_per_s", "step_time"):
                 if metrics.get(k) is not None:
                     self._tb.add_scalar(f"train/{k}", metrics[k], step)
+            self._tb.add_scalar("train/loss_smoothed", smooth, step)
+            self._tb.add_scalar("train/epoch", epoch, step)
 
     def images(self, step: int, images: list, prompts: list[str]) -> None:
+        say(f"saved {len(images)} sample image(s) for step {step} in {self.out_dir / 'samples'}")
         if self._tb is None:
             return
         import numpy as np

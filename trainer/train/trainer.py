@@ -36,10 +36,12 @@ from ..config import Config
 from ..dtypes import DTYPES
 from ..errors import NonFiniteLossError, NonFiniteWeightsError, UserError
 from ..models import get_adapter
+from ..optim.build import eval_weights
 from ..sampling.output import image_metadata, save_png
 from ..sampling.training import TrainingSampler
 from . import checkpoint as ck
 from . import distributed, streaming
+from . import run as runs
 from .faults import StopFlag, TrainingInterrupted, oom_error
 from .inputs import data_state, load_data_state, prepare_data
 from .method import method_for
@@ -74,9 +76,10 @@ def choose_attention(device: torch.device, choice: str) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: str | None = None):
+    def __init__(self, cfg: Config, resume: str | None = None, overwrite: bool = False, resume_other_run: bool = False):
         self.cfg = cfg
         self.resume = resume
+        self.overwrite, self.resume_other_run = overwrite, resume_other_run  # see run.py
         self.out = Path(cfg.output.dir)
         self.step = 0
         self.stop = StopFlag(say)
@@ -110,7 +113,7 @@ class Trainer:
                         f"{self.stop.signal_name} at step {self.step}: saved {path}; continue with "
                         "`dittrain fit CONFIG --resume latest`"
                     )
-                if c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < c.steps:
+                if runs.save_due(self.cfg, self.step):  # train.checkpoint_every, output.save_every
                     self.save()
                 if self.sampler is not None and self.step % self.cfg.sample.every == 0:
                     self.sample()
@@ -133,7 +136,14 @@ class Trainer:
         cfg, c = self.cfg, self.cfg.train
         if cfg.data is None:
             raise UserError("the config has no data: section; `dittrain fit` needs data.sources")
-        resume_dir = ck.resolve_resume(self.out, self.resume) if self.resume else None
+        resume_dir = runs.resolve_resume(self.out, self.resume, self.resume_other_run) if self.resume else None
+        if resume_dir is not None:
+            runs.check_target(json.loads((resume_dir / "state.json").read_text()), c.steps, resume_dir, self.out)
+        runs.check_writable(self.out, "output.dir")  # before anything loads; every process, so all stop together
+        if cfg.data.cache:
+            runs.check_writable(cfg.data.cache_dir, "data.cache_dir")
+        # The folder belongs to this run from here (or the run stops: another run's outputs are never touched).
+        self.run = runs.claim(self.out, resume_dir, self.overwrite, self.resume_other_run, write=runs.is_main_process())
         self.dist = distributed.setup(c.device)  # several processes: process group, cuda:LOCAL_RANK
         if self.dist.is_main:
             ck.remove_partial(ck.checkpoint_root(self.out))
@@ -176,8 +186,14 @@ class Trainer:
         if resume_dir is not None:
             self._restore(resume_dir)
         if self.dist.is_main:
-            self.monitor = Monitor(self.out, c.steps, self.step, cfg.output.tensorboard)
+            self.monitor = Monitor(self.out, c.steps, self.step, cfg.output.tensorboard, run_id=self.run.id,
+                                   config=cfg, epoch=self._epoch)
         self._ready = True
+
+    def _epoch(self) -> int:
+        """The epoch (from 1) of the batch just trained."""
+        d = self.data
+        return (d.sampler.position * getattr(d, "world_size", 1) - 1) // d.batches_per_epoch + 1
 
     def _can_stream(self) -> bool:
         """Streaming pays only between CPU RAM and a GPU; on the CPU the model stays resident. (Tests override
@@ -194,7 +210,9 @@ class Trainer:
         """Everything but the weights (`_load_weights`): optimizer, schedule, data position, generators, step."""
         state = json.loads((folder / "state.json").read_text())
         if state.get("config_digest") != self.cfg.digest():
-            say(f"note: the config differs from the one {folder} was saved with; continuing with the current one")
+            changes = runs.config_changes(state.get("config"), self.cfg.model_dump(mode="json"))
+            say(f"note: the config differs from the one {folder} was saved with"
+                f"{' (' + '; '.join(changes) + ')' if changes else ''}; continuing with the current one")
         self.optim.load(folder, state["scheduler"])
         load_data_state(self.data, state["data"])
         self.objective.load_state(ck.restore_rng(load_file(str(folder / "rng.safetensors"))))
@@ -223,7 +241,7 @@ class Trainer:
             if not math.isfinite(value):
                 raise NonFiniteLossError(
                     f"loss is {value} at step {self.step + 1}; no weights were changed by this step "
-                    f"(batch files: {', '.join(map(str, batch.files))}); last checkpoint: {self.last_checkpoint}"
+                    f"(batch files: {', '.join(map(str, batch.files))}); last checkpoint: {self._newest_checkpoint()}"
                 )
             (loss / c.grad_accum if c.grad_accum > 1 else loss).backward()  # fused back pass: steps here
             del pred, loss, noised
@@ -246,15 +264,22 @@ class Trainer:
 
     def _state(self) -> dict:
         return {"step": self.step, "method": self.method.name, "config_digest": self.cfg.digest(),
+                "config": self.cfg.model_dump(mode="json"), **self.run.state(),
                 "scheduler": self.optim.scheduler.state_dict(), "data": data_state(self.data)}
 
-    def _newest_checkpoint(self) -> Path | None:
-        """This run's last checkpoint, else the newest complete one in output.dir (a resumed run's)."""
-        return self.last_checkpoint or (ck.list_checkpoints(ck.checkpoint_root(self.out)) or [(0, None)])[-1][1]
+    def _newest_checkpoint(self) -> str:
+        """This run's last checkpoint, else the newest complete one of this run in output.dir (a resumed run's)."""
+        found = self.last_checkpoint or (runs.run_checkpoints(self.out, getattr(getattr(self, "run", None), "id", None))
+                                         or [(0, None)])[-1][1]
+        return str(found) if found else "none (no checkpoint was saved yet)"
 
     def save(self, final: bool = False) -> Path:
         """A complete resumable checkpoint; with `final`, also the weights in output.dir. Returns the checkpoint
-        folder, or the final weights' path."""
+        folder, or the final weights' path. (A schedule-free optimizer's averaged weights are what is saved.)"""
+        with eval_weights(self.optim.optimizer if getattr(self, "optim", None) else None):
+            return self._save(final)
+
+    def _save(self, final: bool) -> Path:
         if self.offload is not None:
             self.offload.sync()  # host copies of streamed trainable weights must be current
         # A NaN or inf gradient under a finite loss steps the weights to NaN without tripping the loss check; never
@@ -277,12 +302,16 @@ class Trainer:
             save_file(ck.rng_state(self.objective.state()), str(tmp / "rng.safetensors"))
             ck.write_json(tmp / "state.json", self._state())
 
-        root = ck.checkpoint_root(self.out)
-        self.last_checkpoint = ck.write_checkpoint(root, self.step, write, self.cfg.train.keep_checkpoints)
-        if not final:
-            self.dist.barrier()
-            return self.last_checkpoint
-        path = self.method.write_final(self.out, self.last_checkpoint)
+        root, keep = ck.checkpoint_root(self.out), self.cfg.train.keep_checkpoints
+        with runs.disk_errors(root, runs.estimate_checkpoint_bytes(self.out, self.params)):
+            self.last_checkpoint = ck.write_checkpoint(
+                root, self.step, write, keep, prune=lambda r: runs.prune(r, self.run.id, self.step, keep))
+            say(f"saved checkpoint {self.last_checkpoint}")
+            runs.keep_step_lora(self.cfg, self.run, self.last_checkpoint, self.step)
+            if not final:
+                self.dist.barrier()
+                return self.last_checkpoint
+            path = self.method.write_final(self.out, self.last_checkpoint)
         say(f"saved {path} (step {self.step})")
         self.dist.barrier()
         return path
@@ -293,7 +322,8 @@ class Trainer:
         """Images for sample.prompts with the model being trained, into output.dir/samples and TensorBoard.
 
         Runs under `fork_rng` so that nothing it does can move the training generators."""
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
+                eval_weights(self.optim.optimizer):
             images = self.sampler(self.transformer)
         s = self.cfg.sample
         for i, (img, prompt) in enumerate(zip(images, s.prompts, strict=True)):

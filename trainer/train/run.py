@@ -1,0 +1,371 @@
+"""A run owns its output folder: run ids, claiming a folder, this run's checkpoints, pruning, resume checks.
+
+Why. Two `dittrain fit` commands into one `output.dir` used to share it silently: the second run's pruning (which
+kept the highest step numbers) deleted its own checkpoints, its final save crashed, `metrics.jsonl` and the final
+LoRA mixed both runs, and `--resume latest` picked up the other run. Here a folder belongs to one run at a time.
+
+How.
+- A fresh run gets an id (`20250101-120000-3fa9c2`: start time and 6 random hex digits) and writes it to
+  `<output.dir>/run.json` before anything heavy loads. Every checkpoint's `state.json`, every `metrics.jsonl` line
+  and TensorBoard's hparams carry it.
+- `claim` decides who may write into the folder:
+    fresh run, folder holds no run (or a run that saved nothing)  -> new id;
+    fresh run, folder holds a run with saved weights              -> one-line error offering `--resume latest`,
+                                                                     `--overwrite` or another output.dir;
+    `--overwrite`                                                 -> dittrain's own outputs are deleted first
+                                                                     (other files in the folder are left alone);
+    `--resume CKPT`                                               -> the checkpoint's run id continues; a
+                                                                     checkpoint of a run other than the folder's
+                                                                     is refused unless `allow_other_run`.
+- `prune` deletes only checkpoints of this run at or below the current step: another run's checkpoints, or this
+  run's at higher steps (left by a resume from an earlier checkpoint), are never touched.
+- `check_checkpoint` reads every file of a checkpoint's header (state.json parses, every safetensors header and
+  size is sound, every file the marker lists exists) before a weight is loaded, so a broken checkpoint is one line
+  naming it and the last intact one, not a traceback mid-load.
+- `check_writable` tries a folder before the model loads, and `disk_errors` turns a full disk during a save into
+  one line with the size needed.
+
+Left out: locking against two live processes writing the same folder at once (the second is refused only if the
+first has saved something).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from ..errors import UserError
+from . import checkpoint as ck
+
+RUN_FILE = "run.json"
+# What dittrain writes into output.dir: what `--overwrite` deletes, and what marks a folder as used.
+OUTPUTS = ("checkpoints", "lora.safetensors", "transformer", "metrics.jsonl", "tensorboard", "samples", RUN_FILE)
+_WEIGHTS_GLOBS = ("lora*.safetensors", "transformer")
+
+
+class DiskFullError(UserError, OSError):
+    """No space left while saving; still an OSError for callers that catch those."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a torchrun / accelerate launch (or a single process): the one that writes output.dir."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def new_run_id() -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+@dataclass
+class Run:
+    id: str
+    out: Path
+
+    def state(self) -> dict:
+        """What every checkpoint's state.json carries about the run."""
+        return {"run_id": self.id}
+
+
+# ---------------------------------------------------------------------------------------------- reading a folder
+
+
+def folder_run_id(out: Path) -> str | None:
+    try:
+        return json.loads((Path(out) / RUN_FILE).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def checkpoint_run_id(folder: Path) -> str | None:
+    try:
+        return json.loads((Path(folder) / "state.json").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def saved_weights(out: Path) -> list[Path]:
+    """Checkpoints and final weights in `out` (what a fresh run there would lose)."""
+    out = Path(out)
+    found = [p for _, p in ck.list_checkpoints(ck.checkpoint_root(out))]
+    for pattern in _WEIGHTS_GLOBS:
+        found += sorted(out.glob(pattern))
+    return found
+
+
+def run_checkpoints(out: Path, run_id: str | None) -> list[tuple[int, Path]]:
+    """Complete checkpoints of run `run_id` (all of them when the folder predates run ids), oldest first."""
+    found = ck.list_checkpoints(ck.checkpoint_root(out))
+    if run_id is None:
+        return found
+    return [(s, p) for s, p in found if checkpoint_run_id(p) in (run_id, None)]
+
+
+def describe(out: Path) -> str:
+    rid = folder_run_id(out)
+    ckpts = run_checkpoints(out, rid)
+    what = f"run {rid}" if rid else "an earlier run"
+    last = f", last checkpoint at step {ckpts[-1][0]}" if ckpts else ""
+    return f"{what}{last}"
+
+
+# ---------------------------------------------------------------------------------------------- claiming a folder
+
+
+def claim(out: Path, resume_dir: Path | None, overwrite: bool = False, allow_other_run: bool = False,
+          write: bool = True) -> Run:
+    """Decide the run id for a `fit` into `out` and record it in run.json (with `write`; rank 0 only). Raises
+    UserError before anything is loaded when the folder belongs to another run. Every process of a launch calls
+    it before the process group forms, so all of them stop on the same error; only rank 0 writes or deletes (the
+    others' run id is unused: they write nothing)."""
+    out = Path(out)
+    owner = folder_run_id(out)
+    if resume_dir is not None:
+        if overwrite:
+            raise UserError("--overwrite and --resume contradict each other: --overwrite deletes the checkpoints "
+                            "--resume continues from")
+        theirs = checkpoint_run_id(resume_dir)
+        if owner and theirs and owner != theirs and not allow_other_run:
+            raise UserError(
+                f"--resume {resume_dir}: that checkpoint is of run {theirs}, but {out} holds run {owner}; resume "
+                f"into another output.dir (--set output.dir=...), or add --resume-other-run to continue run "
+                f"{theirs} here (run {owner}'s files are kept)"
+            )
+        rid = theirs or owner or new_run_id()
+    else:
+        used = saved_weights(out)
+        if used and not overwrite:
+            raise UserError(
+                f"{out} already holds {describe(out)}: continue it with --resume latest, start over with "
+                f"--overwrite (deletes its checkpoints and weights), or choose another output.dir "
+                f"(--set output.dir=...)"
+            )
+        if (overwrite or owner) and write:
+            clear(out)  # a run that saved nothing (or --overwrite): nothing trained is lost
+        rid = new_run_id()
+    run = Run(rid, out)
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+        ck.atomic_write(out / RUN_FILE, lambda tmp: ck.write_json(tmp, {"run_id": rid, "started": time.time()}))
+    return run
+
+
+def clear(out: Path) -> list[Path]:
+    """Delete dittrain's outputs from `out` (never other files)."""
+    out, gone = Path(out), []
+    for name in OUTPUTS:
+        for p in out.glob(name):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            gone.append(p)
+    for p in out.glob("*-step-[0-9]*.safetensors"):
+        p.unlink()
+        gone.append(p)
+    return gone
+
+
+def prune(root: Path, run_id: str, step: int, keep: int) -> list[Path]:
+    """Keep the newest `keep` checkpoints of run `run_id` at or below `step`; nothing else is touched."""
+    mine = [(s, p) for s, p in ck.list_checkpoints(root) if s <= step and checkpoint_run_id(p) == run_id]
+    gone = [p for _, p in mine[:-keep]]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
+# ---------------------------------------------------------------------------------------------- resume checks
+
+
+def check_checkpoint(folder: Path) -> str | None:
+    """What is wrong with a complete-looking checkpoint, or None when every file reads."""
+    folder = Path(folder)
+    try:
+        listed = json.loads((folder / ck.MARKER).read_text()).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        listed = []
+    for rel in listed:
+        if not (folder / rel).exists():
+            return f"{rel} is missing"
+    for name in ("state.json", "rng.safetensors"):
+        if not (folder / name).is_file():
+            return f"{name} is missing"
+    try:
+        state = json.loads((folder / "state.json").read_text())
+        if not isinstance(state, dict) or "step" not in state:
+            return "state.json holds no step"
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"state.json is not valid JSON ({e})"
+    for f in sorted(folder.rglob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                h.keys()
+        except (SafetensorError, OSError, ValueError) as e:
+            return f"{f.relative_to(folder)} is not a readable safetensors file ({str(e).splitlines()[0][:120]})"
+    return None
+
+
+def last_intact(root: Path, before: int | None = None) -> Path | None:
+    for s, p in reversed(ck.list_checkpoints(root)):
+        if (before is None or s < before) and check_checkpoint(p) is None:
+            return p
+    return None
+
+
+def resolve_resume(out: Path, resume: str, allow_other_run: bool = False) -> Path:
+    """`--resume latest|PATH` -> a checkpoint folder whose files all read; a broken one is a one-line error naming
+    the last intact checkpoint. `latest` is the newest checkpoint of the run that owns `out`."""
+    if resume == "latest" and not allow_other_run:
+        owner = folder_run_id(out)
+        mine = run_checkpoints(out, owner)
+        folder = mine[-1][1] if mine else ck.resolve_resume(out, resume)
+    else:
+        folder = ck.resolve_resume(out, resume)
+    problem = check_checkpoint(folder)
+    if problem is not None:
+        step = int(ck._STEP_RE.match(folder.name).group(1)) if ck._STEP_RE.match(folder.name) else None
+        good = last_intact(folder.parent, step)
+        fix = f"the last intact one is {good}: --resume {good}" if good else "no intact checkpoint is left before it"
+        raise UserError(f"checkpoint {folder} is broken: {problem}; {fix}")
+    return folder
+
+
+def check_target(state: dict, steps: int, folder: Path, out: Path | None = None) -> None:
+    """A checkpoint at or past train.steps has nothing left to train; resuming it would only rewrite the final
+    weights. And a resume that would end below weights the folder already holds (a 100-step run's final LoRA,
+    resumed from step 20 with train.steps 40) would replace them: refused, pointing at another output.dir."""
+    if int(state["step"]) >= steps:
+        raise UserError(
+            f"--resume {folder}: the checkpoint is at step {state['step']} and train.steps is {steps}, so there is "
+            f"nothing to train; raise train.steps (--set train.steps=N) to continue it"
+        )
+    if out is None:
+        return
+    reached = [s for s, _ in run_checkpoints(out, folder_run_id(out))]
+    lora = Path(out) / "lora.safetensors"
+    if lora.is_file():
+        try:
+            reached.append(int(ck.lora_metadata(lora).get("dittrain.step", 0)))
+        except (OSError, ValueError, SafetensorError):
+            pass
+    if reached and max(reached) > steps:
+        raise UserError(
+            f"--resume {folder}: {out} already holds this run's weights at step {max(reached)}, beyond train.steps "
+            f"{steps}, and the resumed run's final save would replace them; resume into another output.dir "
+            f"(--set output.dir=...) or raise train.steps to at least {max(reached)}"
+        )
+
+
+def config_changes(saved: dict | None, current: dict, limit: int = 4) -> list[str]:
+    """Dotted keys whose values differ between two config dumps, as `key: old -> new`."""
+    if not saved:
+        return []
+    out: list[str] = []
+
+    def walk(a, b, path):
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                walk(a.get(k), b.get(k), f"{path}.{k}" if path else k)
+        elif a != b:
+            out.append(f"{path}: {a} -> {b}")
+
+    walk(saved, current, "")
+    return out[:limit] + ([f"(and {len(out) - limit} more)"] if len(out) > limit else [])
+
+
+# ---------------------------------------------------------------------------------------------- disk
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """Create `folder` if needed and write a file into it, so an unwritable folder fails before the model loads."""
+    folder = Path(folder)
+    probe = folder / f".dittrain-write-test-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"{what} {folder} is not writable ({e.strerror or e}); choose a folder you can write to") from None
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    return getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
+@contextmanager
+def disk_errors(where: Path, needed_bytes: int):
+    """A full disk inside the block becomes one line: what was being written, about how much it needs, how much is
+    free."""
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        if not _is_disk_full(e):
+            raise
+        try:
+            free = _gb(shutil.disk_usage(Path(where).parent if not Path(where).exists() else where).free)
+        except OSError:
+            free = "unknown"
+        raise DiskFullError(
+            errno.ENOSPC,
+            f"No space left on device while saving to {where}: a checkpoint needs about {_gb(needed_bytes)}, "
+            f"{free} is free there; free some space (or lower train.keep_checkpoints), then --resume latest",
+        ) from None
+
+
+def estimate_checkpoint_bytes(out: Path, params) -> int:
+    """About what the next checkpoint takes: the newest one's size, else the trainable weights with two fp32
+    moments (AdamW's), which bounds the other optimizers' state."""
+    found = ck.list_checkpoints(ck.checkpoint_root(out))
+    if found:
+        try:
+            return folder_bytes(found[-1][1])
+        except OSError:
+            pass
+    return sum(p.numel() * (p.element_size() + 8) for p in params)
+
+
+# ---------------------------------------------------------------------------------------------- per-step LoRAs
+
+
+def save_due(cfg, step: int) -> bool:
+    """A checkpoint before the end: every train.checkpoint_every steps, and every output.save_every steps (whose
+    LoRA is kept as its own file)."""
+    if step >= cfg.train.steps:
+        return False  # the final save follows
+    return any(n and step % n == 0 for n in (cfg.train.checkpoint_every, cfg.output.save_every))
+
+
+def step_lora_name(cfg, step: int) -> str:
+    return f"{cfg.output.name or 'lora'}-step-{step:06d}.safetensors"
+
+
+def keep_step_lora(cfg, run: Run, checkpoint: Path, step: int) -> Path | None:
+    """With output.save_every, a copy of a checkpoint's LoRA that pruning never deletes, beside the checkpoints:
+    `<output.dir>/<run name>-step-000500.safetensors`."""
+    every = getattr(cfg.output, "save_every", 0)
+    src = Path(checkpoint) / "lora.safetensors"
+    if not every or step % every or not src.is_file():
+        return None
+    path = run.out / step_lora_name(cfg, step)
+    ck.atomic_write(path, lambda tmp: tmp.write_bytes(src.read_bytes()))
+    from .monitor import say
+
+    say(f"saved {path} (step {step})")
+    return path
