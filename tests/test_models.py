@@ -223,6 +223,38 @@ def test_single_file_transformer_matches_folder(tiny_models, loaded, tmp_path, n
         assert torch.isfinite(adapter.predict(tr, *_batch(adapter, comps, b=1))).all()
 
 
+@pytest.mark.parametrize("single_file", [False, True])
+def test_loaded_transformer_tensors_are_64_byte_aligned(tiny_models, loaded, tmp_path, single_file):
+    """safetensors' mmap offsets are only 8-byte aligned; CPU kernels round differently there, so resident blocks
+    would not match streamed ones (ring views) bit for bit. The loader gives every tensor aligned memory."""
+    mc = _mc(tiny_models, "flux")
+    if single_file:
+        from safetensors.torch import save_file
+
+        f = tmp_path / "transformer.safetensors"
+        save_file({k: v.contiguous() for k, v in loaded("flux")[1].transformer.state_dict().items()}, str(f))
+        mc = _mc(tiny_models, "flux", transformer_file=f)
+    tr = get_adapter(mc).load(mc, parts={"transformer"}, dtype=torch.float32).transformer
+    tensors = list(tr.parameters()) + list(tr.buffers())
+    assert tensors and all(t.data_ptr() % 64 == 0 for t in tensors if t.numel())
+
+
+def test_own_aligned_memory_moves_only_misaligned_tensors_and_keeps_ties():
+    from trainer.models._diffusers import own_aligned_memory
+
+    buf = torch.arange(70, dtype=torch.float32)
+    odd = buf[2:66].view(8, 8)  # 8 bytes past an aligned start
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    m[0].weight.data = odd
+    m[1].weight = m[0].weight  # tied
+    aligned_bias = m[0].bias.data_ptr()
+    m[0].register_buffer("b", odd.clone()[1:])  # a misaligned buffer view
+    own_aligned_memory(m)
+    assert m[0].weight.data_ptr() % 64 == 0 and torch.equal(m[0].weight, buf[2:66].view(8, 8))
+    assert m[1].weight is m[0].weight and m[0].bias.data_ptr() == aligned_bias
+    assert m[0].b.data_ptr() % 64 == 0 and torch.equal(m[0].b, buf[2:66].view(8, 8)[1:])
+
+
 def test_parts_load_only_what_is_asked(tiny_models):
     mc = _mc(tiny_models, "sd3")
     c = get_adapter(mc).load(mc, parts={"vae", "text"}, dtype=torch.float32)

@@ -31,6 +31,27 @@ from .base import Components, ModelAdapter
 PARTS = frozenset({"transformer", "vae", "text", "scheduler"})
 
 
+def own_aligned_memory(module: nn.Module, align: int = 64) -> nn.Module:
+    """Give every CPU parameter and buffer whose data is not `align`-byte aligned its own fresh memory.
+
+    safetensors hands out tensors on the file's memory map, at 8-byte-aligned offsets, and `from_pretrained` keeps
+    them. CPU kernels pick their vector paths by pointer alignment: fp32 `linear` of one row reads a weight at an
+    address that is 8 mod 16 in a different summation order than the same weight at a 64-byte aligned address
+    (the CPU allocator's, and every ring view of trainer/offload/allocators.py), so resident blocks computed
+    other last bits than streamed ones. A fresh copy makes resident and streamed weights the same alignment class.
+    """
+    for m in module.modules():
+        for slots in (m._parameters, m._buffers):
+            for name, t in slots.items():
+                if t is None or t.device.type != "cpu" or t.data_ptr() % align == 0:
+                    continue
+                if isinstance(t, nn.Parameter):
+                    t.data = t.data.clone()
+                else:
+                    slots[name] = t.clone()
+    return module
+
+
 def _quiet() -> None:
     """Loading bars of tiny sub-models are noise in a CLI that has its own progress output."""
     import diffusers
@@ -197,7 +218,7 @@ class DiffusersAdapter(ModelAdapter):
                     )
                 # 8-bit frozen base (trainer/quant.py): block by block, before the move to the device
                 quant.prepare_transformer(tr, self.blocks(tr), cfg.quantize, dtype, cfg.transformer_file)
-                out.transformer = tr.to(device)
+                out.transformer = own_aligned_memory(tr.to(device))
             if "vae" in parts:
                 import diffusers
 
