@@ -25,13 +25,9 @@ PROMPT = "a red square on a blue background"
 
 
 @pytest.fixture(scope="module")
-def kontext(tmp_path_factory) -> Path:
-    """A tiny Kontext model folder (made here, so only these tests pay for it)."""
-    from trainer.models.tiny import make_tiny_models
-
-    root = tmp_path_factory.mktemp("kontext-model")
-    (folder,) = make_tiny_models(root, ["flux-kontext"])
-    return folder
+def kontext(tiny_models) -> Path:
+    """The tiny Kontext model folder (tests/conftest.py)."""
+    return tiny_models / "flux-kontext"
 
 
 def _pairs(folder: Path, n: int = 4) -> Path:
@@ -210,3 +206,25 @@ def test_planner_sees_the_reference_tokens():
     b = kon.dummy_inputs(model, 1, 1024, 1024, 512, torch.bfloat16)
     assert a["hidden_states"].shape[1] == 4096 and b["hidden_states"].shape[1] == 8192
     assert b["img_ids"].shape[0] == 8192
+
+
+@pytest.mark.parametrize("method,fraction", [("lora", 0.5), ("full", 1.0)])
+def test_streamed_kontext_trains_like_resident(method, fraction, kontext, pairs, tmp_path, monkeypatch):
+    """LoRA and full fine-tuning through the conductor's CPU path (the doubled sequence streams like any other):
+    the same losses as resident."""
+    from trainer.train.trainer import Trainer
+
+    def cfg(name, f):
+        c = _config(kontext, pairs, tmp_path, train={"steps": 2, "method": method},
+                    output={"dir": str(tmp_path / name)}, offload={"transformer": f})
+        if method == "full":
+            c["optimizer"].update({"lr": 1e-4, "fused_back_pass": True, "max_grad_norm": None})
+        return Config.model_validate(c)
+
+    Trainer(cfg("ref", 0.0)).fit()
+    monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
+    Trainer(cfg("off", fraction)).fit()
+    got = [[json.loads(x)["loss"] for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+           for n in ("off", "ref")]
+    assert len(got[1]) == 2
+    assert got[0] == pytest.approx(got[1], rel=1e-6)
