@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import load_config
+from trainer.models import ADAPTERS
 from trainer.presets import find_presets, print_presets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,7 +21,7 @@ def test_there_are_configs():
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
 def test_every_shipped_config_validates(path):
     cfg = load_config(path)
-    assert cfg.model.family in ("flux", "sd3", "qwen_image")
+    assert cfg.model.family in ADAPTERS
 
 
 def test_sized_presets_have_a_header_with_expectations():

@@ -132,6 +132,9 @@ def sample(
     out: Path | None = typer.Option(None, "--out", help="Output folder (default: <output.dir>/samples).", show_default=False),
     base: bool = typer.Option(
         False, "--base", help="Full fine-tune configs: sample the base model instead of <output.dir>/transformer."),
+    image: Path | None = typer.Option(
+        None, "--image", help="Edit models (flux-kontext): the reference image to edit, resized to the sample size.",
+        show_default=False),
 ) -> None:
     """Generate images with the family's diffusers pipeline, the transformer streamed by the offload conductor.
 
@@ -154,6 +157,7 @@ def sample(
             num=num,
             out=out,
             base=base,
+            image=image,
         ),
     )
 

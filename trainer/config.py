@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError
 
-Family = Literal["flux", "sd3", "qwen_image"]
+Family = Literal["flux", "sd3", "qwen_image", "flux-kontext"]
 
 
 class _Section(BaseModel):
@@ -30,7 +30,8 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    family: Family = Field(description="Model family: flux (dev or schnell), sd3 (SD3 / SD3.5) or qwen_image.")
+    family: Family = Field(description="Model family: flux (dev or schnell), sd3 (SD3 / SD3.5), qwen_image, or the edit "
+                                         "families flux-kontext (trained on image pairs).")
     path: Path = Field(
         description="Local diffusers-format folder (model_index.json, transformer/, vae/, text_encoder*/, "
         "tokenizer*/). Nothing is downloaded."

@@ -41,6 +41,7 @@ from .sampling.request import (
     LoraSpec,
     SampleRequest,
     SampleSettings,
+    check_image,
     check_loras,
     check_size,
     collect_prompts,
@@ -83,6 +84,7 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
     width = req.width if req.width is not None else s.width
     height = req.height if req.height is not None else s.height
     check_size(width, height, adapter.resolution_divisor, adapter.family)
+    check_image(req.image, adapter)
     if req.num < 1:
         raise UserError(f"--num {req.num}: at least one image per prompt")
     offload = req.offload if req.offload is not None else cfg.offload.transformer
@@ -99,6 +101,7 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
         width=width,
         height=height,
         negative_prompt=s.negative_prompt,
+        image=str(req.image) if req.image is not None else None,
     )
     seed = req.seed if req.seed is not None else s.seed
     out = req.out if req.out is not None else cfg.output.dir / "samples"
@@ -233,4 +236,5 @@ def _metadata(cfg: Config, family: str, plan: SamplePlan, job: Job) -> dict[str,
         loras=",".join(str(x) for x in plan.loras) or None,
         offload=plan.offload,
         negative_prompt=s.negative_prompt or None,
+        image=s.image,
     )

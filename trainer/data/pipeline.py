@@ -32,6 +32,7 @@ from .cache import (
     text_key,
 )
 from .captions import caption_texts, pick
+from .images import crop_box
 from .sources import Item, ScanReport, check_report, scan_sources
 
 
@@ -44,7 +45,11 @@ class Batch:
     the caption each sample trains on ("" where dropped); files: the image of each sample; size: (height, width)
     of the bucket in pixels (for `adapter.timestep_shift`); position: the global sampler position this batch was
     drawn at; mask: with data.masked_loss, (B, 1, h, w) float32 per-latent-cell loss weights (unmasked_weight +
-    (1 - unmasked_weight) * mask; 1 for an image without a mask), else None."""
+    (1 - unmasked_weight) * mask; 1 for an image without a mask), else None.
+
+    Edit families (`adapter.takes_reference`): `text` also holds `control_latents` (B, C, h, w) float32, the
+    reference images' latents (same bucket as the targets), which `adapter.predict` joins to the sequence; they
+    travel with the text entries so the loop moves them like any other conditioning."""
 
     latents: torch.Tensor
     text: dict[str, torch.Tensor]
@@ -74,9 +79,22 @@ class DataPlan:
         it = self.items[e.item]
         return latent_key(it.sha, e.bucket, e.box, it.mask_sha)
 
+    def control_box(self, e: Entry) -> tuple[int, int]:
+        """Where the reference is cut from its covering resize: the target's box when both images have one size
+        (the pair stays aligned, random crops included), else centred."""
+        it = self.items[e.item]
+        return e.box if it.control_size == (it.width, it.height) else crop_box(*it.control_size, e.bucket, "center")
+
+    def control_key(self, e: Entry) -> str:
+        """The reference's latent: keyed like any image (content, bucket, box), so it shares entries with itself."""
+        return latent_key(self.items[e.item].control_sha, e.bucket, self.control_box(e))
+
     def latent_jobs(self) -> list[LatentJob]:
-        return [LatentJob(self.latent_key(e), self.items[e.item].file, e.bucket, e.box, self.items[e.item].mask)
+        jobs = [LatentJob(self.latent_key(e), self.items[e.item].file, e.bucket, e.box, self.items[e.item].mask)
                 for e in self.entries]
+        jobs += [LatentJob(self.control_key(e), self.items[e.item].control, e.bucket, self.control_box(e))
+                 for e in self.entries if self.items[e.item].control]
+        return jobs
 
     def item_texts(self, i: int) -> tuple[str, ...]:
         """Every final caption text item i may train on (captions.py); each is one text-cache entry."""
@@ -140,7 +158,7 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
         raise UserError("the config has no data: section (data.sources lists the image folders)")
     disk = d.cache or force_disk
     report = scan_sources(d.sources, index_dir=Path(d.cache_dir) if disk else None, progress=progress,
-                          masks=d.masked_loss)
+                          masks=d.masked_loss, controls=bool(getattr(adapter, "takes_reference", False)))
     divisor = int(adapter.resolution_divisor)
     entries, too_small = assign_buckets(
         report.items, d.resolutions, divisor, crop=d.crop, seed=cfg.train.seed, max_upscale=d.max_upscale,
@@ -186,6 +204,7 @@ class TrainData:
         srcs = cfg.data.sources
         self.entries = plan.entries
         self._lat_keys = [plan.latent_key(e) for e in self.entries]
+        self._ctrl_keys = [plan.control_key(e) if plan.items[e.item].control else None for e in self.entries]
         self._texts = [plan.item_texts(i) for i in range(len(plan.items))]
         self._seed = cfg.train.seed
         self._masked, self._unmasked = cfg.data.masked_loss, cfg.data.unmasked_weight
@@ -197,7 +216,7 @@ class TrainData:
             batch_size=cfg.train.batch_size,
             seed=cfg.train.seed,
             remainder=cfg.data.remainder,
-            fingerprint="|".join(self._lat_keys),
+            fingerprint="|".join(self._lat_keys + [k for k in self._ctrl_keys if k]),
         )
 
     def state_dict(self) -> dict:
@@ -229,13 +248,15 @@ class TrainData:
     def batch_at(self, position: int) -> Batch:
         """The batch at any position, without moving the sampler."""
         slots: list[Slot] = self.sampler.batch_at(position)
-        lats, masks, texts, caps, files = [], [], [], [], []
+        lats, masks, texts, caps, files, ctrls = [], [], [], [], [], []
         for n, s in enumerate(slots):
             e = self.entries[s.entry]
             it = self.plan.items[e.item]
             cap = "" if s.dropped else pick(self._texts[e.item], self._seed, position, n)
             entry = self._read(self.plan.latent_store, self._lat_keys[s.entry], it.file)
             lats.append(entry["latent"])
+            if self._ctrl_keys[s.entry] is not None:
+                ctrls.append(self._read(self.plan.latent_store, self._ctrl_keys[s.entry], it.control)["latent"])
             if self._masked:
                 m = entry.get("mask")
                 masks.append(torch.ones_like(entry["latent"][:1]) if m is None else self._unmasked + (1 - self._unmasked) * m)
@@ -244,7 +265,10 @@ class TrainData:
             files.append(it.file)
         bucket = self.entries[slots[0].entry].bucket
         # Host-side stack of small cached tensors; the loop moves the batch to the device.
-        return Batch(torch.stack(lats), self._adapter.collate_text(texts), caps, files, (bucket[1], bucket[0]), position,
+        cond = self._adapter.collate_text(texts)
+        if ctrls:
+            cond["control_latents"] = torch.stack(ctrls)
+        return Batch(torch.stack(lats), cond, caps, files, (bucket[1], bucket[0]), position,
                      torch.stack(masks) if self._masked else None)
 
     def _read(self, store, key: str, file: str) -> dict[str, torch.Tensor]:
@@ -298,7 +322,8 @@ def drop_encoding_failures(plan: DataPlan, res: EncodeResult) -> None:
         return
     keep, reasons = [], {}
     for e in plan.entries:
-        why = res.bad_latents.get(plan.latent_key(e)) or next(
+        ctrl = plan.items[e.item].control and res.bad_latents.get(plan.control_key(e))
+        why = res.bad_latents.get(plan.latent_key(e)) or (ctrl and f"reference image: {ctrl}") or next(
             (res.bad_texts[t] for t in plan.item_texts(e.item) if t in res.bad_texts), None)
         if why:
             reasons.setdefault(e.item, why)

@@ -12,6 +12,10 @@ the file named by a `"mask"` key of its metadata.jsonl line (relative to the sou
 not scanned for training images. An image without a mask trains on every pixel; a mask that is unreadable or not
 the image's size is a bad file (the image is left out, or `strict` stops); a `"mask"` that names a missing file too.
 
+Pairs (edit families, `adapter.takes_reference`). An image's reference is `<source>/control/<same relative path
+and name>` (any image suffix), or the file named by a `"control"` key of its metadata.jsonl line. The `control/`
+folder is not scanned for training images. An image without a readable reference is a bad file.
+
 The scan runs before any model is loaded and decodes every image completely, so a corrupt, truncated,
 zero-byte or unreadable file, a missing caption or a bad metadata line is found in seconds, not hours into a
 run. Each such file becomes a `(file, reason)` line in the report. The bucket step adds images too small for
@@ -40,6 +44,7 @@ from .images import IMAGE_SUFFIXES, BadImage, open_image
 
 INDEX_NAME = "scan-index.json"
 MASK_DIR = "masks"
+CONTROL_DIR = "control"
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,10 @@ class Item:
     #: the mask file and its content hash ("" without a mask)
     mask: str = ""
     mask_sha: str = ""
+    #: edit families: the reference image, its content hash and upright size ("" / 0 without one)
+    control: str = ""
+    control_sha: str = ""
+    control_size: tuple[int, int] = (0, 0)
 
     @property
     def all_captions(self) -> tuple[str, ...]:
@@ -107,13 +116,34 @@ def _folder_mask(root: Path, image: Path) -> Path | None:
     return next((m for m in (stem.with_suffix(s) for s in IMAGE_SUFFIXES) if m.is_file()), None)
 
 
+def _folder_control(root: Path, image: Path) -> Path | None:
+    stem = root / CONTROL_DIR / image.relative_to(root).with_suffix("")
+    return next((m for m in (stem.with_suffix(s) for s in IMAGE_SUFFIXES) if m.is_file()), None)
+
+
+def _with_controls(root: Path, cands, report: ScanReport, meta: dict | None = None):
+    """Pairs: each candidate with its reference image appended (folder rule, or `meta[path]` from metadata)."""
+    out = []
+    for path, caps, mask in cands:
+        ctrl = meta.get(path) if meta is not None and path in meta else _folder_control(root, path)
+        if ctrl is None:
+            report.bad.append((str(path), f"missing reference image ({CONTROL_DIR}/{path.relative_to(root).with_suffix('')}"
+                                          f".* or a \"control\" metadata key)"))
+        elif not ctrl.is_file():
+            report.bad.append((str(path), f"reference image {ctrl} not found"))
+        else:
+            out.append((path, caps, mask, ctrl))
+    return out
+
+
 def _folder_candidates(
-    i: int, root: Path, recursive: bool, several: bool, masks: bool, report: ScanReport
+    i: int, root: Path, recursive: bool, several: bool, masks: bool, report: ScanReport, controls: bool = False
 ) -> list[tuple[Path, list[str], Path | None]]:
     walk = root.rglob("*") if recursive else root.glob("*")
     images = sorted(p for p in walk if p.suffix.lower() in IMAGE_SUFFIXES and not p.is_dir())
-    if masks:
-        images = [p for p in images if p.relative_to(root).parts[0] != MASK_DIR]
+    skip = {d for d, on in ((MASK_DIR, masks), (CONTROL_DIR, controls)) if on}
+    if skip:
+        images = [p for p in images if p.relative_to(root).parts[0] not in skip]
     out: list[tuple[Path, list[str], Path | None]] = []
     missing = 0
     for p in images:
@@ -148,7 +178,7 @@ def _metadata_path(i: int, root: Path, metadata: Path) -> Path:
 
 
 def _metadata_candidates(
-    i: int, root: Path, metadata: Path, masks: bool, report: ScanReport
+    i: int, root: Path, metadata: Path, masks: bool, report: ScanReport, controls: dict | None = None
 ) -> list[tuple[Path, list[str], Path | None]]:
     meta = _metadata_path(i, root, metadata)
     out: list[tuple[Path, list[str], Path | None]] = []
@@ -191,16 +221,19 @@ def _metadata_candidates(
                     continue
             else:
                 mask = _folder_mask(root, path)
+        if controls is not None and isinstance(rec.get("control"), str):
+            controls[path] = root / rec["control"]
         out.append((path, captions, mask))
     report.found.append(n)
     return out
 
 
-def scan_sources(sources, index_dir: Path | None = None, progress: bool = True, masks: bool = False) -> ScanReport:
+def scan_sources(sources, index_dir: Path | None = None, progress: bool = True, masks: bool = False,
+                 controls: bool = False) -> ScanReport:
     """Scan every source (a list of `SourceConfig`). Raises `UserError` for a missing folder or an empty data set.
 
     `index_dir`: where to keep the scan index (None: decode everything, keep nothing). `masks`: find and check
-    each image's mask (data.masked_loss)."""
+    each image's mask (data.masked_loss). `controls`: pairs; find and check each image's reference image."""
     report = ScanReport()
     per_source: list[list[tuple[Path, list[str], Path | None]]] = []
     for i, src in enumerate(sources):
@@ -209,23 +242,26 @@ def scan_sources(sources, index_dir: Path | None = None, progress: bool = True, 
             raise UserError(f"data.sources[{i}].path: folder '{root}' not found")
         if not root.is_dir():
             raise UserError(f"data.sources[{i}].path: '{root}' is a file, expected a folder of images")
+        meta_ctrl: dict | None = {} if controls and src.metadata is not None else None
         if src.metadata is not None:
-            per_source.append(_metadata_candidates(i, root, Path(src.metadata), masks, report))
+            cands = _metadata_candidates(i, root, Path(src.metadata), masks, report, meta_ctrl)
         else:
-            per_source.append(_folder_candidates(i, root, src.recursive, src.several_captions, masks, report))
+            cands = _folder_candidates(i, root, src.recursive, src.several_captions, masks, report, controls)
+        per_source.append(_with_controls(root, cands, report, meta_ctrl) if controls else [(*c, None) for c in cands])
     if sum(report.found) == 0:
         where = ", ".join(str(s.path) for s in sources)
         raise UserError(f"no images ({' '.join(IMAGE_SUFFIXES)}) found in {where}")
 
     index_file = index_dir / INDEX_NAME if index_dir is not None else None
     index = _read_index(index_file)
-    flat = [(i, path, caps, mask) for i, cands in enumerate(per_source) for path, caps, mask in cands]
+    flat = [(i, path, caps, mask, ctrl) for i, cands in enumerate(per_source) for path, caps, mask, ctrl in cands]
     bar = tqdm(total=len(flat), desc="scanning images", unit="img", disable=not progress or len(flat) < 50, leave=False)
     new_index: dict[str, dict] = {}
     # Decoding and hashing release the GIL: threads make the first scan of a large folder several times faster.
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        probes = pool.map(lambda c: (_probe(c[1], index), c[3] and _probe(c[3], index)), flat)
-        for (i, path, caps, mask), (got, got_mask) in zip(flat, probes, strict=True):
+        probes = pool.map(lambda c: (_probe(c[1], index), c[3] and _probe(c[3], index), c[4] and _probe(c[4], index)),
+                          flat)
+        for (i, path, caps, mask, ctrl), (got, got_mask, got_ctrl) in zip(flat, probes, strict=True):
             bar.update(1)
             if isinstance(got, str):
                 report.bad.append((str(path), got))
@@ -244,9 +280,18 @@ def scan_sources(sources, index_dir: Path | None = None, progress: bool = True, 
                                        f"{rec['w']}x{rec['h']} (a mask must have its image's size)"))
                     continue
                 mask_sha = mrec["sha"]
+            ctrl_sha, ctrl_size = "", (0, 0)
+            if ctrl is not None:
+                if isinstance(got_ctrl, str):
+                    report.bad.append((str(path), f"reference image {ctrl}: {got_ctrl}"))
+                    continue
+                ckey, crec = got_ctrl
+                new_index[ckey] = crec
+                ctrl_sha, ctrl_size = crec["sha"], (crec["w"], crec["h"])
             caps = tuple(join_caption(sources[i].caption_prefix, c) for c in caps)
             report.items.append(Item(str(path), caps[0], i, rec["w"], rec["h"], rec["sha"], caps if len(caps) > 1 else (),
-                                     str(mask) if mask is not None else "", mask_sha))
+                                     str(mask) if mask is not None else "", mask_sha,
+                                     str(ctrl) if ctrl is not None else "", ctrl_sha, ctrl_size))
     bar.close()
     if index_file is not None and any(index.get(k) != v for k, v in new_index.items()):
         _write_index(index_file, {**index, **new_index})

@@ -20,6 +20,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "flux": ("flux", "FluxAdapter"),
     "sd3": ("sd3", "SD3Adapter"),
     "qwen_image": ("qwen_image", "QwenImageAdapter"),
+    "flux-kontext": ("flux_kontext", "FluxKontextAdapter"),
 }
 
 __all__ = ["ADAPTERS", "Components", "ModelAdapter", "adapter_class", "get_adapter"]

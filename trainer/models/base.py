@@ -76,6 +76,10 @@ class ModelAdapter(ABC):
     #: sampling: does the pipeline run a second, negative-prompt pass when guidance > 1 (so the negative prompt
     #: must be encoded too)?
     sampling_uses_negative: ClassVar[bool]
+    #: edit / reference-image families: training items are (reference, target, instruction) pairs, the
+    #: reference's latents reach `predict` as `text["control_latents"]` (B, C, h, w), and sampling takes
+    #: `--image` (`pipeline_image`)
+    takes_reference: ClassVar[bool] = False
 
     @property
     @abstractmethod
@@ -155,6 +159,11 @@ class ModelAdapter(ABC):
     ) -> dict[str, torch.Tensor]:
         """Pipeline call kwargs holding one prompt's embeddings (and the negative prompt's when `negative` is not
         None), from the pipeline's own `encode_prompt` called as `pipe(prompt=...)` would call it."""
+
+    @classmethod
+    def pipeline_image(cls, pipe: Any, image: Any) -> dict[str, Any]:
+        """Pipeline call kwargs carrying the reference image (a PIL image of the sample's size; None: none)."""
+        return {}
 
     @classmethod
     def pipeline_guidance(cls, pipe: Any, guidance: float) -> dict[str, Any]:

@@ -16,7 +16,8 @@ channels (the real ones have 16), and the transformers' `in_channels` follow fro
 packed 2x2).
 
 Folders written under `out`: flux (dev-like: guidance embedding, dynamic shift), flux-schnell (no guidance
-embedding, fixed shift 1), sd3 (SD3.5-like: qk RMS norm and dual-attention blocks), qwen_image.
+embedding, fixed shift 1), sd3 (SD3.5-like: qk RMS norm and dual-attention blocks), qwen_image, flux-kontext
+(the dev-like Flux saved as a FluxKontextPipeline: Kontext has Flux's architecture).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "flux": ("flux", "flux-schnell"),
     "sd3": ("sd3",),
     "qwen_image": ("qwen_image",),
+    "flux-kontext": ("flux-kontext",),
 }
 
 QWEN_TEMPLATE_PREFIX = (
@@ -232,8 +234,8 @@ def _flow_scheduler(**kw):
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **kw)
 
 
-def _flux(schnell: bool):
-    from diffusers import FluxPipeline, FluxTransformer2DModel
+def _flux(schnell: bool, kontext: bool = False):
+    from diffusers import FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel
 
     clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
     torch.manual_seed(10)
@@ -247,7 +249,7 @@ def _flux(schnell: bool):
         else _flow_scheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                              base_image_seq_len=256, max_image_seq_len=4096)
     )
-    return FluxPipeline(
+    return (FluxKontextPipeline if kontext else FluxPipeline)(
         scheduler=sched, vae=_kl_vae(0.1159, 0.3611), text_encoder=_clip(clip_tok, 32, None, 1), tokenizer=clip_tok,
         text_encoder_2=_t5(t5_tok, 32), tokenizer_2=t5_tok, transformer=transformer,
     )
@@ -313,6 +315,7 @@ _BUILDERS = {
     "flux-schnell": lambda: _flux(schnell=True),
     "sd3": _sd3,
     "qwen_image": _qwen_image,
+    "flux-kontext": lambda: _flux(schnell=False, kontext=True),
 }
 
 

@@ -153,6 +153,7 @@ def generate(
             else iter(())
         )
         device = pipe._execution_device
+        reference = adapter.pipeline_image(pipe, settings.reference())
         images = []
         for prompt, seed in zip(prompts, seeds, strict=True):
             embeds = next(encoded) if isinstance(prompt, str) else prompt
@@ -160,6 +161,7 @@ def generate(
             out = pipe(
                 **_to(embeds, device),
                 **adapter.pipeline_guidance(pipe, settings.guidance),
+                **reference,
                 negative_prompt=None,
                 height=settings.height,
                 width=settings.width,

@@ -30,6 +30,7 @@ class SampleRequest:
     num: int = 1
     out: Path | None = None
     base: bool = False  # full fine-tune configs: sample the base model, not output.dir/transformer
+    image: Path | None = None  # edit families: the reference image
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,18 @@ class SampleSettings:
     width: int
     height: int
     negative_prompt: str = ""
+    #: edit families: the reference image file (resized and centre-cropped to width x height, as in training)
+    image: str | None = None
+
+    def reference(self):
+        """The reference image as the pipeline gets it (PIL, width x height), or None."""
+        if self.image is None:
+            return None
+        from ..data.images import cover_and_crop, crop_box, open_image
+
+        im = open_image(self.image)
+        size = (self.width, self.height)
+        return cover_and_crop(im, size, crop_box(im.width, im.height, size, "center"))
 
     @classmethod
     def from_config(cls, sample_cfg) -> SampleSettings:
@@ -149,6 +162,21 @@ def collect_prompts(req: SampleRequest, config_prompts: list[str]) -> list[str]:
     if not prompts:
         raise UserError("no prompts: pass --prompt TEXT, --prompts FILE, or set sample.prompts in the config")
     return prompts
+
+
+def check_image(path: Path | None, adapter) -> None:
+    """`--image`: only for edit families, and it must be a readable image."""
+    if path is None:
+        return
+    if not getattr(adapter, "takes_reference", False):
+        raise UserError(f"--image is for edit models (flux-kontext); model.family {adapter.family} takes no "
+                        f"reference image")
+    from ..data.images import BadImage, open_image
+
+    try:
+        open_image(path)
+    except BadImage as e:
+        raise UserError(f"{path}: --image is not a usable image ({e})") from None
 
 
 def check_loras(specs: list[LoraSpec]) -> None:
