@@ -161,6 +161,8 @@ def test_fit_from_yaml_caches_both_latents_and_the_lora_loads_in_kontext_pipelin
 def test_sample_with_image_equals_the_kontext_pipeline(fitted, kontext, tmp_path):
     from diffusers import FluxKontextPipeline
 
+    from trainer.models._diffusers import own_aligned_memory
+
     path, out = fitted
     ref = Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))
     ref.save(tmp_path / "ref.png")
@@ -179,6 +181,7 @@ def test_sample_with_image_equals_the_kontext_pipeline(fitted, kontext, tmp_path
 
     ours = sample(tmp_path / "ref.png", "a")
     pipe = FluxKontextPipeline.from_pretrained(str(kontext), torch_dtype=torch.float32, local_files_only=True)
+    own_aligned_memory(pipe.transformer)  # as our loader does: same memory alignment, same CPU rounding
     pipe.load_lora_weights(lora)
     pipe.set_progress_bar_config(disable=True)
     theirs = pipe(prompt=PROMPT, image=ref, _auto_resize=False, height=32, width=32, num_inference_steps=2,
