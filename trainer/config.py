@@ -60,13 +60,33 @@ class ModelConfig(_Section):
 
 
 class LoraConfig(_Section):
-    rank: int = Field(default=16, ge=1, description="LoRA rank r.")
+    type: Literal["lora", "lokr", "loha"] = Field(
+        default="lora",
+        description="Adapter kind, through peft: lora (B @ A), lokr (Kronecker product, LyCORIS LoKr) or loha "
+        "(Hadamard product of two low-rank pairs, LyCORIS LoHa). lora loads with diffusers' load_lora_weights; "
+        "lokr and loha load with peft (the README and the log say how) and with `dittrain sample --lora`.",
+    )
+    dora: bool = Field(
+        default=False,
+        description="DoRA (weight-decomposed LoRA: a trained magnitude per output channel on top of the LoRA "
+        "direction); type: lora only. Loads with diffusers' load_lora_weights; `dittrain merge` refuses it.",
+    )
+    rank: int = Field(default=16, ge=1, description="LoRA rank r (lokr: the rank of the factors; loha: of each pair).")
     alpha: float = Field(default=16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
-    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    dropout: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="Dropout on the LoRA input (lokr / loha: peft's rank_dropout, which drops whole ranks).",
+    )
     targets: list[str] | None = Field(
         default=None,
         description="Module names (peft target_modules) to adapt; null uses the family's default list.",
     )
+
+    @model_validator(mode="after")
+    def _dora_is_lora(self) -> LoraConfig:
+        if self.dora and self.type != "lora":
+            raise ValueError(f"lora.dora: true is a variant of lora.type: lora, not {self.type}; set one of them")
+        return self
 
 
 class OptimizerConfig(_Section):
@@ -314,6 +334,9 @@ class Config(_Section):
                 f"model.quantize: {self.model.quantize} is for a frozen base (train.method: lora); full fine-tuning "
                 "needs model.quantize: none"
             )
+        if self.model.quantize != "none" and self.lora.dora:
+            raise ValueError(f"lora.dora needs the full-precision base weight for its norm; set model.quantize: none "
+                             f"(or lora.dora: false with model.quantize: {self.model.quantize})")
         if opt.name == "adamw_schedulefree" and (opt.scheduler != "constant" or opt.fused_back_pass):
             raise ValueError(
                 "optimizer.name: adamw_schedulefree replaces the decay schedule and steps all weights at once: set "

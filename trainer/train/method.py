@@ -16,7 +16,9 @@ the same for both.
 LoRA (trainer/train/model.py `add_lora`): the base is frozen; the fp32 adapter weights are drawn from torch's
 global generator, then broadcast from rank 0 so several processes start identical whatever they drew. They stay
 on the device when blocks stream (the conductor streams only frozen base weights), and so does their optimizer
-state. Weights: one `lora.safetensors` in diffusers' format; the final file is the last checkpoint's, copied.
+state. Weights: one `lora.safetensors` in diffusers' format; the final file is the last checkpoint's, copied. LoKr and
+LoHa (lora.type) are saved the same way, in peft's key names, which diffusers' `load_lora_weights` does not read:
+the log says how to load them with peft (`dittrain sample --lora` does it itself).
 
 Full: every transformer weight trains; several processes start identical because they load the same files. With
 blocks streamed the weights stream as trainable, each stepped by the fused back pass while its block is on the
@@ -36,6 +38,7 @@ from ..config import Config
 from ..offload import fused as packed  # module, not names: tests swap PACKED_STATE_OPTIMIZERS
 from . import checkpoint as ck
 from .model import add_lora, count, full_params
+from .monitor import say
 
 
 class TrainingMethod:
@@ -74,7 +77,7 @@ class LoraMethod(TrainingMethod):
     def save_weights(self, folder: Path, step: int) -> None:
         lc = self.cfg.lora
         meta = {"rank": lc.rank, "alpha": lc.alpha, "step": step, "config_digest": self.cfg.digest(),
-                "family": self.cfg.model.family}
+                "family": self.cfg.model.family, "type": lc.type, "dora": lc.dora}
         ck.save_lora(folder / "lora.safetensors", self.transformer, meta)
 
     def load_weights(self, folder: Path) -> None:
@@ -87,6 +90,8 @@ class LoraMethod(TrainingMethod):
         """The final LoRA file in output.dir: the checkpoint's, copied atomically."""
         path, src = self.final_output(out_dir), checkpoint / "lora.safetensors"
         ck.atomic_write(path, lambda tmp: tmp.write_bytes(src.read_bytes()))
+        if self.cfg.lora.type != "lora":
+            say(ck.lycoris_loading_hint(path, self.cfg.lora.type))
         return path
 
 
