@@ -146,6 +146,9 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(default=0, ge=0, description="Save a resumable checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = Field(default=2, ge=1, description="How many step checkpoints to keep.")
     log_every: int = Field(default=1, ge=1, description="Write metrics every N steps.")
+    validate_every: int = Field(
+        default=0, ge=0, description="Score data.validation every N steps (0: never); needs data.validation."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when present.")
     attention: Literal["auto", "flash", "efficient", "math"] = Field(
         default="auto",
@@ -180,6 +183,37 @@ class SourceConfig(_Section):
     tag_dropout: float = Field(
         default=0.0, ge=0, lt=1, description="Probability of leaving out each tag after the first keep_tokens."
     )
+
+
+class ValidationConfig(_Section):
+    sources: list[SourceConfig] = Field(
+        default_factory=list,
+        description="Image folders of the held-out set (captions as for training); or leave empty and set fraction.",
+    )
+    fraction: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="Hold out this share of the training images instead (at least one; picked by train.seed and "
+        "each image's content, so the same images at every run and resume); they are not trained on.",
+    )
+    timesteps: list[float] = Field(
+        default=[0.1, 0.3, 0.5, 0.7, 0.9], min_length=1,
+        description="Flow times t in (0, 1) every validation image is scored at (no shift, no loss weighting), "
+        "with fixed noise per image, so the curve is comparable across steps and runs.",
+    )
+
+    @field_validator("timesteps")
+    @classmethod
+    def _in_range(cls, v: list[float]) -> list[float]:
+        if any(not 0 < t < 1 for t in v):
+            raise ValueError("every validation timestep must be in (0, 1)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ValidationConfig:
+        if bool(self.sources) == (self.fraction > 0):
+            raise ValueError("data.validation needs either sources (a held-out set) or fraction > 0 (held out from "
+                             "the training images), not both")
+        return self
 
 
 class DataConfig(_Section):
@@ -225,6 +259,11 @@ class DataConfig(_Section):
     )
     unmasked_weight: float = Field(
         default=0.0, ge=0, le=1, description="With masked_loss: the loss weight where the mask is black (0: ignore)."
+    )
+    validation: ValidationConfig | None = Field(
+        default=None,
+        description="Held-out images scored with a validation loss every train.validate_every steps (no gradients; "
+        "streamed like training); val_loss in metrics.jsonl and TensorBoard.",
     )
     caption_variants: int = Field(
         default=8,
@@ -334,6 +373,9 @@ class Config(_Section):
                 f"model.quantize: {self.model.quantize} is for a frozen base (train.method: lora); full fine-tuning "
                 "needs model.quantize: none"
             )
+        has_val = self.data is not None and self.data.validation is not None
+        if has_val != (t.validate_every > 0):
+            raise ValueError("data.validation and train.validate_every > 0 go together: set both (or neither)")
         if self.model.quantize != "none" and self.lora.dora:
             raise ValueError(f"lora.dora needs the full-precision base weight for its norm; set model.quantize: none "
                              f"(or lora.dora: false with model.quantize: {self.model.quantize})")

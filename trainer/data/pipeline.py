@@ -33,6 +33,7 @@ from .cache import (
 )
 from .captions import caption_texts, pick
 from .sources import Item, ScanReport, check_report, scan_sources
+from .validation import ValidationData, ValidationPlan, holdout, plan_validation
 
 
 @dataclass
@@ -65,6 +66,7 @@ class DataPlan:
     latent_store: DiskStore | MemoryStore
     text_store: DiskStore | MemoryStore
     divisor: int
+    validation: ValidationPlan | None = None  # data.validation's held-out set (trainer/data/validation.py)
 
     @property
     def items(self) -> list[Item]:
@@ -75,8 +77,9 @@ class DataPlan:
         return latent_key(it.sha, e.bucket, e.box, it.mask_sha)
 
     def latent_jobs(self) -> list[LatentJob]:
+        """Training entries, then the validation set's (encoded in the same pass)."""
         return [LatentJob(self.latent_key(e), self.items[e.item].file, e.bucket, e.box, self.items[e.item].mask)
-                for e in self.entries]
+                for e in self.entries] + (self.validation.latent_jobs() if self.validation else [])
 
     def item_texts(self, i: int) -> tuple[str, ...]:
         """Every final caption text item i may train on (captions.py); each is one text-cache entry."""
@@ -85,7 +88,8 @@ class DataPlan:
                              self.cfg.train.seed, it.sha)
 
     def captions(self) -> list[str]:
-        return sorted({t for i in range(len(self.items)) for t in self.item_texts(i)})
+        val = set(self.validation.captions) if self.validation else set()
+        return sorted({t for i in range(len(self.items)) for t in self.item_texts(i)} | val)
 
     def summary(self) -> str:
         d = self.cfg.data
@@ -141,6 +145,9 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
     disk = d.cache or force_disk
     report = scan_sources(d.sources, index_dir=Path(d.cache_dir) if disk else None, progress=progress,
                           masks=d.masked_loss)
+    held = []
+    if d.validation is not None and d.validation.fraction > 0:  # held out before bucketing: never trained on
+        report.items, held = holdout(report.items, d.validation.fraction, cfg.train.seed)
     divisor = int(adapter.resolution_divisor)
     entries, too_small = assign_buckets(
         report.items, d.resolutions, divisor, crop=d.crop, seed=cfg.train.seed, max_upscale=d.max_upscale,
@@ -155,7 +162,10 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
         text_store = DiskStore(Path(d.cache_dir) / "text" / model_identity(cfg.model, adapter, "text"))
     else:
         latent_store, text_store = MemoryStore(), MemoryStore()
-    return DataPlan(cfg, report, entries, latent_store, text_store, divisor)
+    val = None
+    if d.validation is not None:
+        val = plan_validation(cfg, divisor, held, report.items, Path(d.cache_dir) if disk else None, progress)
+    return DataPlan(cfg, report, entries, latent_store, text_store, divisor, val)
 
 
 def _keep_items(report: ScanReport, entries: list[Entry], drop: set[int]) -> list[Entry]:
@@ -199,6 +209,11 @@ class TrainData:
             remainder=cfg.data.remainder,
             fingerprint="|".join(self._lat_keys),
         )
+        self.validation = None
+        if plan.validation is not None:
+            bad = set(encode.bad_latents) | {text_key(c) for c in encode.bad_texts}
+            self.validation = ValidationData(plan.validation, adapter, plan.latent_store, plan.text_store,
+                                             cfg.train.batch_size, self._masked, self._unmasked, bad)
 
     def state_dict(self) -> dict:
         """JSON-able; the sampler's state (see BucketSampler.state_dict)."""
@@ -282,6 +297,8 @@ def prepare_data(
     plan = plan_data(cfg, adapter, progress=progress)
     if rank == 0:
         tqdm.write(plan.summary(), file=sys.stderr)
+        if plan.validation is not None:
+            tqdm.write(plan.validation.summary(), file=sys.stderr)
     res = ensure_encoded(
         adapter, load_encoders, plan.latent_store, plan.text_store, plan.latent_jobs(), plan.captions(),
         batch_size=cfg.data.encode_batch_size, verify_latents=True, progress=progress,

@@ -48,6 +48,7 @@ from .method import method_for
 from .monitor import Monitor, say
 from .objective import FlowMatching
 from .optimizer import optimizer_for
+from .validation import Validator
 
 
 def pick_device(choice: str) -> torch.device:
@@ -117,6 +118,8 @@ class Trainer:
                     self.save()
                 if self.sampler is not None and self.step % self.cfg.sample.every == 0:
                     self.sample()
+                if self.validator is not None and self.validator.due(self.step, c.validate_every):
+                    self.validate()
             if self.monitor is not None:
                 self.monitor.finish()
             return self.save(final=True)
@@ -157,6 +160,8 @@ class Trainer:
         # in memory at the same time, and a bad image fails the run before the big load.
         self.data = self.dist.main_first(lambda: prepare_data(  # rank 0 fills the cache, the others read it
             cfg, self.adapter, self.device, self.dtype, rank=self.dist.rank, world_size=self.dist.world))
+        self.validator = Validator.build(cfg, self.data, self.adapter, self.device, self.dtype) \
+            if self.dist.is_main else None  # the held-out set (data.validation), scored by rank 0
         self.sampler = None
         if cfg.sample.every and cfg.sample.prompts and self.dist.is_main:
             self.sampler = TrainingSampler(cfg, self.adapter, self.device, self.dtype)  # encodes prompts, frees encoders
@@ -333,6 +338,13 @@ class Trainer:
         if self.monitor is not None:
             self.monitor.images(self.step, images, self.cfg.sample.prompts)
         return images
+
+    def validate(self) -> dict[str, float]:
+        """The validation loss of the model being trained (validation.py), logged as val_loss."""
+        metrics = self.validator(self.transformer, self.optim.optimizer)
+        if self.monitor is not None:
+            self.monitor.validation(self.step, metrics)
+        return metrics
 
     # ------------------------------------------------------------------------------------------------ close
 
