@@ -121,6 +121,16 @@ class OptimizerConfig(_Section):
     )
 
 
+class EmaConfig(_Section):
+    decay: float = Field(default=0.999, gt=0, lt=1, description="EMA decay per update: ema = decay * ema + (1 - decay) * w.")
+    every: int = Field(default=1, ge=1, description="Update the EMA after every N-th optimizer step.")
+    device: Literal["cpu", "gpu"] = Field(
+        default="cpu",
+        description="Where the fp32 shadow lives: cpu (RAM; each weight is copied over as it steps) or gpu (the "
+        "training device). A streamed full fine-tune keeps it in RAM (cpu).",
+    )
+
+
 class TrainConfig(_Section):
     method: Literal["lora", "full"] = Field(default="lora", description="lora, or full fine-tuning of the transformer.")
     steps: int = Field(default=1000, ge=1, description="Optimizer steps to train.")
@@ -146,6 +156,12 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(default=0, ge=0, description="Save a resumable checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = Field(default=2, ge=1, description="How many step checkpoints to keep.")
     log_every: int = Field(default=1, ge=1, description="Write metrics every N steps.")
+    ema: EmaConfig | None = Field(
+        default=None,
+        description="Keep an exponential moving average of the trained weights ({decay, every, device}); saved "
+        "in checkpoints (ema.safetensors, resumed exactly) and at the end as lora-ema.safetensors or "
+        "transformer-ema/ beside the trained weights.",
+    )
     validate_every: int = Field(
         default=0, ge=0, description="Score data.validation every N steps (0: never); needs data.validation."
     )
@@ -376,6 +392,9 @@ class Config(_Section):
         has_val = self.data is not None and self.data.validation is not None
         if has_val != (t.validate_every > 0):
             raise ValueError("data.validation and train.validate_every > 0 go together: set both (or neither)")
+        if t.ema is not None and t.ema.device == "gpu" and streams and t.method == "full":
+            raise ValueError("train.ema.device: gpu would hold a full-size fp32 copy beside streamed weights; a "
+                             "streamed full fine-tune keeps its EMA in RAM: set train.ema.device: cpu")
         if self.model.quantize != "none" and self.lora.dora:
             raise ValueError(f"lora.dora needs the full-precision base weight for its norm; set model.quantize: none "
                              f"(or lora.dora: false with model.quantize: {self.model.quantize})")

@@ -8,6 +8,7 @@
     method.place_optimizer_state(handle, blocks, optim)
     method.save_weights(folder, step) / method.load_weights(folder)
     method.write_final(out_dir, checkpoint) -> path   # output.dir/lora.safetensors or output.dir/transformer
+    method.write_ema(out_dir, step) -> path           # the same for the EMA weights (-ema), swapped in by ema.py
     method.describe(params)                           # "lora: 0.012 M trainable parameters in 56 tensors"
 
 Everything the loop would otherwise decide with `if method == "lora"` is here, so trainer/train/trainer.py reads
@@ -75,16 +76,25 @@ class LoraMethod(TrainingMethod):
         """Nothing streams that trains: the optimizer state stays beside the LoRA weights."""
 
     def save_weights(self, folder: Path, step: int) -> None:
-        lc = self.cfg.lora
-        meta = {"rank": lc.rank, "alpha": lc.alpha, "step": step, "config_digest": self.cfg.digest(),
-                "family": self.cfg.model.family, "type": lc.type, "dora": lc.dora}
-        ck.save_lora(folder / "lora.safetensors", self.transformer, meta)
+        self.save_weights_to(folder / "lora.safetensors", step)
 
     def load_weights(self, folder: Path) -> None:
         ck.load_lora(folder / "lora.safetensors", self.transformer)
 
     def final_output(self, out_dir: Path) -> Path:
         return out_dir / "lora.safetensors"
+
+    def write_ema(self, out_dir: Path, step: int) -> Path:
+        """The EMA weights (swapped in by ema.py) as output.dir/lora-ema.safetensors, in the LoRA's format."""
+        path = out_dir / "lora-ema.safetensors"
+        self.save_weights_to(path, step)
+        return path
+
+    def save_weights_to(self, path: Path, step: int) -> None:
+        lc = self.cfg.lora
+        meta = {"rank": lc.rank, "alpha": lc.alpha, "step": step, "config_digest": self.cfg.digest(),
+                "family": self.cfg.model.family, "type": lc.type, "dora": lc.dora}
+        ck.save_lora(path, self.transformer, meta)
 
     def write_final(self, out_dir: Path, checkpoint: Path) -> Path:
         """The final LoRA file in output.dir: the checkpoint's, copied atomically."""
@@ -128,6 +138,12 @@ class FullMethod(TrainingMethod):
 
     def final_output(self, out_dir: Path) -> Path:
         return out_dir / "transformer"
+
+    def write_ema(self, out_dir: Path, step: int) -> Path:  # noqa: ARG002 - the step is in the checkpoint
+        """The EMA weights (swapped in by ema.py) as the diffusers folder output.dir/transformer-ema."""
+        path = out_dir / "transformer-ema"
+        ck.atomic_dir(path, lambda tmp: ck.save_transformer(tmp, self.transformer))
+        return path
 
     def write_final(self, out_dir: Path, checkpoint: Path) -> Path:  # noqa: ARG002 - saved from the live weights
         path = self.final_output(out_dir)

@@ -42,6 +42,7 @@ from ..sampling.training import TrainingSampler
 from . import checkpoint as ck
 from . import distributed, streaming
 from . import run as runs
+from .ema import EMA
 from .faults import StopFlag, TrainingInterrupted, oom_error
 from .inputs import data_state, load_data_state, prepare_data
 from .method import method_for
@@ -87,6 +88,7 @@ class Trainer:
         self.monitor: Monitor | None = None
         self.last_checkpoint: Path | None = None
         self.offload = None
+        self.ema = None  # train.ema (ema.py), built in setup
         self.method = method_for(cfg)  # LoRA or full: everything the loop would otherwise branch on
         self.fraction: float | None = None  # offload.transformer resolved (auto: the planner's pick), in setup
         self.dist = distributed.Dist()  # one process until setup reads torchrun's environment
@@ -104,6 +106,8 @@ class Trainer:
             first, times = self.step, []
             while self.step < c.steps:
                 metrics = self.train_step()
+                if self.ema is not None:
+                    self.ema.after_step(self.step)  # ema.py: unfused, the EMA updates here
                 times.append(metrics["step_time"])
                 if self.step == first + 5 and self.device.type == "cuda" and self.dist.is_main:
                     # the median of steps 2-5 (the first warms up; single steps jitter, most at small buckets)
@@ -182,6 +186,7 @@ class Trainer:
             f"{len(blocks)} blocks{' checkpointed' if c.gradient_checkpointing else ''}"
             f"{f', {self.fraction:g} of block bytes streamed from CPU RAM' if streamed else ''}")
         self.optim = optimizer_for(cfg, self.params, self.dist)  # gradients averaged over ranks, if several
+        self.ema = EMA.build(cfg, self.transformer, self.params, self.optim)  # train.ema; before blocks stream
         # The optimizer before the conductor: a streamed full fine-tune packs each weight's optimizer state beside
         # it, in the layout the optimizer reports. Checkpointing and streaming of the blocks: streaming.py.
         conduct = streaming.conducts(cfg, self.fraction, self._can_stream())
@@ -222,6 +227,8 @@ class Trainer:
         load_data_state(self.data, state["data"])
         self.objective.load_state(ck.restore_rng(load_file(str(folder / "rng.safetensors"))))
         self.step = int(state["step"])
+        if self.ema is not None:
+            self.ema.load(folder, self.step)
         self.last_checkpoint = folder
         say(f"resumed from {folder} at step {self.step}")
 
@@ -304,6 +311,8 @@ class Trainer:
         def write(tmp: Path) -> None:
             self.method.save_weights(tmp, self.step)
             self.optim.save(tmp)
+            if self.ema is not None:
+                self.ema.save(tmp)
             save_file(ck.rng_state(self.objective.state()), str(tmp / "rng.safetensors"))
             ck.write_json(tmp / "state.json", self._state())
 
@@ -317,6 +326,8 @@ class Trainer:
                 self.dist.barrier()
                 return self.last_checkpoint
             path = self.method.write_final(self.out, self.last_checkpoint)
+            if self.ema is not None:
+                say(f"saved {self.ema.write_final(self.method, self.out, self.step)} (EMA)")
         say(f"saved {path} (step {self.step})")
         self.dist.barrier()
         return path
