@@ -61,13 +61,33 @@ class ModelConfig(_Section):
 
 
 class LoraConfig(_Section):
-    rank: int = Field(default=16, ge=1, description="LoRA rank r.")
+    type: Literal["lora", "lokr", "loha"] = Field(
+        default="lora",
+        description="Adapter kind, through peft: lora (B @ A), lokr (Kronecker product, LyCORIS LoKr) or loha "
+        "(Hadamard product of two low-rank pairs, LyCORIS LoHa). lora loads with diffusers' load_lora_weights; "
+        "lokr and loha load with peft (the README and the log say how) and with `dittrain sample --lora`.",
+    )
+    dora: bool = Field(
+        default=False,
+        description="DoRA (weight-decomposed LoRA: a trained magnitude per output channel on top of the LoRA "
+        "direction); type: lora only. Loads with diffusers' load_lora_weights; `dittrain merge` refuses it.",
+    )
+    rank: int = Field(default=16, ge=1, description="LoRA rank r (lokr: the rank of the factors; loha: of each pair).")
     alpha: float = Field(default=16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
-    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    dropout: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="Dropout on the LoRA input (lokr / loha: peft's rank_dropout, which drops whole ranks).",
+    )
     targets: list[str] | None = Field(
         default=None,
         description="Module names (peft target_modules) to adapt; null uses the family's default list.",
     )
+
+    @model_validator(mode="after")
+    def _dora_is_lora(self) -> LoraConfig:
+        if self.dora and self.type != "lora":
+            raise ValueError(f"lora.dora: true is a variant of lora.type: lora, not {self.type}; set one of them")
+        return self
 
 
 class OptimizerConfig(_Section):
@@ -102,6 +122,16 @@ class OptimizerConfig(_Section):
     )
 
 
+class EmaConfig(_Section):
+    decay: float = Field(default=0.999, gt=0, lt=1, description="EMA decay per update: ema = decay * ema + (1 - decay) * w.")
+    every: int = Field(default=1, ge=1, description="Update the EMA after every N-th optimizer step.")
+    device: Literal["cpu", "gpu"] = Field(
+        default="cpu",
+        description="Where the fp32 shadow lives: cpu (RAM; each weight is copied over as it steps) or gpu (the "
+        "training device). A streamed full fine-tune keeps it in RAM (cpu).",
+    )
+
+
 class TrainConfig(_Section):
     method: Literal["lora", "full"] = Field(default="lora", description="lora, or full fine-tuning of the transformer.")
     steps: int = Field(default=1000, ge=1, description="Optimizer steps to train.")
@@ -127,6 +157,15 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(default=0, ge=0, description="Save a resumable checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = Field(default=2, ge=1, description="How many step checkpoints to keep.")
     log_every: int = Field(default=1, ge=1, description="Write metrics every N steps.")
+    ema: EmaConfig | None = Field(
+        default=None,
+        description="Keep an exponential moving average of the trained weights ({decay, every, device}); saved "
+        "in checkpoints (ema.safetensors, resumed exactly) and at the end as lora-ema.safetensors or "
+        "transformer-ema/ beside the trained weights.",
+    )
+    validate_every: int = Field(
+        default=0, ge=0, description="Score data.validation every N steps (0: never); needs data.validation."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when present.")
     attention: Literal["auto", "flash", "efficient", "math"] = Field(
         default="auto",
@@ -161,6 +200,37 @@ class SourceConfig(_Section):
     tag_dropout: float = Field(
         default=0.0, ge=0, lt=1, description="Probability of leaving out each tag after the first keep_tokens."
     )
+
+
+class ValidationConfig(_Section):
+    sources: list[SourceConfig] = Field(
+        default_factory=list,
+        description="Image folders of the held-out set (captions as for training); or leave empty and set fraction.",
+    )
+    fraction: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="Hold out this share of the training images instead (at least one; picked by train.seed and "
+        "each image's content, so the same images at every run and resume); they are not trained on.",
+    )
+    timesteps: list[float] = Field(
+        default=[0.1, 0.3, 0.5, 0.7, 0.9], min_length=1,
+        description="Flow times t in (0, 1) every validation image is scored at (no shift, no loss weighting), "
+        "with fixed noise per image, so the curve is comparable across steps and runs.",
+    )
+
+    @field_validator("timesteps")
+    @classmethod
+    def _in_range(cls, v: list[float]) -> list[float]:
+        if any(not 0 < t < 1 for t in v):
+            raise ValueError("every validation timestep must be in (0, 1)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ValidationConfig:
+        if bool(self.sources) == (self.fraction > 0):
+            raise ValueError("data.validation needs either sources (a held-out set) or fraction > 0 (held out from "
+                             "the training images), not both")
+        return self
 
 
 class DataConfig(_Section):
@@ -206,6 +276,11 @@ class DataConfig(_Section):
     )
     unmasked_weight: float = Field(
         default=0.0, ge=0, le=1, description="With masked_loss: the loss weight where the mask is black (0: ignore)."
+    )
+    validation: ValidationConfig | None = Field(
+        default=None,
+        description="Held-out images scored with a validation loss every train.validate_every steps (no gradients; "
+        "streamed like training); val_loss in metrics.jsonl and TensorBoard.",
     )
     caption_variants: int = Field(
         default=8,
@@ -315,6 +390,15 @@ class Config(_Section):
                 f"model.quantize: {self.model.quantize} is for a frozen base (train.method: lora); full fine-tuning "
                 "needs model.quantize: none"
             )
+        has_val = self.data is not None and self.data.validation is not None
+        if has_val != (t.validate_every > 0):
+            raise ValueError("data.validation and train.validate_every > 0 go together: set both (or neither)")
+        if t.ema is not None and t.ema.device == "gpu" and streams and t.method == "full":
+            raise ValueError("train.ema.device: gpu would hold a full-size fp32 copy beside streamed weights; a "
+                             "streamed full fine-tune keeps its EMA in RAM: set train.ema.device: cpu")
+        if self.model.quantize != "none" and self.lora.dora:
+            raise ValueError(f"lora.dora needs the full-precision base weight for its norm; set model.quantize: none "
+                             f"(or lora.dora: false with model.quantize: {self.model.quantize})")
         if opt.name == "adamw_schedulefree" and (opt.scheduler != "constant" or opt.fused_back_pass):
             raise ValueError(
                 "optimizer.name: adamw_schedulefree replaces the decay schedule and steps all weights at once: set "

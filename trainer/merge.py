@@ -67,6 +67,9 @@ def read_lora(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]
     cfg = {}
     if "lora_adapter_metadata" in meta:
         cfg = {k.removeprefix(_PREFIX): v for k, v in json.loads(meta["lora_adapter_metadata"]).items()}
+    if any(k.endswith(".lora_magnitude_vector") for k in tensors):  # B @ A alone would merge the wrong weights
+        raise UserError(f"--lora {path}: a DoRA file (lora.dora: true) cannot be merged here; load it with "
+                        "load_lora_weights or `dittrain sample --lora`")
     out = {}
     for key, a in tensors.items():
         if ".lora_A." not in key:

@@ -34,6 +34,7 @@ from .cache import (
 from .captions import caption_texts, pick
 from .images import crop_box
 from .sources import Item, ScanReport, check_report, scan_sources
+from .validation import ValidationData, ValidationPlan, holdout, plan_validation
 
 
 @dataclass
@@ -70,6 +71,7 @@ class DataPlan:
     latent_store: DiskStore | MemoryStore
     text_store: DiskStore | MemoryStore
     divisor: int
+    validation: ValidationPlan | None = None  # data.validation's held-out set (trainer/data/validation.py)
 
     @property
     def items(self) -> list[Item]:
@@ -90,11 +92,12 @@ class DataPlan:
         return latent_key(self.items[e.item].control_sha, e.bucket, self.control_box(e))
 
     def latent_jobs(self) -> list[LatentJob]:
+        """Training entries (and their references), then the validation set's (encoded in the same pass)."""
         jobs = [LatentJob(self.latent_key(e), self.items[e.item].file, e.bucket, e.box, self.items[e.item].mask)
                 for e in self.entries]
         jobs += [LatentJob(self.control_key(e), self.items[e.item].control, e.bucket, self.control_box(e))
                  for e in self.entries if self.items[e.item].control]
-        return jobs
+        return jobs + (self.validation.latent_jobs() if self.validation else [])
 
     def item_texts(self, i: int) -> tuple[str, ...]:
         """Every final caption text item i may train on (captions.py); each is one text-cache entry."""
@@ -103,7 +106,8 @@ class DataPlan:
                              self.cfg.train.seed, it.sha)
 
     def captions(self) -> list[str]:
-        return sorted({t for i in range(len(self.items)) for t in self.item_texts(i)})
+        val = set(self.validation.captions) if self.validation else set()
+        return sorted({t for i in range(len(self.items)) for t in self.item_texts(i)} | val)
 
     def summary(self) -> str:
         d = self.cfg.data
@@ -159,6 +163,9 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
     disk = d.cache or force_disk
     report = scan_sources(d.sources, index_dir=Path(d.cache_dir) if disk else None, progress=progress,
                           masks=d.masked_loss, controls=bool(getattr(adapter, "takes_reference", False)))
+    held = []
+    if d.validation is not None and d.validation.fraction > 0:  # held out before bucketing: never trained on
+        report.items, held = holdout(report.items, d.validation.fraction, cfg.train.seed)
     divisor = int(adapter.resolution_divisor)
     entries, too_small = assign_buckets(
         report.items, d.resolutions, divisor, crop=d.crop, seed=cfg.train.seed, max_upscale=d.max_upscale,
@@ -173,7 +180,10 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
         text_store = DiskStore(Path(d.cache_dir) / "text" / model_identity(cfg.model, adapter, "text"))
     else:
         latent_store, text_store = MemoryStore(), MemoryStore()
-    return DataPlan(cfg, report, entries, latent_store, text_store, divisor)
+    val = None
+    if d.validation is not None:
+        val = plan_validation(cfg, divisor, held, report.items, Path(d.cache_dir) if disk else None, progress)
+    return DataPlan(cfg, report, entries, latent_store, text_store, divisor, val)
 
 
 def _keep_items(report: ScanReport, entries: list[Entry], drop: set[int]) -> list[Entry]:
@@ -218,6 +228,11 @@ class TrainData:
             remainder=cfg.data.remainder,
             fingerprint="|".join(self._lat_keys + [k for k in self._ctrl_keys if k]),
         )
+        self.validation = None
+        if plan.validation is not None:
+            bad = set(encode.bad_latents) | {text_key(c) for c in encode.bad_texts}
+            self.validation = ValidationData(plan.validation, adapter, plan.latent_store, plan.text_store,
+                                             cfg.train.batch_size, self._masked, self._unmasked, bad)
 
     def state_dict(self) -> dict:
         """JSON-able; the sampler's state (see BucketSampler.state_dict)."""
@@ -306,6 +321,8 @@ def prepare_data(
     plan = plan_data(cfg, adapter, progress=progress)
     if rank == 0:
         tqdm.write(plan.summary(), file=sys.stderr)
+        if plan.validation is not None:
+            tqdm.write(plan.validation.summary(), file=sys.stderr)
     res = ensure_encoded(
         adapter, load_encoders, plan.latent_store, plan.text_store, plan.latent_jobs(), plan.captions(),
         batch_size=cfg.data.encode_batch_size, verify_latents=True, progress=progress,

@@ -9,10 +9,14 @@ were found and loads nothing. All three become one `UserError` naming the file:
 - an exception from diffusers / peft (shape mismatch, keys without "lora", target modules not in the model);
 - a warning from the `diffusers` logger about unexpected or missing LoRA keys (captured while loading);
 - an adapter that ended up in no component of the pipeline.
+
+LoKr and LoHa files (lora.type) are in peft's format, which `load_lora_weights` does not read: they are loaded with
+peft itself (`load_peft_file`: the adapter built from the peft config in the header, weights set by key).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from contextlib import contextmanager
@@ -83,8 +87,62 @@ def adapter_name(index: int) -> str:
     return f"lora{index}"
 
 
+def load_peft_file(transformer, path, adapter: str = "default", weight: float = 1.0) -> None:
+    """Load a LoKr / LoHa file written by dittrain into `transformer` with peft: the adapter is built from the peft
+    config in the file's header and its weights set by key; `weight` scales the update (like set_adapters)."""
+    from peft import PeftConfig, inject_adapter_in_model, set_peft_model_state_dict
+    from peft.tuners.lycoris_utils import LycorisLayer
+    from safetensors.torch import load_file
+
+    from ..train.checkpoint import LORA_METADATA_KEY, LORA_PREFIX, lora_metadata
+
+    meta = lora_metadata(path)
+    if LORA_METADATA_KEY not in meta:
+        raise UserError(f"{path}: no peft config in the file's header (a LoKr / LoHa file saved by dittrain is expected)")
+    raw = {k.removeprefix(LORA_PREFIX): v for k, v in json.loads(meta[LORA_METADATA_KEY]).items()}
+    raw["peft_type"] = str(raw["peft_type"]).rsplit(".", 1)[-1]
+    config = PeftConfig.from_peft_type(**{k: v for k, v in raw.items() if v is not None or k == "target_modules"})
+    config.inference_mode = True
+    inject_adapter_in_model(config, transformer, adapter_name=adapter)
+    sd = {k.removeprefix(LORA_PREFIX): v for k, v in load_file(str(path)).items()}
+    result = set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
+    missing = [k for k in getattr(result, "missing_keys", []) if f".{adapter}" in k]
+    if getattr(result, "unexpected_keys", None) or missing:
+        raise UserError(f"{path}: adapter keys do not match this model (unexpected "
+                        f"{list(result.unexpected_keys)[:3]}, missing {missing[:3]})")
+    if weight != 1.0:
+        for m in transformer.modules():
+            if isinstance(m, LycorisLayer) and adapter in m.scaling:
+                m.scaling[adapter] *= weight
+
+
 def load_loras(pipe, specs: list[LoraSpec], family: str) -> list[str]:
-    """Load each file as adapter `lora<i>` and activate them all with their weights. Returns the adapter names."""
+    """Load each file as adapter `lora<i>` and activate them all with their weights. Returns the adapter names.
+
+    A LoKr / LoHa file (peft's format, which `load_lora_weights` does not read) is loaded with `load_peft_file`,
+    alone: peft cannot stack it with other adapters on the same layers."""
+    from ..train.checkpoint import lora_kind, lora_metadata
+
+    def kind(path) -> str:
+        try:
+            return lora_kind(lora_metadata(path))
+        except Exception:  # not a readable safetensors header: diffusers' loader below says what is wrong
+            return "lora"
+
+    kinds = [kind(s.path) for s in specs]
+    lycoris = [(s, k) for s, k in zip(specs, kinds, strict=True) if k != "lora"]
+    if lycoris and len(specs) > 1:
+        s, k = lycoris[0]
+        raise UserError(f"{s.path}: a {k} adapter is loaded through peft and cannot be combined with other --lora "
+                        "files; sample with it alone (or merge the others first)")
+    if lycoris:
+        s, k = lycoris[0]
+        try:
+            load_peft_file(pipe.transformer, s.path, adapter_name(0), s.weight)
+        except (ValueError, RuntimeError, KeyError, TypeError) as e:
+            raise UserError(f"{s.path}: {k} adapter does not fit this model: {_explain(str(e), family)}; "
+                            "was it trained for another model?") from None
+        return [adapter_name(0)]
     names = []
     for i, spec in enumerate(specs):
         name = adapter_name(i)

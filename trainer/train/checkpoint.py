@@ -18,6 +18,9 @@ diffusers format every Flux / SD3 / Qwen-Image pipeline's `load_lora_weights` ac
 diffusers' `lora_adapter_metadata` (the peft LoraConfig, so alpha != rank and the target list survive loading)
 and dittrain's own keys: rank, alpha, step, config digest.
 
+LoKr and LoHa (lora.type) use the same file layout with peft's own key names (`.lokr_w1`, `.hada_w1_a`, ...);
+the header's peft config says which (`peft_type`). DoRA adds `.lora_magnitude_vector` keys, which diffusers reads.
+
 Left out: sharded LoRA files (LoRAs are small) and checkpoints on several hosts.
 """
 
@@ -250,6 +253,21 @@ def save_lora(path: Path, transformer: torch.nn.Module, meta: dict[str, str]) ->
     header.update({f"dittrain.{k}": str(v) for k, v in meta.items()})
     weights = {f"{LORA_PREFIX}{k}": v for k, v in lora_state_dict(transformer).items()}
     atomic_write(Path(path), lambda tmp: save_file(weights, str(tmp), metadata=header))
+
+
+def lycoris_loading_hint(path: Path, kind: str) -> str:
+    """How to load a LoKr / LoHa file, which diffusers' `load_lora_weights` does not read (README: LoRA kinds)."""
+    return (f"{path} is a {kind} adapter in peft's format: `dittrain sample --lora {path}` loads it; in your own "
+            "code, `from trainer.sampling.lora import load_peft_file; load_peft_file(pipe.transformer, path)` "
+            "(peft's inject_adapter_in_model + set_peft_model_state_dict with the config in the file's header)")
+
+
+def lora_kind(meta: dict[str, str]) -> str:
+    """lora, lokr or loha, from a LoRA file's header (peft_type in the adapter metadata; lora when absent)."""
+    if LORA_METADATA_KEY in meta:
+        cfg = json.loads(meta[LORA_METADATA_KEY])
+        return str(cfg.get(f"{LORA_PREFIX}peft_type", "LORA")).rsplit(".", 1)[-1].lower()
+    return meta.get("dittrain.type", "lora")
 
 
 def lora_metadata(path: Path) -> dict[str, str]:

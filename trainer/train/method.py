@@ -8,6 +8,7 @@
     method.place_optimizer_state(handle, blocks, optim)
     method.save_weights(folder, step) / method.load_weights(folder)
     method.write_final(out_dir, checkpoint) -> path   # output.dir/lora.safetensors or output.dir/transformer
+    method.write_ema(out_dir, step) -> path           # the same for the EMA weights (-ema), swapped in by ema.py
     method.describe(params)                           # "lora: 0.012 M trainable parameters in 56 tensors"
 
 Everything the loop would otherwise decide with `if method == "lora"` is here, so trainer/train/trainer.py reads
@@ -16,7 +17,9 @@ the same for both.
 LoRA (trainer/train/model.py `add_lora`): the base is frozen; the fp32 adapter weights are drawn from torch's
 global generator, then broadcast from rank 0 so several processes start identical whatever they drew. They stay
 on the device when blocks stream (the conductor streams only frozen base weights), and so does their optimizer
-state. Weights: one `lora.safetensors` in diffusers' format; the final file is the last checkpoint's, copied.
+state. Weights: one `lora.safetensors` in diffusers' format; the final file is the last checkpoint's, copied. LoKr and
+LoHa (lora.type) are saved the same way, in peft's key names, which diffusers' `load_lora_weights` does not read:
+the log says how to load them with peft (`dittrain sample --lora` does it itself).
 
 Full: every transformer weight trains; several processes start identical because they load the same files. With
 blocks streamed the weights stream as trainable, each stepped by the fused back pass while its block is on the
@@ -36,6 +39,7 @@ from ..config import Config
 from ..offload import fused as packed  # module, not names: tests swap PACKED_STATE_OPTIMIZERS
 from . import checkpoint as ck
 from .model import add_lora, count, full_params
+from .monitor import say
 
 
 class TrainingMethod:
@@ -72,10 +76,7 @@ class LoraMethod(TrainingMethod):
         """Nothing streams that trains: the optimizer state stays beside the LoRA weights."""
 
     def save_weights(self, folder: Path, step: int) -> None:
-        lc = self.cfg.lora
-        meta = {"rank": lc.rank, "alpha": lc.alpha, "step": step, "config_digest": self.cfg.digest(),
-                "family": self.cfg.model.family}
-        ck.save_lora(folder / "lora.safetensors", self.transformer, meta)
+        self.save_weights_to(folder / "lora.safetensors", step)
 
     def load_weights(self, folder: Path) -> None:
         ck.load_lora(folder / "lora.safetensors", self.transformer)
@@ -83,10 +84,24 @@ class LoraMethod(TrainingMethod):
     def final_output(self, out_dir: Path) -> Path:
         return out_dir / "lora.safetensors"
 
+    def write_ema(self, out_dir: Path, step: int) -> Path:
+        """The EMA weights (swapped in by ema.py) as output.dir/lora-ema.safetensors, in the LoRA's format."""
+        path = out_dir / "lora-ema.safetensors"
+        self.save_weights_to(path, step)
+        return path
+
+    def save_weights_to(self, path: Path, step: int) -> None:
+        lc = self.cfg.lora
+        meta = {"rank": lc.rank, "alpha": lc.alpha, "step": step, "config_digest": self.cfg.digest(),
+                "family": self.cfg.model.family, "type": lc.type, "dora": lc.dora}
+        ck.save_lora(path, self.transformer, meta)
+
     def write_final(self, out_dir: Path, checkpoint: Path) -> Path:
         """The final LoRA file in output.dir: the checkpoint's, copied atomically."""
         path, src = self.final_output(out_dir), checkpoint / "lora.safetensors"
         ck.atomic_write(path, lambda tmp: tmp.write_bytes(src.read_bytes()))
+        if self.cfg.lora.type != "lora":
+            say(ck.lycoris_loading_hint(path, self.cfg.lora.type))
         return path
 
 
@@ -123,6 +138,12 @@ class FullMethod(TrainingMethod):
 
     def final_output(self, out_dir: Path) -> Path:
         return out_dir / "transformer"
+
+    def write_ema(self, out_dir: Path, step: int) -> Path:  # noqa: ARG002 - the step is in the checkpoint
+        """The EMA weights (swapped in by ema.py) as the diffusers folder output.dir/transformer-ema."""
+        path = out_dir / "transformer-ema"
+        ck.atomic_dir(path, lambda tmp: ck.save_transformer(tmp, self.transformer))
+        return path
 
     def write_final(self, out_dir: Path, checkpoint: Path) -> Path:  # noqa: ARG002 - saved from the live weights
         path = self.final_output(out_dir)

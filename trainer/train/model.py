@@ -1,6 +1,6 @@
 """Turning a loaded transformer into the thing being trained: LoRA or full weights.
 
-LoRA is injected with peft into the diffusers model itself (`inject_adapter_in_model` through diffusers'
+LoRA (and LoKr, LoHa, DoRA: lora.type, lora.dora) is injected with peft into the diffusers model itself (`inject_adapter_in_model` through diffusers'
 `add_adapter`), not wrapped in a `PeftModel`: the transformer keeps its class, so the adapter's `predict`, its
 block list, the offload conductor and the family's diffusers pipeline all see the same module. The base weights
 keep the config's dtype (bf16 on a GPU) and are frozen; the LoRA weights are fp32, because Adam updates of
@@ -19,21 +19,30 @@ from ..config import Config
 from ..errors import UserError
 
 
-def add_lora(transformer: nn.Module, cfg: Config, default_targets: tuple[str, ...]) -> list[nn.Parameter]:
-    """Freeze the transformer, add the LoRA adapter (fp32 weights), return the trainable parameters.
-
-    The LoRA A matrices are initialised from torch's global generator: seed it first."""
+def peft_config(lc, targets: list[str]):
+    """The peft config for `lora` (trainer.config.LoraConfig): LoRA (DoRA with lora.dora), LoKr or LoHa. Every kind
+    starts at a zero update (peft's default init: B, or LoKr's w2 / LoHa's second factors, are zero)."""
     # Imported here, not at the top: peft costs ~3 s to import (measured on top of torch), and only LoRA needs it.
+    from peft import LoHaConfig, LoKrConfig
     from peft import LoraConfig as PeftLoraConfig
 
+    if lc.type == "lokr":
+        return LoKrConfig(r=lc.rank, alpha=lc.alpha, rank_dropout=lc.dropout, target_modules=targets, init_weights=True)
+    if lc.type == "loha":
+        return LoHaConfig(r=lc.rank, alpha=lc.alpha, rank_dropout=lc.dropout, target_modules=targets, init_weights=True)
+    return PeftLoraConfig(r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets,
+                          init_lora_weights=True, use_dora=lc.dora)
+
+
+def add_lora(transformer: nn.Module, cfg: Config, default_targets: tuple[str, ...]) -> list[nn.Parameter]:
+    """Freeze the transformer, add the adapter of lora.type (fp32 weights), return the trainable parameters.
+
+    The adapter's random factors are initialised from torch's global generator: seed it first."""
     lc = cfg.lora
     targets = list(lc.targets) if lc.targets else list(default_targets)
     transformer.requires_grad_(False)
-    peft_cfg = PeftLoraConfig(
-        r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets, init_lora_weights=True
-    )
     try:
-        transformer.add_adapter(peft_cfg)
+        transformer.add_adapter(peft_config(lc, targets))
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         raise UserError(f"lora.targets {targets}: {e}") from None
     params = [p for p in transformer.parameters() if p.requires_grad]

@@ -101,6 +101,16 @@ class Monitor:
             self._tb.add_scalar("train/loss_smoothed", smooth, step)
             self._tb.add_scalar("train/epoch", epoch, step)
 
+    def validation(self, step: int, metrics: dict[str, float]) -> None:
+        """A validation result: its own metrics.jsonl line ({"step", "val_loss", "val_loss_t<t>"...}, no "loss"),
+        TensorBoard scalars under val/, and a status line."""
+        say(f"validation at step {step}: val_loss {metrics['val_loss']:.4f}")
+        self._file.write(json.dumps({"step": step, **metrics, "run": self.run_id}) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(f"val/{k.removeprefix('val_')}", v, step)
+
     def images(self, step: int, images: list, prompts: list[str]) -> None:
         say(f"saved {len(images)} sample image(s) for step {step} in {self.out_dir / 'samples'}")
         if self._tb is None:

@@ -42,12 +42,14 @@ from ..sampling.training import TrainingSampler
 from . import checkpoint as ck
 from . import distributed, streaming
 from . import run as runs
+from .ema import EMA
 from .faults import StopFlag, TrainingInterrupted, oom_error
 from .inputs import data_state, load_data_state, prepare_data
 from .method import method_for
 from .monitor import Monitor, say
 from .objective import FlowMatching
 from .optimizer import optimizer_for
+from .validation import Validator
 
 
 def pick_device(choice: str) -> torch.device:
@@ -86,6 +88,7 @@ class Trainer:
         self.monitor: Monitor | None = None
         self.last_checkpoint: Path | None = None
         self.offload = None
+        self.ema = None  # train.ema (ema.py), built in setup
         self.method = method_for(cfg)  # LoRA or full: everything the loop would otherwise branch on
         self.fraction: float | None = None  # offload.transformer resolved (auto: the planner's pick), in setup
         self.dist = distributed.Dist()  # one process until setup reads torchrun's environment
@@ -103,6 +106,8 @@ class Trainer:
             first, times = self.step, []
             while self.step < c.steps:
                 metrics = self.train_step()
+                if self.ema is not None:
+                    self.ema.after_step(self.step)  # ema.py: unfused, the EMA updates here
                 times.append(metrics["step_time"])
                 if self.step == first + 5 and self.device.type == "cuda" and self.dist.is_main:
                     # the median of steps 2-5 (the first warms up; single steps jitter, most at small buckets)
@@ -117,6 +122,8 @@ class Trainer:
                     self.save()
                 if self.sampler is not None and self.step % self.cfg.sample.every == 0:
                     self.sample()
+                if self.validator is not None and self.validator.due(self.step, c.validate_every):
+                    self.validate()
             if self.monitor is not None:
                 self.monitor.finish()
             return self.save(final=True)
@@ -157,6 +164,8 @@ class Trainer:
         # in memory at the same time, and a bad image fails the run before the big load.
         self.data = self.dist.main_first(lambda: prepare_data(  # rank 0 fills the cache, the others read it
             cfg, self.adapter, self.device, self.dtype, rank=self.dist.rank, world_size=self.dist.world))
+        self.validator = Validator.build(cfg, self.data, self.adapter, self.device, self.dtype) \
+            if self.dist.is_main else None  # the held-out set (data.validation), scored by rank 0
         self.sampler = None
         if cfg.sample.every and cfg.sample.prompts and self.dist.is_main:
             self.sampler = TrainingSampler(cfg, self.adapter, self.device, self.dtype)  # encodes prompts, frees encoders
@@ -177,6 +186,7 @@ class Trainer:
             f"{len(blocks)} blocks{' checkpointed' if c.gradient_checkpointing else ''}"
             f"{f', {self.fraction:g} of block bytes streamed from CPU RAM' if streamed else ''}")
         self.optim = optimizer_for(cfg, self.params, self.dist)  # gradients averaged over ranks, if several
+        self.ema = EMA.build(cfg, self.transformer, self.params, self.optim)  # train.ema; before blocks stream
         # The optimizer before the conductor: a streamed full fine-tune packs each weight's optimizer state beside
         # it, in the layout the optimizer reports. Checkpointing and streaming of the blocks: streaming.py.
         conduct = streaming.conducts(cfg, self.fraction, self._can_stream())
@@ -217,6 +227,8 @@ class Trainer:
         load_data_state(self.data, state["data"])
         self.objective.load_state(ck.restore_rng(load_file(str(folder / "rng.safetensors"))))
         self.step = int(state["step"])
+        if self.ema is not None:
+            self.ema.load(folder, self.step)
         self.last_checkpoint = folder
         say(f"resumed from {folder} at step {self.step}")
 
@@ -299,6 +311,8 @@ class Trainer:
         def write(tmp: Path) -> None:
             self.method.save_weights(tmp, self.step)
             self.optim.save(tmp)
+            if self.ema is not None:
+                self.ema.save(tmp)
             save_file(ck.rng_state(self.objective.state()), str(tmp / "rng.safetensors"))
             ck.write_json(tmp / "state.json", self._state())
 
@@ -312,6 +326,8 @@ class Trainer:
                 self.dist.barrier()
                 return self.last_checkpoint
             path = self.method.write_final(self.out, self.last_checkpoint)
+            if self.ema is not None:
+                say(f"saved {self.ema.write_final(self.method, self.out, self.step)} (EMA)")
         say(f"saved {path} (step {self.step})")
         self.dist.barrier()
         return path
@@ -333,6 +349,13 @@ class Trainer:
         if self.monitor is not None:
             self.monitor.images(self.step, images, self.cfg.sample.prompts)
         return images
+
+    def validate(self) -> dict[str, float]:
+        """The validation loss of the model being trained (validation.py), logged as val_loss."""
+        metrics = self.validator(self.transformer, self.optim.optimizer)
+        if self.monitor is not None:
+            self.monitor.validation(self.step, metrics)
+        return metrics
 
     # ------------------------------------------------------------------------------------------------ close
 
