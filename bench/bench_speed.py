@@ -248,7 +248,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop adding rows after this many seconds")
-    ap.add_argument("--only", default="", help="comma-separated substrings: run only rows whose name has one")
+    ap.add_argument("--only", default="", help="substrings separated by ';': run only rows whose name has one (and the reference)")
     ap.add_argument("--backend", default=None, help="torch.compile backend (default inductor; smoke: aot_eager)")
     ap.add_argument("--out", type=Path, default=None, help="folder for speed.json and speed.md")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny widths: checks the script, measures nothing")
@@ -260,7 +260,7 @@ def main(argv=None) -> list[dict]:
     dev = torch.device("cpu" if args.smoke else "cuda")
     specs = row_specs(args.family)
     if args.only:
-        keep = [s.strip() for s in args.only.split(",")]
+        keep = [s.strip() for s in args.only.split(";")]
         specs = [specs[0]] + [s for s in specs[1:] if any(k in s["name"] for k in keep)]
     t0, rows = time.perf_counter(), []
     for spec in specs:

@@ -12,7 +12,7 @@ def test_bench_speed_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_speed", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rows = mod.main(["--smoke", "--backend", "eager", "--only", "offload 0.5, compiled,sample: dittrain resident",
+    rows = mod.main(["--smoke", "--backend", "eager", "--only", "offload 0.5, compiled;sample: dittrain resident, compiled",
                      "--out", str(tmp_path)])
     names = [r["name"] for r in rows]
     assert names == ["plain diffusers + peft, bf16 LoRA, eager, resident", "dittrain offload 0.5, compiled",
