@@ -44,7 +44,7 @@ def place_transformer(adapter, transformer: nn.Module, device: torch.device, fra
     fraction = max(fraction, 0.0)
     blocks = adapter.blocks(transformer)
     move_outside_blocks(transformer, blocks, device)
-    handle = _attach(blocks, device, fraction, compile)
+    handle = _attach(blocks, device, fraction, compile) if compile else _attach(blocks, device, fraction)
     try:
         yield handle
     finally:
