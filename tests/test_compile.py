@@ -131,3 +131,26 @@ def test_compile_options_from_the_config():
     assert not streaming.conducts(cfg(gradient_checkpointing=False), 0.0, False, cpu)
     with pytest.raises(TypeError):
         compiled.options("inductor")
+
+
+def test_trainer_with_train_compile_logs_compile_once_and_trains_like_eager(tiny_models, tmp_path, monkeypatch,
+                                                                              capsys):
+    from test_train_support import losses, make_config, write_images
+
+    from trainer.train.trainer import Trainer
+
+    monkeypatch.setenv("DITTRAIN_COMPILE_BACKEND", "aot_eager")
+    images = write_images(tmp_path / "images", n=2)
+    runs = {}
+    for on in (False, True):
+        out = tmp_path / f"out-{on}"
+        cfg = make_config(tiny_models, images, out, tmp_path / "cache", "flux", train={"steps": 2, "compile": on})
+        t = Trainer(cfg)
+        t.fit()
+        t.close()
+        runs[on] = losses(out)
+    captured = capsys.readouterr()
+    err = captured.err + captured.out
+    assert err.count("compile: ") == 1 and "block graphs for 2 block classes" in err
+    assert compiled.stats()["graphs"] >= 2
+    torch.testing.assert_close(torch.tensor(runs[True]), torch.tensor(runs[False]), rtol=1e-5, atol=1e-6)
