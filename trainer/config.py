@@ -78,6 +78,11 @@ class LoraConfig(_Section):
         default=0.0, ge=0, lt=1,
         description="Dropout on the LoRA input (lokr / loha: peft's rank_dropout, which drops whole ranks).",
     )
+    compute_dtype: Literal["auto", "fp32"] = Field(
+        default="auto",
+        description="auto: LoRA matmuls in the model's dtype (bf16 on a GPU) with fp32 master weights and optimizer "
+        "state; fp32: peft's own forward, activations cast to fp32 for the LoRA branch (slower).",
+    )
     targets: list[str] | None = Field(
         default=None,
         description="Module names (peft target_modules) to adapt; null uses the family's default list.",
@@ -167,6 +172,16 @@ class TrainConfig(_Section):
         default=0, ge=0, description="Score data.validation every N steps (0: never); needs data.validation."
     )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when present.")
+    compile: bool | Literal["auto"] = Field(
+        default="auto",
+        description="torch.compile each transformer block class once (regional compilation), in training and in "
+        "its samples; auto: on for CUDA, off on the CPU. The first step is slower by the compile time (printed).",
+    )
+    compile_dynamic: bool = Field(
+        default=False,
+        description="Compile with symbolic shapes: one compile for every aspect-ratio bucket instead of one per "
+        "bucket shape (fewer compiles, possibly slower kernels).",
+    )
     attention: Literal["auto", "flash", "efficient", "math"] = Field(
         default="auto",
         description="Attention backend for scaled_dot_product_attention; auto avoids cuDNN attention, which "

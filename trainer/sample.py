@@ -48,6 +48,7 @@ from .sampling.request import (
     parse_lora,
     plan_jobs,
 )
+from .train.streaming import compile_options
 
 __all__ = ["SampleRequest", "SamplePlan", "resolve", "run_sample"]
 
@@ -138,7 +139,8 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
     written, images = [], []
     fix = "raise --offload (1.0 streams every block)" if plan.offload < 1 else "lower --width/--height"
     oom = f"out of GPU memory sampling {plan.settings.width}x{plan.settings.height} at --offload {plan.offload}: {fix}"
-    with _oom_as_user_error(oom), place_transformer(adapter, pipe.transformer, plan.device, plan.offload):
+    with _oom_as_user_error(oom), place_transformer(
+            adapter, pipe.transformer, plan.device, plan.offload, compile_options(cfg, plan.device) or False):
         for job in tqdm(plan.jobs, desc="images", unit="img", disable=len(plan.jobs) < 2):
             (image,) = generate(
                 pipe, adapter, [embeds[job.prompt]], settings=plan.settings, seeds=[job.seed], progress=True

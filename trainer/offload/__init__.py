@@ -15,6 +15,8 @@ Public interface (everything else in this package is internal):
                                 #   (p -> {name: (shape, dtype)}) or names of fp32 weight-shaped tensors
         race_detector=False,    # fill released ring regions with NaN at once (tests)
         activation_min_bytes=1 << 20,  # smaller checkpoint inputs stay on the device
+        compile=False,          # True / CompileOptions(backend, dynamic, shapes): each block class's forward
+                                #   compiled once (regional compilation; trainer/offload/compiled.py)
     )
     handle.stats()      -> dict: block_bytes, offloaded_bytes, ring_bytes, pinned_bytes, h2d_gbps, ...
     handle.state_of(p)  -> dict of optimizer-state tensors for a streamed trainable parameter (or None)
@@ -55,11 +57,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import block
+from . import block, compiled
+from .compiled import CompileOptions
 from .conductor import Conductor
 from .fused import bind_fused
 
-__all__ = ["OffloadHandle", "attach_offload", "bind_fused", "move_outside_blocks"]
+__all__ = ["CompileOptions", "OffloadHandle", "attach_offload", "bind_fused", "move_outside_blocks"]
 
 
 class OffloadHandle:
@@ -139,6 +142,7 @@ def attach_offload(
     race_detector: bool = False,
     activation_min_bytes: int = 1 << 20,
     training: bool | None = None,
+    compile: bool | CompileOptions = False,
     _release_at_recompute: bool = False,
 ) -> OffloadHandle:
     """Install streaming on `blocks`; see the module docstring. `training` is an alias of `mode`;
@@ -159,5 +163,5 @@ def attach_offload(
     if any(isinstance(b, block.StreamedBlock) for b in blocks):
         raise ValueError("offload: these blocks are already attached; close their handle first")
     c = Conductor(blocks, device, fraction, **kwargs)
-    block.install(blocks, c, nano_batches)
+    block.install(blocks, c, nano_batches, compiled.options(compile))
     return OffloadHandle(c, blocks, kwargs)

@@ -15,8 +15,9 @@ instance. `StreamedBlock.forward` runs a block's stages in one place, in this or
    region may be refilled. Releasing after the recompute instead is the OneTrainer race (issue #1306);
 3. streaming: `conductor.enter(phase, i)` before the block computes (in forward, and in its recompute inside
    backward, told apart by autograd's current graph task) and `conductor.leave_forward(i)` after its forward;
-4. the block's own forward, through `_compute`: the hook point for work on the inner forward (dequantizing
-   packed weights, torch.compile of the block), none of which is done here yet.
+4. the block's own forward, through `_compute`: eager, or the plain class's forward compiled once per block
+   class when the handle was attached with `compile` (trainer/offload/compiled.py: regional compilation; every
+   stage above stays eager around it).
 
 The nano split (trainer/offload/nano.py) is a stage of the same install: each token-wise MLP inside a block
 becomes a `NanoBatched` subclass the same way, so it too is undone by `remove`.
@@ -29,7 +30,8 @@ Why only non-tensor keyword arguments are kept by the recompute closure. Checkpo
 back to it (through activation offloading's hooks when on), and a reference to them here would keep every block's
 inputs on the GPU, whatever the offloader copied out (bench/RESULTS.md, 02:48 UTC).
 
-Left out: torch.compile of `StreamedBlock.forward` itself (it talks to the conductor eagerly).
+Left out: torch.compile of `StreamedBlock.forward` itself (it talks to the conductor eagerly): only `_compute`
+is compiled.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import compiled
 from .plan import BWD, FWD
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}
@@ -83,6 +86,7 @@ class StreamedBlock:
     _plain_class: type
     _offload_conductor: object
     _offload_index: int
+    _offload_compile: compiled.CompileOptions | None = None
 
     def bind(self, conductor, index: int) -> None:
         self._offload_conductor = conductor
@@ -98,8 +102,11 @@ class StreamedBlock:
         return out
 
     def _compute(self, *args, **kwargs):
-        """The block's own forward (hook point for dequantization / compilation of the inner forward)."""
-        return super().forward(*args, **kwargs)
+        """The block's own forward: eager, or its class's compiled forward (one per class, shared by all blocks)."""
+        opts = self._offload_compile
+        if opts is None:
+            return super().forward(*args, **kwargs)
+        return compiled.forward_of(self._plain_class, opts)(self, *args, **kwargs)
 
     def _checkpointed(self, c, i: int, args: tuple, kwargs: dict):
         keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
@@ -135,15 +142,17 @@ class StreamedBlock:
         return out
 
 
-def install(blocks: list[nn.Module], conductor, nano_batches: int = 1) -> None:
+def install(blocks: list[nn.Module], conductor, nano_batches: int = 1,
+            compile: compiled.CompileOptions | None = None) -> None:
     """Make every block a StreamedBlock bound to `conductor` (and split its token-wise MLPs into
-    `nano_batches`)."""
+    `nano_batches`; compile each block class's forward with `compile`)."""
     from .nano import split_mlps
 
     for i, b in enumerate(blocks):
         split_mlps(b, nano_batches)
         swap_class(b, StreamedBlock, "Streamed")
         b.bind(conductor, i)
+        b._offload_compile = compile
 
 
 def remove(blocks: list[nn.Module]) -> None:
@@ -158,4 +167,4 @@ def remove(blocks: list[nn.Module]) -> None:
                 restore_class(m)
                 del m._nano_batches
         restore_class(b)
-        del b._offload_conductor, b._offload_index
+        del b._offload_conductor, b._offload_index, b._offload_compile

@@ -9,6 +9,10 @@ gives the same images at every fraction and exercises the same code.
 The conductor packs only parameters that do not require grad (trainable ones stay resident), so `run_sample`
 freezes the transformer first: every block weight, LoRA layers included, then streams.
 
+With `compile` (train.compile resolved, trainer/train/streaming.py `compile_options`), the transformer's blocks
+run their class's compiled forward (trainer/offload/compiled.py); at fraction 0 they are then attached to a
+resident conductor (nothing streams) only so that the StreamedBlock runs the compiled code.
+
 Text encoders have no adapter-declared block list; their blocks are taken to be their largest `nn.ModuleList`
 by parameter count (T5's `encoder.block`, CLIP's `encoder.layers`, Qwen2.5-VL's language-model `layers`).
 """
@@ -23,22 +27,24 @@ from torch import nn
 from ..offload import move_outside_blocks
 
 
-def _attach(blocks: list[nn.Module], device: torch.device, fraction: float):
+def _attach(blocks: list[nn.Module], device: torch.device, fraction: float, compile=False):
     from ..offload import attach_offload
 
-    return attach_offload(blocks, device, fraction, mode="sample")
+    return attach_offload(blocks, device, fraction, mode="sample", compile=compile)
 
 
 @contextmanager
-def place_transformer(adapter, transformer: nn.Module, device: torch.device, fraction: float):
-    """Resident (f = 0) or streamed (f > 0) for the duration of the block; the stream handle is closed after."""
-    if fraction <= 0:
+def place_transformer(adapter, transformer: nn.Module, device: torch.device, fraction: float, compile=False):
+    """Resident (f = 0) or streamed (f > 0) for the duration of the block, blocks compiled with `compile`
+    (False, True or CompileOptions); the handle is closed after."""
+    if fraction <= 0 and not compile:
         transformer.to(device)
         yield None
         return
+    fraction = max(fraction, 0.0)
     blocks = adapter.blocks(transformer)
     move_outside_blocks(transformer, blocks, device)
-    handle = _attach(blocks, device, fraction)
+    handle = _attach(blocks, device, fraction, compile) if compile else _attach(blocks, device, fraction)
     try:
         yield handle
     finally:

@@ -10,6 +10,10 @@ and, when the conductor runs, streamed between pinned CPU RAM and the GPU. Every
 the device here (the conductor's contract); the training method then decides where the optimizer state of
 streamed trainable weights lives (trainer/train/method.py). It needs the optimizer built first: a streamed full
 fine-tune packs each weight's optimizer state beside it, in the layout the optimizer reports.
+
+`train.compile` is handed to the same handle: each block class's forward is compiled once (trainer/offload/
+compiled.py), inside the StreamedBlock, at every fraction, so the handle runs whenever compile is on. The
+sampler of a training run calls the same blocks, so its images use the same compiled code.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..config import Config
-from ..offload import attach_offload, move_outside_blocks
+from ..offload import CompileOptions, attach_offload, move_outside_blocks
 from ..planner import check_line, expected, resolve_fraction
 from .monitor import say
 
@@ -32,24 +36,41 @@ def transformer_fraction(cfg: Config, can_stream: bool) -> float:
     return float(cfg.offload.transformer)
 
 
-def conducts(cfg: Config, fraction: float, can_stream: bool) -> bool:
+def compiles(cfg: Config, device: torch.device) -> bool:
+    """train.compile resolved: auto is on for CUDA, off on the CPU (inductor compiles slowly there and gains
+    little)."""
+    c = cfg.train.compile
+    return device.type == "cuda" if c == "auto" else bool(c)
+
+
+def compile_options(cfg: Config, device: torch.device, shapes: int = 8) -> CompileOptions | None:
+    """The handle's `compile` argument: None (eager) or options sized for `shapes` bucket shapes."""
+    if not compiles(cfg, device):
+        return None
+    return CompileOptions(dynamic=cfg.train.compile_dynamic, shapes=max(1, shapes))
+
+
+def conducts(cfg: Config, fraction: float, can_stream: bool, device: torch.device | None = None) -> bool:
     """Whether the offload handle runs: it streams at fraction > 0, and at 0 still runs to checkpoint the blocks
-    (offload/block.py StreamedBlock owns each block's forward) and for activation offloading or nano-batching."""
+    (offload/block.py StreamedBlock owns each block's forward), to compile them, and for activation offloading or
+    nano-batching."""
     return (cfg.train.gradient_checkpointing or fraction > 0
+            or (device is not None and compiles(cfg, device))
             or (can_stream and (cfg.offload.activations or cfg.offload.nano_batches > 1)))
 
 
 def place_blocks(transformer, blocks, cfg: Config, device: torch.device, fraction: float, conduct: bool, method,
-                 optim):
-    """With `conduct`, hand the blocks to the offload handle, which checkpoints them (at fraction 0 too) and
-    streams them at fraction > 0; returns the handle or None. Activation offloading only on a GPU (on the CPU
-    there is no second memory to move to)."""
+                 optim, shapes: int = 8):
+    """With `conduct`, hand the blocks to the offload handle, which checkpoints them (at fraction 0 too), streams
+    them at fraction > 0 and compiles them under train.compile (`shapes`: bucket shapes the data has); returns
+    the handle or None. Activation offloading only on a GPU (on the CPU there is no second memory to move to)."""
     if not conduct:
         return None
     handle = attach_offload(
         blocks, device, fraction, mode="train", activations=cfg.offload.activations and device.type == "cuda",
         nano_batches=cfg.offload.nano_batches, trainable=method.streams_trainable,
         checkpointing=cfg.train.gradient_checkpointing, optimizer_state=method.optimizer_state_layout(optim),
+        compile=compile_options(cfg, device, shapes) or False,
     )
     move_outside_blocks(transformer, blocks, device)
     method.place_optimizer_state(handle, blocks, optim)

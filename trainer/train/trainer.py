@@ -36,6 +36,7 @@ from ..config import Config
 from ..dtypes import DTYPES
 from ..errors import NonFiniteLossError, NonFiniteWeightsError, UserError
 from ..models import get_adapter
+from ..offload import compiled
 from ..optim.build import eval_weights
 from ..sampling.output import image_metadata, save_png
 from ..sampling.training import TrainingSampler
@@ -189,9 +190,10 @@ class Trainer:
         self.ema = EMA.build(cfg, self.transformer, self.params, self.optim)  # train.ema; before blocks stream
         # The optimizer before the conductor: a streamed full fine-tune packs each weight's optimizer state beside
         # it, in the layout the optimizer reports. Checkpointing and streaming of the blocks: streaming.py.
-        conduct = streaming.conducts(cfg, self.fraction, self._can_stream())
+        conduct = streaming.conducts(cfg, self.fraction, self._can_stream(), self.device)
+        shapes = len({e.bucket for e in getattr(self.data, "entries", ())}) or 8  # train.compile: one per shape
         self.offload = streaming.place_blocks(self.transformer, blocks, cfg, self.device, self.fraction, conduct,
-                                              self.method, self.optim)
+                                              self.method, self.optim, shapes)
         self.objective = FlowMatching(c, self.adapter.timestep_shift)
         if resume_dir is not None:
             self._restore(resume_dir)
@@ -263,6 +265,9 @@ class Trainer:
         grad_norm = self.optim.step()
         self.step += 1
         dt = time.perf_counter() - t0
+        line = compiled.report()  # once, after the first step that compiled (its time is logged below)
+        if line is not None and self.dist.is_main:
+            say(f"{line}; step {self.step} took {dt:.1f} s")
         metrics = {"loss": sum(losses) / len(losses), "lr": lr, "step_time": dt, "samples_per_s": images * self.dist.world / dt}
         if log_now:
             metrics["grad_norm"] = None if grad_norm is None else float(grad_norm)  # host sync, logging steps only

@@ -1,0 +1,288 @@
+#!/usr/bin/env python3
+"""Issue #16: LoRA training step and sampling forward of a full-size random model (1024 px, batch 1, LoRA r16
+on the family's default targets, AdamW, gradient checkpointing), every row a ratio to the reference row
+'plain diffusers + peft, bf16 LoRA, eager, resident' measured in the same process.
+
+    python bench/bench_speed.py --out /tmp/speed                       # Flux, all rows (budget-limited)
+    python bench/bench_speed.py --family qwen_image --out /tmp/speed_q # offload-0 rows
+    python bench/bench_speed.py --family sd3 --out /tmp/speed_s
+    python bench/bench_speed.py --smoke --out /tmp/s                   # CPU, tiny widths: checks the script
+
+Rows (in this order; `--budget-s` stops adding rows when the time is spent, the reference always runs):
+- plain: diffusers model + peft `add_adapter` with bf16 LoRA weights, `enable_gradient_checkpointing()`,
+  torch AdamW, eager, resident; and the same with diffusers' `compile_repeated_blocks()`;
+- dittrain: the project's own LoRA (fp32 masters, `lora.compute_dtype` new = auto / old = fp32), every block a
+  StreamedBlock through `attach_offload` (checkpointed, streamed at the fraction, activation offloading where
+  named), the project's AdamW (`trainer.optim.build_optimizer`), `compile` off / on (trainer/offload/compiled.py);
+  an fp8-base row (trainer.quant `quantize_blocks`) at 1.0 + activations;
+- sampling forward (no grad): plain eager, dittrain resident compiled, dittrain streamed 1.0 compiled.
+
+Timing: CUDA events around each step after --warmup steps (compile happens in them), median of --steps.
+"first step" is the wall time of the first step (compile included); "compile" is compiled.stats()'s forward
+compile seconds. Every row builds a fresh model; dynamo caches are reset between rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer import quant  # noqa: E402
+from trainer.config import LoraConfig, OptimizerConfig  # noqa: E402
+from trainer.models import adapter_class  # noqa: E402
+from trainer.offload import CompileOptions, attach_offload, compiled, move_outside_blocks  # noqa: E402
+from trainer.optim import build_optimizer  # noqa: E402
+from trainer.train.model import add_lora  # noqa: E402
+
+SMOKE = {  # tiny widths per family for --smoke (CPU)
+    "flux": dict(num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+                 joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8)),
+    "qwen_image": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                       axes_dims_rope=(4, 4, 8)),
+    "sd3": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                caption_projection_dim=32, pooled_projection_dim=32, sample_size=32, pos_embed_max_size=32),
+}
+TARGETS = {  # ratio to the reference the issue asks for, by row name
+    "flux": {"dittrain offload 0, compiled": 0.85, "dittrain offload 0.5, compiled": 0.85,
+             "dittrain offload 1.0 + act, compiled": 1.15, "dittrain offload 1.0 + act, fp8 base, compiled": 0.85,
+             "sample: dittrain resident, compiled": 0.80},
+    "qwen_image": {"dittrain offload 0, compiled": 0.90},
+    "sd3": {"dittrain offload 0, compiled": 0.90},
+}
+
+
+def row_specs(family: str) -> list[dict]:
+    """Every row, most important first. kind: plain | ours | sample-plain | sample-ours."""
+    ours = dict(kind="ours", fraction=0.0, act=False, compile=True, math="auto", quant="none", dynamic=False)
+    rows = [dict(name="plain diffusers + peft, bf16 LoRA, eager, resident", kind="plain", compile=False)]
+    rows.append({**ours, "name": "dittrain offload 0, compiled"})
+    if family == "flux":
+        rows += [
+            {**ours, "name": "dittrain offload 0.5, compiled", "fraction": 0.5},
+            {**ours, "name": "dittrain offload 1.0 + act, compiled", "fraction": 1.0, "act": True},
+            {**ours, "name": "dittrain offload 1.0 + act, fp8 base, compiled", "fraction": 1.0, "act": True,
+             "quant": "fp8"},
+            dict(name="sample: plain eager forward", kind="sample-plain", compile=False),
+            {**ours, "name": "sample: dittrain resident, compiled", "kind": "sample-ours"},
+            {**ours, "name": "sample: dittrain offload 1.0, compiled", "kind": "sample-ours", "fraction": 1.0},
+        ]
+    rows += [
+        dict(name="plain + compile_repeated_blocks", kind="plain", compile=True),
+        {**ours, "name": "dittrain offload 0, eager", "compile": False},
+        {**ours, "name": "dittrain offload 0, eager, old LoRA math (fp32)", "compile": False, "math": "fp32"},
+        {**ours, "name": "dittrain offload 0, compiled, old LoRA math (fp32)", "math": "fp32"},
+        {**ours, "name": "dittrain offload 0, compiled, dynamic shapes", "dynamic": True},
+    ]
+    if family == "flux":
+        rows += [
+            {**ours, "name": "dittrain offload 0.5, eager", "fraction": 0.5, "compile": False},
+            {**ours, "name": "dittrain offload 1.0 + act, eager", "fraction": 1.0, "act": True, "compile": False},
+            {**ours, "name": "sample: dittrain resident, eager", "kind": "sample-ours", "compile": False},
+        ]
+    return rows
+
+
+def build(family: str, dev, smoke: bool):
+    cls = adapter_class(family)
+    conf = {**cls.full_config, **(SMOKE[family] if smoke else {})}
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            m = cls.transformer_cls.from_config(conf)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return cls(), m.to(torch.bfloat16).train()
+
+
+def model_inputs(adapter, m, dev, res: int):
+    kw = type(adapter).dummy_inputs(m, 1, res, res, type(adapter).text_tokens if res > 64 else 8, torch.bfloat16, dev)
+    for k, v in kw.items():  # the image tokens never require grad (latents)
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and k not in ("img_ids", "txt_ids"):
+            kw[k] = v * 0.5
+    kw["return_dict"] = False
+    return kw
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, dev, warmup: int, steps: int) -> dict:
+    """first: wall seconds of the first call (compile included); median over `steps` after `warmup`."""
+    sync(dev)
+    t0 = time.perf_counter()
+    fn()
+    sync(dev)
+    first = time.perf_counter() - t0
+    for _ in range(max(0, warmup - 1)):
+        fn()
+    sync(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    ts = []
+    for _ in range(steps):
+        if dev.type == "cuda":
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1) / 1000)
+        else:
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    return {"step_s": statistics.median(ts), "first_s": first, "peak_gb": peak}
+
+
+def plain_setup(adapter, m, args, spec):
+    """The reference: peft bf16 LoRA, diffusers' checkpointing, torch AdamW, eager (or compile_repeated_blocks)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    m.requires_grad_(False)
+    m.add_adapter(PeftLoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=list(adapter.default_lora_targets),
+                                 init_lora_weights="gaussian"))  # weights in the model's dtype: bf16
+    params = [p for p in m.parameters() if p.requires_grad]
+    if spec["kind"] == "plain":
+        m.enable_gradient_checkpointing()
+    if spec["compile"]:
+        m.compile_repeated_blocks(fullgraph=False, backend=args.backend)
+    return params, None
+
+
+def ours_setup(adapter, m, args, spec, dev):
+    """As the trainer wires it: LoRA with fp32 masters (trainer/train/model.py), StreamedBlocks, compile."""
+    m.requires_grad_(False)
+    blocks = adapter.blocks(m)
+    if spec["quant"] != "none":
+        quant.quantize_blocks(blocks, spec["quant"])
+    cfg = SimpleNamespace(lora=LoraConfig(rank=args.rank, alpha=args.rank, compute_dtype=spec["math"]))
+    params = add_lora(m, cfg, adapter.default_lora_targets)
+    for p in params:
+        if p.abs().sum() == 0:  # peft's B starts at zero: give the branch real numbers, as after some training
+            torch.nn.init.normal_(p, std=1e-3)
+    opts = CompileOptions(dynamic=spec["dynamic"], backend=args.backend) if spec["compile"] else False
+    training = spec["kind"] == "ours"
+    if spec["fraction"] > 0 and dev.type == "cuda":
+        m.to("cpu")  # the conductor packs block weights from CPU RAM (as the trainer loads a streamed model)
+    handle = attach_offload(blocks, dev, spec["fraction"], mode="train" if training else "sample",
+                            activations=spec["act"] and dev.type == "cuda", compile=opts)
+    move_outside_blocks(m, blocks, dev)
+    return params, handle
+
+
+def run_row(spec, args, dev) -> dict:
+    compiled.reset()
+    adapter, m = build(args.family, dev, args.smoke)
+    kw = model_inputs(adapter, m, dev, args.res)
+    plain = spec["kind"] in ("plain", "sample-plain")
+    params, handle = plain_setup(adapter, m, args, spec) if plain else ours_setup(adapter, m, args, spec, dev)
+    sample = spec["kind"].startswith("sample")
+    if sample:
+        m.eval()
+        def step():
+            with torch.no_grad():
+                m(**kw)
+    else:
+        opt = (torch.optim.AdamW(params, lr=1e-5) if plain
+               else build_optimizer(params, OptimizerConfig(name="adamw", lr=1e-5)))
+
+        def step():
+            out = m(**kw)[0]
+            out.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    try:
+        r = timed(step, dev, args.warmup, args.steps)
+    finally:
+        if handle is not None:
+            handle.close()
+    r.update(name=spec["name"], spec={k: v for k, v in spec.items() if k != "name"})
+    s = compiled.stats()
+    r["compile_s"] = s["seconds"] if s["graphs"] else None
+    r["graphs"] = s["graphs"]
+    return r  # the model and its optimizer go with this frame; `free` then returns their memory
+
+
+def free(dev) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    compiled.reset()
+
+
+def table(rows: list[dict], family: str) -> str:
+    ref = rows[0]["step_s"]
+    fwd = next((r["step_s"] for r in rows if r["name"] == "sample: plain eager forward"), None)
+    lines = ["| row | step s | ratio | target | first step s | compile s | peak GiB |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = fwd if r["name"].startswith("sample:") else ref
+        ratio = r["step_s"] / base if base else float("nan")
+        t = TARGETS.get(family, {}).get(r["name"])
+        mark = "" if t is None else (f"<= {t} {'met' if ratio <= t else 'MISSED'}")
+        c = "" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
+        p = "" if r["peak_gb"] is None else f"{r['peak_gb']:.1f}"
+        lines.append(f"| {r['name']} | {r['step_s']:.3f} | {ratio:.2f} | {mark} | {r['first_s']:.1f} | {c} | {p} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", default="flux", choices=sorted(SMOKE))
+    ap.add_argument("--res", type=int, default=1024)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop adding rows after this many seconds")
+    ap.add_argument("--only", default="", help="substrings separated by ';': run only rows whose name has one (and the reference)")
+    ap.add_argument("--backend", default=None, help="torch.compile backend (default inductor; smoke: aot_eager)")
+    ap.add_argument("--out", type=Path, default=None, help="folder for speed.json and speed.md")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny widths: checks the script, measures nothing")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.res, args.warmup, args.steps, args.rank = 64, 1, 1, 4
+        args.backend = args.backend or "aot_eager"
+    args.backend = args.backend or "inductor"
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    specs = row_specs(args.family)
+    if args.only:
+        keep = [s.strip() for s in args.only.split(";")]
+        specs = [specs[0]] + [s for s in specs[1:] if any(k in s["name"] for k in keep)]
+    t0, rows = time.perf_counter(), []
+    for spec in specs:
+        if rows and time.perf_counter() - t0 > args.budget_s:
+            print(f"budget spent: skipped '{spec['name']}' and later rows", flush=True)
+            break
+        r = run_row(spec, args, dev)
+        free(dev)
+        rows.append(r)
+        comp = "" if r["compile_s"] is None else f", compile {r['compile_s']:.1f} s"
+        print(f"{r['name']}: {r['step_s']:.3f} s/step, first step {r['first_s']:.1f} s{comp}", flush=True)
+    device = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()
+    md = (f"{args.family}, {args.res} px, LoRA r{args.rank}, {device}, "
+          f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, backend {args.backend}\n\n"
+          + table(rows, args.family))
+    print(md)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"speed_{args.family}.json").write_text(json.dumps(rows, indent=1))
+        (args.out / f"speed_{args.family}.md").write_text(md + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""bench/bench_speed.py --smoke: the GPU benchmark's script runs end to end on the CPU (measures nothing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+
+def test_bench_speed_smoke(tmp_path):
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_speed.py"
+    spec = importlib.util.spec_from_file_location("bench_speed", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.main(["--smoke", "--backend", "eager", "--only", "offload 0.5, compiled;sample: dittrain resident, compiled",
+                     "--out", str(tmp_path)])
+    names = [r["name"] for r in rows]
+    assert names == ["plain diffusers + peft, bf16 LoRA, eager, resident", "dittrain offload 0.5, compiled",
+                     "sample: dittrain resident, compiled"]
+    assert rows[1]["graphs"] >= 2 and rows[0]["compile_s"] is None
+    md = (tmp_path / "speed_flux.md").read_text()
+    assert "| dittrain offload 0.5, compiled |" in md and "<= 0.85" in md
+    assert len(json.loads((tmp_path / "speed_flux.json").read_text())) == 3

@@ -1,0 +1,156 @@
+"""Regional compilation inside StreamedBlock (trainer/offload/compiled.py), on the CPU with a cheap backend
+(aot_eager: dynamo + AOTAutograd, no inductor): same numbers as eager, streamed == resident bitwise, one set of
+graphs per block class shared by every block and by the conductor's ring views, one more per bucket shape, and
+the sampling path runs the same compiled code."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _offload_util import add_lora, batch, blocks_of, tiny_flux, train_steps, trainable_state
+
+from trainer.offload import CompileOptions, attach_offload, compiled
+from trainer.offload.block import StreamedBlock
+
+AOT = CompileOptions(backend="aot_eager", shapes=4)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_cache():
+    compiled.reset()
+    yield
+    compiled.reset()
+
+
+def _model():
+    return add_lora(tiny_flux(0, layers=2, singles=3))  # 5 blocks of 2 classes
+
+
+def _train(fraction: float, compile, steps: int = 2, side: int = 8):
+    m = _model()
+    h = attach_offload(blocks_of(m), "cpu", fraction, compile=compile)
+    losses = train_steps(m, steps, side=side)
+    h.close()
+    return losses, trainable_state(m)
+
+
+def test_compiled_matches_eager_and_streamed_matches_resident_bitwise_without_recompiles():
+    eager_l, eager_w = _train(0.0, False)
+    assert compiled.stats()["graphs"] == 0
+    res_l, res_w = _train(0.0, AOT)
+    graphs = compiled.stats()["graphs"]
+    # Per class at most two variants (the first block's inputs carry no gradient), never one per block:
+    assert 2 <= graphs <= 4 < len(blocks_of(_model()))
+    torch.testing.assert_close(res_l, eager_l, rtol=1e-5, atol=1e-6)
+    for k in eager_w:
+        torch.testing.assert_close(res_w[k], eager_w[k], rtol=1e-4, atol=1e-6)
+    # Streamed through the conductor's ring (parameters re-pointed at ring regions every step): the same
+    # compiled graphs serve it, nothing recompiles, and it agrees bitwise with the resident compiled run.
+    str_l, str_w = _train(0.5, AOT)
+    assert compiled.stats()["graphs"] == graphs
+    assert torch.equal(str_l, res_l)
+    assert res_w.keys() == str_w.keys() and all(torch.equal(res_w[k], str_w[k]) for k in res_w)
+
+
+def test_one_compile_per_bucket_shape():
+    m = _model()
+    h = attach_offload(blocks_of(m), "cpu", 0.5, compile=AOT)
+    train_steps(m, 1, side=8)
+    first = compiled.stats()["graphs"]
+    train_steps(m, 1, side=8)
+    assert compiled.stats()["graphs"] == first  # same shape: nothing new
+    train_steps(m, 1, side=4)
+    assert compiled.stats()["graphs"] == 2 * first  # a new bucket shape: the same number once more
+    train_steps(m, 2, side=4)
+    train_steps(m, 1, side=8)
+    assert compiled.stats()["graphs"] == 2 * first
+    assert "block graphs for 2 block classes" in compiled.report()
+    assert compiled.report() is None  # printed once
+    h.close()
+    assert not any(isinstance(b, StreamedBlock) for b in blocks_of(m))
+
+
+def test_dynamic_shapes_compile_once_for_several_buckets():
+    m = _model()
+    h = attach_offload(blocks_of(m), "cpu", 0.0, compile=CompileOptions(backend="eager", dynamic=True))
+    train_steps(m, 1, side=8)
+    first = compiled.stats()["graphs"]
+    train_steps(m, 1, side=4)
+    train_steps(m, 1, side=6)
+    assert compiled.stats()["graphs"] == first
+    h.close()
+
+
+def test_sampling_runs_the_compiled_blocks():
+    from trainer.sampling.placement import place_transformer
+
+    m = _model()
+    kw, _ = batch(0)
+    with torch.no_grad():
+        want = m(**kw)[0]
+    adapter = SimpleNamespace(blocks=blocks_of)
+    with torch.no_grad(), place_transformer(adapter, m, torch.device("cpu"), 0.0, compile=AOT) as handle:
+        assert handle is not None and all(isinstance(b, StreamedBlock) for b in blocks_of(m))
+        got = m(**kw)[0]
+    assert compiled.stats()["graphs"] >= 2
+    assert not any(isinstance(b, StreamedBlock) for b in blocks_of(m))  # closed after
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # without compile, fraction 0 stays the plain resident module
+    with place_transformer(adapter, m, torch.device("cpu"), 0.0) as handle:
+        assert handle is None
+
+
+def test_training_handle_forward_under_no_grad_is_compiled_too():
+    """The training sampler calls the loop's transformer under no_grad: the same StreamedBlocks, compiled."""
+    m = _model()
+    h = attach_offload(blocks_of(m), "cpu", 0.5, compile=AOT)
+    kw, _ = batch(0)
+    with torch.no_grad():
+        m(**kw)
+    assert compiled.stats()["graphs"] >= 2
+    h.close()
+
+
+def test_compile_options_from_the_config():
+    from trainer.config import TrainConfig
+    from trainer.train import streaming
+
+    def cfg(**train):
+        return SimpleNamespace(train=TrainConfig(**train), offload=SimpleNamespace(activations=False, nano_batches=1))
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert streaming.compile_options(cfg(), cpu) is None  # auto: off on the CPU
+    assert streaming.compiles(cfg(), cuda)  # auto: on for CUDA
+    assert not streaming.compiles(cfg(compile=False), cuda)
+    opts = streaming.compile_options(cfg(compile=True, compile_dynamic=True), cpu, shapes=5)
+    assert opts.dynamic and opts.shapes == 5
+    # the handle runs (to compile) even without checkpointing or streaming
+    assert streaming.conducts(cfg(compile=True, gradient_checkpointing=False), 0.0, False, cpu)
+    assert not streaming.conducts(cfg(gradient_checkpointing=False), 0.0, False, cpu)
+    with pytest.raises(TypeError):
+        compiled.options("inductor")
+
+
+def test_trainer_with_train_compile_logs_compile_once_and_trains_like_eager(tiny_models, tmp_path, monkeypatch,
+                                                                              capsys):
+    from test_train_support import losses, make_config, write_images
+
+    from trainer.train.trainer import Trainer
+
+    monkeypatch.setenv("DITTRAIN_COMPILE_BACKEND", "aot_eager")
+    images = write_images(tmp_path / "images", n=2)
+    runs = {}
+    for on in (False, True):
+        out = tmp_path / f"out-{on}"
+        cfg = make_config(tiny_models, images, out, tmp_path / "cache", "flux", train={"steps": 2, "compile": on})
+        t = Trainer(cfg)
+        t.fit()
+        t.close()
+        runs[on] = losses(out)
+    captured = capsys.readouterr()
+    err = captured.err + captured.out
+    assert err.count("compile: ") == 1 and "block graphs for 2 block classes" in err
+    assert compiled.stats()["graphs"] >= 2
+    torch.testing.assert_close(torch.tensor(runs[True]), torch.tensor(runs[False]), rtol=1e-5, atol=1e-6)
