@@ -258,6 +258,8 @@ def main(argv=None) -> list[dict]:
         args.backend = args.backend or "aot_eager"
     args.backend = args.backend or "inductor"
     dev = torch.device("cpu" if args.smoke else "cuda")
+    if dev.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention fails in backward there (GPU.md); trainer does the same
     specs = row_specs(args.family)
     if args.only:
         keep = [s.strip() for s in args.only.split(";")]
