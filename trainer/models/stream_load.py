@@ -177,10 +177,10 @@ class TransformerLoader:
                 return
             for name, p in m._parameters.items():
                 if p is not None and (is_placeholder(p) or p.device != device):
-                    p.data = self.tensor(m, name, p).to(device)
+                    p.data = _own(self.tensor(m, name, p), device)
             for name, b in m._buffers.items():
                 if b is not None:
-                    m._buffers[name] = self.tensor(m, name, b).to(device)
+                    m._buffers[name] = _own(self.tensor(m, name, b), device)
             for child in m.children():
                 visit(child)
 
@@ -193,6 +193,14 @@ class TransformerLoader:
         self._scales.clear()
 
 
+def _own(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` as a tensor of its own: safetensors hands out views of a byte buffer, and a parameter that
+    is a view shares its version counter with that base, which in-place optimizer steps then trip over."""
+    if t.device != device:
+        return t.to(device)
+    return t.clone() if t._base is not None else t
+
+
 def release_host_memory() -> None:
     """Hand freed heap memory back to the OS (glibc `malloc_trim`; a no-op elsewhere), so RSS really drops once
     the VAE and text encoders are gone."""
@@ -201,3 +209,18 @@ def release_host_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def load(adapter, cfg, dtype: torch.dtype, device: torch.device, stream_blocks: bool):
+    """The transformer with its non-block weights on `device`, and its blocks too unless `stream_blocks` (then
+    they keep placeholders until the conductor's `fill`). Returns (transformer, loader or None)."""
+    tr = empty_transformer(adapter, cfg, dtype)
+    loader = TransformerLoader(tr, cfg, dtype)
+    try:
+        loader.place(tr, device, skip=adapter.blocks(tr) if stream_blocks else ())
+    except (OSError, ValueError) as e:  # a truncated or mismatched file
+        raise UserError(f"{cfg.path}: could not load the {adapter.family} transformer: {e}") from e
+    if not stream_blocks:
+        loader.close()
+        return tr, None
+    return tr, loader

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from ..config import Config
 from ..dtypes import DTYPES
 from ..errors import NonFiniteLossError, NonFiniteWeightsError, UserError
-from ..models import get_adapter
+from ..models import get_adapter, stream_load
 from ..optim.build import eval_weights
 from ..sampling.output import image_metadata, save_png
 from ..sampling.training import TrainingSampler
@@ -163,8 +163,13 @@ class Trainer:
 
         self.fraction = streaming.transformer_fraction(cfg, self._can_stream())  # resolved once: auto -> a float
         streamed = self.fraction > 0  # on the CPU, or at 0, the model stays resident
-        load_to = torch.device("cpu") if streamed else self.device
-        self.transformer = self.adapter.load(cfg.model, parts={"transformer"}, dtype=self.dtype, device=load_to).transformer
+        stream_load.release_host_memory()  # the VAE and text encoders are gone: give their pages back
+        self._loader = None  # reads streamed blocks from the files into the conductor's arena (stream_load.py)
+        if stream_load.supported(cfg.model) and not (resume_dir is not None and self.method.name == "full"):
+            self.transformer, self._loader = stream_load.load(self.adapter, cfg.model, self.dtype, self.device, streamed)
+        else:  # single-file transformers and a resumed full fine-tune: the whole model through CPU RAM
+            load_to = torch.device("cpu") if streamed else self.device
+            self.transformer = self.adapter.load(cfg.model, parts={"transformer"}, dtype=self.dtype, device=load_to).transformer
         self.transformer.train()
         torch.manual_seed(c.seed)  # LoRA init and dropout draw from torch's global generator
         self.params = self.method.trainable_params(self.transformer, self.adapter)
@@ -181,7 +186,10 @@ class Trainer:
         # it, in the layout the optimizer reports. Checkpointing and streaming of the blocks: streaming.py.
         conduct = streaming.conducts(cfg, self.fraction, self._can_stream())
         self.offload = streaming.place_blocks(self.transformer, blocks, cfg, self.device, self.fraction, conduct,
-                                              self.method, self.optim)
+                                              self.method, self.optim, fill=self._loader and self._loader.fill)
+        if self._loader is not None:
+            self._loader.close()
+            self._loader = None
         self.objective = FlowMatching(c, self.adapter.timestep_shift)
         if resume_dir is not None:
             self._restore(resume_dir)
