@@ -137,7 +137,7 @@ def test_staged_streaming_trains_bitwise_like_pinned():
     assert h.pinning_note and "pageable" in h.pinning_note and h._c.staging is not None
     assert torch.equal(train_steps(m, 3), ref_losses)
     assert h._c.staging.copies > 0
-    assert all(torch.equal(a, b) for a, b in zip(trainable_state(m).values(), trainable_state(ref).values()))
+    assert all(torch.equal(a, b) for a, b in zip(trainable_state(m).values(), trainable_state(ref).values(), strict=True))
 
 
 @pytest.mark.gpu
@@ -154,9 +154,10 @@ def test_staged_streaming_trains_bitwise_like_pinned_on_gpu():
 ALLOWANCE = 640 << 20  # non-block weights, LoRA and its Adam state, data caches, one tensor being read, allocator slack
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssAnon from /proc")
 def test_streamed_fit_peak_anonymous_rss_stays_near_the_arena(tiny_models, tmp_path):
-    """A ~1.4 GB random Flux (bf16, 14 blocks, 256 MB shards): setup + 2 streamed LoRA steps in a fresh process
+    """A ~1.4 GB random Flux (bf16, 14 blocks, 256 MB shards): setup + 1 streamed LoRA step in a fresh process
     peak at most 1.10 x (arena + ring) + ALLOWANCE of anonymous memory over the imports. Loading through
     from_pretrained (the old path: the whole model in RAM, then copied into the arena) peaks near 2x and fails."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
