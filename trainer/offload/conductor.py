@@ -37,6 +37,12 @@ state the plan knows.
 With fraction 0 nothing streams (`streaming` is False): `enter` only starts the activation offloader's step,
 and the release methods do nothing; the blocks run the same `StreamedBlock` code.
 
+Loading without a RAM copy: with `fill` the blocks hold placeholders (trainer/models/stream_load.py), and the
+constructor lays out arena and ring from their shapes, then `fill` writes each block's tensors from the model's
+files straight into its arena region, its ring region, or (fraction 0) fresh device tensors. Where the arena
+cannot be pinned (cudaHostRegister refused, or larger than `pinned_budget`) it stays pageable and every load goes
+through two pinned one-block buffers (allocators.Staging); `pinning_note` is the one line that says so.
+
 Left out: torch.compile of the block wrapper (it is called eagerly; compiling inside blocks still works),
 several GPUs per process, and blocks that appear twice in one pass.
 """
