@@ -151,22 +151,25 @@ def test_staged_streaming_trains_bitwise_like_pinned_on_gpu():
     assert torch.equal(train_steps(m, 3, device="cuda"), ref_losses)
 
 
-ALLOWANCE = 640 << 20  # non-block weights, LoRA and its Adam state, data caches, one tensor being read, allocator slack
+ALLOWANCE = 384 << 20  # non-block weights, LoRA + Adam state, data caches, one shard mapped (256 MB), slack
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssAnon from /proc")
-def test_streamed_fit_peak_anonymous_rss_stays_near_the_arena(tiny_models, tmp_path):
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssAnon / VmRSS from /proc")
+def test_streamed_fit_peak_rss_stays_near_the_arena(tiny_models, tmp_path):
     """A ~1.4 GB random Flux (bf16, 14 blocks, 256 MB shards): setup + 1 streamed LoRA step in a fresh process
-    peak at most 1.10 x (arena + ring) + ALLOWANCE of anonymous memory over the imports. Loading through
-    from_pretrained (the old path: the whole model in RAM, then copied into the arena) peaks near 2x and fails."""
+    peak at most 1.10 x (arena + ring) + ALLOWANCE over the imports, anonymous and in total (file-backed pages of
+    the mapped safetensors included). Measured on 2 loaded cores: anonymous 1.83 GB, total 1.91 GB for 1.73 GB
+    held. The old path (from_pretrained, then the copy into the arena) has the same anonymous peak for a bf16 file
+    loaded as bf16 (its tensors stay file-backed) but maps the whole model beside the arena: 3.17 GB total."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     model, work = tmp_path / "big", tmp_path / "work"
     runner = [sys.executable, str(ROOT / "tests" / "_stream_load_runner.py")]
-    subprocess.run([*runner, "make", str(tiny_models / "flux"), str(model)], env=env, check=True, timeout=300)
-    out = subprocess.run([*runner, "fit", str(model), str(work)], env=env, check=True, timeout=300,
+    subprocess.run([*runner, "make", str(tiny_models / "flux"), str(model)], env=env, check=True, timeout=600)
+    out = subprocess.run([*runner, "fit", str(model), str(work)], env=env, check=True, timeout=900,
                          capture_output=True, text=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     held = r["arena"] + r["ring"]  # on the CPU the ring is host memory too
     assert r["arena"] > 1 << 30
-    assert r["peak_over_baseline"] <= 1.10 * held + ALLOWANCE, r
+    assert r["anon_over_baseline"] <= 1.10 * held + ALLOWANCE, r
+    assert r["rss_over_baseline"] <= 1.10 * held + ALLOWANCE, r
