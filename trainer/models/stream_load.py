@@ -56,8 +56,11 @@ def _nan(dtype: torch.dtype) -> torch.Tensor:
 
 
 def placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of `shape` and `dtype` that costs no memory (see the module essay)."""
-    return _nan(dtype).expand(shape)
+    """A CPU tensor of `shape` and `dtype` that costs no memory (see the module essay). Made with `set_`, not
+    `expand`: an expanded view would share its autograd version counter with every other placeholder, and keep
+    sharing it after `param.data` is replaced, so one weight's in-place optimizer step would invalidate them all."""
+    ref = _nan(dtype)
+    return torch.empty(0, dtype=dtype).set_(ref.untyped_storage(), 0, shape, (0,) * len(shape))
 
 
 def is_placeholder(t: torch.Tensor) -> bool:
@@ -194,8 +197,8 @@ class TransformerLoader:
 
 
 def _own(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on `device` as a tensor of its own: safetensors hands out views of a byte buffer, and a parameter that
-    is a view shares its version counter with that base, which in-place optimizer steps then trip over."""
+    """`t` on `device`, not a view: safetensors hands out views of a byte buffer; a copy (one tensor, on the CPU
+    only) keeps parameters plain tensors, as from_pretrained makes them."""
     if t.device != device:
         return t.to(device)
     return t.clone() if t._base is not None else t
