@@ -165,7 +165,7 @@ class Trainer:
         streamed = self.fraction > 0  # on the CPU, or at 0, the model stays resident
         stream_load.release_host_memory()  # the VAE and text encoders are gone: give their pages back
         self._loader = None  # reads streamed blocks from the files into the conductor's arena (stream_load.py)
-        if stream_load.supported(cfg.model) and not (resume_dir is not None and self.method.name == "full"):
+        if stream_load.supported(cfg.model) and not (resume_dir is not None and self.method.resume_replaces_base):
             self.transformer, self._loader = stream_load.load(self.adapter, cfg.model, self.dtype, self.device, streamed)
         else:  # single-file transformers and a resumed full fine-tune: the whole model through CPU RAM
             load_to = torch.device("cpu") if streamed else self.device
