@@ -322,6 +322,12 @@ class OffloadConfig(_Section):
     activations: bool = Field(default=False, description="Move checkpointed block inputs to pinned CPU RAM in forward.")
     nano_batches: int = Field(default=1, ge=1, description="Split the batch inside MLP sub-layers into this many parts.")
     vram_budget_gb: float | None = Field(default=None, gt=0, description="VRAM to plan for with transformer: auto.")
+    pinned_budget_gb: float | None = Field(
+        default=None, ge=0,
+        description="Most host RAM (GB) the streamed blocks' arena may page-lock (null: all of it). A larger arena, "
+        "or one the OS refuses to pin (Windows / WSL pin about half of RAM, containers less), stays pageable and "
+        "its copies go through two pinned one-block buffers (slower).",
+    )
 
     @field_validator("transformer")
     @classmethod

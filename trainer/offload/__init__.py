@@ -17,7 +17,12 @@ Public interface (everything else in this package is internal):
         activation_min_bytes=1 << 20,  # smaller checkpoint inputs stay on the device
         compile=False,          # True / CompileOptions(backend, dynamic, shapes): each block class's forward
                                 #   compiled once (regional compilation; trainer/offload/compiled.py)
+        fill=None,              # blocks hold placeholders: fill(block, entries, views) writes their weights
+                                #   into place (trainer/models/stream_load.py TransformerLoader.fill)
+        pinned_budget=None,     # bytes the host arena may pin; above it (or if pinning is refused) the arena
+                                #   stays pageable and copies go through two pinned one-block buffers
     )
+    handle.pinning_note -> None, or the one line that says the arena is pageable and why
     handle.stats()      -> dict: block_bytes, offloaded_bytes, ring_bytes, pinned_bytes, h2d_gbps, ...
     handle.state_of(p)  -> dict of optimizer-state tensors for a streamed trainable parameter (or None)
     handle.host_state_of(p) -> the host-arena copy of that state (current after the block's write-back)
@@ -73,6 +78,10 @@ class OffloadHandle:
 
     def stats(self) -> dict:
         return self._c.stats()
+
+    @property
+    def pinning_note(self) -> str | None:
+        return self._c.pinning_note
 
     def state_of(self, p: torch.Tensor):
         return self._c.state_of(p)
@@ -144,6 +153,8 @@ def attach_offload(
     training: bool | None = None,
     compile: bool | CompileOptions = False,
     _release_at_recompute: bool = False,
+    fill=None,
+    pinned_budget: int | None = None,
 ) -> OffloadHandle:
     """Install streaming on `blocks`; see the module docstring. `training` is an alias of `mode`;
     `_release_at_recompute` reproduces the OneTrainer race (tests prove the race detector catches it)."""
@@ -159,9 +170,10 @@ def attach_offload(
         race_detector=race_detector,
         activation_min_bytes=activation_min_bytes,
         release_at_recompute=_release_at_recompute,
+        pinned_budget=pinned_budget,
     )
     if any(isinstance(b, block.StreamedBlock) for b in blocks):
         raise ValueError("offload: these blocks are already attached; close their handle first")
-    c = Conductor(blocks, device, fraction, **kwargs)
+    c = Conductor(blocks, device, fraction, fill=fill, **kwargs)  # `fill` once: later re-plans copy real tensors
     block.install(blocks, c, nano_batches, compiled.options(compile))
     return OffloadHandle(c, blocks, kwargs)

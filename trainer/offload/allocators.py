@@ -98,11 +98,16 @@ class BlockPacking:
         self.entries.append(Entry(mod, name, is_param, self.nbytes, n, t.dtype, t.shape))
         self.nbytes += align(n)
 
-    def write_into(self, dst: torch.Tensor) -> None:
-        """Copy the block's current tensors into `dst` (a uint8 region of `nbytes`)."""
-        for e in self.entries:
-            src = e.tensor().detach().contiguous().reshape(-1).view(torch.uint8)
-            dst[e.offset : e.offset + e.nbytes].copy_(src)
+    def write_into(self, dst: torch.Tensor, fill=None, block: int = -1) -> None:
+        """Write the block into `dst` (a uint8 region of `nbytes`): its current tensors, or, with `fill`, what
+        `fill(block, entries, views)` writes into the views (trainer/models/stream_load.py reads them from the
+        model's files: the block's own tensors are placeholders then)."""
+        if fill is not None:
+            fill(block, self.entries, self.views(dst))
+        else:
+            for e in self.entries:
+                src = e.tensor().detach().contiguous().reshape(-1).view(torch.uint8)
+                dst[e.offset : e.offset + e.nbytes].copy_(src)
         for _, _, off, n, _, _ in self.states:  # optimizer state starts at zero
             dst[off : off + n].zero_()
 
@@ -129,21 +134,51 @@ def _aliasing(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, t.shape, t.stride())
 
 
-class HostArena:
-    """One exactly sized host buffer, page-locked with cudaHostRegister when `pin` (and CUDA) allow."""
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a refused cudaHostRegister, so that the next kernel launch's
+    error check does not report it. torch binds no cudaGetLastError: call the loaded libcudart (best effort)."""
+    import ctypes
 
-    def __init__(self, nbytes: int, pin: bool):
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so", "cudart64_12.dll"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+
+
+class HostArena:
+    """One exactly sized host buffer, page-locked with cudaHostRegister when `pin` (and CUDA) allow.
+
+    `budget` (bytes, None: no limit): an arena larger than it is not pinned. When registration is refused or over
+    budget, `pageable=True` keeps the buffer pageable (`refused` says why; the conductor then stages its copies,
+    see `Staging`); otherwise the caching host allocator's pinned memory is used (rounded, but page-locked)."""
+
+    def __init__(self, nbytes: int, pin: bool, budget: int | None = None, pageable: bool = False):
         self.nbytes = int(nbytes)
-        self.buf = torch.empty(max(1, self.nbytes), dtype=torch.uint8)
+        self.buf = torch.empty(max(1, self.nbytes), dtype=torch.uint8)  # allocation: the whole arena (pageable)
         self.pinned_bytes = 0
         self._registered = False
-        if pin and torch.cuda.is_available() and self.nbytes > 0:
+        self.refused: str | None = None  # why the arena stayed pageable
+        if budget is not None and self.nbytes > budget:  # checked on the CPU too, so tests can run the staging
+            self.refused = (f"offload.pinned_budget_gb {budget / 2**30:.1f} GB is below the arena's "
+                            f"{self.nbytes / 2**30:.1f} GB")
+        elif pin and torch.cuda.is_available() and self.nbytes > 0:
             err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.buf.numel(), 0)
             if int(err) == 0:
                 self._registered = True
-            else:  # fall back to the caching host allocator (rounded, but still page-locked)
-                self.buf = torch.empty(max(1, self.nbytes), dtype=torch.uint8, pin_memory=True)
+                self.pinned_bytes = self.buf.numel()
+            else:
+                _clear_cuda_error()
+                self.refused = f"cudaHostRegister refused {self.nbytes / 2**30:.1f} GB (error {int(err)})"
+        if self.refused is not None and not pageable and pin and torch.cuda.is_available():
+            self.refused = None  # the caching host allocator instead (rounded up, but page-locked)
+            self.buf = torch.empty(max(1, self.nbytes), dtype=torch.uint8, pin_memory=True)
             self.pinned_bytes = self.buf.numel()
+
+    @property
+    def pinned(self) -> bool:
+        return self.pinned_bytes > 0
 
     def region(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.buf[offset : offset + nbytes]
@@ -154,6 +189,46 @@ class HostArena:
             self._registered = False
         self.pinned_bytes = 0
         self.buf = torch.empty(0, dtype=torch.uint8)
+
+
+class Staging:
+    """Host-to-device copies from a pageable arena through two pinned buffers of one block each.
+
+    Where pinning is refused or capped (Windows and WSL pin at most about half of RAM, containers less, or
+    `offload.pinned_budget_gb`), the arena stays ordinary memory. A copy then goes in two legs: the CPU copies the
+    block into staging buffer k (a memcpy on the host thread), and the transfer stream copies buffer k to the ring
+    asynchronously and records `done[k]`. Buffer k is written again only after `done[k]` has fired, so a host
+    write never races the DMA still reading it; the two buffers alternate, so one block's DMA overlaps the next
+    block's host copy. Cost: the host waits (`done[k].synchronize()`, a host-device sync) whenever it gets two
+    loads ahead of the transfer stream, which itself waits for compute to release the target regions.
+    On the CPU (tests) the legs run synchronously through the same buffers."""
+
+    def __init__(self, block_bytes: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.bufs = [torch.empty(max(1, block_bytes), dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
+        self.done: list = [None, None]
+        self.k = 0
+        self.copies = 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(b.numel() for b in self.bufs) if self.cuda else 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream=None) -> object:
+        """Enqueue `dst.copy_(src)` (pageable host `src`, device `dst`) on `stream` (the current stream when it
+        is called inside `torch.cuda.stream(stream)`); returns the event that marks its end (None on the CPU)."""
+        k, n = self.k, src.numel()
+        self.k ^= 1
+        if self.done[k] is not None:
+            self.done[k].synchronize()  # host-device sync: buffer k's previous DMA has finished
+        stage = self.bufs[k][:n]
+        stage.copy_(src)  # host memcpy, pageable -> pinned
+        dst.copy_(stage, non_blocking=self.cuda)
+        self.copies += 1
+        if self.cuda:
+            self.done[k] = torch.cuda.Event(enable_timing=True)
+            self.done[k].record(stream)
+        return self.done[k]
 
 
 class Ring:

@@ -37,6 +37,12 @@ state the plan knows.
 With fraction 0 nothing streams (`streaming` is False): `enter` only starts the activation offloader's step,
 and the release methods do nothing; the blocks run the same `StreamedBlock` code.
 
+Loading without a RAM copy: with `fill` the blocks hold placeholders (trainer/models/stream_load.py), and the
+constructor lays out arena and ring from their shapes, then `fill` writes each block's tensors from the model's
+files straight into its arena region, its ring region, or (fraction 0) fresh device tensors. Where the arena
+cannot be pinned (cudaHostRegister refused, or larger than `pinned_budget`) it stays pageable and every load goes
+through two pinned one-block buffers (allocators.Staging); `pinning_note` is the one line that says so.
+
 Left out: torch.compile of the block wrapper (it is called eagerly; compiling inside blocks still works),
 several GPUs per process, and blocks that appear twice in one pass.
 """
@@ -49,7 +55,7 @@ import torch
 from torch import nn
 
 from .activations import ActivationOffloader
-from .allocators import BlockPacking, HostArena, Ring
+from .allocators import BlockPacking, HostArena, Ring, Staging
 from .plan import BWD, FWD, Plan, capacity_for, plan_for
 
 
@@ -72,7 +78,12 @@ class Conductor:
         min_ring_blocks: int = 2,
         activation_min_bytes: int = 1 << 20,
         release_at_recompute: bool = False,  # reproduces the known race; tests use it to prove the detector
+        fill=None,
+        pinned_budget: int | None = None,
     ):
+        """`fill(block, entries, views)`: writes block `block`'s tensors into `views` (one per packing entry) when
+        the blocks hold placeholders instead of weights (trainer/models/stream_load.py); None: copy the blocks'
+        own tensors. `pinned_budget`: bytes the host arena may pin (None: all of it); see allocators.Staging."""
         self.blocks = list(blocks)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -104,16 +115,22 @@ class Conductor:
         for pk in self.packs:  # LoRA and other trainable params outside the packed region stay resident
             for p in pk.resident:
                 p.data = p.data.to(self.device)
+        self.pinning_note: str | None = None  # one line when the arena could not be pinned
+        self.staging = None
         if not self.streaming:
-            for b in self.blocks:
+            for i, (b, pk) in enumerate(zip(self.blocks, self.packs, strict=True)):
+                if fill is not None:  # straight onto the device, one tensor at a time
+                    views = [torch.empty(e.shape, dtype=e.dtype, device=self.device) for e in pk.entries]
+                    fill(i, pk.entries, views)
+                    pk.point_at(views)
                 b.to(self.device)
             self.plan = None
             self.ring = self.arena = None
         else:
-            self._setup_streaming(min_ring_blocks)
+            self._setup_streaming(min_ring_blocks, fill, pinned_budget)
 
     # ------------------------------------------------------------------------------------------ setup
-    def _setup_streaming(self, min_ring_blocks: int) -> None:
+    def _setup_streaming(self, min_ring_blocks: int, fill, pinned_budget: int | None) -> None:
         sizes = [pk.nbytes for pk in self.packs]
         cap = capacity_for(sizes, self.fraction, min_blocks=min_ring_blocks)
         self.plan: Plan = plan_for(sizes, cap, self.mode, min_ring_blocks)
@@ -123,17 +140,25 @@ class Conductor:
         for b in streamed:
             self.host_off[b] = total
             total += sizes[b]
-        self.arena = HostArena(total, pin=self.cuda)
+        self.arena = HostArena(total, pin=self.cuda, budget=pinned_budget, pageable=True)
+        if self.arena.refused is not None:  # copies go through two pinned one-block buffers
+            self.staging = Staging(max(sizes[b] for b in streamed), self.device)
+            self.pinning_note = (f"offload: {self.arena.refused}; the host arena stays pageable and copies are "
+                                 f"staged through two pinned {max(sizes[b] for b in streamed) / 2**20:.0f} MB "
+                                 f"buffers (slower; set offload.pinned_budget_gb to choose)")
         self.ring = Ring(cap, self.device)
-        # host copies of streamed blocks; ring copies of the initially resident ones
+        # host copies of streamed blocks (read from the files straight into the arena with `fill`); ring copies
+        # of the initially resident ones
         for b in streamed:
-            self.packs[b].write_into(self.arena.region(self.host_off[b], sizes[b]))
+            self.packs[b].write_into(self.arena.region(self.host_off[b], sizes[b]), fill, b)
         #: block -> ring offset its packed bytes are loaded (or being loaded) at; None: not in the ring
         self.ring_offset: dict[int, int | None] = {b: None for b in range(len(self.blocks))}
         for b, off in self.plan.initial.items():
             dst = self.ring.region(off, sizes[b])
             if b in self.host_off:
                 dst.copy_(self.arena.region(self.host_off[b], sizes[b]))
+            elif fill is not None:
+                self.packs[b].write_into(dst, fill, b)  # tensor by tensor from the files into the ring
             else:
                 tmp = torch.empty(sizes[b], dtype=torch.uint8)
                 self.packs[b].write_into(tmp)
@@ -262,9 +287,9 @@ class Conductor:
             self.params_at[x] = None
         if not self.cuda:
             for ld in loads:
-                self.ring.region(ld.offset, sizes[ld.block]).copy_(
-                    self.arena.region(self.host_off[ld.block], sizes[ld.block])
-                )
+                dst = self.ring.region(ld.offset, sizes[ld.block])
+                src = self.arena.region(self.host_off[ld.block], sizes[ld.block])
+                self.staging.copy(dst, src) if self.staging is not None else dst.copy_(src)
                 self.ring_offset[ld.block] = ld.offset
             return
         ev = compute.record_event()
@@ -276,9 +301,11 @@ class Conductor:
                 n = sizes[ld.block]
                 t0 = torch.cuda.Event(enable_timing=True)
                 t0.record(self.h2d)
-                self.ring.region(ld.offset, n).copy_(
-                    self.arena.region(self.host_off[ld.block], n), non_blocking=True
-                )
+                dst, src = self.ring.region(ld.offset, n), self.arena.region(self.host_off[ld.block], n)
+                if self.staging is not None:  # pageable arena: host memcpy into a pinned buffer, then DMA
+                    self.staging.copy(dst, src, self.h2d)
+                else:
+                    dst.copy_(src, non_blocking=True)
                 t1 = torch.cuda.Event(enable_timing=True)
                 t1.record(self.h2d)
                 self._h2d_log_step.append((t0, t1, n))
@@ -337,6 +364,7 @@ class Conductor:
             "offloaded_bytes": sum(self.plan.sizes[b] for b in self.plan.streamed) if self.streaming else 0,
             "ring_bytes": self.ring.capacity if self.streaming else 0,
             "pinned_bytes": (self.arena.pinned_bytes if self.streaming else 0),
+            "staging_pinned_bytes": self.staging.pinned_bytes if self.staging is not None else 0,
             "activation_pinned_bytes": self.activations.pinned_bytes if self.activations else 0,
             "h2d_bytes_per_step": self.plan.bytes_per_step() if self.streaming else 0,
         }

@@ -47,6 +47,7 @@ class TrainingMethod:
 
     name = ""
     streams_trainable = False  # whether the conductor streams trainable weights
+    resume_replaces_base = False  # whether resuming overwrites every transformer weight (then loaded in RAM)
     oom_hint = ""  # appended to the out-of-memory advice
 
     def __init__(self, cfg: Config):
@@ -108,6 +109,7 @@ class LoraMethod(TrainingMethod):
 class FullMethod(TrainingMethod):
     name = "full"
     streams_trainable = True  # streamed blocks carry trainable weights, stepped inside backward
+    resume_replaces_base = True  # the checkpoint's transformer/ replaces the model folder's weights
     oom_hint = "; LoRA needs far less memory than train.method: full"
 
     def trainable_params(self, transformer: torch.nn.Module, adapter) -> list[torch.nn.Parameter]:  # noqa: ARG002

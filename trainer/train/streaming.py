@@ -60,21 +60,32 @@ def conducts(cfg: Config, fraction: float, can_stream: bool, device: torch.devic
 
 
 def place_blocks(transformer, blocks, cfg: Config, device: torch.device, fraction: float, conduct: bool, method,
-                 optim, shapes: int = 8):
+                 optim, shapes: int = 8, fill=None):
     """With `conduct`, hand the blocks to the offload handle, which checkpoints them (at fraction 0 too), streams
     them at fraction > 0 and compiles them under train.compile (`shapes`: bucket shapes the data has); returns
-    the handle or None. Activation offloading only on a GPU (on the CPU there is no second memory to move to)."""
+    the handle or None. Activation offloading only on a GPU (on the CPU there is no second memory to move to).
+    `fill`: the blocks hold placeholders, and the conductor reads their weights from the model's files into the
+    arena and ring (trainer/models/stream_load.py)."""
     if not conduct:
+        if fill is not None:
+            raise RuntimeError("place_blocks: blocks without weights need the offload handle (plan bug)")
         return None
     handle = attach_offload(
         blocks, device, fraction, mode="train", activations=cfg.offload.activations and device.type == "cuda",
         nano_batches=cfg.offload.nano_batches, trainable=method.streams_trainable,
         checkpointing=cfg.train.gradient_checkpointing, optimizer_state=method.optimizer_state_layout(optim),
         compile=compile_options(cfg, device, shapes) or False,
+        fill=fill, pinned_budget=_gb(cfg.offload.pinned_budget_gb),
     )
+    if handle.pinning_note:
+        say(handle.pinning_note)
     move_outside_blocks(transformer, blocks, device)
     method.place_optimizer_state(handle, blocks, optim)
     return handle
+
+
+def _gb(x: float | None) -> int | None:
+    return None if x is None else int(x * 2**30)
 
 
 def check_plan(cfg: Config, fraction: float, device: torch.device, step_s: float) -> None:

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from ..config import Config
 from ..dtypes import DTYPES
 from ..errors import NonFiniteLossError, NonFiniteWeightsError, UserError
-from ..models import get_adapter
+from ..models import get_adapter, stream_load
 from ..offload import compiled
 from ..optim.build import eval_weights
 from ..sampling.output import image_metadata, save_png
@@ -173,8 +173,17 @@ class Trainer:
 
         self.fraction = streaming.transformer_fraction(cfg, self._can_stream())  # resolved once: auto -> a float
         streamed = self.fraction > 0  # on the CPU, or at 0, the model stays resident
-        load_to = torch.device("cpu") if streamed else self.device
-        self.transformer = self.adapter.load(cfg.model, parts={"transformer"}, dtype=self.dtype, device=load_to).transformer
+        stream_load.release_host_memory()  # the VAE and text encoders are gone: give their pages back
+        self._loader = None  # reads streamed blocks from the files into the conductor's arena (stream_load.py)
+        # The old path where the trained weights must exist before the conductor fills blocks: a resumed full
+        # fine-tune (the checkpoint replaces them) and an EMA of a full fine-tune (its shadow starts from them).
+        base_first = (resume_dir is not None and self.method.resume_replaces_base) or (
+            c.ema is not None and self.method.streams_trainable and streamed)
+        if stream_load.supported(cfg.model) and not base_first:
+            self.transformer, self._loader = stream_load.load(self.adapter, cfg.model, self.dtype, self.device, streamed)
+        else:  # single-file transformers, and base_first: the whole model through CPU RAM
+            load_to = torch.device("cpu") if streamed else self.device
+            self.transformer = self.adapter.load(cfg.model, parts={"transformer"}, dtype=self.dtype, device=load_to).transformer
         self.transformer.train()
         torch.manual_seed(c.seed)  # LoRA init and dropout draw from torch's global generator
         self.params = self.method.trainable_params(self.transformer, self.adapter)
@@ -193,7 +202,11 @@ class Trainer:
         conduct = streaming.conducts(cfg, self.fraction, self._can_stream(), self.device)
         shapes = len({e.bucket for e in getattr(self.data, "entries", ())}) or 8  # train.compile: one per shape
         self.offload = streaming.place_blocks(self.transformer, blocks, cfg, self.device, self.fraction, conduct,
-                                              self.method, self.optim, shapes)
+                                              self.method, self.optim, shapes,
+                                              fill=self._loader and self._loader.fill)
+        if self._loader is not None:
+            self._loader.close()
+            self._loader = None
         self.objective = FlowMatching(c, self.adapter.timestep_shift)
         if resume_dir is not None:
             self._restore(resume_dir)
