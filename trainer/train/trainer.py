@@ -42,12 +42,13 @@ from ..sampling.training import TrainingSampler
 from . import checkpoint as ck
 from . import distributed, streaming
 from . import run as runs
-from .faults import StopFlag, TrainingInterrupted, oom_error
+from .faults import StopFlag, TrainingInterrupted, oom_error, training_fix
 from .inputs import data_state, load_data_state, prepare_data
 from .method import method_for
 from .monitor import Monitor, say
 from .objective import FlowMatching
 from .optimizer import optimizer_for
+from .phases import LOG, Phase
 
 
 def pick_device(choice: str) -> torch.device:
@@ -98,11 +99,13 @@ class Trainer:
         c = self.cfg.train
         try:
             if not self._ready:
-                self.setup()
+                with self._phase("load"):  # the caching phases inside it measure and report themselves
+                    self.setup()
             self.stop.install()
             first, times = self.step, []
             while self.step < c.steps:
-                metrics = self.train_step()
+                with self._phase("training step", training_fix(self.fraction, self.method.oom_hint)):
+                    metrics = self.train_step()
                 times.append(metrics["step_time"])
                 if self.step == first + 5 and self.device.type == "cuda" and self.dist.is_main:
                     # the median of steps 2-5 (the first warms up; single steps jitter, most at small buckets)
@@ -116,7 +119,8 @@ class Trainer:
                 if runs.save_due(self.cfg, self.step):  # train.checkpoint_every, output.save_every
                     self.save()
                 if self.sampler is not None and self.step % self.cfg.sample.every == 0:
-                    self.sample()
+                    with self._phase("sampling"):
+                        self.sample()
             if self.monitor is not None:
                 self.monitor.finish()
             return self.save(final=True)
@@ -189,6 +193,34 @@ class Trainer:
             self.monitor = Monitor(self.out, c.steps, self.step, cfg.output.tensorboard, run_id=self.run.id,
                                    config=cfg, epoch=self._epoch)
         self._ready = True
+
+    def _phase(self, name: str, fix: str | None = None) -> Phase:
+        """A named phase (phases.py): peaks measured, out of memory as one line naming the phase and `fix`."""
+        return Phase(name, fix, device=getattr(self, "device", None), on_exit=self._phase_done)
+
+    def _phase_done(self, name: str, peak) -> None:
+        """On a GPU, log each phase's measured peak beside the planner's prediction, once per phase."""
+        logged = self.__dict__.setdefault("_phases_logged", set())
+        if name in logged or getattr(self, "device", None) is None or self.device.type != "cuda":
+            return
+        logged.add(name)
+        if name == "load":  # the caching phases ran inside setup (trainer/data/cache.py records them)
+            for n in ("text caching", "latent caching"):
+                if n in LOG.peaks:
+                    self._phase_done(n, LOG.peaks[n])
+        line = f"phase {name}: peak reserved VRAM {peak.vram_reserved / 1e9:.2f} GB, peak RSS {peak.rss / 1e9:.1f} GB"
+        try:
+            from ..planner import analyze
+            from ..planner.phases import predicted_map
+
+            if "_phase_pred" not in self.__dict__:
+                self._phase_pred = predicted_map(self.cfg, self.fraction or 0.0, analyze(self.cfg))
+            if name in self._phase_pred:
+                v, r = self._phase_pred[name]
+                line += f" (planner: {v / 1e9:.2f} GB VRAM, {r / 1e9:.1f} GB RAM)"
+        except Exception as e:  # noqa: BLE001 - a prediction that cannot be made must never stop training
+            line += f" (no planner prediction: {type(e).__name__})"
+        say(line)
 
     def _epoch(self) -> int:
         """The epoch (from 1) of the batch just trained."""
@@ -276,7 +308,8 @@ class Trainer:
     def save(self, final: bool = False) -> Path:
         """A complete resumable checkpoint; with `final`, also the weights in output.dir. Returns the checkpoint
         folder, or the final weights' path. (A schedule-free optimizer's averaged weights are what is saved.)"""
-        with eval_weights(self.optim.optimizer if getattr(self, "optim", None) else None):
+        with self._phase("checkpoint save"), eval_weights(self.optim.optimizer if getattr(self, "optim", None)
+                                                          else None):
             return self._save(final)
 
     def _save(self, final: bool) -> Path:
