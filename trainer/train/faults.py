@@ -84,11 +84,7 @@ def oom_error(step: int, fraction: float | None, hint: str = "") -> UserError:
     streamed with, resolved (for `offload.transformer: auto`, the planner's pick), or None if the error came
     before it was known; below 1 the message suggests a higher one. `hint` is the training method's own
     advice (trainer/train/method.py)."""
-    if fraction is not None and fraction < 1.0:
-        more = min(1.0, round(fraction + 0.25, 2))
-        knob = f"raise offload.transformer from {fraction:g} to {more:g} (or auto with offload.vram_budget_gb)"
-    else:
-        knob = "lower train.batch_size or data.resolutions"
+    knob = training_fix(fraction)
     used = ""
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()

@@ -147,9 +147,8 @@ def parse_oom(message: str) -> tuple[float | None, float | None, float | None]:
     return tuple(_size(m.group(1)) if m else None for m in (tried, free, total))  # type: ignore[return-value]
 
 
-def oom_line(name: str, error: BaseException, fix: str | None = None, device: torch.device | None = None) -> str:
-    """The one line for an out-of-memory error in phase `name`."""
-    fix = fix or FIXES.get(name, "lower the batch size or resolution")
+def oom_detail(error: BaseException, device: torch.device | None = None) -> tuple[str, str]:
+    """("GPU" or "host RAM", "tried to allocate X GiB with Y GiB free of Z GiB") for an out-of-memory error."""
     if isinstance(error, torch.OutOfMemoryError):
         tried, free, total = parse_oom(str(error))
         if free is None and torch.cuda.is_available():
@@ -161,21 +160,25 @@ def oom_line(name: str, error: BaseException, fix: str | None = None, device: to
         need = f"tried to allocate {tried / _GIB:.2f} GiB" if tried is not None else "an allocation failed"
         have = f" with {free / _GIB:.2f} GiB free" if free is not None else ""
         of = f" of {total / _GIB:.1f} GiB" if total is not None else ""
-        where = "GPU"
-    else:
-        need = "a host allocation failed"
-        have = f" (peak RSS {peak_rss() / _GIB:.1f} GiB)"
-        of, where = "", "host RAM"
-    return f"out of {where} in phase {name}: {need}{have}{of}; fix: {fix}"
+        return "GPU", f"{need}{have}{of}"
+    return "host RAM", f"a host allocation failed (peak RSS {peak_rss() / _GIB:.1f} GiB)"
+
+
+def oom_line(name: str, error: BaseException, fix: str | None = None, device: torch.device | None = None) -> str:
+    """The one line for an out-of-memory error in phase `name`."""
+    where, detail = oom_detail(error, device)
+    return f"out of {where} in phase {name}: {detail}; fix: {fix or FIXES.get(name, 'lower the batch size or resolution')}"
 
 
 class Phase:
     """Context manager for one phase (see the module essay). `fix` overrides the phase's default advice;
-    `on_exit(name, peak)` is called after a phase that ended normally (the trainer logs the first one of each)."""
+    `message(detail)` replaces the whole line (the trainer's training step keeps its step-numbered advice and adds
+    the phase and `detail`); `on_exit(name, peak)` is called after a phase that ended normally (the trainer logs
+    the first one of each)."""
 
     def __init__(self, name: str, fix: str | None = None, *, device: torch.device | None = None,
-                 log: PhaseLog | None = None, on_exit=None) -> None:
-        self.name, self.fix, self.log, self.on_exit = name, fix, log or LOG, on_exit
+                 log: PhaseLog | None = None, on_exit=None, message=None) -> None:
+        self.name, self.fix, self.log, self.on_exit, self.message = name, fix, log or LOG, on_exit, message
         self.device = device if device is not None else (torch.device("cuda") if torch.cuda.is_available() else None)
         self._cuda = self.device is not None and self.device.type == "cuda" and torch.cuda.is_available()
         self.peak: PhasePeak | None = None
@@ -198,5 +201,8 @@ class Phase:
         if isinstance(error, torch.OutOfMemoryError | MemoryError):
             if self._cuda:
                 torch.cuda.empty_cache()  # let whatever runs next (a save on the way out) find memory
+            if self.message is not None:
+                where, detail = oom_detail(error, self.device)
+                raise PhaseOutOfMemory(self.message(f"out of {where} in phase {self.name}: {detail}")) from None
             raise PhaseOutOfMemory(oom_line(self.name, error, self.fix, self.device)) from None
         return False

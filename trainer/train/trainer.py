@@ -42,7 +42,7 @@ from ..sampling.training import TrainingSampler
 from . import checkpoint as ck
 from . import distributed, streaming
 from . import run as runs
-from .faults import StopFlag, TrainingInterrupted, oom_error, training_fix
+from .faults import StopFlag, TrainingInterrupted, oom_error
 from .inputs import data_state, load_data_state, prepare_data
 from .method import method_for
 from .monitor import Monitor, say
@@ -104,7 +104,7 @@ class Trainer:
             self.stop.install()
             first, times = self.step, []
             while self.step < c.steps:
-                with self._phase("training step", training_fix(self.fraction, self.method.oom_hint)):
+                with self._phase("training step", message=self._step_oom):
                     metrics = self.train_step()
                 times.append(metrics["step_time"])
                 if self.step == first + 5 and self.device.type == "cuda" and self.dist.is_main:
@@ -194,9 +194,13 @@ class Trainer:
                                    config=cfg, epoch=self._epoch)
         self._ready = True
 
-    def _phase(self, name: str, fix: str | None = None) -> Phase:
-        """A named phase (phases.py): peaks measured, out of memory as one line naming the phase and `fix`."""
-        return Phase(name, fix, device=getattr(self, "device", None), on_exit=self._phase_done)
+    def _phase(self, name: str, fix: str | None = None, message=None) -> Phase:
+        """A named phase (phases.py): peaks measured, out of memory as one line naming the phase and `fix` (or
+        `message(detail)`: the training step keeps faults.oom_error's step-numbered advice)."""
+        return Phase(name, fix, device=getattr(self, "device", None), on_exit=self._phase_done, message=message)
+
+    def _step_oom(self, detail: str) -> str:
+        return f"{oom_error(self.step + 1, self.fraction, self.method.oom_hint)} [{detail}]"
 
     def _phase_done(self, name: str, peak) -> None:
         """On a GPU, log each phase's measured peak beside the planner's prediction, once per phase."""

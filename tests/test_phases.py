@@ -1,0 +1,194 @@
+"""Phases of a run: per-phase peaks, one-line out-of-memory errors naming the phase and the fix, caching with
+one model group at a time, the planner's phase table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_data_cache import FakeAdapter, config, make_images, make_model
+from test_train_support import make_config, write_images
+
+from trainer.data import cache as dcache
+from trainer.data.pipeline import prepare_data
+from trainer.errors import UserError
+from trainer.models.base import Components
+from trainer.train import phases
+from trainer.train.phases import Phase, PhaseLog, PhaseOutOfMemory, parse_oom
+
+TORCH_OOM = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 7.00 GiB of which 1.10 GiB "
+    "is free. Including non-PyTorch memory, this process has 5.90 GiB memory in use."
+)
+
+
+def test_parse_oom_reads_torchs_message():
+    tried, free, total = parse_oom(TORCH_OOM)
+    assert (tried, free, total) == (2 * 2**30, pytest.approx(1.10 * 2**30), 7 * 2**30)
+    assert parse_oom("CUDA out of memory") == (None, None, None)
+
+
+@pytest.mark.parametrize(("phase", "knob"), [
+    ("text caching", "offload.text_encoders"),
+    ("latent caching", "data.resolutions"),
+    ("sampling", "sample.every: 0"),
+    ("training step", "offload.transformer"),
+])
+def test_out_of_memory_in_a_phase_is_one_line_naming_phase_need_free_and_fix(phase, knob):
+    log = PhaseLog()
+    with pytest.raises(PhaseOutOfMemory) as e, Phase(phase, log=log):
+        raise torch.OutOfMemoryError(TORCH_OOM)
+    msg = str(e.value)
+    assert "\n" not in msg and isinstance(e.value, UserError) and e.value.exit_code != 0
+    assert f"in phase {phase}:" in msg and "tried to allocate 2.00 GiB with 1.10 GiB free of 7.0 GiB" in msg
+    assert knob in msg
+    assert e.value.__suppress_context__  # `from None`: the CLI prints one line, no chained traceback
+    assert log.peaks[phase].runs == 1
+
+
+def test_host_memory_error_and_nested_phases():
+    with pytest.raises(PhaseOutOfMemory, match=r"out of host RAM in phase checkpoint save: .*fix: free host RAM"):
+        with Phase("checkpoint save", log=PhaseLog()):
+            raise MemoryError
+    # an inner phase's line passes through the outer one unchanged
+    with pytest.raises(PhaseOutOfMemory, match=r"in phase text caching"), Phase("load", log=PhaseLog()):
+        with Phase("text caching", log=PhaseLog()):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    # other errors are not touched
+    with pytest.raises(ValueError), Phase("load", log=PhaseLog()):
+        raise ValueError("x")
+
+
+def test_phase_records_peak_rss_of_what_it_allocates():
+    log = PhaseLog()
+    with Phase("load", log=log) as p:
+        x = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
+        x += 1
+    assert p.peak is log.peaks["load"]
+    assert log.peaks["load"].rss >= 64 * 2**20
+    assert "phase load: peak reserved VRAM 0.00 GB" in log.lines()[0]
+    del x
+
+
+class StageLoader(dcache.EncoderStages):
+    """Records which model group is loaded and checks the other is gone."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+        self.live = set()
+
+    def _load_text(self):
+        assert not self.live, "text encoders loaded beside another model group"
+        self.events.append("text")
+        self.live.add("text")
+        self.handles.append(_Closer(self, "text"))
+        return Components(text_encoders=[torch.nn.Linear(1, 1)], tokenizers=[None])
+
+    def _load_vae(self):
+        assert not self.live, "VAE loaded beside another model group"
+        self.events.append("vae")
+        self.live.add("vae")
+        self.handles.append(_Closer(self, "vae"))
+        return torch.nn.Linear(1, 1)
+
+
+class _Closer:
+    def __init__(self, loader, name):
+        self.loader, self.name = loader, name
+
+    def close(self):
+        self.loader.live.discard(self.name)
+        self.loader.events.append(f"free {self.name}")
+
+
+def test_caching_loads_text_encoders_then_frees_them_then_the_vae(tmp_path):
+    make_model(tmp_path / "model")
+    make_images(tmp_path / "imgs")
+    loader = StageLoader()
+    data = prepare_data(config(tmp_path), FakeAdapter(), loader, progress=False)
+    assert loader.events == ["text", "free text", "vae", "free vae"]
+    assert data.encode.latents_new > 0 and data.encode.texts_new > 0
+    assert {"text caching", "latent caching"} <= set(phases.LOG.peaks)
+    # everything cached: nothing loaded
+    again = StageLoader()
+    prepare_data(config(tmp_path), FakeAdapter(), again, progress=False)
+    assert again.events == []
+
+
+def test_out_of_memory_while_encoding_latents_names_latent_caching(tmp_path):
+    make_model(tmp_path / "model")
+    make_images(tmp_path / "imgs")
+    adapter = FakeAdapter()
+
+    def oom(vae, pixels):
+        raise torch.OutOfMemoryError(TORCH_OOM)
+
+    adapter.encode_images = oom
+    loader = StageLoader()
+    with pytest.raises(PhaseOutOfMemory, match=r"in phase latent caching: tried to allocate 2.00 GiB.*data\.resolutions"):
+        prepare_data(config(tmp_path), adapter, loader, progress=False)
+    assert loader.events[-1] == "free vae"  # freed on the way out
+    # the captions encoded before the error stay cached
+    assert prepare_data(config(tmp_path), FakeAdapter(), StageLoader(), progress=False).encode.texts_new == 0
+
+
+def test_vae_memory_modes(tiny_models):
+    from diffusers import AutoencoderKL
+
+    from trainer.sampling.placement import tile_decode
+
+    vae = AutoencoderKL.from_pretrained(tiny_models / "flux", subfolder="vae")
+    assert not dcache.vae_memory_mode(vae, 1024 * 1024) and vae.use_slicing and not vae.use_tiling
+    assert dcache.vae_memory_mode(vae, 1024 * 1536) and vae.use_tiling
+    assert not tile_decode(vae, 512, 512)
+    assert tile_decode(vae, 1024, 1024) and vae.use_tiling and vae.tile_sample_min_size == 512
+    assert vae.tile_latent_min_size == 512 // 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+def test_training_step_out_of_memory_keeps_its_advice_and_names_the_phase(tiny_models, tmp_path, monkeypatch):
+    from trainer.train.trainer import Trainer
+
+    images = write_images(tmp_path / "imgs")
+    cfg = make_config(tiny_models, images, tmp_path / "run", tmp_path / "cache", "flux", "lora",
+                      train={"steps": 4, "checkpoint_every": 2})
+    t = Trainer(cfg)
+    t.setup()
+    calls = {"n": 0}
+    real = t.adapter.predict
+
+    def oom_at_step_3(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.OutOfMemoryError(TORCH_OOM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(t.adapter, "predict", oom_at_step_3)
+    with pytest.raises(PhaseOutOfMemory) as e:
+        t.fit()
+    msg = str(e.value)
+    assert "out of memory at step 3: raise offload.transformer from 0 to 0.25" in msg
+    assert "in phase training step: tried to allocate 2.00 GiB" in msg and "\n" not in msg
+    assert (tmp_path / "run" / "checkpoints").exists() and t.last_checkpoint is not None  # step 2's checkpoint kept
+    assert t.last_checkpoint.name == "step-000002" and t.last_checkpoint.is_dir()
+
+
+def test_planner_predicts_every_phase_and_fits_text_encoders_to_the_budget():
+    from trainer.config import load_config
+    from trainer.planner import analyze
+    from trainer.planner.phases import fit_text_fraction, predict_phases, table
+
+    cfg = load_config("configs/flux/lora-8gb.yaml", [])
+    facts = analyze(cfg)
+    preds = predict_phases(cfg, 0.9, facts)
+    names = [p.name for p in preds]
+    assert set(names) == set(phases.PHASES) - {"sampling"} | ({"sampling"} if cfg.sample.every else set())
+    assert all(p.vram > 0 and p.ram > 0 for p in preds)
+    by = {p.name: p for p in preds}
+    # the T5-XXL (9.5 GB) must stream on a 7 GB budget, less of it on a larger one, none on 24 GB
+    f7, f12, f24 = (fit_text_fraction(facts, b) for b in (7, 12, 24))
+    assert f7 > f12 >= f24 == 0.0
+    assert predict_phases(cfg, 0.9, facts, f7)[0].vram <= 7e9 < predict_phases(cfg, 0.9, facts, 0.0)[0].vram
+    if "sampling" in by:  # sampling during training reuses the training ring: it costs less than a step
+        assert by["sampling"].vram <= by["training step"].vram + 0.5e9
+    lines = table(preds, 7)
+    assert any("largest:" in line for line in lines) and any("text caching" in line for line in lines)
