@@ -28,9 +28,12 @@ An error already turned into one line (a nested phase) passes through unchanged.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import resource
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,6 +173,28 @@ def oom_line(name: str, error: BaseException, fix: str | None = None, device: to
     return f"out of {where} in phase {name}: {detail}; fix: {fix or FIXES.get(name, 'lower the batch size or resolution')}"
 
 
+def _write_record(name: str, t0: float, vram: int, rss: int, error) -> None:
+    """With DITTRAIN_PHASE_LOG=FILE, one JSON line per phase run (bench/bench_program.py reads them)."""
+    path = os.environ.get("DITTRAIN_PHASE_LOG")
+    if not path:
+        return
+    rec = {"phase": name, "start": t0, "end": time.time(), "vram_reserved": vram, "rss": rss,
+           "anon_rss": anon_rss(), "error": type(error).__name__ if error is not None else None}
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def apply_vram_cap() -> float | None:
+    """DITTRAIN_VRAM_CAP_GB=N (for benchmarks): cap this process's CUDA allocations at N GB of the card with
+    `torch.cuda.set_per_process_memory_fraction`, as if the card were that small. Returns the cap or None."""
+    cap = os.environ.get("DITTRAIN_VRAM_CAP_GB")
+    if not cap or not torch.cuda.is_available():
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap) * 1e9 / total), 0)
+    return float(cap)
+
+
 class Phase:
     """Context manager for one phase (see the module essay). `fix` overrides the phase's default advice;
     `message(detail)` replaces the whole line (the trainer's training step keeps its step-numbered advice and adds
@@ -187,11 +212,14 @@ class Phase:
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._rss_reset = _reset_rss_peak()
+        self._t0 = time.time()
         return self
 
     def __exit__(self, kind, error, tb) -> bool:
         vram = torch.cuda.max_memory_reserved(self.device) if self._cuda else 0
-        self.peak = self.log.record(self.name, vram, peak_rss(), self._rss_reset)
+        rss = peak_rss()
+        self.peak = self.log.record(self.name, vram, rss, self._rss_reset)
+        _write_record(self.name, self._t0, vram, rss, error)
         if error is None:
             if self.on_exit is not None:
                 self.on_exit(self.name, self.peak)
