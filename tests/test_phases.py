@@ -3,6 +3,8 @@ one model group at a time, the planner's phase table."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_data_cache import FakeAdapter, config, make_images, make_model
@@ -15,6 +17,7 @@ from trainer.models.base import Components
 from trainer.train import phases
 from trainer.train.phases import Phase, PhaseLog, PhaseOutOfMemory, parse_oom
 
+ROOT = Path(__file__).resolve().parents[1]
 TORCH_OOM = (
     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 7.00 GiB of which 1.10 GiB "
     "is free. Including non-PyTorch memory, this process has 5.90 GiB memory in use."
@@ -192,3 +195,41 @@ def test_planner_predicts_every_phase_and_fits_text_encoders_to_the_budget():
         assert by["sampling"].vram <= by["training step"].vram + 0.5e9
     lines = table(preds, 7)
     assert any("largest:" in line for line in lines) and any("text caching" in line for line in lines)
+
+
+def test_bench_writes_sharded_random_weights_that_diffusers_loads(tmp_path, monkeypatch):
+    """bench/bench_program.py writes full-size folders tensor by tensor from a meta model; here a small
+    transformer goes through the same writer (several shards) and loads with from_pretrained."""
+    import sys
+
+    from diffusers import FluxTransformer2DModel
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_program as bp
+
+    monkeypatch.setattr(bp, "SHARD_BYTES", 20_000)  # force several shards
+    cfg = {"patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+           "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32,
+           "guidance_embeds": True, "axes_dims_rope": (4, 4, 8)}
+    meta = bp._meta(lambda: FluxTransformer2DModel.from_config(cfg))
+    total = bp._save(tmp_path / "transformer", meta, meta, "diffusion_pytorch_model", torch.bfloat16, 1)
+    assert len(list((tmp_path / "transformer").glob("*.safetensors"))) > 1
+    model = FluxTransformer2DModel.from_pretrained(tmp_path / "transformer", torch_dtype=torch.bfloat16)
+    assert total == sum(p.numel() * 2 for p in model.parameters())
+    norms = [p for n, p in model.named_parameters() if p.ndim == 1 and "norm" in n and n.endswith("weight")]
+    assert norms and all(torch.equal(p, torch.ones_like(p)) for p in norms)
+    w = model.transformer_blocks[0].attn.to_q.weight.float()
+    assert 0.015 < w.std() < 0.025
+
+
+@pytest.mark.slow
+def test_bench_program_smoke_runs_cache_fit_sample_and_reports_phases(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_program.py"), "--smoke", "--families", "flux",
+                        "--work", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for phase in ("text caching", "latent caching", "load", "training step", "sampling", "checkpoint save"):
+        assert f"| {phase} |" in r.stdout
+    assert (tmp_path / "flux" / "out" / "lora.safetensors").exists() or list((tmp_path / "flux" / "out").glob("*"))

@@ -196,7 +196,7 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
     sampling = (
         [f"# Sampling during training: every {s['every']} steps (sample.every: {s['every']}), {s['width']}x"
          f"{s['height']}, through the training ring with",
-         "# the prompt embeddings computed up front and a tiled VAE decode; sample.every: 0 turns it off."]
+         "# the prompt embeddings computed up front and a tiled VAE decode (set sample.every to 0 to turn it off)."]
         if s["every"] else
         ["# Sampling during training is off (sample.every: 0): it would not fit beside training on this card;",
          "# use `dittrain sample` afterwards."]
