@@ -142,7 +142,9 @@ def sample(
     PNGs carry the prompt, seed, steps and model in their metadata; several images also get a contact sheet."""
     cfg = _load(config, overrides)
     from .sample import SampleRequest, run_sample
+    from .train.phases import measured
 
+    run_sample = measured("sampling", run_sample)  # per-phase peaks (bench/bench_program.py); errors unchanged
     run_sample(
         cfg,
         SampleRequest(

@@ -234,3 +234,14 @@ class Phase:
                 raise PhaseOutOfMemory(self.message(f"out of {where} in phase {self.name}: {detail}")) from None
             raise PhaseOutOfMemory(oom_line(self.name, error, self.fix, self.device)) from None
         return False
+
+
+def measured(name: str, fn, fix: str | None = None):
+    """`fn` run inside `Phase(name, fix)` (its peaks recorded; an out-of-memory error `fn` did not already turn
+    into one line becomes the phase's line)."""
+
+    def run(*args, **kwargs):
+        with Phase(name, fix):
+            return fn(*args, **kwargs)
+
+    return run

@@ -163,7 +163,9 @@ class Trainer:
             cfg, self.adapter, self.device, self.dtype, rank=self.dist.rank, world_size=self.dist.world))
         self.sampler = None
         if cfg.sample.every and cfg.sample.prompts and self.dist.is_main:
-            self.sampler = TrainingSampler(cfg, self.adapter, self.device, self.dtype)  # encodes prompts, frees encoders
+            with self._phase("text caching", "raise offload.text_encoders (the text encoders stream from CPU RAM), "
+                             "or set sample.every: 0"):  # the sample prompts, encoded once
+                self.sampler = TrainingSampler(cfg, self.adapter, self.device, self.dtype)  # frees the encoders
 
         self.fraction = streaming.transformer_fraction(cfg, self._can_stream())  # resolved once: auto -> a float
         streamed = self.fraction > 0  # on the CPU, or at 0, the model stays resident
