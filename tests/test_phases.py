@@ -233,3 +233,30 @@ def test_bench_program_smoke_runs_cache_fit_sample_and_reports_phases(tmp_path):
     for phase in ("text caching", "latent caching", "load", "training step", "sampling", "checkpoint save"):
         assert f"| {phase} |" in r.stdout
     assert (tmp_path / "flux" / "out" / "lora.safetensors").exists() or list((tmp_path / "flux" / "out").glob("*"))
+
+
+@pytest.mark.gpu
+def test_a_real_cuda_out_of_memory_is_parsed_into_need_and_free():
+    with pytest.raises(PhaseOutOfMemory) as e, Phase("latent caching", log=PhaseLog(), device=torch.device("cuda")):
+        torch.empty(2**44, dtype=torch.uint8, device="cuda")  # 16 TiB
+    assert "in phase latent caching: tried to allocate 16384.00 GiB with" in str(e.value)
+    assert "GiB free of" in str(e.value)
+
+
+@pytest.mark.gpu
+def test_fit_on_cuda_logs_every_phase_and_sampling_adds_at_most_half_a_gb(tiny_models, tmp_path, capsys):
+    from trainer.train.trainer import Trainer
+
+    images = write_images(tmp_path / "imgs")
+    peaks = {}
+    for every in (0, 2):
+        phases.LOG.peaks.clear()
+        cfg = make_config(tiny_models, images, tmp_path / f"run{every}", tmp_path / "cache", "flux", "lora",
+                          train={"steps": 4, "device": "cuda"},
+                          sample={"every": every, "prompts": ["a cat"], "steps": 2, "width": 64, "height": 64})
+        Trainer(cfg).fit()
+        peaks[every] = max(p.vram_reserved for p in phases.LOG.peaks.values())
+        assert ("sampling" in phases.LOG.peaks) == bool(every)
+    assert peaks[2] <= peaks[0] + 0.5e9
+    err = capsys.readouterr().err
+    assert "phase training step: peak reserved VRAM" in err and "(planner:" in err
