@@ -112,7 +112,9 @@ def _first_fit(family, method, card, opt, cache):
     budget = card - HEADROOM_GB
     last = ""
     for res, act, ckpt in SETTINGS:
-        cfg = Config.model_validate(_config(family, method, res, act, 0.0, ckpt, opt))
+        d0 = _config(family, method, res, act, 0.0, ckpt, opt)
+        d0["sample"]["every"] = 0  # the fraction for training; sampling is checked below (off if it does not fit)
+        cfg = Config.model_validate(d0)
         key = (family, method, opt)
         if key not in cache:
             cache[key] = analyze(cfg)
