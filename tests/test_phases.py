@@ -260,3 +260,21 @@ def test_fit_on_cuda_logs_every_phase_and_sampling_adds_at_most_half_a_gb(tiny_m
     assert peaks[2] <= peaks[0] + 0.5e9
     err = capsys.readouterr().err
     assert "phase training step: peak reserved VRAM" in err and "(planner:" in err
+
+
+def test_choose_fraction_needs_sampling_during_training_to_fit_too(monkeypatch):
+    from trainer.config import load_config
+    from trainer.planner import analyze, choose_fraction
+    from trainer.planner import prediction as pred
+
+    cfg = load_config("configs/flux/lora-8gb.yaml", [])
+    facts = analyze(cfg)
+    base = choose_fraction(cfg, 7, facts=facts, log=lambda s: None)
+    assert base == pytest.approx(float(cfg.offload.transformer))  # the preset's fraction, sampling on
+    # sampling that needs 0.7 GB more than the training step at every fraction: a higher fraction is chosen
+    real = pred.predict
+    monkeypatch.setattr(pred, "_sampling_peak", lambda c, f, fr, r: real(f, fr, r, False).peak_reserved + 0.7e9)
+    assert choose_fraction(cfg, 7, facts=facts, log=lambda s: None) > base
+    monkeypatch.setattr(pred, "_sampling_peak", lambda c, f, fr, r: float("inf"))
+    with pytest.raises(UserError, match=r"sampling during training needs inf GB .*set sample.every: 0"):
+        choose_fraction(cfg, 7, facts=facts, log=lambda s: None)
