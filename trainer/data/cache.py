@@ -485,13 +485,15 @@ def run_cache(cfg) -> None:
             tqdm.write(line)
 
 
-def cache_stages(cfg, adapter, device=None, dtype=None) -> StagedLoader:
-    """The two-stage loader of `dittrain cache` and `fit`: text encoders streamed at offload.text_encoders on a
-    GPU (trainer/sampling/placement.py), then the VAE."""
+def cache_stages(cfg, adapter, device=None, dtype=None, fraction: float | None = None) -> StagedLoader:
+    """The two-stage loader of `dittrain cache` and `fit`: text encoders streamed at `fraction` (default
+    offload.text_encoders on a GPU, 0 on the CPU; trainer/sampling/placement.py), then the VAE."""
     from ..sampling.placement import place_encoder
 
     loader = StagedLoader(cfg, adapter, device, dtype)
-    f = float(cfg.offload.text_encoders)
-    if loader.device.type == "cuda" and f > 0:
+    if fraction is None:
+        fraction = float(cfg.offload.text_encoders) if loader.device.type == "cuda" else 0.0
+    f = fraction
+    if f > 0:
         loader.place_text = lambda enc, dev: place_encoder(enc, dev, f)
     return loader

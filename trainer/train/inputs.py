@@ -19,11 +19,17 @@ from ..data.pipeline import prepare_data as _prepare
 from .distributed import global_data_state, local_data_state
 
 
+def _text_fraction(cfg: Config, device: torch.device) -> float:
+    """offload.text_encoders on a GPU; 0 on the CPU (nothing to save). Tests override it to stream on the CPU."""
+    return float(cfg.offload.text_encoders) if device.type == "cuda" else 0.0
+
+
 def prepare_data(cfg: Config, adapter, device: torch.device, dtype: torch.dtype, rank: int = 0, world_size: int = 1):
     """TrainData with complete caches; the encoders it loaded are freed before this returns. The text encoders
     (streamed at offload.text_encoders on a GPU) encode first and are freed, then the VAE (trainer/data/cache.py
     `cache_stages`): never two model groups on the device at once."""
-    return _prepare(cfg, adapter, cache_stages(cfg, adapter, device, dtype), rank=rank, world_size=world_size,
+    stages = cache_stages(cfg, adapter, device, dtype, fraction=_text_fraction(cfg, torch.device(device)))
+    return _prepare(cfg, adapter, stages, rank=rank, world_size=world_size,
                     progress=rank == 0)
 
 
