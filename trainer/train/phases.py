@@ -180,8 +180,11 @@ def _write_record(name: str, t0: float, vram: int, rss: int, error) -> None:
         return
     rec = {"phase": name, "start": t0, "end": time.time(), "vram_reserved": vram, "rss": rss,
            "anon_rss": anon_rss(), "error": type(error).__name__ if error is not None else None}
-    with open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    except OSError:
+        pass  # a measurement must never replace the phase's own outcome
 
 
 def apply_vram_cap() -> float | None:
