@@ -38,3 +38,58 @@ def test_print_presets_lists_each_file(capsys):
     out = capsys.readouterr().out
     for p in find_presets(ROOT / "configs"):
         assert str(p.path) in out
+
+
+SIZED = [p for p in CONFIGS if p.parent.name != "tiny" and p.stem.split("-")[-1].endswith("gb")]
+
+
+def _header(path: Path) -> str:
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line[1:].strip())
+    return " ".join(lines)
+
+
+def _setting(cfg, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.mark.parametrize("path", SIZED, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_every_preset_header_agrees_with_its_body(path):
+    """What the header claims (written by `python -m trainer.planner.presets`) is what the body sets: every
+    `section.key: value` it quotes, the transformer fraction and resolution of the title, sampling on or off,
+    and a predicted VRAM peak (the largest phase) within the card minus the headroom."""
+    import re
+
+    from trainer.planner.presets import HEADROOM_GB
+
+    cfg = load_config(path)
+    head = _header(path)
+    card = int(re.search(r"-(\d+)gb$", path.stem).group(1))
+    quoted = re.findall(r"\b(model|train|data|offload|sample|optimizer|lora)\.(\w+): ([\w.]+)", head)
+    assert any(s == "sample" and k == "every" for s, k, _ in quoted), f"{path}: header must say sample.every"
+    for section, key, value in quoted:
+        have = _setting(cfg, f"{section}.{key}")
+        want = type(have)(float(value)) if isinstance(have, int | float) and not isinstance(have, bool) else value
+        assert have == want, f"{path}: header says {section}.{key}: {value}, body has {have}"
+    f = float(re.search(r"transformer fraction (\d+\.\d+)", head).group(1))
+    assert f == pytest.approx(float(cfg.offload.transformer)), path
+    assert f"{cfg.data.resolutions[0]} px" in head and f"{cfg.data.resolutions[0]}x{cfg.data.resolutions[0]} buckets" in head
+    if cfg.sample.every:
+        assert f"every {cfg.sample.every} steps" in head and f"{cfg.sample.width}x{cfg.sample.height}" in head
+    else:
+        assert "Sampling during training is off" in head
+    assert "activation offloading" in head if cfg.offload.activations else "activation offloading" not in head
+    vram = float(re.search(r"expects: ([\d.]+) GB VRAM \(largest phase: ([a-z ]+)\)", head).group(1))
+    assert vram <= card - HEADROOM_GB + 0.05, f"{path}: predicts {vram} GB on a {card} GB card"
+    seg = head.split("phases (predicted peak VRAM):")[1].split(". Text caching")[0]
+    phases = {m.group(1): float(m.group(2)) for m in (re.match(r"(.+) ([\d.]+) GB$", item.strip())
+                                                       for item in seg.split(", "))}
+    assert set(phases) >= {"text caching", "latent caching", "load", "training step", "checkpoint save"}, path
+    assert max(phases.values()) == pytest.approx(vram, abs=0.051), f"{path}: {phases} vs {vram}"
+    assert ("sampling" in phases) == bool(cfg.sample.every), path

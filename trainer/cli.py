@@ -58,6 +58,10 @@ def _main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ) -> None:
     """Fine-tune diffusion transformers on GPUs far smaller than the model."""
+    if __import__("os").environ.get("DITTRAIN_VRAM_CAP_GB"):  # benchmarks: act as if the card were that small
+        from .train.phases import apply_vram_cap
+
+        apply_vram_cap()
 
 
 def _user_errors(fn):
@@ -141,7 +145,9 @@ def sample(
     PNGs carry the prompt, seed, steps and model in their metadata; several images also get a contact sheet."""
     cfg = _load(config, overrides)
     from .sample import SampleRequest, run_sample
+    from .train.phases import measured
 
+    run_sample = measured("sampling", run_sample)  # per-phase peaks (bench/bench_program.py); errors unchanged
     run_sample(
         cfg,
         SampleRequest(

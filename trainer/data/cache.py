@@ -43,6 +43,7 @@ import hashlib
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,7 @@ from tqdm.auto import tqdm
 
 from ..dtypes import DTYPES
 from ..errors import UserError
+from ..train.phases import LOG, Phase
 from .images import BadImage, load_mask, load_pixels
 
 CACHE_VERSION = "1"
@@ -212,8 +214,10 @@ def ensure_encoded(
 ) -> EncodeResult:
     """Make sure every job's latent and every caption's embedding is in its store; encode what is missing.
 
-    `load_encoders()` is called at most once, only when something is missing; the components are freed before
-    returning."""
+    `load_encoders`: an `EncoderStages` (one model group on the device at a time: the text encoders, freed, then
+    the VAE), or a plain callable returning Components with both, called at most once, only when something is
+    missing. Everything loaded is freed before returning. Each stage runs as a named phase
+    (trainer/train/phases.py: out of memory there is one line naming the phase and the fix)."""
     res = EncodeResult()
     unique_jobs = list({j.key: j for j in jobs}.values())
     todo_lat = set(_missing(latent_store, (j.key for j in unique_jobs), verify_latents, res))
@@ -226,19 +230,22 @@ def ensure_encoded(
     if not todo_lat and not todo_caps:
         return res
 
-    comps = load_encoders()
+    stages = load_encoders if isinstance(load_encoders, EncoderStages) else _AllAtOnce(load_encoders)
     res.loaded_encoders = True
     try:
-        if todo_lat:
-            _encode_latents(adapter, comps.vae, latent_store, [j for j in unique_jobs if j.key in todo_lat],
-                            batch_size, progress, res)
+        # Text first, then the VAE: each stage loads its models, encodes and frees them before the next.
         if todo_caps:
-            _encode_texts(adapter, comps, text_store, todo_caps, batch_size, progress, res)
+            with Phase("text caching"), stages.text() as comps:
+                _encode_texts(adapter, comps, text_store, todo_caps, batch_size, progress, res)
+                del comps
+        if todo_lat:
+            with Phase("latent caching"), stages.vae() as vae:
+                _encode_latents(adapter, vae, latent_store, [j for j in unique_jobs if j.key in todo_lat],
+                                batch_size, progress, res)
+                del vae
     finally:
-        del comps  # the encoders are not needed again this run
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        stages.close()
+        _free()
     if "" in res.bad_texts:
         raise UserError(f"the empty caption's embedding is not finite ({res.bad_texts['']}); try model.dtype: bf16 or fp32")
     return res
@@ -270,6 +277,7 @@ def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int,
                     masks.append(px[1])
                     ok.append(j)
             if ok:
+                vae_memory_mode(vae, chunk[0].bucket[0] * chunk[0].bucket[1])
                 batch = torch.stack(pixels).to(device=device, dtype=dtype)
                 with torch.no_grad():
                     lat = adapter.encode_images(vae, batch).float().cpu()  # device->host sync, once per chunk
@@ -319,6 +327,127 @@ def _encode_texts(adapter, comps, store, captions: list[str], batch_size: int, p
     bar.close()
 
 
+# ---------------------------------------------------------------------------------------------- stages
+
+#: buckets with more pixels than this encode with the VAE tiled (diffusers' `enable_tiling`; at or below it the
+#: untiled encode of a batch-sliced 1024x1024 image needs about 1.5 GB in bf16, tiled about a quarter)
+VAE_TILE_PIXELS = 1024 * 1024
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def vae_memory_mode(vae, pixels: int, threshold: int = VAE_TILE_PIXELS) -> bool:
+    """Slice batches always (one image at a time through the VAE: same latents, lower peak); tile images of more
+    than `threshold` pixels. Returns whether tiling is on. Modules without the diffusers switches are left as
+    they are."""
+    if hasattr(vae, "enable_slicing"):
+        vae.enable_slicing()
+    tile = pixels > threshold and hasattr(vae, "enable_tiling")
+    if tile:
+        vae.enable_tiling()
+    elif hasattr(vae, "disable_tiling"):
+        vae.disable_tiling()
+    return tile
+
+
+class EncoderStages:
+    """Loads the encoders in two stages, one on the device at a time: `text()` yields Components with the text
+    encoders and tokenizers (no VAE), `vae()` the VAE. Subclasses implement `_load_text` / `_load_vae` and may
+    keep per-stage handles in `self.handles` (closed when the stage ends)."""
+
+    def __init__(self) -> None:
+        self.handles: list = []
+
+    def _load_text(self):
+        raise NotImplementedError
+
+    def _load_vae(self):
+        raise NotImplementedError
+
+    @contextmanager
+    def text(self):
+        comps = self._load_text()
+        try:
+            yield comps
+        finally:
+            comps.text_encoders.clear()
+            del comps
+            self._end_stage()
+
+    @contextmanager
+    def vae(self):
+        vae = self._load_vae()
+        try:
+            yield vae
+        finally:
+            del vae
+            self._end_stage()
+
+    def _end_stage(self) -> None:
+        for h in self.handles:
+            if h is not None:
+                h.close()
+        self.handles.clear()
+        _free()
+
+    def close(self) -> None:
+        self._end_stage()
+
+
+class _AllAtOnce(EncoderStages):
+    """A plain `load_encoders()` callable (tests, custom loaders): loaded once, both stages share it."""
+
+    def __init__(self, load: Callable[[], object]) -> None:
+        super().__init__()
+        self._load, self._comps = load, None
+
+    def _get(self):
+        if self._comps is None:
+            self._comps = self._load()
+        return self._comps
+
+    @contextmanager
+    def text(self):
+        yield self._get()
+
+    @contextmanager
+    def vae(self):
+        yield self._get().vae
+
+    def close(self) -> None:
+        self._comps = None
+        super().close()
+
+
+class StagedLoader(EncoderStages):
+    """The adapter's own loader for the two stages on `device` (default train.device), text encoders streamed
+    by `place_text(encoder, device)` when given (it returns a handle to close, or None)."""
+
+    def __init__(self, cfg, adapter, device=None, dtype=None, place_text=None) -> None:
+        super().__init__()
+        dev = device if device is not None else cfg.train.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.cfg, self.adapter, self.device = cfg, adapter, torch.device(dev)
+        self.dtype = dtype or DTYPES[cfg.model.dtype]
+        self.place_text = place_text
+
+    def _load_text(self):
+        if self.place_text is None:
+            return self.adapter.load(self.cfg.model, parts={"text"}, dtype=self.dtype, device=self.device)
+        comps = self.adapter.load(self.cfg.model, parts={"text"}, dtype=self.dtype, device="cpu")
+        for enc in comps.text_encoders:
+            self.handles.append(self.place_text(enc, self.device))
+        return comps
+
+    def _load_vae(self):
+        return self.adapter.load(self.cfg.model, parts={"vae"}, dtype=self.dtype, device=self.device).vae
+
+
 # ---------------------------------------------------------------------------------------------- command
 
 def encoder_loader(cfg, adapter, device: torch.device | str | None = None) -> Callable[[], object]:
@@ -346,8 +475,25 @@ def run_cache(cfg) -> None:
     if not cfg.data.cache:
         tqdm.write(f"note: data.cache is false, so fit will encode in memory and not read {cfg.data.cache_dir}")
     res = ensure_encoded(
-        adapter, encoder_loader(cfg, adapter), plan.latent_store, plan.text_store, plan.latent_jobs(),
+        adapter, cache_stages(cfg, adapter), plan.latent_store, plan.text_store, plan.latent_jobs(),
         plan.captions(), batch_size=cfg.data.encode_batch_size, verify_latents=True, verify_texts=True,
     )
     drop_encoding_failures(plan, res)
     tqdm.write(plan.encode_summary(res))
+    if torch.cuda.is_available():
+        for line in LOG.lines():
+            tqdm.write(line)
+
+
+def cache_stages(cfg, adapter, device=None, dtype=None, fraction: float | None = None) -> StagedLoader:
+    """The two-stage loader of `dittrain cache` and `fit`: text encoders streamed at `fraction` (default
+    offload.text_encoders on a GPU, 0 on the CPU; trainer/sampling/placement.py), then the VAE."""
+    from ..sampling.placement import place_encoder
+
+    loader = StagedLoader(cfg, adapter, device, dtype)
+    if fraction is None:
+        fraction = float(cfg.offload.text_encoders) if loader.device.type == "cuda" else 0.0
+    f = fraction
+    if f > 0:
+        loader.place_text = lambda enc, dev: place_encoder(enc, dev, f)
+    return loader

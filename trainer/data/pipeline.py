@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from .cache import (
     EncodeResult,
     LatentJob,
     MemoryStore,
-    encoder_loader,
+    cache_stages,
     ensure_encoded,
     finite,
     latent_key,
@@ -302,7 +301,7 @@ class TrainData:
 def prepare_data(
     cfg,
     adapter,
-    load_encoders: Callable[[], object] | None = None,
+    load_encoders=None,
     *,
     device: torch.device | str | None = None,
     progress: bool = True,
@@ -311,13 +310,14 @@ def prepare_data(
 ) -> TrainData:
     """Scan, bucket, fill the caches (loading the encoders only if something is missing), build the sampler.
 
-    `load_encoders`: returns Components with the vae, text encoders and tokenizers; default: the adapter's own
-    loader on `device` (default train.device). Prints the data summary (tqdm.write) and returns `TrainData`.
+    `load_encoders`: a `cache.EncoderStages` (text encoders, freed, then the VAE), or a callable returning
+    Components with the vae, text encoders and tokenizers; default: the adapter's own two-stage loader on
+    `device` (default train.device). Prints the data summary (tqdm.write) and returns `TrainData`.
 
     Several processes (rank / world_size): call it on rank 0 first, then (after a barrier) on the others, which
     find the cache complete and load no encoder; each rank then draws its own share of every round."""
     if load_encoders is None:
-        load_encoders = encoder_loader(cfg, adapter, device)
+        load_encoders = cache_stages(cfg, adapter, device)
     plan = plan_data(cfg, adapter, progress=progress)
     if rank == 0:
         tqdm.write(plan.summary(), file=sys.stderr)

@@ -392,6 +392,24 @@ def _peak(facts: Facts, fraction: float, res: int, act: bool) -> float:
         return math.inf
 
 
+def _sampling_peak(cfg, facts: Facts, fraction: float, res: int) -> float:
+    """Sampling during training's predicted peak (phases.py; 0 when it is off): it keeps the training ring, so
+    it too must fit the budget the fraction is chosen for."""
+    s = getattr(cfg, "sample", None)
+    if s is None or not (s.every and s.prompts):
+        return 0.0
+    from .phases import predict_phases
+
+    saved = facts.resolutions
+    facts.resolutions = [res]
+    try:
+        return next(p.vram for p in predict_phases(cfg, fraction, facts) if p.name == "sampling")
+    except PlanError:
+        return math.inf
+    finally:
+        facts.resolutions = saved
+
+
 def choose_fraction(
     cfg,
     vram_gb: float | None = None,
@@ -400,8 +418,9 @@ def choose_fraction(
     activation_offload: bool | None = None,
     log=print,
 ) -> float:
-    """The smallest fraction (0.05 grid) whose predicted reserved peak fits `vram_gb` (default
-    offload.vram_budget_gb) at every bucket; raises UserError when even 1.0 does not fit."""
+    """The smallest fraction (0.05 grid) whose predicted reserved peak, and that of sampling during training when
+    it is on (phases.py), fits `vram_gb` (default offload.vram_budget_gb) at every bucket; raises UserError when
+    even 1.0 does not fit."""
     budget = vram_gb if vram_gb is not None else cfg.offload.vram_budget_gb
     if budget is None:
         raise UserError("offload.transformer: auto needs offload.vram_budget_gb (or pass --vram)")
@@ -415,7 +434,14 @@ def choose_fraction(
         grid = GRID
     chosen = 0.0
     for res in facts.resolutions:
-        fit = next((f for f in grid if _peak(facts, f, res, act) <= budget * GB), None)
+        fit = next((f for f in grid if _peak(facts, f, res, act) <= budget * GB
+                    and _sampling_peak(cfg, facts, f, res) <= budget * GB), None)
+        if fit is None and _peak(facts, grid[-1], res, act) <= budget * GB:
+            need = _sampling_peak(cfg, facts, grid[-1], res) / GB
+            raise UserError(
+                f"offload: sampling during training needs {need:.1f} GB at {cfg.sample.width}x{cfg.sample.height} "
+                f"(budget {budget:g} GB); set sample.every: 0 or lower sample.width / sample.height"
+            )
         if fit is None:
             need = predict(facts, grid[-1], res, act).peak_reserved / GB
             hint = "lower the resolution" + (

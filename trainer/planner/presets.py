@@ -13,14 +13,14 @@ training without offloading); they are predictions until bench/bench_plan.py mea
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 from ..config import Config
 from ..errors import UserError
 from ..models import ADAPTERS, adapter_class
-from .prediction import Facts, Prediction, analyze, choose_fraction, predict
+from .phases import fit_text_fraction, predict_phases
+from .prediction import Prediction, analyze, choose_fraction, predict
 
 CARDS = (8, 12, 16, 24, 48, 80)
 HEADROOM_GB = 1.0
@@ -108,21 +108,13 @@ def _yaml(d: dict, indent: int = 0) -> list[str]:
     return out
 
 
-def text_encoder_fraction(facts: Facts, budget_gb: float) -> float:
-    """Offload share for the text encoders in `dittrain cache` so the largest one fits beside ~1.5 GB of VAE,
-    activations and workspace (0.05 grid)."""
-    biggest = max(nb for _, nb in facts.text_encoders) / 1e9
-    room = budget_gb - 1.5
-    if biggest <= room:
-        return 0.0
-    return min(1.0, math.ceil((1 - room / biggest) * 20 - 1e-9) / 20)
-
-
 def _first_fit(family, method, card, opt, cache):
     budget = card - HEADROOM_GB
     last = ""
     for res, act, ckpt in SETTINGS:
-        cfg = Config.model_validate(_config(family, method, res, act, 0.0, ckpt, opt))
+        d0 = _config(family, method, res, act, 0.0, ckpt, opt)
+        d0["sample"]["every"] = 0  # the fraction for training; sampling is checked below (off if it does not fit)
+        cfg = Config.model_validate(d0)
         key = (family, method, opt)
         if key not in cache:
             cache[key] = analyze(cfg)
@@ -143,16 +135,27 @@ def _first_fit(family, method, card, opt, cache):
         facts.checkpointing = True
         base = predict(facts, 0.0, res, False)  # the same training without offloading (checkpointed)
         facts.checkpointing = ckpt
-        te = text_encoder_fraction(facts, budget)
-        return _config(family, method, res, act, f, ckpt, opt, te), p, min(base.step_s, p.step_s)
+        te = fit_text_fraction(facts, budget)
+        d = _config(family, method, res, act, f, ckpt, opt, te)
+        dcfg = Config.model_validate(d)
+        phases = predict_phases(dcfg, f, facts, te)
+        if any(ph.name == "sampling" and ph.vram > budget * 1e9 for ph in phases):
+            d["sample"]["every"] = 0  # sampling during training would not fit beside the ring: off
+            phases = predict_phases(Config.model_validate(d), f, facts, te)
+        if max(ph.vram for ph in phases) > budget * 1e9:
+            last = f"a phase does not fit at {res} px: " + ", ".join(
+                f"{ph.name} {ph.vram / 1e9:.1f} GB" for ph in phases if ph.vram > budget * 1e9)
+            continue
+        return d, p, min(base.step_s, p.step_s), phases
     return last or "does not fit"
 
 
 def plan_preset(
     family: str, method: str, card: int, cache: dict
-) -> tuple[dict, Prediction, float] | str:
-    """(config dict, prediction, step seconds without offloading) for the first setting that fits, or why none
-    does. Full fine-tunes try AdamW (moments stream with the weights: 10 bytes a parameter) and Adafactor
+) -> tuple[dict, Prediction, float, list] | str:
+    """(config dict, prediction, step seconds without offloading, phase predictions) for the first setting whose
+    every phase fits (text caching at the offload.text_encoders chosen for the budget; sampling during training
+    is turned off where it would not fit), or why none does. Full fine-tunes try AdamW (moments stream with the weights: 10 bytes a parameter) and Adafactor
     (factored state stays on the GPU: 2 bytes a parameter stream) and keep the higher resolution, then the
     faster step."""
     opts = ("adamw", "adafactor") if method == "full" else ("adamw",)
@@ -176,7 +179,7 @@ MEASURED: dict[tuple[str, str, int], str] = {
 }
 
 
-def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: float) -> list[str]:
+def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: float, phases: list) -> list[str]:
     name = adapter_class(family).full_name
     res, act, f = d["data"]["resolutions"][0], d["offload"]["activations"], d["offload"]["transformer"]
     opt = {"adamw": "AdamW", "adafactor": "Adafactor"}[d["optimizer"]["name"]]
@@ -189,11 +192,22 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
     how = f"transformer fraction {f:.2f}" + (" + activation offloading" if act else "")
     how += "" if ckpt else ", no gradient checkpointing"
     speed = p.step_s / base_s
+    big = max(phases, key=lambda ph: ph.vram)
+    s = d["sample"]
+    te = d["offload"]["text_encoders"]
+    sampling = (
+        [f"# Sampling during training: every {s['every']} steps (sample.every: {s['every']}), {s['width']}x"
+         f"{s['height']}, through the training ring with",
+         "# the prompt embeddings computed up front and a tiled VAE decode (set sample.every to 0 to turn it off)."]
+        if s["every"] else
+        ["# Sampling during training is off (sample.every: 0): it would not fit beside training on this card;",
+         "# use `dittrain sample` afterwards."]
+    )
     return [
         f"# {name} {'LoRA' if method == 'lora' else 'full fine-tune'} for {card} GB cards ({how}, {res} px)",
         f"# trains: {what} on the transformer, {res}x{res} buckets, batch 1, bf16"
         + (", gradient checkpointing" if ckpt else ""),
-        f"# expects: {p.peak_reserved / 1e9:.1f} GB VRAM, {(p.pinned + p.act_checkpoint_host) / 1e9:.0f} GB pinned RAM "
+        f"# expects: {big.vram / 1e9:.1f} GB VRAM (largest phase: {big.name}), {(p.pinned + p.act_checkpoint_host) / 1e9:.0f} GB pinned RAM "
         f"({p.ram_peak / 1e9:.0f} GB peak), {speed:.2f}x the step time without offloading (planner prediction; "
         + MEASURED.get((family, method, card), "not yet measured")
         + ")",
@@ -201,9 +215,12 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
         f"PCIe {p.transfer_s:.2f} s).",
         "# VRAM is what torch reserves; the CUDA context (0.5-1 GB) comes on top, and "
         f"{HEADROOM_GB:g} GB of the card is left for it.",
+        "# phases (predicted peak VRAM): " + ", ".join(f"{ph.name} {ph.vram / 1e9:.1f} GB" for ph in phases) + ".",
+        f"# Text caching streams the text encoders at offload.text_encoders: {te:g} (one model group on the GPU at"
+        " a time).",
+        *sampling,
         "# `dittrain plan <this file>` prints the whole prediction and its assumptions. Written by",
-        "# `python -m trainer.planner.presets`. Sampling during training is off (sample.every: 0): the",
-        "# pipeline's text encoders would not fit beside training; use `dittrain sample` afterwards.",
+        "# `python -m trainer.planner.presets`.",
         "# Copy this file, set model.path, data.sources and output.dir, then: dittrain fit my.yaml",
     ]
 
@@ -225,10 +242,11 @@ def main(argv: list[str] | None = None) -> int:
                     path.unlink(missing_ok=True)
                     print(f"absent  {path}: {r}")
                     continue
-                d, p, base = r
+                d, p, base, phases = r
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text("\n".join(header(family, method, card, d, p, base) + _yaml(d)) + "\n")
-                print(f"wrote   {path}: {header(family, method, card, d, p, base)[2][2:]}")
+                head = header(family, method, card, d, p, base, phases)
+                path.write_text("\n".join(head + _yaml(d)) + "\n")
+                print(f"wrote   {path}: {head[2][2:]}")
     print("\nabsent combinations (for configs/README.md):")
     print("\n".join(absent))
     return 0

@@ -8,6 +8,8 @@ import torch
 
 from . import timing as ptime
 from . import trace as ptrace
+from .phases import fit_text_fraction, predict_phases
+from .phases import table as phase_table
 from .prediction import (
     ALLOCATOR_OVERHEAD,
     GB,
@@ -236,6 +238,7 @@ def report(
         )
     lines += _table(rows)
     lines += _sampling(facts, fr, big, rates)
+    lines += _phases(cfg, facts, f_show, budget)
     if ram_gb is not None:
         p = predict(facts, f_show, big, act, rates)
         host = (p.pinned + p.act_checkpoint_host) / GB
@@ -259,6 +262,20 @@ def report(
         "measurement, GPU time scales the reference by FLOPs and host time by traced operations",
     ]
     return lines, chosen
+
+
+def _phases(cfg, facts: Facts, fraction: float, budget: float | None) -> list[str]:
+    """Every phase of `fit` (trainer/planner/phases.py); with a budget, the text-encoder share that fits it."""
+    te = float(cfg.offload.text_encoders)
+    out = []
+    if budget is not None:
+        need = fit_text_fraction(facts, budget, cfg.data.encode_batch_size if cfg.data else 4)
+        if need > te:
+            out.append(f"text caching needs offload.text_encoders >= {need:.2f} for {budget:g} GB (config: {te:g}); "
+                       "the table uses it")
+            te = need
+    table = phase_table(predict_phases(cfg, fraction, facts, te), budget)
+    return table[:2] + out + table[2:]
 
 
 def _sampling(facts: Facts, fractions, res: int, rates) -> list[str]:

@@ -84,3 +84,23 @@ def place_text_encoders(pipe, device: torch.device, fraction: float):
             if handle is not None:
                 stack.callback(handle.close)
         yield
+
+
+#: images with more pixels than this decode tiled while sampling during training (see trainer/sampling/training.py)
+SAMPLE_TILE_PIXELS = 512 * 512
+
+
+def tile_decode(vae: nn.Module, height: int, width: int, tile: int = 512) -> bool:
+    """Decode with `tile`-pixel tiles (a quarter overlap, diffusers' blending) when the image has more than
+    SAMPLE_TILE_PIXELS pixels; batches are always sliced. Returns whether tiling is on. diffusers' AutoencoderKL
+    tiles at its config's sample_size (1024 for Flux / SD3) by default, too large to help at 1024 px; the
+    Qwen-Image VAE's own tiles are 256 px and are left as they are."""
+    if hasattr(vae, "enable_slicing"):
+        vae.enable_slicing()
+    if height * width <= SAMPLE_TILE_PIXELS or not hasattr(vae, "enable_tiling"):
+        return False
+    vae.enable_tiling()
+    if hasattr(vae, "tile_sample_min_size"):  # AutoencoderKL
+        down = 2 ** (len(vae.config.block_out_channels) - 1)
+        vae.tile_sample_min_size, vae.tile_latent_min_size = tile, tile // down
+    return True

@@ -12,8 +12,15 @@ Why a separate object rather than `run_sample`: the loop already holds the trans
 blocks and LoRA layers mid-training) and must not load a second one; and the text encoders must not be loaded
 again every `sample.every` steps.
 
-Left out: moving the conductor between its training and sampling schedules is the loop's business: the
-transformer's blocks must be usable by a forward-only pass under `torch.no_grad()` when the sampler runs.
+Memory on a GPU. Nothing but what denoising needs is on the card while sampling: the transformer runs through
+the *training* offload handle as it is (the diffusers pipeline calls it under `torch.no_grad()`, and a no-grad
+forward under the training plan works without re-planning; `OffloadHandle.set_mode("sample")` would repack every
+block twice per call, far more than the backward blocks the training plan loads needlessly); the prompts'
+embeddings were computed at setup, so no text encoder is loaded; the VAE (Flux / SD3: 168 MB, Qwen-Image:
+254 MB) comes to the GPU for the call only (the pipeline takes its device from its first module, so it cannot
+wait in CPU RAM during denoising) and decodes tiled (512-pixel tiles) when the image has more than 512x512
+pixels on a GPU (`tile_decode`): an untiled 1024x1024 decode would need about 3 GB. So sampling peaks below
+the training step's peak, whose activations it reuses (the planner's `sampling` phase).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch
 from PIL import Image
 
 from .engine import encode_prompts, generate, release_text_encoders
-from .placement import place_text_encoders
+from .placement import place_text_encoders, tile_decode
 from .request import SampleSettings
 
 
@@ -55,6 +62,8 @@ class TrainingSampler:
                 {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in e.items()} for e in embeds
             ]
         release_text_encoders(self.pipe)
+        if self.device.type == "cuda":
+            tile_decode(self.pipe.vae, s.height, s.width)
 
     def __call__(self, transformer: torch.nn.Module, progress: bool = False) -> list[Image.Image]:
         """One image per prompt, with the given transformer (by reference). Empty when there are no prompts."""

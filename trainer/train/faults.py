@@ -15,9 +15,12 @@ without tripping the loss check. Every save first checks the trained weights (on
 refuses to write non-finite ones (`NonFiniteWeightsError`, exit code 3, naming the weight and the last good
 checkpoint); the next step's loss check would stop the run anyway, this keeps the bad weights off the disk.
 
-CUDA out of memory becomes a one-line `UserError` that says which knob to turn: a higher offload fraction
-than the one the run streamed with (for `offload.transformer: auto`, the float the planner picked), else a
-smaller batch or resolution.
+Out of memory (GPU or host) becomes a one-line `UserError` naming the phase it happened in (trainer/train/
+phases.py: load, latent / text caching, training step, sampling, checkpoint save), what it needed against what
+was free, and the setting that fixes that phase; for the training step (`training_fix`) a higher offload
+fraction than the one the run streamed with (for `offload.transformer: auto`, the float the planner picked),
+else activation offloading, a smaller batch or resolution. `oom_error` is the fallback for an error outside
+any phase.
 """
 
 from __future__ import annotations
@@ -65,16 +68,23 @@ class StopFlag:
         self._previous.clear()
 
 
+def training_fix(fraction: float | None, hint: str = "") -> str:
+    """The setting that fixes an out-of-memory training step: a higher offload fraction than the one the run
+    streamed with, else activation offloading, a smaller batch or resolution; `hint` is the method's advice."""
+    if fraction is not None and fraction < 1.0:
+        more = min(1.0, round(fraction + 0.25, 2))
+        knob = f"raise offload.transformer from {fraction:g} to {more:g} (or auto with offload.vram_budget_gb)"
+    else:
+        knob = "set offload.activations: true, or lower train.batch_size or data.resolutions"
+    return f"{knob}{hint}"
+
+
 def oom_error(step: int, fraction: float | None, hint: str = "") -> UserError:
     """The message for a CUDA out-of-memory error in training. `fraction` is the offload fraction the run
     streamed with, resolved (for `offload.transformer: auto`, the planner's pick), or None if the error came
     before it was known; below 1 the message suggests a higher one. `hint` is the training method's own
     advice (trainer/train/method.py)."""
-    if fraction is not None and fraction < 1.0:
-        more = min(1.0, round(fraction + 0.25, 2))
-        knob = f"raise offload.transformer from {fraction:g} to {more:g} (or auto with offload.vram_budget_gb)"
-    else:
-        knob = "lower train.batch_size or data.resolutions"
+    knob = training_fix(fraction)
     used = ""
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()

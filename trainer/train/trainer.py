@@ -50,6 +50,7 @@ from .method import method_for
 from .monitor import Monitor, say
 from .objective import FlowMatching
 from .optimizer import optimizer_for
+from .phases import LOG, Phase
 from .validation import Validator
 
 
@@ -102,11 +103,13 @@ class Trainer:
         c = self.cfg.train
         try:
             if not self._ready:
-                self.setup()
+                with self._phase("load"):  # the caching phases inside it measure and report themselves
+                    self.setup()
             self.stop.install()
             first, times = self.step, []
             while self.step < c.steps:
-                metrics = self.train_step()
+                with self._phase("training step", message=self._step_oom):
+                    metrics = self.train_step()
                 if self.ema is not None:
                     self.ema.after_step(self.step)  # ema.py: unfused, the EMA updates here
                 times.append(metrics["step_time"])
@@ -122,9 +125,11 @@ class Trainer:
                 if runs.save_due(self.cfg, self.step):  # train.checkpoint_every, output.save_every
                     self.save()
                 if self.sampler is not None and self.step % self.cfg.sample.every == 0:
-                    self.sample()
+                    with self._phase("sampling"):
+                        self.sample()
                 if self.validator is not None and self.validator.due(self.step, c.validate_every):
-                    self.validate()
+                    with self._phase("validation", "raise offload.transformer, or validate less data (data.validation)"):
+                        self.validate()
             if self.monitor is not None:
                 self.monitor.finish()
             return self.save(final=True)
@@ -169,7 +174,9 @@ class Trainer:
             if self.dist.is_main else None  # the held-out set (data.validation), scored by rank 0
         self.sampler = None
         if cfg.sample.every and cfg.sample.prompts and self.dist.is_main:
-            self.sampler = TrainingSampler(cfg, self.adapter, self.device, self.dtype)  # encodes prompts, frees encoders
+            with self._phase("text caching", "raise offload.text_encoders (the text encoders stream from CPU RAM), "
+                             "or set sample.every: 0"):  # the sample prompts, encoded once
+                self.sampler = TrainingSampler(cfg, self.adapter, self.device, self.dtype)  # frees the encoders
 
         self.fraction = streaming.transformer_fraction(cfg, self._can_stream())  # resolved once: auto -> a float
         streamed = self.fraction > 0  # on the CPU, or at 0, the model stays resident
@@ -214,6 +221,38 @@ class Trainer:
             self.monitor = Monitor(self.out, c.steps, self.step, cfg.output.tensorboard, run_id=self.run.id,
                                    config=cfg, epoch=self._epoch)
         self._ready = True
+
+    def _phase(self, name: str, fix: str | None = None, message=None) -> Phase:
+        """A named phase (phases.py): peaks measured, out of memory as one line naming the phase and `fix` (or
+        `message(detail)`: the training step keeps faults.oom_error's step-numbered advice)."""
+        return Phase(name, fix, device=getattr(self, "device", None), on_exit=self._phase_done, message=message)
+
+    def _step_oom(self, detail: str) -> str:
+        return f"{oom_error(self.step + 1, self.fraction, self.method.oom_hint)} [{detail}]"
+
+    def _phase_done(self, name: str, peak) -> None:
+        """On a GPU, log each phase's measured peak beside the planner's prediction, once per phase."""
+        logged = self.__dict__.setdefault("_phases_logged", set())
+        if name in logged or getattr(self, "device", None) is None or self.device.type != "cuda":
+            return
+        logged.add(name)
+        if name == "load":  # the caching phases ran inside setup (trainer/data/cache.py records them)
+            for n in ("text caching", "latent caching"):
+                if n in LOG.peaks:
+                    self._phase_done(n, LOG.peaks[n])
+        line = f"phase {name}: peak reserved VRAM {peak.vram_reserved / 1e9:.2f} GB, peak RSS {peak.rss / 1e9:.1f} GB"
+        try:
+            from ..planner import analyze
+            from ..planner.phases import predicted_map
+
+            if "_phase_pred" not in self.__dict__:
+                self._phase_pred = predicted_map(self.cfg, self.fraction or 0.0, analyze(self.cfg))
+            if name in self._phase_pred:
+                v, r = self._phase_pred[name]
+                line += f" (planner: {v / 1e9:.2f} GB VRAM, {r / 1e9:.1f} GB RAM)"
+        except Exception as e:  # noqa: BLE001 - a prediction that cannot be made must never stop training
+            line += f" (no planner prediction: {type(e).__name__})"
+        say(line)
 
     def _epoch(self) -> int:
         """The epoch (from 1) of the batch just trained."""
@@ -306,7 +345,8 @@ class Trainer:
     def save(self, final: bool = False) -> Path:
         """A complete resumable checkpoint; with `final`, also the weights in output.dir. Returns the checkpoint
         folder, or the final weights' path. (A schedule-free optimizer's averaged weights are what is saved.)"""
-        with eval_weights(self.optim.optimizer if getattr(self, "optim", None) else None):
+        with self._phase("checkpoint save"), eval_weights(self.optim.optimizer if getattr(self, "optim", None)
+                                                          else None):
             return self._save(final)
 
     def _save(self, final: bool) -> Path:

@@ -1,0 +1,371 @@
+"""The whole program as a new user runs it, on full-size random-weight models, under a VRAM cap.
+
+    python bench/bench_program.py --families flux sd3 qwen_image --work /tmp/bench   # a GPU box
+    python bench/bench_program.py --smoke --work /tmp/smoke                            # CPU, tiny models
+
+For each family: write a diffusers folder with every component at full size (transformer from the adapter's
+`full_config`; VAE, CLIP-L / CLIP-G / T5-XXL / Qwen2.5-VL-7B from their real configs, built here in code) and
+random bf16 weights, written tensor by tensor into safetensors shards from a meta-device model (the whole model is
+never built in RAM); tokenizers, scheduler and model_index.json come from the tiny models (trainer/models/tiny.py:
+same classes and wiring, small vocabularies whose ids all exist in the full-size embeddings). A few JPEGs. Then
+`dittrain cache`, `dittrain fit` (a few steps, sampling during training on) and `dittrain sample` run as
+subprocesses of the family's `lora-<card>gb` preset with DITTRAIN_VRAM_CAP_GB = card - 1, and the table prints per
+phase: peak reserved VRAM (from DITTRAIN_PHASE_LOG, trainer/train/phases.py), peak anonymous RSS (this process
+polls the child's RssAnon every 0.1 s and takes the maximum inside each phase's time window), and the median
+training-step time. The folder is deleted after each family (Qwen-Image is ~58 GB on disk: one family at a time).
+
+--smoke: the tiny models on the CPU, no cap, 2 steps (tests/test_phases.py-style check that the whole path runs;
+tests/test_bench_program.py runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHARD_BYTES = 4 * 2**30
+
+
+# ---------------------------------------------------------------------------------------------- full-size folders
+
+
+def _value(name: str, shape, dtype, gen):
+    import torch
+
+    if len(shape) >= 2:
+        return torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen).to(dtype)
+    if name.endswith("weight") and any(k in name for k in ("norm", "ln", "layer_norm", "scale")):
+        return torch.ones(shape, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype)
+
+
+def write_random(module, folder: Path, prefix: str, dtype, seed: int = 0) -> int:
+    """Random weights for every tensor of a meta-device `module`, written shard by shard into `folder` with an
+    index (`prefix`: diffusion_pytorch_model or model). Returns the bytes written."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = module.state_dict()
+    shapes = {k: (tuple(v.shape), v.dtype if not v.is_floating_point() else dtype) for k, v in sd.items()}
+    groups, cur, size = [], [], 0
+    for k, (shape, dt) in shapes.items():
+        n = torch.Size(shape).numel() * torch.tensor([], dtype=dt).element_size()
+        if cur and size + n > SHARD_BYTES:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(k)
+        size += n
+    groups.append(cur)
+    gen = torch.Generator().manual_seed(seed)
+    weight_map, total = {}, 0
+    for i, keys in enumerate(groups):
+        name = f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {k: _value(k, shapes[k][0], shapes[k][1], gen) if shapes[k][1].is_floating_point
+                   else torch.zeros(shapes[k][0], dtype=shapes[k][1]) for k in keys}
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(keys, name))
+        del tensors
+    (folder / f"{prefix}.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return total
+
+
+def _meta(build):
+    import torch
+
+    with torch.device("meta"):
+        return build()
+
+
+def _clip_cfg(tok_dir: Path, hidden, inter, layers, heads, proj, act):
+    from transformers import AutoTokenizer, CLIPTextConfig
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    return CLIPTextConfig(vocab_size=49408, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                          num_attention_heads=heads, max_position_embeddings=77, hidden_act=act, projection_dim=proj,
+                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+
+def _t5_cfg(tok_dir: Path):
+    from transformers import AutoTokenizer, T5Config
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    return T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                    relative_attention_num_buckets=32, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+                    use_cache=False, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
+                    eos_token_id=tok.eos_token_id, decoder_start_token_id=0)
+
+
+def _kl_vae(scale: float, shift: float):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                         layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=scale,
+                         shift_factor=shift, use_quant_conv=False, use_post_quant_conv=False, force_upcast=True)
+
+
+def _save(folder: Path, model, config_owner, prefix: str, dtype, seed: int) -> int:
+    import shutil as sh
+
+    if folder.exists():
+        sh.rmtree(folder)
+    folder.mkdir(parents=True)
+    if hasattr(config_owner, "save_config"):
+        config_owner.save_config(folder)  # diffusers
+    else:
+        model.config.save_pretrained(folder)  # transformers
+    return write_random(model, folder, prefix, dtype, seed)
+
+
+def write_full_folder(family: str, folder: Path) -> int:
+    """A full-size random-weight diffusers folder for `family` (see the module essay). Returns bytes written."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import (
+        CLIPTextModel,
+        CLIPTextModelWithProjection,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        T5EncoderModel,
+    )
+
+    from trainer.models import adapter_class
+    from trainer.models.tiny import make_tiny_models
+
+    bf16 = torch.bfloat16
+    tmp = folder.parent / f"{folder.name}-tiny"
+    make_tiny_models(tmp, [family])
+    if folder.exists():
+        shutil.rmtree(folder)
+    shutil.move(str(tmp / family), str(folder))
+    shutil.rmtree(tmp, ignore_errors=True)
+    ad = adapter_class(family)
+    tcls = ad.transformer_cls if hasattr(ad, "transformer_cls") else None
+    tr = _meta(lambda: tcls.from_config(ad.full_config))
+    total = _save(folder / "transformer", tr, tr, "diffusion_pytorch_model", bf16, 1)
+    del tr
+    if family == "flux":
+        vae = _kl_vae(0.3611, 0.1159)
+        encs = [("text_encoder", CLIPTextModel, _clip_cfg(folder / "tokenizer", 768, 3072, 12, 12, 768, "quick_gelu")),
+                ("text_encoder_2", T5EncoderModel, _t5_cfg(folder / "tokenizer_2"))]
+    elif family == "sd3":
+        vae = _kl_vae(1.5305, 0.0609)
+        encs = [("text_encoder", CLIPTextModelWithProjection,
+                 _clip_cfg(folder / "tokenizer", 768, 3072, 12, 12, 768, "quick_gelu")),
+                ("text_encoder_2", CLIPTextModelWithProjection,
+                 _clip_cfg(folder / "tokenizer_2", 1280, 5120, 32, 20, 1280, "gelu")),
+                ("text_encoder_3", T5EncoderModel, _t5_cfg(folder / "tokenizer_3"))]
+    else:
+        vae = AutoencoderKLQwenImage()  # its defaults are Qwen-Image's VAE
+        tiny = json.loads((folder / "text_encoder" / "config.json").read_text())
+        text = {k: tiny["text_config"][k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                if k in tiny.get("text_config", {})}
+        cfg = Qwen2_5_VLConfig(
+            text_config={"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                         "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                         "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+                         "rope_parameters": {"rope_type": "default", "mrope_section": [16, 24, 24],
+                                             "rope_theta": 1000000.0}, **text},
+            vision_config={"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                           "out_hidden_size": 3584},
+            vocab_size=152064, hidden_size=3584,
+            **{k: tiny[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                    "vision_end_token_id") if k in tiny},
+        )
+        encs = [("text_encoder", Qwen2_5_VLForConditionalGeneration, cfg)]
+    vae = vae.to(bf16)
+    shutil.rmtree(folder / "vae")
+    vae.save_pretrained(folder / "vae", safe_serialization=True)  # small (84-127 M): built for real
+    total += sum(p.numel() * 2 for p in vae.parameters())
+    for i, (name, cls, cfg) in enumerate(encs):
+        enc = _meta(lambda cls=cls, cfg=cfg: cls(cfg))
+        total += _save(folder / name, enc, enc.config, "model", bf16, 10 + i)
+        del enc
+    return total
+
+
+def write_jpegs(folder: Path, n: int, size: int) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        yy, xx = np.mgrid[0:size, 0:size]
+        img = np.stack([(xx * (i + 1)) % 256, (yy * 3) % 256, rng.integers(0, 256, (size, size))], -1)
+        Image.fromarray(img.astype(np.uint8)).save(folder / f"img{i}.jpg", quality=90)
+        (folder / f"img{i}.txt").write_text(f"a test picture number {i} with stripes")
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+class AnonPoller:
+    """Samples a child's RssAnon every `every` seconds: [(time, bytes)]."""
+
+    def __init__(self, pid: int, every: float = 0.1) -> None:
+        self.pid, self.every, self.samples = pid, every, []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        status = Path(f"/proc/{self.pid}/status")
+        while not self._stop.is_set():
+            try:
+                for line in status.read_text().splitlines():
+                    if line.startswith("RssAnon:"):
+                        self.samples.append((time.time(), int(line.split()[1]) * 1024))
+            except OSError:
+                pass
+            time.sleep(self.every)
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._t.join()
+        return self.samples
+
+    def peak(self, t0: float = 0.0, t1: float = float("inf")) -> int:
+        return max((b for t, b in self.samples if t0 - self.every <= t <= t1 + self.every), default=0)
+
+
+def run(cmd: list[str], env: dict, log: Path) -> tuple[int, AnonPoller, float]:
+    t0 = time.time()
+    with open(log, "w") as out:
+        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        poll = AnonPoller(p.pid)
+        rc = p.wait()
+    poll.stop()
+    return rc, poll, time.time() - t0
+
+
+def write_config(family: str, model: Path, images: Path, work: Path, res: int, steps: int, smoke: bool,
+                 card: int) -> Path:
+    import yaml
+
+    if smoke:
+        d = yaml.safe_load((ROOT / "configs" / "tiny" / ("qwen-image-lora.yaml" if family == "qwen_image"
+                                                         else f"{family}-lora.yaml")).read_text())
+    else:
+        d = yaml.safe_load((ROOT / "configs" / family / f"lora-{card}gb.yaml").read_text())
+    d["model"]["path"] = str(model)
+    d["data"].update({"sources": [{"path": str(images)}], "resolutions": [res], "cache_dir": str(work / "cache")})
+    d["train"].update({"steps": steps, "checkpoint_every": 0, "log_every": 1})
+    d["output"] = {**d.get("output", {}), "dir": str(work / "out")}
+    d["sample"] = {**d.get("sample", {}), "prompts": ["a photo of a cat"], "every": max(1, steps - 1), "steps": 2,
+                   "width": res, "height": res}
+    if smoke:
+        d["train"]["device"] = "cpu"
+    path = work / f"{family}.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return path
+
+
+def bench_family(family: str, work: Path, args) -> list[dict]:
+    fam_dir = work / family
+    fam_dir.mkdir(parents=True, exist_ok=True)
+    model = fam_dir / "model"
+    if args.smoke:
+        from trainer.models.tiny import make_tiny_models
+
+        make_tiny_models(fam_dir / "tiny", [family])
+        model = fam_dir / "tiny" / family
+        res = 64
+    else:
+        t = time.time()
+        nbytes = write_full_folder(family, model)
+        print(f"{family}: wrote {nbytes / 1e9:.1f} GB of random weights in {time.time() - t:.0f} s", flush=True)
+        res = args.resolution
+    images = write_jpegs(fam_dir / "images", args.images, res)
+    cfg = write_config(family, model, images, fam_dir, res, args.steps, args.smoke, args.card)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DITTRAIN_PHASE_LOG=str(fam_dir / "phases.jsonl"))
+    if not args.smoke:
+        env["DITTRAIN_VRAM_CAP_GB"] = str(args.card - 1)
+    py = [sys.executable, "-m", "trainer"]
+    rows = []
+    for cmd_name, cmd in (
+        ("cache", py + ["cache", str(cfg)]),
+        ("fit", py + ["fit", str(cfg)]),
+        ("sample", py + ["sample", str(cfg), "--prompt", "a photo of a dog", "--steps", "2"]),
+    ):
+        log_file = fam_dir / f"{cmd_name}.log"
+        before = _records(fam_dir / "phases.jsonl")
+        rc, poll, wall = run(cmd, env, log_file)
+        recs = _records(fam_dir / "phases.jsonl")[len(before):]
+        tail = log_file.read_text().strip().splitlines()[-1:] if log_file.exists() else []
+        rows.append({"family": family, "command": cmd_name, "rc": rc, "wall_s": wall,
+                     "anon_peak": poll.peak(), "last_line": tail[0] if tail else "", "phases": _per_phase(recs, poll)})
+    if not args.keep:
+        shutil.rmtree(model, ignore_errors=True)
+    return rows
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _per_phase(recs: list[dict], poll: AnonPoller) -> dict:
+    out: dict[str, dict] = {}
+    for r in recs:
+        p = out.setdefault(r["phase"], {"vram": 0, "anon": 0, "times": []})
+        p["vram"] = max(p["vram"], r["vram_reserved"])
+        p["anon"] = max(p["anon"], poll.peak(r["start"], r["end"]), r["anon_rss"])
+        p["times"].append(r["end"] - r["start"])
+    return out
+
+
+def report(rows: list[dict]) -> list[str]:
+    lines = ["| family | command | rc | phase | peak reserved VRAM GB | peak anon RSS GB | time s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['family']} | {r['command']} | {r['rc']} | (process) | | {r['anon_peak'] / 1e9:.1f} | "
+                     f"{r['wall_s']:.0f} |")
+        for name, p in r["phases"].items():
+            t = p["times"]
+            shown = (f"median {statistics.median(t[1:]):.2f} of {len(t)}" if name == "training step" and len(t) > 1
+                     else f"{sum(t):.1f}")
+            lines.append(f"| | | | {name} | {p['vram'] / 1e9:.2f} | {p['anon'] / 1e9:.1f} | {shown} |")
+        if r["rc"]:
+            lines.append(f"| | | | last line: {r['last_line'][:200]} | | | |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", nargs="*", default=["flux", "sd3", "qwen_image"])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/dittrain-bench-program"))
+    ap.add_argument("--card", type=int, default=8, help="preset card size in GB; the VRAM cap is card - 1")
+    ap.add_argument("--resolution", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--images", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU (tests)")
+    ap.add_argument("--keep", action="store_true", help="keep the written model folders")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.steps = min(args.steps, 2)
+    rows = []
+    for fam in args.families:
+        rows += bench_family(fam, args.work, args)
+        print("\n".join(report([r for r in rows if r["family"] == fam])), flush=True)
+    (args.work / "results.json").write_text(json.dumps(rows, indent=1))
+    print("\n".join(["", *report(rows)]))
+    return 0 if all(r["rc"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

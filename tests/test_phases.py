@@ -1,0 +1,280 @@
+"""Phases of a run: per-phase peaks, one-line out-of-memory errors naming the phase and the fix, caching with
+one model group at a time, the planner's phase table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_data_cache import FakeAdapter, config, make_images, make_model
+from test_train_support import make_config, write_images
+
+from trainer.data import cache as dcache
+from trainer.data.pipeline import prepare_data
+from trainer.errors import UserError
+from trainer.models.base import Components
+from trainer.train import phases
+from trainer.train.phases import Phase, PhaseLog, PhaseOutOfMemory, parse_oom
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH_OOM = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 7.00 GiB of which 1.10 GiB "
+    "is free. Including non-PyTorch memory, this process has 5.90 GiB memory in use."
+)
+
+
+def test_parse_oom_reads_torchs_message():
+    tried, free, total = parse_oom(TORCH_OOM)
+    assert (tried, free, total) == (2 * 2**30, pytest.approx(1.10 * 2**30), 7 * 2**30)
+    assert parse_oom("CUDA out of memory") == (None, None, None)
+
+
+@pytest.mark.parametrize(("phase", "knob"), [
+    ("text caching", "offload.text_encoders"),
+    ("latent caching", "data.resolutions"),
+    ("sampling", "sample.every: 0"),
+    ("training step", "offload.transformer"),
+])
+def test_out_of_memory_in_a_phase_is_one_line_naming_phase_need_free_and_fix(phase, knob):
+    log = PhaseLog()
+    with pytest.raises(PhaseOutOfMemory) as e, Phase(phase, log=log):
+        raise torch.OutOfMemoryError(TORCH_OOM)
+    msg = str(e.value)
+    assert "\n" not in msg and isinstance(e.value, UserError) and e.value.exit_code != 0
+    assert f"in phase {phase}:" in msg and "tried to allocate 2.00 GiB with 1.10 GiB free of 7.0 GiB" in msg
+    assert knob in msg
+    assert e.value.__suppress_context__  # `from None`: the CLI prints one line, no chained traceback
+    assert log.peaks[phase].runs == 1
+
+
+def test_host_memory_error_and_nested_phases():
+    with pytest.raises(PhaseOutOfMemory, match=r"out of host RAM in phase checkpoint save: .*fix: free host RAM"):
+        with Phase("checkpoint save", log=PhaseLog()):
+            raise MemoryError
+    # an inner phase's line passes through the outer one unchanged
+    with pytest.raises(PhaseOutOfMemory, match=r"in phase text caching"), Phase("load", log=PhaseLog()):
+        with Phase("text caching", log=PhaseLog()):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    # other errors are not touched
+    with pytest.raises(ValueError), Phase("load", log=PhaseLog()):
+        raise ValueError("x")
+
+
+def test_phase_records_peak_rss_of_what_it_allocates():
+    log = PhaseLog()
+    with Phase("load", log=log) as p:
+        x = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
+        x += 1
+    assert p.peak is log.peaks["load"]
+    assert log.peaks["load"].rss >= 64 * 2**20
+    assert "phase load: peak reserved VRAM 0.00 GB" in log.lines()[0]
+    del x
+
+
+class StageLoader(dcache.EncoderStages):
+    """Records which model group is loaded and checks the other is gone."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+        self.live = set()
+
+    def _load_text(self):
+        assert not self.live, "text encoders loaded beside another model group"
+        self.events.append("text")
+        self.live.add("text")
+        self.handles.append(_Closer(self, "text"))
+        return Components(text_encoders=[torch.nn.Linear(1, 1)], tokenizers=[None])
+
+    def _load_vae(self):
+        assert not self.live, "VAE loaded beside another model group"
+        self.events.append("vae")
+        self.live.add("vae")
+        self.handles.append(_Closer(self, "vae"))
+        return torch.nn.Linear(1, 1)
+
+
+class _Closer:
+    def __init__(self, loader, name):
+        self.loader, self.name = loader, name
+
+    def close(self):
+        self.loader.live.discard(self.name)
+        self.loader.events.append(f"free {self.name}")
+
+
+def test_caching_loads_text_encoders_then_frees_them_then_the_vae(tmp_path):
+    make_model(tmp_path / "model")
+    make_images(tmp_path / "imgs")
+    loader = StageLoader()
+    data = prepare_data(config(tmp_path), FakeAdapter(), loader, progress=False)
+    assert loader.events == ["text", "free text", "vae", "free vae"]
+    assert data.encode.latents_new > 0 and data.encode.texts_new > 0
+    assert {"text caching", "latent caching"} <= set(phases.LOG.peaks)
+    # everything cached: nothing loaded
+    again = StageLoader()
+    prepare_data(config(tmp_path), FakeAdapter(), again, progress=False)
+    assert again.events == []
+
+
+def test_out_of_memory_while_encoding_latents_names_latent_caching(tmp_path):
+    make_model(tmp_path / "model")
+    make_images(tmp_path / "imgs")
+    adapter = FakeAdapter()
+
+    def oom(vae, pixels):
+        raise torch.OutOfMemoryError(TORCH_OOM)
+
+    adapter.encode_images = oom
+    loader = StageLoader()
+    with pytest.raises(PhaseOutOfMemory, match=r"in phase latent caching: tried to allocate 2.00 GiB.*data\.resolutions"):
+        prepare_data(config(tmp_path), adapter, loader, progress=False)
+    assert loader.events[-1] == "free vae"  # freed on the way out
+    # the captions encoded before the error stay cached
+    assert prepare_data(config(tmp_path), FakeAdapter(), StageLoader(), progress=False).encode.texts_new == 0
+
+
+def test_vae_memory_modes(tiny_models):
+    from diffusers import AutoencoderKL
+
+    from trainer.sampling.placement import tile_decode
+
+    vae = AutoencoderKL.from_pretrained(tiny_models / "flux", subfolder="vae")
+    assert not dcache.vae_memory_mode(vae, 1024 * 1024) and vae.use_slicing and not vae.use_tiling
+    assert dcache.vae_memory_mode(vae, 1024 * 1536) and vae.use_tiling
+    assert not tile_decode(vae, 512, 512)
+    assert tile_decode(vae, 1024, 1024) and vae.use_tiling and vae.tile_sample_min_size == 512
+    assert vae.tile_latent_min_size == 512 // 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+def test_training_step_out_of_memory_keeps_its_advice_and_names_the_phase(tiny_models, tmp_path, monkeypatch):
+    from trainer.train.trainer import Trainer
+
+    images = write_images(tmp_path / "imgs")
+    cfg = make_config(tiny_models, images, tmp_path / "run", tmp_path / "cache", "flux", "lora",
+                      train={"steps": 4, "checkpoint_every": 2})
+    t = Trainer(cfg)
+    t.setup()
+    calls = {"n": 0}
+    real = t.adapter.predict
+
+    def oom_at_step_3(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.OutOfMemoryError(TORCH_OOM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(t.adapter, "predict", oom_at_step_3)
+    with pytest.raises(PhaseOutOfMemory) as e:
+        t.fit()
+    msg = str(e.value)
+    assert "out of memory at step 3: raise offload.transformer from 0 to 0.25" in msg
+    assert "in phase training step: tried to allocate 2.00 GiB" in msg and "\n" not in msg
+    assert (tmp_path / "run" / "checkpoints").exists() and t.last_checkpoint is not None  # step 2's checkpoint kept
+    assert t.last_checkpoint.name == "step-000002" and t.last_checkpoint.is_dir()
+
+
+def test_planner_predicts_every_phase_and_fits_text_encoders_to_the_budget():
+    from trainer.config import load_config
+    from trainer.planner import analyze
+    from trainer.planner.phases import fit_text_fraction, predict_phases, table
+
+    cfg = load_config("configs/flux/lora-8gb.yaml", [])
+    facts = analyze(cfg)
+    preds = predict_phases(cfg, 0.9, facts)
+    names = [p.name for p in preds]
+    assert set(names) == set(phases.PHASES) - {"sampling"} | ({"sampling"} if cfg.sample.every else set())
+    assert all(p.vram > 0 and p.ram > 0 for p in preds)
+    by = {p.name: p for p in preds}
+    # the T5-XXL (9.5 GB) must stream on a 7 GB budget, less of it on a larger one, none on 24 GB
+    f7, f12, f24 = (fit_text_fraction(facts, b) for b in (7, 12, 24))
+    assert f7 > f12 >= f24 == 0.0
+    assert predict_phases(cfg, 0.9, facts, f7)[0].vram <= 7e9 < predict_phases(cfg, 0.9, facts, 0.0)[0].vram
+    if "sampling" in by:  # sampling during training reuses the training ring: it costs less than a step
+        assert by["sampling"].vram <= by["training step"].vram + 0.5e9
+    lines = table(preds, 7)
+    assert any("largest:" in line for line in lines) and any("text caching" in line for line in lines)
+
+
+def test_bench_writes_sharded_random_weights_that_diffusers_loads(tmp_path, monkeypatch):
+    """bench/bench_program.py writes full-size folders tensor by tensor from a meta model; here a small
+    transformer goes through the same writer (several shards) and loads with from_pretrained."""
+    import sys
+
+    from diffusers import FluxTransformer2DModel
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_program as bp
+
+    monkeypatch.setattr(bp, "SHARD_BYTES", 20_000)  # force several shards
+    cfg = {"patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+           "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32,
+           "guidance_embeds": True, "axes_dims_rope": (4, 4, 8)}
+    meta = bp._meta(lambda: FluxTransformer2DModel.from_config(cfg))
+    total = bp._save(tmp_path / "transformer", meta, meta, "diffusion_pytorch_model", torch.bfloat16, 1)
+    assert len(list((tmp_path / "transformer").glob("*.safetensors"))) > 1
+    model = FluxTransformer2DModel.from_pretrained(tmp_path / "transformer", torch_dtype=torch.bfloat16)
+    assert total == sum(p.numel() * 2 for p in model.parameters())
+    norms = [p for n, p in model.named_parameters() if p.ndim == 1 and "norm" in n and n.endswith("weight")]
+    assert norms and all(torch.equal(p, torch.ones_like(p)) for p in norms)
+    w = model.transformer_blocks[0].attn.to_q.weight.float()
+    assert 0.015 < w.std() < 0.025
+
+
+@pytest.mark.slow
+def test_bench_program_smoke_runs_cache_fit_sample_and_reports_phases(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_program.py"), "--smoke", "--families", "flux",
+                        "--work", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for phase in ("text caching", "latent caching", "load", "training step", "sampling", "checkpoint save"):
+        assert f"| {phase} |" in r.stdout
+    assert (tmp_path / "flux" / "out" / "lora.safetensors").exists() or list((tmp_path / "flux" / "out").glob("*"))
+
+
+@pytest.mark.gpu
+def test_a_real_cuda_out_of_memory_is_parsed_into_need_and_free():
+    with pytest.raises(PhaseOutOfMemory) as e, Phase("latent caching", log=PhaseLog(), device=torch.device("cuda")):
+        torch.empty(2**44, dtype=torch.uint8, device="cuda")  # 16 TiB
+    assert "in phase latent caching: tried to allocate 16384.00 GiB with" in str(e.value)
+    assert "GiB free of" in str(e.value)
+
+
+@pytest.mark.gpu
+def test_fit_on_cuda_logs_every_phase_and_sampling_adds_at_most_half_a_gb(tiny_models, tmp_path, capsys):
+    from trainer.train.trainer import Trainer
+
+    images = write_images(tmp_path / "imgs")
+    peaks = {}
+    for every in (0, 2):
+        phases.LOG.peaks.clear()
+        cfg = make_config(tiny_models, images, tmp_path / f"run{every}", tmp_path / "cache", "flux", "lora",
+                          train={"steps": 4, "device": "cuda"},
+                          sample={"every": every, "prompts": ["a cat"], "steps": 2, "width": 64, "height": 64})
+        Trainer(cfg).fit()
+        peaks[every] = max(p.vram_reserved for p in phases.LOG.peaks.values())
+        assert ("sampling" in phases.LOG.peaks) == bool(every)
+    assert peaks[2] <= peaks[0] + 0.5e9
+    err = capsys.readouterr().err
+    assert "phase training step: peak reserved VRAM" in err and "(planner:" in err
+
+
+def test_choose_fraction_needs_sampling_during_training_to_fit_too(monkeypatch):
+    from trainer.config import load_config
+    from trainer.planner import analyze, choose_fraction
+    from trainer.planner import prediction as pred
+
+    cfg = load_config("configs/flux/lora-8gb.yaml", [])
+    facts = analyze(cfg)
+    base = choose_fraction(cfg, 7, facts=facts, log=lambda s: None)
+    assert base == pytest.approx(float(cfg.offload.transformer))  # the preset's fraction, sampling on
+    # sampling that needs 0.7 GB more than the training step at every fraction: a higher fraction is chosen
+    real = pred.predict
+    monkeypatch.setattr(pred, "_sampling_peak", lambda c, f, fr, r: real(f, fr, r, False).peak_reserved + 0.7e9)
+    assert choose_fraction(cfg, 7, facts=facts, log=lambda s: None) > base
+    monkeypatch.setattr(pred, "_sampling_peak", lambda c, f, fr, r: float("inf"))
+    with pytest.raises(UserError, match=r"sampling during training needs inf GB .*set sample.every: 0"):
+        choose_fraction(cfg, 7, facts=facts, log=lambda s: None)

@@ -1,0 +1,125 @@
+"""Every phase of `dittrain fit` on one table: predicted peak VRAM and peak host RAM of each.
+
+The training step is not the only thing on the card. A run also loads the transformer, encodes captions (the
+text encoders, streamed at offload.text_encoders) and latents (the VAE), samples during training (the training
+ring and LoRA state stay, the VAE comes for the call) and saves checkpoints. `predict_phases` gives each phase's
+peak reserved VRAM and peak host RAM (bytes); `fit_phases` picks offload.text_encoders so that text caching fits
+the same budget the transformer fraction was chosen for, so that the largest phase decides whether a config fits.
+The trainer logs each phase's measured peak beside these (trainer/train/phases.py).
+
+How each is estimated (bf16 sizes; activations of the encoders are coarse, the bench measures them):
+- load: the transformer is read into pageable RAM, its blocks packed into the pinned arena; on the GPU the
+  ring, the non-block modules and the trained weights' state (the training step's static part).
+- text caching: every text encoder on the GPU at once, each with (1 - f) of its bytes resident (f =
+  offload.text_encoders; the conductor's ring is rounded up to whole blocks: +1 block here), plus workspace;
+  RAM: the encoders read into CPU RAM.
+- latent caching: the VAE's weights plus its encode activations of one image (batches are sliced), about
+  `VAE_ACT_ENCODE` bytes per pixel (tiled above 1 MP, trainer/data/cache.py, so at most 1 MP counts).
+- training step: `predict` (prediction.py).
+- sampling: the training step's static part (ring, non-block, LoRA state) + the VAE + the larger of the
+  denoising forward's activations (sampling.py) and the tiled decode's (512-pixel tiles above 512x512).
+- checkpoint save: on the GPU the static part; in RAM the training peak plus a host copy of the trained
+  weights and optimizer state (safetensors writes from CPU tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..offload.plan import capacity_for
+from .prediction import ALLOCATOR_OVERHEAD, GB, WORKSPACE, Facts, predict
+
+#: VAE parameters per family (diffusers AutoencoderKL of Flux / SD3.5: 83.8 M; Qwen-Image's 3-D VAE: 126.9 M)
+VAE_PARAMS = {"flux": 83_819_683, "sd3": 83_819_683, "qwen_image": 126_892_531}
+#: activation bytes per image pixel at the peak of a bf16 VAE encode / decode (128 channels at full resolution,
+#: a few live tensors; the decode's up blocks hold more): coarse, from diffusers' figures for 1024 px
+VAE_ACT_ENCODE = 6 * 128 * 2
+VAE_ACT_DECODE = 12 * 128 * 2
+CACHE_TILE_PIXELS = 1024 * 1024  # trainer/data/cache.py VAE_TILE_PIXELS
+SAMPLE_TILE_PIXELS = 512 * 512  # trainer/sampling/placement.py
+
+
+@dataclass
+class PhasePrediction:
+    name: str
+    vram: float  #: peak reserved bytes
+    ram: float  #: peak host RAM bytes
+    note: str = ""
+
+
+def _text_vram(facts: Facts, te_fraction: float, encode_batch: int) -> float:
+    total = 0.0
+    for _, nbytes in facts.text_encoders:
+        if te_fraction <= 0:
+            total += nbytes
+        else:  # ~24 equal blocks per encoder: the ring holds whole blocks
+            total += capacity_for([nbytes / 24] * 24, te_fraction)
+    # activations: encode_batch x tokens x 4096 wide x a few tensors, and the FFN's widening
+    act = encode_batch * facts.text_tokens * 4096 * 2 * 8
+    return total + ALLOCATOR_OVERHEAD * act + WORKSPACE
+
+
+def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None = None) -> list[PhasePrediction]:
+    """Predicted peaks of every phase of `dittrain fit` for `cfg` at transformer fraction `fraction`."""
+    te = float(cfg.offload.text_encoders) if te_fraction is None else te_fraction
+    res = max(facts.resolutions)
+    train = predict(facts, fraction, res, cfg.offload.activations)
+    esize = 2 if facts.dtype.itemsize == 2 else facts.dtype.itemsize
+    vae = VAE_PARAMS.get(facts.family, 100_000_000) * esize
+    text_bytes = sum(n for _, n in facts.text_encoders)
+    model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
+    px = res * res
+    enc_act = min(px, CACHE_TILE_PIXELS) * VAE_ACT_ENCODE
+    out = [
+        PhasePrediction("text caching", _text_vram(facts, te, cfg.data.encode_batch_size if cfg.data else 4),
+                        text_bytes, f"offload.text_encoders {te:g}"),
+        PhasePrediction("latent caching", vae + ALLOCATOR_OVERHEAD * enc_act + WORKSPACE, vae + px * 12,
+                        "tiled" if px > CACHE_TILE_PIXELS else "untiled"),
+        PhasePrediction("load", train.static, train.ram_peak, f"offload.transformer {fraction:g}"),
+        PhasePrediction("training step", train.peak_reserved, train.ram_peak, f"{res} px"),
+    ]
+    s = cfg.sample
+    if s.every and s.prompts:
+        from .sampling import predict_sampling
+
+        sp = s.width * s.height
+        samp = predict_sampling(facts, 0.0, int(sp**0.5))  # its activations; the ring is the training one
+        sample_act = samp.peak_reserved - sum(facts.packed) - facts.nonblock_bytes - WORKSPACE
+        dec = min(sp, SAMPLE_TILE_PIXELS) * VAE_ACT_DECODE * ALLOCATOR_OVERHEAD
+        out.append(PhasePrediction("sampling", train.static + vae + max(sample_act, dec) + WORKSPACE,
+                                   train.ram_peak + vae, f"every {s.every} steps, {s.width}x{s.height}"))
+    state = (facts.trainable_params * 4 + facts.state_gpu) if facts.method == "lora" else model_bytes + sum(
+        facts.block_states)
+    out.append(PhasePrediction("checkpoint save", train.static, train.ram_peak + state, "trained weights + state"))
+    return out
+
+
+def fit_text_fraction(facts: Facts, budget_gb: float, encode_batch: int = 4) -> float:
+    """The smallest offload.text_encoders (0.05 grid) whose text-caching peak fits `budget_gb`; 1.0 if none."""
+    for i in range(21):
+        f = round(0.05 * i, 2)
+        if _text_vram(facts, f, encode_batch) <= budget_gb * GB:
+            return f
+    return 1.0
+
+
+def predicted_map(cfg, fraction: float, facts: Facts) -> dict[str, tuple[float, float]]:
+    """{phase: (VRAM, RAM)} for the trainer's log."""
+    return {p.name: (p.vram, p.ram) for p in predict_phases(cfg, fraction, facts)}
+
+
+def table(preds: list[PhasePrediction], budget_gb: float | None = None) -> list[str]:
+    """The phase table `dittrain plan` prints."""
+    rows = [("phase", "peak VRAM GB", "peak RAM GB", "note")]
+    for p in preds:
+        rows.append((p.name, f"{p.vram / GB:.2f}", f"{p.ram / GB:.1f}", p.note))
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["", "Phases of `dittrain fit` (predicted peaks; the largest decides whether the run fits):"]
+    for r in rows:
+        lines.append("  " + "  ".join(c.ljust(w[i]) if i in (0, 3) else c.rjust(w[i]) for i, c in enumerate(r)))
+    big = max(preds, key=lambda p: p.vram)
+    line = f"  largest: {big.name}, {big.vram / GB:.2f} GB"
+    if budget_gb is not None:
+        line += f" ({'fits' if big.vram <= budget_gb * GB else 'does NOT fit'} {budget_gb:g} GB)"
+    lines.append(line)
+    return lines

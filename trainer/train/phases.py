@@ -1,0 +1,250 @@
+"""Phases of a run, their measured memory peaks, and out-of-memory errors that name the phase and the fix.
+
+A run goes through a few phases that need different things on the GPU and in host RAM:
+
+    load               the transformer read from disk (and its blocks packed into pinned RAM)
+    latent caching     the VAE encodes every image (text encoders already freed)
+    text caching       each text encoder encodes every caption (one encoder on the GPU at a time)
+    training step      forward and backward through the streamed transformer
+    sampling           images made with the model being trained (precomputed prompt embeddings, tiled VAE)
+    checkpoint save    weights, optimizer state and generators written to disk
+
+`with Phase("training step", fix=...)` around the code of a phase does two things:
+
+Measure. At entry it resets CUDA's peak counters (`torch.cuda.reset_peak_memory_stats`: no sync, no allocation)
+and Linux's peak RSS (writing "5" to /proc/self/clear_refs resets VmHWM); at exit it reads the peak reserved
+VRAM and the peak resident set. The peaks of every phase are kept in a `PhaseLog` (largest over the run), so the
+trainer can log each phase's measured peak beside the planner's prediction. Peak RSS counts file-backed pages
+too (an mmapped safetensors file being read); the bench reads anonymous RSS separately. Where clear_refs cannot
+be written (not Linux, or a restricted /proc) the RSS peak is the process's lifetime peak and says so.
+
+Fail with one line. `torch.OutOfMemoryError` (the CUDA allocator) or `MemoryError` (host) raised inside the
+phase becomes a `PhaseOutOfMemory` (a UserError: one line, non-zero exit, no traceback) that names the phase,
+what it tried to allocate against what was free (parsed from torch's message: "Tried to allocate 2.00 GiB.
+GPU 0 has a total capacity of 7.00 GiB of which 1.10 GiB is free"), and the setting that fixes that phase.
+Checkpoints are written atomically (checkpoint.py), so an error in any phase leaves every finished one intact.
+An error already turned into one line (a nested phase) passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+
+PHASES = ("load", "latent caching", "text caching", "training step", "sampling", "checkpoint save")
+
+#: what fixes each phase when it runs out of memory (the trainer adds run-specific detail for training)
+FIXES = {
+    "load": "raise offload.transformer (more of the model stays in CPU RAM), or free host RAM for the pinned "
+            "blocks",
+    "latent caching": "lower data.resolutions or data.encode_batch_size (the VAE encodes tiled above "
+                      "1024x1024 pixels)",
+    "text caching": "raise offload.text_encoders (the text encoder streams from CPU RAM), or lower "
+                    "data.encode_batch_size",
+    "training step": "raise offload.transformer, or set offload.activations: true, or lower train.batch_size or "
+                     "data.resolutions",
+    "sampling": "set sample.every: 0 (sample after training with `dittrain sample`), or lower sample.width / "
+                "sample.height",
+    "checkpoint save": "free host RAM (the checkpoint is gathered in CPU RAM before it is written)",
+}
+
+_GIB = 2**30
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+class PhaseOutOfMemory(UserError):
+    """Out of memory in a named phase; `str()` is the one line the CLI prints."""
+
+    exit_code = 4
+
+
+@dataclass
+class PhasePeak:
+    vram_reserved: int = 0  #: bytes, CUDA peak reserved (0 off CUDA)
+    rss: int = 0  #: bytes, peak resident set of the process
+    rss_reset: bool = False  #: whether the RSS peak was reset at entry (else it is the lifetime peak)
+    runs: int = 0
+
+
+@dataclass
+class PhaseLog:
+    """Peaks per phase name, the largest over the run."""
+
+    peaks: dict[str, PhasePeak] = field(default_factory=dict)
+
+    def record(self, name: str, vram: int, rss: int, rss_reset: bool) -> PhasePeak:
+        p = self.peaks.setdefault(name, PhasePeak())
+        p.vram_reserved, p.rss = max(p.vram_reserved, vram), max(p.rss, rss)
+        p.rss_reset = p.rss_reset or rss_reset
+        p.runs += 1
+        return p
+
+    def lines(self, predicted: dict[str, tuple[float, float]] | None = None) -> list[str]:
+        """One line per phase: measured peaks, and the planner's (VRAM, RAM) bytes where given."""
+        out = []
+        for name in [n for n in PHASES if n in self.peaks] + [n for n in self.peaks if n not in PHASES]:
+            p = self.peaks[name]
+            line = f"phase {name}: peak reserved VRAM {p.vram_reserved / 1e9:.2f} GB, peak RSS {p.rss / 1e9:.1f} GB"
+            if predicted and name in predicted:
+                v, r = predicted[name]
+                line += f" (predicted {v / 1e9:.2f} GB VRAM, {r / 1e9:.1f} GB RAM)"
+            out.append(line)
+        return out
+
+
+#: the process-wide log the phases write to (the trainer and `dittrain cache` read it)
+LOG = PhaseLog()
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    """Peak resident set in bytes since the last reset (VmHWM), or the lifetime peak from getrusage."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+def anon_rss() -> int:
+    """Current anonymous resident memory in bytes (RssAnon): the host RAM not backed by a file."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _size(text: str) -> float | None:
+    m = re.match(r"\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB)", text)
+    return float(m.group(1)) * _UNITS[m.group(2)] if m else None
+
+
+def parse_oom(message: str) -> tuple[float | None, float | None, float | None]:
+    """(tried to allocate, free, total) in bytes from torch's CUDA OOM message; None where absent."""
+    tried = re.search(r"Tried to allocate ([\d.]+\s*\w+)", message)
+    total = re.search(r"total capacity of ([\d.]+\s*\w+)", message)
+    free = re.search(r"of which ([\d.]+\s*\w+) is free", message)
+    return tuple(_size(m.group(1)) if m else None for m in (tried, free, total))  # type: ignore[return-value]
+
+
+def oom_detail(error: BaseException, device: torch.device | None = None) -> tuple[str, str]:
+    """("GPU" or "host RAM", "tried to allocate X GiB with Y GiB free of Z GiB") for an out-of-memory error."""
+    if isinstance(error, torch.OutOfMemoryError):
+        tried, free, total = parse_oom(str(error))
+        if free is None and torch.cuda.is_available():
+            try:
+                free_b, total_b = torch.cuda.mem_get_info(device)
+                free, total = float(free_b), float(total_b)
+            except RuntimeError:
+                pass
+        need = f"tried to allocate {tried / _GIB:.2f} GiB" if tried is not None else "an allocation failed"
+        have = f" with {free / _GIB:.2f} GiB free" if free is not None else ""
+        of = f" of {total / _GIB:.1f} GiB" if total is not None else ""
+        return "GPU", f"{need}{have}{of}"
+    return "host RAM", f"a host allocation failed (peak RSS {peak_rss() / _GIB:.1f} GiB)"
+
+
+def oom_line(name: str, error: BaseException, fix: str | None = None, device: torch.device | None = None) -> str:
+    """The one line for an out-of-memory error in phase `name`."""
+    where, detail = oom_detail(error, device)
+    return f"out of {where} in phase {name}: {detail}; fix: {fix or FIXES.get(name, 'lower the batch size or resolution')}"
+
+
+def _write_record(name: str, t0: float, vram: int, rss: int, error) -> None:
+    """With DITTRAIN_PHASE_LOG=FILE, one JSON line per phase run (bench/bench_program.py reads them)."""
+    path = os.environ.get("DITTRAIN_PHASE_LOG")
+    if not path:
+        return
+    rec = {"phase": name, "start": t0, "end": time.time(), "vram_reserved": vram, "rss": rss,
+           "anon_rss": anon_rss(), "error": type(error).__name__ if error is not None else None}
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    except OSError:
+        pass  # a measurement must never replace the phase's own outcome
+
+
+def apply_vram_cap() -> float | None:
+    """DITTRAIN_VRAM_CAP_GB=N (for benchmarks): cap this process's CUDA allocations at N GB of the card with
+    `torch.cuda.set_per_process_memory_fraction`, as if the card were that small. Returns the cap or None."""
+    cap = os.environ.get("DITTRAIN_VRAM_CAP_GB")
+    if not cap or not torch.cuda.is_available():
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap) * 1e9 / total), 0)
+    return float(cap)
+
+
+class Phase:
+    """Context manager for one phase (see the module essay). `fix` overrides the phase's default advice;
+    `message(detail)` replaces the whole line (the trainer's training step keeps its step-numbered advice and adds
+    the phase and `detail`); `on_exit(name, peak)` is called after a phase that ended normally (the trainer logs
+    the first one of each)."""
+
+    def __init__(self, name: str, fix: str | None = None, *, device: torch.device | None = None,
+                 log: PhaseLog | None = None, on_exit=None, message=None) -> None:
+        self.name, self.fix, self.log, self.on_exit, self.message = name, fix, log or LOG, on_exit, message
+        self.device = device if device is not None else (torch.device("cuda") if torch.cuda.is_available() else None)
+        self._cuda = self.device is not None and self.device.type == "cuda" and torch.cuda.is_available()
+        self.peak: PhasePeak | None = None
+
+    def __enter__(self) -> Phase:
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._rss_reset = _reset_rss_peak()
+        self._t0 = time.time()
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        vram = torch.cuda.max_memory_reserved(self.device) if self._cuda else 0
+        rss = peak_rss()
+        self.peak = self.log.record(self.name, vram, rss, self._rss_reset)
+        _write_record(self.name, self._t0, vram, rss, error)
+        if error is None:
+            if self.on_exit is not None:
+                self.on_exit(self.name, self.peak)
+            return False
+        if isinstance(error, PhaseOutOfMemory):
+            return False
+        if isinstance(error, torch.OutOfMemoryError | MemoryError):
+            if self._cuda:
+                torch.cuda.empty_cache()  # let whatever runs next (a save on the way out) find memory
+            if self.message is not None:
+                where, detail = oom_detail(error, self.device)
+                raise PhaseOutOfMemory(self.message(f"out of {where} in phase {self.name}: {detail}")) from None
+            raise PhaseOutOfMemory(oom_line(self.name, error, self.fix, self.device)) from None
+        return False
+
+
+def measured(name: str, fn, fix: str | None = None):
+    """`fn` run inside `Phase(name, fix)` (its peaks recorded; an out-of-memory error `fn` did not already turn
+    into one line becomes the phase's line)."""
+
+    def run(*args, **kwargs):
+        with Phase(name, fix):
+            return fn(*args, **kwargs)
+
+    return run
