@@ -293,7 +293,7 @@ def bench_family(family: str, work: Path, args) -> list[dict]:
         res = args.resolution
     images = write_jpegs(fam_dir / "images", args.images, res)
     cfg = write_config(family, model, images, fam_dir, res, args.steps, args.smoke, args.card)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DITTRAIN_PHASE_LOG=str(fam_dir / "phases.jsonl"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), DITTRAIN_PHASE_LOG=str(fam_dir / "phases.jsonl"))
     if not args.smoke:
         env["DITTRAIN_VRAM_CAP_GB"] = str(args.card - 1)
     py = [sys.executable, "-m", "trainer"]
