@@ -40,11 +40,21 @@ SHARD_BYTES = 4 * 2**30
 # ---------------------------------------------------------------------------------------------- full-size folders
 
 
+_POOL: dict = {}
+POOL_SIZE = 1 << 24
+
+
 def _value(name: str, shape, dtype, gen):
+    """Matrices: a window of a 16 M-value N(0, 0.02) pool at a random offset, repeated as needed (memcpy speed:
+    drawing every one of Flux's 12 B values took 190 s of a 200 s write on the GPU box); vectors: ones / zeros."""
     import torch
 
     if len(shape) >= 2:
-        return torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen).to(dtype)
+        if dtype not in _POOL:
+            _POOL[dtype] = torch.empty(POOL_SIZE).normal_(0.0, 0.02, generator=gen).to(dtype)
+        pool, n = _POOL[dtype], torch.Size(shape).numel()
+        start = int(torch.randint(0, POOL_SIZE, (1,), generator=gen))
+        return pool.repeat((start + n) // POOL_SIZE + 1)[start : start + n].clone().reshape(shape)
     if name.endswith("weight") and any(k in name for k in ("norm", "ln", "layer_norm", "scale")):
         return torch.ones(shape, dtype=dtype)
     return torch.zeros(shape, dtype=dtype)
@@ -298,11 +308,13 @@ def bench_family(family: str, work: Path, args) -> list[dict]:
         env["DITTRAIN_VRAM_CAP_GB"] = str(args.card - 1)
     py = [sys.executable, "-m", "trainer"]
     rows = []
-    for cmd_name, cmd in (
-        ("cache", py + ["cache", str(cfg)]),
-        ("fit", py + ["fit", str(cfg)]),
-        ("sample", py + ["sample", str(cfg), "--prompt", "a photo of a dog", "--steps", "2"]),
-    ):
+    commands = {
+        "cache": py + ["cache", str(cfg)],
+        "fit": py + ["fit", str(cfg)],
+        "sample": py + ["sample", str(cfg), "--prompt", "a photo of a dog", "--steps", "2"],
+    }
+    for cmd_name in args.commands.split(","):
+        cmd = commands[cmd_name]
         log_file = fam_dir / f"{cmd_name}.log"
         before = _records(fam_dir / "phases.jsonl")
         rc, poll, wall = run(cmd, env, log_file)
@@ -355,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU (tests)")
     ap.add_argument("--keep", action="store_true", help="keep the written model folders")
+    ap.add_argument("--commands", default="cache,fit,sample", help="which commands to run, in order (fit alone "
+                    "caches too)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.steps = min(args.steps, 2)

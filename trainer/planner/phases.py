@@ -10,9 +10,9 @@ The trainer logs each phase's measured peak beside these (trainer/train/phases.p
 How each is estimated (bf16 sizes; activations of the encoders are coarse, the bench measures them):
 - load: the transformer is read into pageable RAM, its blocks packed into the pinned arena; on the GPU the
   ring, the non-block modules and the trained weights' state (the training step's static part).
-- text caching: every text encoder on the GPU at once, each with (1 - f) of its bytes resident (f =
-  offload.text_encoders; the conductor's ring is rounded up to whole blocks: +1 block here), plus workspace;
-  RAM: the encoders read into CPU RAM.
+- text caching: every text encoder on the GPU at once, its non-block bytes and (1 - f) of its block bytes
+  resident (f = offload.text_encoders; the conductor's ring holds whole blocks), plus the encode batch's
+  activations (T5's attention scores in fp32 are most of them) and workspace; RAM: the encoders in CPU RAM.
 - latent caching: the VAE's weights plus its encode activations of one image (batches are sliced), about
   `VAE_ACT_ENCODE` bytes per pixel (tiled above 1 MP, trainer/data/cache.py, so at most 1 MP counts).
 - training step: `predict` (prediction.py).
@@ -47,15 +47,28 @@ class PhasePrediction:
     note: str = ""
 
 
+#: share of a text encoder's bytes outside its blocks (embeddings, final norm), resident while its blocks stream
+#: (T5-XXL: the 32128 x 4096 embedding, 2.8 %)
+TEXT_NONBLOCK_SHARE = 0.03
+#: T5's eager attention holds batch x heads x tokens^2 scores several times over: the bf16 scores, an fp32 copy
+#: for the softmax, its fp32 result and the bf16 cast (12 bytes an entry; T5-XXL has 64 heads). An upper bound
+#: for the encoders that use fused attention. Without it the Flux 8 GB preset (predicted 6.9 GB) ran out of
+#: memory at its 7.0 GB cap while caching captions (bench/RESULTS.md, 2026-11-23).
+TEXT_ATTN_HEADS = 64
+TEXT_ATTN_BYTES = 2 + 4 + 4 + 2
+
+
 def _text_vram(facts: Facts, te_fraction: float, encode_batch: int) -> float:
     total = 0.0
     for _, nbytes in facts.text_encoders:
         if te_fraction <= 0:
             total += nbytes
-        else:  # ~24 equal blocks per encoder: the ring holds whole blocks
-            total += capacity_for([nbytes / 24] * 24, te_fraction)
-    # activations: encode_batch x tokens x 4096 wide x a few tensors, and the FFN's widening
-    act = encode_batch * facts.text_tokens * 4096 * 2 * 8
+        else:  # non-block bytes resident; ~24 equal blocks: the ring holds whole blocks
+            blocks = nbytes * (1 - TEXT_NONBLOCK_SHARE)
+            total += nbytes - blocks + capacity_for([blocks / 24] * 24, te_fraction)
+    # activations: encode_batch x tokens x 4096 wide x a few tensors and the FFN's widening; attention scores
+    t = facts.text_tokens
+    act = encode_batch * t * 4096 * 2 * 8 + encode_batch * TEXT_ATTN_HEADS * t * t * TEXT_ATTN_BYTES
     return total + ALLOCATOR_OVERHEAD * act + WORKSPACE
 
 
@@ -94,11 +107,17 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     return out
 
 
+#: headroom kept under the budget when choosing offload.text_encoders: the encoders' activations are the
+#: coarsest estimate here, and streaming more of a phase that runs once costs little time
+TEXT_HEADROOM = 0.5 * GB
+
+
 def fit_text_fraction(facts: Facts, budget_gb: float, encode_batch: int = 4) -> float:
-    """The smallest offload.text_encoders (0.05 grid) whose text-caching peak fits `budget_gb`; 1.0 if none."""
+    """The smallest offload.text_encoders (0.05 grid) whose text-caching peak fits `budget_gb` with
+    `TEXT_HEADROOM` to spare; 1.0 if none."""
     for i in range(21):
         f = round(0.05 * i, 2)
-        if _text_vram(facts, f, encode_batch) <= budget_gb * GB:
+        if _text_vram(facts, f, encode_batch) <= budget_gb * GB - TEXT_HEADROOM:
             return f
     return 1.0
 
