@@ -425,3 +425,20 @@ def test_set_mode_rebinds_the_blocks(lora_reference):
     assert all(b._offload_conductor is h._c for b in blocks_of(m)) and h.plan.mode == "train"
     assert torch.equal(train_steps(m, STEPS), lora_reference[0])
     h.close()
+
+
+def test_close_without_keeping_weights_leaves_meta_tensors_and_frees_the_arena():
+    """The CLI's fit drops the model at the end: close(keep_weights=False) must not copy every streamed block out
+    of the arena (a second copy of the model in RAM), and nothing may point into the freed arena afterwards."""
+    m = add_lora(tiny_flux(0))
+    blocks = blocks_of(m)
+    h = attach_offload(blocks, "cpu", 1.0)
+    train_steps(m, 1)
+    streamed = [b for b in range(len(blocks)) if b in h._c.host_off]
+    assert streamed
+    h.close(keep_weights=False)
+    for b in streamed:
+        frozen = [p for p in blocks[b].parameters() if not p.requires_grad]
+        assert frozen and all(p.device.type == "meta" for p in frozen)
+        assert all(p.device.type == "cpu" for p in blocks[b].parameters() if p.requires_grad)  # LoRA kept
+    assert not any(isinstance(b, StreamedBlock) for b in blocks)

@@ -111,7 +111,7 @@ def fit(
     cfg = _load(config, overrides)
     from .train.trainer import Trainer
 
-    Trainer(cfg, resume=resume, overwrite=overwrite, resume_other_run=resume_other_run).fit()
+    Trainer(cfg, resume=resume, overwrite=overwrite, resume_other_run=resume_other_run, keep_model=False).fit()
 
 
 @app.command()

@@ -29,6 +29,7 @@ Public interface (everything else in this package is internal):
     handle.set_mode(m)  -> switch between "train" and "sample" (re-plans; synchronises)
     handle.sync()       -> waits; every block parameter then reads current values (to save a full fine-tune)
     handle.close()      -> restores plain modules (their own class) with current weights on the CPU (alias: detach)
+    handle.close(keep_weights=False) -> the same, streamed blocks left with meta tensors (the model is discarded)
 
     bind_fused(handle, fused)  -> trainer.optim FusedBackPass steps streamed weights with their packed state
                                   (from trainer.offload.fused; pre/post/synchronize hooks of its protocol,
@@ -109,8 +110,9 @@ class OffloadHandle:
         """Wait for the device; point every block parameter at current values (ring or host copy)."""
         self._c.expose_current_weights()
 
-    def close(self) -> None:
-        self._c.close()
+    def close(self, keep_weights: bool = True) -> None:
+        """Undo the attach; `keep_weights=False`: streamed blocks are left with meta tensors (no RAM copy)."""
+        self._c.close(keep_weights)
         block.remove(self._blocks)
 
     detach = close

@@ -400,9 +400,11 @@ class Conductor:
                 pk.point_at(pk.views(self.arena.region(self.host_off[b], self.plan.sizes[b])))
                 self.params_at[b] = None
 
-    def close(self) -> None:
+    def close(self, keep_weights: bool = True) -> None:
         """Restore ordinary tensors: every block's parameters and buffers become plain CPU tensors with current
-        values. (The blocks' class is the caller's: `attach_offload`'s handle restores it.)"""
+        values. (The blocks' class is the caller's: `attach_offload`'s handle restores it.) `keep_weights=False`
+        (the model is being discarded) makes them meta tensors instead: copying them out would hold a second
+        copy of every streamed block in RAM beside the arena, twice the model at the end of a run."""
         self.wait_for_device()
         if self.streaming:
             for b, pk in enumerate(self.packs):
@@ -412,6 +414,11 @@ class Conductor:
                 else:
                     src_views = pk.views(self.arena.region(self.host_off[b], self.plan.sizes[b]))
                 for e, v in zip(pk.entries, src_views, strict=True):
+                    if not keep_weights:  # new meta objects (a CPU Parameter cannot take meta data)
+                        t = torch.empty(v.shape, dtype=v.dtype, device="meta")
+                        slots = e.module._parameters if e.is_param else e.module._buffers
+                        slots[e.name] = nn.Parameter(t, requires_grad=False) if e.is_param else t
+                        continue
                     t = v.to("cpu", copy=True)
                     if e.is_param:
                         e.tensor().data = t

@@ -80,8 +80,12 @@ def choose_attention(device: torch.device, choice: str) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: str | None = None, overwrite: bool = False, resume_other_run: bool = False):
+    def __init__(self, cfg: Config, resume: str | None = None, overwrite: bool = False, resume_other_run: bool = False,
+                 keep_model: bool = True):
         self.cfg = cfg
+        # keep_model=False (the CLI): the transformer is dropped when the run ends, so its streamed blocks are not
+        # copied out of the pinned arena (a second copy of the model in RAM at exit)
+        self.keep_model = keep_model
         self.resume = resume
         self.overwrite, self.resume_other_run = overwrite, resume_other_run  # see run.py
         self.out = Path(cfg.output.dir)
@@ -427,7 +431,7 @@ class Trainer:
             self.monitor.close()
             self.monitor = None
         if self.offload is not None:
-            self.offload.close()
+            self.offload.close(keep_weights=self.keep_model)
             self.offload = None
         self.dist.close()
 
