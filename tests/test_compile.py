@@ -16,6 +16,9 @@ from trainer.offload.block import StreamedBlock
 
 AOT = CompileOptions(backend="aot_eager", shapes=4)
 
+if torch.cuda.is_available():  # on a GPU box: checkpointing refuses CUDA being initialized inside its forward
+    torch.cuda.init()
+
 
 @pytest.fixture(autouse=True)
 def _fresh_compile_cache():

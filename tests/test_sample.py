@@ -111,11 +111,11 @@ def test_offload_fraction_gives_identical_images_on_cpu(tiny_models, tmp_path, m
     calls, stats = [], []
     real = placement._attach
 
-    def spy(blocks, dev, f):
-        handle = real(blocks, dev, f)
+    def spy(blocks, dev, f, **kw):
+        handle = real(blocks, dev, f, **kw)
         calls.append((len(blocks), f))
         close = handle.close
-        handle.close = lambda: (stats.append(handle.stats()), close())
+        handle.close = lambda *a: (stats.append(handle.stats()), close(*a))
         return handle
 
     monkeypatch.setattr(placement, "_attach", spy)
@@ -269,7 +269,7 @@ def test_streamed_text_encoders_give_identical_images(tiny_models, tmp_path, mon
 
     attached = []
     real = placement._attach
-    monkeypatch.setattr(placement, "_attach", lambda b, d, f: attached.append(len(b)) or real(b, d, f))
+    monkeypatch.setattr(placement, "_attach", lambda b, d, f, **kw: attached.append(len(b)) or real(b, d, f, **kw))
     cfg = _cfg(tiny_models, family, tmp_path)
     ref = run_sample(cfg, SampleRequest(prompts=[PROMPT], out=tmp_path / "a"))
     cfg.offload.text_encoders = 1.0
@@ -294,3 +294,31 @@ def test_generate_encodes_string_prompts_like_stored_embeddings(tiny_models, tmp
     assert not np.array_equal(a[0], a[1])
     with pytest.raises(ValueError, match="2 prompts but 1 seeds"):
         generate(pipe, adapter, embeds, settings=settings, seeds=[4])
+
+
+def test_streamed_sampling_builds_the_transformer_from_its_files(tiny_models, tmp_path, monkeypatch):
+    """At --offload > 0 the transformer is built with placeholders and its blocks read straight into the arena
+    (stream_load): no whole copy in RAM; at 0 it loads whole (it goes to the device as one piece anyway)."""
+    import trainer.models.stream_load as sl
+
+    seen, real = [], sl.load
+    monkeypatch.setattr(sl, "load", lambda *a, **k: seen.append(a[-1]) or real(*a, **k))
+    cfg = _cfg(tiny_models, "flux", tmp_path)
+    run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, offload=0.5, out=tmp_path / "a"))
+    assert seen == [True]
+    run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, offload=0.0, out=tmp_path / "b"))
+    assert seen == [True]
+
+
+def test_dora_lora_files_are_recognised_so_the_base_loads_first(tmp_path):
+    from safetensors.torch import save_file
+
+    from trainer.sample import _is_dora
+
+    w = {"a.lora_A.weight": torch.zeros(2, 2)}
+    save_file(w, str(tmp_path / "plain.safetensors"))
+    save_file(w, str(tmp_path / "meta.safetensors"), metadata={"dittrain.dora": "True"})  # as checkpoint.py writes
+    save_file({**w, "a.lora_magnitude_vector": torch.ones(2)}, str(tmp_path / "keys.safetensors"))
+    (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
+    assert [_is_dora(tmp_path / f"{n}.safetensors") for n in ("plain", "meta", "keys", "broken")] == [
+        False, True, True, False]

@@ -5,7 +5,10 @@ The run reads top to bottom as a few named steps:
 1. `resolve` the request against the config: prompts, LoRA files, size, seeds, output names. Every problem a user
    can fix is reported here, before a weight is read.
 2. Load the pipeline's parts from local files (`adapter.load`) onto the CPU, build the pipeline, and apply the
-   LoRAs with diffusers' own `load_lora_weights` / `set_adapters`.
+   LoRAs with diffusers' own `load_lora_weights` / `set_adapters`. A streamed transformer (fraction > 0) is built
+   with placeholder weights instead (trainer/models/stream_load.py): its blocks are read from the files straight
+   into the conductor's arena in step 4, so no copy of the model sits in ordinary RAM. The base weights load whole
+   first where they are needed before that: a full fine-tune's `transformer/`, a DoRA LoRA, a single-file model.
 3. Encode all prompts (text encoders on the GPU one run at a time, streamed if `offload.text_encoders` > 0), then
    release the encoders.
 4. Place the transformer: resident at fraction 0, otherwise its blocks streamed by the offload conductor at
@@ -32,6 +35,7 @@ from tqdm.auto import tqdm
 from .config import Config
 from .dtypes import DTYPES
 from .errors import UserError
+from .models import stream_load
 from .sampling.engine import encode_prompts, generate, release_text_encoders
 from .sampling.lora import load_loras
 from .sampling.output import contact_sheet, image_metadata, save_png
@@ -130,7 +134,7 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
     adapter = get_adapter(cfg.model)
     plan = resolve(cfg, req, adapter)
     trained = trained_transformer(cfg, req.base)
-    pipe, adapters = _build_pipeline(cfg, adapter, plan, trained)
+    pipe, adapters, loader = _build_pipeline(cfg, adapter, plan, trained)
     tqdm.write(f"sampling with {'the fine-tuned transformer ' + str(trained) if trained else 'the base transformer'}"
                f" ({cfg.model.path}{' + ' + str(len(adapters)) + ' LoRA(s)' if adapters else ''})", file=sys.stderr)
     embeds = _encode_and_release(pipe, adapter, plan, cfg.offload.text_encoders)
@@ -140,7 +144,8 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
     fix = "raise --offload (1.0 streams every block)" if plan.offload < 1 else "lower --width/--height"
     oom = f"out of GPU memory sampling {plan.settings.width}x{plan.settings.height} at --offload {plan.offload}: {fix}"
     with _oom_as_user_error(oom), place_transformer(
-            adapter, pipe.transformer, plan.device, plan.offload, compile_options(cfg, plan.device) or False):
+            adapter, pipe.transformer, plan.device, plan.offload, compile_options(cfg, plan.device) or False,
+            fill=loader and loader.fill, keep_weights=False):  # the pipeline is dropped after the images
         for job in tqdm(plan.jobs, desc="images", unit="img", disable=len(plan.jobs) < 2):
             (image,) = generate(
                 pipe, adapter, [embeds[job.prompt]], settings=plan.settings, seeds=[job.seed], progress=True
@@ -181,14 +186,17 @@ def _oom_as_user_error(message: str):
 
 
 def _build_pipeline(cfg: Config, adapter, plan: SamplePlan, trained: Path | None = None):
-    """Every part on the CPU, the fine-tuned weights (`trained`) loaded into the transformer, the LoRAs applied by
-    diffusers, the transformer frozen. Returns (pipe, adapter names)."""
-    comps = adapter.load(
-        cfg.model,
-        parts={"transformer", "vae", "text", "scheduler"},
-        dtype=DTYPES[cfg.model.dtype],
-        device="cpu",
-    )
+    """Every part on the CPU (a streamed transformer's blocks as placeholders), the fine-tuned weights (`trained`)
+    loaded into the transformer, the LoRAs applied by diffusers, the transformer frozen. Returns (pipe, adapter
+    names, the loader that fills the placeholders or None)."""
+    dtype = DTYPES[cfg.model.dtype]
+    stream = (plan.offload > 0 and trained is None and stream_load.supported(cfg.model)
+              and not any(_is_dora(s.path) for s in plan.loras))
+    comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler"} | (set() if stream else {"transformer"}),
+                         dtype=dtype, device="cpu")
+    loader = None
+    if stream:
+        comps.transformer, loader = stream_load.load(adapter, cfg.model, dtype, torch.device("cpu"), True)
     pipe = adapter.pipeline(comps)
     del comps  # the pipeline holds the only references from here, so releasing the encoders frees them
     if trained is not None:
@@ -199,7 +207,20 @@ def _build_pipeline(cfg: Config, adapter, plan: SamplePlan, trained: Path | None
     # Inference only. It also tells the conductor that every block weight (LoRA layers included) is frozen, so
     # all of it is packed and streamed; a parameter that requires grad would be kept resident on the device.
     pipe.transformer.requires_grad_(False)
-    return pipe, names
+    return pipe, names, loader
+
+
+def _is_dora(path: Path) -> bool:
+    """Whether a LoRA file is DoRA (peft starts its magnitudes from the base weights, so they must be real)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            return "True" in (meta.get("dittrain.dora"), meta.get("dora")) or any(
+                "magnitude" in k or "dora_scale" in k for k in f.keys())
+    except Exception:  # noqa: BLE001 - unreadable here: load_loras reports it with the file's name
+        return False
 
 
 def _encode_and_release(pipe, adapter, plan: SamplePlan, text_fraction: float) -> dict[str, dict]:

@@ -137,8 +137,17 @@ class TransformerLoader:
             raise UserError(f"{folder}: could not read the safetensors index or headers ({e})") from None
         self.dtype = dtype
         # Module -> its state-dict prefix; peft's `base_layer` (LoRA injected after the build) is not in the file.
-        self.prefix = {id(m): (n + ".").replace("base_layer.", "") if n else "" for n, m in transformer.named_modules()}
+        self._root = transformer
+        self.prefix = self._prefixes()
         self._scales: dict[int, torch.Tensor] = {}
+
+    def _prefixes(self) -> dict[int, str]:
+        return {id(m): (n + ".").replace("base_layer.", "") if n else "" for n, m in self._root.named_modules()}
+
+    def _prefix(self, module: nn.Module) -> str:
+        if id(module) not in self.prefix:  # a module added after the build (LoRA layers loaded for sampling)
+            self.prefix = self._prefixes()
+        return self.prefix[id(module)]
 
     def tensor(self, module: nn.Module, name: str, current: torch.Tensor) -> torch.Tensor:
         """The value of `module`'s tensor `name` (now `current`) on the CPU, in `current`'s dtype."""
@@ -146,13 +155,13 @@ class TransformerLoader:
             if name == "weight_scale" and id(module) in self._scales:
                 return self._scales.pop(id(module))
             mode = "fp8" if module.weight.dtype == torch.float8_e4m3fn else "int8"
-            w = self._read(self.prefix[id(module)] + "weight", module.compute_dtype)
+            w = self._read(self._prefix(module) + "weight", module.compute_dtype)
             q, scale = quant.quantize(w, mode)  # as the old path: quantize the model-dtype weight
             if name == "weight":
                 self._scales[id(module)] = scale
                 return q
             return scale
-        key = self.prefix[id(module)] + name
+        key = self._prefix(module) + name
         if key not in self.files.where:
             if not is_placeholder(current):
                 return current  # a buffer the model computes itself (not in the file)

@@ -27,28 +27,32 @@ from torch import nn
 from ..offload import move_outside_blocks
 
 
-def _attach(blocks: list[nn.Module], device: torch.device, fraction: float, compile=False):
+def _attach(blocks: list[nn.Module], device: torch.device, fraction: float, compile=False, fill=None):
     from ..offload import attach_offload
 
-    return attach_offload(blocks, device, fraction, mode="sample", compile=compile)
+    return attach_offload(blocks, device, fraction, mode="sample", compile=compile, fill=fill)
 
 
 @contextmanager
-def place_transformer(adapter, transformer: nn.Module, device: torch.device, fraction: float, compile=False):
+def place_transformer(adapter, transformer: nn.Module, device: torch.device, fraction: float, compile=False,
+                      fill=None, keep_weights: bool = True):
     """Resident (f = 0) or streamed (f > 0) for the duration of the block, blocks compiled with `compile`
-    (False, True or CompileOptions); the handle is closed after."""
-    if fraction <= 0 and not compile:
+    (False, True or CompileOptions); the handle is closed after (`keep_weights=False`: the transformer is being
+    dropped, its streamed blocks are not copied back out). `fill`: the blocks hold placeholders, which the
+    conductor fills from the model's files (trainer/models/stream_load.py)."""
+    if fraction <= 0 and not compile and fill is None:
         transformer.to(device)
         yield None
         return
     fraction = max(fraction, 0.0)
     blocks = adapter.blocks(transformer)
     move_outside_blocks(transformer, blocks, device)
-    handle = _attach(blocks, device, fraction, compile) if compile else _attach(blocks, device, fraction)
+    extra = {k: v for k, v in (("compile", compile), ("fill", fill)) if v}
+    handle = _attach(blocks, device, fraction, **extra)
     try:
         yield handle
     finally:
-        handle.close()
+        handle.close(keep_weights)
 
 
 def encoder_blocks(encoder: nn.Module) -> list[nn.Module]:

@@ -250,10 +250,12 @@ class Trainer:
             from ..planner import analyze
             from ..planner.phases import predicted_map
 
-            if "_phase_pred" not in self.__dict__:
-                self._phase_pred = predicted_map(self.cfg, self.fraction or 0.0, analyze(self.cfg))
-            if name in self._phase_pred:
-                v, r = self._phase_pred[name]
+            # Keyed by the fraction: text caching logs before setup has resolved offload.transformer (auto).
+            pred = self.__dict__.setdefault("_phase_pred", {})
+            if self.fraction not in pred:
+                pred[self.fraction] = predicted_map(self.cfg, self.fraction or 0.0, analyze(self.cfg))
+            if name in pred[self.fraction]:
+                v, r = pred[self.fraction][name]
                 line += f" (planner: {v / 1e9:.2f} GB VRAM, {r / 1e9:.1f} GB RAM)"
         except Exception as e:  # noqa: BLE001 - a prediction that cannot be made must never stop training
             line += f" (no planner prediction: {type(e).__name__})"
