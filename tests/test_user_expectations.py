@@ -66,3 +66,41 @@ def test_tensorboard_gets_step_time_vram_run_id_and_config(tmp_path, capsys):
     assert {"run/id/text_summary", "run/config/text_summary"} <= set(ev.Tags()["tensors"])
     config_text = ev.Tensors("run/config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "family: flux" in config_text
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_progress_bars_are_drawn_only_on_a_terminal_and_status_goes_to_stderr(capsys, monkeypatch, tty):
+    """Caching, merging and sampling bars (trainer/progress.py) stay out of a log file; `dittrain cache`'s status
+    lines go to stderr like every other status line."""
+    import sys
+
+    from trainer.progress import bar
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty, raising=False)
+    b = bar(total=200, desc="encoding captions", unit="cap", mininterval=0)
+    for _ in range(200):
+        b.update(1)
+    b.close()
+    for _ in bar(range(3), desc="off", enabled=False):
+        pass
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert ("encoding captions" in err) is tty and "off" not in err
+
+
+def test_cache_command_prints_its_status_on_stderr_only(tiny_models, tmp_path):
+    import yaml
+    from PIL import Image
+
+    imgs = tmp_path / "imgs"
+    imgs.mkdir()
+    for i in range(2):
+        Image.new("RGB", (64, 64), (40 * i, 90, 160)).save(imgs / f"{i}.png")
+        (imgs / f"{i}.txt").write_text(f"a square number {i}")
+    cfg = {"model": {"family": "flux", "path": str(tiny_models / "flux"), "dtype": "fp32"}, "train": {"device": "cpu"},
+           "data": {"sources": [{"path": str(imgs)}], "resolutions": [64], "cache_dir": str(tmp_path / "cache")},
+           "output": {"dir": str(tmp_path / "out")}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    r = CliRunner().invoke(app, ["cache", str(tmp_path / "c.yaml")])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "" and "latents 0 reused, 2 encoded" in r.stderr

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from tqdm.auto import tqdm
 
 from .errors import UserError
+from .progress import bar as progress_bar
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
 SINGLE = "diffusion_pytorch_model.safetensors"
@@ -198,7 +198,7 @@ def merge_loras(
         if unused:
             raise UserError(f"--lora {path}: {len(unused)} LoRA modules match no weight of this model "
                             f"(first: {unused[0].removesuffix('.weight')}); was it trained for another model?")
-    bar = tqdm(total=len(base), desc="merging", unit="tensor", disable=not progress)
+    bar = progress_bar(total=len(base), desc="merging", unit="tensor", enabled=progress)
     one = _Writer(single, [x for s in specs for x in s]) if single is not None else None
     try:
         for shard, name, spec in zip(shards, names, specs, strict=True):

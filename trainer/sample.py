@@ -36,6 +36,7 @@ from .config import Config
 from .dtypes import DTYPES
 from .errors import UserError
 from .models import stream_load
+from .progress import bar as progress_bar
 from .sampling.engine import encode_prompts, generate, release_text_encoders
 from .sampling.lora import load_loras
 from .sampling.output import contact_sheet, image_metadata, save_png
@@ -146,7 +147,7 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
     with _oom_as_user_error(oom), place_transformer(
             adapter, pipe.transformer, plan.device, plan.offload, compile_options(cfg, plan.device) or False,
             fill=loader and loader.fill, keep_weights=False):  # the pipeline is dropped after the images
-        for job in tqdm(plan.jobs, desc="images", unit="img", disable=len(plan.jobs) < 2):
+        for job in progress_bar(plan.jobs, desc="images", unit="img", enabled=len(plan.jobs) > 1):
             (image,) = generate(
                 pipe, adapter, [embeds[job.prompt]], settings=plan.settings, seeds=[job.seed], progress=True
             )

@@ -41,6 +41,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -54,6 +55,7 @@ from tqdm.auto import tqdm
 
 from ..dtypes import DTYPES
 from ..errors import UserError
+from ..progress import bar as progress_bar
 from ..train.phases import LOG, Phase
 from .images import BadImage, load_mask, load_pixels
 
@@ -264,7 +266,7 @@ def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int,
     for j in jobs:
         by_bucket.setdefault(j.bucket, []).append(j)
     chunks = [g[i : i + batch_size] for g in by_bucket.values() for i in range(0, len(g), batch_size)]
-    bar = tqdm(total=len(jobs), desc="encoding latents", unit="img", disable=not progress)
+    bar = progress_bar(total=len(jobs), desc="encoding latents", unit="img", enabled=progress)
     # Decoding and resizing release the GIL: a few threads keep the VAE fed.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         for chunk in chunks:
@@ -309,7 +311,7 @@ def _pixels_or_reason(job: LatentJob) -> tuple[torch.Tensor, torch.Tensor | None
 
 
 def _encode_texts(adapter, comps, store, captions: list[str], batch_size: int, progress: bool, res) -> None:
-    bar = tqdm(total=len(captions), desc="encoding captions", unit="cap", disable=not progress)
+    bar = progress_bar(total=len(captions), desc="encoding captions", unit="cap", enabled=progress)
     for i in range(0, len(captions), batch_size):
         chunk = captions[i : i + batch_size]
         with torch.no_grad():
@@ -471,18 +473,19 @@ def run_cache(cfg) -> None:
         raise UserError("the config has no data: section; `dittrain cache` needs data.sources")
     adapter = get_adapter(cfg.model)
     plan = plan_data(cfg, adapter, force_disk=True)
-    tqdm.write(plan.summary())
+    tqdm.write(plan.summary(), file=sys.stderr)
     if not cfg.data.cache:
-        tqdm.write(f"note: data.cache is false, so fit will encode in memory and not read {cfg.data.cache_dir}")
+        tqdm.write(f"note: data.cache is false, so fit will encode in memory and not read {cfg.data.cache_dir}",
+                   file=sys.stderr)
     res = ensure_encoded(
         adapter, cache_stages(cfg, adapter), plan.latent_store, plan.text_store, plan.latent_jobs(),
         plan.captions(), batch_size=cfg.data.encode_batch_size, verify_latents=True, verify_texts=True,
     )
     drop_encoding_failures(plan, res)
-    tqdm.write(plan.encode_summary(res))
+    tqdm.write(plan.encode_summary(res), file=sys.stderr)
     if torch.cuda.is_available():
         for line in LOG.lines():
-            tqdm.write(line)
+            tqdm.write(line, file=sys.stderr)
 
 
 def cache_stages(cfg, adapter, device=None, dtype=None, fraction: float | None = None) -> StagedLoader:

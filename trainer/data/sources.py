@@ -37,9 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from ..errors import UserError
+from ..progress import bar as progress_bar
 from .images import IMAGE_SUFFIXES, BadImage, open_image
 
 INDEX_NAME = "scan-index.json"
@@ -255,7 +254,8 @@ def scan_sources(sources, index_dir: Path | None = None, progress: bool = True, 
     index_file = index_dir / INDEX_NAME if index_dir is not None else None
     index = _read_index(index_file)
     flat = [(i, path, caps, mask, ctrl) for i, cands in enumerate(per_source) for path, caps, mask, ctrl in cands]
-    bar = tqdm(total=len(flat), desc="scanning images", unit="img", disable=not progress or len(flat) < 50, leave=False)
+    bar = progress_bar(total=len(flat), desc="scanning images", unit="img", enabled=progress and len(flat) >= 50,
+                       leave=False)
     new_index: dict[str, dict] = {}
     # Decoding and hashing release the GIL: threads make the first scan of a large folder several times faster.
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:

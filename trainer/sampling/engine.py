@@ -33,6 +33,7 @@ from diffusers import DiffusionPipeline
 from PIL import Image
 
 from ..models import adapter_class
+from ..progress import shown
 from .request import SampleSettings
 
 #: pipeline call kwargs holding one prompt's embeddings
@@ -134,7 +135,7 @@ def generate(
     if transformer is not None:
         pipe.transformer = transformer  # a reference swap: no weights are copied
     model.eval()
-    pipe.set_progress_bar_config(disable=not progress, leave=False, desc="steps")
+    pipe.set_progress_bar_config(disable=not shown(progress), leave=False, desc="steps")
     pipe_logger, quiet = logging.getLogger(type(pipe).__module__), _DropMaskNotice()
     pipe_logger.addFilter(quiet)
     try:
