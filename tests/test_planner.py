@@ -293,7 +293,7 @@ def test_cli_plan_nothing_fits_is_one_line_exit_1(tiny_models, tmp_path):
     cfg = _cfg(tiny_models / "flux", "flux")
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    res = CliRunner().invoke(app, ["plan", str(path), "--vram", "0.01"])
+    res = CliRunner().invoke(app, ["plan", str(path), "--vram", "1.01"])  # the card: 0.01 GB after the 1 GB reserve
     assert res.exit_code == 1
     err = res.stderr.strip() if hasattr(res, "stderr") and res.stderr else res.output.strip()
     assert err.startswith("error: offload: flux lora at 64 px needs at least") and "\n" not in err
@@ -339,3 +339,23 @@ def test_full_fine_tune_packs_the_state_the_optimizer_reports(tiny_models, name)
     weights_only = [BlockPacking.of(b, include_trainable=True).nbytes for b in blocks]
     assert facts.state_packed and facts.packed == real
     assert all(r > w for r, w in zip(real, weights_only, strict=True))
+
+
+@pytest.mark.parametrize("preset", ["flux/lora-8gb", "flux/lora-12gb", "sd3/lora-16gb"])
+def test_plan_vram_of_the_card_picks_the_presets_fraction(preset):
+    """`dittrain plan PRESET --vram N` (N the card's GB) and the shipped N GB preset agree on the fraction."""
+    import re
+    from pathlib import Path
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{preset}.yaml"
+    card = re.search(r"(\d+)gb", preset).group(1)
+    res = CliRunner().invoke(app, ["plan", str(path), "--vram", card])
+    assert res.exit_code == 0, res.output
+    chosen = re.search(r"^(\d\.\d\d) <- chosen", res.stdout, re.M)
+    assert chosen and float(chosen.group(1)) == yaml.safe_load(path.read_text())["offload"]["transformer"]
+    assert f"budget {int(card) - 1} GB" in res.stdout

@@ -173,14 +173,21 @@ def sample(
 def plan(
     config: Path = CONFIG_ARG,
     overrides: list[str] = SET_OPT,
-    vram: float | None = typer.Option(None, "--vram", help="VRAM budget in GB to pick the offload fraction for."),
+    vram: float | None = typer.Option(None, "--vram", help="The GPU's memory in GB (the card size, e.g. 12): the "
+                                      "fraction is picked for it minus 1 GB for the CUDA context, as the presets are."),
     ram: float | None = typer.Option(None, "--ram", help="CPU RAM in GB to check the pinned arena against."),
 ) -> None:
     """Predict VRAM, RAM and step time per offload fraction without training, and pick the fraction that fits."""
     cfg = _load(config, overrides)
     from .planner import run_plan
+    from .planner.presets import HEADROOM_GB
 
-    run_plan(cfg, vram_gb=vram, ram_gb=ram)
+    if vram is not None:
+        if vram <= HEADROOM_GB:
+            raise UserError(f"--vram {vram:g}: give the card's memory in GB (more than {HEADROOM_GB:g})")
+        typer.echo(f"budget {vram - HEADROOM_GB:g} GB: the {vram:g} GB card minus {HEADROOM_GB:g} GB for the CUDA "
+                   "context (as the presets)")
+    run_plan(cfg, vram_gb=None if vram is None else vram - HEADROOM_GB, ram_gb=ram)
 
 
 @app.command()
