@@ -93,3 +93,31 @@ def test_every_preset_header_agrees_with_its_body(path):
     assert set(phases) >= {"text caching", "latent caching", "load", "training step", "checkpoint save"}, path
     assert max(phases.values()) == pytest.approx(vram, abs=0.051), f"{path}: {phases} vs {vram}"
     assert ("sampling" in phases) == bool(cfg.sample.every), path
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@pytest.mark.parametrize("path", SIZED, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_the_commented_optional_features_validate_when_uncommented(path, tmp_path):
+    """Each sized preset ends with a commented block of optional features (EMA, validation, LoKr, masks, caption
+    handling, per-step LoRAs); uncommented and merged into the preset, it must be a valid config."""
+    import yaml
+
+    from trainer.planner.presets import OPTIONAL_MARK
+
+    text = path.read_text()
+    assert OPTIONAL_MARK in text, f"{path}: no optional-features block"
+    block = text[text.index(OPTIONAL_MARK):].splitlines()[2:]
+    extra = yaml.safe_load("\n".join(line[2:] for line in block))
+    merged = _merge(yaml.safe_load(text), extra)
+    assert merged["train"]["ema"] and merged["data"]["validation"] and merged["data"]["sources"][0]["shuffle_tags"]
+    out = tmp_path / "c.yaml"
+    out.write_text(yaml.safe_dump(merged))
+    cfg = load_config(out)
+    assert cfg.train.ema is not None and cfg.data.masked_loss and cfg.data.sources[0].keep_tokens == 1
+    assert (cfg.lora.type == "lokr" and cfg.output.save_every == 500) if cfg.train.method == "lora" else True

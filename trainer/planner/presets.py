@@ -225,6 +225,36 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
     ]
 
 
+#: the line that starts every preset's commented block of optional features (tests/test_presets.py reads it)
+OPTIONAL_MARK = "# Optional features: uncomment what you want and merge it into the sections above"
+
+
+def optional_features(method: str) -> list[str]:
+    """Commented YAML showing the keys of the features most users of other trainers look for (README: Training)."""
+    lora = method == "lora"
+    body = [
+        "train:",
+        "  ema: {decay: 0.999, every: 1, device: cpu}  # EMA of the trained weights: "
+        + ("lora-ema.safetensors" if lora else "transformer-ema/"),
+        "  validate_every: 250                       # score data.validation every 250 steps (val_loss)",
+        *(["lora:", "  type: lokr                                # lora | lokr | loha (or dora: true with type lora)"]
+          if lora else []),
+        "data:",
+        "  validation: {fraction: 0.05}              # hold out 5 % of the images for the validation loss",
+        "  masked_loss: true                         # <source>/masks/<same name>: white trains, black is ignored",
+        "  sources:",
+        "    - path: /path/to/images",
+        "      trigger_word: ohwx                    # put first in every caption",
+        "      shuffle_tags: true                    # shuffle the comma-separated tags after keep_tokens",
+        "      keep_tokens: 1",
+        "      tag_dropout: 0.1",
+        "      several_captions: true                # each line of a .txt is a caption; one drawn each time",
+        *(["output:", "  save_every: 500                           # also keep the LoRA of every 500th step"]
+          if lora else []),
+    ]
+    return ["", OPTIONAL_MARK, "# (README, Training, says what each does):", *("# " + line for line in body)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("configs"))
@@ -245,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                 d, p, base, phases = r
                 path.parent.mkdir(parents=True, exist_ok=True)
                 head = header(family, method, card, d, p, base, phases)
-                path.write_text("\n".join(head + _yaml(d)) + "\n")
+                path.write_text("\n".join(head + _yaml(d) + optional_features(method)) + "\n")
                 print(f"wrote   {path}: {head[2][2:]}")
     print("\nabsent combinations (for configs/README.md):")
     print("\n".join(absent))
