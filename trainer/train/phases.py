@@ -114,27 +114,29 @@ def _reset_rss_peak() -> bool:
         return False
 
 
-def peak_rss() -> int:
-    """Peak resident set in bytes since the last reset (VmHWM), or the lifetime peak from getrusage."""
+def _status_kb(key: str) -> int | None:
+    """A `key:` line of /proc/self/status in bytes (None where there is no such file or line)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def peak_rss() -> int:
+    """Peak resident set in bytes since the last reset (VmHWM), or the lifetime peak from getrusage."""
+    hwm = _status_kb("VmHWM")
+    if hwm is not None:
+        return hwm
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r if sys.platform == "darwin" else r * 1024
 
 
 def anon_rss() -> int:
     """Current anonymous resident memory in bytes (RssAnon): the host RAM not backed by a file."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _status_kb("RssAnon") or 0
 
 
 def _size(text: str) -> float | None:
