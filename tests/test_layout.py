@@ -3,7 +3,8 @@ the family facts every model adapter must provide.
 
 - trainer/offload/ (the conductor) imports nothing from the planner, the config or the model adapters;
 - trainer/planner/ imports only the conductor's arithmetic (offload.plan, offload.allocators, and fused.py's list
-  of optimizers whose state is packed), models/, config, errors, dtypes and itself, with no import cycle;
+  of optimizers whose state is packed), models/, quant (the loader's quantized layout), config, errors, dtypes and
+  itself, with no import cycle;
 - nothing outside trainer/models/ compares a family name (`family == "flux"`): facts live on the adapters.
 """
 
@@ -65,7 +66,7 @@ def test_offload_imports_neither_planner_config_nor_models():
 
 
 ALLOWED = ("trainer.offload.plan", "trainer.offload.allocators", "trainer.offload.fused", "trainer.models",
-           "trainer.config", "trainer.errors", "trainer.dtypes", "trainer.planner")
+           "trainer.config", "trainer.errors", "trainer.dtypes", "trainer.planner", "trainer.quant")
 
 
 def test_planner_imports_only_what_it_may():

@@ -121,3 +121,22 @@ def test_the_commented_optional_features_validate_when_uncommented(path, tmp_pat
     cfg = load_config(out)
     assert cfg.train.ema is not None and cfg.data.masked_loss and cfg.data.sources[0].keep_tokens == 1
     assert (cfg.lora.type == "lokr" and cfg.output.save_every == 500) if cfg.train.method == "lora" else True
+
+
+def test_fp8_base_only_where_the_header_says_why_and_then_within_the_small_ram():
+    """LoRA presets for 8-16 GB cards switch to model.quantize: fp8 where bf16 needs more host RAM than a 32 GB
+    machine (planner/presets.py); the header says so, and the fp8 preset's predicted RAM peak fits."""
+    import re
+
+    from trainer.planner.presets import SMALL_RAM_GB
+
+    seen = []
+    for path in SIZED:
+        cfg = load_config(path)
+        head = _header(path)
+        assert (cfg.model.quantize == "fp8") == ("fp8 base:" in head), path
+        if cfg.model.quantize == "fp8":
+            seen.append(path.parent.name)
+            assert cfg.train.method == "lora" and "more than the 32 GB" in head
+            assert float(re.search(r"\((\d+) GB peak\)", head).group(1)) <= SMALL_RAM_GB
+    assert "qwen_image" in seen and "flux" not in seen  # Qwen-Image's 20 B do not fit 32 GB in bf16; Flux's do

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import quant
 from ..dtypes import DTYPES
 from ..errors import UserError
 from ..models import adapter_class
@@ -69,6 +70,10 @@ MIB2 = 2 << 20
 # H200 with full-size Flux LoRA (bench/RESULTS.md, 2026-11-22 01:13 UTC): 1.53-1.60 at 512 px, 1.24-1.36 at
 # 1024 px; 1.35 puts all six measured peaks within 5 % (1.10, the first assumption, was 1.4-9.4 % under).
 ALLOCATOR_OVERHEAD = 1.35
+#: anonymous host memory of a training process besides the arena: torch and CUDA libraries, Python, the data
+#: caches' index. Measured: Flux LoRA at 0.9 on an H200, 25.3-25.9 GB anonymous RSS per phase beside a 23.7 GB
+#: arena (bench/RESULTS.md, 2026-11-23, issue 14)
+HOST_BASE = 2.5 * GB
 WORKSPACE = 0.25 * GB  # cuBLAS workspaces, attention scratch, small tensors
 GRID = [round(0.05 * i, 2) for i in range(21)]
 TABLE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -108,6 +113,8 @@ class Facts:
     #: full FT: streamed blocks carry their optimizer state in their pack (`packed` includes it); else (8-bit
     #: AdamW) the state of streamed blocks waits in RAM and visits the GPU while its parameter steps
     state_packed: bool = False
+    #: the transformer is read whole into pageable RAM before its blocks are packed (else block by block)
+    loads_whole: bool = False
     traces: dict = field(default_factory=dict)
 
     def trace(self, res: int) -> ptrace.Trace:
@@ -126,6 +133,8 @@ def analyze(cfg) -> Facts:
     config, source = transformer_config(cfg)
     model = ptrace.meta_transformer(family, config, dtype)
     blocks = ptrace.blocks_of(family, model)
+    if cfg.model.quantize != "none":  # the loader's own quantization (meta tensors): 8-bit weights, fp32 scales
+        quant.quantize_blocks(blocks, cfg.model.quantize)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     nonblock = [p for p in model.parameters() if id(p) not in in_blocks]
     nonblock_bytes = sum(p.numel() * p.element_size() for p in nonblock)
@@ -193,7 +202,16 @@ def analyze(cfg) -> Facts:
         text_tokens=adapter_class(family).text_tokens,
         text_encoders=text_encoder_bytes(cfg),
         resolutions=res,
+        loads_whole=_loads_whole(cfg),
     )
+
+
+def _loads_whole(cfg) -> bool:
+    """Whether `fit` reads the whole transformer into RAM before packing its blocks (trainer/train/trainer.py: a
+    single-file model, DoRA, an EMA of a full fine-tune); otherwise blocks go from the files straight into the
+    arena (trainer/models/stream_load.py). A resumed full fine-tune loads whole too; `plan` cannot know that."""
+    return (cfg.model.transformer_file is not None or (cfg.train.method == "lora" and cfg.lora.dora)
+            or (cfg.train.method == "full" and cfg.train.ema is not None))
 
 
 # ------------------------------------------------------------------------------------- pure arithmetic
@@ -328,9 +346,10 @@ def predict(
     static = _round2m(ring) + _round2m(facts.nonblock_bytes) + _round2m(trainable - grads_at_peak)
     allocated = ring + facts.nonblock_bytes + trainable + act
     reserved = static + ALLOCATOR_OVERHEAD * dynamic + WORKSPACE
-    # RAM: the transformer is read into (pageable) RAM before its blocks are packed into the arena.
+    # RAM: the pinned arena and activation buffers, the process's own (HOST_BASE), and, where the transformer is
+    # read whole before packing (facts.loads_whole), a pageable copy of it beside the arena.
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
-    ram = model_bytes + pinned + ck_host
+    ram = (model_bytes if facts.loads_whole else 0) + pinned + ck_host + HOST_BASE
     flops = ptime.train_flops(
         tr.linear_flops, tr.attn_flops, checkpointing=facts.checkpointing, weights_train=full
     )

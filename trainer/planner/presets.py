@@ -35,6 +35,10 @@ SETTINGS = (
 )
 # Host RAM a preset may assume: workstations with <= 24 GB cards, servers with 48 / 80 GB cards.
 RAM_GB = {8: 128, 12: 128, 16: 128, 24: 128, 48: 256, 80: 256}
+# LoRA presets for these cards switch to an fp8 base (model.quantize: fp8) where the bf16 one would not fit the
+# card, or would need more host RAM than SMALL_RAM_GB: the 32 GB machine most users of 8-16 GB cards have.
+FP8_CARDS = (8, 12, 16)
+SMALL_RAM_GB = 32
 
 
 def _config(
@@ -46,10 +50,12 @@ def _config(
     ckpt: bool = True,
     opt: str = "adamw",
     te: float = 0.0,
+    quantize: str = "none",
 ) -> dict:
     full = method == "full"
     return {
-        "model": {"family": family, "path": adapter_class(family).example_path, "dtype": "bf16"},
+        "model": {"family": family, "path": adapter_class(family).example_path, "dtype": "bf16",
+                  **({"quantize": quantize} if quantize != "none" else {})},
         "train": {
             "method": method,
             "steps": 2000 if full else 1500,
@@ -108,14 +114,14 @@ def _yaml(d: dict, indent: int = 0) -> list[str]:
     return out
 
 
-def _first_fit(family, method, card, opt, cache):
+def _first_fit(family, method, card, opt, cache, quantize="none"):
     budget = card - HEADROOM_GB
     last = ""
     for res, act, ckpt in SETTINGS:
-        d0 = _config(family, method, res, act, 0.0, ckpt, opt)
+        d0 = _config(family, method, res, act, 0.0, ckpt, opt, quantize=quantize)
         d0["sample"]["every"] = 0  # the fraction for training; sampling is checked below (off if it does not fit)
         cfg = Config.model_validate(d0)
-        key = (family, method, opt)
+        key = (family, method, opt, quantize)
         if key not in cache:
             cache[key] = analyze(cfg)
         facts = cache[key]
@@ -136,7 +142,7 @@ def _first_fit(family, method, card, opt, cache):
         base = predict(facts, 0.0, res, False)  # the same training without offloading (checkpointed)
         facts.checkpointing = ckpt
         te = fit_text_fraction(facts, budget)
-        d = _config(family, method, res, act, f, ckpt, opt, te)
+        d = _config(family, method, res, act, f, ckpt, opt, te, quantize)
         dcfg = Config.model_validate(d)
         phases = predict_phases(dcfg, f, facts, te)
         if any(ph.name == "sampling" and ph.vram > budget * 1e9 for ph in phases):
@@ -152,18 +158,31 @@ def _first_fit(family, method, card, opt, cache):
 
 def plan_preset(
     family: str, method: str, card: int, cache: dict
-) -> tuple[dict, Prediction, float, list] | str:
+) -> tuple[dict, Prediction, float, list, str] | str:
     """(config dict, prediction, step seconds without offloading, phase predictions) for the first setting whose
     every phase fits (text caching at the offload.text_encoders chosen for the budget; sampling during training
     is turned off where it would not fit), or why none does. Full fine-tunes try AdamW (moments stream with the weights: 10 bytes a parameter) and Adafactor
     (factored state stays on the GPU: 2 bytes a parameter stream) and keep the higher resolution, then the
-    faster step."""
+    faster step. LoRA presets for FP8_CARDS use an fp8 base where bf16 does not fit the card or SMALL_RAM_GB of
+    RAM (the last element says why; empty for bf16)."""
     opts = ("adamw", "adafactor") if method == "full" else ("adamw",)
     found = [_first_fit(family, method, card, o, cache) for o in opts]
     fits = [r for r in found if not isinstance(r, str)]
+    why = ""
+    if method == "lora" and card in FP8_CARDS:
+        if not fits:
+            why = f"in bf16 it would not fit ({found[-1]})"
+        elif fits[0][1].ram_peak / 1e9 > SMALL_RAM_GB:
+            why = (f"in bf16 it would need {fits[0][1].ram_peak / 1e9:.0f} GB of host RAM, more than the "
+                   f"{SMALL_RAM_GB} GB of most machines with {card} GB cards")
+        if why:
+            q = _first_fit(family, method, card, "adamw", cache, "fp8")
+            if not isinstance(q, str):
+                return (*q, why + f"; with fp8 Linear weights it pins {q[1].pinned / 1e9:.0f} GB")
+            why = ""
     if not fits:
         return found[-1]
-    return min(fits, key=lambda r: (-r[0]["data"]["resolutions"][0], r[1].step_s))
+    return (*min(fits, key=lambda r: (-r[0]["data"]["resolutions"][0], r[1].step_s)), why)
 
 
 # Presets run on a GPU with full-size random weights under a VRAM cap of card - 1 GB (bench/bench_plan.py; numbers
@@ -179,7 +198,8 @@ MEASURED: dict[tuple[str, str, int], str] = {
 }
 
 
-def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: float, phases: list) -> list[str]:
+def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: float, phases: list,
+           why_fp8: str = "") -> list[str]:
     name = adapter_class(family).full_name
     res, act, f = d["data"]["resolutions"][0], d["offload"]["activations"], d["offload"]["transformer"]
     opt = {"adamw": "AdamW", "adafactor": "Adafactor"}[d["optimizer"]["name"]]
@@ -206,7 +226,10 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
     return [
         f"# {name} {'LoRA' if method == 'lora' else 'full fine-tune'} for {card} GB cards ({how}, {res} px)",
         f"# trains: {what} on the transformer, {res}x{res} buckets, batch 1, bf16"
-        + (", gradient checkpointing" if ckpt else ""),
+        + (", gradient checkpointing" if ckpt else "")
+        + (", frozen base in fp8 (model.quantize: fp8)" if why_fp8 else ""),
+        *([f"# fp8 base: {why_fp8} (norms, biases and modulation stay bf16; the LoRA trains in fp32)."]
+          if why_fp8 else []),
         f"# expects: {big.vram / 1e9:.1f} GB VRAM (largest phase: {big.name}), {(p.pinned + p.act_checkpoint_host) / 1e9:.0f} GB pinned RAM "
         f"({p.ram_peak / 1e9:.0f} GB peak), {speed:.2f}x the step time without offloading (planner prediction; "
         + MEASURED.get((family, method, card), "not yet measured")
@@ -272,11 +295,11 @@ def main(argv: list[str] | None = None) -> int:
                     path.unlink(missing_ok=True)
                     print(f"absent  {path}: {r}")
                     continue
-                d, p, base, phases = r
+                d, p, base, phases, why_fp8 = r
                 path.parent.mkdir(parents=True, exist_ok=True)
-                head = header(family, method, card, d, p, base, phases)
+                head = header(family, method, card, d, p, base, phases, why_fp8)
                 path.write_text("\n".join(head + _yaml(d) + optional_features(method)) + "\n")
-                print(f"wrote   {path}: {head[2][2:]}")
+                print(f"wrote   {path}: {next(h for h in head if h.startswith('# expects'))[2:]}")
     print("\nabsent combinations (for configs/README.md):")
     print("\n".join(absent))
     return 0

@@ -243,7 +243,7 @@ def report(
         p = predict(facts, f_show, big, act, rates)
         host = (p.pinned + p.act_checkpoint_host) / GB
         verdict = (
-            "fits" if p.ram_peak / GB <= ram_gb else "does NOT fit (the transformer is read into RAM first)"
+            "fits" if p.ram_peak / GB <= ram_gb else "does NOT fit"
         )
         lines.append(
             f"RAM {ram_gb:g} GB: pinned {host:.1f} GB, peak while loading {p.ram_peak / GB:.1f} GB: {verdict}"
