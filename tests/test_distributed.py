@@ -69,6 +69,16 @@ def _job(rank: int, job: dict) -> dict:
     reducer = getattr(t.optim, "_reducer", None)
     info = {"monitor": t.monitor is not None, "sampler": t.sampler is not None, "world": t.dist.world,
             "rank": t.dist.rank, "buckets": len(reducer.buckets) if reducer else 0, "error": None}
+    if job.get("stream"):  # the shared arena (issue 20), seen from inside while both processes map it
+        inner_step = t.train_step
+
+        def step_and_look():
+            m = inner_step()
+            if t.step == 2:
+                info["arena"] = {"shared": t.offload.stats()["arena_shared"], **_arena_smaps()}
+            return m
+
+        t.train_step = step_and_look
     if job.get("stop_after") and rank == 1:  # a stop request seen by rank 1 only
         inner = t.train_step
 
@@ -93,6 +103,19 @@ def _job(rank: int, job: dict) -> dict:
         info["error"] = f"{type(e).__name__}: {e}"
         info["step"] = t.step
     return info
+
+
+def _arena_smaps() -> dict:
+    """Rss and Pss (bytes) of this process's mapping of the shared arena file (/proc/self/smaps): with two
+    processes touching every page, Pss is half the Rss."""
+    out, inside = {"rss": 0, "pss": 0}, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
+            inside = "dittrain-arena" in line
+        elif inside and head and head[0] in ("Rss:", "Pss:"):
+            out[head[0][:-1].lower()] += int(head[1]) * 1024
+    return out
 
 
 def _worker(rank: int, store: str, jobs: list[dict], result: str, backend: str) -> None:
@@ -176,7 +199,12 @@ def test_two_processes_train_lora_like_one_and_checkpoints_cross_world_sizes(tin
     assert all(i["error"] is None for i in r0 + r1), (r0, r1)
     assert r0[0]["buckets"] > 1
 
-    # Same weights and losses as the 1-process run at the same global batch.
+    # Same weights and losses as the 1-process run at the same global batch, the streamed frozen blocks living
+    # once in one /dev/shm arena that both processes map (each page shared by two: Pss = Rss / 2), gone after.
+    for info in (r0[0], r1[0]):
+        a = info["arena"]
+        assert a["shared"] and a["rss"] > 0 and a["pss"] == pytest.approx(a["rss"] / 2, rel=0.1), a
+    assert not list(Path("/dev/shm").glob("dittrain-arena-*"))
     _assert_equal(_weights(two, "lora"), ref_w)
     assert losses(two) == pytest.approx(losses(ref), rel=1e-6, abs=0)
     # A 1-process checkpoint resumed in 2 processes ends where the 1-process run did.

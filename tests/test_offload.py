@@ -442,3 +442,38 @@ def test_close_without_keeping_weights_leaves_meta_tensors_and_frees_the_arena()
         assert frozen and all(p.device.type == "meta" for p in frozen)
         assert all(p.device.type == "cpu" for p in blocks[b].parameters() if p.requires_grad)  # LoRA kept
     assert not any(isinstance(b, StreamedBlock) for b in blocks)
+
+
+def test_shared_arena_owner_and_reader_see_one_file_and_train_like_a_private_arena(tmp_path, monkeypatch):
+    """One process plays both roles of a host's processes (issue 20): the owner creates and fills the arena file,
+    a second conductor maps it without writing; both train like a private arena, and the name is gone after."""
+    from trainer.offload.allocators import SharedArena
+
+    calls = []
+    ref = add_lora(tiny_flux(0))
+    h = attach_offload(blocks_of(ref), "cpu", 0.5)
+    want = train_steps(ref, 2)
+    h.close()
+
+    path = tmp_path / "dittrain-arena-test"
+    m1, m2 = add_lora(tiny_flux(0)), add_lora(tiny_flux(0))
+    owner = attach_offload(blocks_of(m1), "cpu", 0.5, share=SharedArena(path, True, lambda: calls.append(1)))
+    assert not path.exists() and owner.stats()["arena_shared"] and len(calls) == 3  # unlinked after 3 barriers
+    # the reader maps the same name: recreate it from the owner's bytes (in a real job it exists until barrier 3)
+    path.write_bytes(owner._c.arena.buf.numpy().tobytes())
+    monkeypatch.setattr(SharedArena, "unlink", lambda self: None)
+    reader = attach_offload(blocks_of(m2), "cpu", 0.5, share=SharedArena(path, False, lambda: None))
+    assert reader.stats()["arena_shared"]
+    assert torch.equal(train_steps(m1, 2), want) and torch.equal(train_steps(m2, 2), want)
+    owner.close(), reader.close()
+
+
+def test_shared_arena_falls_back_to_a_private_one_when_dev_shm_is_too_small(tmp_path, monkeypatch):
+    from trainer.offload.allocators import SharedArena
+
+    monkeypatch.setattr(SharedArena, "fits", lambda self, n: "/dev/shm has 0.1 GB free (containers: --shm-size)")
+    m = add_lora(tiny_flux(0))
+    h = attach_offload(blocks_of(m), "cpu", 0.5, share=SharedArena(tmp_path / "a", True, lambda: None))
+    assert not h.stats()["arena_shared"] and "keeps its own arena" in h.pinning_note
+    assert not (tmp_path / "a").exists()
+    h.close()

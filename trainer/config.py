@@ -328,6 +328,11 @@ class OffloadConfig(_Section):
         "or one the OS refuses to pin (Windows / WSL pin about half of RAM, containers less), stays pageable and "
         "its copies go through two pinned one-block buffers (slower).",
     )
+    shared_arena: bool = Field(
+        default=True,
+        description="With several training processes on one host (torchrun), LoRA: the streamed frozen blocks "
+        "live once in a /dev/shm file that every process maps and pins, instead of once per process.",
+    )
 
     @field_validator("transformer")
     @classmethod

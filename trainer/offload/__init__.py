@@ -21,6 +21,8 @@ Public interface (everything else in this package is internal):
                                 #   into place (trainer/models/stream_load.py TransformerLoader.fill)
         pinned_budget=None,     # bytes the host arena may pin; above it (or if pinning is refused) the arena
                                 #   stays pageable and copies go through two pinned one-block buffers
+        share=None,             # allocators.SharedArena: the arena once per host for several processes (frozen
+                                #   weights only; filled by the owner, mapped by the others)
     )
     handle.pinning_note -> None, or the one line that says the arena is pageable and why
     handle.stats()      -> dict: block_bytes, offloaded_bytes, ring_bytes, pinned_bytes, h2d_gbps, ...
@@ -157,6 +159,7 @@ def attach_offload(
     _release_at_recompute: bool = False,
     fill=None,
     pinned_budget: int | None = None,
+    share=None,
 ) -> OffloadHandle:
     """Install streaming on `blocks`; see the module docstring. `training` is an alias of `mode`;
     `_release_at_recompute` reproduces the OneTrainer race (tests prove the race detector catches it)."""
@@ -176,6 +179,7 @@ def attach_offload(
     )
     if any(isinstance(b, block.StreamedBlock) for b in blocks):
         raise ValueError("offload: these blocks are already attached; close their handle first")
-    c = Conductor(blocks, device, fraction, fill=fill, **kwargs)  # `fill` once: later re-plans copy real tensors
+    # `fill` and `share` once: a later re-plan (set_mode) copies the real tensors into a private arena
+    c = Conductor(blocks, device, fraction, fill=fill, share=share, **kwargs)
     block.install(blocks, c, nano_batches, compiled.options(compile))
     return OffloadHandle(c, blocks, kwargs)

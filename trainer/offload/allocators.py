@@ -19,7 +19,10 @@ step; after a step that needed more than one chunk the chunks are replaced by on
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -154,9 +157,11 @@ class HostArena:
     budget, `pageable=True` keeps the buffer pageable (`refused` says why; the conductor then stages its copies,
     see `Staging`); otherwise the caching host allocator's pinned memory is used (rounded, but page-locked)."""
 
-    def __init__(self, nbytes: int, pin: bool, budget: int | None = None, pageable: bool = False):
+    def __init__(self, nbytes: int, pin: bool, budget: int | None = None, pageable: bool = False,
+                 buf: torch.Tensor | None = None):
         self.nbytes = int(nbytes)
-        self.buf = torch.empty(max(1, self.nbytes), dtype=torch.uint8)  # allocation: the whole arena (pageable)
+        # allocation: the whole arena (pageable), unless `buf` is given (a shared mapping: SharedArena)
+        self.buf = torch.empty(max(1, self.nbytes), dtype=torch.uint8) if buf is None else buf
         self.pinned_bytes = 0
         self._registered = False
         self.refused: str | None = None  # why the arena stayed pageable
@@ -171,7 +176,7 @@ class HostArena:
             else:
                 _clear_cuda_error()
                 self.refused = f"cudaHostRegister refused {self.nbytes / 2**30:.1f} GB (error {int(err)})"
-        if self.refused is not None and not pageable and pin and torch.cuda.is_available():
+        if self.refused is not None and not pageable and pin and torch.cuda.is_available() and buf is None:
             self.refused = None  # the caching host allocator instead (rounded up, but page-locked)
             self.buf = torch.empty(max(1, self.nbytes), dtype=torch.uint8, pin_memory=True)
             self.pinned_bytes = self.buf.numel()
@@ -189,6 +194,44 @@ class HostArena:
             self._registered = False
         self.pinned_bytes = 0
         self.buf = torch.empty(0, dtype=torch.uint8)
+
+
+@dataclass
+class SharedArena:
+    """The streamed frozen weights once per host for the processes on it (issue 20): the arena is a file under
+    /dev/shm that the `owner` (local rank 0) creates and fills while the others wait at `barrier`, then every
+    process maps it (and pins its mapping with cudaHostRegister, as any arena), and the owner unlinks the name
+    after a second barrier (the mappings stay). Only for arenas without trainable weights or optimizer state: every
+    process reads the same bytes and none writes them. `barrier` is a collective of every process of the job."""
+
+    path: Path
+    owner: bool
+    barrier: Callable[[], None]
+
+    def fits(self, nbytes: int) -> str | None:
+        """None, or why this host's /dev/shm cannot hold `nbytes` (Docker gives containers 64 MB by default;
+        writing past a tmpfs's space kills the process with SIGBUS, so this is checked before)."""
+        try:
+            st = os.statvfs(self.path.parent)
+        except OSError as e:
+            return f"{self.path.parent} is not usable ({e.strerror})"
+        free = st.f_bavail * st.f_frsize
+        if free < nbytes + (256 << 20):
+            return (f"{self.path.parent} has {free / 2**30:.1f} GB free, the arena needs {nbytes / 2**30:.1f} GB "
+                    "(containers: docker run --shm-size)")
+        return None
+
+    def create(self, nbytes: int) -> torch.Tensor:
+        """Owner: the file sized `nbytes` and mapped shared (its pages are allocated as they are written)."""
+        with open(self.path, "wb") as f:
+            f.truncate(max(1, nbytes))
+        return self.map(nbytes)
+
+    def map(self, nbytes: int) -> torch.Tensor:
+        return torch.from_file(str(self.path), shared=True, size=max(1, nbytes), dtype=torch.uint8)
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 class Staging:

@@ -80,10 +80,12 @@ class Conductor:
         release_at_recompute: bool = False,  # reproduces the known race; tests use it to prove the detector
         fill=None,
         pinned_budget: int | None = None,
+        share=None,
     ):
         """`fill(block, entries, views)`: writes block `block`'s tensors into `views` (one per packing entry) when
         the blocks hold placeholders instead of weights (trainer/models/stream_load.py); None: copy the blocks'
-        own tensors. `pinned_budget`: bytes the host arena may pin (None: all of it); see allocators.Staging."""
+        own tensors. `pinned_budget`: bytes the host arena may pin (None: all of it); see allocators.Staging.
+        `share` (allocators.SharedArena): the arena is one file under /dev/shm for the processes of a host."""
         self.blocks = list(blocks)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -115,8 +117,9 @@ class Conductor:
         for pk in self.packs:  # LoRA and other trainable params outside the packed region stay resident
             for p in pk.resident:
                 p.data = p.data.to(self.device)
-        self.pinning_note: str | None = None  # one line when the arena could not be pinned
+        self.pinning_note: str | None = None  # one line when the arena could not be pinned (or shared)
         self.staging = None
+        self.shared = False  # the arena is one /dev/shm file for the processes of this host
         if not self.streaming:
             for i, (b, pk) in enumerate(zip(self.blocks, self.packs, strict=True)):
                 if fill is not None:  # straight onto the device, one tensor at a time
@@ -127,10 +130,18 @@ class Conductor:
             self.plan = None
             self.ring = self.arena = None
         else:
-            self._setup_streaming(min_ring_blocks, fill, pinned_budget)
+            self._setup_streaming(min_ring_blocks, fill, pinned_budget, share)
 
     # ------------------------------------------------------------------------------------------ setup
-    def _setup_streaming(self, min_ring_blocks: int, fill, pinned_budget: int | None) -> None:
+    def _make_arena(self, total: int, pinned_budget: int | None, buf, sizes: list[int], streamed) -> None:
+        self.arena = HostArena(total, pin=self.cuda, budget=pinned_budget, pageable=True, buf=buf)
+        if self.arena.refused is not None:  # copies go through two pinned one-block buffers
+            self.staging = Staging(max(sizes[b] for b in streamed), self.device)
+            self.pinning_note = (f"offload: {self.arena.refused}; the host arena stays pageable and copies are "
+                                 f"staged through two pinned {max(sizes[b] for b in streamed) / 2**20:.0f} MB "
+                                 f"buffers (slower; set offload.pinned_budget_gb to choose)")
+
+    def _setup_streaming(self, min_ring_blocks: int, fill, pinned_budget: int | None, share) -> None:
         sizes = [pk.nbytes for pk in self.packs]
         cap = capacity_for(sizes, self.fraction, min_blocks=min_ring_blocks)
         self.plan: Plan = plan_for(sizes, cap, self.mode, min_ring_blocks)
@@ -140,17 +151,31 @@ class Conductor:
         for b in streamed:
             self.host_off[b] = total
             total += sizes[b]
-        self.arena = HostArena(total, pin=self.cuda, budget=pinned_budget, pageable=True)
-        if self.arena.refused is not None:  # copies go through two pinned one-block buffers
-            self.staging = Staging(max(sizes[b] for b in streamed), self.device)
-            self.pinning_note = (f"offload: {self.arena.refused}; the host arena stays pageable and copies are "
-                                 f"staged through two pinned {max(sizes[b] for b in streamed) / 2**20:.0f} MB "
-                                 f"buffers (slower; set offload.pinned_budget_gb to choose)")
+        use = None  # the SharedArena in use (issue 20), if sharing was asked for and this host can
+        if share is not None:
+            if any(pk.states or any(e.tensor().requires_grad for e in pk.entries) for pk in self.packs):
+                raise ValueError("offload: a shared arena holds frozen weights only (no trainable or state bytes)")
+            why = share.fits(total)
+            share.barrier()  # every process has looked at /dev/shm before the owner writes to it
+            if why is None:
+                use = share
+            else:
+                self.pinning_note = f"offload: every process keeps its own arena: {why}"
+        self.shared = use is not None
         self.ring = Ring(cap, self.device)
         # host copies of streamed blocks (read from the files straight into the arena with `fill`); ring copies
         # of the initially resident ones
-        for b in streamed:
-            self.packs[b].write_into(self.arena.region(self.host_off[b], sizes[b]), fill, b)
+        if use is None or use.owner:
+            self._make_arena(total, pinned_budget, use.create(total) if use is not None else None, sizes, streamed)
+            for b in streamed:
+                self.packs[b].write_into(self.arena.region(self.host_off[b], sizes[b]), fill, b)
+        if share is not None:  # as many barriers on every host, whatever it decided
+            share.barrier()  # the owners have filled their files; the others map them
+            if use is not None and not use.owner:
+                self._make_arena(total, pinned_budget, use.map(total), sizes, streamed)
+            share.barrier()
+            if use is not None and use.owner:
+                use.unlink()  # the mappings stay; nothing is left in /dev/shm when the processes end
         #: block -> ring offset its packed bytes are loaded (or being loaded) at; None: not in the ring
         self.ring_offset: dict[int, int | None] = {b: None for b in range(len(self.blocks))}
         for b, off in self.plan.initial.items():
@@ -365,6 +390,7 @@ class Conductor:
             "ring_bytes": self.ring.capacity if self.streaming else 0,
             "pinned_bytes": (self.arena.pinned_bytes if self.streaming else 0),
             "staging_pinned_bytes": self.staging.pinned_bytes if self.staging is not None else 0,
+            "arena_shared": self.shared,
             "activation_pinned_bytes": self.activations.pinned_bytes if self.activations else 0,
             "h2d_bytes_per_step": self.plan.bytes_per_step() if self.streaming else 0,
         }

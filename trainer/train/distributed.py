@@ -111,6 +111,18 @@ class Dist:
         self.barrier()
         return fn()
 
+    def broadcast_text(self, text: str, nbytes: int = 128) -> str:
+        """Rank 0's `text` (at most `nbytes` UTF-8 bytes) on every rank: one small tensor broadcast."""
+        if not self.active:
+            return text
+        raw = text.encode()[:nbytes]
+        t = torch.zeros(nbytes + 1, dtype=torch.uint8, device=self._comm_device())
+        t[0] = len(raw)
+        t[1 : 1 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        tdist.broadcast(t, src=0)
+        data = t.cpu()
+        return bytes(data[1 : 1 + int(data[0])].tolist()).decode()
+
     def any(self, flag: bool) -> bool:
         """True on every rank if it is True on any (the Ctrl-C flag). One tiny all-reduce (host sync)."""
         if not self.active:

@@ -18,10 +18,15 @@ sampler of a training run calls the same blocks, so its images use the same comp
 
 from __future__ import annotations
 
+import os
+import uuid
+from pathlib import Path
+
 import torch
 
 from ..config import Config
 from ..offload import CompileOptions, attach_offload, move_outside_blocks
+from ..offload.allocators import SharedArena
 from ..planner import check_line, expected, resolve_fraction
 from .monitor import say
 
@@ -60,12 +65,13 @@ def conducts(cfg: Config, fraction: float, can_stream: bool, device: torch.devic
 
 
 def place_blocks(transformer, blocks, cfg: Config, device: torch.device, fraction: float, conduct: bool, method,
-                 optim, shapes: int = 8, fill=None):
+                 optim, shapes: int = 8, fill=None, share=None):
     """With `conduct`, hand the blocks to the offload handle, which checkpoints them (at fraction 0 too), streams
     them at fraction > 0 and compiles them under train.compile (`shapes`: bucket shapes the data has); returns
     the handle or None. Activation offloading only on a GPU (on the CPU there is no second memory to move to).
     `fill`: the blocks hold placeholders, and the conductor reads their weights from the model's files into the
-    arena and ring (trainer/models/stream_load.py)."""
+    arena and ring (trainer/models/stream_load.py). `share`: the arena is one /dev/shm file per host
+    (`shared_arena`)."""
     if not conduct:
         if fill is not None:
             raise RuntimeError("place_blocks: blocks without weights need the offload handle (plan bug)")
@@ -75,13 +81,26 @@ def place_blocks(transformer, blocks, cfg: Config, device: torch.device, fractio
         nano_batches=cfg.offload.nano_batches, trainable=method.streams_trainable,
         checkpointing=cfg.train.gradient_checkpointing, optimizer_state=method.optimizer_state_layout(optim),
         compile=compile_options(cfg, device, shapes) or False,
-        fill=fill, pinned_budget=_gb(cfg.offload.pinned_budget_gb),
+        fill=fill, pinned_budget=_gb(cfg.offload.pinned_budget_gb), share=share,
     )
     if handle.pinning_note:
         say(handle.pinning_note)
     move_outside_blocks(transformer, blocks, device)
     method.place_optimizer_state(handle, blocks, optim)
     return handle
+
+
+def shared_arena(cfg: Config, dist, method, streamed: bool):
+    """The SharedArena for this process when several processes train (issue 20): LoRA (nothing trainable in the
+    arena) with blocks streamed and offload.shared_arena on; the name is rank 0's, the owner each host's local
+    rank 0. None otherwise."""
+    if not (dist.active and streamed and cfg.offload.shared_arena and not method.streams_trainable):
+        return None
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return None
+    name = dist.broadcast_text(f"dittrain-arena-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    return SharedArena(shm / name, owner=dist.local_rank == 0, barrier=dist.barrier)
 
 
 def _gb(x: float | None) -> int | None:

@@ -213,9 +213,10 @@ class Trainer:
         # it, in the layout the optimizer reports. Checkpointing and streaming of the blocks: streaming.py.
         conduct = streaming.conducts(cfg, self.fraction, self._can_stream(), self.device)
         shapes = len({e.bucket for e in getattr(self.data, "entries", ())}) or 8  # train.compile: one per shape
+        share = streaming.shared_arena(cfg, self.dist, self.method, conduct and streamed)  # several processes
         self.offload = streaming.place_blocks(self.transformer, blocks, cfg, self.device, self.fraction, conduct,
                                               self.method, self.optim, shapes,
-                                              fill=self._loader and self._loader.fill)
+                                              fill=self._loader and self._loader.fill, share=share)
         if self._loader is not None:
             self._loader.close()
             self._loader = None
