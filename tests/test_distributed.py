@@ -118,7 +118,7 @@ def _arena_smaps() -> dict:
     return out
 
 
-def _worker(rank: int, store: str, jobs: list[dict], result: str, backend: str) -> None:
+def _worker(rank: int, store: str, jobs: list[dict], result: str, backend: str, world: int = WORLD) -> None:
     import torch.distributed as tdist
 
     if backend == "nccl":
@@ -127,9 +127,9 @@ def _worker(rank: int, store: str, jobs: list[dict], result: str, backend: str) 
     from trainer.train import distributed
 
     distributed.BUCKET_BYTES = 8192  # several buckets even for the tiny LoRA (~12k parameters)
-    os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     # A file store, not a TCP port: no race with other programs for a free port.
-    tdist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD,
+    tdist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                              timeout=datetime.timedelta(seconds=300))
     out = []
     try:
@@ -142,12 +142,13 @@ def _worker(rank: int, store: str, jobs: list[dict], result: str, backend: str) 
         tdist.destroy_process_group()
 
 
-def _run_two(jobs: list[dict], tmp: Path, timeout: float = 300, backend: str = "gloo") -> list[list[dict]]:
+def _run_two(jobs: list[dict], tmp: Path, timeout: float = 300, backend: str = "gloo",
+             world: int = WORLD) -> list[list[dict]]:
     import torch.multiprocessing as mp
 
     result = tmp / f"results-{time.monotonic_ns()}"
     result.mkdir()
-    ctx = mp.start_processes(_worker, args=(str(result / "store"), jobs, str(result), backend), nprocs=WORLD, join=False,
+    ctx = mp.start_processes(_worker, args=(str(result / "store"), jobs, str(result), backend, world), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1):
@@ -155,7 +156,7 @@ def _run_two(jobs: list[dict], tmp: Path, timeout: float = 300, backend: str = "
             for p in ctx.processes:
                 p.kill()
             pytest.fail("the 2-process run hung")
-    return [json.loads((result / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return [json.loads((result / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.fixture
@@ -309,3 +310,28 @@ def test_accelerate_launch_trains_like_one_process(tiny_models, images, tmp_path
     assert run.returncode == 0, run.stderr[-3000:]
     assert "data parallel: 2 processes over gloo" in run.stdout + run.stderr
     _assert_equal(_weights(two, "lora"), _weights(ref, "lora"))
+
+
+def test_four_processes_share_one_arena_and_train_like_one(tiny_models, images, tmp_path, one_thread):
+    """Issue 20 with four processes: every page of the streamed frozen blocks is mapped by all four (Pss = Rss / 4),
+    and the LoRA is bitwise the 1-process one at the same global batch (4 = 1 x 4 micro-batches)."""
+    cache = tmp_path / "cache"
+    ref = tmp_path / "ref"
+    cfg1 = _cfg(tiny_models, images, ref, cache, steps=2, checkpoint_every=0)
+    cfg1 = cfg1.model_copy(update={"train": cfg1.train.model_copy(update={"grad_accum": 4})})
+    Trainer(cfg1).fit()
+    four = tmp_path / "four"
+    cfg4 = _cfg(tiny_models, images, four, cache, steps=2, checkpoint_every=0)
+    cfg4 = cfg4.model_copy(update={"train": cfg4.train.model_copy(update={"grad_accum": 1}),
+                                   "offload": cfg4.offload.model_copy(update={"transformer": 1.0})})
+    rs = _run_two([{"cfg": cfg4.model_dump(mode="json"), "stream": True}], tmp_path, world=4)
+    assert all(r[0]["error"] is None for r in rs), rs
+    for r in rs:
+        a = r[0]["arena"]
+        assert a["shared"] and a["rss"] > 0 and a["pss"] == pytest.approx(a["rss"] / 4, rel=0.1), a
+    # Not bitwise: four gradients are summed in the all-reduce's order, not the accumulation's (a + b is the same
+    # both ways, so two processes are bitwise; (a + b) + (c + d) is not ((a + b) + c) + d).
+    got, want = _weights(four, "lora"), _weights(ref, "lora")
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
