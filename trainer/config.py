@@ -350,6 +350,12 @@ class SampleConfig(_Section):
         description="Negative prompt for families that run classifier-free guidance when guidance > 1 "
         "(SD3, Qwen-Image); Flux (guidance-distilled) ignores it.",
     )
+    image: Path | None = Field(
+        default=None,
+        description="Edit families: the reference image of the samples made during training (resized and "
+        "centre-cropped to width x height); `dittrain sample --image` overrides it. qwen-image-edit needs one to "
+        "sample; flux-kontext samples without a reference when it is unset.",
+    )
 
 
 class OutputConfig(_Section):

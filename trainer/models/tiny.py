@@ -277,7 +277,12 @@ def _sd3():
 
 
 def _qwen_image(edit: bool = False):
-    from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline, QwenImagePipeline, QwenImageTransformer2DModel
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        QwenImageEditPipeline,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     tok = _qwen_tokenizer()
