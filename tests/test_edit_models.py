@@ -231,3 +231,175 @@ def test_streamed_kontext_trains_like_resident(method, fraction, kontext, pairs,
            for n in ("off", "ref")]
     assert len(got[1]) == 2
     assert got[0] == pytest.approx(got[1], rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- qwen-image-edit
+
+
+@pytest.fixture(scope="module")
+def qwen_edit(tiny_models) -> Path:
+    """The tiny Qwen-Image-Edit folder (tests/conftest.py)."""
+    return tiny_models / "qwen-image-edit"
+
+
+def _qwen_config(model: Path, data: Path, tmp: Path, **extra) -> dict:
+    cfg = _config(model, data, tmp, **extra)
+    cfg["model"]["family"] = "qwen-image-edit"
+    cfg["sample"]["guidance"] = 1.0
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def qwen_fitted(qwen_edit, pairs, tmp_path_factory):
+    """`dittrain fit` of a qwen-image-edit YAML config on the pairs: (config path, output folder)."""
+    tmp = tmp_path_factory.mktemp("qwen-edit-fit")
+    path = tmp / "qwen-edit.yaml"
+    path.write_text(yaml.safe_dump(_qwen_config(qwen_edit, pairs, tmp)))
+    r = CliRunner().invoke(app, ["fit", str(path)])
+    assert r.exit_code == 0, r.output
+    return path, tmp / "out"
+
+
+def test_qwen_edit_predict_and_text_as_the_pipeline_does(qwen_edit):
+    """predict: [target, reference] tokens with two img_shapes, the target part returned; the text: the
+    pipeline's own encode_prompt with the reference image."""
+    from diffusers import QwenImageEditPipeline
+
+    from trainer.models.qwen_image_edit import load_processor
+
+    adapter = get_adapter(ModelConfig(family="qwen-image-edit", path=qwen_edit, dtype="fp32"))
+    comps = adapter.load(adapter.cfg, parts={"transformer", "text"}, dtype=torch.float32)
+    tr = comps.transformer.eval()
+    pipe = QwenImageEditPipeline.from_pretrained(str(qwen_edit), transformer=tr, processor=load_processor(
+        qwen_edit / "processor"), torch_dtype=torch.float32, local_files_only=True)
+    g = torch.Generator().manual_seed(0)
+    b, h, w = 2, 4, 6
+    x, ref = torch.randn(b, 4, h, w, generator=g), torch.randn(b, 4, h, w, generator=g)
+    t = torch.tensor([0.3, 0.8])
+    ims = [Image.fromarray(np.random.default_rng(i).integers(0, 256, (48, 64, 3), dtype=np.uint8)) for i in range(b)]
+    ours = adapter.encode_prompts(comps, [PROMPT, "edit"], images=ims)
+    pe, mask = pipe.encode_prompt(prompt=[PROMPT, "edit"], image=ims, device="cpu")
+    torch.testing.assert_close(ours["prompt_embeds"], pe, rtol=0, atol=0)
+    other = adapter.encode_prompts(comps, [PROMPT, "edit"], images=ims[::-1])
+    assert (other["prompt_embeds"][0] - ours["prompt_embeds"][0]).abs().max() > 1e-4  # the image is seen
+    text = {"prompt_embeds": pe, "prompt_embeds_mask": mask}
+    with torch.no_grad():
+        got = adapter.predict(tr, x, t, {**text, "control_latents": ref})
+        lat, img_lat = pipe.prepare_latents(ref[:, :, None], b, 4, h * 8, w * 8, torch.float32, "cpu", None,
+                                            latents=pipe._pack_latents(x[:, :, None], b, 4, h, w))
+        out = tr(hidden_states=torch.cat([lat, img_lat], 1), timestep=t, encoder_hidden_states=pe,
+                 encoder_hidden_states_mask=mask, img_shapes=[[(1, h // 2, w // 2), (1, h // 2, w // 2)]] * b,
+                 return_dict=False)[0]
+        theirs = pipe._unpack_latents(out[:, : lat.shape[1]], h * 8, w * 8, 8)[:, :, 0]
+        plain = adapter.predict(tr, x, t, text)
+    torch.testing.assert_close(got, theirs, rtol=0, atol=0)
+    assert (got - plain).abs().max() > 1e-4
+
+
+def test_qwen_edit_text_cache_key_includes_the_reference(qwen_edit, tmp_path):
+    """Same captions, references differing only in content: different text-cache keys, and both are encoded."""
+    from trainer.data.pipeline import plan_data
+
+    a, b = _pairs(tmp_path / "a", n=2), _pairs(tmp_path / "b", n=2)
+    Image.new("RGB", (64, 64), (0, 200, 0)).save(b / "control" / "img0.png")  # only this reference differs
+
+    def plan(folder):
+        cfg = Config.model_validate(_qwen_config(qwen_edit, folder, tmp_path / folder.name))
+        return cfg, plan_data(cfg, get_adapter(cfg.model), progress=False)
+
+    (_, pa), (_, pb) = plan(a), plan(b)
+    ka = {Path(pa.items[e.item].file).name: pa.text_id(e, PROMPT) for e in pa.entries}
+    kb = {Path(pb.items[e.item].file).name: pb.text_id(e, PROMPT) for e in pb.entries}
+    assert ka["img0.png"] != kb["img0.png"] and ka["img1.png"] == kb["img1.png"]
+    jobs = pa.captions()
+    assert all(j.ref is not None for j in jobs) and {j.caption for j in jobs} >= {""}
+    assert len({j.key for j in jobs}) == len(jobs)
+
+
+def test_qwen_edit_fit_caches_both_latents_and_the_lora_loads_in_the_pipeline(qwen_fitted, qwen_edit):
+    from diffusers import QwenImageEditPipeline
+
+    from trainer.data import prepare_data
+    from trainer.models.qwen_image_edit import load_processor
+    from trainer.train.objective import FlowMatching
+
+    path, out = qwen_fitted
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 and all(np.isfinite(x["loss"]) for x in lines)
+    cfg = Config.model_validate(yaml.safe_load(path.read_text()))
+    adapter = get_adapter(cfg.model)
+    data = prepare_data(cfg, adapter, progress=False)
+    assert data.encode.latents_new == 0 and data.encode.latents_hit == 8  # 4 targets + 4 references
+    assert data.encode.texts_new == 0 and data.encode.texts_hit == 8  # (caption, reference) and ("", reference)
+    b = data.batch_at(0)
+    assert b.text["control_latents"].shape == b.latents.shape
+    pipe = QwenImageEditPipeline.from_pretrained(str(qwen_edit), processor=load_processor(qwen_edit / "processor"),
+                                                 torch_dtype=torch.float32, local_files_only=True)
+    base = type(pipe.transformer).from_pretrained(str(qwen_edit), subfolder="transformer").eval()
+    pipe.load_lora_weights(str(out / "lora.safetensors"))
+    n = FlowMatching(cfg.train.model_copy(update={"timestep_sampling": "uniform"}), seed=5).noise(b.latents)
+    with torch.no_grad():
+        tuned = adapter.predict(pipe.transformer.eval(), n.noisy, n.t, b.text)
+        untrained = adapter.predict(base, n.noisy, n.t, b.text)
+    assert (tuned - untrained).abs().max() > 1e-4
+
+
+def test_qwen_edit_sample_with_image_equals_the_pipeline(qwen_fitted, qwen_edit, tmp_path):
+    from diffusers import QwenImageEditPipeline
+
+    from trainer.models._diffusers import own_aligned_memory
+    from trainer.models.qwen_image_edit import load_processor
+
+    path, out = qwen_fitted
+    ref = Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    ref.save(tmp_path / "ref.png")
+    lora = str(out / "lora.safetensors")
+    r = CliRunner().invoke(app, ["sample", str(path), "-p", PROMPT, "--image", str(tmp_path / "ref.png"), "--seed",
+                                 "3", "--lora", lora, "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    (png,) = sorted((tmp_path / "a").glob("*.png"))
+    with Image.open(png) as im:
+        ours = np.asarray(im.convert("RGB")).copy()
+    pipe = QwenImageEditPipeline.from_pretrained(str(qwen_edit), processor=load_processor(qwen_edit / "processor"),
+                                                 torch_dtype=torch.float32, local_files_only=True)
+    own_aligned_memory(pipe.transformer)
+    pipe.load_lora_weights(lora)
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(prompt=PROMPT, image=ref, height=32, width=32, num_inference_steps=2, true_cfg_scale=1.0,
+                  generator=torch.Generator().manual_seed(3)).images[0]
+    np.testing.assert_array_equal(ours, np.asarray(theirs.convert("RGB")))
+    r = CliRunner().invoke(app, ["sample", str(path), "-p", PROMPT, "--out", str(tmp_path / "b")])
+    assert r.exit_code != 0 and "need a reference image" in r.output
+
+
+def test_qwen_edit_planner_sees_the_reference_tokens():
+    from trainer.models import adapter_class
+
+    qi, qe = adapter_class("qwen_image"), adapter_class("qwen-image-edit")
+    with torch.device("meta"):
+        model = qi.transformer_cls.from_config(qi.full_config)
+    a = qi.dummy_inputs(model, 1, 1024, 1024, 256, torch.bfloat16)
+    b = qe.dummy_inputs(model, 1, 1024, 1024, 256, torch.bfloat16)
+    assert a["hidden_states"].shape[1] == 4096 and b["hidden_states"].shape[1] == 8192
+    assert b["img_shapes"] == [[(1, 64, 64), (1, 64, 64)]]
+    assert qe.text_tokens > qi.text_tokens  # the reference's vision tokens sit in the text sequence
+
+
+@pytest.mark.parametrize("method,fraction", [("lora", 0.5), ("full", 1.0)])
+def test_streamed_qwen_edit_trains_like_resident(method, fraction, qwen_edit, pairs, tmp_path, monkeypatch):
+    from trainer.train.trainer import Trainer
+
+    def cfg(name, f):
+        c = _qwen_config(qwen_edit, pairs, tmp_path, train={"steps": 2, "method": method},
+                         output={"dir": str(tmp_path / name)}, offload={"transformer": f})
+        if method == "full":
+            c["optimizer"].update({"lr": 1e-4, "fused_back_pass": True, "max_grad_norm": None})
+        return Config.model_validate(c)
+
+    Trainer(cfg("ref", 0.0)).fit()
+    monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
+    Trainer(cfg("off", fraction)).fit()
+    got = [[json.loads(x)["loss"] for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+           for n in ("off", "ref")]
+    assert len(got[1]) == 2
+    assert got[0] == pytest.approx(got[1], rel=1e-6)

@@ -90,7 +90,8 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
     width = req.width if req.width is not None else s.width
     height = req.height if req.height is not None else s.height
     check_size(width, height, adapter.resolution_divisor, adapter.family)
-    check_image(req.image, adapter)
+    image = req.image if req.image is not None else s.image
+    check_image(image, adapter)
     if req.num < 1:
         raise UserError(f"--num {req.num}: at least one image per prompt")
     offload = req.offload if req.offload is not None else cfg.offload.transformer
@@ -107,7 +108,7 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
         width=width,
         height=height,
         negative_prompt=s.negative_prompt,
-        image=str(req.image) if req.image is not None else None,
+        image=str(image) if image is not None else None,
     )
     seed = req.seed if req.seed is not None else s.seed
     out = req.out if req.out is not None else cfg.output.dir / "samples"
@@ -239,6 +240,7 @@ def _encode_and_release(pipe, adapter, plan: SamplePlan, text_fraction: float) -
                 guidance=plan.settings.guidance,
                 negative_prompt=plan.settings.negative_prompt,
                 device=plan.device,
+                image=plan.settings.reference(),
             )
     release_text_encoders(pipe)
     return dict(zip(unique, embeds, strict=True))

@@ -5,7 +5,7 @@ stored: they are computed once here and read back each step. Entries are safeten
 `data.cache_dir`:
 
     <cache_dir>/latents/<vae id>/<k[:2]>/<k>.safetensors     k = hash(image content, bucket w x h, crop box[, mask])
-    <cache_dir>/text/<text id>/<k[:2]>/<k>.safetensors       k = hash(final caption text)
+    <cache_dir>/text/<text id>/<k[:2]>/<k>.safetensors       k = hash(final caption text[, reference latent key])
 
 The model id is a hash of what determines the encoder's output: family, dtype, the adapter's
 `max_sequence_length` (text), and the folder's config files (by content) and weight files (by name and size)
@@ -32,6 +32,12 @@ every latent at start-up and `dittrain cache` also every text entry; the batch l
 latent's height and width (area interpolation: a latent cell's weight is the share of its 8x8 pixels the mask
 covers) and is stored as `mask` (1, h, w) in the latent's entry; the mask's content hash is part of the key, so a
 changed mask re-encodes its image.
+
+**References in the text.** Families whose text encoder sees the reference image with the instruction
+(`adapter.text_uses_reference`: qwen-image-edit) encode `TextJob`s: a caption with its reference image as cut
+for the target's bucket. The key then hashes the caption and the reference's latent key (its content, bucket and
+crop), so the same instruction with another reference is another entry. The empty caption (caption dropout) is
+encoded with each reference too.
 
 With `data.cache: false` the same code encodes into a dict in memory at start-up and keeps nothing.
 """
@@ -73,7 +79,7 @@ def model_identity(model_cfg, adapter, part: str) -> str:
         dirs = ["vae"]
     else:
         te = list(getattr(adapter, "text_encoder_dirs", ()) or ("text_encoder",))
-        dirs = te + [d.replace("text_encoder", "tokenizer") for d in te]
+        dirs = te + [d.replace("text_encoder", "tokenizer") for d in te] + list(getattr(adapter, "extra_text_dirs", ()))
     # The adapter's own encoding settings count too (a longer T5 sequence gives different embeddings).
     extra = getattr(adapter, "max_sequence_length", "") if part == "text" else ""
     h = hashlib.sha256(
@@ -98,8 +104,10 @@ def latent_key(sha: str, bucket: tuple[int, int], box: tuple[int, int], mask_sha
     return hashlib.sha256(f"{sha}|{bucket[0]}x{bucket[1]}|{box[0]},{box[1]}{mask}".encode()).hexdigest()[:32]
 
 
-def text_key(caption: str) -> str:
-    return hashlib.sha256(caption.encode("utf-8")).hexdigest()[:32]
+def text_key(caption: str, reference: str = "") -> str:
+    """`reference`: the reference image's latent key, for families whose text encoder sees it ("": none)."""
+    ref = f"\0ref:{reference}" if reference else ""
+    return hashlib.sha256(f"{caption}{ref}".encode()).hexdigest()[:32]
 
 
 # ---------------------------------------------------------------------------------------------- stores
@@ -175,6 +183,24 @@ class LatentJob:
     mask: str = ""  #: the mask file ("" without one)
 
 
+@dataclass(frozen=True)
+class TextJob:
+    """One text embedding to have in the store: a caption, with its reference image for families whose text
+    encoder sees it (`ref`: the reference's LatentJob, i.e. file, bucket and crop; None: text only)."""
+
+    caption: str
+    ref: LatentJob | None = None
+
+    @property
+    def key(self) -> str:
+        return text_key(self.caption, self.ref.key if self.ref else "")
+
+    @property
+    def label(self) -> str:
+        """What `EncodeResult.bad_texts` is keyed by: the caption, or the key when a reference belongs to it."""
+        return self.key if self.ref else self.caption
+
+
 @dataclass
 class EncodeResult:
     latents_new: int = 0
@@ -182,7 +208,7 @@ class EncodeResult:
     texts_new: int = 0
     texts_hit: int = 0
     reencoded: int = 0
-    #: latent keys / captions that could not be encoded, with the reason
+    #: latent keys / captions (`TextJob.label`) that could not be encoded, with the reason
     bad_latents: dict[str, str] = field(default_factory=dict)
     bad_texts: dict[str, str] = field(default_factory=dict)
     loaded_encoders: bool = False
@@ -207,7 +233,7 @@ def ensure_encoded(
     latent_store,
     text_store,
     jobs: Sequence[LatentJob],
-    captions: Iterable[str],
+    captions: Iterable[str | TextJob],
     *,
     batch_size: int = 4,
     verify_latents: bool = True,
@@ -223,10 +249,12 @@ def ensure_encoded(
     res = EncodeResult()
     unique_jobs = list({j.key: j for j in jobs}.values())
     todo_lat = set(_missing(latent_store, (j.key for j in unique_jobs), verify_latents, res))
-    caps = sorted(set(captions) | {""})
-    todo_txt = _missing(text_store, (text_key(c) for c in caps), verify_texts, res)
-    todo_txt_set = set(todo_txt)
-    todo_caps = [c for c in caps if text_key(c) in todo_txt_set]
+    text_jobs = {j.key: j for j in (c if isinstance(c, TextJob) else TextJob(c) for c in captions)}
+    if not any(j.ref for j in text_jobs.values()):
+        text_jobs.setdefault(text_key(""), TextJob(""))  # caption dropout (with references: one per reference)
+    caps = sorted(text_jobs.values(), key=lambda j: (j.caption, j.key))
+    todo_txt_set = set(_missing(text_store, (j.key for j in caps), verify_texts, res))
+    todo_caps = [j for j in caps if j.key in todo_txt_set]
     res.latents_hit = len(unique_jobs) - len(todo_lat)
     res.texts_hit = len(caps) - len(todo_caps)
     if not todo_lat and not todo_caps:
@@ -310,22 +338,46 @@ def _pixels_or_reason(job: LatentJob) -> tuple[torch.Tensor, torch.Tensor | None
         return f"mask {job.mask}: {e} (changed since the scan?)"
 
 
-def _encode_texts(adapter, comps, store, captions: list[str], batch_size: int, progress: bool, res) -> None:
+def _reference_or_reason(job: TextJob):
+    """The reference image as the text encoder sees it (PIL, cut for the target's bucket), or why not."""
+    from .images import cover_and_crop, open_image
+
+    try:
+        return cover_and_crop(open_image(job.ref.file), job.ref.bucket, job.ref.box)
+    except BadImage as e:
+        return f"reference image {job.ref.file}: {e} (changed since the scan?)"
+
+
+def _encode_texts(adapter, comps, store, captions: list[TextJob], batch_size: int, progress: bool, res) -> None:
     bar = progress_bar(total=len(captions), desc="encoding captions", unit="cap", enabled=progress)
-    for i in range(0, len(captions), batch_size):
-        chunk = captions[i : i + batch_size]
+    plain, with_ref = [j for j in captions if j.ref is None], [j for j in captions if j.ref is not None]
+    chunks = [g[i : i + batch_size] for g in (plain, with_ref) for i in range(0, len(g), batch_size)]
+    for chunk in chunks:
+        kw = {}
+        bar.update(len(chunk))
+        if chunk[0].ref is not None:
+            refs = [_reference_or_reason(j) for j in chunk]
+            for j, r in zip(chunk, refs, strict=True):
+                if isinstance(r, str):
+                    res.bad_texts[j.label] = r
+            chunk, kw = [j for j, r in zip(chunk, refs, strict=True) if not isinstance(r, str)], {
+                "images": [r for r in refs if not isinstance(r, str)]}
+            if not chunk:
+                continue
         with torch.no_grad():
-            out = adapter.encode_prompts(comps, chunk)
+            out = adapter.encode_prompts(comps, [j.caption for j in chunk], **kw)
         out = {k: v.detach().cpu() for k, v in out.items()}  # device->host sync, once per chunk
-        for n, cap in enumerate(chunk):
+        for n, job in enumerate(chunk):
             # clone: one caption's slice must not keep the whole batch alive (and safetensors refuses views)
             t = {k: v[n].clone() for k, v in out.items()}
             if not finite(t):
-                res.bad_texts[cap] = "text embedding has NaN/inf (fp16 overflow? try model.dtype: bf16 or fp32)"
+                res.bad_texts[job.label] = "text embedding has NaN/inf (fp16 overflow? try model.dtype: bf16 or fp32)"
                 continue
-            store.put(text_key(cap), t, {"caption": cap, "version": CACHE_VERSION})
+            meta = {"caption": job.caption, "version": CACHE_VERSION}
+            if job.ref is not None:
+                meta["reference"] = job.ref.file
+            store.put(job.key, t, meta)
             res.texts_new += 1
-        bar.update(len(chunk))
     bar.close()
 
 

@@ -23,6 +23,7 @@ from .cache import (
     EncodeResult,
     LatentJob,
     MemoryStore,
+    TextJob,
     cache_stages,
     ensure_encoded,
     finite,
@@ -71,6 +72,9 @@ class DataPlan:
     text_store: DiskStore | MemoryStore
     divisor: int
     validation: ValidationPlan | None = None  # data.validation's held-out set (trainer/data/validation.py)
+    #: the text encoder sees each item's reference (`adapter.text_uses_reference`): text entries per (caption,
+    #: reference as cut for the entry's bucket), see cache.TextJob
+    text_ref: bool = False
 
     @property
     def items(self) -> list[Item]:
@@ -90,12 +94,25 @@ class DataPlan:
         """The reference's latent: keyed like any image (content, bucket, box), so it shares entries with itself."""
         return latent_key(self.items[e.item].control_sha, e.bucket, self.control_box(e))
 
+    def control_job(self, e: Entry) -> LatentJob:
+        it = self.items[e.item]
+        return LatentJob(self.control_key(e), it.control, e.bucket, self.control_box(e))
+
+    def text_id(self, e: Entry, caption: str) -> str:
+        """The text-cache key entry `e` reads for `caption` (with its reference where the text encoder sees it)."""
+        if self.text_ref and self.items[e.item].control:
+            return text_key(caption, self.control_key(e))
+        return text_key(caption)
+
+    def text_label(self, e: Entry, caption: str) -> str:
+        """What `EncodeResult.bad_texts` names this text by (TextJob.label)."""
+        return self.text_id(e, caption) if self.text_ref and self.items[e.item].control else caption
+
     def latent_jobs(self) -> list[LatentJob]:
         """Training entries (and their references), then the validation set's (encoded in the same pass)."""
         jobs = [LatentJob(self.latent_key(e), self.items[e.item].file, e.bucket, e.box, self.items[e.item].mask)
                 for e in self.entries]
-        jobs += [LatentJob(self.control_key(e), self.items[e.item].control, e.bucket, self.control_box(e))
-                 for e in self.entries if self.items[e.item].control]
+        jobs += [self.control_job(e) for e in self.entries if self.items[e.item].control]
         return jobs + (self.validation.latent_jobs() if self.validation else [])
 
     def item_texts(self, i: int) -> tuple[str, ...]:
@@ -104,8 +121,14 @@ class DataPlan:
         return caption_texts(it.all_captions, self.cfg.data.sources[it.source], self.cfg.data.caption_variants,
                              self.cfg.train.seed, it.sha)
 
-    def captions(self) -> list[str]:
+    def captions(self) -> list[str | TextJob]:
+        """Every text to encode: caption strings, or TextJobs with their reference (`text_ref`: each entry's
+        captions and the empty one for caption dropout, with the entry's reference)."""
         val = set(self.validation.captions) if self.validation else set()
+        if self.text_ref:
+            jobs = {j.key: j for e in self.entries for c in (*self.item_texts(e.item), "")
+                    for j in [TextJob(c, self.control_job(e) if self.items[e.item].control else None)]}
+            return sorted(jobs.values(), key=lambda j: (j.caption, j.key)) + sorted(val)
         return sorted({t for i in range(len(self.items)) for t in self.item_texts(i)} | val)
 
     def summary(self) -> str:
@@ -174,6 +197,10 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
         report.bad.append((report.items[idx].file, reason))
     entries = _keep_items(report, entries, {idx for idx, _ in too_small})
     check_report(report, d.strict)
+    text_ref = bool(getattr(adapter, "text_uses_reference", False))
+    if text_ref and d.validation is not None:
+        raise UserError(f"data.validation is not supported for {adapter.family} yet (its captions are encoded with "
+                        f"their reference images): remove data.validation")
     if disk:
         latent_store = DiskStore(Path(d.cache_dir) / "latents" / model_identity(cfg.model, adapter, "vae"))
         text_store = DiskStore(Path(d.cache_dir) / "text" / model_identity(cfg.model, adapter, "text"))
@@ -182,7 +209,7 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
     val = None
     if d.validation is not None:
         val = plan_validation(cfg, divisor, held, report.items, Path(d.cache_dir) if disk else None, progress)
-    return DataPlan(cfg, report, entries, latent_store, text_store, divisor, val)
+    return DataPlan(cfg, report, entries, latent_store, text_store, divisor, val, text_ref)
 
 
 def _keep_items(report: ScanReport, entries: list[Entry], drop: set[int]) -> list[Entry]:
@@ -274,7 +301,7 @@ class TrainData:
             if self._masked:
                 m = entry.get("mask")
                 masks.append(torch.ones_like(entry["latent"][:1]) if m is None else self._unmasked + (1 - self._unmasked) * m)
-            texts.append(self._read(self.plan.text_store, text_key(cap), it.file))
+            texts.append(self._read(self.plan.text_store, self.plan.text_id(e, cap), it.file))
             caps.append(cap)
             files.append(it.file)
         bucket = self.entries[slots[0].entry].bucket
@@ -340,8 +367,9 @@ def drop_encoding_failures(plan: DataPlan, res: EncodeResult) -> None:
     keep, reasons = [], {}
     for e in plan.entries:
         ctrl = plan.items[e.item].control and res.bad_latents.get(plan.control_key(e))
+        texts = (*plan.item_texts(e.item), "") if plan.text_ref else plan.item_texts(e.item)
         why = res.bad_latents.get(plan.latent_key(e)) or (ctrl and f"reference image: {ctrl}") or next(
-            (res.bad_texts[t] for t in plan.item_texts(e.item) if t in res.bad_texts), None)
+            (res.bad_texts[lb] for lb in (plan.text_label(e, t) for t in texts) if lb in res.bad_texts), None)
         if why:
             reasons.setdefault(e.item, why)
         else:

@@ -21,6 +21,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "sd3": ("sd3", "SD3Adapter"),
     "qwen_image": ("qwen_image", "QwenImageAdapter"),
     "flux-kontext": ("flux_kontext", "FluxKontextAdapter"),
+    "qwen-image-edit": ("qwen_image_edit", "QwenImageEditAdapter"),
 }
 
 __all__ = ["ADAPTERS", "Components", "ModelAdapter", "adapter_class", "get_adapter"]

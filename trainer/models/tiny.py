@@ -17,7 +17,9 @@ packed 2x2).
 
 Folders written under `out`: flux (dev-like: guidance embedding, dynamic shift), flux-schnell (no guidance
 embedding, fixed shift 1), sd3 (SD3.5-like: qk RMS norm and dual-attention blocks), qwen_image, flux-kontext
-(the dev-like Flux saved as a FluxKontextPipeline: Kontext has Flux's architecture).
+(the dev-like Flux saved as a FluxKontextPipeline: Kontext has Flux's architecture), qwen-image-edit (the
+qwen_image model saved as a QwenImageEditPipeline with a Qwen2-VL processor whose image processor caps images at
+128x128 pixels, so the vision tower stays cheap).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "sd3": ("sd3",),
     "qwen_image": ("qwen_image",),
     "flux-kontext": ("flux-kontext",),
+    "qwen-image-edit": ("qwen-image-edit",),
 }
 
 QWEN_TEMPLATE_PREFIX = (
@@ -273,8 +276,13 @@ def _sd3():
     )
 
 
-def _qwen_image():
-    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+def _qwen_image(edit: bool = False):
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        QwenImageEditPipeline,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     tok = _qwen_tokenizer()
@@ -307,7 +315,30 @@ def _qwen_image():
         shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
         max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
     )
+    if edit:
+        from transformers import Qwen2VLImageProcessorPil
+        from transformers.video_processing_utils import BaseVideoProcessor
+
+        from .qwen_image_edit import image_only_processor_class
+
+        # The real processor's settings (14-pixel patches merged 2x2, CLIP mean / std), images capped at 128x128.
+        proc = image_only_processor_class()(
+            image_processor=Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=128 * 128), tokenizer=tok,
+            video_processor=BaseVideoProcessor(),
+        )
+        return QwenImageEditPipeline(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok,
+                                     processor=proc, transformer=transformer)
     return QwenImagePipeline(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
+
+
+def _name_processor_as_transformers_does(folder: Path) -> None:
+    """The processor is saved from our torchvision-free subclass; name it Qwen2VLProcessor, as a real folder does."""
+    for rel, key in (("model_index.json", "processor"), ("processor/processor_config.json", "processor_class")):
+        p = folder / rel
+        if p.is_file():
+            d = json.loads(p.read_text())
+            d[key] = ["transformers", "Qwen2VLProcessor"] if key == "processor" else "Qwen2VLProcessor"
+            p.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
 _BUILDERS = {
@@ -316,6 +347,7 @@ _BUILDERS = {
     "sd3": _sd3,
     "qwen_image": _qwen_image,
     "flux-kontext": lambda: _flux(schnell=False, kontext=True),
+    "qwen-image-edit": lambda: _qwen_image(edit=True),
 }
 
 
@@ -337,6 +369,8 @@ def make_tiny_models(out: str | Path, families: list[str] | None = None) -> list
             folder = out / name
             folder.mkdir(parents=True, exist_ok=True)
             pipe.save_pretrained(folder, safe_serialization=True)
+            if (folder / "processor").is_dir():
+                _name_processor_as_transformers_does(folder)
             written.append(folder)
     return written
 

@@ -53,6 +53,9 @@ def _config(
     quantize: str = "none",
 ) -> dict:
     full = method == "full"
+    # qwen-image-edit: its captions are encoded with their reference images (~1400 vision tokens at 1024 px), so
+    # one at a time; its samples need a reference image
+    ref_text = getattr(adapter_class(family), "text_uses_reference", False)
     return {
         "model": {"family": family, "path": adapter_class(family).example_path, "dtype": "bf16",
                   **({"quantize": quantize} if quantize != "none" else {})},
@@ -75,6 +78,7 @@ def _config(
             "sources": [{"path": "/path/to/images"}],
             "resolutions": [res],
             "cache_dir": f"cache/{family}-{res}",
+            **({"encode_batch_size": 1} if ref_text else {}),
         },
         "offload": {"transformer": fraction, "text_encoders": te, "activations": act},
         "sample": {
@@ -83,6 +87,7 @@ def _config(
             "steps": 28,
             "width": res,
             "height": res,
+            **({"image": "/path/to/reference.png"} if ref_text else {}),
         },
         "output": {"dir": f"out/{family}-{method}"},
     }

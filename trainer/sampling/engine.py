@@ -53,9 +53,11 @@ def encode_prompts(
     guidance: float,
     negative_prompt: str = "",
     device: torch.device | str | None = None,
+    image=None,
 ) -> list[Embeds]:
     """Pipeline call kwargs holding each prompt's embeddings (and the negative prompt's when guidance > 1 runs a
-    second pass). Needs the text encoders in `pipe`; identical prompts are encoded once."""
+    second pass). Needs the text encoders in `pipe`; identical prompts are encoded once. `image`: the reference
+    (PIL) for families whose text encoder sees it (`text_uses_reference`)."""
     fam = adapter_class(family)
     device = torch.device(device) if device is not None else pipe._execution_device
     negative = negative_prompt if fam.sampling_uses_negative and guidance > 1 else None
@@ -63,7 +65,8 @@ def encode_prompts(
     with torch.no_grad():
         for p in prompts:
             if p not in cache:
-                cache[p] = fam.pipeline_embeds(pipe, p, negative, device)
+                ref = {"image": image} if getattr(fam, "text_uses_reference", False) else {}
+                cache[p] = fam.pipeline_embeds(pipe, p, negative, device, **ref)
     return [cache[p] for p in prompts]
 
 
@@ -140,6 +143,7 @@ def generate(
     pipe_logger.addFilter(quiet)
     try:
         texts = [p for p in prompts if isinstance(p, str)]
+        ref_image = settings.reference()
         encoded = (
             iter(
                 encode_prompts(
@@ -148,13 +152,14 @@ def generate(
                     texts,
                     guidance=settings.guidance,
                     negative_prompt=settings.negative_prompt,
+                    image=ref_image,
                 )
             )
             if texts
             else iter(())
         )
         device = pipe._execution_device
-        reference = adapter.pipeline_image(pipe, settings.reference())
+        reference = adapter.pipeline_image(pipe, ref_image)
         images = []
         for prompt, seed in zip(prompts, seeds, strict=True):
             embeds = next(encoded) if isinstance(prompt, str) else prompt

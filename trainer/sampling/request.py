@@ -70,7 +70,8 @@ class SampleSettings:
     def from_config(cls, sample_cfg) -> SampleSettings:
         """The config's `sample:` section as settings (what sampling during training uses)."""
         s = sample_cfg
-        return cls(s.steps, s.guidance, s.width, s.height, s.negative_prompt)
+        return cls(s.steps, s.guidance, s.width, s.height, s.negative_prompt,
+                   str(s.image) if getattr(s, "image", None) is not None else None)
 
 
 @dataclass(frozen=True)
@@ -165,12 +166,15 @@ def collect_prompts(req: SampleRequest, config_prompts: list[str]) -> list[str]:
 
 
 def check_image(path: Path | None, adapter) -> None:
-    """`--image`: only for edit families, and it must be a readable image."""
+    """`--image`: only for edit families, and it must be a readable image; families whose text encoder sees the
+    reference (qwen-image-edit) cannot sample without one."""
     if path is None:
+        if getattr(adapter, "text_uses_reference", False):
+            raise UserError(f"{adapter.family} samples need a reference image: pass --image (or set sample.image)")
         return
     if not getattr(adapter, "takes_reference", False):
-        raise UserError(f"--image is for edit models (flux-kontext); model.family {adapter.family} takes no "
-                        f"reference image")
+        raise UserError(f"--image is for edit models (flux-kontext, qwen-image-edit); model.family {adapter.family} "
+                        f"takes no reference image")
     from ..data.images import BadImage, open_image
 
     try:

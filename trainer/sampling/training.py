@@ -56,6 +56,7 @@ class TrainingSampler:
                     guidance=s.guidance,
                     negative_prompt=s.negative_prompt,
                     device=self.device,
+                    image=self.settings.reference(),
                 )
             # Kept in CPU RAM between calls (device-to-host copy once, at setup).
             self.embeds = [
