@@ -119,7 +119,7 @@ def _yaml(d: dict, indent: int = 0) -> list[str]:
     return out
 
 
-def _first_fit(family, method, card, opt, cache, quantize="none"):
+def _first_fit(family, method, card, opt, cache, quantize="none", ram_gb=None):
     budget = card - HEADROOM_GB
     last = ""
     for res, act, ckpt in SETTINGS:
@@ -137,10 +137,11 @@ def _first_fit(family, method, card, opt, cache, quantize="none"):
             last = str(e).split(";")[0]
             continue
         p = predict(facts, f, res, act)
-        if p.ram_peak / 1e9 > RAM_GB[card]:
+        ram = ram_gb or RAM_GB[card]
+        if p.ram_peak / 1e9 > ram:
             last = (
                 f"needs {p.ram_peak / 1e9:.0f} GB of CPU RAM at fraction {f:.2f} ({res} px), more than the "
-                f"{RAM_GB[card]} GB assumed beside a {card} GB card"
+                f"{ram} GB assumed beside a {card} GB card"
             )
             continue
         facts.checkpointing = True
@@ -181,7 +182,7 @@ def plan_preset(
             why = (f"in bf16 it would need {fits[0][1].ram_peak / 1e9:.0f} GB of host RAM, more than the "
                    f"{SMALL_RAM_GB} GB of most machines with {card} GB cards")
         if why:
-            q = _first_fit(family, method, card, "adamw", cache, "fp8")
+            q = _first_fit(family, method, card, "adamw", cache, "fp8", ram_gb=SMALL_RAM_GB)  # else bf16 stays
             if not isinstance(q, str):
                 return (*q, why + f"; with fp8 Linear weights it pins {q[1].pinned / 1e9:.0f} GB")
             why = ""
