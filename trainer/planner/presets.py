@@ -258,18 +258,22 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
 OPTIONAL_MARK = "# Optional features: uncomment what you want and merge it into the sections above"
 
 
-def optional_features(method: str) -> list[str]:
-    """Commented YAML showing the keys of the features most users of other trainers look for (README: Training)."""
+def optional_features(method: str, family: str = "") -> list[str]:
+    """Commented YAML showing the keys of the features most users of other trainers look for (README: Training).
+    Validation is left out for families whose captions are encoded with their reference (not supported there)."""
     lora = method == "lora"
+    val = not getattr(adapter_class(family), "text_uses_reference", False) if family else True
     body = [
         "train:",
         "  ema: {decay: 0.999, every: 1, device: cpu}  # EMA of the trained weights: "
         + ("lora-ema.safetensors" if lora else "transformer-ema/"),
-        "  validate_every: 250                       # score data.validation every 250 steps (val_loss)",
+        *(["  validate_every: 250                       # score data.validation every 250 steps (val_loss)"]
+          if val else []),
         *(["lora:", "  type: lokr                                # lora | lokr | loha (or dora: true with type lora)"]
           if lora else []),
         "data:",
-        "  validation: {fraction: 0.05}              # hold out 5 % of the images for the validation loss",
+        *(["  validation: {fraction: 0.05}              # hold out 5 % of the images for the validation loss"]
+          if val else []),
         "  masked_loss: true                         # <source>/masks/<same name>: white trains, black is ignored",
         "  sources:",
         "    - path: /path/to/images",
@@ -304,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                 d, p, base, phases, why_fp8 = r
                 path.parent.mkdir(parents=True, exist_ok=True)
                 head = header(family, method, card, d, p, base, phases, why_fp8)
-                path.write_text("\n".join(head + _yaml(d) + optional_features(method)) + "\n")
+                path.write_text("\n".join(head + _yaml(d) + optional_features(method, family)) + "\n")
                 print(f"wrote   {path}: {next(h for h in head if h.startswith('# expects'))[2:]}")
     print("\nabsent combinations (for configs/README.md):")
     print("\n".join(absent))
