@@ -183,6 +183,8 @@ class Trainer:
                 self.sampler = TrainingSampler(cfg, self.adapter, self.device, self.dtype)  # frees the encoders
 
         self.fraction = streaming.transformer_fraction(cfg, self._can_stream())  # resolved once: auto -> a float
+        # Rank 0's choice everywhere: `auto` may time the GPU, and a shared arena needs one layout on every process
+        self.fraction = float(self.dist.broadcast_text(repr(self.fraction)))
         streamed = self.fraction > 0  # on the CPU, or at 0, the model stays resident
         stream_load.release_host_memory()  # the VAE and text encoders are gone: give their pages back
         self._loader = None  # reads streamed blocks from the files into the conductor's arena (stream_load.py)
