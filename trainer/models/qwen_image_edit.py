@@ -33,8 +33,11 @@ torchvision. Where torchvision is installed the folder's `processor/` loads as i
 processor is rebuilt from the folder's own image processor (its PIL variant, identical settings) and tokenizer,
 with an empty `BaseVideoProcessor` (no video is ever processed here).
 
-Left out: several reference images (Qwen-Image-Edit-2509's `QwenImageEditPlusPipeline`), references of another
-size than the target's bucket, validation sets (data.validation) for this family.
+Qwen-Image-Edit-2509 (`QwenImageEditPlusPipeline`, one reference): qwen_image_edit_plus.py, a subclass that
+changes the template (`edit_template`) and the size the text encoder sees the reference at (`text_reference`).
+
+Left out: several reference images, references of another size than the target's bucket, validation sets
+(data.validation) for this family.
 """
 
 from __future__ import annotations
