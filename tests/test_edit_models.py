@@ -403,3 +403,143 @@ def test_streamed_qwen_edit_trains_like_resident(method, fraction, qwen_edit, pa
            for n in ("off", "ref")]
     assert len(got[1]) == 2
     assert got[0] == pytest.approx(got[1], rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- qwen-image-edit-plus
+
+
+@pytest.fixture(scope="module")
+def qwen_plus(tiny_models) -> Path:
+    """The tiny Qwen-Image-Edit-2509 folder (saved as a QwenImageEditPlusPipeline)."""
+    return tiny_models / "qwen-image-edit-plus"
+
+
+def _plus_config(model: Path, data: Path, tmp: Path, **extra) -> dict:
+    cfg = _qwen_config(model, data, tmp, **extra)
+    cfg["model"]["family"] = "qwen-image-edit-plus"
+    return cfg
+
+
+def _plus_pipe(folder: Path, **kw):
+    from diffusers import QwenImageEditPlusPipeline
+
+    from trainer.models.qwen_image_edit import load_processor
+
+    return QwenImageEditPlusPipeline.from_pretrained(str(folder), processor=load_processor(folder / "processor"),
+                                                     torch_dtype=torch.float32, local_files_only=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def plus_fitted(qwen_plus, pairs, tmp_path_factory):
+    """`dittrain fit` of a qwen-image-edit-plus YAML config on the pairs: (config path, output folder)."""
+    tmp = tmp_path_factory.mktemp("qwen-plus-fit")
+    path = tmp / "qwen-plus.yaml"
+    path.write_text(yaml.safe_dump(_plus_config(qwen_plus, pairs, tmp)))
+    r = CliRunner().invoke(app, ["fit", str(path)])
+    assert r.exit_code == 0, r.output
+    return path, tmp / "out"
+
+
+def test_qwen_plus_text_and_predict_as_the_pipeline_does(qwen_plus):
+    """The text: QwenImageEditPlusPipeline's encode_prompt with the reference at its condition size (the
+    pipeline's own resize to ~384x384 area) and its "Picture 1:" template; predict: the transformer called as
+    that pipeline calls it."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
+        CONDITION_IMAGE_SIZE,
+        calculate_dimensions,
+    )
+
+    adapter = get_adapter(ModelConfig(family="qwen-image-edit-plus", path=qwen_plus, dtype="fp32"))
+    comps = adapter.load(adapter.cfg, parts={"transformer", "text"}, dtype=torch.float32)
+    tr = comps.transformer.eval()
+    pipe = _plus_pipe(qwen_plus, transformer=tr)
+    rng = np.random.default_rng(0)
+    ims = [Image.fromarray(rng.integers(0, 256, s, dtype=np.uint8)) for s in ((48, 64, 3), (80, 40, 3))]
+    prompts = [PROMPT, "edit"]
+    batched = adapter.encode_prompts(comps, prompts, images=ims)
+    for i, (p, im) in enumerate(zip(prompts, ims, strict=True)):
+        w, h = calculate_dimensions(CONDITION_IMAGE_SIZE, im.width / im.height)
+        pe, mask = pipe.encode_prompt(prompt=p, image=[pipe.image_processor.resize(im, h, w)], device="cpu")
+        ours = adapter.encode_prompts(comps, [p], images=[im])
+        torch.testing.assert_close(ours["prompt_embeds"], pe, rtol=0, atol=0)
+        n = pe.shape[1]
+        assert int(batched["prompt_embeds_mask"][i].sum()) == n
+        torch.testing.assert_close(batched["prompt_embeds"][i, :n], pe[0], rtol=1e-4, atol=1e-5)
+    # not Qwen-Image-Edit's text: another template, the reference seen at another size
+    edit = get_adapter(ModelConfig(family="qwen-image-edit", path=qwen_plus, dtype="fp32"))
+    old = edit.encode_prompts(comps, [PROMPT], images=ims[:1])["prompt_embeds"]
+    new = adapter.encode_prompts(comps, [PROMPT], images=ims[:1])["prompt_embeds"]
+    assert old.shape != new.shape or (old - new).abs().max() > 1e-4
+
+    g = torch.Generator().manual_seed(0)
+    b, h, w = 1, 4, 6  # the Plus pipeline runs one prompt at a time
+    x, ref = torch.randn(b, 4, h, w, generator=g), torch.randn(b, 4, h, w, generator=g)
+    t = torch.tensor([0.3])
+    text = adapter.encode_prompts(comps, [PROMPT], images=ims[:1])
+    with torch.no_grad():
+        got = adapter.predict(tr, x, t, {**text, "control_latents": ref})
+        lat, img_lat = pipe.prepare_latents([ref[:, :, None]], b, 4, h * 8, w * 8, torch.float32, "cpu", None,
+                                            latents=pipe._pack_latents(x[:, :, None], b, 4, h, w))
+        out = tr(hidden_states=torch.cat([lat, img_lat], 1), timestep=t, encoder_hidden_states=text["prompt_embeds"],
+                 encoder_hidden_states_mask=text["prompt_embeds_mask"],
+                 img_shapes=[[(1, h // 2, w // 2), (1, h // 2, w // 2)]] * b, return_dict=False)[0]
+        theirs = pipe._unpack_latents(out[:, : lat.shape[1]], h * 8, w * 8, 8)[:, :, 0]
+    torch.testing.assert_close(got, theirs, rtol=0, atol=0)
+
+
+def test_qwen_plus_fit_caches_both_latents_and_the_lora_loads_in_the_pipeline(plus_fitted, qwen_plus):
+    from trainer.data import prepare_data
+    from trainer.train.objective import FlowMatching
+
+    path, out = plus_fitted
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 and all(np.isfinite(x["loss"]) for x in lines)
+    cfg = Config.model_validate(yaml.safe_load(path.read_text()))
+    adapter = get_adapter(cfg.model)
+    data = prepare_data(cfg, adapter, progress=False)
+    assert data.encode.latents_new == 0 and data.encode.latents_hit == 8  # 4 targets + 4 references
+    assert data.encode.texts_new == 0 and data.encode.texts_hit == 8  # (caption, reference) and ("", reference)
+    b = data.batch_at(0)
+    assert b.text["control_latents"].shape == b.latents.shape
+    pipe = _plus_pipe(qwen_plus)
+    base = type(pipe.transformer).from_pretrained(str(qwen_plus), subfolder="transformer").eval()
+    pipe.load_lora_weights(str(out / "lora.safetensors"))
+    n = FlowMatching(cfg.train.model_copy(update={"timestep_sampling": "uniform"}), seed=5).noise(b.latents)
+    with torch.no_grad():
+        tuned = adapter.predict(pipe.transformer.eval(), n.noisy, n.t, b.text)
+        untrained = adapter.predict(base, n.noisy, n.t, b.text)
+    assert (tuned - untrained).abs().max() > 1e-4
+
+
+def test_qwen_plus_sample_with_image_equals_the_pipeline(plus_fitted, qwen_plus, tmp_path):
+    from trainer.models._diffusers import own_aligned_memory
+
+    path, out = plus_fitted
+    ref = Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    ref.save(tmp_path / "ref.png")
+    lora = str(out / "lora.safetensors")
+    r = CliRunner().invoke(app, ["sample", str(path), "-p", PROMPT, "--image", str(tmp_path / "ref.png"), "--seed",
+                                 "3", "--lora", lora, "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    (png,) = sorted((tmp_path / "a").glob("*.png"))
+    with Image.open(png) as im:
+        ours = np.asarray(im.convert("RGB")).copy()
+    pipe = _plus_pipe(qwen_plus)
+    own_aligned_memory(pipe.transformer)
+    pipe.load_lora_weights(lora)
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(prompt=PROMPT, image=ref, height=32, width=32, num_inference_steps=2, true_cfg_scale=1.0,
+                  generator=torch.Generator().manual_seed(3)).images[0]
+    np.testing.assert_array_equal(ours, np.asarray(theirs.convert("RGB")))
+    r = CliRunner().invoke(app, ["sample", str(path), "-p", PROMPT, "--out", str(tmp_path / "b")])
+    assert r.exit_code != 0 and "need a reference image" in r.output
+
+
+def test_qwen_plus_planner_counts_the_smaller_reference_in_the_text():
+    from trainer.models import adapter_class
+
+    qi, qe, qp = (adapter_class(f) for f in ("qwen_image", "qwen-image-edit", "qwen-image-edit-plus"))
+    with torch.device("meta"):
+        model = qi.transformer_cls.from_config(qi.full_config)
+    assert qp.dummy_inputs(model, 1, 1024, 1024, 256, torch.bfloat16)["img_shapes"] == [[(1, 64, 64), (1, 64, 64)]]
+    assert qi.text_tokens < qp.text_tokens < qe.text_tokens  # ~196 vision tokens of a 384x384 condition image

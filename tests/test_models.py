@@ -286,7 +286,7 @@ def test_make_tiny_is_deterministic_and_qwen_template_is_34_tokens(tiny_models, 
 
     written = make_tiny_models(tmp_path)  # the same corpus and seeds give byte-identical files
     assert [p.name for p in written] == ["flux", "flux-schnell", "sd3", "qwen_image", "flux-kontext",
-                                          "qwen-image-edit"]
+                                          "qwen-image-edit", "qwen-image-edit-plus"]
 
     def digest(folder: Path) -> dict[str, str]:
         return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()

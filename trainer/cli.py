@@ -137,7 +137,7 @@ def sample(
     base: bool = typer.Option(
         False, "--base", help="Full fine-tune configs: sample the base model instead of <output.dir>/transformer."),
     image: Path | None = typer.Option(
-        None, "--image", help="Edit models (flux-kontext, qwen-image-edit): the reference image to edit, resized to the sample "
+        None, "--image", help="Edit models (flux-kontext, qwen-image-edit[-plus]): the reference image to edit, resized to the sample "
         "size (default: sample.image).",
         show_default=False),
 ) -> None:

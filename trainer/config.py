@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError
 
-Family = Literal["flux", "sd3", "qwen_image", "flux-kontext", "qwen-image-edit"]
+Family = Literal["flux", "sd3", "qwen_image", "flux-kontext", "qwen-image-edit", "qwen-image-edit-plus"]
 
 
 class _Section(BaseModel):
@@ -31,7 +31,8 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     family: Family = Field(description="Model family: flux (dev or schnell), sd3 (SD3 / SD3.5), qwen_image, or the edit "
-                                         "families flux-kontext and qwen-image-edit (trained on image pairs).")
+                                         "families flux-kontext, qwen-image-edit and qwen-image-edit-plus (Qwen-Image-Edit-2509; "
+                                         "trained on image pairs, one reference each).")
     path: Path = Field(
         description="Local diffusers-format folder (model_index.json, transformer/, vae/, text_encoder*/, "
         "tokenizer*/). Nothing is downloaded."
@@ -358,7 +359,7 @@ class SampleConfig(_Section):
     image: Path | None = Field(
         default=None,
         description="Edit families: the reference image of the samples made during training (resized and "
-        "centre-cropped to width x height); `dittrain sample --image` overrides it. qwen-image-edit needs one to "
+        "centre-cropped to width x height); `dittrain sample --image` overrides it. qwen-image-edit(-plus) needs one to "
         "sample; flux-kontext samples without a reference when it is unset.",
     )
 

@@ -22,6 +22,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "qwen_image": ("qwen_image", "QwenImageAdapter"),
     "flux-kontext": ("flux_kontext", "FluxKontextAdapter"),
     "qwen-image-edit": ("qwen_image_edit", "QwenImageEditAdapter"),
+    "qwen-image-edit-plus": ("qwen_image_edit_plus", "QwenImageEditPlusAdapter"),
 }
 
 __all__ = ["ADAPTERS", "Components", "ModelAdapter", "adapter_class", "get_adapter"]

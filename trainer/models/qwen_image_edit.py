@@ -33,8 +33,11 @@ torchvision. Where torchvision is installed the folder's `processor/` loads as i
 processor is rebuilt from the folder's own image processor (its PIL variant, identical settings) and tokenizer,
 with an empty `BaseVideoProcessor` (no video is ever processed here).
 
-Left out: several reference images (Qwen-Image-Edit-2509's `QwenImageEditPlusPipeline`), references of another
-size than the target's bucket, validation sets (data.validation) for this family.
+Qwen-Image-Edit-2509 (`QwenImageEditPlusPipeline`, one reference): qwen_image_edit_plus.py, a subclass that
+changes the template (`edit_template`) and the size the text encoder sees the reference at (`text_reference`).
+
+Left out: several reference images, references of another size than the target's bucket, validation sets
+(data.validation) for this family.
 """
 
 from __future__ import annotations
@@ -128,6 +131,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
     # The reference's image tokens come before the instruction in the text sequence (one per 28x28 pixels of the
     # reference): a 1024x1024 reference adds 37 x 37 = 1369, which the planner's text-token count includes.
     text_tokens = 256 + 1369
+    #: the chat template the instruction goes into (the Plus family numbers its pictures)
+    edit_template = EDIT_TEMPLATE
 
     # ------------------------------------------------------------------------------------------ loading
 
@@ -167,8 +172,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
             raise ValueError(f"{self.family}: encode_prompts needs one reference image per prompt")
         (enc,), proc = components.text_encoders, components.tokenizers[1]
         dev = next(enc.parameters()).device
-        pil = [im if isinstance(im, Image.Image) else _to_pil(im) for im in images]
-        inputs = proc(text=[EDIT_TEMPLATE.format(p) for p in prompts], images=pil, padding=True,
+        pil = [self.text_reference(im if isinstance(im, Image.Image) else _to_pil(im)) for im in images]
+        inputs = proc(text=[self.edit_template.format(p) for p in prompts], images=pil, padding=True,
                       return_tensors="pt").to(dev)
         hidden = enc(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                      pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
@@ -181,6 +186,11 @@ class QwenImageEditAdapter(QwenImageAdapter):
         for i, p in enumerate(parts):
             mask[i, : p.shape[0]] = 1
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+    @classmethod
+    def text_reference(cls, image: Image.Image) -> Image.Image:
+        """The reference as the text encoder is handed it (here: as cut for the target's bucket)."""
+        return image
 
     # ------------------------------------------------------------------------------------------ transformer
 
@@ -219,7 +229,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def pipeline_embeds(cls, pipe, prompt, negative, device, image=None) -> dict[str, torch.Tensor]:
         """As the pipeline encodes: the reference resized to its ~1 MP size, seen with each prompt."""
         if image is None:
-            raise UserError("qwen-image-edit samples need a reference image: pass --image (or set sample.image)")
+            raise UserError(f"{cls.family} samples need a reference image: pass --image (or set sample.image)")
         w, h = pipeline_reference_size(image)
         ref = pipe.image_processor.resize(image, h, w)
         pe, mask = pipe.encode_prompt(prompt=prompt, image=ref, device=device, num_images_per_prompt=1)
@@ -232,7 +242,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
     @classmethod
     def pipeline_image(cls, pipe, image: Any) -> dict[str, Any]:
         if image is None:
-            raise UserError("qwen-image-edit samples need a reference image: pass --image (or set sample.image)")
+            raise UserError(f"{cls.family} samples need a reference image: pass --image (or set sample.image)")
         return {"image": image}
 
 

@@ -19,7 +19,8 @@ Folders written under `out`: flux (dev-like: guidance embedding, dynamic shift),
 embedding, fixed shift 1), sd3 (SD3.5-like: qk RMS norm and dual-attention blocks), qwen_image, flux-kontext
 (the dev-like Flux saved as a FluxKontextPipeline: Kontext has Flux's architecture), qwen-image-edit (the
 qwen_image model saved as a QwenImageEditPipeline with a Qwen2-VL processor whose image processor caps images at
-128x128 pixels, so the vision tower stays cheap).
+128x128 pixels, so the vision tower stays cheap), qwen-image-edit-plus (the same model and processor saved as a
+QwenImageEditPlusPipeline).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "qwen_image": ("qwen_image",),
     "flux-kontext": ("flux-kontext",),
     "qwen-image-edit": ("qwen-image-edit",),
+    "qwen-image-edit-plus": ("qwen-image-edit-plus",),
 }
 
 QWEN_TEMPLATE_PREFIX = (
@@ -276,10 +278,11 @@ def _sd3():
     )
 
 
-def _qwen_image(edit: bool = False):
+def _qwen_image(edit: bool = False, plus: bool = False):
     from diffusers import (
         AutoencoderKLQwenImage,
         QwenImageEditPipeline,
+        QwenImageEditPlusPipeline,
         QwenImagePipeline,
         QwenImageTransformer2DModel,
     )
@@ -326,7 +329,8 @@ def _qwen_image(edit: bool = False):
             image_processor=Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=128 * 128), tokenizer=tok,
             video_processor=BaseVideoProcessor(),
         )
-        return QwenImageEditPipeline(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok,
+        edit_cls = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+        return edit_cls(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok,
                                      processor=proc, transformer=transformer)
     return QwenImagePipeline(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
 
@@ -348,6 +352,7 @@ _BUILDERS = {
     "qwen_image": _qwen_image,
     "flux-kontext": lambda: _flux(schnell=False, kontext=True),
     "qwen-image-edit": lambda: _qwen_image(edit=True),
+    "qwen-image-edit-plus": lambda: _qwen_image(edit=True, plus=True),
 }
 
 

@@ -173,7 +173,7 @@ def check_image(path: Path | None, adapter) -> None:
             raise UserError(f"{adapter.family} samples need a reference image: pass --image (or set sample.image)")
         return
     if not getattr(adapter, "takes_reference", False):
-        raise UserError(f"--image is for edit models (flux-kontext, qwen-image-edit); model.family {adapter.family} "
+        raise UserError(f"--image is for edit models (flux-kontext, qwen-image-edit[-plus]); model.family {adapter.family} "
                         f"takes no reference image")
     from ..data.images import BadImage, open_image
 
