@@ -226,12 +226,17 @@ class QwenImageEditAdapter(QwenImageAdapter):
     # ------------------------------------------------------------------------------------------ sampling
 
     @classmethod
+    def pipeline_text_image(cls, pipe, image: Image.Image):
+        """The reference as the pipeline hands it to `encode_prompt`: resized to its ~1 MP size."""
+        w, h = pipeline_reference_size(image)
+        return pipe.image_processor.resize(image, h, w)
+
+    @classmethod
     def pipeline_embeds(cls, pipe, prompt, negative, device, image=None) -> dict[str, torch.Tensor]:
-        """As the pipeline encodes: the reference resized to its ~1 MP size, seen with each prompt."""
+        """As the pipeline encodes: the reference (`pipeline_text_image`) seen with each prompt."""
         if image is None:
             raise UserError(f"{cls.family} samples need a reference image: pass --image (or set sample.image)")
-        w, h = pipeline_reference_size(image)
-        ref = pipe.image_processor.resize(image, h, w)
+        ref = cls.pipeline_text_image(pipe, image)
         pe, mask = pipe.encode_prompt(prompt=prompt, image=ref, device=device, num_images_per_prompt=1)
         out = {"prompt_embeds": pe, "prompt_embeds_mask": mask}
         if negative is not None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from functools import cache
 
-import torch
 from diffusers import QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
     CONDITION_IMAGE_SIZE,
@@ -32,7 +31,6 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
 )
 from PIL import Image
 
-from ..errors import UserError
 from .qwen_image_edit import EDIT_TEMPLATE, QwenImageEditAdapter
 
 #: QwenImageEditPlusPipeline's template with one picture: "Picture 1: " before the vision tokens
@@ -71,14 +69,6 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
         return condition_image(image)
 
     @classmethod
-    def pipeline_embeds(cls, pipe, prompt, negative, device, image=None) -> dict[str, torch.Tensor]:
-        """As the pipeline encodes: the reference resized to its condition size, seen with each prompt."""
-        if image is None:
-            raise UserError(f"{cls.family} samples need a reference image: pass --image (or set sample.image)")
-        ref = [condition_image(image)]
-        pe, mask = pipe.encode_prompt(prompt=prompt, image=ref, device=device, num_images_per_prompt=1)
-        out = {"prompt_embeds": pe, "prompt_embeds_mask": mask}
-        if negative is not None:
-            npe, nmask = pipe.encode_prompt(prompt=negative, image=ref, device=device, num_images_per_prompt=1)
-            out |= {"negative_prompt_embeds": npe, "negative_prompt_embeds_mask": nmask}
-        return out
+    def pipeline_text_image(cls, pipe, image: Image.Image):
+        """The Plus pipeline's `encode_prompt` takes a list of references at their condition size."""
+        return [condition_image(image)]
