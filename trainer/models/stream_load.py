@@ -73,6 +73,19 @@ def supported(cfg) -> bool:
     return cfg.transformer_file is None
 
 
+def loads_whole(cfg, resuming: bool = False, streamed: bool = True) -> bool:
+    """Whether `fit` with the full Config `cfg` reads the whole transformer into RAM before its blocks stream,
+    instead of block by block from the files into the arena (the trainer loads by it, the planner counts RAM by
+    it): a single file (not a diffusers folder); a resumed full fine-tune (its checkpoint replaces every weight);
+    and, where blocks stream (they keep placeholders until the conductor fills them), DoRA (peft starts its
+    magnitudes from the base weights) and an EMA of a full fine-tune (its shadow starts from them)."""
+    full = cfg.train.method == "full"
+    needs_base = resuming and full
+    if streamed:
+        needs_base = needs_base or (not full and cfg.lora.dora) or (full and cfg.train.ema is not None)
+    return not supported(cfg.model) or needs_base
+
+
 def empty_transformer(adapter, cfg, dtype: torch.dtype) -> nn.Module:
     """The family's transformer with placeholders for weights, its blocks quantized per `cfg.quantize`."""
     from accelerate import init_empty_weights

@@ -51,7 +51,7 @@ import torch
 from .. import quant
 from ..dtypes import DTYPES
 from ..errors import UserError
-from ..models import adapter_class
+from ..models import adapter_class, stream_load
 from ..offload.allocators import BlockPacking
 from ..offload.plan import Plan, PlanError, capacity_for, make_plan
 from . import timing as ptime
@@ -202,16 +202,8 @@ def analyze(cfg) -> Facts:
         text_tokens=adapter_class(family).text_tokens,
         text_encoders=text_encoder_bytes(cfg),
         resolutions=res,
-        loads_whole=_loads_whole(cfg),
+        loads_whole=stream_load.loads_whole(cfg),  # a resumed full fine-tune loads whole too; plan cannot know
     )
-
-
-def _loads_whole(cfg) -> bool:
-    """Whether `fit` reads the whole transformer into RAM before packing its blocks (trainer/train/trainer.py: a
-    single-file model, DoRA, an EMA of a full fine-tune); otherwise blocks go from the files straight into the
-    arena (trainer/models/stream_load.py). A resumed full fine-tune loads whole too; `plan` cannot know that."""
-    return (cfg.model.transformer_file is not None or (cfg.train.method == "lora" and cfg.lora.dora)
-            or (cfg.train.method == "full" and cfg.train.ema is not None))
 
 
 # ------------------------------------------------------------------------------------- pure arithmetic

@@ -4,7 +4,6 @@
     params = method.trainable_params(transformer, adapter)
     method.same_start(dist, params)                   # every rank starts from the same weights
     method.streams_trainable                          # the conductor streams trainable weights (full) or not
-    method.resume_replaces_base / reads_base_at_setup # the base weights are needed before blocks stream
     method.optimizer_state_layout(optim)              # what the conductor packs beside each streamed weight
     method.place_optimizer_state(handle, blocks, optim)
     method.save_weights(folder, step) / method.load_weights(folder)
@@ -48,8 +47,6 @@ class TrainingMethod:
 
     name = ""
     streams_trainable = False  # whether the conductor streams trainable weights
-    resume_replaces_base = False  # whether resuming overwrites every transformer weight (then loaded in RAM)
-    reads_base_at_setup = False  # whether trainable_params reads the base weights (then loaded before streaming)
     oom_hint = ""  # appended to the out-of-memory advice
 
     def __init__(self, cfg: Config):
@@ -63,10 +60,6 @@ class TrainingMethod:
 class LoraMethod(TrainingMethod):
     name = "lora"
     streams_trainable = False  # LoRA weights stay on the device; the conductor streams only the frozen base
-
-    @property
-    def reads_base_at_setup(self) -> bool:
-        return self.cfg.lora.dora  # peft starts DoRA's magnitude vector from the base weight's column norms
 
     def trainable_params(self, transformer: torch.nn.Module, adapter) -> list[torch.nn.Parameter]:
         """Freeze the transformer and add the LoRA adapter (draws from torch's global generator: seed it first)."""
@@ -115,7 +108,6 @@ class LoraMethod(TrainingMethod):
 class FullMethod(TrainingMethod):
     name = "full"
     streams_trainable = True  # streamed blocks carry trainable weights, stepped inside backward
-    resume_replaces_base = True  # the checkpoint's transformer/ replaces the model folder's weights
     oom_hint = "; LoRA needs far less memory than train.method: full"
 
     def trainable_params(self, transformer: torch.nn.Module, adapter) -> list[torch.nn.Parameter]:  # noqa: ARG002

@@ -188,14 +188,9 @@ class Trainer:
         streamed = self.fraction > 0  # on the CPU, or at 0, the model stays resident
         stream_load.release_host_memory()  # the VAE and text encoders are gone: give their pages back
         self._loader = None  # reads streamed blocks from the files into the conductor's arena (stream_load.py)
-        # The old path where the base weights must exist before the conductor fills blocks: a resumed full
-        # fine-tune (the checkpoint replaces them), an EMA of a streamed full fine-tune (its shadow starts from
-        # them) and DoRA (its magnitudes start from them).
-        base_first = (resume_dir is not None and self.method.resume_replaces_base) or (streamed and (
-            (c.ema is not None and self.method.streams_trainable) or self.method.reads_base_at_setup))
-        if stream_load.supported(cfg.model) and not base_first:
+        if not stream_load.loads_whole(cfg, resume_dir is not None, streamed):
             self.transformer, self._loader = stream_load.load(self.adapter, cfg.model, self.dtype, self.device, streamed)
-        else:  # single-file transformers, and base_first: the whole model through CPU RAM
+        else:  # single files, and where the base weights must exist before blocks stream: through CPU RAM
             load_to = torch.device("cpu") if streamed else self.device
             self.transformer = self.adapter.load(cfg.model, parts={"transformer"}, dtype=self.dtype, device=load_to).transformer
         self.transformer.train()
