@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import step_seconds  # noqa: E402
 from trainer.config import OptimizerConfig  # noqa: E402
 from trainer.models.flux import FluxAdapter  # noqa: E402
 from trainer.offload import attach_offload  # noqa: E402
@@ -110,14 +111,7 @@ def timed(fn, warmup, steps):
         fn()
     torch.cuda.synchronize()
     s0 = torch.cuda.memory_stats()
-    ts = []
-    for _ in range(steps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1000)
+    ts = step_seconds(fn, steps, True)
     s1 = torch.cuda.memory_stats()
     mallocs = s1["segment.all.allocated"] - s0["segment.all.allocated"]
     return ts, mallocs, s1["num_alloc_retries"] - s0["num_alloc_retries"]

@@ -29,13 +29,13 @@ import gc
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import step_seconds  # noqa: E402
 from trainer import quant  # noqa: E402
 from trainer.offload import attach_offload  # noqa: E402
 
@@ -93,19 +93,7 @@ def timed(fn, dev, warmup, steps):
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    ts = []
-    for _ in range(steps):
-        if cuda:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn()
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1) / 1000)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
+    ts = step_seconds(fn, steps, cuda)
     peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
     return statistics.median(ts), peak
 

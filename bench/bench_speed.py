@@ -37,6 +37,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import step_seconds  # noqa: E402
 from trainer import quant  # noqa: E402
 from trainer.config import LoraConfig, OptimizerConfig  # noqa: E402
 from trainer.models import adapter_class  # noqa: E402
@@ -131,19 +132,7 @@ def timed(fn, dev, warmup: int, steps: int) -> dict:
     sync(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    ts = []
-    for _ in range(steps):
-        if dev.type == "cuda":
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn()
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1) / 1000)
-        else:
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
+    ts = step_seconds(fn, steps, dev.type == "cuda")
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     return {"step_s": statistics.median(ts), "first_s": first, "peak_gb": peak}
 
