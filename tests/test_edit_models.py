@@ -211,15 +211,13 @@ def test_planner_sees_the_reference_tokens():
     assert b["img_ids"].shape[0] == 8192
 
 
-@pytest.mark.parametrize("method,fraction", [("lora", 0.5), ("full", 1.0)])
-def test_streamed_kontext_trains_like_resident(method, fraction, kontext, pairs, tmp_path, monkeypatch):
-    """LoRA and full fine-tuning through the conductor's CPU path (the doubled sequence streams like any other):
-    the same losses as resident."""
+def _streamed_and_resident_losses(make_config, model, pairs, method, fraction, tmp_path, monkeypatch):
+    """[losses streamed at `fraction` through the conductor's CPU path, losses resident] of a 2-step fit."""
     from trainer.train.trainer import Trainer
 
     def cfg(name, f):
-        c = _config(kontext, pairs, tmp_path, train={"steps": 2, "method": method},
-                    output={"dir": str(tmp_path / name)}, offload={"transformer": f})
+        c = make_config(model, pairs, tmp_path, train={"steps": 2, "method": method},
+                        output={"dir": str(tmp_path / name)}, offload={"transformer": f})
         if method == "full":
             c["optimizer"].update({"lr": 1e-4, "fused_back_pass": True, "max_grad_norm": None})
         return Config.model_validate(c)
@@ -227,8 +225,15 @@ def test_streamed_kontext_trains_like_resident(method, fraction, kontext, pairs,
     Trainer(cfg("ref", 0.0)).fit()
     monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
     Trainer(cfg("off", fraction)).fit()
-    got = [[json.loads(x)["loss"] for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
-           for n in ("off", "ref")]
+    return [[json.loads(x)["loss"] for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+            for n in ("off", "ref")]
+
+
+@pytest.mark.parametrize("method,fraction", [("lora", 0.5), ("full", 1.0)])
+def test_streamed_kontext_trains_like_resident(method, fraction, kontext, pairs, tmp_path, monkeypatch):
+    """LoRA and full fine-tuning through the conductor's CPU path (the doubled sequence streams like any other):
+    the same losses as resident."""
+    got = _streamed_and_resident_losses(_config, kontext, pairs, method, fraction, tmp_path, monkeypatch)
     assert len(got[1]) == 2
     assert got[0] == pytest.approx(got[1], rel=1e-6)
 
@@ -387,20 +392,7 @@ def test_qwen_edit_planner_sees_the_reference_tokens():
 
 @pytest.mark.parametrize("method,fraction", [("lora", 0.5), ("full", 1.0)])
 def test_streamed_qwen_edit_trains_like_resident(method, fraction, qwen_edit, pairs, tmp_path, monkeypatch):
-    from trainer.train.trainer import Trainer
-
-    def cfg(name, f):
-        c = _qwen_config(qwen_edit, pairs, tmp_path, train={"steps": 2, "method": method},
-                         output={"dir": str(tmp_path / name)}, offload={"transformer": f})
-        if method == "full":
-            c["optimizer"].update({"lr": 1e-4, "fused_back_pass": True, "max_grad_norm": None})
-        return Config.model_validate(c)
-
-    Trainer(cfg("ref", 0.0)).fit()
-    monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
-    Trainer(cfg("off", fraction)).fit()
-    got = [[json.loads(x)["loss"] for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
-           for n in ("off", "ref")]
+    got = _streamed_and_resident_losses(_qwen_config, qwen_edit, pairs, method, fraction, tmp_path, monkeypatch)
     assert len(got[1]) == 2
     assert got[0] == pytest.approx(got[1], rel=1e-6)
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_train_support import losses, make_config, write_images
+from test_train_support import lora_predictions, losses, make_config, write_images
 
 from trainer import quant
 from trainer.errors import UserError
@@ -41,7 +41,6 @@ def test_loader_quantizes_block_linears_only(tiny_models, mode):
 
 
 def test_fit_at_fp8_writes_a_lora_that_diffusers_loads_on_the_unquantized_base(tiny_models, train_images, tmp_path):
-    from trainer.train.objective import FlowMatching
     from trainer.train.trainer import Trainer
 
     runs = {}
@@ -60,16 +59,7 @@ def test_fit_at_fp8_writes_a_lora_that_diffusers_loads_on_the_unquantized_base(t
     assert ours.keys() == plain.keys() and all(v.dtype == torch.float32 for v in ours.values())
     assert not any("scale" in k for k in ours)
 
-    pipe = t.adapter.pipeline_cls.from_pretrained(str(cfg.model.path), torch_dtype=torch.float32, local_files_only=True)
-    base = type(pipe.transformer).from_pretrained(str(cfg.model.path), subfolder="transformer").eval()
-    pipe.load_lora_weights(str(path))
-    b = t.data.batch_at(0)
-    n = FlowMatching(cfg.train.model_copy(update={"timestep_sampling": "uniform"}), seed=5).noise(b.latents)
-    t.transformer.eval()
-    with torch.no_grad():
-        mine = t.adapter.predict(t.transformer, n.noisy, n.t, b.text, guidance=cfg.model.guidance)
-        theirs = t.adapter.predict(pipe.transformer.eval(), n.noisy, n.t, b.text, guidance=cfg.model.guidance)
-        untrained = t.adapter.predict(base, n.noisy, n.t, b.text, guidance=cfg.model.guidance)
+    mine, theirs, untrained = lora_predictions(t, path)
     # The LoRA moves the bf16/fp32 base's output; on the fp8 base the same LoRA agrees up to fp8 weight rounding.
     lora_effect = (theirs - untrained).abs().max()
     assert lora_effect > 1e-3

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from test_train_support import eval_loss, losses, make_config, peek_batches, write_images
+from test_train_support import eval_loss, lora_predictions, losses, make_config, peek_batches, write_images
 
 from trainer.offload.block import StreamedBlock
 from trainer.train import checkpoint as ck
@@ -107,22 +107,12 @@ def test_full_training_lowers_the_loss_with_the_fused_back_pass(family, tiny_mod
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_file_changes_the_diffusers_pipeline_exactly_as_in_the_trainer(family, tiny_models, train_images,
                                                                             cache_root, tmp_path):
-    from trainer.train.objective import FlowMatching
 
     cfg = make_config(tiny_models, train_images, tmp_path / "out", cache_root / family, family,
                       train={"steps": 3}, optimizer={"lr": 1e-2}, lora={"rank": 4, "alpha": 2})
     t = Trainer(cfg)
     path = t.fit()
-    pipe = t.adapter.pipeline_cls.from_pretrained(str(cfg.model.path), torch_dtype=torch.float32, local_files_only=True)
-    base = type(pipe.transformer).from_pretrained(str(cfg.model.path), subfolder="transformer").eval()
-    pipe.load_lora_weights(str(path))
-    b = t.data.batch_at(0)
-    n = FlowMatching(cfg.train.model_copy(update={"timestep_sampling": "uniform"}), seed=5).noise(b.latents)
-    t.transformer.eval()
-    with torch.no_grad():
-        ours = t.adapter.predict(t.transformer, n.noisy, n.t, b.text, guidance=cfg.model.guidance)
-        theirs = t.adapter.predict(pipe.transformer.eval(), n.noisy, n.t, b.text, guidance=cfg.model.guidance)
-        untrained = t.adapter.predict(base, n.noisy, n.t, b.text, guidance=cfg.model.guidance)
+    ours, theirs, untrained = lora_predictions(t, path)
     assert torch.equal(ours, theirs)
     assert (theirs - untrained).abs().max() > 1e-4  # the LoRA does something (alpha/rank = 0.5 kept from the header)
 

@@ -85,3 +85,22 @@ def eval_loss(trainer, batches, seed: int = 1234) -> float:
             total += FlowMatching.loss(pred, n).item()
     tr.train(was_training)
     return total / len(batches)
+
+
+def lora_predictions(trainer, lora_path: Path):
+    """(ours, diffusers', untrained): the trained transformer's prediction on the first batch, the family's diffusers
+    pipeline's after `load_lora_weights(lora_path)`, and the base model's, with the same seeded noise (fp32)."""
+    import torch
+
+    from trainer.train.objective import FlowMatching
+
+    cfg, t = trainer.cfg, trainer
+    pipe = t.adapter.pipeline_cls.from_pretrained(str(cfg.model.path), torch_dtype=torch.float32, local_files_only=True)
+    base = type(pipe.transformer).from_pretrained(str(cfg.model.path), subfolder="transformer").eval()
+    pipe.load_lora_weights(str(lora_path))
+    b = t.data.batch_at(0)
+    n = FlowMatching(cfg.train.model_copy(update={"timestep_sampling": "uniform"}), seed=5).noise(b.latents)
+    t.transformer.eval()
+    with torch.no_grad():
+        return tuple(t.adapter.predict(m, n.noisy, n.t, b.text, guidance=cfg.model.guidance)
+                     for m in (t.transformer, pipe.transformer.eval(), base))
