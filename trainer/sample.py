@@ -53,6 +53,7 @@ from .sampling.request import (
     parse_lora,
     plan_jobs,
 )
+from .train.checkpoint import is_dora_file
 from .train.streaming import compile_options
 
 __all__ = ["SampleRequest", "SamplePlan", "resolve", "run_sample"]
@@ -193,7 +194,7 @@ def _build_pipeline(cfg: Config, adapter, plan: SamplePlan, trained: Path | None
     names, the loader that fills the placeholders or None)."""
     dtype = DTYPES[cfg.model.dtype]
     stream = (plan.offload > 0 and trained is None and stream_load.supported(cfg.model)
-              and not any(_is_dora(s.path) for s in plan.loras))
+              and not any(is_dora_file(s.path) for s in plan.loras))
     comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler"} | (set() if stream else {"transformer"}),
                          dtype=dtype, device="cpu")
     loader = None
@@ -211,18 +212,6 @@ def _build_pipeline(cfg: Config, adapter, plan: SamplePlan, trained: Path | None
     pipe.transformer.requires_grad_(False)
     return pipe, names, loader
 
-
-def _is_dora(path: Path) -> bool:
-    """Whether a LoRA file is DoRA (peft starts its magnitudes from the base weights, so they must be real)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            return "True" in (meta.get("dittrain.dora"), meta.get("dora")) or any(
-                "magnitude" in k or "dora_scale" in k for k in f.keys())
-    except Exception:  # noqa: BLE001 - unreadable here: load_loras reports it with the file's name
-        return False
 
 
 def _encode_and_release(pipe, adapter, plan: SamplePlan, text_fraction: float) -> dict[str, dict]:

@@ -275,6 +275,19 @@ def lora_metadata(path: Path) -> dict[str, str]:
         return dict(f.metadata() or {})
 
 
+def is_dora_file(path: Path) -> bool:
+    """Whether a LoRA file is DoRA: ours (`dittrain.dora` in the header, as `save_lora` writes it) or another
+    tool's (a `dora` header, or magnitude / dora_scale tensors). False for a file that cannot be read: the LoRA
+    loader reports that with the file's name."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            return "True" in (meta.get("dittrain.dora"), meta.get("dora")) or any(
+                "magnitude" in k or "dora_scale" in k for k in f.keys())
+    except Exception:  # noqa: BLE001 - any unreadable file
+        return False
+
+
 def load_lora(path: Path, transformer: torch.nn.Module) -> None:
     """Put a file written by `save_lora` back into a transformer that has the same adapter (resume)."""
     from peft.utils import set_peft_model_state_dict
