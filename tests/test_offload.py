@@ -444,6 +444,43 @@ def test_close_without_keeping_weights_leaves_meta_tensors_and_frees_the_arena()
     assert not any(isinstance(b, StreamedBlock) for b in blocks)
 
 
+@pytest.mark.parametrize("mode", ["sample", "train"])
+def test_originals_leave_ram_as_the_arena_fills_and_before_it_is_pinned(monkeypatch, mode):
+    """Host RAM (issue 14): a model loaded whole into RAM (text encoders, the whole-file path) must not hold its
+    whole CPU copy beside a pinned arena. The arena is a fresh pageable buffer (RAM only as written), the blocks
+    that never stream leave RAM before it is made, each streamed block's original goes as it is packed, and the
+    arena is page-locked only after that. Same outputs as without offloading."""
+    import trainer.offload.conductor as conductor
+
+    ref = tiny_flux(1)
+    with torch.no_grad():
+        want = ref(**batch(5)[0])[0]
+    m = tiny_flux(1).requires_grad_(False)  # the conductor packs frozen weights
+    blocks = blocks_of(m)
+    whole = sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())
+    held = lambda: sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())  # noqa: E731
+    seen = {}
+
+    class Spy(conductor.HostArena):
+        def __init__(self, *a, **kw):
+            seen["at_alloc"] = held()
+            super().__init__(*a, **kw)
+
+        def pin(self):
+            seen.setdefault("at_pin", held())
+            super().pin()
+
+    monkeypatch.setattr(conductor, "HostArena", Spy)
+    h = attach_offload(blocks, "cpu", 0.5, mode=mode, checkpointing=True)
+    c = h._c
+    never_streamed = sum(c.packs[b].nbytes for b in range(len(blocks)) if b not in c.host_off)
+    assert seen["at_alloc"] <= whole - never_streamed
+    assert seen["at_pin"] == 0
+    if mode == "sample":
+        with torch.no_grad():
+            assert torch.equal(m(**batch(5)[0])[0], want)
+
+
 def test_shared_arena_owner_and_reader_see_one_file_and_train_like_a_private_arena(tmp_path, monkeypatch):
     """One process plays both roles of a host's processes (issue 20): the owner creates and fills the arena file,
     a second conductor maps it without writing; both train like a private arena, and the name is gone after."""

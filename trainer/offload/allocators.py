@@ -155,16 +155,29 @@ class HostArena:
 
     `budget` (bytes, None: no limit): an arena larger than it is not pinned. When registration is refused or over
     budget, `pageable=True` keeps the buffer pageable (`refused` says why; the conductor then stages its copies,
-    see `Staging`); otherwise the caching host allocator's pinned memory is used (rounded, but page-locked)."""
+    see `Staging`); otherwise the caching host allocator's pinned memory is used (rounded, but page-locked).
+
+    `defer=True` leaves the buffer unpinned until `pin()`: a fresh pageable buffer costs RAM only as it is written,
+    so a caller that fills it while freeing what it copies from (the conductor packing a model loaded in RAM, issue
+    14) never holds both whole; registering page-locks what is already there, without a copy."""
 
     def __init__(self, nbytes: int, pin: bool, budget: int | None = None, pageable: bool = False,
-                 buf: torch.Tensor | None = None):
+                 buf: torch.Tensor | None = None, defer: bool = False):
         self.nbytes = int(nbytes)
         # allocation: the whole arena (pageable), unless `buf` is given (a shared mapping: SharedArena)
         self.buf = torch.empty(max(1, self.nbytes), dtype=torch.uint8) if buf is None else buf
+        self._own_buf = buf is None
         self.pinned_bytes = 0
         self._registered = False
         self.refused: str | None = None  # why the arena stayed pageable
+        self._pin_args = (pin, budget, pageable)
+        if not defer:
+            self.pin()
+
+    def pin(self) -> None:
+        """Page-lock the buffer (once; see the class text for what happens when that is refused)."""
+        pin, budget, pageable = self._pin_args
+        self._pin_args = (False, None, True)  # a second call does nothing
         if budget is not None and self.nbytes > budget:  # checked on the CPU too, so tests can run the staging
             self.refused = (f"offload.pinned_budget_gb {budget / 2**30:.1f} GB is below the arena's "
                             f"{self.nbytes / 2**30:.1f} GB")
@@ -176,9 +189,10 @@ class HostArena:
             else:
                 _clear_cuda_error()
                 self.refused = f"cudaHostRegister refused {self.nbytes / 2**30:.1f} GB (error {int(err)})"
-        if self.refused is not None and not pageable and pin and torch.cuda.is_available() and buf is None:
+        if self.refused is not None and not pageable and pin and torch.cuda.is_available() and self._own_buf:
             self.refused = None  # the caching host allocator instead (rounded up, but page-locked)
-            self.buf = torch.empty(max(1, self.nbytes), dtype=torch.uint8, pin_memory=True)
+            old, self.buf = self.buf, torch.empty(max(1, self.nbytes), dtype=torch.uint8, pin_memory=True)
+            self.buf.copy_(old)
             self.pinned_bytes = self.buf.numel()
 
     @property

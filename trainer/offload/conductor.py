@@ -133,8 +133,15 @@ class Conductor:
             self._setup_streaming(min_ring_blocks, fill, pinned_budget, share)
 
     # ------------------------------------------------------------------------------------------ setup
-    def _make_arena(self, total: int, pinned_budget: int | None, buf, sizes: list[int], streamed) -> None:
-        self.arena = HostArena(total, pin=self.cuda, budget=pinned_budget, pageable=True, buf=buf)
+    def _make_arena(self, total: int, pinned_budget: int | None, buf, defer: bool = False) -> None:
+        self.arena = HostArena(total, pin=self.cuda, budget=pinned_budget, pageable=True, buf=buf, defer=defer)
+        if not defer:
+            self._pin_arena()
+
+    def _pin_arena(self) -> None:
+        """Page-lock the arena; where that is refused, copies go through two pinned one-block buffers."""
+        self.arena.pin()
+        sizes, streamed = [pk.nbytes for pk in self.packs], self.plan.streamed
         if self.arena.refused is not None:  # copies go through two pinned one-block buffers
             self.staging = Staging(max(sizes[b] for b in streamed), self.device)
             self.pinning_note = (f"offload: {self.arena.refused}; the host arena stays pageable and copies are "
@@ -163,41 +170,48 @@ class Conductor:
                 self.pinning_note = f"offload: every process keeps its own arena: {why}"
         self.shared = use is not None
         self.ring = Ring(cap, self.device)
-        # host copies of streamed blocks (read from the files straight into the arena with `fill`); ring copies
-        # of the initially resident ones
-        if use is None or use.owner:
-            self._make_arena(total, pinned_budget, use.create(total) if use is not None else None, sizes, streamed)
-            for b in streamed:
-                self.packs[b].write_into(self.arena.region(self.host_off[b], sizes[b]), fill, b)
-        if share is not None:  # as many barriers on every host, whatever it decided
-            share.barrier()  # the owners have filled their files; the others map them
-            if use is not None and not use.owner:
-                self._make_arena(total, pinned_budget, use.map(total), sizes, streamed)
-            share.barrier()
-            if use is not None and use.owner:
-                use.unlink()  # the mappings stay; nothing is left in /dev/shm when the processes end
         #: block -> ring offset its packed bytes are loaded (or being loaded) at; None: not in the ring
         self.ring_offset: dict[int, int | None] = {b: None for b in range(len(self.blocks))}
+        # Host RAM order (issue 14): the blocks that are never streamed go to the ring first and their CPU
+        # originals are dropped, then the arena is pinned and each streamed block's original is dropped as soon
+        # as it is packed, so a model loaded whole into RAM peaks at its streamed bytes twice, not whole + arena.
         for b, off in self.plan.initial.items():
-            dst = self.ring.region(off, sizes[b])
             if b in self.host_off:
-                dst.copy_(self.arena.region(self.host_off[b], sizes[b]))
-            elif fill is not None:
+                continue  # filled from the arena below
+            dst = self.ring.region(off, sizes[b])
+            if fill is not None:
                 self.packs[b].write_into(dst, fill, b)  # tensor by tensor from the files into the ring
             else:
                 tmp = torch.empty(sizes[b], dtype=torch.uint8)
                 self.packs[b].write_into(tmp)
                 dst.copy_(tmp)
+                self._drop_originals(b)
             self.ring_offset[b] = off
+        # host copies of streamed blocks (read from the files straight into the arena with `fill`)
+        if use is None or use.owner:
+            self._make_arena(total, pinned_budget, use.create(total) if use is not None else None, defer=True)
+            for b in streamed:
+                self.packs[b].write_into(self.arena.region(self.host_off[b], sizes[b]), fill, b)
+                self._drop_originals(b)
+            self._pin_arena()  # after packing: RAM grows as the originals go
+        if share is not None:  # as many barriers on every host, whatever it decided
+            share.barrier()  # the owners have filled their files; the others map them
+            if use is not None and not use.owner:
+                self._make_arena(total, pinned_budget, use.map(total))
+            share.barrier()
+            if use is not None and use.owner:
+                use.unlink()  # the mappings stay; nothing is left in /dev/shm when the processes end
+        for b, off in self.plan.initial.items():  # streamed blocks that start in the ring
+            if b in self.host_off:
+                self.ring.region(off, sizes[b]).copy_(self.arena.region(self.host_off[b], sizes[b]))
+                self.ring_offset[b] = off
         #: block -> ring offset its parameters currently point at (None: not at the ring)
         self.params_at: dict[int, int | None] = {b: None for b in range(len(self.blocks))}
-        for b in range(len(self.blocks)):  # the CPU originals are dropped: host arena and ring hold the truth
+        for b in range(len(self.blocks)):  # the CPU originals are gone: host arena and ring hold the truth
             if self.ring_offset[b] is not None:
                 self._point(b)
             else:
-                for e in self.packs[b].entries:
-                    if e.is_param:
-                        e.tensor().data = torch.empty(0, dtype=e.dtype)
+                self._drop_originals(b)
         self.loaded_event: dict[int, object] = {}
         self.dirty: set[int] = set()
         if self.cuda:
@@ -282,6 +296,12 @@ class Conductor:
         self.step += 1
         self.cursor = 0
         self._new_step_tables()
+
+    def _drop_originals(self, b: int) -> None:
+        """Block `b`'s parameters stop holding their CPU originals (the arena or the ring has the bytes now)."""
+        for e in self.packs[b].entries:
+            if e.is_param:
+                e.tensor().data = torch.empty(0, dtype=e.dtype)
 
     def _point(self, b: int) -> None:
         off = self.ring_offset[b]
