@@ -314,3 +314,34 @@ def test_make_tiny_command(tmp_path):
     assert (tmp_path / "sd3" / "model_index.json").is_file() and "wrote" in res.output
     res = CliRunner().invoke(app, ["make-tiny", "--out", str(tmp_path), "--family", "sdxl"])
     assert res.exit_code == 1 and "unknown family 'sdxl'" in res.output
+
+
+def test_qwen_text_encoder_drops_its_head_and_vision_tower_and_keeps_the_embeddings(loaded, tiny_models):
+    """Captions are hidden states: the slimmed Qwen2.5-VL (no logits head, no vision tower for text-to-image)
+    gives bitwise the embeddings of the encoder as transformers loads it, and holds fewer parameters."""
+    import transformers
+
+    from trainer.models.qwen_image import NoLogits
+
+    adapter, comps = loaded("qwen_image")
+    (enc,) = comps.text_encoders
+    assert isinstance(enc.lm_head, NoLogits) and enc.model.visual is None
+    full = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        tiny_models / "qwen_image", subfolder="text_encoder", dtype=torch.float32, local_files_only=True
+    ).eval()
+    assert sum(p.numel() for p in enc.parameters()) < sum(p.numel() for p in full.parameters())
+    want = adapter.encode_prompts(type(comps)(text_encoders=[full], tokenizers=comps.tokenizers), PROMPTS)
+    got = adapter.encode_prompts(comps, PROMPTS)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_qwen_edit_text_encoder_keeps_its_vision_tower(tiny_models):
+    from trainer.models import adapter_class
+    from trainer.models.qwen_image import NoLogits
+
+    adapter = adapter_class("qwen-image-edit")()
+    enc = torch.nn.Module()
+    enc.lm_head, enc.model = torch.nn.Linear(2, 3), torch.nn.Module()
+    enc.model.visual = torch.nn.Linear(2, 2)
+    adapter.slim_text_encoder(enc)
+    assert isinstance(enc.lm_head, NoLogits) and enc.model.visual is not None

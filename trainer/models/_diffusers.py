@@ -230,6 +230,7 @@ class DiffusersAdapter(ModelAdapter):
                     enc = getattr(transformers, cls_name).from_pretrained(
                         root, subfolder=d, dtype=dtype, local_files_only=True
                     )
+                    enc = self.slim_text_encoder(enc)
                     quant.quantize_module(enc.requires_grad_(False), cfg.quantize_text_encoders, text_encoder=True)
                     out.text_encoders.append(enc.to(device).eval().requires_grad_(False))
                 for d in self.tokenizer_dirs:

@@ -72,6 +72,10 @@ class ModelAdapter(ABC):
     text_tokens: ClassVar[int]
     #: (name, parameter count) of each full-size text encoder, in pipeline order
     text_encoder_params: ClassVar[tuple[tuple[str, int], ...]]
+    #: per text encoder (pipeline order; empty: none / the planner's default share): parameters `slim_text_encoder`
+    #: drops, and parameters outside its streamed blocks that sit on the GPU while it encodes (trainer/planner)
+    text_encoder_unused_params: ClassVar[tuple[int, ...]] = ()
+    text_encoder_nonblock_params: ClassVar[tuple[int, ...]] = ()
 
     #: sampling: does the pipeline run a second, negative-prompt pass when guidance > 1 (so the negative prompt
     #: must be encoded too)?
@@ -103,6 +107,11 @@ class ModelAdapter(ABC):
     @abstractmethod
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         """The transformer's blocks in execution order: the units offloading and checkpointing wrap."""
+
+    def slim_text_encoder(self, encoder: nn.Module) -> nn.Module:
+        """Drop what this family never runs of a loaded text encoder (default: nothing), before it is placed on
+        the GPU: the parts it does not use then cost neither VRAM nor RAM while captions are encoded."""
+        return encoder
 
     @abstractmethod
     def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:

@@ -35,6 +35,15 @@ TEMPLATE = (
     "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 )
 TEMPLATE_DROP = 34  # tokens of the system prompt, as QwenImagePipeline.prompt_template_encode_start_idx
+#: Qwen2.5-VL-7B's parameters outside its decoder layers: the language-model head, the vision tower, the embedding
+QWEN_VL_LM_HEAD, QWEN_VL_VISUAL, QWEN_VL_EMBED = 544_997_376, 676_550_144, 544_997_376
+
+
+class NoLogits(nn.Module):
+    """Stands in for a language-model head whose logits nobody reads: returns an empty last dimension."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden[..., :0]
 
 
 class QwenImageAdapter(DiffusersAdapter):
@@ -68,15 +77,29 @@ class QwenImageAdapter(DiffusersAdapter):
     }
     text_tokens = 256  # padded to the longest caption in the batch: assumed 256 for planning
     text_encoder_params = (("Qwen2.5-VL-7B", 8_292_166_656),)
+    # Qwen2.5-VL-7B: the language-model head and the vision tower are never run for text-to-image captions
+    # (`slim_text_encoder`); the token embedding stays beside the streamed decoder layers
+    text_encoder_unused_params = (QWEN_VL_LM_HEAD + QWEN_VL_VISUAL,)
+    text_encoder_nonblock_params = (QWEN_VL_EMBED,)
     sampling_uses_negative = True
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.transformer_blocks)
 
+    def slim_text_encoder(self, encoder: nn.Module) -> nn.Module:
+        """Captions are the last layer's hidden states, never logits: the 152 k-token head (1.1 GB) becomes a
+        no-op, and without reference images the vision tower (1.4 GB) goes too. The hidden states are unchanged."""
+        if hasattr(encoder, "lm_head"):
+            encoder.lm_head = NoLogits()
+        inner = getattr(encoder, "model", None)
+        if not getattr(self, "text_uses_reference", False) and getattr(inner, "visual", None) is not None:
+            inner.visual = None
+        return encoder
+
     @torch.no_grad()
     def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
         (enc,), (tok,) = components.text_encoders, components.tokenizers
-        dev = next(enc.parameters()).device
+        dev = enc.get_input_embeddings().weight.device
         toks = tok([TEMPLATE.format(p) for p in prompts], max_length=self.max_sequence_length + TEMPLATE_DROP,
                    padding=True, truncation=True, return_tensors="pt").to(dev)
         hidden = enc(input_ids=toks.input_ids, attention_mask=toks.attention_mask, output_hidden_states=True)

@@ -54,7 +54,7 @@ from torch import nn
 from ..errors import UserError
 from ._diffusers import pack_2x2, unpack_2x2
 from .base import Components
-from .qwen_image import QwenImageAdapter
+from .qwen_image import QWEN_VL_EMBED, QWEN_VL_LM_HEAD, QWEN_VL_VISUAL, QwenImageAdapter
 
 CONTROL = "control_latents"
 EDIT_TEMPLATE = (
@@ -131,6 +131,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
     # The reference's image tokens come before the instruction in the text sequence (one per 28x28 pixels of the
     # reference): a 1024x1024 reference adds 37 x 37 = 1369, which the planner's text-token count includes.
     text_tokens = 256 + 1369
+    # its text encoder runs the vision tower on the reference: only the language-model head is dropped
+    text_encoder_unused_params = (QWEN_VL_LM_HEAD,)
+    text_encoder_nonblock_params = (QWEN_VL_EMBED + QWEN_VL_VISUAL,)
     #: the chat template the instruction goes into (the Plus family numbers its pictures)
     edit_template = EDIT_TEMPLATE
 
@@ -171,7 +174,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         if images is None or len(images) != len(prompts):
             raise ValueError(f"{self.family}: encode_prompts needs one reference image per prompt")
         (enc,), proc = components.text_encoders, components.tokenizers[1]
-        dev = next(enc.parameters()).device
+        dev = enc.get_input_embeddings().weight.device
         pil = [self.text_reference(im if isinstance(im, Image.Image) else _to_pil(im)) for im in images]
         inputs = proc(text=[self.edit_template.format(p) for p in prompts], images=pil, padding=True,
                       return_tensors="pt").to(dev)

@@ -58,14 +58,27 @@ TEXT_ATTN_HEADS = 64
 TEXT_ATTN_BYTES = 2 + 4 + 4 + 2
 
 
+def _share(counts: tuple[int, ...], i: int, params: int) -> float | None:
+    return counts[i] / params if i < len(counts) and params else None
+
+
 def _text_vram(facts: Facts, te_fraction: float, encode_batch: int) -> float:
+    from ..models import adapter_class
+
+    cls = adapter_class(facts.family)
     total = 0.0
-    for _, nbytes in facts.text_encoders:
+    for i, (_, nbytes) in enumerate(facts.text_encoders):
+        # the family's facts for its full-size encoders, as shares (parameters `slim_text_encoder` drops before
+        # the GPU; parameters outside the streamed blocks), so they hold for any size of the same architecture
+        params = cls.text_encoder_params[i][1] if i < len(cls.text_encoder_params) else 0
+        outside = _share(cls.text_encoder_nonblock_params, i, params)
+        outside = nbytes * (TEXT_NONBLOCK_SHARE if outside is None else outside)
+        nbytes -= nbytes * (_share(cls.text_encoder_unused_params, i, params) or 0.0)
         if te_fraction <= 0:
             total += nbytes
         else:  # non-block bytes resident; ~24 equal blocks: the ring holds whole blocks
-            blocks = nbytes * (1 - TEXT_NONBLOCK_SHARE)
-            total += nbytes - blocks + capacity_for([blocks / 24] * 24, te_fraction)
+            blocks = nbytes - outside
+            total += outside + capacity_for([blocks / 24] * 24, te_fraction)
     # activations: encode_batch x tokens x 4096 wide x a few tensors and the FFN's widening; attention scores
     t = facts.text_tokens
     act = encode_batch * t * 4096 * 2 * 8 + encode_batch * TEXT_ATTN_HEADS * t * t * TEXT_ATTN_BYTES
