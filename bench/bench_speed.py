@@ -148,6 +148,8 @@ def plain_setup(adapter, m, args, spec):
     if spec["kind"] == "plain":
         m.enable_gradient_checkpointing()
     if spec["compile"]:
+        if not getattr(m, "_repeated_blocks", None):  # SD3's class names none in diffusers 0.42: name its blocks
+            m._repeated_blocks = sorted({type(b).__name__ for b in adapter.blocks(m)})
         m.compile_repeated_blocks(fullgraph=False, backend=args.backend)
     return params, None
 
