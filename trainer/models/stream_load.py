@@ -26,9 +26,20 @@ process maps stay within one shard), cast to the model's dtype and, for a quanti
 (trainer/quant.py `quantize`, the same function the old path ran after `from_pretrained`): the values are
 bitwise those of `from_pretrained` + `prepare_transformer` (tests/test_stream_load.py checks it).
 
-Left out: single-file transformers (`model.transformer_file`, whose keys diffusers converts from the original
-checkpoint layout, and fp8 files whose scales are adopted) keep the old `from_pretrained` path; so does resuming a
-full fine-tune (its weights come from the checkpoint, not the model folder).
+Single files. A `model.transformer_file` whose keys, after stripping one common prefix (`model.diffusion_model.`,
+`transformer.`, ... found from the header: `file_prefix`), cover the transformer's state-dict keys is read the
+same way, tensor by tensor from the one file. An fp8 file (`float8_e4m3fn`, with or without per-tensor
+`scale_weight` keys) gives what `from_single_file` + `quant.prepare_transformer` give, bitwise
+(tests/test_stream_load_file.py): with `quantize: fp8` each block Linear is built as `quant.adopt_fp8` would
+leave it, decided from the header (fp8 in the file: adopted, the file's 8-bit values and scale) or, for a
+higher-precision weight, from its values (read once at build: adopted if they are all fp8 values, else quantized
+per channel, or kept for modulation); every other scaled fp8 weight is up-cast with its scale applied.
+
+Left out: single files in the original checkpoint layout (BFL / Stability key names: diffusers converts the
+whole state dict at once, renaming, splitting fused qkv and reordering) keep the old `from_single_file` path and
+load whole into RAM (`whole_file_note` is the line the trainer logs); so does resuming a full fine-tune (its
+weights come from the checkpoint, not the model folder). `loads_whole` is the one rule for both, used by the
+trainer and by the planner's RAM count.
 """
 
 from __future__ import annotations
