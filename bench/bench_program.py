@@ -145,7 +145,7 @@ def write_fp8_file(module, blocks, path: Path, seed: int = 0) -> int:
                 t = scale
             else:
                 t = _value(k, shape, dt, gen) if dt.is_floating_point else torch.zeros(shape, dtype=dt)
-            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # reshape: 0-dim tensors too
             del t
     return 8 + len(raw) + offset
 
