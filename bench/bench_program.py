@@ -14,8 +14,14 @@ phase: peak reserved VRAM (from DITTRAIN_PHASE_LOG, trainer/train/phases.py), pe
 polls the child's RssAnon every 0.1 s and takes the maximum inside each phase's time window), and the median
 training-step time. The folder is deleted after each family (Qwen-Image is ~58 GB on disk: one family at a time).
 
+--transformer-file fp8: the transformer is written as ONE safetensors file the way users' fp8 checkpoints are
+(diffusers keys; the Linear weights inside the blocks float8_e4m3fn with a per-tensor `scale_weight`, the rest
+bf16), still tensor by tensor, next to transformer/config.json, and the preset gets `model.transformer_file` and
+`model.quantize: fp8`; the file streams block by block (trainer/models/stream_load.py). Qwen-Image's folder is then
+~37 GB instead of ~58 GB (it fits a 64 GB disk).
+
 --smoke: the tiny models on the CPU, no cap, 2 steps (tests/test_phases.py-style check that the whole path runs;
-tests/test_bench_program.py runs it).
+tests/test_phases.py runs it, also with --transformer-file fp8, which rewrites the tiny transformer the same way).
 """
 
 from __future__ import annotations
@@ -93,6 +99,57 @@ def write_random(module, folder: Path, prefix: str, dtype, seed: int = 0) -> int
     return total
 
 
+_ST_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32", "int64": "I64"}
+
+
+def write_fp8_file(module, blocks, path: Path, seed: int = 0) -> int:
+    """One safetensors file for a meta-device transformer, the way users' fp8 checkpoints are: diffusers keys, the
+    Linear weights inside `blocks` (modules of `module`) in float8_e4m3fn with a per-tensor `scale_weight`
+    (weight = fp8 * scale), every other tensor bf16. Written tensor by tensor after a header computed from the
+    shapes (safetensors' own layout: 8-byte header length, JSON header, then the bytes in header order), so at most
+    one tensor is in RAM. Returns the bytes written."""
+    import torch
+    from torch import nn
+
+    sd = module.state_dict()
+    names = {id(m): n for n, m in module.named_modules()}
+    fp8 = {f"{names[id(b)]}.{n}.weight" for b in blocks for n, m in b.named_modules() if type(m) is nn.Linear}
+    plan = []  # (key, dtype, shape, how)
+    for k, v in sd.items():
+        if k in fp8:
+            plan += [(k, torch.float8_e4m3fn, tuple(v.shape), "fp8"),
+                     (k[: -len("weight")] + "scale_weight", torch.float32, (1,), "scale")]
+        else:
+            plan.append((k, torch.bfloat16 if v.is_floating_point() else v.dtype, tuple(v.shape), "plain"))
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for k, dt, shape, _ in plan:
+        n = torch.Size(shape).numel() * torch.tensor([], dtype=dt).element_size()
+        header[k] = {"dtype": _ST_DTYPES[str(dt).removeprefix("torch.")], "shape": list(shape),
+                     "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    gen = torch.Generator().manual_seed(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        scale = None
+        for k, dt, shape, how in plan:
+            if how == "fp8":
+                w = _value(k, shape, torch.bfloat16, gen).float()  # allocation: one tensor (fp32)
+                amax = float(w.abs().max())
+                scale = torch.tensor([amax / 448.0 if amax > 0 else 1.0])
+                t = (w / scale).to(torch.float8_e4m3fn)
+                del w
+            elif how == "scale":
+                t = scale
+            else:
+                t = _value(k, shape, dt, gen) if dt.is_floating_point else torch.zeros(shape, dtype=dt)
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # reshape: 0-dim tensors too
+            del t
+    return 8 + len(raw) + offset
+
+
 def _meta(build):
     import torch
 
@@ -141,8 +198,9 @@ def _save(folder: Path, model, config_owner, prefix: str, dtype, seed: int) -> i
     return write_random(model, folder, prefix, dtype, seed)
 
 
-def write_full_folder(family: str, folder: Path) -> int:
-    """A full-size random-weight diffusers folder for `family` (see the module essay). Returns bytes written."""
+def write_full_folder(family: str, folder: Path, transformer_file: str | None = None) -> int:
+    """A full-size random-weight diffusers folder for `family` (see the module essay). Returns bytes written.
+    `transformer_file` "fp8": the transformer as one fp8 file, FP8_FILE in the folder (`write_fp8_file`)."""
     import torch
     from diffusers import AutoencoderKLQwenImage
     from transformers import (
@@ -166,7 +224,10 @@ def write_full_folder(family: str, folder: Path) -> int:
     ad = adapter_class(family)
     tcls = ad.transformer_cls if hasattr(ad, "transformer_cls") else None
     tr = _meta(lambda: tcls.from_config(ad.full_config))
-    total = _save(folder / "transformer", tr, tr, "diffusion_pytorch_model", bf16, 1)
+    if transformer_file == "fp8":
+        total = write_transformer_file(folder, tr, ad)
+    else:
+        total = _save(folder / "transformer", tr, tr, "diffusion_pytorch_model", bf16, 1)
     del tr
     if family == "flux":
         vae = _kl_vae(0.3611, 0.1159)
@@ -206,6 +267,18 @@ def write_full_folder(family: str, folder: Path) -> int:
         total += _save(folder / name, enc, enc.config, "model", bf16, 10 + i)
         del enc
     return total
+
+
+FP8_FILE = "transformer-fp8.safetensors"
+
+
+def write_transformer_file(folder: Path, meta_transformer, adapter_cls) -> int:
+    """Replace the folder's transformer weights by one fp8 file, FP8_FILE (transformer/config.json stays: the
+    config of a single file comes from it). Returns the bytes written."""
+    for f in (folder / "transformer").glob("diffusion_pytorch_model*"):
+        f.unlink()
+    meta_transformer.save_config(folder / "transformer")
+    return write_fp8_file(meta_transformer, adapter_cls().blocks(meta_transformer), folder / FP8_FILE, seed=1)
 
 
 def write_jpegs(folder: Path, n: int, size: int) -> Path:
@@ -265,7 +338,7 @@ def run(cmd: list[str], env: dict, log: Path) -> tuple[int, AnonPoller, float]:
 
 
 def write_config(family: str, model: Path, images: Path, work: Path, res: int, steps: int, smoke: bool,
-                 card: int) -> Path:
+                 card: int, transformer_file: str | None = None) -> Path:
     import yaml
 
     if smoke:
@@ -274,6 +347,8 @@ def write_config(family: str, model: Path, images: Path, work: Path, res: int, s
     else:
         d = yaml.safe_load((ROOT / "configs" / family / f"lora-{card}gb.yaml").read_text())
     d["model"]["path"] = str(model)
+    if transformer_file == "fp8":
+        d["model"].update({"transformer_file": str(model / FP8_FILE), "quantize": "fp8"})
     d["data"].update({"sources": [{"path": str(images)}], "resolutions": [res], "cache_dir": str(work / "cache")})
     d["train"].update({"steps": steps, "checkpoint_every": 0, "log_every": 1})
     d["output"] = {**d.get("output", {}), "dir": str(work / "out")}
@@ -296,13 +371,19 @@ def bench_family(family: str, work: Path, args) -> list[dict]:
         make_tiny_models(fam_dir / "tiny", [family])
         model = fam_dir / "tiny" / family
         res = 64
+        if args.transformer_file == "fp8":  # the tiny transformer through the same writer
+            from trainer.models import adapter_class
+
+            ad = adapter_class(family)
+            tcls = ad.transformer_cls
+            write_transformer_file(model, _meta(lambda: tcls.from_config(tcls.load_config(model / "transformer"))), ad)
     else:
         t = time.time()
-        nbytes = write_full_folder(family, model)
+        nbytes = write_full_folder(family, model, args.transformer_file)
         print(f"{family}: wrote {nbytes / 1e9:.1f} GB of random weights in {time.time() - t:.0f} s", flush=True)
         res = args.resolution
     images = write_jpegs(fam_dir / "images", args.images, res)
-    cfg = write_config(family, model, images, fam_dir, res, args.steps, args.smoke, args.card)
+    cfg = write_config(family, model, images, fam_dir, res, args.steps, args.smoke, args.card, args.transformer_file)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), DITTRAIN_PHASE_LOG=str(fam_dir / "phases.jsonl"))
     if not args.smoke:
         env["DITTRAIN_VRAM_CAP_GB"] = str(args.card - 1)
@@ -367,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU (tests)")
     ap.add_argument("--keep", action="store_true", help="keep the written model folders")
+    ap.add_argument("--transformer-file", choices=["fp8"], default=None,
+                    help="fp8: write the transformer as one fp8 single file (block Linears float8_e4m3fn with "
+                    "per-tensor scale_weight, the rest bf16) and train with model.transformer_file and quantize fp8")
     ap.add_argument("--commands", default="cache,fit,sample", help="which commands to run, in order (fit alone "
                     "caches too)")
     args = ap.parse_args(argv)

@@ -241,13 +241,53 @@ def test_bench_writes_sharded_random_weights_that_diffusers_loads(tmp_path, monk
     assert 0.015 < w.std() < 0.025
 
 
+def test_bench_writes_one_fp8_transformer_file_that_streams(tiny_models, tmp_path):
+    """bench/bench_program.py --transformer-file fp8: one safetensors file written tensor by tensor from a meta
+    model (block Linears float8_e4m3fn with a per-tensor scale_weight, the rest bf16) that safetensors reads, that
+    stream_load takes in diffusers layout, and whose weights load as the file's fp8 values times the scale."""
+    import shutil
+    import sys
+
+    from safetensors import safe_open
+
+    from trainer.config import ModelConfig
+    from trainer.models import adapter_class, get_adapter, stream_load
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_program as bp
+
+    model = tmp_path / "flux"
+    shutil.copytree(tiny_models / "flux", model)
+    ad = adapter_class("flux")
+    tcls = ad.transformer_cls
+    meta = bp._meta(lambda: tcls.from_config(tcls.load_config(model / "transformer")))
+    total = bp.write_transformer_file(model, meta, ad)
+    f = model / bp.FP8_FILE
+    assert total == f.stat().st_size and not list((model / "transformer").glob("*.safetensors"))
+    with safe_open(str(f), framework="pt") as h:
+        keys = set(h.keys())
+        w = h.get_tensor("transformer_blocks.0.attn.to_q.weight")
+        s = h.get_tensor("transformer_blocks.0.attn.to_q.scale_weight")
+        assert h.get_tensor("proj_out.weight").dtype == torch.bfloat16
+        assert h.get_tensor("transformer_blocks.0.norm1.linear.weight").dtype == torch.float8_e4m3fn
+    assert keys - {k for k in keys if k.endswith(".scale_weight")} == set(meta.state_dict())
+    assert w.dtype == torch.float8_e4m3fn and 0.015 < (w.float() * s).std() < 0.025
+    mc = ModelConfig(family="flux", path=model, transformer_file=f, quantize="fp8", dtype="bf16")
+    assert stream_load.supported(mc)
+    tr, _ = stream_load.load(get_adapter(mc), mc, torch.bfloat16, torch.device("cpu"), stream_blocks=False)
+    q = tr.transformer_blocks[0].attn.to_q
+    assert torch.equal(q.weight.view(torch.uint8), w.view(torch.uint8)) and torch.all(q.weight_scale == s)
+
+
 @pytest.mark.slow
-def test_bench_program_smoke_runs_cache_fit_sample_and_reports_phases(tmp_path):
+@pytest.mark.parametrize("transformer_file", [None, "fp8"])
+def test_bench_program_smoke_runs_cache_fit_sample_and_reports_phases(tmp_path, transformer_file):
     import subprocess
     import sys
 
+    extra = ["--transformer-file", transformer_file] if transformer_file else []
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_program.py"), "--smoke", "--families", "flux",
-                        "--work", str(tmp_path)], capture_output=True, text=True, timeout=900)
+                        "--work", str(tmp_path), *extra], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for phase in ("text caching", "latent caching", "load", "training step", "sampling", "checkpoint save"):
         assert f"| {phase} |" in r.stdout

@@ -39,8 +39,11 @@ class ModelConfig(_Section):
     )
     transformer_file: Path | None = Field(
         default=None,
-        description="Optional single .safetensors file with the transformer weights; its config is read from "
-        "<path>/transformer/config.json.",
+        description="Optional single .safetensors file with the transformer weights (bf16, or fp8 float8_e4m3fn "
+        "with or without per-tensor scale_weight keys); its config is read from <path>/transformer/config.json. "
+        "Keys in diffusers layout (optionally under one prefix such as model.diffusion_model.) stream block by block "
+        "from the file; the original checkpoint layout (BFL / Stability names) is converted by diffusers and loads "
+        "whole into RAM first.",
     )
     dtype: Literal["bf16", "fp16", "fp32"] = Field(
         default="bf16", description="Dtype of the frozen weights (LoRA weights and optimizer state stay fp32)."

@@ -8,7 +8,8 @@ The run reads top to bottom as a few named steps:
    LoRAs with diffusers' own `load_lora_weights` / `set_adapters`. A streamed transformer (fraction > 0) is built
    with placeholder weights instead (trainer/models/stream_load.py): its blocks are read from the files straight
    into the conductor's arena in step 4, so no copy of the model sits in ordinary RAM. The base weights load whole
-   first where they are needed before that: a full fine-tune's `transformer/`, a DoRA LoRA, a single-file model.
+   first where they are needed before that: a full fine-tune's `transformer/`, a DoRA LoRA, a single file in the
+   original checkpoint layout (stream_load.supported).
 3. Encode all prompts (text encoders on the GPU one run at a time, streamed if `offload.text_encoders` > 0), then
    release the encoders.
 4. Place the transformer: resident at fraction 0, otherwise its blocks streamed by the offload conductor at

@@ -8,6 +8,7 @@ not a half-loaded 24 GB model, and nothing is ever fetched from a network.
 
 A single-file transformer (`model.transformer_file`) goes through diffusers' `from_single_file` with the local
 folder as its config, which accepts both diffusers-named keys and the original (BFL / Stability) checkpoints.
+(`fit` and streamed `sample` read diffusers-named files block by block instead: trainer/models/stream_load.py.)
 
 The adapter instance reads `model_index`-level configs lazily (a few hundred bytes each) so that the divisor,
 latent channels and shift come from the actual model, tiny or real, instead of being hard-coded per family.

@@ -26,16 +26,29 @@ process maps stay within one shard), cast to the model's dtype and, for a quanti
 (trainer/quant.py `quantize`, the same function the old path ran after `from_pretrained`): the values are
 bitwise those of `from_pretrained` + `prepare_transformer` (tests/test_stream_load.py checks it).
 
-Left out: single-file transformers (`model.transformer_file`, whose keys diffusers converts from the original
-checkpoint layout, and fp8 files whose scales are adopted) keep the old `from_pretrained` path; so does resuming a
-full fine-tune (its weights come from the checkpoint, not the model folder).
+Single files. A `model.transformer_file` whose keys, after stripping one common prefix (`model.diffusion_model.`,
+`transformer.`, ... found from the header: `file_prefix`), cover the transformer's state-dict keys is read the
+same way, tensor by tensor from the one file. An fp8 file (`float8_e4m3fn`, with or without per-tensor
+`scale_weight` keys) gives what `from_single_file` + `quant.prepare_transformer` give, bitwise
+(tests/test_stream_load_file.py): with `quantize: fp8` each block Linear is built as `quant.adopt_fp8` would
+leave it, decided from the header (fp8 in the file: adopted, the file's 8-bit values and scale) or, for a
+higher-precision weight, from its values (read once at build: adopted if they are all fp8 values, else quantized
+per channel, or kept for modulation); every other scaled fp8 weight is up-cast with its scale applied.
+
+Left out: single files in the original checkpoint layout (BFL / Stability key names: diffusers converts the
+whole state dict at once, renaming, splitting fused qkv and reordering) keep the old `from_single_file` path and
+load whole into RAM (`whole_file_note` is the line the trainer logs); so does resuming a full fine-tune (its
+weights come from the checkpoint, not the model folder). `loads_whole` is the one rule for both, used by the
+trainer and by the planner's RAM count.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import json
+import struct
 from pathlib import Path
 
 import torch
@@ -69,8 +82,50 @@ def is_placeholder(t: torch.Tensor) -> bool:
 
 
 def supported(cfg) -> bool:
-    """Whether `cfg.model` loads through this module (a diffusers folder; single files keep from_pretrained)."""
-    return cfg.transformer_file is None
+    """Whether the ModelConfig `cfg` loads through this module: a diffusers folder, or a single file whose keys
+    are the transformer's diffusers keys (`file_prefix`); a file in the original checkpoint layout keeps
+    `from_single_file` (diffusers converts its whole state dict at once)."""
+    return cfg.transformer_file is None or file_prefix(cfg) is not None
+
+
+def whole_file_note(cfg) -> str | None:
+    """The one line to log when the ModelConfig `cfg`'s single file loads whole into RAM (its layout), else None."""
+    if cfg.transformer_file is None or file_prefix(cfg) is not None:
+        return None
+    return (f"{cfg.transformer_file}: its keys are not the {cfg.family} transformer's diffusers keys (the original "
+            f"checkpoint layout?), so diffusers converts it and it loads whole into RAM before its blocks stream")
+
+
+def file_prefix(cfg) -> str | None:
+    """The prefix to strip from the keys of the ModelConfig `cfg`'s `transformer_file` ("" for none, or e.g.
+    "model.diffusion_model.") so that they cover the transformer's state-dict keys; None when no single prefix
+    does (another layout) or the file or the folder's config cannot be read (the old path reports it)."""
+    f = Path(cfg.transformer_file)
+    try:
+        st = f.stat()
+        return _file_prefix(str(cfg.path), cfg.family, str(f), st.st_size, st.st_mtime_ns)
+    except (OSError, ValueError, KeyError, struct.error):
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _file_prefix(path: str, family: str, file: str, size: int, mtime: int) -> str | None:  # noqa: ARG001 - cache keys
+    from accelerate import init_empty_weights
+
+    from . import adapter_class
+
+    keys = set(quant._header(file))
+    cls = adapter_class(family).transformer_cls
+    with init_empty_weights():
+        want = cls.from_config(cls.load_config(path, subfolder="transformer", local_files_only=True)).state_dict()
+    if not want:
+        return None
+    k0 = next(iter(want))
+    candidates = sorted({k[: len(k) - len(k0)] for k in keys if k.endswith(k0)}, key=len)
+    for p in candidates:
+        if (p == "" or p.endswith(".")) and all(p + k in keys for k in want):
+            return p
+    return None
 
 
 def loads_whole(cfg, resuming: bool = False, streamed: bool = True) -> bool:
@@ -86,8 +141,9 @@ def loads_whole(cfg, resuming: bool = False, streamed: bool = True) -> bool:
     return not supported(cfg.model) or needs_base
 
 
-def empty_transformer(adapter, cfg, dtype: torch.dtype) -> nn.Module:
-    """The family's transformer with placeholders for weights, its blocks quantized per `cfg.quantize`."""
+def empty_transformer(adapter, cfg, dtype: torch.dtype, files: _Files | None = None) -> nn.Module:
+    """The family's transformer with placeholders for weights, its blocks quantized per `cfg.quantize` (for an
+    fp8 single file with quantize fp8: the Linears `adopt_fp8` would adopt are fp8 with the file's scale)."""
     from accelerate import init_empty_weights
 
     adapter._check(cfg, {"transformer"})
@@ -95,7 +151,12 @@ def empty_transformer(adapter, cfg, dtype: torch.dtype) -> nn.Module:
     with init_empty_weights():  # parameters on meta, buffers real (rotary tables and the like)
         tr = adapter.transformer_cls.from_config(config)
     nn.Module.to(tr, dtype)  # torch's, not ModelMixin's (whose warning is about fp32 modules no family has)
-    quant.quantize_blocks(adapter.blocks(tr), cfg.quantize)  # on meta: shapes and dtypes only
+    if files is not None and files.fp8 and cfg.quantize == "fp8":
+        names = {id(m): n for n, m in tr.named_modules()}
+        for b in adapter.blocks(tr):
+            _adopt_on_meta(b, names[id(b)], files, dtype)
+    else:
+        quant.quantize_blocks(adapter.blocks(tr), cfg.quantize)  # on meta: shapes and dtypes only
     for mod in tr.modules():
         for name, p in mod._parameters.items():
             if p is not None and p.is_meta:
@@ -106,23 +167,71 @@ def empty_transformer(adapter, cfg, dtype: torch.dtype) -> nn.Module:
     return tr
 
 
-class _Files:
-    """The transformer's safetensors files: key -> file, and one open handle at a time."""
+def _adopt_on_meta(block: nn.Module, prefix: str, files: _Files, dtype: torch.dtype) -> None:
+    """`quant.adopt_fp8`'s choice for each Linear of one meta `block`, made from the file: adopted (fp8 in the
+    file, or a higher-precision weight whose values are all fp8 values: read once here, one tensor), else
+    quantized per channel, else (modulation) kept in `dtype`. Shapes and dtypes only; `tensor` fills them."""
+    for name, lin in block.named_modules():
+        if type(lin) is not nn.Linear:
+            continue
+        key = f"{prefix}.{name}.weight"
+        if files.dtype(key) == "F8_E4M3" or files.exact_fp8(key, dtype):
+            rows = lin.weight.shape[0]
+            q = torch.empty(lin.weight.shape, dtype=torch.float8_e4m3fn, device="meta")
+            quant._become_quantized(lin, q, torch.empty(rows, device="meta"), dtype)
+            files.adopted.add(key)
+        elif not quant._KEEP.search(name + "."):
+            quant.quantize_linear(lin, "fp8")
 
-    def __init__(self, folder: Path):
+
+class _Files:
+    """The transformer's safetensors files: key -> file, and one open handle at a time. A folder's files
+    (sharded with index.json or not), or one `single` file whose keys carry `prefix`; for an fp8 single file, its
+    dtypes and per-tensor scales (`scale_weight`, read once: one number each)."""
+
+    def __init__(self, folder: Path, single: Path | None = None, prefix: str = ""):
+        from safetensors import safe_open
+
+        self.label, self.prefix = single or folder, prefix
+        self.header: dict[str, dict] = {}
+        self.scales: dict[str, float] = {}  # module name -> the file's per-tensor scale
+        self.adopted: set[str] = set()  # weight keys kept as the file's fp8 values (_adopt_on_meta)
         index = folder / _INDEX
-        if index.is_file():
+        if single is not None:
+            self.header = quant._header(single)
+            self.where = {k[len(prefix):]: single for k in self.header if k.startswith(prefix)}
+            if any(quant._is_scale_key(k) for k in self.header):
+                with safe_open(str(single), framework="pt") as h:
+                    self.scales = {k[len(prefix): -len(".scale_weight")]: float(h.get_tensor(k).float().reshape(-1)[0])
+                                   for k in self.header if k.endswith(".scale_weight") and k.startswith(prefix)}
+        elif index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
             self.where = {k: folder / f for k, f in weight_map.items()}
         else:
-            from safetensors import safe_open
-
             self.where = {}
             for f in sorted(folder.glob("*.safetensors")):
                 with safe_open(str(f), framework="pt") as h:
                     self.where.update(dict.fromkeys(h.keys(), f))
+        self.fp8 = any(v.get("dtype") == "F8_E4M3" for v in self.header.values())
         self._path: Path | None = None
         self._handle = None
+
+    def dtype(self, key: str) -> str | None:
+        """The safetensors dtype name of `key` in a single file (None for folders)."""
+        return self.header.get(self.prefix + key, {}).get("dtype")
+
+    def exact_fp8(self, key: str, dtype: torch.dtype) -> bool:
+        """Whether `key`, cast to `dtype`, survives the round trip through float8_e4m3fn (adopt_fp8's test)."""
+        if key not in self.where:
+            return False
+        w = self.read(key).to(dtype)  # allocation: one tensor
+        return torch.equal(w.to(torch.float8_e4m3fn).to(dtype), w)
+
+    def scale(self, key: str) -> float | None:
+        """The per-tensor scale of weight `key` that `quant.file_scales` gives (None: the weight has none)."""
+        if not self.scales or self.dtype(key) != "F8_E4M3":
+            return None
+        return self.scales.get(key[: -len(".weight")], 1.0)
 
     def read(self, key: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -133,21 +242,31 @@ class _Files:
         if f != self._path:
             self.close()  # unmaps the previous shard: its file-backed pages leave this process
             self._handle, self._path = safe_open(str(f), framework="pt"), f
-        return self._handle.get_tensor(key)  # allocation: this one tensor
+        return self._handle.get_tensor(self.prefix + key)  # allocation: this one tensor
 
     def close(self) -> None:
         self._handle = self._path = None
 
 
-class TransformerLoader:
-    """Reads each tensor of an `empty_transformer` from the model folder into place (see the module essay)."""
+def open_files(cfg) -> _Files:
+    """The safetensors files of the ModelConfig `cfg`'s transformer (the folder's, or its single file)."""
+    folder = Path(cfg.path) / "transformer"
+    single = None if cfg.transformer_file is None else Path(cfg.transformer_file)
+    prefix = "" if single is None else file_prefix(cfg)
+    if prefix is None:
+        raise UserError(f"{single}: its keys are not the transformer's diffusers keys: it loads through "
+                        f"from_single_file (stream_load.supported)")
+    try:
+        return _Files(folder, single, prefix)
+    except (OSError, ValueError, struct.error) as e:
+        raise UserError(f"{single or folder}: could not read the safetensors index or headers ({e})") from None
 
-    def __init__(self, transformer: nn.Module, cfg, dtype: torch.dtype):
-        folder = Path(cfg.path) / "transformer"
-        try:
-            self.files = _Files(folder)
-        except (OSError, ValueError) as e:
-            raise UserError(f"{folder}: could not read the safetensors index or headers ({e})") from None
+
+class TransformerLoader:
+    """Reads each tensor of an `empty_transformer` from the model's files into place (see the module essay)."""
+
+    def __init__(self, transformer: nn.Module, cfg, dtype: torch.dtype, files: _Files | None = None):
+        self.files = files if files is not None else open_files(cfg)
         self.dtype = dtype
         # Module -> its state-dict prefix; peft's `base_layer` (LoRA injected after the build) is not in the file.
         self._root = transformer
@@ -165,10 +284,16 @@ class TransformerLoader:
     def tensor(self, module: nn.Module, name: str, current: torch.Tensor) -> torch.Tensor:
         """The value of `module`'s tensor `name` (now `current`) on the CPU, in `current`'s dtype."""
         if isinstance(module, quant.QuantizedLinear) and name in ("weight", "weight_scale"):
+            key = self._prefix(module) + "weight"
+            if key in self.files.adopted:  # an fp8 file's own values (quant.adopt_fp8)
+                if name == "weight":  # the whole path's casts: to the model dtype (exact), back to fp8
+                    return self._read(key, module.compute_dtype).to(torch.float8_e4m3fn)
+                s = self.files.scale(key)
+                return torch.full((module.out_features,), 1.0 if s is None else s)
             if name == "weight_scale" and id(module) in self._scales:
                 return self._scales.pop(id(module))
             mode = "fp8" if module.weight.dtype == torch.float8_e4m3fn else "int8"
-            w = self._read(self._prefix(module) + "weight", module.compute_dtype)
+            w = self._read(key, module.compute_dtype)
             q, scale = quant.quantize(w, mode)  # as the old path: quantize the model-dtype weight
             if name == "weight":
                 self._scales[id(module)] = scale
@@ -178,9 +303,13 @@ class TransformerLoader:
         if key not in self.files.where:
             if not is_placeholder(current):
                 return current  # a buffer the model computes itself (not in the file)
-            raise UserError(f"{self.files.where and next(iter(self.files.where.values())).parent}: no weight "
-                            f"{key!r} in the safetensors files (a different {type(module).__name__} layout?)")
-        return self._read(key, current.dtype)
+            raise UserError(f"{self.files.label}: no weight {key!r} in the safetensors files (a different "
+                            f"{type(module).__name__} layout?)")
+        t = self._read(key, current.dtype)
+        s = self.files.scale(key) if name == "weight" else None
+        if s is not None and s != 1.0:  # a scaled fp8 weight kept in the model dtype (quant._apply_scales)
+            t = t.mul_(torch.full((t.shape[0],), s).to(t.dtype)[:, None])
+        return t
 
     def _read(self, key: str, dtype: torch.dtype) -> torch.Tensor:
         t = self.files.read(key)
@@ -240,8 +369,12 @@ def release_host_memory() -> None:
 def load(adapter, cfg, dtype: torch.dtype, device: torch.device, stream_blocks: bool):
     """The transformer with its non-block weights on `device`, and its blocks too unless `stream_blocks` (then
     they keep placeholders until the conductor's `fill`). Returns (transformer, loader or None)."""
-    tr = empty_transformer(adapter, cfg, dtype)
-    loader = TransformerLoader(tr, cfg, dtype)
+    files = open_files(cfg)
+    if files.fp8 and cfg.quantize == "int8":  # quant.prepare_transformer's refusal, before a weight is read
+        raise UserError(f"{cfg.transformer_file} holds float8 weights: use model.quantize: fp8 (kept as they are) "
+                        f"or none (up-cast to model.dtype), not int8")
+    tr = empty_transformer(adapter, cfg, dtype, files)
+    loader = TransformerLoader(tr, cfg, dtype, files)
     try:
         loader.place(tr, device, skip=adapter.blocks(tr) if stream_blocks else ())
     except (OSError, ValueError) as e:  # a truncated or mismatched file

@@ -190,7 +190,9 @@ class Trainer:
         self._loader = None  # reads streamed blocks from the files into the conductor's arena (stream_load.py)
         if not stream_load.loads_whole(cfg, resume_dir is not None, streamed):
             self.transformer, self._loader = stream_load.load(self.adapter, cfg.model, self.dtype, self.device, streamed)
-        else:  # single files, and where the base weights must exist before blocks stream: through CPU RAM
+        else:  # original-layout single files, and where the base weights must exist before blocks stream: RAM
+            if (note := stream_load.whole_file_note(cfg.model)) is not None:
+                say(note)
             load_to = torch.device("cpu") if streamed else self.device
             self.transformer = self.adapter.load(cfg.model, parts={"transformer"}, dtype=self.dtype, device=load_to).transformer
         self.transformer.train()
