@@ -95,7 +95,7 @@ def empty_transformer(adapter, cfg, dtype: torch.dtype) -> nn.Module:
     with init_empty_weights():  # parameters on meta, buffers real (rotary tables and the like)
         tr = adapter.transformer_cls.from_config(config)
     nn.Module.to(tr, dtype)  # torch's, not ModelMixin's (whose warning is about fp32 modules no family has)
-    quant.quantize_blocks(adapter.blocks(tr), cfg.quantize)  # on meta: shapes and dtypes only
+    quant.quantize_blocks(adapter.blocks(tr), cfg.quantize, cfg.quantize_modulation)  # on meta: shapes, dtypes
     for mod in tr.modules():
         for name, p in mod._parameters.items():
             if p is not None and p.is_meta:
