@@ -15,7 +15,8 @@ How, in the order the trainer calls it:
     attach_offload(blocks, ..., fill=loader.fill)  # the conductor lays out arena and ring, `fill` writes each block
 
 The empty model is built under accelerate's `init_empty_weights` (parameters on `meta`, buffers real), the
-blocks are quantized there when `model.quantize` is set (shapes and dtypes only), and then every meta parameter
+blocks are quantized there when `model.quantize` is set (their modulation Linears too with
+`model.quantize_modulation`; shapes and dtypes only), and then every meta parameter
 becomes a *placeholder*: one NaN scalar of its dtype expanded to its shape. A placeholder is an ordinary CPU
 tensor (so `param.data = view` works, which it does not from `meta`, and peft creates LoRA weights on the CPU in
 the base dtype exactly as on a loaded model) that costs no memory; anything that reads one before its load gets
