@@ -165,8 +165,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--families", nargs="+", default=["flux", "qwen_image"], choices=["flux", "qwen_image"])
     ap.add_argument("--smoke", action="store_true", help="tiny widths on the CPU (seconds)")
     args = ap.parse_args(argv)
-    torch.set_grad_enabled(False)
-    rows = [r for f in args.families for r in measure(f, args.smoke)]
+    with torch.no_grad():
+        rows = [r for f in args.families for r in measure(f, args.smoke)]
     print("\n| block | variant | 8-bit Linears | output vs bf16 | update vs bf16 | update vs fp32 | modulation vs fp32 |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
