@@ -7,7 +7,8 @@ Rows:
   reference a user would compare against);
 - `train f=1.0 bf16` / `train f=1.0 fp8` / `train f=1.0 fp8 scaled_mm`: LoRA step with every block streamed by the
   conductor, bf16 base vs fp8 base (dequantize-then-matmul, then torch._scaled_mm where the GPU has it);
-- `sample f=1.0 bf16` / `sample f=1.0 fp8`: one no-grad forward, streamed;
+  `train f=1.0 fp8+mod`: fp8 base with the modulation Linears quantized too (`model.quantize_modulation`);
+- `sample f=1.0 bf16` / `sample f=1.0 fp8` / `sample f=1.0 fp8+mod`: one no-grad forward, streamed;
 - `linear ...`: one Flux MLP Linear (3072 -> 12288, 4096 + 512 tokens): bf16 F.linear, fp8 dequantize + F.linear,
   fp8 `_scaled_mm`, forward only.
 
@@ -43,7 +44,7 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", 
                 "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"]
 
 
-def build(args, dev, mode):
+def build(args, dev, mode, modulation=False):
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(0)
@@ -53,7 +54,7 @@ def build(args, dev, mode):
                                    **args.dims)
     torch.set_default_dtype(torch.float32)
     m.requires_grad_(False)
-    quant.quantize_blocks(blocks_of(m), mode)  # one block at a time, as the loader does
+    quant.quantize_blocks(blocks_of(m), mode, modulation)  # one block at a time, as the loader does
     from peft import LoraConfig
 
     m.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=LORA_TARGETS,
@@ -98,9 +99,9 @@ def timed(fn, dev, warmup, steps):
     return statistics.median(ts), peak
 
 
-def model_row(name, args, dev, mode, kind, fraction, scaled_mm=False):
+def model_row(name, args, dev, mode, kind, fraction, scaled_mm=False, modulation=False):
     quant.set_scaled_mm(scaled_mm)
-    m, params = build(args, dev, mode)
+    m, params = build(args, dev, mode, modulation)
     kw, target = inputs(m, dev, args.res, args.text)
     opt = torch.optim.AdamW(params, lr=1e-5)
     handle = attach_offload(blocks_of(m), dev, fraction, mode=kind) if fraction > 0 else None
@@ -196,14 +197,18 @@ def main(argv=None) -> list[dict]:
     else:
         torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention fails in backward there (GPU.md)
     fp8_mm = dev != "cpu" and torch.cuda.get_device_capability() >= (8, 9)
-    configs = [("train f=1.0 bf16", "none", "train", False), ("train f=1.0 fp8", "fp8", "train", False)]
+    # (name, model.quantize, kind, scaled_mm, model.quantize_modulation)
+    configs = [("train f=1.0 bf16", "none", "train", False, False), ("train f=1.0 fp8", "fp8", "train", False, False),
+               ("train f=1.0 fp8+mod", "fp8", "train", False, True)]
     if fp8_mm:
-        configs.append(("train f=1.0 fp8 scaled_mm", "fp8", "train", True))
-    configs += [("sample f=1.0 bf16", "none", "sample", False), ("sample f=1.0 fp8", "fp8", "sample", False)]
+        configs.append(("train f=1.0 fp8 scaled_mm", "fp8", "train", True, False))
+    configs += [("sample f=1.0 bf16", "none", "sample", False, False),
+                ("sample f=1.0 fp8", "fp8", "sample", False, False),
+                ("sample f=1.0 fp8+mod", "fp8", "sample", False, True)]
     rows = [reference_row(args, dev)]
-    for name, mode, kind, mm in configs:
+    for name, mode, kind, mm, modulation in configs:
         free(dev)
-        rows.append(model_row(name, args, dev, mode, kind, 1.0, scaled_mm=mm))
+        rows.append(model_row(name, args, dev, mode, kind, 1.0, scaled_mm=mm, modulation=modulation))
     free(dev)
     rows += linear_rows(args, dev)
 

@@ -14,8 +14,10 @@ Rows (in this order; `--budget-s` stops adding rows when the time is spent, the 
 - dittrain: the project's own LoRA (fp32 masters, `lora.compute_dtype` new = auto / old = fp32), every block a
   StreamedBlock through `attach_offload` (checkpointed, streamed at the fraction, activation offloading where
   named), the project's AdamW (`trainer.optim.build_optimizer`), `compile` off / on (trainer/offload/compiled.py);
-  an fp8-base row (trainer.quant `quantize_blocks`) at 1.0 + activations;
-- sampling forward (no grad): plain eager, dittrain resident compiled, dittrain streamed 1.0 compiled.
+  an fp8-base row (trainer.quant `quantize_blocks`) at 1.0 + activations, and the same with the modulation
+  Linears quantized too (`model.quantize_modulation`);
+- sampling forward (no grad): plain eager, dittrain resident compiled, dittrain streamed 1.0 compiled, and that
+  with an fp8 base and with an fp8 base + modulation (bf16 vs fp8 streamed sampling in one process).
 
 Timing: CUDA events around each step after --warmup steps (compile happens in them), median of --steps.
 "first step" is the wall time of the first step (compile included); "compile" is compiled.stats()'s forward
@@ -64,7 +66,8 @@ TARGETS = {  # ratio to the reference the issue asks for, by row name
 
 def row_specs(family: str) -> list[dict]:
     """Every row, most important first. kind: plain | ours | sample-plain | sample-ours."""
-    ours = dict(kind="ours", fraction=0.0, act=False, compile=True, math="auto", quant="none", dynamic=False)
+    ours = dict(kind="ours", fraction=0.0, act=False, compile=True, math="auto", quant="none", modulation=False,
+                dynamic=False)
     rows = [dict(name="plain diffusers + peft, bf16 LoRA, eager, resident", kind="plain", compile=False)]
     rows.append({**ours, "name": "dittrain offload 0, compiled"})
     if family == "flux":
@@ -73,9 +76,15 @@ def row_specs(family: str) -> list[dict]:
             {**ours, "name": "dittrain offload 1.0 + act, compiled", "fraction": 1.0, "act": True},
             {**ours, "name": "dittrain offload 1.0 + act, fp8 base, compiled", "fraction": 1.0, "act": True,
              "quant": "fp8"},
+            {**ours, "name": "dittrain offload 1.0 + act, fp8 base + modulation, compiled", "fraction": 1.0,
+             "act": True, "quant": "fp8", "modulation": True},
             dict(name="sample: plain eager forward", kind="sample-plain", compile=False),
             {**ours, "name": "sample: dittrain resident, compiled", "kind": "sample-ours"},
             {**ours, "name": "sample: dittrain offload 1.0, compiled", "kind": "sample-ours", "fraction": 1.0},
+            {**ours, "name": "sample: dittrain offload 1.0, fp8, compiled", "kind": "sample-ours", "fraction": 1.0,
+             "quant": "fp8"},
+            {**ours, "name": "sample: dittrain offload 1.0, fp8 + modulation, compiled", "kind": "sample-ours",
+             "fraction": 1.0, "quant": "fp8", "modulation": True},
         ]
     rows += [
         dict(name="plain + compile_repeated_blocks", kind="plain", compile=True),
@@ -159,7 +168,7 @@ def ours_setup(adapter, m, args, spec, dev):
     m.requires_grad_(False)
     blocks = adapter.blocks(m)
     if spec["quant"] != "none":
-        quant.quantize_blocks(blocks, spec["quant"])
+        quant.quantize_blocks(blocks, spec["quant"], spec["modulation"])
     cfg = SimpleNamespace(lora=LoraConfig(rank=args.rank, alpha=args.rank, compute_dtype=spec["math"]))
     params = add_lora(m, cfg, adapter.default_lora_targets)
     for p in params:

@@ -21,3 +21,18 @@ def test_bench_speed_smoke(tmp_path):
     md = (tmp_path / "speed_flux.md").read_text()
     assert "| dittrain offload 0.5, compiled |" in md and "<= 0.85" in md
     assert len(json.loads((tmp_path / "speed_flux.json").read_text())) == 3
+
+
+def test_bench_speed_smoke_fp8_rows(tmp_path):
+    """The fp8 + modulation rows, training and sampling (CPU smoke)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_speed.py"
+    spec = importlib.util.spec_from_file_location("bench_speed", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.main(["--smoke", "--backend", "eager", "--only", "modulation", "--out", str(tmp_path)])
+    names = [r["name"] for r in rows]
+    assert names[1:] == ["dittrain offload 1.0 + act, fp8 base + modulation, compiled",
+                         "sample: dittrain offload 1.0, fp8 + modulation, compiled"]
+    assert all(r["spec"]["modulation"] and r["spec"]["quant"] == "fp8" for r in rows[1:])
+    specs = {s["name"] for s in mod.row_specs("flux")}
+    assert {"sample: dittrain offload 1.0, fp8, compiled", "dittrain offload 1.0 + act, fp8 base, compiled"} <= specs

@@ -384,3 +384,15 @@ def test_ram_is_the_arena_unless_the_transformer_loads_whole(flux_full_size):
     assert dora.loads_whole
     whole = planner.predict(dora, 0.9, 1024, False).ram_peak - planner.predict(dora, 0.9, 1024, False).pinned - HOST_BASE
     assert whole == pytest.approx(sum(dora.block_param_bytes) + dora.nonblock_bytes)
+
+
+def test_quantized_modulation_is_planned_smaller(flux_full_size):
+    """model.quantize_modulation: the planner packs the blocks as the loader quantizes them, so the modulation
+    Linears (3.2 B parameters in Flux) count 1 byte per weight: 15.08 GB -> 11.85 GB pinned at 1.0."""
+    cfg, _ = flux_full_size
+    q = cfg.model.model_copy(update={"quantize": "fp8"})
+    fp8 = planner.analyze(cfg.model_copy(update={"model": q}))
+    mod = planner.analyze(cfg.model_copy(update={"model": q.model_copy(update={"quantize_modulation": True})}))
+    assert sum(mod.packed) / 1e9 == pytest.approx(11.85, abs=0.01)
+    assert sum(fp8.packed) - sum(mod.packed) == pytest.approx(3.22e9, rel=0.01)
+    assert planner.predict(mod, 1.0, 1024, True).pinned < planner.predict(fp8, 1.0, 1024, True).pinned

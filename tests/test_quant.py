@@ -214,3 +214,71 @@ def test_scales_of_an_original_format_file_follow_diffusers_key_conversion():
     # double: 8 attention Linears, 2 modulation, ff 2 + ff_context 2; single: q k v, proj_mlp, proj_out, modulation;
     # norm_out
     assert len(got) == 14 + 6 + 1
+
+
+def _quantized_names(m) -> set[str]:
+    return {n for n, x in m.named_modules() if isinstance(x, QuantizedLinear)}
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+def test_modulation_switch_adds_exactly_the_modulation_linears(mode):
+    """model.quantize_modulation: the blocks' `norm*.linear` join the quantized Linears; nothing else changes
+    (norm weights, biases, embedders and the final layer's modulation keep the model dtype)."""
+    base, mod = tiny_flux(0, dtype=torch.bfloat16), tiny_flux(0, dtype=torch.bfloat16)
+    n0 = quant.quantize_blocks(blocks_of(base), mode)
+    n1 = quant.quantize_blocks(blocks_of(mod), mode, modulation=True)
+    added = _quantized_names(mod) - _quantized_names(base)
+    assert _quantized_names(base) <= _quantized_names(mod)
+    # 2 double blocks: norm1.linear and norm1_context.linear; 4 single blocks: norm.linear
+    assert n1 - n0 == len(added) == 2 * 2 + 4
+    assert all(quant.is_modulation(n.split(".", 2)[2]) for n in added), added
+    assert {n.rsplit(".", 1)[0].split(".", 2)[2] for n in added} == {"norm1", "norm1_context", "norm"}
+    lin = mod.transformer_blocks[0].norm1.linear
+    assert lin.weight.dtype == quant._DTYPES[mode] and lin.bias.dtype == torch.bfloat16
+    assert type(mod.norm_out.linear) is nn.Linear and mod.norm_out.linear.weight.dtype == torch.bfloat16
+    assert mod.transformer_blocks[0].attn.norm_q.weight.dtype == torch.bfloat16
+    # modulation error acts on every token: the block output moves more, but stays within fp8 / int8 rounding
+    from _offload_util import batch
+
+    kw, _ = batch(0, dtype=torch.bfloat16)
+    with torch.no_grad():
+        a, b = base(**kw)[0].float(), mod(**kw)[0].float()
+    assert 0 < (a - b).abs().max() / a.abs().max() < 0.1
+
+
+def test_modulation_switch_on_qwen_image_blocks():
+    from diffusers import QwenImageTransformer2DModel
+
+    def tiny():
+        torch.manual_seed(0)
+        return QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                           attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                           axes_dims_rope=(4, 6, 6))
+
+    base, mod = tiny(), tiny()
+    quant.quantize_blocks(list(base.transformer_blocks), "fp8")
+    quant.quantize_blocks(list(mod.transformer_blocks), "fp8", modulation=True)
+    added = _quantized_names(mod) - _quantized_names(base)
+    assert added == {f"transformer_blocks.{i}.{s}_mod.1" for i in range(2) for s in ("img", "txt")}
+    assert not any("mod" in n for n in _quantized_names(base))
+
+
+def test_quantize_modulation_needs_an_8_bit_base_when_set():
+    from pydantic import ValidationError
+
+    from trainer.config import ModelConfig
+
+    with pytest.raises(ValidationError, match="quantize_modulation: true needs model.quantize: fp8 or int8"):
+        ModelConfig(family="flux", path="x", quantize_modulation=True)
+    assert ModelConfig(family="flux", path="x", quantize="fp8", quantize_modulation=True).quantize_modulation
+    assert not ModelConfig(family="flux", path="x", quantize="fp8").quantize_modulation  # off by default
+    # the default never refuses quantize: none, whatever it is (the coordinator may flip it)
+    fields = dict(ModelConfig.model_fields)
+    try:
+        fields["quantize_modulation"].default = True
+        ModelConfig.model_rebuild(force=True)
+        m = ModelConfig(family="flux", path="x")
+        assert m.quantize == "none" and m.quantize_modulation
+    finally:
+        fields["quantize_modulation"].default = False
+        ModelConfig.model_rebuild(force=True)

@@ -158,3 +158,48 @@ def test_text_encoders_quantize_on_their_own_switch(tiny_models):
     for k in want:
         rel = (got[k] - want[k]).abs().max() / want[k].abs().max()
         assert 0 < rel < 0.1, (k, rel)
+
+
+@pytest.mark.parametrize("modulation", [False, True])
+def test_fp8_file_with_full_precision_modulation(tiny_models, tmp_path, modulation):
+    """An fp8 file whose blocks' modulation weights are not fp8 values (kept in higher precision, as some files
+    do): they keep the model dtype unless model.quantize_modulation, then they are quantized per channel like a
+    folder's; the file's fp8 weights are adopted as they are either way."""
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import save_file
+
+    sd = FluxTransformer2DModel.from_pretrained(str(tiny_models / "flux"), subfolder="transformer").state_dict()
+    mod_keys = {k for k, v in sd.items() if k.endswith(".weight") and v.ndim == 2 and "transformer_blocks." in k
+                and quant.is_modulation(k[: -len(".weight")])}
+    assert len(mod_keys) == 2 * 2 + 2
+    out = {k: v.to(torch.float8_e4m3fn) if v.ndim == 2 and k.endswith(".weight") and k not in mod_keys else v
+           for k, v in sd.items()}
+    f = tmp_path / "flux-fp8.safetensors"
+    save_file(out, str(f))
+    cfg = _model_cfg(tiny_models, quantize="fp8", transformer_file=f, quantize_modulation=modulation)
+    tr = get_adapter(cfg).load(cfg, parts={"transformer"}, dtype=torch.float32).transformer
+    mods = dict(tr.named_modules())
+    for k in mod_keys:
+        m = mods[k[: -len(".weight")]]
+        if modulation:
+            q, s = quant.quantize(sd[k], "fp8")
+            assert isinstance(m, QuantizedLinear) and torch.equal(m.weight.view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(m.weight_scale, s)
+        else:
+            assert type(m) is torch.nn.Linear and torch.equal(m.weight, sd[k])
+    q = mods["transformer_blocks.0.attn.to_q"]
+    assert torch.equal(q.weight.view(torch.uint8), out["transformer_blocks.0.attn.to_q.weight"].view(torch.uint8))
+    assert torch.equal(q.weight_scale, torch.ones(q.out_features))
+
+
+def test_fit_at_fp8_with_quantized_modulation(tiny_models, train_images, tmp_path):
+    from trainer.train.trainer import Trainer
+
+    cfg = make_config(tiny_models, train_images, tmp_path / "run", tmp_path / "cache", "flux",
+                      model={"quantize": "fp8", "quantize_modulation": True}, train={"steps": 2})
+    t = Trainer(cfg)
+    t.fit()
+    assert all(math.isfinite(x) for x in losses(tmp_path / "run"))
+    blk = t.transformer.transformer_blocks[0]
+    assert blk.norm1.linear.weight.dtype == torch.float8_e4m3fn
+    assert t.transformer.norm_out.linear.weight.dtype != torch.float8_e4m3fn  # outside the blocks: model dtype

@@ -173,3 +173,23 @@ def test_streamed_fit_peak_rss_stays_near_the_arena(tiny_models, tmp_path):
     assert r["arena"] > 1 << 30
     assert r["anon_over_baseline"] <= 1.10 * held + ALLOWANCE, r
     assert r["rss_over_baseline"] <= 1.10 * held + ALLOWANCE, r
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwen_image"])
+def test_quantized_modulation_loads_bitwise_like_from_pretrained(family, tiny_models, sharded_flux):
+    """model.quantize_modulation: resident and conductor-filled loads equal from_pretrained + prepare_transformer,
+    and the modulation Linears are 8-bit in all of them."""
+    from trainer.quant import QuantizedLinear, is_modulation
+
+    path = sharded_flux if family == "flux" else tiny_models / family
+    mc = ModelConfig(family=family, path=path, quantize="fp8", quantize_modulation=True, dtype="bf16")
+    ad = get_adapter(mc)
+    ref = ad.load(mc, parts={"transformer"}, dtype=torch.bfloat16).transformer
+    mods = [m for b in ad.blocks(ref) for n, m in b.named_modules() if is_modulation(n) and isinstance(m, torch.nn.Linear)]
+    assert mods and all(isinstance(m, QuantizedLinear) and m.weight.dtype == torch.float8_e4m3fn for m in mods)
+    tr, _ = stream_load.load(ad, mc, torch.bfloat16, torch.device("cpu"), stream_blocks=False)
+    _same_state(ref, tr)
+    tr, loader = stream_load.load(ad, mc, torch.bfloat16, torch.device("cpu"), stream_blocks=True)
+    tr.requires_grad_(False)  # a frozen base, as the trainer hands it to the conductor (trainables are not packed)
+    attach_offload(ad.blocks(tr), "cpu", 1.0, fill=loader.fill).close()
+    _same_state(ref, tr)

@@ -17,10 +17,17 @@ tensor cores (sm89+); it is off unless `set_scaled_mm(True)` or env `DITTRAIN_SC
 faster (bench/bench_quant.py). Its backward (the gradient a LoRA upstream needs) uses the dequantized weight.
 
 Which modules. Only Linears inside the family's blocks (`adapter.blocks`): attention projections, MLPs and the
-blocks' output projections, i.e. nearly all the bytes. Embedders, the final layer, norms, biases and the
-modulation Linears (`norm*.linear` in Flux / SD3, `*_mod.1` in Qwen-Image: they set per-sample scale and shift,
-where an error acts on every token) stay in the model dtype. Text encoders (`model.quantize_text_encoders`)
-quantize every Linear they have.
+blocks' output projections, i.e. nearly all the bytes. Embedders, the final layer, norms and biases stay in the
+model dtype. So do, by default, the modulation Linears (`norm*.linear` in Flux / SD3, `*_mod.1` in Qwen-Image):
+they set per-sample scale, shift and gate, where an error acts on every token. They are big, though: 3.2 B of
+Flux's 12 B parameters (27 % of its block bytes) and 6.8 B of Qwen-Image's 20 B, because each maps the time
+embedding to six (double block) or three (single block) model-width vectors. `modulation=True`
+(`model.quantize_modulation`) quantizes them like the rest, per output channel, which makes each of those vectors
+an fp8 / int8 rounding of itself: Flux's fp8 blocks go from 15.08 to 11.85 GB, Qwen-Image's from 27.2 to 20.4 GB.
+Measured on random full-width blocks on the CPU (bench/quant_block_error.py, bench/RESULTS.md): the modulation
+output's error against fp32 goes from 0.3 % (bf16) to 2.6 % (fp8) / 0.9 % (int8), and the block update's error from
+about 4 % to about 5 % in fp8 (1.5 % to 1.9 % in int8); real weights, with their outlier channels, are not measured
+yet. Text encoders (`model.quantize_text_encoders`) quantize every Linear they have.
 
 Why plain torch dtypes, not torchao / optimum-quanto. Both represent a quantized weight as a wrapper tensor
 subclass (torchao `AffineQuantizedTensor` / `Float8Tensor`, quanto `QBytesTensor`) whose bytes live in inner
@@ -34,7 +41,8 @@ config. Single-file fp8 checkpoints (`float8_e4m3fn` weights, optionally per-ten
 they are: `adopt_fp8` keeps the file's 8-bit values and its scale instead of quantizing again.
 
 Left out: activation quantization for training matmuls (the `_scaled_mm` path quantizes activations only in
-forward), fp8 e5m2, int4, and quantizing non-block modules.
+forward), fp8 e5m2, int4, and quantizing non-block modules (the final layer's modulation `norm_out.linear`
+included). The planner counts an fp8 file's blocks as the switch says, not as the file holds them.
 """
 
 from __future__ import annotations
@@ -52,8 +60,8 @@ from torch import nn
 MODES = ("none", "fp8", "int8")
 _DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 _QMAX = {"fp8": 448.0, "int8": 127.0}
-#: modulation Linears (per-sample scale / shift) stay in the model dtype: Flux / SD3 `norm1.linear`,
-#: `norm1_context.linear`, `norm.linear`; Qwen-Image `img_mod.1`, `txt_mod.1`
+#: modulation Linears (per-sample scale / shift) stay in the model dtype unless `modulation=True`: Flux / SD3
+#: `norm1.linear`, `norm1_context.linear`, `norm.linear`; Qwen-Image `img_mod.1`, `txt_mod.1`
 _KEEP = re.compile(r"(^|\.)(norm[^.]*|[^.]*_mod)\.")
 #: text-encoder Linears left alone: T5's `wo` (transformers casts its input to `wo.weight.dtype`, which would be
 #: fp8) and a language-model head (Qwen2.5-VL's, unused for encoding)
@@ -151,23 +159,30 @@ def quantize_linear(lin: nn.Linear, mode: str) -> None:
     _become_quantized(lin, q, scale, dtype)
 
 
-def quantize_module(module: nn.Module, mode: str, text_encoder: bool = False) -> int:
+def is_modulation(name: str) -> bool:
+    """Whether the Linear called `name` inside a block is a modulation Linear (see the essay)."""
+    return bool(_KEEP.search(name + "."))
+
+
+def quantize_module(module: nn.Module, mode: str, text_encoder: bool = False, modulation: bool = False) -> int:
     """Quantize the Linears of one block (or, with `text_encoder`, of a whole text encoder) in place; returns
-    how many. `mode` "none" does nothing. One Linear at a time: the peak is one layer's fp32 copy."""
+    how many. `mode` "none" does nothing. `modulation` quantizes a block's modulation Linears too
+    (`model.quantize_modulation`). One Linear at a time: the peak is one layer's fp32 copy."""
     if mode == "none":
         return 0
     if mode not in _DTYPES:
         raise ValueError(f"quantize mode {mode!r}: choose from {MODES}")
-    keep = _KEEP_TEXT if text_encoder else _KEEP
-    linears = [m for name, m in module.named_modules() if type(m) is nn.Linear and not keep.search(name + ".")]
+    keep = _KEEP_TEXT if text_encoder else None if modulation else _KEEP
+    linears = [m for name, m in module.named_modules()
+               if type(m) is nn.Linear and (keep is None or not keep.search(name + "."))]
     for lin in linears:
         quantize_linear(lin, mode)
     return len(linears)
 
 
-def quantize_blocks(blocks: list[nn.Module], mode: str) -> int:
+def quantize_blocks(blocks: list[nn.Module], mode: str, modulation: bool = False) -> int:
     """`quantize_module` over a transformer's blocks, one block after another."""
-    return sum(quantize_module(b, mode) for b in blocks)
+    return sum(quantize_module(b, mode, modulation=modulation) for b in blocks)
 
 
 # ---------------------------------------------------------------------------------------------- fp8 files
@@ -242,13 +257,15 @@ def convert_scales(transformer_cls: type, config: dict, rows: dict[str, int], fp
             if k.endswith(".weight") and not torch.isnan(v).any()}
 
 
-def adopt_fp8(module: nn.Module, scales: dict[str, torch.Tensor], prefix: str, compute_dtype: torch.dtype) -> int:
+def adopt_fp8(module: nn.Module, scales: dict[str, torch.Tensor], prefix: str, compute_dtype: torch.dtype,
+              modulation: bool = False) -> int:
     """Turn the Linears of one block, loaded from an fp8 file (diffusers up-casts e4m3fn exactly), back into fp8
     without quantizing again: the 8-bit values are the file's, the scale is the file's per-tensor `scale_weight`
     (`file_scales`; 1 when absent) on every output row. `prefix` is the block's name in the transformer. A weight
     that is not exactly an fp8 value (the file had it in higher precision) is quantized per channel instead,
-    unless it is a modulation Linear (see the essay), which keeps the model dtype. Returns how many Linears were
-    adopted as they are."""
+    unless it is a modulation Linear (see the essay) and `modulation` is off: then it keeps the model dtype.
+    A modulation weight the file holds in fp8 is adopted either way (its values are the file's; up-casting would
+    only spend bytes). Returns how many Linears were adopted as they are."""
     kept = 0
     for name, lin in module.named_modules():
         if type(lin) is not nn.Linear:  # modulation too: its values are the file's fp8 ones either way
@@ -260,18 +277,19 @@ def adopt_fp8(module: nn.Module, scales: dict[str, torch.Tensor], prefix: str, c
             lin.weight.requires_grad_(False)
             _become_quantized(lin, q, torch.ones(w.shape[0]) if s is None else s, compute_dtype)
             kept += 1
-        elif not _KEEP.search(name + "."):
+        elif modulation or not is_modulation(name):
             quantize_linear(lin, "fp8")
     return kept
 
 
 def prepare_transformer(transformer: nn.Module, blocks: list[nn.Module], mode: str, dtype: torch.dtype,
-                        file: str | Path | None = None) -> None:
-    """What loading does after diffusers built the transformer in `dtype`: quantize the blocks one by one, or,
-    for an fp8 `file`, keep its 8-bit values and apply its per-tensor scales (see `adopt_fp8`)."""
+                        file: str | Path | None = None, modulation: bool = False) -> None:
+    """What loading does after diffusers built the transformer in `dtype`: quantize the blocks one by one (their
+    modulation Linears too with `modulation`), or, for an fp8 `file`, keep its 8-bit values and apply its
+    per-tensor scales (see `adopt_fp8`)."""
     fp8_file = file is not None and is_fp8_file(file)
     if not fp8_file:
-        quantize_blocks(blocks, mode)
+        quantize_blocks(blocks, mode, modulation)
         return
     if mode == "int8":
         raise ValueError(f"{file} holds float8 weights: use model.quantize: fp8 (kept as they are) or none "
@@ -280,7 +298,7 @@ def prepare_transformer(transformer: nn.Module, blocks: list[nn.Module], mode: s
     if mode == "fp8":
         names = {id(m): n for n, m in transformer.named_modules()}
         for b in blocks:
-            adopt_fp8(b, scales, names[id(b)], dtype)
+            adopt_fp8(b, scales, names[id(b)], dtype, modulation)
     _apply_scales(transformer, scales)
 
 

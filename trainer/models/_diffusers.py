@@ -218,7 +218,8 @@ class DiffusersAdapter(ModelAdapter):
                         root, subfolder="transformer", torch_dtype=dtype, local_files_only=True
                     )
                 # 8-bit frozen base (trainer/quant.py): block by block, before the move to the device
-                quant.prepare_transformer(tr, self.blocks(tr), cfg.quantize, dtype, cfg.transformer_file)
+                quant.prepare_transformer(tr, self.blocks(tr), cfg.quantize, dtype, cfg.transformer_file,
+                                         cfg.quantize_modulation)
                 out.transformer = own_aligned_memory(tr.to(device))
             if "vae" in parts:
                 import diffusers

@@ -15,7 +15,8 @@ How, in the order the trainer calls it:
     attach_offload(blocks, ..., fill=loader.fill)  # the conductor lays out arena and ring, `fill` writes each block
 
 The empty model is built under accelerate's `init_empty_weights` (parameters on `meta`, buffers real), the
-blocks are quantized there when `model.quantize` is set (shapes and dtypes only), and then every meta parameter
+blocks are quantized there when `model.quantize` is set (their modulation Linears too with
+`model.quantize_modulation`; shapes and dtypes only), and then every meta parameter
 becomes a *placeholder*: one NaN scalar of its dtype expanded to its shape. A placeholder is an ordinary CPU
 tensor (so `param.data = view` works, which it does not from `meta`, and peft creates LoRA weights on the CPU in
 the base dtype exactly as on a loaded model) that costs no memory; anything that reads one before its load gets
@@ -154,9 +155,9 @@ def empty_transformer(adapter, cfg, dtype: torch.dtype, files: _Files | None = N
     if files is not None and files.fp8 and cfg.quantize == "fp8":
         names = {id(m): n for n, m in tr.named_modules()}
         for b in adapter.blocks(tr):
-            _adopt_on_meta(b, names[id(b)], files, dtype)
+            _adopt_on_meta(b, names[id(b)], files, dtype, cfg.quantize_modulation)
     else:
-        quant.quantize_blocks(adapter.blocks(tr), cfg.quantize)  # on meta: shapes and dtypes only
+        quant.quantize_blocks(adapter.blocks(tr), cfg.quantize, cfg.quantize_modulation)  # on meta: shapes, dtypes
     for mod in tr.modules():
         for name, p in mod._parameters.items():
             if p is not None and p.is_meta:
@@ -167,10 +168,11 @@ def empty_transformer(adapter, cfg, dtype: torch.dtype, files: _Files | None = N
     return tr
 
 
-def _adopt_on_meta(block: nn.Module, prefix: str, files: _Files, dtype: torch.dtype) -> None:
+def _adopt_on_meta(block: nn.Module, prefix: str, files: _Files, dtype: torch.dtype, modulation: bool = False) -> None:
     """`quant.adopt_fp8`'s choice for each Linear of one meta `block`, made from the file: adopted (fp8 in the
     file, or a higher-precision weight whose values are all fp8 values: read once here, one tensor), else
-    quantized per channel, else (modulation) kept in `dtype`. Shapes and dtypes only; `tensor` fills them."""
+    quantized per channel, else (modulation, unless `modulation`) kept in `dtype`. Shapes and dtypes only;
+    `tensor` fills them."""
     for name, lin in block.named_modules():
         if type(lin) is not nn.Linear:
             continue
@@ -180,7 +182,7 @@ def _adopt_on_meta(block: nn.Module, prefix: str, files: _Files, dtype: torch.dt
             q = torch.empty(lin.weight.shape, dtype=torch.float8_e4m3fn, device="meta")
             quant._become_quantized(lin, q, torch.empty(rows, device="meta"), dtype)
             files.adopted.add(key)
-        elif not quant._KEEP.search(name + "."):
+        elif modulation or not quant.is_modulation(name):
             quant.quantize_linear(lin, "fp8")
 
 
