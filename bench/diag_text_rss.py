@@ -55,7 +55,7 @@ def main() -> None:
     from trainer.offload import conductor
     from trainer.sampling.placement import place_encoder
 
-    (flux,) = make_tiny_models(args.work / "tiny", ["flux"])
+    flux = next(p for p in make_tiny_models(args.work / "tiny", ["flux"]) if p.name == "flux")
     folder = args.work / "t5"
     if not (folder / "config.json").is_file():
         enc = _meta(lambda: T5EncoderModel(_t5_cfg(flux / "tokenizer_2")))
@@ -63,6 +63,7 @@ def main() -> None:
     p = Peak()
     p.take("start")
     enc = T5EncoderModel.from_pretrained(folder, dtype=torch.bfloat16, local_files_only=True).eval()
+    enc.requires_grad_(False)  # as the adapter loads it: the conductor packs frozen weights
     p.take("from_pretrained")
     real_pin = conductor.HostArena.pin
 

@@ -443,8 +443,8 @@ class EncoderStages:
 
     def _end_stage(self) -> None:
         for h in self.handles:
-            if h is not None:
-                h.close()
+            if h is not None:  # the stage's encoders are dropped: their streamed blocks are not copied back out
+                h.close(keep_weights=False)
         self.handles.clear()
         _free()
 

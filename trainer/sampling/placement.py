@@ -79,14 +79,16 @@ def place_encoder(encoder: nn.Module, device: torch.device, fraction: float):
 
 @contextmanager
 def place_text_encoders(pipe, device: torch.device, fraction: float):
-    """Put every loaded text encoder on `device` (streamed at `fraction` > 0) while prompts are encoded."""
+    """Put every loaded text encoder on `device` (streamed at `fraction` > 0) while prompts are encoded. The
+    callers release the encoders right after, so their streamed blocks are not copied back out of the arena on
+    the way out (that copy put a second T5-XXL in RAM: bench/RESULTS.md, issue 14): the blocks are left empty."""
     from .engine import text_encoder_names
 
     with ExitStack() as stack:
         for name in text_encoder_names(pipe):
             handle = place_encoder(getattr(pipe, name), device, fraction)
             if handle is not None:
-                stack.callback(handle.close)
+                stack.callback(handle.close, keep_weights=False)
         yield
 
 
