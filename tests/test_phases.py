@@ -99,7 +99,8 @@ class _Closer:
     def __init__(self, loader, name):
         self.loader, self.name = loader, name
 
-    def close(self):
+    def close(self, keep_weights=True):
+        assert not keep_weights  # the stage's models are dropped: nothing is copied back out of an arena
         self.loader.live.discard(self.name)
         self.loader.events.append(f"free {self.name}")
 
