@@ -170,14 +170,17 @@ class HostArena:
         self.pinned_bytes = 0
         self._registered = False
         self.refused: str | None = None  # why the arena stayed pageable
-        self._pin_args = (pin, budget, pageable)
+        self._pin, self._budget, self._pageable, self._defer = pin, budget, pageable, defer
+        self._pin_tried = False
         if not defer:
             self.pin()
 
     def pin(self) -> None:
         """Page-lock the buffer (once; see the class text for what happens when that is refused)."""
-        pin, budget, pageable = self._pin_args
-        self._pin_args = (False, None, True)  # a second call does nothing
+        if self._pin_tried:
+            return
+        self._pin_tried = True
+        pin, budget = self._pin, self._budget
         if budget is not None and self.nbytes > budget:  # checked on the CPU too, so tests can run the staging
             self.refused = (f"offload.pinned_budget_gb {budget / 2**30:.1f} GB is below the arena's "
                             f"{self.nbytes / 2**30:.1f} GB")
@@ -189,10 +192,11 @@ class HostArena:
             else:
                 _clear_cuda_error()
                 self.refused = f"cudaHostRegister refused {self.nbytes / 2**30:.1f} GB (error {int(err)})"
-        if self.refused is not None and not pageable and pin and torch.cuda.is_available() and self._own_buf:
+        if self.refused is not None and not self._pageable and pin and torch.cuda.is_available() and self._own_buf:
             self.refused = None  # the caching host allocator instead (rounded up, but page-locked)
             old, self.buf = self.buf, torch.empty(max(1, self.nbytes), dtype=torch.uint8, pin_memory=True)
-            self.buf.copy_(old)
+            if self._defer:  # filled before pinning: keep what was written (a fresh arena has nothing to copy)
+                self.buf.copy_(old)
             self.pinned_bytes = self.buf.numel()
 
     @property
