@@ -164,6 +164,12 @@ def is_modulation(name: str) -> bool:
     return bool(_KEEP.search(name + "."))
 
 
+def keeps_model_dtype(name: str, modulation: bool) -> bool:
+    """Whether the block Linear called `name` stays in the model dtype: a modulation Linear, unless `modulation`
+    (`model.quantize_modulation`). The one rule for quantizing, adopting fp8 files and the streamed loader."""
+    return not modulation and is_modulation(name)
+
+
 def quantize_module(module: nn.Module, mode: str, text_encoder: bool = False, modulation: bool = False) -> int:
     """Quantize the Linears of one block (or, with `text_encoder`, of a whole text encoder) in place; returns
     how many. `mode` "none" does nothing. `modulation` quantizes a block's modulation Linears too
@@ -172,9 +178,10 @@ def quantize_module(module: nn.Module, mode: str, text_encoder: bool = False, mo
         return 0
     if mode not in _DTYPES:
         raise ValueError(f"quantize mode {mode!r}: choose from {MODES}")
-    keep = _KEEP_TEXT if text_encoder else None if modulation else _KEEP
-    linears = [m for name, m in module.named_modules()
-               if type(m) is nn.Linear and (keep is None or not keep.search(name + "."))]
+    def kept(name: str) -> bool:
+        return bool(_KEEP_TEXT.search(name + ".")) if text_encoder else keeps_model_dtype(name, modulation)
+
+    linears = [m for name, m in module.named_modules() if type(m) is nn.Linear and not kept(name)]
     for lin in linears:
         quantize_linear(lin, mode)
     return len(linears)
@@ -277,7 +284,7 @@ def adopt_fp8(module: nn.Module, scales: dict[str, torch.Tensor], prefix: str, c
             lin.weight.requires_grad_(False)
             _become_quantized(lin, q, torch.ones(w.shape[0]) if s is None else s, compute_dtype)
             kept += 1
-        elif modulation or not is_modulation(name):
+        elif not keeps_model_dtype(name, modulation):
             quantize_linear(lin, "fp8")
     return kept
 

@@ -182,7 +182,7 @@ def _adopt_on_meta(block: nn.Module, prefix: str, files: _Files, dtype: torch.dt
             q = torch.empty(lin.weight.shape, dtype=torch.float8_e4m3fn, device="meta")
             quant._become_quantized(lin, q, torch.empty(rows, device="meta"), dtype)
             files.adopted.add(key)
-        elif modulation or not quant.is_modulation(name):
+        elif not quant.keeps_model_dtype(name, modulation):
             quant.quantize_linear(lin, "fp8")
 
 
