@@ -12,7 +12,10 @@ same classes and wiring, small vocabularies whose ids all exist in the full-size
 subprocesses of the family's `lora-<card>gb` preset with DITTRAIN_VRAM_CAP_GB = card - 1, and the table prints per
 phase: peak reserved VRAM (from DITTRAIN_PHASE_LOG, trainer/train/phases.py), peak anonymous RSS (this process
 polls the child's RssAnon every 0.1 s and takes the maximum inside each phase's time window), and the median
-training-step time. The folder is deleted after each family (Qwen-Image is ~58 GB on disk: one family at a time).
+training-step time. The folder is deleted after each family (Qwen-Image is ~58 GB on disk: one family at a time)
+unless --keep, which also reuses a folder left by an earlier run. Several `--card` sizes run one after another on
+the same folder; `--set section.key=value` overrides a preset setting and `--tag` names the variant, so variants
+can be compared on one written folder (each run has its own cache, output and logs under <family>/<card>gb[-tag]).
 
 --transformer-file fp8: the transformer is written as ONE safetensors file the way users' fp8 checkpoints are
 (diffusers keys; the Linear weights inside the blocks float8_e4m3fn with a per-tensor `scale_weight`, the rest
@@ -337,8 +340,19 @@ def run(cmd: list[str], env: dict, log: Path) -> tuple[int, AnonPoller, float]:
     return rc, poll, time.time() - t0
 
 
+def _set(d: dict, assignment: str) -> None:
+    """`section.key=value` (value parsed as YAML) into the config dict `d`."""
+    import yaml
+
+    key, _, value = assignment.partition("=")
+    *path, last = key.split(".")
+    for k in path:
+        d = d.setdefault(k, {})
+    d[last] = yaml.safe_load(value)
+
+
 def write_config(family: str, model: Path, images: Path, work: Path, res: int, steps: int, smoke: bool,
-                 card: int, transformer_file: str | None = None) -> Path:
+                 card: int, transformer_file: str | None = None, sets: list[str] | None = None) -> Path:
     import yaml
 
     if smoke:
@@ -356,12 +370,16 @@ def write_config(family: str, model: Path, images: Path, work: Path, res: int, s
                    "width": res, "height": res}
     if smoke:
         d["train"]["device"] = "cpu"
+    for a in sets or ():
+        _set(d, a)
+    work.mkdir(parents=True, exist_ok=True)
     path = work / f"{family}.yaml"
     path.write_text(yaml.safe_dump(d, sort_keys=False))
     return path
 
 
 def bench_family(family: str, work: Path, args) -> list[dict]:
+    """Write (or, with --keep, reuse) the family's folder, then run the commands for each of `args.card`."""
     fam_dir = work / family
     fam_dir.mkdir(parents=True, exist_ok=True)
     model = fam_dir / "model"
@@ -377,34 +395,49 @@ def bench_family(family: str, work: Path, args) -> list[dict]:
             ad = adapter_class(family)
             tcls = ad.transformer_cls
             write_transformer_file(model, _meta(lambda: tcls.from_config(tcls.load_config(model / "transformer"))), ad)
+    elif args.keep and (model / "model_index.json").exists() and (
+            (model / FP8_FILE).exists() == (args.transformer_file == "fp8")):
+        print(f"{family}: reusing {model}", flush=True)
+        res = args.resolution
     else:
         t = time.time()
         nbytes = write_full_folder(family, model, args.transformer_file)
         print(f"{family}: wrote {nbytes / 1e9:.1f} GB of random weights in {time.time() - t:.0f} s", flush=True)
         res = args.resolution
     images = write_jpegs(fam_dir / "images", args.images, res)
-    cfg = write_config(family, model, images, fam_dir, res, args.steps, args.smoke, args.card, args.transformer_file)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), DITTRAIN_PHASE_LOG=str(fam_dir / "phases.jsonl"))
-    if not args.smoke:
-        env["DITTRAIN_VRAM_CAP_GB"] = str(args.card - 1)
-    py = [sys.executable, "-m", "trainer"]
     rows = []
+    for card in args.card:
+        run_dir = fam_dir / (f"{card}gb" + (f"-{args.tag}" if args.tag else ""))
+        cfg = write_config(family, model, images, run_dir, res, args.steps, args.smoke, card, args.transformer_file,
+                           args.set)
+        rows += run_commands(family, card, cfg, run_dir, args)
+    if not args.keep:
+        shutil.rmtree(model, ignore_errors=True)
+    return rows
+
+
+def run_commands(family: str, card: int, cfg: Path, run_dir: Path, args) -> list[dict]:
+    phase_log = run_dir / "phases.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               DITTRAIN_PHASE_LOG=str(phase_log))
+    if not args.smoke:
+        env["DITTRAIN_VRAM_CAP_GB"] = str(card - 1)
+    py = [sys.executable, "-m", "trainer"]
     commands = {
         "cache": py + ["cache", str(cfg)],
         "fit": py + ["fit", str(cfg)],
         "sample": py + ["sample", str(cfg), "--prompt", "a photo of a dog", "--steps", "2"],
     }
+    label = f"{family} {card}gb" + (f" {args.tag}" if args.tag else "")
+    rows = []
     for cmd_name in args.commands.split(","):
-        cmd = commands[cmd_name]
-        log_file = fam_dir / f"{cmd_name}.log"
-        before = _records(fam_dir / "phases.jsonl")
-        rc, poll, wall = run(cmd, env, log_file)
-        recs = _records(fam_dir / "phases.jsonl")[len(before):]
+        log_file = run_dir / f"{cmd_name}.log"
+        before = _records(phase_log)
+        rc, poll, wall = run(commands[cmd_name], env, log_file)
+        recs = _records(phase_log)[len(before):]
         tail = log_file.read_text().strip().splitlines()[-1:] if log_file.exists() else []
-        rows.append({"family": family, "command": cmd_name, "rc": rc, "wall_s": wall,
+        rows.append({"family": label, "command": cmd_name, "rc": rc, "wall_s": wall,
                      "anon_peak": poll.peak(), "last_line": tail[0] if tail else "", "phases": _per_phase(recs, poll)})
-    if not args.keep:
-        shutil.rmtree(model, ignore_errors=True)
     return rows
 
 
@@ -415,26 +448,28 @@ def _records(path: Path) -> list[dict]:
 def _per_phase(recs: list[dict], poll: AnonPoller) -> dict:
     out: dict[str, dict] = {}
     for r in recs:
-        p = out.setdefault(r["phase"], {"vram": 0, "anon": 0, "times": []})
+        p = out.setdefault(r["phase"], {"vram": 0, "alloc": 0, "anon": 0, "times": []})
         p["vram"] = max(p["vram"], r["vram_reserved"])
+        p["alloc"] = max(p["alloc"], r.get("vram_allocated", 0))
         p["anon"] = max(p["anon"], poll.peak(r["start"], r["end"]), r["anon_rss"])
         p["times"].append(r["end"] - r["start"])
     return out
 
 
 def report(rows: list[dict]) -> list[str]:
-    lines = ["| family | command | rc | phase | peak reserved VRAM GB | peak anon RSS GB | time s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| family | command | rc | phase | peak reserved VRAM GB | peak allocated GB | peak anon RSS GB | time s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['family']} | {r['command']} | {r['rc']} | (process) | | {r['anon_peak'] / 1e9:.1f} | "
+        lines.append(f"| {r['family']} | {r['command']} | {r['rc']} | (process) | | | {r['anon_peak'] / 1e9:.1f} | "
                      f"{r['wall_s']:.0f} |")
         for name, p in r["phases"].items():
             t = p["times"]
             shown = (f"median {statistics.median(t[1:]):.2f} of {len(t)}" if name == "training step" and len(t) > 1
                      else f"{sum(t):.1f}")
-            lines.append(f"| | | | {name} | {p['vram'] / 1e9:.2f} | {p['anon'] / 1e9:.1f} | {shown} |")
+            lines.append(f"| | | | {name} | {p['vram'] / 1e9:.2f} | {p['alloc'] / 1e9:.2f} | {p['anon'] / 1e9:.1f} | "
+                         f"{shown} |")
         if r["rc"]:
-            lines.append(f"| | | | last line: {r['last_line'][:200]} | | | |")
+            lines.append(f"| | | | last line: {r['last_line'][:200]} | | | | |")
     return lines
 
 
@@ -442,15 +477,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", nargs="*", default=["flux", "sd3", "qwen_image"])
     ap.add_argument("--work", type=Path, default=Path("/tmp/dittrain-bench-program"))
-    ap.add_argument("--card", type=int, default=8, help="preset card size in GB; the VRAM cap is card - 1")
+    ap.add_argument("--card", type=int, nargs="+", default=[8], help="preset card sizes in GB, run one after "
+                    "another on the same folder; the VRAM cap is card - 1")
     ap.add_argument("--resolution", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--images", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU (tests)")
-    ap.add_argument("--keep", action="store_true", help="keep the written model folders")
+    ap.add_argument("--keep", action="store_true", help="keep the written model folders, and reuse one already in --work")
     ap.add_argument("--transformer-file", choices=["fp8"], default=None,
                     help="fp8: write the transformer as one fp8 single file (block Linears float8_e4m3fn with "
                     "per-tensor scale_weight, the rest bf16) and train with model.transformer_file and quantize fp8")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a preset setting (dotted key, YAML value), e.g. --set sample.guidance=1")
+    ap.add_argument("--tag", default="", help="a name for this variant (its run folder and table rows)")
     ap.add_argument("--commands", default="cache,fit,sample", help="which commands to run, in order (fit alone "
                     "caches too)")
     args = ap.parse_args(argv)
@@ -459,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for fam in args.families:
         rows += bench_family(fam, args.work, args)
-        print("\n".join(report([r for r in rows if r["family"] == fam])), flush=True)
+        print("\n".join(report([r for r in rows if r["family"].split()[0] == fam])), flush=True)
     (args.work / "results.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(["", *report(rows)]))
     return 0 if all(r["rc"] == 0 for r in rows) else 1

@@ -72,6 +72,24 @@ def test_phase_records_peak_rss_of_what_it_allocates():
     del x
 
 
+def test_sampling_during_training_marks_its_denoising_peak_before_the_vae_decodes(tiny_models, tmp_path,
+                                                                                 monkeypatch):
+    import json
+
+    from trainer.train.trainer import Trainer
+
+    log = tmp_path / "phases.jsonl"
+    monkeypatch.setenv("DITTRAIN_PHASE_LOG", str(log))
+    cfg = make_config(tiny_models, write_images(tmp_path / "imgs"), tmp_path / "run", tmp_path / "cache", "flux",
+                      train={"steps": 2, "batch_size": 1},
+                      sample={"every": 1, "prompts": ["a cat", "a dog"], "steps": 1, "width": 64, "height": 64})
+    Trainer(cfg).fit()
+    names = [json.loads(line)["phase"] for line in log.read_text().splitlines()]
+    # once per sampling call (two prompts, two decodes: the first one marks), and always just before its phase ends
+    assert names.count("sampling (denoising)") == names.count("sampling") == 2
+    assert all(names[i + 1] == "sampling" for i, n in enumerate(names) if n == "sampling (denoising)")
+
+
 class StageLoader(dcache.EncoderStages):
     """Records which model group is loaded and checks the other is gone."""
 
@@ -292,7 +310,7 @@ def test_bench_program_smoke_runs_cache_fit_sample_and_reports_phases(tmp_path, 
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for phase in ("text caching", "latent caching", "load", "training step", "sampling", "checkpoint save"):
         assert f"| {phase} |" in r.stdout
-    assert (tmp_path / "flux" / "out" / "lora.safetensors").exists() or list((tmp_path / "flux" / "out").glob("*"))
+    assert (tmp_path / "flux" / "8gb" / "out" / "lora.safetensors").exists()
 
 
 @pytest.mark.gpu
@@ -301,6 +319,21 @@ def test_a_real_cuda_out_of_memory_is_parsed_into_need_and_free():
         torch.empty(2**44, dtype=torch.uint8, device="cuda")  # 16 TiB
     assert "in phase latent caching: tried to allocate 16384.00 GiB with" in str(e.value)
     assert "GiB free of" in str(e.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("own_cache", [False, True])
+def test_a_phase_with_its_own_cache_does_not_reserve_beside_what_the_step_left_cached(own_cache):
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")  # the "training step" leaves 1 GiB cached
+    del x
+    with Phase("sampling", log=PhaseLog(), device=torch.device("cuda"), own_cache=own_cache) as p:
+        y = torch.empty(3 * 2**29, dtype=torch.uint8, device="cuda")  # 1.5 GiB: does not fit the cached 1 GiB
+        del y
+    extra = (p.peak.vram_reserved - base) / 2**30
+    assert extra == pytest.approx(1.5 if own_cache else 2.5, abs=0.1)
+    assert own_cache == (torch.cuda.memory_reserved() - base < 2**20)
 
 
 @pytest.mark.gpu

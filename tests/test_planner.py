@@ -318,6 +318,21 @@ def test_sampling_prediction_uses_the_conductors_plan(flux_full_size):
     assert half.peak_reserved < resident.peak_reserved - 10e9
 
 
+def test_sampling_under_classifier_free_guidance_counts_a_batch_of_two(flux_full_size):
+    from trainer.planner import predict_sampling
+    from trainer.planner.sampling import cfg_batch
+
+    _, facts = flux_full_size
+    one, two = predict_sampling(facts, 0.5, 1024), predict_sampling(facts, 0.5, 1024, batch=2)
+    assert two.ring == one.ring and two.compute_s == pytest.approx(2 * one.compute_s)
+    from trainer.planner.prediction import WORKSPACE, _round2m
+
+    act_one = one.peak_reserved - _round2m(one.ring) - _round2m(facts.nonblock_bytes) - WORKSPACE
+    assert act_one > 1e8 and two.peak_reserved - one.peak_reserved == pytest.approx(act_one)  # activations doubled
+    assert (cfg_batch("sd3", 3.5), cfg_batch("sd3", 1.0), cfg_batch("qwen_image", 4.0), cfg_batch("flux", 3.5)) == (
+        2, 1, 2, 1)
+
+
 @pytest.mark.parametrize("name", ["adamw", "adafactor"])
 def test_full_fine_tune_packs_the_state_the_optimizer_reports(tiny_models, name):
     """The planner's packed block bytes for a streamed full fine-tune equal the conductor's packing with the real

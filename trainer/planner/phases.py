@@ -17,7 +17,8 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   `VAE_ACT_ENCODE` bytes per pixel (tiled above 1 MP, trainer/data/cache.py, so at most 1 MP counts).
 - training step: `predict` (prediction.py).
 - sampling: the training step's static part (ring, non-block, LoRA state) + the VAE + the larger of the
-  denoising forward's activations (sampling.py) and the tiled decode's (512-pixel tiles above 512x512).
+  denoising forward's activations (sampling.py; doubled under classifier-free guidance) and the tiled decode's
+  (512-pixel tiles above 512x512).
 - checkpoint save: on the GPU the static part; in RAM the training peak plus a host copy of the trained
   weights and optimizer state (safetensors writes from CPU tensors).
 """
@@ -106,10 +107,11 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     ]
     s = cfg.sample
     if s.every and s.prompts:
-        from .sampling import predict_sampling
+        from .sampling import cfg_batch, predict_sampling
 
         sp = s.width * s.height
-        samp = predict_sampling(facts, 0.0, int(sp**0.5))  # its activations; the ring is the training one
+        # its activations (a batch of two under classifier-free guidance); the ring is the training one
+        samp = predict_sampling(facts, 0.0, int(sp**0.5), batch=cfg_batch(facts.family, s.guidance))
         sample_act = samp.peak_reserved - sum(facts.packed) - facts.nonblock_bytes - WORKSPACE
         dec = min(sp, SAMPLE_TILE_PIXELS) * VAE_ACT_DECODE * ALLOCATOR_OVERHEAD
         out.append(PhasePrediction("sampling", train.static + vae + max(sample_act, dec) + WORKSPACE,

@@ -22,7 +22,7 @@ from .prediction import (
     predict,
     streaming,
 )
-from .sampling import predict_sampling
+from .sampling import cfg_batch, predict_sampling
 
 
 def _gb(n: float) -> str:
@@ -237,7 +237,7 @@ def report(
             )
         )
     lines += _table(rows)
-    lines += _sampling(facts, fr, big, rates)
+    lines += _sampling(facts, fr, big, rates, cfg_batch(facts.family, cfg.sample.guidance))
     lines += _phases(cfg, facts, f_show, budget)
     if ram_gb is not None:
         p = predict(facts, f_show, big, act, rates)
@@ -278,12 +278,12 @@ def _phases(cfg, facts: Facts, fraction: float, budget: float | None) -> list[st
     return table[:2] + out + table[2:]
 
 
-def _sampling(facts: Facts, fractions, res: int, rates) -> list[str]:
+def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1) -> list[str]:
     """`dittrain sample --offload F`: the denoising loop alone (trainer/planner/sampling.py)."""
-    base = predict_sampling(facts, 0.0, res, rates)
+    base = predict_sampling(facts, 0.0, res, rates, batch)
     rows = [("fraction", "ring", "peak reserved", "compute", "transfer", "s / step", "vs resident")]
     for f in sorted(set(fractions) | {1.0}):
-        p = predict_sampling(facts, f, res, rates)
+        p = predict_sampling(facts, f, res, rates, batch)
         rows.append(
             (
                 f"{f:.2f}",
@@ -297,7 +297,7 @@ def _sampling(facts: Facts, fractions, res: int, rates) -> list[str]:
         )
     return [
         "",
-        f"Sampling at {res} px, batch 1, denoising steps only (GB, s; streamed blocks are reloaded "
+        f"Sampling at {res} px, batch {batch}{' (classifier-free guidance)' if batch > 1 else ''}, denoising steps only (GB, s; streamed blocks are reloaded "
         "every step, part of the model stays resident; text encoders and VAE decode not included):",
         *_table(rows),
     ]

@@ -6,9 +6,12 @@ streaming window when that moves fewer bytes);
 activations of a no-grad forward are small: the block's inputs and outputs plus its largest intermediate twice
 (produced and consumed), from the same meta-device trace. Time per step = max(forward compute, f W / B_h2d).
 
-Left out: the text encoders (they run first and are released, trainer/sample.py), the VAE decode at the end
-(its own peak, which can exceed the transformer's at large sizes), and classifier-free guidance doubling the batch
-(SD3 / Qwen-Image pipelines with guidance > 1).
+Classifier-free guidance (SD3 / Qwen-Image pipelines with guidance > 1) runs the prompt and the negative prompt as
+one batch of two: `batch` (`cfg_batch`) doubles the activations and the compute.
+
+Left out: the text encoders (they run first and are released, trainer/sample.py) and the VAE decode at the end
+(its own peak, which can exceed the transformer's at large sizes; trainer/planner/phases.py counts it for sampling
+during training).
 """
 
 from __future__ import annotations
@@ -31,7 +34,15 @@ class SamplePrediction:
     transfer_s: float
 
 
-def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None = None) -> SamplePrediction:
+def cfg_batch(family: str, guidance: float) -> int:
+    """The batch the family's pipeline denoises per image: 2 where it runs classifier-free guidance."""
+    from ..models import adapter_class
+
+    return 2 if adapter_class(family).sampling_uses_negative and guidance > 1 else 1
+
+
+def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None = None,
+                     batch: int = 1) -> SamplePrediction:
     rates = rates or ptime.reference_rates()
     tr = facts.trace(res)
     packed = facts.packed if facts.method == "lora" else facts.block_param_bytes
@@ -40,8 +51,8 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
     else:
         ring = capacity_for(packed, fraction)
         moved = plan_for(packed, ring, "sample").bytes_per_step()
-    act = 2 * max(tr.block_inputs) + 2 * max(tr.block_largest) + tr.outside_saved
+    act = batch * (2 * max(tr.block_inputs) + 2 * max(tr.block_largest) + tr.outside_saved)
     reserved = _round2m(ring) + _round2m(facts.nonblock_bytes) + ALLOCATOR_OVERHEAD * act + WORKSPACE
-    compute = (tr.linear_flops + tr.attn_flops) / ptime.forward_rate(rates, res)
+    compute = batch * (tr.linear_flops + tr.attn_flops) / ptime.forward_rate(rates, res)
     transfer = moved / rates.h2d
     return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer)

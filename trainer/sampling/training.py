@@ -66,12 +66,20 @@ class TrainingSampler:
         if self.device.type == "cuda":
             tile_decode(self.pipe.vae, s.height, s.width)
 
-    def __call__(self, transformer: torch.nn.Module, progress: bool = False) -> list[Image.Image]:
-        """One image per prompt, with the given transformer (by reference). Empty when there are no prompts."""
+    def __call__(self, transformer: torch.nn.Module, progress: bool = False, before_decode=None) -> list[Image.Image]:
+        """One image per prompt, with the given transformer (by reference). Empty when there are no prompts.
+        `before_decode()`: called once, when the VAE's decoder first runs (after the first image's denoising)."""
         if not self.prompts:
             return []
         vae = self.pipe.vae
         vae.to(self.device)  # host-to-device copy of the VAE per call; it goes back below to keep VRAM free
+        hook = None
+        if before_decode is not None and isinstance(getattr(vae, "decoder", None), torch.nn.Module):
+            def first_decode(module, args):
+                hook.remove()
+                before_decode()
+
+            hook = vae.decoder.register_forward_pre_hook(first_decode)
         try:
             return generate(
                 self.pipe,
@@ -83,4 +91,6 @@ class TrainingSampler:
                 progress=progress,
             )
         finally:
+            if hook is not None:
+                hook.remove()
             vae.to("cpu")

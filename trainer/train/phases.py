@@ -18,6 +18,13 @@ trainer can log each phase's measured peak beside the planner's prediction. Peak
 too (an mmapped safetensors file being read); the bench reads anonymous RSS separately. Where clear_refs cannot
 be written (not Linux, or a restricted /proc) the RSS peak is the process's lifetime peak and says so.
 
+Own cache. A phase that runs between training steps with other tensor sizes (sampling, validation) is given
+`own_cache=True`: CUDA's caching allocator is emptied at entry (before the peak reset) and at exit. The free
+blocks the training step left cached are cut to its own sizes; without this the phase reserves new segments
+beside them, and the training step after it beside the phase's, so both peaks rise (SD3.5-large's sampling
+during training reserved 0.79 GB more than its training step, bench/RESULTS.md). Emptying costs a few
+cudaMalloc calls in the next step; these phases are rare.
+
 Fail with one line. `torch.OutOfMemoryError` (the CUDA allocator) or `MemoryError` (host) raised inside the
 phase becomes a `PhaseOutOfMemory` (a UserError: one line, non-zero exit, no traceback) that names the phase,
 what it tried to allocate against what was free (parsed from torch's message: "Tried to allocate 2.00 GiB.
@@ -175,13 +182,13 @@ def oom_line(name: str, error: BaseException, fix: str | None = None, device: to
     return f"out of {where} in phase {name}: {detail}; fix: {fix or FIXES.get(name, 'lower the batch size or resolution')}"
 
 
-def _write_record(name: str, t0: float, vram: int, rss: int, error) -> None:
+def _write_record(name: str, t0: float, vram: int, rss: int, error, allocated: int = 0) -> None:
     """With DITTRAIN_PHASE_LOG=FILE, one JSON line per phase run (bench/bench_program.py reads them)."""
     path = os.environ.get("DITTRAIN_PHASE_LOG")
     if not path:
         return
-    rec = {"phase": name, "start": t0, "end": time.time(), "vram_reserved": vram, "rss": rss,
-           "anon_rss": anon_rss(), "error": type(error).__name__ if error is not None else None}
+    rec = {"phase": name, "start": t0, "end": time.time(), "vram_reserved": vram, "vram_allocated": allocated,
+           "rss": rss, "anon_rss": anon_rss(), "error": type(error).__name__ if error is not None else None}
     try:
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -207,24 +214,40 @@ class Phase:
     the first one of each)."""
 
     def __init__(self, name: str, fix: str | None = None, *, device: torch.device | None = None,
-                 log: PhaseLog | None = None, on_exit=None, message=None) -> None:
+                 log: PhaseLog | None = None, on_exit=None, message=None, own_cache: bool = False) -> None:
         self.name, self.fix, self.log, self.on_exit, self.message = name, fix, log or LOG, on_exit, message
+        self.own_cache = own_cache
         self.device = device if device is not None else (torch.device("cuda") if torch.cuda.is_available() else None)
         self._cuda = self.device is not None and self.device.type == "cuda" and torch.cuda.is_available()
         self.peak: PhasePeak | None = None
 
     def __enter__(self) -> Phase:
+        if self._cuda and self.own_cache:
+            torch.cuda.empty_cache()
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._rss_reset = _reset_rss_peak()
         self._t0 = time.time()
         return self
 
+    def mark(self, part: str) -> None:
+        """Record the peaks so far under "<phase> (<part>)" without resetting them: where a phase has two steps
+        (sampling: denoising, then decoding), the mark before the second tells which one set the phase's peak."""
+        vram = torch.cuda.max_memory_reserved(self.device) if self._cuda else 0
+        alloc = torch.cuda.max_memory_allocated(self.device) if self._cuda else 0
+        rss = peak_rss()
+        name = f"{self.name} ({part})"
+        self.log.record(name, vram, rss, self._rss_reset)
+        _write_record(name, self._t0, vram, rss, None, alloc)
+
     def __exit__(self, kind, error, tb) -> bool:
         vram = torch.cuda.max_memory_reserved(self.device) if self._cuda else 0
+        alloc = torch.cuda.max_memory_allocated(self.device) if self._cuda else 0
         rss = peak_rss()
         self.peak = self.log.record(self.name, vram, rss, self._rss_reset)
-        _write_record(self.name, self._t0, vram, rss, error)
+        _write_record(self.name, self._t0, vram, rss, error, alloc)
+        if self._cuda and self.own_cache:
+            torch.cuda.empty_cache()
         if error is None:
             if self.on_exit is not None:
                 self.on_exit(self.name, self.peak)

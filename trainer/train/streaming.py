@@ -85,9 +85,21 @@ def place_blocks(transformer, blocks, cfg: Config, device: torch.device, fractio
     )
     if handle.pinning_note:
         say(handle.pinning_note)
+    if fraction > 0 and device.type == "cuda":
+        say(memory_line(handle.stats()))
     move_outside_blocks(transformer, blocks, device)
     method.place_optimizer_state(handle, blocks, optim)
     return handle
+
+
+def memory_line(stats: dict) -> str:
+    """Where the streamed blocks sit, as measured on the handle: page-locked host bytes and the GPU ring."""
+    pinned = stats["pinned_bytes"] + stats["staging_pinned_bytes"]
+    line = (f"offload: {stats['offloaded_bytes'] / 1e9:.2f} GB of blocks in CPU RAM ({pinned / 1e9:.2f} GB "
+            f"page-locked), GPU ring {stats['ring_bytes'] / 1e9:.2f} GB")
+    if stats["activation_pinned_bytes"]:
+        line += f", activation buffers {stats['activation_pinned_bytes'] / 1e9:.2f} GB page-locked"
+    return line
 
 
 def shared_arena(cfg: Config, dist, method, streamed: bool):

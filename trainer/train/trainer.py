@@ -129,10 +129,11 @@ class Trainer:
                 if runs.save_due(self.cfg, self.step):  # train.checkpoint_every, output.save_every
                     self.save()
                 if self.sampler is not None and self.step % self.cfg.sample.every == 0:
-                    with self._phase("sampling"):
-                        self.sample()
+                    with self._phase("sampling", own_cache=True) as phase:
+                        self.sample(before_decode=lambda: phase.mark("denoising"))
                 if self.validator is not None and self.validator.due(self.step, c.validate_every):
-                    with self._phase("validation", "raise offload.transformer, or validate less data (data.validation)"):
+                    with self._phase("validation", "raise offload.transformer, or validate less data (data.validation)",
+                                     own_cache=True):
                         self.validate()
             if self.monitor is not None:
                 self.monitor.finish()
@@ -227,10 +228,12 @@ class Trainer:
                                    config=cfg, epoch=self._epoch)
         self._ready = True
 
-    def _phase(self, name: str, fix: str | None = None, message=None) -> Phase:
+    def _phase(self, name: str, fix: str | None = None, message=None, own_cache: bool = False) -> Phase:
         """A named phase (phases.py): peaks measured, out of memory as one line naming the phase and `fix` (or
-        `message(detail)`: the training step keeps faults.oom_error's step-numbered advice)."""
-        return Phase(name, fix, device=getattr(self, "device", None), on_exit=self._phase_done, message=message)
+        `message(detail)`: the training step keeps faults.oom_error's step-numbered advice); `own_cache` for the
+        phases between training steps (phases.py)."""
+        return Phase(name, fix, device=getattr(self, "device", None), on_exit=self._phase_done, message=message,
+                     own_cache=own_cache)
 
     def _step_oom(self, detail: str) -> str:
         return f"{oom_error(self.step + 1, self.fraction, self.method.oom_hint)} [{detail}]"
@@ -399,13 +402,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ sample
 
-    def sample(self) -> list:
+    def sample(self, before_decode=None) -> list:
         """Images for sample.prompts with the model being trained, into output.dir/samples and TensorBoard.
+        `before_decode()` is called once, when the VAE starts decoding (the phase marks its denoising peak).
 
         Runs under `fork_rng` so that nothing it does can move the training generators."""
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
                 eval_weights(self.optim.optimizer):
-            images = self.sampler(self.transformer)
+            images = self.sampler(self.transformer, before_decode=before_decode)
         s = self.cfg.sample
         for i, (img, prompt) in enumerate(zip(images, s.prompts, strict=True)):
             meta = image_metadata(prompt=prompt, seed=s.seed + i, steps=s.steps, guidance=s.guidance,
