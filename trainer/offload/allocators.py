@@ -338,12 +338,12 @@ class BumpArena:
         self.high_water = 0
 
     def reset(self) -> None:
-        """Start of a forward pass. Several chunks from last time become one exact buffer."""
+        """Start of a forward pass. Several chunks from last time become one buffer of exactly the most bytes a
+        pass has used (the chunks' sum would keep each chunk's unused tail: 0.27 GB for Flux at 1024 px)."""
         if len(self.chunks) > 1:
-            total = sum(c.nbytes for c in self.chunks)
             for c in self.chunks:
                 c.close()
-            self.chunks = [HostArena(total, self.pin)]
+            self.chunks = [HostArena(self.high_water, self.pin)]
         self._i = self._off = self.used = 0
 
     def alloc(self, nbytes: int) -> torch.Tensor:
