@@ -190,11 +190,12 @@ def _oom_as_user_error(message: str):
 
 
 def _build_pipeline(cfg: Config, adapter, plan: SamplePlan, trained: Path | None = None):
-    """Every part on the CPU (a streamed transformer's blocks as placeholders), the fine-tuned weights (`trained`)
-    loaded into the transformer, the LoRAs applied by diffusers, the transformer frozen. Returns (pipe, adapter
-    names, the loader that fills the placeholders or None)."""
+    """Every part on the CPU (the transformer's blocks as placeholders, read from the files straight into the
+    arena, or at --offload 0 onto the device, once the text encoders are gone: never a whole copy in RAM), the
+    fine-tuned weights (`trained`) loaded into the transformer, the LoRAs applied by diffusers, the transformer
+    frozen. Returns (pipe, adapter names, the loader that fills the placeholders or None)."""
     dtype = DTYPES[cfg.model.dtype]
-    stream = (plan.offload > 0 and trained is None and stream_load.supported(cfg.model)
+    stream = (trained is None and stream_load.supported(cfg.model)
               and not any(is_dora_file(s.path) for s in plan.loras))
     comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler"} | (set() if stream else {"transformer"}),
                          dtype=dtype, device="cpu")
