@@ -436,7 +436,7 @@ def run_commands(family: str, card: int, cfg: Path, run_dir: Path, args) -> list
         rc, poll, wall = run(commands[cmd_name], env, log_file)
         recs = _records(phase_log)[len(before):]
         tail = log_file.read_text().strip().splitlines()[-1:] if log_file.exists() else []
-        rows.append({"family": label, "command": cmd_name, "rc": rc, "wall_s": wall,
+        rows.append({"family": family, "label": label, "command": cmd_name, "rc": rc, "wall_s": wall,
                      "anon_peak": poll.peak(), "last_line": tail[0] if tail else "", "phases": _per_phase(recs, poll)})
     return rows
 
@@ -460,7 +460,7 @@ def report(rows: list[dict]) -> list[str]:
     lines = ["| family | command | rc | phase | peak reserved VRAM GB | peak allocated GB | peak anon RSS GB | time s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['family']} | {r['command']} | {r['rc']} | (process) | | | {r['anon_peak'] / 1e9:.1f} | "
+        lines.append(f"| {r['label']} | {r['command']} | {r['rc']} | (process) | | | {r['anon_peak'] / 1e9:.1f} | "
                      f"{r['wall_s']:.0f} |")
         for name, p in r["phases"].items():
             t = p["times"]
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for fam in args.families:
         rows += bench_family(fam, args.work, args)
-        print("\n".join(report([r for r in rows if r["family"].split()[0] == fam])), flush=True)
+        print("\n".join(report([r for r in rows if r["family"] == fam])), flush=True)
     (args.work / "results.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(["", *report(rows)]))
     return 0 if all(r["rc"] == 0 for r in rows) else 1

@@ -230,22 +230,21 @@ class Phase:
         self._t0 = time.time()
         return self
 
+    def _record(self, name: str, error=None) -> PhasePeak:
+        """The peaks since entry (reserved and allocated VRAM, RSS) into the log and the phase-log file."""
+        vram = torch.cuda.max_memory_reserved(self.device) if self._cuda else 0
+        alloc = torch.cuda.max_memory_allocated(self.device) if self._cuda else 0
+        rss = peak_rss()
+        _write_record(name, self._t0, vram, rss, error, alloc)
+        return self.log.record(name, vram, rss, self._rss_reset)
+
     def mark(self, part: str) -> None:
         """Record the peaks so far under "<phase> (<part>)" without resetting them: where a phase has two steps
         (sampling: denoising, then decoding), the mark before the second tells which one set the phase's peak."""
-        vram = torch.cuda.max_memory_reserved(self.device) if self._cuda else 0
-        alloc = torch.cuda.max_memory_allocated(self.device) if self._cuda else 0
-        rss = peak_rss()
-        name = f"{self.name} ({part})"
-        self.log.record(name, vram, rss, self._rss_reset)
-        _write_record(name, self._t0, vram, rss, None, alloc)
+        self._record(f"{self.name} ({part})")
 
     def __exit__(self, kind, error, tb) -> bool:
-        vram = torch.cuda.max_memory_reserved(self.device) if self._cuda else 0
-        alloc = torch.cuda.max_memory_allocated(self.device) if self._cuda else 0
-        rss = peak_rss()
-        self.peak = self.log.record(self.name, vram, rss, self._rss_reset)
-        _write_record(self.name, self._t0, vram, rss, error, alloc)
+        self.peak = self._record(self.name, error)
         if self._cuda and self.own_cache:
             torch.cuda.empty_cache()
         if error is None:
