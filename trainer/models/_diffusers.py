@@ -68,6 +68,8 @@ class DiffusersAdapter(ModelAdapter):
     #: transformers classes of the text encoders, in `text_encoder_dirs` order (set by subclasses)
     text_encoder_classes: ClassVar[tuple[str, ...]]
     tokenizer_dirs: ClassVar[tuple[str, ...]]
+    #: transformers classes that load the tokenizer folders, in `tokenizer_dirs` order (empty: AutoTokenizer)
+    tokenizer_classes: ClassVar[tuple[str, ...]] = ()
     vae_cls_name: ClassVar[str] = "AutoencoderKL"
     #: the family's fallback scheduler settings when the folder has no scheduler config
     default_scheduler: ClassVar[dict[str, Any]] = {}
@@ -235,8 +237,11 @@ class DiffusersAdapter(ModelAdapter):
                     enc = self.slim_text_encoder(enc)
                     quant.quantize_module(enc.requires_grad_(False), cfg.quantize_text_encoders, text_encoder=True)
                     out.text_encoders.append(enc.to(device).eval().requires_grad_(False))
-                for d in self.tokenizer_dirs:
-                    out.tokenizers.append(transformers.AutoTokenizer.from_pretrained(root, subfolder=d, local_files_only=True))
+                for i, d in enumerate(self.tokenizer_dirs):
+                    tok_cls = self.tokenizer_classes[i] if i < len(self.tokenizer_classes) else "AutoTokenizer"
+                    out.tokenizers.append(
+                        getattr(transformers, tok_cls).from_pretrained(root, subfolder=d, local_files_only=True)
+                    )
             if "scheduler" in parts:
                 if (Path(root) / "scheduler" / "scheduler_config.json").is_file():
                     out.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
@@ -244,7 +249,7 @@ class DiffusersAdapter(ModelAdapter):
                     )
                 else:
                     out.scheduler = FlowMatchEulerDiscreteScheduler(**self.default_scheduler)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, ImportError) as e:  # ImportError: e.g. a processor needing torchvision
             # Files present but unreadable or mismatched (truncated safetensors, wrong shapes, ...).
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"{root}: could not load the {self.family} model: {first}") from e

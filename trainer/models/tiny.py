@@ -20,7 +20,12 @@ embedding, fixed shift 1), sd3 (SD3.5-like: qk RMS norm and dual-attention block
 (the dev-like Flux saved as a FluxKontextPipeline: Kontext has Flux's architecture), qwen-image-edit (the
 qwen_image model saved as a QwenImageEditPipeline with a Qwen2-VL processor whose image processor caps images at
 128x128 pixels, so the vision tower stays cheap), qwen-image-edit-plus (the same model and processor saved as a
-QwenImageEditPlusPipeline).
+QwenImageEditPlusPipeline), flux2 (Flux2Pipeline: a 32-layer Mistral-3 text encoder with a one-layer Pixtral
+vision tower, a tokenizer with Mistral's chat tokens and template in place of the PixtralProcessor, which needs
+torchvision, AutoencoderKLFlux2 with non-trivial
+batch-norm statistics) and flux2-klein (Flux2KleinPipeline: a 28-layer Qwen3 text encoder, the same VAE, no
+guidance embedding). The text encoders are deep because the pipelines read hidden states 10 / 20 / 30 and
+9 / 18 / 27; they are 16 wide, so they stay cheap.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "flux-kontext": ("flux-kontext",),
     "qwen-image-edit": ("qwen-image-edit",),
     "qwen-image-edit-plus": ("qwen-image-edit-plus",),
+    "flux2": ("flux2",),
+    "flux2-klein": ("flux2-klein",),
 }
 
 QWEN_TEMPLATE_PREFIX = (
@@ -335,6 +342,106 @@ def _qwen_image(edit: bool = False, plus: bool = False):
     return QwenImagePipeline(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
 
 
+# Mistral's chat tokens: the pipeline's template is [SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]...[/INST]
+MISTRAL_SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                   "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+#: a Mistral-style chat template over list-of-parts content (the shape Flux2Pipeline's `format_input` builds)
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['content'] is string %}{% set text = m['content'] %}"
+    "{% else %}{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{% endif %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]"
+    "{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+#: Qwen3's chat layout for one user turn with the generation prompt and thinking switched off
+QWEN3_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def _mistral_tokenizer():
+    """A byte-level BPE tokenizer with Mistral's chat tokens and a Mistral-style chat template. The real folder's
+    `tokenizer/` is a PixtralProcessor, which transformers builds only with torchvision; the pipeline calls just
+    its `apply_chat_template`, which a tokenizer offers with the same arguments (text-only prompts)."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(vocab_size=800, special_tokens=MISTRAL_SPECIAL,
+                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus() + [SYSTEM_MESSAGE] * 16, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", model_max_length=131072, chat_template=MISTRAL_TEMPLATE)
+
+
+def _flux2_vae():
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(6)
+    vae = AutoencoderKLFlux2(
+        latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, sample_size=64,
+    )
+    # Non-trivial batch-norm statistics (a fresh BatchNorm has mean 0, var 1): the normalisation must show.
+    g = torch.Generator().manual_seed(7)
+    vae.bn.running_mean.copy_(torch.randn(vae.bn.num_features, generator=g) * 0.3)
+    vae.bn.running_var.copy_(torch.rand(vae.bn.num_features, generator=g) * 2 + 0.5)
+    return vae
+
+
+def _flux2(klein: bool):
+    from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
+
+    hidden = 16
+    torch.manual_seed(13)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=3 * hidden, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=not klein,
+    )
+    sched = _flow_scheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                            base_image_seq_len=256, max_image_seq_len=4096)
+    if klein:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        tok = _qwen_tokenizer()
+        tok.add_tokens(["<think>", "</think>"], special_tokens=True)
+        tok.chat_template = QWEN3_TEMPLATE
+        torch.manual_seed(8)
+        enc = Qwen3ForCausalLM(Qwen3Config(
+            vocab_size=len(tok), hidden_size=hidden, intermediate_size=32, num_hidden_layers=28,
+            num_attention_heads=2, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
+            tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+        )).eval()
+        return Flux2KleinPipeline(scheduler=sched, vae=_flux2_vae(), text_encoder=enc, tokenizer=tok,
+                                  transformer=transformer, is_distilled=False)
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tok = _mistral_tokenizer()
+    cfg = Mistral3Config(
+        text_config={
+            "model_type": "mistral", "vocab_size": len(tok), "hidden_size": hidden, "intermediate_size": 32,
+            "num_hidden_layers": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
+            "max_position_embeddings": 1024, "sliding_window": None, "pad_token_id": tok.pad_token_id,
+            "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+        },
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "head_dim": 8, "image_size": 64, "patch_size": 16},
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=1,
+    )
+    torch.manual_seed(9)
+    enc = Mistral3ForConditionalGeneration(cfg).eval()
+    return Flux2Pipeline(scheduler=sched, vae=_flux2_vae(), text_encoder=enc, tokenizer=tok, transformer=transformer)
+
+
 def _name_processor_as_transformers_does(folder: Path) -> None:
     """The processor is saved from our torchvision-free subclass; name it Qwen2VLProcessor, as a real folder does."""
     for rel, key in (("model_index.json", "processor"), ("processor/processor_config.json", "processor_class")):
@@ -353,6 +460,8 @@ _BUILDERS = {
     "flux-kontext": lambda: _flux(schnell=False, kontext=True),
     "qwen-image-edit": lambda: _qwen_image(edit=True),
     "qwen-image-edit-plus": lambda: _qwen_image(edit=True, plus=True),
+    "flux2": lambda: _flux2(klein=False),
+    "flux2-klein": lambda: _flux2(klein=True),
 }
 
 

@@ -31,7 +31,8 @@ from ..offload.plan import capacity_for
 from .prediction import ALLOCATOR_OVERHEAD, GB, WORKSPACE, Facts, predict
 
 #: VAE parameters per family (diffusers AutoencoderKL of Flux / SD3.5: 83.8 M; Qwen-Image's 3-D VAE: 126.9 M)
-VAE_PARAMS = {"flux": 83_819_683, "sd3": 83_819_683, "qwen_image": 126_892_531}
+VAE_PARAMS = {"flux": 83_819_683, "sd3": 83_819_683, "qwen_image": 126_892_531, "flux2": 84_046_115,
+              "flux2-klein": 84_046_115}
 #: activation bytes per image pixel at the peak of a bf16 VAE encode / decode (128 channels at full resolution,
 #: a few live tensors; the decode's up blocks hold more): coarse, from diffusers' figures for 1024 px
 VAE_ACT_ENCODE = 6 * 128 * 2
