@@ -14,7 +14,7 @@ from trainer.offload.block import StreamedBlock
 from trainer.train import checkpoint as ck
 from trainer.train.trainer import Trainer
 
-FAMILIES = ["flux", "sd3", "qwen_image"]
+FAMILIES = ["flux", "sd3", "qwen_image", "flux2", "flux2-klein"]
 
 # (first, last) step losses of 8 training steps on the tests' own image set, seed 0 (tests/test_train_support.py).
 # They change only on purpose: a change means the objective, the data pipeline, the adapters, the optimizer or the
