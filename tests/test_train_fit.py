@@ -28,8 +28,8 @@ GOLDEN_LOSSES = {
     ("qwen_image", "full"): (1.5481176376342773, 0.959783673286438),
     ("flux2", "lora"): (1.358278512954712, 1.1269481182098389),
     ("flux2", "full"): (1.358278512954712, 1.0862152576446533),
-    ("flux2-klein", "lora"): (1.4069441556930542, 1.3656046390533447),
-    ("flux2-klein", "full"): (1.4069441556930542, 1.2518707513809204),
+    ("flux2-klein", "lora"): (1.4068182706832886, 1.3640755414962769),
+    ("flux2-klein", "full"): (1.4068182706832886, 1.249314546585083),
 }
 # LoRA learning rates of the 8-step test: Flux.2's tiny models (no biases, modulation shared outside the blocks) move
 # more slowly at the others' 3e-3

@@ -23,7 +23,7 @@ qwen_image model saved as a QwenImageEditPipeline with a Qwen2-VL processor whos
 QwenImageEditPlusPipeline), flux2 (Flux2Pipeline: a 32-layer Mistral-3 text encoder with a one-layer Pixtral
 vision tower, a tokenizer with Mistral's chat tokens and template in place of the PixtralProcessor, which needs
 torchvision, AutoencoderKLFlux2 with non-trivial
-batch-norm statistics) and flux2-klein (Flux2KleinPipeline: a 28-layer Qwen3 text encoder, the same VAE, no
+batch-norm statistics) and flux2-klein (Flux2KleinPipeline: a 30-layer Qwen3 text encoder, the same VAE, no
 guidance embedding). The text encoders are deep because the pipelines read hidden states 10 / 20 / 30 and
 9 / 18 / 27; they are 16 wide, so they stay cheap.
 """
@@ -417,7 +417,7 @@ def _flux2(klein: bool):
         tok.chat_template = QWEN3_TEMPLATE
         torch.manual_seed(8)
         enc = Qwen3ForCausalLM(Qwen3Config(
-            vocab_size=len(tok), hidden_size=hidden, intermediate_size=32, num_hidden_layers=28,
+            vocab_size=len(tok), hidden_size=hidden, intermediate_size=32, num_hidden_layers=30,
             num_attention_heads=2, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
             tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
         )).eval()
