@@ -172,7 +172,8 @@ def plan_preset(
     is turned off where it would not fit), or why none does. Full fine-tunes try AdamW (moments stream with the weights: 10 bytes a parameter) and Adafactor
     (factored state stays on the GPU: 2 bytes a parameter stream) and keep the higher resolution, then the
     faster step. LoRA presets for FP8_CARDS use an fp8 base where bf16 does not fit the card or SMALL_RAM_GB of
-    RAM (the last element says why; empty for bf16)."""
+    RAM, and fp8 does (or, for a model too big for SMALL_RAM_GB even in fp8, where fp8 needs less RAM than bf16
+    within the card's RAM_GB); the last element says why (empty for bf16)."""
     opts = ("adamw", "adafactor") if method == "full" else ("adamw",)
     found = [_first_fit(family, method, card, o, cache) for o in opts]
     fits = [r for r in found if not isinstance(r, str)]
@@ -184,9 +185,18 @@ def plan_preset(
             why = (f"in bf16 it would need {fits[0][1].ram_peak / 1e9:.0f} GB of host RAM, more than the "
                    f"{SMALL_RAM_GB} GB of most machines with {card} GB cards")
         if why:
-            q = _first_fit(family, method, card, "adamw", cache, "fp8", ram_gb=SMALL_RAM_GB)  # else bf16 stays
-            if not isinstance(q, str):
-                return (*q, why + f"; with fp8 Linear weights it pins {q[1].pinned / 1e9:.0f} GB")
+            q = _first_fit(family, method, card, "adamw", cache, "fp8", ram_gb=SMALL_RAM_GB)
+            if isinstance(q, str) and fits:
+                # a model whose fp8 blocks alone outgrow SMALL_RAM_GB (Flux.2-dev: 32 GB): fp8 still halves the
+                # host RAM the bf16 preset needs, within the RAM assumed beside the card
+                q = _first_fit(family, method, card, "adamw", cache, "fp8")
+                if not isinstance(q, str) and q[1].ram_peak >= fits[0][1].ram_peak:
+                    q = "no gain"
+            if not isinstance(q, str):  # else bf16 stays
+                over = q[1].ram_peak / 1e9 > SMALL_RAM_GB
+                return (*q, why + f"; with fp8 Linear weights it pins {q[1].pinned / 1e9:.0f} GB"
+                        + (f" ({q[1].ram_peak / 1e9:.0f} GB peak: over {SMALL_RAM_GB} GB too, but less than half the "
+                           "bf16 need)" if over else ""))
             why = ""
     if not fits:
         return found[-1]
