@@ -174,3 +174,35 @@ def test_full_finetune_streamed_with_the_fused_back_pass_is_bitwise_resident(fra
     l1, s1 = run(fraction)
     assert torch.equal(l0, l1)
     assert all(torch.equal(s0[k], s1[k]) for k in s0)
+
+
+# ---------------------------------------------------------------------------------------------- a fit with extras
+
+
+@pytest.mark.parametrize(("family", "quantize"), [("flux2", "fp8"), ("flux2-klein", "int8")])
+def test_streamed_fit_with_8bit_base_ema_validation_and_samples(tiny_models, tmp_path, family, quantize):
+    """The generic features on Flux.2: an 8-bit frozen base streamed at 0.5, EMA, the validation loss and sampling
+    during training all run and write what they promise."""
+    import json
+
+    from test_train_support import make_config, write_images
+
+    from trainer.config import Config
+    from trainer.train.trainer import Trainer
+
+    imgs = write_images(tmp_path / "imgs", n=6)
+    raw = make_config(
+        tiny_models, imgs, tmp_path / "out", tmp_path / "cache", family,
+        model={"quantize": quantize}, train={"steps": 2, "ema": {"decay": 0.9, "every": 1}},
+        offload={"transformer": 0.5},
+        sample={"prompts": ["a red square"], "every": 2, "steps": 1, "width": 32, "height": 32},
+    ).model_dump(mode="json", exclude_unset=True)
+    raw["data"]["validation"], raw["train"]["validate_every"] = {"fraction": 0.34}, 2
+    cfg = Config.model_validate(raw)
+    path = Trainer(cfg).fit()
+    out = tmp_path / "out"
+    assert path.is_file() and (out / "lora-ema.safetensors").is_file()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("val_loss" in r for r in rows)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if "loss" in r)
+    assert list((out / "samples").rglob("*.png"))
