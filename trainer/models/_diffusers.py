@@ -65,12 +65,6 @@ def _quiet() -> None:
 class DiffusersAdapter(ModelAdapter):
     """Shared implementation; subclasses set the class data and the family-specific tensor work."""
 
-    #: transformers classes of the text encoders, in `text_encoder_dirs` order (set by subclasses)
-    text_encoder_classes: ClassVar[tuple[str, ...]]
-    tokenizer_dirs: ClassVar[tuple[str, ...]]
-    vae_cls_name: ClassVar[str] = "AutoencoderKL"
-    #: the family's fallback scheduler settings when the folder has no scheduler config
-    default_scheduler: ClassVar[dict[str, Any]] = {}
     #: latents are packed 2x2 into tokens by the pipeline (Flux, Qwen-Image) rather than patchified inside the
     #: transformer (SD3, whose `patch_size` says so)
     packs_2x2: ClassVar[bool] = True
