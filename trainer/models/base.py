@@ -63,13 +63,16 @@ class ModelAdapter(ABC):
 
     # ------------------------------------------------------------------------------------------ identity
 
-    #: the family key (`model.family`, `make-tiny --family`, `configs/<family>/`); words joined by "-"
+    # Facts that name this family rather than describe its architecture (`cache_name`, `measured_presets`,
+    # `tiny_builders`) are read from the class's own namespace, never inherited: a family
+    # that subclasses another's adapter (flux-kontext, qwen-image-edit) does not take over its names, folders or
+    # measurements.
+
+    #: the family key (`model.family`, `make-tiny --family`, `configs/<family>/`); words joined by "-" (the same
+    #: words joined by "_" are accepted too: trainer/models/__init__.py `canonical_family`)
     family: ClassVar[str]
-    #: other spellings accepted for `family` in configs and on the command line (besides the "_" for "-" one that
-    #: every family gets): e.g. a former key
-    aliases: ClassVar[tuple[str, ...]] = ()
     #: the family's name inside cache keys (trainer/data/cache.py `model_identity`); None: `family`. Set when a
-    #: family is renamed, so caches written under the old name stay valid
+    #: family is renamed, so caches written under the old name stay valid. Not inherited (`cache_family`)
     cache_name: ClassVar[str | None] = None
     #: the full-size model's name and a placeholder folder for it (the presets' headers and `model.path`)
     full_name: ClassVar[str]
@@ -153,6 +156,11 @@ class ModelAdapter(ABC):
     measured_presets: ClassVar[dict[tuple[str, int], str]] = {}
 
     @classmethod
+    def cache_family(cls) -> str:
+        """The family's name in cache keys: its own `cache_name`, else `family`."""
+        return cls.__dict__.get("cache_name") or cls.family
+
+    @classmethod
     def measured(cls, method: str, card: int) -> str:
         """The measured note of the preset `method` x `card` GB of this family ("not yet measured": none)."""
         return cls.__dict__.get("measured_presets", {}).get((method, card), "not yet measured")
@@ -167,10 +175,15 @@ class ModelAdapter(ABC):
     @classmethod
     def tiny_builders(cls) -> dict[str, Callable[[], Any]]:
         """{folder name: function returning a tiny random-weight diffusers pipeline of this family} that
-        `dittrain make-tiny` saves (tests and the demo use them). Declared on the class itself, like
-        `measured_presets`: a subclass family writes its own folders. Shared tokenizers, text encoders, VAEs and
-        the corpus are in trainer/models/tiny.py."""
+        `dittrain make-tiny` saves (tests and the demo use them). Each family overrides it on its own class
+        (`own_tiny_builders` ignores an inherited one; tests/test_layout.py requires one). Shared tokenizers, text
+        encoders, VAEs and the corpus are in trainer/models/tiny.py."""
         return {}
+
+    @classmethod
+    def own_tiny_builders(cls) -> dict[str, Callable[[], Any]]:
+        """`tiny_builders` if this class declares it itself, else {}."""
+        return cls.tiny_builders() if "tiny_builders" in cls.__dict__ else {}
 
     @property
     @abstractmethod

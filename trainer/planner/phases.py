@@ -27,11 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..models import adapter_class
 from ..offload.plan import capacity_for
 from .prediction import ALLOCATOR_OVERHEAD, GB, WORKSPACE, Facts, predict
 
-#: VAE parameters per family (diffusers AutoencoderKL of Flux / SD3.5: 83.8 M; Qwen-Image's 3-D VAE: 126.9 M)
-VAE_PARAMS = {"flux": 83_819_683, "sd3": 83_819_683, "qwen_image": 126_892_531}
 #: activation bytes per image pixel at the peak of a bf16 VAE encode / decode (128 channels at full resolution,
 #: a few live tensors; the decode's up blocks hold more): coarse, from diffusers' figures for 1024 px
 VAE_ACT_ENCODE = 6 * 128 * 2
@@ -64,8 +63,6 @@ def _share(counts: tuple[int, ...], i: int, params: int) -> float | None:
 
 
 def _text_vram(facts: Facts, te_fraction: float, encode_batch: int) -> float:
-    from ..models import adapter_class
-
     cls = adapter_class(facts.family)
     total = 0.0
     for i, (_, nbytes) in enumerate(facts.text_encoders):
@@ -92,7 +89,7 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     res = max(facts.resolutions)
     train = predict(facts, fraction, res, cfg.offload.activations)
     esize = 2 if facts.dtype.itemsize == 2 else facts.dtype.itemsize
-    vae = VAE_PARAMS.get(facts.family, 100_000_000) * esize
+    vae = adapter_class(facts.family).vae_params * esize  # the full-size VAE's parameters
     text_bytes = sum(n for _, n in facts.text_encoders)
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
     px = res * res
