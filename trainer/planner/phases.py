@@ -13,8 +13,9 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
 - text caching: every text encoder on the GPU at once, its non-block bytes and (1 - f) of its block bytes
   resident (f = offload.text_encoders; the conductor's ring holds whole blocks), plus the encode batch's
   activations (T5's attention scores in fp32 are most of them) and workspace; RAM: the encoders in CPU RAM.
-- latent caching: the VAE's weights plus its encode activations of one image (batches are sliced), about
-  `VAE_ACT_ENCODE` bytes per pixel (tiled above 1 MP, trainer/data/cache.py, so at most 1 MP counts).
+- latent caching: the VAE's weights (the family's `vae_params`) plus its encode activations of one image (batches
+  are sliced), about `VAE_ACT_ENCODE` bytes per pixel (tiled above 1 MP, trainer/data/cache.py, so at most 1 MP
+  counts).
 - training step: `predict` (prediction.py).
 - sampling: the training step's static part (ring, non-block, LoRA state) + the VAE + the larger of the
   denoising forward's activations (sampling.py; doubled under classifier-free guidance) and the tiled decode's
