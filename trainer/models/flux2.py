@@ -46,6 +46,7 @@ from torch import nn
 
 from ._diffusers import DiffusersAdapter, pack_2x2, unpack_2x2
 from .base import Components
+from .qwen_image import NoLogits
 
 CONTROL = "control_latents"
 #: Flux.2's scheduler settings (the folder's scheduler config is read first; this is the fallback)
@@ -55,13 +56,6 @@ FLUX2_SCHEDULER = {"shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5
 MISTRAL_LAYER, MISTRAL_LAYERS = 555_755_520, 40
 MISTRAL_EMBED = MISTRAL_HEAD = 671_088_640
 MISTRAL_VISION, MISTRAL_PROJECTOR = 403_305_472, 35_652_608
-
-
-class NoLogits(nn.Module):
-    """Stands in for a language-model head whose logits nobody reads: returns an empty last dimension."""
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden[..., :0]
 
 
 def keep_layers(layers: nn.ModuleList, read: tuple[int, ...]) -> nn.ModuleList:
@@ -141,6 +135,10 @@ class Flux2Adapter(DiffusersAdapter):
         a chat template works the same for text-only prompts (the tiny folder has one)."""
         entry = self._json("model_index.json", required=False).get("tokenizer") or [None, None]
         return (entry[1] or "AutoProcessor",)
+
+    @classmethod
+    def tiny_builders(cls):
+        return {"flux2": tiny_pipeline}
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
@@ -226,3 +224,96 @@ class Flux2Adapter(DiffusersAdapter):
             npe, _ = pipe.encode_prompt(prompt=negative, device=device, num_images_per_prompt=1)
             out["negative_prompt_embeds"] = npe
         return out
+
+
+# ---------------------------------------------------------------------------------------------- tiny model
+
+#: Mistral's chat tokens: the pipeline's chat is [SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]...[/INST]
+MISTRAL_SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                   "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+#: a Mistral-style chat template over list-of-parts content (the shape Flux2Pipeline's `format_input` builds)
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['content'] is string %}{% set text = m['content'] %}"
+    "{% else %}{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{% endif %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]"
+    "{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def mistral_tokenizer():
+    """A byte-level BPE tokenizer with Mistral's chat tokens and a Mistral-style chat template. The real folder's
+    `tokenizer/` is a PixtralProcessor, which transformers builds only with torchvision; the pipeline calls just
+    its `apply_chat_template`, which a tokenizer offers with the same arguments (text-only prompts)."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+    from transformers import PreTrainedTokenizerFast
+
+    from .tiny import corpus
+
+    tok = Tokenizer(BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(vocab_size=800, special_tokens=MISTRAL_SPECIAL,
+                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus() + [SYSTEM_MESSAGE] * 16, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", model_max_length=131072, chat_template=MISTRAL_TEMPLATE)
+
+
+def tiny_vae():
+    """AutoencoderKLFlux2 at 4 latent channels with batch-norm statistics far from 0 / 1, so the latents'
+    normalisation shows."""
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(6)
+    vae = AutoencoderKLFlux2(
+        latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, sample_size=64,
+    )
+    g = torch.Generator().manual_seed(7)
+    vae.bn.running_mean.copy_(torch.randn(vae.bn.num_features, generator=g) * 0.3)
+    vae.bn.running_var.copy_(torch.rand(vae.bn.num_features, generator=g) * 2 + 0.5)
+    return vae
+
+
+def tiny_transformer(guidance: bool, text_hidden: int = 16):
+    torch.manual_seed(13)
+    return Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=3 * text_hidden, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance,
+    )
+
+
+def tiny_scheduler():
+    from .tiny import flow_scheduler
+
+    return flow_scheduler(**FLUX2_SCHEDULER)
+
+
+def tiny_pipeline():
+    """A tiny random Flux.2-dev: a 32-layer, 16-wide Mistral-3 text encoder with a one-layer Pixtral vision tower
+    (the pipeline reads hidden states 10 / 20 / 30), the tokenizer above, the VAE above, a 2 + 2 block transformer
+    with a guidance embedding."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tok = mistral_tokenizer()
+    cfg = Mistral3Config(
+        text_config={
+            "model_type": "mistral", "vocab_size": len(tok), "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
+            "max_position_embeddings": 1024, "sliding_window": None, "pad_token_id": tok.pad_token_id,
+            "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+        },
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "head_dim": 8, "image_size": 64, "patch_size": 16},
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=1,
+    )
+    transformer = tiny_transformer(guidance=True)
+    torch.manual_seed(9)
+    enc = Mistral3ForConditionalGeneration(cfg).eval()
+    return Flux2Pipeline(scheduler=tiny_scheduler(), vae=tiny_vae(), text_encoder=enc, tokenizer=tok,
+                         transformer=transformer)

@@ -59,6 +59,10 @@ class Flux2KleinAdapter(Flux2Adapter):
     text_encoder_nonblock_params = (QWEN3_EMBED,)
     sampling_uses_negative = True
 
+    @classmethod
+    def tiny_builders(cls):
+        return {"flux2-klein": tiny_pipeline}
+
     @torch.no_grad()
     def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
         (enc,), (tok,) = components.text_encoders, components.tokenizers
@@ -74,3 +78,34 @@ class Flux2KleinAdapter(Flux2Adapter):
         distilled = bool(self._json("model_index.json", required=False).get("is_distilled", False))
         pipe.register_to_config(is_distilled=distilled)
         return pipe
+
+
+#: Qwen3's chat layout for one user turn with the generation prompt and thinking switched off
+QWEN3_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def tiny_pipeline():
+    """A tiny random Flux.2-klein: a 30-layer, 16-wide Qwen3 (the pipeline reads hidden states 9 / 18 / 27) with
+    the tiny Qwen tokenizer and a Qwen3-style chat template, Flux.2's tiny VAE, a 2 + 2 block transformer without
+    a guidance embedding; saved as a base (not step-distilled) checkpoint."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from .flux2 import tiny_scheduler, tiny_transformer, tiny_vae
+    from .tiny import qwen_tokenizer
+
+    tok = qwen_tokenizer()
+    tok.add_tokens(["<think>", "</think>"], special_tokens=True)
+    tok.chat_template = QWEN3_TEMPLATE
+    transformer = tiny_transformer(guidance=False)
+    torch.manual_seed(8)
+    enc = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=30, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=1024, tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+    )).eval()
+    return Flux2KleinPipeline(scheduler=tiny_scheduler(), vae=tiny_vae(), text_encoder=enc, tokenizer=tok,
+                              transformer=transformer, is_distilled=False)

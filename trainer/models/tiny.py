@@ -15,17 +15,10 @@ words still encode, byte by byte or via <unk>). The VAEs downscale by 8 like the
 channels (the real ones have 16), and the transformers' `in_channels` follow from that (x4 where latents are
 packed 2x2).
 
-Folders written under `out`: flux (dev-like: guidance embedding, dynamic shift), flux-schnell (no guidance
-embedding, fixed shift 1), sd3 (SD3.5-like: qk RMS norm and dual-attention blocks), qwen_image, flux-kontext
-(the dev-like Flux saved as a FluxKontextPipeline: Kontext has Flux's architecture), qwen-image-edit (the
-qwen_image model saved as a QwenImageEditPipeline with a Qwen2-VL processor whose image processor caps images at
-128x128 pixels, so the vision tower stays cheap), qwen-image-edit-plus (the same model and processor saved as a
-QwenImageEditPlusPipeline), flux2 (Flux2Pipeline: a 32-layer Mistral-3 text encoder with a one-layer Pixtral
-vision tower, a tokenizer with Mistral's chat tokens and template in place of the PixtralProcessor, which needs
-torchvision, AutoencoderKLFlux2 with non-trivial
-batch-norm statistics) and flux2-klein (Flux2KleinPipeline: a 30-layer Qwen3 text encoder, the same VAE, no
-guidance embedding). The text encoders are deep because the pipelines read hidden states 10 / 20 / 30 and
-9 / 18 / 27; they are 16 wide, so they stay cheap.
+Where: each family's builder is in its own module (`ModelAdapter.tiny_builders`: folder name -> function returning
+a diffusers pipeline); this module holds what they share (the corpus, the trained tokenizers, tiny CLIP / T5
+text encoders, the KL VAE, the flow-matching scheduler) and `make_tiny_models`, which writes every registered
+family's folders (trainer/models/__init__.py `ADAPTERS`, in registry order).
 """
 
 from __future__ import annotations
@@ -36,20 +29,6 @@ import os
 from pathlib import Path
 
 import torch
-
-from ..errors import UserError
-
-# Family -> model folder names this module writes for it.
-VARIANTS: dict[str, tuple[str, ...]] = {
-    "flux": ("flux", "flux-schnell"),
-    "sd3": ("sd3",),
-    "qwen_image": ("qwen_image",),
-    "flux-kontext": ("flux-kontext",),
-    "qwen-image-edit": ("qwen-image-edit",),
-    "qwen-image-edit-plus": ("qwen-image-edit-plus",),
-    "flux2": ("flux2",),
-    "flux2-klein": ("flux2-klein",),
-}
 
 QWEN_TEMPLATE_PREFIX = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
@@ -81,6 +60,11 @@ def _corpus() -> list[str]:
     # Repeating the Qwen system prompt makes each of its words one token, so the template prefix is exactly the
     # 34 tokens the pipeline drops (`prompt_template_encode_start_idx`), as with the real tokenizer.
     return lines * 4 + [QWEN_TEMPLATE_PREFIX + s + "<|im_end|>\n<|im_start|>assistant\n" for s in lines] * 8
+
+
+def corpus() -> list[str]:
+    """The lines the tiny tokenizers are trained on (for a family that trains a tokenizer of its own)."""
+    return _corpus()
 
 
 def _bpe_vocab_merges(tok) -> tuple[dict[str, int], list[tuple[str, str]]]:
@@ -121,7 +105,7 @@ def _learn_bpe(words: dict[tuple[str, ...], int], merges: int) -> list[tuple[str
     return out
 
 
-def _clip_tokenizer():
+def clip_tokenizer():
     from tokenizers import Regex, normalizers, pre_tokenizers
     from transformers import CLIPTokenizer
 
@@ -150,7 +134,7 @@ def _clip_tokenizer():
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
 
 
-def _t5_tokenizer():
+def t5_tokenizer():
     from tokenizers import pre_tokenizers
     from transformers import T5Tokenizer
 
@@ -176,7 +160,7 @@ QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>
                 "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def _qwen_tokenizer():
+def qwen_tokenizer():
     from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
     from tokenizers.models import BPE
     from tokenizers.trainers import BpeTrainer
@@ -204,7 +188,7 @@ def _qwen_tokenizer():
 # ---------------------------------------------------------------------------------------------- components
 
 
-def _kl_vae(shift: float, scale: float):
+def kl_vae(shift: float, scale: float):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
@@ -216,7 +200,7 @@ def _kl_vae(shift: float, scale: float):
     )
 
 
-def _clip(tokenizer, hidden: int, projection: int | None, seed: int):
+def clip_text(tokenizer, hidden: int, projection: int | None, seed: int):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     cfg = CLIPTextConfig(
@@ -228,7 +212,7 @@ def _clip(tokenizer, hidden: int, projection: int | None, seed: int):
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(cfg).eval()
 
 
-def _t5(tokenizer, d_model: int):
+def t5_text(tokenizer, d_model: int):
     from transformers import T5Config, T5EncoderModel
 
     cfg = T5Config(
@@ -240,206 +224,10 @@ def _t5(tokenizer, d_model: int):
     return T5EncoderModel(cfg).eval()
 
 
-def _flow_scheduler(**kw):
+def flow_scheduler(**kw):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **kw)
-
-
-def _flux(schnell: bool, kontext: bool = False):
-    from diffusers import FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel
-
-    clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
-    torch.manual_seed(10)
-    transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=not schnell, axes_dims_rope=(4, 4, 8),
-    )
-    sched = (
-        _flow_scheduler(shift=1.0, use_dynamic_shifting=False)
-        if schnell
-        else _flow_scheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                             base_image_seq_len=256, max_image_seq_len=4096)
-    )
-    return (FluxKontextPipeline if kontext else FluxPipeline)(
-        scheduler=sched, vae=_kl_vae(0.1159, 0.3611), text_encoder=_clip(clip_tok, 32, None, 1), tokenizer=clip_tok,
-        text_encoder_2=_t5(t5_tok, 32), tokenizer_2=t5_tok, transformer=transformer,
-    )
-
-
-def _sd3():
-    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
-
-    clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
-    torch.manual_seed(11)
-    transformer = SD3Transformer2DModel(
-        sample_size=32, patch_size=2, in_channels=4, num_layers=4, attention_head_dim=8, num_attention_heads=4,
-        caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64, out_channels=4,
-        pos_embed_max_size=64, qk_norm="rms_norm", dual_attention_layers=(0, 1),
-    )
-    return StableDiffusion3Pipeline(
-        scheduler=_flow_scheduler(shift=3.0), vae=_kl_vae(0.0609, 1.5035),
-        text_encoder=_clip(clip_tok, 16, 32, 1), tokenizer=clip_tok,
-        text_encoder_2=_clip(clip_tok, 16, 32, 2), tokenizer_2=clip_tok,
-        text_encoder_3=_t5(t5_tok, 32), tokenizer_3=t5_tok, transformer=transformer,
-    )
-
-
-def _qwen_image(edit: bool = False, plus: bool = False):
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        QwenImageEditPipeline,
-        QwenImageEditPlusPipeline,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    tok = _qwen_tokenizer()
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
-    cfg = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tok), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 2048,
-            "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1000000.0},
-            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16},
-        vocab_size=len(tok), hidden_size=16, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-    )
-    torch.manual_seed(4)
-    text_encoder = Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    torch.manual_seed(5)
-    vae = AutoencoderKLQwenImage(
-        base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.05, 0.0], latents_std=[1.5, 2.0, 1.2, 1.8],
-    )
-    torch.manual_seed(12)
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
-        joint_attention_dim=16, axes_dims_rope=(8, 4, 4),
-    )
-    sched = _flow_scheduler(
-        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
-        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
-    )
-    if edit:
-        from transformers import Qwen2VLImageProcessorPil
-        from transformers.video_processing_utils import BaseVideoProcessor
-
-        from .qwen_image_edit import image_only_processor_class
-
-        # The real processor's settings (14-pixel patches merged 2x2, CLIP mean / std), images capped at 128x128.
-        proc = image_only_processor_class()(
-            image_processor=Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=128 * 128), tokenizer=tok,
-            video_processor=BaseVideoProcessor(),
-        )
-        edit_cls = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
-        return edit_cls(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok,
-                                     processor=proc, transformer=transformer)
-    return QwenImagePipeline(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
-
-
-# Mistral's chat tokens: the pipeline's template is [SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]...[/INST]
-MISTRAL_SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
-                   "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
-#: a Mistral-style chat template over list-of-parts content (the shape Flux2Pipeline's `format_input` builds)
-MISTRAL_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['content'] is string %}{% set text = m['content'] %}"
-    "{% else %}{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
-    "{% endif %}"
-    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
-    "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]"
-    "{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}"
-)
-#: Qwen3's chat layout for one user turn with the generation prompt and thinking switched off
-QWEN3_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
-
-
-def _mistral_tokenizer():
-    """A byte-level BPE tokenizer with Mistral's chat tokens and a Mistral-style chat template. The real folder's
-    `tokenizer/` is a PixtralProcessor, which transformers builds only with torchvision; the pipeline calls just
-    its `apply_chat_template`, which a tokenizer offers with the same arguments (text-only prompts)."""
-    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-    from tokenizers.trainers import BpeTrainer
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = BpeTrainer(vocab_size=800, special_tokens=MISTRAL_SPECIAL,
-                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_corpus() + [SYSTEM_MESSAGE] * 16, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", model_max_length=131072, chat_template=MISTRAL_TEMPLATE)
-
-
-def _flux2_vae():
-    from diffusers import AutoencoderKLFlux2
-
-    torch.manual_seed(6)
-    vae = AutoencoderKLFlux2(
-        latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, sample_size=64,
-    )
-    # Non-trivial batch-norm statistics (a fresh BatchNorm has mean 0, var 1): the normalisation must show.
-    g = torch.Generator().manual_seed(7)
-    vae.bn.running_mean.copy_(torch.randn(vae.bn.num_features, generator=g) * 0.3)
-    vae.bn.running_var.copy_(torch.rand(vae.bn.num_features, generator=g) * 2 + 0.5)
-    return vae
-
-
-def _flux2(klein: bool):
-    from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
-
-    hidden = 16
-    torch.manual_seed(13)
-    transformer = Flux2Transformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=3 * hidden, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
-        guidance_embeds=not klein,
-    )
-    sched = _flow_scheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                            base_image_seq_len=256, max_image_seq_len=4096)
-    if klein:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        tok = _qwen_tokenizer()
-        tok.add_tokens(["<think>", "</think>"], special_tokens=True)
-        tok.chat_template = QWEN3_TEMPLATE
-        torch.manual_seed(8)
-        enc = Qwen3ForCausalLM(Qwen3Config(
-            vocab_size=len(tok), hidden_size=hidden, intermediate_size=32, num_hidden_layers=30,
-            num_attention_heads=2, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
-            tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
-        )).eval()
-        return Flux2KleinPipeline(scheduler=sched, vae=_flux2_vae(), text_encoder=enc, tokenizer=tok,
-                                  transformer=transformer, is_distilled=False)
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
-
-    tok = _mistral_tokenizer()
-    cfg = Mistral3Config(
-        text_config={
-            "model_type": "mistral", "vocab_size": len(tok), "hidden_size": hidden, "intermediate_size": 32,
-            "num_hidden_layers": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
-            "max_position_embeddings": 1024, "sliding_window": None, "pad_token_id": tok.pad_token_id,
-            "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-        },
-        vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-                       "num_attention_heads": 2, "head_dim": 8, "image_size": 64, "patch_size": 16},
-        image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=1,
-    )
-    torch.manual_seed(9)
-    enc = Mistral3ForConditionalGeneration(cfg).eval()
-    return Flux2Pipeline(scheduler=sched, vae=_flux2_vae(), text_encoder=enc, tokenizer=tok, transformer=transformer)
 
 
 def _name_processor_as_transformers_does(folder: Path) -> None:
@@ -452,34 +240,21 @@ def _name_processor_as_transformers_does(folder: Path) -> None:
             p.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
-_BUILDERS = {
-    "flux": lambda: _flux(schnell=False),
-    "flux-schnell": lambda: _flux(schnell=True),
-    "sd3": _sd3,
-    "qwen_image": _qwen_image,
-    "flux-kontext": lambda: _flux(schnell=False, kontext=True),
-    "qwen-image-edit": lambda: _qwen_image(edit=True),
-    "qwen-image-edit-plus": lambda: _qwen_image(edit=True, plus=True),
-    "flux2": lambda: _flux2(klein=False),
-    "flux2-klein": lambda: _flux2(klein=True),
-}
-
-
 def make_tiny_models(out: str | Path, families: list[str] | None = None) -> list[Path]:
-    """Write tiny random models into out/<name>/ (see VARIANTS) and return the folders written."""
+    """Write tiny random models into out/<folder>/ (each family's `tiny_builders`) and return the folders written.
+    `families`: registry keys (or their other spellings, `canonical_family`); None: every family."""
+    from . import ADAPTERS, adapter_class, canonical_family
+
     out = Path(out)
-    families = list(families) if families else list(VARIANTS)
-    unknown = [f for f in families if f not in VARIANTS]
-    if unknown:
-        raise UserError(f"make-tiny: unknown family {unknown[0]!r} (choose from {', '.join(VARIANTS)})")
+    families = [canonical_family(f, "make-tiny --family") for f in families] if families else list(ADAPTERS)
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # deterministic tokenizer training
     from ._diffusers import _quiet
 
     _quiet()
     written = []
     for fam in families:
-        for name in VARIANTS[fam]:
-            pipe = _BUILDERS[name]()
+        for name, build in adapter_class(fam).own_tiny_builders().items():
+            pipe = build()
             folder = out / name
             folder.mkdir(parents=True, exist_ok=True)
             pipe.save_pretrained(folder, safe_serialization=True)
@@ -487,4 +262,3 @@ def make_tiny_models(out: str | Path, families: list[str] | None = None) -> list
                 _name_processor_as_transformers_does(folder)
             written.append(folder)
     return written
-
