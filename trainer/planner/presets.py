@@ -55,11 +55,12 @@ def _config(
     # qwen-image-edit: its captions are encoded with their reference images (~1400 vision tokens at 1024 px), so
     # one at a time; its samples need a reference image
     ref_text = adapter_class(family).text_uses_reference
+    # an fp8 base is chosen for RAM: the modulation Linears in the blocks (a quarter to a third of the block bytes,
+    # where a family has them) go to fp8 too (bench/RESULTS.md: loss curve unchanged on the bundled data)
+    mod = {"quantize_modulation": True} if adapter_class(family).modulation_linears else {}
     return {
         "model": {"family": family, "path": adapter_class(family).example_path, "dtype": "bf16",
-                  # an fp8 base is chosen for RAM: the modulation Linears (a quarter to a third of the block
-                  # bytes) go to fp8 too (bench/RESULTS.md: loss curve unchanged on the bundled data)
-                  **({"quantize": quantize, "quantize_modulation": True} if quantize != "none" else {})},
+                  **({"quantize": quantize, **mod} if quantize != "none" else {})},
         "train": {
             "method": method,
             "steps": 2000 if full else 1500,
@@ -232,8 +233,10 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
         f"# trains: {what} on the transformer, {res}x{res} buckets, batch 1, bf16"
         + (", gradient checkpointing" if ckpt else "")
         + (", frozen base in fp8 (model.quantize: fp8)" if why_fp8 else ""),
-        *([f"# fp8 base: {why_fp8} (modulation Linears too: model.quantize_modulation; norms and biases stay bf16; "
-           "the LoRA trains in fp32)."]
+        *([f"# fp8 base: {why_fp8} ("
+           + ("modulation Linears too: model.quantize_modulation; " if adapter_class(family).modulation_linears
+              else "the modulation Linears sit outside the blocks and stay bf16; ")
+           + "norms and biases stay bf16; the LoRA trains in fp32)."]
           if why_fp8 else []),
         f"# expects: {big.vram / 1e9:.1f} GB VRAM (largest phase: {big.name}), {(p.pinned + p.act_checkpoint_host) / 1e9:.0f} GB pinned RAM "
         f"({p.ram_peak / 1e9:.0f} GB peak), {speed:.2f}x the step time without offloading (planner prediction; "
