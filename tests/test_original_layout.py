@@ -4,6 +4,9 @@ path (from_single_file + quant.prepare_transformer), bf16 and scaled fp8, with a
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from _offload_util import add_lora
@@ -18,38 +21,11 @@ from trainer.offload import attach_offload
 
 
 def _bfl_flux_header(c: dict) -> dict[str, dict]:
-    """The key names and shapes of BFL's flux1-dev.safetensors, written out from its architecture."""
-    d, mlp, head = 3072, 12288, c["attention_head_dim"]
-    shapes: dict[str, list[int]] = {}
+    """The key names and shapes of BFL's flux1-dev.safetensors (bench_program writes such files on the GPU box)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_program as bp
 
-    def lin(name, rows, cols, bias=True):
-        shapes[name + ".weight"] = [rows, cols]
-        if bias:
-            shapes[name + ".bias"] = [rows]
-
-    lin("img_in", d, c["in_channels"])
-    lin("txt_in", d, c["joint_attention_dim"])
-    for emb, width in (("time_in", 256), ("guidance_in", 256), ("vector_in", c["pooled_projection_dim"])):
-        lin(f"{emb}.in_layer", d, width)
-        lin(f"{emb}.out_layer", d, d)
-    for i in range(c["num_layers"]):
-        for s in ("img", "txt"):
-            p = f"double_blocks.{i}.{s}"
-            lin(f"{p}_mod.lin", 6 * d, d)
-            lin(f"{p}_attn.qkv", 3 * d, d)
-            lin(f"{p}_attn.proj", d, d)
-            lin(f"{p}_mlp.0", mlp, d)
-            lin(f"{p}_mlp.2", d, mlp)
-            shapes[f"{p}_attn.norm.query_norm.scale"] = shapes[f"{p}_attn.norm.key_norm.scale"] = [head]
-    for i in range(c["num_single_layers"]):
-        p = f"single_blocks.{i}"
-        lin(f"{p}.modulation.lin", 3 * d, d)
-        lin(f"{p}.linear1", 3 * d + mlp, d)
-        lin(f"{p}.linear2", d, d + mlp)
-        shapes[f"{p}.norm.query_norm.scale"] = shapes[f"{p}.norm.key_norm.scale"] = [head]
-    lin("final_layer.linear", c["in_channels"], d)
-    lin("final_layer.adaLN_modulation.1", 2 * d, d)
-    return {k: {"dtype": "BF16", "shape": v} for k, v in shapes.items()}
+    return {k: {"dtype": "BF16", "shape": v} for k, v in bp.bfl_flux_header(c).items()}
 
 
 @pytest.fixture(scope="module")
