@@ -230,9 +230,18 @@ class DiffusersAdapter(ModelAdapter):
                 out.vae = out.vae.to(device).eval().requires_grad_(False)
             if "text" in parts:
                 for d, cls_name in zip(self.text_encoder_dirs, self.text_encoder_classes, strict=True):
-                    enc = getattr(transformers, cls_name).from_pretrained(
-                        root, subfolder=d, dtype=dtype, local_files_only=True
-                    )
+                    enc_cls = getattr(transformers, cls_name)
+                    config = self.text_encoder_config(enc_cls.config_class.from_pretrained(
+                        root, subfolder=d, local_files_only=True))
+                    # a trimmed config leaves weights of the file unread: transformers would list each one
+                    verbosity = transformers.utils.logging.get_verbosity()
+                    transformers.utils.logging.set_verbosity_error()
+                    try:
+                        enc = enc_cls.from_pretrained(
+                            root, subfolder=d, config=config, dtype=dtype, local_files_only=True
+                        )
+                    finally:
+                        transformers.utils.logging.set_verbosity(verbosity)
                     enc = self.slim_text_encoder(enc)
                     quant.quantize_module(enc.requires_grad_(False), cfg.quantize_text_encoders, text_encoder=True,
                                           keep=self.text_encoder_keep_linears)
@@ -254,6 +263,12 @@ class DiffusersAdapter(ModelAdapter):
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"{root}: could not load the {self.family} model: {first}") from e
         return out
+
+    def text_encoder_config(self, config: Any) -> Any:
+        """The text encoder's config as it is built for loading (default: as in the folder). A family whose
+        captions never reach part of the encoder can leave that part out here, so its weights are never read
+        (Flux.2: the decoder layers after the deepest hidden state used)."""
+        return config
 
     # ------------------------------------------------------------------------------------------ shared helpers
 

@@ -13,8 +13,8 @@ How it mirrors diffusers' Flux2KleinPipeline (0.42):
   own default is the empty prompt, which is `sample.negative_prompt`'s default too). A distilled checkpoint
   (`is_distilled` in model_index.json) ignores the guidance value, as the pipeline does.
 
-The text encoder is slimmed before it is placed: the language-model head becomes a no-op and the layers after the
-28th go (8 of Qwen3's 36 are never needed).
+The text encoder is built without the layers after the 28th (8 of Qwen3's 36 are never needed, nor read) and its
+language-model head becomes a no-op.
 
 Left out: as for Flux.2-dev, reference images (`image=`), and the KV-cached / inpainting klein pipelines.
 """
