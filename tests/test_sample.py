@@ -56,7 +56,7 @@ def _diffusers_image(cfg: Config, seed: int, lora: tuple[Path, float] | None = N
     s, g = cfg.sample, cfg.sample.guidance
     kw = (
         {"true_cfg_scale": g, "negative_prompt": ""}
-        if cfg.model.family == "qwen_image"
+        if cfg.model.family == "qwen-image"  # the config spells families as the registry does
         else {"guidance_scale": g}
     )
     out = pipe(
