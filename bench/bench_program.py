@@ -2,6 +2,7 @@
 
     python bench/bench_program.py --families flux sd3 qwen_image --work /tmp/bench   # a GPU box
     python bench/bench_program.py --smoke --work /tmp/smoke                            # CPU, tiny models
+    python bench/bench_program.py --families flux2 --transformer-file fp8 --card 16 --keep   # Flux.2-dev, 64 GB disk
 
 For each family: write a diffusers folder with every component at full size (transformer from the adapter's
 `full_config`; VAE, CLIP-L / CLIP-G / T5-XXL / Qwen2.5-VL-7B from their real configs, built here in code) and
@@ -23,6 +24,15 @@ layout trainer/models/original_layout.py streams): the transformer is written as
 bf16), still tensor by tensor, next to transformer/config.json, and the preset gets `model.transformer_file` and
 `model.quantize: fp8`; the file streams block by block (trainer/models/stream_load.py). Qwen-Image's folder is then
 ~37 GB instead of ~58 GB (it fits a 64 GB disk).
+
+Flux.2 (--families flux2 / flux2-klein): the transformer from the adapter's `full_config` (dev: 32.2 B; klein: 4 B),
+AutoencoderKLFlux2 at its defaults, and for dev Mistral-Small-3.1 (Mistral3Config's defaults) cut to 31 of its 40
+decoder layers: the pipeline reads hidden states 10 / 20 / 30, so layers 31-39 never change a caption (the adapter
+does not even load them from a real folder), vision tower and head kept. Its 2-D weights are written in fp8 and
+cast to bf16 by transformers on load (19 GB on disk instead of 38, the same bytes in RAM and VRAM as bf16 weights);
+with --transformer-file fp8 (33 GB) the dev folder is ~52 GB. klein gets Qwen3-4B whole (36 layers, bf16). A bf16
+preset of dev (24 GB and up) is measured on the fp8 file with `--set model.quantize=none`: the loader up-casts it
+to bf16 block by block, which is what the preset streams.
 
 --smoke: the tiny models on the CPU, no cap, 2 steps (tests/test_phases.py-style check that the whole path runs;
 tests/test_phases.py runs it, also with --transformer-file fp8, which rewrites the tiny transformer the same way).
