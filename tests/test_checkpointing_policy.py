@@ -95,8 +95,12 @@ def test_auto_keeps_the_blocks_the_budget_allows_and_says_what_it_costs(tiny_mod
     assert big.checkpointed == [False] * n and big.kept == n  # ... which a big card has: nothing recomputed
     assert big.extra_bytes > 0 and big.saved_s > 0
     assert "keeps the activations of" in lines[-1] and "recomputes" in lines[-1]
-    small = choose_checkpointing(cfg, 0.0, budget_bytes=all_ck, facts=facts, log=lines.append)
+    small = choose_checkpointing(cfg, 0.0, budget_bytes=all_ck - 1, facts=facts, log=lines.append)
     assert small.checkpointed == [True] * n  # no room: every block recomputed, as before
+    # at exactly the all-checkpointed peak, keeping the last block is free (its saved tensors replace its
+    # recompute's at the same moment), so auto keeps it
+    same = choose_checkpointing(cfg, 0.0, budget_bytes=all_ck, facts=facts, log=lines.append)
+    assert same.kept >= 1 and same.peak_bytes <= all_ck and same.checkpointed[-1] is False
     mid = choose_checkpointing(cfg, 0.0, budget_bytes=(all_ck + none_ck) / 2, facts=facts, log=lines.append)
     assert 0 < mid.kept < n and mid.checkpointed[:n - mid.kept] == [True] * (n - mid.kept)  # the tail keeps
     assert predict(facts, 0.0, res, kept=frozenset(i for i in range(n) if not mid.checkpointed[i])).peak_reserved \
@@ -129,3 +133,25 @@ def test_config_values_and_what_the_trainer_hands_the_handle(tiny_models, tmp_pa
     ns = SimpleNamespace(train=SimpleNamespace(gradient_checkpointing="auto", compile=False),
                          offload=SimpleNamespace(activations=False, nano_batches=1))
     assert streaming.conducts(ns, 0.0, False, torch.device("cpu"))  # auto runs the handle
+
+
+def test_fit_log_compares_steady_state_steps_only():
+    """The planner check's measured step: the first step and every step that compiled are left out."""
+    from trainer.train.streaming import SteadySteps
+
+    s = SteadySteps(need=3)
+    got = [s.add(t, c) for t, c in [(40.0, True), (30.0, True), (1.0, False), (29.0, True), (1.2, False),
+                                    (1.1, False), (1.0, False)]]
+    assert got == [None, None, None, None, None, 1.1, None]  # median of 1.0, 1.2, 1.1; said once
+    first = SteadySteps(need=1)
+    assert first.add(0.5, False) is None and first.add(0.7, False) == 0.7  # the first step warms up
+
+
+def test_dittrain_plan_says_what_auto_chose(tiny_models, tmp_path):
+    from trainer.planner import report
+
+    cfg = _cfg(tiny_models, tmp_path, gradient_checkpointing="auto")
+    lines, _ = report(cfg, vram_gb=1000)
+    assert any(line.startswith("checkpointing: auto keeps the activations of") for line in lines)
+    lines, _ = report(cfg)  # no budget: it says so
+    assert any("auto has no VRAM budget" in line for line in lines)

@@ -174,8 +174,12 @@ class TrainConfig(_Section):
     batch_size: int = Field(default=1, ge=1, description="Images per step (one aspect-ratio bucket per batch).")
     grad_accum: int = Field(default=1, ge=1, description="Micro-batches accumulated per optimizer step.")
     seed: int = Field(default=42, description="Seed for weights init, noise, timesteps and data order.")
-    gradient_checkpointing: bool = Field(
-        default=True, description="Recompute each block in backward instead of storing its activations."
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        default=True,
+        description="Recompute each block in backward instead of storing its activations (true), store them all "
+        "(false), or auto: the planner keeps the activations of as many blocks as the VRAM budget "
+        "(offload.vram_budget_gb, else the GPU's memory) allows, and recomputes the rest; streamed blocks are "
+        "always recomputed. The log and `dittrain plan` say what it chose and what it costs.",
     )
     timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
         default="logit_normal", description="How training timesteps t in (0, 1) are drawn."

@@ -97,6 +97,11 @@ class OffloadHandle:
     def plan(self):
         return self._c.plan
 
+    @property
+    def checkpointed(self) -> list[bool]:
+        """Per block: recomputed in backward (the `checkpointing` it was attached with)."""
+        return list(self._c.checkpointed)
+
     def set_mode(self, mode: str) -> None:
         """Re-plan for "train" or "sample". Slow (restores the blocks' tensors and packs them again); a no-grad
         forward under the training plan also works, it just loads the backward's blocks it does not need."""
