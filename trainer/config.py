@@ -212,10 +212,17 @@ class TrainConfig(_Section):
         description="torch.compile each transformer block class once (regional compilation), in training and in "
         "its samples; auto: on for CUDA, off on the CPU. The first step is slower by the compile time (printed).",
     )
-    compile_dynamic: bool = Field(
+    compile_dynamic: bool | Literal["tokens"] = Field(
         default=False,
-        description="Compile with symbolic shapes: one compile for every aspect-ratio bucket instead of one per "
-        "bucket shape (fewer compiles, possibly slower kernels).",
+        description="false: one compile per aspect-ratio bucket shape (fastest kernels); tokens: the sequence axes "
+        "of the blocks' inputs are marked dynamic up front, so one compile serves every bucket while the model "
+        "widths stay static; true: every dimension symbolic (slowest to compile).",
+    )
+    compile_cache: bool = Field(
+        default=False,
+        description="Keep torch's compile caches (inductor's FX graph and AOTAutograd caches, triton kernels) in "
+        "<data.cache_dir>/torch-compile, so that a re-run or --resume loads the compiled blocks instead of "
+        "compiling them again. The files are torch's own.",
     )
     attention: Literal["auto", "flash", "efficient", "math"] = Field(
         default="auto",

@@ -183,6 +183,8 @@ class Trainer:
                              "or set sample.every: 0"):  # the sample prompts, encoded once
                 self.sampler = TrainingSampler(cfg, self.adapter, self.device, self.dtype)  # frees the encoders
 
+        if c.compile_cache and streaming.compiles(cfg, self.device):  # before anything compiles
+            say(f"compile cache: {compiled.use_cache(Path(cfg.data.cache_dir) / 'torch-compile')}")
         self.fraction = streaming.transformer_fraction(cfg, self._can_stream())  # resolved once: auto -> a float
         # Rank 0's choice everywhere: `auto` may time the GPU, and a shared arena needs one layout on every process
         self.fraction = float(self.dist.broadcast_text(repr(self.fraction)))
