@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile as torch_profile
+from torch.profiler import ProfilerActivity
+from torch.profiler import profile as torch_profile
 
 ROWS = [
     dict(name="plain diffusers + peft, bf16 LoRA, eager, resident", kind="plain", compile=False),

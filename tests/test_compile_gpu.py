@@ -67,10 +67,10 @@ def _max_diff(a, b) -> float:
 def test_compiled_bf16_offload_is_bitwise_with_math_attention():
     ref_l, ref_w, _ = _run(0.0, "math")
     for fraction, act in ((0.5, False), (1.0, True)):
-        l, w, _ = _run(fraction, "math", act)
+        got_l, w, _ = _run(fraction, "math", act)
         d = _max_diff(ref_w, w)
         print(f"math attention, compiled bf16: offload {fraction}{' + act' if act else ''} vs 0: max |dW| {d:.3g}")
-        assert torch.equal(l, ref_l) and d == 0.0
+        assert torch.equal(got_l, ref_l) and d == 0.0
 
 
 def test_compiled_bf16_offload_with_flash_attention_within_its_run_to_run_spread():
@@ -95,8 +95,8 @@ def test_flash_attention_deterministic_mode_makes_offload_bitwise():
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         ref_l, ref_w, _ = _run(0.0, "flash")
-        l, w, _ = _run(0.5, "flash")
+        got_l, w, _ = _run(0.5, "flash")
     finally:
         torch.use_deterministic_algorithms(False)
     print(f"flash attention, deterministic algorithms: offload 0.5 vs 0: max |dW| {_max_diff(ref_w, w):.3g}")
-    assert torch.equal(l, ref_l) and _max_diff(ref_w, w) == 0.0
+    assert torch.equal(got_l, ref_l) and _max_diff(ref_w, w) == 0.0
