@@ -130,13 +130,16 @@ def test_config_switch_needs_fp8_and_the_loader_sets_it(tiny_models):
     from pydantic import ValidationError
 
     from trainer.config import ModelConfig
-    from trainer.models import get_adapter
+    from trainer.models import get_adapter, stream_load
 
     with pytest.raises(ValidationError, match="model.fp8_matmul: true needs model.quantize: fp8"):
         ModelConfig(family="flux", path="x", quantize="int8", fp8_matmul=True)
     assert not ModelConfig(family="flux", path="x", quantize="fp8").fp8_matmul  # off by default
     for on in (False, True):
         cfg = ModelConfig(family="flux", path=tiny_models / "flux", dtype="bf16", quantize="fp8", fp8_matmul=on)
-        tr = get_adapter(cfg).load(cfg, parts={"transformer"}, dtype=torch.bfloat16).transformer
-        qs = [m for m in tr.modules() if isinstance(m, QuantizedLinear)]
-        assert qs and all(m.scaled_mm is (True if on else None) for m in qs)
+        a = get_adapter(cfg)
+        tr = a.load(cfg, parts={"transformer"}, dtype=torch.bfloat16).transformer
+        streamed = stream_load.empty_transformer(a, cfg, torch.bfloat16)  # the streamed loader's model
+        for model in (tr, streamed):
+            qs = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+            assert qs and all(m.scaled_mm is (True if on else None) for m in qs)
