@@ -16,8 +16,10 @@ pinned host-to-device rate measured in the same process) and the ratio to it. Ro
 dittrain offload 0 compiled with every block checkpointed, with `train.gradient_checkpointing: auto` (the
 planner's per-block choice for this card) and with none; Flux also: fp8 base every block streamed with
 activation offloading, without and with fp8 matmuls (`model.fp8_matmul`), the same with the modulation Linears
-in fp8, bf16 every block streamed, and plain compiled without checkpointing. A row that runs out of memory is
-reported as such and the run goes on.
+in fp8, bf16 every block streamed; then offload 0 compiled with `train.compile_dynamic: tokens` (one compile for
+every bucket: is the step slower?), the offload-0 compiled row once more (its 'first step' is a re-run's with
+inductor's cache warm, the issue's <= 10 s), and plain compiled without checkpointing. A row that runs out of
+memory is reported as such and the run goes on.
 
 Rows (in this order; `--budget-s` stops adding rows when the time is spent, the reference always runs):
 - plain: diffusers model + peft `add_adapter` with bf16 LoRA weights, `enable_gradient_checkpointing()`,
@@ -103,8 +105,11 @@ def issue29_specs(family: str) -> list[dict]:
              "quant": "fp8", "modulation": True, "fp8mm": True},
             {**streamed, "name": "dittrain offload 1.0 + act, compiled"},
         ]
-    rows.append(dict(name="plain + compile_repeated_blocks, no checkpointing", kind="plain", compile=True,
-                     ckpt=False))
+    rows += [  # one compile per run: symbolic token axes (step speed); a second compile of row 3 (the cache's)
+        {**ours, "name": "dittrain offload 0, compiled, dynamic token axes", "dynamic": "tokens"},
+        {**ours, "name": "dittrain offload 0, compiled, again (inductor's cache warm: a re-run's first step)"},
+        dict(name="plain + compile_repeated_blocks, no checkpointing", kind="plain", compile=True, ckpt=False),
+    ]
     return rows
 
 
