@@ -20,6 +20,9 @@ How. Everything is derived from the model's own code and the conductor's own ari
   blocks 0..i are held, block i's working set exists and the gradients of blocks i..n-1 have accumulated
   (none under the fused back pass, which frees each at once). The optimizer step afterwards holds every
   gradient and no activations. The predicted peak is the largest of these moments;
+- per-block checkpointing (`predict(..., kept=...)`, train.gradient_checkpointing: auto): a kept block holds its
+  saved tensors from its forward to its backward instead of only its inputs, and its backward skips the recompute
+  (trainer/planner/checkpointing.py chooses which blocks);
 - LoRA: fp32 weights, fp32 gradients and the optimizer state, all resident. Full fine-tune: every block's
   weights train and stream (written back after their step); the embedders train resident;
 - peak reserved VRAM = static allocations (ring or resident blocks, non-block weights, trainable state), each
