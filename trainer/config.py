@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError
 
-Family = Literal["flux", "sd3", "qwen_image", "flux-kontext", "qwen-image-edit", "qwen-image-edit-plus"]
+Family = Literal["flux", "sd3", "qwen_image", "flux-kontext", "qwen-image-edit", "qwen-image-edit-plus", "z-image"]
 
 
 class _Section(BaseModel):
@@ -30,7 +30,8 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    family: Family = Field(description="Model family: flux (dev or schnell), sd3 (SD3 / SD3.5), qwen_image, or the edit "
+    family: Family = Field(description="Model family: flux (dev or schnell), sd3 (SD3 / SD3.5), qwen_image, z-image "
+                                         "(Z-Image-Turbo / Z-Image), or the edit "
                                          "families flux-kontext, qwen-image-edit and qwen-image-edit-plus (Qwen-Image-Edit-2509; "
                                          "trained on image pairs, one reference each).")
     path: Path = Field(

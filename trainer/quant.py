@@ -18,7 +18,8 @@ faster (bench/bench_quant.py). Its backward (the gradient a LoRA upstream needs)
 
 Which modules. Only Linears inside the family's blocks (`adapter.blocks`): attention projections, MLPs and the
 blocks' output projections, i.e. nearly all the bytes. Embedders, the final layer, norms and biases stay in the
-model dtype. So do, by default, the modulation Linears (`norm*.linear` in Flux / SD3, `*_mod.1` in Qwen-Image):
+model dtype. So do, by default, the modulation Linears (`norm*.linear` in Flux / SD3, `*_mod.1` in Qwen-Image,
+`adaLN_modulation.0` in Z-Image):
 they set per-sample scale, shift and gate, where an error acts on every token. They are big, though: 3.2 B of
 Flux's 12 B parameters (27 % of its block bytes) and 6.8 B of Qwen-Image's 20 B, because each maps the time
 embedding to six (double block) or three (single block) model-width vectors. `modulation=True`
@@ -61,8 +62,9 @@ MODES = ("none", "fp8", "int8")
 _DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 _QMAX = {"fp8": 448.0, "int8": 127.0}
 #: modulation Linears (per-sample scale / shift) stay in the model dtype unless `modulation=True`: Flux / SD3
-#: `norm1.linear`, `norm1_context.linear`, `norm.linear`; Qwen-Image `img_mod.1`, `txt_mod.1`
-_KEEP = re.compile(r"(^|\.)(norm[^.]*|[^.]*_mod)\.")
+#: `norm1.linear`, `norm1_context.linear`, `norm.linear`; Qwen-Image `img_mod.1`, `txt_mod.1`; Z-Image
+#: `adaLN_modulation.0` (its adapter's `modulation_linears`; tests/test_z_image.py checks the two agree)
+_KEEP = re.compile(r"(^|\.)(norm[^.]*|[^.]*_mod|adaLN_modulation)\.")
 #: text-encoder Linears left alone: T5's `wo` (transformers casts its input to `wo.weight.dtype`, which would be
 #: fp8) and a language-model head (Qwen2.5-VL's, unused for encoding)
 _KEEP_TEXT = re.compile(r"(^|\.)(wo|lm_head)\.")

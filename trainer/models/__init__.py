@@ -23,6 +23,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "flux-kontext": ("flux_kontext", "FluxKontextAdapter"),
     "qwen-image-edit": ("qwen_image_edit", "QwenImageEditAdapter"),
     "qwen-image-edit-plus": ("qwen_image_edit_plus", "QwenImageEditPlusAdapter"),
+    "z-image": ("z_image", "ZImageAdapter"),
 }
 
 __all__ = ["ADAPTERS", "Components", "ModelAdapter", "adapter_class", "get_adapter"]

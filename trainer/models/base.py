@@ -78,8 +78,16 @@ class ModelAdapter(ABC):
     text_encoder_nonblock_params: ClassVar[tuple[int, ...]] = ()
 
     #: sampling: does the pipeline run a second, negative-prompt pass when guidance > 1 (so the negative prompt
-    #: must be encoded too)?
+    #: must be encoded too)? `runs_cfg` says at which guidance values.
     sampling_uses_negative: ClassVar[bool]
+    #: the VAE's parameter count (the planner's caching and sampling phases); 0: the planner's table / default
+    vae_params: ClassVar[int] = 0
+    #: sample settings the presets write (`sample.steps`, `sample.guidance`) where the family's pipeline wants
+    #: others than the presets' 28 steps and the config's default guidance (a distilled model's few steps)
+    sample_defaults: ClassVar[dict[str, Any]] = {}
+    #: module names (a dotted path part) of a block's modulation Linears beyond trainer/quant.py's built-in
+    #: pattern (`norm*.linear`, `*_mod.1`): kept in the model dtype unless `model.quantize_modulation`
+    modulation_linears: ClassVar[tuple[str, ...]] = ()
     #: edit / reference-image families: training items are (reference, target, instruction) pairs, the
     #: reference's latents reach `predict` as `text["control_latents"]` (B, C, h, w), and sampling takes
     #: `--image` (`pipeline_image`)
@@ -167,7 +175,14 @@ class ModelAdapter(ABC):
         cls, pipe: Any, prompt: str, negative: str | None, device: torch.device
     ) -> dict[str, torch.Tensor]:
         """Pipeline call kwargs holding one prompt's embeddings (and the negative prompt's when `negative` is not
-        None), from the pipeline's own `encode_prompt` called as `pipe(prompt=...)` would call it."""
+        None), from the pipeline's own `encode_prompt` called as `pipe(prompt=...)` would call it. Values are
+        tensors or lists of tensors (Z-Image's pipeline takes one tensor per prompt)."""
+
+    @classmethod
+    def runs_cfg(cls, guidance: float) -> bool:
+        """Whether the family's pipeline runs classifier-free guidance (a negative pass, a batch of two) at this
+        guidance value; most pipelines do above 1."""
+        return cls.sampling_uses_negative and guidance > 1
 
     @classmethod
     def pipeline_image(cls, pipe: Any, image: Any) -> dict[str, Any]:

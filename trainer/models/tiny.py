@@ -42,6 +42,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "flux-kontext": ("flux-kontext",),
     "qwen-image-edit": ("qwen-image-edit",),
     "qwen-image-edit-plus": ("qwen-image-edit-plus",),
+    "z-image": ("z-image",),
 }
 
 QWEN_TEMPLATE_PREFIX = (
@@ -164,6 +165,15 @@ def _t5_tokenizer():
     specials = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]  # ids 0, 1, 2 as in T5
     return T5Tokenizer(vocab=specials + pieces, extra_ids=0, model_max_length=512)
 
+
+#: Qwen3's chat template for what ZImagePipeline asks of it (user turns, a generation prompt; `enable_thinking=False`
+#: adds the empty think block), written out short: the real one also handles tools and reasoning history
+QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
+)
 
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                 "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
@@ -335,6 +345,29 @@ def _qwen_image(edit: bool = False, plus: bool = False):
     return QwenImagePipeline(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
 
 
+def _z_image():
+    from diffusers import ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    tok = _qwen_tokenizer()
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    cfg = Qwen3Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+    )
+    torch.manual_seed(6)
+    text_encoder = Qwen3Model(cfg).eval()
+    torch.manual_seed(13)
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=64, n_layers=2, n_refiner_layers=1, n_heads=2,
+        n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 12, 12], axes_lens=[1024, 64, 64],
+    )
+    return ZImagePipeline(scheduler=_flow_scheduler(shift=3.0, use_dynamic_shifting=False),
+                          vae=_kl_vae(0.1159, 0.3611), text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
+
+
 def _name_processor_as_transformers_does(folder: Path) -> None:
     """The processor is saved from our torchvision-free subclass; name it Qwen2VLProcessor, as a real folder does."""
     for rel, key in (("model_index.json", "processor"), ("processor/processor_config.json", "processor_class")):
@@ -353,6 +386,7 @@ _BUILDERS = {
     "flux-kontext": lambda: _flux(schnell=False, kontext=True),
     "qwen-image-edit": lambda: _qwen_image(edit=True),
     "qwen-image-edit-plus": lambda: _qwen_image(edit=True, plus=True),
+    "z-image": _z_image,
 }
 
 
