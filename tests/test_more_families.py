@@ -22,7 +22,7 @@ from trainer.config import Config, ModelConfig
 from trainer.models import adapter_class, get_adapter
 from trainer.sample import SampleRequest, run_sample
 
-FAMILIES = ["z-image"]
+FAMILIES = ["z-image", "chroma"]
 #: a guidance that runs each pipeline's classifier-free guidance (negative pass), and one that does not
 CFG_ON = {"z-image": 2.0, "chroma": 3.0}
 CFG_OFF = {"z-image": 0.0, "chroma": 1.0}
@@ -207,3 +207,26 @@ def test_planner_on_the_presets(family):
         assert facts.family == family and len(facts.block_param_bytes) == len(adapter_class(family)().blocks(facts.model))
         lines, fraction = report(cfg, vram_gb=8, facts=facts)
         assert fraction is not None and 0 < fraction <= 1, lines
+
+
+def test_chroma_text_and_predict_as_the_pipeline_does(tiny_models):
+    """Captions: T5 on 512 tokens with its mask, the pipeline's `<= length` mask cached beside them; predict: the
+    Flux packing and ids, the text mask followed by ones for the image tokens, timestep t."""
+    adapter, comps = _components(tiny_models, "chroma")
+    prompts = [PROMPT, "a cat"]
+    text = adapter.encode_prompts(comps, prompts)
+    pe, ids, mask, *_ = adapter.pipeline(comps).encode_prompt(prompt=list(prompts), device="cpu",
+                                                              do_classifier_free_guidance=False)
+    assert torch.equal(text["prompt_embeds"], pe) and torch.equal(text["prompt_attention_mask"], mask)
+    assert mask.shape == (2, 512) and 0 < mask[1].sum() < mask[0].sum() < 512
+    batch = adapter.collate_text([{k: v[i] for k, v in text.items()} for i in range(2)])
+    lat, t = torch.randn(2, 4, 8, 8), torch.tensor([0.3, 0.8])
+    pipe = adapter.pipeline(comps)
+    packed = pipe._pack_latents(lat, 2, 4, 8, 8)
+    img_ids = pipe._prepare_latent_image_ids(2, 4, 4, "cpu", torch.float32)
+    full_mask = pipe._prepare_attention_mask(2, packed.shape[1], torch.float32, mask)
+    with torch.no_grad():
+        got = adapter.predict(comps.transformer, lat, t, batch)
+        out = comps.transformer(hidden_states=packed, timestep=t, encoder_hidden_states=pe, txt_ids=ids,
+                                img_ids=img_ids, attention_mask=full_mask, return_dict=False)[0]
+    assert torch.equal(got, pipe._unpack_latents(out, 64, 64, 8))

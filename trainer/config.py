@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError
 
-Family = Literal["flux", "sd3", "qwen_image", "flux-kontext", "qwen-image-edit", "qwen-image-edit-plus", "z-image"]
+Family = Literal["flux", "sd3", "qwen_image", "flux-kontext", "qwen-image-edit", "qwen-image-edit-plus", "z-image",
+                 "chroma"]
 
 
 class _Section(BaseModel):
@@ -31,7 +32,7 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     family: Family = Field(description="Model family: flux (dev or schnell), sd3 (SD3 / SD3.5), qwen_image, z-image "
-                                         "(Z-Image-Turbo / Z-Image), or the edit "
+                                         "(Z-Image-Turbo / Z-Image), chroma (Chroma1-HD / -Base / -Flash), or the edit "
                                          "families flux-kontext, qwen-image-edit and qwen-image-edit-plus (Qwen-Image-Edit-2509; "
                                          "trained on image pairs, one reference each).")
     path: Path = Field(

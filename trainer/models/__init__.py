@@ -24,6 +24,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "qwen-image-edit": ("qwen_image_edit", "QwenImageEditAdapter"),
     "qwen-image-edit-plus": ("qwen_image_edit_plus", "QwenImageEditPlusAdapter"),
     "z-image": ("z_image", "ZImageAdapter"),
+    "chroma": ("chroma", "ChromaAdapter"),
 }
 
 __all__ = ["ADAPTERS", "Components", "ModelAdapter", "adapter_class", "get_adapter"]

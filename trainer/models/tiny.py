@@ -20,7 +20,8 @@ embedding, fixed shift 1), sd3 (SD3.5-like: qk RMS norm and dual-attention block
 (the dev-like Flux saved as a FluxKontextPipeline: Kontext has Flux's architecture), qwen-image-edit (the
 qwen_image model saved as a QwenImageEditPipeline with a Qwen2-VL processor whose image processor caps images at
 128x128 pixels, so the vision tower stays cheap), qwen-image-edit-plus (the same model and processor saved as a
-QwenImageEditPlusPipeline).
+QwenImageEditPlusPipeline), z-image (Z-Image-Turbo-like: fixed shift 3, a Qwen3 text encoder whose tokenizer
+has a short Qwen3 chat template), chroma (T5 only, dynamic shift).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "qwen-image-edit": ("qwen-image-edit",),
     "qwen-image-edit-plus": ("qwen-image-edit-plus",),
     "z-image": ("z-image",),
+    "chroma": ("chroma",),
 }
 
 QWEN_TEMPLATE_PREFIX = (
@@ -368,6 +370,22 @@ def _z_image():
                           vae=_kl_vae(0.1159, 0.3611), text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
 
 
+def _chroma():
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel
+
+    t5_tok = _t5_tokenizer()
+    torch.manual_seed(14)
+    transformer = ChromaTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, axes_dims_rope=(4, 4, 8), approximator_num_channels=16, approximator_hidden_dim=32,
+        approximator_layers=2,
+    )
+    sched = _flow_scheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                            base_image_seq_len=256, max_image_seq_len=4096)
+    return ChromaPipeline(scheduler=sched, vae=_kl_vae(0.1159, 0.3611), text_encoder=_t5(t5_tok, 32),
+                          tokenizer=t5_tok, transformer=transformer)
+
+
 def _name_processor_as_transformers_does(folder: Path) -> None:
     """The processor is saved from our torchvision-free subclass; name it Qwen2VLProcessor, as a real folder does."""
     for rel, key in (("model_index.json", "processor"), ("processor/processor_config.json", "processor_class")):
@@ -387,6 +405,7 @@ _BUILDERS = {
     "qwen-image-edit": lambda: _qwen_image(edit=True),
     "qwen-image-edit-plus": lambda: _qwen_image(edit=True, plus=True),
     "z-image": _z_image,
+    "chroma": _chroma,
 }
 
 
