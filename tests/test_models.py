@@ -157,7 +157,8 @@ def _capture(pipe):
     return seen, pipe.transformer.register_forward_hook(hook, with_kwargs=True)
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+# z-image's pipeline calls its transformer with lists, positionally: tests/test_more_families.py checks it
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "z-image"])
 def test_predict_matches_pipeline_transformer_call(loaded, name):
     adapter, comps = loaded(name)
     pipe = adapter.pipeline(comps)

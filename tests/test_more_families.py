@@ -65,11 +65,25 @@ def test_z_image_text_and_predict_as_the_pipeline_does(tiny_models):
     batch = adapter.collate_text([{k: v[i] for k, v in text.items()} for i in range(2)])
     alone = adapter.collate_text([{k: v[1] for k, v in text.items()}])
     assert "prompt_embeds_mask" in batch and "prompt_embeds_mask" not in alone  # no mask without padding
-    lat, t = torch.randn(2, 4, 8, 8), torch.tensor([0.3, 0.8])
+    # the pipeline's own first transformer call (captured), against predict on its latents at its sigma
+    pipe, seen = adapter.pipeline(comps), {}
+
+    def hook(_m, args, out):
+        seen.setdefault("call", (args, out[0]))
+
+    h = comps.transformer.register_forward_hook(hook)
+    try:
+        pipe(prompt=list(prompts), num_inference_steps=2, height=64, width=64, guidance_scale=0.0,
+             output_type="latent", generator=torch.Generator().manual_seed(0))
+    finally:
+        h.remove()
+    (x, tt, caps), out = seen["call"]
+    sigma = pipe.scheduler.sigmas[0].item()
+    assert all(torch.equal(a, b) for a, b in zip(caps, want, strict=True))
+    assert torch.allclose(tt, torch.full((2,), 1 - sigma))
     with torch.no_grad():
-        got = adapter.predict(comps.transformer, lat, t, batch)
-        out = comps.transformer(list(lat.unsqueeze(2).unbind(0)), 1 - t, list(want), return_dict=False)[0]
-    assert torch.equal(got, -torch.stack(out).squeeze(2))
+        got = adapter.predict(comps.transformer, torch.stack(x).squeeze(2), torch.full((2,), sigma), batch)
+    assert torch.allclose(got, -torch.stack(out).squeeze(2), atol=1e-6)
 
 
 def test_modulation_linears_are_the_ones_quant_keeps():
