@@ -37,9 +37,26 @@ import torch
 from diffusers import ChromaPipeline, ChromaTransformer2DModel
 from torch import nn
 
-from ._diffusers import DiffusersAdapter, pack_2x2, unpack_2x2
+from ._diffusers import T5_KEEP, DiffusersAdapter, pack_2x2, unpack_2x2
 from .base import Components
 from .flux import FluxAdapter
+
+
+def tiny_pipeline():
+    """A tiny random Chroma (Chroma1-HD-like: dynamic shift) with the tiny T5."""
+    from .tiny import flow_scheduler, kl_vae, t5_text, t5_tokenizer
+
+    t5_tok = t5_tokenizer()
+    torch.manual_seed(14)
+    transformer = ChromaTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, axes_dims_rope=(4, 4, 8), approximator_num_channels=16, approximator_hidden_dim=32,
+        approximator_layers=2,
+    )
+    sched = flow_scheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                           base_image_seq_len=256, max_image_seq_len=4096)
+    return ChromaPipeline(scheduler=sched, vae=kl_vae(0.1159, 0.3611), text_encoder=t5_text(t5_tok, 32),
+                          tokenizer=t5_tok, transformer=transformer)
 
 
 class ChromaAdapter(DiffusersAdapter):
@@ -68,12 +85,16 @@ class ChromaAdapter(DiffusersAdapter):
     }
     text_tokens = 512  # T5 padded to max_sequence_length, all attended
     text_encoder_params = FluxAdapter.text_encoder_params[1:]  # T5-XXL's encoder
-    #: the VAE's parameters (Flux's AutoencoderKL), for the planner's caching and sampling phases
-    vae_params = 83_819_683
+    vae_params = 83_819_683  # Flux's AutoencoderKL
+    text_encoder_keep_linears = T5_KEEP
     sampling_uses_negative = True
     #: what the presets sample with: Chroma1-HD's card (true CFG at 3.0, 40 steps)
     sample_defaults: ClassVar[dict[str, Any]] = {"steps": 40, "guidance": 3.0}
-    modulation_linears: ClassVar[tuple[str, ...]] = ()  # none inside blocks: see the module essay
+    modulation_linears = ""  # none inside blocks: see the module essay
+
+    @classmethod
+    def tiny_builders(cls):
+        return {"chroma": tiny_pipeline}
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]

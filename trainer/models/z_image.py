@@ -43,6 +43,41 @@ from .base import Components
 
 #: Qwen3-4B's token embedding (151936 x 2560, tied with its head): outside the streamed decoder layers
 QWEN3_4B_EMBED = 388_956_160
+#: Qwen3's chat template for what ZImagePipeline asks of it (user turns, a generation prompt; `enable_thinking=False`
+#: adds the empty think block), written out short for the tiny tokenizer: the real one also handles tools and
+#: reasoning history
+QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
+)
+
+
+def tiny_pipeline():
+    """A tiny random Z-Image (Turbo-like: fixed shift 3) with a Qwen3 text encoder; the tokenizer is the tiny Qwen
+    one with `QWEN3_CHAT_TEMPLATE`."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    from .tiny import QWEN_SPECIAL, flow_scheduler, kl_vae, qwen_tokenizer
+
+    tok = qwen_tokenizer()
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    cfg = Qwen3Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+    )
+    torch.manual_seed(6)
+    text_encoder = Qwen3Model(cfg).eval()
+    torch.manual_seed(13)
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=64, n_layers=2, n_refiner_layers=1, n_heads=2,
+        n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 12, 12], axes_lens=[1024, 64, 64],
+    )
+    return ZImagePipeline(scheduler=flow_scheduler(shift=3.0, use_dynamic_shifting=False),
+                          vae=kl_vae(0.1159, 0.3611), text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
 
 
 class ZImageAdapter(DiffusersAdapter):
@@ -77,13 +112,16 @@ class ZImageAdapter(DiffusersAdapter):
     text_tokens = 256  # valid caption tokens only, padded to the batch's longest: assumed 256 for planning
     text_encoder_params = (("Qwen3-4B", 4_022_468_096),)
     text_encoder_nonblock_params = (QWEN3_4B_EMBED,)
-    #: the VAE's parameters (Flux's AutoencoderKL), for the planner's caching and sampling phases
-    vae_params = 83_819_683
+    vae_params = 83_819_683  # Flux's AutoencoderKL
     sampling_uses_negative = True
     #: what the presets sample with: Z-Image-Turbo's settings (guidance 0: no negative pass, 9 steps)
     sample_defaults: ClassVar[dict[str, Any]] = {"steps": 9, "guidance": 0.0}
-    #: block Linears that are modulation (trainer/quant.py keeps them in the model dtype by default)
-    modulation_linears: ClassVar[tuple[str, ...]] = ("adaLN_modulation",)
+    #: `adaLN_modulation.0`: the time embedding to each block's 4 x dim scale / gate vectors
+    modulation_linears = r"(^|\.)adaLN_modulation\."
+
+    @classmethod
+    def tiny_builders(cls):
+        return {"z-image": tiny_pipeline}
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         # execution order of ZImageTransformer2DModel.forward: image refiners, caption refiners, the main layers
