@@ -5,7 +5,7 @@ negative prompt, where the family runs classifier-free guidance) is encoded thro
 `encode_prompt`; then the text encoders are dropped from the pipeline and their memory released. Only then is
 the transformer placed (resident, or streamed by the offload conductor) and each image denoised by calling the
 pipeline with the stored embeddings (each family's adapter names the arguments: `pipeline_embeds`,
-`pipeline_guidance`, `sampling_uses_negative` in trainer/models/). One pipeline call per image,
+`pipeline_guidance`, `runs_cfg` in trainer/models/). One pipeline call per image,
 each with its own CPU `torch.Generator` seeded with the image's seed, so an image depends only on its prompt,
 seed and settings: not on the batch it came in, the device the noise was drawn for, or how many images came
 before it.
