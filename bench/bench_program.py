@@ -5,9 +5,9 @@
     python bench/bench_program.py --families flux2 --transformer-file fp8 --card 16 --keep   # Flux.2-dev, 64 GB disk
 
 For each family: write a diffusers folder with every component at full size (transformer from the adapter's
-`full_config`; VAE, CLIP-L / CLIP-G / T5-XXL / Qwen2.5-VL-7B from their real configs, built here in code) and
-random bf16 weights, written tensor by tensor into safetensors shards from a meta-device model (the whole model is
-never built in RAM); tokenizers, scheduler and model_index.json come from the tiny models (trainer/models/tiny.py:
+`full_config`; VAE, CLIP-L / CLIP-G / T5-XXL / Qwen2.5-VL-7B / Qwen3-4B from their real configs, built here in
+code) and random bf16 weights, written tensor by tensor into safetensors shards from a meta-device model (the whole
+model is never built in RAM); tokenizers, scheduler and model_index.json come from the tiny models (trainer/models/tiny.py:
 same classes and wiring, small vocabularies whose ids all exist in the full-size embeddings). A few JPEGs. Then
 `dittrain cache`, `dittrain fit` (a few steps, sampling during training on) and `dittrain sample` run as
 subprocesses of the family's `lora-<card>gb` preset with DITTRAIN_VRAM_CAP_GB = card - 1, and the table prints per
@@ -245,6 +245,18 @@ def _t5_cfg(tok_dir: Path):
                     eos_token_id=tok.eos_token_id, decoder_start_token_id=0)
 
 
+def _qwen3_4b_cfg(tiny_dir: Path):
+    """Qwen3-4B's text config; the special-token ids of the tiny tokenizer (all exist in the 151936 rows)."""
+    from transformers import Qwen3Config
+
+    tiny = json.loads((tiny_dir / "config.json").read_text())
+    return Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                       tie_word_embeddings=True,
+                       **{k: tiny[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in tiny})
+
+
 def _kl_vae(scale: float, shift: float):
     from diffusers import AutoencoderKL
 
@@ -278,6 +290,7 @@ def write_full_folder(family: str, folder: Path, transformer_file: str | None = 
         CLIPTextModelWithProjection,
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
+        Qwen3Model,
         T5EncoderModel,
     )
 
@@ -303,6 +316,12 @@ def write_full_folder(family: str, folder: Path, transformer_file: str | None = 
         vae = _kl_vae(0.3611, 0.1159)
         encs = [("text_encoder", CLIPTextModel, _clip_cfg(folder / "tokenizer", 768, 3072, 12, 12, 768, "quick_gelu")),
                 ("text_encoder_2", T5EncoderModel, _t5_cfg(folder / "tokenizer_2"))]
+    elif family == "chroma":  # Flux's VAE, T5-XXL alone
+        vae = _kl_vae(0.3611, 0.1159)
+        encs = [("text_encoder", T5EncoderModel, _t5_cfg(folder / "tokenizer"))]
+    elif family == "z-image":  # Flux's VAE, Qwen3-4B (the base model without its tied head, as the pipeline loads it)
+        vae = _kl_vae(0.3611, 0.1159)
+        encs = [("text_encoder", Qwen3Model, _qwen3_4b_cfg(folder / "text_encoder"))]
     elif family == "sd3":
         vae = _kl_vae(1.5305, 0.0609)
         encs = [("text_encoder", CLIPTextModelWithProjection,
@@ -465,8 +484,8 @@ def write_config(family: str, model: Path, images: Path, work: Path, res: int, s
     import yaml
 
     if smoke:
-        d = yaml.safe_load((ROOT / "configs" / "tiny" / ("qwen-image-lora.yaml" if family in ("qwen_image", "qwen-image")
-                                                         else f"{family}-lora.yaml")).read_text())
+        name = {"qwen_image": "qwen-image"}.get(family, family)
+        d = yaml.safe_load((ROOT / "configs" / "tiny" / f"{name}-lora.yaml").read_text())
     else:
         d = yaml.safe_load((ROOT / "configs" / family / f"lora-{card}gb.yaml").read_text())
     d["model"]["path"] = str(model)

@@ -17,9 +17,9 @@ from trainer.sampling import SampleSettings, TrainingSampler, encode_prompts, ge
 from trainer.sampling.engine import text_encoder_names
 
 PROMPT = "a red square on a blue background"
-# guidance > 1 runs SD3's, Qwen-Image's and Flux.2-klein's classifier-free guidance (negative pass), Flux dev's and
-# Flux.2-dev's guidance embedding
-GUIDANCE = {"flux": 3.5, "sd3": 4.0, "qwen_image": 4.0, "flux2": 4.0, "flux2-klein": 4.0}
+# guidance > 1 runs SD3's, Qwen-Image's, Flux.2-klein's and Chroma's classifier-free guidance (negative pass;
+# Z-Image's runs above 0), Flux dev's and Flux.2-dev's guidance embedding
+GUIDANCE = {"flux": 3.5, "sd3": 4.0, "qwen_image": 4.0, "flux2": 4.0, "flux2-klein": 4.0, "z-image": 2.0, "chroma": 3.0}
 FAMILIES = list(GUIDANCE)
 
 
@@ -268,7 +268,7 @@ def test_training_sampler_without_prompts_makes_nothing(tiny_models, tmp_path):
     assert TrainingSampler(cfg, adapter, "cpu", torch.float32)(model) == []
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen_image", "flux2", "flux2-klein"])
+@pytest.mark.parametrize("family", ["flux", "qwen_image", "flux2", "flux2-klein", "z-image", "chroma"])
 def test_streamed_text_encoders_give_identical_images(tiny_models, tmp_path, monkeypatch, family):
     import trainer.sampling.placement as placement
 
@@ -285,7 +285,7 @@ def test_streamed_text_encoders_give_identical_images(tiny_models, tmp_path, mon
     ref = run_sample(cfg, SampleRequest(prompts=[PROMPT], out=tmp_path / "a"))
     cfg.offload.text_encoders = 1.0
     got = run_sample(cfg, SampleRequest(prompts=[PROMPT], out=tmp_path / "b"))
-    # Flux: CLIP's and T5's layer lists; Qwen-Image, Flux.2: the language model's layers
+    # Flux: CLIP's and T5's layer lists; the others: the language model's layers
     assert len(attached) == (2 if family == "flux" else 1) and all(n >= 2 for n in attached)
     np.testing.assert_array_equal(_pixels(ref[0]), _pixels(got[0]))
 

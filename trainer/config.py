@@ -403,7 +403,7 @@ class SampleConfig(_Section):
     negative_prompt: str = Field(
         default="",
         description="Negative prompt for families that run classifier-free guidance when guidance > 1 "
-        "(SD3, Qwen-Image); Flux (guidance-distilled) ignores it.",
+        "(SD3, Qwen-Image, Chroma; Z-Image already when guidance > 0); Flux (guidance-distilled) ignores it.",
     )
     image: Path | None = Field(
         default=None,

@@ -39,6 +39,8 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "qwen-image-edit-plus": ("qwen_image_edit_plus", "QwenImageEditPlusAdapter"),
     "flux2": ("flux2", "Flux2Adapter"),
     "flux2-klein": ("flux2_klein", "Flux2KleinAdapter"),
+    "z-image": ("z_image", "ZImageAdapter"),
+    "chroma": ("chroma", "ChromaAdapter"),
 }
 
 __all__ = [

@@ -144,8 +144,11 @@ class ModelAdapter(ABC):
     #: the scheduler settings when the folder has no scheduler config (FlowMatchEulerDiscreteScheduler kwargs)
     default_scheduler: ClassVar[dict[str, Any]] = {}
     #: sampling: does the pipeline run a second, negative-prompt pass when guidance > 1 (so the negative prompt
-    #: must be encoded too, and the planner counts a batch of two)?
+    #: must be encoded too, and the planner counts a batch of two)? `runs_cfg` says at which guidance values.
     sampling_uses_negative: ClassVar[bool]
+    #: sample settings the presets write (`sample.steps`, `sample.guidance`) where the family's pipeline wants
+    #: others than the presets' 28 steps and the config's default guidance (a distilled model's few steps)
+    sample_defaults: ClassVar[dict[str, Any]] = {}
 
     # ------------------------------------------------------------------------------------------ presets
 
@@ -267,7 +270,14 @@ class ModelAdapter(ABC):
         cls, pipe: Any, prompt: str, negative: str | None, device: torch.device
     ) -> dict[str, torch.Tensor]:
         """Pipeline call kwargs holding one prompt's embeddings (and the negative prompt's when `negative` is not
-        None), from the pipeline's own `encode_prompt` called as `pipe(prompt=...)` would call it."""
+        None), from the pipeline's own `encode_prompt` called as `pipe(prompt=...)` would call it. Values are
+        tensors or lists of tensors (Z-Image's pipeline takes one tensor per prompt)."""
+
+    @classmethod
+    def runs_cfg(cls, guidance: float) -> bool:
+        """Whether the family's pipeline runs classifier-free guidance (a negative pass, a batch of two) at this
+        guidance value; most pipelines do above 1 (Z-Image's above 0)."""
+        return cls.sampling_uses_negative and guidance > 1
 
     @classmethod
     def pipeline_image(cls, pipe: Any, image: Any) -> dict[str, Any]:

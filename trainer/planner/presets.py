@@ -89,6 +89,7 @@ def _config(
             "steps": 28,
             "width": res,
             "height": res,
+            **adapter_class(family).sample_defaults,  # a distilled model's steps and guidance
             **({"image": "/path/to/reference.png"} if ref_text else {}),
         },
         "output": {"dir": f"out/{family}-{method}"},

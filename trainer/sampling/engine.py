@@ -5,7 +5,7 @@ negative prompt, where the family runs classifier-free guidance) is encoded thro
 `encode_prompt`; then the text encoders are dropped from the pipeline and their memory released. Only then is
 the transformer placed (resident, or streamed by the offload conductor) and each image denoised by calling the
 pipeline with the stored embeddings (each family's adapter names the arguments: `pipeline_embeds`,
-`pipeline_guidance`, `sampling_uses_negative` in trainer/models/). One pipeline call per image,
+`pipeline_guidance`, `runs_cfg` in trainer/models/). One pipeline call per image,
 each with its own CPU `torch.Generator` seeded with the image's seed, so an image depends only on its prompt,
 seed and settings: not on the batch it came in, the device the noise was drawn for, or how many images came
 before it.
@@ -56,12 +56,12 @@ def encode_prompts(
     device: torch.device | str | None = None,
     image=None,
 ) -> list[Embeds]:
-    """Pipeline call kwargs holding each prompt's embeddings (and the negative prompt's when guidance > 1 runs a
-    second pass). Needs the text encoders in `pipe`; identical prompts are encoded once. `image`: the reference
+    """Pipeline call kwargs holding each prompt's embeddings (and the negative prompt's when the guidance runs a
+    second pass: `runs_cfg`). Needs the text encoders in `pipe`; identical prompts are encoded once. `image`: the reference
     (PIL) for families whose text encoder sees it (`text_uses_reference`)."""
     fam = adapter_class(family)
     device = torch.device(device) if device is not None else pipe._execution_device
-    negative = negative_prompt if fam.sampling_uses_negative and guidance > 1 else None
+    negative = negative_prompt if fam.runs_cfg(guidance) else None
     cache: dict[str, Embeds] = {}
     with torch.no_grad():
         for p in prompts:
@@ -91,8 +91,17 @@ class _DropMaskNotice(logging.Filter):
         return "_mask` is not provided" not in record.getMessage()
 
 
+def to_device(value: Any, device: torch.device | str) -> Any:
+    """An embeddings value (a tensor, or a list of tensors) on `device`; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [to_device(v, device) for v in value]
+    return value
+
+
 def _to(embeds: Embeds, device: torch.device) -> Embeds:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in embeds.items()}
+    return {k: to_device(v, device) for k, v in embeds.items()}
 
 
 def generate(
