@@ -23,6 +23,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "flux-kontext": ("flux_kontext", "FluxKontextAdapter"),
     "qwen-image-edit": ("qwen_image_edit", "QwenImageEditAdapter"),
     "qwen-image-edit-plus": ("qwen_image_edit_plus", "QwenImageEditPlusAdapter"),
+    "qwen-image-2.1": ("qwen_image_21", "QwenImage21Adapter"),
 }
 
 __all__ = ["ADAPTERS", "Components", "ModelAdapter", "adapter_class", "get_adapter"]

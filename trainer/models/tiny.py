@@ -42,6 +42,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "flux-kontext": ("flux-kontext",),
     "qwen-image-edit": ("qwen-image-edit",),
     "qwen-image-edit-plus": ("qwen-image-edit-plus",),
+    "qwen-image-2.1": ("qwen-image-2.1",),
 }
 
 QWEN_TEMPLATE_PREFIX = (
@@ -335,13 +336,15 @@ def _qwen_image(edit: bool = False, plus: bool = False):
     return QwenImagePipeline(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
 
 
-def _name_processor_as_transformers_does(folder: Path) -> None:
-    """The processor is saved from our torchvision-free subclass; name it Qwen2VLProcessor, as a real folder does."""
+def _name_processor_as_transformers_does(folder: Path, processor) -> None:
+    """The processor is saved from our torchvision-free subclass; name it after the transformers class it extends
+    (Qwen2VLProcessor, Qwen3VLProcessor), as a real folder does."""
+    name = next(c.__name__ for c in type(processor).__mro__ if c.__module__.startswith("transformers."))
     for rel, key in (("model_index.json", "processor"), ("processor/processor_config.json", "processor_class")):
         p = folder / rel
         if p.is_file():
             d = json.loads(p.read_text())
-            d[key] = ["transformers", "Qwen2VLProcessor"] if key == "processor" else "Qwen2VLProcessor"
+            d[key] = ["transformers", name] if key == "processor" else name
             p.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
@@ -353,7 +356,16 @@ _BUILDERS = {
     "flux-kontext": lambda: _flux(schnell=False, kontext=True),
     "qwen-image-edit": lambda: _qwen_image(edit=True),
     "qwen-image-edit-plus": lambda: _qwen_image(edit=True, plus=True),
+    "qwen-image-2.1": lambda: _family_tiny("qwen_image_21"),
 }
+
+
+def _family_tiny(module: str):
+    """Families whose tiny builder is declared in their own module (`tiny_pipeline(tokenizer)`, given the tiny
+    Qwen tokenizer: every such family has a Qwen3-VL text encoder)."""
+    from importlib import import_module
+
+    return import_module(f"{__package__}.{module}").tiny_pipeline(_qwen_tokenizer())
 
 
 def make_tiny_models(out: str | Path, families: list[str] | None = None) -> list[Path]:
@@ -375,7 +387,7 @@ def make_tiny_models(out: str | Path, families: list[str] | None = None) -> list
             folder.mkdir(parents=True, exist_ok=True)
             pipe.save_pretrained(folder, safe_serialization=True)
             if (folder / "processor").is_dir():
-                _name_processor_as_transformers_does(folder)
+                _name_processor_as_transformers_does(folder, pipe.processor)
             written.append(folder)
     return written
 

@@ -92,7 +92,10 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     res = max(facts.resolutions)
     train = predict(facts, fraction, res, cfg.offload.activations)
     esize = 2 if facts.dtype.itemsize == 2 else facts.dtype.itemsize
-    vae = VAE_PARAMS.get(facts.family, 100_000_000) * esize
+    from ..models import adapter_class
+
+    vae_params = getattr(adapter_class(facts.family), "vae_params", None)  # declared on the family's adapter
+    vae = (vae_params or VAE_PARAMS.get(facts.family, 100_000_000)) * esize
     text_bytes = sum(n for _, n in facts.text_encoders)
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
     px = res * res
