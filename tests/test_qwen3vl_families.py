@@ -1,0 +1,139 @@
+"""The families with a Qwen3-VL text encoder (qwen-image-2.1) on their tiny models: text embeddings equal to the
+pipeline's `encode_prompt`, LoRA and full fits that lower the loss, streamed training identical to resident at
+several fractions, the LoRA file in the diffusers pipeline exactly as in the trainer, and `dittrain sample` pixel
+for pixel equal to the pipeline with the same seed and LoRA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_train_support import eval_loss, lora_predictions, losses, make_config, peek_batches, write_images
+
+from trainer.config import Config, ModelConfig
+from trainer.models import get_adapter
+from trainer.sample import SampleRequest, run_sample
+from trainer.train.trainer import Trainer
+
+FAMILIES = ["qwen-image-2.1"]
+PROMPTS = ["a red square on a blue background", "a cat", ""]
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return write_images(tmp_path_factory.mktemp("qwen3vl-images"))
+
+
+def _components(tiny_models: Path, family: str):
+    mc = ModelConfig(family=family, path=tiny_models / family, dtype="fp32")
+    adapter = get_adapter(mc)
+    return adapter, adapter.load(mc, parts={"transformer", "vae", "text", "scheduler"}, dtype=torch.float32)
+
+
+def reference_pipeline(adapter, comps):
+    """The family's diffusers pipeline built from the folder's parts (its processor needs torchvision to load
+    through `from_pretrained`: trainer/models/qwen_image_21.py `load_processor`)."""
+    pipe = adapter.pipeline(comps)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_text_embeddings_equal_the_pipelines(tiny_models, family):
+    adapter, comps = _components(tiny_models, family)
+    pipe = reference_pipeline(adapter, comps)
+    text = adapter.encode_prompts(comps, PROMPTS)
+    for i, prompt in enumerate(PROMPTS):
+        embeds, mask, image_mask = pipe.encode_prompt(prompt=prompt, device="cpu")
+        n = embeds.shape[1]
+        assert mask is None and not image_mask.any()
+        assert int(text["prompt_embeds_mask"][i].sum()) == n
+        # a batch is left-padded, so shorter prompts see other positions: equal up to fp32 rounding
+        torch.testing.assert_close(text["prompt_embeds"][i, :n], embeds[0], rtol=0, atol=1e-6)
+    # The pipeline reads the last layer before the final norm: with the norm it would differ.
+    normed = comps.text_encoders[0].model.language_model.norm(text["prompt_embeds"][0])
+    assert not torch.allclose(normed, text["prompt_embeds"][0], atol=1e-3)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_latents_round_trip_through_the_pipelines_decode(tiny_models, family):
+    """encode_images gives (B, C, H/16, W/16), normalised as the pipeline un-normalises before decoding."""
+    adapter, comps = _components(tiny_models, family)
+    pixels = torch.rand(2, 3, 64, 96) * 2 - 1
+    lat = adapter.encode_images(comps.vae, pixels)
+    assert lat.shape == (2, adapter.latent_channels, 4, 6)
+    c = comps.vae.config
+    raw = comps.vae.encode(torch.cat([pixels, torch.ones_like(pixels[:, :1])], 1).unsqueeze(2)).latent_dist.mode()
+    mean, std = torch.tensor(c.latents_mean).view(1, -1, 1, 1, 1), torch.tensor(c.latents_std).view(1, -1, 1, 1, 1)
+    torch.testing.assert_close(lat.unsqueeze(2) * std + mean, raw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_fit_lowers_the_loss(tiny_models, images, tmp_path, family, method):
+    cfg = make_config(tiny_models, images, tmp_path / "out", tmp_path / "cache", family, method,
+                      train={"steps": 6}, optimizer={"lr": 3e-3 if method == "lora" else 1e-3})
+    t = Trainer(cfg)
+    t.setup()
+    batches = peek_batches(t, 2)
+    before = eval_loss(t, batches)
+    path = t.fit()
+    after = eval_loss(t, batches)
+    got = losses(tmp_path / "out")
+    assert len(got) == 6 and all(np.isfinite(got))
+    assert path.name == ("lora.safetensors" if method == "lora" else "transformer")
+    assert after < before, (before, after)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_streamed_training_equals_resident(tiny_models, images, tmp_path, family, method):
+    """fp32 on the CPU: every fraction gives bitwise the resident run's losses."""
+    runs = {}
+    for fraction in (0.0, 0.5, 1.0):
+        out = tmp_path / f"f{fraction}"
+        cfg = make_config(tiny_models, images, out, tmp_path / "cache", family, method, train={"steps": 3},
+                          offload={"transformer": fraction})
+        Trainer(cfg).fit()
+        runs[fraction] = losses(out)
+    assert runs[0.5] == runs[0.0] and runs[1.0] == runs[0.0], runs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_file_changes_the_pipeline_exactly_as_in_the_trainer(tiny_models, images, tmp_path, family):
+    cfg = make_config(tiny_models, images, tmp_path / "out", tmp_path / "cache", family,
+                      train={"steps": 3}, optimizer={"lr": 1e-2}, lora={"rank": 4, "alpha": 2})
+    t = Trainer(cfg)
+    path = t.fit()
+    ours, theirs, untrained = lora_predictions(t, path)
+    assert torch.equal(ours, theirs)
+    assert (theirs - untrained).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sample_equals_the_pipeline_with_the_same_seed_and_lora(tiny_models, images, tmp_path, family):
+    train = make_config(tiny_models, images, tmp_path / "out", tmp_path / "cache", family,
+                        train={"steps": 2}, optimizer={"lr": 1e-2})
+    lora = Trainer(train).fit()
+    cfg = Config.model_validate({
+        "model": {"family": family, "path": str(tiny_models / family), "dtype": "fp32"},
+        "sample": {"steps": 2, "width": 64, "height": 32, "guidance": 3.0},
+        "train": {"device": "cpu"},
+        "output": {"dir": str(tmp_path / "s")},
+    })
+    (png,) = run_sample(cfg, SampleRequest(prompts=[PROMPTS[0]], seed=7, out=tmp_path / "s", loras=[str(lora)],
+                                   offload=0.5))
+    from PIL import Image
+
+    with Image.open(png) as im:
+        ours = np.asarray(im.convert("RGB")).copy()
+    adapter, comps = _components(tiny_models, family)
+    pipe = reference_pipeline(adapter, comps)
+    pipe.load_lora_weights(str(lora), adapter_name="x")
+    out = pipe(prompt=PROMPTS[0], negative_prompt="", height=32, width=64, num_inference_steps=2,
+               generator=torch.Generator().manual_seed(7), **adapter.pipeline_guidance(pipe, 3.0))
+    theirs = np.asarray(out.images[0].convert("RGB"))
+    assert ours.shape == (32, 64, 3)
+    np.testing.assert_array_equal(ours, theirs)
