@@ -70,53 +70,71 @@ def test_latents_round_trip_through_the_pipelines_decode(tiny_models, family):
     torch.testing.assert_close(lat.unsqueeze(2) * std + mean, raw)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("method", ["lora", "full"])
-def test_fit_lowers_the_loss(tiny_models, images, tmp_path, family, method):
-    cfg = make_config(tiny_models, images, tmp_path / "out", tmp_path / "cache", family, method,
-                      train={"steps": 6}, optimizer={"lr": 3e-3 if method == "lora" else 1e-3})
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("qwen3vl-cache")
+
+
+def _fit(tiny_models, images, cache, out, family, method="lora", **sections):
+    """Fit `family` on the test images; (trainer, output path, eval loss before, eval loss after)."""
+    cfg = make_config(tiny_models, images, out, cache / family, family, method, **sections)
     t = Trainer(cfg)
     t.setup()
     batches = peek_batches(t, 2)
     before = eval_loss(t, batches)
     path = t.fit()
-    after = eval_loss(t, batches)
-    got = losses(tmp_path / "out")
-    assert len(got) == 6 and all(np.isfinite(got))
-    assert path.name == ("lora.safetensors" if method == "lora" else "transformer")
-    assert after < before, (before, after)
+    return t, path, before, eval_loss(t, batches)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("method", ["lora", "full"])
-def test_streamed_training_equals_resident(tiny_models, images, tmp_path, family, method):
-    """fp32 on the CPU: every fraction gives bitwise the resident run's losses."""
+@pytest.fixture(scope="module")
+def lora_run(tiny_models, images, cache, tmp_path_factory):
     runs = {}
-    for fraction in (0.0, 0.5, 1.0):
-        out = tmp_path / f"f{fraction}"
-        cfg = make_config(tiny_models, images, out, tmp_path / "cache", family, method, train={"steps": 3},
-                          offload={"transformer": fraction})
-        Trainer(cfg).fit()
-        runs[fraction] = losses(out)
-    assert runs[0.5] == runs[0.0] and runs[1.0] == runs[0.0], runs
+
+    def get(family):
+        if family not in runs:
+            out = tmp_path_factory.mktemp(f"lora-{family}")
+            runs[family] = _fit(tiny_models, images, cache, out, family, train={"steps": 4},
+                                optimizer={"lr": 1e-2}, lora={"rank": 4, "alpha": 2})
+        return runs[family]
+
+    return get
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lora_file_changes_the_pipeline_exactly_as_in_the_trainer(tiny_models, images, tmp_path, family):
-    cfg = make_config(tiny_models, images, tmp_path / "out", tmp_path / "cache", family,
-                      train={"steps": 3}, optimizer={"lr": 1e-2}, lora={"rank": 4, "alpha": 2})
-    t = Trainer(cfg)
-    path = t.fit()
+def test_lora_fit_lowers_the_loss_and_loads_in_the_pipeline(lora_run, family):
+    """The LoRA file, through the pipeline's `load_lora_weights`, predicts exactly what the trainer's model does."""
+    t, path, before, after = lora_run(family)
+    assert path.name == "lora.safetensors" and after < before, (before, after)
     ours, theirs, untrained = lora_predictions(t, path)
     assert torch.equal(ours, theirs)
     assert (theirs - untrained).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_sample_equals_the_pipeline_with_the_same_seed_and_lora(tiny_models, images, tmp_path, family):
-    train = make_config(tiny_models, images, tmp_path / "out", tmp_path / "cache", family,
-                        train={"steps": 2}, optimizer={"lr": 1e-2})
-    lora = Trainer(train).fit()
+def test_full_fit_lowers_the_loss(tiny_models, images, cache, tmp_path, family):
+    t, path, before, after = _fit(tiny_models, images, cache, tmp_path / "out", family, "full",
+                                  train={"steps": 4}, optimizer={"lr": 1e-3})
+    assert (path / "config.json").is_file() and after < before, (before, after)
+    assert len(losses(tmp_path / "out")) == 4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("method", "fractions"), [("lora", (0.0, 0.5, 1.0)), ("full", (0.0, 0.5))])
+def test_streamed_training_equals_resident(tiny_models, images, cache, tmp_path, family, method, fractions):
+    """fp32 on the CPU: every fraction gives bitwise the resident run's losses."""
+    runs = {}
+    for fraction in fractions:
+        out = tmp_path / f"f{fraction}"
+        cfg = make_config(tiny_models, images, out, cache / family, family, method, train={"steps": 2},
+                          offload={"transformer": fraction})
+        Trainer(cfg).fit()
+        runs[fraction] = losses(out)
+    assert all(r == runs[0.0] for r in runs.values()), runs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sample_equals_the_pipeline_with_the_same_seed_and_lora(tiny_models, lora_run, tmp_path, family):
+    lora = lora_run(family)[1]
     cfg = Config.model_validate({
         "model": {"family": family, "path": str(tiny_models / family), "dtype": "fp32"},
         "sample": {"steps": 2, "width": 64, "height": 32, "guidance": 3.0},
