@@ -175,6 +175,10 @@ class QwenImage21Adapter(DiffusersAdapter):
     text_encoder_unused_params = (QWEN3_VL_LM_HEAD + QWEN3_VL_VISUAL,)
     text_encoder_nonblock_params = (QWEN3_VL_EMBED,)
     sampling_uses_negative = True
+    #: the pipeline's defaults: 40 steps, no classifier-free guidance (`true_cfg_scale` 1); presets sample so
+    sample_defaults = {"steps": 40, "guidance": 1.0}
+    #: full-size latent geometry: 16 px per latent, one latent per token (the planner's image tokens)
+    latent_scale, token_patch = 16, 1
     #: VAE parameters at full size (AutoencoderKLQwenImage21 defaults, meta-counted), for the planner
     vae_params = 337_740_404
 

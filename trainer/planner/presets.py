@@ -90,6 +90,8 @@ def _config(
             "width": res,
             "height": res,
             **({"image": "/path/to/reference.png"} if ref_text else {}),
+            # the family's own sampling settings (e.g. Qwen-Image 2.1: 40 steps without guidance)
+            **getattr(adapter_class(family), "sample_defaults", {}),
         },
         "output": {"dir": f"out/{family}-{method}"},
     }
