@@ -20,8 +20,8 @@ def images(tmp_path_factory):
     return write_images(tmp_path_factory.mktemp("ema-images"))
 
 
-def _cfg(tiny_models, images, out, cache, method="lora", steps=4, fraction=0.0, **train):
-    return make_config(tiny_models, images, out, cache, "flux", method,
+def _cfg(tiny_models, images, out, cache, method="lora", steps=4, fraction=0.0, family="flux", **train):
+    return make_config(tiny_models, images, out, cache, family, method,
                        train={"steps": steps, "ema": {"decay": 0.7, "every": 2, "device": "cpu"}, **train},
                        offload={"transformer": fraction})
 
@@ -48,11 +48,12 @@ def test_config_keeps_a_streamed_full_fine_tunes_ema_in_ram(tiny_models, images,
     assert (c.train.ema.decay, c.train.ema.every, c.train.ema.device) == (0.999, 1, "cpu")
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
-def test_shadow_is_the_moving_average(method, tiny_models, images, tmp_path):
+@pytest.mark.parametrize(("family", "method"), [("flux", "lora"), ("flux", "full"), ("qwen-image-2.1", "lora"),
+                                                ("qwen-image-2.1", "full")])
+def test_shadow_is_the_moving_average(family, method, tiny_models, images, tmp_path):
     """LoRA updates after the step (unfused), full inside backward (fused back pass hooks): both bitwise the
     average of the weights after steps 2 and 4."""
-    t = Trainer(_cfg(tiny_models, images, tmp_path / "o", tmp_path / "cache", method))
+    t = Trainer(_cfg(tiny_models, images, tmp_path / "o", tmp_path / "cache", method, family=family))
     t.setup()
     try:
         assert t.ema.fused == (method == "full")
