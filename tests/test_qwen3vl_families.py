@@ -1,4 +1,4 @@
-"""The families with a Qwen3-VL text encoder (qwen-image-2.1) on their tiny models: text embeddings equal to the
+"""The families with a Qwen3-VL text encoder (qwen-image-2.1, krea2 and its turbo folder) on their tiny models: text embeddings equal to the
 pipeline's `encode_prompt`, LoRA and full fits that lower the loss, streamed training identical to resident at
 several fractions, the LoRA file in the diffusers pipeline exactly as in the trainer, and `dittrain sample` pixel
 for pixel equal to the pipeline with the same seed and LoRA."""
@@ -17,7 +17,9 @@ from trainer.models import get_adapter
 from trainer.sample import SampleRequest, run_sample
 from trainer.train.trainer import Trainer
 
-FAMILIES = ["qwen-image-2.1"]
+FAMILIES = ["qwen-image-2.1", "krea2"]
+#: (family, tiny folder): every folder make-tiny writes for these families
+FOLDERS = [("qwen-image-2.1", "qwen-image-2.1"), ("krea2", "krea2"), ("krea2", "krea2-turbo")]
 PROMPTS = ["a red square on a blue background", "a cat", ""]
 
 
@@ -26,15 +28,15 @@ def images(tmp_path_factory):
     return write_images(tmp_path_factory.mktemp("qwen3vl-images"))
 
 
-def _components(tiny_models: Path, family: str):
-    mc = ModelConfig(family=family, path=tiny_models / family, dtype="fp32")
+def _components(tiny_models: Path, family: str, folder: str | None = None):
+    mc = ModelConfig(family=family, path=tiny_models / (folder or family), dtype="fp32")
     adapter = get_adapter(mc)
     return adapter, adapter.load(mc, parts={"transformer", "vae", "text", "scheduler"}, dtype=torch.float32)
 
 
 def reference_pipeline(adapter, comps):
-    """The family's diffusers pipeline built from the folder's parts (its processor needs torchvision to load
-    through `from_pretrained`: trainer/models/qwen_image_21.py `load_processor`)."""
+    """The family's diffusers pipeline built from the folder's parts (Qwen-Image 2.1's processor needs torchvision
+    to load through `from_pretrained`: trainer/models/qwen_image_21.py `load_processor`)."""
     pipe = adapter.pipeline(comps)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -46,20 +48,22 @@ def test_text_embeddings_equal_the_pipelines(tiny_models, family):
     pipe = reference_pipeline(adapter, comps)
     text = adapter.encode_prompts(comps, PROMPTS)
     for i, prompt in enumerate(PROMPTS):
-        embeds, mask, image_mask = pipe.encode_prompt(prompt=prompt, device="cpu")
+        theirs = adapter.pipeline_embeds(pipe, prompt, None, "cpu")
+        embeds, mask = theirs["prompt_embeds"], theirs["prompt_embeds_mask"]
         n = embeds.shape[1]
-        assert mask is None and not image_mask.any()
-        assert int(text["prompt_embeds_mask"][i].sum()) == n
-        # a batch is left-padded, so shorter prompts see other positions: equal up to fp32 rounding
+        valid = n if mask is None else int(mask.sum())  # Qwen-Image 2.1 leaves an all-valid mask out
+        assert int(text["prompt_embeds_mask"][i].sum()) == valid
+        # Qwen-Image 2.1 left-pads a batch, so shorter prompts see other positions: equal up to fp32 rounding
         torch.testing.assert_close(text["prompt_embeds"][i, :n], embeds[0], rtol=0, atol=1e-6)
-    # The pipeline reads the last layer before the final norm: with the norm it would differ.
-    normed = comps.text_encoders[0].model.language_model.norm(text["prompt_embeds"][0])
-    assert not torch.allclose(normed, text["prompt_embeds"][0], atol=1e-3)
+    if family == "qwen-image-2.1":  # its pipeline reads the last layer before the final norm
+        normed = comps.text_encoders[0].model.language_model.norm(text["prompt_embeds"][0])
+        assert not torch.allclose(normed, text["prompt_embeds"][0], atol=1e-3)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["qwen-image-2.1"])
 def test_latents_round_trip_through_the_pipelines_decode(tiny_models, family):
-    """encode_images gives (B, C, H/16, W/16), normalised as the pipeline un-normalises before decoding."""
+    """encode_images gives (B, C, H/16, W/16) from an opaque RGBA image, normalised as the pipeline un-normalises
+    before decoding."""
     adapter, comps = _components(tiny_models, family)
     pixels = torch.rand(2, 3, 64, 96) * 2 - 1
     lat = adapter.encode_images(comps.vae, pixels)
@@ -132,12 +136,23 @@ def test_streamed_training_equals_resident(tiny_models, images, cache, tmp_path,
     assert all(r == runs[0.0] for r in runs.values()), runs
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_sample_equals_the_pipeline_with_the_same_seed_and_lora(tiny_models, lora_run, tmp_path, family):
+def test_krea2_turbo_trains_and_samples_at_its_fixed_shift(tiny_models):
+    """The distilled folder (`is_distilled` in its pipeline config) uses the pipeline's fixed mu 1.15 at every size."""
+    import math
+
+    base, turbo = (get_adapter(ModelConfig(family="krea2", path=tiny_models / f, dtype="fp32"))
+                   for f in ("krea2", "krea2-turbo"))
+    assert turbo.timestep_shift(64, 64) == turbo.timestep_shift(1024, 1024) == math.exp(1.15)
+    assert base.timestep_shift(64, 64) < base.timestep_shift(1024, 1024)
+
+
+@pytest.mark.parametrize(("family", "folder", "guidance"), [(f, d, 0.0 if "turbo" in d else 3.0) for f, d in FOLDERS])
+def test_sample_equals_the_pipeline_with_the_same_seed_and_lora(tiny_models, lora_run, tmp_path, family, folder,
+                                                                 guidance):
     lora = lora_run(family)[1]
     cfg = Config.model_validate({
-        "model": {"family": family, "path": str(tiny_models / family), "dtype": "fp32"},
-        "sample": {"steps": 2, "width": 64, "height": 32, "guidance": 3.0},
+        "model": {"family": family, "path": str(tiny_models / folder), "dtype": "fp32"},
+        "sample": {"steps": 2, "width": 64, "height": 32, "guidance": guidance},
         "train": {"device": "cpu"},
         "output": {"dir": str(tmp_path / "s")},
     })
@@ -147,11 +162,11 @@ def test_sample_equals_the_pipeline_with_the_same_seed_and_lora(tiny_models, lor
 
     with Image.open(png) as im:
         ours = np.asarray(im.convert("RGB")).copy()
-    adapter, comps = _components(tiny_models, family)
+    adapter, comps = _components(tiny_models, family, folder)
     pipe = reference_pipeline(adapter, comps)
     pipe.load_lora_weights(str(lora), adapter_name="x")
     out = pipe(prompt=PROMPTS[0], negative_prompt="", height=32, width=64, num_inference_steps=2,
-               generator=torch.Generator().manual_seed(7), **adapter.pipeline_guidance(pipe, 3.0))
+               generator=torch.Generator().manual_seed(7), **adapter.pipeline_guidance(pipe, guidance))
     theirs = np.asarray(out.images[0].convert("RGB"))
     assert ours.shape == (32, 64, 3)
     np.testing.assert_array_equal(ours, theirs)

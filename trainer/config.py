@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import ConfigError
 
 Family = Literal["flux", "sd3", "qwen_image", "flux-kontext", "qwen-image-edit", "qwen-image-edit-plus",
-                 "qwen-image-2.1"]
+                 "qwen-image-2.1", "krea2"]
 
 
 class _Section(BaseModel):
@@ -33,7 +33,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     family: Family = Field(description="Model family: flux (dev or schnell), sd3 (SD3 / SD3.5), qwen_image, or the edit "
                                          "families flux-kontext, qwen-image-edit and qwen-image-edit-plus (Qwen-Image-Edit-2509; "
-                                         "trained on image pairs, one reference each); qwen-image-2.1 (Qwen-Image 2.1, text-to-image).")
+                                         "trained on image pairs, one reference each); qwen-image-2.1 (Qwen-Image 2.1, text-to-image); krea2 (Krea 2, base or turbo).")
     path: Path = Field(
         description="Local diffusers-format folder (model_index.json, transformer/, vae/, text_encoder*/, "
         "tokenizer*/). Nothing is downloaded."

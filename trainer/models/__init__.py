@@ -24,6 +24,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "qwen-image-edit": ("qwen_image_edit", "QwenImageEditAdapter"),
     "qwen-image-edit-plus": ("qwen_image_edit_plus", "QwenImageEditPlusAdapter"),
     "qwen-image-2.1": ("qwen_image_21", "QwenImage21Adapter"),
+    "krea2": ("krea2", "Krea2Adapter"),
 }
 
 __all__ = ["ADAPTERS", "Components", "ModelAdapter", "adapter_class", "get_adapter"]

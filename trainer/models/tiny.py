@@ -43,6 +43,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "qwen-image-edit": ("qwen-image-edit",),
     "qwen-image-edit-plus": ("qwen-image-edit-plus",),
     "qwen-image-2.1": ("qwen-image-2.1",),
+    "krea2": ("krea2", "krea2-turbo"),
 }
 
 QWEN_TEMPLATE_PREFIX = (
@@ -357,15 +358,17 @@ _BUILDERS = {
     "qwen-image-edit": lambda: _qwen_image(edit=True),
     "qwen-image-edit-plus": lambda: _qwen_image(edit=True, plus=True),
     "qwen-image-2.1": lambda: _family_tiny("qwen_image_21"),
+    "krea2": lambda: _family_tiny("krea2"),
+    "krea2-turbo": lambda: _family_tiny("krea2", distilled=True),
 }
 
 
-def _family_tiny(module: str):
+def _family_tiny(module: str, **kw):
     """Families whose tiny builder is declared in their own module (`tiny_pipeline(tokenizer)`, given the tiny
     Qwen tokenizer: every such family has a Qwen3-VL text encoder)."""
     from importlib import import_module
 
-    return import_module(f"{__package__}.{module}").tiny_pipeline(_qwen_tokenizer())
+    return import_module(f"{__package__}.{module}").tiny_pipeline(_qwen_tokenizer(), **kw)
 
 
 def make_tiny_models(out: str | Path, families: list[str] | None = None) -> list[Path]:
