@@ -111,7 +111,7 @@ def test_metadata_mask_column(masked_set):
 
 
 # flux and qwen_image pack latents 2x2 into tokens inside predict; qwen-image-2.1 flattens 16x latents unpacked
-@pytest.mark.parametrize("family", ["flux", "qwen_image", "qwen-image-2.1"])
+@pytest.mark.parametrize("family", ["flux", "qwen_image", "qwen-image-2.1", "krea2"])
 def test_masked_training_end_to_end_from_yaml(family, tiny_models, tmp_path):
     from trainer.train.trainer import Trainer
 

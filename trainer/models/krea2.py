@@ -66,7 +66,11 @@ class Krea2Adapter(DiffusersAdapter):
     family = "krea2"
     transformer_cls = Krea2Transformer2DModel
     pipeline_cls = Krea2Pipeline
-    default_lora_targets = ("to_q", "to_k", "to_v", "to_gate", "to_out.0", "ff.gate", "ff.up", "ff.down")
+    # the main blocks' Linears by full name: the text-fusion blocks (outside the streamed blocks, resident) have
+    # the same Linear names, and LoRA there would keep their activations over 512 x 12 text rows for backward
+    # (about 2.7 GB at 512 px); up to 64 blocks (the model has 28)
+    default_lora_targets = tuple(f"transformer_blocks.{i}.{m}" for i in range(64) for m in (
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_gate", "attn.to_out.0", "ff.gate", "ff.up", "ff.down"))
     text_encoder_dirs = ("text_encoder",)
     text_encoder_classes = ("Qwen3VLModel",)
     tokenizer_dirs = ("tokenizer",)
