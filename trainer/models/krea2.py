@@ -95,6 +95,18 @@ class Krea2Adapter(DiffusersAdapter):
     sample_defaults = {"steps": 28, "guidance": 4.5}  # the base checkpoint's; turbo: steps 8, guidance 0
     latent_scale, token_patch = 8, 2
 
+    @classmethod
+    def full_size_parts(cls, folder):
+        """bench/bench_program.py's full-size random folders: Qwen-Image's VAE (built for real) and Qwen3-VL-4B as
+        `Qwen3VLModel`, whole (36 layers, vision tower included), with the tiny tokenizer's special token ids."""
+        import transformers
+        from diffusers import AutoencoderKLQwenImage
+
+        from .qwen_image_21 import full_text_config
+
+        return AutoencoderKLQwenImage(), [("text_encoder", transformers.Qwen3VLModel,
+                                           full_text_config(folder, qwen3_vl_4b_config()))]
+
     @cached_property
     def pipeline_config(self) -> dict:
         return self._json("model_index.json", required=False)

@@ -130,6 +130,21 @@ def load_processor(folder: str | Path):
     return make_processor(tokenizer, image_processor, template)
 
 
+def full_text_config(folder: Path, cfg: dict[str, Any]):
+    """A full-size Qwen3VLConfig whose special token ids are those of `folder`'s tiny text encoder (its tokenizer
+    is the tiny one; every id exists in the full vocabulary)."""
+    from transformers import Qwen3VLConfig
+
+    tiny = json.loads((Path(folder) / "text_encoder" / "config.json").read_text())
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if k in tiny.get("text_config", {}):
+            cfg["text_config"][k] = tiny["text_config"][k]
+    for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        if k in tiny:
+            cfg[k] = tiny[k]
+    return Qwen3VLConfig(**cfg)
+
+
 def system_tokens(processor) -> int:
     """Tokens of the system turn the pipeline drops (`QwenImage21Pipeline._drop_idx`), from the chat template."""
     msg = [{"role": "system", "content": [{"type": "text", "text": SYSTEM_PROMPT}]}]
@@ -181,6 +196,17 @@ class QwenImage21Adapter(DiffusersAdapter):
     latent_scale, token_patch = 16, 1
     #: VAE parameters at full size (AutoencoderKLQwenImage21 defaults, meta-counted), for the planner
     vae_params = 337_740_404
+
+    @classmethod
+    def full_size_parts(cls, folder: Path):
+        """bench/bench_program.py's full-size random folders: (the VAE, built for real: 0.34 B; [(sub-folder,
+        encoder class, config)] built on meta). Qwen3-VL-8B whole (36 layers, vision tower included), its special
+        token ids those of the folder's tiny tokenizer."""
+        import transformers
+        from diffusers import AutoencoderKLQwenImage21
+
+        return AutoencoderKLQwenImage21(), [("text_encoder", transformers.Qwen3VLForConditionalGeneration,
+                                             full_text_config(folder, qwen3_vl_8b_config()))]
 
     # ------------------------------------------------------------------------------------------ geometry
 
