@@ -107,6 +107,13 @@ class Krea2Adapter(DiffusersAdapter):
         return AutoencoderKLQwenImage(), [("text_encoder", transformers.Qwen3VLModel,
                                            full_text_config(folder, qwen3_vl_4b_config()))]
 
+    @classmethod
+    def tiny_builders(cls):
+        from .tiny import qwen_tokenizer
+
+        return {"krea2": lambda: tiny_pipeline(qwen_tokenizer()),
+                "krea2-turbo": lambda: tiny_pipeline(qwen_tokenizer(), distilled=True)}
+
     @cached_property
     def pipeline_config(self) -> dict:
         return self._json("model_index.json", required=False)

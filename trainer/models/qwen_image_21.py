@@ -188,6 +188,7 @@ class QwenImage21Adapter(DiffusersAdapter):
     text_encoder_params = (("Qwen3-VL-8B", QWEN3_VL_8B),)
     # the head and the vision tower never run for text-to-image captions (`slim_text_encoder`)
     text_encoder_unused_params = (QWEN3_VL_LM_HEAD + QWEN3_VL_VISUAL,)
+    text_encoder_keep_linears = r"(^|\.)lm_head\."  # the head is never run (and `slim_text_encoder` drops it)
     text_encoder_nonblock_params = (QWEN3_VL_EMBED,)
     sampling_uses_negative = True
     #: the pipeline's defaults: 40 steps, no classifier-free guidance (`true_cfg_scale` 1); presets sample so
@@ -207,6 +208,12 @@ class QwenImage21Adapter(DiffusersAdapter):
 
         return AutoencoderKLQwenImage21(), [("text_encoder", transformers.Qwen3VLForConditionalGeneration,
                                              full_text_config(folder, qwen3_vl_8b_config()))]
+
+    @classmethod
+    def tiny_builders(cls):
+        from .tiny import qwen_tokenizer
+
+        return {"qwen-image-2.1": lambda: tiny_pipeline(qwen_tokenizer())}
 
     # ------------------------------------------------------------------------------------------ geometry
 
