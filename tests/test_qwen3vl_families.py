@@ -136,6 +136,16 @@ def test_streamed_training_equals_resident(tiny_models, images, cache, tmp_path,
     assert all(r == runs[0.0] for r in runs.values()), runs
 
 
+@pytest.mark.parametrize(("family", "folder"), FOLDERS)
+def test_declared_geometry_is_the_folders(tiny_models, family, folder):
+    """`latent_scale` (the trainer's pixels per latent side for the timestep shift, and the planner's) and the
+    divisor agree with the folder's VAE and transformer: Qwen-Image 2.1 is 16 px a latent, 32 px a side."""
+    a = get_adapter(ModelConfig(family=family, path=tiny_models / folder, dtype="fp32"))
+    assert a.latent_scale == a.vae_scale_factor
+    assert a.resolution_divisor == {"qwen-image-2.1": 32, "krea2": 16}[family]
+    assert a.full_image_tokens(1024, 1024) == a.image_seq_len(1024, 1024) == 4096
+
+
 def test_krea2_turbo_trains_and_samples_at_its_fixed_shift(tiny_models):
     """The distilled folder (`is_distilled` in its pipeline config) uses the pipeline's fixed mu 1.15 at every size."""
     import math
