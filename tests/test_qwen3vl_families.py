@@ -146,6 +146,22 @@ def test_declared_geometry_is_the_folders(tiny_models, family, folder):
     assert a.full_image_tokens(1024, 1024) == a.image_seq_len(1024, 1024) == 4096
 
 
+def test_streamed_loading_keeps_krea2s_fp32_modules_as_from_pretrained_does(tiny_models):
+    """Krea 2 keeps its norms in fp32 under a bf16 model (`_keep_in_fp32_modules`): the block-by-block loader of
+    `fit` gives every parameter the dtype and the value diffusers' `from_pretrained` gives it."""
+    from trainer.models.stream_load import TransformerLoader, empty_transformer
+
+    mc = ModelConfig(family="krea2", path=tiny_models / "krea2", dtype="bf16")
+    adapter = get_adapter(mc)
+    tr = empty_transformer(adapter, mc, torch.bfloat16)
+    TransformerLoader(tr, mc, torch.bfloat16).place(tr, "cpu")
+    ref = adapter.transformer_cls.from_pretrained(tiny_models / "krea2", subfolder="transformer",
+                                                  torch_dtype=torch.bfloat16)
+    ours, theirs = dict(tr.named_parameters()), dict(ref.named_parameters())
+    assert {p.dtype for p in ours.values()} == {torch.float32, torch.bfloat16}
+    assert all(ours[n].dtype == p.dtype and torch.equal(ours[n], p) for n, p in theirs.items())
+
+
 def test_krea2_turbo_trains_and_samples_at_its_fixed_shift(tiny_models):
     """The distilled folder (`is_distilled` in its pipeline config) uses the pipeline's fixed mu 1.15 at every size."""
     import math
