@@ -6,6 +6,7 @@ on the family's default targets, AdamW, gradient checkpointing), every row a rat
     python bench/bench_speed.py --out /tmp/speed                       # Flux, all rows (budget-limited)
     python bench/bench_speed.py --family qwen_image --out /tmp/speed_q # offload-0 rows
     python bench/bench_speed.py --family sd3 --out /tmp/speed_s
+    python bench/bench_speed.py --family qwen-image-2.1 --out /tmp/speed_q21    # also krea2
     python bench/bench_speed.py --smoke --out /tmp/s                   # CPU, tiny widths: checks the script
 
 Rows (in this order; `--budget-s` stops adding rows when the time is spent, the reference always runs):
@@ -54,6 +55,12 @@ SMOKE = {  # tiny widths per family for --smoke (CPU)
                        axes_dims_rope=(4, 4, 8)),
     "sd3": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                 caption_projection_dim=32, pooled_projection_dim=32, sample_size=32, pos_embed_max_size=32),
+    "qwen-image-2.1": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, context_in_dim=32,
+                           axes_dims_rope=(4, 6, 6)),
+    "krea2": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, num_key_value_heads=1,
+                  intermediate_size=64, text_hidden_dim=32, num_text_layers=2, text_num_attention_heads=2,
+                  text_num_key_value_heads=2, text_intermediate_size=64, num_layerwise_text_blocks=1,
+                  num_refiner_text_blocks=1, axes_dims_rope=(4, 6, 6)),
 }
 TARGETS = {  # ratio to the reference the issue asks for, by row name
     "flux": {"dittrain offload 0, compiled": 0.85, "dittrain offload 0.5, compiled": 0.85,
@@ -61,6 +68,8 @@ TARGETS = {  # ratio to the reference the issue asks for, by row name
              "sample: dittrain resident, compiled": 0.80},
     "qwen_image": {"dittrain offload 0, compiled": 0.90},
     "sd3": {"dittrain offload 0, compiled": 0.90},
+    "qwen-image-2.1": {"dittrain offload 0, compiled": 0.90},
+    "krea2": {"dittrain offload 0, compiled": 0.90},
 }
 
 
