@@ -312,7 +312,9 @@ def write_full_folder(family: str, folder: Path, transformer_file: str | None = 
     else:
         total = _save(folder / "transformer", tr, tr, "diffusion_pytorch_model", bf16, 1)
     del tr
-    if family == "flux":
+    if hasattr(ad, "full_size_parts"):  # families that declare their full-size VAE and text encoders themselves
+        vae, encs = ad.full_size_parts(folder)
+    elif family == "flux":
         vae = _kl_vae(0.3611, 0.1159)
         encs = [("text_encoder", CLIPTextModel, _clip_cfg(folder / "tokenizer", 768, 3072, 12, 12, 768, "quick_gelu")),
                 ("text_encoder_2", T5EncoderModel, _t5_cfg(folder / "tokenizer_2"))]

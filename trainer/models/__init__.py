@@ -41,6 +41,8 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "flux2-klein": ("flux2_klein", "Flux2KleinAdapter"),
     "z-image": ("z_image", "ZImageAdapter"),
     "chroma": ("chroma", "ChromaAdapter"),
+    "qwen-image-2.1": ("qwen_image_21", "QwenImage21Adapter"),
+    "krea2": ("krea2", "Krea2Adapter"),
 }
 
 __all__ = [

@@ -154,6 +154,9 @@ class ModelAdapter(ABC):
 
     #: card sizes (GB) `python -m trainer.planner.presets` writes configs/<family>/<method>-<N>gb.yaml for
     preset_cards: ClassVar[tuple[int, ...]] = (8, 12, 16, 24, 48, 80)
+    #: the presets' `sample:` settings where the family's pipeline samples otherwise than the generic 28 steps at
+    #: `sample.guidance`'s default (e.g. Qwen-Image 2.1: 40 steps without guidance)
+    sample_defaults: ClassVar[dict[str, Any]] = {}
     #: {(method, card GB): "measured on ...: ..."}: what a GPU run of that preset measured, for its header
     #: (declared on the class itself: a subclass family does not inherit another model's measurements)
     measured_presets: ClassVar[dict[tuple[str, int], str]] = {}

@@ -91,6 +91,8 @@ def _config(
             "height": res,
             **adapter_class(family).sample_defaults,  # a distilled model's steps and guidance
             **({"image": "/path/to/reference.png"} if ref_text else {}),
+            # the family's own sampling settings (e.g. Qwen-Image 2.1: 40 steps without guidance)
+            **adapter_class(family).sample_defaults,
         },
         "output": {"dir": f"out/{family}-{method}"},
     }
