@@ -266,6 +266,45 @@ def check_target(state: dict, steps: int, folder: Path, out: Path | None = None)
         )
 
 
+# Config keys that change the shapes (or the set) of the trained weights: a checkpoint saved under other values
+# cannot be loaded into this run's model, whatever else is the same.
+SHAPE_KEYS = ("train.method", "lora.type", "lora.rank", "lora.dora", "lora.targets", "model.family")
+
+
+def _dotted(d: dict | None, key: str):
+    for part in key.split("."):
+        if not isinstance(d, dict):
+            return None
+        d = d.get(part)
+    return d
+
+
+def check_shapes(state: dict, current: dict, folder: Path) -> None:
+    """Refuse, in one line before the model loads, a resume whose config changes the trained weights' shapes
+    (lora.rank 16 -> 8): the checkpoint's weights would not fit the model this config builds."""
+    saved = state.get("config")
+    if not isinstance(saved, dict):
+        return
+    changed = [(k, _dotted(saved, k), _dotted(current, k)) for k in SHAPE_KEYS
+               if _dotted(saved, k) != _dotted(current, k)]
+    if changed:
+        what = ", ".join(f"{k} {a} -> {b}" for k, a, b in changed)
+        back = " ".join(f"--set {k}={_yaml_value(a)}" for k, a, _ in changed)
+        raise UserError(
+            f"--resume {folder}: {what} changes the shapes of the trained weights, so the checkpoint cannot be "
+            f"loaded; resume with the run's values ({back}) or start a new run in another output.dir "
+            f"(--set output.dir=...)"
+        )
+
+
+def _yaml_value(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return {True: "true", False: "false", None: "null"}[v]
+    if isinstance(v, list):
+        return "[" + ",".join(map(str, v)) + "]"
+    return str(v)
+
+
 def config_changes(saved: dict | None, current: dict, limit: int = 4) -> list[str]:
     """Dotted keys whose values differ between two config dumps, as `key: old -> new`."""
     if not saved:

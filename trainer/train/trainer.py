@@ -156,7 +156,9 @@ class Trainer:
             raise UserError("the config has no data: section; `dittrain fit` needs data.sources")
         resume_dir = runs.resolve_resume(self.out, self.resume, self.resume_other_run) if self.resume else None
         if resume_dir is not None:
-            runs.check_target(json.loads((resume_dir / "state.json").read_text()), c.steps, resume_dir, self.out)
+            state = json.loads((resume_dir / "state.json").read_text())
+            runs.check_target(state, c.steps, resume_dir, self.out)
+            runs.check_shapes(state, cfg.model_dump(mode="json"), resume_dir)  # lora.rank 16 -> 8: one line
         runs.check_writable(self.out, "output.dir")  # before anything loads; every process, so all stop together
         if cfg.data.cache:
             runs.check_writable(cfg.data.cache_dir, "data.cache_dir")

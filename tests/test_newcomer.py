@@ -1,0 +1,45 @@
+"""What a new user trips over (issue 30): resume that never tracebacks, messages that tell the truth, and quiet,
+readable output. One test per rough edge, each on the tiny models in a few seconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_train_support import make_config, write_images
+
+from trainer.errors import UserError
+from trainer.train.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return write_images(tmp_path_factory.mktemp("newcomer-images"))
+
+
+def _cfg(tiny_models, images, tmp_path, **sections):
+    sections.setdefault("train", {})
+    sections["train"] = {"steps": 2, "checkpoint_every": 2, **sections["train"]}
+    return make_config(tiny_models, images, tmp_path / "run", tmp_path / "cache", "flux", **sections)
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+
+def test_resume_with_a_changed_lora_rank_is_one_line_naming_the_key(tiny_models, images, tmp_path, monkeypatch):
+    Trainer(_cfg(tiny_models, images, tmp_path)).fit()
+    changed = _cfg(tiny_models, images, tmp_path, lora={"rank": 8}, train={"steps": 4})
+    from trainer.train import trainer
+
+    real = trainer.get_adapter
+    monkeypatch.setattr(trainer, "get_adapter", lambda *a: pytest.fail("loaded a model before checking the shapes"))
+    with pytest.raises(UserError, match=r"lora\.rank 4 -> 8 .*--set lora\.rank=4"):
+        Trainer(changed, resume="latest").fit()
+    # A checkpoint without its config (older runs): the shapes are compared tensor by tensor, still one line
+    monkeypatch.setattr(trainer, "get_adapter", real)
+    state = tmp_path / "run" / "checkpoints" / "step-000002" / "state.json"
+    s = json.loads(state.read_text())
+    del s["config"]
+    state.write_text(json.dumps(s))
+    with pytest.raises(UserError, match=r"LoRA weights have other shapes than this lora config makes"):
+        Trainer(changed, resume="latest").fit()
