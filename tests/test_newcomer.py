@@ -43,3 +43,29 @@ def test_resume_with_a_changed_lora_rank_is_one_line_naming_the_key(tiny_models,
     state.write_text(json.dumps(s))
     with pytest.raises(UserError, match=r"LoRA weights have other shapes than this lora config makes"):
         Trainer(changed, resume="latest").fit()
+
+
+def _tb_losses(folder) -> list[tuple[int, float]]:
+    """Every train/loss event in every event file, as a plain reader sees them (no purge markers applied)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    found = []
+    for f in sorted(folder.glob("events.out.tfevents.*")):
+        for e in EventFileLoader(str(f)).Load():
+            for v in e.summary.value:
+                if v.tag == "train/loss":
+                    found.append((e.step, round(float(v.tensor.float_val[0] if v.HasField("tensor") else
+                                                      v.simple_value), 6)))
+    return sorted(found)
+
+
+def test_resume_continues_the_smoothed_loss_and_tensorboard_holds_each_step_once(tiny_models, images, tmp_path):
+    cfg = _cfg(tiny_models, images, tmp_path, train={"steps": 4}, output={"tensorboard": True})
+    Trainer(cfg).fit()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    tb = _tb_losses(tmp_path / "run" / "tensorboard")
+    assert [s for s, _ in tb] == [1, 2, 3, 4]
+    Trainer(cfg, resume=str(tmp_path / "run" / "checkpoints" / "step-000002")).fit()
+    again = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss_smoothed"] for r in again] == [r["loss_smoothed"] for r in rows]
+    assert _tb_losses(tmp_path / "run" / "tensorboard") == tb  # steps 3 and 4 once, not once per run

@@ -3,7 +3,10 @@
 Every number here is already on the host when it is logged: the loss is read once per micro-batch by the
 non-finite check (a sync the loop needs anyway), the gradient norm only on logging steps. `metrics.jsonl` in
 output.dir gets one line per logged step; on resume, lines after the resumed step are dropped first, so the file
-reads like one run. Every line carries the run id (trainer/train/run.py) and the epoch. TensorBoard (if
+reads like one run. TensorBoard's event files are trimmed the same way (events past the resumed step rewritten
+out), so no reader sees a step twice: a killed run's events past its last checkpoint are gone, not merely
+hidden by the purge marker that only some readers honour. The smoothed loss is part of the checkpoint
+(`smoothing_state`), so a resumed run continues the curve the uninterrupted run draws. Every line carries the run id (trainer/train/run.py) and the epoch. TensorBoard (if
 enabled) gets loss, smoothed loss, lr, grad norm, step time, images/s, VRAM, the run id and config as text, and
 sample images under output.dir/tensorboard.
 
@@ -34,9 +37,11 @@ def say(msg: str) -> None:
 
 class Monitor:
     def __init__(self, out_dir: Path, total: int, start: int, tensorboard: bool, run_id: str | None = None,
-                 config=None, epoch: Callable[[], int] | None = None):
+                 config=None, epoch: Callable[[], int] | None = None, smoothing: dict | None = None):
         self.run_id, self._epoch = run_id, epoch or (lambda: 0)
         self.total, self._ema, self._ema_n = total, 0.0, 0
+        if smoothing:  # a resume: the moving average goes on from the checkpoint's
+            self._ema, self._ema_n = float(smoothing["ema"]), int(smoothing["n"])
         self._tty = sys.stderr.isatty()
         self._every = max(1, total // 20)  # status lines when stderr is not a terminal
         self.out_dir = Path(out_dir)
@@ -48,6 +53,8 @@ class Monitor:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            if start:
+                _trim_tensorboard(self.out_dir / "tensorboard", start)
             self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=start + 1 if start else None)
             if run_id:
                 self._tb.add_text("run/id", run_id, start)
@@ -71,6 +78,10 @@ class Monitor:
                 pass  # a line cut short by a kill
         text = "".join(line + "\n" for line in keep)
         atomic_write(self.metrics_path, lambda tmp: tmp.write_text(text))
+
+    def smoothing_state(self) -> dict:
+        """The smoothed loss's state, for the checkpoint (floats round-trip exactly through JSON)."""
+        return {"ema": self._ema, "n": self._ema_n}
 
     def smoothed(self, loss: float) -> float:
         """Bias-corrected exponential moving average of the loss (0.9 per step)."""
@@ -130,3 +141,26 @@ class Monitor:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _trim_tensorboard(folder: Path, step: int) -> None:
+    """Rewrite each event file under `folder` without its events past `step` (a resume from that step logs them
+    again). A record cut short by a kill ends the file's readable part and is dropped with what follows it."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    for path in sorted(Path(folder).glob("events.out.tfevents.*")):
+        records = list(RawEventFileLoader(str(path)).Load())
+        keep = [r for r in records if Event.FromString(r).step <= step]
+        if len(keep) == len(records):
+            continue
+
+        def write(tmp: Path, keep=keep) -> None:
+            with tmp.open("wb") as f:
+                w = RecordWriter(f)
+                for r in keep:
+                    w.write(r)
+                w.flush()
+
+        atomic_write(path, write)

@@ -98,6 +98,7 @@ class Trainer:
         self.method = method_for(cfg)  # LoRA or full: everything the loop would otherwise branch on
         self.fraction: float | None = None  # offload.transformer resolved (auto: the planner's pick), in setup
         self.dist = distributed.Dist()  # one process until setup reads torchrun's environment
+        self._smoothing: dict | None = None  # the checkpoint's smoothed loss (monitor.py), on resume
         self._ready = False
 
     # ------------------------------------------------------------------------------------------------ run
@@ -227,7 +228,7 @@ class Trainer:
             self._restore(resume_dir)
         if self.dist.is_main:
             self.monitor = Monitor(self.out, c.steps, self.step, cfg.output.tensorboard, run_id=self.run.id,
-                                   config=cfg, epoch=self._epoch)
+                                   config=cfg, epoch=self._epoch, smoothing=self._smoothing)
         self._ready = True
 
     def _phase(self, name: str, fix: str | None = None, message=None, own_cache: bool = False) -> Phase:
@@ -293,6 +294,7 @@ class Trainer:
         load_data_state(self.data, state["data"])
         self.objective.load_state(ck.restore_rng(load_file(str(folder / "rng.safetensors"))))
         self.step = int(state["step"])
+        self._smoothing = state.get("loss_smoothing")  # the monitor's smoothed loss goes on from here
         if self.ema is not None:
             self.ema.load(folder, self.step)
         self.last_checkpoint = folder
@@ -346,7 +348,8 @@ class Trainer:
     def _state(self) -> dict:
         return {"step": self.step, "method": self.method.name, "config_digest": self.cfg.digest(),
                 "config": self.cfg.model_dump(mode="json"), **self.run.state(),
-                "scheduler": self.optim.scheduler.state_dict(), "data": data_state(self.data)}
+                "scheduler": self.optim.scheduler.state_dict(), "data": data_state(self.data),
+                "loss_smoothing": self.monitor.smoothing_state() if self.monitor is not None else None}
 
     def _newest_checkpoint(self) -> str:
         """This run's last checkpoint, else the newest complete one of this run in output.dir (a resumed run's)."""
