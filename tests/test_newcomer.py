@@ -69,3 +69,18 @@ def test_resume_continues_the_smoothed_loss_and_tensorboard_holds_each_step_once
     again = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss_smoothed"] for r in again] == [r["loss_smoothed"] for r in rows]
     assert _tb_losses(tmp_path / "run" / "tensorboard") == tb  # steps 3 and 4 once, not once per run
+
+
+# ---------------------------------------------------------------------------------------------- a failed fit
+
+
+def test_a_missing_model_folder_is_named_and_the_failed_fit_leaves_no_run_json(tiny_models, images, tmp_path):
+    cfg = _cfg(tiny_models, images, tmp_path, model={"path": str(tmp_path / "nowhere")})
+    with pytest.raises(UserError, match=rf"model\.path {tmp_path / 'nowhere'} does not exist: point it at"):
+        Trainer(cfg).fit()
+    assert not (tmp_path / "run").exists()  # the folder the run made is gone again
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="does not exist"):
+        Trainer(cfg).fit()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["notes.txt"]

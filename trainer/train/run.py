@@ -162,6 +162,21 @@ def claim(out: Path, resume_dir: Path | None, overwrite: bool = False, allow_oth
     return run
 
 
+def release(out: Path, run_id: str, keep_folder: bool) -> None:
+    """A fresh run that failed before it trained a step or saved anything gives the folder back: its run.json
+    (and the empty logs it opened) go, so the folder does not claim a run that never ran; the folder itself too
+    when the run created it and nothing else is in it."""
+    out = Path(out)
+    if folder_run_id(out) != run_id or saved_weights(out):
+        return
+    clear(out)
+    if not keep_folder:
+        try:
+            out.rmdir()  # only when empty
+        except OSError:
+            pass
+
+
 def clear(out: Path) -> list[Path]:
     """Delete dittrain's outputs from `out` (never other files)."""
     out, gone = Path(out), []

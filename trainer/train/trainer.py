@@ -89,6 +89,7 @@ class Trainer:
         self.resume = resume
         self.overwrite, self.resume_other_run = overwrite, resume_other_run  # see run.py
         self.out = Path(cfg.output.dir)
+        self._out_existed = self.out.exists()  # a failed fresh run removes the folder only if it made it
         self.step = 0
         self.stop = StopFlag(say)
         self.monitor: Monitor | None = None
@@ -148,6 +149,8 @@ class Trainer:
             ) from None
         finally:
             self.close()
+            if self.resume is None and self.step == 0 and getattr(self, "run", None) and self.dist.is_main:
+                runs.release(self.out, self.run.id, keep_folder=self._out_existed)  # failed before step 1
 
     # ------------------------------------------------------------------------------------------------ setup
 
