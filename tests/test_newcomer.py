@@ -84,3 +84,24 @@ def test_a_missing_model_folder_is_named_and_the_failed_fit_leaves_no_run_json(t
     with pytest.raises(UserError, match="does not exist"):
         Trainer(cfg).fit()
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["notes.txt"]
+
+
+def test_overwrite_says_what_it_deletes_and_keeps_images_made_by_dittrain_sample(tiny_models, images, tmp_path,
+                                                                                 capsys):
+    from PIL import Image
+
+    from trainer.sampling.output import image_metadata, save_png
+
+    cfg = _cfg(tiny_models, images, tmp_path)
+    Trainer(cfg).fit()
+    samples = tmp_path / "run" / "samples"  # as a fit's sampling (Trainer.sample) and `dittrain sample` write them
+    save_png(Image.new("RGB", (8, 8)), samples / "step-000002-0.png", image_metadata(prompt="x", training_step=2))
+    mine = save_png(Image.new("RGB", (8, 8)), samples / "step-000002-cat.png", image_metadata(prompt="a cat", seed=1))
+    capsys.readouterr()
+    Trainer(cfg, overwrite=True).fit()
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("--overwrite: deleted"))
+    for what in ("checkpoints/ (1 checkpoint)", "lora.safetensors", "metrics.jsonl", "1 sample image in samples/",
+                 "run.json", "kept 1 image made by `dittrain sample`"):
+        assert what in line, line
+    assert mine.is_file()

@@ -99,7 +99,8 @@ def fit(
     ),
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Start a new run in an output.dir that holds another one: deletes its "
-        "checkpoints, weights, metrics, TensorBoard logs and samples first (other files stay)."),
+        "checkpoints, weights, metrics, TensorBoard logs and the fit's sample images first, and lists them (other files, "
+        "and images made by `dittrain sample`, stay)."),
     resume_other_run: bool = typer.Option(
         False, "--resume-other-run", help="Allow --resume from a checkpoint of a run other than the one output.dir "
         "holds (that run's files are kept)."),
