@@ -105,3 +105,30 @@ def test_overwrite_says_what_it_deletes_and_keeps_images_made_by_dittrain_sample
                  "run.json", "kept 1 image made by `dittrain sample`"):
         assert what in line, line
     assert mine.is_file()
+
+
+# ---------------------------------------------------------------------------------------------- messages
+
+
+def test_a_cross_field_error_caused_by_set_blames_set_not_the_yaml_line(tmp_path):
+    from trainer.config import load_config
+    from trainer.errors import ConfigError
+
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  family: flux\n  path: m\noffload:\n  transformer: 0\noutput:\n  dir: o\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f, ["offload.transformer=auto"])
+    assert str(e.value).startswith("--set offload.transformer=auto: offload.transformer: auto needs "
+                                   "offload.vram_budget_gb"), str(e.value)
+    f.write_text("model:\n  family: flux\n  path: m\noffload:\n  transformer: auto\noutput:\n  dir: o\n")
+    with pytest.raises(ConfigError, match=rf"^{f}: offload.transformer: auto needs"):
+        load_config(f, ["train.steps=3"])  # the file's own value: the file is blamed
+
+
+def test_a_lora_weight_that_is_not_a_number_is_what_the_error_names(tmp_path):
+    from trainer.sampling.request import parse_lora
+
+    with pytest.raises(UserError, match=r"--lora x\.safetensors:abc: the weight 'abc' is not a number; write "
+                                        r"PATH:WEIGHT, e\.g\. x\.safetensors:0\.8"):
+        parse_lora("x.safetensors:abc")
+    assert parse_lora("x.safetensors:0.5").weight == 0.5 and parse_lora("dir:name").path.name == "dir:name"
