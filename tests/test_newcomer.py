@@ -132,3 +132,21 @@ def test_a_lora_weight_that_is_not_a_number_is_what_the_error_names(tmp_path):
                                         r"PATH:WEIGHT, e\.g\. x\.safetensors:0\.8"):
         parse_lora("x.safetensors:abc")
     assert parse_lora("x.safetensors:0.5").weight == 0.5 and parse_lora("dir:name").path.name == "dir:name"
+
+
+def test_the_data_summary_counts_in_the_singular_and_plural(tiny_models, tmp_path):
+    from PIL import Image
+
+    from trainer.data.pipeline import plan_data
+    from trainer.models import get_adapter
+
+    folder = write_images(tmp_path / "imgs", n=1, size=64)
+    Image.new("RGB", (32, 32), (200, 10, 10)).save(folder / "small.png")
+    (folder / "small.txt").write_text("a small red picture")
+    cfg = make_config(tiny_models, folder, tmp_path / "run", tmp_path / "cache", "flux", train={"batch_size": 1})
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"resolutions": [32, 64]})})
+    text = plan_data(cfg, get_adapter(cfg.model), progress=False).summary()
+    assert "data: 2 images from 1 source (" in text
+    assert "resolution 64 (sides divisible by 16): 1 bucket; 1 image is too small for it (and trains at the other " \
+           "resolutions)" in text, text
+    assert " 1 image,      1 per epoch,     1 batch" in text and "1 buckets" not in text and "1 images" not in text

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..words import count
 from .checkpoint import atomic_write
 
 
@@ -123,7 +124,7 @@ class Monitor:
                 self._tb.add_scalar(f"val/{k.removeprefix('val_')}", v, step)
 
     def images(self, step: int, images: list, prompts: list[str]) -> None:
-        say(f"saved {len(images)} sample image(s) for step {step} in {self.out_dir / 'samples'}")
+        say(f"saved {count(len(images), 'sample image')} for step {step} in {self.out_dir / 'samples'}")
         if self._tb is None:
             return
         import numpy as np
