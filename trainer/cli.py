@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def _user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            typer.echo(f"error: {e}", err=True)
+            typer.echo(f"{e.label}{e}", err=True)
             raise typer.Exit(e.exit_code) from None
 
     return wrapper
@@ -112,7 +113,11 @@ def fit(
     cfg = _load(config, overrides)
     from .train.trainer import Trainer
 
-    Trainer(cfg, resume=resume, overwrite=overwrite, resume_other_run=resume_other_run, keep_model=False).fit()
+    # What continues this run after a Ctrl-C: the same config and --set overrides (output.dir among them), resumed
+    again = " ".join(["dittrain fit", shlex.quote(str(config)), *(f"--set {shlex.quote(o)}" for o in overrides),
+                      "--resume latest"])
+    Trainer(cfg, resume=resume, overwrite=overwrite, resume_other_run=resume_other_run, keep_model=False,
+            relaunch=again).fit()
 
 
 @app.command()

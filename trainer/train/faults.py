@@ -34,9 +34,11 @@ from ..errors import UserError
 
 
 class TrainingInterrupted(UserError):
-    """The run stopped on request after saving a resumable checkpoint (or at once, on a second signal)."""
+    """The run stopped on request after saving a resumable checkpoint (or at once, on a second signal). Not an
+    error: the CLI prints the line without "error:" (exit code 130, as shells report a Ctrl-C)."""
 
     exit_code = 130
+    label = ""
 
 
 class StopFlag:

@@ -81,8 +81,9 @@ def choose_attention(device: torch.device, choice: str) -> str:
 
 class Trainer:
     def __init__(self, cfg: Config, resume: str | None = None, overwrite: bool = False, resume_other_run: bool = False,
-                 keep_model: bool = True):
+                 keep_model: bool = True, relaunch: str = "dittrain fit CONFIG --resume latest"):
         self.cfg = cfg
+        self.relaunch = relaunch  # the command that continues this run (the CLI's carries its --set overrides)
         # keep_model=False (the CLI): the transformer is dropped when the run ends, so its streamed blocks are not
         # copied out of the pinned arena (a second copy of the model in RAM at exit)
         self.keep_model = keep_model
@@ -125,8 +126,8 @@ class Trainer:
                 if self.dist.any(self.stop.requested):  # every rank stops at the same step
                     path = self.save()
                     raise TrainingInterrupted(
-                        f"{self.stop.signal_name} at step {self.step}: saved {path}; continue with "
-                        "`dittrain fit CONFIG --resume latest`"
+                        f"stopped by {self.stop.signal_name} at step {self.step}: saved {path}; continue with "
+                        f"`{self.relaunch}`"
                     )
                 if runs.save_due(self.cfg, self.step):  # train.checkpoint_every, output.save_every
                     self.save()
