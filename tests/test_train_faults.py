@@ -106,6 +106,8 @@ def test_non_finite_loss_stops_before_any_weight_changes(method, tiny_models, im
     with pytest.raises(NonFiniteLossError, match="loss is nan at step 4") as e:
         t.fit()
     assert all(f in str(e.value) for f in seen["files"])
+    lr = cfg.optimizer.lr
+    assert f"Likely fixes: lower optimizer.lr (now {lr:g}, try {lr / 4:g})" in str(e.value)  # not only the files
     assert all(torch.equal(a, p) for a, p in zip(seen["weights"], t.params, strict=True))
     if method == "full":
         assert all(p.grad is None for p in t.params)  # backward never ran: the fused pass did not step

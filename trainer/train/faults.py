@@ -70,6 +70,20 @@ class StopFlag:
         self._previous.clear()
 
 
+def nan_fixes(cfg) -> str:
+    """What usually makes a loss go NaN, as settings of this config to change: too high a learning rate (most
+    often), no gradient clipping, no warmup, fp16's small range."""
+    o = cfg.optimizer
+    fixes = [f"lower optimizer.lr (now {o.lr:g}, try {o.lr / 4:g})"]
+    if o.max_grad_norm is None:
+        fixes.append("set optimizer.max_grad_norm: 1.0 (gradient clipping)")
+    if not o.warmup_steps:
+        fixes.append("set optimizer.warmup_steps (e.g. 100)")
+    if cfg.model.dtype == "fp16":
+        fixes.append("use model.dtype: bf16 (fp16 overflows)")
+    return ", ".join(fixes)
+
+
 def training_fix(fraction: float | None, hint: str = "") -> str:
     """The setting that fixes an out-of-memory training step: a higher offload fraction than the one the run
     streamed with, else activation offloading, a smaller batch or resolution; `hint` is the method's advice."""

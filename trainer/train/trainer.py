@@ -41,7 +41,7 @@ from ..optim.build import eval_weights
 from ..sampling.output import image_metadata, save_png
 from ..sampling.training import TrainingSampler
 from . import checkpoint as ck
-from . import distributed, streaming
+from . import distributed, faults, streaming
 from . import run as runs
 from .ema import EMA
 from .faults import StopFlag, TrainingInterrupted, oom_error
@@ -324,8 +324,9 @@ class Trainer:
             value = self.dist.agree_loss(loss.item(), self.step + 1)  # all ranks raise together
             if not math.isfinite(value):
                 raise NonFiniteLossError(
-                    f"loss is {value} at step {self.step + 1}; no weights were changed by this step "
-                    f"(batch files: {', '.join(map(str, batch.files))}); last checkpoint: {self._newest_checkpoint()}"
+                    f"loss is {value} at step {self.step + 1}; no weights were changed by this step; last "
+                    f"checkpoint: {self._newest_checkpoint()}. Likely fixes: {faults.nan_fixes(cfg)}; or a broken "
+                    f"image in the batch ({', '.join(map(str, batch.files))})"
                 )
             (loss / c.grad_accum if c.grad_accum > 1 else loss).backward()  # fused back pass: steps here
             del pred, loss, noised
