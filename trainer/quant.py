@@ -187,6 +187,16 @@ def quantize_module(module: nn.Module, mode: str, text_encoder: bool = False, mo
     return len(linears)
 
 
+def describe(mode: str, modulation: bool, dtype: str) -> str:
+    """How the frozen base is held, in words, for the fit log and `dittrain plan`: `dtype` alone, or the 8-bit
+    format with its per-channel scales, whether the modulation Linears are 8-bit too, and the compute dtype."""
+    if mode == "none":
+        return f"base {dtype}"
+    fmt = "fp8 e4m3" if mode == "fp8" else "int8"
+    mod = "modulation too" if modulation else f"modulation in {dtype}"
+    return f"base block Linears {fmt} with per-channel fp32 scales ({mod}; the rest {dtype}), computed in {dtype}"
+
+
 def quantize_blocks(blocks: list[nn.Module], mode: str, modulation: bool = False) -> int:
     """`quantize_module` over a transformer's blocks, one block after another."""
     return sum(quantize_module(b, mode, modulation=modulation) for b in blocks)
