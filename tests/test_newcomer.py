@@ -176,9 +176,9 @@ def test_plan_counts_parameters_not_bytes_says_how_the_base_is_stored_and_when_i
     # columns: name (3 words), params, dtype, GB, ...: the same parameters, fewer bytes, the dtypes named
     a, b = _blocks_row(plain), _blocks_row(fp8)
     assert a[3] == b[3] and float(a[3]) > 10 and a[4] == "bf16" and b[4] == "fp8+bf16" and float(b[5]) < float(a[5])
-    assert plain[1] == "base bf16, LoRA fp32"
+    assert plain[1] == "base bf16; LoRA fp32"
     assert fp8[1] == ("base block Linears fp8 e4m3 with per-channel fp32 scales (modulation in bf16; the rest bf16), "
-                      "computed in bf16, LoRA fp32")
+                      "computed in bf16; LoRA fp32")
     assert plain[2] == (f"model: NOT your model: model.path {tmp_path / 'no-model'} does not exist, so this plans the "
                         "built-in full-size flux config (the published model's sizes); point model.path at your "
                         "model folder to plan that")
@@ -196,3 +196,19 @@ def test_plan_exits_non_zero_when_the_ram_does_not_fit(tiny_models, tmp_path):
     assert small.exit_code == 1 and "does NOT fit: a lower offload.transformer pins less RAM" in small.stderr
     assert "error" not in small.stderr  # the verdict, not a failure of the command
     assert CliRunner().invoke(app, ["plan", str(path), "--ram", "1000"]).exit_code == 0
+
+
+def test_the_fit_log_says_what_the_base_and_the_lora_are_stored_and_computed_in(tiny_models, images, tmp_path):
+    from trainer.train.method import method_for
+
+    def storage(method="lora", **model):
+        cfg = _cfg(tiny_models, images, tmp_path, model={"dtype": "bf16", **model}, train={"method": method})
+        return method_for(cfg).storage()
+
+    assert storage() == "base bf16; LoRA fp32 (matmuls in bf16)"
+    assert storage(quantize="fp8", quantize_modulation=True) == (
+        "base block Linears fp8 e4m3 with per-channel fp32 scales (modulation too; the rest bf16), computed in "
+        "bf16; LoRA fp32 (matmuls in bf16)")
+    assert storage(quantize="int8").startswith("base block Linears int8 with per-channel fp32 scales (modulation "
+                                               "in bf16;")
+    assert storage("full") == "weights bf16 (all trained)"

@@ -72,7 +72,7 @@ def report(
         )
         + f", batch {facts.batch}, buckets {', '.join(map(str, facts.resolutions))} px",
         quant.describe(cfg.model.quantize, cfg.model.quantize_modulation, cfg.model.dtype)
-        + (", LoRA fp32" if facts.method == "lora" else ""),
+        + ("; LoRA fp32" if facts.method == "lora" else ""),
         f"model: {facts.source}",
         "",
     ]

@@ -156,9 +156,11 @@ def claim(out: Path, resume_dir: Path | None, overwrite: bool = False, allow_oth
             )
         if overwrite and write:
             found = len(ck.list_checkpoints(ck.checkpoint_root(out)))
-            from .monitor import say
+            gone = clear(out)
+            if gone:
+                from .monitor import say
 
-            say(describe_cleared(out, clear(out), found))
+                say(describe_cleared(out, gone, found))
         elif owner and write:
             clear(out)  # a run that saved nothing: nothing trained is lost
         rid = new_run_id()

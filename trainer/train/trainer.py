@@ -175,7 +175,7 @@ class Trainer:
 
         self.device = self.dist.device or pick_device(c.device)
         self.dtype = DTYPES[cfg.model.dtype]
-        say(f"device {self.device}, weights {cfg.model.dtype}, attention {choose_attention(self.device, c.attention)}")
+        say(f"device {self.device}; {self.method.storage()}; attention {choose_attention(self.device, c.attention)}")
 
         self.adapter = get_adapter(cfg.model)
         # Data first: building the caches loads (and frees) the VAE and text encoders, so the transformer is not
