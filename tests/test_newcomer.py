@@ -212,3 +212,13 @@ def test_the_fit_log_says_what_the_base_and_the_lora_are_stored_and_computed_in(
     assert storage(quantize="int8").startswith("base block Linears int8 with per-channel fp32 scales (modulation "
                                                "in bf16;")
     assert storage("full") == "weights bf16 (all trained)"
+
+
+def test_an_offload_fraction_on_the_cpu_is_said_to_be_ignored(tiny_models, images, tmp_path, capsys):
+    from trainer.train.streaming import transformer_fraction
+
+    cfg = _cfg(tiny_models, images, tmp_path, offload={"transformer": 0.5})
+    assert transformer_fraction(cfg, can_stream=False) == 0.0
+    assert "note: offload.transformer 0.5 is ignored on the CPU: the transformer stays in RAM" in capsys.readouterr().err
+    assert transformer_fraction(_cfg(tiny_models, images, tmp_path), can_stream=False) == 0.0
+    assert capsys.readouterr().err == ""  # nothing asked, nothing said

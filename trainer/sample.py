@@ -138,6 +138,9 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
 
     adapter = get_adapter(cfg.model)
     plan = resolve(cfg, req, adapter)
+    if plan.device.type == "cpu" and plan.offload > 0:
+        tqdm.write(f"note: --offload {plan.offload:g} on the CPU streams the blocks within RAM, which saves no memory "
+                   "(it pays only with a GPU)", file=sys.stderr)
     trained = trained_transformer(cfg, req.base)
     pipe, adapters, loader = _build_pipeline(cfg, adapter, plan, trained)
     tqdm.write(f"sampling with {'the fine-tuned transformer ' + str(trained) if trained else 'the base transformer'}"
