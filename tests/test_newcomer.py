@@ -222,3 +222,27 @@ def test_an_offload_fraction_on_the_cpu_is_said_to_be_ignored(tiny_models, image
     assert "note: offload.transformer 0.5 is ignored on the CPU: the transformer stays in RAM" in capsys.readouterr().err
     assert transformer_fraction(_cfg(tiny_models, images, tmp_path), can_stream=False) == 0.0
     assert capsys.readouterr().err == ""  # nothing asked, nothing said
+
+
+def test_phase_lines_report_the_peak_anonymous_rss_apart_from_file_pages(tmp_path):
+    import mmap
+    import time
+
+    import torch
+
+    from trainer.train.phases import Phase, PhaseLog, anon_rss
+
+    if not anon_rss():
+        pytest.skip("no RssAnon in /proc/self/status")
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\1" * (96 * 2**20))
+    log = PhaseLog()
+    with Phase("load", log=log), open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        sum(m[i] for i in range(0, len(m), 4096))  # 96 MiB of file pages resident: RSS, not anonymous
+        x = torch.ones(48 * 2**20, dtype=torch.uint8)  # 48 MiB anonymous, touched, then freed inside the phase
+        time.sleep(0.2)  # the sampler sees it
+        del x
+    p = log.peaks["load"]
+    assert p.anon >= 48 * 2**20 and p.rss - p.anon >= 64 * 2**20  # the file's pages are not in the anonymous peak
+    assert (f"peak anonymous RSS {p.anon / 1e9:.1f} GB (all RSS with file pages {p.rss / 1e9:.1f} GB)"
+            in log.lines()[0])

@@ -50,7 +50,7 @@ from .method import method_for
 from .monitor import Monitor, say
 from .objective import FlowMatching
 from .optimizer import optimizer_for
-from .phases import LOG, Phase
+from .phases import LOG, Phase, ram_words
 from .validation import Validator
 
 
@@ -255,7 +255,7 @@ class Trainer:
             for n in ("text caching", "latent caching"):
                 if n in LOG.peaks:
                     self._phase_done(n, LOG.peaks[n])
-        line = f"phase {name}: peak reserved VRAM {peak.vram_reserved / 1e9:.2f} GB, peak RSS {peak.rss / 1e9:.1f} GB"
+        line = f"phase {name}: peak reserved VRAM {peak.vram_reserved / 1e9:.2f} GB, {ram_words(peak)}"
         try:
             from ..planner import analyze
             from ..planner.phases import predicted_map
