@@ -246,3 +246,45 @@ def test_phase_lines_report_the_peak_anonymous_rss_apart_from_file_pages(tmp_pat
     assert p.anon >= 48 * 2**20 and p.rss - p.anon >= 64 * 2**20  # the file's pages are not in the anonymous peak
     assert (f"peak anonymous RSS {p.anon / 1e9:.1f} GB (all RSS with file pages {p.rss / 1e9:.1f} GB)"
             in log.lines()[0])
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+
+def _step(loss: float = 1.4571, step_time: float = 12.34) -> dict:
+    return {"loss": loss, "lr": 1e-3, "step_time": step_time, "samples_per_s": 0.4}
+
+
+def test_the_progress_bar_fits_80_columns_with_its_bar_and_postfix_whole(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from trainer.train.monitor import Monitor
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    monkeypatch.setenv("COLUMNS", "81")  # tqdm reads the width from here when stderr is no terminal device
+    monkeypatch.setenv("LINES", "24")
+    m = Monitor(tmp_path, total=50000, start=12344, tensorboard=False, epoch=lambda: 123)
+    m.log(12345, _step(), write=False)
+    m.bar.refresh()
+    m.close()
+    drawn = [x for x in capsys.readouterr().err.replace("\x1b[A", "").split("\r") if "12345/50000" in x][-1].rstrip()
+    assert len(drawn) <= 80, drawn
+    bar = drawn.split("|")[1]
+    assert len(bar) == 10 and drawn.endswith("loss 1.4571, ep 123, 12.3 s/step"), drawn
+
+
+def test_without_a_terminal_a_status_line_comes_at_least_every_30_seconds(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from trainer.train import monitor
+
+    clock = [0.0]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    monkeypatch.setattr(monitor, "_now", lambda: clock[0])
+    m = monitor.Monitor(tmp_path, total=1000, start=0, tensorboard=False)  # 5 %: every 50 steps
+    for s in range(1, 11):
+        clock[0] += 5.0 if s <= 5 else 31.0  # steps 1-5 take 25 s in all, then one step every 31 s
+        m.log(s, _step(), write=False)
+    m.close()
+    said = [x.split(":")[0] for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
+    assert said == [f"step {s}/1000" for s in (6, 7, 8, 9, 10)]

@@ -11,8 +11,10 @@ enabled) gets loss, smoothed loss, lr, grad norm, step time, images/s, VRAM, the
 sample images under output.dir/tensorboard.
 
 The progress bar shows a smoothed loss (an exponential moving average, 0.9 per step, bias-corrected, as most
-trainers print), the epoch, s/step and img/s. When stderr is not a terminal (a log file, a job scheduler) there is
-no bar: a plain status line every ~5 % of the run instead, so a log does not fill with carriage returns.
+trainers print), the epoch and s/step, laid out to fit 80 columns with a bar 10 characters wide (tqdm's default
+layout shrank the bar to one character and cut the postfix there). When stderr is not a terminal (a log file, a
+job scheduler) there is no bar: a plain status line (with the step's own loss and img/s too) every ~5 % of the
+run, and at least every `STATUS_EVERY_S` seconds, so a log does not fill with carriage returns nor go quiet.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +30,11 @@ from tqdm import tqdm
 
 from ..words import count
 from .checkpoint import atomic_write
+
+STATUS_EVERY_S = 30.0  # without a terminal: a status line at least this often
+# "fit 12345/50000  25%|##4       | 12:34:56 left, loss 1.4571, ep 123, 12.3 s/step": 80 columns at worst
+_BAR_FORMAT = "{desc} {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar:10}| {remaining} left{postfix}"
+_now = time.monotonic  # tests replace it
 
 
 def say(msg: str) -> None:
@@ -45,6 +53,7 @@ class Monitor:
             self._ema, self._ema_n = float(smoothing["ema"]), int(smoothing["n"])
         self._tty = sys.stderr.isatty()
         self._every = max(1, total // 20)  # status lines when stderr is not a terminal
+        self._said = _now()
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
@@ -65,7 +74,7 @@ class Monitor:
                 text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
                 self._tb.add_text("run/config", "\n".join("    " + line for line in text.splitlines()), start)
         self.bar = tqdm(total=total, initial=start, desc="fit", unit="step", dynamic_ncols=True, file=sys.stderr,
-                        disable=not self._tty)
+                        disable=not self._tty, bar_format=_BAR_FORMAT)
 
     def _truncate_after(self, step: int) -> None:
         if not self.metrics_path.exists():
@@ -98,9 +107,10 @@ class Monitor:
         line = self.status(step, metrics, smooth, epoch)
         if self._tty:
             self.bar.update(1)
-            self.bar.set_postfix_str(line, refresh=False)
-        elif step % self._every == 0 or step == self.total:
+            self.bar.set_postfix_str(f"loss {smooth:.4f}, ep {epoch}, {metrics['step_time']:.3g} s/step", refresh=False)
+        elif step % self._every == 0 or step == self.total or _now() - self._said >= STATUS_EVERY_S:
             say(f"step {step}/{self.total}: {line}")
+            self._said = _now()
         if not write:
             return
         self._file.write(json.dumps({"step": step, **metrics, "loss_smoothed": smooth, "epoch": epoch,
