@@ -288,3 +288,19 @@ def test_without_a_terminal_a_status_line_comes_at_least_every_30_seconds(tmp_pa
     m.close()
     said = [x.split(":")[0] for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
     assert said == [f"step {s}/1000" for s in (6, 7, 8, 9, 10)]
+
+
+def test_long_prompts_get_one_line_of_ours_instead_of_clip_truncation_warnings(tiny_models, tmp_path, capfd):
+    from trainer.config import Config
+    from trainer.sample import SampleRequest, run_sample
+
+    cfg = Config.model_validate({
+        "model": {"family": "flux", "path": str(tiny_models / "flux"), "dtype": "fp32"},
+        "sample": {"steps": 1, "width": 32, "height": 32}, "train": {"device": "cpu"},
+        "output": {"dir": str(tmp_path / "out")}})
+    long = " ".join(["a red square beside a blue circle on a white table"] * 12)
+    capfd.readouterr()
+    run_sample(cfg, SampleRequest(prompts=[long, long + " again", "short"]))
+    err = capfd.readouterr().err
+    assert "truncated" not in err and "Token indices" not in err, err
+    assert "note: 2 prompts are longer than CLIP's 77 tokens; CLIP reads only the start" in err
