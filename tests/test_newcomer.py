@@ -304,3 +304,24 @@ def test_long_prompts_get_one_line_of_ours_instead_of_clip_truncation_warnings(t
     err = capfd.readouterr().err
     assert "truncated" not in err and "Token indices" not in err, err
     assert "note: 2 prompts are longer than CLIP's 77 tokens; CLIP reads only the start" in err
+
+
+def test_kontext_samples_are_the_size_asked_for_with_and_without_a_reference(tiny_models, tmp_path):
+    """FluxKontextPipeline rescales to max_area (1024**2 by default): 64x64 came out 1024x1024, in `dittrain
+    sample` and in samples during a Kontext fit (both go through `generate`)."""
+    import torch
+    from PIL import Image
+
+    from trainer.config import ModelConfig
+    from trainer.models import get_adapter
+    from trainer.sampling.engine import generate
+    from trainer.sampling.request import SampleSettings
+
+    adapter = get_adapter(ModelConfig(family="flux-kontext", path=tiny_models / "flux-kontext", dtype="fp32"))
+    pipe = adapter.pipeline(adapter.load(adapter.cfg, parts={"transformer", "vae", "text", "scheduler"},
+                                         dtype=torch.float32, device="cpu"))
+    Image.new("RGB", (40, 40), (200, 10, 10)).save(tmp_path / "ref.png")
+    for image in (None, str(tmp_path / "ref.png")):
+        settings = SampleSettings(steps=1, guidance=3.5, width=48, height=32, image=image)
+        (out,) = generate(pipe, adapter, ["a red square"], settings=settings, seeds=[0])
+        assert out.size == (48, 32), (image, out.size)

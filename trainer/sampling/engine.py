@@ -205,6 +205,7 @@ def generate(
                 **_to(embeds, device),
                 **adapter.pipeline_guidance(pipe, settings.guidance),
                 **reference,
+                **adapter.pipeline_size(pipe, settings.width, settings.height),
                 negative_prompt=None,
                 height=settings.height,
                 width=settings.width,
