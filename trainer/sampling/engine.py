@@ -67,7 +67,7 @@ def encode_prompts(
         for p in prompts:
             if p not in cache:
                 cuts.prompt = p
-                ref = {"image": image} if getattr(fam, "text_uses_reference", False) else {}
+                ref = {"image": image} if fam.text_uses_reference else {}
                 cache[p] = fam.pipeline_embeds(pipe, p, negative, device, **ref)
     if cuts.cut:
         n = len(cuts.cut)
