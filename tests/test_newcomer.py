@@ -211,6 +211,8 @@ def test_the_fit_log_says_what_the_base_and_the_lora_are_stored_and_computed_in(
         "bf16; LoRA fp32 (matmuls in bf16)")
     assert storage(quantize="int8").startswith("base block Linears int8 with per-channel fp32 scales (modulation "
                                                "in bf16;")
+    assert "), forward matmuls in fp8 (activations rounded per row; bf16 where the GPU has no fp8 matmul); LoRA" \
+        in storage(quantize="fp8", fp8_matmul=True)
     assert storage("full") == "weights bf16 (all trained)"
 
 

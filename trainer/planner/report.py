@@ -71,7 +71,7 @@ def report(
             else f" ({facts.optimizer})"
         )
         + f", batch {facts.batch}, buckets {', '.join(map(str, facts.resolutions))} px",
-        quant.describe(cfg.model.quantize, cfg.model.quantize_modulation, cfg.model.dtype)
+        quant.describe(cfg.model.quantize, cfg.model.quantize_modulation, cfg.model.dtype, cfg.model.fp8_matmul)
         + ("; LoRA fp32" if facts.method == "lora" else ""),
         f"model: {facts.source}",
         "",
@@ -85,6 +85,12 @@ def report(
         chosen = choose_fraction(cfg, budget, facts=facts, log=lambda s: lines.append(s))
         lines.append("")
     f_show = chosen if chosen is not None else (frac or 0.0)
+    if cfg.train.gradient_checkpointing == "auto":  # which blocks keep their activations, and the cost
+        from .checkpointing import choose_checkpointing
+
+        choose_checkpointing(cfg, f_show, budget * GB if budget is not None else None, facts=facts,
+                             log=lambda s: lines.append(s))
+        lines.append("")
     ring, pinned, h2d = streaming(facts.packed, f_show)
     # Parameters counted, not bytes divided by the model dtype's size (an 8-bit base has half the bytes, not half
     # the parameters); the LoRA's own parameters sit inside the blocks and are counted on their row

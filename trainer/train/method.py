@@ -72,7 +72,7 @@ class LoraMethod(TrainingMethod):
         fp32 weights, with matmuls in the model dtype under lora.compute_dtype: auto."""
         m = self.cfg.model
         lowered = self.cfg.lora.compute_dtype == "auto" and m.dtype != "fp32"
-        return (f"{quant.describe(m.quantize, m.quantize_modulation, m.dtype)}; LoRA fp32"
+        return (f"{quant.describe(m.quantize, m.quantize_modulation, m.dtype, m.fp8_matmul)}; LoRA fp32"
                 + (f" (matmuls in {m.dtype})" if lowered else ""))
 
     def trainable_params(self, transformer: torch.nn.Module, adapter) -> list[torch.nn.Parameter]:
