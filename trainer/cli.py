@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def _user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            typer.echo(f"error: {e}", err=True)
+            typer.echo(f"{e.label}{e}", err=True)
             raise typer.Exit(e.exit_code) from None
 
     return wrapper
@@ -101,7 +102,8 @@ def fit(
     ),
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Start a new run in an output.dir that holds another one: deletes its "
-        "checkpoints, weights, metrics, TensorBoard logs and samples first (other files stay)."),
+        "checkpoints, weights, metrics, TensorBoard logs and the fit's sample images first, and lists them (other files, "
+        "and images made by `dittrain sample`, stay)."),
     resume_other_run: bool = typer.Option(
         False, "--resume-other-run", help="Allow --resume from a checkpoint of a run other than the one output.dir "
         "holds (that run's files are kept)."),
@@ -113,7 +115,11 @@ def fit(
     cfg = _load(config, overrides)
     from .train.trainer import Trainer
 
-    Trainer(cfg, resume=resume, overwrite=overwrite, resume_other_run=resume_other_run, keep_model=False).fit()
+    # What continues this run after a Ctrl-C: the same config and --set overrides (output.dir among them), resumed
+    again = " ".join(["dittrain fit", shlex.quote(str(config)), *(f"--set {shlex.quote(o)}" for o in overrides),
+                      "--resume latest"])
+    Trainer(cfg, resume=resume, overwrite=overwrite, resume_other_run=resume_other_run, keep_model=False,
+            relaunch=again).fit()
 
 
 @app.command()

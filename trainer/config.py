@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -616,7 +617,7 @@ def _describe(err: dict, lines: dict[tuple, int], source: str) -> str:
     dotted = ".".join(str(p) for p in loc) or "(top level)"
     # Errors from a model validator carry the location of the section, or none.
     line = lines.get(loc) or next((lines[loc[:i]] for i in range(len(loc), 0, -1) if loc[:i] in lines), None)
-    where = f"{source}:{line}" if line and source != "--set" else source
+    where = f"{source}:{line}" if line and not source.startswith("--set") else source
     if err["type"] == "extra_forbidden":
         valid = _fields_at(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
@@ -654,11 +655,11 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections (model:, train:, ...), got {type(data).__name__}")
-    from_set: set[tuple] = set()
+    from_set: dict[tuple, str] = {}
     for item in overrides:
         keys, value = _parse_override(item)
         _apply_override(data, keys, value, item)
-        from_set.add(tuple(keys))
+        from_set[tuple(keys)] = item
     try:
         return Config.model_validate(data)
     except ValidationError as e:
@@ -668,5 +669,9 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
             # An unknown key's location ends at the first key that does not exist (--set foo.bar=1 fails at
             # 'foo'), so a location that is a prefix of an override's keys is that override's too.
             src = "--set" if any(loc[: len(k)] == k or k[: len(loc)] == loc for k in from_set if loc) else str(path)
+            if not loc:  # a cross-field check: blame the --set whose key its message names, if one does
+                named = [item for k, item in from_set.items() if re.search(rf"\b{re.escape('.'.join(k))}\b",
+                                                                           err["msg"])]
+                src = " ".join(f"--set {n}" for n in named) if named else src
             msgs.append(_describe(err, lines, src))
         raise ConfigError("\n".join(msgs[:5]) + (f"\n(and {len(msgs) - 5} more)" if len(msgs) > 5 else "")) from None

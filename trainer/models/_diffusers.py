@@ -85,12 +85,21 @@ class DiffusersAdapter(ModelAdapter):
         if not p.is_file():
             if not required:
                 return {}
+            if not Path(self.cfg.path).is_dir():  # the folder itself, not one file in it, is what is missing
+                raise UserError(self.missing_folder())
             raise UserError(f"{p} not found: expected a diffusers-format {self.family} folder at model.path "
                             f"({self._expected()})")
         try:
             return json.loads(p.read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"{p}: not a readable JSON config ({e})") from None
+
+    def missing_folder(self, root: Path | None = None) -> str:
+        """The one line for a model.path that does not exist (or is not a folder)."""
+        root = Path(root if root is not None else self.cfg.path)
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        return (f"model.path {root} {what}: point it at a diffusers-format {self.family} folder "
+                f"({self._expected()})")
 
     def _expected(self) -> str:
         dirs = ["transformer/", "vae/", *(d + "/" for d in self.text_encoder_dirs), *(d + "/" for d in self.tokenizer_dirs)]
@@ -160,8 +169,7 @@ class DiffusersAdapter(ModelAdapter):
             raise ValueError(f"unknown parts {sorted(unknown)}; choose from {sorted(PARTS)}")
         root = Path(cfg.path)
         if not root.is_dir():
-            raise UserError(f"{root}: model folder not found (model.path): expected a diffusers-format {self.family} "
-                            f"folder with {self._expected()}")
+            raise UserError(self.missing_folder(root))
 
         def need(rel: str, what: str) -> None:
             if not (root / rel).exists():

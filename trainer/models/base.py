@@ -288,6 +288,12 @@ class ModelAdapter(ABC):
         return {}
 
     @classmethod
+    def pipeline_size(cls, pipe: Any, width: int, height: int) -> dict[str, Any]:  # noqa: ARG003 - the protocol
+        """Pipeline call kwargs beyond `width` / `height` that make the image exactly that size (a pipeline that
+        rescales to an area of its own, as Kontext's does, is told the area asked for)."""
+        return {}
+
+    @classmethod
     def pipeline_guidance(cls, pipe: Any, guidance: float) -> dict[str, Any]:
         """Pipeline call kwargs carrying the guidance value."""
         return {"guidance_scale": guidance}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import inspect
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,12 +64,48 @@ def encode_prompts(
     device = torch.device(device) if device is not None else pipe._execution_device
     negative = negative_prompt if fam.runs_cfg(guidance) else None
     cache: dict[str, Embeds] = {}
-    with torch.no_grad():
+    with torch.no_grad(), _ClipCuts() as cuts:
         for p in prompts:
             if p not in cache:
+                cuts.prompt = p
                 ref = {"image": image} if fam.text_uses_reference else {}
                 cache[p] = fam.pipeline_embeds(pipe, p, negative, device, **ref)
+    if cuts.cut:
+        n = len(cuts.cut)
+        print(f"note: {n} prompt{'s are' if n > 1 else ' is'} longer than CLIP's 77 tokens; CLIP reads only the start "
+              f"(\"{next(iter(cuts.cut))[:40]}...\"), the other text encoder reads further", file=sys.stderr)
     return [cache[p] for p in prompts]
+
+
+class _ClipCuts:
+    """While prompts are encoded, the pipelines' per-prompt CLIP truncation warnings (diffusers' "The following
+    part of your input was truncated because CLIP can only handle sequences up to 77 tokens: [...]" and the
+    tokenizer's "Token indices sequence length is longer than ...") are held back and the cut prompts noted, so
+    `encode_prompts` prints one line of its own instead of a paragraph per prompt and encoder."""
+
+    _MARKS = ("CLIP can only handle sequences up to", "Token indices sequence length is longer than the specified")
+
+    def __init__(self) -> None:
+        self.prompt, self.cut = "", {}
+        self._handlers: list[logging.Handler] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if any(m in msg for m in self._MARKS):
+            self.cut[self.prompt] = True
+            return False
+        return True
+
+    def __enter__(self) -> _ClipCuts:
+        # On the libraries' own handlers: the records are logged by many per-pipeline loggers and propagate there
+        self._handlers = [h for name in ("diffusers", "transformers") for h in logging.getLogger(name).handlers]
+        for h in self._handlers:
+            h.addFilter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handlers:
+            h.removeFilter(self)
 
 
 def release_text_encoders(pipe) -> None:
@@ -182,6 +219,7 @@ def generate(
                 **_to(embeds, device),
                 **adapter.pipeline_guidance(pipe, settings.guidance),
                 **reference,
+                **adapter.pipeline_size(pipe, settings.width, settings.height),
                 height=settings.height,
                 width=settings.width,
                 num_inference_steps=settings.steps,

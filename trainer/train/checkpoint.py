@@ -293,12 +293,19 @@ def load_lora(path: Path, transformer: torch.nn.Module) -> None:
     from peft.utils import set_peft_model_state_dict
 
     sd = {k.removeprefix(LORA_PREFIX): v for k, v in load_file(str(path)).items()}
-    expected = set(lora_state_dict(transformer))
+    have = lora_state_dict(transformer)
+    expected = set(have)
     if set(sd) != expected:
         missing, extra = sorted(expected - set(sd))[:3], sorted(set(sd) - expected)[:3]
         raise UserError(
             f"{path}: LoRA does not match this model and lora config (missing {missing}, unexpected {extra}); "
             "resume with the config the run was started with"
+        )
+    wrong = [f"{k} {tuple(sd[k].shape)} vs {tuple(have[k].shape)}" for k in sorted(sd) if sd[k].shape != have[k].shape]
+    if wrong:  # a changed rank (or other shape key) that the config check did not see: still one line
+        raise UserError(
+            f"{path}: {len(wrong)} LoRA weights have other shapes than this lora config makes (e.g. {wrong[0]}); "
+            "resume with the lora settings the run was started with"
         )
     result = set_peft_model_state_dict(transformer, sd)
     if getattr(result, "unexpected_keys", None):

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from .. import quant
 from ..config import Config
 from ..offload import fused as packed  # module, not names: tests swap PACKED_STATE_OPTIMIZERS
 from . import checkpoint as ck
@@ -56,10 +57,23 @@ class TrainingMethod:
     def describe(self, params: list[torch.nn.Parameter]) -> str:
         return f"{self.name}: {count(params) / 1e6:.3f} M trainable parameters in {len(params)} tensors"
 
+    def storage(self) -> str:
+        """What the weights are stored and computed in, for the fit log's first line."""
+        m = self.cfg.model
+        return f"weights {m.dtype} (all trained)"
+
 
 class LoraMethod(TrainingMethod):
     name = "lora"
     streams_trainable = False  # LoRA weights stay on the device; the conductor streams only the frozen base
+
+    def storage(self) -> str:
+        """The frozen base as quant.describe says (8-bit with per-channel scales, or the model dtype) and the LoRA:
+        fp32 weights, with matmuls in the model dtype under lora.compute_dtype: auto."""
+        m = self.cfg.model
+        lowered = self.cfg.lora.compute_dtype == "auto" and m.dtype != "fp32"
+        return (f"{quant.describe(m.quantize, m.quantize_modulation, m.dtype, m.fp8_matmul)}; LoRA fp32"
+                + (f" (matmuls in {m.dtype})" if lowered else ""))
 
     def trainable_params(self, transformer: torch.nn.Module, adapter) -> list[torch.nn.Parameter]:
         """Freeze the transformer and add the LoRA adapter (draws from torch's global generator: seed it first)."""
