@@ -58,6 +58,9 @@ class ModelAdapter(ABC):
     pipeline_cls: ClassVar[type]
     #: peft target_modules used when the config gives none
     default_lora_targets: ClassVar[tuple[str, ...]]
+    #: the family's LoRA module names in the original layout (ComfyUI, kohya): trainer/models/lora_keys.py; None:
+    #: the family has none yet, and output.lora_format comfy / kohya say so
+    lora_key_map: ClassVar[Any] = None
     #: sub-folders of the diffusers model folder holding the text encoders, in pipeline order
     text_encoder_dirs: ClassVar[tuple[str, ...]]
 
