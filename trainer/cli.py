@@ -236,7 +236,8 @@ def convert_lora(
     family: str | None = typer.Option(None, "--family", help="Model family, for comfy / kohya files whose header does not name it.", show_default=False),
 ) -> None:
     """Convert a LoRA between the diffusers, ComfyUI and kohya layouts (same update, alpha kept)."""
-    from .lora_format import DORA_COMFY_NOTE, convert_lora as run
+    from .lora_format import DORA_COMFY_NOTE
+    from .lora_format import convert_lora as run
 
     lf = run(src, dst, to, family)
     typer.echo(f"wrote {dst} ({to}, {len(lf.modules)} modules, {lf.kind}{' + DoRA' if lf.dora else ''})")

@@ -40,6 +40,7 @@ not name (`norm_out.linear` and others stored differently in the original: the e
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -299,7 +300,7 @@ def _read_original(path: Path, tensors: dict, meta: dict, fmt: str, kmap) -> dic
         if alpha is not None and m.rank:
             m.scale = alpha / m.rank
         if kind == "lokr" and m.rank is None:
-            m.peft_r = max(t["lokr_w2"].shape)
+            m.peft_r = int(meta.get("dittrain.rank") or max(t["lokr_w2"].shape))
         if not rule.fused:
             out[names[0]] = m
             continue
@@ -383,13 +384,7 @@ def _original_tensors(modules: dict[str, Module], kmap, fmt: str, family: str) -
     names = {"down": "lora_down.weight", "up": "lora_up.weight"}
     groups: dict[str, tuple] = {}
     for n, m in modules.items():
-        if "magnitude" in m.t:
-            raise UserError("DoRA cannot be written in the comfy / kohya layout (ComfyUI's dora_scale is another "
-                            "decomposition); keep output.lora_format: diffusers for DoRA")
-        place = kmap.place(n)
-        if place is None:
-            raise UserError(f"{n}: no name for this module in the {family} original layout (lora_key_map in "
-                            f"trainer/models/); use the diffusers layout")
+        place = _place(kmap, n, m.kind, "magnitude" in m.t, family)
         groups.setdefault(place.original, (place.rule, {}))[1][place.index] = m
     prefix = COMFY_PREFIX if fmt == "comfy" else ""
     out, fused, baked = {}, {}, set()
@@ -409,12 +404,34 @@ def _original_tensors(modules: dict[str, Module], kmap, fmt: str, family: str) -
     return out, fused, baked
 
 
+def _place(kmap, name: str, kind: str, dora: bool, family: str):
+    """Where module `name` goes in the original layout, or the one-line reason it cannot."""
+    if dora:
+        raise UserError("DoRA cannot be written in the comfy / kohya layout (ComfyUI's dora_scale is another "
+                        "decomposition); keep output.lora_format: diffusers for DoRA")
+    place = kmap.place(name)
+    if place is None:
+        raise UserError(f"{name}: no name for this module in the {family} original layout (lora_key_map in "
+                        f"trainer/models/); use the diffusers layout")
+    if kind == "lokr" and place.rule.fused:
+        raise UserError(f"{place.original}: a LoKr on {', '.join(p.rsplit('.', 1)[-1] for p in place.rule.parts)} "
+                        "cannot be written as one fused LoKr; use the diffusers layout (ComfyUI reads it for this "
+                        "family)")
+    return place
+
+
+def check_layout(modules: list[str], kind: str, dora: bool, fmt: str, family: str) -> None:
+    """Refuse, before training, an adapter that layout `fmt` cannot hold (by module names only)."""
+    if fmt == "diffusers":
+        return
+    kmap = _key_map(family, Path(f"output.lora_format: {fmt}"))
+    for name in modules:
+        _place(kmap, name, kind, dora, family)
+
+
 def _stack(orig: str, rule, parts: dict[int, Module]) -> tuple[Module, list[int]]:
     """One module for a fused layer from its parts (see the module essay)."""
     first = next(iter(parts.values()))
-    if first.kind == "lokr":
-        raise UserError(f"{orig}: a LoKr on {', '.join(p.rsplit('.', 1)[-1] for p in rule.parts)} cannot be written "
-                        "as one fused LoKr; use the diffusers layout (ComfyUI reads it for this family)")
     same = len({m.scale for m in parts.values()}) == 1
     parts = {j: m if same else m.baked() for j, m in parts.items()}
     fin = _in_features(first)
@@ -437,13 +454,9 @@ def _stack(orig: str, rule, parts: dict[int, Module]) -> tuple[Module, list[int]
     return Module(first.kind, t, first.scale if same else 1.0), ranks
 
 
-def write_lora_file(path: Path, lf: LoraFile, fmt: str, family: str | None = None) -> None:
-    """Write `lf` in layout `fmt` (FORMATS), atomically; the header keeps the source's dittrain.* keys and names the
-    layout."""
-    from safetensors.torch import save_file
-
-    from .train.checkpoint import atomic_write
-
+def encode(lf: LoraFile, fmt: str, family: str | None = None, where: Path | str = "") -> tuple[dict, dict]:
+    """(tensors, header) of `lf` in layout `fmt` (FORMATS); the header keeps the source's dittrain.* keys and names
+    the layout. `where` names the file in errors."""
     if fmt not in FORMATS:
         raise UserError(f"--to {fmt}: choose one of {', '.join(FORMATS)}")
     family = family or lf.meta.get("dittrain.family")
@@ -455,14 +468,42 @@ def write_lora_file(path: Path, lf: LoraFile, fmt: str, family: str | None = Non
         if len(scales) == 1 and scales != {1.0}:
             header[META_BAKED] = repr(scales.pop())
     else:
-        tensors, fused, baked = _original_tensors(lf.modules, _key_map(family, Path(path)), fmt, family)
+        tensors, fused, baked = _original_tensors(lf.modules, _key_map(family, Path(where)), fmt, family)
         if fused:
             header[META_FUSED] = json.dumps(fused, sort_keys=True)
         if len(baked) == 1 and baked != {1.0}:
             header[META_BAKED] = repr(baked.pop())
     if family:
         header["dittrain.family"] = family
-    atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=header))
+    return tensors, header
+
+
+def write_lora_file(path: Path, lf: LoraFile, fmt: str, family: str | None = None) -> None:
+    """Write `lf` in layout `fmt` to `path`, under a temporary name renamed into place."""
+    from safetensors.torch import save_file
+
+    tensors, header = encode(lf, fmt, family, path)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=header)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def lora_file_from(tensors: dict[str, torch.Tensor], meta: dict[str, str], where: Path | str = "") -> LoraFile:
+    """A LoraFile from peft-named tensors and a header as `trainer.train.checkpoint.save_lora` writes them (the
+    live adapter, without a file)."""
+    return LoraFile(_read_diffusers(Path(where), tensors, meta),
+                    {k: v for k, v in meta.items() if k.startswith("dittrain.")})
+
+
+def peft_state_dict(lf: LoraFile) -> dict[str, torch.Tensor]:
+    """peft's state dict of `lf` (each module at its own scale: load it into an adapter with alpha = scale x r)."""
+    names = {"down": "lora_A.weight", "up": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
+    return {f"{n}.{names.get(k, k)}": v for n, m in lf.modules.items() for k, v in m.t.items()}
 
 
 def convert_lora(src: Path, dst: Path, to: str, family: str | None = None) -> LoraFile:
