@@ -281,3 +281,37 @@ def test_convert_lora_cli(tiny_models, tmp_path):
         assert json.loads(f.metadata()[lfm.META_FUSED])
     res = CliRunner().invoke(app, ["convert-lora", str(src), str(tmp_path / "x.safetensors"), "--to", "onnx"])
     assert res.exit_code != 0 and "choose one of diffusers, comfy, kohya" in res.output
+
+
+@pytest.mark.parametrize(("family", "kind", "fmt"), [("sd3", "lora", "comfy"), ("flux", "loha", "kohya")])
+def test_sample_loads_comfy_and_kohya_files(tiny_models, tmp_path, family, kind, fmt):
+    """`dittrain sample --lora` (load_loras) takes the comfy and kohya layouts too (converted on the way in) and
+    gives the trained layer outputs."""
+    from trainer.sampling.lora import load_loras
+    from trainer.sampling.request import LoraSpec
+
+    t, adapter, cfg = adapted(tiny_models, family, kind)
+    src = save_checkpoint_file(t, cfg, tmp_path / "ck.safetensors")
+    lfm.convert_lora(src, tmp_path / f"{fmt}.safetensors", fmt)
+    base = base_model(adapter, cfg)
+    load_loras(bare_pipeline(adapter, base), [LoraSpec(tmp_path / f"{fmt}.safetensors")], family)
+    mods = list(peft_deltas(t))
+    want, got = outputs(t, mods), outputs(base, mods)
+    for m in mods:
+        torch.testing.assert_close(got[m], want[m], rtol=1e-5, atol=1e-5)
+
+
+def test_merge_reads_every_layout_to_the_same_deltas(tiny_models, tmp_path):
+    """`dittrain merge` (read_lora) takes a comfy / kohya file as it takes the diffusers one: the same
+    (down, up, scale) per base weight up to where the scale sits."""
+    from trainer.merge import read_lora
+
+    t, _, cfg = adapted(tiny_models, "flux", "lora")
+    src = save_checkpoint_file(t, cfg, tmp_path / "ck.safetensors")
+    want = {k: s * b @ a for k, (a, b, s) in read_lora(src).items()}
+    for fmt in ("diffusers", "comfy", "kohya"):
+        lfm.convert_lora(src, tmp_path / f"{fmt}.safetensors", fmt)
+        got = {k: s * b @ a for k, (a, b, s) in read_lora(tmp_path / f"{fmt}.safetensors").items()}
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
