@@ -315,3 +315,27 @@ def test_merge_reads_every_layout_to_the_same_deltas(tiny_models, tmp_path):
         assert got.keys() == want.keys()
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", sorted(__import__("trainer.models", fromlist=["ADAPTERS"]).ADAPTERS))
+def test_every_family_maps_its_default_targets(family):
+    """On the full-size model (meta device): every module the default targets adapt has an original name, each fused
+    part's width is the map's multiple of the layer's input, and kohya names map back."""
+    cls = adapter_class(family)
+    kmap = cls.lora_key_map
+    if kmap is None:
+        pytest.skip(f"{family} declares no lora_key_map (comfy / kohya layouts refused for it)")
+    with torch.device("meta"):
+        model = cls.transformer_cls.from_config(cls.full_config)
+    linear = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    targets = [n for n in linear if any(n == t or n.endswith("." + t) for t in cls.default_lora_targets)]
+    assert targets
+    for name in targets:
+        place = kmap.place(name)
+        assert place is not None, name
+        assert kmap.from_kohya(kmap.kohya(place.original)[len("lora_unet_"):]) == place.original
+        rule, parts = kmap.parts(place.original)
+        assert parts[place.index] == name
+        if rule.fused:
+            widths = [linear[p].out_features / linear[p].in_features for p in parts]
+            assert widths == list(rule.widths), (place.original, widths)
