@@ -339,3 +339,44 @@ def test_every_family_maps_its_default_targets(family):
         if rule.fused:
             widths = [linear[p].out_features / linear[p].in_features for p in parts]
             assert widths == list(rule.widths), (place.original, widths)
+
+
+def _original_header(family: str, cls, shapes: dict[str, torch.Size]) -> dict[str, dict]:
+    """The full-size model's original-layout header (key -> shape), made without our key map: BFL's Flux layout from
+    bench_program, Stability's SD3.5 layout by test_original_layout's inverse conversion, Qwen-Image's own names."""
+    from test_original_layout import _bfl_flux_header, _sd3_original
+
+    if family == "flux":
+        return _bfl_flux_header(dict(cls.full_config))
+    if family == "sd3":
+        sd = _sd3_original({k: torch.empty(v, device="meta") for k, v in shapes.items()},
+                           cls.full_config["num_layers"])
+        return {k: {"dtype": "BF16", "shape": list(v.shape)} for k, v in sd.items()}
+    return {k: {"dtype": "BF16", "shape": list(v)} for k, v in shapes.items()}
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwen_image"])
+def test_key_map_places_rows_where_diffusers_single_file_converter_takes_them(family):
+    """diffusers' own single-file converter (run on row ids by trainer/models/original_layout.py, full-size model,
+    shapes only) takes each adapted diffusers weight from exactly the original tensor and rows our map stacks it at."""
+    from accelerate import init_empty_weights
+
+    from trainer.models import original_layout
+
+    cls = adapter_class(family)
+    with init_empty_weights():
+        model = cls.transformer_cls.from_config(dict(cls.full_config))
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    layout = original_layout.row_map(cls.transformer_cls, dict(cls.full_config), _original_header(family, cls, shapes),
+                                     shapes, lambda k: False)
+    assert layout is not None
+    kmap, checked = cls.lora_key_map, 0
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear) or not any(name == t or name.endswith("." + t)
+                                                         for t in cls.default_lora_targets):
+            continue
+        place = kmap.place(name)
+        start = sum(w * m.in_features for w in place.rule.widths[: place.index])
+        assert layout.runs[f"{name}.weight"] == [(f"{place.original}.weight", start, start + m.out_features)], name
+        checked += 1
+    assert checked
