@@ -1,4 +1,4 @@
-"""LoRA files in the diffusers, comfy and kohya layouts (trainer/lora_format.py): every layout gives the trained
+"""LoRA files in the diffusers, comfy and kohya layouts (trainer/lora_format/): every layout gives the trained
 update at alpha != rank, in diffusers' loader, in a ComfyUI-style reading of the original layout (written here from
 ComfyUI's documented rules: `<module>.alpha` / rank, scale 1 without it), and through diffusers' own converters of the
 original layout where diffusers has one (Flux's kohya files, Qwen-Image's comfy and kohya files)."""
@@ -263,6 +263,12 @@ def test_refusals_name_the_file_and_the_misfit(tiny_models, tmp_path):
         lfm.read_lora_file(bad, family="flux")
     with pytest.raises(UserError, match="does not say which model family"):
         lfm.read_lora_file(bad)
+    te = tmp_path / "te.safetensors"
+    save_file({"lora_unet_img_in.lora_down.weight": torch.zeros(2, 4), "lora_unet_img_in.lora_up.weight":
+               torch.zeros(4, 2), "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.zeros(2, 4)},
+              str(te))
+    with pytest.raises(UserError, match=r"te.safetensors: lora_te1_text_model_.* is not a lora_unet_\* key"):
+        lfm.read_lora_file(te, family="flux")
     with pytest.raises(UserError, match="not found"):
         lfm.read_lora_file(tmp_path / "missing.safetensors")
 

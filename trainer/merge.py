@@ -18,7 +18,7 @@ Memory. The base is read with `safetensors.safe_open` one tensor at a time and t
 streaming writer of the safetensors format (the header is known from the base's shapes and dtypes, so the tensors
 can follow one by one). RAM holds the LoRAs (small), one base tensor and its fp32 merge: never a shard or a block.
 
-comfy / kohya files (output.lora_format) are read through trainer/lora_format.py, which knows the family from the
+comfy / kohya files (output.lora_format) are read through trainer/lora_format/, which knows the family from the
 file's header.
 
 Left out: LoRAs on the text encoders (dittrain trains the transformer only), LoKr / LoHa files, DoRA magnitudes,

@@ -8,7 +8,7 @@ its outputs (Flux's and SD3's fused q/k/v, Flux's single-block `linear1` = q, k,
 Each family declares its map on its adapter class (`lora_key_map`) as a list of `KeyRule`s: an original name
 pattern and the diffusers name pattern(s) it holds, in output order, with `{i}` standing for a block index. A fused
 rule also gives each part's output width as a multiple of the layer's input width, so a LoRA that adapts only
-some parts of a fused layer can be padded to the whole layer. The tensors are converted in `trainer/lora_format.py`;
+some parts of a fused layer can be padded to the whole layer. The tensors are converted in `trainer/lora_format/`;
 this module only maps names, so it needs no model.
 
 Kohya names are the original name with every `.` as `_` under `lora_unet_` (sd-scripts, musubi-tuner). Going back

@@ -122,7 +122,7 @@ def load_loras(pipe, specs: list[LoraSpec], family: str) -> list[str]:
 
     A LoKr / LoHa file (peft's format, which `load_lora_weights` does not read) is loaded with `load_peft_file`,
     alone: peft cannot stack it with other adapters on the same layers. A comfy / kohya file (output.lora_format)
-    is converted to the diffusers layout in a temporary folder first (trainer/lora_format.py)."""
+    is converted to the diffusers layout in a temporary folder first (trainer/lora_format/)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="dittrain-lora-") as tmp:

@@ -17,7 +17,7 @@ LoRA files. A checkpoint's `lora.safetensors` has peft's keys (`get_peft_model_s
 `transformer.` prefix, the weights as trained, and in the header diffusers' `lora_adapter_metadata` (the peft
 config: alpha, r, targets) and dittrain's own keys (rank, alpha, step, config digest): resuming reads it back
 bitwise. The files a user gets (output.dir's `lora.safetensors`, `lora-ema`, the per-step files) are written from
-it by `export_lora` in output.lora_format (trainer/lora_format.py), where the alpha / rank scale is applied so that
+it by `export_lora` in output.lora_format (trainer/lora_format/), where the alpha / rank scale is applied so that
 diffusers and ComfyUI load the same update.
 
 LoKr and LoHa (lora.type) use the same file layout with peft's own key names (`.lokr_w1`, `.hada_w1_a`, ...);

@@ -18,7 +18,7 @@ LoRA (trainer/train/model.py `add_lora`): the base is frozen; the fp32 adapter w
 global generator, then broadcast from rank 0 so several processes start identical whatever they drew. They stay
 on the device when blocks stream (the conductor streams only frozen base weights), and so does their optimizer
 state. Weights: a checkpoint's `lora.safetensors` in peft's layout (resumes bitwise); the files for the user (final,
-EMA, per step) are written from it in output.lora_format by trainer/lora_format.py, with the alpha / rank scale where
+EMA, per step) are written from it in output.lora_format by trainer/lora_format/, with the alpha / rank scale where
 that layout's loaders read it. LoKr and LoHa (lora.type) in the diffusers layout keep peft's key names, which
 diffusers' `load_lora_weights` does not read: the log says how to load them with peft (`dittrain sample --lora`
 does it itself). `lora.init_from` builds the adapter the file describes (kind, rank, alpha, modules) and loads its
