@@ -187,9 +187,10 @@ def empty_transformer(adapter, cfg, dtype: torch.dtype, files: _Files | None = N
     if files is not None and files.fp8 and cfg.quantize == "fp8":
         names = {id(m): n for n, m in tr.named_modules()}
         for b in adapter.blocks(tr):
-            _adopt_on_meta(b, names[id(b)], files, dtype, cfg.quantize_modulation)
+            _adopt_on_meta(b, names[id(b)], files, dtype, cfg.quantize_modulation, adapter.modulation_linears)
     else:
-        quant.quantize_blocks(adapter.blocks(tr), cfg.quantize, cfg.quantize_modulation)  # on meta: shapes, dtypes
+        quant.quantize_blocks(adapter.blocks(tr), cfg.quantize, cfg.quantize_modulation,  # on meta: shapes, dtypes
+                              adapter.modulation_linears)
     for mod in tr.modules():
         for name, p in mod._parameters.items():
             if p is not None and p.is_meta:
@@ -200,11 +201,12 @@ def empty_transformer(adapter, cfg, dtype: torch.dtype, files: _Files | None = N
     return tr
 
 
-def _adopt_on_meta(block: nn.Module, prefix: str, files: _Files, dtype: torch.dtype, modulation: bool = False) -> None:
+def _adopt_on_meta(block: nn.Module, prefix: str, files: _Files, dtype: torch.dtype, modulation: bool = False,
+                   pattern: str | None = None) -> None:
     """`quant.adopt_fp8`'s choice for each Linear of one meta `block`, made from the file: adopted (fp8 in the
     file, or a higher-precision weight whose values are all fp8 values: read once here, one tensor), else
-    quantized per channel, else (modulation, unless `modulation`) kept in `dtype`. Shapes and dtypes only;
-    `tensor` fills them."""
+    quantized per channel, else (modulation: the family's `pattern`, unless `modulation`) kept in `dtype`. Shapes
+    and dtypes only; `tensor` fills them."""
     for name, lin in block.named_modules():
         if type(lin) is not nn.Linear:
             continue
@@ -214,7 +216,7 @@ def _adopt_on_meta(block: nn.Module, prefix: str, files: _Files, dtype: torch.dt
             q = torch.empty(lin.weight.shape, dtype=torch.float8_e4m3fn, device="meta")
             quant._become_quantized(lin, q, torch.empty(rows, device="meta"), dtype)
             files.adopted.add(key)
-        elif not quant.keeps_model_dtype(name, modulation):
+        elif not quant.keeps_model_dtype(name, modulation, pattern):
             quant.quantize_linear(lin, "fp8")
 
 
