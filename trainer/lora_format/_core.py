@@ -92,7 +92,6 @@ class LoraFile:
         return any("magnitude" in m.t for m in self.modules.values())
 
 
-
 def _key_map(family: str | None, path: Path):
     from ..models import ADAPTERS, adapter_class
 
