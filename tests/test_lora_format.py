@@ -151,7 +151,7 @@ def test_diffusers_layout_loads_the_trained_update_everywhere(tiny_models, tmp_p
 
 
 @pytest.mark.parametrize(("family", "kind"), [("flux", "lora"), ("flux", "loha"), ("sd3", "lora"), ("sd3", "loha"),
-                                              ("qwen_image", "lora"), ("qwen_image", "lokr")])
+                                              ("qwen_image", "lora"), ("qwen_image", "lokr"), ("flux2", "lora")])
 @pytest.mark.parametrize("fmt", ["comfy", "kohya"])
 def test_original_layout_gives_the_diffusers_update(tiny_models, tmp_path, family, kind, fmt):
     """Each original-layout module, read as ComfyUI reads it (alpha tensor / rank), holds the trained updates of the
@@ -358,10 +358,20 @@ def _original_header(family: str, cls, shapes: dict[str, torch.Size]) -> dict[st
         sd = _sd3_original({k: torch.empty(v, device="meta") for k, v in shapes.items()},
                            cls.full_config["num_layers"])
         return {k: {"dtype": "BF16", "shape": list(v.shape)} for k, v in sd.items()}
-    return {k: {"dtype": "BF16", "shape": list(v)} for k, v in shapes.items()}
+    if family == "qwen-image":
+        return {k: {"dtype": "BF16", "shape": list(v)} for k, v in shapes.items()}
+    # Flux.2: no outside source of BFL's names here, so the header is the map's own names for the adapted weights
+    # (fused rows summed); diffusers' converter then says whether it reads them back into those weights, in order.
+    kmap, header = cls.lora_key_map, {}
+    for k, shape in shapes.items():
+        place = kmap.place(k.removesuffix(".weight")) if k.endswith(".weight") else None
+        if place is not None:
+            rows = sum(w * shape[1] for w in place.rule.widths) if place.rule.fused else shape[0]
+            header[f"{place.original}.weight"] = {"dtype": "BF16", "shape": [rows, shape[1]]}
+    return header
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3", "qwen_image"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwen-image", "flux2"])
 def test_key_map_places_rows_where_diffusers_single_file_converter_takes_them(family):
     """diffusers' own single-file converter (run on row ids by trainer/models/original_layout.py, full-size model,
     shapes only) takes each adapted diffusers weight from exactly the original tensor and rows our map stacks it at."""
@@ -373,6 +383,8 @@ def test_key_map_places_rows_where_diffusers_single_file_converter_takes_them(fa
     with init_empty_weights():
         model = cls.transformer_cls.from_config(dict(cls.full_config))
     shapes = {k: v.shape for k, v in model.state_dict().items()}
+    if family == "flux2":  # only the adapted weights (see _original_header)
+        shapes = {k: v for k, v in shapes.items() if k.endswith(".weight") and cls.lora_key_map.place(k[:-7])}
     layout = original_layout.row_map(cls.transformer_cls, dict(cls.full_config), _original_header(family, cls, shapes),
                                      shapes, lambda k: False)
     assert layout is not None

@@ -95,6 +95,7 @@ class FluxAdapter(DiffusersAdapter):
         "proj_mlp",
     )
     lora_key_map = FLUX_LORA_KEYS
+    comfy_reads_diffusers_lora = True  # comfy/lora.py model_lora_keys_unet
     text_encoder_dirs = ("text_encoder", "text_encoder_2")
     text_encoder_classes = ("CLIPTextModel", "T5EncoderModel")
     tokenizer_dirs = ("tokenizer", "tokenizer_2")

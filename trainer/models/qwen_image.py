@@ -111,6 +111,7 @@ class QwenImageAdapter(DiffusersAdapter):
         "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
     )
     lora_key_map = QWEN_IMAGE_LORA_KEYS
+    comfy_reads_diffusers_lora = True  # comfy/lora.py model_lora_keys_unet
     text_encoder_dirs = ("text_encoder",)
     text_encoder_classes = ("Qwen2_5_VLForConditionalGeneration",)
     tokenizer_dirs = ("tokenizer",)

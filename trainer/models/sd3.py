@@ -85,6 +85,7 @@ class SD3Adapter(DiffusersAdapter):
         "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
     )
     lora_key_map = SD3_LORA_KEYS
+    comfy_reads_diffusers_lora = True  # comfy/lora.py model_lora_keys_unet
     text_encoder_dirs = ("text_encoder", "text_encoder_2", "text_encoder_3")
     text_encoder_classes = ("CLIPTextModelWithProjection", "CLIPTextModelWithProjection", "T5EncoderModel")
     tokenizer_dirs = ("tokenizer", "tokenizer_2", "tokenizer_3")

@@ -67,13 +67,14 @@ class LoraMethod(TrainingMethod):
     def __init__(self, cfg: Config):
         super().__init__(cfg)
         self.lora = cfg.lora  # what is trained: lora.init_from's file replaces rank, alpha, kind and targets
+        self.adapter = None  # set by trainable_params
 
     def trainable_params(self, transformer: torch.nn.Module, adapter) -> list[torch.nn.Parameter]:
         """Freeze the transformer and add the LoRA adapter (draws from torch's global generator: seed it first), or
         the adapter of lora.init_from with that file's weights."""
         from .. import lora_format
 
-        self.transformer = transformer
+        self.transformer, self.adapter = transformer, adapter
         init = None
         if self.cfg.lora.init_from is not None:
             init = lora_format.read_lora_file(self.cfg.lora.init_from, self.cfg.model.family)
@@ -134,6 +135,9 @@ class LoraMethod(TrainingMethod):
             say(ck.lycoris_loading_hint(path, self.lora.type))
         if self.lora.dora:
             say(DORA_COMFY_NOTE)
+        elif self.cfg.output.lora_format == "diffusers" and not getattr(self.adapter, "comfy_reads_diffusers_lora", True):
+            say(f"ComfyUI reads no diffusers-keyed {self.cfg.model.family} LoRA: for ComfyUI, `dittrain convert-lora "
+                f"{path} out.safetensors --to comfy` (or output.lora_format: comfy)")
         return path
 
 
