@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from test_train_support import make_config, write_images
 
 from trainer.config import Config
+from trainer.lora_format import peft_state_dict, read_lora_file
 from trainer.train import checkpoint as ck
 from trainer.train.ema import FILE
 from trainer.train.trainer import Trainer
@@ -72,8 +73,9 @@ def test_lora_ema_file_and_bitwise_resume(tiny_models, images, tmp_path):
     meta = ck.lora_metadata(ema_file)
     assert meta["dittrain.step"] == "4" and "lora_adapter_metadata" in meta  # loads like the LoRA itself
     sd = load_file(str(ema_file))
+    saved = peft_state_dict(read_lora_file(ema_file))  # the scale (alpha / r = 2) divided back out: exact
     with ref.ema.swapped_in():
-        assert all(torch.equal(sd[f"transformer.{k}"], v) for k, v in ck.lora_state_dict(ref.transformer).items())
+        assert all(torch.equal(saved[k], v) for k, v in ck.lora_state_dict(ref.transformer).items())
     final = load_file(str(tmp_path / "ref" / "lora.safetensors"))
     assert set(final) == set(sd) and any(not torch.equal(sd[k], final[k]) for k in sd)  # not the last weights
 

@@ -235,6 +235,24 @@ def merge(
     typer.echo(f"wrote {path}" + (f" and {single}" if single else ""))
 
 
+@app.command("convert-lora")
+@_user_errors
+def convert_lora(
+    src: Path = typer.Argument(..., help="LoRA .safetensors to read (diffusers, comfy or kohya layout).", show_default=False),
+    dst: Path = typer.Argument(..., help="File to write.", show_default=False),
+    to: str = typer.Option(..., "--to", help="Layout to write: diffusers, comfy (ComfyUI's own keys) or kohya (lora_unet_*).", show_default=False),
+    family: str | None = typer.Option(None, "--family", help="Model family, for comfy / kohya files whose header does not name it.", show_default=False),
+) -> None:
+    """Convert a LoRA between the diffusers, ComfyUI and kohya layouts (same update, alpha kept)."""
+    from .lora_format import DORA_COMFY_NOTE
+    from .lora_format import convert_lora as run
+
+    lf = run(src, dst, to, family)
+    typer.echo(f"wrote {dst} ({to}, {len(lf.modules)} modules, {lf.kind}{' + DoRA' if lf.dora else ''})")
+    if lf.dora:
+        typer.echo(DORA_COMFY_NOTE)
+
+
 @app.command()
 @_user_errors
 def presets(

@@ -127,6 +127,12 @@ class LoraConfig(_Section):
         default=None,
         description="Module names (peft target_modules) to adapt; null uses the family's default list.",
     )
+    init_from: Path | None = Field(
+        default=None,
+        description="Start from this LoRA file (diffusers, comfy or kohya layout, e.g. one trained before or by "
+        "another tool) instead of a zero update; its rank, alpha, kind and modules replace lora.rank / alpha / type "
+        "/ dora / targets.",
+    )
 
     @model_validator(mode="after")
     def _dora_is_lora(self) -> LoraConfig:
@@ -423,6 +429,12 @@ class OutputConfig(_Section):
         description="LoRA: every N steps also keep that step's LoRA as <name>-step-000500.safetensors in output.dir "
         "(never pruned, unlike checkpoints; a checkpoint is saved at those steps too). 0: only the final LoRA.",
     )
+    lora_format: Literal["diffusers", "comfy", "kohya"] = Field(
+        default="diffusers",
+        description="Layout of the saved LoRA files: diffusers (load_lora_weights; ComfyUI reads it too), comfy "
+        "(ComfyUI's own diffusion_model.* keys in the original model's layout, fused q/k/v) or kohya (lora_unet_*). "
+        "Each gives the same update at any alpha; checkpoints keep peft's layout. `dittrain convert-lora` converts.",
+    )
     name: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9._-]+$",
@@ -482,6 +494,10 @@ class Config(_Section):
         if self.model.quantize != "none" and self.lora.dora:
             raise ValueError(f"lora.dora needs the full-precision base weight for its norm; set model.quantize: none "
                              f"(or lora.dora: false with model.quantize: {self.model.quantize})")
+        if self.lora.dora and self.output.lora_format != "diffusers" and t.method == "lora":
+            raise ValueError(f"lora.dora: true cannot be saved as output.lora_format: {self.output.lora_format} "
+                             "(ComfyUI's DoRA decomposes the weight another way than peft's); keep "
+                             "output.lora_format: diffusers")
         if opt.name == "adamw_schedulefree" and (opt.scheduler != "constant" or opt.fused_back_pass):
             raise ValueError(
                 "optimizer.name: adamw_schedulefree replaces the decay schedule and steps all weights at once: set "

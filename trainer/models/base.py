@@ -86,6 +86,12 @@ class ModelAdapter(ABC):
     full_config: ClassVar[dict[str, Any]]
     #: peft target_modules used when the config gives none
     default_lora_targets: ClassVar[tuple[str, ...]]
+    #: the family's LoRA module names in the original layout (ComfyUI, kohya; trainer/models/lora_keys.py `LoraKeyMap`),
+    #: inherited by a family that shares the architecture; None: none yet, and output.lora_format comfy / kohya say so
+    lora_key_map: ClassVar[Any] = None
+    #: ComfyUI maps this family's diffusers-keyed LoRAs (`transformer.<module>`) onto its model; when not, the end of
+    #: a fit with output.lora_format: diffusers says to convert (its maintainers add no new diffusers key maps)
+    comfy_reads_diffusers_lora: ClassVar[bool] = False
     #: regular expression (`re.search` on a block Linear's name relative to its block, with a "." appended) of the
     #: modulation Linears: they set per-sample scale / shift / gate and stay in the model dtype in an fp8 / int8
     #: base unless `model.quantize_modulation` (trainer/quant.py). "" : none

@@ -47,7 +47,37 @@ from torch import nn
 
 from ._diffusers import DiffusersAdapter, pack_2x2, unpack_2x2
 from .base import Components
+from .lora_keys import KeyRule, LoraKeyMap
 from .qwen_image import NoLogits
+
+_D, _S = "transformer_blocks.{i}", "single_transformer_blocks.{i}"
+#: BFL's Flux.2 layout (ComfyUI's model; diffusers' `convert_flux2_transformer_checkpoint_to_diffusers`): q/k/v fused
+#: into `qkv` in the double blocks; a single block's `linear1` / `linear2` are diffusers' (already fused)
+#: `to_qkv_mlp_proj` / `to_out`. ComfyUI maps no diffusers-keyed Flux.2 LoRA: this layout is the one it loads.
+#: `norm_out.linear` is left out (the original stores its halves swapped).
+FLUX2_LORA_KEYS = LoraKeyMap((
+    KeyRule("double_blocks.{i}.img_attn.qkv", (f"{_D}.attn.to_q", f"{_D}.attn.to_k", f"{_D}.attn.to_v"), (1, 1, 1)),
+    KeyRule("double_blocks.{i}.img_attn.proj", (f"{_D}.attn.to_out.0",)),
+    KeyRule("double_blocks.{i}.txt_attn.qkv", (f"{_D}.attn.add_q_proj", f"{_D}.attn.add_k_proj",
+                                               f"{_D}.attn.add_v_proj"), (1, 1, 1)),
+    KeyRule("double_blocks.{i}.txt_attn.proj", (f"{_D}.attn.to_add_out",)),
+    KeyRule("double_blocks.{i}.img_mlp.0", (f"{_D}.ff.linear_in",)),
+    KeyRule("double_blocks.{i}.img_mlp.2", (f"{_D}.ff.linear_out",)),
+    KeyRule("double_blocks.{i}.txt_mlp.0", (f"{_D}.ff_context.linear_in",)),
+    KeyRule("double_blocks.{i}.txt_mlp.2", (f"{_D}.ff_context.linear_out",)),
+    KeyRule("single_blocks.{i}.linear1", (f"{_S}.attn.to_qkv_mlp_proj",)),
+    KeyRule("single_blocks.{i}.linear2", (f"{_S}.attn.to_out",)),
+    KeyRule("img_in", ("x_embedder",)),
+    KeyRule("txt_in", ("context_embedder",)),
+    KeyRule("final_layer.linear", ("proj_out",)),
+    KeyRule("time_in.in_layer", ("time_guidance_embed.timestep_embedder.linear_1",)),
+    KeyRule("time_in.out_layer", ("time_guidance_embed.timestep_embedder.linear_2",)),
+    KeyRule("guidance_in.in_layer", ("time_guidance_embed.guidance_embedder.linear_1",)),
+    KeyRule("guidance_in.out_layer", ("time_guidance_embed.guidance_embedder.linear_2",)),
+    KeyRule("double_stream_modulation_img.lin", ("double_stream_modulation_img.linear",)),
+    KeyRule("double_stream_modulation_txt.lin", ("double_stream_modulation_txt.linear",)),
+    KeyRule("single_stream_modulation.lin", ("single_stream_modulation.linear",)),
+))
 
 CONTROL = "control_latents"
 #: Flux.2's scheduler settings (the folder's scheduler config is read first; this is the fallback)
@@ -94,6 +124,7 @@ class Flux2Adapter(DiffusersAdapter):
         "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
         "to_qkv_mlp_proj",
     )
+    lora_key_map = FLUX2_LORA_KEYS
     text_encoder_dirs = ("text_encoder",)
     text_encoder_classes = ("Mistral3ForConditionalGeneration",)
     tokenizer_dirs = ("tokenizer",)
