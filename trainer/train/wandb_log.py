@@ -1,16 +1,18 @@
 """Weights & Biases beside TensorBoard: the same curves, the config and the sample images (`output.wandb`).
 
-W&B is an optional dependency (`pip install dittrain[wandb]`): its package and its service binary add about 90 MB
-that most runs never use, so it is imported only when `output.wandb` is set, and a missing package is one line
-saying how to install it, before the model loads.
+W&B is an optional dependency (`pip install dittrain[wandb]`): with its service binary and the OpenTelemetry
+packages it brings it is about 25 MB to download and 75 MB installed, which most runs never use. It is imported
+only when `output.wandb` is set, and a missing package is one line naming the install command, checked before the
+model loads (`require_wandb`).
 
 The W&B run id is the dittrain run id (trainer/train/run.py) with `resume="allow"`, so `fit --resume` continues
-the same W&B run. A resume from an earlier checkpoint logs some steps a second time; W&B keeps the first values,
-which are the same numbers (a resume repeats its steps exactly). Offline mode (`mode: offline`) writes everything
+the same W&B run. A resume from an earlier checkpoint logs some steps a second time; W&B drops a step it already
+has and keeps the first values (which an exact resume repeats). Offline mode (`mode: offline`) writes everything
 under <output.dir>/wandb and needs no network or account; `wandb sync` uploads it later. Only rank 0 logs.
 
-Left out: W&B's own system metrics (GPU use, ...) are switched off, since dittrain's lines already carry VRAM
-and the sampler that collects them is one more process on a machine that may be short of RAM.
+Left out: W&B's own system metrics (CPU, GPU use, ...) are switched off, since dittrain's metrics carry VRAM and
+step times; so are its console capture and git probing (dittrain prints its own lines; output.dir need not be in
+a repository).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class WandbLog:
             self.run = wandb.init(
                 project=cfg.project, entity=cfg.entity, name=cfg.name or run_id, tags=list(cfg.tags) or None,
                 id=run_id, resume="allow" if run_id else None, dir=str(out_dir), mode=cfg.mode, config=config,
-                settings=wandb.Settings(x_disable_stats=True, console="off", silent=True),
+                settings=wandb.Settings(x_disable_stats=True, console="off", silent=True, disable_git=True),
             )
         except Exception as e:  # no login, no network, a refused project: say which and what to do
             hint = "run `wandb login` (or set WANDB_API_KEY), or set output.wandb.mode: offline"
