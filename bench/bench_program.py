@@ -17,7 +17,8 @@ unless --keep, which also reuses a folder left by an earlier run. Several `--car
 the same folder; `--set section.key=value` overrides a preset setting and `--tag` names the variant, so variants
 can be compared on one written folder (each run has its own cache, output and logs under <family>/<card>gb[-tag]).
 
---transformer-file fp8: the transformer is written as ONE safetensors file the way users' fp8 checkpoints are
+--transformer-file fp8 (or fp8-original, Flux.1 only: BFL key names under ComfyUI's `model.diffusion_model.`, the
+layout trainer/models/original_layout.py streams): the transformer is written as ONE safetensors file the way users' fp8 checkpoints are
 (diffusers keys; the Linear weights inside the blocks float8_e4m3fn with a per-tensor `scale_weight`, the rest
 bf16), still tensor by tensor, next to transformer/config.json, and the preset gets `model.transformer_file` and
 `model.quantize: fp8`; the file streams block by block (trainer/models/stream_load.py). Qwen-Image's folder is then
@@ -111,19 +112,71 @@ def write_fp8_file(module, blocks, path: Path, seed: int = 0) -> int:
     (weight = fp8 * scale), every other tensor bf16. Written tensor by tensor after a header computed from the
     shapes (safetensors' own layout: 8-byte header length, JSON header, then the bytes in header order), so at most
     one tensor is in RAM. Returns the bytes written."""
-    import torch
     from torch import nn
 
     sd = module.state_dict()
     names = {id(m): n for n, m in module.named_modules()}
     fp8 = {f"{names[id(b)]}.{n}.weight" for b in blocks for n, m in b.named_modules() if type(m) is nn.Linear}
+    return _write_fp8_plan({k: (tuple(v.shape), v.dtype) for k, v in sd.items()}, fp8, path, seed)
+
+
+def bfl_flux_header(c: dict) -> dict[str, list[int]]:
+    """Key -> shape of BFL's flux1-dev.safetensors (the original layout), written out from its architecture for
+    the config `c` (FluxTransformer2DModel keys; the single blocks' width is 3072 as diffusers' converter fixes)."""
+    d, mlp, head = 3072, 12288, c["attention_head_dim"]
+    shapes: dict[str, list[int]] = {}
+
+    def lin(name, rows, cols):
+        shapes[name + ".weight"], shapes[name + ".bias"] = [rows, cols], [rows]
+
+    lin("img_in", d, c["in_channels"])
+    lin("txt_in", d, c["joint_attention_dim"])
+    for emb, width in (("time_in", 256), ("guidance_in", 256), ("vector_in", c["pooled_projection_dim"])):
+        lin(f"{emb}.in_layer", d, width)
+        lin(f"{emb}.out_layer", d, d)
+    for i in range(c["num_layers"]):
+        for s in ("img", "txt"):
+            p = f"double_blocks.{i}.{s}"
+            lin(f"{p}_mod.lin", 6 * d, d)
+            lin(f"{p}_attn.qkv", 3 * d, d)
+            lin(f"{p}_attn.proj", d, d)
+            lin(f"{p}_mlp.0", mlp, d)
+            lin(f"{p}_mlp.2", d, mlp)
+            shapes[f"{p}_attn.norm.query_norm.scale"] = shapes[f"{p}_attn.norm.key_norm.scale"] = [head]
+    for i in range(c["num_single_layers"]):
+        p = f"single_blocks.{i}"
+        lin(f"{p}.modulation.lin", 3 * d, d)
+        lin(f"{p}.linear1", 3 * d + mlp, d)
+        lin(f"{p}.linear2", d, d + mlp)
+        shapes[f"{p}.norm.query_norm.scale"] = shapes[f"{p}.norm.key_norm.scale"] = [head]
+    lin("final_layer.linear", c["in_channels"], d)
+    lin("final_layer.adaLN_modulation.1", 2 * d, d)
+    return shapes
+
+
+def write_original_fp8_file(config: dict, path: Path, seed: int = 0) -> int:
+    """Flux.1 in the original layout as ComfyUI's scaled fp8 files are: BFL key names under
+    `model.diffusion_model.`, block Linear weights float8_e4m3fn with a per-tensor `scale_weight`, the rest bf16."""
+    import torch
+
+    pre = "model.diffusion_model."
+    shapes = {pre + k: (tuple(v), torch.bfloat16) for k, v in bfl_flux_header(config).items()}
+    fp8 = {k for k, (shape, _) in shapes.items() if len(shape) == 2 and "blocks." in k}
+    return _write_fp8_plan(shapes, fp8, path, seed)
+
+
+def _write_fp8_plan(tensors: dict, fp8: set[str], path: Path, seed: int) -> int:
+    """Write `tensors` (key -> (shape, dtype)) with random values, the keys in `fp8` as float8_e4m3fn plus a
+    per-tensor `scale_weight` each, the rest bf16 (or their integer dtype), tensor by tensor."""
+    import torch
+
     plan = []  # (key, dtype, shape, how)
-    for k, v in sd.items():
+    for k, (shape, dtype) in tensors.items():
         if k in fp8:
-            plan += [(k, torch.float8_e4m3fn, tuple(v.shape), "fp8"),
+            plan += [(k, torch.float8_e4m3fn, shape, "fp8"),
                      (k[: -len("weight")] + "scale_weight", torch.float32, (1,), "scale")]
         else:
-            plan.append((k, torch.bfloat16 if v.is_floating_point() else v.dtype, tuple(v.shape), "plain"))
+            plan.append((k, torch.bfloat16 if dtype.is_floating_point else dtype, shape, "plain"))
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for k, dt, shape, _ in plan:
         n = torch.Size(shape).numel() * torch.tensor([], dtype=dt).element_size()
@@ -203,7 +256,8 @@ def _save(folder: Path, model, config_owner, prefix: str, dtype, seed: int) -> i
 
 def write_full_folder(family: str, folder: Path, transformer_file: str | None = None) -> int:
     """A full-size random-weight diffusers folder for `family` (see the module essay). Returns bytes written.
-    `transformer_file` "fp8": the transformer as one fp8 file, FP8_FILE in the folder (`write_fp8_file`)."""
+    `transformer_file` "fp8" / "fp8-original": the transformer as one fp8 file in the folder, named by FILES
+    (`write_transformer_file`)."""
     import torch
     from diffusers import AutoencoderKLQwenImage
     from transformers import (
@@ -227,8 +281,8 @@ def write_full_folder(family: str, folder: Path, transformer_file: str | None = 
     ad = adapter_class(family)
     tcls = ad.transformer_cls if hasattr(ad, "transformer_cls") else None
     tr = _meta(lambda: tcls.from_config(ad.full_config))
-    if transformer_file == "fp8":
-        total = write_transformer_file(folder, tr, ad)
+    if transformer_file:
+        total = write_transformer_file(folder, tr, ad, transformer_file)
     else:
         total = _save(folder / "transformer", tr, tr, "diffusion_pytorch_model", bf16, 1)
     del tr
@@ -272,16 +326,22 @@ def write_full_folder(family: str, folder: Path, transformer_file: str | None = 
     return total
 
 
-FP8_FILE = "transformer-fp8.safetensors"
+#: --transformer-file kind -> the single file's name in the model folder
+FILES = {"fp8": "transformer-fp8.safetensors", "fp8-original": "transformer-fp8-original.safetensors"}
 
 
-def write_transformer_file(folder: Path, meta_transformer, adapter_cls) -> int:
-    """Replace the folder's transformer weights by one fp8 file, FP8_FILE (transformer/config.json stays: the
-    config of a single file comes from it). Returns the bytes written."""
+def write_transformer_file(folder: Path, meta_transformer, adapter_cls, kind: str = "fp8") -> int:
+    """Replace the folder's transformer weights by one fp8 file, FILES[kind] (transformer/config.json stays: the
+    config of a single file comes from it): diffusers keys ("fp8"), or Flux.1's original layout the way ComfyUI's
+    fp8 files are ("fp8-original", `write_original_fp8_file`). Returns the bytes written."""
     for f in (folder / "transformer").glob("diffusion_pytorch_model*"):
         f.unlink()
     meta_transformer.save_config(folder / "transformer")
-    return write_fp8_file(meta_transformer, adapter_cls().blocks(meta_transformer), folder / FP8_FILE, seed=1)
+    if kind == "fp8-original":
+        if adapter_cls.family != "flux":
+            raise SystemExit("--transformer-file fp8-original: only Flux.1's original layout is written here")
+        return write_original_fp8_file(dict(meta_transformer.config), folder / FILES[kind], seed=1)
+    return write_fp8_file(meta_transformer, adapter_cls().blocks(meta_transformer), folder / FILES[kind], seed=1)
 
 
 def write_jpegs(folder: Path, n: int, size: int) -> Path:
@@ -361,8 +421,8 @@ def write_config(family: str, model: Path, images: Path, work: Path, res: int, s
     else:
         d = yaml.safe_load((ROOT / "configs" / family / f"lora-{card}gb.yaml").read_text())
     d["model"]["path"] = str(model)
-    if transformer_file == "fp8":
-        d["model"].update({"transformer_file": str(model / FP8_FILE), "quantize": "fp8"})
+    if transformer_file:
+        d["model"].update({"transformer_file": str(model / FILES[transformer_file]), "quantize": "fp8"})
     d["data"].update({"sources": [{"path": str(images)}], "resolutions": [res], "cache_dir": str(work / "cache")})
     d["train"].update({"steps": steps, "checkpoint_every": 0, "log_every": 1})
     d["output"] = {**d.get("output", {}), "dir": str(work / "out")}
@@ -396,9 +456,18 @@ def bench_family(family: str, work: Path, args) -> list[dict]:
             tcls = ad.transformer_cls
             write_transformer_file(model, _meta(lambda: tcls.from_config(tcls.load_config(model / "transformer"))), ad)
     elif args.keep and (model / "model_index.json").exists() and (
-            (model / FP8_FILE).exists() == (args.transformer_file == "fp8")):
+            args.transformer_file or any((model / "transformer").glob("diffusion_pytorch_model*"))):
         print(f"{family}: reusing {model}", flush=True)
         res = args.resolution
+        if args.transformer_file and not (model / FILES[args.transformer_file]).exists():  # only the file is new
+            from trainer.models import adapter_class
+
+            ad = adapter_class(family)
+            t = time.time()
+            nbytes = write_transformer_file(model, _meta(lambda: ad.transformer_cls.from_config(ad.full_config)), ad,
+                                            args.transformer_file)
+            print(f"{family}: wrote {nbytes / 1e9:.1f} GB ({args.transformer_file}) in {time.time() - t:.0f} s",
+                  flush=True)
     else:
         t = time.time()
         nbytes = write_full_folder(family, model, args.transformer_file)
@@ -484,9 +553,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU (tests)")
     ap.add_argument("--keep", action="store_true", help="keep the written model folders, and reuse one already in --work")
-    ap.add_argument("--transformer-file", choices=["fp8"], default=None,
+    ap.add_argument("--transformer-file", choices=sorted(FILES), default=None,
                     help="fp8: write the transformer as one fp8 single file (block Linears float8_e4m3fn with "
-                    "per-tensor scale_weight, the rest bf16) and train with model.transformer_file and quantize fp8")
+                    "per-tensor scale_weight, the rest bf16) and train with model.transformer_file and quantize fp8; "
+                    "fp8-original: the same in Flux.1's original (BFL) layout under ComfyUI's model.diffusion_model. "
+                    "prefix. With --keep, a folder written for the other kind is reused and only the file is added")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a preset setting (dotted key, YAML value), e.g. --set sample.guidance=1")
     ap.add_argument("--tag", default="", help="a name for this variant (its run folder and table rows)")

@@ -24,6 +24,14 @@ class FakeAdapter:
     family = "fake"
     text_encoder_dirs = ("text_encoder",)
     resolution_divisor = 16
+    # the family facts the data pipeline reads (trainer/models/base.py ModelAdapter declares each with its default)
+    extra_text_dirs: tuple = ()
+    max_sequence_length = None
+    takes_reference = text_uses_reference = False
+
+    @classmethod
+    def cache_family(cls):
+        return cls.family
 
     def __init__(self):
         self.images: list[tuple[int, int]] = []  # (h, w) of every image encoded

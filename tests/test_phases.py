@@ -281,7 +281,7 @@ def test_bench_writes_one_fp8_transformer_file_that_streams(tiny_models, tmp_pat
     tcls = ad.transformer_cls
     meta = bp._meta(lambda: tcls.from_config(tcls.load_config(model / "transformer")))
     total = bp.write_transformer_file(model, meta, ad)
-    f = model / bp.FP8_FILE
+    f = model / bp.FILES["fp8"]
     assert total == f.stat().st_size and not list((model / "transformer").glob("*.safetensors"))
     with safe_open(str(f), framework="pt") as h:
         keys = set(h.keys())

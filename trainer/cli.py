@@ -14,6 +14,7 @@ from pathlib import Path
 import typer
 
 from .errors import UserError
+from .models import ADAPTERS  # the family registry: a dict, cheap to import (no torch)
 
 # transformers warns on every run that torchvision is missing; the pipelines' image processors it falls back for
 # are never used by dittrain, so the line is noise to a user.
@@ -32,6 +33,7 @@ app = typer.Typer(
     name="dittrain",
     help="Fine-tune diffusion transformers (Flux, SD3/SD3.5, Qwen-Image) with LoRA or full fine-tuning on GPUs "
     "far smaller than the model, by streaming blocks between pinned CPU RAM and the GPU.\n\n"
+    f"Model families (model.family): {', '.join(ADAPTERS)}.\n\n"
     "Start from a preset (`dittrain presets`), copy it, edit the paths, then `dittrain fit my.yaml`.",
     no_args_is_help=True,
     add_completion=False,
@@ -137,7 +139,7 @@ def sample(
     base: bool = typer.Option(
         False, "--base", help="Full fine-tune configs: sample the base model instead of <output.dir>/transformer."),
     image: Path | None = typer.Option(
-        None, "--image", help="Edit models (flux-kontext, qwen-image-edit[-plus]): the reference image to edit, resized to the sample "
+        None, "--image", help="Edit families (trained on image pairs): the reference image to edit, resized to the sample "
         "size (default: sample.image).",
         show_default=False),
 ) -> None:
@@ -242,7 +244,8 @@ def presets(
 @_user_errors
 def make_tiny(
     out: Path = typer.Option(Path("models/tiny"), "--out", help="Folder to write <family>/ model folders into."),
-    family: list[str] = typer.Option([], "--family", metavar="NAME", help="Only these families (flux, sd3, qwen_image).", show_default=False),
+    family: list[str] = typer.Option([], "--family", metavar="NAME", help=f"Only these families ({', '.join(ADAPTERS)}; repeat the option for several).",
+                                  show_default=False),
 ) -> None:
     """Write tiny random-weight models of every family in diffusers format (for the demo and the tests)."""
     from .models.tiny import make_tiny_models

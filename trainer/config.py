@@ -20,9 +20,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import ConfigError
-
-Family = Literal["flux", "sd3", "qwen_image", "flux-kontext", "qwen-image-edit", "qwen-image-edit-plus"]
+from .errors import ConfigError, UserError
+from .models import ADAPTERS, canonical_family
 
 
 class _Section(BaseModel):
@@ -30,9 +29,9 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    family: Family = Field(description="Model family: flux (dev or schnell), sd3 (SD3 / SD3.5), qwen_image, or the edit "
-                                         "families flux-kontext, qwen-image-edit and qwen-image-edit-plus (Qwen-Image-Edit-2509; "
-                                         "trained on image pairs, one reference each).")
+    family: str = Field(description=f"Model family, one of {', '.join(ADAPTERS)} (`dittrain presets` shows each "
+                                    "one's model; the edit families are trained on image pairs, one reference each). "
+                                    "Words may be joined by _ as well (qwen_image).")
     path: Path = Field(
         description="Local diffusers-format folder (model_index.json, transformer/, vae/, text_encoder*/, "
         "tokenizer*/). Nothing is downloaded."
@@ -71,6 +70,15 @@ class ModelConfig(_Section):
         description="Guidance value fed to a guidance-distilled transformer (Flux dev) while training. "
         "Ignored by models without a guidance embedding.",
     )
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, v: str) -> str:
+        """Any accepted spelling becomes the registry key (trainer/models/__init__.py `ADAPTERS`)."""
+        try:
+            return canonical_family(v)
+        except UserError as e:
+            raise ValueError(str(e).removeprefix("model.family: ")) from None
 
     @model_validator(mode="after")
     def _modulation_needs_quantize(self):

@@ -18,7 +18,8 @@ faster (bench/bench_quant.py). Its backward (the gradient a LoRA upstream needs)
 
 Which modules. Only Linears inside the family's blocks (`adapter.blocks`): attention projections, MLPs and the
 blocks' output projections, i.e. nearly all the bytes. Embedders, the final layer, norms and biases stay in the
-model dtype. So do, by default, the modulation Linears (`norm*.linear` in Flux / SD3, `*_mod.1` in Qwen-Image):
+model dtype. So do, by default, the modulation Linears (each family declares which: its adapter's
+`modulation_linears`, e.g. `norm*.linear` in Flux / SD3, `*_mod.1` in Qwen-Image):
 they set per-sample scale, shift and gate, where an error acts on every token. They are big, though: 3.2 B of
 Flux's 12 B parameters (27 % of its block bytes) and 6.8 B of Qwen-Image's 20 B, because each maps the time
 embedding to six (double block) or three (single block) model-width vectors. `modulation=True`
@@ -27,7 +28,9 @@ an fp8 / int8 rounding of itself: Flux's fp8 blocks go from 15.08 to 11.85 GB, Q
 Measured on random full-width blocks on the CPU (bench/quant_block_error.py, bench/RESULTS.md): the modulation
 output's error against fp32 goes from 0.3 % (bf16) to 2.6 % (fp8) / 0.9 % (int8), and the block update's error from
 about 4 % to about 5 % in fp8 (1.5 % to 1.9 % in int8); real weights, with their outlier channels, are not measured
-yet. Text encoders (`model.quantize_text_encoders`) quantize every Linear they have.
+yet. Text encoders (`model.quantize_text_encoders`) quantize every Linear they have but the ones their family
+keeps (`text_encoder_keep_linears`: T5's `wo`, whose input transformers casts to the weight's dtype, and an unused
+language-model head). Callers that know the family pass its pattern; without one, any registered family's is used.
 
 Why plain torch dtypes, not torchao / optimum-quanto. Both represent a quantized weight as a wrapper tensor
 subclass (torchao `AffineQuantizedTensor` / `Float8Tensor`, quanto `QBytesTensor`) whose bytes live in inner
@@ -47,6 +50,7 @@ included). The planner counts an fp8 file's blocks as the switch says, not as th
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -60,12 +64,24 @@ from torch import nn
 MODES = ("none", "fp8", "int8")
 _DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 _QMAX = {"fp8": 448.0, "int8": 127.0}
-#: modulation Linears (per-sample scale / shift) stay in the model dtype unless `modulation=True`: Flux / SD3
-#: `norm1.linear`, `norm1_context.linear`, `norm.linear`; Qwen-Image `img_mod.1`, `txt_mod.1`
-_KEEP = re.compile(r"(^|\.)(norm[^.]*|[^.]*_mod)\.")
-#: text-encoder Linears left alone: T5's `wo` (transformers casts its input to `wo.weight.dtype`, which would be
-#: fp8) and a language-model head (Qwen2.5-VL's, unused for encoding)
-_KEEP_TEXT = re.compile(r"(^|\.)(wo|lm_head)\.")
+
+#: a pattern of Linear names: a regular expression (string or compiled), matched with `re.search` against the
+#: name relative to its block / text encoder with a "." appended. The families declare theirs on their adapters
+#: (`ModelAdapter.modulation_linears`, `text_encoder_keep_linears`); None means every registered family's
+Pattern = str | re.Pattern | None
+
+
+@functools.cache
+def _joined(attribute: str) -> re.Pattern:
+    from .models import joined_pattern  # the adapter registry (models/ imports this module only in functions)
+
+    return joined_pattern(attribute)
+
+
+def _pattern(pattern: Pattern, attribute: str) -> re.Pattern:
+    if pattern is None:
+        return _joined(attribute)
+    return re.compile(pattern or r"(?!)") if isinstance(pattern, str) else pattern
 
 _scaled_mm = os.environ.get("DITTRAIN_SCALED_MM", "0") == "1"
 
@@ -159,27 +175,34 @@ def quantize_linear(lin: nn.Linear, mode: str) -> None:
     _become_quantized(lin, q, scale, dtype)
 
 
-def is_modulation(name: str) -> bool:
-    """Whether the Linear called `name` inside a block is a modulation Linear (see the essay)."""
-    return bool(_KEEP.search(name + "."))
+def is_modulation(name: str, pattern: Pattern = None) -> bool:
+    """Whether the Linear called `name` inside a block is a modulation Linear (see the essay): `pattern` is the
+    family's `modulation_linears` (None: any registered family's)."""
+    return bool(_pattern(pattern, "modulation_linears").search(name + "."))
 
 
-def keeps_model_dtype(name: str, modulation: bool) -> bool:
-    """Whether the block Linear called `name` stays in the model dtype: a modulation Linear, unless `modulation`
-    (`model.quantize_modulation`). The one rule for quantizing, adopting fp8 files and the streamed loader."""
-    return not modulation and is_modulation(name)
+def keeps_model_dtype(name: str, modulation: bool, pattern: Pattern = None) -> bool:
+    """Whether the block Linear called `name` stays in the model dtype: a modulation Linear (`pattern`, as in
+    `is_modulation`), unless `modulation` (`model.quantize_modulation`). The one rule for quantizing, adopting fp8
+    files and the streamed loader."""
+    return not modulation and is_modulation(name, pattern)
 
 
-def quantize_module(module: nn.Module, mode: str, text_encoder: bool = False, modulation: bool = False) -> int:
+def quantize_module(module: nn.Module, mode: str, text_encoder: bool = False, modulation: bool = False,
+                    keep: Pattern = None) -> int:
     """Quantize the Linears of one block (or, with `text_encoder`, of a whole text encoder) in place; returns
     how many. `mode` "none" does nothing. `modulation` quantizes a block's modulation Linears too
-    (`model.quantize_modulation`). One Linear at a time: the peak is one layer's fp32 copy."""
+    (`model.quantize_modulation`). `keep`: the family's pattern of the Linears left alone (`modulation_linears`
+    for a block, `text_encoder_keep_linears` for a text encoder; None: any registered family's). One Linear at
+    a time: the peak is one layer's fp32 copy."""
     if mode == "none":
         return 0
     if mode not in _DTYPES:
         raise ValueError(f"quantize mode {mode!r}: choose from {MODES}")
+    text_keep = _pattern(keep, "text_encoder_keep_linears") if text_encoder else None
+
     def kept(name: str) -> bool:
-        return bool(_KEEP_TEXT.search(name + ".")) if text_encoder else keeps_model_dtype(name, modulation)
+        return bool(text_keep.search(name + ".")) if text_keep else keeps_model_dtype(name, modulation, keep)
 
     linears = [m for name, m in module.named_modules() if type(m) is nn.Linear and not kept(name)]
     for lin in linears:
@@ -187,9 +210,10 @@ def quantize_module(module: nn.Module, mode: str, text_encoder: bool = False, mo
     return len(linears)
 
 
-def quantize_blocks(blocks: list[nn.Module], mode: str, modulation: bool = False) -> int:
-    """`quantize_module` over a transformer's blocks, one block after another."""
-    return sum(quantize_module(b, mode, modulation=modulation) for b in blocks)
+def quantize_blocks(blocks: list[nn.Module], mode: str, modulation: bool = False, pattern: Pattern = None) -> int:
+    """`quantize_module` over a transformer's blocks, one block after another (`pattern`: the family's
+    `modulation_linears`)."""
+    return sum(quantize_module(b, mode, modulation=modulation, keep=pattern) for b in blocks)
 
 
 # ---------------------------------------------------------------------------------------------- fp8 files
@@ -265,12 +289,13 @@ def convert_scales(transformer_cls: type, config: dict, rows: dict[str, int], fp
 
 
 def adopt_fp8(module: nn.Module, scales: dict[str, torch.Tensor], prefix: str, compute_dtype: torch.dtype,
-              modulation: bool = False) -> int:
+              modulation: bool = False, pattern: Pattern = None) -> int:
     """Turn the Linears of one block, loaded from an fp8 file (diffusers up-casts e4m3fn exactly), back into fp8
     without quantizing again: the 8-bit values are the file's, the scale is the file's per-tensor `scale_weight`
     (`file_scales`; 1 when absent) on every output row. `prefix` is the block's name in the transformer. A weight
     that is not exactly an fp8 value (the file had it in higher precision) is quantized per channel instead,
-    unless it is a modulation Linear (see the essay) and `modulation` is off: then it keeps the model dtype.
+    unless it is a modulation Linear (`pattern`, see the essay) and `modulation` is off: then it keeps the model
+    dtype.
     A modulation weight the file holds in fp8 is adopted either way (its values are the file's; up-casting would
     only spend bytes). Returns how many Linears were adopted as they are."""
     kept = 0
@@ -284,19 +309,19 @@ def adopt_fp8(module: nn.Module, scales: dict[str, torch.Tensor], prefix: str, c
             lin.weight.requires_grad_(False)
             _become_quantized(lin, q, torch.ones(w.shape[0]) if s is None else s, compute_dtype)
             kept += 1
-        elif not keeps_model_dtype(name, modulation):
+        elif not keeps_model_dtype(name, modulation, pattern):
             quantize_linear(lin, "fp8")
     return kept
 
 
 def prepare_transformer(transformer: nn.Module, blocks: list[nn.Module], mode: str, dtype: torch.dtype,
-                        file: str | Path | None = None, modulation: bool = False) -> None:
+                        file: str | Path | None = None, modulation: bool = False, pattern: Pattern = None) -> None:
     """What loading does after diffusers built the transformer in `dtype`: quantize the blocks one by one (their
-    modulation Linears too with `modulation`), or, for an fp8 `file`, keep its 8-bit values and apply its
-    per-tensor scales (see `adopt_fp8`)."""
+    modulation Linears, the family's `pattern`, too with `modulation`), or, for an fp8 `file`, keep its 8-bit
+    values and apply its per-tensor scales (see `adopt_fp8`)."""
     fp8_file = file is not None and is_fp8_file(file)
     if not fp8_file:
-        quantize_blocks(blocks, mode, modulation)
+        quantize_blocks(blocks, mode, modulation, pattern)
         return
     if mode == "int8":
         raise ValueError(f"{file} holds float8 weights: use model.quantize: fp8 (kept as they are) or none "
@@ -305,7 +330,7 @@ def prepare_transformer(transformer: nn.Module, blocks: list[nn.Module], mode: s
     if mode == "fp8":
         names = {id(m): n for n, m in transformer.named_modules()}
         for b in blocks:
-            adopt_fp8(b, scales, names[id(b)], dtype, modulation)
+            adopt_fp8(b, scales, names[id(b)], dtype, modulation, pattern)
     _apply_scales(transformer, scales)
 
 

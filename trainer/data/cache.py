@@ -78,13 +78,13 @@ def model_identity(model_cfg, adapter, part: str) -> str:
     if part == "vae":
         dirs = ["vae"]
     else:
-        te = list(getattr(adapter, "text_encoder_dirs", ()) or ("text_encoder",))
-        dirs = te + [d.replace("text_encoder", "tokenizer") for d in te] + list(getattr(adapter, "extra_text_dirs", ()))
+        te = list(adapter.text_encoder_dirs or ("text_encoder",))
+        dirs = te + [d.replace("text_encoder", "tokenizer") for d in te] + list(adapter.extra_text_dirs)
     # The adapter's own encoding settings count too (a longer T5 sequence gives different embeddings).
-    extra = getattr(adapter, "max_sequence_length", "") if part == "text" else ""
-    h = hashlib.sha256(
-        f"{CACHE_VERSION}|{part}|{getattr(adapter, 'family', '?')}|{model_cfg.dtype}|{extra}".encode()
-    )
+    seq = adapter.max_sequence_length
+    extra = seq if part == "text" and seq is not None else ""
+    # `cache_family`: the name the family had when its caches were first written (a renamed family keeps it)
+    h = hashlib.sha256(f"{CACHE_VERSION}|{part}|{adapter.cache_family()}|{model_cfg.dtype}|{extra}".encode())
     for d in dirs:
         folder = root / d
         h.update(f"|dir:{d}".encode())

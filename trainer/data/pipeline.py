@@ -184,7 +184,7 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
         raise UserError("the config has no data: section (data.sources lists the image folders)")
     disk = d.cache or force_disk
     report = scan_sources(d.sources, index_dir=Path(d.cache_dir) if disk else None, progress=progress,
-                          masks=d.masked_loss, controls=bool(getattr(adapter, "takes_reference", False)))
+                          masks=d.masked_loss, controls=adapter.takes_reference)
     held = []
     if d.validation is not None and d.validation.fraction > 0:  # held out before bucketing: never trained on
         report.items, held = holdout(report.items, d.validation.fraction, cfg.train.seed)
@@ -197,7 +197,7 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
         report.bad.append((report.items[idx].file, reason))
     entries = _keep_items(report, entries, {idx for idx, _ in too_small})
     check_report(report, d.strict)
-    text_ref = bool(getattr(adapter, "text_uses_reference", False))
+    text_ref = adapter.text_uses_reference
     if text_ref and d.validation is not None:
         raise UserError(f"data.validation is not supported for {adapter.family} yet (its captions are encoded with "
                         f"their reference images): remove data.validation")

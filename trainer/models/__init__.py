@@ -1,41 +1,96 @@
 """Model families behind one protocol (`ModelAdapter`), looked up by `model.family`.
 
+The registry. `ADAPTERS` below is the one place a family key maps to code: one line per family, the key and the
+adapter class's module and name. Everything else that needs the list of families (the config's validation,
+`dittrain make-tiny`, the top-level `--help`, the planner, the quantizer's defaults, the presets generator, the
+tests' family parameters) reads it, and every fact about a family is an attribute of its adapter class
+(trainer/models/base.py says what each one means). So adding a family is one module here, one line below, its
+generated presets and its tests.
+
+Spelling. Family keys join words with "-" (`qwen-image`, `flux-kontext`); the same words joined by "_"
+(`qwen_image`, the key Qwen-Image had first) are accepted as well, in configs and on the command line, and mean
+the same family (`canonical_family`).
+
 The loop, caches, offload conductor and sampler call `get_adapter(cfg.model)` and never branch on a family
-name. Adapter modules import diffusers, so they are imported only when asked for.
+name. Adapter modules import torch and diffusers, so they are imported only when asked for: importing this
+package (the registry, `canonical_family`) is cheap, which keeps `dittrain --help` and config validation fast.
 """
 
 from __future__ import annotations
 
+import difflib
+import re
 from importlib import import_module
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
-from .base import Components, ModelAdapter
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
+    from .base import Components, ModelAdapter
 
 #: family -> (module, class); the single place a family name maps to code
 ADAPTERS: dict[str, tuple[str, str]] = {
     "flux": ("flux", "FluxAdapter"),
     "sd3": ("sd3", "SD3Adapter"),
-    "qwen_image": ("qwen_image", "QwenImageAdapter"),
+    "qwen-image": ("qwen_image", "QwenImageAdapter"),
     "flux-kontext": ("flux_kontext", "FluxKontextAdapter"),
     "qwen-image-edit": ("qwen_image_edit", "QwenImageEditAdapter"),
     "qwen-image-edit-plus": ("qwen_image_edit_plus", "QwenImageEditPlusAdapter"),
 }
 
-__all__ = ["ADAPTERS", "Components", "ModelAdapter", "adapter_class", "get_adapter"]
+__all__ = [
+    "ADAPTERS", "Components", "ModelAdapter", "adapter_class", "adapter_classes", "canonical_family", "families",
+    "get_adapter", "joined_pattern",
+]
+
+
+def __getattr__(name: str):
+    # `from trainer.models import ModelAdapter` without importing torch for every user of the registry
+    if name in ("Components", "ModelAdapter"):
+        from . import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def families() -> list[str]:
+    """Every family key, in registry order."""
+    return list(ADAPTERS)
+
+
+def canonical_family(name: str, where: str = "model.family") -> str:
+    """The registry key that `name` spells: the key itself, or its words joined by "_" instead of "-" (any
+    case). Anything else is a `UserError` naming `where`, the closest family and the list."""
+    if name in ADAPTERS:
+        return name
+    norm = str(name).strip().lower().replace("_", "-")
+    if norm in ADAPTERS:
+        return norm
+    close = difflib.get_close_matches(norm, list(ADAPTERS), n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise UserError(f"{where}: unknown family {name!r} ({hint}choose from {', '.join(ADAPTERS)})")
 
 
 def adapter_class(family: str) -> type[ModelAdapter]:
-    if family not in ADAPTERS:
-        raise UserError(f"model.family: unknown family {family!r} (choose from {', '.join(ADAPTERS)})")
-    mod, cls = ADAPTERS[family]
+    """The adapter class of `family` (any accepted spelling); imports its module."""
+    mod, cls = ADAPTERS[canonical_family(family)]
     return getattr(import_module(f"{__name__}.{mod}"), cls)
+
+
+def adapter_classes() -> list[type[ModelAdapter]]:
+    """Every family's adapter class, in registry order (imports each family's module, and so diffusers)."""
+    return [adapter_class(f) for f in ADAPTERS]
 
 
 def get_adapter(model_cfg: ModelConfig) -> ModelAdapter:
     """The adapter for `model_cfg.family`, bound to the model folder (it reads small JSON configs from it lazily,
     never weights, so creating one is cheap and touches no disk)."""
     return adapter_class(model_cfg.family)(model_cfg)
+
+
+def joined_pattern(attribute: str) -> re.Pattern:
+    """One regular expression matching what any family's `attribute` pattern (e.g. `modulation_linears`)
+    matches: for callers that do not know the family (trainer/quant.py's defaults)."""
+    parts = sorted({getattr(cls, attribute) for cls in adapter_classes()} - {""})
+    return re.compile("|".join(f"(?:{p})" for p in parts) if parts else r"(?!)")

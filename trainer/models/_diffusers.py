@@ -30,6 +30,11 @@ from ..errors import UserError
 from .base import Components, ModelAdapter
 
 PARTS = frozenset({"transformer", "vae", "text", "scheduler"})
+#: modulation Linears of AdaLayerNorm blocks (Flux, SD3): `norm*.linear`, the per-sample scale / shift / gate
+NORM_MODULATION = r"(^|\.)norm[^.]*\."
+#: T5 encoders' `wo` stays in the model dtype when text encoders are quantized (transformers casts its input to
+#: `wo.weight.dtype`, which would be fp8)
+T5_KEEP = r"(^|\.)wo\."
 
 
 def own_aligned_memory(module: nn.Module, align: int = 64) -> nn.Module:
@@ -65,12 +70,6 @@ def _quiet() -> None:
 class DiffusersAdapter(ModelAdapter):
     """Shared implementation; subclasses set the class data and the family-specific tensor work."""
 
-    #: transformers classes of the text encoders, in `text_encoder_dirs` order (set by subclasses)
-    text_encoder_classes: ClassVar[tuple[str, ...]]
-    tokenizer_dirs: ClassVar[tuple[str, ...]]
-    vae_cls_name: ClassVar[str] = "AutoencoderKL"
-    #: the family's fallback scheduler settings when the folder has no scheduler config
-    default_scheduler: ClassVar[dict[str, Any]] = {}
     #: latents are packed 2x2 into tokens by the pipeline (Flux, Qwen-Image) rather than patchified inside the
     #: transformer (SD3, whose `patch_size` says so)
     packs_2x2: ClassVar[bool] = True
@@ -219,7 +218,7 @@ class DiffusersAdapter(ModelAdapter):
                     )
                 # 8-bit frozen base (trainer/quant.py): block by block, before the move to the device
                 quant.prepare_transformer(tr, self.blocks(tr), cfg.quantize, dtype, cfg.transformer_file,
-                                         cfg.quantize_modulation)
+                                         cfg.quantize_modulation, self.modulation_linears)
                 out.transformer = own_aligned_memory(tr.to(device))
             if "vae" in parts:
                 import diffusers
@@ -233,7 +232,8 @@ class DiffusersAdapter(ModelAdapter):
                         root, subfolder=d, dtype=dtype, local_files_only=True
                     )
                     enc = self.slim_text_encoder(enc)
-                    quant.quantize_module(enc.requires_grad_(False), cfg.quantize_text_encoders, text_encoder=True)
+                    quant.quantize_module(enc.requires_grad_(False), cfg.quantize_text_encoders, text_encoder=True,
+                                          keep=self.text_encoder_keep_linears)
                     out.text_encoders.append(enc.to(device).eval().requires_grad_(False))
                 for d in self.tokenizer_dirs:
                     out.tokenizers.append(transformers.AutoTokenizer.from_pretrained(root, subfolder=d, local_files_only=True))

@@ -19,6 +19,7 @@ Tensors crossing this boundary:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -41,34 +42,72 @@ class Components:
 
 
 class ModelAdapter(ABC):
-    """One model family. An instance is bound to one `ModelConfig` (`get_adapter(cfg.model)`) and may read that
-    model folder's small JSON configs lazily (never weights), so sizes such as `resolution_divisor` come from the
-    actual model. Apart from that it holds no state; in particular no tensors.
+    """One model family: its code (the methods below) and every fact about it (the class attributes below), in one
+    file of trainer/models/ plus one line of the registry (`trainer/models/__init__.py` `ADAPTERS`).
 
-    The diffusers-based adapters also offer `latent_channels`, `vae_scale_factor`, `patch_size`,
-    `guidance_embeds`, `image_seq_len(height, width)` and `max_sequence_length` (see `_diffusers.py`)."""
+    Nothing outside trainer/models/ names a family or keeps a table keyed by one (tests/test_layout.py checks it):
+    the config's family list, `make-tiny`, the planner, the quantizer, the presets generator and the tests' family
+    parameters all read the registry and these attributes. Attributes with a default here are optional; the others
+    every family declares (`tests/test_layout.py::test_every_adapter_provides_the_family_facts`).
+
+    An instance is bound to one `ModelConfig` (`get_adapter(cfg.model)`) and may read that model folder's small
+    JSON configs lazily (never weights), so sizes such as `resolution_divisor` come from the actual model. Apart
+    from that it holds no state; in particular no tensors. The class attributes describe the full-size model and
+    are what the planner and the presets use when no model folder is at hand.
+
+    The diffusers-based adapters also offer, read from the folder, `latent_channels`, `vae_scale_factor`,
+    `patch_size`, `guidance_embeds` and `image_seq_len(height, width)` (see `_diffusers.py`)."""
 
     def __init__(self, model_cfg: ModelConfig | None = None) -> None:
         self.cfg = model_cfg
 
-    family: ClassVar[str]
-    #: diffusers transformer class, e.g. FluxTransformer2DModel
-    transformer_cls: ClassVar[type]
-    #: diffusers pipeline class, e.g. FluxPipeline
-    pipeline_cls: ClassVar[type]
-    #: peft target_modules used when the config gives none
-    default_lora_targets: ClassVar[tuple[str, ...]]
-    #: sub-folders of the diffusers model folder holding the text encoders, in pipeline order
-    text_encoder_dirs: ClassVar[tuple[str, ...]]
+    # ------------------------------------------------------------------------------------------ identity
 
-    # Facts the memory planner (trainer/planner/) and the presets use when no model folder is at hand; a real
-    # run reads the folder's own configs and safetensors headers instead.
-    #: the full-size transformer's config (`transformer_cls.from_config` keys)
-    full_config: ClassVar[dict[str, Any]]
+    # Facts that name this family rather than describe its architecture (`cache_name`, `measured_presets`,
+    # `tiny_builders`) are read from the class's own namespace, never inherited: a family
+    # that subclasses another's adapter (flux-kontext, qwen-image-edit) does not take over its names, folders or
+    # measurements.
+
+    #: the family key (`model.family`, `make-tiny --family`, `configs/<family>/`); words joined by "-" (the same
+    #: words joined by "_" are accepted too: trainer/models/__init__.py `canonical_family`)
+    family: ClassVar[str]
+    #: the family's name inside cache keys (trainer/data/cache.py `model_identity`); None: `family`. Set when a
+    #: family is renamed, so caches written under the old name stay valid. Not inherited (`cache_family`)
+    cache_name: ClassVar[str | None] = None
     #: the full-size model's name and a placeholder folder for it (the presets' headers and `model.path`)
     full_name: ClassVar[str]
     example_path: ClassVar[str]
-    #: text tokens per caption the transformer sees in training (the adapter's padding)
+
+    # ------------------------------------------------------------------------------------------ transformer
+
+    #: diffusers transformer class, e.g. FluxTransformer2DModel
+    transformer_cls: ClassVar[type]
+    #: the full-size transformer's config (`transformer_cls.from_config` keys)
+    full_config: ClassVar[dict[str, Any]]
+    #: peft target_modules used when the config gives none
+    default_lora_targets: ClassVar[tuple[str, ...]]
+    #: regular expression (`re.search` on a block Linear's name relative to its block, with a "." appended) of the
+    #: modulation Linears: they set per-sample scale / shift / gate and stay in the model dtype in an fp8 / int8
+    #: base unless `model.quantize_modulation` (trainer/quant.py). "" : none
+    modulation_linears: ClassVar[str] = ""
+
+    # ------------------------------------------------------------------------------------------ text encoders
+
+    #: sub-folders of the diffusers model folder holding the text encoders, in pipeline order
+    text_encoder_dirs: ClassVar[tuple[str, ...]]
+    #: transformers classes of the text encoders, in `text_encoder_dirs` order
+    text_encoder_classes: ClassVar[tuple[str, ...]] = ()
+    #: sub-folders holding the tokenizers, in pipeline order
+    tokenizer_dirs: ClassVar[tuple[str, ...]] = ()
+    #: further sub-folders whose files change the text embeddings (a processor): part of the text cache's identity
+    extra_text_dirs: ClassVar[tuple[str, ...]] = ()
+    #: the longest (padded) token sequence of the main text encoder, as the pipeline's default; part of the text
+    #: cache's identity. None: the family has no such setting
+    max_sequence_length: ClassVar[int | None] = None
+    #: regular expression (as `modulation_linears`, on names inside a text encoder) of the text encoders' Linears
+    #: that stay in the model dtype when `model.quantize_text_encoders` is set (trainer/quant.py)
+    text_encoder_keep_linears: ClassVar[str] = ""
+    #: text tokens per caption the transformer sees in training (the adapter's padding), for planning
     text_tokens: ClassVar[int]
     #: (name, parameter count) of each full-size text encoder, in pipeline order
     text_encoder_params: ClassVar[tuple[tuple[str, int], ...]]
@@ -77,13 +116,74 @@ class ModelAdapter(ABC):
     text_encoder_unused_params: ClassVar[tuple[int, ...]] = ()
     text_encoder_nonblock_params: ClassVar[tuple[int, ...]] = ()
 
-    #: sampling: does the pipeline run a second, negative-prompt pass when guidance > 1 (so the negative prompt
-    #: must be encoded too)?
-    sampling_uses_negative: ClassVar[bool]
+    # ------------------------------------------------------------------------------------------ VAE and latents
+
+    #: diffusers class name of the VAE
+    vae_cls_name: ClassVar[str] = "AutoencoderKL"
+    #: the full-size VAE's parameter count (the planner's caching and sampling phases)
+    vae_params: ClassVar[int]
+    #: the full-size model's latent geometry: pixels per latent side (the VAE's downscale) and latent pixels per
+    #: transformer token side (2x2 packing or patchify); `full_image_tokens` multiplies them out
+    latent_scale: ClassVar[int] = 8
+    token_patch: ClassVar[int] = 2
+
+    # ------------------------------------------------------------------------------------------ edit families
+
     #: edit / reference-image families: training items are (reference, target, instruction) pairs, the
     #: reference's latents reach `predict` as `text["control_latents"]` (B, C, h, w), and sampling takes
     #: `--image` (`pipeline_image`)
     takes_reference: ClassVar[bool] = False
+    #: the text encoder sees the reference image too: text-cache entries are per (caption, reference), captions
+    #: are encoded one at a time in the presets, validation sets are not supported, and sampling needs `--image`
+    text_uses_reference: ClassVar[bool] = False
+
+    # ------------------------------------------------------------------------------------------ sampling
+
+    #: diffusers pipeline class, e.g. FluxPipeline
+    pipeline_cls: ClassVar[type]
+    #: the scheduler settings when the folder has no scheduler config (FlowMatchEulerDiscreteScheduler kwargs)
+    default_scheduler: ClassVar[dict[str, Any]] = {}
+    #: sampling: does the pipeline run a second, negative-prompt pass when guidance > 1 (so the negative prompt
+    #: must be encoded too, and the planner counts a batch of two)?
+    sampling_uses_negative: ClassVar[bool]
+
+    # ------------------------------------------------------------------------------------------ presets
+
+    #: card sizes (GB) `python -m trainer.planner.presets` writes configs/<family>/<method>-<N>gb.yaml for
+    preset_cards: ClassVar[tuple[int, ...]] = (8, 12, 16, 24, 48, 80)
+    #: {(method, card GB): "measured on ...: ..."}: what a GPU run of that preset measured, for its header
+    #: (declared on the class itself: a subclass family does not inherit another model's measurements)
+    measured_presets: ClassVar[dict[tuple[str, int], str]] = {}
+
+    @classmethod
+    def cache_family(cls) -> str:
+        """The family's name in cache keys: its own `cache_name`, else `family`."""
+        return cls.__dict__.get("cache_name") or cls.family
+
+    @classmethod
+    def measured(cls, method: str, card: int) -> str:
+        """The measured note of the preset `method` x `card` GB of this family ("not yet measured": none)."""
+        return cls.__dict__.get("measured_presets", {}).get((method, card), "not yet measured")
+
+    @classmethod
+    def full_image_tokens(cls, height: int, width: int) -> int:
+        """Image tokens the full-size transformer sees for one target image of this size (an edit family's
+        reference tokens not included)."""
+        d = cls.latent_scale * cls.token_patch
+        return (height // d) * (width // d)
+
+    @classmethod
+    def tiny_builders(cls) -> dict[str, Callable[[], Any]]:
+        """{folder name: function returning a tiny random-weight diffusers pipeline of this family} that
+        `dittrain make-tiny` saves (tests and the demo use them). Each family overrides it on its own class
+        (`own_tiny_builders` ignores an inherited one; tests/test_layout.py requires one). Shared tokenizers, text
+        encoders, VAEs and the corpus are in trainer/models/tiny.py."""
+        return {}
+
+    @classmethod
+    def own_tiny_builders(cls) -> dict[str, Callable[[], Any]]:
+        """`tiny_builders` if this class declares it itself, else {}."""
+        return cls.tiny_builders() if "tiny_builders" in cls.__dict__ else {}
 
     @property
     @abstractmethod

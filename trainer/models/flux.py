@@ -25,8 +25,31 @@ import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
 from torch import nn
 
-from ._diffusers import DiffusersAdapter, pack_2x2, unpack_2x2
+from ._diffusers import NORM_MODULATION, T5_KEEP, DiffusersAdapter, pack_2x2, unpack_2x2
 from .base import Components
+
+
+def tiny_pipeline(pipeline_cls: type, schnell: bool = False):
+    """A tiny random Flux.1 (dev-like: guidance embedding, dynamic shift; or schnell-like: neither) as a
+    `pipeline_cls` (FluxPipeline, or FluxKontextPipeline: Kontext has Flux's architecture)."""
+    from .tiny import clip_text, clip_tokenizer, flow_scheduler, kl_vae, t5_text, t5_tokenizer
+
+    clip_tok, t5_tok = clip_tokenizer(), t5_tokenizer()
+    torch.manual_seed(10)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=not schnell, axes_dims_rope=(4, 4, 8),
+    )
+    sched = (
+        flow_scheduler(shift=1.0, use_dynamic_shifting=False)
+        if schnell
+        else flow_scheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                            base_image_seq_len=256, max_image_seq_len=4096)
+    )
+    return pipeline_cls(
+        scheduler=sched, vae=kl_vae(0.1159, 0.3611), text_encoder=clip_text(clip_tok, 32, None, 1),
+        tokenizer=clip_tok, text_encoder_2=t5_text(t5_tok, 32), tokenizer_2=t5_tok, transformer=transformer,
+    )
 
 
 class FluxAdapter(DiffusersAdapter):
@@ -60,7 +83,28 @@ class FluxAdapter(DiffusersAdapter):
     }
     text_tokens = 512  # T5 padded to max_sequence_length
     text_encoder_params = (("CLIP-L", 123_060_480), ("T5-XXL encoder", 4_762_310_656))
+    #: T5's `wo`: transformers casts its input to `wo.weight.dtype`, which would be fp8
+    text_encoder_keep_linears = T5_KEEP
+    #: `norm1.linear`, `norm1_context.linear` (double blocks), `norm.linear` (single blocks)
+    modulation_linears = NORM_MODULATION
+    vae_params = 83_819_683  # diffusers AutoencoderKL, 16 latent channels
     sampling_uses_negative = False
+    # Presets run on a GPU with full-size random weights under a VRAM cap of card - 1 GB (bench/bench_plan.py;
+    # numbers and command in bench/RESULTS.md, 2026-11-22 02:27 UTC, the planner with the 1.35 allocator factor).
+    measured_presets = {
+        ("lora", 8): "measured on an H200: fits, 6.3 GB reserved, 1.08 s a step",
+        ("lora", 16): "measured on an H200: fits, 14.5 GB reserved, 0.95 s a step",
+        ("lora", 24): "measured on an H200: fits, 22.0 GB reserved, 0.95 s a step",
+        # bench/bench_fullft.py --fractions 0.9,0.75 --no-act (02:39 UTC): the fraction and settings of these
+        # presets, uncapped; same process as the resident full fine-tune (1.339 s, 28.2 GB)
+        ("full", 8): "measured on an H200: 6.4 GB reserved, 1.62 s a step = 1.21x resident",
+        ("full", 12): "measured on an H200: 9.5 GB reserved, 1.46 s a step = 1.09x resident",
+    }
+
+    @classmethod
+    def tiny_builders(cls):
+        return {"flux": lambda: tiny_pipeline(FluxPipeline, schnell=False),
+                "flux-schnell": lambda: tiny_pipeline(FluxPipeline, schnell=True)}
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]

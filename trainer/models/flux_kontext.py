@@ -32,7 +32,7 @@ import torch
 from diffusers import FluxKontextPipeline, FluxTransformer2DModel
 
 from ._diffusers import pack_2x2, unpack_2x2
-from .flux import FluxAdapter
+from .flux import FluxAdapter, tiny_pipeline
 
 CONTROL = "control_latents"
 
@@ -52,6 +52,13 @@ class FluxKontextAdapter(FluxAdapter):
     takes_reference = True
     full_name, example_path = "Flux.1-Kontext-dev", "/path/to/FLUX.1-Kontext-dev"
     # FLUX.1-Kontext-dev has FLUX.1-dev's architecture (11.9 B, guidance embedding): FluxAdapter.full_config.
+    # Its VAE parameters: the planner used a 100 M default for this family before the count was declared per
+    # family; kept so the generated presets stay as they are until they are next regenerated.
+    vae_params = 100_000_000
+
+    @classmethod
+    def tiny_builders(cls):
+        return {"flux-kontext": lambda: tiny_pipeline(FluxKontextPipeline, schnell=False)}
 
     def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:
         ref = text.get(CONTROL)

@@ -39,6 +39,47 @@ TEMPLATE_DROP = 34  # tokens of the system prompt, as QwenImagePipeline.prompt_t
 QWEN_VL_LM_HEAD, QWEN_VL_VISUAL, QWEN_VL_EMBED = 544_997_376, 676_550_144, 544_997_376
 
 
+def tiny_parts() -> dict:
+    """A tiny random Qwen-Image's pipeline parts (scheduler, vae, text_encoder, tokenizer, transformer): the
+    Qwen2.5-VL text encoder with a one-layer vision tower, the video VAE (4 latent channels), two blocks."""
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from .tiny import QWEN_SPECIAL, flow_scheduler, qwen_tokenizer
+
+    tok = qwen_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    cfg = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tok), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1000000.0},
+            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16},
+        vocab_size=len(tok), hidden_size=16, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(4)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    torch.manual_seed(5)
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.05, 0.0], latents_std=[1.5, 2.0, 1.2, 1.8],
+    )
+    torch.manual_seed(12)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+        joint_attention_dim=16, axes_dims_rope=(8, 4, 4),
+    )
+    sched = flow_scheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+    return {"scheduler": sched, "vae": vae, "text_encoder": text_encoder, "tokenizer": tok, "transformer": transformer}
+
+
 class NoLogits(nn.Module):
     """Stands in for a language-model head whose logits nobody reads: returns an empty last dimension."""
 
@@ -47,7 +88,9 @@ class NoLogits(nn.Module):
 
 
 class QwenImageAdapter(DiffusersAdapter):
-    family = "qwen_image"
+    family = "qwen-image"
+    #: its key was `qwen_image` until the keys were unified (still accepted as a spelling): caches keep that name
+    cache_name = "qwen_image"
     transformer_cls = QwenImageTransformer2DModel
     pipeline_cls = QwenImagePipeline
     default_lora_targets = (
@@ -81,7 +124,17 @@ class QwenImageAdapter(DiffusersAdapter):
     # (`slim_text_encoder`); the token embedding stays beside the streamed decoder layers
     text_encoder_unused_params = (QWEN_VL_LM_HEAD + QWEN_VL_VISUAL,)
     text_encoder_nonblock_params = (QWEN_VL_EMBED,)
+    #: Qwen2.5-VL's language-model head (unused for encoding) stays in the model dtype
+    text_encoder_keep_linears = r"(^|\.)lm_head\."
+    #: `img_mod.1`, `txt_mod.1`: the per-sample scale / shift / gate of both streams
+    modulation_linears = r"(^|\.)[^.]*_mod\."
+    vae_params = 126_892_531  # AutoencoderKLQwenImage (a 3-D video VAE used on single frames)
     sampling_uses_negative = True
+
+    @classmethod
+    def tiny_builders(cls):
+        # the folder keeps the family's former spelling: tests, the demo and users' tiny configs point at it
+        return {"qwen_image": lambda: QwenImagePipeline(**tiny_parts())}
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.transformer_blocks)
@@ -92,7 +145,7 @@ class QwenImageAdapter(DiffusersAdapter):
         if hasattr(encoder, "lm_head"):
             encoder.lm_head = NoLogits()
         inner = getattr(encoder, "model", None)
-        if not getattr(self, "text_uses_reference", False) and getattr(inner, "visual", None) is not None:
+        if not self.text_uses_reference and getattr(inner, "visual", None) is not None:
             inner.visual = None
         return encoder
 

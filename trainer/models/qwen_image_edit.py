@@ -54,7 +54,7 @@ from torch import nn
 from ..errors import UserError
 from ._diffusers import pack_2x2, unpack_2x2
 from .base import Components
-from .qwen_image import QWEN_VL_EMBED, QWEN_VL_LM_HEAD, QWEN_VL_VISUAL, QwenImageAdapter
+from .qwen_image import QWEN_VL_EMBED, QWEN_VL_LM_HEAD, QWEN_VL_VISUAL, QwenImageAdapter, tiny_parts
 
 CONTROL = "control_latents"
 EDIT_TEMPLATE = (
@@ -116,6 +116,21 @@ def pipeline_reference_size(image: Image.Image) -> tuple[int, int]:
     return int(w), int(h)
 
 
+def tiny_edit_pipeline(pipeline_cls: type):
+    """The tiny Qwen-Image (qwen_image.py `tiny_parts`) as an edit pipeline, with a Qwen2-VL processor of the real
+    one's settings (14-pixel patches merged 2x2, CLIP mean / std) whose images are capped at 128x128 pixels, so
+    the vision tower stays cheap."""
+    from transformers import Qwen2VLImageProcessorPil
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    parts = tiny_parts()
+    proc = image_only_processor_class()(
+        image_processor=Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=128 * 128),
+        tokenizer=parts["tokenizer"], video_processor=BaseVideoProcessor(),
+    )
+    return pipeline_cls(**parts, processor=proc)
+
+
 class QwenImageEditAdapter(QwenImageAdapter):
     family = "qwen-image-edit"
     transformer_cls = QwenImageTransformer2DModel
@@ -136,6 +151,13 @@ class QwenImageEditAdapter(QwenImageAdapter):
     text_encoder_nonblock_params = (QWEN_VL_EMBED + QWEN_VL_VISUAL,)
     #: the chat template the instruction goes into (the Plus family numbers its pictures)
     edit_template = EDIT_TEMPLATE
+    # Its VAE (Qwen-Image's): the planner used a 100 M default for the edit families before the count was
+    # declared per family; kept so the generated presets stay as they are until they are next regenerated.
+    vae_params = 100_000_000
+
+    @classmethod
+    def tiny_builders(cls):
+        return {"qwen-image-edit": lambda: tiny_edit_pipeline(QwenImageEditPipeline)}
 
     # ------------------------------------------------------------------------------------------ loading
 

@@ -31,7 +31,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
 )
 from PIL import Image
 
-from .qwen_image_edit import EDIT_TEMPLATE, QwenImageEditAdapter
+from .qwen_image_edit import EDIT_TEMPLATE, QwenImageEditAdapter, tiny_edit_pipeline
 
 #: QwenImageEditPlusPipeline's template with one picture: "Picture 1: " before the vision tokens
 PLUS_TEMPLATE = EDIT_TEMPLATE.replace("<|vision_start|>", "Picture 1: <|vision_start|>")
@@ -63,6 +63,10 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
     # merged patches), plus the few tokens of "Picture 1: "
     text_tokens = 256 + 196 + 8
     edit_template = PLUS_TEMPLATE
+
+    @classmethod
+    def tiny_builders(cls):
+        return {"qwen-image-edit-plus": lambda: tiny_edit_pipeline(QwenImageEditPlusPipeline)}
 
     @classmethod
     def text_reference(cls, image: Image.Image) -> Image.Image:

@@ -25,8 +25,27 @@ import torch
 from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 from torch import nn
 
-from ._diffusers import DiffusersAdapter
+from ._diffusers import NORM_MODULATION, T5_KEEP, DiffusersAdapter
 from .base import Components
+
+
+def tiny_pipeline():
+    """A tiny random SD3.5-like model (qk RMS norm, dual-attention blocks) as a StableDiffusion3Pipeline."""
+    from .tiny import clip_text, clip_tokenizer, flow_scheduler, kl_vae, t5_text, t5_tokenizer
+
+    clip_tok, t5_tok = clip_tokenizer(), t5_tokenizer()
+    torch.manual_seed(11)
+    transformer = SD3Transformer2DModel(
+        sample_size=32, patch_size=2, in_channels=4, num_layers=4, attention_head_dim=8, num_attention_heads=4,
+        caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64, out_channels=4,
+        pos_embed_max_size=64, qk_norm="rms_norm", dual_attention_layers=(0, 1),
+    )
+    return StableDiffusion3Pipeline(
+        scheduler=flow_scheduler(shift=3.0), vae=kl_vae(0.0609, 1.5035),
+        text_encoder=clip_text(clip_tok, 16, 32, 1), tokenizer=clip_tok,
+        text_encoder_2=clip_text(clip_tok, 16, 32, 2), tokenizer_2=clip_tok,
+        text_encoder_3=t5_text(t5_tok, 32), tokenizer_3=t5_tok, transformer=transformer,
+    )
 
 
 class SD3Adapter(DiffusersAdapter):
@@ -65,7 +84,15 @@ class SD3Adapter(DiffusersAdapter):
         ("CLIP-G", 694_659_840),
         ("T5-XXL encoder", 4_762_310_656),
     )
+    text_encoder_keep_linears = T5_KEEP
+    #: `norm1.linear`, `norm1_context.linear` (AdaLayerNormZero of the joint blocks)
+    modulation_linears = NORM_MODULATION
+    vae_params = 83_819_683  # diffusers AutoencoderKL of SD3.5, 16 latent channels
     sampling_uses_negative = True
+
+    @classmethod
+    def tiny_builders(cls):
+        return {"sd3": tiny_pipeline}
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.transformer_blocks)

@@ -36,11 +36,16 @@ leave it, decided from the header (fp8 in the file: adopted, the file's 8-bit va
 higher-precision weight, from its values (read once at build: adopted if they are all fp8 values, else quantized
 per channel, or kept for modulation); every other scaled fp8 weight is up-cast with its scale applied.
 
-Left out: single files in the original checkpoint layout (BFL / Stability key names: diffusers converts the
-whole state dict at once, renaming, splitting fused qkv and reordering) keep the old `from_single_file` path and
-load whole into RAM (`whole_file_note` is the line the trainer logs); so does resuming a full fine-tune (its
-weights come from the checkpoint, not the model folder). `loads_whole` is the one rule for both, used by the
-trainer and by the planner's RAM count.
+Original layout. A single file in the original checkpoint layout (BFL / Stability key names, optionally under
+ComfyUI's `model.diffusion_model.` prefix, bf16 or fp8 with per-tensor `scale_weight`) streams the same way: its
+diffusers tensors are row ranges of the file's tensors, found once by running diffusers' own converter on row ids
+(trainer/models/original_layout.py), and each is read from just those rows when its block is filled.
+
+Left out: a file whose layout neither maps (another layout, or a converter that does more than move rows, such as
+Flux.1's on a model narrower than 3072) keeps the old `from_single_file` path and loads whole into RAM
+(`whole_file_note` is the line the trainer logs); so does resuming a full fine-tune (its weights come from the
+checkpoint, not the model folder). `loads_whole` is the one rule for both, used by the trainer and by the planner's
+RAM count.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import functools
 import gc
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,6 +63,7 @@ from torch import nn
 
 from .. import quant
 from ..errors import UserError
+from . import original_layout
 
 _INDEX = "diffusion_pytorch_model.safetensors.index.json"
 _NAN: dict[torch.dtype, torch.Tensor] = {}
@@ -84,49 +91,74 @@ def is_placeholder(t: torch.Tensor) -> bool:
 
 def supported(cfg) -> bool:
     """Whether the ModelConfig `cfg` loads through this module: a diffusers folder, or a single file whose keys
-    are the transformer's diffusers keys (`file_prefix`); a file in the original checkpoint layout keeps
-    `from_single_file` (diffusers converts its whole state dict at once)."""
-    return cfg.transformer_file is None or file_prefix(cfg) is not None
+    are the transformer's diffusers keys (`file_prefix`) or whose original-layout keys map onto them row by row
+    (trainer/models/original_layout.py); any other file keeps `from_single_file` (whole into RAM)."""
+    return cfg.transformer_file is None or file_layout(cfg) is not None
 
 
 def whole_file_note(cfg) -> str | None:
     """The one line to log when the ModelConfig `cfg`'s single file loads whole into RAM (its layout), else None."""
-    if cfg.transformer_file is None or file_prefix(cfg) is not None:
+    if cfg.transformer_file is None or file_layout(cfg) is not None:
         return None
-    return (f"{cfg.transformer_file}: its keys are not the {cfg.family} transformer's diffusers keys (the original "
-            f"checkpoint layout?), so diffusers converts it and it loads whole into RAM before its blocks stream")
+    return (f"{cfg.transformer_file}: its keys are neither the {cfg.family} transformer's diffusers keys nor an "
+            f"original layout that diffusers' converter maps row by row, so diffusers converts it and it loads "
+            f"whole into RAM before its blocks stream")
 
 
 def file_prefix(cfg) -> str | None:
     """The prefix to strip from the keys of the ModelConfig `cfg`'s `transformer_file` ("" for none, or e.g.
-    "model.diffusion_model.") so that they cover the transformer's state-dict keys; None when no single prefix
-    does (another layout) or the file or the folder's config cannot be read (the old path reports it)."""
+    "model.diffusion_model.") so that they cover the transformer's diffusers state-dict keys; None when no single
+    prefix does (the original layout, another layout) or the file or the folder's config cannot be read."""
+    layout = file_layout(cfg)
+    return layout.prefix if layout is not None and layout.runs is None else None
+
+
+def file_layout(cfg) -> _Layout | None:
+    """How the keys of the ModelConfig `cfg`'s `transformer_file` reach the diffusers keys: a prefix to strip
+    (diffusers layout; `runs` None) or the original layout's row map (`runs`); None when neither works or the file
+    or the folder's config cannot be read (the old path reports it)."""
     f = Path(cfg.transformer_file)
     try:
         st = f.stat()
-        return _file_prefix(str(cfg.path), cfg.family, str(f), st.st_size, st.st_mtime_ns)
+        return _file_layout(str(cfg.path), cfg.family, str(f), st.st_size, st.st_mtime_ns)
     except (OSError, ValueError, KeyError, struct.error):
         return None
 
 
+@dataclass(frozen=True)
+class _Layout:
+    prefix: str
+    runs: original_layout.Runs | None = None
+
+
 @functools.lru_cache(maxsize=8)
-def _file_prefix(path: str, family: str, file: str, size: int, mtime: int) -> str | None:  # noqa: ARG001 - cache keys
+def _file_layout(path: str, family: str, file: str, size: int, mtime: int) -> _Layout | None:  # noqa: ARG001 - cache keys
     from accelerate import init_empty_weights
 
     from . import adapter_class
 
-    keys = set(quant._header(file))
+    header = quant._header(file)
+    keys = set(header)
     cls = adapter_class(family).transformer_cls
+    config = cls.load_config(path, subfolder="transformer", local_files_only=True)
     with init_empty_weights():
-        want = cls.from_config(cls.load_config(path, subfolder="transformer", local_files_only=True)).state_dict()
+        want = {k: v.shape for k, v in cls.from_config(config).state_dict().items()}
     if not want:
         return None
     k0 = next(iter(want))
     candidates = sorted({k[: len(k) - len(k0)] for k in keys if k.endswith(k0)}, key=len)
     for p in candidates:
         if (p == "" or p.endswith(".")) and all(p + k in keys for k in want):
-            return p
-    return None
+            return _Layout(p)
+    m = original_layout.row_map(cls, dict(config), header, want, quant._is_scale_key)
+    if m is None:
+        return None
+    if any(quant._is_scale_key(k) for k in header):  # one per-tensor scale per weight: a single scaled source
+        for k, r in m.runs.items():
+            if k.endswith(".weight") and len({o for o, _, _ in r}) > 1 and any(
+                    m.prefix + o[: -len("weight")] + "scale_weight" in header for o, _, _ in r):
+                return None
+    return _Layout(m.prefix, m.runs)
 
 
 def loads_whole(cfg, resuming: bool = False, streamed: bool = True) -> bool:
@@ -155,9 +187,10 @@ def empty_transformer(adapter, cfg, dtype: torch.dtype, files: _Files | None = N
     if files is not None and files.fp8 and cfg.quantize == "fp8":
         names = {id(m): n for n, m in tr.named_modules()}
         for b in adapter.blocks(tr):
-            _adopt_on_meta(b, names[id(b)], files, dtype, cfg.quantize_modulation)
+            _adopt_on_meta(b, names[id(b)], files, dtype, cfg.quantize_modulation, adapter.modulation_linears)
     else:
-        quant.quantize_blocks(adapter.blocks(tr), cfg.quantize, cfg.quantize_modulation)  # on meta: shapes, dtypes
+        quant.quantize_blocks(adapter.blocks(tr), cfg.quantize, cfg.quantize_modulation,  # on meta: shapes, dtypes
+                              adapter.modulation_linears)
     for mod in tr.modules():
         for name, p in mod._parameters.items():
             if p is not None and p.is_meta:
@@ -168,11 +201,12 @@ def empty_transformer(adapter, cfg, dtype: torch.dtype, files: _Files | None = N
     return tr
 
 
-def _adopt_on_meta(block: nn.Module, prefix: str, files: _Files, dtype: torch.dtype, modulation: bool = False) -> None:
+def _adopt_on_meta(block: nn.Module, prefix: str, files: _Files, dtype: torch.dtype, modulation: bool = False,
+                   pattern: str | None = None) -> None:
     """`quant.adopt_fp8`'s choice for each Linear of one meta `block`, made from the file: adopted (fp8 in the
     file, or a higher-precision weight whose values are all fp8 values: read once here, one tensor), else
-    quantized per channel, else (modulation, unless `modulation`) kept in `dtype`. Shapes and dtypes only;
-    `tensor` fills them."""
+    quantized per channel, else (modulation: the family's `pattern`, unless `modulation`) kept in `dtype`. Shapes
+    and dtypes only; `tensor` fills them."""
     for name, lin in block.named_modules():
         if type(lin) is not nn.Linear:
             continue
@@ -182,7 +216,7 @@ def _adopt_on_meta(block: nn.Module, prefix: str, files: _Files, dtype: torch.dt
             q = torch.empty(lin.weight.shape, dtype=torch.float8_e4m3fn, device="meta")
             quant._become_quantized(lin, q, torch.empty(rows, device="meta"), dtype)
             files.adopted.add(key)
-        elif not quant.keeps_model_dtype(name, modulation):
+        elif not quant.keeps_model_dtype(name, modulation, pattern):
             quant.quantize_linear(lin, "fp8")
 
 
@@ -191,17 +225,23 @@ class _Files:
     (sharded with index.json or not), or one `single` file whose keys carry `prefix`; for an fp8 single file, its
     dtypes and per-tensor scales (`scale_weight`, read once: one number each)."""
 
-    def __init__(self, folder: Path, single: Path | None = None, prefix: str = ""):
+    def __init__(self, folder: Path, single: Path | None = None, prefix: str = "",
+                 runs: original_layout.Runs | None = None):
         from safetensors import safe_open
 
         self.label, self.prefix = single or folder, prefix
         self.header: dict[str, dict] = {}
         self.scales: dict[str, float] = {}  # module name -> the file's per-tensor scale
         self.adopted: set[str] = set()  # weight keys kept as the file's fp8 values (_adopt_on_meta)
+        # original layout (trainer/models/original_layout.py): diffusers key -> row ranges of the file's tensors
+        self.runs = runs
         index = folder / _INDEX
         if single is not None:
             self.header = quant._header(single)
-            self.where = {k[len(prefix):]: single for k in self.header if k.startswith(prefix)}
+            if runs is not None:
+                self.where = dict.fromkeys(runs, single)
+            else:
+                self.where = {k[len(prefix):]: single for k in self.header if k.startswith(prefix)}
             if any(quant._is_scale_key(k) for k in self.header):
                 with safe_open(str(single), framework="pt") as h:
                     self.scales = {k[len(prefix): -len(".scale_weight")]: float(h.get_tensor(k).float().reshape(-1)[0])
@@ -218,9 +258,13 @@ class _Files:
         self._path: Path | None = None
         self._handle = None
 
+    def _source(self, key: str) -> str:
+        """The file's (unprefixed) key that holds diffusers `key`, or its first row range's (original layout)."""
+        return key if self.runs is None or key not in self.runs else self.runs[key][0][0]
+
     def dtype(self, key: str) -> str | None:
         """The safetensors dtype name of `key` in a single file (None for folders)."""
-        return self.header.get(self.prefix + key, {}).get("dtype")
+        return self.header.get(self.prefix + self._source(key), {}).get("dtype")
 
     def exact_fp8(self, key: str, dtype: torch.dtype) -> bool:
         """Whether `key`, cast to `dtype`, survives the round trip through float8_e4m3fn (adopt_fp8's test)."""
@@ -233,7 +277,7 @@ class _Files:
         """The per-tensor scale of weight `key` that `quant.file_scales` gives (None: the weight has none)."""
         if not self.scales or self.dtype(key) != "F8_E4M3":
             return None
-        return self.scales.get(key[: -len(".weight")], 1.0)
+        return self.scales.get(self._source(key)[: -len(".weight")], 1.0)  # one source: _file_layout checks it
 
     def read(self, key: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -244,7 +288,17 @@ class _Files:
         if f != self._path:
             self.close()  # unmaps the previous shard: its file-backed pages leave this process
             self._handle, self._path = safe_open(str(f), framework="pt"), f
-        return self._handle.get_tensor(self.prefix + key)  # allocation: this one tensor
+        if self.runs is None:
+            return self._handle.get_tensor(self.prefix + key)  # allocation: this one tensor
+        # original layout: only the rows this tensor is made of (get_slice reads just those bytes)
+        parts = [self._rows(o, a, b) for o, a, b in self.runs[key]]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)  # allocation: this one tensor (and its parts)
+
+    def _rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        shape = self.header[self.prefix + key]["shape"]
+        if not shape or (start == 0 and stop == shape[0]):
+            return self._handle.get_tensor(self.prefix + key)
+        return self._handle.get_slice(self.prefix + key)[start:stop]
 
     def close(self) -> None:
         self._handle = self._path = None
@@ -254,12 +308,12 @@ def open_files(cfg) -> _Files:
     """The safetensors files of the ModelConfig `cfg`'s transformer (the folder's, or its single file)."""
     folder = Path(cfg.path) / "transformer"
     single = None if cfg.transformer_file is None else Path(cfg.transformer_file)
-    prefix = "" if single is None else file_prefix(cfg)
-    if prefix is None:
+    layout = _Layout("") if single is None else file_layout(cfg)
+    if layout is None:
         raise UserError(f"{single}: its keys are not the transformer's diffusers keys: it loads through "
                         f"from_single_file (stream_load.supported)")
     try:
-        return _Files(folder, single, prefix)
+        return _Files(folder, single, layout.prefix, layout.runs)
     except (OSError, ValueError, struct.error) as e:
         raise UserError(f"{single or folder}: could not read the safetensors index or headers ({e})") from None
 

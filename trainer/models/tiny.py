@@ -15,12 +15,10 @@ words still encode, byte by byte or via <unk>). The VAEs downscale by 8 like the
 channels (the real ones have 16), and the transformers' `in_channels` follow from that (x4 where latents are
 packed 2x2).
 
-Folders written under `out`: flux (dev-like: guidance embedding, dynamic shift), flux-schnell (no guidance
-embedding, fixed shift 1), sd3 (SD3.5-like: qk RMS norm and dual-attention blocks), qwen_image, flux-kontext
-(the dev-like Flux saved as a FluxKontextPipeline: Kontext has Flux's architecture), qwen-image-edit (the
-qwen_image model saved as a QwenImageEditPipeline with a Qwen2-VL processor whose image processor caps images at
-128x128 pixels, so the vision tower stays cheap), qwen-image-edit-plus (the same model and processor saved as a
-QwenImageEditPlusPipeline).
+Where: each family's builder is in its own module (`ModelAdapter.tiny_builders`: folder name -> function returning
+a diffusers pipeline); this module holds what they share (the corpus, the trained tokenizers, tiny CLIP / T5
+text encoders, the KL VAE, the flow-matching scheduler) and `make_tiny_models`, which writes every registered
+family's folders (trainer/models/__init__.py `ADAPTERS`, in registry order).
 """
 
 from __future__ import annotations
@@ -31,18 +29,6 @@ import os
 from pathlib import Path
 
 import torch
-
-from ..errors import UserError
-
-# Family -> model folder names this module writes for it.
-VARIANTS: dict[str, tuple[str, ...]] = {
-    "flux": ("flux", "flux-schnell"),
-    "sd3": ("sd3",),
-    "qwen_image": ("qwen_image",),
-    "flux-kontext": ("flux-kontext",),
-    "qwen-image-edit": ("qwen-image-edit",),
-    "qwen-image-edit-plus": ("qwen-image-edit-plus",),
-}
 
 QWEN_TEMPLATE_PREFIX = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
@@ -114,7 +100,7 @@ def _learn_bpe(words: dict[tuple[str, ...], int], merges: int) -> list[tuple[str
     return out
 
 
-def _clip_tokenizer():
+def clip_tokenizer():
     from tokenizers import Regex, normalizers, pre_tokenizers
     from transformers import CLIPTokenizer
 
@@ -143,7 +129,7 @@ def _clip_tokenizer():
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
 
 
-def _t5_tokenizer():
+def t5_tokenizer():
     from tokenizers import pre_tokenizers
     from transformers import T5Tokenizer
 
@@ -169,7 +155,7 @@ QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>
                 "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def _qwen_tokenizer():
+def qwen_tokenizer():
     from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
     from tokenizers.models import BPE
     from tokenizers.trainers import BpeTrainer
@@ -197,7 +183,7 @@ def _qwen_tokenizer():
 # ---------------------------------------------------------------------------------------------- components
 
 
-def _kl_vae(shift: float, scale: float):
+def kl_vae(shift: float, scale: float):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
@@ -209,7 +195,7 @@ def _kl_vae(shift: float, scale: float):
     )
 
 
-def _clip(tokenizer, hidden: int, projection: int | None, seed: int):
+def clip_text(tokenizer, hidden: int, projection: int | None, seed: int):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     cfg = CLIPTextConfig(
@@ -221,7 +207,7 @@ def _clip(tokenizer, hidden: int, projection: int | None, seed: int):
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(cfg).eval()
 
 
-def _t5(tokenizer, d_model: int):
+def t5_text(tokenizer, d_model: int):
     from transformers import T5Config, T5EncoderModel
 
     cfg = T5Config(
@@ -233,106 +219,10 @@ def _t5(tokenizer, d_model: int):
     return T5EncoderModel(cfg).eval()
 
 
-def _flow_scheduler(**kw):
+def flow_scheduler(**kw):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **kw)
-
-
-def _flux(schnell: bool, kontext: bool = False):
-    from diffusers import FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel
-
-    clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
-    torch.manual_seed(10)
-    transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=not schnell, axes_dims_rope=(4, 4, 8),
-    )
-    sched = (
-        _flow_scheduler(shift=1.0, use_dynamic_shifting=False)
-        if schnell
-        else _flow_scheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                             base_image_seq_len=256, max_image_seq_len=4096)
-    )
-    return (FluxKontextPipeline if kontext else FluxPipeline)(
-        scheduler=sched, vae=_kl_vae(0.1159, 0.3611), text_encoder=_clip(clip_tok, 32, None, 1), tokenizer=clip_tok,
-        text_encoder_2=_t5(t5_tok, 32), tokenizer_2=t5_tok, transformer=transformer,
-    )
-
-
-def _sd3():
-    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
-
-    clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
-    torch.manual_seed(11)
-    transformer = SD3Transformer2DModel(
-        sample_size=32, patch_size=2, in_channels=4, num_layers=4, attention_head_dim=8, num_attention_heads=4,
-        caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64, out_channels=4,
-        pos_embed_max_size=64, qk_norm="rms_norm", dual_attention_layers=(0, 1),
-    )
-    return StableDiffusion3Pipeline(
-        scheduler=_flow_scheduler(shift=3.0), vae=_kl_vae(0.0609, 1.5035),
-        text_encoder=_clip(clip_tok, 16, 32, 1), tokenizer=clip_tok,
-        text_encoder_2=_clip(clip_tok, 16, 32, 2), tokenizer_2=clip_tok,
-        text_encoder_3=_t5(t5_tok, 32), tokenizer_3=t5_tok, transformer=transformer,
-    )
-
-
-def _qwen_image(edit: bool = False, plus: bool = False):
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        QwenImageEditPipeline,
-        QwenImageEditPlusPipeline,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    tok = _qwen_tokenizer()
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
-    cfg = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tok), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 2048,
-            "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1000000.0},
-            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16},
-        vocab_size=len(tok), hidden_size=16, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-    )
-    torch.manual_seed(4)
-    text_encoder = Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    torch.manual_seed(5)
-    vae = AutoencoderKLQwenImage(
-        base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.05, 0.0], latents_std=[1.5, 2.0, 1.2, 1.8],
-    )
-    torch.manual_seed(12)
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
-        joint_attention_dim=16, axes_dims_rope=(8, 4, 4),
-    )
-    sched = _flow_scheduler(
-        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
-        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
-    )
-    if edit:
-        from transformers import Qwen2VLImageProcessorPil
-        from transformers.video_processing_utils import BaseVideoProcessor
-
-        from .qwen_image_edit import image_only_processor_class
-
-        # The real processor's settings (14-pixel patches merged 2x2, CLIP mean / std), images capped at 128x128.
-        proc = image_only_processor_class()(
-            image_processor=Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=128 * 128), tokenizer=tok,
-            video_processor=BaseVideoProcessor(),
-        )
-        edit_cls = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
-        return edit_cls(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok,
-                                     processor=proc, transformer=transformer)
-    return QwenImagePipeline(scheduler=sched, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
 
 
 def _name_processor_as_transformers_does(folder: Path) -> None:
@@ -345,32 +235,21 @@ def _name_processor_as_transformers_does(folder: Path) -> None:
             p.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
-_BUILDERS = {
-    "flux": lambda: _flux(schnell=False),
-    "flux-schnell": lambda: _flux(schnell=True),
-    "sd3": _sd3,
-    "qwen_image": _qwen_image,
-    "flux-kontext": lambda: _flux(schnell=False, kontext=True),
-    "qwen-image-edit": lambda: _qwen_image(edit=True),
-    "qwen-image-edit-plus": lambda: _qwen_image(edit=True, plus=True),
-}
-
-
 def make_tiny_models(out: str | Path, families: list[str] | None = None) -> list[Path]:
-    """Write tiny random models into out/<name>/ (see VARIANTS) and return the folders written."""
+    """Write tiny random models into out/<folder>/ (each family's `tiny_builders`) and return the folders written.
+    `families`: registry keys (or their other spellings, `canonical_family`); None: every family."""
+    from . import ADAPTERS, adapter_class, canonical_family
+
     out = Path(out)
-    families = list(families) if families else list(VARIANTS)
-    unknown = [f for f in families if f not in VARIANTS]
-    if unknown:
-        raise UserError(f"make-tiny: unknown family {unknown[0]!r} (choose from {', '.join(VARIANTS)})")
+    families = [canonical_family(f, "make-tiny --family") for f in families] if families else list(ADAPTERS)
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # deterministic tokenizer training
     from ._diffusers import _quiet
 
     _quiet()
     written = []
     for fam in families:
-        for name in VARIANTS[fam]:
-            pipe = _BUILDERS[name]()
+        for name, build in adapter_class(fam).own_tiny_builders().items():
+            pipe = build()
             folder = out / name
             folder.mkdir(parents=True, exist_ok=True)
             pipe.save_pretrained(folder, safe_serialization=True)
@@ -378,4 +257,3 @@ def make_tiny_models(out: str | Path, families: list[str] | None = None) -> list
                 _name_processor_as_transformers_does(folder)
             written.append(folder)
     return written
-

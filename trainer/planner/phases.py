@@ -13,8 +13,9 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
 - text caching: every text encoder on the GPU at once, its non-block bytes and (1 - f) of its block bytes
   resident (f = offload.text_encoders; the conductor's ring holds whole blocks), plus the encode batch's
   activations (T5's attention scores in fp32 are most of them) and workspace; RAM: the encoders in CPU RAM.
-- latent caching: the VAE's weights plus its encode activations of one image (batches are sliced), about
-  `VAE_ACT_ENCODE` bytes per pixel (tiled above 1 MP, trainer/data/cache.py, so at most 1 MP counts).
+- latent caching: the VAE's weights (the family's `vae_params`) plus its encode activations of one image (batches
+  are sliced), about `VAE_ACT_ENCODE` bytes per pixel (tiled above 1 MP, trainer/data/cache.py, so at most 1 MP
+  counts).
 - training step: `predict` (prediction.py).
 - sampling: the training step's static part (ring, non-block, LoRA state) + the VAE + the larger of the
   denoising forward's activations (sampling.py; doubled under classifier-free guidance) and the tiled decode's
@@ -27,11 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..models import adapter_class
 from ..offload.plan import capacity_for
 from .prediction import ALLOCATOR_OVERHEAD, GB, WORKSPACE, Facts, predict
 
-#: VAE parameters per family (diffusers AutoencoderKL of Flux / SD3.5: 83.8 M; Qwen-Image's 3-D VAE: 126.9 M)
-VAE_PARAMS = {"flux": 83_819_683, "sd3": 83_819_683, "qwen_image": 126_892_531}
 #: activation bytes per image pixel at the peak of a bf16 VAE encode / decode (128 channels at full resolution,
 #: a few live tensors; the decode's up blocks hold more): coarse, from diffusers' figures for 1024 px
 VAE_ACT_ENCODE = 6 * 128 * 2
@@ -64,8 +64,6 @@ def _share(counts: tuple[int, ...], i: int, params: int) -> float | None:
 
 
 def _text_vram(facts: Facts, te_fraction: float, encode_batch: int) -> float:
-    from ..models import adapter_class
-
     cls = adapter_class(facts.family)
     total = 0.0
     for i, (_, nbytes) in enumerate(facts.text_encoders):
@@ -92,7 +90,7 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     res = max(facts.resolutions)
     train = predict(facts, fraction, res, cfg.offload.activations)
     esize = 2 if facts.dtype.itemsize == 2 else facts.dtype.itemsize
-    vae = VAE_PARAMS.get(facts.family, 100_000_000) * esize
+    vae = adapter_class(facts.family).vae_params * esize  # the full-size VAE's parameters
     text_bytes = sum(n for _, n in facts.text_encoders)
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
     px = res * res

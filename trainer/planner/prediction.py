@@ -134,7 +134,8 @@ def analyze(cfg) -> Facts:
     model = ptrace.meta_transformer(family, config, dtype)
     blocks = ptrace.blocks_of(family, model)
     if cfg.model.quantize != "none":  # the loader's own quantization (meta tensors): 8-bit weights, fp32 scales
-        quant.quantize_blocks(blocks, cfg.model.quantize, cfg.model.quantize_modulation)
+        quant.quantize_blocks(blocks, cfg.model.quantize, cfg.model.quantize_modulation,
+                              adapter_class(family).modulation_linears)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     nonblock = [p for p in model.parameters() if id(p) not in in_blocks]
     nonblock_bytes = sum(p.numel() * p.element_size() for p in nonblock)

@@ -22,7 +22,6 @@ from ..models import ADAPTERS, adapter_class
 from .phases import fit_text_fraction, predict_phases
 from .prediction import Prediction, analyze, choose_fraction, predict
 
-CARDS = (8, 12, 16, 24, 48, 80)
 HEADROOM_GB = 1.0
 # (resolution, activation offloading, gradient checkpointing), most preferred first. Without checkpointing a
 # step is ~1.4x faster (DESIGN.md: 0.545 s vs 0.775 s) but every block's activations stay: big cards only.
@@ -55,7 +54,7 @@ def _config(
     full = method == "full"
     # qwen-image-edit: its captions are encoded with their reference images (~1400 vision tokens at 1024 px), so
     # one at a time; its samples need a reference image
-    ref_text = getattr(adapter_class(family), "text_uses_reference", False)
+    ref_text = adapter_class(family).text_uses_reference
     return {
         "model": {"family": family, "path": adapter_class(family).example_path, "dtype": "bf16",
                   # an fp8 base is chosen for RAM: the modulation Linears (a quarter to a third of the block
@@ -193,19 +192,6 @@ def plan_preset(
     return (*min(fits, key=lambda r: (-r[0]["data"]["resolutions"][0], r[1].step_s)), why)
 
 
-# Presets run on a GPU with full-size random weights under a VRAM cap of card - 1 GB (bench/bench_plan.py; numbers
-# and command in bench/RESULTS.md, 2026-11-22 02:27 UTC, the planner with the 1.35 allocator factor).
-MEASURED: dict[tuple[str, str, int], str] = {
-    ("flux", "lora", 8): "measured on an H200: fits, 6.3 GB reserved, 1.08 s a step",
-    ("flux", "lora", 16): "measured on an H200: fits, 14.5 GB reserved, 0.95 s a step",
-    ("flux", "lora", 24): "measured on an H200: fits, 22.0 GB reserved, 0.95 s a step",
-    # bench/bench_fullft.py --fractions 0.9,0.75 --no-act (02:39 UTC): the fraction and settings of these presets,
-    # uncapped; same process as the resident full fine-tune (1.339 s, 28.2 GB)
-    ("flux", "full", 8): "measured on an H200: 6.4 GB reserved, 1.62 s a step = 1.21x resident",
-    ("flux", "full", 12): "measured on an H200: 9.5 GB reserved, 1.46 s a step = 1.09x resident",
-}
-
-
 def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: float, phases: list,
            why_fp8: str = "") -> list[str]:
     name = adapter_class(family).full_name
@@ -241,7 +227,7 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
           if why_fp8 else []),
         f"# expects: {big.vram / 1e9:.1f} GB VRAM (largest phase: {big.name}), {(p.pinned + p.act_checkpoint_host) / 1e9:.0f} GB pinned RAM "
         f"({p.ram_peak / 1e9:.0f} GB peak), {speed:.2f}x the step time without offloading (planner prediction; "
-        + MEASURED.get((family, method, card), "not yet measured")
+        + adapter_class(family).measured(method, card)
         + ")",
         f"# Predicted step {p.step_s:.2f} s on an H200-class GPU (GPU {p.compute_s:.2f} s, host {p.host_s:.2f} s, "
         f"PCIe {p.transfer_s:.2f} s).",
@@ -265,7 +251,7 @@ def optional_features(method: str, family: str = "") -> list[str]:
     """Commented YAML showing the keys of the features most users of other trainers look for (README: Training).
     Validation is left out for families whose captions are encoded with their reference (not supported there)."""
     lora = method == "lora"
-    val = not getattr(adapter_class(family), "text_uses_reference", False) if family else True
+    val = not adapter_class(family).text_uses_reference if family else True
     body = [
         "train:",
         "  ema: {decay: 0.999, every: 1, device: cpu}  # EMA of the trained weights: "
@@ -300,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     absent = []
     for family in args.families:
         for method in ("lora", "full"):
-            for card in CARDS:
+            for card in adapter_class(family).preset_cards:
                 r = plan_preset(family, method, card, cache)
                 path = args.out / family / f"{method}-{card}gb.yaml"
                 if isinstance(r, str):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..models import adapter_class
 from . import timing as ptime
-from . import trace as ptrace
 from .phases import fit_text_fraction, predict_phases
 from .phases import table as phase_table
 from .prediction import (
@@ -170,7 +170,7 @@ def report(
     ]
     for res in facts.resolutions:
         p0, p1 = predict(facts, 0.0, res, False), predict(facts, 0.0, res, True)
-        n_img = ptrace.image_tokens(res, res)
+        n_img = adapter_class(facts.family).full_image_tokens(res, res)
         rows.append(
             (
                 f"{res} px",

@@ -295,7 +295,3 @@ def forward_inputs(
     (`ModelAdapter.dummy_inputs`)."""
     return adapter_class(family).dummy_inputs(transformer, batch, height, width, text_tokens, dtype, device)
 
-
-def image_tokens(height: int, width: int) -> int:
-    """Image tokens of every family: 8x VAE, then 2x2 patches (packing or patchify)."""
-    return (height // 16) * (width // 16)

@@ -65,7 +65,7 @@ def encode_prompts(
     with torch.no_grad():
         for p in prompts:
             if p not in cache:
-                ref = {"image": image} if getattr(fam, "text_uses_reference", False) else {}
+                ref = {"image": image} if fam.text_uses_reference else {}
                 cache[p] = fam.pipeline_embeds(pipe, p, negative, device, **ref)
     return [cache[p] for p in prompts]
 

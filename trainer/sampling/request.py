@@ -167,14 +167,16 @@ def collect_prompts(req: SampleRequest, config_prompts: list[str]) -> list[str]:
 
 def check_image(path: Path | None, adapter) -> None:
     """`--image`: only for edit families, and it must be a readable image; families whose text encoder sees the
-    reference (qwen-image-edit) cannot sample without one."""
+    reference (`text_uses_reference`) cannot sample without one."""
     if path is None:
-        if getattr(adapter, "text_uses_reference", False):
+        if adapter.text_uses_reference:
             raise UserError(f"{adapter.family} samples need a reference image: pass --image (or set sample.image)")
         return
-    if not getattr(adapter, "takes_reference", False):
-        raise UserError(f"--image is for edit models (flux-kontext, qwen-image-edit[-plus]); model.family {adapter.family} "
-                        f"takes no reference image")
+    if not adapter.takes_reference:
+        from ..models import adapter_classes
+
+        edit = ", ".join(c.family for c in adapter_classes() if c.takes_reference)
+        raise UserError(f"--image is for edit models ({edit}); model.family {adapter.family} takes no reference image")
     from ..data.images import BadImage, open_image
 
     try:

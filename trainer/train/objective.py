@@ -27,7 +27,7 @@ import torch
 
 from ..config import TrainConfig
 
-#: latents are the image downscaled by the VAE by this factor in every supported family
+#: pixels per latent side when the caller names none (the family's `latent_scale` otherwise)
 VAE_SCALE = 8
 
 
@@ -63,11 +63,13 @@ class Noised:
 class FlowMatching:
     """Samples timesteps and noise from its own generator and computes the weighted velocity loss."""
 
-    def __init__(self, cfg: TrainConfig, shift_fn=None, seed: int | None = None):
+    def __init__(self, cfg: TrainConfig, shift_fn=None, seed: int | None = None, vae_scale: int = VAE_SCALE):
         """`shift_fn(height_px, width_px) -> s` is the adapter's `timestep_shift`, used when `cfg.shift` is
-        auto. `seed` defaults to the training seed."""
+        auto; `vae_scale` (the family's `latent_scale`) turns latent sides back into pixels for it. `seed`
+        defaults to the training seed."""
         self.cfg = cfg
         self._shift_fn = shift_fn
+        self._vae_scale = vae_scale
         self.generator = torch.Generator("cpu")
         self.generator.manual_seed(cfg.seed if seed is None else seed)
 
@@ -86,7 +88,7 @@ class FlowMatching:
             return float(self.cfg.shift)
         if self._shift_fn is None:
             return 1.0
-        h, w = latents.shape[-2] * VAE_SCALE, latents.shape[-1] * VAE_SCALE
+        h, w = latents.shape[-2] * self._vae_scale, latents.shape[-1] * self._vae_scale
         return float(self._shift_fn(h, w))
 
     def sample_t(self, n: int) -> torch.Tensor:

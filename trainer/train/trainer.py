@@ -224,7 +224,7 @@ class Trainer:
         if self._loader is not None:
             self._loader.close()
             self._loader = None
-        self.objective = FlowMatching(c, self.adapter.timestep_shift)
+        self.objective = FlowMatching(c, self.adapter.timestep_shift, vae_scale=self.adapter.latent_scale)
         if resume_dir is not None:
             self._restore(resume_dir)
         if self.dist.is_main:
