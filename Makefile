@@ -23,7 +23,7 @@ tiny: env
 DEMO_MODEL := models/tiny/flux-demo
 DEMO := configs/tiny/flux-demo.yaml
 
-$(DEMO_MODEL)/model_index.json: trainer/demo.py | $(STAMP)
+$(DEMO_MODEL)/model_index.json: trainer/models/demo.py | $(STAMP)
 	$(BIN)/python -m trainer.demo model $(DEMO_MODEL)
 
 demo: env $(DEMO_MODEL)/model_index.json

@@ -10,7 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from trainer.demo import comparison, exact_vae, loss_plot, make_demo_model, write_report
+from trainer.demo import comparison, loss_plot, write_report
+from trainer.models.demo import exact_vae, make_demo_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
