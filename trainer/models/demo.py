@@ -12,7 +12,9 @@ training. The demo model differs in two parts, and only these:
   is 0 by construction and whose variance (mean(c^2) + K^2) / 2 is K^2 / 2 to within 1e-4 for |c| <= 1 and
   K = 64, so the norm becomes a fixed scale that the affine weight undoes. A bias of +24 carries (c, -c) through
   the SiLU that follows, where SiLU(y) = y to 1e-9, and `conv_out` takes the half difference, which cancels it.
-- The transformer is a little wider than the tests' (4 heads instead of 2) and reads 3-channel latents.
+- The transformer reads 3-channel latents and has 2 heads of 32 dimensions (the tests' model: 2 of 16), so its
+  rotary embedding gives each image axis 6 frequencies instead of 3: positions on the 8x8 token grid are told
+  apart, which placing a shape needs.
 
 The text encoders, tokenizers and scheduler are the tiny Flux's own (`make_tiny_models`), copied.
 """
@@ -91,9 +93,9 @@ def _transformer():
 
     torch.manual_seed(20)
     return FluxTransformer2DModel(
-        patch_size=1, in_channels=4 * 3, num_layers=2, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
+        patch_size=1, in_channels=4 * 3, num_layers=2, num_single_layers=2, attention_head_dim=32,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=(8, 12, 12),
     )
 
 
