@@ -141,8 +141,11 @@ def write_report(config: str | Path, overrides: list[str] | None = None) -> tupl
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m trainer.demo model FOLDER` or `python -m trainer.demo report CONFIG`."""
+    import logging
     import sys
 
+    # As the CLI does (cli.py): transformers' notice that torchvision is missing is noise here.
+    logging.getLogger("transformers.utils.import_utils").setLevel(logging.ERROR)
     args = sys.argv[1:] if argv is None else argv
     if len(args) == 2 and args[0] == "model":
         print(f"wrote {make_demo_model(args[1])}")
