@@ -219,6 +219,8 @@ class DiffusersAdapter(ModelAdapter):
                 # 8-bit frozen base (trainer/quant.py): block by block, before the move to the device
                 quant.prepare_transformer(tr, self.blocks(tr), cfg.quantize, dtype, cfg.transformer_file,
                                          cfg.quantize_modulation, self.modulation_linears)
+                if getattr(cfg, "fp8_matmul", False):  # model.fp8_matmul: W8A8 matmuls (a layer attribute)
+                    quant.use_scaled_mm(tr, True)
                 out.transformer = own_aligned_memory(tr.to(device))
             if "vae" in parts:
                 import diffusers
