@@ -274,7 +274,7 @@ def test_stop_and_nonfinite_loss_are_agreed_across_ranks(tiny_models, images, tm
     assert [s for s, _ in ck.list_checkpoints(stop / "checkpoints")] == [1]
     # NaN on rank 1 at step 2: both raise before backward (no collective left waiting); rank 1 names its batch.
     assert r0[1]["error"].startswith("NonFiniteLossError") and "rank 1" in r0[1]["error"], r0[1]
-    assert r1[1]["error"].startswith("NonFiniteLossError") and "batch files" in r1[1]["error"], r1[1]
+    assert r1[1]["error"].startswith("NonFiniteLossError") and "broken image in the batch" in r1[1]["error"], r1[1]
     assert r0[1]["step"] == r1[1]["step"] == 1
 
 

@@ -184,8 +184,9 @@ def test_sample_with_image_equals_the_kontext_pipeline(fitted, kontext, tmp_path
     own_aligned_memory(pipe.transformer)  # as our loader does: same memory alignment, same CPU rounding
     pipe.load_lora_weights(lora)
     pipe.set_progress_bar_config(disable=True)
-    theirs = pipe(prompt=PROMPT, image=ref, _auto_resize=False, height=32, width=32, num_inference_steps=2,
-                  guidance_scale=3.5, generator=torch.Generator().manual_seed(3)).images[0]
+    theirs = pipe(prompt=PROMPT, image=ref, _auto_resize=False, height=32, width=32, max_area=32 * 32,
+                  num_inference_steps=2, guidance_scale=3.5, generator=torch.Generator().manual_seed(3)).images[0]
+    assert ours.shape == (32, 32, 3)  # the size asked for, not the pipeline's ~1 MP (issue 30 item 2)
     np.testing.assert_array_equal(ours, np.asarray(theirs.convert("RGB")))
     assert (sample(other, "b") != ours).any(), "the reference image must change the result"
 

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from test_train_support import make_config, write_images
 
 from trainer.config import Config
+from trainer.lora_format import peft_state_dict, read_lora_file
 from trainer.train import checkpoint as ck
 from trainer.train.ema import FILE
 from trainer.train.trainer import Trainer
@@ -20,8 +21,8 @@ def images(tmp_path_factory):
     return write_images(tmp_path_factory.mktemp("ema-images"))
 
 
-def _cfg(tiny_models, images, out, cache, method="lora", steps=4, fraction=0.0, **train):
-    return make_config(tiny_models, images, out, cache, "flux", method,
+def _cfg(tiny_models, images, out, cache, method="lora", steps=4, fraction=0.0, family="flux", **train):
+    return make_config(tiny_models, images, out, cache, family, method,
                        train={"steps": steps, "ema": {"decay": 0.7, "every": 2, "device": "cpu"}, **train},
                        offload={"transformer": fraction})
 
@@ -48,11 +49,12 @@ def test_config_keeps_a_streamed_full_fine_tunes_ema_in_ram(tiny_models, images,
     assert (c.train.ema.decay, c.train.ema.every, c.train.ema.device) == (0.999, 1, "cpu")
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
-def test_shadow_is_the_moving_average(method, tiny_models, images, tmp_path):
+@pytest.mark.parametrize(("family", "method"), [("flux", "lora"), ("flux", "full"), ("z-image", "full"), ("chroma", "lora"),
+                                                ("qwen-image-2.1", "lora"), ("qwen-image-2.1", "full"), ("krea2", "lora")])
+def test_shadow_is_the_moving_average(family, method, tiny_models, images, tmp_path):
     """LoRA updates after the step (unfused), full inside backward (fused back pass hooks): both bitwise the
     average of the weights after steps 2 and 4."""
-    t = Trainer(_cfg(tiny_models, images, tmp_path / "o", tmp_path / "cache", method))
+    t = Trainer(_cfg(tiny_models, images, tmp_path / "o", tmp_path / "cache", method, family=family))
     t.setup()
     try:
         assert t.ema.fused == (method == "full")
@@ -71,8 +73,9 @@ def test_lora_ema_file_and_bitwise_resume(tiny_models, images, tmp_path):
     meta = ck.lora_metadata(ema_file)
     assert meta["dittrain.step"] == "4" and "lora_adapter_metadata" in meta  # loads like the LoRA itself
     sd = load_file(str(ema_file))
+    saved = peft_state_dict(read_lora_file(ema_file))  # the scale (alpha / r = 2) divided back out: exact
     with ref.ema.swapped_in():
-        assert all(torch.equal(sd[f"transformer.{k}"], v) for k, v in ck.lora_state_dict(ref.transformer).items())
+        assert all(torch.equal(saved[k], v) for k, v in ck.lora_state_dict(ref.transformer).items())
     final = load_file(str(tmp_path / "ref" / "lora.safetensors"))
     assert set(final) == set(sd) and any(not torch.equal(sd[k], final[k]) for k in sd)  # not the last weights
 

@@ -110,7 +110,9 @@ def test_metadata_mask_column(masked_set):
     assert torch.equal(b.mask[i], torch.zeros(1, *b.latents.shape[-2:]))  # its bucket, black everywhere
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen_image"])  # both pack latents 2x2 into tokens inside predict
+# flux / qwen_image / flux2 / chroma / krea2 pack latents 2x2 into tokens inside predict, z-image's transformer
+# patchifies lists, qwen-image-2.1 flattens 16x latents unpacked
+@pytest.mark.parametrize("family", ["flux", "qwen_image", "flux2", "z-image", "chroma", "qwen-image-2.1", "krea2"])
 def test_masked_training_end_to_end_from_yaml(family, tiny_models, tmp_path):
     from trainer.train.trainer import Trainer
 
@@ -133,8 +135,9 @@ def test_masked_training_end_to_end_from_yaml(family, tiny_models, tmp_path):
     t.setup()
     b = next(t.data.batch_at(p) for p in range(8) if str(imgs / "img0.png") in t.data.batch_at(p).files)
     m0 = b.mask[b.files.index(str(imgs / "img0.png")), 0]
-    assert m0.shape == b.latents.shape[-2:] == (8, 8)
-    assert m0[2:6, 2:6].eq(1).all() and m0[0].eq(0.1).all()
+    side = 64 // t.adapter.vae_scale_factor  # latents of 8 (or 16) pixels; the mask is white at pixels 16-48
+    assert m0.shape == b.latents.shape[-2:] == (side, side)
+    assert m0[side // 4: 3 * side // 4, side // 4: 3 * side // 4].eq(1).all() and m0[0].eq(0.1).all()
     # the loss the trainer computes is the masked one: same noise, with and without the mask
     fm = FlowMatching(t.cfg.train, seed=3)
     n = fm.noise(b.latents, t.dtype)

@@ -22,22 +22,25 @@ def train_images(tmp_path_factory):
     return write_images(tmp_path_factory.mktemp("quant-images"))
 
 
-def _model_cfg(tiny_models, **kw):
+def _model_cfg(tiny_models, family="flux", **kw):
     from trainer.config import ModelConfig
 
-    return ModelConfig(family="flux", path=tiny_models / "flux", dtype="fp32", **kw)
+    return ModelConfig(family=family, path=tiny_models / family, dtype="fp32", **kw)
 
 
+@pytest.mark.parametrize("family", ["flux", "qwen-image-2.1", "krea2"])
 @pytest.mark.parametrize("mode", ["fp8", "int8"])
-def test_loader_quantizes_block_linears_only(tiny_models, mode):
-    cfg = _model_cfg(tiny_models, quantize=mode)
+def test_loader_quantizes_block_linears_only(tiny_models, mode, family):
+    cfg = _model_cfg(tiny_models, family, quantize=mode)
     a = get_adapter(cfg)
     tr = a.load(cfg, parts={"transformer"}, dtype=torch.float32).transformer
     qs = [m for m in tr.modules() if isinstance(m, QuantizedLinear)]
     in_blocks = {id(m) for b in a.blocks(tr) for m in b.modules()}
     assert qs and all(id(m) in in_blocks for m in qs)
     assert {m.weight.dtype for m in qs} == {quant._DTYPES[mode]}
-    assert tr.x_embedder.weight.dtype == torch.float32 and tr.dtype == torch.float32
+    in_block_params = {id(p) for b in a.blocks(tr) for p in b.parameters()}
+    outside = [p for p in tr.parameters() if id(p) not in in_block_params]
+    assert outside and all(p.dtype == torch.float32 for p in outside) and tr.dtype == torch.float32
 
 
 def test_fit_at_fp8_writes_a_lora_that_diffusers_loads_on_the_unquantized_base(tiny_models, train_images, tmp_path):

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from trainer.cli import app
 from trainer.config import Config
 from trainer.errors import UserError
+from trainer.models import canonical_family
 from trainer.sample import SampleRequest, run_sample
 from trainer.sampling.request import LoraSpec, check_size, parse_lora, plan_jobs, slug
 
@@ -122,7 +123,7 @@ def _lora_for(tiny_models: Path, family: str, path: Path) -> Path:
 def test_lora_for_another_model(tiny_models, tmp_path, model, lora_family):
     lora = _lora_for(tiny_models, lora_family, tmp_path / f"{lora_family}.safetensors")
     cfg = _cfg(tiny_models, tmp_path, model, prompts=["x"])
-    _fails(cfg, SampleRequest(loras=[str(lora)]), f"{lora}: LoRA", "another model", model)
+    _fails(cfg, SampleRequest(loras=[str(lora)]), f"{lora}: LoRA", "another model", canonical_family(model))
 
 
 def test_lora_file_with_foreign_keys(tiny_models, tmp_path):

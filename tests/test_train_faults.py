@@ -106,6 +106,8 @@ def test_non_finite_loss_stops_before_any_weight_changes(method, tiny_models, im
     with pytest.raises(NonFiniteLossError, match="loss is nan at step 4") as e:
         t.fit()
     assert all(f in str(e.value) for f in seen["files"])
+    lr = cfg.optimizer.lr
+    assert f"Likely fixes: lower optimizer.lr (now {lr:g}, try {lr / 4:g})" in str(e.value)  # not only the files
     assert all(torch.equal(a, p) for a, p in zip(seen["weights"], t.params, strict=True))
     if method == "full":
         assert all(p.grad is None for p in t.params)  # backward never ran: the fused pass did not step
@@ -160,8 +162,10 @@ def test_ctrl_c_to_dittrain_fit_saves_and_resume_latest_continues(tiny_models, i
 
     cfg = _cfg(tiny_models, images, tmp_path, steps=100000, checkpoint_every=0)
     path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    cmd = [sys.executable, "-m", "trainer", "fit", str(path)]
+    dumped = cfg.model_dump(mode="json")
+    dumped["output"]["dir"] = str(tmp_path / "not-this-one")  # the run goes where --set says
+    path.write_text(yaml.safe_dump(dumped))
+    cmd = [sys.executable, "-m", "trainer", "fit", str(path), "--set", f"output.dir={tmp_path / 'run'}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 120
@@ -172,13 +176,19 @@ def test_ctrl_c_to_dittrain_fit_saves_and_resume_latest_continues(tiny_models, i
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
-    assert "SIGINT at step" in err and "--resume latest" in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stopped by SIGINT at step") and "error" not in last, last  # asked for: not an error
     found = ck.list_checkpoints(tmp_path / "run" / "checkpoints")
     assert len(found) == 1
     step = found[0][0]
     assert json.loads((found[0][1] / "state.json").read_text())["step"] == step >= 2
 
-    done = subprocess.run([*cmd, "--resume", "latest", "--set", f"train.steps={step + 2}"], capture_output=True,
+    # The hint is the command that continues this run: this config with this run's --set overrides
+    import shlex
+
+    hint = shlex.split(last.split("continue with `")[1].rstrip("`"))
+    assert hint[:2] == ["dittrain", "fit"] and hint[-2:] == ["--resume", "latest"] and hint[2:-2] == cmd[4:]
+    done = subprocess.run([*cmd[:3], *hint[1:], "--set", f"train.steps={step + 2}"], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed from {found[0][1]} at step {step}" in done.stderr

@@ -95,7 +95,12 @@ def lora_predictions(trainer, lora_path: Path):
     from trainer.train.objective import FlowMatching
 
     cfg, t = trainer.cfg, trainer
-    pipe = t.adapter.pipeline_cls.from_pretrained(str(cfg.model.path), torch_dtype=torch.float32, local_files_only=True)
+    # a Qwen3-VL processor loads only with torchvision: hand the pipeline the adapter's (trainer/models/qwen_image_21.py)
+    extra = {}
+    if (Path(cfg.model.path) / "processor").is_dir():
+        extra["processor"] = t.adapter.load(cfg.model, parts={"text"}, dtype=torch.float32).tokenizers[-1]
+    pipe = t.adapter.pipeline_cls.from_pretrained(str(cfg.model.path), torch_dtype=torch.float32, local_files_only=True,
+                                                  **extra)
     base = type(pipe.transformer).from_pretrained(str(cfg.model.path), subfolder="transformer").eval()
     pipe.load_lora_weights(str(lora_path))
     b = t.data.batch_at(0)

@@ -58,7 +58,7 @@ def test_tensorboard_gets_step_time_vram_run_id_and_config(tmp_path, capsys):
         m.log(s, _metrics(s, 1.0), write=True)
     m.images(2, [], [])
     m.close()
-    assert f"saved 0 sample image(s) for step 2 in {tmp_path / 'samples'}" in capsys.readouterr().err
+    assert f"saved 0 sample images for step 2 in {tmp_path / 'samples'}" in capsys.readouterr().err
     ev = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
     ev.Reload()
     scalars = set(ev.Tags()["scalars"]) | set(ev.Tags()["tensors"])

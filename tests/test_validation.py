@@ -35,9 +35,9 @@ def _lines(out: Path) -> tuple[list[float], list[dict]]:
     return [r["loss"] for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
 
 
-def _cfg(tiny_models, images, out, cache, method="lora", validation=None, every=2, **sections):
+def _cfg(tiny_models, images, out, cache, method="lora", validation=None, every=2, family="flux", **sections):
     train = {"steps": 4, **sections.pop("train", {})}
-    d = make_config(tiny_models, images, out, cache, "flux", method, train=train, **sections).model_dump(mode="json")
+    d = make_config(tiny_models, images, out, cache, family, method, train=train, **sections).model_dump(mode="json")
     if validation is not None:
         d["data"]["validation"], d["train"]["validate_every"] = validation, every
     return Config.model_validate(d)
@@ -94,14 +94,16 @@ def test_overlap_by_content_is_reported(tiny_models, images, tmp_path, capsys):
     assert "2 of them are also training images" in plan.validation.summary()
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
-def test_validation_leaves_training_bitwise_and_streams(method, tiny_models, images, held, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("family", "method"), [("flux", "lora"), ("flux", "full"), ("z-image", "lora"), ("chroma", "lora"),
+                                                ("qwen-image-2.1", "lora")])
+def test_validation_leaves_training_bitwise_and_streams(family, method, tiny_models, images, held, tmp_path,
+                                                        monkeypatch):
     """Training losses with validation on are those without it; the validation losses are finite, logged at
     steps 2 and 4, and the same (to rounding) with blocks streamed at 0.5 through the conductor's CPU path."""
     cache = tmp_path / "cache"
     val = {"sources": [{"path": str(held)}]}
-    Trainer(_cfg(tiny_models, images, tmp_path / "plain", cache, method)).fit()
-    Trainer(_cfg(tiny_models, images, tmp_path / "val", cache, method, validation=val)).fit()
+    Trainer(_cfg(tiny_models, images, tmp_path / "plain", cache, method, family=family)).fit()
+    Trainer(_cfg(tiny_models, images, tmp_path / "val", cache, method, validation=val, family=family)).fit()
     plain, _ = _lines(tmp_path / "plain")
     train, vals = _lines(tmp_path / "val")
     assert train == plain
@@ -110,7 +112,7 @@ def test_validation_leaves_training_bitwise_and_streams(method, tiny_models, ima
     assert vals[0]["val_loss"] != vals[1]["val_loss"]  # the weights moved in between
 
     monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
-    Trainer(_cfg(tiny_models, images, tmp_path / "off", cache, method, validation=val,
+    Trainer(_cfg(tiny_models, images, tmp_path / "off", cache, method, validation=val, family=family,
                  offload={"transformer": 0.5})).fit()
     off_train, off_vals = _lines(tmp_path / "off")
     assert off_train == pytest.approx(train, rel=1e-6)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def _user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            typer.echo(f"error: {e}", err=True)
+            typer.echo(f"{e.label}{e}", err=True)
             raise typer.Exit(e.exit_code) from None
 
     return wrapper
@@ -101,7 +102,8 @@ def fit(
     ),
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Start a new run in an output.dir that holds another one: deletes its "
-        "checkpoints, weights, metrics, TensorBoard logs and samples first (other files stay)."),
+        "checkpoints, weights, metrics, TensorBoard logs and the fit's sample images first, and lists them (other files, "
+        "and images made by `dittrain sample`, stay)."),
     resume_other_run: bool = typer.Option(
         False, "--resume-other-run", help="Allow --resume from a checkpoint of a run other than the one output.dir "
         "holds (that run's files are kept)."),
@@ -113,7 +115,11 @@ def fit(
     cfg = _load(config, overrides)
     from .train.trainer import Trainer
 
-    Trainer(cfg, resume=resume, overwrite=overwrite, resume_other_run=resume_other_run, keep_model=False).fit()
+    # What continues this run after a Ctrl-C: the same config and --set overrides (output.dir among them), resumed
+    again = " ".join(["dittrain fit", shlex.quote(str(config)), *(f"--set {shlex.quote(o)}" for o in overrides),
+                      "--resume latest"])
+    Trainer(cfg, resume=resume, overwrite=overwrite, resume_other_run=resume_other_run, keep_model=False,
+            relaunch=again).fit()
 
 
 @app.command()
@@ -227,6 +233,24 @@ def merge(
     path = merge_loras(cfg.model.path, [parse_lora(x) for x in lora], out or Path(cfg.output.dir) / "merged",
                        single=single, transformer_file=cfg.model.transformer_file)
     typer.echo(f"wrote {path}" + (f" and {single}" if single else ""))
+
+
+@app.command("convert-lora")
+@_user_errors
+def convert_lora(
+    src: Path = typer.Argument(..., help="LoRA .safetensors to read (diffusers, comfy or kohya layout).", show_default=False),
+    dst: Path = typer.Argument(..., help="File to write.", show_default=False),
+    to: str = typer.Option(..., "--to", help="Layout to write: diffusers, comfy (ComfyUI's own keys) or kohya (lora_unet_*).", show_default=False),
+    family: str | None = typer.Option(None, "--family", help="Model family, for comfy / kohya files whose header does not name it.", show_default=False),
+) -> None:
+    """Convert a LoRA between the diffusers, ComfyUI and kohya layouts (same update, alpha kept)."""
+    from .lora_format import DORA_COMFY_NOTE
+    from .lora_format import convert_lora as run
+
+    lf = run(src, dst, to, family)
+    typer.echo(f"wrote {dst} ({to}, {len(lf.modules)} modules, {lf.kind}{' + DoRA' if lf.dora else ''})")
+    if lf.dora:
+        typer.echo(DORA_COMFY_NOTE)
 
 
 @app.command()

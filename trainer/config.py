@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -125,6 +126,12 @@ class LoraConfig(_Section):
     targets: list[str] | None = Field(
         default=None,
         description="Module names (peft target_modules) to adapt; null uses the family's default list.",
+    )
+    init_from: Path | None = Field(
+        default=None,
+        description="Start from this LoRA file (diffusers, comfy or kohya layout, e.g. one trained before or by "
+        "another tool) instead of a zero update; its rank, alpha, kind and modules replace lora.rank / alpha / type "
+        "/ dora / targets.",
     )
 
     @model_validator(mode="after")
@@ -403,7 +410,7 @@ class SampleConfig(_Section):
     negative_prompt: str = Field(
         default="",
         description="Negative prompt for families that run classifier-free guidance when guidance > 1 "
-        "(SD3, Qwen-Image); Flux (guidance-distilled) ignores it.",
+        "(SD3, Qwen-Image, Chroma; Z-Image already when guidance > 0); Flux (guidance-distilled) ignores it.",
     )
     image: Path | None = Field(
         default=None,
@@ -439,6 +446,12 @@ class OutputConfig(_Section):
         ge=0,
         description="LoRA: every N steps also keep that step's LoRA as <name>-step-000500.safetensors in output.dir "
         "(never pruned, unlike checkpoints; a checkpoint is saved at those steps too). 0: only the final LoRA.",
+    )
+    lora_format: Literal["diffusers", "comfy", "kohya"] = Field(
+        default="diffusers",
+        description="Layout of the saved LoRA files: diffusers (load_lora_weights; ComfyUI reads it too), comfy "
+        "(ComfyUI's own diffusion_model.* keys in the original model's layout, fused q/k/v) or kohya (lora_unet_*). "
+        "Each gives the same update at any alpha; checkpoints keep peft's layout. `dittrain convert-lora` converts.",
     )
     name: str | None = Field(
         default=None,
@@ -499,6 +512,10 @@ class Config(_Section):
         if self.model.quantize != "none" and self.lora.dora:
             raise ValueError(f"lora.dora needs the full-precision base weight for its norm; set model.quantize: none "
                              f"(or lora.dora: false with model.quantize: {self.model.quantize})")
+        if self.lora.dora and self.output.lora_format != "diffusers" and t.method == "lora":
+            raise ValueError(f"lora.dora: true cannot be saved as output.lora_format: {self.output.lora_format} "
+                             "(ComfyUI's DoRA decomposes the weight another way than peft's); keep "
+                             "output.lora_format: diffusers")
         if opt.name == "adamw_schedulefree" and (opt.scheduler != "constant" or opt.fused_back_pass):
             raise ValueError(
                 "optimizer.name: adamw_schedulefree replaces the decay schedule and steps all weights at once: set "
@@ -634,7 +651,7 @@ def _describe(err: dict, lines: dict[tuple, int], source: str) -> str:
     dotted = ".".join(str(p) for p in loc) or "(top level)"
     # Errors from a model validator carry the location of the section, or none.
     line = lines.get(loc) or next((lines[loc[:i]] for i in range(len(loc), 0, -1) if loc[:i] in lines), None)
-    where = f"{source}:{line}" if line and source != "--set" else source
+    where = f"{source}:{line}" if line and not source.startswith("--set") else source
     if err["type"] == "extra_forbidden":
         valid = _fields_at(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
@@ -672,11 +689,11 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections (model:, train:, ...), got {type(data).__name__}")
-    from_set: set[tuple] = set()
+    from_set: dict[tuple, str] = {}
     for item in overrides:
         keys, value = _parse_override(item)
         _apply_override(data, keys, value, item)
-        from_set.add(tuple(keys))
+        from_set[tuple(keys)] = item
     try:
         return Config.model_validate(data)
     except ValidationError as e:
@@ -686,5 +703,9 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
             # An unknown key's location ends at the first key that does not exist (--set foo.bar=1 fails at
             # 'foo'), so a location that is a prefix of an override's keys is that override's too.
             src = "--set" if any(loc[: len(k)] == k or k[: len(loc)] == loc for k in from_set if loc) else str(path)
+            if not loc:  # a cross-field check: blame the --set whose key its message names, if one does
+                named = [item for k, item in from_set.items() if re.search(rf"\b{re.escape('.'.join(k))}\b",
+                                                                           err["msg"])]
+                src = " ".join(f"--set {n}" for n in named) if named else src
             msgs.append(_describe(err, lines, src))
         raise ConfigError("\n".join(msgs[:5]) + (f"\n(and {len(msgs) - 5} more)" if len(msgs) > 5 else "")) from None

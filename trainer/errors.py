@@ -9,9 +9,10 @@ from __future__ import annotations
 
 
 class UserError(Exception):
-    """A problem with the user's input; `str(err)` is the one line the CLI prints."""
+    """A problem with the user's input; `str(err)` is the one line the CLI prints, after `label`."""
 
     exit_code = 1
+    label = "error: "  # a requested stop (trainer/train/faults.py) is no error and prints none
 
 
 class ConfigError(UserError):

@@ -18,8 +18,11 @@ Memory. The base is read with `safetensors.safe_open` one tensor at a time and t
 streaming writer of the safetensors format (the header is known from the base's shapes and dtypes, so the tensors
 can follow one by one). RAM holds the LoRAs (small), one base tensor and its fp32 merge: never a shard or a block.
 
-Left out: LoRAs on the text encoders (dittrain trains the transformer only), LoKr / LoHa and kohya-format files
-(convert them with diffusers first), DoRA magnitudes, biases in the LoRA.
+comfy / kohya files (output.lora_format) are read through trainer/lora_format/, which knows the family from the
+file's header.
+
+Left out: LoRAs on the text encoders (dittrain trains the transformer only), LoKr / LoHa files, DoRA magnitudes,
+biases in the LoRA.
 """
 
 from __future__ import annotations
@@ -58,9 +61,17 @@ def _pattern_value(name: str, patterns: dict, default: float) -> float:
 
 def read_lora(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     """{base weight name: (A, B, alpha / r)} of one diffusers-format LoRA file, fp32."""
+    from .lora_format import file_format, read_lora_file
+
     path = Path(path)
     if not path.is_file():
         raise UserError(f"--lora {path}: file not found")
+    if file_format(path) != "diffusers":  # comfy / kohya layout (output.lora_format): through the converter
+        lf = read_lora_file(path)
+        if lf.kind != "lora" or lf.dora:
+            raise UserError(f"--lora {path}: only plain LoRA files merge here, not {lf.kind}"
+                            f"{' + DoRA' if lf.dora else ''}")
+        return {f"{n}.weight": (m.t["down"].float(), m.t["up"].float(), m.scale) for n, m in lf.modules.items()}
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a mapping

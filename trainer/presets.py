@@ -2,17 +2,23 @@
 
 A preset's header is its documentation, and `dittrain presets` prints it as a table:
 
-    # <title: what it trains, for which card>
+    # <title: what it trains, for which card; may run over several comment lines>
     # trains: <method, rank, resolution>
     # expects: <VRAM, RAM, speed relative to no offloading>
 
-`configs/tiny/` holds the CPU-sized configs of the demo and the tests; they are listed apart.
+The table groups the presets by folder (family), one row per file with its card size and what it expects,
+wrapped at word boundaries to the terminal's width (100 columns where there is no terminal) under its own column,
+never cut. A preset without `expects:` (the tiny ones) shows its title's first sentence, whole.
+`configs/tiny/` holds the CPU-sized configs of the demo and the tests; they are listed last.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
+import textwrap
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 
 from .errors import UserError
@@ -33,6 +39,7 @@ class Preset:
 
 def _header(path: Path) -> dict[str, str]:
     fields: dict[str, str] = {}
+    title: list[str] = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
@@ -40,9 +47,16 @@ def _header(path: Path) -> dict[str, str]:
         key, sep, value = text.partition(":")
         if sep and key in ("trains", "expects"):
             fields[key] = value.strip()
-        elif "title" not in fields and text:
-            fields["title"] = text
+        elif text and "trains" not in fields and "expects" not in fields:
+            title.append(text)  # the title's comment lines, up to the first key line
+    fields["title"] = _first_sentence(" ".join(title))
     return fields
+
+
+def _first_sentence(text: str) -> str:
+    """Up to the first full stop that ends a sentence (". " or the end), never in the middle of one."""
+    m = re.search(r"\.(\s|$)", text)
+    return text[: m.start() + 1] if m else text
 
 
 def find_presets(configs_dir: Path) -> list[Preset]:
@@ -68,17 +82,26 @@ def find_presets(configs_dir: Path) -> list[Preset]:
     return out
 
 
-def print_presets(configs_dir: Path) -> None:
+def _card(p: Preset) -> str:
+    return f"{p.vram_gb} GB" if p.vram_gb else "CPU" if p.family == "tiny" else "-"
+
+
+def print_presets(configs_dir: Path, width: int | None = None) -> None:
+    """The table (see the module docstring), no line wider than `width` (default: the terminal's, 60 to 120)."""
     presets = find_presets(configs_dir)
     if not presets:
         raise UserError(f"{configs_dir}: no presets found (expected <family>/<lora|full>-<N>gb.yaml files)")
-    rows = [("preset", "family", "method", "card", "expects")]
-    for p in presets:
-        card = f"{p.vram_gb} GB" if p.vram_gb else "CPU" if p.family == "tiny" else "-"
-        rows.append((str(p.path), p.family, p.method, card, p.expects or p.title))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for i, r in enumerate(rows):
-        print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
-        if i == 0:
-            print("  ".join("-" * w for w in widths) + "  " + "-" * 7)
+    width = width or max(60, min(120, shutil.get_terminal_size((100, 24)).columns))
+    name_w = max(len(p.path.name) for p in presets)
+    card_w = max(len("card"), *(len(_card(p)) for p in presets))
+    indent = 2 + name_w + 2 + card_w + 2
+    print(f"  {'preset':<{name_w}}  {'card':<{card_w}}  expects (planner prediction; measured where noted)")
+    for folder, group in groupby(presets, key=lambda p: p.path.parent):
+        print(f"{folder}/")
+        for p in group:
+            text = textwrap.wrap(p.expects or p.title or "-", width=max(20, width - indent), break_long_words=False,
+                                 break_on_hyphens=False)
+            print(f"  {p.path.name:<{name_w}}  {_card(p):<{card_w}}  {text[0]}")
+            for line in text[1:]:
+                print(" " * indent + line)
     print("\nCopy the one for your card, set model.path and data.sources, then: dittrain fit my.yaml")

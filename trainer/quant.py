@@ -251,6 +251,19 @@ def quantize_module(module: nn.Module, mode: str, text_encoder: bool = False, mo
     return len(linears)
 
 
+def describe(mode: str, modulation: bool, dtype: str, fp8_matmul: bool = False) -> str:
+    """How the frozen base is held, in words, for the fit log and `dittrain plan`: `dtype` alone, or the 8-bit
+    format with its per-channel scales, whether the modulation Linears are 8-bit too, and what the matmuls run in
+    (`fp8_matmul`: fp8 forward matmuls where the GPU has them)."""
+    if mode == "none":
+        return f"base {dtype}"
+    fmt = "fp8 e4m3" if mode == "fp8" else "int8"
+    mod = "modulation too" if modulation else f"modulation in {dtype}"
+    how = (f"forward matmuls in fp8 (activations rounded per row; {dtype} where the GPU has no fp8 matmul)"
+           if fp8_matmul else f"computed in {dtype}")
+    return f"base block Linears {fmt} with per-channel fp32 scales ({mod}; the rest {dtype}), {how}"
+
+
 def quantize_blocks(blocks: list[nn.Module], mode: str, modulation: bool = False, pattern: Pattern = None) -> int:
     """`quantize_module` over a transformer's blocks, one block after another (`pattern`: the family's
     `modulation_linears`)."""

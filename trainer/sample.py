@@ -56,6 +56,7 @@ from .sampling.request import (
 )
 from .train.checkpoint import is_dora_file
 from .train.streaming import compile_options
+from .words import count
 
 __all__ = ["SampleRequest", "SamplePlan", "resolve", "run_sample"]
 
@@ -137,10 +138,13 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
 
     adapter = get_adapter(cfg.model)
     plan = resolve(cfg, req, adapter)
+    if plan.device.type == "cpu" and plan.offload > 0:
+        tqdm.write(f"note: --offload {plan.offload:g} on the CPU streams the blocks within RAM, which saves no memory "
+                   "(it pays only with a GPU)", file=sys.stderr)
     trained = trained_transformer(cfg, req.base)
     pipe, adapters, loader = _build_pipeline(cfg, adapter, plan, trained)
     tqdm.write(f"sampling with {'the fine-tuned transformer ' + str(trained) if trained else 'the base transformer'}"
-               f" ({cfg.model.path}{' + ' + str(len(adapters)) + ' LoRA(s)' if adapters else ''})", file=sys.stderr)
+               f" ({cfg.model.path}{' + ' + count(len(adapters), 'LoRA') if adapters else ''})", file=sys.stderr)
     embeds = _encode_and_release(pipe, adapter, plan, cfg.offload.text_encoders)
 
     pipe.vae.to(plan.device)  # small (Flux: 168 MB); decodes on the device
@@ -168,7 +172,7 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
         )
         written.append(save_png(sheet, plan.out / SHEET_NAME, meta))
     note = f" (LoRA adapters: {', '.join(adapters)})" if adapters else ""
-    tqdm.write(f"wrote {len(images)} image(s) to {plan.out}{note}", file=sys.stderr)
+    tqdm.write(f"wrote {count(len(images), 'image')} to {plan.out}{note}", file=sys.stderr)
     return written
 
 

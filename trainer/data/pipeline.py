@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import UserError
+from ..words import count
 from .buckets import BucketSampler, Entry, Slot, assign_buckets
 from .cache import (
     DiskStore,
@@ -136,7 +137,7 @@ class DataPlan:
         srcs = d.sources
         found = ", ".join(f"{s.path}: {n} found" + (f" x{s.repeats}" if s.repeats > 1 else "")
                           for s, n in zip(srcs, self.report.found, strict=True))
-        lines = [f"data: {len(self.items)} images from {len(srcs)} source{'s' * (len(srcs) > 1)} ({found}); "
+        lines = [f"data: {count(len(self.items), 'image')} from {count(len(srcs), 'source')} ({found}); "
                  f"{len(self.report.bad)} left out"]
         per: Counter = Counter()
         imgs: Counter = Counter()
@@ -147,21 +148,24 @@ class DataPlan:
         for r in sorted(set(d.resolutions)):
             keys = sorted(k for k in per if k[0] == r)
             n_used = len({e.item for e in self.entries if e.resolution == r})
-            lines.append(f"  resolution {r} (sides divisible by {self.divisor}): {len(keys)} buckets"
-                         + (f"; {len(self.items) - n_used} images too small for it train at the other resolutions"
-                            if n_used < len(self.items) else ""))
+            small = len(self.items) - n_used
+            lines.append(f"  resolution {r} (sides divisible by {self.divisor}): {count(len(keys), 'bucket')}"
+                         + (f"; {count(small, 'image')} {'is' if small == 1 else 'are'} too small for it (and "
+                            f"{'trains' if small == 1 else 'train'} at the other resolutions)" if small else ""))
             for k in keys:
                 w, h = k[1]
-                lines.append(f"    {w:>5}x{h:<5} {imgs[k]:>6} images, {per[k]:>6} per epoch, "
-                             f"{-(-per[k] // bs):>5} batches")
-        lines.append(f"  {sum(-(-n // bs) for n in per.values())} batches per epoch at batch size {bs} "
+                n_img, n_batch = imgs[k], -(-per[k] // bs)
+                lines.append(f"    {w:>5}x{h:<5} {n_img:>6} {'image' if n_img == 1 else 'images'}, {per[k]:>6} per "
+                             f"epoch, {n_batch:>5} {'batch' if n_batch == 1 else 'batches'}")
+        lines.append(f"  {count(sum(-(-n // bs) for n in per.values()), 'batch', 'batches')} per epoch at batch size {bs} "
                      f"(remainder: {d.remainder})")
         empty = sum(1 for it in self.items if not it.caption)
         if empty:
-            lines.append(f"  {empty} images have an empty caption (they train unconditionally)")
+            lines.append(f"  {count(empty, 'image')} {'has' if empty == 1 else 'have'} an empty caption (trained "
+                         "unconditionally)")
         lines += [f"  hint: {h}" for h in self.report.hints]
         if self.report.bad:
-            lines.append(f"left out {len(self.report.bad)} files (data.strict: true stops instead):")
+            lines.append(f"left out {count(len(self.report.bad), 'file')} (data.strict: true stops instead):")
             lines += self.report.bad_lines()
         return "\n".join(lines)
 

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..progress import bar as progress_bar
+from ..words import count
 from .images import IMAGE_SUFFIXES, BadImage, open_image
 
 INDEX_NAME = "scan-index.json"
@@ -159,7 +160,7 @@ def _folder_candidates(
             report.bad.append((str(p), f"caption {txt.name} unreadable ({e.strerror or e})"))
     if missing and (root / "metadata.jsonl").is_file():
         report.hints.append(
-            f"data.sources[{i}]: {missing} images have no .txt caption but {root / 'metadata.jsonl'} exists; "
+            f"data.sources[{i}]: {count(missing, 'image')} {'has' if missing == 1 else 'have'} no .txt caption but {root / 'metadata.jsonl'} exists; "
             "set metadata: metadata.jsonl to use it"
         )
     report.found.append(len(images))

@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import UserError
+from ..words import count
 from .buckets import Entry, assign_buckets
 from .cache import LatentJob, finite, latent_key, text_key
 from .captions import caption_texts
@@ -61,7 +62,7 @@ class ValidationPlan:
         return latent_key(it.sha, e.bucket, e.box, it.mask_sha)
 
     def summary(self) -> str:
-        s = f"validation: {len(self.items)} images, {len(self.entries)} entries"
+        s = f"validation: {count(len(self.items), 'image')}, {count(len(self.entries), 'entry', 'entries')}"
         if self.overlap:
             s += (f"; note: {len(self.overlap)} of them are also training images (same content, e.g. "
                   f"{self.overlap[0]}): their loss is not a held-out loss")

@@ -70,6 +70,8 @@ def _quiet() -> None:
 class DiffusersAdapter(ModelAdapter):
     """Shared implementation; subclasses set the class data and the family-specific tensor work."""
 
+    #: transformers classes that load the tokenizer folders, in `tokenizer_dirs` order (empty: AutoTokenizer)
+    tokenizer_classes: ClassVar[tuple[str, ...]] = ()
     #: latents are packed 2x2 into tokens by the pipeline (Flux, Qwen-Image) rather than patchified inside the
     #: transformer (SD3, whose `patch_size` says so)
     packs_2x2: ClassVar[bool] = True
@@ -83,12 +85,21 @@ class DiffusersAdapter(ModelAdapter):
         if not p.is_file():
             if not required:
                 return {}
+            if not Path(self.cfg.path).is_dir():  # the folder itself, not one file in it, is what is missing
+                raise UserError(self.missing_folder())
             raise UserError(f"{p} not found: expected a diffusers-format {self.family} folder at model.path "
                             f"({self._expected()})")
         try:
             return json.loads(p.read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"{p}: not a readable JSON config ({e})") from None
+
+    def missing_folder(self, root: Path | None = None) -> str:
+        """The one line for a model.path that does not exist (or is not a folder)."""
+        root = Path(root if root is not None else self.cfg.path)
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        return (f"model.path {root} {what}: point it at a diffusers-format {self.family} folder "
+                f"({self._expected()})")
 
     def _expected(self) -> str:
         dirs = ["transformer/", "vae/", *(d + "/" for d in self.text_encoder_dirs), *(d + "/" for d in self.tokenizer_dirs)]
@@ -158,8 +169,7 @@ class DiffusersAdapter(ModelAdapter):
             raise ValueError(f"unknown parts {sorted(unknown)}; choose from {sorted(PARTS)}")
         root = Path(cfg.path)
         if not root.is_dir():
-            raise UserError(f"{root}: model folder not found (model.path): expected a diffusers-format {self.family} "
-                            f"folder with {self._expected()}")
+            raise UserError(self.missing_folder(root))
 
         def need(rel: str, what: str) -> None:
             if not (root / rel).exists():
@@ -230,15 +240,27 @@ class DiffusersAdapter(ModelAdapter):
                 out.vae = out.vae.to(device).eval().requires_grad_(False)
             if "text" in parts:
                 for d, cls_name in zip(self.text_encoder_dirs, self.text_encoder_classes, strict=True):
-                    enc = getattr(transformers, cls_name).from_pretrained(
-                        root, subfolder=d, dtype=dtype, local_files_only=True
-                    )
+                    enc_cls = getattr(transformers, cls_name)
+                    config = self.text_encoder_config(enc_cls.config_class.from_pretrained(
+                        root, subfolder=d, local_files_only=True))
+                    # a trimmed config leaves weights of the file unread: transformers would list each one
+                    verbosity = transformers.utils.logging.get_verbosity()
+                    transformers.utils.logging.set_verbosity_error()
+                    try:
+                        enc = enc_cls.from_pretrained(
+                            root, subfolder=d, config=config, dtype=dtype, local_files_only=True
+                        )
+                    finally:
+                        transformers.utils.logging.set_verbosity(verbosity)
                     enc = self.slim_text_encoder(enc)
                     quant.quantize_module(enc.requires_grad_(False), cfg.quantize_text_encoders, text_encoder=True,
                                           keep=self.text_encoder_keep_linears)
                     out.text_encoders.append(enc.to(device).eval().requires_grad_(False))
-                for d in self.tokenizer_dirs:
-                    out.tokenizers.append(transformers.AutoTokenizer.from_pretrained(root, subfolder=d, local_files_only=True))
+                for i, d in enumerate(self.tokenizer_dirs):
+                    tok_cls = self.tokenizer_classes[i] if i < len(self.tokenizer_classes) else "AutoTokenizer"
+                    out.tokenizers.append(
+                        getattr(transformers, tok_cls).from_pretrained(root, subfolder=d, local_files_only=True)
+                    )
             if "scheduler" in parts:
                 if (Path(root) / "scheduler" / "scheduler_config.json").is_file():
                     out.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
@@ -246,11 +268,17 @@ class DiffusersAdapter(ModelAdapter):
                     )
                 else:
                     out.scheduler = FlowMatchEulerDiscreteScheduler(**self.default_scheduler)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, ImportError) as e:  # ImportError: e.g. a processor needing torchvision
             # Files present but unreadable or mismatched (truncated safetensors, wrong shapes, ...).
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"{root}: could not load the {self.family} model: {first}") from e
         return out
+
+    def text_encoder_config(self, config: Any) -> Any:
+        """The text encoder's config as it is built for loading (default: as in the folder). A family whose
+        captions never reach part of the encoder can leave that part out here, so its weights are never read
+        (Flux.2: the decoder layers after the deepest hidden state used)."""
+        return config
 
     # ------------------------------------------------------------------------------------------ shared helpers
 

@@ -86,6 +86,12 @@ class ModelAdapter(ABC):
     full_config: ClassVar[dict[str, Any]]
     #: peft target_modules used when the config gives none
     default_lora_targets: ClassVar[tuple[str, ...]]
+    #: the family's LoRA module names in the original layout (ComfyUI, kohya; trainer/models/lora_keys.py `LoraKeyMap`),
+    #: inherited by a family that shares the architecture; None: none yet, and output.lora_format comfy / kohya say so
+    lora_key_map: ClassVar[Any] = None
+    #: ComfyUI maps this family's diffusers-keyed LoRAs (`transformer.<module>`) onto its model; when not, the end of
+    #: a fit with output.lora_format: diffusers says to convert (its maintainers add no new diffusers key maps)
+    comfy_reads_diffusers_lora: ClassVar[bool] = False
     #: regular expression (`re.search` on a block Linear's name relative to its block, with a "." appended) of the
     #: modulation Linears: they set per-sample scale / shift / gate and stay in the model dtype in an fp8 / int8
     #: base unless `model.quantize_modulation` (trainer/quant.py). "" : none
@@ -144,13 +150,19 @@ class ModelAdapter(ABC):
     #: the scheduler settings when the folder has no scheduler config (FlowMatchEulerDiscreteScheduler kwargs)
     default_scheduler: ClassVar[dict[str, Any]] = {}
     #: sampling: does the pipeline run a second, negative-prompt pass when guidance > 1 (so the negative prompt
-    #: must be encoded too, and the planner counts a batch of two)?
+    #: must be encoded too, and the planner counts a batch of two)? `runs_cfg` says at which guidance values.
     sampling_uses_negative: ClassVar[bool]
+    #: sample settings the presets write (`sample.steps`, `sample.guidance`) where the family's pipeline wants
+    #: others than the presets' 28 steps and the config's default guidance (a distilled model's few steps)
+    sample_defaults: ClassVar[dict[str, Any]] = {}
 
     # ------------------------------------------------------------------------------------------ presets
 
     #: card sizes (GB) `python -m trainer.planner.presets` writes configs/<family>/<method>-<N>gb.yaml for
     preset_cards: ClassVar[tuple[int, ...]] = (8, 12, 16, 24, 48, 80)
+    #: the presets' `sample:` settings where the family's pipeline samples otherwise than the generic 28 steps at
+    #: `sample.guidance`'s default (e.g. Qwen-Image 2.1: 40 steps without guidance)
+    sample_defaults: ClassVar[dict[str, Any]] = {}
     #: {(method, card GB): "measured on ...: ..."}: what a GPU run of that preset measured, for its header
     #: (declared on the class itself: a subclass family does not inherit another model's measurements)
     measured_presets: ClassVar[dict[tuple[str, int], str]] = {}
@@ -267,11 +279,24 @@ class ModelAdapter(ABC):
         cls, pipe: Any, prompt: str, negative: str | None, device: torch.device
     ) -> dict[str, torch.Tensor]:
         """Pipeline call kwargs holding one prompt's embeddings (and the negative prompt's when `negative` is not
-        None), from the pipeline's own `encode_prompt` called as `pipe(prompt=...)` would call it."""
+        None), from the pipeline's own `encode_prompt` called as `pipe(prompt=...)` would call it. Values are
+        tensors or lists of tensors (Z-Image's pipeline takes one tensor per prompt)."""
+
+    @classmethod
+    def runs_cfg(cls, guidance: float) -> bool:
+        """Whether the family's pipeline runs classifier-free guidance (a negative pass, a batch of two) at this
+        guidance value; most pipelines do above 1 (Z-Image's above 0)."""
+        return cls.sampling_uses_negative and guidance > 1
 
     @classmethod
     def pipeline_image(cls, pipe: Any, image: Any) -> dict[str, Any]:
         """Pipeline call kwargs carrying the reference image (a PIL image of the sample's size; None: none)."""
+        return {}
+
+    @classmethod
+    def pipeline_size(cls, pipe: Any, width: int, height: int) -> dict[str, Any]:  # noqa: ARG003 - the protocol
+        """Pipeline call kwargs beyond `width` / `height` that make the image exactly that size (a pipeline that
+        rescales to an area of its own, as Kontext's does, is told the area asked for)."""
         return {}
 
     @classmethod

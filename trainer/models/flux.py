@@ -27,6 +27,38 @@ from torch import nn
 
 from ._diffusers import NORM_MODULATION, T5_KEEP, DiffusersAdapter, pack_2x2, unpack_2x2
 from .base import Components
+from .lora_keys import KeyRule, LoraKeyMap
+
+_D, _S = "transformer_blocks.{i}", "single_transformer_blocks.{i}"
+#: BFL's layout (ComfyUI's Flux model, kohya's `lora_unet_double_blocks_*`), as diffusers' single-file converter
+#: reads it: q/k/v fused into `qkv`, and a single block's q/k/v and MLP input fused into `linear1` (MLP 4x wide).
+#: `norm_out.linear` is left out: the original stores its two halves swapped.
+FLUX_LORA_KEYS = LoraKeyMap((
+    KeyRule("double_blocks.{i}.img_attn.qkv", (f"{_D}.attn.to_q", f"{_D}.attn.to_k", f"{_D}.attn.to_v"), (1, 1, 1)),
+    KeyRule("double_blocks.{i}.img_attn.proj", (f"{_D}.attn.to_out.0",)),
+    KeyRule("double_blocks.{i}.txt_attn.qkv", (f"{_D}.attn.add_q_proj", f"{_D}.attn.add_k_proj",
+                                               f"{_D}.attn.add_v_proj"), (1, 1, 1)),
+    KeyRule("double_blocks.{i}.txt_attn.proj", (f"{_D}.attn.to_add_out",)),
+    KeyRule("double_blocks.{i}.img_mlp.0", (f"{_D}.ff.net.0.proj",)),
+    KeyRule("double_blocks.{i}.img_mlp.2", (f"{_D}.ff.net.2",)),
+    KeyRule("double_blocks.{i}.txt_mlp.0", (f"{_D}.ff_context.net.0.proj",)),
+    KeyRule("double_blocks.{i}.txt_mlp.2", (f"{_D}.ff_context.net.2",)),
+    KeyRule("double_blocks.{i}.img_mod.lin", (f"{_D}.norm1.linear",)),
+    KeyRule("double_blocks.{i}.txt_mod.lin", (f"{_D}.norm1_context.linear",)),
+    KeyRule("single_blocks.{i}.linear1", (f"{_S}.attn.to_q", f"{_S}.attn.to_k", f"{_S}.attn.to_v", f"{_S}.proj_mlp"),
+            (1, 1, 1, 4)),
+    KeyRule("single_blocks.{i}.linear2", (f"{_S}.proj_out",)),
+    KeyRule("single_blocks.{i}.modulation.lin", (f"{_S}.norm.linear",)),
+    KeyRule("img_in", ("x_embedder",)),
+    KeyRule("txt_in", ("context_embedder",)),
+    KeyRule("final_layer.linear", ("proj_out",)),
+    KeyRule("time_in.in_layer", ("time_text_embed.timestep_embedder.linear_1",)),
+    KeyRule("time_in.out_layer", ("time_text_embed.timestep_embedder.linear_2",)),
+    KeyRule("vector_in.in_layer", ("time_text_embed.text_embedder.linear_1",)),
+    KeyRule("vector_in.out_layer", ("time_text_embed.text_embedder.linear_2",)),
+    KeyRule("guidance_in.in_layer", ("time_text_embed.guidance_embedder.linear_1",)),
+    KeyRule("guidance_in.out_layer", ("time_text_embed.guidance_embedder.linear_2",)),
+))
 
 
 def tiny_pipeline(pipeline_cls: type, schnell: bool = False):
@@ -62,6 +94,8 @@ class FluxAdapter(DiffusersAdapter):
         "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
         "proj_mlp",
     )
+    lora_key_map = FLUX_LORA_KEYS
+    comfy_reads_diffusers_lora = True  # comfy/lora.py model_lora_keys_unet
     text_encoder_dirs = ("text_encoder", "text_encoder_2")
     text_encoder_classes = ("CLIPTextModel", "T5EncoderModel")
     tokenizer_dirs = ("tokenizer", "tokenizer_2")

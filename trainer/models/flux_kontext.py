@@ -18,7 +18,8 @@ them), so the training loop carries them like text embeddings.
 
 Sampling (`dittrain sample --image ref.png`): the reference is resized and centre-cropped to the sample's width x
 height, the same rule as training, and handed to the pipeline with `_auto_resize=False` (the pipeline would
-otherwise resize it to the nearest of its preferred ~1 MP sizes). Without `--image` the pipeline generates
+otherwise resize it to the nearest of its preferred ~1 MP sizes), and `max_area` = width x height (it would
+otherwise rescale the output to about 1 MP: a 64 x 64 request made 1024 x 1024). Without `--image` the pipeline generates
 without a reference, as FluxKontextPipeline does.
 
 Left out: several reference images, references of a size other than the target's bucket.
@@ -93,6 +94,12 @@ class FluxKontextAdapter(FluxAdapter):
         kw["hidden_states"] = torch.cat([kw["hidden_states"], kw["hidden_states"]], dim=1)
         kw["img_ids"] = torch.cat([kw["img_ids"], kw["img_ids"]], dim=0)
         return kw
+
+    @classmethod
+    def pipeline_size(cls, pipe, width: int, height: int) -> dict[str, Any]:
+        """FluxKontextPipeline rescales width x height to `max_area` (default 1024**2) at the same aspect ratio and
+        warns "height and width have been adjusted": the area asked for keeps the size asked for."""
+        return {"max_area": width * height}
 
     @classmethod
     def pipeline_image(cls, pipe, image: Any) -> dict[str, Any]:

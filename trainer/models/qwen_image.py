@@ -29,6 +29,18 @@ from torch import nn
 
 from ._diffusers import DiffusersAdapter, pack_2x2, unpack_2x2
 from .base import Components
+from .lora_keys import LoraKeyMap, identity_rules
+
+#: ComfyUI's Qwen-Image model keeps diffusers' module names (its LoRA keys are `diffusion_model.<name>`; musubi-tuner's
+#: are `lora_unet_<name with _>`), so the map is the identity over the modules a LoRA may adapt.
+QWEN_IMAGE_LORA_KEYS = LoraKeyMap(identity_rules(
+    "transformer_blocks",
+    ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+     "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+     "txt_mlp.net.2", "img_mod.1", "txt_mod.1"),
+    ("img_in", "txt_in", "proj_out", "norm_out.linear", "time_text_embed.timestep_embedder.linear_1",
+     "time_text_embed.timestep_embedder.linear_2"),
+))
 
 TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
@@ -98,6 +110,8 @@ class QwenImageAdapter(DiffusersAdapter):
         "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
         "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
     )
+    lora_key_map = QWEN_IMAGE_LORA_KEYS
+    comfy_reads_diffusers_lora = True  # comfy/lora.py model_lora_keys_unet
     text_encoder_dirs = ("text_encoder",)
     text_encoder_classes = ("Qwen2_5_VLForConditionalGeneration",)
     tokenizer_dirs = ("tokenizer",)

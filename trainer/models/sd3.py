@@ -27,6 +27,33 @@ from torch import nn
 
 from ._diffusers import NORM_MODULATION, T5_KEEP, DiffusersAdapter
 from .base import Components
+from .lora_keys import KeyRule, LoraKeyMap
+
+_B, _J = "transformer_blocks.{i}", "joint_blocks.{i}"
+#: Stability's MMDiT layout (ComfyUI's SD3 model, kohya's `lora_unet_joint_blocks_*`), as diffusers' single-file
+#: converter reads it: q/k/v fused into `qkv`. `norm1_context.linear` is left out: the last block's original
+#: stores its two halves swapped.
+SD3_LORA_KEYS = LoraKeyMap((
+    KeyRule(f"{_J}.x_block.attn.qkv", (f"{_B}.attn.to_q", f"{_B}.attn.to_k", f"{_B}.attn.to_v"), (1, 1, 1)),
+    KeyRule(f"{_J}.x_block.attn.proj", (f"{_B}.attn.to_out.0",)),
+    KeyRule(f"{_J}.x_block.attn2.qkv", (f"{_B}.attn2.to_q", f"{_B}.attn2.to_k", f"{_B}.attn2.to_v"), (1, 1, 1)),
+    KeyRule(f"{_J}.x_block.attn2.proj", (f"{_B}.attn2.to_out.0",)),
+    KeyRule(f"{_J}.context_block.attn.qkv", (f"{_B}.attn.add_q_proj", f"{_B}.attn.add_k_proj",
+                                             f"{_B}.attn.add_v_proj"), (1, 1, 1)),
+    KeyRule(f"{_J}.context_block.attn.proj", (f"{_B}.attn.to_add_out",)),
+    KeyRule(f"{_J}.x_block.mlp.fc1", (f"{_B}.ff.net.0.proj",)),
+    KeyRule(f"{_J}.x_block.mlp.fc2", (f"{_B}.ff.net.2",)),
+    KeyRule(f"{_J}.context_block.mlp.fc1", (f"{_B}.ff_context.net.0.proj",)),
+    KeyRule(f"{_J}.context_block.mlp.fc2", (f"{_B}.ff_context.net.2",)),
+    KeyRule(f"{_J}.x_block.adaLN_modulation.1", (f"{_B}.norm1.linear",)),
+    KeyRule("x_embedder.proj", ("pos_embed.proj",)),
+    KeyRule("context_embedder", ("context_embedder",)),
+    KeyRule("final_layer.linear", ("proj_out",)),
+    KeyRule("t_embedder.mlp.0", ("time_text_embed.timestep_embedder.linear_1",)),
+    KeyRule("t_embedder.mlp.2", ("time_text_embed.timestep_embedder.linear_2",)),
+    KeyRule("y_embedder.mlp.0", ("time_text_embed.text_embedder.linear_1",)),
+    KeyRule("y_embedder.mlp.2", ("time_text_embed.text_embedder.linear_2",)),
+))
 
 
 def tiny_pipeline():
@@ -57,6 +84,8 @@ class SD3Adapter(DiffusersAdapter):
         "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
         "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
     )
+    lora_key_map = SD3_LORA_KEYS
+    comfy_reads_diffusers_lora = True  # comfy/lora.py model_lora_keys_unet
     text_encoder_dirs = ("text_encoder", "text_encoder_2", "text_encoder_3")
     text_encoder_classes = ("CLIPTextModelWithProjection", "CLIPTextModelWithProjection", "T5EncoderModel")
     tokenizer_dirs = ("tokenizer", "tokenizer_2", "tokenizer_3")

@@ -183,7 +183,12 @@ def empty_transformer(adapter, cfg, dtype: torch.dtype, files: _Files | None = N
     config = adapter.transformer_cls.load_config(str(cfg.path), subfolder="transformer", local_files_only=True)
     with init_empty_weights():  # parameters on meta, buffers real (rotary tables and the like)
         tr = adapter.transformer_cls.from_config(config)
-    nn.Module.to(tr, dtype)  # torch's, not ModelMixin's (whose warning is about fp32 modules no family has)
+    nn.Module.to(tr, dtype)  # torch's, not ModelMixin's (it warns about the fp32 modules kept just below)
+    keep = adapter.transformer_cls._keep_in_fp32_modules or []
+    if keep and dtype in (torch.float16, torch.bfloat16):  # diffusers' rule: a name part in the list stays fp32
+        for n, p in tr.named_parameters():  # (Krea 2's norms), so files load as `from_pretrained` loads them
+            if any(m in n.split(".") for m in keep):
+                p.data = p.data.to(torch.float32)
     if files is not None and files.fp8 and cfg.quantize == "fp8":
         names = {id(m): n for n, m in tr.named_modules()}
         for b in adapter.blocks(tr):

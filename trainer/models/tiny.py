@@ -62,6 +62,11 @@ def _corpus() -> list[str]:
     return lines * 4 + [QWEN_TEMPLATE_PREFIX + s + "<|im_end|>\n<|im_start|>assistant\n" for s in lines] * 8
 
 
+def corpus() -> list[str]:
+    """The lines the tiny tokenizers are trained on (for a family that trains a tokenizer of its own)."""
+    return _corpus()
+
+
 def _bpe_vocab_merges(tok) -> tuple[dict[str, int], list[tuple[str, str]]]:
     model = json.loads(tok.to_str())["model"]
     merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
@@ -225,13 +230,15 @@ def flow_scheduler(**kw):
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **kw)
 
 
-def _name_processor_as_transformers_does(folder: Path) -> None:
-    """The processor is saved from our torchvision-free subclass; name it Qwen2VLProcessor, as a real folder does."""
+def _name_processor_as_transformers_does(folder: Path, processor) -> None:
+    """The processor is saved from our torchvision-free subclass; name it after the transformers class it extends
+    (Qwen2VLProcessor, Qwen3VLProcessor), as a real folder does."""
+    name = next(c.__name__ for c in type(processor).__mro__ if c.__module__.startswith("transformers."))
     for rel, key in (("model_index.json", "processor"), ("processor/processor_config.json", "processor_class")):
         p = folder / rel
         if p.is_file():
             d = json.loads(p.read_text())
-            d[key] = ["transformers", "Qwen2VLProcessor"] if key == "processor" else "Qwen2VLProcessor"
+            d[key] = ["transformers", name] if key == "processor" else name
             p.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
@@ -254,6 +261,6 @@ def make_tiny_models(out: str | Path, families: list[str] | None = None) -> list
             folder.mkdir(parents=True, exist_ok=True)
             pipe.save_pretrained(folder, safe_serialization=True)
             if (folder / "processor").is_dir():
-                _name_processor_as_transformers_does(folder)
+                _name_processor_as_transformers_does(folder, pipe.processor)
             written.append(folder)
     return written

@@ -112,7 +112,11 @@ def transformer_config(cfg) -> tuple[dict, str]:
         except (OSError, json.JSONDecodeError) as e:
             raise UserError(f"{path}: cannot read the transformer config ({e})") from None
     full = adapter_class(cfg.model.family).full_config
-    return dict(full), f"built-in full-size {cfg.model.family} config ({path} not found)"
+    root = Path(cfg.model.path)
+    why = (f"model.path {root} does not exist" if not root.exists()
+           else f"{path} not found")
+    return dict(full), (f"NOT your model: {why}, so this plans the built-in full-size {cfg.model.family} config "
+                        "(the published model's sizes); point model.path at your model folder to plan that")
 
 
 def text_encoder_bytes(cfg) -> list[tuple[str, int]]:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import quant
+from ..dtypes import DTYPES
+from ..errors import UserError
 from ..models import adapter_class
 from . import timing as ptime
 from .phases import fit_text_fraction, predict_phases
@@ -23,6 +26,8 @@ from .prediction import (
     streaming,
 )
 from .sampling import cfg_batch, predict_sampling
+
+_DTYPE_NAMES = {**{v: k for k, v in DTYPES.items()}, torch.float8_e4m3fn: "fp8", torch.int8: "int8"}
 
 
 def _gb(n: float) -> str:
@@ -65,12 +70,14 @@ def report(
             if facts.fused
             else f" ({facts.optimizer})"
         )
-        + f", {cfg.model.dtype}, batch {facts.batch}, buckets {', '.join(map(str, facts.resolutions))} px",
+        + f", batch {facts.batch}, buckets {', '.join(map(str, facts.resolutions))} px",
+        quant.describe(cfg.model.quantize, cfg.model.quantize_modulation, cfg.model.dtype, cfg.model.fp8_matmul)
+        + ("; LoRA fp32" if facts.method == "lora" else ""),
         f"model: {facts.source}",
         "",
     ]
     total_blocks = sum(facts.packed)
-    rows = [("component", "params (B)", "GB", "on GPU GB", "pinned host GB", "note")]
+    rows = [("component", "params (B)", "dtype", "GB", "on GPU GB", "pinned host GB", "note")]
     frac = _fraction_of(cfg)
     budget = vram_gb if vram_gb is not None else cfg.offload.vram_budget_gb
     chosen = None
@@ -85,7 +92,11 @@ def report(
                              log=lambda s: lines.append(s))
         lines.append("")
     ring, pinned, h2d = streaming(facts.packed, f_show)
-    nparams = sum(facts.block_param_bytes) / torch.tensor([], dtype=facts.dtype).element_size()
+    # Parameters counted, not bytes divided by the model dtype's size (an 8-bit base has half the bytes, not half
+    # the parameters); the LoRA's own parameters sit inside the blocks and are counted on their row
+    frozen = [p for b in facts.blocks for p in b.parameters() if not (facts.method == "lora" and p.requires_grad)]
+    nparams = sum(p.numel() for p in frozen)
+    stored = sorted({_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in frozen}, key=lambda n: n != cfg.model.quantize)
     if f_show > 0:
         copies = "every block" if pinned >= total_blocks else f"{_gb(pinned)} GB of blocks"
         note = f"f={f_show:.2f}: ring {_gb(ring)} GB; host copies of {copies}; {_gb(h2d)} GB H2D per step"
@@ -95,6 +106,7 @@ def report(
         (
             f"transformer blocks ({len(facts.blocks)})",
             f"{nparams / 1e9:.2f}",
+            "+".join(stored),
             _gb(total_blocks),
             _gb(ring),
             _gb(pinned),
@@ -105,6 +117,7 @@ def report(
         (
             "transformer non-block",
             f"{facts.nonblock_params / 1e9:.2f}",
+            cfg.model.dtype,
             _gb(facts.nonblock_bytes),
             _gb(facts.nonblock_bytes),
             "0.00",
@@ -116,6 +129,7 @@ def report(
             (
                 f"LoRA (fp32 + {facts.optimizer})",
                 f"{facts.trainable_params / 1e9:.3f}",
+                "fp32",
                 _gb(facts.trainable_params * 4),
                 _gb(predict(facts, 0.0, big, act).trainable),
                 "0.00",
@@ -129,6 +143,7 @@ def report(
             (
                 f"optimizer state ({facts.optimizer}, fp32) + gradients",
                 "-",
+                "fp32",
                 _gb(sum(facts.block_states) + facts.state_gpu),
                 _gb(p_show.trainable),
                 _gb(state_host),
@@ -143,6 +158,7 @@ def report(
             (
                 f"text encoder {name}",
                 "-",
+                cfg.model.dtype if cfg.model.quantize_text_encoders == "none" else cfg.model.quantize_text_encoders,
                 _gb(nb),
                 _gb(nb * (1 - f_te)),
                 _gb(nb * f_te),
@@ -246,14 +262,7 @@ def report(
     lines += _sampling(facts, fr, big, rates, cfg_batch(facts.family, cfg.sample.guidance))
     lines += _phases(cfg, facts, f_show, budget)
     if ram_gb is not None:
-        p = predict(facts, f_show, big, act, rates)
-        host = (p.pinned + p.act_checkpoint_host) / GB
-        verdict = (
-            "fits" if p.ram_peak / GB <= ram_gb else "does NOT fit"
-        )
-        lines.append(
-            f"RAM {ram_gb:g} GB: pinned {host:.1f} GB, peak while loading {p.ram_peak / GB:.1f} GB: {verdict}"
-        )
+        lines.append(_ram_line(facts, f_show, ram_gb, act, rates)[0])
     lines += [
         "",
         "Assumptions (predictions, not measurements):",
@@ -268,6 +277,21 @@ def report(
         "measurement, GPU time scales the reference by FLOPs and host time by traced operations",
     ]
     return lines, chosen
+
+
+def _ram_line(facts: Facts, fraction: float, ram_gb: float, act: bool, rates) -> tuple[str, bool]:
+    """`--ram`'s verdict line, and whether the peak fits."""
+    p = predict(facts, fraction, max(facts.resolutions), act, rates)
+    host = (p.pinned + p.act_checkpoint_host) / GB
+    fits = p.ram_peak / GB <= ram_gb
+    return (f"RAM {ram_gb:g} GB: pinned {host:.1f} GB, peak while loading {p.ram_peak / GB:.1f} GB: "
+            f"{'fits' if fits else 'does NOT fit'}"), fits
+
+
+class DoesNotFit(UserError):
+    """`dittrain plan --ram` found the run's host memory over the budget: exit 1 after the table (scripts test it)."""
+
+    label = ""
 
 
 def _phases(cfg, facts: Facts, fraction: float, budget: float | None) -> list[str]:
@@ -320,5 +344,16 @@ def run_plan(cfg, vram_gb: float | None = None, ram_gb: float | None = None) -> 
             rates = measure(facts)
         except Exception as e:  # noqa: BLE001 - a failed measurement must not stop the plan
             print(f"(GPU measurement failed: {type(e).__name__}: {e}; using the reference figures)")
-    lines, _ = report(cfg, vram_gb=vram_gb, ram_gb=ram_gb, rates=rates, facts=facts)
+    lines, chosen = report(cfg, vram_gb=vram_gb, ram_gb=ram_gb, rates=rates, facts=facts)
     print("\n".join(lines))
+    if ram_gb is not None:
+        fraction = chosen if chosen is not None else (_fraction_of(cfg) or 0.0)
+        line, fits = _ram_line(facts, fraction, ram_gb, cfg.offload.activations, rates or ptime.reference_rates())
+        if not fits:  # a VRAM budget that cannot be met already fails in choose_fraction
+            m = cfg.model
+            fixes = ["a lower offload.transformer pins less RAM (and needs more VRAM)"]
+            if m.quantize == "none":
+                fixes.append("model.quantize: fp8 halves the blocks' bytes")
+            elif not m.quantize_modulation:
+                fixes.append("model.quantize_modulation: true makes the modulation Linears 8-bit too")
+            raise DoesNotFit(f"{line}: {'; '.join(fixes)}; or a machine with more RAM")

@@ -38,7 +38,7 @@ def cfg_batch(family: str, guidance: float) -> int:
     """The batch the family's pipeline denoises per image: 2 where it runs classifier-free guidance."""
     from ..models import adapter_class
 
-    return 2 if adapter_class(family).sampling_uses_negative and guidance > 1 else 1
+    return 2 if adapter_class(family).runs_cfg(guidance) else 1
 
 
 def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None = None,

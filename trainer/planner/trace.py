@@ -141,6 +141,27 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _HostLayoutOnMeta(TorchDispatchMode):
+    """Lets a model that computes its token layout on the host (Qwen-Image 2.1 reads its `img_mask` with
+    `.tolist()`, which a meta tensor cannot give) run on meta activations: the family passes such layout tensors on
+    the CPU (`dummy_inputs`), and an op that then mixes them with meta tensors is retried with the CPU ones moved
+    to meta. Ops that only index a meta tensor with a CPU mask already work and are left alone."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:
+            if "meta" not in str(e):
+                raise
+            from torch.utils._pytree import tree_map
+
+            def to_meta(t):
+                return t.to("meta") if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() else t
+
+            return func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+
+
 @dataclass
 class Trace:
     """Activation bytes of one training forward at one bucket shape (batch included)."""
@@ -259,7 +280,8 @@ def trace_forward(
     mode = _KernelModel(kernels) if kernels != "real" else contextlib.nullcontext(_KernelModel(kernels))
     b_ops = [0] * len(blocks)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode, _OpCounter(current, b_ops):
+        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _HostLayoutOnMeta(), mode,
+              _OpCounter(current, b_ops)):
             transformer(**inputs, return_dict=False)
     finally:
         for h in handles:

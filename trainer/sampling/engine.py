@@ -5,7 +5,7 @@ negative prompt, where the family runs classifier-free guidance) is encoded thro
 `encode_prompt`; then the text encoders are dropped from the pipeline and their memory released. Only then is
 the transformer placed (resident, or streamed by the offload conductor) and each image denoised by calling the
 pipeline with the stored embeddings (each family's adapter names the arguments: `pipeline_embeds`,
-`pipeline_guidance`, `sampling_uses_negative` in trainer/models/). One pipeline call per image,
+`pipeline_guidance`, `runs_cfg` in trainer/models/). One pipeline call per image,
 each with its own CPU `torch.Generator` seeded with the image's seed, so an image depends only on its prompt,
 seed and settings: not on the batch it came in, the device the noise was drawn for, or how many images came
 before it.
@@ -24,7 +24,9 @@ its batch), VAE tiling for very large images, negative prompts for Flux's "true 
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,19 +57,55 @@ def encode_prompts(
     device: torch.device | str | None = None,
     image=None,
 ) -> list[Embeds]:
-    """Pipeline call kwargs holding each prompt's embeddings (and the negative prompt's when guidance > 1 runs a
-    second pass). Needs the text encoders in `pipe`; identical prompts are encoded once. `image`: the reference
+    """Pipeline call kwargs holding each prompt's embeddings (and the negative prompt's when the guidance runs a
+    second pass: `runs_cfg`). Needs the text encoders in `pipe`; identical prompts are encoded once. `image`: the reference
     (PIL) for families whose text encoder sees it (`text_uses_reference`)."""
     fam = adapter_class(family)
     device = torch.device(device) if device is not None else pipe._execution_device
-    negative = negative_prompt if fam.sampling_uses_negative and guidance > 1 else None
+    negative = negative_prompt if fam.runs_cfg(guidance) else None
     cache: dict[str, Embeds] = {}
-    with torch.no_grad():
+    with torch.no_grad(), _ClipCuts() as cuts:
         for p in prompts:
             if p not in cache:
+                cuts.prompt = p
                 ref = {"image": image} if fam.text_uses_reference else {}
                 cache[p] = fam.pipeline_embeds(pipe, p, negative, device, **ref)
+    if cuts.cut:
+        n = len(cuts.cut)
+        print(f"note: {n} prompt{'s are' if n > 1 else ' is'} longer than CLIP's 77 tokens; CLIP reads only the start "
+              f"(\"{next(iter(cuts.cut))[:40]}...\"), the other text encoder reads further", file=sys.stderr)
     return [cache[p] for p in prompts]
+
+
+class _ClipCuts:
+    """While prompts are encoded, the pipelines' per-prompt CLIP truncation warnings (diffusers' "The following
+    part of your input was truncated because CLIP can only handle sequences up to 77 tokens: [...]" and the
+    tokenizer's "Token indices sequence length is longer than ...") are held back and the cut prompts noted, so
+    `encode_prompts` prints one line of its own instead of a paragraph per prompt and encoder."""
+
+    _MARKS = ("CLIP can only handle sequences up to", "Token indices sequence length is longer than the specified")
+
+    def __init__(self) -> None:
+        self.prompt, self.cut = "", {}
+        self._handlers: list[logging.Handler] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if any(m in msg for m in self._MARKS):
+            self.cut[self.prompt] = True
+            return False
+        return True
+
+    def __enter__(self) -> _ClipCuts:
+        # On the libraries' own handlers: the records are logged by many per-pipeline loggers and propagate there
+        self._handlers = [h for name in ("diffusers", "transformers") for h in logging.getLogger(name).handlers]
+        for h in self._handlers:
+            h.addFilter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handlers:
+            h.removeFilter(self)
 
 
 def release_text_encoders(pipe) -> None:
@@ -90,8 +128,17 @@ class _DropMaskNotice(logging.Filter):
         return "_mask` is not provided" not in record.getMessage()
 
 
+def to_device(value: Any, device: torch.device | str) -> Any:
+    """An embeddings value (a tensor, or a list of tensors) on `device`; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [to_device(v, device) for v in value]
+    return value
+
+
 def _to(embeds: Embeds, device: torch.device) -> Embeds:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in embeds.items()}
+    return {k: to_device(v, device) for k, v in embeds.items()}
 
 
 def generate(
@@ -160,6 +207,10 @@ def generate(
         )
         device = pipe._execution_device
         reference = adapter.pipeline_image(pipe, ref_image)
+        # the negative prompt travels as embeddings; pipelines that take a text one too must not re-encode it
+        # (Flux.2's take none)
+        if "negative_prompt" in inspect.signature(pipe.__call__).parameters:
+            reference = {**reference, "negative_prompt": None}
         images = []
         for prompt, seed in zip(prompts, seeds, strict=True):
             embeds = next(encoded) if isinstance(prompt, str) else prompt
@@ -168,7 +219,7 @@ def generate(
                 **_to(embeds, device),
                 **adapter.pipeline_guidance(pipe, settings.guidance),
                 **reference,
-                negative_prompt=None,
+                **adapter.pipeline_size(pipe, settings.width, settings.height),
                 height=settings.height,
                 width=settings.width,
                 num_inference_steps=settings.steps,

@@ -20,6 +20,7 @@ import json
 import logging
 import re
 from contextlib import contextmanager
+from pathlib import Path
 
 from ..errors import UserError
 from .request import LoraSpec
@@ -120,7 +121,29 @@ def load_loras(pipe, specs: list[LoraSpec], family: str) -> list[str]:
     """Load each file as adapter `lora<i>` and activate them all with their weights. Returns the adapter names.
 
     A LoKr / LoHa file (peft's format, which `load_lora_weights` does not read) is loaded with `load_peft_file`,
-    alone: peft cannot stack it with other adapters on the same layers."""
+    alone: peft cannot stack it with other adapters on the same layers. A comfy / kohya file (output.lora_format)
+    is converted to the diffusers layout in a temporary folder first (trainer/lora_format/)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dittrain-lora-") as tmp:
+        return _load_loras(pipe, specs, family, _diffusers_copies(specs, family, tmp))
+
+
+def _diffusers_copies(specs: list[LoraSpec], family: str, tmp: str) -> list:
+    """The path to load for each spec: the file itself, or its diffusers-layout copy under `tmp`."""
+    from ..lora_format import convert_lora, file_format
+
+    paths = []
+    for i, spec in enumerate(specs):
+        if file_format(spec.path) == "diffusers":
+            paths.append(spec.path)
+        else:
+            paths.append(Path(tmp) / f"{i}.safetensors")
+            convert_lora(spec.path, paths[-1], "diffusers", family)
+    return paths
+
+
+def _load_loras(pipe, specs: list[LoraSpec], family: str, paths: list) -> list[str]:
     from ..train.checkpoint import lora_kind, lora_metadata
 
     def kind(path) -> str:
@@ -129,7 +152,7 @@ def load_loras(pipe, specs: list[LoraSpec], family: str) -> list[str]:
         except Exception:  # not a readable safetensors header: diffusers' loader below says what is wrong
             return "lora"
 
-    kinds = [kind(s.path) for s in specs]
+    kinds = [kind(p) for p in paths]
     lycoris = [(s, k) for s, k in zip(specs, kinds, strict=True) if k != "lora"]
     if lycoris and len(specs) > 1:
         s, k = lycoris[0]
@@ -138,7 +161,7 @@ def load_loras(pipe, specs: list[LoraSpec], family: str) -> list[str]:
     if lycoris:
         s, k = lycoris[0]
         try:
-            load_peft_file(pipe.transformer, s.path, adapter_name(0), s.weight)
+            load_peft_file(pipe.transformer, paths[0], adapter_name(0), s.weight)
         except (ValueError, RuntimeError, KeyError, TypeError) as e:
             raise UserError(f"{s.path}: {k} adapter does not fit this model: {_explain(str(e), family)}; "
                             "was it trained for another model?") from None
@@ -149,7 +172,7 @@ def load_loras(pipe, specs: list[LoraSpec], family: str) -> list[str]:
         hint = "was it trained for another model? (model.path in the config is the model it is applied to)"
         with _diffusers_warnings() as cap:
             try:
-                pipe.load_lora_weights(str(spec.path), adapter_name=name)
+                pipe.load_lora_weights(str(paths[i]), adapter_name=name)
             except (ValueError, RuntimeError, KeyError, TypeError) as e:
                 raise UserError(
                     f"{spec.path}: LoRA does not fit this model: {_explain(str(e), family)}; {hint}"

@@ -85,13 +85,16 @@ class Job:
 
 
 def parse_lora(text: str) -> LoraSpec:
-    """`PATH` or `PATH:WEIGHT`. A colon followed by something that is not a number stays part of the path."""
+    """`PATH` or `PATH:WEIGHT`. A colon followed by something that is not a number stays part of the path, unless
+    what comes before it is a .safetensors file (or exists): then the weight is what is wrong, and said so."""
     path, sep, weight = text.rpartition(":")
     if sep and path:
         try:
             return LoraSpec(Path(path), float(weight))
         except ValueError:
-            pass
+            if (path.endswith(".safetensors") or Path(path).is_file()) and not Path(text).exists():
+                raise UserError(f"--lora {text}: the weight {weight!r} is not a number; write PATH:WEIGHT, e.g. "
+                                f"{path}:0.8") from None
     return LoraSpec(Path(text), 1.0)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-from .engine import encode_prompts, generate, release_text_encoders
+from .engine import encode_prompts, generate, release_text_encoders, to_device
 from .placement import place_text_encoders, tile_decode
 from .request import SampleSettings
 
@@ -59,9 +59,7 @@ class TrainingSampler:
                     image=self.settings.reference(),
                 )
             # Kept in CPU RAM between calls (device-to-host copy once, at setup).
-            self.embeds = [
-                {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in e.items()} for e in embeds
-            ]
+            self.embeds = [{k: to_device(v, "cpu") for k, v in e.items()} for e in embeds]
         release_text_encoders(self.pipe)
         if self.device.type == "cuda":
             tile_decode(self.pipe.vae, s.height, s.width)

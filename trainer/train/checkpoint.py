@@ -13,10 +13,12 @@ What a checkpoint holds (no pickle anywhere):
   generator that LoRA dropout draws from, and each CUDA device's);
 - `state.json`: step, scheduler and data-sampler state, the config digest.
 
-LoRA files. Keys are peft's (`get_peft_model_state_dict`) under the `transformer.` prefix, which is the
-diffusers format every Flux / SD3 / Qwen-Image pipeline's `load_lora_weights` accepts. The header carries
-diffusers' `lora_adapter_metadata` (the peft LoraConfig, so alpha != rank and the target list survive loading)
-and dittrain's own keys: rank, alpha, step, config digest.
+LoRA files. A checkpoint's `lora.safetensors` has peft's keys (`get_peft_model_state_dict`) under the
+`transformer.` prefix, the weights as trained, and in the header diffusers' `lora_adapter_metadata` (the peft
+config: alpha, r, targets) and dittrain's own keys (rank, alpha, step, config digest): resuming reads it back
+bitwise. The files a user gets (output.dir's `lora.safetensors`, `lora-ema`, the per-step files) are written from
+it by `export_lora` in output.lora_format (trainer/lora_format/), where the alpha / rank scale is applied so that
+diffusers and ComfyUI load the same update.
 
 LoKr and LoHa (lora.type) use the same file layout with peft's own key names (`.lokr_w1`, `.hada_w1_a`, ...);
 the header's peft config says which (`peft_type`). DoRA adds `.lora_magnitude_vector` keys, which diffusers reads.
@@ -242,8 +244,8 @@ def lora_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
 
 
-def save_lora(path: Path, transformer: torch.nn.Module, meta: dict[str, str]) -> None:
-    """Write the LoRA in diffusers' format (see the module essay), atomically."""
+def lora_file(transformer: torch.nn.Module, meta: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(weights, header) of the live adapter in peft's layout (see the module essay)."""
     peft_cfg = transformer.peft_config["default"].to_dict()
     for k, v in list(peft_cfg.items()):
         if isinstance(v, set):
@@ -251,8 +253,21 @@ def save_lora(path: Path, transformer: torch.nn.Module, meta: dict[str, str]) ->
     packed = {f"{LORA_PREFIX}{k}": v for k, v in peft_cfg.items()}
     header = {"format": "pt", LORA_METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True, default=str)}
     header.update({f"dittrain.{k}": str(v) for k, v in meta.items()})
-    weights = {f"{LORA_PREFIX}{k}": v for k, v in lora_state_dict(transformer).items()}
+    return {f"{LORA_PREFIX}{k}": v for k, v in lora_state_dict(transformer).items()}, header
+
+
+def save_lora(path: Path, transformer: torch.nn.Module, meta: dict[str, str]) -> None:
+    """Write the LoRA in peft's layout with its config in the header (checkpoints), atomically."""
+    weights, header = lora_file(transformer, meta)
     atomic_write(Path(path), lambda tmp: save_file(weights, str(tmp), metadata=header))
+
+
+def export_lora(path: Path, lf, fmt: str, family: str) -> None:
+    """Write a `trainer.lora_format.LoraFile` in the user's layout (output.lora_format), atomically."""
+    from ..lora_format import encode
+
+    tensors, header = encode(lf, fmt, family, path)
+    atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=header))
 
 
 def lycoris_loading_hint(path: Path, kind: str) -> str:
@@ -293,12 +308,19 @@ def load_lora(path: Path, transformer: torch.nn.Module) -> None:
     from peft.utils import set_peft_model_state_dict
 
     sd = {k.removeprefix(LORA_PREFIX): v for k, v in load_file(str(path)).items()}
-    expected = set(lora_state_dict(transformer))
+    have = lora_state_dict(transformer)
+    expected = set(have)
     if set(sd) != expected:
         missing, extra = sorted(expected - set(sd))[:3], sorted(set(sd) - expected)[:3]
         raise UserError(
             f"{path}: LoRA does not match this model and lora config (missing {missing}, unexpected {extra}); "
             "resume with the config the run was started with"
+        )
+    wrong = [f"{k} {tuple(sd[k].shape)} vs {tuple(have[k].shape)}" for k in sorted(sd) if sd[k].shape != have[k].shape]
+    if wrong:  # a changed rank (or other shape key) that the config check did not see: still one line
+        raise UserError(
+            f"{path}: {len(wrong)} LoRA weights have other shapes than this lora config makes (e.g. {wrong[0]}); "
+            "resume with the lora settings the run was started with"
         )
     result = set_peft_model_state_dict(transformer, sd)
     if getattr(result, "unexpected_keys", None):

@@ -34,9 +34,11 @@ from ..errors import UserError
 
 
 class TrainingInterrupted(UserError):
-    """The run stopped on request after saving a resumable checkpoint (or at once, on a second signal)."""
+    """The run stopped on request after saving a resumable checkpoint (or at once, on a second signal). Not an
+    error: the CLI prints the line without "error:" (exit code 130, as shells report a Ctrl-C)."""
 
     exit_code = 130
+    label = ""
 
 
 class StopFlag:
@@ -66,6 +68,20 @@ class StopFlag:
         for sig, prev in self._previous.items():
             signal.signal(sig, prev)
         self._previous.clear()
+
+
+def nan_fixes(cfg) -> str:
+    """What usually makes a loss go NaN, as settings of this config to change: too high a learning rate (most
+    often), no gradient clipping, no warmup, fp16's small range."""
+    o = cfg.optimizer
+    fixes = [f"lower optimizer.lr (now {o.lr:g}, try {o.lr / 4:g})"]
+    if o.max_grad_norm is None:
+        fixes.append("set optimizer.max_grad_norm: 1.0 (gradient clipping)")
+    if not o.warmup_steps:
+        fixes.append("set optimizer.warmup_steps (e.g. 100)")
+    if cfg.model.dtype == "fp16":
+        fixes.append("use model.dtype: bf16 (fp16 overflows)")
+    return ", ".join(fixes)
 
 
 def training_fix(fraction: float | None, hint: str = "") -> str:

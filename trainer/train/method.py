@@ -17,9 +17,12 @@ the same for both.
 LoRA (trainer/train/model.py `add_lora`): the base is frozen; the fp32 adapter weights are drawn from torch's
 global generator, then broadcast from rank 0 so several processes start identical whatever they drew. They stay
 on the device when blocks stream (the conductor streams only frozen base weights), and so does their optimizer
-state. Weights: one `lora.safetensors` in diffusers' format; the final file is the last checkpoint's, copied. LoKr and
-LoHa (lora.type) are saved the same way, in peft's key names, which diffusers' `load_lora_weights` does not read:
-the log says how to load them with peft (`dittrain sample --lora` does it itself).
+state. Weights: a checkpoint's `lora.safetensors` in peft's layout (resumes bitwise); the files for the user (final,
+EMA, per step) are written from it in output.lora_format by trainer/lora_format/, with the alpha / rank scale where
+that layout's loaders read it. LoKr and LoHa (lora.type) in the diffusers layout keep peft's key names, which
+diffusers' `load_lora_weights` does not read: the log says how to load them with peft (`dittrain sample --lora`
+does it itself). `lora.init_from` builds the adapter the file describes (kind, rank, alpha, modules) and loads its
+weights, after checking every module and shape against the model.
 
 Full: every transformer weight trains; several processes start identical because they load the same files. With
 blocks streamed the weights stream as trainable, each stepped by the fused back pass while its block is on the
@@ -35,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from .. import quant
 from ..config import Config
 from ..offload import fused as packed  # module, not names: tests swap PACKED_STATE_OPTIMIZERS
 from . import checkpoint as ck
@@ -56,15 +60,49 @@ class TrainingMethod:
     def describe(self, params: list[torch.nn.Parameter]) -> str:
         return f"{self.name}: {count(params) / 1e6:.3f} M trainable parameters in {len(params)} tensors"
 
+    def storage(self) -> str:
+        """What the weights are stored and computed in, for the fit log's first line."""
+        m = self.cfg.model
+        return f"weights {m.dtype} (all trained)"
+
 
 class LoraMethod(TrainingMethod):
     name = "lora"
     streams_trainable = False  # LoRA weights stay on the device; the conductor streams only the frozen base
 
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.lora = cfg.lora  # what is trained: lora.init_from's file replaces rank, alpha, kind and targets
+        self.adapter = None  # set by trainable_params
+
+    def storage(self) -> str:
+        """The frozen base as quant.describe says (8-bit with per-channel scales, or the model dtype) and the LoRA:
+        fp32 weights, with matmuls in the model dtype under lora.compute_dtype: auto."""
+        m = self.cfg.model
+        lowered = self.cfg.lora.compute_dtype == "auto" and m.dtype != "fp32"
+        return (f"{quant.describe(m.quantize, m.quantize_modulation, m.dtype, m.fp8_matmul)}; LoRA fp32"
+                + (f" (matmuls in {m.dtype})" if lowered else ""))
+
     def trainable_params(self, transformer: torch.nn.Module, adapter) -> list[torch.nn.Parameter]:
-        """Freeze the transformer and add the LoRA adapter (draws from torch's global generator: seed it first)."""
-        self.transformer = transformer
-        return add_lora(transformer, self.cfg, adapter.default_lora_targets)
+        """Freeze the transformer and add the LoRA adapter (draws from torch's global generator: seed it first), or
+        the adapter of lora.init_from with that file's weights."""
+        from .. import lora_format
+
+        self.transformer, self.adapter = transformer, adapter
+        init = None
+        if self.cfg.lora.init_from is not None:
+            init = lora_format.read_lora_file(self.cfg.lora.init_from, self.cfg.model.family)
+            self.lora = init_lora_config(self.cfg, init, transformer)
+        params = add_lora(transformer, self.cfg.model_copy(update={"lora": self.lora}), adapter.default_lora_targets)
+        # output.lora_format must hold this adapter (a LoKr on fused q/k/v does not fit comfy): said before training
+        lora_format.check_layout(adapted_modules(transformer), self.lora.type, self.lora.dora,
+                                 self.cfg.output.lora_format, self.cfg.model.family)
+        if init is not None:
+            load_init(transformer, init, self.cfg.lora.init_from)
+            say(f"lora.init_from {self.cfg.lora.init_from}: {len(init.modules)} modules, {self.lora.type}"
+                f"{' + DoRA' if self.lora.dora else ''}, rank {self.lora.rank}, alpha {self.lora.alpha:g} (from the "
+                "file; lora.rank / alpha / type / targets of the config are not used)")
+        return params
 
     def same_start(self, dist, params: list[torch.nn.Parameter]) -> None:
         dist.same_start(params)  # cheap, and robust to any draw that differed between ranks
@@ -76,7 +114,7 @@ class LoraMethod(TrainingMethod):
         """Nothing streams that trains: the optimizer state stays beside the LoRA weights."""
 
     def save_weights(self, folder: Path, step: int) -> None:
-        self.save_weights_to(folder / "lora.safetensors", step)
+        ck.save_lora(folder / "lora.safetensors", self.transformer, self._meta(step))
 
     def load_weights(self, folder: Path) -> None:
         ck.load_lora(folder / "lora.safetensors", self.transformer)
@@ -85,23 +123,35 @@ class LoraMethod(TrainingMethod):
         return out_dir / "lora.safetensors"
 
     def write_ema(self, out_dir: Path, step: int) -> Path:
-        """The EMA weights (swapped in by ema.py) as output.dir/lora-ema.safetensors, in the LoRA's format."""
+        """The EMA weights (swapped in by ema.py) as output.dir/lora-ema.safetensors, in output.lora_format."""
+        from ..lora_format import lora_file_from
+
         path = out_dir / "lora-ema.safetensors"
-        self.save_weights_to(path, step)
+        self.export(path, lora_file_from(*ck.lora_file(self.transformer, self._meta(step))))
         return path
 
-    def save_weights_to(self, path: Path, step: int) -> None:
-        lc = self.cfg.lora
-        meta = {"rank": lc.rank, "alpha": lc.alpha, "step": step, "config_digest": self.cfg.digest(),
+    def _meta(self, step: int) -> dict:
+        lc = self.lora
+        return {"rank": lc.rank, "alpha": lc.alpha, "step": step, "config_digest": self.cfg.digest(),
                 "family": self.cfg.model.family, "type": lc.type, "dora": lc.dora}
-        ck.save_lora(path, self.transformer, meta)
+
+    def export(self, path: Path, lf) -> None:
+        """Write a LoRA for the user: output.lora_format's layout, the alpha / rank scale where its loaders read it."""
+        ck.export_lora(path, lf, self.cfg.output.lora_format, self.cfg.model.family)
 
     def write_final(self, out_dir: Path, checkpoint: Path) -> Path:
-        """The final LoRA file in output.dir: the checkpoint's, copied atomically."""
-        path, src = self.final_output(out_dir), checkpoint / "lora.safetensors"
-        ck.atomic_write(path, lambda tmp: tmp.write_bytes(src.read_bytes()))
-        if self.cfg.lora.type != "lora":
-            say(ck.lycoris_loading_hint(path, self.cfg.lora.type))
+        """The final LoRA file in output.dir: the checkpoint's weights in output.lora_format."""
+        from ..lora_format import DORA_COMFY_NOTE, read_lora_file
+
+        path = self.final_output(out_dir)
+        self.export(path, read_lora_file(checkpoint / "lora.safetensors"))
+        if self.lora.type != "lora" and self.cfg.output.lora_format == "diffusers":
+            say(ck.lycoris_loading_hint(path, self.lora.type))
+        if self.lora.dora:
+            say(DORA_COMFY_NOTE)
+        elif self.cfg.output.lora_format == "diffusers" and not getattr(self.adapter, "comfy_reads_diffusers_lora", True):
+            say(f"ComfyUI reads no diffusers-keyed {self.cfg.model.family} LoRA: for ComfyUI, `dittrain convert-lora "
+                f"{path} out.safetensors --to comfy` (or output.lora_format: comfy)")
         return path
 
 
@@ -149,6 +199,54 @@ class FullMethod(TrainingMethod):
         path = self.final_output(out_dir)
         ck.atomic_dir(path, lambda tmp: ck.save_transformer(tmp, self.transformer))
         return path
+
+
+def adapted_modules(transformer: torch.nn.Module) -> list[str]:
+    """Names of the modules peft put an adapter on."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [n for n, m in transformer.named_modules() if isinstance(m, BaseTunerLayer)]
+
+
+def init_lora_config(cfg: Config, init, transformer: torch.nn.Module):
+    """The lora section lora.init_from's file stands for: its kind, rank, alpha (scale x rank) and modules."""
+    from ..errors import UserError
+
+    path, family = cfg.lora.init_from, cfg.model.family
+    for name in init.modules:
+        try:
+            transformer.get_submodule(name)
+        except AttributeError:
+            raise UserError(f"lora.init_from {path}: {name} is not a layer of this {family} model (a LoRA for "
+                            "another model?)") from None
+    ranks = {m.rank if m.rank is not None else m.peft_r for m in init.modules.values()}
+    scales = {round(m.scale, 6) for m in init.modules.values()}
+    if len(ranks) != 1 or len(scales) != 1:
+        raise UserError(f"lora.init_from {path}: its modules have ranks {sorted(ranks)} and alpha / rank "
+                        f"{sorted(scales)}; training on needs one rank and one alpha for every module")
+    rank, scale = ranks.pop(), next(iter(init.modules.values())).scale
+    return cfg.lora.model_copy(update={"type": init.kind, "dora": init.dora, "rank": rank, "alpha": scale * rank,
+                                       "targets": sorted(init.modules)})
+
+
+def load_init(transformer: torch.nn.Module, init, path: Path) -> None:
+    """Put lora.init_from's weights into the adapter built from `init_lora_config`; shapes checked first."""
+    from peft.utils import set_peft_model_state_dict
+
+    from ..errors import UserError
+    from ..lora_format import peft_state_dict
+
+    sd, want = peft_state_dict(init), ck.lora_state_dict(transformer)
+    for k, v in want.items():
+        if k not in sd:
+            raise UserError(f"lora.init_from {path}: no {k} in the file (this adapter needs it)")
+        if sd[k].shape != v.shape:
+            raise UserError(f"lora.init_from {path}: {k} has shape {list(sd[k].shape)} in the file, this model "
+                            f"needs {list(v.shape)} (a LoRA for another model?)")
+    extra = sorted(set(sd) - set(want))
+    if extra:
+        raise UserError(f"lora.init_from {path}: {extra[0]} has no place in this adapter")
+    set_peft_model_state_dict(transformer, {k: v.float() for k, v in sd.items()})
 
 
 METHODS = {m.name: m for m in (LoraMethod, FullMethod)}

@@ -3,13 +3,18 @@
 Every number here is already on the host when it is logged: the loss is read once per micro-batch by the
 non-finite check (a sync the loop needs anyway), the gradient norm only on logging steps. `metrics.jsonl` in
 output.dir gets one line per logged step; on resume, lines after the resumed step are dropped first, so the file
-reads like one run. Every line carries the run id (trainer/train/run.py) and the epoch. TensorBoard (if
+reads like one run. TensorBoard's event files are trimmed the same way (events past the resumed step rewritten
+out), so no reader sees a step twice: a killed run's events past its last checkpoint are gone, not merely
+hidden by the purge marker that only some readers honour. The smoothed loss is part of the checkpoint
+(`smoothing_state`), so a resumed run continues the curve the uninterrupted run draws. Every line carries the run id (trainer/train/run.py) and the epoch. TensorBoard (if
 enabled) gets loss, smoothed loss, lr, grad norm, step time, images/s, VRAM, the run id and config as text, and
 sample images under output.dir/tensorboard. `output.wandb` sends the same to Weights & Biases (wandb_log.py).
 
 The progress bar shows a smoothed loss (an exponential moving average, 0.9 per step, bias-corrected, as most
-trainers print), the epoch, s/step and img/s. When stderr is not a terminal (a log file, a job scheduler) there is
-no bar: a plain status line every ~5 % of the run instead, so a log does not fill with carriage returns.
+trainers print), the epoch and s/step, laid out to fit 80 columns with a bar 10 characters wide (tqdm's default
+layout shrank the bar to one character and cut the postfix there). When stderr is not a terminal (a log file, a
+job scheduler) there is no bar: a plain status line (with the step's own loss and img/s too) every ~5 % of the
+run, and at least every `STATUS_EVERY_S` seconds, so a log does not fill with carriage returns nor go quiet.
 """
 
 from __future__ import annotations
@@ -17,12 +22,19 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
 
+from ..words import count
 from .checkpoint import atomic_write
+
+STATUS_EVERY_S = 30.0  # without a terminal: a status line at least this often
+# "fit 12345/50000  25%|##4       | 12:34:56 left, loss 1.4571, ep 123, 12.3 s/step": 80 columns at worst
+_BAR_FORMAT = "{desc} {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar:10}| {remaining} left{postfix}"
+_now = time.monotonic  # tests replace it
 
 
 def say(msg: str) -> None:
@@ -34,11 +46,15 @@ def say(msg: str) -> None:
 
 class Monitor:
     def __init__(self, out_dir: Path, total: int, start: int, tensorboard: bool, run_id: str | None = None,
-                 config=None, epoch: Callable[[], int] | None = None, wandb=None):
+                 config=None, epoch: Callable[[], int] | None = None, smoothing: dict | None = None,
+                 wandb=None):
         self.run_id, self._epoch = run_id, epoch or (lambda: 0)
         self.total, self._ema, self._ema_n = total, 0.0, 0
+        if smoothing:  # a resume: the moving average goes on from the checkpoint's
+            self._ema, self._ema_n = float(smoothing["ema"]), int(smoothing["n"])
         self._tty = sys.stderr.isatty()
         self._every = max(1, total // 20)  # status lines when stderr is not a terminal
+        self._said = _now()
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
@@ -48,6 +64,8 @@ class Monitor:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            if start:
+                _trim_tensorboard(self.out_dir / "tensorboard", start)
             self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=start + 1 if start else None)
             if run_id:
                 self._tb.add_text("run/id", run_id, start)
@@ -63,7 +81,7 @@ class Monitor:
             self._wb = WandbLog(wandb, self.out_dir, run_id,
                                 config.model_dump(mode="json") if config is not None else None)
         self.bar = tqdm(total=total, initial=start, desc="fit", unit="step", dynamic_ncols=True, file=sys.stderr,
-                        disable=not self._tty)
+                        disable=not self._tty, bar_format=_BAR_FORMAT)
 
     def _truncate_after(self, step: int) -> None:
         if not self.metrics_path.exists():
@@ -77,6 +95,10 @@ class Monitor:
                 pass  # a line cut short by a kill
         text = "".join(line + "\n" for line in keep)
         atomic_write(self.metrics_path, lambda tmp: tmp.write_text(text))
+
+    def smoothing_state(self) -> dict:
+        """The smoothed loss's state, for the checkpoint (floats round-trip exactly through JSON)."""
+        return {"ema": self._ema, "n": self._ema_n}
 
     def smoothed(self, loss: float) -> float:
         """Bias-corrected exponential moving average of the loss (0.9 per step)."""
@@ -92,9 +114,10 @@ class Monitor:
         line = self.status(step, metrics, smooth, epoch)
         if self._tty:
             self.bar.update(1)
-            self.bar.set_postfix_str(line, refresh=False)
-        elif step % self._every == 0 or step == self.total:
+            self.bar.set_postfix_str(f"loss {smooth:.4f}, ep {epoch}, {metrics['step_time']:.3g} s/step", refresh=False)
+        elif step % self._every == 0 or step == self.total or _now() - self._said >= STATUS_EVERY_S:
             say(f"step {step}/{self.total}: {line}")
+            self._said = _now()
         if not write:
             return
         self._file.write(json.dumps({"step": step, **metrics, "loss_smoothed": smooth, "epoch": epoch,
@@ -124,7 +147,7 @@ class Monitor:
             self._wb.scalars(step, {f"val/{k.removeprefix('val_')}": v for k, v in metrics.items()})
 
     def images(self, step: int, images: list, prompts: list[str]) -> None:
-        say(f"saved {len(images)} sample image(s) for step {step} in {self.out_dir / 'samples'}")
+        say(f"saved {count(len(images), 'sample image')} for step {step} in {self.out_dir / 'samples'}")
         if self._wb is not None:
             self._wb.images(step, images, prompts)
         if self._tb is None:
@@ -146,3 +169,26 @@ class Monitor:
             self._tb.close()
         if self._wb is not None:
             self._wb.close()
+
+
+def _trim_tensorboard(folder: Path, step: int) -> None:
+    """Rewrite each event file under `folder` without its events past `step` (a resume from that step logs them
+    again). A record cut short by a kill ends the file's readable part and is dropped with what follows it."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    for path in sorted(Path(folder).glob("events.out.tfevents.*")):
+        records = list(RawEventFileLoader(str(path)).Load())
+        keep = [r for r in records if Event.FromString(r).step <= step]
+        if len(keep) == len(records):
+            continue
+
+        def write(tmp: Path, keep=keep) -> None:
+            with tmp.open("wb") as f:
+                w = RecordWriter(f)
+                for r in keep:
+                    w.write(r)
+                w.flush()
+
+        atomic_write(path, write)

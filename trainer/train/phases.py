@@ -15,8 +15,11 @@ Measure. At entry it resets CUDA's peak counters (`torch.cuda.reset_peak_memory_
 and Linux's peak RSS (writing "5" to /proc/self/clear_refs resets VmHWM); at exit it reads the peak reserved
 VRAM and the peak resident set. The peaks of every phase are kept in a `PhaseLog` (largest over the run), so the
 trainer can log each phase's measured peak beside the planner's prediction. Peak RSS counts file-backed pages
-too (an mmapped safetensors file being read); the bench reads anonymous RSS separately. Where clear_refs cannot
-be written (not Linux, or a restricted /proc) the RSS peak is the process's lifetime peak and says so.
+too (an mmapped safetensors file being read: the kernel drops those under pressure), so the phase lines report
+the peak *anonymous* RSS (RssAnon: heap, pinned arena, tensors; what runs a machine out of memory), which Linux
+keeps no peak of: a daemon thread samples /proc/self/status every 50 ms (about 20 us a read) and the phase
+keeps the largest value since its entry. Where clear_refs cannot be written (not Linux, or a restricted /proc)
+the RSS peak is the process's lifetime peak and says so; without RssAnon the lines fall back to all of RSS.
 
 Own cache. A phase that runs between training steps with other tensor sizes (sampling, validation) is given
 `own_cache=True`: CUDA's caching allocator is emptied at entry (before the peak reset) and at exit. The free
@@ -40,6 +43,7 @@ import os
 import re
 import resource
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +83,7 @@ class PhaseOutOfMemory(UserError):
 class PhasePeak:
     vram_reserved: int = 0  #: bytes, CUDA peak reserved (0 off CUDA)
     rss: int = 0  #: bytes, peak resident set of the process
+    anon: int = 0  #: bytes, peak anonymous resident memory (sampled; 0 where /proc has no RssAnon)
     rss_reset: bool = False  #: whether the RSS peak was reset at entry (else it is the lifetime peak)
     runs: int = 0
 
@@ -89,9 +94,9 @@ class PhaseLog:
 
     peaks: dict[str, PhasePeak] = field(default_factory=dict)
 
-    def record(self, name: str, vram: int, rss: int, rss_reset: bool) -> PhasePeak:
+    def record(self, name: str, vram: int, rss: int, rss_reset: bool, anon: int = 0) -> PhasePeak:
         p = self.peaks.setdefault(name, PhasePeak())
-        p.vram_reserved, p.rss = max(p.vram_reserved, vram), max(p.rss, rss)
+        p.vram_reserved, p.rss, p.anon = max(p.vram_reserved, vram), max(p.rss, rss), max(p.anon, anon)
         p.rss_reset = p.rss_reset or rss_reset
         p.runs += 1
         return p
@@ -101,7 +106,7 @@ class PhaseLog:
         out = []
         for name in [n for n in PHASES if n in self.peaks] + [n for n in self.peaks if n not in PHASES]:
             p = self.peaks[name]
-            line = f"phase {name}: peak reserved VRAM {p.vram_reserved / 1e9:.2f} GB, peak RSS {p.rss / 1e9:.1f} GB"
+            line = f"phase {name}: peak reserved VRAM {p.vram_reserved / 1e9:.2f} GB, {ram_words(p)}"
             if predicted and name in predicted:
                 v, r = predicted[name]
                 line += f" (predicted {v / 1e9:.2f} GB VRAM, {r / 1e9:.1f} GB RAM)"
@@ -111,6 +116,44 @@ class PhaseLog:
 
 #: the process-wide log the phases write to (the trainer and `dittrain cache` read it)
 LOG = PhaseLog()
+
+
+def ram_words(p: PhasePeak) -> str:
+    """The host-RAM part of a phase line: peak anonymous RSS, all of RSS beside it (file pages included)."""
+    if not p.anon:
+        return f"peak RSS {p.rss / 1e9:.1f} GB"
+    return f"peak anonymous RSS {p.anon / 1e9:.1f} GB (all RSS with file pages {p.rss / 1e9:.1f} GB)"
+
+
+class _AnonPeak:
+    """The largest RssAnon since `reset()`, sampled by one daemon thread (Linux keeps no peak of it)."""
+
+    def __init__(self) -> None:
+        self._peak, self._thread = 0, None
+        self._lock = threading.Lock()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.05)
+            v = anon_rss()
+            with self._lock:
+                self._peak = max(self._peak, v)
+
+    def reset(self) -> None:
+        if self._thread is None and anon_rss():
+            self._thread = threading.Thread(target=self._run, name="dittrain-anon-rss", daemon=True)
+            self._thread.start()
+        with self._lock:
+            self._peak = anon_rss()
+
+    def read(self) -> int:
+        v = anon_rss()
+        with self._lock:
+            self._peak = max(self._peak, v)
+            return self._peak
+
+
+_ANON = _AnonPeak()
 
 
 def _reset_rss_peak() -> bool:
@@ -227,6 +270,7 @@ class Phase:
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._rss_reset = _reset_rss_peak()
+        _ANON.reset()
         self._t0 = time.time()
         return self
 
@@ -234,9 +278,9 @@ class Phase:
         """The peaks since entry (reserved and allocated VRAM, RSS) into the log and the phase-log file."""
         vram = torch.cuda.max_memory_reserved(self.device) if self._cuda else 0
         alloc = torch.cuda.max_memory_allocated(self.device) if self._cuda else 0
-        rss = peak_rss()
+        rss, anon = peak_rss(), _ANON.read()
         _write_record(name, self._t0, vram, rss, error, alloc)
-        return self.log.record(name, vram, rss, self._rss_reset)
+        return self.log.record(name, vram, rss, self._rss_reset, anon)
 
     def mark(self, part: str) -> None:
         """Record the peaks so far under "<phase> (<part>)" without resetting them: where a phase has two steps

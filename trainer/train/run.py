@@ -12,8 +12,10 @@ How.
     fresh run, folder holds no run (or a run that saved nothing)  -> new id;
     fresh run, folder holds a run with saved weights              -> one-line error offering `--resume latest`,
                                                                      `--overwrite` or another output.dir;
-    `--overwrite`                                                 -> dittrain's own outputs are deleted first
-                                                                     (other files in the folder are left alone);
+    `--overwrite`                                                 -> dittrain's own outputs are deleted first,
+                                                                     listed in one line (other files in the folder,
+                                                                     and images `dittrain sample` wrote into
+                                                                     samples/, are left alone);
     `--resume CKPT`                                               -> the checkpoint's run id continues; a
                                                                      checkpoint of a run other than the folder's
                                                                      is refused unless `allow_other_run`.
@@ -152,8 +154,15 @@ def claim(out: Path, resume_dir: Path | None, overwrite: bool = False, allow_oth
                 f"--overwrite (deletes its checkpoints and weights), or choose another output.dir "
                 f"(--set output.dir=...)"
             )
-        if (overwrite or owner) and write:
-            clear(out)  # a run that saved nothing (or --overwrite): nothing trained is lost
+        if overwrite and write:
+            found = len(ck.list_checkpoints(ck.checkpoint_root(out)))
+            gone = clear(out)
+            if gone:
+                from .monitor import say
+
+                say(describe_cleared(out, gone, found))
+        elif owner and write:
+            clear(out)  # a run that saved nothing: nothing trained is lost
         rid = new_run_id()
     run = Run(rid, out)
     if write:
@@ -162,17 +171,70 @@ def claim(out: Path, resume_dir: Path | None, overwrite: bool = False, allow_oth
     return run
 
 
+def release(out: Path, run_id: str, keep_folder: bool) -> None:
+    """A fresh run that failed before it trained a step or saved anything gives the folder back: its run.json
+    (and the empty logs it opened) go, so the folder does not claim a run that never ran; the folder itself too
+    when the run created it and nothing else is in it."""
+    out = Path(out)
+    if folder_run_id(out) != run_id or saved_weights(out):
+        return
+    clear(out)
+    if not keep_folder:
+        try:
+            out.rmdir()  # only when empty
+        except OSError:
+            pass
+
+
+def _training_sample(path: Path) -> bool:
+    """An image a fit saved (`samples/step-000060-0.png`, its PNG text carrying the training step), not one made by
+    `dittrain sample` into the same folder."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return "training_step" in (getattr(im, "text", None) or {})
+    except OSError:
+        return False
+
+
 def clear(out: Path) -> list[Path]:
-    """Delete dittrain's outputs from `out` (never other files)."""
+    """Delete dittrain's training outputs from `out` (never other files, nor images `dittrain sample` wrote into
+    samples/: only the fit's own step-*.png go, and the folder if that empties it)."""
     out, gone = Path(out), []
     for name in OUTPUTS:
         for p in out.glob(name):
+            if name == "samples" and p.is_dir():
+                for f in sorted(p.glob("step-[0-9]*.png")):
+                    if _training_sample(f):
+                        f.unlink()
+                        gone.append(f)
+                if not any(p.iterdir()):
+                    p.rmdir()
+                continue
             shutil.rmtree(p) if p.is_dir() else p.unlink()
             gone.append(p)
     for p in out.glob("*-step-[0-9]*.safetensors"):
         p.unlink()
         gone.append(p)
     return gone
+
+
+def describe_cleared(out: Path, gone: list[Path], checkpoints: int) -> str:
+    """`--overwrite`'s line: what was deleted, by name (checkpoints and sample images counted)."""
+    out, names, images = Path(out), [], 0
+    for p in gone:
+        if p.suffix == ".png":
+            images += 1
+        elif p.name == "checkpoints":
+            names.append(f"checkpoints/ ({checkpoints} checkpoint{'s' if checkpoints != 1 else ''})")
+        else:
+            names.append(p.name + ("/" if not p.suffix else ""))
+    if images:
+        names.append(f"{images} sample image{'s' if images != 1 else ''} in samples/")
+    left = sorted(f.name for f in (out / "samples").glob("*.png")) if (out / "samples").is_dir() else []
+    kept = f"; kept {len(left)} image{'s' if len(left) != 1 else ''} made by `dittrain sample` in samples/" if left else ""
+    return f"--overwrite: deleted {', '.join(names) or 'nothing'} from {out}{kept}"
 
 
 def prune(root: Path, run_id: str, step: int, keep: int) -> list[Path]:
@@ -264,6 +326,45 @@ def check_target(state: dict, steps: int, folder: Path, out: Path | None = None)
             f"{steps}, and the resumed run's final save would replace them; resume into another output.dir "
             f"(--set output.dir=...) or raise train.steps to at least {max(reached)}"
         )
+
+
+# Config keys that change the shapes (or the set) of the trained weights: a checkpoint saved under other values
+# cannot be loaded into this run's model, whatever else is the same.
+SHAPE_KEYS = ("train.method", "lora.type", "lora.rank", "lora.dora", "lora.targets", "model.family")
+
+
+def _dotted(d: dict | None, key: str):
+    for part in key.split("."):
+        if not isinstance(d, dict):
+            return None
+        d = d.get(part)
+    return d
+
+
+def check_shapes(state: dict, current: dict, folder: Path) -> None:
+    """Refuse, in one line before the model loads, a resume whose config changes the trained weights' shapes
+    (lora.rank 16 -> 8): the checkpoint's weights would not fit the model this config builds."""
+    saved = state.get("config")
+    if not isinstance(saved, dict):
+        return
+    changed = [(k, _dotted(saved, k), _dotted(current, k)) for k in SHAPE_KEYS
+               if _dotted(saved, k) != _dotted(current, k)]
+    if changed:
+        what = ", ".join(f"{k} {a} -> {b}" for k, a, b in changed)
+        back = " ".join(f"--set {k}={_yaml_value(a)}" for k, a, _ in changed)
+        raise UserError(
+            f"--resume {folder}: {what} changes the shapes of the trained weights, so the checkpoint cannot be "
+            f"loaded; resume with the run's values ({back}) or start a new run in another output.dir "
+            f"(--set output.dir=...)"
+        )
+
+
+def _yaml_value(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return {True: "true", False: "false", None: "null"}[v]
+    if isinstance(v, list):
+        return "[" + ",".join(map(str, v)) + "]"
+    return str(v)
 
 
 def config_changes(saved: dict | None, current: dict, limit: int = 4) -> list[str]:
@@ -358,14 +459,16 @@ def step_lora_name(cfg, step: int) -> str:
 
 
 def keep_step_lora(cfg, run: Run, checkpoint: Path, step: int) -> Path | None:
-    """With output.save_every, a copy of a checkpoint's LoRA that pruning never deletes, beside the checkpoints:
-    `<output.dir>/<run name>-step-000500.safetensors`."""
+    """With output.save_every, a checkpoint's LoRA (in output.lora_format) that pruning never deletes, beside the
+    checkpoints: `<output.dir>/<run name>-step-000500.safetensors`."""
     every = getattr(cfg.output, "save_every", 0)
     src = Path(checkpoint) / "lora.safetensors"
     if not every or step % every or not src.is_file():
         return None
+    from ..lora_format import read_lora_file
+
     path = run.out / step_lora_name(cfg, step)
-    ck.atomic_write(path, lambda tmp: tmp.write_bytes(src.read_bytes()))
+    ck.export_lora(path, read_lora_file(src), cfg.output.lora_format, cfg.model.family)  # the user's layout
     from .monitor import say
 
     say(f"saved {path} (step {step})")

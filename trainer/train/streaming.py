@@ -35,8 +35,13 @@ from .monitor import say
 
 def transformer_fraction(cfg: Config, can_stream: bool) -> float:
     """The share of block bytes this run streams from CPU RAM: the config's number, or the planner's choice for
-    `auto`; 0 where streaming does not pay (`can_stream` False: on the CPU)."""
+    `auto`; 0 where streaming does not pay (`can_stream` False: on the CPU), said in one line when the config
+    asked for more."""
     if not can_stream:
+        asked = cfg.offload.transformer
+        if asked == "auto" or asked > 0:
+            say(f"note: offload.transformer {asked} is ignored on the CPU: the transformer stays in RAM (streaming "
+                "blocks saves GPU memory only)")
         return 0.0
     if cfg.offload.transformer == "auto":
         return float(resolve_fraction(cfg))

@@ -40,7 +40,7 @@ from ..optim.build import eval_weights
 from ..sampling.output import image_metadata, save_png
 from ..sampling.training import TrainingSampler
 from . import checkpoint as ck
-from . import distributed, streaming
+from . import distributed, faults, streaming
 from . import run as runs
 from .ema import EMA
 from .faults import StopFlag, TrainingInterrupted, oom_error
@@ -49,7 +49,7 @@ from .method import method_for
 from .monitor import Monitor, say
 from .objective import FlowMatching
 from .optimizer import optimizer_for
-from .phases import LOG, Phase
+from .phases import LOG, Phase, ram_words
 from .validation import Validator
 
 
@@ -80,14 +80,16 @@ def choose_attention(device: torch.device, choice: str) -> str:
 
 class Trainer:
     def __init__(self, cfg: Config, resume: str | None = None, overwrite: bool = False, resume_other_run: bool = False,
-                 keep_model: bool = True):
+                 keep_model: bool = True, relaunch: str = "dittrain fit CONFIG --resume latest"):
         self.cfg = cfg
+        self.relaunch = relaunch  # the command that continues this run (the CLI's carries its --set overrides)
         # keep_model=False (the CLI): the transformer is dropped when the run ends, so its streamed blocks are not
         # copied out of the pinned arena (a second copy of the model in RAM at exit)
         self.keep_model = keep_model
         self.resume = resume
         self.overwrite, self.resume_other_run = overwrite, resume_other_run  # see run.py
         self.out = Path(cfg.output.dir)
+        self._out_existed = self.out.exists()  # a failed fresh run removes the folder only if it made it
         self.step = 0
         self.stop = StopFlag(say)
         self.monitor: Monitor | None = None
@@ -97,6 +99,7 @@ class Trainer:
         self.method = method_for(cfg)  # LoRA or full: everything the loop would otherwise branch on
         self.fraction: float | None = None  # offload.transformer resolved (auto: the planner's pick), in setup
         self.dist = distributed.Dist()  # one process until setup reads torchrun's environment
+        self._smoothing: dict | None = None  # the checkpoint's smoothed loss (monitor.py), on resume
         self._ready = False
 
     # ------------------------------------------------------------------------------------------------ run
@@ -123,8 +126,8 @@ class Trainer:
                 if self.dist.any(self.stop.requested):  # every rank stops at the same step
                     path = self.save()
                     raise TrainingInterrupted(
-                        f"{self.stop.signal_name} at step {self.step}: saved {path}; continue with "
-                        "`dittrain fit CONFIG --resume latest`"
+                        f"stopped by {self.stop.signal_name} at step {self.step}: saved {path}; continue with "
+                        f"`{self.relaunch}`"
                     )
                 if runs.save_due(self.cfg, self.step):  # train.checkpoint_every, output.save_every
                     self.save()
@@ -147,6 +150,8 @@ class Trainer:
             ) from None
         finally:
             self.close()
+            if self.resume is None and self.step == 0 and getattr(self, "run", None) and self.dist.is_main:
+                runs.release(self.out, self.run.id, keep_folder=self._out_existed)  # failed before step 1
 
     # ------------------------------------------------------------------------------------------------ setup
 
@@ -156,7 +161,9 @@ class Trainer:
             raise UserError("the config has no data: section; `dittrain fit` needs data.sources")
         resume_dir = runs.resolve_resume(self.out, self.resume, self.resume_other_run) if self.resume else None
         if resume_dir is not None:
-            runs.check_target(json.loads((resume_dir / "state.json").read_text()), c.steps, resume_dir, self.out)
+            state = json.loads((resume_dir / "state.json").read_text())
+            runs.check_target(state, c.steps, resume_dir, self.out)
+            runs.check_shapes(state, cfg.model_dump(mode="json"), resume_dir)  # lora.rank 16 -> 8: one line
         runs.check_writable(self.out, "output.dir")  # before anything loads; every process, so all stop together
         if cfg.data.cache:
             runs.check_writable(cfg.data.cache_dir, "data.cache_dir")
@@ -172,7 +179,7 @@ class Trainer:
 
         self.device = self.dist.device or pick_device(c.device)
         self.dtype = DTYPES[cfg.model.dtype]
-        say(f"device {self.device}, weights {cfg.model.dtype}, attention {choose_attention(self.device, c.attention)}")
+        say(f"device {self.device}; {self.method.storage()}; attention {choose_attention(self.device, c.attention)}")
 
         self.adapter = get_adapter(cfg.model)
         # Data first: building the caches loads (and frees) the VAE and text encoders, so the transformer is not
@@ -231,7 +238,8 @@ class Trainer:
             self._restore(resume_dir)
         if self.dist.is_main:
             self.monitor = Monitor(self.out, c.steps, self.step, cfg.output.tensorboard, run_id=self.run.id,
-                                   config=cfg, epoch=self._epoch, wandb=cfg.output.wandb)
+                                   config=cfg, epoch=self._epoch, smoothing=self._smoothing,
+                                   wandb=cfg.output.wandb)
         self._ready = True
 
     def _phase(self, name: str, fix: str | None = None, message=None, own_cache: bool = False) -> Phase:
@@ -254,7 +262,7 @@ class Trainer:
             for n in ("text caching", "latent caching"):
                 if n in LOG.peaks:
                     self._phase_done(n, LOG.peaks[n])
-        line = f"phase {name}: peak reserved VRAM {peak.vram_reserved / 1e9:.2f} GB, peak RSS {peak.rss / 1e9:.1f} GB"
+        line = f"phase {name}: peak reserved VRAM {peak.vram_reserved / 1e9:.2f} GB, {ram_words(peak)}"
         try:
             from ..planner import analyze
             from ..planner.phases import predicted_map
@@ -297,6 +305,7 @@ class Trainer:
         load_data_state(self.data, state["data"])
         self.objective.load_state(ck.restore_rng(load_file(str(folder / "rng.safetensors"))))
         self.step = int(state["step"])
+        self._smoothing = state.get("loss_smoothing")  # the monitor's smoothed loss goes on from here
         if self.ema is not None:
             self.ema.load(folder, self.step)
         self.last_checkpoint = folder
@@ -322,8 +331,9 @@ class Trainer:
             value = self.dist.agree_loss(loss.item(), self.step + 1)  # all ranks raise together
             if not math.isfinite(value):
                 raise NonFiniteLossError(
-                    f"loss is {value} at step {self.step + 1}; no weights were changed by this step "
-                    f"(batch files: {', '.join(map(str, batch.files))}); last checkpoint: {self._newest_checkpoint()}"
+                    f"loss is {value} at step {self.step + 1}; no weights were changed by this step; last "
+                    f"checkpoint: {self._newest_checkpoint()}. Likely fixes: {faults.nan_fixes(cfg)}; or a broken "
+                    f"image in the batch ({', '.join(map(str, batch.files))})"
                 )
             (loss / c.grad_accum if c.grad_accum > 1 else loss).backward()  # fused back pass: steps here
             del pred, loss, noised
@@ -350,7 +360,8 @@ class Trainer:
     def _state(self) -> dict:
         return {"step": self.step, "method": self.method.name, "config_digest": self.cfg.digest(),
                 "config": self.cfg.model_dump(mode="json"), **self.run.state(),
-                "scheduler": self.optim.scheduler.state_dict(), "data": data_state(self.data)}
+                "scheduler": self.optim.scheduler.state_dict(), "data": data_state(self.data),
+                "loss_smoothing": self.monitor.smoothing_state() if self.monitor is not None else None}
 
     def _newest_checkpoint(self) -> str:
         """This run's last checkpoint, else the newest complete one of this run in output.dir (a resumed run's)."""

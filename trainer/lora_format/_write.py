@@ -1,0 +1,177 @@
+"""Writing a `LoraFile` in one layout: the scale where that layout's loaders read it, fused layers stacked."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from ._core import (
+    COMFY_PREFIX,
+    DIFFUSERS_PREFIX,
+    FORMATS,
+    LORA_METADATA_KEY,
+    META_BAKED,
+    META_FORMAT,
+    META_FUSED,
+    LoraFile,
+    Module,
+    _in_features,
+    _key_map,
+)
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def _peft_metadata(modules: dict[str, Module]) -> dict:
+    """The peft config (as diffusers stores it) for weights with their scale baked in: alpha = r everywhere."""
+    kinds = {m.kind for m in modules.values()}
+    if len(kinds) != 1:
+        raise UserError(f"a LoRA file holds one adapter kind, not {sorted(kinds)}")
+    kind = kinds.pop()
+
+    def r_of(m: Module) -> int:
+        return m.rank if m.kind != "lokr" else (m.t["lokr_w2_b"].shape[0] if "lokr_w2_b" in m.t else m.peft_r
+                                                 or max(m.t["lokr_w2"].shape))
+
+    ranks = {n: r_of(m) for n, m in modules.items()}
+    r0 = max(set(ranks.values()), key=list(ranks.values()).count)
+    pattern = {n: r for n, r in ranks.items() if r != r0}
+    cfg: dict = {"r": r0, "target_modules": sorted(modules), "rank_pattern": pattern, "alpha_pattern": dict(pattern)}
+    if kind == "lora":
+        cfg.update(peft_type="LORA", lora_alpha=r0, use_dora=any("magnitude" in m.t for m in modules.values()),
+                   lora_dropout=0.0, bias="none", init_lora_weights=True)
+    else:
+        cfg.update(peft_type=kind.upper(), alpha=r0, rank_dropout=0.0, module_dropout=0.0, init_weights=True)
+        if kind == "lokr":
+            cfg["decompose_both"] = any("lokr_w1_a" in m.t for m in modules.values())
+    return {f"{DIFFUSERS_PREFIX}{k}": v for k, v in cfg.items()}
+
+
+def _diffusers_tensors(modules: dict[str, Module]) -> dict[str, torch.Tensor]:
+    names = {"down": "lora_A.weight", "up": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
+    return {f"{DIFFUSERS_PREFIX}{n}.{names.get(k, k)}": v.contiguous()
+            for n, m in modules.items() for k, v in m.baked().t.items()}
+
+
+def _alpha(value: float) -> torch.Tensor:
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def _original_tensors(modules: dict[str, Module], kmap, fmt: str, family: str) -> tuple[dict, dict, set]:
+    """(tensors, fused ranks, the scales multiplied into full-factor LoKr weights) in the comfy or kohya layout."""
+    names = {"down": "lora_down.weight", "up": "lora_up.weight"}
+    groups: dict[str, tuple] = {}
+    for n, m in modules.items():
+        place = _place(kmap, n, m.kind, "magnitude" in m.t, family)
+        groups.setdefault(place.original, (place.rule, {}))[1][place.index] = m
+    prefix = COMFY_PREFIX if fmt == "comfy" else ""
+    out, fused, baked = {}, {}, set()
+    for orig, (rule, parts) in groups.items():
+        key = prefix + (orig if fmt == "comfy" else kmap.kohya(orig))
+        if rule.fused:
+            m, ranks = _stack(orig, rule, parts)
+            fused[orig] = ranks
+        else:
+            m = parts[0]
+        if m.rank is None:  # both LoKr factors full: ComfyUI applies no alpha, so the scale goes into the weights
+            baked.add(m.scale)
+            m = m.baked()
+        else:
+            out[f"{key}.alpha"] = _alpha(m.scale * m.rank)
+        out.update({f"{key}.{names.get(k, k)}": v.contiguous() for k, v in m.t.items()})
+    return out, fused, baked
+
+
+def _place(kmap, name: str, kind: str, dora: bool, family: str):
+    """Where module `name` goes in the original layout, or the one-line reason it cannot."""
+    if dora:
+        raise UserError("DoRA cannot be written in the comfy / kohya layout (ComfyUI's dora_scale is another "
+                        "decomposition); keep output.lora_format: diffusers for DoRA")
+    place = kmap.place(name)
+    if place is None:
+        raise UserError(f"{name}: no name for this module in the {family} original layout (lora_key_map in "
+                        f"trainer/models/); use the diffusers layout")
+    if kind == "lokr" and place.rule.fused:
+        raise UserError(f"{place.original}: a LoKr on {', '.join(p.rsplit('.', 1)[-1] for p in place.rule.parts)} "
+                        "cannot be written as one fused LoKr; use the diffusers layout (ComfyUI reads it for this "
+                        "family)")
+    return place
+
+
+def check_layout(modules: list[str], kind: str, dora: bool, fmt: str, family: str) -> None:
+    """Refuse, before training, an adapter that layout `fmt` cannot hold (by module names only)."""
+    if fmt == "diffusers":
+        return
+    kmap = _key_map(family, Path(f"output.lora_format: {fmt}"))
+    for name in modules:
+        _place(kmap, name, kind, dora, family)
+
+
+def _stack(orig: str, rule, parts: dict[int, Module]) -> tuple[Module, list[int]]:
+    """One module for a fused layer from its parts (see the module essay)."""
+    first = next(iter(parts.values()))
+    same = len({m.scale for m in parts.values()}) == 1
+    parts = {j: m if same else m.baked() for j, m in parts.items()}
+    fin = _in_features(first)
+    sizes = [w * fin for w in rule.widths]
+    ranks = [parts[j].rank if j in parts else 0 for j in range(len(sizes))]
+    pairs = [("down", "up")] if first.kind == "lora" else [("hada_w1_b", "hada_w1_a"), ("hada_w2_b", "hada_w2_a")]
+    t = {}
+    for d, u in pairs:
+        ref = parts[next(iter(parts))].t[u]
+        t[d] = torch.cat([parts[j].t[d] for j in sorted(parts)])
+        t[u] = torch.zeros(sum(sizes), sum(ranks), dtype=ref.dtype)
+        row = col = 0
+        for j, size in enumerate(sizes):
+            if j in parts:
+                if parts[j].t[u].shape[0] != size:
+                    raise UserError(f"{rule.parts[j]}: {parts[j].t[u].shape[0]} outputs, the fused {orig} expects "
+                                    f"{size}")
+                t[u][row:row + size, col:col + ranks[j]] = parts[j].t[u]
+            row, col = row + size, col + ranks[j]
+    return Module(first.kind, t, first.scale if same else 1.0), ranks
+
+
+def encode(lf: LoraFile, fmt: str, family: str | None = None, where: Path | str = "") -> tuple[dict, dict]:
+    """(tensors, header) of `lf` in layout `fmt` (FORMATS); the header keeps the source's dittrain.* keys and names
+    the layout. `where` names the file in errors."""
+    if fmt not in FORMATS:
+        raise UserError(f"--to {fmt}: choose one of {', '.join(FORMATS)}")
+    family = family or lf.meta.get("dittrain.family")
+    header = {"format": "pt", **lf.meta, META_FORMAT: fmt}
+    if fmt == "diffusers":
+        tensors = _diffusers_tensors(lf.modules)
+        header[LORA_METADATA_KEY] = json.dumps(_peft_metadata(lf.modules), indent=2, sort_keys=True)
+        scales = {m.scale for m in lf.modules.values()}
+        if len(scales) == 1 and scales != {1.0}:
+            header[META_BAKED] = repr(scales.pop())
+    else:
+        tensors, fused, baked = _original_tensors(lf.modules, _key_map(family, Path(where)), fmt, family)
+        if fused:
+            header[META_FUSED] = json.dumps(fused, sort_keys=True)
+        if len(baked) == 1 and baked != {1.0}:
+            header[META_BAKED] = repr(baked.pop())
+    if family:
+        header["dittrain.family"] = family
+    return tensors, header
+
+
+def write_lora_file(path: Path, lf: LoraFile, fmt: str, family: str | None = None) -> None:
+    """Write `lf` in layout `fmt` to `path`, under a temporary name renamed into place."""
+    from safetensors.torch import save_file
+
+    tensors, header = encode(lf, fmt, family, path)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=header)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+

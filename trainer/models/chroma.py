@@ -1,0 +1,159 @@
+"""Chroma (lodestones; Chroma1-HD, Chroma1-Base, Chroma1-Flash): ChromaTransformer2DModel, Flux.1-schnell's
+architecture (19 double + 38 single blocks, 8.9 B) without CLIP and with its per-block modulation computed
+outside the blocks by a small "distilled guidance" network, a T5-XXL text encoder and Flux's 16-channel VAE.
+
+How each piece mirrors diffusers' ChromaPipeline (0.42):
+
+- text: T5 on `max_sequence_length` (512) padded tokens *with* the tokenizer's attention mask, last hidden state
+  -> `prompt_embeds` (B, 512, D). The pipeline's `prompt_attention_mask` (B, 512) is 1 up to and including one
+  token past the last valid one (`arange <= length`: the EOS and one pad) and 0 after, in the embeddings' dtype;
+  it is cached beside the embeddings, so every entry has the same 512 tokens and collating is plain stacking.
+- latents: VAE mean, then (z - shift_factor) * scaling_factor, as for Flux.
+- predict: latents packed 2x2 into tokens, image ids (0, row, col), text ids zeros, timestep = t (the pipeline
+  passes scheduler timesteps / 1000; the transformer multiplies by 1000 again). The attention mask the
+  transformer gets is the text mask followed by ones for the image tokens (the pipeline's
+  `_prepare_attention_mask`); each block turns it into a (B, 1, S, S) outer product. It is a float mask, so
+  attention *adds* it (1 on valid pairs, 0 elsewhere) rather than excluding padding: training reproduces that
+  exactly, since a LoRA must act in the attention the pipeline runs. No pooled text embedding, no guidance input.
+- shift: the scheduler config decides (dynamic, mu from the image token count, as Flux-dev's).
+- sampling (`ChromaPipeline`): true classifier-free guidance when `guidance_scale` > 1, so the negative prompt
+  (with its own mask) is encoded too; Chroma1-HD's card samples at guidance 3.0 with 40 steps (the presets'
+  settings). Chroma1-Flash has CFG baked in: sample it with guidance 1 (one pass) and fewer steps.
+- modulation and quantization: Chroma's blocks hold no modulation Linears (their norms are "pruned": they take
+  ready scale / shift / gate vectors). All of them come from `distilled_guidance_layer` (a 5-layer MLP, 5120
+  wide, 0.28 B parameters), one row per block. It is not a block module, so it stays resident in the model
+  dtype and is never quantized: as for every family's non-block modules (trainer/quant.py), and on purpose here,
+  because one error in it reaches every block's scale, shift and gate at once, while quantizing it would save
+  0.28 GB of VRAM (bf16 to 8 bits) and no pinned RAM. `model.quantize_modulation` therefore changes nothing for Chroma.
+
+Left out: IP-adapter inputs; training the attention on padding-free captions (the pipeline attends to all 512).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from diffusers import ChromaPipeline, ChromaTransformer2DModel
+from torch import nn
+
+from ._diffusers import T5_KEEP, DiffusersAdapter, pack_2x2, unpack_2x2
+from .base import Components
+from .flux import FluxAdapter
+
+
+def tiny_pipeline():
+    """A tiny random Chroma (Chroma1-HD-like: dynamic shift) with the tiny T5."""
+    from .tiny import flow_scheduler, kl_vae, t5_text, t5_tokenizer
+
+    t5_tok = t5_tokenizer()
+    torch.manual_seed(14)
+    transformer = ChromaTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, axes_dims_rope=(4, 4, 8), approximator_num_channels=16, approximator_hidden_dim=32,
+        approximator_layers=2,
+    )
+    sched = flow_scheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                           base_image_seq_len=256, max_image_seq_len=4096)
+    return ChromaPipeline(scheduler=sched, vae=kl_vae(0.1159, 0.3611), text_encoder=t5_text(t5_tok, 32),
+                          tokenizer=t5_tok, transformer=transformer)
+
+
+class ChromaAdapter(DiffusersAdapter):
+    family = "chroma"
+    transformer_cls = ChromaTransformer2DModel
+    pipeline_cls = ChromaPipeline
+    default_lora_targets = FluxAdapter.default_lora_targets  # the same attention and MLP module names
+    text_encoder_dirs = ("text_encoder",)
+    text_encoder_classes = ("T5EncoderModel",)
+    tokenizer_dirs = ("tokenizer",)
+    default_scheduler = FluxAdapter.default_scheduler
+    max_sequence_length = 512  # ChromaPipeline's default (and its maximum)
+    full_name, example_path = "Chroma1-HD", "/path/to/Chroma1-HD"
+    full_config = {  # ChromaTransformer2DModel defaults = Chroma1-HD (8.9 B)
+        "patch_size": 1,
+        "in_channels": 64,
+        "num_layers": 19,
+        "num_single_layers": 38,
+        "attention_head_dim": 128,
+        "num_attention_heads": 24,
+        "joint_attention_dim": 4096,
+        "axes_dims_rope": [16, 56, 56],
+        "approximator_num_channels": 64,
+        "approximator_hidden_dim": 5120,
+        "approximator_layers": 5,
+    }
+    text_tokens = 512  # T5 padded to max_sequence_length, all attended
+    text_encoder_params = FluxAdapter.text_encoder_params[1:]  # T5-XXL's encoder
+    vae_params = 83_819_683  # Flux's AutoencoderKL
+    text_encoder_keep_linears = T5_KEEP
+    sampling_uses_negative = True
+    #: what the presets sample with: Chroma1-HD's card (true CFG at 3.0, 40 steps)
+    sample_defaults: ClassVar[dict[str, Any]] = {"steps": 40, "guidance": 3.0}
+    modulation_linears = ""  # none inside blocks: see the module essay
+
+    @classmethod
+    def tiny_builders(cls):
+        return {"chroma": tiny_pipeline}
+
+    def blocks(self, transformer: nn.Module) -> list[nn.Module]:
+        return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+
+    @torch.no_grad()
+    def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
+        (t5,), (tok,) = components.text_encoders, components.tokenizers
+        dev = next(t5.parameters()).device
+        toks = tok(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+                   return_tensors="pt")
+        mask = toks.attention_mask.to(dev)
+        embeds = t5(toks.input_ids.to(dev), output_hidden_states=False, attention_mask=mask)[0].to(t5.dtype)
+        # the pipeline's mask: valid tokens and one more (`<=`), in the embeddings' dtype
+        pos = torch.arange(mask.shape[1], device=dev).unsqueeze(0)
+        return {"prompt_embeds": embeds, "prompt_attention_mask": (pos <= mask.sum(1, keepdim=True)).to(embeds.dtype)}
+
+    def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        return self._kl_encode(vae, pixels)
+
+    def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:
+        b, _, h, w = noisy_latents.shape
+        dev = noisy_latents.device
+        x = pack_2x2(noisy_latents)
+        img_ids = torch.zeros(h // 2, w // 2, 3, device=dev)
+        img_ids[..., 1] += torch.arange(h // 2, device=dev)[:, None]
+        img_ids[..., 2] += torch.arange(w // 2, device=dev)[None, :]
+        embeds, mask = text["prompt_embeds"], text.get("prompt_attention_mask")
+        if mask is not None:  # as ChromaPipeline._prepare_attention_mask: the image tokens all count
+            mask = torch.cat([mask, torch.ones(b, x.shape[1], device=dev, dtype=torch.bool)], dim=1)
+        out = transformer(
+            hidden_states=x,
+            timestep=t.to(x.dtype),
+            encoder_hidden_states=embeds,
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=dev),
+            img_ids=img_ids.reshape(-1, 3),
+            attention_mask=mask,
+            return_dict=False,
+        )[0]
+        return unpack_2x2(out, h, w)
+
+    @classmethod
+    def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta") -> dict:
+        c, dev = transformer.config, torch.device(device)
+        rnd = {"device": dev, "dtype": dtype}
+        ni = (height // 16) * (width // 16)  # 8x VAE, then 2x2 packing
+        return dict(
+            hidden_states=torch.randn(batch, ni, c.in_channels, **rnd),
+            encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
+            timestep=torch.ones(batch, **rnd),
+            img_ids=torch.zeros(ni, 3, device=dev),
+            txt_ids=torch.zeros(text_tokens, 3, device=dev),
+            attention_mask=torch.ones(batch, text_tokens + ni, **rnd),
+        )
+
+    @classmethod
+    def pipeline_embeds(cls, pipe, prompt, negative, device) -> dict[str, torch.Tensor]:
+        pe, _, mask, npe, _, nmask = pipe.encode_prompt(prompt=prompt, negative_prompt=negative, device=device,
+                                                        do_classifier_free_guidance=negative is not None)
+        out = {"prompt_embeds": pe, "prompt_attention_mask": mask}
+        if negative is not None:
+            out |= {"negative_prompt_embeds": npe, "negative_prompt_attention_mask": nmask}
+        return out
