@@ -11,18 +11,26 @@ env: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[dev]"  # dev: pytest, ruff and wandb (its offline test)
 	touch $(STAMP)
 
 tiny: env
 	$(BIN)/dittrain make-tiny --out models/tiny
 
-# Train a tiny Flux LoRA on the bundled data/ on the CPU, then sample from it.
-demo: tiny
-	$(BIN)/dittrain fit configs/tiny/flux-lora.yaml
-	$(BIN)/dittrain sample configs/tiny/flux-lora.yaml --lora out/tiny-flux-lora/lora.safetensors \
-		--prompt "a red square on a blue background" --out out/tiny-flux-lora/samples
-	@echo "demo done: LoRA in out/tiny-flux-lora/, images in out/tiny-flux-lora/samples/"
+# Train a tiny Flux LoRA on the bundled data/ on the CPU; then sample the same prompts from the untrained and the
+# trained model, and draw them side by side (out/demo/demo.png) with the loss curve (out/demo/loss.png).
+# --overwrite: every `make demo` is a fresh run in its own out/demo.
+DEMO_MODEL := models/tiny/flux-demo
+DEMO := configs/tiny/flux-demo.yaml
+
+$(DEMO_MODEL)/model_index.json: trainer/models/demo.py | $(STAMP)
+	$(BIN)/python -m trainer.demo model $(DEMO_MODEL)
+
+demo: env $(DEMO_MODEL)/model_index.json
+	$(BIN)/dittrain fit $(DEMO) --overwrite
+	$(BIN)/dittrain sample $(DEMO) --out out/demo/untrained
+	$(BIN)/dittrain sample $(DEMO) --lora out/demo/lora.safetensors --out out/demo/trained
+	$(BIN)/python -m trainer.demo report $(DEMO)
 
 test: env
 	$(BIN)/python -m pytest -q -m "not gpu"

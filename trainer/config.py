@@ -420,9 +420,27 @@ class SampleConfig(_Section):
     )
 
 
+class WandbConfig(_Section):
+    project: str = Field(default="dittrain", description="Weights & Biases project to log into.")
+    mode: Literal["online", "offline"] = Field(
+        default="online",
+        description="online: stream to W&B as the run goes (`wandb login` first, or WANDB_API_KEY); offline: write "
+        "to <output.dir>/wandb only, without a network; upload later with `wandb sync <output.dir>/wandb/offline-run-*`.",
+    )
+    entity: str | None = Field(default=None, description="W&B team or user; null: your default entity.")
+    name: str | None = Field(default=None, description="Display name of the W&B run; null: the dittrain run id.")
+    tags: list[str] = Field(default_factory=list, description="W&B tags of the run.")
+
+
 class OutputConfig(_Section):
     dir: Path = Field(description="Folder for the trained weights, checkpoints, metrics and samples.")
     tensorboard: bool = Field(default=True, description="Write TensorBoard curves and sample images.")
+    wandb: WandbConfig | None = Field(
+        default=None,
+        description="Also log to Weights & Biases (the same curves as TensorBoard, the config and the sample images); "
+        "needs `pip install dittrain[wandb]`. The W&B run id is the dittrain run id, so a resumed run continues "
+        "the same W&B run. Example: {project: my-lora, mode: offline}.",
+    )
     save_every: int = Field(
         default=0,
         ge=0,

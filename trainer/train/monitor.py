@@ -1,4 +1,4 @@
-"""Seeing a run: a tqdm bar, a JSONL metrics file and TensorBoard.
+"""Seeing a run: a tqdm bar, a JSONL metrics file, TensorBoard and (optionally) Weights & Biases.
 
 Every number here is already on the host when it is logged: the loss is read once per micro-batch by the
 non-finite check (a sync the loop needs anyway), the gradient norm only on logging steps. `metrics.jsonl` in
@@ -8,7 +8,7 @@ out), so no reader sees a step twice: a killed run's events past its last checkp
 hidden by the purge marker that only some readers honour. The smoothed loss is part of the checkpoint
 (`smoothing_state`), so a resumed run continues the curve the uninterrupted run draws. Every line carries the run id (trainer/train/run.py) and the epoch. TensorBoard (if
 enabled) gets loss, smoothed loss, lr, grad norm, step time, images/s, VRAM, the run id and config as text, and
-sample images under output.dir/tensorboard.
+sample images under output.dir/tensorboard. `output.wandb` sends the same to Weights & Biases (wandb_log.py).
 
 The progress bar shows a smoothed loss (an exponential moving average, 0.9 per step, bias-corrected, as most
 trainers print), the epoch and s/step, laid out to fit 80 columns with a bar 10 characters wide (tqdm's default
@@ -46,7 +46,8 @@ def say(msg: str) -> None:
 
 class Monitor:
     def __init__(self, out_dir: Path, total: int, start: int, tensorboard: bool, run_id: str | None = None,
-                 config=None, epoch: Callable[[], int] | None = None, smoothing: dict | None = None):
+                 config=None, epoch: Callable[[], int] | None = None, smoothing: dict | None = None,
+                 wandb=None):
         self.run_id, self._epoch = run_id, epoch or (lambda: 0)
         self.total, self._ema, self._ema_n = total, 0.0, 0
         if smoothing:  # a resume: the moving average goes on from the checkpoint's
@@ -73,6 +74,12 @@ class Monitor:
 
                 text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
                 self._tb.add_text("run/config", "\n".join("    " + line for line in text.splitlines()), start)
+        self._wb = None
+        if wandb is not None:  # output.wandb: after TensorBoard, so a W&B start failure leaves no half-open bar
+            from .wandb_log import WandbLog
+
+            self._wb = WandbLog(wandb, self.out_dir, run_id,
+                                config.model_dump(mode="json") if config is not None else None)
         self.bar = tqdm(total=total, initial=start, desc="fit", unit="step", dynamic_ncols=True, file=sys.stderr,
                         disable=not self._tty, bar_format=_BAR_FORMAT)
 
@@ -122,6 +129,10 @@ class Monitor:
                     self._tb.add_scalar(f"train/{k}", metrics[k], step)
             self._tb.add_scalar("train/loss_smoothed", smooth, step)
             self._tb.add_scalar("train/epoch", epoch, step)
+        if self._wb is not None:
+            keys = ("loss", "lr", "grad_norm", "vram_gb", "samples_per_s", "step_time")
+            self._wb.scalars(step, {**{f"train/{k}": metrics[k] for k in keys if metrics.get(k) is not None},
+                                    "train/loss_smoothed": smooth, "train/epoch": epoch})
 
     def validation(self, step: int, metrics: dict[str, float]) -> None:
         """A validation result: its own metrics.jsonl line ({"step", "val_loss", "val_loss_t<t>"...}, no "loss"),
@@ -132,9 +143,13 @@ class Monitor:
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(f"val/{k.removeprefix('val_')}", v, step)
+        if self._wb is not None:
+            self._wb.scalars(step, {f"val/{k.removeprefix('val_')}": v for k, v in metrics.items()})
 
     def images(self, step: int, images: list, prompts: list[str]) -> None:
         say(f"saved {count(len(images), 'sample image')} for step {step} in {self.out_dir / 'samples'}")
+        if self._wb is not None:
+            self._wb.images(step, images, prompts)
         if self._tb is None:
             return
         import numpy as np
@@ -152,6 +167,8 @@ class Monitor:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wb is not None:
+            self._wb.close()
 
 
 def _trim_tensorboard(folder: Path, step: int) -> None:

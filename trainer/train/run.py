@@ -51,7 +51,7 @@ from . import checkpoint as ck
 RUN_FILE = "run.json"
 # What dittrain writes into output.dir: what `--overwrite` deletes, and what marks a folder as used.
 OUTPUTS = ("checkpoints", "lora.safetensors", "lora-ema.safetensors", "transformer", "transformer-ema",
-           "metrics.jsonl", "tensorboard", "samples", RUN_FILE)
+           "metrics.jsonl", "tensorboard", "wandb", "samples", RUN_FILE)
 _WEIGHTS_GLOBS = ("lora*.safetensors", "transformer", "transformer-ema")
 
 

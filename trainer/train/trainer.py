@@ -167,6 +167,10 @@ class Trainer:
         runs.check_writable(self.out, "output.dir")  # before anything loads; every process, so all stop together
         if cfg.data.cache:
             runs.check_writable(cfg.data.cache_dir, "data.cache_dir")
+        if cfg.output.wandb is not None and runs.is_main_process():
+            from .wandb_log import require_wandb
+
+            require_wandb()  # a missing package is one line now, not after the model has loaded
         # The folder belongs to this run from here (or the run stops: another run's outputs are never touched).
         self.run = runs.claim(self.out, resume_dir, self.overwrite, self.resume_other_run, write=runs.is_main_process())
         self.dist = distributed.setup(c.device)  # several processes: process group, cuda:LOCAL_RANK
@@ -234,7 +238,8 @@ class Trainer:
             self._restore(resume_dir)
         if self.dist.is_main:
             self.monitor = Monitor(self.out, c.steps, self.step, cfg.output.tensorboard, run_id=self.run.id,
-                                   config=cfg, epoch=self._epoch, smoothing=self._smoothing)
+                                   config=cfg, epoch=self._epoch, smoothing=self._smoothing,
+                                   wandb=cfg.output.wandb)
         self._ready = True
 
     def _phase(self, name: str, fix: str | None = None, message=None, own_cache: bool = False) -> Phase:
