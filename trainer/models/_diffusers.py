@@ -75,6 +75,10 @@ class DiffusersAdapter(ModelAdapter):
     #: latents are packed 2x2 into tokens by the pipeline (Flux, Qwen-Image) rather than patchified inside the
     #: transformer (SD3, whose `patch_size` says so)
     packs_2x2: ClassVar[bool] = True
+    #: the Qwen-VL families: the text encoder's image-and-text processor in the folder's `processor/` (named so in
+    #: errors, e.g. "Qwen2-VL"), checked with the other folders before any weight loads and loaded after the
+    #: tokenizers by `load_processor`; None: no processor
+    processor_label: ClassVar[str | None] = None
 
     # ------------------------------------------------------------------------------------------ small configs
 
@@ -103,7 +107,12 @@ class DiffusersAdapter(ModelAdapter):
 
     def _expected(self) -> str:
         dirs = ["transformer/", "vae/", *(d + "/" for d in self.text_encoder_dirs), *(d + "/" for d in self.tokenizer_dirs)]
-        return "model_index.json, " + ", ".join(dirs) + ", scheduler/"
+        return "model_index.json, " + ", ".join(dirs) + ", scheduler/" + (", processor/" if self.processor_label else "")
+
+    @staticmethod
+    def load_processor(folder: Path) -> Any:
+        """The processor in `folder` (families with a `processor_label` define it)."""
+        raise NotImplementedError
 
     @cached_property
     def transformer_config(self) -> dict:
@@ -200,6 +209,9 @@ class DiffusersAdapter(ModelAdapter):
                 need(f"{d}/config.json", "a text encoder config")
             for d in self.tokenizer_dirs:
                 need(d, "a tokenizer folder")
+            if self.processor_label and not (root / "processor").is_dir():
+                raise UserError(f"{root / 'processor'} not found: expected the {self.processor_label} processor folder "
+                                f"of a diffusers-format {self.family} folder ({self._expected()})")
 
     def load(self, cfg, *, parts, dtype, device="cpu") -> Components:
         if self.cfg is None or Path(self.cfg.path) != Path(cfg.path):
@@ -272,6 +284,12 @@ class DiffusersAdapter(ModelAdapter):
             # Files present but unreadable or mismatched (truncated safetensors, wrong shapes, ...).
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"{root}: could not load the {self.family} model: {first}") from e
+        if "text" in parts and self.processor_label:
+            try:
+                out.tokenizers.append(self.load_processor(Path(root) / "processor"))
+            except (OSError, ValueError) as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise UserError(f"{root}: could not load the {self.family} processor: {first}") from e
         return out
 
     def text_encoder_config(self, config: Any) -> Any:

@@ -39,7 +39,6 @@ import torch
 from diffusers import QwenImage21Pipeline, QwenImage21Transformer2DModel
 from torch import nn
 
-from ..errors import UserError
 from ._diffusers import DiffusersAdapter
 from .base import Components
 from .qwen_image import NoLogits, QwenImageAdapter
@@ -228,24 +227,8 @@ class QwenImage21Adapter(DiffusersAdapter):
 
     # ------------------------------------------------------------------------------------------ loading
 
-    def _expected(self) -> str:
-        return super()._expected() + ", processor/"
-
-    def _check(self, cfg, parts: set[str]) -> None:
-        super()._check(cfg, parts)
-        if "text" in parts and not (Path(cfg.path) / "processor").is_dir():
-            raise UserError(f"{Path(cfg.path) / 'processor'} not found: expected the Qwen3-VL processor folder of a "
-                            f"diffusers-format {self.family} folder ({self._expected()})")
-
-    def load(self, cfg, *, parts, dtype, device="cpu") -> Components:
-        out = super().load(cfg, parts=parts, dtype=dtype, device=device)
-        if "text" in parts:
-            try:
-                out.tokenizers.append(load_processor(Path(cfg.path) / "processor"))
-            except (OSError, ValueError) as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise UserError(f"{cfg.path}: could not load the {self.family} processor: {first}") from e
-        return out
+    processor_label = "Qwen3-VL"
+    load_processor = staticmethod(load_processor)
 
     def pipeline(self, components: Components) -> Any:
         return self.pipeline_cls(
