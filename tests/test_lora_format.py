@@ -153,7 +153,7 @@ def test_diffusers_layout_loads_the_trained_update_everywhere(tiny_models, tmp_p
 @pytest.mark.parametrize(("family", "kind"), [("flux", "lora"), ("flux", "loha"), ("sd3", "lora"), ("sd3", "loha"),
                                               ("qwen_image", "lora"), ("qwen_image", "lokr"), ("flux2", "lora"),
                                               ("z-image", "lora"), ("chroma", "lora"), ("chroma", "loha"),
-                                              ("qwen-image-2.1", "lora"), ("qwen-image-2.1", "lokr"),
+                                              ("qwen-image-2.1", "lora"), ("qwen-image-2.1", "loha"),
                                               ("krea2", "lora")])
 @pytest.mark.parametrize("fmt", ["comfy", "kohya"])
 def test_original_layout_gives_the_diffusers_update(tiny_models, tmp_path, family, kind, fmt):

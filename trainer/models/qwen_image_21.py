@@ -398,7 +398,7 @@ def tiny_pipeline(tokenizer) -> QwenImage21Pipeline:
     torch.manual_seed(13)
     transformer = QwenImage21Transformer2DModel(
         patch_size=1, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-        context_in_dim=16, mlp_ratio=2, axes_dims_rope=(4, 6, 6),
+        context_in_dim=16, mlp_ratio=3, axes_dims_rope=(4, 6, 6),  # the full ratio: the LoRA key map fuses by it
     )
     sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **QwenImage21Adapter.default_scheduler)
     return QwenImage21Pipeline(scheduler=sched, vae=vae, text_encoder=tiny_qwen3_vl(tokenizer),
