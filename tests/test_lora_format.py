@@ -293,7 +293,9 @@ def test_convert_lora_cli(tiny_models, tmp_path):
     assert res.exit_code != 0 and "choose one of diffusers, comfy, kohya" in res.output
 
 
-@pytest.mark.parametrize(("family", "kind", "fmt"), [("sd3", "lora", "comfy"), ("flux", "loha", "kohya")])
+@pytest.mark.parametrize(("family", "kind", "fmt"), [("sd3", "lora", "comfy"), ("flux", "loha", "kohya"),
+                                                     ("z-image", "lora", "comfy"), ("chroma", "lora", "kohya"),
+                                                     ("krea2", "lora", "kohya")])
 def test_sample_loads_comfy_and_kohya_files(tiny_models, tmp_path, family, kind, fmt):
     """`dittrain sample --lora` (load_loras) takes the comfy and kohya layouts too (converted on the way in) and
     gives the trained layer outputs."""
