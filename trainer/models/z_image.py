@@ -42,9 +42,10 @@ from ._diffusers import DiffusersAdapter
 from .base import Components
 from .lora_keys import KeyRule, LoraKeyMap
 
-#: Tongyi's original layout (ComfyUI's Lumina2 / NextDiT model; diffusers' `convert_z_image_transformer_checkpoint_to
-#: _diffusers`): each attention's q/k/v fused into `attention.qkv`, its output named `attention.out`, the patch
-#: embedder and final layer without diffusers' `all_` / `.2-1` naming; everything else keeps diffusers' names.
+#: Tongyi's original layout (ComfyUI's Lumina2 / NextDiT model; diffusers' single-file converter,
+#: `convert_z_image_transformer_checkpoint_to_diffusers`): each attention's q/k/v fused into `attention.qkv`, its
+#: output named `attention.out`, the patch embedder and final layer without diffusers' `all_` / `.2-1` naming;
+#: everything else keeps diffusers' names.
 #: ComfyUI also reads diffusers-keyed Z-Image LoRAs (its Lumina2 branch of `model_lora_keys_unet`).
 Z_IMAGE_LORA_KEYS = LoraKeyMap((
     *(rule for blk in ("layers", "noise_refiner", "context_refiner") for rule in (
