@@ -151,7 +151,10 @@ def test_diffusers_layout_loads_the_trained_update_everywhere(tiny_models, tmp_p
 
 
 @pytest.mark.parametrize(("family", "kind"), [("flux", "lora"), ("flux", "loha"), ("sd3", "lora"), ("sd3", "loha"),
-                                              ("qwen_image", "lora"), ("qwen_image", "lokr"), ("flux2", "lora")])
+                                              ("qwen_image", "lora"), ("qwen_image", "lokr"), ("flux2", "lora"),
+                                              ("z-image", "lora"), ("chroma", "lora"), ("chroma", "loha"),
+                                              ("qwen-image-2.1", "lora"), ("qwen-image-2.1", "loha"),
+                                              ("krea2", "lora")])
 @pytest.mark.parametrize("fmt", ["comfy", "kohya"])
 def test_original_layout_gives_the_diffusers_update(tiny_models, tmp_path, family, kind, fmt):
     """Each original-layout module, read as ComfyUI reads it (alpha tensor / rank), holds the trained updates of the
@@ -200,7 +203,8 @@ def test_diffusers_own_converter_reads_our_original_layout(tiny_models, tmp_path
 
 
 @pytest.mark.parametrize(("family", "kind"), [("flux", "lora"), ("flux", "loha"), ("sd3", "lora"),
-                                              ("qwen_image", "lokr")])
+                                              ("qwen_image", "lokr"), ("z-image", "lora"), ("chroma", "lora"),
+                                              ("qwen-image-2.1", "lora"), ("krea2", "loha")])
 def test_round_trips_through_every_layout(tiny_models, tmp_path, family, kind):
     """diffusers -> comfy -> kohya -> diffusers keeps every module's update and the trained alpha; comfy <-> kohya is
     a rename."""
@@ -289,7 +293,9 @@ def test_convert_lora_cli(tiny_models, tmp_path):
     assert res.exit_code != 0 and "choose one of diffusers, comfy, kohya" in res.output
 
 
-@pytest.mark.parametrize(("family", "kind", "fmt"), [("sd3", "lora", "comfy"), ("flux", "loha", "kohya")])
+@pytest.mark.parametrize(("family", "kind", "fmt"), [("sd3", "lora", "comfy"), ("flux", "loha", "kohya"),
+                                                     ("z-image", "lora", "comfy"), ("chroma", "lora", "kohya"),
+                                                     ("krea2", "lora", "kohya")])
 def test_sample_loads_comfy_and_kohya_files(tiny_models, tmp_path, family, kind, fmt):
     """`dittrain sample --lora` (load_loras) takes the comfy and kohya layouts too (converted on the way in) and
     gives the trained layer outputs."""
@@ -360,18 +366,45 @@ def _original_header(family: str, cls, shapes: dict[str, torch.Size]) -> dict[st
         return {k: {"dtype": "BF16", "shape": list(v.shape)} for k, v in sd.items()}
     if family == "qwen-image":
         return {k: {"dtype": "BF16", "shape": list(v)} for k, v in shapes.items()}
-    # Flux.2: no outside source of BFL's names here, so the header is the map's own names for the adapted weights
-    # (fused rows summed); diffusers' converter then says whether it reads them back into those weights, in order.
+    # The others: no outside source of the original names here, so the header is the map's own names for the adapted
+    # weights (fused rows summed); diffusers' converter then says whether it reads them back into those weights, in
+    # order. Chroma's converter takes every tensor by name, so its header is the whole model (biases placed as their
+    # weights, the q/k norms under BFL's names).
     kmap, header = cls.lora_key_map, {}
+    if family == "chroma":
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            shapes = {k: v.shape for k, v in cls.transformer_cls.from_config(dict(cls.full_config)).state_dict().items()}
+        header.update(_chroma_norms(shapes))
     for k, shape in shapes.items():
-        place = kmap.place(k.removesuffix(".weight")) if k.endswith(".weight") else None
+        module, _, leaf = k.rpartition(".")
+        place = kmap.place(module) if leaf in ("weight", "bias") else None
         if place is not None:
-            rows = sum(w * shape[1] for w in place.rule.widths) if place.rule.fused else shape[0]
-            header[f"{place.original}.weight"] = {"dtype": "BF16", "shape": [rows, shape[1]]}
+            inner = shapes[f"{module}.weight"][1]
+            rows = sum(w * inner for w in place.rule.widths) if place.rule.fused else shape[0]
+            header[f"{place.original}.{leaf}"] = {"dtype": "BF16", "shape": [rows, *shape[1:]]}
     return header
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3", "qwen-image", "flux2"])
+def _chroma_norms(shapes) -> dict[str, dict]:
+    """Chroma's RMSNorm scales under BFL's names, as its single-file converter takes them."""
+    ren = {"attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+           "attn.norm_added_q": "txt_attn.norm.query_norm", "attn.norm_added_k": "txt_attn.norm.key_norm"}
+    out = {}
+    for k, shape in shapes.items():
+        parts = k.split(".")
+        if k.startswith("transformer_blocks.") and ".".join(parts[2:4]) in ren:
+            out[f"double_blocks.{parts[1]}.{ren['.'.join(parts[2:4])]}.scale"] = list(shape)
+        elif k.startswith("single_transformer_blocks.") and parts[3] in ("norm_q", "norm_k"):
+            out[f"single_blocks.{parts[1]}.norm.{'query' if parts[3] == 'norm_q' else 'key'}_norm.scale"] = list(shape)
+        elif k.startswith("distilled_guidance_layer.norms."):
+            out[k.replace(".weight", ".scale")] = list(shape)
+    return {k: {"dtype": "BF16", "shape": v} for k, v in out.items()}
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwen-image", "flux2", "z-image", "chroma", "qwen-image-2.1",
+                                    "krea2"])
 def test_key_map_places_rows_where_diffusers_single_file_converter_takes_them(family):
     """diffusers' own single-file converter (run on row ids by trainer/models/original_layout.py, full-size model,
     shapes only) takes each adapted diffusers weight from exactly the original tensor and rows our map stacks it at."""
@@ -383,7 +416,7 @@ def test_key_map_places_rows_where_diffusers_single_file_converter_takes_them(fa
     with init_empty_weights():
         model = cls.transformer_cls.from_config(dict(cls.full_config))
     shapes = {k: v.shape for k, v in model.state_dict().items()}
-    if family == "flux2":  # only the adapted weights (see _original_header)
+    if family not in ("flux", "sd3", "qwen-image"):  # only the adapted weights (see _original_header)
         shapes = {k: v for k, v in shapes.items() if k.endswith(".weight") and cls.lora_key_map.place(k[:-7])}
     layout = original_layout.row_map(cls.transformer_cls, dict(cls.full_config), _original_header(family, cls, shapes),
                                      shapes, lambda k: False)

@@ -96,9 +96,12 @@ def _place(kmap, name: str, kind: str, dora: bool, family: str):
         raise UserError(f"{name}: no name for this module in the {family} original layout (lora_key_map in "
                         f"trainer/models/); use the diffusers layout")
     if kind == "lokr" and place.rule.fused:
+        from ..models import adapter_class
+
+        comfy = ("ComfyUI reads it for this family" if adapter_class(family).comfy_reads_diffusers_lora
+                 else "ComfyUI does not read it for this family: train LoRA or LoHa for ComfyUI")
         raise UserError(f"{place.original}: a LoKr on {', '.join(p.rsplit('.', 1)[-1] for p in place.rule.parts)} "
-                        "cannot be written as one fused LoKr; use the diffusers layout (ComfyUI reads it for this "
-                        "family)")
+                        f"cannot be written as one fused LoKr; use the diffusers layout ({comfy})")
     return place
 
 

@@ -39,7 +39,22 @@ from torch import nn
 
 from ._diffusers import T5_KEEP, DiffusersAdapter, pack_2x2, unpack_2x2
 from .base import Components
-from .flux import FluxAdapter
+from .flux import FLUX_LORA_KEYS, FluxAdapter
+from .lora_keys import KeyRule, LoraKeyMap
+
+#: Lodestone's original layout is BFL's Flux layout (ComfyUI's Chroma model subclasses its Flux model; diffusers'
+#: `convert_chroma_transformer_checkpoint_to_diffusers`) without the per-block modulation and the time / vector /
+#: guidance embedders, which Chroma replaces by `distilled_guidance_layer` (its `in_layer` / `out_layer` are
+#: diffusers' `linear_1` / `linear_2`).
+_CHROMA_ONLY = "distilled_guidance_layer"
+CHROMA_LORA_KEYS = LoraKeyMap((
+    *(r for r in FLUX_LORA_KEYS.rules if not r.original.endswith(".lin") and not r.original.startswith(
+        ("time_in.", "vector_in.", "guidance_in."))),
+    KeyRule(f"{_CHROMA_ONLY}.in_proj", (f"{_CHROMA_ONLY}.in_proj",)),
+    KeyRule(f"{_CHROMA_ONLY}.out_proj", (f"{_CHROMA_ONLY}.out_proj",)),
+    KeyRule(f"{_CHROMA_ONLY}.layers.{{i}}.in_layer", (f"{_CHROMA_ONLY}.layers.{{i}}.linear_1",)),
+    KeyRule(f"{_CHROMA_ONLY}.layers.{{i}}.out_layer", (f"{_CHROMA_ONLY}.layers.{{i}}.linear_2",)),
+))
 
 
 def tiny_pipeline():
@@ -64,6 +79,8 @@ class ChromaAdapter(DiffusersAdapter):
     transformer_cls = ChromaTransformer2DModel
     pipeline_cls = ChromaPipeline
     default_lora_targets = FluxAdapter.default_lora_targets  # the same attention and MLP module names
+    lora_key_map = CHROMA_LORA_KEYS
+    comfy_reads_diffusers_lora = True  # comfy/lora.py model_lora_keys_unet (model_base.Chroma is a Flux)
     text_encoder_dirs = ("text_encoder",)
     text_encoder_classes = ("T5EncoderModel",)
     tokenizer_dirs = ("tokenizer",)

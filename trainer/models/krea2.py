@@ -35,8 +35,24 @@ from torch import nn
 
 from ._diffusers import DiffusersAdapter, pack_2x2, unpack_2x2
 from .base import Components
+from .lora_keys import KeyRule, LoraKeyMap
 from .qwen_image import QwenImageAdapter
 from .qwen_image_21 import qwen3_vl_8b_config
+
+#: Krea's original layout (ComfyUI's model; diffusers' `convert_krea2_transformer_checkpoint_to_diffusers`): renames
+#: only, no fused layers. Blocks are `blocks.{i}` (the text-fusion blocks keep their list names under `txtfusion`),
+#: attention `wq` / `wk` / `wv` / `wo` / `gate`, the MLP `mlp.*`; the embedders are short names (`first`, `tmlp.0`...).
+_ATTN = (("wq", "to_q"), ("wk", "to_k"), ("wv", "to_v"), ("wo", "to_out.0"), ("gate", "to_gate"))
+_BLOCKS = (("blocks", "transformer_blocks"), ("txtfusion.layerwise_blocks", "text_fusion.layerwise_blocks"),
+           ("txtfusion.refiner_blocks", "text_fusion.refiner_blocks"))
+KREA2_LORA_KEYS = LoraKeyMap((
+    *(KeyRule(f"{o}.{{i}}.attn.{a}", (f"{d}.{{i}}.attn.{b}",)) for o, d in _BLOCKS for a, b in _ATTN),
+    *(KeyRule(f"{o}.{{i}}.mlp.{m}", (f"{d}.{{i}}.ff.{m}",)) for o, d in _BLOCKS for m in ("gate", "up", "down")),
+    *(KeyRule(o, (d,)) for o, d in (("first", "img_in"), ("tmlp.0", "time_embed.linear_1"),
+                                    ("tmlp.2", "time_embed.linear_2"), ("tproj.1", "time_mod_proj"),
+                                    ("txtmlp.1", "txt_in.linear_1"), ("txtmlp.3", "txt_in.linear_2"),
+                                    ("last.linear", "final_layer.linear"))),
+))
 
 PREFIX = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
@@ -71,6 +87,7 @@ class Krea2Adapter(DiffusersAdapter):
     # (about 2.7 GB at 512 px); up to 64 blocks (the model has 28)
     default_lora_targets = tuple(f"transformer_blocks.{i}.{m}" for i in range(64) for m in (
         "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_gate", "attn.to_out.0", "ff.gate", "ff.up", "ff.down"))
+    lora_key_map = KREA2_LORA_KEYS
     text_encoder_dirs = ("text_encoder",)
     text_encoder_classes = ("Qwen3VLModel",)
     tokenizer_dirs = ("tokenizer",)

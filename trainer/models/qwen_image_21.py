@@ -41,8 +41,18 @@ from torch import nn
 
 from ._diffusers import DiffusersAdapter
 from .base import Components
+from .lora_keys import KeyRule, LoraKeyMap, identity_rules
 from .qwen_image import NoLogits, QwenImageAdapter
 
+#: ComfyUI's layout (diffusers' `convert_qwen_image21_transformer_checkpoint_to_diffusers`) keeps diffusers' names
+#: but fuses each block's SwiGLU gate and up projections into `img_mlp.gate_up` (gate rows first).
+QWEN_IMAGE_21_LORA_KEYS = LoraKeyMap((
+    KeyRule("transformer_blocks.{i}.img_mlp.gate_up", ("transformer_blocks.{i}.img_mlp.gate_layer",
+                                                       "transformer_blocks.{i}.img_mlp.proj"), (3, 3)),
+    *identity_rules("transformer_blocks", ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.out"),
+                    ("img_in", "txt_in.in_layer", "txt_in.out_layer", "modulation.1", "norm_out.linear", "proj_out",
+                     "time_text_embed.timestep_embedder.linear_1", "time_text_embed.timestep_embedder.linear_2")),
+))
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 TEMPLATE = (
     f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{{}}<|im_end|>\n<|im_start|>assistant\n"
@@ -169,6 +179,7 @@ class QwenImage21Adapter(DiffusersAdapter):
     transformer_cls = QwenImage21Transformer2DModel
     pipeline_cls = QwenImage21Pipeline
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out")
+    lora_key_map = QWEN_IMAGE_21_LORA_KEYS
     text_encoder_dirs = ("text_encoder",)
     text_encoder_classes = ("Qwen3VLForConditionalGeneration",)
     tokenizer_dirs = ()
@@ -370,7 +381,7 @@ def tiny_pipeline(tokenizer) -> QwenImage21Pipeline:
     torch.manual_seed(13)
     transformer = QwenImage21Transformer2DModel(
         patch_size=1, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-        context_in_dim=16, mlp_ratio=2, axes_dims_rope=(4, 6, 6),
+        context_in_dim=16, mlp_ratio=3, axes_dims_rope=(4, 6, 6),  # the full ratio: the LoRA key map fuses by it
     )
     sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **QwenImage21Adapter.default_scheduler)
     return QwenImage21Pipeline(scheduler=sched, vae=vae, text_encoder=tiny_qwen3_vl(tokenizer),

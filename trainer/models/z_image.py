@@ -40,6 +40,24 @@ from torch import nn
 
 from ._diffusers import DiffusersAdapter
 from .base import Components
+from .lora_keys import KeyRule, LoraKeyMap
+
+#: Tongyi's original layout (ComfyUI's Lumina2 / NextDiT model; diffusers' single-file converter,
+#: `convert_z_image_transformer_checkpoint_to_diffusers`): each attention's q/k/v fused into `attention.qkv`, its
+#: output named `attention.out`, the patch embedder and final layer without diffusers' `all_` / `.2-1` naming;
+#: everything else keeps diffusers' names.
+#: ComfyUI also reads diffusers-keyed Z-Image LoRAs (its Lumina2 branch of `model_lora_keys_unet`).
+Z_IMAGE_LORA_KEYS = LoraKeyMap((
+    *(rule for blk in ("layers", "noise_refiner", "context_refiner") for rule in (
+        KeyRule(f"{blk}.{{i}}.attention.qkv", tuple(f"{blk}.{{i}}.attention.to_{p}" for p in "qkv"), (1, 1, 1)),
+        KeyRule(f"{blk}.{{i}}.attention.out", (f"{blk}.{{i}}.attention.to_out.0",)),
+        *(KeyRule(f"{blk}.{{i}}.{n}", (f"{blk}.{{i}}.{n}",))
+          for n in ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "adaLN_modulation.0")))),
+    KeyRule("x_embedder", ("all_x_embedder.2-1",)),
+    KeyRule("final_layer.linear", ("all_final_layer.2-1.linear",)),
+    KeyRule("final_layer.adaLN_modulation.1", ("all_final_layer.2-1.adaLN_modulation.1",)),
+    *(KeyRule(n, (n,)) for n in ("t_embedder.mlp.0", "t_embedder.mlp.2", "cap_embedder.1")),
+))
 
 #: Qwen3-4B's token embedding (151936 x 2560, tied with its head): outside the streamed decoder layers
 QWEN3_4B_EMBED = 388_956_160
@@ -85,6 +103,8 @@ class ZImageAdapter(DiffusersAdapter):
     transformer_cls = ZImageTransformer2DModel
     pipeline_cls = ZImagePipeline
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+    lora_key_map = Z_IMAGE_LORA_KEYS
+    comfy_reads_diffusers_lora = True  # comfy/lora.py model_lora_keys_unet (Lumina2: z_image_to_diffusers)
     text_encoder_dirs = ("text_encoder",)
     text_encoder_classes = ("Qwen3Model",)
     tokenizer_dirs = ("tokenizer",)
