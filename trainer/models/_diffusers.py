@@ -332,3 +332,23 @@ def unpack_2x2(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """Inverse of `pack_2x2`: (B, h/2 * w/2, 4C) -> (B, C, h, w)."""
     b, _, d = x.shape
     return x.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
+
+
+def collate_masked_text(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack per-caption entries whose `prompt_embeds` are valid up to their `prompt_embeds_mask` (Qwen-VL and Qwen3
+    captions): each cut to its valid tokens and right-padded to the batch's longest, with a 0/1 mask only where
+    lengths differ (as the pipelines pass none when nothing is padded)."""
+    if not items:
+        raise ValueError("collate_text needs at least one entry")
+    # Entries are CPU tensors from the cache here, so these lengths are no device sync.
+    lengths = [int(it["prompt_embeds_mask"].sum()) if "prompt_embeds_mask" in it else it["prompt_embeds"].shape[0]
+               for it in items]
+    longest = max(lengths)
+    out = {"prompt_embeds": torch.stack([nn.functional.pad(it["prompt_embeds"][:n], (0, 0, 0, longest - n))
+                                         for it, n in zip(items, lengths, strict=True)])}
+    if any(n < longest for n in lengths):
+        mask = torch.zeros(len(items), longest, dtype=torch.long)
+        for i, n in enumerate(lengths):
+            mask[i, :n] = 1
+        out["prompt_embeds_mask"] = mask
+    return out

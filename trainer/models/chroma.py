@@ -39,7 +39,7 @@ from torch import nn
 
 from ._diffusers import T5_KEEP, DiffusersAdapter, pack_2x2, unpack_2x2
 from .base import Components
-from .flux import FLUX_LORA_KEYS, FluxAdapter
+from .flux import FLUX_LORA_KEYS, FluxAdapter, image_ids
 from .lora_keys import KeyRule, LoraKeyMap
 
 #: Lodestone's original layout is BFL's Flux layout (ComfyUI's Chroma model subclasses its Flux model; diffusers'
@@ -135,9 +135,7 @@ class ChromaAdapter(DiffusersAdapter):
         b, _, h, w = noisy_latents.shape
         dev = noisy_latents.device
         x = pack_2x2(noisy_latents)
-        img_ids = torch.zeros(h // 2, w // 2, 3, device=dev)
-        img_ids[..., 1] += torch.arange(h // 2, device=dev)[:, None]
-        img_ids[..., 2] += torch.arange(w // 2, device=dev)[None, :]
+        img_ids = image_ids(h, w, dev)
         embeds, mask = text["prompt_embeds"], text.get("prompt_attention_mask")
         if mask is not None:  # as ChromaPipeline._prepare_attention_mask: the image tokens all count
             mask = torch.cat([mask, torch.ones(b, x.shape[1], device=dev, dtype=torch.bool)], dim=1)

@@ -84,6 +84,15 @@ def tiny_pipeline(pipeline_cls: type, schnell: bool = False):
     )
 
 
+def image_ids(h: int, w: int, device) -> torch.Tensor:
+    """Flux's (0, row, col) position id per 2x2 token of (h, w) latents, (h/2, w/2, 3). Hot path: a small tensor built
+    per call (h/2 * w/2 rows); the rotary tables are computed from it inside the transformer anyway."""
+    ids = torch.zeros(h // 2, w // 2, 3, device=device)
+    ids[..., 1] += torch.arange(h // 2, device=device)[:, None]
+    ids[..., 2] += torch.arange(w // 2, device=device)[None, :]
+    return ids
+
+
 class FluxAdapter(DiffusersAdapter):
     family = "flux"
     transformer_cls = FluxTransformer2DModel
@@ -164,11 +173,7 @@ class FluxAdapter(DiffusersAdapter):
         b, _, h, w = noisy_latents.shape
         dev = noisy_latents.device
         x = pack_2x2(noisy_latents)
-        # Hot path: small id tensors built per call (h/2 * w/2 rows); the rotary tables are computed from them
-        # inside the transformer anyway.
-        img_ids = torch.zeros(h // 2, w // 2, 3, device=dev)
-        img_ids[..., 1] += torch.arange(h // 2, device=dev)[:, None]
-        img_ids[..., 2] += torch.arange(w // 2, device=dev)[None, :]
+        img_ids = image_ids(h, w, dev)
         embeds = text["prompt_embeds"]
         txt_ids = torch.zeros(embeds.shape[1], 3, device=dev)
         g = None

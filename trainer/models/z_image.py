@@ -38,7 +38,7 @@ import torch
 from diffusers import ZImagePipeline, ZImageTransformer2DModel
 from torch import nn
 
-from ._diffusers import DiffusersAdapter
+from ._diffusers import DiffusersAdapter, collate_masked_text
 from .base import Components
 from .lora_keys import KeyRule, LoraKeyMap
 
@@ -171,20 +171,7 @@ class ZImageAdapter(DiffusersAdapter):
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
     def collate_text(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        if not items:
-            raise ValueError("collate_text needs at least one entry")
-        # Entries are CPU tensors from the cache here, so these lengths are no device sync.
-        lengths = [int(it["prompt_embeds_mask"].sum()) if "prompt_embeds_mask" in it else it["prompt_embeds"].shape[0]
-                   for it in items]
-        longest = max(lengths)
-        out = {"prompt_embeds": torch.stack([nn.functional.pad(it["prompt_embeds"][:n], (0, 0, 0, longest - n))
-                                             for it, n in zip(items, lengths, strict=True)])}
-        if any(n < longest for n in lengths):
-            mask = torch.zeros(len(items), longest, dtype=torch.long)
-            for i, n in enumerate(lengths):
-                mask[i, :n] = 1
-            out["prompt_embeds_mask"] = mask
-        return out
+        return collate_masked_text(items)
 
     def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         return self._kl_encode(vae, pixels)
