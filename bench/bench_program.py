@@ -2,6 +2,7 @@
 
     python bench/bench_program.py --families flux sd3 qwen_image --work /tmp/bench   # a GPU box
     python bench/bench_program.py --smoke --work /tmp/smoke                            # CPU, tiny models
+    python bench/bench_program.py --families flux2 --transformer-file fp8 --card 16 --keep   # Flux.2-dev, 64 GB disk
 
 For each family: write a diffusers folder with every component at full size (transformer from the adapter's
 `full_config`; VAE, CLIP-L / CLIP-G / T5-XXL / Qwen2.5-VL-7B from their real configs, built here in code) and
@@ -23,6 +24,15 @@ layout trainer/models/original_layout.py streams): the transformer is written as
 bf16), still tensor by tensor, next to transformer/config.json, and the preset gets `model.transformer_file` and
 `model.quantize: fp8`; the file streams block by block (trainer/models/stream_load.py). Qwen-Image's folder is then
 ~37 GB instead of ~58 GB (it fits a 64 GB disk).
+
+Flux.2 (--families flux2 / flux2-klein): the transformer from the adapter's `full_config` (dev: 32.2 B; klein: 4 B),
+AutoencoderKLFlux2 at its defaults, and for dev Mistral-Small-3.1 (Mistral3Config's defaults) cut to 31 of its 40
+decoder layers: the pipeline reads hidden states 10 / 20 / 30, so layers 31-39 never change a caption (the adapter
+does not even load them from a real folder), vision tower and head kept. Its 2-D weights are written in fp8 and
+cast to bf16 by transformers on load (19 GB on disk instead of 38, the same bytes in RAM and VRAM as bf16 weights);
+with --transformer-file fp8 (33 GB) the dev folder is ~52 GB. klein gets Qwen3-4B whole (36 layers, bf16). A bf16
+preset of dev (24 GB and up) is measured on the fp8 file with `--set model.quantize=none`: the loader up-casts it
+to bf16 block by block, which is what the preset streams.
 
 --smoke: the tiny models on the CPU, no cap, 2 steps (tests/test_phases.py-style check that the whole path runs;
 tests/test_phases.py runs it, also with --transformer-file fp8, which rewrites the tiny transformer the same way).
@@ -70,15 +80,18 @@ def _value(name: str, shape, dtype, gen):
     return torch.zeros(shape, dtype=dtype)
 
 
-def write_random(module, folder: Path, prefix: str, dtype, seed: int = 0) -> int:
+def write_random(module, folder: Path, prefix: str, dtype, seed: int = 0, matrix_dtype=None) -> int:
     """Random weights for every tensor of a meta-device `module`, written shard by shard into `folder` with an
-    index (`prefix`: diffusion_pytorch_model or model). Returns the bytes written."""
+    index (`prefix`: diffusion_pytorch_model or model). `matrix_dtype`: the dtype of the 2-D weights if not `dtype`
+    (float8_e4m3fn halves a text encoder on disk; transformers casts it to the load dtype). Returns the bytes
+    written."""
     import torch
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     sd = module.state_dict()
-    shapes = {k: (tuple(v.shape), v.dtype if not v.is_floating_point() else dtype) for k, v in sd.items()}
+    shapes = {k: (tuple(v.shape), v.dtype if not v.is_floating_point()
+                  else (matrix_dtype or dtype) if v.ndim == 2 else dtype) for k, v in sd.items()}
     groups, cur, size = [], [], 0
     for k, (shape, dt) in shapes.items():
         n = torch.Size(shape).numel() * torch.tensor([], dtype=dt).element_size()
@@ -241,7 +254,7 @@ def _kl_vae(scale: float, shift: float):
                          shift_factor=shift, use_quant_conv=False, use_post_quant_conv=False, force_upcast=True)
 
 
-def _save(folder: Path, model, config_owner, prefix: str, dtype, seed: int) -> int:
+def _save(folder: Path, model, config_owner, prefix: str, dtype, seed: int, matrix_dtype=None) -> int:
     import shutil as sh
 
     if folder.exists():
@@ -251,7 +264,7 @@ def _save(folder: Path, model, config_owner, prefix: str, dtype, seed: int) -> i
         config_owner.save_config(folder)  # diffusers
     else:
         model.config.save_pretrained(folder)  # transformers
-    return write_random(model, folder, prefix, dtype, seed)
+    return write_random(model, folder, prefix, dtype, seed, matrix_dtype)
 
 
 def write_full_folder(family: str, folder: Path, transformer_file: str | None = None) -> int:
@@ -297,6 +310,8 @@ def write_full_folder(family: str, folder: Path, transformer_file: str | None = 
                 ("text_encoder_2", CLIPTextModelWithProjection,
                  _clip_cfg(folder / "tokenizer_2", 1280, 5120, 32, 20, 1280, "gelu")),
                 ("text_encoder_3", T5EncoderModel, _t5_cfg(folder / "tokenizer_3"))]
+    elif family in FLUX2:
+        vae, encs = _flux2_parts(family, folder)
     else:
         vae = AutoencoderKLQwenImage()  # its defaults are Qwen-Image's VAE
         tiny = json.loads((folder / "text_encoder" / "config.json").read_text())
@@ -319,11 +334,45 @@ def write_full_folder(family: str, folder: Path, transformer_file: str | None = 
     shutil.rmtree(folder / "vae")
     vae.save_pretrained(folder / "vae", safe_serialization=True)  # small (84-127 M): built for real
     total += sum(p.numel() * 2 for p in vae.parameters())
+    # Flux.2-dev's Mistral-3 (19 B after the cut below) in bf16 would not fit the GPU box's 64 GB disk beside the
+    # 32 GB fp8 transformer: its matrices are written in fp8 (loaded as bf16, so RAM and VRAM are bf16's)
+    matrices = torch.float8_e4m3fn if family == "flux2" else None
     for i, (name, cls, cfg) in enumerate(encs):
         enc = _meta(lambda cls=cls, cfg=cfg: cls(cfg))
-        total += _save(folder / name, enc, enc.config, "model", bf16, 10 + i)
+        total += _save(folder / name, enc, enc.config, "model", bf16, 10 + i, matrices)
         del enc
     return total
+
+
+FLUX2 = ("flux2", "flux2-klein")
+#: decoder layers of the bench's Mistral-3: the pipeline reads hidden states 10 / 20 / 30, so layers 31-39 of the
+#: real 40 are never needed (the adapter drops them at load too: `Flux2Adapter.slim_text_encoder`)
+MISTRAL_BENCH_LAYERS = 31
+
+
+def _flux2_parts(family: str, folder: Path):
+    """Flux.2's VAE (AutoencoderKLFlux2's defaults are the real one) and text encoder at full size: Mistral-Small-3.1
+    (Mistral3Config's defaults, cut to MISTRAL_BENCH_LAYERS decoder layers; vision tower and head kept) for dev,
+    Qwen3-4B (36 layers) for klein. Token ids come from the tiny folder's tokenizer."""
+    from diffusers import AutoencoderKLFlux2
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
+
+    tiny = json.loads((folder / "text_encoder" / "config.json").read_text())
+    if family == "flux2-klein":
+        ids = {k: tiny[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if tiny.get(k) is not None}
+        cfg = Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                          rope_theta=1000000.0, tie_word_embeddings=True, **ids)
+        return AutoencoderKLFlux2(), [("text_encoder", Qwen3ForCausalLM, cfg)]
+    text = tiny.get("text_config", {})
+    ids = {k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if text.get(k) is not None}
+    cfg = Mistral3Config(image_token_index=tiny["image_token_index"])  # defaults: Mistral-Small-3.1-24B
+    cfg.text_config.num_hidden_layers = MISTRAL_BENCH_LAYERS
+    cfg.text_config.sliding_window = None
+    for k, v in ids.items():
+        setattr(cfg.text_config, k, v)
+    cfg.tie_word_embeddings = cfg.text_config.tie_word_embeddings = False  # Mistral-Small has its own head
+    return AutoencoderKLFlux2(), [("text_encoder", Mistral3ForConditionalGeneration, cfg)]
 
 
 #: --transformer-file kind -> the single file's name in the model folder
@@ -416,7 +465,7 @@ def write_config(family: str, model: Path, images: Path, work: Path, res: int, s
     import yaml
 
     if smoke:
-        d = yaml.safe_load((ROOT / "configs" / "tiny" / ("qwen-image-lora.yaml" if family == "qwen_image"
+        d = yaml.safe_load((ROOT / "configs" / "tiny" / ("qwen-image-lora.yaml" if family in ("qwen_image", "qwen-image")
                                                          else f"{family}-lora.yaml")).read_text())
     else:
         d = yaml.safe_load((ROOT / "configs" / family / f"lora-{card}gb.yaml").read_text())
@@ -542,9 +591,14 @@ def report(rows: list[dict]) -> list[str]:
     return lines
 
 
+#: the families `write_full_folder` knows the text encoders and VAE of
+WRITABLE = ("flux", "sd3", "qwen_image", "qwen-image", "flux2", "flux2-klein")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--families", nargs="*", default=["flux", "sd3", "qwen_image"])
+    ap.add_argument("--families", nargs="*", default=["flux", "sd3", "qwen_image"], choices=WRITABLE,
+                    help="families whose full-size folder this script writes")
     ap.add_argument("--work", type=Path, default=Path("/tmp/dittrain-bench-program"))
     ap.add_argument("--card", type=int, nargs="+", default=[8], help="preset card sizes in GB, run one after "
                     "another on the same folder; the VRAM cap is card - 1")

@@ -7,6 +7,19 @@ on the family's default targets, AdamW, gradient checkpointing), every row a rat
     python bench/bench_speed.py --family qwen_image --out /tmp/speed_q # offload-0 rows
     python bench/bench_speed.py --family sd3 --out /tmp/speed_s
     python bench/bench_speed.py --smoke --out /tmp/s                   # CPU, tiny widths: checks the script
+    python bench/bench_speed.py --rows issue29 --out /tmp/s29          # issue 29's table (Flux; or --family)
+    python bench/bench_speed.py --profile --family qwen_image --out /tmp/p  # profiler: dittrain vs plain, eager
+
+Issue 29 (`--rows issue29`): every ratio is also given to the row 'plain + compile_repeated_blocks' (the compiled
+plain script a user writes in one line), and streamed rows get their PCIe floor (H2D bytes per step over the
+pinned host-to-device rate measured in the same process) and the ratio to it. Rows: plain eager; plain compiled;
+dittrain offload 0 compiled with every block checkpointed, with `train.gradient_checkpointing: auto` (the
+planner's per-block choice for this card) and with none; Flux also: fp8 base every block streamed with
+activation offloading, without and with fp8 matmuls (`model.fp8_matmul`), the same with the modulation Linears
+in fp8, bf16 every block streamed; then offload 0 compiled with `train.compile_dynamic: tokens` (one compile for
+every bucket: is the step slower?), the offload-0 compiled row once more (its 'first step' is a re-run's with
+inductor's cache warm, the issue's <= 10 s), and plain compiled without checkpointing. A row that runs out of
+memory is reported as such and the run goes on.
 
 Rows (in this order; `--budget-s` stops adding rows when the time is spent, the reference always runs):
 - plain: diffusers model + peft `add_adapter` with bf16 LoRA weights, `enable_gradient_checkpointing()`,
@@ -55,6 +68,15 @@ SMOKE = {  # tiny widths per family for --smoke (CPU)
     "sd3": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                 caption_projection_dim=32, pooled_projection_dim=32, sample_size=32, pos_embed_max_size=32),
 }
+TARGETS29 = {  # issue 29: ratio to plain compiled ("compiled") or to the row's PCIe floor ("floor"), by row name
+    "dittrain offload 0, compiled": ("compiled", 0.80),
+    "dittrain offload 0, compiled, checkpointing auto": ("compiled", 0.80),
+    "dittrain offload 0, compiled, checkpointing none": ("compiled", 0.80),
+    "dittrain offload 1.0 + act, fp8 base, compiled": ("compiled", 0.85),
+    "dittrain offload 1.0 + act, fp8 base, fp8 matmul, compiled": ("compiled", 0.85),
+    "dittrain offload 1.0 + act, fp8 base + modulation, fp8 matmul, compiled": ("compiled", 0.85),
+    "dittrain offload 1.0 + act, compiled": ("floor", 1.10),
+}
 TARGETS = {  # ratio to the reference the issue asks for, by row name
     "flux": {"dittrain offload 0, compiled": 0.85, "dittrain offload 0.5, compiled": 0.85,
              "dittrain offload 1.0 + act, compiled": 1.15, "dittrain offload 1.0 + act, fp8 base, compiled": 0.85,
@@ -64,10 +86,37 @@ TARGETS = {  # ratio to the reference the issue asks for, by row name
 }
 
 
+def issue29_specs(family: str) -> list[dict]:
+    """Issue 29's rows (see the module docstring), most important first."""
+    ours = dict(kind="ours", fraction=0.0, act=False, compile=True, math="auto", quant="none", modulation=False,
+                dynamic=False, ckpt="all", fp8mm=False)
+    streamed = {**ours, "fraction": 1.0, "act": True}
+    rows = [dict(name="plain diffusers + peft, bf16 LoRA, eager, resident", kind="plain", compile=False),
+            dict(name="plain + compile_repeated_blocks", kind="plain", compile=True),
+            {**ours, "name": "dittrain offload 0, compiled"},
+            {**ours, "name": "dittrain offload 0, compiled, checkpointing auto", "ckpt": "auto"},
+            {**ours, "name": "dittrain offload 0, compiled, checkpointing none", "ckpt": "none"}]
+    if family == "flux":
+        rows += [
+            {**streamed, "name": "dittrain offload 1.0 + act, fp8 base, compiled", "quant": "fp8"},
+            {**streamed, "name": "dittrain offload 1.0 + act, fp8 base, fp8 matmul, compiled", "quant": "fp8",
+             "fp8mm": True},
+            {**streamed, "name": "dittrain offload 1.0 + act, fp8 base + modulation, fp8 matmul, compiled",
+             "quant": "fp8", "modulation": True, "fp8mm": True},
+            {**streamed, "name": "dittrain offload 1.0 + act, compiled"},
+        ]
+    rows += [  # one compile per run: symbolic token axes (step speed); a second compile of row 3 (the cache's)
+        {**ours, "name": "dittrain offload 0, compiled, dynamic token axes", "dynamic": "tokens"},
+        {**ours, "name": "dittrain offload 0, compiled, again (inductor's cache warm: a re-run's first step)"},
+        dict(name="plain + compile_repeated_blocks, no checkpointing", kind="plain", compile=True, ckpt=False),
+    ]
+    return rows
+
+
 def row_specs(family: str) -> list[dict]:
     """Every row, most important first. kind: plain | ours | sample-plain | sample-ours."""
     ours = dict(kind="ours", fraction=0.0, act=False, compile=True, math="auto", quant="none", modulation=False,
-                dynamic=False)
+                dynamic=False, ckpt="all", fp8mm=False)
     rows = [dict(name="plain diffusers + peft, bf16 LoRA, eager, resident", kind="plain", compile=False)]
     rows.append({**ours, "name": "dittrain offload 0, compiled"})
     if family == "flux":
@@ -154,7 +203,7 @@ def plain_setup(adapter, m, args, spec):
     m.add_adapter(PeftLoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=list(adapter.default_lora_targets),
                                  init_lora_weights="gaussian"))  # weights in the model's dtype: bf16
     params = [p for p in m.parameters() if p.requires_grad]
-    if spec["kind"] == "plain":
+    if spec["kind"] == "plain" and spec.get("ckpt", True):
         m.enable_gradient_checkpointing()
     if spec["compile"]:
         if not getattr(m, "_repeated_blocks", None):  # SD3's class names none in diffusers 0.42: name its blocks
@@ -169,6 +218,7 @@ def ours_setup(adapter, m, args, spec, dev):
     blocks = adapter.blocks(m)
     if spec["quant"] != "none":
         quant.quantize_blocks(blocks, spec["quant"], spec["modulation"])
+        quant.use_scaled_mm(m, spec.get("fp8mm", False))  # model.fp8_matmul
     cfg = SimpleNamespace(lora=LoraConfig(rank=args.rank, alpha=args.rank, compute_dtype=spec["math"]))
     params = add_lora(m, cfg, adapter.default_lora_targets)
     for p in params:
@@ -179,9 +229,54 @@ def ours_setup(adapter, m, args, spec, dev):
     if spec["fraction"] > 0 and dev.type == "cuda":
         m.to("cpu")  # the conductor packs block weights from CPU RAM (as the trainer loads a streamed model)
     handle = attach_offload(blocks, dev, spec["fraction"], mode="train" if training else "sample",
-                            activations=spec["act"] and dev.type == "cuda", compile=opts)
+                            activations=spec["act"] and dev.type == "cuda", compile=opts,
+                            checkpointing=checkpointing(spec, args, dev) if training else None)
     move_outside_blocks(m, blocks, dev)
     return params, handle
+
+
+def checkpointing(spec, args, dev):
+    """The handle's `checkpointing` for the row: all, none, or the planner's choice (`gradient_checkpointing:
+    auto`) for this card at the row's fraction, as the trainer makes it (trainer/train/streaming.py)."""
+    c = spec.get("ckpt", "all")
+    if c != "auto":
+        return c == "all"
+    from trainer.config import Config
+    from trainer.planner.checkpointing import CARD_SHARE, choose_checkpointing
+    from trainer.planner.presets import _config
+
+    d = _config(args.family, "lora", args.res, spec["act"], spec["fraction"], ckpt="auto", quantize=spec["quant"])
+    d["lora"]["rank"] = d["lora"]["alpha"] = args.rank
+    if args.smoke:  # the planner reads the model's width from <path>/transformer/config.json: the smoke widths
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="bench-speed-"))
+        (folder / "transformer").mkdir()
+        conf = {**adapter_class(args.family).full_config, **SMOKE[args.family]}
+        (folder / "transformer" / "config.json").write_text(json.dumps(conf))
+        d["model"]["path"] = str(folder)
+    budget = CARD_SHARE * torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 1e15
+    choice = choose_checkpointing(Config.model_validate(d), spec["fraction"], budget)
+    return choice.checkpointed
+
+
+def pcie_rate(dev) -> float | None:
+    """Pinned host-to-device bytes/s: the best of three 1 GiB copies (None on the CPU)."""
+    if dev.type != "cuda":
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device=dev)
+    best = 0.0
+    for _ in range(3):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        dst.copy_(src, non_blocking=True)
+        e1.record()
+        e1.synchronize()
+        best = max(best, src.numel() / (e0.elapsed_time(e1) / 1000))
+    del src, dst
+    torch.cuda.empty_cache()
+    return best
 
 
 def run_row(spec, args, dev) -> dict:
@@ -208,6 +303,8 @@ def run_row(spec, args, dev) -> dict:
 
     try:
         r = timed(step, dev, args.warmup, args.steps)
+        if handle is not None:
+            r["h2d_bytes"] = handle.stats()["h2d_bytes_per_step"]
     finally:
         if handle is not None:
             handle.close()
@@ -230,6 +327,9 @@ def table(rows: list[dict], family: str) -> str:
     fwd = next((r["step_s"] for r in rows if r["name"] == "sample: plain eager forward"), None)
     lines = ["| row | step s | ratio | target | first step s | compile s | peak GiB |", "|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r["step_s"] is None:
+            lines.append(f"| {r['name']} | {r['error']} | | | | | |")
+            continue
         base = fwd if r["name"].startswith("sample:") else ref
         ratio = r["step_s"] / base if base else float("nan")
         t = TARGETS.get(family, {}).get(r["name"])
@@ -237,6 +337,35 @@ def table(rows: list[dict], family: str) -> str:
         c = "" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
         p = "" if r["peak_gb"] is None else f"{r['peak_gb']:.1f}"
         lines.append(f"| {r['name']} | {r['step_s']:.3f} | {ratio:.2f} | {mark} | {r['first_s']:.1f} | {c} | {p} |")
+    return "\n".join(lines)
+
+
+def table29(rows: list[dict], rate: float | None) -> str:
+    """Issue 29's table: ratios to plain eager and to plain compiled; streamed rows' PCIe floor."""
+    eager = rows[0]["step_s"]
+    comp = next((r["step_s"] for r in rows if r["name"] == "plain + compile_repeated_blocks"), None)
+    lines = ["| row | step s | vs plain eager | vs plain compiled | PCIe floor s | vs floor | target | first step s "
+             "| compile s | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(a, b):
+        return "" if not a or not b else f"{a / b:.2f}"
+
+    for r in rows:
+        if r["step_s"] is None:
+            lines.append(f"| {r['name']} | {r['error']} | | | | | | | | |")
+            continue
+        floor = r["h2d_bytes"] / rate if rate and r.get("h2d_bytes") else None
+        mark = ""
+        if r["name"] in TARGETS29:
+            col, t = TARGETS29[r["name"]]
+            got = (r["step_s"] / comp if comp else None) if col == "compiled" else (r["step_s"] / floor if floor else None)
+            mark = f"<= {t} x {'plain compiled' if col == 'compiled' else 'floor'}" + (
+                "" if got is None else f" {'met' if got <= t else 'MISSED'}")
+        c = "" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
+        p = "" if r["peak_gb"] is None else f"{r['peak_gb']:.1f}"
+        fl = "" if floor is None else f"{floor:.3f}"
+        lines.append(f"| {r['name']} | {r['step_s']:.3f} | {ratio(r['step_s'], eager)} | {ratio(r['step_s'], comp)} "
+                     f"| {fl} | {ratio(r['step_s'], floor)} | {mark} | {r['first_s']:.1f} | {c} | {p} |")
     return "\n".join(lines)
 
 
@@ -249,6 +378,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop adding rows after this many seconds")
     ap.add_argument("--only", default="", help="substrings separated by ';': run only rows whose name has one (and the reference)")
+    ap.add_argument("--rows", default="all", choices=("all", "issue29"), help="which row set (module docstring)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile plain vs dittrain, eager, resident (bench/speed_profile.py) instead of the rows")
     ap.add_argument("--backend", default=None, help="torch.compile backend (default inductor; smoke: aot_eager)")
     ap.add_argument("--out", type=Path, default=None, help="folder for speed.json and speed.md")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny widths: checks the script, measures nothing")
@@ -260,29 +392,45 @@ def main(argv=None) -> list[dict]:
     dev = torch.device("cpu" if args.smoke else "cuda")
     if dev.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention fails in backward there (GPU.md); trainer does the same
-    specs = row_specs(args.family)
+    if args.profile:
+        from bench.speed_profile import profile
+
+        return profile(args, dev)
+    specs = issue29_specs(args.family) if args.rows == "issue29" else row_specs(args.family)
     if args.only:
         keep = [s.strip() for s in args.only.split(";")]
         specs = [specs[0]] + [s for s in specs[1:] if any(k in s["name"] for k in keep)]
+    rate = pcie_rate(dev) if args.rows == "issue29" else None
+    if rate:
+        print(f"pinned host-to-device: {rate / 1e9:.1f} GB/s (best of three 1 GiB copies)", flush=True)
     t0, rows = time.perf_counter(), []
     for spec in specs:
         if rows and time.perf_counter() - t0 > args.budget_s:
             print(f"budget spent: skipped '{spec['name']}' and later rows", flush=True)
             break
-        r = run_row(spec, args, dev)
+        try:
+            r = run_row(spec, args, dev)
+        except torch.OutOfMemoryError as e:  # e.g. no checkpointing on a model too big for the card: say so
+            r = {"name": spec["name"], "spec": {k: v for k, v in spec.items() if k != "name"}, "step_s": None,
+                 "error": f"out of memory ({str(e).splitlines()[0][:80]})"}
         free(dev)
         rows.append(r)
+        if r["step_s"] is None:
+            print(f"{r['name']}: {r['error']}", flush=True)
+            continue
         comp = "" if r["compile_s"] is None else f", compile {r['compile_s']:.1f} s"
         print(f"{r['name']}: {r['step_s']:.3f} s/step, first step {r['first_s']:.1f} s{comp}", flush=True)
     device = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()
+    body = table29(rows, rate) if args.rows == "issue29" else table(rows, args.family)
     md = (f"{args.family}, {args.res} px, LoRA r{args.rank}, {device}, "
-          f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, backend {args.backend}\n\n"
-          + table(rows, args.family))
+          f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, backend {args.backend}"
+          + (f", pinned H2D {rate / 1e9:.1f} GB/s" if rate else "") + "\n\n" + body)
     print(md)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"speed_{args.family}.json").write_text(json.dumps(rows, indent=1))
-        (args.out / f"speed_{args.family}.md").write_text(md + "\n")
+        tag = "" if args.rows == "all" else f"_{args.rows}"
+        (args.out / f"speed_{args.family}{tag}.json").write_text(json.dumps(rows, indent=1))
+        (args.out / f"speed_{args.family}{tag}.md").write_text(md + "\n")
     return rows
 
 

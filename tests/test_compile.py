@@ -157,3 +157,96 @@ def test_trainer_with_train_compile_logs_compile_once_and_trains_like_eager(tiny
     assert err.count("compile: ") == 1 and "block graphs for 2 block classes" in err
     assert compiled.stats()["graphs"] >= 2
     torch.testing.assert_close(torch.tensor(runs[True]), torch.tensor(runs[False]), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------- issue 29: one compile per run, cache
+
+
+def test_token_axes_marked_up_front_compile_once_for_every_bucket():
+    """compile_dynamic: tokens marks the sequence axes before the first compile: later buckets reuse its graphs
+    (with static shapes each bucket compiles its own), and the numbers match eager."""
+    opts = CompileOptions(backend="eager", dynamic="tokens", shapes=1)  # dynamo decides the graphs; no AOT needed
+    m = add_lora(tiny_flux(0, layers=1, singles=1))
+    h = attach_offload(blocks_of(m), "cpu", 0.0, compile=opts)
+    train_steps(m, 1, side=8)
+    first = compiled.stats()["graphs"]
+    got = train_steps(m, 1, side=4)
+    train_steps(m, 1, side=6)
+    assert compiled.stats()["graphs"] == first  # no new graph for two new bucket shapes
+    h.close()
+    m2 = add_lora(tiny_flux(0, layers=1, singles=1))
+    train_steps(m2, 1, side=8)
+    torch.testing.assert_close(got, train_steps(m2, 1, side=4), rtol=1e-5, atol=1e-6)
+
+
+def test_mark_token_axes_leaves_widths_and_size_one_axes_static():
+    x = torch.zeros(1, 16, 8)  # batch 1, 16 tokens, width 8
+    rope = (torch.zeros(24, 4), torch.zeros(24, 4))
+    ids = torch.zeros(16, 3, dtype=torch.long)
+    compiled.mark_token_axes(((x,), {"rope": rope, "ids": ids}))
+
+    def marked(t):
+        return set(getattr(t, "_dynamo_weak_dynamic_indices", set()))
+
+    assert marked(x) == {1} and marked(rope[0]) == {0} and marked(ids) == set()
+
+
+def _tiny_block_cls():
+    class TinyBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.nn.functional.gelu(self.lin(x)) * 2
+
+    return TinyBlock
+
+
+def test_compile_cache_folder_is_written_and_a_second_run_loads_it(tmp_path, monkeypatch):
+    """Inductor on the CPU (needs a C++ compiler): the first run misses and writes the folder, a second run after
+    every in-process cache is dropped loads the compiled forward + backward from it."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))  # restored after the test
+    folder = compiled.use_cache(tmp_path / "torch-compile")
+    assert folder == str(tmp_path / "torch-compile")
+    cls = _tiny_block_cls()
+    opts = CompileOptions(backend="inductor", shapes=1)
+
+    def run():
+        torch.manual_seed(0)
+        b = cls()
+        x = torch.randn(4, 8, requires_grad=True)
+        compiled.forward_of(cls, opts)(b, x).sum().backward()
+        return compiled.stats(), x.grad
+
+    first, g1 = run()
+    assert first["graphs"] == 1 and first["aot_misses"] >= 1 and first["aot_hits"] == 0
+    assert any((tmp_path / "torch-compile").rglob("*")) and not (tmp_path / "elsewhere").exists()
+    line = compiled.report()
+    assert "cache 0 of 1 forward+backward graphs" in line and folder in line
+    compiled.reset()  # a new run: dynamo's and our in-process state dropped
+    second, g2 = run()
+    assert second["graphs"] == 1 and second["aot_hits"] >= 1 and second["aot_misses"] == 0
+    assert torch.equal(g1, g2)
+    assert "cache 1 of 1 forward+backward graphs" in compiled.report()
+
+
+def test_trainer_points_the_compile_cache_beside_the_data_cache(tiny_models, tmp_path, monkeypatch, capsys):
+    import os
+
+    from test_train_support import make_config, write_images
+
+    from trainer.train.trainer import Trainer
+
+    monkeypatch.setenv("DITTRAIN_COMPILE_BACKEND", "eager")  # the wiring, not the kernels (the test above)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "default"))  # restored after the test
+    images = write_images(tmp_path / "images", n=1)
+    cfg = make_config(tiny_models, images, tmp_path / "out", tmp_path / "cache", "flux",
+                      train={"steps": 1, "compile": True, "compile_cache": True})
+    t = Trainer(cfg)
+    t.fit()
+    t.close()
+    want = str((tmp_path / "cache" / "torch-compile").resolve())
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == want and os.path.isdir(want)
+    out = capsys.readouterr()
+    assert f"compile cache: {want}" in out.err + out.out

@@ -110,7 +110,7 @@ def test_metadata_mask_column(masked_set):
     assert torch.equal(b.mask[i], torch.zeros(1, *b.latents.shape[-2:]))  # its bucket, black everywhere
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen_image"])  # both pack latents 2x2 into tokens inside predict
+@pytest.mark.parametrize("family", ["flux", "qwen_image", "flux2"])  # all pack latents 2x2 into tokens in predict
 def test_masked_training_end_to_end_from_yaml(family, tiny_models, tmp_path):
     from trainer.train.trainer import Trainer
 

@@ -14,7 +14,8 @@ from trainer.errors import UserError
 from trainer.models import get_adapter
 from trainer.models._diffusers import pack_2x2, unpack_2x2
 
-VARIANTS = {"flux": "flux", "flux-schnell": "flux", "sd3": "sd3", "qwen_image": "qwen_image"}
+VARIANTS = {"flux": "flux", "flux-schnell": "flux", "sd3": "sd3", "qwen_image": "qwen_image", "flux2": "flux2",
+            "flux2-klein": "flux2-klein"}
 ALL = {"transformer", "vae", "text", "scheduler"}
 PROMPTS = ["a red square on a blue background", "a cat"]
 
@@ -112,6 +113,8 @@ def test_interfaces_and_shift(loaded):
         "flux-schnell": (16, 4, {"prompt_embeds", "pooled_prompt_embeds"}, 0.0, 0.0),
         "sd3": (16, 4, {"prompt_embeds", "pooled_prompt_embeds"}, 1.0986, 1.0986),
         "qwen_image": (16, 4, {"prompt_embeds", "prompt_embeds_mask"}, 0.6935, 0.5),
+        "flux2": (16, 4, {"prompt_embeds"}, 1.15, 0.5),
+        "flux2-klein": (16, 4, {"prompt_embeds"}, 1.15, 0.5),
     }
     for name, (div, ch, keys, log_s1024, log_s256) in expected.items():
         adapter, comps = loaded(name)
@@ -156,8 +159,8 @@ def test_predict_matches_pipeline_transformer_call(loaded, name):
     pipe.set_progress_bar_config(disable=True)
     seen, h = _capture(pipe)
     try:
-        extra = {"guidance_scale": 1.0} if name == "sd3" else {"guidance_scale": 3.5} if name == "flux" else {}
-        pipe(PROMPTS, num_inference_steps=2, height=64, width=64, output_type="latent",
+        extra = {"guidance_scale": 1.0} if name == "sd3" else {"guidance_scale": 3.5} if name in ("flux", "flux2") else {}
+        pipe(prompt=PROMPTS, num_inference_steps=2, height=64, width=64, output_type="latent",
              generator=torch.Generator().manual_seed(0), **extra)
     finally:
         h.remove()
@@ -206,7 +209,7 @@ def test_encode_images_inverts_pipeline_decode_scaling(loaded, name):
     assert torch.allclose(back, raw, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3", "qwen_image"])
+@pytest.mark.parametrize("name", ["flux", "sd3", "qwen_image", "flux2"])
 def test_single_file_transformer_matches_folder(tiny_models, loaded, tmp_path, name):
     from safetensors.torch import save_file
 
@@ -286,7 +289,7 @@ def test_make_tiny_is_deterministic_and_qwen_template_is_34_tokens(tiny_models, 
 
     written = make_tiny_models(tmp_path)  # the same corpus and seeds give byte-identical files
     assert [p.name for p in written] == ["flux", "flux-schnell", "sd3", "qwen_image", "flux-kontext",
-                                          "qwen-image-edit", "qwen-image-edit-plus"]
+                                          "qwen-image-edit", "qwen-image-edit-plus", "flux2", "flux2-klein"]
 
     def digest(folder: Path) -> dict[str, str]:
         return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()

@@ -20,7 +20,7 @@ from trainer.errors import UserError
 from trainer.planner import timing as ptime
 from trainer.planner import trace as ptrace
 
-FAMILIES = ("flux", "sd3", "qwen_image")
+FAMILIES = ("flux", "sd3", "qwen_image", "flux2")  # flux2-klein: the same classes at another size
 
 
 def _cfg(path, family, method="lora", **offload) -> Config:

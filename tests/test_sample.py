@@ -17,8 +17,9 @@ from trainer.sampling import SampleSettings, TrainingSampler, encode_prompts, ge
 from trainer.sampling.engine import text_encoder_names
 
 PROMPT = "a red square on a blue background"
-# guidance > 1 runs SD3's and Qwen-Image's classifier-free guidance (negative pass), Flux dev's guidance embedding
-GUIDANCE = {"flux": 3.5, "sd3": 4.0, "qwen_image": 4.0}
+# guidance > 1 runs SD3's, Qwen-Image's and Flux.2-klein's classifier-free guidance (negative pass), Flux dev's and
+# Flux.2-dev's guidance embedding
+GUIDANCE = {"flux": 3.5, "sd3": 4.0, "qwen_image": 4.0, "flux2": 4.0, "flux2-klein": 4.0}
 FAMILIES = list(GUIDANCE)
 
 
@@ -42,9 +43,12 @@ def _diffusers_image(cfg: Config, seed: int, lora: tuple[Path, float] | None = N
     """The reference: the family's pipeline as a diffusers user would call it, with diffusers' LoRA loading."""
     from diffusers import DiffusionPipeline
 
+    from trainer.models._diffusers import own_aligned_memory
+
     pipe = DiffusionPipeline.from_pretrained(
         str(cfg.model.path), torch_dtype=torch.float32, local_files_only=True
     )
+    own_aligned_memory(pipe.transformer)  # as our loader does: same memory alignment, same CPU rounding
     pipe.set_progress_bar_config(disable=True)
     if lora is not None:
         pipe.load_lora_weights(str(lora[0]), adapter_name="x")
@@ -144,7 +148,7 @@ def test_offloaded_lora_sampling_is_identical(tiny_models, tmp_path):
     np.testing.assert_array_equal(_pixels(a[0]), _pixels(b[0]))
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "flux2", "flux2-klein"])
 def test_lora_changes_output_exactly_as_diffusers_load_lora_weights(tiny_models, tmp_path, family):
     cfg = _cfg(tiny_models, family, tmp_path)
     lora = _save_lora(_lora_transformer(cfg), tmp_path / "lora.safetensors")
@@ -264,7 +268,7 @@ def test_training_sampler_without_prompts_makes_nothing(tiny_models, tmp_path):
     assert TrainingSampler(cfg, adapter, "cpu", torch.float32)(model) == []
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+@pytest.mark.parametrize("family", ["flux", "qwen_image", "flux2", "flux2-klein"])
 def test_streamed_text_encoders_give_identical_images(tiny_models, tmp_path, monkeypatch, family):
     import trainer.sampling.placement as placement
 
@@ -281,8 +285,8 @@ def test_streamed_text_encoders_give_identical_images(tiny_models, tmp_path, mon
     ref = run_sample(cfg, SampleRequest(prompts=[PROMPT], out=tmp_path / "a"))
     cfg.offload.text_encoders = 1.0
     got = run_sample(cfg, SampleRequest(prompts=[PROMPT], out=tmp_path / "b"))
-    # Flux: CLIP's and T5's layer lists; Qwen-Image: the language model's layers
-    assert len(attached) == {"flux": 2, "qwen_image": 1}[family] and all(n >= 2 for n in attached)
+    # Flux: CLIP's and T5's layer lists; Qwen-Image, Flux.2: the language model's layers
+    assert len(attached) == (2 if family == "flux" else 1) and all(n >= 2 for n in attached)
     np.testing.assert_array_equal(_pixels(ref[0]), _pixels(got[0]))
 
 

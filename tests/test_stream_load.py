@@ -51,7 +51,7 @@ def sharded_flux(tiny_models, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3", "qwen_image"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwen_image", "flux2"])
 @pytest.mark.parametrize("quantize", ["none", "int8"])
 def test_resident_load_equals_from_pretrained_bitwise(family, quantize, tiny_models):
     mc = _model_cfg(tiny_models / family, family, quantize)

@@ -62,6 +62,13 @@ class ModelConfig(_Section):
         "biases, embedders and the final layer stay in model.dtype. Ignored while model.quantize is none "
         "(an error when set explicitly).",
     )
+    fp8_matmul: bool = Field(
+        default=False,
+        description="With model.quantize: fp8, multiply in fp8 (W8A8: the fp8 weight as stored, activations "
+        "quantized per row on the fly, torch._scaled_mm) instead of dequantizing each weight to model.dtype; twice "
+        "the bf16 tensor-core rate on sm89+ GPUs, at the cost of rounding the activations to e4m3. Needs bf16 "
+        "weights (model.dtype); falls back to dequantizing where torch has no fp8 matmul (GPUs before sm89).",
+    )
     quantize_text_encoders: Literal["none", "fp8", "int8"] = Field(
         default="none", description="The same for every Linear of the text encoders (they are frozen in any mode)."
     )
@@ -86,6 +93,9 @@ class ModelConfig(_Section):
         if self.quantize == "none" and self.quantize_modulation and "quantize_modulation" in self.model_fields_set:
             raise ValueError("model.quantize_modulation: true needs model.quantize: fp8 or int8 (it quantizes the "
                              "modulation Linears of an 8-bit base)")
+        if self.fp8_matmul and self.quantize != "fp8":
+            raise ValueError(f"model.fp8_matmul: true needs model.quantize: fp8 (it multiplies fp8 weights), not "
+                             f"{self.quantize}; set model.quantize: fp8 or model.fp8_matmul: false")
         return self
 
 
@@ -172,8 +182,12 @@ class TrainConfig(_Section):
     batch_size: int = Field(default=1, ge=1, description="Images per step (one aspect-ratio bucket per batch).")
     grad_accum: int = Field(default=1, ge=1, description="Micro-batches accumulated per optimizer step.")
     seed: int = Field(default=42, description="Seed for weights init, noise, timesteps and data order.")
-    gradient_checkpointing: bool = Field(
-        default=True, description="Recompute each block in backward instead of storing its activations."
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        default=True,
+        description="Recompute each block in backward instead of storing its activations (true), store them all "
+        "(false), or auto: the planner keeps the activations of as many blocks as the VRAM budget "
+        "(offload.vram_budget_gb, else the GPU's memory) allows, and recomputes the rest; streamed blocks are "
+        "always recomputed. The log and `dittrain plan` say what it chose and what it costs.",
     )
     timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
         default="logit_normal", description="How training timesteps t in (0, 1) are drawn."
@@ -206,10 +220,17 @@ class TrainConfig(_Section):
         description="torch.compile each transformer block class once (regional compilation), in training and in "
         "its samples; auto: on for CUDA, off on the CPU. The first step is slower by the compile time (printed).",
     )
-    compile_dynamic: bool = Field(
+    compile_dynamic: bool | Literal["tokens"] = Field(
         default=False,
-        description="Compile with symbolic shapes: one compile for every aspect-ratio bucket instead of one per "
-        "bucket shape (fewer compiles, possibly slower kernels).",
+        description="false: one compile per aspect-ratio bucket shape (fastest kernels); tokens: the sequence axes "
+        "of the blocks' inputs are marked dynamic up front, so one compile serves every bucket while the model "
+        "widths stay static; true: every dimension symbolic (slowest to compile).",
+    )
+    compile_cache: bool = Field(
+        default=False,
+        description="Keep torch's compile caches (inductor's FX graph and AOTAutograd caches, triton kernels) in "
+        "<data.cache_dir>/torch-compile, so that a re-run or --resume loads the compiled blocks instead of "
+        "compiling them again. The files are torch's own.",
     )
     attention: Literal["auto", "flash", "efficient", "math"] = Field(
         default="auto",

@@ -11,10 +11,20 @@ scale live in the pinned arena, cross PCIe and sit in the ring as 8-bit bytes wi
 
 Forward is dequantize-then-matmul: `weight.to(x.dtype) * weight_scale[:, None]` (exact up-cast, then one rounding
 of the product), then `F.linear`. The dequantized matrix is a temporary of the compute dtype, one Linear at a
-time: it costs one layer's bf16 weight in activation memory, never the block's. An optional fp8 matmul path
-(`torch._scaled_mm`, row-wise scales, activations quantized per row on the fly) exists for CUDA GPUs with fp8
-tensor cores (sm89+); it is off unless `set_scaled_mm(True)` or env `DITTRAIN_SCALED_MM=1`, until measured
-faster (bench/bench_quant.py). Its backward (the gradient a LoRA upstream needs) uses the dequantized weight.
+time: it costs one layer's bf16 weight in activation memory, never the block's.
+
+fp8 matmuls (W8A8, `model.fp8_matmul`, issue 29). With the switch an fp8 Linear multiplies in fp8: the weight as
+it is stored (e4m3fn, its per-output-channel scale as the row-wise `scale_b`), the bf16 activations quantized per
+row on the fly (absmax / 448, `scale_a`), `torch._scaled_mm` with a bf16 output, the bias added apart. Hopper's
+fp8 tensor cores run twice the bf16 rate; the cost is the activations' rounding to e4m3 (relative error <= 2^-4
+per element, the same order as the weight's). Under `train.compile` the per-row quantization fuses into one
+kernel with its neighbours. Backward (the gradient a LoRA upstream needs; the weight is frozen) multiplies by
+the dequantized weight in bf16, as the default path does. The LoRA branch beside the layer (peft's wrapper
+around it) stays in bf16. Where torch has no fp8 matmul for the input (a CUDA GPU before sm89, an input that is
+not bf16, widths not multiples of 16) the layer falls back to dequantize-then-matmul, so the switch never fails
+a run. The switch is per layer (`use_scaled_mm(module, on)`, set by the loaders from the config); env
+`DITTRAIN_SCALED_MM=1` / `set_scaled_mm(True)` is the process-wide default for layers the config did not set.
+Off by default until measured faster (bench/bench_speed.py).
 
 Which modules. Only Linears inside the family's blocks (`adapter.blocks`): attention projections, MLPs and the
 blocks' output projections, i.e. nearly all the bytes. Embedders, the final layer, norms and biases stay in the
@@ -43,9 +53,10 @@ like on a bf16 base; the trainer then keeps them fp32). Full fine-tuning of a qu
 config. Single-file fp8 checkpoints (`float8_e4m3fn` weights, optionally per-tensor `scale_weight`) are taken as
 they are: `adopt_fp8` keeps the file's 8-bit values and its scale instead of quantizing again.
 
-Left out: activation quantization for training matmuls (the `_scaled_mm` path quantizes activations only in
-forward), fp8 e5m2, int4, and quantizing non-block modules (the final layer's modulation `norm_out.linear`
-included). The planner counts an fp8 file's blocks as the switch says, not as the file holds them.
+Left out: fp8 matmuls in backward (the `_scaled_mm` path quantizes activations only in forward: an fp8
+gradient matmul would need the weight transposed in memory, a copy as large as the dequantized one), fp8 e5m2,
+int4, and quantizing non-block modules (the final layer's modulation `norm_out.linear` included). The planner
+counts an fp8 file's blocks as the switch says, not as the file holds them.
 """
 
 from __future__ import annotations
@@ -131,11 +142,38 @@ class _ScaledMM(torch.autograd.Function):
         return gx.view(ctx.x_shape), None, None, None
 
 
-def _scaled_mm_ok(x: torch.Tensor, q: torch.Tensor) -> bool:
+def _device_has_fp8_mm(x: torch.Tensor) -> bool:
+    """torch has an fp8 matmul for tensors on this device: the CPU's kernel, or a CUDA GPU of sm89 or later."""
+    if x.device.type == "cpu":
+        return True
+    if x.device.type != "cuda":
+        return False
+    key = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    ok = _FP8_DEVICES.get(key)
+    if ok is None:
+        ok = _FP8_DEVICES[key] = torch.cuda.get_device_capability(key) >= (8, 9)
+    return ok
+
+
+_FP8_DEVICES: dict[int, bool] = {}
+
+
+def _scaled_mm_ok(x: torch.Tensor, q: torch.Tensor, on: bool) -> bool:
     return (
-        _scaled_mm and x.is_cuda and q.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
-        and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0
+        on and q.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
+        and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0 and _device_has_fp8_mm(x)
     )
+
+
+def use_scaled_mm(module: nn.Module, on: bool) -> int:
+    """Route every fp8 Linear of `module` to the fp8 matmul (`on`) or to dequantize-then-matmul; returns how many
+    layers are fp8. Per layer, so one process can hold both (benchmarks); `model.fp8_matmul` sets it."""
+    n = 0
+    for m in module.modules():
+        if isinstance(m, QuantizedLinear) and m.weight.dtype == torch.float8_e4m3fn:
+            m.scaled_mm = bool(on)
+            n += 1
+    return n
 
 
 class QuantizedLinear(nn.Linear):
@@ -145,9 +183,12 @@ class QuantizedLinear(nn.Linear):
     weight_scale: torch.Tensor
     #: the dtype the layer computes in (peft creates LoRA weights in it, as bitsandbytes layers do)
     compute_dtype: torch.dtype
+    #: fp8 matmul for this layer (`use_scaled_mm`); None: the process-wide default (`set_scaled_mm`)
+    scaled_mm: bool | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _scaled_mm_ok(x, self.weight):
+        on = _scaled_mm if self.scaled_mm is None else self.scaled_mm
+        if _scaled_mm_ok(x, self.weight, on):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return _ScaledMM.apply(x, self.weight, self.weight_scale, bias)
         # allocation: one dequantized weight of this layer, freed after the matmul

@@ -37,6 +37,8 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "flux-kontext": ("flux_kontext", "FluxKontextAdapter"),
     "qwen-image-edit": ("qwen_image_edit", "QwenImageEditAdapter"),
     "qwen-image-edit-plus": ("qwen_image_edit_plus", "QwenImageEditPlusAdapter"),
+    "flux2": ("flux2", "Flux2Adapter"),
+    "flux2-klein": ("flux2_klein", "Flux2KleinAdapter"),
 }
 
 __all__ = [

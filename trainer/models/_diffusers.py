@@ -70,6 +70,8 @@ def _quiet() -> None:
 class DiffusersAdapter(ModelAdapter):
     """Shared implementation; subclasses set the class data and the family-specific tensor work."""
 
+    #: transformers classes that load the tokenizer folders, in `tokenizer_dirs` order (empty: AutoTokenizer)
+    tokenizer_classes: ClassVar[tuple[str, ...]] = ()
     #: latents are packed 2x2 into tokens by the pipeline (Flux, Qwen-Image) rather than patchified inside the
     #: transformer (SD3, whose `patch_size` says so)
     packs_2x2: ClassVar[bool] = True
@@ -219,6 +221,8 @@ class DiffusersAdapter(ModelAdapter):
                 # 8-bit frozen base (trainer/quant.py): block by block, before the move to the device
                 quant.prepare_transformer(tr, self.blocks(tr), cfg.quantize, dtype, cfg.transformer_file,
                                          cfg.quantize_modulation, self.modulation_linears)
+                if getattr(cfg, "fp8_matmul", False):  # model.fp8_matmul: W8A8 matmuls (a layer attribute)
+                    quant.use_scaled_mm(tr, True)
                 out.transformer = own_aligned_memory(tr.to(device))
             if "vae" in parts:
                 import diffusers
@@ -228,15 +232,27 @@ class DiffusersAdapter(ModelAdapter):
                 out.vae = out.vae.to(device).eval().requires_grad_(False)
             if "text" in parts:
                 for d, cls_name in zip(self.text_encoder_dirs, self.text_encoder_classes, strict=True):
-                    enc = getattr(transformers, cls_name).from_pretrained(
-                        root, subfolder=d, dtype=dtype, local_files_only=True
-                    )
+                    enc_cls = getattr(transformers, cls_name)
+                    config = self.text_encoder_config(enc_cls.config_class.from_pretrained(
+                        root, subfolder=d, local_files_only=True))
+                    # a trimmed config leaves weights of the file unread: transformers would list each one
+                    verbosity = transformers.utils.logging.get_verbosity()
+                    transformers.utils.logging.set_verbosity_error()
+                    try:
+                        enc = enc_cls.from_pretrained(
+                            root, subfolder=d, config=config, dtype=dtype, local_files_only=True
+                        )
+                    finally:
+                        transformers.utils.logging.set_verbosity(verbosity)
                     enc = self.slim_text_encoder(enc)
                     quant.quantize_module(enc.requires_grad_(False), cfg.quantize_text_encoders, text_encoder=True,
                                           keep=self.text_encoder_keep_linears)
                     out.text_encoders.append(enc.to(device).eval().requires_grad_(False))
-                for d in self.tokenizer_dirs:
-                    out.tokenizers.append(transformers.AutoTokenizer.from_pretrained(root, subfolder=d, local_files_only=True))
+                for i, d in enumerate(self.tokenizer_dirs):
+                    tok_cls = self.tokenizer_classes[i] if i < len(self.tokenizer_classes) else "AutoTokenizer"
+                    out.tokenizers.append(
+                        getattr(transformers, tok_cls).from_pretrained(root, subfolder=d, local_files_only=True)
+                    )
             if "scheduler" in parts:
                 if (Path(root) / "scheduler" / "scheduler_config.json").is_file():
                     out.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
@@ -244,11 +260,17 @@ class DiffusersAdapter(ModelAdapter):
                     )
                 else:
                     out.scheduler = FlowMatchEulerDiscreteScheduler(**self.default_scheduler)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, ImportError) as e:  # ImportError: e.g. a processor needing torchvision
             # Files present but unreadable or mismatched (truncated safetensors, wrong shapes, ...).
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"{root}: could not load the {self.family} model: {first}") from e
         return out
+
+    def text_encoder_config(self, config: Any) -> Any:
+        """The text encoder's config as it is built for loading (default: as in the folder). A family whose
+        captions never reach part of the encoder can leave that part out here, so its weights are never read
+        (Flux.2: the decoder layers after the deepest hidden state used)."""
+        return config
 
     # ------------------------------------------------------------------------------------------ shared helpers
 

@@ -191,6 +191,8 @@ def empty_transformer(adapter, cfg, dtype: torch.dtype, files: _Files | None = N
     else:
         quant.quantize_blocks(adapter.blocks(tr), cfg.quantize, cfg.quantize_modulation,  # on meta: shapes, dtypes
                               adapter.modulation_linears)
+    if getattr(cfg, "fp8_matmul", False):  # model.fp8_matmul: W8A8 matmuls (a layer attribute)
+        quant.use_scaled_mm(tr, True)
     for mod in tr.modules():
         for name, p in mod._parameters.items():
             if p is not None and p.is_meta:

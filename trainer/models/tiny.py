@@ -62,6 +62,11 @@ def _corpus() -> list[str]:
     return lines * 4 + [QWEN_TEMPLATE_PREFIX + s + "<|im_end|>\n<|im_start|>assistant\n" for s in lines] * 8
 
 
+def corpus() -> list[str]:
+    """The lines the tiny tokenizers are trained on (for a family that trains a tokenizer of its own)."""
+    return _corpus()
+
+
 def _bpe_vocab_merges(tok) -> tuple[dict[str, int], list[tuple[str, str]]]:
     model = json.loads(tok.to_str())["model"]
     merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]

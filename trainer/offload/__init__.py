@@ -10,7 +10,8 @@ Public interface (everything else in this package is internal):
         activations=False,      # offload checkpoint inputs to pinned RAM (training)
         nano_batches=1,         # split token-wise MLPs (diffusers FeedForward) into this many checkpointed chunks
         trainable=False,        # True: block weights are trained (full fine-tune, needs a fused back pass)
-        checkpointing=None,     # default: True in "train"; per-block torch.utils.checkpoint(use_reentrant=False)
+        checkpointing=None,     # default: True in "train"; per-block torch.utils.checkpoint(use_reentrant=False);
+                                #   a list of bools: per block (a streamed block must be checkpointed)
         optimizer_state=(),     # full fine-tune: state packed beside each weight: FusedBackPass.state_layout
                                 #   (p -> {name: (shape, dtype)}) or names of fp32 weight-shaped tensors
         race_detector=False,    # fill released ring regions with NaN at once (tests)
@@ -96,6 +97,11 @@ class OffloadHandle:
     def plan(self):
         return self._c.plan
 
+    @property
+    def checkpointed(self) -> list[bool]:
+        """Per block: recomputed in backward (the `checkpointing` it was attached with)."""
+        return list(self._c.checkpointed)
+
     def set_mode(self, mode: str) -> None:
         """Re-plan for "train" or "sample". Slow (restores the blocks' tensors and packs them again); a no-grad
         forward under the training plan also works, it just loads the backward's blocks it does not need."""
@@ -150,7 +156,7 @@ def attach_offload(
     activations: bool = False,
     nano_batches: int = 1,
     trainable: bool = False,
-    checkpointing: bool | None = None,
+    checkpointing: bool | None | list[bool] = None,
     optimizer_state=(),
     race_detector: bool = False,
     activation_min_bytes: int = 1 << 20,

@@ -8,7 +8,10 @@ checkpoints see the same model), and `remove` restores the plain class. Nothing 
 instance. `StreamedBlock.forward` runs a block's stages in one place, in this order:
 
 1. checkpoint (training, under grad): a non-reentrant `torch.utils.checkpoint` around the block, wrapped in the
-   activation offloader's saved-tensor hooks when `activations` is on (trainer/offload/activations.py);
+   activation offloader's saved-tensor hooks when `activations` is on (trainer/offload/activations.py). Per
+   block (the conductor's `checkpointed`): a block that keeps its activations instead (train.gradient_checkpointing
+   auto / false: recompute only what must be) runs stages 2-4 without it; only a block that never leaves the ring
+   may (a streamed one would have its weights refilled under saved views: DESIGN.md, version counters);
 2. release after backward (training): an identity autograd function on the block's grad-carrying inputs,
    `_ReleaseAfterBackward`, whose backward calls the conductor's `release_callback(i)`: the gradients of the
    block's inputs exist, so every backward kernel that reads the block's weights has been enqueued and its ring
@@ -94,12 +97,38 @@ class StreamedBlock:
 
     def forward(self, *args, **kwargs):
         c, i = self._offload_conductor, self._offload_index
-        if c.checkpointing and torch.is_grad_enabled():
+        if torch.is_grad_enabled() and c.checkpointed[i]:
             return self._checkpointed(c, i, args, kwargs)
+        if torch.is_grad_enabled() and c.mode == "train":
+            return self._kept(c, i, args, kwargs)
         c.enter(FWD, i)
         out = self._compute(*args, **kwargs)
         c.leave_forward(i)
         return out
+
+    def _kept(self, c, i: int, args: tuple, kwargs: dict):
+        """A training block that keeps its activations for backward (not recomputed): the same release identity
+        as a checkpointed block, so that both build the same graph (see the module docstring); the conductor
+        refuses this for a block that streams."""
+        keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        flat = self._release_identity(c, i, list(args) + [kwargs[k] for k in keys])
+        kw = dict(kwargs)
+        kw.update(zip(keys, flat[len(args):], strict=True))
+        c.enter(FWD, i)
+        out = self._compute(*flat[:len(args)], **kw)
+        c.leave_forward(i)
+        return out
+
+    @staticmethod
+    def _release_identity(c, i: int, flat: list) -> list:
+        """Stage 2: the identity on the grad-carrying inputs whose backward releases block `i` (training)."""
+        if c.mode == "train" and not c.release_at_recompute:
+            idx = [j for j, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+            if idx:
+                outs = _ReleaseAfterBackward.apply(c.release_callback(i), *[flat[j] for j in idx])
+                for j, o in zip(idx, outs, strict=True):
+                    flat[j] = o
+        return flat
 
     def _compute(self, *args, **kwargs):
         """The block's own forward: eager, or its class's compiled forward (one per class, shared by all blocks)."""
@@ -110,13 +139,7 @@ class StreamedBlock:
 
     def _checkpointed(self, c, i: int, args: tuple, kwargs: dict):
         keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-        flat = list(args) + [kwargs[k] for k in keys]
-        if c.mode == "train" and not c.release_at_recompute:
-            idx = [j for j, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-            if idx:
-                outs = _ReleaseAfterBackward.apply(c.release_callback(i), *[flat[j] for j in idx])
-                for j, o in zip(idx, outs, strict=True):
-                    flat[j] = o
+        flat = self._release_identity(c, i, list(args) + [kwargs[k] for k in keys])
         nargs = len(args)
         static = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}  # see the module docstring
         del kwargs

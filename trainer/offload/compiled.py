@@ -18,11 +18,25 @@ So per block class and bucket shape there are at most two variants per grad mode
 blocks. Dynamo's per-function recompile limit (8 by default) is raised to fit `shapes` bucket shapes.
 
 Shapes. `dynamic=False` (default): one compile per bucket shape, the fastest kernels, compile time growing with
-the number of buckets. `dynamic=True`: the token dimension (and every other) is symbolic, one compile for all
-buckets; kernels may be slower. bench/bench_speed.py measures both.
+the number of buckets. `dynamic="tokens"` (issue 29): before every call the token axes of the block's inputs are
+marked dynamic (`torch._dynamo.maybe_mark_dynamic`: every axis of a floating or complex input but its last, the
+feature axis, and axes of size 1), so the first compile is already symbolic in the sequence lengths and later
+buckets reuse it: one compile per run, while the model widths stay static for the matmul kernels.
+`dynamic=True`: every dimension symbolic (torch's `dynamic=True`), widths included; measured 88 s of compile for
+a 2 % slower step on Qwen-Image (bench/RESULTS.md). bench/bench_speed.py measures them.
 
-Compile time is measured here (`report()`): the time spent in calls that produced a new graph. Inductor compiles
-the backward graph lazily, at the first backward, so the first step's time (logged by the loop) is the full cost.
+Compile cache (`use_cache(folder)`, `train.compile_cache`). Inductor keeps what it compiled on disk, keyed by the
+graph, the inputs' properties and the torch / triton versions: the FX graph cache (each generated kernel module),
+the AOTAutograd cache (forward + backward pair, so a hit skips the backward compile too), triton's kernel binaries
+and dynamo's record of which dimensions turned dynamic. `use_cache` points all of it at one folder (env
+`TORCHINDUCTOR_CACHE_DIR`, which inductor reads at each use; triton's folder lies under it unless
+`TRITON_CACHE_DIR` is set), so a re-run or `--resume` finds the previous run's kernels beside the data cache
+instead of in /tmp. The files are torch's own; nothing here writes or reads them. Dynamo still traces each block
+class again in a new process (seconds), and inductor then loads instead of compiling.
+
+Compile time is measured here (`report()`): the time spent in calls that produced a new graph, with the cache's
+hits and misses. Inductor compiles the backward graph lazily, at the first backward, so the first step's time
+(logged by the loop) is the full cost.
 
 Backend: inductor; `DITTRAIN_COMPILE_BACKEND` (e.g. `aot_eager`, `eager`) overrides it, for CPU tests.
 """
@@ -41,7 +55,8 @@ class CompileOptions:
     """How the blocks are compiled. `shapes`: how many input shapes (aspect-ratio buckets) to expect."""
 
     backend: str = field(default_factory=lambda: os.environ.get("DITTRAIN_COMPILE_BACKEND", "inductor"))
-    dynamic: bool = False
+    #: False: static shapes (one compile per bucket); "tokens": token axes marked dynamic; True: all symbolic
+    dynamic: bool | str = False
     shapes: int = 8
     mode: str | None = None
 
@@ -77,15 +92,37 @@ def _raise_limit(opts: CompileOptions) -> None:
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * need)
 
 
+def mark_token_axes(x) -> None:
+    """`maybe_mark_dynamic` every axis but the last (and but those of size 1) of each floating or complex tensor
+    in `x` (nested tuples / lists / dicts too): the sequence axes of a block's inputs (see the essay)."""
+    if isinstance(x, torch.Tensor):
+        if x.ndim >= 2 and (x.is_floating_point() or x.is_complex()):
+            for d in range(x.ndim - 1):
+                if x.shape[d] > 1:
+                    torch._dynamo.maybe_mark_dynamic(x, d)
+    elif isinstance(x, tuple | list):
+        for y in x:
+            mark_token_axes(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            mark_token_axes(y)
+
+
 def forward_of(cls: type, opts: CompileOptions):
     """The compiled `cls.forward` (called with the block as first argument); compiled lazily, once per class."""
     key = (cls, opts.backend, opts.dynamic, opts.mode)
     fn = _COMPILED.get(key)
     if fn is None:
         _raise_limit(opts)
-        compiled = torch.compile(cls.forward, backend=opts.backend, dynamic=opts.dynamic, mode=opts.mode)
+        tokens = opts.dynamic == "tokens"
+        # "tokens": torch's default (None: static first, automatic dynamic after) plus the marks made below
+        compiled = torch.compile(cls.forward, backend=opts.backend, dynamic=None if tokens else bool(opts.dynamic),
+                                 mode=opts.mode)
 
         def fn(*args, **kwargs):
+            if tokens:
+                mark_token_axes(args[1:])  # args[0] is the block (its parameters keep their static shapes)
+                mark_token_axes(kwargs)
             before = _graphs()
             t0 = time.perf_counter()
             out = compiled(*args, **kwargs)
@@ -99,8 +136,25 @@ def forward_of(cls: type, opts: CompileOptions):
 
 
 def stats() -> dict:
-    """Graphs compiled by `forward_of` so far and the seconds spent in the calls that compiled them."""
-    return {"classes": len(_COMPILED), "graphs": _STATS["graphs"], "seconds": _STATS["seconds"]}
+    """Graphs compiled by `forward_of` so far, the seconds spent in the calls that compiled them, and torch's
+    compile-cache counters of this process (AOTAutograd: forward + backward pairs; FX graph: kernel modules)."""
+    from torch._dynamo.utils import counters
+
+    return {"classes": len(_COMPILED), "graphs": _STATS["graphs"], "seconds": _STATS["seconds"],
+            "aot_hits": int(counters["aot_autograd"]["autograd_cache_hit"]),
+            "aot_misses": int(counters["aot_autograd"]["autograd_cache_miss"]),
+            "fx_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
+            "fx_misses": int(counters["inductor"]["fxgraph_cache_miss"])}
+
+
+def use_cache(folder: str | os.PathLike) -> str:
+    """Keep inductor's compile caches in `folder` (created) from now on in this process; returns it. See the
+    essay: the files are torch's own."""
+    path = os.path.abspath(os.fspath(folder))
+    os.makedirs(path, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    _STATS["cache"] = path
+    return path
 
 
 def report(once: bool = True) -> str | None:
@@ -109,12 +163,22 @@ def report(once: bool = True) -> str | None:
         return None
     _STATS["reported"] = True
     s = stats()
-    return (f"compile: {s['graphs']} block graphs for {s['classes']} block classes in {s['seconds']:.1f} s "
+    line = (f"compile: {s['graphs']} block graphs for {s['classes']} block classes in {s['seconds']:.1f} s "
             "(forward; the backward compiles within the first step)")
+    if s["aot_hits"] + s["aot_misses"] + s["fx_hits"] + s["fx_misses"]:
+        line += (f"; cache {s['aot_hits']} of {s['aot_hits'] + s['aot_misses']} forward+backward graphs and "
+                 f"{s['fx_hits']} of {s['fx_hits'] + s['fx_misses']} kernel modules loaded")
+        if _STATS.get("cache"):
+            line += f" ({_STATS['cache']})"
+    return line
 
 
 def reset() -> None:
     """Forget every compiled function (and torch's caches): benchmarks between rows, tests."""
     _COMPILED.clear()
     _STATS.update(graphs=0, seconds=0.0, reported=False)
+    from torch._dynamo.utils import counters
+
+    for k in ("aot_autograd", "inductor"):  # the cache counters report() reads, per run
+        counters[k].clear()
     torch._dynamo.reset()

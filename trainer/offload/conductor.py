@@ -63,6 +63,16 @@ def _nothing() -> None:
     pass
 
 
+def _per_block(checkpointing, default: bool, n: int) -> list[bool]:
+    """`checkpointing` as one flag per block: None (the mode's default), one bool for all, or a list."""
+    if checkpointing is None or isinstance(checkpointing, bool):
+        return [default if checkpointing is None else checkpointing] * n
+    flags = [bool(x) for x in checkpointing]
+    if len(flags) != n:
+        raise ValueError(f"checkpointing: {len(flags)} flags for {n} blocks")
+    return flags
+
+
 class Conductor:
     def __init__(
         self,
@@ -72,7 +82,7 @@ class Conductor:
         mode: str = "train",
         activations: bool = False,
         trainable: bool = False,
-        checkpointing: bool | None = None,
+        checkpointing: bool | None | list[bool] = None,
         optimizer_state=(),
         race_detector: bool = False,
         min_ring_blocks: int = 2,
@@ -93,7 +103,9 @@ class Conductor:
         self.fraction = float(fraction)
         self.mode = mode
         self.trainable = trainable
-        self.checkpointing = (mode == "train") if checkpointing is None else checkpointing
+        #: per block: recompute it in backward (torch.utils.checkpoint) rather than keep its activations
+        self.checkpointed = _per_block(checkpointing, mode == "train", len(self.blocks))
+        self.checkpointing = any(self.checkpointed)
         self.race_detector = race_detector
         self.release_at_recompute = release_at_recompute
         self.streaming = self.fraction > 0.0
@@ -153,6 +165,10 @@ class Conductor:
         cap = capacity_for(sizes, self.fraction, min_blocks=min_ring_blocks)
         self.plan: Plan = plan_for(sizes, cap, self.mode, min_ring_blocks)
         streamed = self.plan.streamed
+        kept = [b for b in streamed if not self.checkpointed[b]]
+        if self.mode == "train" and kept:  # the same reason as in __init__, block by block
+            raise ValueError(f"offloading blocks in training needs per-block checkpointing: blocks {kept} stream at "
+                             f"fraction {self.fraction:g} but are not checkpointed")
         self.host_off: dict[int, int] = {}
         total = 0
         for b in streamed:

@@ -13,6 +13,7 @@ imports it. Modules:
 - timing.py, replay.py: step-time costs, and the step replayed block by block over the conductor's plan;
 - measure.py: a short measurement on the user's GPU (`dittrain plan` with a GPU);
 - sampling.py: the same for the denoising loop of `dittrain sample`;
+- checkpointing.py: which blocks `train.gradient_checkpointing: auto` keeps the activations of;
 - report.py: the text `dittrain plan` prints (`report`, `run_plan`);
 - presets.py: `python -m trainer.planner.presets` writes configs/<family>/<method>-<N>gb.yaml.
 """

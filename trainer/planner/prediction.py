@@ -20,6 +20,9 @@ How. Everything is derived from the model's own code and the conductor's own ari
   blocks 0..i are held, block i's working set exists and the gradients of blocks i..n-1 have accumulated
   (none under the fused back pass, which frees each at once). The optimizer step afterwards holds every
   gradient and no activations. The predicted peak is the largest of these moments;
+- per-block checkpointing (`predict(..., kept=...)`, train.gradient_checkpointing: auto): a kept block holds its
+  saved tensors from its forward to its backward instead of only its inputs, and its backward skips the recompute
+  (trainer/planner/checkpointing.py chooses which blocks);
 - LoRA: fp32 weights, fp32 gradients and the optimizer state, all resident. Full fine-tune: every block's
   weights train and stream (written back after their step); the embedders train resident;
 - peak reserved VRAM = static allocations (ring or resident blocks, non-block weights, trainable state), each
@@ -182,7 +185,7 @@ def analyze(cfg) -> Facts:
         method=method,
         dtype=dtype,
         batch=cfg.train.batch_size,
-        checkpointing=cfg.train.gradient_checkpointing,
+        checkpointing=cfg.train.gradient_checkpointing is not False,  # auto: all, then planner/checkpointing.py
         fused=cfg.optimizer.fused_back_pass,
         optimizer=cfg.optimizer.name,
         model=model,
@@ -270,7 +273,10 @@ def predict(
     res: int,
     activation_offload: bool = False,
     rates: ptime.Rates | None = None,
+    kept: frozenset[int] = frozenset(),
 ) -> Prediction:
+    """`kept`: blocks that keep their activations for backward instead of being recomputed, in a checkpointed
+    run (train.gradient_checkpointing: auto, trainer/planner/checkpointing.py)."""
     rates = rates or ptime.reference_rates()
     tr = facts.trace(res)
     ring, pinned, h2d = streaming(facts.packed, fraction)
@@ -301,32 +307,35 @@ def predict(
     # fused back pass, which frees each at once) have accumulated. The optimizer step after backward holds
     # every gradient but no activations. The peak is the larger of the two.
     n = len(tr.block_inputs)
+    ck = [facts.checkpointing and i not in kept for i in range(n)]  # per block: recomputed in backward
     ws = [
         s + 2 * big + 2 * inp
         for s, big, inp in zip(tr.block_saved, tr.block_largest, tr.block_inputs, strict=True)
     ]
     if activation_offload and facts.checkpointing:
         ck_gpu = tr.block_inputs[0] + 2 * max(tr.block_inputs[1:] or [0])
-        ck_host = tr.checkpoint_inputs - tr.block_inputs[0]
+        ck_host = tr.checkpoint_inputs - tr.block_inputs[0] - sum(tr.block_inputs[i] for i in kept if i > 0)
     else:
         ck_gpu, ck_host = tr.checkpoint_inputs, 0
-    held = 0  # activations kept for backward by blocks 0..i
-    prefix = []
+    held = kept_gpu = 0  # activations kept for backward by blocks 0..i (by the kept ones among them)
+    prefix, kept_prefix = [], []
     for i in range(n):
-        held += tr.block_inputs[i] + (0 if facts.checkpointing else tr.block_saved[i])
+        held += tr.block_inputs[i] + (0 if ck[i] else tr.block_saved[i])
+        kept_gpu += 0 if ck[i] or not facts.checkpointing else tr.block_inputs[i] + tr.block_saved[i]
         prefix.append(held)
+        kept_prefix.append(kept_gpu)
     grads_after = [sum(facts.block_grads[i:]) for i in range(n)]
     peaks = []
     for i in range(n):
-        kept = ck_gpu if activation_offload and facts.checkpointing else prefix[i]
-        work = ws[i] if facts.checkpointing else ws[i] - tr.block_saved[i]
-        peaks.append(kept + work + grads_after[i])
+        held_i = ck_gpu + kept_prefix[i] if activation_offload and facts.checkpointing else prefix[i]
+        work = ws[i] if ck[i] else ws[i] - tr.block_saved[i]
+        peaks.append(held_i + work + grads_after[i])
     i_peak = max(range(n), key=peaks.__getitem__)
     bwd = peaks[i_peak] + tr.outside_saved + one_grad
     step = sum(facts.block_grads) + facts.nonblock_grads + one_grad
     if bwd >= step:  # the peak is inside backward: split it into its parts for the report
         dynamic, grads_at_peak = bwd, grads_after[i_peak] + one_grad
-        ck_gpu_shown = ck_gpu if activation_offload and facts.checkpointing else prefix[i_peak]
+        ck_gpu_shown = ck_gpu + kept_prefix[i_peak] if activation_offload and facts.checkpointing else prefix[i_peak]
         other = tr.outside_saved
     else:  # the optimizer step: gradients only
         dynamic, grads_at_peak, ck_gpu_shown, other = step, step, 0, 0
@@ -343,10 +352,13 @@ def predict(
     # read whole before packing (facts.loads_whole), a pageable copy of it beside the arena.
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
     ram = (model_bytes if facts.loads_whole else 0) + pinned + ck_host + HOST_BASE
+    ck_flops = ptime.block_train_flops(tr, n, facts.checkpointing, full)
+    kept_flops = ptime.block_train_flops(tr, n, False, full)  # no recompute
     flops = ptime.train_flops(
         tr.linear_flops, tr.attn_flops, checkpointing=facts.checkpointing, weights_train=full
-    )
+    ) - sum(ck_flops[i] - kept_flops[i] for i in range(n) if not ck[i])
     costs = ptime.block_costs(facts.blocks, tr, rates, res, full, facts.checkpointing)
+    costs = [c if ck[b] or not facts.checkpointing else c.without_recompute() for b, c in enumerate(costs)]
     plan = _train_plan(tuple(facts.packed), fraction)
     streamed_blocks = set(plan.streamed) if plan is not None else set()
     opt_step = ptime.REF_FULL_STEP_S_PER_PARAM if full else 0.0  # a full fine-tune's optimizer steps
@@ -359,7 +371,7 @@ def predict(
         for b, c in enumerate(costs)
     ]
     sim = simulate(costs, plan, rates.h2d)
-    block_flops = sum(ptime.block_train_flops(tr, len(facts.blocks), facts.checkpointing, full))
+    block_flops = sum(ck_flops[i] if ck[i] else kept_flops[i] for i in range(n))
     # embedders and final layers: GPU time (and their optimizer steps in a full fine-tune)
     outside_s = max(0.0, flops - block_flops) / rates.rate(res) + facts.nonblock_params * opt_step
     transfer_s = ptime.transfer_seconds(h2d, d2h, rates)
@@ -480,12 +492,13 @@ def resolve_fraction(cfg, *, facts: Facts | None = None, log=print) -> float:
 
 
 def expected(
-    cfg, fraction: float, *, facts: Facts | None = None, rates: ptime.Rates | None = None
+    cfg, fraction: float, *, facts: Facts | None = None, rates: ptime.Rates | None = None,
+    kept: frozenset[int] = frozenset(),
 ) -> Prediction:
     """The prediction for the config's largest bucket at `fraction` (what the first real steps are checked
-    against)."""
+    against); `kept`: blocks that keep their activations (train.gradient_checkpointing: auto)."""
     facts = facts or analyze(cfg)
-    return predict(facts, fraction, max(facts.resolutions), cfg.offload.activations, rates)
+    return predict(facts, fraction, max(facts.resolutions), cfg.offload.activations, rates, kept=kept)
 
 
 def check_line(pred: Prediction, reserved_bytes: float, step_s: float | None = None) -> str:

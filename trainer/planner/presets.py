@@ -55,11 +55,12 @@ def _config(
     # qwen-image-edit: its captions are encoded with their reference images (~1400 vision tokens at 1024 px), so
     # one at a time; its samples need a reference image
     ref_text = adapter_class(family).text_uses_reference
+    # an fp8 base is chosen for RAM: the modulation Linears in the blocks (a quarter to a third of the block bytes,
+    # where a family has them) go to fp8 too (bench/RESULTS.md: loss curve unchanged on the bundled data)
+    mod = {"quantize_modulation": True} if adapter_class(family).modulation_linears else {}
     return {
         "model": {"family": family, "path": adapter_class(family).example_path, "dtype": "bf16",
-                  # an fp8 base is chosen for RAM: the modulation Linears (a quarter to a third of the block
-                  # bytes) go to fp8 too (bench/RESULTS.md: loss curve unchanged on the bundled data)
-                  **({"quantize": quantize, "quantize_modulation": True} if quantize != "none" else {})},
+                  **({"quantize": quantize, **mod} if quantize != "none" else {})},
         "train": {
             "method": method,
             "steps": 2000 if full else 1500,
@@ -171,7 +172,8 @@ def plan_preset(
     is turned off where it would not fit), or why none does. Full fine-tunes try AdamW (moments stream with the weights: 10 bytes a parameter) and Adafactor
     (factored state stays on the GPU: 2 bytes a parameter stream) and keep the higher resolution, then the
     faster step. LoRA presets for FP8_CARDS use an fp8 base where bf16 does not fit the card or SMALL_RAM_GB of
-    RAM (the last element says why; empty for bf16)."""
+    RAM, and fp8 does (or, for a model too big for SMALL_RAM_GB even in fp8, where fp8 needs less RAM than bf16
+    within the card's RAM_GB); the last element says why (empty for bf16)."""
     opts = ("adamw", "adafactor") if method == "full" else ("adamw",)
     found = [_first_fit(family, method, card, o, cache) for o in opts]
     fits = [r for r in found if not isinstance(r, str)]
@@ -183,9 +185,18 @@ def plan_preset(
             why = (f"in bf16 it would need {fits[0][1].ram_peak / 1e9:.0f} GB of host RAM, more than the "
                    f"{SMALL_RAM_GB} GB of most machines with {card} GB cards")
         if why:
-            q = _first_fit(family, method, card, "adamw", cache, "fp8", ram_gb=SMALL_RAM_GB)  # else bf16 stays
-            if not isinstance(q, str):
-                return (*q, why + f"; with fp8 Linear weights it pins {q[1].pinned / 1e9:.0f} GB")
+            q = _first_fit(family, method, card, "adamw", cache, "fp8", ram_gb=SMALL_RAM_GB)
+            if isinstance(q, str) and fits:
+                # a model whose fp8 blocks alone outgrow SMALL_RAM_GB (Flux.2-dev: 32 GB): fp8 still halves the
+                # host RAM the bf16 preset needs, within the RAM assumed beside the card
+                q = _first_fit(family, method, card, "adamw", cache, "fp8")
+                if not isinstance(q, str) and q[1].ram_peak >= fits[0][1].ram_peak:
+                    q = "no gain"
+            if not isinstance(q, str):  # else bf16 stays
+                over = q[1].ram_peak / 1e9 > SMALL_RAM_GB
+                return (*q, why + f"; with fp8 Linear weights it pins {q[1].pinned / 1e9:.0f} GB"
+                        + (f" ({q[1].ram_peak / 1e9:.0f} GB peak: over {SMALL_RAM_GB} GB too, but less than half the "
+                           "bf16 need)" if over else ""))
             why = ""
     if not fits:
         return found[-1]
@@ -222,8 +233,10 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
         f"# trains: {what} on the transformer, {res}x{res} buckets, batch 1, bf16"
         + (", gradient checkpointing" if ckpt else "")
         + (", frozen base in fp8 (model.quantize: fp8)" if why_fp8 else ""),
-        *([f"# fp8 base: {why_fp8} (modulation Linears too: model.quantize_modulation; norms and biases stay bf16; "
-           "the LoRA trains in fp32)."]
+        *([f"# fp8 base: {why_fp8} ("
+           + ("modulation Linears too: model.quantize_modulation; " if adapter_class(family).modulation_linears
+              else "the modulation Linears sit outside the blocks and stay bf16; ")
+           + "norms and biases stay bf16; the LoRA trains in fp32)."]
           if why_fp8 else []),
         f"# expects: {big.vram / 1e9:.1f} GB VRAM (largest phase: {big.name}), {(p.pinned + p.act_checkpoint_host) / 1e9:.0f} GB pinned RAM "
         f"({p.ram_peak / 1e9:.0f} GB peak), {speed:.2f}x the step time without offloading (planner prediction; "

@@ -60,6 +60,12 @@ class BlockCost:
     def scaled(self, gpu: float = 1.0, extra_gpu_bwd: float = 0.0) -> BlockCost:
         return BlockCost(self.host_fwd, self.host_bwd, self.gpu_fwd * gpu, self.gpu_bwd * gpu + extra_gpu_bwd)
 
+    def without_recompute(self) -> BlockCost:
+        """The same block keeping its activations (train.gradient_checkpointing auto / false): its backward
+        without the recompute, taken as costing one forward."""
+        return BlockCost(self.host_fwd, max(0.0, self.host_bwd - self.host_fwd), self.gpu_fwd,
+                         max(0.0, self.gpu_bwd - self.gpu_fwd))
+
 
 @dataclass(frozen=True)
 class StepTime:

@@ -78,6 +78,12 @@ def report(
         chosen = choose_fraction(cfg, budget, facts=facts, log=lambda s: lines.append(s))
         lines.append("")
     f_show = chosen if chosen is not None else (frac or 0.0)
+    if cfg.train.gradient_checkpointing == "auto":  # which blocks keep their activations, and the cost
+        from .checkpointing import choose_checkpointing
+
+        choose_checkpointing(cfg, f_show, budget * GB if budget is not None else None, facts=facts,
+                             log=lambda s: lines.append(s))
+        lines.append("")
     ring, pinned, h2d = streaming(facts.packed, f_show)
     nparams = sum(facts.block_param_bytes) / torch.tensor([], dtype=facts.dtype).element_size()
     if f_show > 0:

@@ -24,6 +24,7 @@ its batch), VAE tiling for very large images, negative prompts for Flux's "true 
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -160,6 +161,10 @@ def generate(
         )
         device = pipe._execution_device
         reference = adapter.pipeline_image(pipe, ref_image)
+        # the negative prompt travels as embeddings; pipelines that take a text one too must not re-encode it
+        # (Flux.2's take none)
+        if "negative_prompt" in inspect.signature(pipe.__call__).parameters:
+            reference = {**reference, "negative_prompt": None}
         images = []
         for prompt, seed in zip(prompts, seeds, strict=True):
             embeds = next(encoded) if isinstance(prompt, str) else prompt
@@ -168,7 +173,6 @@ def generate(
                 **_to(embeds, device),
                 **adapter.pipeline_guidance(pipe, settings.guidance),
                 **reference,
-                negative_prompt=None,
                 height=settings.height,
                 width=settings.width,
                 num_inference_steps=settings.steps,

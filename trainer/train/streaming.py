@@ -5,8 +5,9 @@ the planner's choice for this GPU (trainer/planner `resolve_fraction`); 0 where 
 the CPU the model stays resident). The same float is what the loop hands to the planner's check after the first
 steps and to the out-of-memory message, which can then suggest a higher one.
 
-`place_blocks` is where the transformer's blocks become what the loop runs: checkpointed (recomputed in backward)
-and, when the conductor runs, streamed between pinned CPU RAM and the GPU. Everything outside the blocks moves to
+`place_blocks` is where the transformer's blocks become what the loop runs: checkpointed (recomputed in backward;
+per block under `train.gradient_checkpointing: auto`, `checkpoint_policy`) and, when the conductor runs, streamed
+between pinned CPU RAM and the GPU. Everything outside the blocks moves to
 the device here (the conductor's contract); the training method then decides where the optimizer state of
 streamed trainable weights lives (trainer/train/method.py). It needs the optimizer built first: a streamed full
 fine-tune packs each weight's optimizer state beside it, in the layout the optimizer reports.
@@ -19,6 +20,7 @@ sampler of a training run calls the same blocks, so its images use the same comp
 from __future__ import annotations
 
 import os
+import statistics
 import uuid
 from pathlib import Path
 
@@ -55,11 +57,36 @@ def compile_options(cfg: Config, device: torch.device, shapes: int = 8) -> Compi
     return CompileOptions(dynamic=cfg.train.compile_dynamic, shapes=max(1, shapes))
 
 
+def checkpoint_policy(cfg: Config, device: torch.device, fraction: float) -> bool | list[bool]:
+    """The handle's `checkpointing`: train.gradient_checkpointing, or for `auto` the planner's per-block choice
+    (trainer/planner/checkpointing.py) for the budget: offload.vram_budget_gb, else the GPU's memory (on the CPU
+    there is none to plan for: every block checkpointed). Logged once."""
+    c = cfg.train.gradient_checkpointing
+    if c != "auto":
+        return bool(c)
+    from ..planner import GB
+    from ..planner.checkpointing import CARD_SHARE, choose_checkpointing
+
+    budget = None
+    if cfg.offload.vram_budget_gb is not None:
+        budget = cfg.offload.vram_budget_gb * GB
+    elif device.type == "cuda":
+        budget = CARD_SHARE * torch.cuda.get_device_properties(device).total_memory
+    if budget is None:
+        return True
+    try:
+        choice = choose_checkpointing(cfg, fraction, budget, log=say)
+    except Exception as e:  # noqa: BLE001 - a prediction that cannot be made must never stop training
+        say(f"checkpointing: auto could not plan ({type(e).__name__}: {e}); every block recomputed")
+        return True
+    return choice.checkpointed
+
+
 def conducts(cfg: Config, fraction: float, can_stream: bool, device: torch.device | None = None) -> bool:
     """Whether the offload handle runs: it streams at fraction > 0, and at 0 still runs to checkpoint the blocks
     (offload/block.py StreamedBlock owns each block's forward), to compile them, and for activation offloading or
     nano-batching."""
-    return (cfg.train.gradient_checkpointing or fraction > 0
+    return (cfg.train.gradient_checkpointing is not False or fraction > 0
             or (device is not None and compiles(cfg, device))
             or (can_stream and (cfg.offload.activations or cfg.offload.nano_batches > 1)))
 
@@ -79,7 +106,7 @@ def place_blocks(transformer, blocks, cfg: Config, device: torch.device, fractio
     handle = attach_offload(
         blocks, device, fraction, mode="train", activations=cfg.offload.activations and device.type == "cuda",
         nano_batches=cfg.offload.nano_batches, trainable=method.streams_trainable,
-        checkpointing=cfg.train.gradient_checkpointing, optimizer_state=method.optimizer_state_layout(optim),
+        checkpointing=checkpoint_policy(cfg, device, fraction), optimizer_state=method.optimizer_state_layout(optim),
         compile=compile_options(cfg, device, shapes) or False,
         fill=fill, pinned_budget=_gb(cfg.offload.pinned_budget_gb), share=share,
     )
@@ -119,11 +146,39 @@ def _gb(x: float | None) -> int | None:
     return None if x is None else int(x * 2**30)
 
 
-def check_plan(cfg: Config, fraction: float, device: torch.device, step_s: float) -> None:
-    """Log the planner's predicted peak VRAM and step time beside what the first real steps measured."""
+class SteadySteps:
+    """Step times to check the planner's prediction against: steady-state steps only. The first step of a run
+    warms up (allocator, cuBLAS handles) and a step that compiled a new bucket shape (train.compile) costs its
+    compile, tens of seconds: averaging them in made the log say "step predicted 1.05 s, measured 14.87 s".
+    `add` returns the median once `need` such steps have been seen (once per run), else None."""
+
+    def __init__(self, need: int = 4):
+        self.need, self.seen, self.times, self.done = need, 0, [], False
+
+    def add(self, seconds: float, compiled: bool) -> float | None:
+        self.seen += 1
+        if self.seen > 1 and not compiled:
+            self.times.append(seconds)
+        if self.done or len(self.times) < self.need:
+            return None
+        self.done = True
+        return statistics.median(self.times)
+
+
+def check_plan(cfg: Config, fraction: float, device: torch.device, step_s: float, handle=None,
+               steps: int | None = None) -> None:
+    """Log the planner's predicted peak VRAM and step time beside what the real steps measured: `step_s` is the
+    median of `steps` steady-state steps (none of which compiled). `handle`: its per-block checkpointing is what
+    the prediction assumes."""
+    kept = frozenset()
+    if handle is not None:
+        kept = frozenset(i for i, c in enumerate(handle.checkpointed) if not c)
     try:
-        pred = expected(cfg, fraction)
+        pred = expected(cfg, fraction, kept=kept)
     except Exception as e:  # a prediction that cannot be made must never stop training
         say(f"offload: no planner prediction to compare with ({type(e).__name__}: {e})")
         return
-    say(check_line(pred, torch.cuda.max_memory_reserved(device), step_s))
+    line = check_line(pred, torch.cuda.max_memory_reserved(device), step_s)
+    if steps is not None:
+        line += f" [measured: median of {steps} steady-state steps, compile steps excluded]"
+    say(line)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
@@ -110,16 +109,17 @@ class Trainer:
                 with self._phase("load"):  # the caching phases inside it measure and report themselves
                     self.setup()
             self.stop.install()
-            first, times = self.step, []
+            steady = streaming.SteadySteps()  # the planner check's step times: no compile, no warm-up
             while self.step < c.steps:
+                graphs = compiled.stats()["graphs"]
                 with self._phase("training step", message=self._step_oom):
                     metrics = self.train_step()
                 if self.ema is not None:
                     self.ema.after_step(self.step)  # ema.py: unfused, the EMA updates here
-                times.append(metrics["step_time"])
-                if self.step == first + 5 and self.device.type == "cuda" and self.dist.is_main:
-                    # the median of steps 2-5 (the first warms up; single steps jitter, most at small buckets)
-                    streaming.check_plan(self.cfg, self.fraction, self.device, statistics.median(times[1:]))
+                median = steady.add(metrics["step_time"], compiled=compiled.stats()["graphs"] != graphs)
+                if median is not None and self.device.type == "cuda" and self.dist.is_main:
+                    streaming.check_plan(self.cfg, self.fraction, self.device, median, handle=self.offload,
+                                         steps=steady.need)
                 if self.dist.any(self.stop.requested):  # every rank stops at the same step
                     path = self.save()
                     raise TrainingInterrupted(
@@ -183,6 +183,8 @@ class Trainer:
                              "or set sample.every: 0"):  # the sample prompts, encoded once
                 self.sampler = TrainingSampler(cfg, self.adapter, self.device, self.dtype)  # frees the encoders
 
+        if c.compile_cache and streaming.compiles(cfg, self.device):  # before anything compiles
+            say(f"compile cache: {compiled.use_cache(Path(cfg.data.cache_dir) / 'torch-compile')}")
         self.fraction = streaming.transformer_fraction(cfg, self._can_stream())  # resolved once: auto -> a float
         # Rank 0's choice everywhere: `auto` may time the GPU, and a shared arena needs one layout on every process
         self.fraction = float(self.dist.broadcast_text(repr(self.fraction)))
@@ -205,7 +207,7 @@ class Trainer:
         self.method.same_start(self.dist, self.params)
         blocks = self.adapter.blocks(self.transformer)
         say(f"{self.method.describe(self.params)}, "
-            f"{len(blocks)} blocks{' checkpointed' if c.gradient_checkpointing else ''}"
+            f"{len(blocks)} blocks{_checkpointed(c.gradient_checkpointing)}"
             f"{f', {self.fraction:g} of block bytes streamed from CPU RAM' if streamed else ''}")
         self.optim = optimizer_for(cfg, self.params, self.dist)  # gradients averaged over ranks, if several
         self.ema = EMA.build(cfg, self.transformer, self.params, self.optim)  # train.ema; before blocks stream
@@ -440,6 +442,10 @@ class Trainer:
             self.offload.close(keep_weights=self.keep_model)
             self.offload = None
         self.dist.close()
+
+
+def _checkpointed(setting) -> str:
+    return {True: " checkpointed", False: "", "auto": " (checkpointing auto: the planner picks per block)"}[setting]
 
 
 def _to(v, device, dtype):

@@ -1,0 +1,111 @@
+"""`bench/bench_speed.py --profile`: where a dittrain eager step spends its time that the plain script's does not
+(issue 29: dittrain eager was 1.10 x plain on Qwen-Image but 0.93 x on Flux, never profiled).
+
+Two rows, both eager, resident, every block checkpointed, built as bench_speed builds them: the plain script (peft
+bf16 LoRA, diffusers' checkpointing, torch AdamW) and dittrain offload 0 (StreamedBlock, the project's LoRA math
+and AdamW). After --warmup steps, torch.profiler records --steps steps of each (CPU and CUDA activities) and prints:
+
+- per row: wall time per step, CUDA kernel time per step (the sum of every kernel's self time: where it is far
+  below the wall time the GPU waits on the host's launches), and the number of kernel launches per step;
+- per row: the top operators by self CUDA time and by self CPU time (`key_averages().table`);
+- the operators whose self CUDA time differs most between the two rows, per step (the answer to "why").
+
+    python bench/bench_speed.py --profile --family qwen_image --out $OUT/prof    # ~3 min on an H100
+    python bench/bench_speed.py --profile --smoke --out /tmp/p                    # CPU: checks the script
+
+Writes profile_<family>.txt under --out.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity
+from torch.profiler import profile as torch_profile
+
+ROWS = [
+    dict(name="plain diffusers + peft, bf16 LoRA, eager, resident", kind="plain", compile=False),
+    dict(name="dittrain offload 0, eager", kind="ours", fraction=0.0, act=False, compile=False, math="auto",
+         quant="none", modulation=False, dynamic=False, ckpt="all", fp8mm=False),
+]
+
+
+def _self_device_us(e) -> float:
+    for attr in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(e, attr):
+            return float(getattr(e, attr))
+    return 0.0
+
+
+def _record(spec, args, dev):
+    import bench.bench_speed as bs
+
+    bs.compiled.reset()
+    adapter, m = bs.build(args.family, dev, args.smoke)
+    kw = bs.model_inputs(adapter, m, dev, args.res)
+    plain = spec["kind"] == "plain"
+    params, handle = bs.plain_setup(adapter, m, args, spec) if plain else bs.ours_setup(adapter, m, args, spec, dev)
+    opt = (torch.optim.AdamW(params, lr=1e-5) if plain
+           else bs.build_optimizer(params, bs.OptimizerConfig(name="adamw", lr=1e-5)))
+
+    def step():
+        out = m(**kw)[0]
+        out.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    try:
+        for _ in range(args.warmup):
+            step()
+        bs.sync(dev)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with torch_profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            bs.sync(dev)
+            wall = (time.perf_counter() - t0) / args.steps
+    finally:
+        if handle is not None:
+            handle.close()
+    return prof.key_averages(), wall
+
+
+def profile(args, dev) -> list[dict]:
+    import bench.bench_speed as bs
+
+    sort_dev = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    out, rows, per_op = [], [], {}
+    for spec in ROWS:
+        avgs, wall = _record(spec, args, dev)
+        bs.free(dev)
+        kernel_s = sum(_self_device_us(e) for e in avgs) / 1e6 / args.steps
+        launches = sum(e.count for e in avgs if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) / args.steps
+        rows.append({"name": spec["name"], "wall_s": wall, "kernel_s": kernel_s, "launches": launches})
+        per_op[spec["name"]] = {e.key: (_self_device_us(e) / args.steps, e.self_cpu_time_total / args.steps,
+                                        e.count / args.steps) for e in avgs}
+        out += [f"## {spec['name']}: wall {wall:.3f} s/step, CUDA kernels {kernel_s:.3f} s/step, "
+                f"{launches:.0f} kernel launches/step", "",
+                avgs.table(sort_by=sort_dev, row_limit=25), "",
+                avgs.table(sort_by="self_cpu_time_total", row_limit=15), ""]
+    a, b = (per_op[r["name"]] for r in ROWS)
+    diff = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, (0, 0, 0))[0] - a.get(k, (0, 0, 0))[0]))
+    out += ["## self CUDA time per step, dittrain minus plain (ms), largest differences first", "",
+            "| op | plain ms | dittrain ms | diff ms | plain calls | dittrain calls |", "|---|---|---|---|---|---|"]
+    for k in diff[:25]:
+        pa, pb = a.get(k, (0, 0, 0)), b.get(k, (0, 0, 0))
+        out.append(f"| {k[:70]} | {pa[0] / 1e3:.2f} | {pb[0] / 1e3:.2f} | {(pb[0] - pa[0]) / 1e3:+.2f} | "
+                   f"{pa[2]:.0f} | {pb[2]:.0f} |")
+    head = [f"profile: {args.family}, {args.res} px, LoRA r{args.rank}, "
+            f"{'cpu (smoke)' if dev.type == 'cpu' else torch.cuda.get_device_name()}, {args.steps} steps after "
+            f"{args.warmup} warm-up", ""]
+    head += [f"- {r['name']}: wall {r['wall_s']:.3f} s, kernels {r['kernel_s']:.3f} s, "
+             f"launches {r['launches']:.0f} per step" for r in rows]
+    text = "\n".join(head + [""] + out)
+    print(text)
+    if args.out is not None:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"profile_{args.family}.txt").write_text(text + "\n")
+    return rows

@@ -1,0 +1,157 @@
+"""Recompute only what must be (issue 29): per-block gradient checkpointing in the offload handle, and
+`train.gradient_checkpointing: auto`'s choice by the planner.
+
+Equivalence (fp32, CPU): keeping a block's activations instead of recomputing it gives bitwise the same losses and
+LoRA weights, at fraction 0 for all, none or some blocks, and at fraction 0.5 for the blocks that never leave the
+ring. A streamed block without checkpointing is refused (its weights would be refilled under saved views)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _offload_util import add_lora, blocks_of, tiny_flux, train_steps, trainable_state
+
+from trainer.offload import attach_offload
+from trainer.offload.block import StreamedBlock
+
+
+def _run(fraction, checkpointing, steps=2, layers=2, singles=2):
+    m = add_lora(tiny_flux(0, layers=layers, singles=singles))
+    blocks = blocks_of(m)
+    h = attach_offload(blocks, "cpu", fraction, checkpointing=checkpointing)
+    recomputed = []
+    for i, b in enumerate(blocks):  # recomputes: a block's submodules called under backward
+        for sub in b.children():
+            sub.register_forward_pre_hook(lambda mod, a, i=i: recomputed.append(i)
+                                          if torch._C._current_graph_task_id() != -1 else None)
+    losses = train_steps(m, steps)
+    plan = h.plan
+    h.close()
+    return losses, trainable_state(m), sorted(set(recomputed)), plan
+
+
+def _same(a, b):
+    assert torch.equal(a[0], b[0])
+    assert a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+@pytest.mark.parametrize("policy", [False, [False, True, False, True]])
+def test_keeping_activations_is_bitwise_recomputing_at_offload_0(policy):
+    ref = _run(0.0, True)
+    assert ref[2] == [0, 1, 2, 3]  # every block recomputed in backward
+    got = _run(0.0, policy)
+    _same(got, ref)
+    want = [] if policy is False else [i for i, c in enumerate(policy) if c]
+    assert got[2] == want  # only the checkpointed blocks ran again
+
+
+def test_streamed_blocks_stay_checkpointed_and_resident_ones_may_keep_activations():
+    six = dict(layers=0, singles=6)  # equal blocks: at 0.25 the training plan leaves the middle ones resident
+    ref = _run(0.25, True, **six)
+    streamed = set(ref[3].streamed)
+    assert streamed and len(streamed) < 6
+    policy = [i in streamed for i in range(6)]
+    got = _run(0.25, policy, **six)
+    _same(got, ref)
+    assert got[2] == sorted(streamed)
+    with pytest.raises(ValueError, match=r"blocks \[\d.*\] stream at fraction 0.25 but are not checkpointed"):
+        _run(0.25, [not c for c in policy], **six)
+    with pytest.raises(ValueError, match="needs per-block checkpointing"):
+        _run(0.25, False, **six)
+
+
+def test_wrong_length_is_refused_and_close_restores_the_blocks():
+    m = add_lora(tiny_flux(0, layers=1, singles=1))
+    with pytest.raises(ValueError, match="3 flags for 2 blocks"):
+        attach_offload(blocks_of(m), "cpu", 0.0, checkpointing=[True, True, True])
+    assert not any(isinstance(b, StreamedBlock) for b in blocks_of(m))
+
+
+# ------------------------------------------------------------------------------------------ the planner's choice
+
+
+def _cfg(tiny_models, tmp_path, **train):
+    from test_train_support import make_config, write_images
+
+    return make_config(tiny_models, write_images(tmp_path / "img", n=1), tmp_path / "out", tmp_path / "cache", "flux",
+                       train={"steps": 1, **train})
+
+
+def test_auto_keeps_the_blocks_the_budget_allows_and_says_what_it_costs(tiny_models, tmp_path):
+    from trainer.planner import analyze, predict
+    from trainer.planner.checkpointing import choose_checkpointing
+
+    cfg = _cfg(tiny_models, tmp_path, gradient_checkpointing="auto")
+    facts = analyze(cfg)
+    n = len(facts.blocks)
+    res = max(facts.resolutions)
+    all_ck = predict(facts, 0.0, res).peak_reserved
+    none_ck = predict(facts, 0.0, res, kept=frozenset(range(n))).peak_reserved
+    assert none_ck > all_ck  # keeping activations costs memory ...
+    lines = []
+    big = choose_checkpointing(cfg, 0.0, budget_bytes=none_ck + 1, facts=facts, log=lines.append)
+    assert big.checkpointed == [False] * n and big.kept == n  # ... which a big card has: nothing recomputed
+    assert big.extra_bytes > 0 and big.saved_s > 0
+    assert "keeps the activations of" in lines[-1] and "recomputes" in lines[-1]
+    small = choose_checkpointing(cfg, 0.0, budget_bytes=all_ck - 1, facts=facts, log=lines.append)
+    assert small.checkpointed == [True] * n  # no room: every block recomputed, as before
+    # at exactly the all-checkpointed peak, keeping the last block is free (its saved tensors replace its
+    # recompute's at the same moment), so auto keeps it
+    same = choose_checkpointing(cfg, 0.0, budget_bytes=all_ck, facts=facts, log=lines.append)
+    assert same.kept >= 1 and same.peak_bytes <= all_ck and same.checkpointed[-1] is False
+    mid = choose_checkpointing(cfg, 0.0, budget_bytes=(all_ck + none_ck) / 2, facts=facts, log=lines.append)
+    assert 0 < mid.kept < n and mid.checkpointed[:n - mid.kept] == [True] * (n - mid.kept)  # the tail keeps
+    assert predict(facts, 0.0, res, kept=frozenset(i for i in range(n) if not mid.checkpointed[i])).peak_reserved \
+        <= (all_ck + none_ck) / 2
+
+
+def test_auto_never_keeps_a_streamed_block(tiny_models, tmp_path):
+    from trainer.planner import analyze
+    from trainer.planner.checkpointing import choose_checkpointing
+    from trainer.planner.prediction import _train_plan
+
+    cfg = _cfg(tiny_models, tmp_path, gradient_checkpointing="auto")
+    facts = analyze(cfg)
+    streamed = set(_train_plan(tuple(facts.packed), 0.5).streamed)
+    got = choose_checkpointing(cfg, 0.5, budget_bytes=1e15, facts=facts, log=lambda s: None)
+    assert [i for i, c in enumerate(got.checkpointed) if c] == sorted(streamed)
+
+
+def test_config_values_and_what_the_trainer_hands_the_handle(tiny_models, tmp_path):
+    from trainer.config import TrainConfig
+    from trainer.train import streaming
+
+    assert TrainConfig().gradient_checkpointing is True  # the default is unchanged
+    assert TrainConfig(gradient_checkpointing="auto").gradient_checkpointing == "auto"
+    cfg = _cfg(tiny_models, tmp_path, gradient_checkpointing="auto")
+    # on the CPU there is no VRAM to plan for: auto keeps every block checkpointed, as `true` does
+    assert streaming.checkpoint_policy(cfg, torch.device("cpu"), 0.0) is True
+    cfg2 = _cfg(tiny_models, tmp_path / "b", gradient_checkpointing=False)
+    assert streaming.checkpoint_policy(cfg2, torch.device("cpu"), 0.0) is False
+    ns = SimpleNamespace(train=SimpleNamespace(gradient_checkpointing="auto", compile=False),
+                         offload=SimpleNamespace(activations=False, nano_batches=1))
+    assert streaming.conducts(ns, 0.0, False, torch.device("cpu"))  # auto runs the handle
+
+
+def test_fit_log_compares_steady_state_steps_only():
+    """The planner check's measured step: the first step and every step that compiled are left out."""
+    from trainer.train.streaming import SteadySteps
+
+    s = SteadySteps(need=3)
+    got = [s.add(t, c) for t, c in [(40.0, True), (30.0, True), (1.0, False), (29.0, True), (1.2, False),
+                                    (1.1, False), (1.0, False)]]
+    assert got == [None, None, None, None, None, 1.1, None]  # median of 1.0, 1.2, 1.1; said once
+    first = SteadySteps(need=1)
+    assert first.add(0.5, False) is None and first.add(0.7, False) == 0.7  # the first step warms up
+
+
+def test_dittrain_plan_says_what_auto_chose(tiny_models, tmp_path):
+    from trainer.planner import report
+
+    cfg = _cfg(tiny_models, tmp_path, gradient_checkpointing="auto")
+    lines, _ = report(cfg, vram_gb=1000)
+    assert any(line.startswith("checkpointing: auto keeps the activations of") for line in lines)
+    lines, _ = report(cfg)  # no budget: it says so
+    assert any("auto has no VRAM budget" in line for line in lines)

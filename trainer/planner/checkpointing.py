@@ -1,0 +1,91 @@
+"""Recompute only what must be: which blocks `train.gradient_checkpointing: auto` keeps the activations of.
+
+Why. Checkpointing a block frees everything its forward saves for backward except its inputs, and pays for it with
+a second forward of the block inside backward: about a third of a LoRA step's FLOPs (bench/RESULTS.md: Flux at
+1024 px, 0.775 s with every block checkpointed, 0.545 s without, 26.7 vs 52.7 GB). Where VRAM allows, the step is
+faster without. It is all or nothing only on a card that holds every block's activations; between the two, each
+block kept saves its recompute and costs its saved tensors.
+
+Which blocks may keep. Only a block that never leaves the GPU ring (all of them at offload 0): a streamed block
+is reloaded into a region whose bytes were refilled since its forward, so autograd's saved views of its weights
+would read another block's weights (the version-counter pitfall in DESIGN.md); the conductor refuses it.
+
+How. The planner's own prediction (prediction.py `predict(..., kept=...)`) gives the peak reserved VRAM and the
+step time with a set of blocks kept. Candidates are taken from the last block backwards (the tail is
+differentiated first, so its saved tensors are freed soonest; at offload > 0 the resident blocks are the ones the
+plan never loads). The number kept is the largest whose predicted peak fits the budget at every bucket (the peak
+grows with every block kept, so a bisection finds it). The budget is offload.vram_budget_gb, or on a GPU without
+one the card's memory less a margin for the CUDA context and fragmentation the prediction does not see.
+
+Left out: choosing by saved bytes per recompute second (blocks of one class cost the same; Flux's double and
+single blocks differ by about 2x in both), and partial checkpointing inside a block (e.g. keeping attention
+outputs only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .prediction import GB, Facts, _train_plan, analyze, predict
+
+#: share of a GPU's memory the auto policy plans to fill when no offload.vram_budget_gb is given: the CUDA
+#: context (0.5-1 GB) and the allocator's fragmentation beyond the prediction's overhead take the rest
+CARD_SHARE = 0.90
+
+
+@dataclass
+class Choice:
+    checkpointed: list[bool]  #: per block: recomputed in backward
+    kept: int  #: blocks that keep their activations
+    extra_bytes: float  #: predicted peak reserved VRAM added by keeping them (largest bucket)
+    saved_s: float  #: predicted step time saved (largest bucket)
+    peak_bytes: float  #: predicted peak reserved VRAM with the choice
+    line: str  #: what the log and `dittrain plan` say
+
+
+def candidates(facts: Facts, fraction: float) -> list[int]:
+    """Blocks that may keep their activations at `fraction` (never streamed), last first."""
+    plan = _train_plan(tuple(facts.packed), fraction)
+    streamed = set(plan.streamed) if plan is not None else set()
+    return [b for b in reversed(range(len(facts.blocks))) if b not in streamed]
+
+
+def choose_checkpointing(cfg, fraction: float, budget_bytes: float | None, *, facts: Facts | None = None,
+                         activation_offload: bool | None = None, log=print) -> Choice:
+    """The auto policy (see the module essay); `budget_bytes` None keeps every block checkpointed."""
+    facts = facts or analyze(cfg)
+    act = cfg.offload.activations if activation_offload is None else activation_offload
+    n = len(facts.blocks)
+    order = candidates(facts, fraction) if budget_bytes is not None else []
+
+    def peak(k: int) -> float:
+        kept = frozenset(order[:k])
+        return max(predict(facts, fraction, r, act, kept=kept).peak_reserved for r in facts.resolutions)
+
+    lo, hi = 0, len(order)  # largest k with peak(k) <= budget: peak grows with k
+    if order and peak(0) <= budget_bytes:
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if peak(mid) <= budget_bytes:
+                lo = mid
+            else:
+                hi = mid - 1
+    k = lo
+    big = max(facts.resolutions)
+    base = predict(facts, fraction, big, act)
+    got = predict(facts, fraction, big, act, kept=frozenset(order[:k])) if k else base
+    kept = set(order[:k])
+    checkpointed = [b not in kept for b in range(n)]
+    streamed = n - len(order) if budget_bytes is not None else 0
+    if budget_bytes is None:
+        line = ("checkpointing: auto has no VRAM budget to plan for (no GPU, no offload.vram_budget_gb): every "
+                f"block recomputed ({n})")
+    else:
+        line = (f"checkpointing: auto keeps the activations of {k} of {n} blocks and recomputes {n - k}"
+                + (f" ({streamed} stream, which must)" if streamed else "")
+                + f": +{(got.peak_reserved - base.peak_reserved) / GB:.2f} GB at the peak "
+                f"(predicted {got.peak_reserved / GB:.1f} GB of {budget_bytes / GB:.1f} GB), step predicted "
+                f"{got.step_s:.2f} s instead of {base.step_s:.2f} s at {big} px")
+    log(line)
+    return Choice(checkpointed, k, got.peak_reserved - base.peak_reserved, base.step_s - got.step_s,
+                  got.peak_reserved, line)
