@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import UserError
-from ..models import ADAPTERS, adapter_class
+from ..models import ADAPTERS, adapter_class, canonical_family
 from .phases import fit_text_fraction, predict_phases
 from .prediction import Prediction, analyze, choose_fraction, predict
 
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cache: dict = {}
     absent = []
-    for family in args.families:
+    for family in [canonical_family(f, "--families") for f in args.families]:
         for method in ("lora", "full"):
             for card in adapter_class(family).preset_cards:
                 r = plan_preset(family, method, card, cache)
