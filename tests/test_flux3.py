@@ -167,8 +167,12 @@ def _predictions(t, models):
 
 
 def test_comfy_and_kohya_layouts_load(lora_run, tiny_models, tmp_path):
-    """The LoRA converted to the comfy layout (BFL's names) loads with diffusers' Flux.3 mixin, and the kohya one
-    with `dittrain sample`'s loader, each giving the trainer's predictions."""
+    """The LoRA converted to the comfy layout (BFL's names) and to kohya's loads with `dittrain sample`'s loader,
+    giving the trainer's predictions. diffusers' Flux.3 mixin refuses the comfy file as written (its `.alpha` keys
+    hold no "lora", and it reads no `lora_down` / `lora_up`), and reads BFL's names once the alphas are folded into
+    the weights under peft's `lora_A` / `lora_B`."""
+    from safetensors.torch import load_file, save_file
+
     from trainer import lora_format as lfm
     from trainer.sampling.lora import load_loras
     from trainer.sampling.request import LoraSpec
@@ -179,13 +183,25 @@ def test_comfy_and_kohya_layouts_load(lora_run, tiny_models, tmp_path):
         dst = tmp_path / f"{fmt}.safetensors"
         lfm.convert_lora(path, dst, fmt)
         _, comps = _components(tiny_models)
-        if fmt == "comfy":
-            mp = modular_pipeline(comps)
-            mp.load_lora_weights(str(dst))
-        else:
-            mp = t.adapter.pipeline(comps)
-            load_loras(mp, [LoraSpec(dst)], "flux3")
-        torch.testing.assert_close(_predictions(t, [mp.transformer.eval()])[0], want, rtol=1e-5, atol=1e-5)
+        pipe = t.adapter.pipeline(comps)
+        load_loras(pipe, [LoraSpec(dst)], "flux3")
+        torch.testing.assert_close(_predictions(t, [pipe.transformer.eval()])[0], want, rtol=1e-5, atol=1e-5)
+    sd = load_file(tmp_path / "comfy.safetensors")
+    assert all(k.startswith("diffusion_model.") for k in sd)
+    folded = {}
+    for k, v in sd.items():
+        if k.endswith(".lora_up.weight"):
+            stem = k[: -len(".lora_up.weight")]
+            folded[f"{stem}.lora_B.weight"] = v * (sd[f"{stem}.alpha"] / sd[f"{stem}.lora_down.weight"].shape[0])
+        elif k.endswith(".lora_down.weight"):
+            folded[k.replace(".lora_down.", ".lora_A.")] = v
+    save_file(folded, tmp_path / "folded.safetensors")
+    _, comps = _components(tiny_models)
+    mp = modular_pipeline(comps)
+    with pytest.raises(ValueError, match="lora"):
+        mp.load_lora_weights(str(tmp_path / "comfy.safetensors"))
+    mp.load_lora_weights(str(tmp_path / "folded.safetensors"))
+    torch.testing.assert_close(_predictions(t, [mp.transformer.eval()])[0], want, rtol=1e-5, atol=1e-5)
 
 
 def test_full_fit_lowers_the_loss(tiny_models, images, cache, tmp_path):
