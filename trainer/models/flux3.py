@@ -40,7 +40,9 @@ of the model: they load and sit with the non-block modules (not streamed; 1.2 GB
 from __future__ import annotations
 
 import functools
+import logging
 import math
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -385,14 +387,16 @@ class Flux3Pipeline(DiffusionPipeline, Flux3LoraLoaderMixin):
                               "generator": generator, "output_type": output_type}
         if num_inference_steps is not None:
             kw["num_inference_steps"] = num_inference_steps
-        if not distilled:
-            g = recipe()["guidance"] if guidance_scale is None else float(guidance_scale)
-            parts["guider"] = ClassifierFreeGuidance(guidance_scale=g)
-            if parts["guider"].num_conditions > 1:
-                if negative_prompt_embeds is None:
-                    raise ValueError(f"guidance_scale {g} runs classifier-free guidance: pass negative_prompt_embeds")
-                kw["negative_prompt_embeds"] = negative_prompt_embeds
-        mp.update_components(**parts)
+        with _quiet_modular_notes():
+            if not distilled:
+                g = recipe()["guidance"] if guidance_scale is None else float(guidance_scale)
+                parts["guider"] = ClassifierFreeGuidance(guidance_scale=g)
+                if parts["guider"].num_conditions > 1:
+                    if negative_prompt_embeds is None:
+                        raise ValueError(f"guidance_scale {g} runs classifier-free guidance: pass "
+                                         f"negative_prompt_embeds")
+                    kw["negative_prompt_embeds"] = negative_prompt_embeds
+            mp.update_components(**parts)
         mp.set_progress_bar_config(**getattr(self, "_progress_bar_config", {}))
         images = mp(**kw, output="images")
         return ImagePipelineOutput(images=images) if return_dict else (images,)
@@ -406,6 +410,29 @@ class Flux3Pipeline(DiffusionPipeline, Flux3LoraLoaderMixin):
 
 
 Flux3Adapter.pipeline_cls = Flux3Pipeline
+
+#: diffusers' notes on every call that hands parts to a modular pipeline (a guider is "experimental"; a part built
+#: outside a `ComponentSpec` "defaults to from_config"): noise under a progress bar, once per sample image
+_MODULAR_NOTES = ("Guiders are currently an experimental feature", "Component was not created using `ComponentSpec`")
+
+
+class _DropNotes(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_MODULAR_NOTES)
+
+
+@contextmanager
+def _quiet_modular_notes():
+    loggers = [logging.getLogger(n) for n in ("diffusers.guiders.guider_utils",
+                                              "diffusers.modular_pipelines.modular_pipeline_utils")]
+    note = _DropNotes()
+    for lg in loggers:
+        lg.addFilter(note)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(note)
 
 
 # ---------------------------------------------------------------------------------------------- tiny model
