@@ -253,3 +253,20 @@ def test_sample_equals_the_modular_pipeline_with_the_same_seed_and_lora(tiny_mod
     theirs = np.asarray(image.convert("RGB"))
     assert ours.shape == (32, 64, 3)
     np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("lora", [{"type": "lokr"}, {"type": "loha"}, {"dora": True}], ids=["lokr", "loha", "dora"])
+def test_lora_kinds_train_and_load_for_sampling(tiny_models, images, cache, tmp_path, lora):
+    """LoKr, LoHa and DoRA (the generic method code) train on Flux.3, and `dittrain sample`'s loader applies the
+    file to the pipeline's transformer exactly as trained."""
+    from trainer.sampling.lora import load_loras
+    from trainer.sampling.request import LoraSpec
+
+    t, path, before, after = _fit(tiny_models, images, cache, tmp_path / "out", "flux3", train={"steps": 2},
+                                  optimizer={"lr": 1e-2}, lora={"rank": 4, "alpha": 4, **lora})
+    assert np.isfinite(after) and after != before
+    _, comps = _components(tiny_models)
+    pipe = t.adapter.pipeline(comps)
+    load_loras(pipe, [LoraSpec(path)], "flux3")
+    ours, theirs = _predictions(t, [t.transformer, pipe.transformer.eval()])
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
