@@ -282,3 +282,19 @@ def test_lora_on_an_fp8_base_streams_like_resident(tiny_models, images, cache, t
         Trainer(cfg).fit()
         runs[fraction] = losses(out)
     assert runs[0.5] == runs[0.0] and all(np.isfinite(runs[0.0]))
+
+
+def test_streamed_loading_keeps_the_fp32_qk_norms_as_from_pretrained_does(tiny_models):
+    """Flux.3 keeps its QK norms in fp32 under a bf16 model (`_keep_in_fp32_modules`): `fit`'s block-by-block loader
+    gives every parameter the dtype and value diffusers' `from_pretrained` gives it."""
+    from trainer.models.stream_load import TransformerLoader, empty_transformer
+
+    mc = ModelConfig(family="flux3", path=tiny_models / "flux3", dtype="bf16")
+    adapter = get_adapter(mc)
+    tr = empty_transformer(adapter, mc, torch.bfloat16)
+    TransformerLoader(tr, mc, torch.bfloat16).place(tr, "cpu")
+    ref = adapter.transformer_cls.from_pretrained(tiny_models / "flux3", subfolder="transformer",
+                                                  torch_dtype=torch.bfloat16)
+    ours, theirs = dict(tr.named_parameters()), dict(ref.named_parameters())
+    assert {p.dtype for p in ours.values()} == {torch.float32, torch.bfloat16}
+    assert all(ours[n].dtype == p.dtype and torch.equal(ours[n], p) for n, p in theirs.items())
