@@ -365,7 +365,8 @@ class Flux3Pipeline(DiffusionPipeline, Flux3LoraLoaderMixin):
             blocks = (Flux3DistilledAutoBlocks if distilled else Flux3AutoBlocks)()
             for step in ("prompt_upsampler", "text_encoder"):
                 blocks.sub_blocks.pop(step)
-            self._modular[distilled] = blocks.init_pipeline()
+            with _quiet_modular_notes():  # it creates a default guider and scheduler
+                self._modular[distilled] = blocks.init_pipeline()
         return self._modular[distilled]
 
     @torch.no_grad()
@@ -397,7 +398,7 @@ class Flux3Pipeline(DiffusionPipeline, Flux3LoraLoaderMixin):
                                          f"negative_prompt_embeds")
                     kw["negative_prompt_embeds"] = negative_prompt_embeds
             mp.update_components(**parts)
-        mp.set_progress_bar_config(**getattr(self, "_progress_bar_config", {}))
+        _progress_config(mp._blocks, getattr(self, "_progress_bar_config", {}))  # `blocks` is a copy
         images = mp(**kw, output="images")
         return ImagePipelineOutput(images=images) if return_dict else (images,)
 
@@ -410,6 +411,15 @@ class Flux3Pipeline(DiffusionPipeline, Flux3LoraLoaderMixin):
 
 
 Flux3Adapter.pipeline_cls = Flux3Pipeline
+
+def _progress_config(blocks, config: dict) -> None:
+    """This pipeline's progress-bar settings on every nested block that draws one (the denoising loop sits two
+    levels down; `ModularPipeline.set_progress_bar_config` reaches only the top level)."""
+    for block in getattr(blocks, "sub_blocks", {}).values():
+        if hasattr(block, "set_progress_bar_config"):
+            block.set_progress_bar_config(**config)
+        _progress_config(block, config)
+
 
 #: diffusers' notes on every call that hands parts to a modular pipeline (a guider is "experimental"; a part built
 #: outside a `ComponentSpec` "defaults to from_config"): noise under a progress bar, once per sample image
