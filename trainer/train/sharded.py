@@ -30,7 +30,7 @@ gradients, so each process ends the backward pass with the mean gradient of its 
   keeps the blocks the planner picks.
 - Compile (train.compile): each block is compiled with `torch.compile` before it is sharded.
 - Checkpoints: the trainable weights are gathered to rank 0 one at a time (a LoRA's frozen base is not) and
-  written as today, so the LoRA file or transformer folder in a checkpoint is the same file a one-process run writes, and the
+  written as today (a full fine-tune's folder file by file, `save_transformer`, so rank 0 never holds the model), so the LoRA file or transformer folder in a checkpoint is the same file a one-process run writes, and the
   final output too. The optimizer state, the part that is big and sharded, is written by every process through
   `torch.distributed.checkpoint` with its safetensors writer (`optimizer/shard-*.safetensors`, no pickle) and read
   back through the same planner, which re-shards it: a run saved on 4 processes resumes on 2 or on 1.
@@ -48,12 +48,14 @@ sampler; sample after training).
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
@@ -154,6 +156,38 @@ def _whole(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return (p if dtype is None else p.to(dtype)).to("cpu", copy=True)
 
 
+def save_transformer(transformer: nn.Module, folder: Path, main: bool, dtype: torch.dtype) -> None:
+    """Collective: the diffusers folder `save_pretrained` writes (config.json, safetensors files of about
+    FILE_BYTES each with their index), written by rank 0 (`main`) one file at a time as the weights are gathered,
+    so rank 0 never holds more than one file's worth (a full fine-tune of 12 B weights would otherwise gather
+    24 GB on rank 0 before writing). Floating-point weights in `dtype` (the fp32 master shards in the model dtype)."""
+    state = transformer.state_dict()
+    size = {k: v.numel() * (dtype.itemsize if v.is_floating_point() else v.element_size()) for k, v in state.items()}
+    groups: list[list[str]] = [[]]
+    for k in state:  # the same split on every rank: whole-tensor sizes
+        if groups[-1] and sum(size[g] for g in groups[-1]) + size[k] > FILE_BYTES:
+            groups.append([])
+        groups[-1].append(k)
+    names = (["diffusion_pytorch_model.safetensors"] if len(groups) == 1 else
+             [f"diffusion_pytorch_model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    if main:
+        folder.mkdir(parents=True, exist_ok=True)
+        transformer.save_config(str(folder))
+    for keys, name in zip(groups, names, strict=True):
+        part = {}
+        for k in keys:
+            v = state[k].detach()
+            whole = _whole(v, dtype if v.is_floating_point() else None)  # collective for a shard
+            if main:
+                part[k] = whole.contiguous()
+        if main:
+            save_file(part, str(folder / name), metadata={"format": "pt"})
+    if main and len(groups) > 1:
+        index = {"metadata": {"total_size": sum(size.values())},
+                 "weight_map": {k: n for keys, n in zip(groups, names, strict=True) for k in keys}}
+        (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
 def local_nonfinite(transformer: nn.Module) -> str | None:
     """The first trainable parameter whose shard on this process holds a NaN or inf, else None."""
     for name, p in transformer.named_parameters():
@@ -174,9 +208,10 @@ def _flat(osd: dict) -> dict[str, torch.Tensor]:
 
 
 def staging(root: Path, step: int) -> Path:
-    """Where every process writes its optimizer shards before rank 0 moves them into the checkpoint (a `.tmp-`
-    name: checkpoint.remove_partial clears it after a crash)."""
-    return root / f".tmp-optimizer-{step:06d}"
+    """Where the processes write what they write together (the optimizer shards, a full fine-tune's weights)
+    before rank 0 moves it into the checkpoint (a `.tmp-` name: checkpoint.remove_partial clears it after a
+    crash)."""
+    return root / f".tmp-sharded-{step:06d}"
 
 
 def save_optimizer(transformer: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
