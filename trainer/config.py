@@ -732,8 +732,6 @@ def _fsdp_combinations(cfg: Config) -> None:
         (o.activations, "offload.activations: false"),
         (o.nano_batches > 1, "offload.nano_batches: 1"),
         (o.transformer == "auto", "a number for offload.transformer (0: shards on the GPUs; > 0: in CPU RAM)"),
-        (t.validate_every > 0, "no data.validation (score it after training)"),
-        (cfg.sample.every > 0 and bool(cfg.sample.prompts), "sample.every: 0 (sample after training: `dittrain sample`)"),
     ]
     bad = [fix for on, fix in refused if on]
     if bad:

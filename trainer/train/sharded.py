@@ -40,9 +40,9 @@ gradients, so each process ends the backward pass with the mean gradient of its 
 
 Left out (config.py refuses each in one line): the fused back pass (its point, never holding all gradients, is
 what sharding does: each process holds 1/N of them), optimizers other than AdamW (untested on DTensor state),
-EMA, activation offloading and nano-batches (the conductor's), `offload.transformer: auto` (the planner plans one
-process), and sampling / validation during training (every process would have to run every forward of the
-sampler; sample after training).
+EMA, activation offloading and nano-batches (the conductor's), and `offload.transformer: auto` (the planner plans
+one process). Sampling and validation during training run on rank 0 as under ddp, the other ranks joining each of
+its transformer calls (`Lockstep`).
 """
 
 from __future__ import annotations
@@ -196,6 +196,51 @@ def local_nonfinite(transformer: nn.Module) -> str | None:
             if t.numel() and not torch.isfinite(torch.linalg.vector_norm(t.detach(), dtype=torch.float32)):
                 return name
     return None
+
+
+class Lockstep:
+    """The transformer's forward passes that only rank 0 makes (sampling, validation), joined by every other rank.
+
+    Under FSDP2 each block's forward all-gathers its shards from every process, so a forward on rank 0 alone would
+    wait forever. Rank 0 runs `with lockstep.lead():` around its pipeline or validation; a pre-forward hook (ahead
+    of FSDP2's own) broadcasts "one more forward" before each call of the transformer, and leaving the block
+    broadcasts "done". The other ranks run `lockstep.follow()`: for each "one more forward" they call the
+    transformer once under no_grad on the adapter's dummy inputs for a tiny image (64 px), so their all-gathers
+    pair with rank 0's, then return at "done". Their outputs are dropped; their cost is one small forward per
+    call, the all-gathers being what they are there for."""
+
+    def __init__(self, transformer: nn.Module, adapter, device: torch.device, dtype: torch.dtype):
+        self.transformer, self.adapter, self.device, self.dtype = transformer, adapter, device, dtype
+        self._flag = torch.zeros(1, dtype=torch.int32, device=device if device.type == "cuda" else "cpu")
+
+    def _say(self, value: int) -> int:
+        self._flag.fill_(value)
+        tdist.broadcast(self._flag, src=0)
+        return int(self._flag.item())
+
+    @contextlib.contextmanager
+    def lead(self):
+        def announce(module, args) -> None:  # returns None: a pre-hook's return value would replace the args
+            self._say(1)
+
+        hook = self.transformer.register_forward_pre_hook(announce, prepend=True)
+        try:
+            yield
+        finally:
+            hook.remove()
+            self._say(0)
+
+    def follow(self) -> None:
+        side = 64
+        inputs = self.adapter.dummy_inputs(self.transformer, 1, side, side, 8, self.dtype, self.device)
+        was_training = self.transformer.training
+        self.transformer.eval()
+        try:
+            with torch.no_grad():
+                while self._say(0) == 1:  # rank 0's value arrives; ours is ignored
+                    self.transformer(**inputs)
+        finally:
+            self.transformer.train(was_training)
 
 
 # ---------------------------------------------------------------------------------------------- optimizer state

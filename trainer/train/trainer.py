@@ -134,12 +134,13 @@ class Trainer:
                     )
                 if runs.save_due(self.cfg, self.step):  # train.checkpoint_every, output.save_every
                     self.save()
-                if self.sampler is not None and self.step % self.cfg.sample.every == 0:
-                    with self._phase("sampling", own_cache=True) as phase:
+                s = self.cfg.sample
+                if s.every and s.prompts and self.step % s.every == 0 and self._joins(self.sampler):
+                    with self._phase("sampling", own_cache=True) as phase, self._lockstep():
                         self.sample(before_decode=lambda: phase.mark("denoising"))
-                if self.validator is not None and self.validator.due(self.step, c.validate_every):
+                if c.validate_every and self.step % c.validate_every == 0 and self._joins(self.validator):
                     with self._phase("validation", "raise offload.transformer, or validate less data (data.validation)",
-                                     own_cache=True):
+                                     own_cache=True), self._lockstep():
                         self.validate()
             if self.monitor is not None:
                 self.monitor.finish()
@@ -253,6 +254,21 @@ class Trainer:
             self._loader = None
         self.objective = FlowMatching(c, self.adapter.timestep_shift, vae_scale=self.adapter.latent_scale)
         self._finish_setup(resume_dir)
+
+    def _joins(self, runner) -> bool:
+        """Whether this rank runs a rank-0 phase (sampling, validation) whose runner it holds or not: rank 0 runs
+        it; under fsdp every other rank joins its transformer calls here (sharded.Lockstep) and returns False."""
+        if runner is not None:
+            return True
+        if self.sharded:
+            sharded.Lockstep(self.transformer, self.adapter, self.device, self.dtype).follow()
+        return False
+
+    def _lockstep(self):
+        """fsdp, rank 0: announce each transformer call to the other ranks (sharded.Lockstep). Otherwise nothing."""
+        if not self.sharded:
+            return contextlib.nullcontext()
+        return sharded.Lockstep(self.transformer, self.adapter, self.device, self.dtype).lead()
 
     def _master_dtype(self) -> torch.dtype | None:
         """fsdp full fine-tuning of low-precision weights: the shards' dtype (sharded.py), else None."""
