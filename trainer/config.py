@@ -24,6 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import ConfigError, UserError
 from .models import ADAPTERS, canonical_family
 
+#: the folder of a source that holds its images' reference images (edit families' pairs: trainer/data/sources.py)
+CONTROL_DIR = "control"
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -273,6 +276,31 @@ class SourceConfig(_Section):
         default=0.0, ge=0, lt=1, description="Probability of leaving out each tag after the first keep_tokens."
     )
 
+    def metadata_file(self) -> Path | None:
+        """`metadata` as found: relative to the current directory, else (a bare name) inside `path`; None: unset
+        or not found (the scan then says so)."""
+        if self.metadata is None:
+            return None
+        if self.metadata.is_file():
+            return self.metadata
+        inside = self.path / self.metadata
+        return inside if not self.metadata.is_absolute() and inside.is_file() else None
+
+    def has_references(self) -> bool:
+        """Whether this source pairs its images with reference images: a `control/` folder (folder sources) or a
+        "control" key on a metadata.jsonl line. Reads no image; the scan checks every pair."""
+        meta = self.metadata_file()
+        if meta is None:
+            return self.metadata is None and (self.path / CONTROL_DIR).is_dir()
+        for line in meta.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                rec = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                continue  # the scan reports it
+            if isinstance(rec, dict) and isinstance(rec.get("control"), str):
+                return True
+        return False
+
 
 class ValidationConfig(_Section):
     sources: list[SourceConfig] = Field(
@@ -360,6 +388,12 @@ class DataConfig(_Section):
         description="With shuffle_tags or tag_dropout: how many variants of each image's caption are made (seeded) "
         "and cached; each time the image is drawn one is picked. Costs one text embedding per variant in the cache.",
     )
+
+    def has_references(self) -> bool:
+        """Whether the data pairs images with reference images (any source: `SourceConfig.has_references`). For a
+        family whose reference is optional (Flux.2: `ModelAdapter.reference_optional`) this makes the run train
+        pairs (and the planner count the reference tokens); else it trains plain images."""
+        return any(s.has_references() for s in self.sources)
 
     @field_validator("resolutions")
     @classmethod

@@ -49,9 +49,9 @@ class Batch:
     drawn at; mask: with data.masked_loss, (B, 1, h, w) float32 per-latent-cell loss weights (unmasked_weight +
     (1 - unmasked_weight) * mask; 1 for an image without a mask), else None.
 
-    Edit families (`adapter.takes_reference`): `text` also holds `control_latents` (B, C, h, w) float32, the
-    reference images' latents (same bucket as the targets), which `adapter.predict` joins to the sequence; they
-    travel with the text entries so the loop moves them like any other conditioning."""
+    Pairs (`pairs_run`: edit families, and Flux.2 on data with references): `text` also holds `control_latents`
+    (B, C, h, w) float32, the reference images' latents (same bucket as the targets), which `adapter.predict` joins
+    to the sequence; they travel with the text entries so the loop moves them like any other conditioning."""
 
     latents: torch.Tensor
     text: dict[str, torch.Tensor]
@@ -159,6 +159,8 @@ class DataPlan:
                              f"epoch, {n_batch:>5} {'batch' if n_batch == 1 else 'batches'}")
         lines.append(f"  {count(sum(-(-n // bs) for n in per.values()), 'batch', 'batches')} per epoch at batch size {bs} "
                      f"(remainder: {d.remainder})")
+        if any(it.control for it in self.items):
+            lines.append("  pairs: each image trains with its reference image (control/ or a \"control\" metadata key)")
         empty = sum(1 for it in self.items if not it.caption)
         if empty:
             lines.append(f"  {count(empty, 'image')} {'has' if empty == 1 else 'have'} an empty caption (trained "
@@ -188,7 +190,7 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
         raise UserError("the config has no data: section (data.sources lists the image folders)")
     disk = d.cache or force_disk
     report = scan_sources(d.sources, index_dir=Path(d.cache_dir) if disk else None, progress=progress,
-                          masks=d.masked_loss, controls=adapter.takes_reference)
+                          masks=d.masked_loss, controls=pairs_run(adapter, d))
     held = []
     if d.validation is not None and d.validation.fraction > 0:  # held out before bucketing: never trained on
         report.items, held = holdout(report.items, d.validation.fraction, cfg.train.seed)
@@ -214,6 +216,12 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
     if d.validation is not None:
         val = plan_validation(cfg, divisor, held, report.items, Path(d.cache_dir) if disk else None, progress)
     return DataPlan(cfg, report, entries, latent_store, text_store, divisor, val, text_ref)
+
+
+def pairs_run(adapter, data_cfg) -> bool:
+    """Whether this run trains (reference, target, caption) pairs: always for an edit family, and for a family whose
+    reference is optional (`reference_optional`: Flux.2) when the data has references."""
+    return adapter.takes_reference and (not adapter.reference_optional or data_cfg.has_references())
 
 
 def _keep_items(report: ScanReport, entries: list[Entry], drop: set[int]) -> list[Entry]:

@@ -12,9 +12,10 @@ the file named by a `"mask"` key of its metadata.jsonl line (relative to the sou
 not scanned for training images. An image without a mask trains on every pixel; a mask that is unreadable or not
 the image's size is a bad file (the image is left out, or `strict` stops); a `"mask"` that names a missing file too.
 
-Pairs (edit families, `adapter.takes_reference`). An image's reference is `<source>/control/<same relative path
-and name>` (any image suffix), or the file named by a `"control"` key of its metadata.jsonl line. The `control/`
-folder is not scanned for training images. An image without a readable reference is a bad file.
+Pairs (edit families, `adapter.takes_reference`; for a family whose reference is optional, `reference_optional`,
+only when the data has references: `DataConfig.has_references`). An image's reference is `<source>/control/<same
+relative path and name>` (any image suffix), or the file named by a `"control"` key of its metadata.jsonl line. The
+`control/` folder is not scanned for training images. An image without a readable reference is a bad file.
 
 The scan runs before any model is loaded and decodes every image completely, so a corrupt, truncated,
 zero-byte or unreadable file, a missing caption or a bad metadata line is found in seconds, not hours into a
@@ -37,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import CONTROL_DIR
 from ..errors import UserError
 from ..progress import bar as progress_bar
 from ..words import count
@@ -44,7 +46,6 @@ from .images import IMAGE_SUFFIXES, BadImage, open_image
 
 INDEX_NAME = "scan-index.json"
 MASK_DIR = "masks"
-CONTROL_DIR = "control"
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,11 @@ class ModelAdapter(ABC):
     #: the text encoder sees the reference image too: text-cache entries are per (caption, reference), captions
     #: are encoded one at a time in the presets, validation sets are not supported, and sampling needs `--image`
     text_uses_reference: ClassVar[bool] = False
+    #: with `takes_reference`: the family also trains plain text-to-image data (Flux.2: the reference tokens are an
+    #: optional addition to the sequence). A run trains pairs when its data has references (a `control/` folder or
+    #: a "control" metadata key: `DataConfig.has_references`), else plain images; the planner counts the reference
+    #: tokens only then (`reference_inputs`). False: every item of an edit family is a pair
+    reference_optional: ClassVar[bool] = False
 
     # ------------------------------------------------------------------------------------------ sampling
 
@@ -272,6 +277,15 @@ class ModelAdapter(ABC):
         """Transformer call arguments for one bucket (pixels height x width) with random values, shaped as
         `predict` builds them (the planner traces activations with them on the meta device). The image tokens do
         not require grad (latents); the hidden states start requiring grad at the first trained layer."""
+
+    @classmethod
+    def reference_inputs(cls, inputs: dict[str, Any], references: int) -> dict[str, Any]:
+        """`dummy_inputs` with `references` reference images of the same bucket joined as `predict` joins them
+        (families with `reference_optional`: the planner calls it when the data has pairs; a family whose every item
+        is a pair joins its reference in `dummy_inputs` itself)."""
+        if references:
+            raise NotImplementedError(f"{cls.family}: reference_inputs (reference_optional families declare it)")
+        return inputs
 
     @classmethod
     @abstractmethod

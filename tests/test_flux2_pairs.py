@@ -1,0 +1,245 @@
+"""Flux.2's optional reference images through Kontext's pairs layout: the data decides (a `control/` folder or a
+"control" metadata key makes a run train pairs, plain images train text-to-image), a tiny flux2-klein fit on pairs
+hands every step's reference to `predict` (and the loss is not the one without it), the prediction is the
+transformer call Flux2KleinPipeline makes with the same reference image, `dittrain sample --image` equals the
+pipelines' `image=` pixel for pixel, and the planner counts the reference tokens for pair data only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from test_sample import PROMPT, _cfg, _lora_transformer, _pixels, _save_lora
+from test_train_support import make_config, write_images
+from typer.testing import CliRunner
+
+from trainer.cli import app
+from trainer.config import Config
+from trainer.models import get_adapter
+from trainer.models._diffusers import pack_2x2, unpack_2x2
+
+
+def _pairs(folder: Path, n: int = 4) -> Path:
+    """Targets with captions and their references (colours inverted) in control/ under the same names."""
+    write_images(folder, n=n)
+    (folder / "control").mkdir(exist_ok=True)
+    for p in sorted(folder.glob("img*.png")):
+        Image.fromarray(255 - np.asarray(Image.open(p))).save(folder / "control" / p.name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> Path:
+    return _pairs(tmp_path_factory.mktemp("flux2-pairs"))
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> Path:
+    return write_images(tmp_path_factory.mktemp("flux2-plain"), n=4)
+
+
+def _klein_cfg(tiny_models, folder: Path, tmp: Path, **sections) -> Config:
+    return make_config(tiny_models, folder, tmp / "out", tmp / "cache", "flux2-klein",
+                       train={"steps": 2, "device": "cpu"},
+                       sample={"steps": 2, "width": 64, "height": 64, "guidance": 4.0}, **sections)
+
+
+def test_the_data_decides_pairs_or_plain(tiny_models, pairs, plain, tmp_path):
+    from trainer.data.pipeline import pairs_run, plan_data
+
+    cfg = _klein_cfg(tiny_models, pairs, tmp_path)
+    adapter = get_adapter(cfg.model)
+    assert adapter.takes_reference and adapter.reference_optional and pairs_run(adapter, cfg.data)
+    plan = plan_data(cfg, adapter, progress=False)
+    assert len(plan.items) == 4 and not plan.report.bad  # control/ holds references, not targets
+    assert all(Path(it.control) == pairs / "control" / Path(it.file).name for it in plan.items)
+    assert "pairs:" in plan.summary()
+    cfg = _klein_cfg(tiny_models, plain, tmp_path)
+    assert not pairs_run(adapter, cfg.data)
+    plan = plan_data(cfg, adapter, progress=False)
+    assert len(plan.items) == 4 and not any(it.control for it in plan.items) and "pairs:" not in plan.summary()
+    # metadata.jsonl: a "control" key makes pairs, none makes plain images
+    meta = write_images(tmp_path / "meta", n=2)
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(meta / "ref.png")
+    lines = [{"file": f"img{i}.png", "caption": "edit"} for i in range(2)]
+    (meta / "m.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    cfg = _klein_cfg(tiny_models, meta, tmp_path)
+    cfg.data.sources[0].metadata = Path("m.jsonl")  # a bare name: found inside the source folder
+    assert not cfg.data.has_references()
+    (meta / "m.jsonl").write_text("\n".join(json.dumps({**x, "control": "ref.png"}) for x in lines))
+    assert cfg.data.has_references()
+    assert [Path(it.control).name for it in plan_data(cfg, adapter, progress=False).items] == ["ref.png"] * 2
+    # an edit family whose every item is a pair still scans for references without a control/ folder
+    kontext = make_config(tiny_models, plain, tmp_path / "o", tmp_path / "c", "flux-kontext")
+    assert pairs_run(get_adapter(kontext.model), kontext.data)
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_models, pairs, tmp_path_factory):
+    """`dittrain fit` of a YAML config of tiny flux2-klein on the pairs (2 steps), recording what `predict` got."""
+    from trainer.models.flux2 import Flux2Adapter
+
+    tmp = tmp_path_factory.mktemp("klein-pairs-fit")
+    path = tmp / "klein.yaml"
+    path.write_text(yaml.safe_dump(_klein_cfg(tiny_models, pairs, tmp).model_dump(mode="json", exclude_unset=True)))
+    seen, real = [], Flux2Adapter.predict
+
+    def spy(self, transformer, noisy, t, text, guidance=1.0):
+        if torch.is_grad_enabled():  # training steps (not sampling)
+            seen.append(None if "control_latents" not in text else (tuple(text["control_latents"].shape),
+                                                                    tuple(noisy.shape)))
+        return real(self, transformer, noisy, t, text, guidance)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Flux2Adapter, "predict", spy)
+        r = CliRunner().invoke(app, ["fit", str(path)])
+    assert r.exit_code == 0, r.output
+    return path, tmp / "out", seen
+
+
+def test_two_steps_on_pairs_hand_the_reference_to_predict(fitted):
+    _, out, seen = fitted
+    assert len(seen) == 2 and all(s is not None and s[0] == s[1] for s in seen)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(np.isfinite(x["loss"]) for x in lines)
+
+
+def test_pair_batch_predicts_as_the_pipeline_with_the_reference_image(fitted, tiny_models):
+    """The cached reference gives the tokens and ids Flux2KleinPipeline makes of the control image, and the loss
+    on the batch is not the loss without the reference."""
+    from diffusers import Flux2KleinPipeline
+
+    from trainer.data import prepare_data
+    from trainer.train.objective import FlowMatching
+
+    path, out, _ = fitted
+    cfg = Config.model_validate(yaml.safe_load(path.read_text()))
+    adapter = get_adapter(cfg.model)
+    data = prepare_data(cfg, adapter, progress=False)
+    assert data.encode.latents_new == 0 and data.encode.latents_hit == 8  # 4 targets + 4 references, all cached
+    b = data.batch_at(0)
+    assert b.text["control_latents"].shape == b.latents.shape
+    pipe = Flux2KleinPipeline.from_pretrained(str(cfg.model.path), torch_dtype=torch.float32, local_files_only=True)
+    pipe.load_lora_weights(str(out / "lora.safetensors"))
+    tr = pipe.transformer.eval()
+    n = FlowMatching(cfg.train.model_copy(update={"timestep_sampling": "uniform"}), seed=5).noise(b.latents)
+    with torch.no_grad():
+        ours = adapter.predict(tr, n.noisy, n.t, b.text)
+        plain = adapter.predict(tr, n.noisy, n.t, {k: v for k, v in b.text.items() if k != "control_latents"})
+        for i in range(len(b.files)):  # the pipeline's own path from the reference image file, one sample at a time
+            item = next(it for it in data.plan.items if it.file == b.files[i])
+            with Image.open(item.control) as im:
+                img = pipe.image_processor.preprocess(im.convert("RGB"), height=64, width=64, resize_mode="crop")
+            ref, ref_ids = pipe.prepare_image_latents([img], 1, None, "cpu", torch.float32)
+            x = pack_2x2(n.noisy[i : i + 1])
+            embeds = b.text["prompt_embeds"][i : i + 1]
+            out_i = tr(hidden_states=torch.cat([x, ref], 1), timestep=n.t[i : i + 1], guidance=None,
+                       encoder_hidden_states=embeds, txt_ids=pipe._prepare_text_ids(embeds),
+                       img_ids=torch.cat([pipe._prepare_latent_ids(pipe._patchify_latents(n.noisy[i : i + 1])), ref_ids], 1),
+                       return_dict=False)[0]
+            theirs = unpack_2x2(out_i[:, : x.shape[1]], *n.noisy.shape[-2:])
+            torch.testing.assert_close(ours[i : i + 1], theirs, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(((ours - n.target) ** 2).mean(), ((plain - n.target) ** 2).mean())
+
+
+def test_fit_without_the_reference_has_another_loss(fitted, tiny_models, tmp_path):
+    """The same run with the reference taken out of `predict`'s input: same batches and noise, other losses."""
+    from trainer.models.flux2 import Flux2Adapter
+
+    path, out, _ = fitted
+    raw = yaml.safe_load(path.read_text())
+    raw["output"]["dir"] = str(tmp_path / "out")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    real = Flux2Adapter.predict
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Flux2Adapter, "predict", lambda self, tr, x, t, text, guidance=1.0: real(
+            self, tr, x, t, {k: v for k, v in text.items() if k != "control_latents"}, guidance))
+        r = CliRunner().invoke(app, ["fit", str(tmp_path / "c.yaml")])
+    assert r.exit_code == 0, r.output
+    with_ref = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    without = [json.loads(x)["loss"] for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert with_ref[0] != without[0]
+
+
+@pytest.mark.parametrize("family", ["flux2", "flux2-klein"])
+def test_sample_with_image_equals_the_pipeline_with_image(tiny_models, tmp_path, family):
+    from diffusers import DiffusionPipeline
+
+    from trainer.models._diffusers import own_aligned_memory
+    from trainer.sample import run_sample
+    from trainer.sampling.request import SampleRequest
+
+    cfg = _cfg(tiny_models, family, tmp_path, width=64, height=64)  # Flux.2's pipelines take references >= 64 px
+    lora = _save_lora(_lora_transformer(cfg), tmp_path / "lora.safetensors")
+    ref = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))  # sample size
+    ref.save(tmp_path / "ref.png")
+    got = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, loras=[str(lora)], image=tmp_path / "ref.png",
+                                        out=tmp_path / "a"))
+    pipe = DiffusionPipeline.from_pretrained(str(cfg.model.path), torch_dtype=torch.float32, local_files_only=True)
+    own_aligned_memory(pipe.transformer)  # as our loader does: same memory alignment, same CPU rounding
+    pipe.load_lora_weights(str(lora))
+    pipe.set_progress_bar_config(disable=True)
+    s = cfg.sample
+    kw = dict(prompt=PROMPT, height=s.height, width=s.width, num_inference_steps=s.steps, guidance_scale=s.guidance)
+    theirs = pipe(image=ref, generator=torch.Generator().manual_seed(1), **kw).images[0]
+    np.testing.assert_array_equal(_pixels(got[0]), np.asarray(theirs.convert("RGB")))
+    plain = pipe(generator=torch.Generator().manual_seed(1), **kw).images[0]
+    assert (_pixels(got[0]) != np.asarray(plain.convert("RGB"))).any(), "the reference image must change the result"
+
+
+def test_sample_cli_image_on_the_pairs_fit_equals_flux2_klein_pipeline(fitted, tmp_path):
+    from diffusers import Flux2KleinPipeline
+
+    from trainer.models._diffusers import own_aligned_memory
+
+    path, out, _ = fitted
+    ref = Image.fromarray(np.random.default_rng(1).integers(0, 256, (80, 64, 3), dtype=np.uint8))  # 64 x 80
+    ref.save(tmp_path / "ref.png")
+    lora = str(out / "lora.safetensors")
+
+    r = CliRunner().invoke(app, ["sample", str(path), "-p", PROMPT, "--image", str(tmp_path / "ref.png"), "--seed",
+                                 "3", "--lora", lora, "--out", str(tmp_path / "s")])
+    assert r.exit_code == 0, r.output
+    (png,) = sorted((tmp_path / "s").glob("*.png"))
+    cfg = Config.model_validate(yaml.safe_load(path.read_text()))
+    pipe = Flux2KleinPipeline.from_pretrained(str(cfg.model.path), torch_dtype=torch.float32, local_files_only=True)
+    own_aligned_memory(pipe.transformer)
+    pipe.load_lora_weights(lora)
+    pipe.set_progress_bar_config(disable=True)
+    cut = ref.crop((0, 8, 64, 72))  # the training rule: cover 64 x 64, centre crop (no resize needed here)
+    theirs = pipe(prompt=PROMPT, image=cut, height=64, width=64, num_inference_steps=2, guidance_scale=4.0,
+                  generator=torch.Generator().manual_seed(3)).images[0]
+    np.testing.assert_array_equal(_pixels(png), np.asarray(theirs.convert("RGB")))
+
+
+def test_a_reference_the_pipeline_refuses_is_one_line():
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    from trainer.errors import UserError
+    from trainer.models.flux2 import Flux2Adapter
+
+    pipe = type("Flux2Pipeline", (), {"image_processor": Flux2ImageProcessor()})()
+    assert Flux2Adapter.pipeline_image(pipe, None) == {}
+    assert "image" in Flux2Adapter.pipeline_image(pipe, Image.new("RGB", (64, 96)))
+    with pytest.raises(UserError, match="32x32 .*sample at least 64x64"):
+        Flux2Adapter.pipeline_image(pipe, Image.new("RGB", (32, 32)))
+
+
+def test_planner_counts_the_reference_tokens_for_pair_data_only(tiny_models, pairs, plain, tmp_path):
+    from trainer.planner import analyze
+    from trainer.planner import trace as ptrace
+
+    with_ref, without = (analyze(_klein_cfg(tiny_models, d, tmp_path)) for d in (pairs, plain))
+    assert (with_ref.references, without.references) == (1, 0)
+    n = 64 // 16 * (64 // 16)  # image tokens of one 64 px image
+    kw = ptrace.forward_inputs("flux2-klein", with_ref.model, 2, 64, 64, 8, torch.float32, references=1)
+    assert kw["hidden_states"].shape[1] == kw["img_ids"].shape[0] == 2 * n
+    assert with_ref.trace(64).checkpoint_inputs > without.trace(64).checkpoint_inputs
+    # where kontext doubles in dummy_inputs, the pair data adds nothing more
+    kontext = make_config(tiny_models, pairs, tmp_path / "o", tmp_path / "c", "flux-kontext")
+    assert analyze(kontext).references == 0
