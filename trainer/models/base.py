@@ -135,9 +135,9 @@ class ModelAdapter(ABC):
 
     # ------------------------------------------------------------------------------------------ edit families
 
-    #: edit / reference-image families: training items are (reference, target, instruction) pairs, the
-    #: reference's latents reach `predict` as `text["control_latents"]` (B, C, h, w), and sampling takes
-    #: `--image` (`pipeline_image`)
+    #: edit / reference-image families: training items are (reference, target, instruction) pairs (always, or
+    #: on data with references where `reference_optional`), the reference's latents reach `predict` as
+    #: `text["control_latents"]` (B, C, h, w), and sampling takes `--image` (`pipeline_image`)
     takes_reference: ClassVar[bool] = False
     #: the text encoder sees the reference image too: text-cache entries are per (caption, reference), captions
     #: are encoded one at a time in the presets, validation sets are not supported, and sampling needs `--image`
