@@ -24,18 +24,27 @@ from trainer.models import get_adapter
 from trainer.models._diffusers import pack_2x2, unpack_2x2
 
 
-def _pairs(folder: Path, n: int = 4) -> Path:
-    """Targets with captions and their references (colours inverted) in control/ under the same names."""
+def _pairs(folder: Path, n: int = 4, references: int = 1) -> Path:
+    """Targets with captions and their references under the same names: control/ the colours inverted, control2/
+    (with `references` 2) the channels swapped."""
     write_images(folder, n=n)
-    (folder / "control").mkdir(exist_ok=True)
-    for p in sorted(folder.glob("img*.png")):
-        Image.fromarray(255 - np.asarray(Image.open(p))).save(folder / "control" / p.name)
+    for k, sub in enumerate(("control", "control2")[:references]):
+        (folder / sub).mkdir(exist_ok=True)
+        for p in sorted(folder.glob("img*.png")):
+            px = np.asarray(Image.open(p))
+            Image.fromarray(255 - px if k == 0 else px[..., ::-1].copy()).save(folder / sub / p.name)
     return folder
 
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory) -> Path:
     return _pairs(tmp_path_factory.mktemp("flux2-pairs"))
+
+
+@pytest.fixture(scope="module")
+def pairs2(tmp_path_factory) -> Path:
+    """Two references per target: control/ and control2/."""
+    return _pairs(tmp_path_factory.mktemp("flux2-pairs2"), references=2)
 
 
 @pytest.fixture(scope="module")
@@ -79,20 +88,19 @@ def test_the_data_decides_pairs_or_plain(tiny_models, pairs, plain, tmp_path):
     assert pairs_run(get_adapter(kontext.model), kontext.data)
 
 
-@pytest.fixture(scope="module")
-def fitted(tiny_models, pairs, tmp_path_factory):
-    """`dittrain fit` of a YAML config of tiny flux2-klein on the pairs (2 steps), recording what `predict` got."""
+def _fit(tiny_models, data: Path, tmp: Path):
+    """`dittrain fit` of a YAML config of tiny flux2-klein on `data` (2 steps): (config path, output folder, what
+    each training step's `predict` got: (control_latents shape, noisy latents shape) or None)."""
     from trainer.models.flux2 import Flux2Adapter
 
-    tmp = tmp_path_factory.mktemp("klein-pairs-fit")
     path = tmp / "klein.yaml"
-    path.write_text(yaml.safe_dump(_klein_cfg(tiny_models, pairs, tmp).model_dump(mode="json", exclude_unset=True)))
+    path.write_text(yaml.safe_dump(_klein_cfg(tiny_models, data, tmp).model_dump(mode="json", exclude_unset=True)))
     seen, real = [], Flux2Adapter.predict
 
     def spy(self, transformer, noisy, t, text, guidance=1.0):
         if torch.is_grad_enabled():  # training steps (not sampling)
-            seen.append(None if "control_latents" not in text else (tuple(text["control_latents"].shape),
-                                                                    tuple(noisy.shape)))
+            ref = text.get("control_latents")
+            seen.append(None if ref is None else (tuple(ref.shape), tuple(noisy.shape)))
         return real(self, transformer, noisy, t, text, guidance)
 
     with pytest.MonkeyPatch.context() as mp:
@@ -102,6 +110,50 @@ def fitted(tiny_models, pairs, tmp_path_factory):
     return path, tmp / "out", seen
 
 
+def test_several_references_per_image(tiny_models, pairs2, tmp_path):
+    """control2/ (or a "control" list) adds a second reference; every image needs as many; an edit family that
+    joins one refuses such data; the planner counts both."""
+    from trainer.data.pipeline import plan_data
+    from trainer.errors import UserError
+    from trainer.planner import analyze
+
+    cfg = _klein_cfg(tiny_models, pairs2, tmp_path)
+    assert cfg.data.references() == 2 and analyze(cfg).references == 2
+    plan = plan_data(cfg, get_adapter(cfg.model), progress=False)
+    assert len(plan.items) == 4 and not plan.report.bad and "2 reference images" in plan.summary()
+    assert all([Path(f).parent.name for f, _, _ in it.references] == ["control", "control2"] for it in plan.items)
+    # one image without its second reference is left out, with the reason
+    short = _pairs(tmp_path / "short", n=3, references=2)
+    (short / "control2" / "img1.png").unlink()
+    plan = plan_data(_klein_cfg(tiny_models, short, tmp_path), get_adapter(cfg.model), progress=False)
+    assert [Path(it.file).name for it in plan.items] == ["img0.png", "img2.png"]
+    assert "1 reference image, other images have 2" in plan.report.bad[0][1]
+    # metadata.jsonl: a "control" list
+    meta = write_images(tmp_path / "meta", n=2)
+    for name in ("a.png", "b.png"):
+        Image.new("RGB", (64, 64), (len(name), 2, 3)).save(meta / name)
+    (meta / "m.jsonl").write_text("\n".join(json.dumps({"file": f"img{i}.png", "caption": "x", "control": ["a.png", "b.png"]})
+                                            for i in range(2)))
+    mcfg = _klein_cfg(tiny_models, meta, tmp_path)
+    mcfg.data.sources[0].metadata = Path("m.jsonl")
+    assert mcfg.data.references() == 2
+    assert [[Path(f).name for f, _, _ in it.references] for it in plan_data(mcfg, get_adapter(cfg.model),
+                                                                            progress=False).items] == [["a.png", "b.png"]] * 2
+    kontext = make_config(tiny_models, pairs2, tmp_path / "o", tmp_path / "c", "flux-kontext")
+    with pytest.raises(UserError, match="2 reference images each .* flux-kontext takes at most 1"):
+        plan_data(kontext, get_adapter(kontext.model), progress=False)
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_models, pairs, tmp_path_factory):
+    return _fit(tiny_models, pairs, tmp_path_factory.mktemp("klein-pairs-fit"))
+
+
+@pytest.fixture(scope="module")
+def fitted2(tiny_models, pairs2, tmp_path_factory):
+    return _fit(tiny_models, pairs2, tmp_path_factory.mktemp("klein-pairs2-fit"))
+
+
 def test_two_steps_on_pairs_hand_the_reference_to_predict(fitted):
     _, out, seen = fitted
     assert len(seen) == 2 and all(s is not None and s[0] == s[1] for s in seen)
@@ -109,9 +161,9 @@ def test_two_steps_on_pairs_hand_the_reference_to_predict(fitted):
     assert len(lines) == 2 and all(np.isfinite(x["loss"]) for x in lines)
 
 
-def test_pair_batch_predicts_as_the_pipeline_with_the_reference_image(fitted, tiny_models):
-    """The cached reference gives the tokens and ids Flux2KleinPipeline makes of the control image, and the loss
-    on the batch is not the loss without the reference."""
+def _predicts_as_the_pipeline(fitted, references: int) -> None:
+    """The cached references give the tokens and ids Flux2KleinPipeline makes of the control images (its list of
+    images, in order), and the loss on the batch is not the loss without them."""
     from diffusers import Flux2KleinPipeline
 
     from trainer.data import prepare_data
@@ -121,9 +173,10 @@ def test_pair_batch_predicts_as_the_pipeline_with_the_reference_image(fitted, ti
     cfg = Config.model_validate(yaml.safe_load(path.read_text()))
     adapter = get_adapter(cfg.model)
     data = prepare_data(cfg, adapter, progress=False)
-    assert data.encode.latents_new == 0 and data.encode.latents_hit == 8  # 4 targets + 4 references, all cached
+    assert data.encode.latents_new == 0 and data.encode.latents_hit == 4 * (1 + references)  # all cached
     b = data.batch_at(0)
-    assert b.text["control_latents"].shape == b.latents.shape
+    ref = b.text["control_latents"]
+    assert ref.shape == (b.latents.shape if references == 1 else (2, references, *b.latents.shape[1:]))
     pipe = Flux2KleinPipeline.from_pretrained(str(cfg.model.path), torch_dtype=torch.float32, local_files_only=True)
     pipe.load_lora_weights(str(out / "lora.safetensors"))
     tr = pipe.transformer.eval()
@@ -131,20 +184,34 @@ def test_pair_batch_predicts_as_the_pipeline_with_the_reference_image(fitted, ti
     with torch.no_grad():
         ours = adapter.predict(tr, n.noisy, n.t, b.text)
         plain = adapter.predict(tr, n.noisy, n.t, {k: v for k, v in b.text.items() if k != "control_latents"})
-        for i in range(len(b.files)):  # the pipeline's own path from the reference image file, one sample at a time
+        for i in range(len(b.files)):  # the pipeline's own path from the reference files, one sample at a time
             item = next(it for it in data.plan.items if it.file == b.files[i])
-            with Image.open(item.control) as im:
-                img = pipe.image_processor.preprocess(im.convert("RGB"), height=64, width=64, resize_mode="crop")
-            ref, ref_ids = pipe.prepare_image_latents([img], 1, None, "cpu", torch.float32)
+            assert len(item.references) == references
+            imgs = []
+            for f, _, _ in item.references:
+                with Image.open(f) as im:
+                    imgs.append(pipe.image_processor.preprocess(im.convert("RGB"), height=64, width=64,
+                                                                resize_mode="crop"))
+            refs, ref_ids = pipe.prepare_image_latents(imgs, 1, None, "cpu", torch.float32)
             x = pack_2x2(n.noisy[i : i + 1])
             embeds = b.text["prompt_embeds"][i : i + 1]
-            out_i = tr(hidden_states=torch.cat([x, ref], 1), timestep=n.t[i : i + 1], guidance=None,
+            ids = pipe._prepare_latent_ids(pipe._patchify_latents(n.noisy[i : i + 1]))
+            out_i = tr(hidden_states=torch.cat([x, refs], 1), timestep=n.t[i : i + 1], guidance=None,
                        encoder_hidden_states=embeds, txt_ids=pipe._prepare_text_ids(embeds),
-                       img_ids=torch.cat([pipe._prepare_latent_ids(pipe._patchify_latents(n.noisy[i : i + 1])), ref_ids], 1),
-                       return_dict=False)[0]
+                       img_ids=torch.cat([ids, ref_ids], 1), return_dict=False)[0]
             theirs = unpack_2x2(out_i[:, : x.shape[1]], *n.noisy.shape[-2:])
             torch.testing.assert_close(ours[i : i + 1], theirs, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(((ours - n.target) ** 2).mean(), ((plain - n.target) ** 2).mean())
+
+
+def test_pair_batch_predicts_as_the_pipeline_with_the_reference_image(fitted):
+    _predicts_as_the_pipeline(fitted, 1)
+
+
+def test_two_references_per_target_train_as_the_pipelines_list_of_images(fitted2):
+    _, out, seen = fitted2
+    assert len(seen) == 2 and all(s is not None and s[0] == (s[1][0], 2, *s[1][1:]) for s in seen)
+    _predicts_as_the_pipeline(fitted2, 2)
 
 
 def test_fit_without_the_reference_has_another_loss(fitted, tiny_models, tmp_path):
@@ -215,6 +282,39 @@ def test_sample_cli_image_on_the_pairs_fit_equals_flux2_klein_pipeline(fitted, t
     theirs = pipe(prompt=PROMPT, image=cut, height=64, width=64, num_inference_steps=2, guidance_scale=4.0,
                   generator=torch.Generator().manual_seed(3)).images[0]
     np.testing.assert_array_equal(_pixels(png), np.asarray(theirs.convert("RGB")))
+
+
+def test_sample_cli_two_images_equal_the_pipelines_list(fitted2, tmp_path):
+    """`--image` repeated: the references in order, as Flux2KleinPipeline's list of images; more than the family
+    takes is one line."""
+    from diffusers import Flux2KleinPipeline
+
+    from trainer.models._diffusers import own_aligned_memory
+
+    path, out, _ = fitted2
+    refs = [Image.fromarray(np.random.default_rng(k).integers(0, 256, (64, 64, 3), dtype=np.uint8)) for k in (1, 2)]
+    for k, im in enumerate(refs):
+        im.save(tmp_path / f"r{k}.png")
+    lora = str(out / "lora.safetensors")
+
+    def sample(*images: str) -> tuple:
+        args = [a for f in images for a in ("--image", str(tmp_path / f))]
+        r = CliRunner().invoke(app, ["sample", str(path), "-p", PROMPT, *args, "--seed", "3", "--lora", lora,
+                                     "--out", str(tmp_path / "-".join(images))])
+        return r, sorted((tmp_path / "-".join(images)).glob("*.png"))
+
+    r, (png,) = sample("r0.png", "r1.png")
+    assert r.exit_code == 0, r.output
+    cfg = Config.model_validate(yaml.safe_load(path.read_text()))
+    pipe = Flux2KleinPipeline.from_pretrained(str(cfg.model.path), torch_dtype=torch.float32, local_files_only=True)
+    own_aligned_memory(pipe.transformer)
+    pipe.load_lora_weights(lora)
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(prompt=PROMPT, image=refs, height=64, width=64, num_inference_steps=2, guidance_scale=4.0,
+                  generator=torch.Generator().manual_seed(3)).images[0]
+    np.testing.assert_array_equal(_pixels(png), np.asarray(theirs.convert("RGB")))
+    r, _ = sample(*["r0.png"] * 5)
+    assert r.exit_code != 0 and "--image given 5 times: flux2-klein takes at most 4 reference images" in r.output
 
 
 def test_a_reference_the_pipeline_refuses_is_one_line():

@@ -293,20 +293,27 @@ class SourceConfig(_Section):
         inside = self.path / self.metadata
         return inside if not self.metadata.is_absolute() and inside.is_file() else None
 
-    def has_references(self) -> bool:
-        """Whether this source pairs its images with reference images: a `control/` folder (folder sources) or a
-        "control" key on a metadata.jsonl line. Reads no image; the scan checks every pair."""
+    def references(self) -> int:
+        """How many reference images this source pairs each image with: its `control/`, `control2/`, ... folders
+        in a row (folder sources), or the longest "control" entry (a name or a list) of its metadata.jsonl; 0: plain
+        images. Reads no image; the scan checks every pair (trainer/data/sources.py)."""
         meta = self.metadata_file()
         if meta is None:
-            return self.metadata is None and (self.path / CONTROL_DIR).is_dir()
+            if self.metadata is not None:
+                return 0  # not found: the scan says so
+            n = 0
+            while (self.path / (CONTROL_DIR if n == 0 else f"{CONTROL_DIR}{n + 1}")).is_dir():
+                n += 1
+            return n
+        most = 0
         for line in meta.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 rec = json.loads(line) if line.strip() else None
             except json.JSONDecodeError:
                 continue  # the scan reports it
-            if isinstance(rec, dict) and isinstance(rec.get("control"), str):
-                return True
-        return False
+            ctrl = rec.get("control") if isinstance(rec, dict) else None
+            most = max(most, 1 if isinstance(ctrl, str) else len(ctrl) if isinstance(ctrl, list) else 0)
+        return most
 
 
 class ValidationConfig(_Section):
@@ -396,11 +403,15 @@ class DataConfig(_Section):
         "and cached; each time the image is drawn one is picked. Costs one text embedding per variant in the cache.",
     )
 
+    def references(self) -> int:
+        """Reference images per image the data pairs with (the most of any source: `SourceConfig.references`). For
+        a family whose reference is optional (Flux.2: `ModelAdapter.reference_optional`) a positive count makes the
+        run train pairs (and the planner count the reference tokens); 0 trains plain images."""
+        return max(s.references() for s in self.sources)
+
     def has_references(self) -> bool:
-        """Whether the data pairs images with reference images (any source: `SourceConfig.has_references`). For a
-        family whose reference is optional (Flux.2: `ModelAdapter.reference_optional`) this makes the run train
-        pairs (and the planner count the reference tokens); else it trains plain images."""
-        return any(s.has_references() for s in self.sources)
+        """Whether the data pairs its images with reference images (`references` > 0)."""
+        return self.references() > 0
 
     @field_validator("resolutions")
     @classmethod
@@ -453,10 +464,11 @@ class SampleConfig(_Section):
         description="Negative prompt for families that run classifier-free guidance when guidance > 1 "
         "(SD3, Qwen-Image, Chroma; Z-Image already when guidance > 0); Flux (guidance-distilled) ignores it.",
     )
-    image: Path | None = Field(
+    image: Path | list[Path] | None = Field(
         default=None,
         description="Edit families: the reference image of the samples made during training (resized and "
-        "centre-cropped to width x height); `dittrain sample --image` overrides it. qwen-image-edit(-plus) needs one to "
+        "centre-cropped to width x height), or a list of them for families that take several (Flux.2); "
+        "`dittrain sample --image` overrides it. qwen-image-edit(-plus) needs one to "
         "sample; flux-kontext samples without a reference when it is unset.",
     )
 

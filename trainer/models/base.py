@@ -147,6 +147,9 @@ class ModelAdapter(ABC):
     #: a "control" metadata key: `DataConfig.has_references`), else plain images; the planner counts the reference
     #: tokens only then (`reference_inputs`). False: every item of an edit family is a pair
     reference_optional: ClassVar[bool] = False
+    #: reference images per target `predict` joins (`control_latents` (B, K, C, h, w) when more than one): data with
+    #: more per image (control2/, ... or a "control" list: trainer/data/sources.py) is refused
+    max_references: ClassVar[int] = 1
 
     # ------------------------------------------------------------------------------------------ sampling
 

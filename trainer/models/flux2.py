@@ -40,15 +40,20 @@ caption) pairs, one without trains text-to-image, in the same family and with th
 are Kontext's: the reference is cut to the target's bucket, cached as a latent like any image, and reaches
 `predict` as `control_latents`; the planner counts its tokens for such data only (`reference_inputs`, the same
 doubling Kontext's `dummy_inputs` does). `dittrain sample --image` passes it as the pipeline's `image=` at the
-sample's size (the pipeline keeps a reference of at most 1 MP with sides divisible by 16 as it is). `predict` also
-takes several references (control_latents (B, K, C, h, w), time ids 10 .. 10K as the pipeline's list of images);
-the pairs layout gives one per target.
+sample's size (the pipeline keeps a reference of at most 1 MP with sides divisible by 16 as it is).
 
-Left out: several reference images per target in the data layout and `--image`; a reference of a size other than
-the target's bucket (the pipeline keeps a reference's own size up to 1 MP; training cuts it to the target's
-bucket, which matches the pipeline for same-size pairs). Caption upsampling (`caption_upsample_temperature`). The
-single blocks' fused output projection (`attn.to_out`) is not a default LoRA target: peft's suffix matching
-cannot tell it from the double blocks' `attn.to_out` ModuleList.
+Several references per target, as the pipeline's list of images: the pairs layout says them cheaply (the same
+name in control2/, control3/, ..., or a "control" list in metadata.jsonl), each is cut to the target's bucket and
+cached like the first, and `control_latents` is then (B, K, C, h, w); `predict` joins them in order with time ids
+10, 20, ... (`_prepare_image_ids`), and the planner counts K times the target's tokens. `dittrain sample` takes
+them as `--image` repeated (`sample.image` a list), in the same order, as the pipeline's list. `max_references`:
+BFL's documented limits (dev: 6 recommended, klein: 4).
+
+Left out: a reference of a size other than the target's bucket (the pipeline keeps a reference's own size up to
+1 MP; training cuts it to the target's bucket, which matches the pipeline for same-size pairs); the references in
+the validation loss (as for Kontext, `data.validation` scores without them). Caption upsampling
+(`caption_upsample_temperature`). The single blocks' fused output projection (`attn.to_out`) is not a default
+LoRA target: peft's suffix matching cannot tell it from the double blocks' `attn.to_out` ModuleList.
 """
 
 from __future__ import annotations
@@ -177,6 +182,7 @@ class Flux2Adapter(DiffusersAdapter):
     sampling_uses_negative = False
     takes_reference = True  # optional: the data decides (module docstring)
     reference_optional = True
+    max_references = 6  # BFL's recommended maximum for Flux.2-dev (docs.bfl.ml, reference images per model)
 
     @property
     def tokenizer_classes(self) -> tuple[str, ...]:
@@ -289,16 +295,17 @@ class Flux2Adapter(DiffusersAdapter):
 
     @classmethod
     def pipeline_image(cls, pipe, image: Any) -> dict[str, Any]:
-        """The reference as the pipeline's `image=` (already the sample's size: the pipeline keeps it as it is up
-        to 1 MP with sides divisible by 16); None: text-to-image. The pipeline refuses a reference under 64 px a
-        side or beyond 8:1: said here in one line, before any step runs."""
+        """The reference (or a list of references) as the pipeline's `image=` (already the sample's size: the
+        pipeline keeps it as it is up to 1 MP with sides divisible by 16); None: text-to-image. The pipeline refuses
+        a reference under 64 px a side or beyond 8:1: said here in one line, before any step runs."""
         if image is None:
             return {}
-        try:
-            pipe.image_processor.check_image_input(image)
-        except ValueError as e:
-            raise UserError(f"--image / sample.image: {type(pipe).__name__} cannot take the reference at the sample's "
-                            f"size {image.width}x{image.height} ({e}); sample at least 64x64 pixels") from None
+        for im in image if isinstance(image, list) else [image]:
+            try:
+                pipe.image_processor.check_image_input(im)
+            except ValueError as e:
+                raise UserError(f"--image / sample.image: {type(pipe).__name__} cannot take the reference at the "
+                                f"sample's size {im.width}x{im.height} ({e}); sample at least 64x64 pixels") from None
         return {"image": image}
 
     @classmethod

@@ -60,6 +60,7 @@ class Flux2KleinAdapter(Flux2Adapter):
     text_encoder_unused_params = ((QWEN3_LAYERS - 28) * QWEN3_LAYER,)
     text_encoder_nonblock_params = (QWEN3_EMBED,)
     sampling_uses_negative = True
+    max_references = 4  # BFL's limit for klein 4B and 9B (docs.bfl.ml, reference images per model)
 
     @classmethod
     def tiny_builders(cls):

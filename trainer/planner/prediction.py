@@ -118,8 +118,8 @@ class Facts:
     state_packed: bool = False
     #: the transformer is read whole into pageable RAM before its blocks are packed (else block by block)
     loads_whole: bool = False
-    #: reference images joined to each sample's sequence beyond what `dummy_inputs` gives: 1 for a family whose
-    #: reference is optional (Flux.2) on data with references (`DataConfig.has_references`), else 0
+    #: reference images joined to each sample's sequence beyond what `dummy_inputs` gives: for a family whose
+    #: reference is optional (Flux.2), the data's references per image (`DataConfig.references`), else 0
     references: int = 0
     traces: dict = field(default_factory=dict)
 
@@ -210,7 +210,7 @@ def analyze(cfg) -> Facts:
         text_encoders=text_encoder_bytes(cfg),
         resolutions=res,
         loads_whole=stream_load.loads_whole(cfg),  # a resumed full fine-tune loads whole too; plan cannot know
-        references=int(adapter_class(family).reference_optional and cfg.data is not None and cfg.data.has_references()),
+        references=cfg.data.references() if adapter_class(family).reference_optional and cfg.data is not None else 0,
     )
 
 
