@@ -208,7 +208,7 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
         max_aspect=d.max_aspect, step=d.bucket_step,
     )
     refs = max((len(it.references) for it in report.items), default=0)
-    if refs > adapter.max_references:
+    if refs > 1 and refs > adapter.max_references:  # (one reference: every edit family takes it)
         raise UserError(f"data.sources: the images have {refs} reference images each ({refs - 1} more in control2/ ... "
                         f"or a \"control\" list), {adapter.family} takes at most {adapter.max_references}")
     for idx, reason in too_small:
