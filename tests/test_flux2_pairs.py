@@ -144,6 +144,22 @@ def test_several_references_per_image(tiny_models, pairs2, tmp_path):
         plan_data(kontext, get_adapter(kontext.model), progress=False)
 
 
+def test_validation_images_carry_their_references(tiny_models, pairs2, tmp_path):
+    """data.validation on pairs: the held-out image's references are cached and reach `predict` as in training."""
+    from trainer.data import prepare_data
+
+    raw = _klein_cfg(tiny_models, pairs2, tmp_path).model_dump(mode="json", exclude_unset=True)
+    raw["data"]["validation"], raw["train"]["validate_every"] = {"fraction": 0.25}, 1
+    cfg = Config.model_validate(raw)
+    data = prepare_data(cfg, get_adapter(cfg.model), progress=False)
+    assert data.encode.latents_new == 4 * 3  # 3 training + 1 held-out targets, each with 2 references
+    (b,) = list(data.validation.batches())
+    assert b.text["control_latents"].shape == (1, 2, *b.latents.shape[1:])
+    (item,) = data.plan.validation.items
+    want = [data.plan.latent_store.get(j.key)["latent"] for j in data.plan.validation.latent_jobs()[1:]]
+    assert len(item.references) == 2 and all(torch.equal(b.text["control_latents"][0, k], want[k]) for k in (0, 1))
+
+
 @pytest.fixture(scope="module")
 def fitted(tiny_models, pairs, tmp_path_factory):
     return _fit(tiny_models, pairs, tmp_path_factory.mktemp("klein-pairs-fit"))

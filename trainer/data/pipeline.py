@@ -33,9 +33,8 @@ from .cache import (
     text_key,
 )
 from .captions import caption_texts, pick
-from .images import crop_box
 from .sources import Item, ScanReport, check_report, scan_sources
-from .validation import ValidationData, ValidationPlan, holdout, plan_validation
+from .validation import ValidationData, ValidationPlan, holdout, plan_validation, reference_jobs
 
 
 @dataclass
@@ -86,24 +85,18 @@ class DataPlan:
         it = self.items[e.item]
         return latent_key(it.sha, e.bucket, e.box, it.mask_sha)
 
-    def control_box(self, e: Entry, size: tuple[int, int] | None = None) -> tuple[int, int]:
-        """Where a reference (of upright `size`; default: the first's) is cut from its covering resize: the
-        target's box when both images have one size (the pair stays aligned, random crops included), else centred."""
-        it = self.items[e.item]
-        size = size or it.control_size
-        return e.box if size == (it.width, it.height) else crop_box(*size, e.bucket, "center")
-
     def control_key(self, e: Entry) -> str:
-        """The reference's latent: keyed like any image (content, bucket, box), so it shares entries with itself."""
-        return latent_key(self.items[e.item].control_sha, e.bucket, self.control_box(e))
+        """The (first) reference's latent: keyed like any image (content, bucket, box), so it shares entries with
+        itself."""
+        return self.control_job(e).key
 
     def control_job(self, e: Entry) -> LatentJob:
         return self.control_jobs(e)[0]
 
     def control_jobs(self, e: Entry) -> list[LatentJob]:
-        """One latent job per reference of entry `e`, in order (empty without references)."""
-        return [LatentJob(latent_key(sha, e.bucket, self.control_box(e, size)), f, e.bucket, self.control_box(e, size))
-                for f, sha, size in self.items[e.item].references]
+        """One latent job per reference of entry `e`, in order (empty without references): validation.py
+        `reference_jobs`."""
+        return reference_jobs(self.items[e.item], e)
 
     def text_id(self, e: Entry, caption: str) -> str:
         """The text-cache key entry `e` reads for `caption` (with its reference where the text encoder sees it)."""
@@ -197,8 +190,9 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
     if d is None:
         raise UserError("the config has no data: section (data.sources lists the image folders)")
     disk = d.cache or force_disk
+    pairs = pairs_run(adapter, d)
     report = scan_sources(d.sources, index_dir=Path(d.cache_dir) if disk else None, progress=progress,
-                          masks=d.masked_loss, controls=pairs_run(adapter, d))
+                          masks=d.masked_loss, controls=pairs)
     held = []
     if d.validation is not None and d.validation.fraction > 0:  # held out before bucketing: never trained on
         report.items, held = holdout(report.items, d.validation.fraction, cfg.train.seed)
@@ -226,7 +220,8 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
         latent_store, text_store = MemoryStore(), MemoryStore()
     val = None
     if d.validation is not None:
-        val = plan_validation(cfg, divisor, held, report.items, Path(d.cache_dir) if disk else None, progress)
+        val = plan_validation(cfg, divisor, held, report.items, Path(d.cache_dir) if disk else None, progress,
+                              controls=pairs)
     return DataPlan(cfg, report, entries, latent_store, text_store, divisor, val, text_ref)
 
 

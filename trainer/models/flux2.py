@@ -50,8 +50,7 @@ them as `--image` repeated (`sample.image` a list), in the same order, as the pi
 BFL's documented limits (dev: 6 recommended, klein: 4).
 
 Left out: a reference of a size other than the target's bucket (the pipeline keeps a reference's own size up to
-1 MP; training cuts it to the target's bucket, which matches the pipeline for same-size pairs); the references in
-the validation loss (as for Kontext, `data.validation` scores without them). Caption upsampling
+1 MP; training cuts it to the target's bucket, which matches the pipeline for same-size pairs). Caption upsampling
 (`caption_upsample_temperature`). The single blocks' fused output projection (`attn.to_out`) is not a default
 LoRA target: peft's suffix matching cannot tell it from the double blocks' `attn.to_out` ModuleList.
 """
