@@ -348,6 +348,7 @@ def test_a_reference_the_pipeline_refuses_is_one_line():
 
 def test_planner_counts_the_reference_tokens_for_pair_data_only(tiny_models, pairs, plain, tmp_path):
     from trainer.planner import analyze
+    from trainer.planner import report as planner_report
     from trainer.planner import trace as ptrace
 
     with_ref, without = (analyze(_klein_cfg(tiny_models, d, tmp_path)) for d in (pairs, plain))
@@ -356,6 +357,11 @@ def test_planner_counts_the_reference_tokens_for_pair_data_only(tiny_models, pai
     kw = ptrace.forward_inputs("flux2-klein", with_ref.model, 2, 64, 64, 8, torch.float32, references=1)
     assert kw["hidden_states"].shape[1] == kw["img_ids"].shape[0] == 2 * n
     assert with_ref.trace(64).checkpoint_inputs > without.trace(64).checkpoint_inputs
+    # `dittrain plan`'s token column: the full-size model's 4096 image tokens at 1024 px, twice with a reference
+    cfg = _klein_cfg(tiny_models, pairs, tmp_path)
+    cfg.data.resolutions = [1024]
+    lines, _ = planner_report(cfg, facts=analyze(cfg))
+    assert any("8192+" in line for line in lines)
     # where kontext doubles in dummy_inputs, the pair data adds nothing more
     kontext = make_config(tiny_models, pairs, tmp_path / "o", tmp_path / "c", "flux-kontext")
     assert analyze(kontext).references == 0
