@@ -88,13 +88,14 @@ def test_the_data_decides_pairs_or_plain(tiny_models, pairs, plain, tmp_path):
     assert pairs_run(get_adapter(kontext.model), kontext.data)
 
 
-def _fit(tiny_models, data: Path, tmp: Path):
+def _fit(tiny_models, data: Path, tmp: Path, **sections):
     """`dittrain fit` of a YAML config of tiny flux2-klein on `data` (2 steps): (config path, output folder, what
     each training step's `predict` got: (control_latents shape, noisy latents shape) or None)."""
     from trainer.models.flux2 import Flux2Adapter
 
     path = tmp / "klein.yaml"
-    path.write_text(yaml.safe_dump(_klein_cfg(tiny_models, data, tmp).model_dump(mode="json", exclude_unset=True)))
+    cfg = _klein_cfg(tiny_models, data, tmp, **sections)
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True)))
     seen, real = [], Flux2Adapter.predict
 
     def spy(self, transformer, noisy, t, text, guidance=1.0):
@@ -218,6 +219,19 @@ def _predicts_as_the_pipeline(fitted, references: int) -> None:
             theirs = unpack_2x2(out_i[:, : x.shape[1]], *n.noisy.shape[-2:])
             torch.testing.assert_close(ours[i : i + 1], theirs, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(((ours - n.target) ** 2).mean(), ((plain - n.target) ** 2).mean())
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_streamed_pair_training_is_bitwise_resident(fitted2, tiny_models, pairs2, tmp_path, fraction):
+    """The longer sequence of two references changes nothing in streaming: the LoRA after 2 steps streamed at
+    `fraction` equals the resident one bit for bit."""
+    from safetensors.torch import load_file
+
+    _, out, _ = fitted2
+    _, streamed, seen = _fit(tiny_models, pairs2, tmp_path, offload={"transformer": fraction})
+    assert len(seen) == 2 and all(s is not None for s in seen)
+    a, b = load_file(out / "lora.safetensors"), load_file(streamed / "lora.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_pair_batch_predicts_as_the_pipeline_with_the_reference_image(fitted):
