@@ -184,7 +184,7 @@ def check_image(path: Path | list[Path] | None, adapter) -> None:
     `max_references`); families whose text encoder sees the reference (`text_uses_reference`) cannot sample
     without one."""
     paths = list(path) if isinstance(path, list | tuple) else [] if path is None else [path]
-    if len(paths) > adapter.max_references:
+    if adapter.takes_reference and len(paths) > adapter.max_references:
         raise UserError(f"--image given {len(paths)} times: {adapter.family} takes at most "
                         f"{adapter.max_references} reference image{'s' if adapter.max_references > 1 else ''}")
     if len(paths) > 1:
