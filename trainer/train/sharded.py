@@ -29,8 +29,8 @@ gradients, so each process ends the backward pass with the mean gradient of its 
   so backward all-gathers a block once, recomputes it and reduce-scatters it; train.gradient_checkpointing: auto
   keeps the blocks the planner picks.
 - Compile (train.compile): each block is compiled with `torch.compile` before it is sharded.
-- Checkpoints: the weights are gathered to rank 0 (only the trainable ones: `ignore_frozen_params`) and written as
-  today, so the LoRA file or transformer folder in a checkpoint is the same file a one-process run writes, and the
+- Checkpoints: the trainable weights are gathered to rank 0 one at a time (a LoRA's frozen base is not) and
+  written as today, so the LoRA file or transformer folder in a checkpoint is the same file a one-process run writes, and the
   final output too. The optimizer state, the part that is big and sharded, is written by every process through
   `torch.distributed.checkpoint` with its safetensors writer (`optimizer/shard-*.safetensors`, no pickle) and read
   back through the same planner, which re-shards it: a run saved on 4 processes resumes on 2 or on 1.
@@ -56,8 +56,6 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
@@ -70,6 +68,7 @@ from ..errors import UserError
 from .monitor import say
 
 OPTIMIZER_DIR = "optimizer"  # the optimizer state's shards inside a checkpoint folder
+FILE_BYTES = 2 * 2**30  # whole-tensor bytes per optimizer-state file (`_files`)
 
 
 def _checkpointed(block: nn.Module) -> None:
@@ -126,24 +125,33 @@ def whole_trainable(transformer: nn.Module, main: bool, dtype: torch.dtype | Non
     """Collective: inside, on rank 0 (`main`), every trainable parameter of `transformer` is its whole tensor on
     the CPU (in `dtype`, if given: a full fine-tune's fp32 master shards are saved in the model dtype, as one
     process saves them), so the one-process writers (method.save_weights / write_final) save it unchanged; the
-    shards are put back on exit. Frozen weights (a LoRA's base) are not gathered."""
-    sd = get_model_state_dict(transformer, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+    shards are put back on exit. Frozen weights (a LoRA's base) are not gathered. One parameter at a time, over
+    the GPUs (CPU-offloaded shards visit them for the all-gather): rank 0 holds the weights once, in `dtype`."""
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     try:
-        if main:
-            for name, value in sd.items():
+        for name, p in list(transformer.named_parameters()):
+            if not p.requires_grad:
+                continue
+            whole = _whole(p.detach(), dtype)
+            if main:
                 owner, _, leaf = name.rpartition(".")
                 module = transformer.get_submodule(owner)
-                old = module._parameters[leaf]
-                swapped.append((module, leaf, old))
-                value = value if dtype is None else value.to(dtype)
-                module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
+                swapped.append((module, leaf, p))
+                module._parameters[leaf] = nn.Parameter(whole, requires_grad=True)
         yield
     finally:
         for module, leaf, old in swapped:
             module._parameters[leaf] = old
-        del sd
+
+
+def _whole(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The whole value of parameter `p` (a DTensor shard: all-gathered) on the CPU, in `dtype` if given."""
+    if isinstance(p, DTensor):
+        local = p.to_local()
+        if local.device.type == "cpu" and torch.cuda.is_available():  # CPU offload: gather over NCCL
+            local = local.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
+        p = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+    return (p if dtype is None else p.to(dtype)).to("cpu", copy=True)
 
 
 def local_nonfinite(transformer: nn.Module) -> str | None:
@@ -177,7 +185,24 @@ def save_optimizer(transformer: nn.Module, optimizer: torch.optim.Optimizer, fol
     if tdist.get_rank() == 0:
         shutil.rmtree(folder, ignore_errors=True)
     tdist.barrier()
-    dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True))
+    writer = dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True, fqn_to_index_mapping=_files(state))
+    dcp.save(state, storage_writer=writer)
+
+
+def _files(state: dict[str, torch.Tensor], group_bytes: int | None = None) -> dict[str, int]:
+    """Which file (from 1) each tensor of the flat state goes to: about `group_bytes` of *whole* tensors per
+    file, the same split on every rank. The writer builds each safetensors file in memory before writing it, so
+    one file per rank would hold a copy of the rank's whole optimizer state in RAM (a 12 B full fine-tune on 2
+    processes: +48 GB per process)."""
+    group_bytes = FILE_BYTES if group_bytes is None else group_bytes
+    out, index, size = {}, 1, 0
+    for key, t in state.items():
+        nbytes = t.numel() * t.element_size()  # DTensor: the whole tensor's numel, equal on every rank
+        if size and size + nbytes > group_bytes:
+            index, size = index + 1, 0
+        out[key] = index
+        size += nbytes
+    return out
 
 
 def load_optimizer(transformer: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
