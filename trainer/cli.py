@@ -144,9 +144,9 @@ def sample(
     out: Path | None = typer.Option(None, "--out", help="Output folder (default: <output.dir>/samples).", show_default=False),
     base: bool = typer.Option(
         False, "--base", help="Full fine-tune configs: sample the base model instead of <output.dir>/transformer."),
-    image: Path | None = typer.Option(
-        None, "--image", help="Edit families (trained on image pairs): the reference image to edit, resized to the sample "
-        "size (default: sample.image).",
+    image: list[Path] = typer.Option(
+        [], "--image", help="Edit families (trained on image pairs): the reference image to edit, resized to the sample "
+        "size (default: sample.image); repeat it for several references (Flux.2).",
         show_default=False),
 ) -> None:
     """Generate images with the family's diffusers pipeline, the transformer streamed by the offload conductor.
@@ -172,7 +172,7 @@ def sample(
             num=num,
             out=out,
             base=base,
-            image=image,
+            image=(image[0] if len(image) == 1 else list(image)) if image else None,
         ),
     )
 

@@ -24,6 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import ConfigError, UserError
 from .models import ADAPTERS, canonical_family
 
+#: the folder of a source that holds its images' reference images (edit families' pairs: trainer/data/sources.py)
+CONTROL_DIR = "control"
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -280,6 +283,38 @@ class SourceConfig(_Section):
         default=0.0, ge=0, lt=1, description="Probability of leaving out each tag after the first keep_tokens."
     )
 
+    def metadata_file(self) -> Path | None:
+        """`metadata` as found: relative to the current directory, else (a bare name) inside `path`; None: unset
+        or not found (the scan then says so)."""
+        if self.metadata is None:
+            return None
+        if self.metadata.is_file():
+            return self.metadata
+        inside = self.path / self.metadata
+        return inside if not self.metadata.is_absolute() and inside.is_file() else None
+
+    def references(self) -> int:
+        """How many reference images this source pairs each image with: its `control/`, `control2/`, ... folders
+        in a row (folder sources), or the longest "control" entry (a name or a list) of its metadata.jsonl; 0: plain
+        images. Reads no image; the scan checks every pair (trainer/data/sources.py)."""
+        meta = self.metadata_file()
+        if meta is None:
+            if self.metadata is not None:
+                return 0  # not found: the scan says so
+            n = 0
+            while (self.path / (CONTROL_DIR if n == 0 else f"{CONTROL_DIR}{n + 1}")).is_dir():
+                n += 1
+            return n
+        most = 0
+        for line in meta.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                rec = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                continue  # the scan reports it
+            ctrl = rec.get("control") if isinstance(rec, dict) else None
+            most = max(most, 1 if isinstance(ctrl, str) else len(ctrl) if isinstance(ctrl, list) else 0)
+        return most
+
 
 class ValidationConfig(_Section):
     sources: list[SourceConfig] = Field(
@@ -368,6 +403,16 @@ class DataConfig(_Section):
         "and cached; each time the image is drawn one is picked. Costs one text embedding per variant in the cache.",
     )
 
+    def references(self) -> int:
+        """Reference images per image the data pairs with (the most of any source: `SourceConfig.references`). For
+        a family whose reference is optional (Flux.2: `ModelAdapter.reference_optional`) a positive count makes the
+        run train pairs (and the planner count the reference tokens); 0 trains plain images."""
+        return max(s.references() for s in self.sources)
+
+    def has_references(self) -> bool:
+        """Whether the data pairs its images with reference images (`references` > 0)."""
+        return self.references() > 0
+
     @field_validator("resolutions")
     @classmethod
     def _positive(cls, v: list[int]) -> list[int]:
@@ -419,10 +464,11 @@ class SampleConfig(_Section):
         description="Negative prompt for families that run classifier-free guidance when guidance > 1 "
         "(SD3, Qwen-Image, Chroma; Z-Image already when guidance > 0); Flux (guidance-distilled) ignores it.",
     )
-    image: Path | None = Field(
+    image: Path | list[Path] | None = Field(
         default=None,
         description="Edit families: the reference image of the samples made during training (resized and "
-        "centre-cropped to width x height); `dittrain sample --image` overrides it. qwen-image-edit(-plus) needs one to "
+        "centre-cropped to width x height), or a list of them for families that take several (Flux.2); "
+        "`dittrain sample --image` overrides it. qwen-image-edit(-plus) needs one to "
         "sample; flux-kontext samples without a reference when it is unset.",
     )
 

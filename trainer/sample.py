@@ -51,6 +51,7 @@ from .sampling.request import (
     check_loras,
     check_size,
     collect_prompts,
+    image_setting,
     parse_lora,
     plan_jobs,
 )
@@ -111,7 +112,7 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
         width=width,
         height=height,
         negative_prompt=s.negative_prompt,
-        image=str(image) if image is not None else None,
+        image=image_setting(image),
     )
     seed = req.seed if req.seed is not None else s.seed
     out = req.out if req.out is not None else cfg.output.dir / "samples"
@@ -257,5 +258,5 @@ def _metadata(cfg: Config, family: str, plan: SamplePlan, job: Job) -> dict[str,
         loras=",".join(str(x) for x in plan.loras) or None,
         offload=plan.offload,
         negative_prompt=s.negative_prompt or None,
-        image=s.image,
+        image=s.image if not isinstance(s.image, tuple) else ",".join(s.image),
     )

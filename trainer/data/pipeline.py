@@ -33,9 +33,8 @@ from .cache import (
     text_key,
 )
 from .captions import caption_texts, pick
-from .images import crop_box
 from .sources import Item, ScanReport, check_report, scan_sources
-from .validation import ValidationData, ValidationPlan, holdout, plan_validation
+from .validation import ValidationData, ValidationPlan, holdout, plan_validation, reference_jobs
 
 
 @dataclass
@@ -49,9 +48,10 @@ class Batch:
     drawn at; mask: with data.masked_loss, (B, 1, h, w) float32 per-latent-cell loss weights (unmasked_weight +
     (1 - unmasked_weight) * mask; 1 for an image without a mask), else None.
 
-    Edit families (`adapter.takes_reference`): `text` also holds `control_latents` (B, C, h, w) float32, the
-    reference images' latents (same bucket as the targets), which `adapter.predict` joins to the sequence; they
-    travel with the text entries so the loop moves them like any other conditioning."""
+    Pairs (`pairs_run`: edit families, and Flux.2 on data with references): `text` also holds `control_latents`
+    (B, C, h, w) float32, the reference images' latents (same bucket as the targets), which `adapter.predict` joins
+    to the sequence; they travel with the text entries so the loop moves them like any other conditioning. With
+    several references per image (`adapter.max_references` > 1) it is (B, K, C, h, w), in reference order."""
 
     latents: torch.Tensor
     text: dict[str, torch.Tensor]
@@ -85,19 +85,18 @@ class DataPlan:
         it = self.items[e.item]
         return latent_key(it.sha, e.bucket, e.box, it.mask_sha)
 
-    def control_box(self, e: Entry) -> tuple[int, int]:
-        """Where the reference is cut from its covering resize: the target's box when both images have one size
-        (the pair stays aligned, random crops included), else centred."""
-        it = self.items[e.item]
-        return e.box if it.control_size == (it.width, it.height) else crop_box(*it.control_size, e.bucket, "center")
-
     def control_key(self, e: Entry) -> str:
-        """The reference's latent: keyed like any image (content, bucket, box), so it shares entries with itself."""
-        return latent_key(self.items[e.item].control_sha, e.bucket, self.control_box(e))
+        """The (first) reference's latent: keyed like any image (content, bucket, box), so it shares entries with
+        itself."""
+        return self.control_job(e).key
 
     def control_job(self, e: Entry) -> LatentJob:
-        it = self.items[e.item]
-        return LatentJob(self.control_key(e), it.control, e.bucket, self.control_box(e))
+        return self.control_jobs(e)[0]
+
+    def control_jobs(self, e: Entry) -> list[LatentJob]:
+        """One latent job per reference of entry `e`, in order (empty without references): validation.py
+        `reference_jobs`."""
+        return reference_jobs(self.items[e.item], e)
 
     def text_id(self, e: Entry, caption: str) -> str:
         """The text-cache key entry `e` reads for `caption` (with its reference where the text encoder sees it)."""
@@ -113,7 +112,7 @@ class DataPlan:
         """Training entries (and their references), then the validation set's (encoded in the same pass)."""
         jobs = [LatentJob(self.latent_key(e), self.items[e.item].file, e.bucket, e.box, self.items[e.item].mask)
                 for e in self.entries]
-        jobs += [self.control_job(e) for e in self.entries if self.items[e.item].control]
+        jobs += [j for e in self.entries for j in self.control_jobs(e)]
         return jobs + (self.validation.latent_jobs() if self.validation else [])
 
     def item_texts(self, i: int) -> tuple[str, ...]:
@@ -159,6 +158,10 @@ class DataPlan:
                              f"epoch, {n_batch:>5} {'batch' if n_batch == 1 else 'batches'}")
         lines.append(f"  {count(sum(-(-n // bs) for n in per.values()), 'batch', 'batches')} per epoch at batch size {bs} "
                      f"(remainder: {d.remainder})")
+        refs = max((len(it.references) for it in self.items), default=0)
+        if refs:
+            lines.append(f"  pairs: each image trains with {'its reference image' if refs == 1 else f'{refs} reference images'} "
+                         "(control/ or a \"control\" metadata key)")
         empty = sum(1 for it in self.items if not it.caption)
         if empty:
             lines.append(f"  {count(empty, 'image')} {'has' if empty == 1 else 'have'} an empty caption (trained "
@@ -187,8 +190,9 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
     if d is None:
         raise UserError("the config has no data: section (data.sources lists the image folders)")
     disk = d.cache or force_disk
+    pairs = pairs_run(adapter, d)
     report = scan_sources(d.sources, index_dir=Path(d.cache_dir) if disk else None, progress=progress,
-                          masks=d.masked_loss, controls=adapter.takes_reference)
+                          masks=d.masked_loss, controls=pairs)
     held = []
     if d.validation is not None and d.validation.fraction > 0:  # held out before bucketing: never trained on
         report.items, held = holdout(report.items, d.validation.fraction, cfg.train.seed)
@@ -197,6 +201,10 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
         report.items, d.resolutions, divisor, crop=d.crop, seed=cfg.train.seed, max_upscale=d.max_upscale,
         max_aspect=d.max_aspect, step=d.bucket_step,
     )
+    refs = max((len(it.references) for it in report.items), default=0)
+    if refs > 1 and refs > adapter.max_references:  # (one reference: every edit family takes it)
+        raise UserError(f"data.sources: the images have {refs} reference images each ({refs - 1} more in control2/ ... "
+                        f"or a \"control\" list), {adapter.family} takes at most {adapter.max_references}")
     for idx, reason in too_small:
         report.bad.append((report.items[idx].file, reason))
     entries = _keep_items(report, entries, {idx for idx, _ in too_small})
@@ -212,8 +220,15 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
         latent_store, text_store = MemoryStore(), MemoryStore()
     val = None
     if d.validation is not None:
-        val = plan_validation(cfg, divisor, held, report.items, Path(d.cache_dir) if disk else None, progress)
+        val = plan_validation(cfg, divisor, held, report.items, Path(d.cache_dir) if disk else None, progress,
+                              controls=pairs)
     return DataPlan(cfg, report, entries, latent_store, text_store, divisor, val, text_ref)
+
+
+def pairs_run(adapter, data_cfg) -> bool:
+    """Whether this run trains (reference, target, caption) pairs: always for an edit family, and for a family whose
+    reference is optional (`reference_optional`: Flux.2) when the data has references."""
+    return adapter.takes_reference and (not adapter.reference_optional or data_cfg.has_references())
 
 
 def _keep_items(report: ScanReport, entries: list[Entry], drop: set[int]) -> list[Entry]:
@@ -244,7 +259,7 @@ class TrainData:
         srcs = cfg.data.sources
         self.entries = plan.entries
         self._lat_keys = [plan.latent_key(e) for e in self.entries]
-        self._ctrl_keys = [plan.control_key(e) if plan.items[e.item].control else None for e in self.entries]
+        self._ctrl_keys = [[j.key for j in plan.control_jobs(e)] for e in self.entries]
         self._texts = [plan.item_texts(i) for i in range(len(plan.items))]
         self._seed = cfg.train.seed
         self._masked, self._unmasked = cfg.data.masked_loss, cfg.data.unmasked_weight
@@ -256,7 +271,7 @@ class TrainData:
             batch_size=cfg.train.batch_size,
             seed=cfg.train.seed,
             remainder=cfg.data.remainder,
-            fingerprint="|".join(self._lat_keys + [k for k in self._ctrl_keys if k]),
+            fingerprint="|".join(self._lat_keys + [k for keys in self._ctrl_keys for k in keys]),
         )
         self.validation = None
         if plan.validation is not None:
@@ -300,8 +315,10 @@ class TrainData:
             cap = "" if s.dropped else pick(self._texts[e.item], self._seed, position, n)
             entry = self._read(self.plan.latent_store, self._lat_keys[s.entry], it.file)
             lats.append(entry["latent"])
-            if self._ctrl_keys[s.entry] is not None:
-                ctrls.append(self._read(self.plan.latent_store, self._ctrl_keys[s.entry], it.control)["latent"])
+            refs = [self._read(self.plan.latent_store, k, f)["latent"]
+                    for k, (f, _, _) in zip(self._ctrl_keys[s.entry], it.references, strict=True)]
+            if refs:  # one reference: (C, h, w); several: (K, C, h, w)
+                ctrls.append(refs[0] if len(refs) == 1 else torch.stack(refs))
             if self._masked:
                 m = entry.get("mask")
                 masks.append(torch.ones_like(entry["latent"][:1]) if m is None else self._unmasked + (1 - self._unmasked) * m)
@@ -370,7 +387,7 @@ def drop_encoding_failures(plan: DataPlan, res: EncodeResult) -> None:
         return
     keep, reasons = [], {}
     for e in plan.entries:
-        ctrl = plan.items[e.item].control and res.bad_latents.get(plan.control_key(e))
+        ctrl = next((res.bad_latents[j.key] for j in plan.control_jobs(e) if j.key in res.bad_latents), None)
         texts = (*plan.item_texts(e.item), "") if plan.text_ref else plan.item_texts(e.item)
         why = res.bad_latents.get(plan.latent_key(e)) or (ctrl and f"reference image: {ctrl}") or next(
             (res.bad_texts[lb] for lb in (plan.text_label(e, t) for t in texts) if lb in res.bad_texts), None)

@@ -12,9 +12,13 @@ the file named by a `"mask"` key of its metadata.jsonl line (relative to the sou
 not scanned for training images. An image without a mask trains on every pixel; a mask that is unreadable or not
 the image's size is a bad file (the image is left out, or `strict` stops); a `"mask"` that names a missing file too.
 
-Pairs (edit families, `adapter.takes_reference`). An image's reference is `<source>/control/<same relative path
-and name>` (any image suffix), or the file named by a `"control"` key of its metadata.jsonl line. The `control/`
-folder is not scanned for training images. An image without a readable reference is a bad file.
+Pairs (edit families, `adapter.takes_reference`; for a family whose reference is optional, `reference_optional`,
+only when the data has references: `DataConfig.has_references`). An image's reference is `<source>/control/<same
+relative path and name>` (any image suffix), or the file named by a `"control"` key of its metadata.jsonl line. The
+`control/` folder is not scanned for training images. An image without a readable reference is a bad file.
+Families that join several references (`adapter.max_references` > 1: Flux.2) take more per image: the same name in
+`control2/`, `control3/`, ... (each folder one more reference, in order), or a list under `"control"`. Every image
+of a run needs as many references as the image with the most (a batch stacks them): one with fewer is a bad file.
 
 The scan runs before any model is loaded and decodes every image completely, so a corrupt, truncated,
 zero-byte or unreadable file, a missing caption or a bad metadata line is found in seconds, not hours into a
@@ -33,10 +37,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import CONTROL_DIR
 from ..errors import UserError
 from ..progress import bar as progress_bar
 from ..words import count
@@ -44,7 +50,6 @@ from .images import IMAGE_SUFFIXES, BadImage, open_image
 
 INDEX_NAME = "scan-index.json"
 MASK_DIR = "masks"
-CONTROL_DIR = "control"
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,13 @@ class Item:
     control: str = ""
     control_sha: str = ""
     control_size: tuple[int, int] = (0, 0)
+    #: further reference images (families with `max_references` > 1), as (file, sha256, upright size)
+    more_controls: tuple[tuple[str, str, tuple[int, int]], ...] = ()
+
+    @property
+    def references(self) -> tuple[tuple[str, str, tuple[int, int]], ...]:
+        """Every reference image in order, as (file, sha256, upright size); () without one."""
+        return ((self.control, self.control_sha, self.control_size), *self.more_controls) if self.control else ()
 
     @property
     def all_captions(self) -> tuple[str, ...]:
@@ -116,23 +128,38 @@ def _folder_mask(root: Path, image: Path) -> Path | None:
     return next((m for m in (stem.with_suffix(s) for s in IMAGE_SUFFIXES) if m.is_file()), None)
 
 
-def _folder_control(root: Path, image: Path) -> Path | None:
-    stem = root / CONTROL_DIR / image.relative_to(root).with_suffix("")
-    return next((m for m in (stem.with_suffix(s) for s in IMAGE_SUFFIXES) if m.is_file()), None)
+def _control_dir(k: int) -> str:
+    """The folder of the k-th reference (1-based): control/, control2/, control3/, ..."""
+    return CONTROL_DIR if k == 1 else f"{CONTROL_DIR}{k}"
+
+
+def _folder_controls(root: Path, image: Path) -> list[Path]:
+    """The image's references: its name in control/, then in control2/, ... while that folder exists and has it."""
+    out, rel = [], image.relative_to(root).with_suffix("")
+    for k in range(1, 1000):
+        if not (root / _control_dir(k)).is_dir():
+            break
+        stem = root / _control_dir(k) / rel
+        found = next((m for m in (stem.with_suffix(s) for s in IMAGE_SUFFIXES) if m.is_file()), None)
+        if found is None:
+            break
+        out.append(found)
+    return out
 
 
 def _with_controls(root: Path, cands, report: ScanReport, meta: dict | None = None):
-    """Pairs: each candidate with its reference image appended (folder rule, or `meta[path]` from metadata)."""
+    """Pairs: each candidate with its reference images appended (folder rule, or `meta[path]` from metadata)."""
     out = []
     for path, caps, mask in cands:
-        ctrl = meta.get(path) if meta is not None and path in meta else _folder_control(root, path)
-        if ctrl is None:
+        ctrls = meta.get(path) if meta is not None and path in meta else _folder_controls(root, path)
+        missing = next((c for c in ctrls if not c.is_file()), None)
+        if not ctrls:
             report.bad.append((str(path), f"missing reference image ({CONTROL_DIR}/{path.relative_to(root).with_suffix('')}"
                                           f".* or a \"control\" metadata key)"))
-        elif not ctrl.is_file():
-            report.bad.append((str(path), f"reference image {ctrl} not found"))
+        elif missing is not None:
+            report.bad.append((str(path), f"reference image {missing} not found"))
         else:
-            out.append((path, caps, mask, ctrl))
+            out.append((path, caps, mask, tuple(ctrls)))
     return out
 
 
@@ -142,8 +169,9 @@ def _folder_candidates(
     walk = root.rglob("*") if recursive else root.glob("*")
     images = sorted(p for p in walk if p.suffix.lower() in IMAGE_SUFFIXES and not p.is_dir())
     skip = {d for d, on in ((MASK_DIR, masks), (CONTROL_DIR, controls)) if on}
-    if skip:
-        images = [p for p in images if p.relative_to(root).parts[0] not in skip]
+    if skip:  # control2/, control3/, ... hold further references
+        images = [p for p in images if p.relative_to(root).parts[0] not in skip
+                  and not (controls and re.fullmatch(rf"{CONTROL_DIR}[0-9]+", p.relative_to(root).parts[0]))]
     out: list[tuple[Path, list[str], Path | None]] = []
     missing = 0
     for p in images:
@@ -221,8 +249,10 @@ def _metadata_candidates(
                     continue
             else:
                 mask = _folder_mask(root, path)
-        if controls is not None and isinstance(rec.get("control"), str):
-            controls[path] = root / rec["control"]
+        ctrl = rec.get("control")
+        if controls is not None and (isinstance(ctrl, str) or (isinstance(ctrl, list) and ctrl
+                                                               and all(isinstance(c, str) for c in ctrl))):
+            controls[path] = [root / c for c in ([ctrl] if isinstance(ctrl, str) else ctrl)]
         out.append((path, captions, mask))
     report.found.append(n)
     return out
@@ -260,8 +290,8 @@ def scan_sources(sources, index_dir: Path | None = None, progress: bool = True, 
     new_index: dict[str, dict] = {}
     # Decoding and hashing release the GIL: threads make the first scan of a large folder several times faster.
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        probes = pool.map(lambda c: (_probe(c[1], index), c[3] and _probe(c[3], index), c[4] and _probe(c[4], index)),
-                          flat)
+        probes = pool.map(lambda c: (_probe(c[1], index), c[3] and _probe(c[3], index),
+                                     c[4] and [_probe(r, index) for r in c[4]]), flat)
         for (i, path, caps, mask, ctrl), (got, got_mask, got_ctrl) in zip(flat, probes, strict=True):
             bar.update(1)
             if isinstance(got, str):
@@ -281,22 +311,41 @@ def scan_sources(sources, index_dir: Path | None = None, progress: bool = True, 
                                        f"{rec['w']}x{rec['h']} (a mask must have its image's size)"))
                     continue
                 mask_sha = mrec["sha"]
-            ctrl_sha, ctrl_size = "", (0, 0)
-            if ctrl is not None:
-                if isinstance(got_ctrl, str):
-                    report.bad.append((str(path), f"reference image {ctrl}: {got_ctrl}"))
-                    continue
-                ckey, crec = got_ctrl
-                new_index[ckey] = crec
-                ctrl_sha, ctrl_size = crec["sha"], (crec["w"], crec["h"])
+            refs = []
+            for r, got_r in zip(ctrl or (), got_ctrl or (), strict=True):
+                if isinstance(got_r, str):
+                    report.bad.append((str(path), f"reference image {r}: {got_r}"))
+                    break
+                new_index[got_r[0]] = got_r[1]
+                refs.append((str(r), got_r[1]["sha"], (got_r[1]["w"], got_r[1]["h"])))
+            if ctrl and len(refs) < len(ctrl):
+                continue
+            first = refs[0] if refs else ("", "", (0, 0))
             caps = tuple(join_caption(sources[i].caption_prefix, c) for c in caps)
             report.items.append(Item(str(path), caps[0], i, rec["w"], rec["h"], rec["sha"], caps if len(caps) > 1 else (),
-                                     str(mask) if mask is not None else "", mask_sha,
-                                     str(ctrl) if ctrl is not None else "", ctrl_sha, ctrl_size))
+                                     str(mask) if mask is not None else "", mask_sha, *first, tuple(refs[1:])))
     bar.close()
+    _same_reference_count(report)
     if index_file is not None and any(index.get(k) != v for k, v in new_index.items()):
         _write_index(index_file, {**index, **new_index})
     return report
+
+
+def _same_reference_count(report: ScanReport) -> None:
+    """Pairs with several references: every image needs as many as the image with the most (a batch stacks
+    them); one with fewer is a bad file."""
+    most = max((len(it.references) for it in report.items), default=0)
+    if most < 2:
+        return
+    keep = []
+    for it in report.items:
+        if len(it.references) < most:
+            report.bad.append((it.file, f"{count(len(it.references), 'reference image')}, other images have {most} "
+                                        f"({', '.join(_control_dir(k) + '/' for k in range(1, most + 1))} or a "
+                                        f"\"control\" list of {most}): every image needs as many"))
+        else:
+            keep.append(it)
+    report.items = keep
 
 
 def _probe(path: Path, index: dict[str, dict]) -> tuple[str, dict] | str:

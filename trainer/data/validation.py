@@ -9,7 +9,9 @@ training image (the same bytes, anywhere) is reported: its loss is not a held-ou
 Cache entries. The validation entries are keyed like training ones (image content, bucket, crop; caption text)
 and live in the same stores, so `dittrain cache` and `fit` encode them with the training set in one pass of the
 encoders. Every validation image is center-cropped (never a random crop) and scored at every data.resolution it
-is big enough for, with its first caption (no dropout, no shuffled variant).
+is big enough for, with its first caption (no dropout, no shuffled variant). In a run of pairs (edit families,
+Flux.2 on data with references) a validation image carries its references as in training (`reference_jobs`: cut
+like the target, keyed like any image), so its loss is the loss the model is trained on.
 
 Batches. Entries are grouped by (resolution, bucket) in a fixed order and cut into batches of train.batch_size;
 `ValidationData.batches()` yields them with each sample's entry index, which seeds its fixed noise
@@ -31,7 +33,20 @@ from ..words import count
 from .buckets import Entry, assign_buckets
 from .cache import LatentJob, finite, latent_key, text_key
 from .captions import caption_texts
+from .images import crop_box
 from .sources import Item, scan_sources
+
+
+def reference_jobs(it: Item, e: Entry) -> list[LatentJob]:
+    """One latent job per reference image of item `it` at entry `e`, in order (none without): each is cut from its
+    covering resize at the target's box when both images have one size (the pair stays aligned, random crops
+    included), else centred, and keyed like any image (content, bucket, box). Training (pipeline.py) and
+    validation batches read the same entries."""
+    jobs = []
+    for file, sha, size in it.references:
+        box = e.box if size == (it.width, it.height) else crop_box(*size, e.bucket, "center")
+        jobs.append(LatentJob(latent_key(sha, e.bucket, box), file, e.bucket, box))
+    return jobs
 
 
 def holdout(items: list[Item], fraction: float, seed: int) -> tuple[list[Item], list[Item]]:
@@ -55,7 +70,7 @@ class ValidationPlan:
 
     def latent_jobs(self) -> list[LatentJob]:
         return [LatentJob(self.latent_key(e), self.items[e.item].file, e.bucket, e.box, self.items[e.item].mask)
-                for e in self.entries]
+                for e in self.entries] + [j for e in self.entries for j in reference_jobs(self.items[e.item], e)]
 
     def latent_key(self, e: Entry) -> str:
         it = self.items[e.item]
@@ -70,11 +85,13 @@ class ValidationPlan:
 
 
 def plan_validation(cfg, divisor: int, held: list[Item], train_items: list[Item], index_dir: Path | None,
-                    progress: bool = True) -> ValidationPlan:
-    """Scan data.validation.sources (or take the held-out `held` items), bucket them, pick their captions."""
+                    progress: bool = True, controls: bool = False) -> ValidationPlan:
+    """Scan data.validation.sources (or take the held-out `held` items), bucket them, pick their captions.
+    `controls`: a run of pairs; the validation sources' images need their references too."""
     d, v = cfg.data, cfg.data.validation
     if v.sources:
-        report = scan_sources(v.sources, index_dir=index_dir, progress=progress, masks=d.masked_loss)
+        report = scan_sources(v.sources, index_dir=index_dir, progress=progress, masks=d.masked_loss,
+                              controls=controls)
         items, sources = report.items, v.sources
         for f, why in report.bad:
             tqdm.write(f"validation: left out {f}: {why}", file=sys.stderr)
@@ -111,7 +128,8 @@ class ValidationData:
         self._lat, self._txt = latent_store, text_store
         self._masked, self._unmasked = masked, unmasked_weight
         keep = [i for i, e in enumerate(vplan.entries) if vplan.latent_key(e) not in bad_keys
-                and text_key(vplan.captions[e.item]) not in bad_keys]
+                and text_key(vplan.captions[e.item]) not in bad_keys
+                and not any(j.key in bad_keys for j in reference_jobs(vplan.items[e.item], e))]
         groups: dict[tuple, list[int]] = {}
         for i in keep:
             e = vplan.entries[i]
@@ -123,20 +141,25 @@ class ValidationData:
 
     def batches(self):
         for idx in self._batches:
-            lats, masks, texts, files = [], [], [], []
+            lats, masks, texts, files, ctrls = [], [], [], [], []
             for i in idx:
                 e = self.plan.entries[i]
                 it = self.plan.items[e.item]
                 entry = self._read(self._lat, self.plan.latent_key(e), it.file)
                 lats.append(entry["latent"])
+                refs = [self._read(self._lat, j.key, j.file)["latent"] for j in reference_jobs(it, e)]
+                if refs:  # as training batches: (C, h, w) for one reference, (K, C, h, w) for several
+                    ctrls.append(refs[0] if len(refs) == 1 else torch.stack(refs))
                 if self._masked:
                     m = entry.get("mask")
                     masks.append(torch.ones_like(entry["latent"][:1]) if m is None
                                  else self._unmasked + (1 - self._unmasked) * m)
                 texts.append(self._read(self._txt, text_key(self.plan.captions[e.item]), it.file))
                 files.append(it.file)
-            yield ValidationBatch(torch.stack(lats), self._adapter.collate_text(texts),
-                                  torch.stack(masks) if self._masked else None, list(idx), files)
+            cond = self._adapter.collate_text(texts)
+            if ctrls:
+                cond["control_latents"] = torch.stack(ctrls)
+            yield ValidationBatch(torch.stack(lats), cond, torch.stack(masks) if self._masked else None, list(idx), files)
 
     @staticmethod
     def _read(store, key: str, file: str) -> dict[str, torch.Tensor]:

@@ -135,13 +135,21 @@ class ModelAdapter(ABC):
 
     # ------------------------------------------------------------------------------------------ edit families
 
-    #: edit / reference-image families: training items are (reference, target, instruction) pairs, the
-    #: reference's latents reach `predict` as `text["control_latents"]` (B, C, h, w), and sampling takes
-    #: `--image` (`pipeline_image`)
+    #: edit / reference-image families: training items are (reference, target, instruction) pairs (always, or
+    #: on data with references where `reference_optional`), the reference's latents reach `predict` as
+    #: `text["control_latents"]` (B, C, h, w), and sampling takes `--image` (`pipeline_image`)
     takes_reference: ClassVar[bool] = False
     #: the text encoder sees the reference image too: text-cache entries are per (caption, reference), captions
     #: are encoded one at a time in the presets, validation sets are not supported, and sampling needs `--image`
     text_uses_reference: ClassVar[bool] = False
+    #: with `takes_reference`: the family also trains plain text-to-image data (Flux.2: the reference tokens are an
+    #: optional addition to the sequence). A run trains pairs when its data has references (a `control/` folder or
+    #: a "control" metadata key: `DataConfig.has_references`), else plain images; the planner counts the reference
+    #: tokens only then (`reference_inputs`). False: every item of an edit family is a pair
+    reference_optional: ClassVar[bool] = False
+    #: reference images per target `predict` joins (`control_latents` (B, K, C, h, w) when more than one): data with
+    #: more per image (control2/, ... or a "control" list: trainer/data/sources.py) is refused
+    max_references: ClassVar[int] = 1
 
     # ------------------------------------------------------------------------------------------ sampling
 
@@ -272,6 +280,15 @@ class ModelAdapter(ABC):
         """Transformer call arguments for one bucket (pixels height x width) with random values, shaped as
         `predict` builds them (the planner traces activations with them on the meta device). The image tokens do
         not require grad (latents); the hidden states start requiring grad at the first trained layer."""
+
+    @classmethod
+    def reference_inputs(cls, inputs: dict[str, Any], references: int) -> dict[str, Any]:
+        """`dummy_inputs` with `references` reference images of the same bucket joined as `predict` joins them
+        (families with `reference_optional`: the planner calls it when the data has pairs; a family whose every item
+        is a pair joins its reference in `dummy_inputs` itself)."""
+        if references:
+            raise NotImplementedError(f"{cls.family}: reference_inputs (reference_optional families declare it)")
+        return inputs
 
     @classmethod
     @abstractmethod

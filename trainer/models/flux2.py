@@ -29,22 +29,42 @@ stay, so 5 B of the 24 B parameters are never even read from disk), and slimmed 
 (text-to-image captions have no image). The kept hidden states are bitwise unchanged (a test checks it against
 the encoder as transformers loads it).
 
-Left out: reference images (the pipeline's `image=`: extra tokens with time ids 10, 20, ...); `predict` accepts
-them as `control_latents`, but the family trains and samples text-to-image only for now (no pairs layout, no
-`--image`). Caption upsampling (`caption_upsample_temperature`). The single blocks' fused output projection
-(`attn.to_out`) is not a default LoRA target: peft's suffix matching cannot tell it from the double blocks'
-`attn.to_out` ModuleList.
+Reference images (the pipeline's `image=`) train through Kontext's pairs layout, and they are optional
+(`reference_optional`). Flux.2 is one model for text-to-image and for editing: the pipeline joins each reference's
+tokens after the target's (time ids 10, 20, ...: `_prepare_image_ids`) when `image=` is given and runs plainly when
+it is not. Kontext's `takes_reference` alone would make every item a pair, which is wrong for the plain caption
+data most Flux.2 LoRAs train on; a config switch would duplicate what the data already says (and a forgotten switch
+would train the `control/` images as targets). So the data decides: a data set with references (a `control/`
+folder beside the images or a "control" metadata key, `DataConfig.has_references`) trains (reference, target,
+caption) pairs, one without trains text-to-image, in the same family and with the same LoRA targets. The pairs
+are Kontext's: the reference is cut to the target's bucket, cached as a latent like any image, and reaches
+`predict` as `control_latents`; the planner counts its tokens for such data only (`reference_inputs`, the same
+doubling Kontext's `dummy_inputs` does). `dittrain sample --image` passes it as the pipeline's `image=` at the
+sample's size (the pipeline keeps a reference of at most 1 MP with sides divisible by 16 as it is).
+
+Several references per target, as the pipeline's list of images: the pairs layout says them cheaply (the same
+name in control2/, control3/, ..., or a "control" list in metadata.jsonl), each is cut to the target's bucket and
+cached like the first, and `control_latents` is then (B, K, C, h, w); `predict` joins them in order with time ids
+10, 20, ... (`_prepare_image_ids`), and the planner counts K times the target's tokens. `dittrain sample` takes
+them as `--image` repeated (`sample.image` a list), in the same order, as the pipeline's list. `max_references`:
+BFL's documented limits (dev: 6 recommended, klein: 4).
+
+Left out: a reference of a size other than the target's bucket (the pipeline keeps a reference's own size up to
+1 MP; training cuts it to the target's bucket, which matches the pipeline for same-size pairs). Caption upsampling
+(`caption_upsample_temperature`). The single blocks' fused output projection (`attn.to_out`) is not a default
+LoRA target: peft's suffix matching cannot tell it from the double blocks' `attn.to_out` ModuleList.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from diffusers import Flux2Pipeline, Flux2Transformer2DModel
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from torch import nn
 
+from ..errors import UserError
 from ._diffusers import DiffusersAdapter, pack_2x2, unpack_2x2
 from .base import Components
 from .lora_keys import KeyRule, LoraKeyMap
@@ -159,6 +179,9 @@ class Flux2Adapter(DiffusersAdapter):
                                   + (MISTRAL_LAYERS - 31) * MISTRAL_LAYER,)
     text_encoder_nonblock_params = (MISTRAL_EMBED,)
     sampling_uses_negative = False
+    takes_reference = True  # optional: the data decides (module docstring)
+    reference_optional = True
+    max_references = 6  # BFL's recommended maximum for Flux.2-dev (docs.bfl.ml, reference images per model)
 
     @property
     def tokenizer_classes(self) -> tuple[str, ...]:
@@ -225,9 +248,11 @@ class Flux2Adapter(DiffusersAdapter):
         # Hot path: small id tensors built per call; the rotary tables are computed from them inside anyway.
         img_ids = position_ids(h // 2, w // 2, 0.0, dev)
         ref = text.get(CONTROL)
-        if ref is not None:  # one reference image: its tokens follow the target's, time id 10 (`_prepare_image_ids`)
-            x = torch.cat([x, pack_2x2(ref.to(x.dtype))], dim=1)
-            img_ids = torch.cat([img_ids, position_ids(ref.shape[-2] // 2, ref.shape[-1] // 2, 10.0, dev)])
+        if ref is not None:  # reference images: their tokens follow the target's, time ids 10, 20, ... in order
+            refs = ref.unbind(1) if ref.dim() == 5 else (ref,)  # (B, K, C, h, w): K references
+            x = torch.cat([x, *(pack_2x2(r.to(x.dtype)) for r in refs)], dim=1)
+            img_ids = torch.cat([img_ids, *(position_ids(r.shape[-2] // 2, r.shape[-1] // 2, 10.0 * (k + 1), dev)
+                                            for k, r in enumerate(refs))])
         embeds = text["prompt_embeds"]
         g = None
         if transformer.config.guidance_embeds:
@@ -258,6 +283,29 @@ class Flux2Adapter(DiffusersAdapter):
         if c.guidance_embeds:
             kw["guidance"] = torch.ones(batch, **rnd)
         return kw
+
+    @classmethod
+    def reference_inputs(cls, inputs: dict[str, Any], references: int) -> dict[str, Any]:
+        """Each reference (cut to the target's bucket) adds the target's token count, as in Kontext."""
+        kw = dict(inputs)
+        kw["hidden_states"] = torch.cat([inputs["hidden_states"]] * (1 + references), dim=1)
+        kw["img_ids"] = torch.cat([inputs["img_ids"]] * (1 + references), dim=0)
+        return kw
+
+    @classmethod
+    def pipeline_image(cls, pipe, image: Any) -> dict[str, Any]:
+        """The reference (or a list of references) as the pipeline's `image=` (already the sample's size: the
+        pipeline keeps it as it is up to 1 MP with sides divisible by 16); None: text-to-image. The pipeline refuses
+        a reference under 64 px a side or beyond 8:1: said here in one line, before any step runs."""
+        if image is None:
+            return {}
+        for im in image if isinstance(image, list) else [image]:
+            try:
+                pipe.image_processor.check_image_input(im)
+            except ValueError as e:
+                raise UserError(f"--image / sample.image: {type(pipe).__name__} cannot take the reference at the "
+                                f"sample's size {im.width}x{im.height} ({e}); sample at least 64x64 pixels") from None
+        return {"image": image}
 
     @classmethod
     def pipeline_embeds(cls, pipe, prompt, negative, device) -> dict[str, torch.Tensor]:

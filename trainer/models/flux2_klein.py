@@ -16,7 +16,9 @@ How it mirrors diffusers' Flux2KleinPipeline (0.42):
 The text encoder is built without the layers after the 28th (8 of Qwen3's 36 are never needed, nor read) and its
 language-model head becomes a no-op.
 
-Left out: as for Flux.2-dev, reference images (`image=`), and the KV-cached / inpainting klein pipelines.
+Reference images train and sample as for Flux.2-dev (optional pairs, `--image` as the pipeline's `image=`; its
+negative pass sees the reference too, as the pipeline's does). Left out: the KV-cached / inpainting klein
+pipelines.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class Flux2KleinAdapter(Flux2Adapter):
     text_encoder_unused_params = ((QWEN3_LAYERS - 28) * QWEN3_LAYER,)
     text_encoder_nonblock_params = (QWEN3_EMBED,)
     sampling_uses_negative = True
+    max_references = 4  # BFL's limit for klein 4B and 9B (docs.bfl.ml, reference images per model)
 
     @classmethod
     def tiny_builders(cls):

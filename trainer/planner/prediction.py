@@ -118,12 +118,15 @@ class Facts:
     state_packed: bool = False
     #: the transformer is read whole into pageable RAM before its blocks are packed (else block by block)
     loads_whole: bool = False
+    #: reference images joined to each sample's sequence beyond what `dummy_inputs` gives: for a family whose
+    #: reference is optional (Flux.2), the data's references per image (`DataConfig.references`), else 0
+    references: int = 0
     traces: dict = field(default_factory=dict)
 
     def trace(self, res: int) -> ptrace.Trace:
         if res not in self.traces:
             inputs = ptrace.forward_inputs(
-                self.family, self.model, self.batch, res, res, self.text_tokens, self.dtype
+                self.family, self.model, self.batch, res, res, self.text_tokens, self.dtype, references=self.references
             )
             self.traces[res] = ptrace.trace_forward(self.model, self.blocks, inputs, kernels="cuda")
         return self.traces[res]
@@ -207,6 +210,7 @@ def analyze(cfg) -> Facts:
         text_encoders=text_encoder_bytes(cfg),
         resolutions=res,
         loads_whole=stream_load.loads_whole(cfg),  # a resumed full fine-tune loads whole too; plan cannot know
+        references=cfg.data.references() if adapter_class(family).reference_optional and cfg.data is not None else 0,
     )
 
 

@@ -192,7 +192,7 @@ def report(
     ]
     for res in facts.resolutions:
         p0, p1 = predict(facts, 0.0, res, False), predict(facts, 0.0, res, True)
-        n_img = adapter_class(facts.family).full_image_tokens(res, res)
+        n_img = adapter_class(facts.family).full_image_tokens(res, res) * (1 + facts.references)  # + references
         rows.append(
             (
                 f"{res} px",

@@ -312,8 +312,11 @@ def forward_inputs(
     text_tokens: int,
     dtype: torch.dtype,
     device: str | torch.device = "meta",
+    references: int = 0,
 ) -> dict:
     """Transformer call arguments for one bucket (pixels height x width), from the family's adapter
-    (`ModelAdapter.dummy_inputs`)."""
-    return adapter_class(family).dummy_inputs(transformer, batch, height, width, text_tokens, dtype, device)
+    (`ModelAdapter.dummy_inputs`), with `references` optional reference images joined (`reference_inputs`)."""
+    cls = adapter_class(family)
+    inputs = cls.dummy_inputs(transformer, batch, height, width, text_tokens, dtype, device)
+    return cls.reference_inputs(inputs, references) if references else inputs
 

@@ -30,7 +30,7 @@ class SampleRequest:
     num: int = 1
     out: Path | None = None
     base: bool = False  # full fine-tune configs: sample the base model, not output.dir/transformer
-    image: Path | None = None  # edit families: the reference image
+    image: Path | list[Path] | None = None  # edit families: the reference image (several: Flux.2, `max_references`)
 
 
 @dataclass(frozen=True)
@@ -53,25 +53,36 @@ class SampleSettings:
     width: int
     height: int
     negative_prompt: str = ""
-    #: edit families: the reference image file (resized and centre-cropped to width x height, as in training)
-    image: str | None = None
+    #: edit families: the reference image file (resized and centre-cropped to width x height, as in training);
+    #: a tuple of files for several references (families with `max_references` > 1)
+    image: str | tuple[str, ...] | None = None
 
     def reference(self):
-        """The reference image as the pipeline gets it (PIL, width x height), or None."""
+        """The reference image as the pipeline gets it (PIL, width x height), a list of them for several, or None."""
         if self.image is None:
             return None
         from ..data.images import cover_and_crop, crop_box, open_image
 
-        im = open_image(self.image)
         size = (self.width, self.height)
-        return cover_and_crop(im, size, crop_box(im.width, im.height, size, "center"))
+        cut = [cover_and_crop(im, size, crop_box(im.width, im.height, size, "center"))
+               for im in map(open_image, [self.image] if isinstance(self.image, str) else self.image)]
+        return cut[0] if isinstance(self.image, str) else cut
 
     @classmethod
     def from_config(cls, sample_cfg) -> SampleSettings:
         """The config's `sample:` section as settings (what sampling during training uses)."""
         s = sample_cfg
-        return cls(s.steps, s.guidance, s.width, s.height, s.negative_prompt,
-                   str(s.image) if getattr(s, "image", None) is not None else None)
+        return cls(s.steps, s.guidance, s.width, s.height, s.negative_prompt, image_setting(getattr(s, "image", None)))
+
+
+def image_setting(image) -> str | tuple[str, ...] | None:
+    """`--image` / `sample.image` (a path or a list of paths) as `SampleSettings.image`: one path a str, several a
+    tuple, none None."""
+    if isinstance(image, list | tuple):
+        if not image:
+            return None
+        return str(image[0]) if len(image) == 1 else tuple(str(p) for p in image)
+    return str(image) if image is not None else None
 
 
 @dataclass(frozen=True)
@@ -168,9 +179,19 @@ def collect_prompts(req: SampleRequest, config_prompts: list[str]) -> list[str]:
     return prompts
 
 
-def check_image(path: Path | None, adapter) -> None:
-    """`--image`: only for edit families, and it must be a readable image; families whose text encoder sees the
-    reference (`text_uses_reference`) cannot sample without one."""
+def check_image(path: Path | list[Path] | None, adapter) -> None:
+    """`--image`: only for edit families, and it must be a readable image (several: no more than the family's
+    `max_references`); families whose text encoder sees the reference (`text_uses_reference`) cannot sample
+    without one."""
+    paths = list(path) if isinstance(path, list | tuple) else [] if path is None else [path]
+    if adapter.takes_reference and len(paths) > adapter.max_references:
+        raise UserError(f"--image given {len(paths)} times: {adapter.family} takes at most "
+                        f"{adapter.max_references} reference image{'s' if adapter.max_references > 1 else ''}")
+    if len(paths) > 1:
+        for p in paths:
+            check_image(p, adapter)
+        return
+    path = paths[0] if paths else None
     if path is None:
         if adapter.text_uses_reference:
             raise UserError(f"{adapter.family} samples need a reference image: pass --image (or set sample.image)")

@@ -30,7 +30,7 @@ from PIL import Image
 
 from .engine import encode_prompts, generate, release_text_encoders, to_device
 from .placement import place_text_encoders, tile_decode
-from .request import SampleSettings
+from .request import SampleSettings, check_image
 
 
 class TrainingSampler:
@@ -43,6 +43,8 @@ class TrainingSampler:
         self.prompts = list(s.prompts)
         self.seeds = [s.seed + i for i in range(len(self.prompts))]
         self.settings = SampleSettings.from_config(s)
+        if isinstance(s.image, list):  # several references: readable, and no more than the family takes
+            check_image(s.image, adapter)
         comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler"}, dtype=dtype, device="cpu")
         self.pipe = adapter.pipeline(comps)
         del comps  # the pipeline holds the only references: releasing the encoders frees them
