@@ -44,8 +44,17 @@ def blocks_of(family: str, transformer: nn.Module) -> list[nn.Module]:
     return adapter_class(family)().blocks(transformer)
 
 
-def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, alpha: float) -> int:
-    """Inject LoRA as the trainer does (peft, fp32 weights) on the meta model; returns its parameter count."""
+def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, alpha: float,
+                  compute_dtype: torch.dtype | None = None) -> int:
+    """Inject LoRA as the trainer does (peft) on the meta model; returns its parameter count.
+
+    The trainer keeps fp32 LoRA weights. Under `lora.compute_dtype: auto` (plain LoRA) it runs the branch in the
+    activations' dtype, casting the two small matrices at use (trainer/train/model.py `ComputeDtypeLora`), so
+    autograd saves the layer's bf16 input; peft's own forward (compute_dtype fp32, DoRA, LoKr, LoHa) saves an fp32
+    copy of it. `compute_dtype` given: the meta LoRA weights are held in it, so that peft's forward saves what the
+    trainer's does (its cast copies of the matrices, r x (in + out) per layer, are left out: < 0.1 % of a
+    full-size block's saved bytes); None: fp32, peft's casts included. Sizes derived from these parameters use
+    their element counts, never their dtype."""
     from peft import LoraConfig, inject_adapter_in_model
 
     with torch.device("meta"):
@@ -55,7 +64,7 @@ def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, a
     n = 0
     for name, p in transformer.named_parameters():
         if "lora_" in name:
-            p.data = p.data.float()
+            p.data = p.data.to(compute_dtype or torch.float32)
             n += p.numel()
     return n
 
