@@ -158,6 +158,7 @@ class Flux2Adapter(DiffusersAdapter):
     text_encoder_unused_params = (MISTRAL_HEAD + MISTRAL_VISION + MISTRAL_PROJECTOR
                                   + (MISTRAL_LAYERS - 31) * MISTRAL_LAYER,)
     text_encoder_nonblock_params = (MISTRAL_EMBED,)
+    text_encoder_unloaded_params = ((MISTRAL_LAYERS - 31) * MISTRAL_LAYER,)  # `text_encoder_config`: layers 31-39
     sampling_uses_negative = False
 
     @property

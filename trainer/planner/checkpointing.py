@@ -90,7 +90,8 @@ def choose_checkpointing(cfg, fraction: float, budget_bytes: float | None, *, fa
                 + (f" ({streamed} stream, which must)" if streamed else "")
                 + f": +{(got.peak_reserved - base.peak_reserved) / GB:.2f} GB at the peak "
                 f"(predicted {got.peak_reserved / GB:.1f} GB of {budget_bytes / GB:.1f} GB), step predicted "
-                f"{got.step_s:.2f} s instead of {base.step_s:.2f} s at {big} px")
+                f"{got.step_s:.2f} s instead of {base.step_s:.2f} s at {big} px; saved tensors counted as "
+                f"{facts.trace(big).saved_by} keep them")
     log(line)
     return Choice(checkpointed, k, got.peak_reserved - base.peak_reserved, base.step_s - got.step_s,
                   got.peak_reserved, line)

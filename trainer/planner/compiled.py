@@ -28,6 +28,8 @@ Left out: the first block of each list, whose inputs carry no gradient in LoRA t
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
@@ -57,9 +59,13 @@ def _attention(kernels: str):
     return sdpa
 
 
-def _run(block, args, kwargs):
-    """The region the trainer compiles: the block class's own forward."""
-    return type(block).forward(block, *args, **kwargs)
+def _private_forward(cls: type):
+    """`cls.forward` as a new function on a copy of its code object: the region the trainer compiles, while dynamo's
+    cache entries (kept per code object, and counted against its recompile limit) stay off the trainer's own."""
+    f = cls.forward
+    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    g.__kwdefaults__ = f.__kwdefaults__
+    return g
 
 
 def _graphs() -> int:
@@ -81,15 +87,34 @@ def _saved_by_one(block: nn.Module, args: tuple, kwargs: dict, weights: set[int]
         return t
 
     before = _graphs()
-    fn = torch.compile(_run, backend=BACKEND, dynamic=False)
+    forward = _private_forward(type(block))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn(block, args, kwargs)
+            torch.compile(forward, backend=BACKEND, dynamic=False)(block, *args, **kwargs)
     finally:
-        torch._dynamo.reset_code(_run.__code__)  # no cache entries left behind (the recompile limit)
+        torch._dynamo.reset_code(forward.__code__)  # drop what dynamo cached for it
     if _graphs() == before:
         raise RuntimeError("dynamo ran the block without compiling it")
     return sum(saved.values()), max(saved.values(), default=0)
+
+
+def _signature(obj) -> tuple:
+    """What the compiled count depends on: the class, its parameters' and the arguments' shapes, dtypes and
+    whether they carry gradients (LoRA rank and targets, quantization and the bucket shape included)."""
+    if isinstance(obj, nn.Module):
+        return (type(obj).__qualname__, tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
+                                               for n, p in obj.named_parameters()))
+    if isinstance(obj, torch.Tensor):
+        return (tuple(obj.shape), obj.dtype, obj.requires_grad, obj.device.type)
+    if isinstance(obj, tuple | list):
+        return tuple(_signature(o) for o in obj)
+    if isinstance(obj, dict):
+        return tuple((k, _signature(v)) for k, v in obj.items())
+    return (repr(obj),)
+
+
+#: counts already made in this process (the presets generator plans hundreds of configs of a dozen block kinds)
+_CACHE: dict[tuple, tuple[int, int]] = {}
 
 
 def compiled_saved(transformer: nn.Module, blocks: list[nn.Module], tr: Trace,
@@ -102,11 +127,16 @@ def compiled_saved(transformer: nn.Module, blocks: list[nn.Module], tr: Trace,
     F = torch.nn.functional
     plain = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = _attention(kernels)  # not thread-safe: the planner runs before training
+    out = {}
     try:
-        return {name: _saved_by_one(blocks[i], args, kwargs, weights)
-                for name, (i, args, kwargs) in tr.last_calls.items()}
+        for name, (i, args, kwargs) in tr.last_calls.items():
+            key = (kernels, _signature(blocks[i]), _signature(args), _signature(kwargs))
+            if key not in _CACHE:
+                _CACHE[key] = _saved_by_one(blocks[i], args, kwargs, weights)
+            out[name] = _CACHE[key]
     finally:
         F.scaled_dot_product_attention = plain
+    return out
 
 
 def apply_compiled(transformer: nn.Module, blocks: list[nn.Module], tr: Trace, kernels: str = "cuda") -> Trace:
@@ -115,7 +145,7 @@ def apply_compiled(transformer: nn.Module, blocks: list[nn.Module], tr: Trace, k
     try:
         per_class = compiled_saved(transformer, blocks, tr, kernels)
     except Exception as e:  # noqa: BLE001 - dynamo's errors have no common base; the eager count is the fallback
-        tr.saved_by = f"eager count (compiling the block on meta failed: {type(e).__name__})"
+        tr.saved_by = f"eager blocks (compiling the block on meta failed: {type(e).__name__})"
         return tr
     names = [type(b).__name__ for b in blocks]
     tr.block_saved = [per_class[n][0] for n in names]

@@ -161,7 +161,7 @@ def analyze(cfg) -> Facts:
         targets = tuple(cfg.lora.targets) if cfg.lora.targets else ptrace.default_lora_targets(family)
         # lora.compute_dtype auto runs plain LoRA's branch in the model dtype (DoRA, LoKr, LoHa: peft's forward)
         in_dtype = cfg.lora.compute_dtype == "auto" and cfg.lora.type == "lora" and not cfg.lora.dora
-        trainable = ptrace.add_meta_lora(model, targets, cfg.lora.rank, cfg.lora.alpha, dtype if in_dtype else None)
+        trainable = ptrace.add_meta_lora(model, targets, cfg.lora.rank, cfg.lora.alpha, in_dtype)
         packed = [BlockPacking.of(b, include_trainable=False).nbytes for b in blocks]
         lora = [p for p in model.parameters() if p.requires_grad]
         largest = max((p.numel() for p in lora), default=0)
