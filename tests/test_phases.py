@@ -227,7 +227,7 @@ def test_planner_leaves_out_what_qwen_drops_of_its_text_encoder_and_counts_its_e
     from trainer.planner import analyze
     from trainer.planner.phases import _text_vram
 
-    facts = analyze(load_config("configs/qwen_image/lora-12gb.yaml", []))
+    facts = analyze(load_config("configs/qwen-image/lora-12gb.yaml", []))
     (_, nbytes), params = facts.text_encoders[0], 8_292_166_656
     whole, act = _text_vram(facts, 0.0, 4), _text_vram(dataclasses.replace(facts, text_encoders=[]), 0.0, 4)
     assert whole - act == pytest.approx(nbytes * (1 - (QWEN_VL_LM_HEAD + QWEN_VL_VISUAL) / params), rel=1e-6)
