@@ -222,6 +222,13 @@ class TrainConfig(_Section):
         default=0, ge=0, description="Score data.validation every N steps (0: never); needs data.validation."
     )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when present.")
+    distributed: Literal["ddp", "fsdp"] = Field(
+        default="ddp",
+        description="With several processes (torchrun): ddp, every process holds the whole model and gradients are "
+        "averaged; fsdp, the transformer's weights, gradients and optimizer state are sharded across processes "
+        "(PyTorch FSDP2, one unit per block), and with offload.transformer > 0 each process keeps only its shard "
+        "in pinned CPU RAM. One process: ignored.",
+    )
     compile: bool | Literal["auto"] = Field(
         default="auto",
         description="torch.compile each transformer block class once (regional compilation), in training and in "
@@ -476,7 +483,9 @@ class Config(_Section):
         if o.transformer == "auto" and o.vram_budget_gb is None:
             raise ValueError("offload.transformer: auto needs offload.vram_budget_gb (the VRAM to fit in, in GB)")
         streams = o.transformer == "auto" or o.transformer > 0
-        if streams and t.method == "full" and not opt.fused_back_pass:
+        if t.distributed == "fsdp":
+            _fsdp_combinations(self)
+        elif streams and t.method == "full" and not opt.fused_back_pass:
             raise ValueError(
                 "offload.transformer > 0 in full fine-tuning needs optimizer.fused_back_pass: true "
                 "(each block's weights are stepped while the block is on the GPU)"
@@ -709,3 +718,23 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
                 src = " ".join(f"--set {n}" for n in named) if named else src
             msgs.append(_describe(err, lines, src))
         raise ConfigError("\n".join(msgs[:5]) + (f"\n(and {len(msgs) - 5} more)" if len(msgs) > 5 else "")) from None
+
+
+def _fsdp_combinations(cfg: Config) -> None:
+    """What train.distributed: fsdp does not do (yet), refused before anything loads (trainer/train/sharded.py
+    says why each is so)."""
+    o, t, opt = cfg.offload, cfg.train, cfg.optimizer
+    refused = [
+        (opt.fused_back_pass, "optimizer.fused_back_pass: false (the shards step after backward's reduce-scatter)"),
+        (opt.name != "adamw", "optimizer.name: adamw (the one optimizer tested on sharded weights)"),
+        (opt.stochastic_rounding, "optimizer.stochastic_rounding: false"),
+        (t.ema is not None, "no train.ema"),
+        (o.activations, "offload.activations: false"),
+        (o.nano_batches > 1, "offload.nano_batches: 1"),
+        (o.transformer == "auto", "a number for offload.transformer (0: shards on the GPUs; > 0: in CPU RAM)"),
+        (t.validate_every > 0, "no data.validation (score it after training)"),
+        (cfg.sample.every > 0 and bool(cfg.sample.prompts), "sample.every: 0 (sample after training: `dittrain sample`)"),
+    ]
+    bad = [fix for on, fix in refused if on]
+    if bad:
+        raise ValueError("train.distributed: fsdp needs " + "; ".join(bad))

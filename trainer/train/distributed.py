@@ -44,8 +44,10 @@ Ctrl-C under torchrun: the workers run in their own sessions, so only torchrun s
 forwards one SIGINT to every worker (the first signal: finish the step, save, exit 130) and kills them after
 `--shutdown-timeout` seconds (30 by default: raise it for a full fine-tune's checkpoint).
 
-Left out: several hosts (the data cache must be on a shared file system; untested), sharded optimizer state
-(ZeRO / FSDP), overlapping the fused back pass's reductions with compute, and bucket views as gradients (the
+Sharded weights and optimizer state: train.distributed: fsdp (trainer/train/sharded.py) uses the same process
+group, data order and noise; only the model and optimizer differ.
+
+Left out: overlapping the fused back pass's reductions with compute, and bucket views as gradients (the
 unfused path keeps one flat copy of the trainable gradients: small for LoRA, a model's worth for an unfused full
 fine-tune, which the fused back pass avoids).
 """
@@ -194,8 +196,9 @@ class Dist:
         self._created = False
 
 
-def setup(device_choice: str) -> Dist:
-    """Read the launcher's environment; with WORLD_SIZE > 1, join the process group and pick cuda:LOCAL_RANK."""
+def setup(device_choice: str, mode: str = "ddp") -> Dist:
+    """Read the launcher's environment; with WORLD_SIZE > 1, join the process group and pick cuda:LOCAL_RANK.
+    `mode`: train.distributed (ddp here; fsdp: trainer/train/sharded.py), for the log line."""
     world = _env_int("WORLD_SIZE", 1)
     if world <= 1:
         return Dist()
@@ -219,8 +222,10 @@ def setup(device_choice: str) -> Dist:
         tdist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                                  timeout=datetime.timedelta(minutes=30), device_id=device if cuda else None)
         created = True
+    how = ("the transformer's weights, gradients and optimizer state sharded (fsdp)" if mode == "fsdp"
+           else "gradients averaged before every step")
     say(f"data parallel: {world} processes over {tdist.get_backend()}, one per "
-        f"{'GPU' if cuda else 'CPU process'}; gradients averaged before every step")
+        f"{'GPU' if cuda else 'CPU process'}; {how}")
     return Dist(rank, world, local, device, created)
 
 

@@ -14,7 +14,9 @@ Several processes (trainer/train/distributed.py) add one thing, chosen here once
 `BucketedAllReduce` averages the gradients in buckets launched from the gradient hooks, and `step()` waits for it
 before clipping; fused, a `FusedAllReduce` pre-step hook averages each gradient right before its parameter
 steps, and measures the norm of the averaged gradients (the fused pass's own would be this rank's). The loop
-calls the same methods with one process or eight.
+calls the same methods with one process or eight. Under train.distributed: fsdp (trainer/train/sharded.py) the
+parameters are shards: FSDP2 averages their gradients itself, clipping sees the global norm of the DTensors,
+and `save` / `load` go through torch.distributed.checkpoint (every process writes its shards).
 
 Where the optimizer state of streamed weights lives is the training method's business (trainer/train/method.py):
 it calls `keep_state_in_ram` or binds `fused` to the conductor.
@@ -27,16 +29,21 @@ from pathlib import Path
 import torch
 
 from ..config import Config
+from ..errors import UserError
 from ..optim.build import build_optimizer, build_scheduler
 from ..optim.fused import FusedBackPass, StateOffload
 from ..optim.state import load_optimizer_state, save_optimizer_state
+from . import sharded
 from .distributed import BucketedAllReduce, Dist, FusedAllReduce
 
 
 class Optim:
     """See the module essay. Build it with `optimizer_for`."""
 
-    def __init__(self, cfg: Config, params: list[torch.nn.Parameter], dist: Dist):
+    def __init__(self, cfg: Config, params: list[torch.nn.Parameter], dist: Dist,
+                 sharded: torch.nn.Module | None = None, model: torch.nn.Module | None = None):
+        self.sharded = sharded  # the FSDP2 model whose shards these parameters are (fsdp), else None
+        self.model = sharded if model is None else model  # names the parameters of an fsdp checkpoint's state
         self.max_grad_norm = cfg.optimizer.max_grad_norm
         self.params = params
         self.optimizer = build_optimizer(params, cfg.optimizer, seed=cfg.train.seed)
@@ -47,7 +54,7 @@ class Optim:
         if dist.active and self.fused is not None:
             self._fused_reduce = FusedAllReduce(dist.world)
             self.fused.add_step_hooks(pre=self._fused_reduce.pre)
-        elif dist.active:
+        elif dist.active and sharded is None:
             self._reducer = BucketedAllReduce(params, dist.world, cfg.train.grad_accum)
 
     def keep_state_in_ram(self, params: list[torch.nn.Parameter]) -> None:
@@ -87,10 +94,24 @@ class Optim:
         return float(self.scheduler.get_last_lr()[0])
 
     def save(self, folder: Path) -> None:
-        save_optimizer_state(self.fused or self.optimizer, folder)
+        """Rank 0's checkpoint file (one process / ddp); fsdp writes its shards with `save_shards` instead."""
+        if self.sharded is None:
+            save_optimizer_state(self.fused or self.optimizer, folder)
+
+    def save_shards(self, folder: Path) -> None:
+        """fsdp, collective: every process writes its shards of the state into `folder`."""
+        sharded.save_optimizer(self.sharded, self.optimizer, folder)
 
     def load(self, folder: Path, scheduler_state: dict) -> None:
-        load_optimizer_state(self.fused or self.optimizer, folder)
+        if self.sharded is not None:
+            sharded.load_optimizer(self.sharded, self.optimizer, folder / sharded.OPTIMIZER_DIR)
+        elif (folder / sharded.OPTIMIZER_DIR).is_dir():  # an fsdp checkpoint: its shards read back whole
+            if self.fused is not None or self.model is None:
+                raise UserError(f"--resume {folder}: its optimizer state is sharded (a train.distributed: fsdp run), "
+                                "which the fused back pass cannot read: set optimizer.fused_back_pass: false")
+            sharded.load_optimizer(self.model, self.optimizer, folder / sharded.OPTIMIZER_DIR)
+        else:
+            load_optimizer_state(self.fused or self.optimizer, folder)
         self.scheduler.load_state_dict(scheduler_state)
 
     def close(self) -> None:
@@ -100,6 +121,8 @@ class Optim:
             self.fused.remove()
 
 
-def optimizer_for(cfg: Config, params: list[torch.nn.Parameter], dist: Dist) -> Optim:
-    """The run's optimizer over `params`: fused or not as cfg.optimizer says, averaging over `dist`'s ranks."""
-    return Optim(cfg, params, dist)
+def optimizer_for(cfg: Config, params: list[torch.nn.Parameter], dist: Dist,
+                  sharded: torch.nn.Module | None = None, model: torch.nn.Module | None = None) -> Optim:
+    """The run's optimizer over `params`: fused or not as cfg.optimizer says, averaging over `dist`'s ranks
+    (`sharded`: the FSDP2 model, which averages them itself; `model`: the one the parameters belong to)."""
+    return Optim(cfg, params, dist, sharded, model)

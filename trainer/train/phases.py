@@ -231,7 +231,8 @@ def _write_record(name: str, t0: float, vram: int, rss: int, error, allocated: i
     if not path:
         return
     rec = {"phase": name, "start": t0, "end": time.time(), "vram_reserved": vram, "vram_allocated": allocated,
-           "rss": rss, "anon_rss": anon_rss(), "error": type(error).__name__ if error is not None else None}
+           "rss": rss, "anon_rss": anon_rss(), "error": type(error).__name__ if error is not None else None,
+           "rank": int(os.environ.get("RANK", "0") or 0)}
     try:
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -245,8 +246,9 @@ def apply_vram_cap() -> float | None:
     cap = os.environ.get("DITTRAIN_VRAM_CAP_GB")
     if not cap or not torch.cuda.is_available():
         return None
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap) * 1e9 / total), 0)
+    gpu = int(os.environ.get("LOCAL_RANK", "0") or 0)  # torchrun: this process's GPU
+    total = torch.cuda.get_device_properties(gpu).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap) * 1e9 / total), gpu)
     return float(cap)
 
 

@@ -23,8 +23,10 @@ state in the checkpoint, and nothing outside the training step (saving, sampling
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -40,7 +42,7 @@ from ..optim.build import eval_weights
 from ..sampling.output import image_metadata, save_png
 from ..sampling.training import TrainingSampler
 from . import checkpoint as ck
-from . import distributed, faults, streaming
+from . import distributed, faults, sharded, streaming
 from . import run as runs
 from .ema import EMA
 from .faults import StopFlag, TrainingInterrupted, oom_error
@@ -99,6 +101,7 @@ class Trainer:
         self.method = method_for(cfg)  # LoRA or full: everything the loop would otherwise branch on
         self.fraction: float | None = None  # offload.transformer resolved (auto: the planner's pick), in setup
         self.dist = distributed.Dist()  # one process until setup reads torchrun's environment
+        self.sharded = False  # train.distributed: fsdp with several processes (sharded.py), decided in setup
         self._smoothing: dict | None = None  # the checkpoint's smoothed loss (monitor.py), on resume
         self._ready = False
 
@@ -120,7 +123,7 @@ class Trainer:
                 if self.ema is not None:
                     self.ema.after_step(self.step)  # ema.py: unfused, the EMA updates here
                 median = steady.add(metrics["step_time"], compiled=compiled.stats()["graphs"] != graphs)
-                if median is not None and self.device.type == "cuda" and self.dist.is_main:
+                if median is not None and self.device.type == "cuda" and self.dist.is_main and not self.sharded:
                     streaming.check_plan(self.cfg, self.fraction, self.device, median, handle=self.offload,
                                          steps=steady.need)
                 if self.dist.any(self.stop.requested):  # every rank stops at the same step
@@ -173,7 +176,7 @@ class Trainer:
             require_wandb()  # a missing package is one line now, not after the model has loaded
         # The folder belongs to this run from here (or the run stops: another run's outputs are never touched).
         self.run = runs.claim(self.out, resume_dir, self.overwrite, self.resume_other_run, write=runs.is_main_process())
-        self.dist = distributed.setup(c.device)  # several processes: process group, cuda:LOCAL_RANK
+        self.dist = distributed.setup(c.device, c.distributed)  # several processes: process group, cuda:LOCAL_RANK
         if self.dist.is_main:
             ck.remove_partial(ck.checkpoint_root(self.out))
 
@@ -202,12 +205,17 @@ class Trainer:
         streamed = self.fraction > 0  # on the CPU, or at 0, the model stays resident
         stream_load.release_host_memory()  # the VAE and text encoders are gone: give their pages back
         self._loader = None  # reads streamed blocks from the files into the conductor's arena (stream_load.py)
-        if not stream_load.loads_whole(cfg, resume_dir is not None, streamed):
+        self.sharded = self.dist.active and c.distributed == "fsdp"  # sharded.py: FSDP2 units, no conductor
+        if self.sharded and not stream_load.loads_whole(cfg, resume_dir is not None):
+            # blocks read one at a time in sharded.shard; the rest to the CPU, sharded from there
+            self.transformer, self._loader = stream_load.load(self.adapter, cfg.model, self.dtype, torch.device("cpu"),
+                                                              stream_blocks=True)
+        elif not self.sharded and not stream_load.loads_whole(cfg, resume_dir is not None, streamed):
             self.transformer, self._loader = stream_load.load(self.adapter, cfg.model, self.dtype, self.device, streamed)
         else:  # original-layout single files, and where the base weights must exist before blocks stream: RAM
             if (note := stream_load.whole_file_note(cfg.model)) is not None:
                 say(note)
-            load_to = torch.device("cpu") if streamed else self.device
+            load_to = torch.device("cpu") if streamed or self.sharded else self.device
             self.transformer = self.adapter.load(cfg.model, parts={"transformer"}, dtype=self.dtype, device=load_to).transformer
         self.transformer.train()
         torch.manual_seed(c.seed)  # LoRA init and dropout draw from torch's global generator
@@ -220,7 +228,17 @@ class Trainer:
         say(f"{self.method.describe(self.params)}, "
             f"{len(blocks)} blocks{_checkpointed(c.gradient_checkpointing)}"
             f"{f', {self.fraction:g} of block bytes streamed from CPU RAM' if streamed else ''}")
-        self.optim = optimizer_for(cfg, self.params, self.dist)  # gradients averaged over ranks, if several
+        if self.sharded:  # train.distributed: fsdp; config.py refused what it does not do (EMA, conductor, ...)
+            sharded.shard(self.transformer, blocks, self.device, offload=streamed, loader=self._loader,
+                          checkpointed=streaming.checkpoint_policy(cfg, self.device, self.fraction),
+                          compile=streaming.compiles(cfg, self.device), master=self._master_dtype())
+            self._loader = None
+            self.params = sharded.trainable(self.transformer)  # FSDP2's DTensor parameters replaced the originals
+            self.optim = optimizer_for(cfg, self.params, self.dist, sharded=self.transformer)
+            self.objective = FlowMatching(c, self.adapter.timestep_shift, vae_scale=self.adapter.latent_scale)
+            return self._finish_setup(resume_dir)
+        # gradients averaged over ranks, if several
+        self.optim = optimizer_for(cfg, self.params, self.dist, model=self.transformer)
         self.ema = EMA.build(cfg, self.transformer, self.params, self.optim)  # train.ema; before blocks stream
         # The optimizer before the conductor: a streamed full fine-tune packs each weight's optimizer state beside
         # it, in the layout the optimizer reports. Checkpointing and streaming of the blocks: streaming.py.
@@ -234,6 +252,15 @@ class Trainer:
             self._loader.close()
             self._loader = None
         self.objective = FlowMatching(c, self.adapter.timestep_shift, vae_scale=self.adapter.latent_scale)
+        self._finish_setup(resume_dir)
+
+    def _master_dtype(self) -> torch.dtype | None:
+        """fsdp full fine-tuning of low-precision weights: the shards' dtype (sharded.py), else None."""
+        low = self.dtype in (torch.bfloat16, torch.float16)
+        return torch.float32 if self.sharded and self.method.name == "full" and low else None
+
+    def _finish_setup(self, resume_dir: Path | None) -> None:
+        cfg, c = self.cfg, self.cfg.train
         if resume_dir is not None:
             self._restore(resume_dir)
         if self.dist.is_main:
@@ -381,13 +408,27 @@ class Trainer:
             self.offload.sync()  # host copies of streamed trainable weights must be current
         # A NaN or inf gradient under a finite loss steps the weights to NaN without tripping the loss check; never
         # save such weights over the last good checkpoint. Every rank holds the same weights, so all raise together.
-        bad = ck.first_nonfinite((n, p) for n, p in self.transformer.named_parameters() if p.requires_grad)
+        if self.sharded:  # each process checks its shards; every rank raises together
+            mine = sharded.local_nonfinite(self.transformer)
+            bad = (mine or "a weight on another process") if self.dist.any(mine is not None) else None
+        else:
+            bad = ck.first_nonfinite((n, p) for n, p in self.transformer.named_parameters() if p.requires_grad)
         if bad is not None:
             raise NonFiniteWeightsError(
                 f"weight {bad} is NaN or inf after step {self.step} (a non-finite gradient under a finite loss); "
                 f"nothing was saved; last checkpoint: {self._newest_checkpoint()}. Lower optimizer.lr or set "
                 "optimizer.max_grad_norm, then resume from it"
             )
+        root = ck.checkpoint_root(self.out)
+        staged = None
+        if self.sharded:  # collective: every process writes its optimizer shards, then the weights gather on rank 0
+            staged = sharded.staging(root, self.step)
+            self.optim.save_shards(staged)
+        whole = sharded.whole_trainable(self.transformer, self.dist.is_main, self.dtype if self._master_dtype() else None)
+        with whole if self.sharded else contextlib.nullcontext():
+            return self._write(final, root, staged)
+
+    def _write(self, final: bool, root: Path, staged: Path | None) -> Path:
         if not self.dist.is_main:  # rank 0 writes (every rank holds the same weights); the others wait for it
             self.dist.barrier()
             return (self.method.final_output(self.out) if final
@@ -396,12 +437,14 @@ class Trainer:
         def write(tmp: Path) -> None:
             self.method.save_weights(tmp, self.step)
             self.optim.save(tmp)
+            if staged is not None:
+                os.replace(staged, tmp / sharded.OPTIMIZER_DIR)
             if self.ema is not None:
                 self.ema.save(tmp)
             save_file(ck.rng_state(self.objective.state()), str(tmp / "rng.safetensors"))
             ck.write_json(tmp / "state.json", self._state())
 
-        root, keep = ck.checkpoint_root(self.out), self.cfg.train.keep_checkpoints
+        keep = self.cfg.train.keep_checkpoints
         with runs.disk_errors(root, runs.estimate_checkpoint_bytes(self.out, self.params)):
             self.last_checkpoint = ck.write_checkpoint(
                 root, self.step, write, keep, prune=lambda r: runs.prune(r, self.run.id, self.step, keep))
