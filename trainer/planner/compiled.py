@@ -74,7 +74,17 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _on_meta(obj):
+    """Host-side layout tensors a family passes on the CPU (trace.py `_HostLayoutOnMeta`) moved to meta: the compiled
+    graph must not mix devices (Qwen-Image 2.1's token masks)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t, obj)
+
+
 def _saved_by_one(block: nn.Module, args: tuple, kwargs: dict, weights: set[int]) -> tuple[int, int]:
+    if next(block.parameters()).device.type == "meta":
+        args, kwargs = _on_meta(args), _on_meta(kwargs)
     direct = {_storage(a)[0] for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
     saved: dict[int, int] = {}
     alive: list[torch.Tensor] = []  # keep counted tensors alive: a freed storage's id could be reused

@@ -133,13 +133,14 @@ class Facts:
     traces: dict = field(default_factory=dict)
 
     def trace(self, res: int) -> ptrace.Trace:
-        if res not in self.traces:
+        key = (res, self.compiled)  # the presets generator flips `compiled` with `checkpointing` on one Facts
+        if key not in self.traces:
             inputs = ptrace.forward_inputs(
                 self.family, self.model, self.batch, res, res, self.text_tokens, self.dtype
             )
             tr = ptrace.trace_forward(self.model, self.blocks, inputs, kernels="cuda")
-            self.traces[res] = pcompiled.apply_compiled(self.model, self.blocks, tr) if self.compiled else tr
-        return self.traces[res]
+            self.traces[key] = pcompiled.apply_compiled(self.model, self.blocks, tr) if self.compiled else tr
+        return self.traces[key]
 
 
 def analyze(cfg) -> Facts:
