@@ -613,7 +613,7 @@ def report(rows: list[dict]) -> list[str]:
 
 
 #: the families `write_full_folder` knows the text encoders and VAE of
-WRITABLE = ("flux", "sd3", "qwen_image", "qwen-image", "flux2", "flux2-klein", "z-image", "chroma", "qwen-image-2.1", "krea2")
+WRITABLE = ("flux", "sd3", "qwen_image", "qwen-image", "flux2", "flux2-klein", "z-image", "chroma", "qwen-image-2.1", "krea2", "flux3")
 
 
 def main(argv: list[str] | None = None) -> int:

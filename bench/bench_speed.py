@@ -7,7 +7,7 @@ on the family's default targets, AdamW, gradient checkpointing), every row a rat
     python bench/bench_speed.py --family qwen_image --out /tmp/speed_q # offload-0 rows
     python bench/bench_speed.py --family sd3 --out /tmp/speed_s
     python bench/bench_speed.py --family z-image --out /tmp/speed_z    # (and --family chroma) offload-0 rows
-    python bench/bench_speed.py --family qwen-image-2.1 --out /tmp/speed_q21    # also krea2
+    python bench/bench_speed.py --family qwen-image-2.1 --out /tmp/speed_q21    # also krea2, flux3
     python bench/bench_speed.py --smoke --out /tmp/s                   # CPU, tiny widths: checks the script
     python bench/bench_speed.py --rows issue29 --out /tmp/s29          # issue 29's table (Flux; or --family)
     python bench/bench_speed.py --profile --family qwen_image --out /tmp/p  # profiler: dittrain vs plain, eager
@@ -79,6 +79,8 @@ SMOKE = {  # tiny widths per family for --smoke (CPU)
                   intermediate_size=64, text_hidden_dim=32, num_text_layers=2, text_num_attention_heads=2,
                   text_num_key_value_heads=2, text_intermediate_size=64, num_layerwise_text_blocks=1,
                   num_refiner_text_blocks=1, axes_dims_rope=(4, 6, 6)),
+    "flux3": dict(num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+                  joint_attention_dim=32, timestep_channels=32, axes_dims_rope=(4, 4, 4, 4)),
 }
 TARGETS29 = {  # issue 29: ratio to plain compiled ("compiled") or to the row's PCIe floor ("floor"), by row name
     "dittrain offload 0, compiled": ("compiled", 0.80),
@@ -99,6 +101,7 @@ TARGETS = {  # ratio to the reference the issue asks for, by row name
     "chroma": {"dittrain offload 0, compiled": 0.90},
     "qwen-image-2.1": {"dittrain offload 0, compiled": 0.90},
     "krea2": {"dittrain offload 0, compiled": 0.90},
+    "flux3": {"dittrain offload 0, compiled": 0.90},
 }
 
 

@@ -50,7 +50,7 @@ def test_config_keeps_a_streamed_full_fine_tunes_ema_in_ram(tiny_models, images,
 
 
 @pytest.mark.parametrize(("family", "method"), [("flux", "lora"), ("flux", "full"), ("z-image", "full"), ("chroma", "lora"),
-                                                ("qwen-image-2.1", "lora"), ("qwen-image-2.1", "full"), ("krea2", "lora")])
+                                                ("qwen-image-2.1", "lora"), ("qwen-image-2.1", "full"), ("krea2", "lora"), ("flux3", "lora")])
 def test_shadow_is_the_moving_average(family, method, tiny_models, images, tmp_path):
     """LoRA updates after the step (unfused), full inside backward (fused back pass hooks): both bitwise the
     average of the weights after steps 2 and 4."""

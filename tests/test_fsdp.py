@@ -159,3 +159,37 @@ def test_config_error_names_the_fsdp_key(tiny_models, images, tmp_path):
         make_config(tiny_models, images, tmp_path / "o", tmp_path / "c", "flux", "lora",
                     train={"distributed": "zero3"})
     assert "distributed" in str(e.value)
+
+
+def test_sharded_transformer_folder_is_written_file_by_file_and_loads_in_diffusers(tiny_models, tmp_path, monkeypatch):
+    """sharded.save_transformer (a full fine-tune's weights under fsdp) on a one-process gloo group: several
+    safetensors files with their index, which diffusers' from_pretrained reads back to the same weights, in the
+    model dtype even from fp32 master shards."""
+    import torch.distributed as tdist
+    from diffusers import FluxTransformer2DModel
+
+    from trainer.train import sharded
+
+    ref = FluxTransformer2DModel.from_pretrained(tiny_models / "flux" / "transformer", torch_dtype=torch.bfloat16)
+    model = FluxTransformer2DModel.from_pretrained(tiny_models / "flux" / "transformer", torch_dtype=torch.bfloat16)
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model.requires_grad_(True)
+        sharded.shard(model, list(model.transformer_blocks) + list(model.single_transformer_blocks),
+                      torch.device("cpu"), offload=False, checkpointed=False, compile=False, master=torch.float32)
+        monkeypatch.setattr(sharded, "FILE_BYTES", 20_000)
+        sharded.save_transformer(model, tmp_path / "transformer", True, torch.bfloat16)
+    finally:
+        tdist.destroy_process_group()
+    files = sorted((tmp_path / "transformer").glob("*.safetensors"))
+    assert len(files) > 2 and (tmp_path / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    dtypes = set()
+    for f in files:
+        with safe_open(str(f), "pt") as sf:
+            dtypes |= {sf.get_slice(k).get_dtype() for k in sf.keys()}  # noqa: SIM118
+    assert dtypes == {"BF16"}  # the fp32 master shards saved in the model dtype
+    back = FluxTransformer2DModel.from_pretrained(tmp_path / "transformer", torch_dtype=torch.bfloat16)
+    got, want = back.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    bad = [(k, got[k].dtype, want[k].dtype) for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
+    assert not bad, bad[:5]

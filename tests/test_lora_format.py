@@ -404,7 +404,7 @@ def _chroma_norms(shapes) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("family", ["flux", "sd3", "qwen-image", "flux2", "z-image", "chroma", "qwen-image-2.1",
-                                    "krea2"])
+                                    "krea2", "flux3"])
 def test_key_map_places_rows_where_diffusers_single_file_converter_takes_them(family):
     """diffusers' own single-file converter (run on row ids by trainer/models/original_layout.py, full-size model,
     shapes only) takes each adapted diffusers weight from exactly the original tensor and rows our map stacks it at."""

@@ -28,7 +28,7 @@ def _model_cfg(tiny_models, family="flux", **kw):
     return ModelConfig(family=family, path=tiny_models / family, dtype="fp32", **kw)
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen-image-2.1", "krea2"])
+@pytest.mark.parametrize("family", ["flux", "qwen-image-2.1", "krea2", "flux3"])
 @pytest.mark.parametrize("mode", ["fp8", "int8"])
 def test_loader_quantizes_block_linears_only(tiny_models, mode, family):
     cfg = _model_cfg(tiny_models, family, quantize=mode)

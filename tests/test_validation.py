@@ -95,7 +95,7 @@ def test_overlap_by_content_is_reported(tiny_models, images, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("family", "method"), [("flux", "lora"), ("flux", "full"), ("z-image", "lora"), ("chroma", "lora"),
-                                                ("qwen-image-2.1", "lora")])
+                                                ("qwen-image-2.1", "lora"), ("flux3", "lora")])
 def test_validation_leaves_training_bitwise_and_streams(family, method, tiny_models, images, held, tmp_path,
                                                         monkeypatch):
     """Training losses with validation on are those without it; the validation losses are finite, logged at

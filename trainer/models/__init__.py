@@ -43,6 +43,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "chroma": ("chroma", "ChromaAdapter"),
     "qwen-image-2.1": ("qwen_image_21", "QwenImage21Adapter"),
     "krea2": ("krea2", "Krea2Adapter"),
+    "flux3": ("flux3", "Flux3Adapter"),
 }
 
 __all__ = [

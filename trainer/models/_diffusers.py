@@ -79,6 +79,8 @@ class DiffusersAdapter(ModelAdapter):
     #: errors, e.g. "Qwen2-VL"), checked with the other folders before any weight loads and loaded after the
     #: tokenizers by `load_processor`; None: no processor
     processor_label: ClassVar[str | None] = None
+    #: the sub-folder holding that processor (Flux.3 names its Qwen3-VL processor `tokenizer/`)
+    processor_dir: ClassVar[str] = "processor"
 
     # ------------------------------------------------------------------------------------------ small configs
 
@@ -107,7 +109,7 @@ class DiffusersAdapter(ModelAdapter):
 
     def _expected(self) -> str:
         dirs = ["transformer/", "vae/", *(d + "/" for d in self.text_encoder_dirs), *(d + "/" for d in self.tokenizer_dirs)]
-        return "model_index.json, " + ", ".join(dirs) + ", scheduler/" + (", processor/" if self.processor_label else "")
+        return "model_index.json, " + ", ".join(dirs) + ", scheduler/" + (f", {self.processor_dir}/" if self.processor_label else "")
 
     @staticmethod
     def load_processor(folder: Path) -> Any:
@@ -209,8 +211,8 @@ class DiffusersAdapter(ModelAdapter):
                 need(f"{d}/config.json", "a text encoder config")
             for d in self.tokenizer_dirs:
                 need(d, "a tokenizer folder")
-            if self.processor_label and not (root / "processor").is_dir():
-                raise UserError(f"{root / 'processor'} not found: expected the {self.processor_label} processor folder "
+            if self.processor_label and not (root / self.processor_dir).is_dir():
+                raise UserError(f"{root / self.processor_dir} not found: expected the {self.processor_label} processor folder "
                                 f"of a diffusers-format {self.family} folder ({self._expected()})")
 
     def load(self, cfg, *, parts, dtype, device="cpu") -> Components:
@@ -286,7 +288,7 @@ class DiffusersAdapter(ModelAdapter):
             raise UserError(f"{root}: could not load the {self.family} model: {first}") from e
         if "text" in parts and self.processor_label:
             try:
-                out.tokenizers.append(self.load_processor(Path(root) / "processor"))
+                out.tokenizers.append(self.load_processor(Path(root) / self.processor_dir))
             except (OSError, ValueError) as e:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise UserError(f"{root}: could not load the {self.family} processor: {first}") from e

@@ -343,8 +343,8 @@ def _img_mask(batch: int, text_len: int, image_tokens: int, device) -> torch.Ten
 # ---------------------------------------------------------------------------------------------- tiny model
 
 
-def tiny_qwen3_vl(tokenizer, hidden: int = 16, seed: int = 4) -> nn.Module:
-    """A two-layer Qwen3-VL (vision tower of one block) over the tiny Qwen tokenizer (trainer/models/tiny.py)."""
+def tiny_qwen3_vl(tokenizer, hidden: int = 16, seed: int = 4, layers: int = 2) -> nn.Module:
+    """A `layers`-layer Qwen3-VL (vision tower of one block) over the tiny Qwen tokenizer (trainer/models/tiny.py)."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in
@@ -352,7 +352,7 @@ def tiny_qwen3_vl(tokenizer, hidden: int = 16, seed: int = 4) -> nn.Module:
     cfg = Qwen3VLConfig(
         text_config={
             "vocab_size": len(tokenizer), "hidden_size": hidden, "intermediate_size": 2 * hidden,
-            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+            "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
             "max_position_embeddings": 2048,
             "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_interleaved": True,
                                 "mrope_section": [1, 1, 2]},

@@ -230,15 +230,16 @@ def flow_scheduler(**kw):
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **kw)
 
 
-def _name_processor_as_transformers_does(folder: Path, processor) -> None:
+def name_processor_as_transformers_does(folder: Path, processor, sub: str = "processor") -> None:
     """The processor is saved from our torchvision-free subclass; name it after the transformers class it extends
-    (Qwen2VLProcessor, Qwen3VLProcessor), as a real folder does."""
+    (Qwen2VLProcessor, Qwen3VLProcessor), as a real folder does. `sub`: its component (and sub-folder) name."""
+    folder = Path(folder)
     name = next(c.__name__ for c in type(processor).__mro__ if c.__module__.startswith("transformers."))
-    for rel, key in (("model_index.json", "processor"), ("processor/processor_config.json", "processor_class")):
+    for rel, key in (("model_index.json", sub), (f"{sub}/processor_config.json", "processor_class")):
         p = folder / rel
         if p.is_file():
             d = json.loads(p.read_text())
-            d[key] = ["transformers", name] if key == "processor" else name
+            d[key] = ["transformers", name] if key == sub else name
             p.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
@@ -261,6 +262,6 @@ def make_tiny_models(out: str | Path, families: list[str] | None = None) -> list
             folder.mkdir(parents=True, exist_ok=True)
             pipe.save_pretrained(folder, safe_serialization=True)
             if (folder / "processor").is_dir():
-                _name_processor_as_transformers_does(folder, pipe.processor)
+                name_processor_as_transformers_does(folder, pipe.processor)
             written.append(folder)
     return written

@@ -335,6 +335,18 @@ def save_transformer(folder: Path, transformer: torch.nn.Module) -> None:
     transformer.save_pretrained(str(folder), safe_serialization=True)
 
 
+def link_or_copy_tree(src: Path, dst: Path) -> None:
+    """`src`'s files into the new folder `dst`: hard links (no second copy on disk; a checkpoint pruned later
+    leaves them intact), or copies across file systems."""
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, dst, copy_function=link, dirs_exist_ok=True)
+
+
 def load_transformer_weights(folder: Path, transformer: torch.nn.Module) -> None:
     """Load the weights of a `save_transformer` folder into an already built transformer, strictly."""
     files = sorted(Path(folder).glob("*.safetensors"))

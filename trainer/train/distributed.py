@@ -219,7 +219,9 @@ def setup(device_choice: str, mode: str = "ddp") -> Dist:
     created = False
     if not tdist.is_initialized():
         # 30 minutes: the others wait at a barrier while rank 0 writes a full fine-tune or samples images.
-        tdist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+        # fsdp with CPU-offloaded shards reduces CPU tensors too (the gradient norm): gloo beside NCCL
+        backend = ("cpu:gloo,cuda:nccl" if mode == "fsdp" else "nccl") if cuda else "gloo"
+        tdist.init_process_group(backend, rank=rank, world_size=world,
                                  timeout=datetime.timedelta(minutes=30), device_id=device if cuda else None)
         created = True
     how = ("the transformer's weights, gradients and optimizer state sharded (fsdp)" if mode == "fsdp"

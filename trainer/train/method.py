@@ -57,6 +57,11 @@ class TrainingMethod:
         self.cfg = cfg
         self.transformer: torch.nn.Module | None = None  # set by trainable_params
 
+    def save_sharded(self, folder: Path, main: bool, dtype: torch.dtype) -> bool:  # noqa: ARG002
+        """train.distributed: fsdp, collective: write the weights into `folder` together, if this method's are too
+        big to gather whole on rank 0 (True), else nothing (False: rank 0's `save_weights` writes them gathered)."""
+        return False
+
     def describe(self, params: list[torch.nn.Parameter]) -> str:
         return f"{self.name}: {count(params) / 1e6:.3f} M trainable parameters in {len(params)} tensors"
 
@@ -183,6 +188,13 @@ class FullMethod(TrainingMethod):
     def save_weights(self, folder: Path, step: int) -> None:  # noqa: ARG002 - the step is in state.json
         ck.save_transformer(folder / "transformer", self.transformer)
 
+    def save_sharded(self, folder: Path, main: bool, dtype: torch.dtype) -> bool:
+        """fsdp: the diffusers folder written file by file as the shards are gathered (trainer/train/sharded.py)."""
+        from . import sharded
+
+        sharded.save_transformer(self.transformer, folder / "transformer", main, dtype)
+        return True
+
     def load_weights(self, folder: Path) -> None:
         ck.load_transformer_weights(folder / "transformer", self.transformer)
 
@@ -195,9 +207,11 @@ class FullMethod(TrainingMethod):
         ck.atomic_dir(path, lambda tmp: ck.save_transformer(tmp, self.transformer))
         return path
 
-    def write_final(self, out_dir: Path, checkpoint: Path) -> Path:  # noqa: ARG002 - saved from the live weights
+    def write_final(self, out_dir: Path, checkpoint: Path) -> Path:
+        """output.dir/transformer: the checkpoint's folder (just written from the same weights), hard-linked
+        where the file system allows, else copied: a sharded run's weights exist whole only there."""
         path = self.final_output(out_dir)
-        ck.atomic_dir(path, lambda tmp: ck.save_transformer(tmp, self.transformer))
+        ck.atomic_dir(path, lambda tmp: ck.link_or_copy_tree(checkpoint / "transformer", tmp))
         return path
 
 

@@ -29,8 +29,8 @@ gradients, so each process ends the backward pass with the mean gradient of its 
   so backward all-gathers a block once, recomputes it and reduce-scatters it; train.gradient_checkpointing: auto
   keeps the blocks the planner picks.
 - Compile (train.compile): each block is compiled with `torch.compile` before it is sharded.
-- Checkpoints: the weights are gathered to rank 0 (only the trainable ones: `ignore_frozen_params`) and written as
-  today, so the LoRA file or transformer folder in a checkpoint is the same file a one-process run writes, and the
+- Checkpoints: the trainable weights are gathered to rank 0 one at a time (a LoRA's frozen base is not) and
+  written as today (a full fine-tune's folder file by file, `save_transformer`, so rank 0 never holds the model), so the LoRA file or transformer folder in a checkpoint is the same file a one-process run writes, and the
   final output too. The optimizer state, the part that is big and sharded, is written by every process through
   `torch.distributed.checkpoint` with its safetensors writer (`optimizer/shard-*.safetensors`, no pickle) and read
   back through the same planner, which re-shards it: a run saved on 4 processes resumes on 2 or on 1.
@@ -48,16 +48,16 @@ sampler; sample after training).
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
@@ -70,6 +70,7 @@ from ..errors import UserError
 from .monitor import say
 
 OPTIMIZER_DIR = "optimizer"  # the optimizer state's shards inside a checkpoint folder
+FILE_BYTES = 2 * 2**30  # whole-tensor bytes per optimizer-state file (`_files`)
 
 
 def _checkpointed(block: nn.Module) -> None:
@@ -126,24 +127,65 @@ def whole_trainable(transformer: nn.Module, main: bool, dtype: torch.dtype | Non
     """Collective: inside, on rank 0 (`main`), every trainable parameter of `transformer` is its whole tensor on
     the CPU (in `dtype`, if given: a full fine-tune's fp32 master shards are saved in the model dtype, as one
     process saves them), so the one-process writers (method.save_weights / write_final) save it unchanged; the
-    shards are put back on exit. Frozen weights (a LoRA's base) are not gathered."""
-    sd = get_model_state_dict(transformer, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+    shards are put back on exit. Frozen weights (a LoRA's base) are not gathered. One parameter at a time, over
+    the GPUs (CPU-offloaded shards visit them for the all-gather): rank 0 holds the weights once, in `dtype`."""
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     try:
-        if main:
-            for name, value in sd.items():
+        for name, p in list(transformer.named_parameters()):
+            if not p.requires_grad:
+                continue
+            whole = _whole(p.detach(), dtype)
+            if main:
                 owner, _, leaf = name.rpartition(".")
                 module = transformer.get_submodule(owner)
-                old = module._parameters[leaf]
-                swapped.append((module, leaf, old))
-                value = value if dtype is None else value.to(dtype)
-                module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
+                swapped.append((module, leaf, p))
+                module._parameters[leaf] = nn.Parameter(whole, requires_grad=True)
         yield
     finally:
         for module, leaf, old in swapped:
             module._parameters[leaf] = old
-        del sd
+
+
+def _whole(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The whole value of parameter `p` (a DTensor shard: all-gathered) on the CPU, in `dtype` if given."""
+    if isinstance(p, DTensor):
+        local = p.to_local()
+        if local.device.type == "cpu" and torch.cuda.is_available():  # CPU offload: gather over NCCL
+            local = local.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
+        p = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+    return (p if dtype is None else p.to(dtype)).to("cpu", copy=True)
+
+
+def save_transformer(transformer: nn.Module, folder: Path, main: bool, dtype: torch.dtype) -> None:
+    """Collective: the diffusers folder `save_pretrained` writes (config.json, safetensors files of about
+    FILE_BYTES each with their index), written by rank 0 (`main`) one file at a time as the weights are gathered,
+    so rank 0 never holds more than one file's worth (a full fine-tune of 12 B weights would otherwise gather
+    24 GB on rank 0 before writing). Floating-point weights in `dtype` (the fp32 master shards in the model dtype)."""
+    state = transformer.state_dict()
+    size = {k: v.numel() * (dtype.itemsize if v.is_floating_point() else v.element_size()) for k, v in state.items()}
+    groups: list[list[str]] = [[]]
+    for k in state:  # the same split on every rank: whole-tensor sizes
+        if groups[-1] and sum(size[g] for g in groups[-1]) + size[k] > FILE_BYTES:
+            groups.append([])
+        groups[-1].append(k)
+    names = (["diffusion_pytorch_model.safetensors"] if len(groups) == 1 else
+             [f"diffusion_pytorch_model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    if main:
+        folder.mkdir(parents=True, exist_ok=True)
+        transformer.save_config(str(folder))
+    for keys, name in zip(groups, names, strict=True):
+        part = {}
+        for k in keys:
+            v = state[k].detach()
+            whole = _whole(v, dtype if v.is_floating_point() else None)  # collective for a shard
+            if main:
+                part[k] = whole.contiguous()
+        if main:
+            save_file(part, str(folder / name), metadata={"format": "pt"})
+    if main and len(groups) > 1:
+        index = {"metadata": {"total_size": sum(size.values())},
+                 "weight_map": {k: n for keys, n in zip(groups, names, strict=True) for k in keys}}
+        (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def local_nonfinite(transformer: nn.Module) -> str | None:
@@ -166,9 +208,10 @@ def _flat(osd: dict) -> dict[str, torch.Tensor]:
 
 
 def staging(root: Path, step: int) -> Path:
-    """Where every process writes its optimizer shards before rank 0 moves them into the checkpoint (a `.tmp-`
-    name: checkpoint.remove_partial clears it after a crash)."""
-    return root / f".tmp-optimizer-{step:06d}"
+    """Where the processes write what they write together (the optimizer shards, a full fine-tune's weights)
+    before rank 0 moves it into the checkpoint (a `.tmp-` name: checkpoint.remove_partial clears it after a
+    crash)."""
+    return root / f".tmp-sharded-{step:06d}"
 
 
 def save_optimizer(transformer: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
@@ -177,7 +220,24 @@ def save_optimizer(transformer: nn.Module, optimizer: torch.optim.Optimizer, fol
     if tdist.get_rank() == 0:
         shutil.rmtree(folder, ignore_errors=True)
     tdist.barrier()
-    dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True))
+    writer = dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True, fqn_to_index_mapping=_files(state))
+    dcp.save(state, storage_writer=writer)
+
+
+def _files(state: dict[str, torch.Tensor], group_bytes: int | None = None) -> dict[str, int]:
+    """Which file (from 1) each tensor of the flat state goes to: about `group_bytes` of *whole* tensors per
+    file, the same split on every rank. The writer builds each safetensors file in memory before writing it, so
+    one file per rank would hold a copy of the rank's whole optimizer state in RAM (a 12 B full fine-tune on 2
+    processes: +48 GB per process)."""
+    group_bytes = FILE_BYTES if group_bytes is None else group_bytes
+    out, index, size = {}, 1, 0
+    for key, t in state.items():
+        nbytes = t.numel() * t.element_size()  # DTensor: the whole tensor's numel, equal on every rank
+        if size and size + nbytes > group_bytes:
+            index, size = index + 1, 0
+        out[key] = index
+        size += nbytes
+    return out
 
 
 def load_optimizer(transformer: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:

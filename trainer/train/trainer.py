@@ -420,25 +420,29 @@ class Trainer:
                 "optimizer.max_grad_norm, then resume from it"
             )
         root = ck.checkpoint_root(self.out)
-        staged = None
-        if self.sharded:  # collective: every process writes its optimizer shards, then the weights gather on rank 0
+        staged, wrote = None, False
+        if self.sharded:  # collective: the optimizer shards (and a full fine-tune's weights) written together
             staged = sharded.staging(root, self.step)
-            self.optim.save_shards(staged)
-        whole = sharded.whole_trainable(self.transformer, self.dist.is_main, self.dtype if self._master_dtype() else None)
-        with whole if self.sharded else contextlib.nullcontext():
-            return self._write(final, root, staged)
+            self.optim.save_shards(staged / sharded.OPTIMIZER_DIR)
+            wrote = self.method.save_sharded(staged, self.dist.is_main, self.dtype)
+        whole = sharded.whole_trainable(self.transformer, self.dist.is_main) if self.sharded and not wrote else None
+        with whole or contextlib.nullcontext():  # a LoRA: gathered on rank 0, written by save_weights
+            return self._write(final, root, staged, wrote)
 
-    def _write(self, final: bool, root: Path, staged: Path | None) -> Path:
+    def _write(self, final: bool, root: Path, staged: Path | None, wrote: bool) -> Path:
         if not self.dist.is_main:  # rank 0 writes (every rank holds the same weights); the others wait for it
             self.dist.barrier()
             return (self.method.final_output(self.out) if final
                     else ck.checkpoint_root(self.out) / f"step-{self.step:06d}")
 
         def write(tmp: Path) -> None:
-            self.method.save_weights(tmp, self.step)
+            if not wrote:
+                self.method.save_weights(tmp, self.step)
             self.optim.save(tmp)
+            for part in sorted(staged.iterdir()) if staged is not None else ():
+                os.replace(part, tmp / part.name)
             if staged is not None:
-                os.replace(staged, tmp / sharded.OPTIMIZER_DIR)
+                staged.rmdir()
             if self.ema is not None:
                 self.ema.save(tmp)
             save_file(ck.rng_state(self.objective.state()), str(tmp / "rng.safetensors"))
