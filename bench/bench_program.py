@@ -485,11 +485,11 @@ def write_config(family: str, model: Path, images: Path, work: Path, res: int, s
                  card: int, transformer_file: str | None = None, sets: list[str] | None = None) -> Path:
     import yaml
 
+    name = {"qwen_image": "qwen-image"}.get(family, family)  # the registry key: configs/<key>/, tiny/<key>-lora
     if smoke:
-        name = {"qwen_image": "qwen-image"}.get(family, family)
         d = yaml.safe_load((ROOT / "configs" / "tiny" / f"{name}-lora.yaml").read_text())
     else:
-        d = yaml.safe_load((ROOT / "configs" / family / f"lora-{card}gb.yaml").read_text())
+        d = yaml.safe_load((ROOT / "configs" / name / f"lora-{card}gb.yaml").read_text())
     d["model"]["path"] = str(model)
     if transformer_file:
         d["model"].update({"transformer_file": str(model / FILES[transformer_file]), "quantize": "fp8"})

@@ -157,4 +157,4 @@ def test_fp8_base_only_where_the_header_says_why_and_then_within_the_small_ram()
             # within the small RAM, or (Flux.2-dev: 32 B) the header says it is over it too
             over = f"over {SMALL_RAM_GB} GB too" in head
             assert (float(re.search(r"\((\d+) GB peak\)", head).group(1)) <= SMALL_RAM_GB) != over
-    assert "qwen_image" in seen and "flux" not in seen  # Qwen-Image's 20 B do not fit 32 GB in bf16; Flux's do
+    assert "qwen-image" in seen and "flux" not in seen  # Qwen-Image's 20 B do not fit 32 GB in bf16; Flux's do

@@ -121,6 +121,10 @@ class ModelAdapter(ABC):
     #: drops, and parameters outside its streamed blocks that sit on the GPU while it encodes (trainer/planner)
     text_encoder_unused_params: ClassVar[tuple[int, ...]] = ()
     text_encoder_nonblock_params: ClassVar[tuple[int, ...]] = ()
+    #: per text encoder: parameters never read from the files, because `text_encoder_config` builds the encoder
+    #: without them (Flux.2: the decoder layers after the deepest hidden state read); part of the unused ones.
+    #: The planner's text-caching RAM leaves them out (the rest of the unused ones are loaded, then dropped)
+    text_encoder_unloaded_params: ClassVar[tuple[int, ...]] = ()
 
     # ------------------------------------------------------------------------------------------ VAE and latents
 

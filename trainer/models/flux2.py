@@ -178,6 +178,7 @@ class Flux2Adapter(DiffusersAdapter):
     text_encoder_unused_params = (MISTRAL_HEAD + MISTRAL_VISION + MISTRAL_PROJECTOR
                                   + (MISTRAL_LAYERS - 31) * MISTRAL_LAYER,)
     text_encoder_nonblock_params = (MISTRAL_EMBED,)
+    text_encoder_unloaded_params = ((MISTRAL_LAYERS - 31) * MISTRAL_LAYER,)  # `text_encoder_config`: layers 31-39
     sampling_uses_negative = False
     takes_reference = True  # optional: the data decides (module docstring)
     reference_optional = True

@@ -164,6 +164,7 @@ class Flux3Adapter(DiffusersAdapter):
     # `slim_text_encoder` drops the vision tower and the 3 decoder layers after the deepest one read (32 of 36)
     text_encoder_unused_params = (QWEN3_VL_4B_VISUAL + 3 * QWEN3_VL_4B_LAYER,)
     text_encoder_nonblock_params = (QWEN3_VL_4B_EMBED,)
+    text_encoder_unloaded_params = (3 * QWEN3_VL_4B_LAYER,)  # `text_encoder_config`: layers 33-35 never built
     vae_params = 84_046_115  # AutoencoderKLFlux2 defaults
     sampling_uses_negative = True
     #: the base checkpoint's pipeline defaults; distilled: steps 16, guidance 1 (ignored by its pipeline)

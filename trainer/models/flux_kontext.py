@@ -53,9 +53,6 @@ class FluxKontextAdapter(FluxAdapter):
     takes_reference = True
     full_name, example_path = "Flux.1-Kontext-dev", "/path/to/FLUX.1-Kontext-dev"
     # FLUX.1-Kontext-dev has FLUX.1-dev's architecture (11.9 B, guidance embedding): FluxAdapter.full_config.
-    # Its VAE parameters: the planner used a 100 M default for this family before the count was declared per
-    # family; kept so the generated presets stay as they are until they are next regenerated.
-    vae_params = 100_000_000
 
     @classmethod
     def tiny_builders(cls):

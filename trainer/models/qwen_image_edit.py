@@ -151,9 +151,6 @@ class QwenImageEditAdapter(QwenImageAdapter):
     text_encoder_nonblock_params = (QWEN_VL_EMBED + QWEN_VL_VISUAL,)
     #: the chat template the instruction goes into (the Plus family numbers its pictures)
     edit_template = EDIT_TEMPLATE
-    # Its VAE (Qwen-Image's): the planner used a 100 M default for the edit families before the count was
-    # declared per family; kept so the generated presets stay as they are until they are next regenerated.
-    vae_params = 100_000_000
 
     @classmethod
     def tiny_builders(cls):

@@ -44,9 +44,38 @@ def blocks_of(family: str, transformer: nn.Module) -> list[nn.Module]:
     return adapter_class(family)().blocks(transformer)
 
 
-def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, alpha: float) -> int:
-    """Inject LoRA as the trainer does (peft, fp32 weights) on the meta model; returns its parameter count."""
+class _ComputeDtypeLora:
+    """The trainer's LoRA forward under `lora.compute_dtype: auto` (trainer/train/model.py `ComputeDtypeLora`, which
+    the planner may not import: tests/test_layout.py), swapped onto the meta model's peft LoRA Linears: the branch
+    runs in the input's dtype, the fp32 matrices cast at use, so autograd saves the layer's bf16 input and the two
+    cast matrices (peft's own forward saves an fp32 copy of the input). The LoRA Linears are still called as
+    modules (`functional_call` with the cast weight), so the trace's matmul counting sees them.
+    tests/test_planner_saved.py compares the bytes saved with the trainer's class."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        from torch.func import functional_call
+
+        result = self.base_layer(x, *args, **kwargs)
+        out_dtype = result.dtype
+        for name in self.active_adapters:
+            if name not in self.lora_A:
+                continue
+            a, b = self.lora_A[name], self.lora_B[name]
+            h = functional_call(a, {"weight": a.weight.to(x.dtype)}, (self.lora_dropout[name](x),))
+            result = result + functional_call(b, {"weight": b.weight.to(x.dtype)}, (h,)) * self.scaling[name]
+        return result.to(out_dtype)
+
+
+_SWAPPED: dict[type, type] = {}
+
+
+def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, alpha: float,
+                  compute_in_input_dtype: bool = False) -> int:
+    """Inject LoRA as the trainer does (peft, fp32 weights) on the meta model; returns its parameter count.
+    `compute_in_input_dtype`: the branch in the activations' dtype, as the trainer runs plain LoRA under
+    `lora.compute_dtype: auto` (`_ComputeDtypeLora`); else peft's forward (compute_dtype fp32, DoRA, LoKr, LoHa)."""
     from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import Linear as LoraLinear
 
     with torch.device("meta"):
         inject_adapter_in_model(
@@ -57,6 +86,13 @@ def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, a
         if "lora_" in name:
             p.data = p.data.float()
             n += p.numel()
+    if compute_in_input_dtype:
+        for m in transformer.modules():
+            if isinstance(m, LoraLinear) and not isinstance(m, _ComputeDtypeLora):
+                cls = type(m)
+                if cls not in _SWAPPED:
+                    _SWAPPED[cls] = type(f"Meta{cls.__name__}", (_ComputeDtypeLora, cls), {})
+                m.__class__ = _SWAPPED[cls]
     return n
 
 

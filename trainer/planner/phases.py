@@ -12,7 +12,8 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   ring, the non-block modules and the trained weights' state (the training step's static part).
 - text caching: every text encoder on the GPU at once, its non-block bytes and (1 - f) of its block bytes
   resident (f = offload.text_encoders; the conductor's ring holds whole blocks), plus the encode batch's
-  activations (T5's attention scores in fp32 are most of them) and workspace; RAM: the encoders in CPU RAM.
+  activations (T5's attention scores in fp32 are most of them) and workspace; RAM: the encoders in CPU RAM as
+  loaded (without the layers the family's `text_encoder_config` never builds: `text_encoder_unloaded_params`).
 - latent caching: the VAE's weights (the family's `vae_params`) plus its encode activations of one image (batches
   are sliced), about `VAE_ACT_ENCODE` bytes per pixel (tiled above 1 MP, trainer/data/cache.py, so at most 1 MP
   counts).
@@ -84,6 +85,17 @@ def _text_vram(facts: Facts, te_fraction: float, encode_batch: int) -> float:
     return total + ALLOCATOR_OVERHEAD * act + WORKSPACE
 
 
+def _text_ram(facts: Facts) -> float:
+    """The text encoders as loaded into CPU RAM: without the parameters their config leaves out (the family's
+    `text_encoder_unloaded_params`, as shares of its full-size encoders, like the shares above)."""
+    cls = adapter_class(facts.family)
+    total = 0.0
+    for i, (_, nbytes) in enumerate(facts.text_encoders):
+        params = cls.text_encoder_params[i][1] if i < len(cls.text_encoder_params) else 0
+        total += nbytes * (1.0 - (_share(cls.text_encoder_unloaded_params, i, params) or 0.0))
+    return total
+
+
 def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None = None) -> list[PhasePrediction]:
     """Predicted peaks of every phase of `dittrain fit` for `cfg` at transformer fraction `fraction`."""
     te = float(cfg.offload.text_encoders) if te_fraction is None else te_fraction
@@ -91,7 +103,7 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     train = predict(facts, fraction, res, cfg.offload.activations)
     esize = 2 if facts.dtype.itemsize == 2 else facts.dtype.itemsize
     vae = adapter_class(facts.family).vae_params * esize  # the full-size VAE's parameters
-    text_bytes = sum(n for _, n in facts.text_encoders)
+    text_bytes = _text_ram(facts)
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
     px = res * res
     enc_act = min(px, CACHE_TILE_PIXELS) * VAE_ACT_ENCODE

@@ -22,13 +22,21 @@ How. Everything is derived from the model's own code and the conductor's own ari
   gradient and no activations. The predicted peak is the largest of these moments;
 - per-block checkpointing (`predict(..., kept=...)`, train.gradient_checkpointing: auto): a kept block holds its
   saved tensors from its forward to its backward instead of only its inputs, and its backward skips the recompute
-  (trainer/planner/checkpointing.py chooses which blocks);
+  (trainer/planner/checkpointing.py chooses which blocks). Where blocks may keep their activations and
+  train.compile is on, the saved tensors are counted as the compiled blocks keep them (trainer/planner/compiled.py:
+  AOTAutograd's partitioner recomputes casts and pointwise work that eager blocks keep);
 - LoRA: fp32 weights, fp32 gradients and the optimizer state, all resident. Full fine-tune: every block's
   weights train and stream (written back after their step); the embedders train resident;
 - peak reserved VRAM = static allocations (ring or resident blocks, non-block weights, trainable state), each
-  rounded to the allocator's 2 MiB, + `ALLOCATOR_OVERHEAD` x the activation peak (the caching allocator's
-  rounding and fragmentation for the varying activation tensors) + `WORKSPACE` (cuBLAS and attention
-  workspaces). The CUDA context (0.5-1 GB, never in `max_memory_reserved`) is on top of that;
+  rounded to the allocator's 2 MiB, + the saved tensors of the blocks that keep their activations, as they are
+  (allocated once per step in forward order and held until their block's backward, the same sequence every step:
+  the caching allocator reuses their segments whole), + `ALLOCATOR_OVERHEAD` x the rest of the activation peak
+  (the caching allocator's rounding and fragmentation for the tensors that come and go: checkpoint inputs,
+  recomputed blocks, backward's transients, gradients) + `WORKSPACE` (cuBLAS and attention workspaces). The
+  CUDA context (0.5-1 GB, never in `max_memory_reserved`) is on top of that. Measured on an H100 (issue 29,
+  compiled, 1024 px LoRA, offload 0): without checkpointing Flux peaked at 44.7 GiB reserved (48.0 GB; predicted
+  49.9 GB) and Qwen-Image at 66.9 GiB (71.8 GB; predicted 72.8 GB); with the overhead on the kept tensors too the
+  predictions were 57.8 / 82.6 GB;
 - step time: the host's launches, the GPU's kernels and the conductor's copies replayed block by block over
   the training plan (trainer/planner/replay.py; costs in trainer/planner/timing.py).
 
@@ -57,6 +65,7 @@ from ..errors import UserError
 from ..models import adapter_class, stream_load
 from ..offload.allocators import BlockPacking
 from ..offload.plan import Plan, PlanError, capacity_for, make_plan
+from . import compiled as pcompiled
 from . import timing as ptime
 from . import trace as ptrace
 from .meta import (
@@ -121,15 +130,20 @@ class Facts:
     #: reference images joined to each sample's sequence beyond what `dummy_inputs` gives: for a family whose
     #: reference is optional (Flux.2), the data's references per image (`DataConfig.references`), else 0
     references: int = 0
+    #: count the blocks' saved tensors as compiled blocks keep them (planner/compiled.py): train.compile on (auto
+    #: is on for CUDA) and some block may keep its activations (gradient_checkpointing false or auto)
+    compiled: bool = False
     traces: dict = field(default_factory=dict)
 
     def trace(self, res: int) -> ptrace.Trace:
-        if res not in self.traces:
+        key = (res, self.compiled)  # the presets generator flips `compiled` with `checkpointing` on one Facts
+        if key not in self.traces:
             inputs = ptrace.forward_inputs(
                 self.family, self.model, self.batch, res, res, self.text_tokens, self.dtype, references=self.references
             )
-            self.traces[res] = ptrace.trace_forward(self.model, self.blocks, inputs, kernels="cuda")
-        return self.traces[res]
+            tr = ptrace.trace_forward(self.model, self.blocks, inputs, kernels="cuda")
+            self.traces[key] = pcompiled.apply_compiled(self.model, self.blocks, tr) if self.compiled else tr
+        return self.traces[key]
 
 
 def analyze(cfg) -> Facts:
@@ -149,7 +163,9 @@ def analyze(cfg) -> Facts:
     if method == "lora":
         model.requires_grad_(False)
         targets = tuple(cfg.lora.targets) if cfg.lora.targets else ptrace.default_lora_targets(family)
-        trainable = ptrace.add_meta_lora(model, targets, cfg.lora.rank, cfg.lora.alpha)
+        # lora.compute_dtype auto runs plain LoRA's branch in the model dtype (DoRA, LoKr, LoHa: peft's forward)
+        in_dtype = cfg.lora.compute_dtype == "auto" and cfg.lora.type == "lora" and not cfg.lora.dora
+        trainable = ptrace.add_meta_lora(model, targets, cfg.lora.rank, cfg.lora.alpha, in_dtype)
         packed = [BlockPacking.of(b, include_trainable=False).nbytes for b in blocks]
         lora = [p for p in model.parameters() if p.requires_grad]
         largest = max((p.numel() for p in lora), default=0)
@@ -211,6 +227,7 @@ def analyze(cfg) -> Facts:
         resolutions=res,
         loads_whole=stream_load.loads_whole(cfg),  # a resumed full fine-tune loads whole too; plan cannot know
         references=cfg.data.references() if adapter_class(family).reference_optional and cfg.data is not None else 0,
+        compiled=cfg.train.compile is not False and cfg.train.gradient_checkpointing is not True,
     )
 
 
@@ -321,28 +338,35 @@ def predict(
         ck_host = tr.checkpoint_inputs - tr.block_inputs[0] - sum(tr.block_inputs[i] for i in kept if i > 0)
     else:
         ck_gpu, ck_host = tr.checkpoint_inputs, 0
-    held = kept_gpu = 0  # activations kept for backward by blocks 0..i (by the kept ones among them)
-    prefix, kept_prefix = [], []
+    held = kept_gpu = long = 0  # activations kept for backward by blocks 0..i (by the kept ones among them)
+    prefix, kept_prefix, long_prefix = [], [], []
     for i in range(n):
         held += tr.block_inputs[i] + (0 if ck[i] else tr.block_saved[i])
         kept_gpu += 0 if ck[i] or not facts.checkpointing else tr.block_inputs[i] + tr.block_saved[i]
+        long += 0 if ck[i] else tr.block_saved[i]
         prefix.append(held)
         kept_prefix.append(kept_gpu)
+        long_prefix.append(long)
     grads_after = [sum(facts.block_grads[i:]) for i in range(n)]
     peaks = []
     for i in range(n):
         held_i = ck_gpu + kept_prefix[i] if activation_offload and facts.checkpointing else prefix[i]
         work = ws[i] if ck[i] else ws[i] - tr.block_saved[i]
         peaks.append(held_i + work + grads_after[i])
-    i_peak = max(range(n), key=peaks.__getitem__)
+
+    def reserved_part(dyn: float, long_lived: float) -> float:  # the dynamic part as the allocator reserves it
+        return long_lived + ALLOCATOR_OVERHEAD * (dyn - long_lived)
+
+    i_peak = max(range(n), key=lambda i: reserved_part(peaks[i], long_prefix[i]))
     bwd = peaks[i_peak] + tr.outside_saved + one_grad
     step = sum(facts.block_grads) + facts.nonblock_grads + one_grad
-    if bwd >= step:  # the peak is inside backward: split it into its parts for the report
+    if reserved_part(bwd, long_prefix[i_peak]) >= reserved_part(step, 0):  # the peak is inside backward
         dynamic, grads_at_peak = bwd, grads_after[i_peak] + one_grad
         ck_gpu_shown = ck_gpu + kept_prefix[i_peak] if activation_offload and facts.checkpointing else prefix[i_peak]
         other = tr.outside_saved
+        long_lived = long_prefix[i_peak]
     else:  # the optimizer step: gradients only
-        dynamic, grads_at_peak, ck_gpu_shown, other = step, step, 0, 0
+        dynamic, grads_at_peak, ck_gpu_shown, other, long_lived = step, step, 0, 0, 0
     act = dynamic - grads_at_peak
     act_block = act - ck_gpu_shown - other
     if activation_offload:
@@ -351,7 +375,7 @@ def predict(
     trainable += grads_at_peak
     static = _round2m(ring) + _round2m(facts.nonblock_bytes) + _round2m(trainable - grads_at_peak)
     allocated = ring + facts.nonblock_bytes + trainable + act
-    reserved = static + ALLOCATOR_OVERHEAD * dynamic + WORKSPACE
+    reserved = static + reserved_part(dynamic, long_lived) + WORKSPACE
     # RAM: the pinned arena and activation buffers, the process's own (HOST_BASE), and, where the transformer is
     # read whole before packing (facts.loads_whole), a pageable copy of it beside the arena.
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes

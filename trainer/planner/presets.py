@@ -135,7 +135,8 @@ def _first_fit(family, method, card, opt, cache, quantize="none", ram_gb=None):
         if key not in cache:
             cache[key] = analyze(cfg)
         facts = cache[key]
-        facts.resolutions, facts.checkpointing = [res], ckpt
+        # as analyze(cfg) sets them for this setting (compile auto: kept activations counted as compiled blocks')
+        facts.resolutions, facts.checkpointing, facts.compiled = [res], ckpt, not ckpt
         try:
             f = choose_fraction(cfg, budget, facts=facts, activation_offload=act, log=lambda s: None)
         except UserError as e:
@@ -149,9 +150,9 @@ def _first_fit(family, method, card, opt, cache, quantize="none", ram_gb=None):
                 f"{ram} GB assumed beside a {card} GB card"
             )
             continue
-        facts.checkpointing = True
+        facts.checkpointing, facts.compiled = True, False
         base = predict(facts, 0.0, res, False)  # the same training without offloading (checkpointed)
-        facts.checkpointing = ckpt
+        facts.checkpointing, facts.compiled = ckpt, not ckpt
         te = fit_text_fraction(facts, budget)
         d = _config(family, method, res, act, f, ckpt, opt, te, quantize)
         dcfg = Config.model_validate(d)

@@ -29,8 +29,11 @@ Host work: while tracing, a dispatch mode counts the tensor operations each bloc
 host's launch time (trainer/planner/replay.py).
 
 Left out: the transient tensors of backward (gradients of intermediates, kernel workspaces) are not traced;
-the planner adds a stated estimate for them. LoRA is injected into the meta model with peft exactly as the
-trainer does (fp32 LoRA weights, so peft's input casts show up as saved fp32 copies).
+the planner adds a stated estimate for them. LoRA is injected into the meta model with peft as the trainer does,
+its branch in the activations' dtype under `lora.compute_dtype: auto` (meta.py `add_meta_lora`; before issue 29
+the planner counted peft's fp32 copy of every LoRA layer's input, which the trainer stopped making in issue 16).
+What is counted here is what *eager* blocks save; compiled blocks save less (compiled.py, used where a block keeps
+its activations).
 """
 
 from __future__ import annotations
@@ -180,6 +183,10 @@ class Trace:
     storages: dict[int, int] = field(default_factory=dict, repr=False)
     #: per block class name: the index and (args, kwargs) of its first call, meta tensors (for GPU timing)
     calls: dict[str, tuple[int, tuple, dict]] = field(default_factory=dict, repr=False)
+    #: how block_saved / block_largest were counted: the eager blocks, or compiled ones (planner/compiled.py)
+    saved_by: str = "eager blocks"
+    #: the same for its last call: a block inside the stack, whose inputs carry gradients (planner/compiled.py)
+    last_calls: dict[str, tuple[int, tuple, dict]] = field(default_factory=dict, repr=False)
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -228,10 +235,12 @@ def trace_forward(
         return t
 
     calls: dict[str, tuple[int, tuple, dict]] = {}
+    last_calls: dict[str, tuple[int, tuple, dict]] = {}
 
     def pre(mod, args, kwargs):
         i = index[id(mod)]
         calls.setdefault(type(mod).__name__, (i, args, dict(kwargs)))
+        last_calls[type(mod).__name__] = (i, args, dict(kwargs))
         new = 0
         # Only direct tensor arguments: tensors nested in tuples (rotary embeddings) are shared by all blocks
         # and reach checkpoint as one Python object; they are counted once, with the outside tensors.
@@ -300,6 +309,7 @@ def trace_forward(
         attn_flops=int(getattr(mode, "attn_flops", 0)),
         storages=dict(seen),
         calls=calls,
+        last_calls=last_calls,
     )
 
 

@@ -1,0 +1,86 @@
+"""The planner's size facts of the families against the full-size models themselves, built on the meta device:
+the VAE parameter counts (latent caching and sampling phases) and the text encoder as the loader builds it (text
+caching RAM, issue 26: Flux.2 never loads the decoder layers after the deepest hidden state it reads)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trainer.models import ADAPTERS, adapter_class
+from trainer.models._diffusers import DiffusersAdapter
+from trainer.planner.phases import _text_ram
+
+#: families whose VAE is the 16-channel AutoencoderKL of Flux.1 (and SD3.5: the same shapes)
+FLUX_KL = ("flux", "flux-kontext", "chroma", "z-image", "sd3")
+
+
+def _params(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _full_vae(name: str):
+    import diffusers
+
+    with torch.device("meta"):
+        if name == "AutoencoderKL":  # FLUX.1-dev's vae/config.json
+            return diffusers.AutoencoderKL(
+                in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                layers_per_block=2, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False)
+        return getattr(diffusers, name)()  # AutoencoderKLQwenImage / AutoencoderKLFlux2: the defaults are the real ones
+
+
+@pytest.mark.parametrize("family", [f for f in ADAPTERS if f in FLUX_KL or adapter_class(f).vae_cls_name in (
+    "AutoencoderKLQwenImage", "AutoencoderKLFlux2")])
+def test_vae_params_are_the_full_size_vae(family):
+    cls = adapter_class(family)
+    assert cls.vae_params == _params(_full_vae(cls.vae_cls_name))
+
+
+def test_edit_families_have_their_base_familys_vae():
+    assert adapter_class("flux-kontext").vae_params == adapter_class("flux").vae_params == 83_819_683
+    for f in ("qwen-image-edit", "qwen-image-edit-plus"):
+        assert adapter_class(f).vae_params == adapter_class("qwen-image").vae_params == 126_892_531
+
+
+@pytest.mark.parametrize("family", list(ADAPTERS))
+def test_unloaded_text_encoder_parts_are_declared_where_the_config_is_cut(family):
+    """A family that builds its text encoder smaller than the folder's (`text_encoder_config`) says by how much,
+    and that part is among the parts it never uses."""
+    cls = adapter_class(family)
+    cuts = getattr(cls, "text_encoder_config", None) is not getattr(DiffusersAdapter, "text_encoder_config", None)
+    assert bool(cls.text_encoder_unloaded_params) == cuts
+    for i, n in enumerate(cls.text_encoder_unloaded_params):
+        assert 0 < n <= cls.text_encoder_unused_params[i] < cls.text_encoder_params[i][1]
+
+
+def _full_text_encoder(family: str):
+    """(class, full-size config) of the family's text encoder (as bench/bench_program.py builds them)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
+
+    if family == "flux2-klein":  # Qwen3-4B
+        return Qwen3ForCausalLM, Qwen3Config(
+            vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+            num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    cfg = Mistral3Config()  # Mistral-Small-3.1-24B
+    cfg.tie_word_embeddings = cfg.text_config.tie_word_embeddings = False  # it has its own head
+    return Mistral3ForConditionalGeneration, cfg
+
+
+@pytest.mark.parametrize("family", ["flux2", "flux2-klein"])
+def test_text_caching_ram_is_the_encoder_as_the_loader_builds_it(family):
+    import copy
+
+    cls = adapter_class(family)
+    enc_cls, cfg = _full_text_encoder(family)
+    with torch.device("meta"):
+        whole = _params(enc_cls(copy.deepcopy(cfg)))
+        built = _params(enc_cls(cls().text_encoder_config(cfg)))
+    assert whole == cls.text_encoder_params[0][1]
+    assert whole - built == cls.text_encoder_unloaded_params[0] > 0
+    # the planner's RAM for the full-size encoder (no folder: the declared size, bf16) is what is built
+    facts = SimpleNamespace(family=family, text_encoders=[(cls.text_encoder_params[0][0], 2 * whole)])
+    assert _text_ram(facts) == pytest.approx(2 * built, rel=1e-9)
