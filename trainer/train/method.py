@@ -62,6 +62,10 @@ class TrainingMethod:
         big to gather whole on rank 0 (True), else nothing (False: rank 0's `save_weights` writes them gathered)."""
         return False
 
+    def sharded_master_dtype(self, dtype: torch.dtype) -> torch.dtype | None:  # noqa: ARG002
+        """fsdp: the dtype to keep the trainable shards in when it is not the model's `dtype` (None: the model's)."""
+        return None
+
     def describe(self, params: list[torch.nn.Parameter]) -> str:
         return f"{self.name}: {count(params) / 1e6:.3f} M trainable parameters in {len(params)} tensors"
 
@@ -187,6 +191,10 @@ class FullMethod(TrainingMethod):
 
     def save_weights(self, folder: Path, step: int) -> None:  # noqa: ARG002 - the step is in state.json
         ck.save_transformer(folder / "transformer", self.transformer)
+
+    def sharded_master_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """fsdp: bf16 / fp16 weights train as fp32 master shards (no stochastic-rounding optimizer can shard)."""
+        return torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
 
     def save_sharded(self, folder: Path, main: bool, dtype: torch.dtype) -> bool:
         """fsdp: the diffusers folder written file by file as the shards are gathered (trainer/train/sharded.py)."""

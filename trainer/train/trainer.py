@@ -271,9 +271,8 @@ class Trainer:
         return sharded.Lockstep(self.transformer, self.adapter, self.device, self.dtype).lead()
 
     def _master_dtype(self) -> torch.dtype | None:
-        """fsdp full fine-tuning of low-precision weights: the shards' dtype (sharded.py), else None."""
-        low = self.dtype in (torch.bfloat16, torch.float16)
-        return torch.float32 if self.sharded and self.method.name == "full" and low else None
+        """fsdp: the dtype the method keeps its trainable shards in (sharded.py), else None."""
+        return self.method.sharded_master_dtype(self.dtype) if self.sharded else None
 
     def _finish_setup(self, resume_dir: Path | None) -> None:
         cfg, c = self.cfg, self.cfg.train
