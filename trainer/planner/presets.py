@@ -3,7 +3,7 @@
     python -m trainer.planner.presets [--out configs] [--check]
 
 For every family, method and card size the planner picks, in order of preference, the first setting that fits
-the card minus `HEADROOM_GB` (CUDA context and other processes): 1024 px without activation offloading, 1024 px
+the card minus `HEADROOM_GB` (CUDA context and other processes; `choose_fraction` keeps its own margin): 1024 px without activation offloading, 1024 px
 with it, then 512 px without / with. Within a setting it takes the smallest offload fraction that fits
 (`choose_fraction`). A combination where nothing fits gets no file; `configs/README.md` lists them with
 the reason. The header of each file carries the planner's predictions (VRAM, RAM, speed relative to the same
@@ -20,7 +20,7 @@ from ..config import Config
 from ..errors import UserError
 from ..models import ADAPTERS, adapter_class, canonical_family
 from .phases import fit_text_fraction, predict_phases
-from .prediction import Prediction, analyze, choose_fraction, predict
+from .prediction import PREDICTION_MARGIN, Prediction, analyze, choose_fraction, predict
 
 HEADROOM_GB = 1.0
 # (resolution, activation offloading, gradient checkpointing), most preferred first. Without checkpointing a
@@ -249,7 +249,7 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
         f"# Predicted step {p.step_s:.2f} s on an H200-class GPU (GPU {p.compute_s:.2f} s, host {p.host_s:.2f} s, "
         f"PCIe {p.transfer_s:.2f} s).",
         "# VRAM is what torch reserves; the CUDA context (0.5-1 GB) comes on top, and "
-        f"{HEADROOM_GB:g} GB of the card is left for it.",
+        f"{HEADROOM_GB:g} GB of the card is left for it, and {PREDICTION_MARGIN:.0%} of the rest for prediction error.",
         "# phases (predicted peak VRAM): " + ", ".join(f"{ph.name} {ph.vram / 1e9:.1f} GB" for ph in phases) + ".",
         f"# Text caching streams the text encoders at offload.text_encoders: {te:g} (one model group on the GPU at"
         " a time).",
