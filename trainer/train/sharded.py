@@ -28,10 +28,12 @@ gradients, so each process ends the backward pass with the mean gradient of its 
 - Checkpointing: each block's forward runs under `torch.utils.checkpoint` (non-reentrant) inside the FSDP2 unit,
   so backward all-gathers a block once, recomputes it and reduce-scatters it; train.gradient_checkpointing: auto
   keeps the blocks the planner picks.
-- Compile (train.compile): each block is compiled with `torch.compile` before it is sharded.
+- Compile (train.compile): each block is compiled with `torch.compile` before it is sharded (not yet measured on
+  a GPU: bench/bench_fsdp.py's rows are eager).
 - Checkpoints: the trainable weights are gathered to rank 0 one at a time (a LoRA's frozen base is not) and
-  written as today (a full fine-tune's folder file by file, `save_transformer`, so rank 0 never holds the model), so the LoRA file or transformer folder in a checkpoint is the same file a one-process run writes, and the
-  final output too. The optimizer state, the part that is big and sharded, is written by every process through
+  written as today (a full fine-tune's folder file by file, `save_transformer`, so rank 0 never holds the
+  model): the LoRA file or transformer folder in a checkpoint is the one a one-process run writes, and the final
+  output too. The optimizer state, the part that is big and sharded, is written by every process through
   `torch.distributed.checkpoint` with its safetensors writer (`optimizer/shard-*.safetensors`, no pickle) and read
   back through the same planner, which re-shards it: a run saved on 4 processes resumes on 2 or on 1.
 - Exactness: FSDP2 reduce-scatters the sum of the ranks' gradients and divides by N, so `fsdp` on N processes
@@ -43,6 +45,10 @@ what sharding does: each process holds 1/N of them), optimizers other than AdamW
 EMA, activation offloading and nano-batches (the conductor's), and `offload.transformer: auto` (the planner plans
 one process). Sampling and validation during training run on rank 0 as under ddp, the other ranks joining each of
 its transformer calls (`Lockstep`).
+
+Measured (bench/RESULTS.md, issue 31, 2 x H100, Flux.1-dev LoRA): slower than ddp, resident (1.13 vs 0.87 s, for
+10 GB less VRAM per GPU) and streamed (FSDP2's CPU offload 1.64 s vs the conductor's 1.11 s). It is for what does
+not fit one process's share, not for speed.
 """
 
 from __future__ import annotations
@@ -207,7 +213,11 @@ class Lockstep:
     broadcasts "done". The other ranks run `lockstep.follow()`: for each "one more forward" they call the
     transformer once under no_grad on the adapter's dummy inputs for a tiny image (64 px), so their all-gathers
     pair with rank 0's, then return at "done". Their outputs are dropped; their cost is one small forward per
-    call, the all-gathers being what they are there for."""
+    call, the all-gathers being what they are there for.
+
+    Left out: an error on rank 0 in the middle of a transformer call (out of memory while sampling) leaves the
+    other ranks inside that call's all-gather until the process group's timeout (30 minutes), as any collective
+    one rank abandons does; rank 0 has already reported it."""
 
     def __init__(self, transformer: nn.Module, adapter, device: torch.device, dtype: torch.dtype):
         self.transformer, self.adapter, self.device, self.dtype = transformer, adapter, device, dtype

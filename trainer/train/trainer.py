@@ -7,7 +7,8 @@ setup     resolves --resume first (a missing checkpoint fails before anything lo
           there) and only then loads the transformer; resolves the offload fraction once; lets the training
           method (method.py: LoRA or full) pick the trainable parameters; builds the one optimizer object
           (optimizer.py: schedule, fused back pass, averaging over ranks); checkpoints and streams the blocks
-          (streaming.py); restores a checkpoint's state.
+          (streaming.py), or under train.distributed: fsdp shards them across the processes instead
+          (sharded.py); restores a checkpoint's state.
 train_step draws grad_accum micro-batches, checks each loss before its backward, clips, steps.
 save      writes a complete, resumable checkpoint atomically (see checkpoint.py) and, at the end, the method's
           final weights in output.dir (the LoRA file or the transformer folder).
