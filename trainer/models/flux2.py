@@ -134,6 +134,21 @@ def text_ids(n: int, dev) -> torch.Tensor:
     return ids
 
 
+def packed_inputs(transformer, batch, height, width, text_tokens, dtype, device="meta") -> dict:
+    """The transformer-call arguments Flux.2-style models share (2x2-packed image tokens of an 8x VAE, 4-axis
+    position ids), random, for `dummy_inputs`; each family adds its own conditioning."""
+    c, dev = transformer.config, torch.device(device)
+    rnd = {"device": dev, "dtype": dtype}
+    ni = (height // 16) * (width // 16)  # 8x VAE, then 2x2 patches
+    return dict(
+        hidden_states=torch.randn(batch, ni, c.in_channels, **rnd),
+        encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
+        timestep=torch.ones(batch, **rnd),
+        img_ids=torch.zeros(ni, 4, device=dev),
+        txt_ids=torch.zeros(text_tokens, 4, device=dev),
+    )
+
+
 class Flux2Adapter(DiffusersAdapter):
     family = "flux2"
     transformer_cls = Flux2Transformer2DModel
@@ -271,18 +286,9 @@ class Flux2Adapter(DiffusersAdapter):
 
     @classmethod
     def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta") -> dict:
-        c, dev = transformer.config, torch.device(device)
-        rnd = {"device": dev, "dtype": dtype}
-        ni = (height // 16) * (width // 16)  # 8x VAE, then 2x2 patches
-        kw = dict(
-            hidden_states=torch.randn(batch, ni, c.in_channels, **rnd),
-            encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
-            timestep=torch.ones(batch, **rnd),
-            img_ids=torch.zeros(ni, 4, device=dev),
-            txt_ids=torch.zeros(text_tokens, 4, device=dev),
-        )
-        if c.guidance_embeds:
-            kw["guidance"] = torch.ones(batch, **rnd)
+        kw = packed_inputs(transformer, batch, height, width, text_tokens, dtype, device)
+        if transformer.config.guidance_embeds:
+            kw["guidance"] = torch.ones(batch, device=torch.device(device), dtype=dtype)
         return kw
 
     @classmethod

@@ -65,7 +65,7 @@ from torch import nn
 
 from ._diffusers import DiffusersAdapter, pack_2x2, unpack_2x2
 from .base import Components
-from .flux2 import Flux2Adapter, keep_layers
+from .flux2 import Flux2Adapter, keep_layers, packed_inputs
 from .lora_keys import KeyRule, LoraKeyMap
 from .qwen_image import NoLogits
 
@@ -299,18 +299,9 @@ class Flux3Adapter(DiffusersAdapter):
 
     @classmethod
     def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta") -> dict:
-        c, dev = transformer.config, torch.device(device)
-        rnd = {"device": dev, "dtype": dtype}
-        ni = (height // 16) * (width // 16)  # 8x VAE, then 2x2 patches
-        kw = dict(
-            hidden_states=torch.randn(batch, ni, c.in_channels, **rnd),
-            encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
-            timestep=torch.ones(batch, **rnd),
-            img_ids=torch.zeros(ni, 4, device=dev),
-            txt_ids=torch.zeros(text_tokens, 4, device=dev),
-        )
-        if c.flow_map:
-            kw["target_timestep"] = torch.ones(batch, **rnd)
+        kw = packed_inputs(transformer, batch, height, width, text_tokens, dtype, device)
+        if transformer.config.flow_map:
+            kw["target_timestep"] = torch.ones(batch, device=torch.device(device), dtype=dtype)
         return kw
 
     @classmethod
