@@ -324,6 +324,23 @@ class DiffusersAdapter(ModelAdapter):
         return (lat - (c.shift_factor or 0.0)) * c.scaling_factor
 
 
+def packed_inputs(transformer, batch: int, height: int, width: int, text_tokens: int, dtype: torch.dtype,
+                  device="meta", id_axes: int = 3) -> dict:
+    """Random transformer-call arguments the Flux-style models share for `dummy_inputs`: 2x2-packed image tokens
+    of an 8x VAE, text tokens, the timestep and zero position ids (`id_axes`: 3 for Flux.1 / Chroma, 4 for
+    Flux.2 / Flux.3). Each family adds its own conditioning (guidance, pooled text, masks)."""
+    c, dev = transformer.config, torch.device(device)
+    rnd = {"device": dev, "dtype": dtype}
+    ni = (height // 16) * (width // 16)  # 8x VAE, then 2x2 patches
+    return dict(
+        hidden_states=torch.randn(batch, ni, c.in_channels, **rnd),
+        encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
+        timestep=torch.ones(batch, **rnd),
+        img_ids=torch.zeros(ni, id_axes, device=dev),
+        txt_ids=torch.zeros(text_tokens, id_axes, device=dev),
+    )
+
+
 def pack_2x2(x: torch.Tensor) -> torch.Tensor:
     """(B, C, h, w) -> (B, h/2 * w/2, 4C), the token order of the Flux / Qwen-Image pipelines' `_pack_latents`."""
     b, c, h, w = x.shape

@@ -37,7 +37,7 @@ import torch
 from diffusers import ChromaPipeline, ChromaTransformer2DModel
 from torch import nn
 
-from ._diffusers import T5_KEEP, DiffusersAdapter, pack_2x2, unpack_2x2
+from ._diffusers import T5_KEEP, DiffusersAdapter, pack_2x2, packed_inputs, unpack_2x2
 from .base import Components
 from .flux import FLUX_LORA_KEYS, FluxAdapter, image_ids
 from .lora_keys import KeyRule, LoraKeyMap
@@ -152,17 +152,10 @@ class ChromaAdapter(DiffusersAdapter):
 
     @classmethod
     def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta") -> dict:
-        c, dev = transformer.config, torch.device(device)
-        rnd = {"device": dev, "dtype": dtype}
-        ni = (height // 16) * (width // 16)  # 8x VAE, then 2x2 packing
-        return dict(
-            hidden_states=torch.randn(batch, ni, c.in_channels, **rnd),
-            encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
-            timestep=torch.ones(batch, **rnd),
-            img_ids=torch.zeros(ni, 3, device=dev),
-            txt_ids=torch.zeros(text_tokens, 3, device=dev),
-            attention_mask=torch.ones(batch, text_tokens + ni, **rnd),
-        )
+        kw = packed_inputs(transformer, batch, height, width, text_tokens, dtype, device)
+        ni = kw["hidden_states"].shape[1]
+        kw["attention_mask"] = torch.ones(batch, text_tokens + ni, device=torch.device(device), dtype=dtype)
+        return kw
 
     @classmethod
     def pipeline_embeds(cls, pipe, prompt, negative, device) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
 from torch import nn
 
-from ._diffusers import NORM_MODULATION, T5_KEEP, DiffusersAdapter, pack_2x2, unpack_2x2
+from ._diffusers import NORM_MODULATION, T5_KEEP, DiffusersAdapter, pack_2x2, packed_inputs, unpack_2x2
 from .base import Components
 from .lora_keys import KeyRule, LoraKeyMap
 
@@ -193,17 +193,9 @@ class FluxAdapter(DiffusersAdapter):
 
     @classmethod
     def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta") -> dict:
-        c, dev = transformer.config, torch.device(device)
-        rnd = {"device": dev, "dtype": dtype}
-        ni = (height // 16) * (width // 16)  # 8x VAE, then 2x2 packing
-        kw = dict(
-            hidden_states=torch.randn(batch, ni, c.in_channels, **rnd),
-            encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
-            pooled_projections=torch.randn(batch, c.pooled_projection_dim, **rnd),
-            timestep=torch.ones(batch, **rnd),
-            img_ids=torch.zeros(ni, 3, device=dev),
-            txt_ids=torch.zeros(text_tokens, 3, device=dev),
-        )
+        c, rnd = transformer.config, {"device": torch.device(device), "dtype": dtype}
+        kw = packed_inputs(transformer, batch, height, width, text_tokens, dtype, device)
+        kw["pooled_projections"] = torch.randn(batch, c.pooled_projection_dim, **rnd)
         if c.guidance_embeds:
             kw["guidance"] = torch.ones(batch, **rnd)
         return kw

@@ -65,7 +65,7 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from torch import nn
 
 from ..errors import UserError
-from ._diffusers import DiffusersAdapter, pack_2x2, unpack_2x2
+from ._diffusers import DiffusersAdapter, pack_2x2, packed_inputs, unpack_2x2
 from .base import Components
 from .lora_keys import KeyRule, LoraKeyMap
 from .qwen_image import NoLogits
@@ -132,21 +132,6 @@ def text_ids(n: int, dev) -> torch.Tensor:
     ids = torch.zeros(n, 4, device=dev)
     ids[:, 3] = torch.arange(n, device=dev)
     return ids
-
-
-def packed_inputs(transformer, batch, height, width, text_tokens, dtype, device="meta") -> dict:
-    """The transformer-call arguments Flux.2-style models share (2x2-packed image tokens of an 8x VAE, 4-axis
-    position ids), random, for `dummy_inputs`; each family adds its own conditioning."""
-    c, dev = transformer.config, torch.device(device)
-    rnd = {"device": dev, "dtype": dtype}
-    ni = (height // 16) * (width // 16)  # 8x VAE, then 2x2 patches
-    return dict(
-        hidden_states=torch.randn(batch, ni, c.in_channels, **rnd),
-        encoder_hidden_states=torch.randn(batch, text_tokens, c.joint_attention_dim, **rnd),
-        timestep=torch.ones(batch, **rnd),
-        img_ids=torch.zeros(ni, 4, device=dev),
-        txt_ids=torch.zeros(text_tokens, 4, device=dev),
-    )
 
 
 class Flux2Adapter(DiffusersAdapter):
@@ -286,7 +271,7 @@ class Flux2Adapter(DiffusersAdapter):
 
     @classmethod
     def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta") -> dict:
-        kw = packed_inputs(transformer, batch, height, width, text_tokens, dtype, device)
+        kw = packed_inputs(transformer, batch, height, width, text_tokens, dtype, device, id_axes=4)
         if transformer.config.guidance_embeds:
             kw["guidance"] = torch.ones(batch, device=torch.device(device), dtype=dtype)
         return kw

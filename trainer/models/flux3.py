@@ -63,9 +63,9 @@ from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
 from diffusers.pipelines.pipeline_utils import ImagePipelineOutput
 from torch import nn
 
-from ._diffusers import DiffusersAdapter, pack_2x2, unpack_2x2
+from ._diffusers import DiffusersAdapter, pack_2x2, packed_inputs, unpack_2x2
 from .base import Components
-from .flux2 import Flux2Adapter, keep_layers, packed_inputs
+from .flux2 import Flux2Adapter, keep_layers
 from .lora_keys import KeyRule, LoraKeyMap
 from .qwen_image import NoLogits
 
@@ -299,7 +299,7 @@ class Flux3Adapter(DiffusersAdapter):
 
     @classmethod
     def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta") -> dict:
-        kw = packed_inputs(transformer, batch, height, width, text_tokens, dtype, device)
+        kw = packed_inputs(transformer, batch, height, width, text_tokens, dtype, device, id_axes=4)
         if transformer.config.flow_map:
             kw["target_timestep"] = torch.ones(batch, device=torch.device(device), dtype=dtype)
         return kw
