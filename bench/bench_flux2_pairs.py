@@ -20,14 +20,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -36,6 +33,9 @@ from trainer import planner  # noqa: E402
 from trainer.config import CONTROL_DIR, Config  # noqa: E402
 from trainer.models import adapter_class  # noqa: E402
 from trainer.planner import timing as ptime  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_kontext import timed_steps  # noqa: E402
 
 GB = 1e9
 TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
@@ -86,49 +86,8 @@ def pairs_cfg(family: str, res: int, data: Path) -> Config:
 
 
 def measure_step(cls, m, params, dev, res, refs, fraction, steps, warmup) -> dict:
-    from trainer.offload import attach_offload
-
-    adapter = cls()
-    blocks = adapter.blocks(m)
-    row = dict(res=res, references=refs, fraction=fraction)
-    handle = None
-    try:
-        handle = attach_offload(blocks, dev, fraction, mode="train", activations=False, trainable=False)
-        x, cond, t, target = batch(dev, res, m, refs)
-        opt = torch.optim.AdamW(params, lr=1e-5)
-        cuda = dev == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        times = []
-        for i in range(warmup + steps):
-            t0 = time.perf_counter()
-            pred = adapter.predict(m, x, t, cond, guidance=4.0)
-            F.mse_loss(pred.float(), target).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        row.update(status="ok", step_s=statistics.median(times))
-        if cuda:
-            row.update(reserved_gb=torch.cuda.max_memory_reserved() / GB,
-                       allocated_gb=torch.cuda.max_memory_allocated() / GB)
-    except torch.OutOfMemoryError as e:
-        row.update(status="OOM", error=str(e).splitlines()[0][:200])
-    finally:
-        if handle is not None:
-            handle.close()
-        for b in blocks:
-            b.to("cpu")
-        for p in params:
-            p.grad = None
-        if dev == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-    return row
+    return timed_steps(cls(), m, params, dev, fraction, lambda: batch(dev, res, m, refs), 4.0, steps, warmup,
+                       dict(res=res, references=refs, fraction=fraction))
 
 
 def main() -> int:

@@ -86,15 +86,21 @@ def kontext_cfg(res: int) -> Config:
 
 
 def measure_step(m, params, dev, res, fraction, steps, warmup) -> dict:
+    return timed_steps(FluxKontextAdapter(), m, params, dev, fraction, lambda: batch(dev, res, m), 3.5, steps, warmup,
+                       dict(res=res, fraction=fraction))
+
+
+def timed_steps(adapter, m, params, dev, fraction, make_batch, guidance, steps, warmup, row) -> dict:
+    """LoRA steps of `m` with its blocks through the offload handle at `fraction`: `row` plus the median step time
+    after `warmup` steps and, on CUDA, the peak reserved / allocated VRAM (or status OOM). `make_batch()` gives
+    (x, cond, t, target) once the handle is attached. Shared with bench_flux2_pairs.py."""
     from trainer.offload import attach_offload
 
-    adapter = FluxKontextAdapter()
     blocks = adapter.blocks(m)
-    row = dict(res=res, fraction=fraction)
     handle = None
     try:
         handle = attach_offload(blocks, dev, fraction, mode="train", activations=False, trainable=False)
-        x, cond, t, target = batch(dev, res, m)
+        x, cond, t, target = make_batch()
         opt = torch.optim.AdamW(params, lr=1e-5)
         cuda = dev == "cuda"
         if cuda:
@@ -104,7 +110,7 @@ def measure_step(m, params, dev, res, fraction, steps, warmup) -> dict:
         times = []
         for i in range(warmup + steps):
             t0 = time.perf_counter()
-            pred = adapter.predict(m, x, t, cond, guidance=3.5)
+            pred = adapter.predict(m, x, t, cond, guidance=guidance)
             F.mse_loss(pred.float(), target).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
