@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_train_support import eval_loss, losses, make_config, peek_batches, write_images
+from test_train_support import fit_scored, losses, make_config, write_images
 
 from trainer.config import Config, ModelConfig
 from trainer.models import get_adapter
@@ -113,14 +113,8 @@ def test_tokens_and_ids_are_the_modular_blocks(tiny_models):
 
 
 def _fit(tiny_models, images, cache, out, folder, method="lora", **sections):
-    cfg = make_config(tiny_models, images, out, cache / folder, "flux3", method,
-                      model={"path": str(tiny_models / folder)}, **sections)
-    t = Trainer(cfg)
-    t.setup()
-    batches = peek_batches(t, 2)
-    before = eval_loss(t, batches)
-    path = t.fit()
-    return t, path, before, eval_loss(t, batches)
+    return fit_scored(make_config(tiny_models, images, out, cache / folder, "flux3", method,
+                                  model={"path": str(tiny_models / folder)}, **sections))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_train_support import eval_loss, lora_predictions, losses, make_config, peek_batches, write_images
+from test_train_support import (
+    fit_scored,
+    lora_predictions,
+    losses,
+    make_config,
+    write_images,
+)
 
 from trainer.config import Config, ModelConfig
 from trainer.models import get_adapter
@@ -81,13 +87,7 @@ def cache(tmp_path_factory):
 
 def _fit(tiny_models, images, cache, out, family, method="lora", **sections):
     """Fit `family` on the test images; (trainer, output path, eval loss before, eval loss after)."""
-    cfg = make_config(tiny_models, images, out, cache / family, family, method, **sections)
-    t = Trainer(cfg)
-    t.setup()
-    batches = peek_batches(t, 2)
-    before = eval_loss(t, batches)
-    path = t.fit()
-    return t, path, before, eval_loss(t, batches)
+    return fit_scored(make_config(tiny_models, images, out, cache / family, family, method, **sections))
 
 
 @pytest.fixture(scope="module")

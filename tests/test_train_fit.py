@@ -8,7 +8,15 @@ import math
 
 import pytest
 import torch
-from test_train_support import eval_loss, lora_predictions, losses, make_config, peek_batches, write_images
+from test_train_support import (
+    eval_loss,
+    fit_scored,
+    lora_predictions,
+    losses,
+    make_config,
+    peek_batches,
+    write_images,
+)
 
 from trainer.offload.block import StreamedBlock
 from trainer.train import checkpoint as ck
@@ -46,14 +54,7 @@ def cache_root(tmp_path_factory):
     return tmp_path_factory.mktemp("train-cache")
 
 
-def _train(cfg):
-    t = Trainer(cfg)
-    t.setup()
-    batches = peek_batches(t, 2)
-    before = eval_loss(t, batches)
-    path = t.fit()
-    after = eval_loss(t, batches)
-    return t, path, before, after
+_train = fit_scored
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -66,6 +66,18 @@ def peek_batches(trainer, n: int) -> list:
     return [trainer.data.batch_at(pos + i) for i in range(n)]
 
 
+def fit_scored(cfg: Config):
+    """Train `cfg` to the end: (trainer, final weights' path, eval loss on its first two batches before, after)."""
+    from trainer.train.trainer import Trainer
+
+    t = Trainer(cfg)
+    t.setup()
+    batches = peek_batches(t, 2)
+    before = eval_loss(t, batches)
+    path = t.fit()
+    return t, path, before, eval_loss(t, batches)
+
+
 def eval_loss(trainer, batches, seed: int = 1234) -> float:
     """Loss of the trainer's model on fixed batches with fixed noise and timesteps (no grad, eval mode)."""
     import torch
