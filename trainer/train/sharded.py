@@ -73,6 +73,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import UserError
+from .checkpoint import first_nonfinite
 from .monitor import say
 
 OPTIMIZER_DIR = "optimizer"  # the optimizer state's shards inside a checkpoint folder
@@ -196,12 +197,8 @@ def save_transformer(transformer: nn.Module, folder: Path, main: bool, dtype: to
 
 def local_nonfinite(transformer: nn.Module) -> str | None:
     """The first trainable parameter whose shard on this process holds a NaN or inf, else None."""
-    for name, p in transformer.named_parameters():
-        if p.requires_grad:
-            t = p.to_local() if isinstance(p, DTensor) else p
-            if t.numel() and not torch.isfinite(torch.linalg.vector_norm(t.detach(), dtype=torch.float32)):
-                return name
-    return None
+    return first_nonfinite((n, p.to_local() if isinstance(p, DTensor) else p)
+                           for n, p in transformer.named_parameters() if p.requires_grad)
 
 
 class Lockstep:
