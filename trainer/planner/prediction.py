@@ -152,7 +152,8 @@ def analyze(cfg) -> Facts:
     dtype = DTYPES[cfg.model.dtype]
     config, source = transformer_config(cfg)
     model = ptrace.meta_transformer(family, config, dtype)
-    blocks = ptrace.blocks_of(family, model)
+    refs = cfg.data.references() if adapter_class(family).reference_optional and cfg.data is not None else 0
+    blocks = ptrace.blocks_of(family, model, refs)
     if cfg.model.quantize != "none":  # the loader's own quantization (meta tensors): 8-bit weights, fp32 scales
         quant.quantize_blocks(blocks, cfg.model.quantize, cfg.model.quantize_modulation,
                               adapter_class(family).modulation_linears)
@@ -162,7 +163,7 @@ def analyze(cfg) -> Facts:
     block_param_bytes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
     if method == "lora":
         model.requires_grad_(False)
-        targets = tuple(cfg.lora.targets) if cfg.lora.targets else ptrace.default_lora_targets(family)
+        targets = tuple(cfg.lora.targets) if cfg.lora.targets else ptrace.default_lora_targets(family, refs)
         # lora.compute_dtype auto runs plain LoRA's branch in the model dtype (DoRA, LoKr, LoHa: peft's forward)
         in_dtype = cfg.lora.compute_dtype == "auto" and cfg.lora.type == "lora" and not cfg.lora.dora
         trainable = ptrace.add_meta_lora(model, targets, cfg.lora.rank, cfg.lora.alpha, in_dtype)
@@ -226,7 +227,7 @@ def analyze(cfg) -> Facts:
         text_encoders=text_encoder_bytes(cfg),
         resolutions=res,
         loads_whole=stream_load.loads_whole(cfg),  # a resumed full fine-tune loads whole too; plan cannot know
-        references=cfg.data.references() if adapter_class(family).reference_optional and cfg.data is not None else 0,
+        references=refs,
         compiled=cfg.train.compile is not False and cfg.train.gradient_checkpointing is not True,
     )
 
