@@ -101,8 +101,10 @@ def test_the_data_decides_blocks_and_lora_targets(tiny_models, pairs, pairs2, tm
         assert any(t.startswith("mode_blocks.image_cond.0.") for t in adapter.lora_targets())
 
 
-def test_pairs_fit_hands_the_references_to_predict_and_trains_the_reference_blocks(fitted2):
+def test_pairs_fit_hands_the_references_to_predict_and_trains_the_reference_blocks(fitted2, tmp_path):
     from safetensors.torch import load_file
+
+    from trainer import lora_format as lfm
 
     _, out, seen = fitted2
     assert len(seen) == 2 and all(s is not None and s[0] == (s[1][0], 2, *s[1][1:]) for s in seen)
@@ -111,6 +113,10 @@ def test_pairs_fit_hands_the_references_to_predict_and_trains_the_reference_bloc
     lora = load_file(out / "lora.safetensors")
     cond = [k for k in lora if ".mode_blocks.image_cond." in k and "lora_B" in k]
     assert cond and any(lora[k].abs().max() > 0 for k in cond)  # trained: lora_B starts at zero
+    lfm.convert_lora(out / "lora.safetensors", tmp_path / "comfy.safetensors", "comfy")  # BFL's names for them
+    comfy = load_file(tmp_path / "comfy.safetensors")
+    assert sum(".content_mode_blocks.image_cond." in k and k.endswith("lora_down.weight") for k in comfy) \
+        == sum(".image_cond." in k and "lora_A" in k for k in lora)
 
 
 def _first_call(mp, **kw):
