@@ -209,6 +209,27 @@ def test_streamed_pair_training_is_bitwise_resident(fitted2, tiny_models, pairs2
         np.testing.assert_array_equal(_pixels(x), _pixels(y))
 
 
+@pytest.mark.parametrize(("method", "model"), [("full", {}), ("lora", {"quantize": "fp8"})], ids=["full", "lora-fp8"])
+def test_streamed_full_and_fp8_pair_training_equal_resident(tiny_models, pairs, tmp_path, method, model):
+    """A full fine-tune streams the reference-mode blocks' weights with their optimizer state, an fp8 base quantizes
+    them like the other blocks: either way half the blocks streamed trains as resident, bit for bit."""
+    from trainer.train.trainer import Trainer
+
+    runs = {}
+    for fraction in (0.0, 0.5):
+        out = tmp_path / f"f{fraction}"
+        cfg = make_config(tiny_models, pairs, out, tmp_path / "cache", "flux3", method, train={"steps": 2},
+                          model=model, offload={"transformer": fraction})
+        t = Trainer(cfg)
+        t.fit()
+        assert t.adapter.references == 1
+        if model:  # the reference-mode blocks' Linears are 8-bit like the other blocks'
+            q = t.transformer.get_submodule("mode_blocks.image_cond.0.attn.to_q").base_layer.weight
+            assert q.dtype == torch.float8_e4m3fn
+        runs[fraction] = losses(out)
+    assert runs[0.5] == runs[0.0] and all(np.isfinite(runs[0.0]))
+
+
 def _pixels(path: Path) -> np.ndarray:
     with Image.open(path) as im:
         return np.asarray(im.convert("RGB")).copy()
