@@ -128,7 +128,8 @@ class Facts:
     #: the transformer is read whole into pageable RAM before its blocks are packed (else block by block)
     loads_whole: bool = False
     #: reference images joined to each sample's sequence beyond what `dummy_inputs` gives: for a family whose
-    #: reference is optional (Flux.2), the data's references per image (`DataConfig.references`), else 0
+    #: reference is optional (Flux.2, Flux.3), the data's references per image (`DataConfig.references`), else 0;
+    #: `blocks` and the LoRA targets are the adapter's for that count (Flux.3's reference-mode blocks)
     references: int = 0
     #: count the blocks' saved tensors as compiled blocks keep them (planner/compiled.py): train.compile on (auto
     #: is on for CUDA) and some block may keep its activations (gradient_checkpointing false or auto)
