@@ -11,6 +11,7 @@ on the family's default targets, AdamW, gradient checkpointing), every row a rat
     python bench/bench_speed.py --smoke --out /tmp/s                   # CPU, tiny widths: checks the script
     python bench/bench_speed.py --rows issue29 --out /tmp/s29          # issue 29's table (Flux; or --family)
     python bench/bench_speed.py --profile --family qwen_image --out /tmp/p  # profiler: dittrain vs plain, eager
+    python bench/bench_speed.py --profile --rows issue29 --family chroma --only "=plain + compile_repeated_blocks;=dittrain offload 0, compiled, checkpointing auto" --out /tmp/p
 
 Issue 29 (`--rows issue29`): every ratio is also given to the row 'plain + compile_repeated_blocks' (the compiled
 plain script a user writes in one line), and streamed rows get their PCIe floor (H2D bytes per step over the
@@ -20,8 +21,11 @@ planner's per-block choice for this card) and with none; Flux also: fp8 base eve
 activation offloading, without and with fp8 matmuls (`model.fp8_matmul`), the same with the modulation Linears
 in fp8, bf16 every block streamed; then offload 0 compiled with `train.compile_dynamic: tokens` (one compile for
 every bucket: is the step slower?), the offload-0 compiled row once more (its 'first step' is a re-run's with
-inductor's cache warm, the issue's <= 10 s), and plain compiled without checkpointing. A row that runs out of
-memory is reported as such and the run goes on.
+inductor's cache warm, the issue's <= 10 s), and plain compiled without checkpointing. Chroma also: plain
+compiled with the attention mask in every block (diffusers' checkpointed forward gives the single blocks none; the
+pipeline gives them the mask, as dittrain does), dittrain `auto` with the flash-attention form of the mask
+(trainer/models/chroma.py `use_flash_mask`), and both without any mask (what the mask costs). A row that runs out
+of memory is reported as such and the run goes on.
 
 Rows (in this order; `--budget-s` stops adding rows when the time is spent, the reference always runs):
 - plain: diffusers model + peft `add_adapter` with bf16 LoRA weights, `enable_gradient_checkpointing()`,
@@ -126,6 +130,17 @@ def issue29_specs(family: str) -> list[dict]:
              "quant": "fp8", "modulation": True, "fp8mm": True},
             {**streamed, "name": "dittrain offload 1.0 + act, compiled"},
         ]
+    if family == "chroma":  # its attention mask (trainer/models/chroma.py: "Attention with the mask")
+        plain_c = dict(kind="plain", compile=True)
+        rows += [
+            {**plain_c, "name": "plain + compile_repeated_blocks, mask in every block (as the pipeline)",
+             "mask_all": True},
+            {**ours, "name": "dittrain offload 0, compiled, checkpointing auto, flash mask", "ckpt": "auto",
+             "attn": "flash-mask"},
+            {**plain_c, "name": "plain + compile_repeated_blocks, no attention mask", "nomask": True},
+            {**ours, "name": "dittrain offload 0, compiled, checkpointing auto, no attention mask", "ckpt": "auto",
+             "nomask": True},
+        ]
     if family == "flux2":  # 32 B: is the streamed fp8 step bound by PCIe or by compute? (issue 26)
         rows += [
             {**ours, "name": "dittrain offload 0, fp8 base, compiled", "quant": "fp8"},
@@ -229,6 +244,8 @@ def plain_setup(adapter, m, args, spec):
     m.add_adapter(PeftLoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=list(adapter.default_lora_targets),
                                  init_lora_weights="gaussian"))  # weights in the model's dtype: bf16
     params = [p for p in m.parameters() if p.requires_grad]
+    if spec.get("mask_all"):
+        mask_every_block(m)
     if spec["kind"] == "plain" and spec.get("ckpt", True):
         m.enable_gradient_checkpointing()
     if spec["compile"]:
@@ -238,6 +255,24 @@ def plain_setup(adapter, m, args, spec):
     return params, None
 
 
+def mask_every_block(m) -> None:
+    """Chroma: diffusers' checkpointed forward calls the single blocks without `attention_mask` (the pipeline's
+    uncheckpointed one passes it); hand it to them as the pipeline does, so plain attends as dittrain does."""
+    held = {}
+
+    def keep(_mod, _args, kwargs):
+        held["mask"] = kwargs.get("attention_mask")
+
+    def give(_mod, args, kwargs):
+        if kwargs.get("attention_mask") is None and held.get("mask") is not None:
+            return args, {**kwargs, "attention_mask": held["mask"]}
+        return None
+
+    m.register_forward_pre_hook(keep, with_kwargs=True)
+    for b in m.single_transformer_blocks:
+        b.register_forward_pre_hook(give, with_kwargs=True)
+
+
 def ours_setup(adapter, m, args, spec, dev):
     """As the trainer wires it: LoRA with fp32 masters (trainer/train/model.py), StreamedBlocks, compile."""
     m.requires_grad_(False)
@@ -245,6 +280,10 @@ def ours_setup(adapter, m, args, spec, dev):
     if spec["quant"] != "none":
         quant.quantize_blocks(blocks, spec["quant"], spec["modulation"])
         quant.use_scaled_mm(m, spec.get("fp8mm", False))  # model.fp8_matmul
+    if spec.get("attn") == "flash-mask":
+        from trainer.models.chroma import use_flash_mask
+
+        use_flash_mask(m)
     cfg = SimpleNamespace(lora=LoraConfig(rank=args.rank, alpha=args.rank, compute_dtype=spec["math"]))
     params = add_lora(m, cfg, adapter.default_lora_targets)
     for p in params:
@@ -309,6 +348,8 @@ def run_row(spec, args, dev) -> dict:
     compiled.reset()
     adapter, m = build(args.family, dev, args.smoke)
     kw = model_inputs(adapter, m, dev, args.res)
+    if spec.get("nomask"):  # a diagnostic: what the attention mask costs (a different function)
+        kw.pop("attention_mask", None)
     plain = spec["kind"] in ("plain", "sample-plain")
     params, handle = plain_setup(adapter, m, args, spec) if plain else ours_setup(adapter, m, args, spec, dev)
     sample = spec["kind"].startswith("sample")
@@ -421,15 +462,16 @@ def main(argv=None) -> list[dict]:
     dev = torch.device("cpu" if args.smoke else "cuda")
     if dev.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention fails in backward there (GPU.md); trainer does the same
-    if args.profile:
-        from bench.speed_profile import profile
-
-        return profile(args, dev)
     specs = issue29_specs(args.family) if args.rows == "issue29" else row_specs(args.family)
     if args.only:
         keep = [s.strip() for s in args.only.split(";")]  # "=name": that row exactly; else a substring
         specs = [specs[0]] + [s for s in specs[1:]
                               if any(s["name"] == k[1:] if k.startswith("=") else k in s["name"] for k in keep)]
+    if args.profile:
+        from bench.speed_profile import profile
+
+        # --only picks the rows to profile (compiled ones too; the first is the one the others are compared to)
+        return profile(args, dev, specs[1:] if args.only else None)
     rate = pcie_rate(dev) if args.rows == "issue29" else None
     if rate:
         print(f"pinned host-to-device: {rate / 1e9:.1f} GB/s (best of three 1 GiB copies)", flush=True)

@@ -13,6 +13,11 @@ and AdamW). After --warmup steps, torch.profiler records --steps steps of each (
     python bench/bench_speed.py --profile --family qwen_image --out $OUT/prof    # ~3 min on an H100
     python bench/bench_speed.py --profile --smoke --out /tmp/p                    # CPU: checks the script
 
+With `--only` (and `--rows`), the rows it names are profiled instead, compiled ones included, in bench_speed's
+order; every row is compared to the first:
+
+    python bench/bench_speed.py --profile --rows issue29 --family chroma --only "=plain + compile_repeated_blocks;=dittrain offload 0, compiled, checkpointing auto" --warmup 2 --steps 2 --out $OUT/prof
+
 Writes profile_<family>.txt under --out.
 """
 
@@ -45,6 +50,8 @@ def _record(spec, args, dev):
     bs.compiled.reset()
     adapter, m = bs.build(args.family, dev, args.smoke)
     kw = bs.model_inputs(adapter, m, dev, args.res)
+    if spec.get("nomask"):
+        kw.pop("attention_mask", None)
     plain = spec["kind"] == "plain"
     params, handle = bs.plain_setup(adapter, m, args, spec) if plain else bs.ours_setup(adapter, m, args, spec, dev)
     opt = (torch.optim.AdamW(params, lr=1e-5) if plain
@@ -73,12 +80,13 @@ def _record(spec, args, dev):
     return prof.key_averages(), wall
 
 
-def profile(args, dev) -> list[dict]:
+def profile(args, dev, specs: list[dict] | None = None) -> list[dict]:
     import bench.bench_speed as bs
 
+    specs = specs or ROWS
     sort_dev = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     out, rows, per_op = [], [], {}
-    for spec in ROWS:
+    for spec in specs:
         avgs, wall = _record(spec, args, dev)
         bs.free(dev)
         kernel_s = sum(_self_device_us(e) for e in avgs) / 1e6 / args.steps
@@ -90,14 +98,18 @@ def profile(args, dev) -> list[dict]:
                 f"{launches:.0f} kernel launches/step", "",
                 avgs.table(sort_by=sort_dev, row_limit=25), "",
                 avgs.table(sort_by="self_cpu_time_total", row_limit=15), ""]
-    a, b = (per_op[r["name"]] for r in ROWS)
-    diff = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, (0, 0, 0))[0] - a.get(k, (0, 0, 0))[0]))
-    out += ["## self CUDA time per step, dittrain minus plain (ms), largest differences first", "",
-            "| op | plain ms | dittrain ms | diff ms | plain calls | dittrain calls |", "|---|---|---|---|---|---|"]
-    for k in diff[:25]:
-        pa, pb = a.get(k, (0, 0, 0)), b.get(k, (0, 0, 0))
-        out.append(f"| {k[:70]} | {pa[0] / 1e3:.2f} | {pb[0] / 1e3:.2f} | {(pb[0] - pa[0]) / 1e3:+.2f} | "
-                   f"{pa[2]:.0f} | {pb[2]:.0f} |")
+    a = per_op[specs[0]["name"]]
+    for spec in specs[1:]:
+        b = per_op[spec["name"]]
+        diff = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, (0, 0, 0))[0] - a.get(k, (0, 0, 0))[0]))
+        out += [f"## self CUDA time per step, '{spec['name']}' minus '{specs[0]['name']}' (ms), largest "
+                "differences first", "",
+                "| op | first ms | this ms | diff ms | first calls | this calls |", "|---|---|---|---|---|---|"]
+        for k in diff[:25]:
+            pa, pb = a.get(k, (0, 0, 0)), b.get(k, (0, 0, 0))
+            out.append(f"| {k[:70]} | {pa[0] / 1e3:.2f} | {pb[0] / 1e3:.2f} | {(pb[0] - pa[0]) / 1e3:+.2f} | "
+                       f"{pa[2]:.0f} | {pb[2]:.0f} |")
+        out.append("")
     head = [f"profile: {args.family}, {args.res} px, LoRA r{args.rank}, "
             f"{'cpu (smoke)' if dev.type == 'cpu' else torch.cuda.get_device_name()}, {args.steps} steps after "
             f"{args.warmup} warm-up", ""]

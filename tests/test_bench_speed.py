@@ -71,4 +71,43 @@ def test_bench_speed_smoke_profile(tmp_path):
     assert [r["name"] for r in rows] == ["plain diffusers + peft, bf16 LoRA, eager, resident",
                                          "dittrain offload 0, eager"]
     text = (tmp_path / "profile_flux.txt").read_text()
-    assert "dittrain minus plain" in text and "Self CPU" in text
+    assert "'dittrain offload 0, eager' minus 'plain diffusers" in text and "Self CPU" in text
+
+
+def test_bench_speed_smoke_chroma_mask_rows(tmp_path):
+    """Chroma's attention-mask rows (CPU smoke); the plain row 'mask in every block' computes what the pipeline
+    computes (no checkpointing) under diffusers' checkpointing, which alone gives the single blocks no mask."""
+    from types import SimpleNamespace
+
+    mod = _bench()
+    rows = mod.main(["--smoke", "--backend", "eager", "--rows", "issue29", "--family", "chroma", "--only",
+                     "flash mask;auto, no attention mask", "--out", str(tmp_path)])
+    assert [r["name"] for r in rows[1:]] == ["dittrain offload 0, compiled, checkpointing auto, flash mask",
+                                             "dittrain offload 0, compiled, checkpointing auto, no attention mask"]
+    assert all(r["step_s"] for r in rows)
+    names = [s["name"] for s in mod.issue29_specs("chroma")]
+    assert {"plain + compile_repeated_blocks, mask in every block (as the pipeline)",
+            "plain + compile_repeated_blocks, no attention mask"} <= set(names)
+    assert "flash mask" not in str(mod.issue29_specs("flux"))
+    args = SimpleNamespace(family="chroma", smoke=True, rank=4, backend="eager", res=64)
+    outs = []
+    for spec in (dict(kind="plain", compile=False, ckpt=False), dict(kind="plain", compile=False),
+                 dict(kind="plain", compile=False, mask_all=True)):
+        adapter, m = mod.build("chroma", mod.torch.device("cpu"), True)
+        kw = mod.model_inputs(adapter, m, "cpu", 64)
+        kw["attention_mask"][:, 3:8] = 0  # padded caption tokens
+        mod.plain_setup(adapter, m, args, spec)
+        outs.append(m(**kw)[0])
+    assert not mod.torch.equal(outs[1], outs[0]) and mod.torch.equal(outs[2], outs[0])
+
+
+def test_bench_speed_smoke_profile_of_compiled_rows(tmp_path):
+    """--profile with --only profiles the rows named (compiled ones, Chroma's), each against the first."""
+    mod = _bench()
+    rows = mod.main(["--smoke", "--backend", "eager", "--profile", "--rows", "issue29", "--family", "chroma",
+                     "--only", "=plain + compile_repeated_blocks;=dittrain offload 0, compiled, checkpointing auto",
+                     "--out", str(tmp_path)])
+    assert [r["name"] for r in rows] == ["plain + compile_repeated_blocks",
+                                         "dittrain offload 0, compiled, checkpointing auto"]
+    assert "'dittrain offload 0, compiled, checkpointing auto' minus 'plain + compile_repeated_blocks'" in (
+        tmp_path / "profile_chroma.txt").read_text()

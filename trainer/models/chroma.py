@@ -26,6 +26,17 @@ How each piece mirrors diffusers' ChromaPipeline (0.42):
   because one error in it reaches every block's scale, shift and gate at once, while quantizing it would save
   0.28 GB of VRAM (bf16 to 8 bits) and no pinned RAM. `model.quantize_modulation` therefore changes nothing for Chroma.
 
+Attention with the mask, and its speed (bench/RESULTS.md, "Chroma at offload 0"). Every block attends with the
+(B, 1, S, S) float mask, so torch's SDPA cannot use flash attention (it takes no mask) and runs the
+memory-efficient kernel, whose backward is the slow part on an H100. The pipeline does this in all 57 blocks and so
+does training here; diffusers' own checkpointed forward passes no mask to the 38 single blocks (they run flash
+attention there and train attention the pipeline does not run), which is why the plain compiled script looked as
+fast as dittrain's step without recomputation. `FlashMaskAttnProcessor` (opt-in, `use_flash_mask`) computes the
+same attention with flash: the mask is an outer product m_i m_j of a 0/1 vector (the block builds it from the
+transformer's mask), so its bias is one more head dimension, m_i in the queries and m_j sqrt(d) in the keys
+(padded with zeros to a multiple of 8, values zero there, the softmax scale kept at 1 / sqrt(d)). Only the key
+column's rounding differs (sqrt(128) in bf16: a bias of 0.99989 for 1); kept off until it is measured faster.
+
 Left out: IP-adapter inputs; training the attention on padding-free captions (the pipeline attends to all 512).
 """
 
@@ -34,7 +45,10 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from diffusers import ChromaPipeline, ChromaTransformer2DModel
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, _get_qkv_projections
 from torch import nn
 
 from ._diffusers import T5_KEEP, DiffusersAdapter, pack_2x2, packed_inputs, unpack_2x2
@@ -165,3 +179,51 @@ class ChromaAdapter(DiffusersAdapter):
         if negative is not None:
             out |= {"negative_prompt_embeds": npe, "negative_prompt_attention_mask": nmask}
         return out
+
+
+def attend_outer_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + m_i m_j) v without a mask tensor, so SDPA may pick flash attention (see the
+    essay). q, k, v: (B, S, H, d) as diffusers' processors hold them; m: (B, S), 0 / 1."""
+    b, s, h, d = q.shape
+    pad = 8 - d % 8  # flash takes head dimensions in multiples of 8: the mask's column and zeros
+    col = m[:, :, None, None].to(q.dtype).expand(b, s, h, 1)
+    zeros = q.new_zeros(b, s, h, pad - 1)
+    qa = torch.cat([q, col, zeros], dim=-1)
+    ka = torch.cat([k, col * d ** 0.5, zeros], dim=-1)  # scale * sqrt(d) = 1: the bias m_i m_j
+    va = torch.cat([v, q.new_zeros(b, s, h, pad)], dim=-1)
+    out = F.scaled_dot_product_attention(qa.transpose(1, 2), ka.transpose(1, 2), va.transpose(1, 2),
+                                         scale=d ** -0.5)
+    return out.transpose(1, 2)[..., :d]
+
+
+class FlashMaskAttnProcessor(FluxAttnProcessor):
+    """diffusers' FluxAttnProcessor (Chroma's blocks use it) with the masked attention computed by
+    `attend_outer_mask`; without a mask it is that processor."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        if attention_mask is None:
+            return super().__call__(attn, hidden_states, encoder_hidden_states, None, image_rotary_emb)
+        q, k, v, eq, ek, ev = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        q, k, v = (x.unflatten(-1, (-1, attn.head_dim)) for x in (q, k, v))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        if attn.added_kv_proj_dim is not None:  # a double block: text tokens first, as the plain processor
+            eq, ek, ev = (x.unflatten(-1, (-1, attn.head_dim)) for x in (eq, ek, ev))
+            q = torch.cat([attn.norm_added_q(eq), q], dim=1)
+            k = torch.cat([attn.norm_added_k(ek), k], dim=1)
+            v = torch.cat([ev, v], dim=1)
+        if image_rotary_emb is not None:
+            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        m = attention_mask.diagonal(dim1=-2, dim2=-1)[:, 0]  # (B, S): m_i m_i = m_i for a 0 / 1 mask
+        out = attend_outer_mask(q, k, v, m).flatten(2, 3).to(q.dtype)
+        if encoder_hidden_states is None:
+            return out
+        n = encoder_hidden_states.shape[1]
+        img = attn.to_out[1](attn.to_out[0](out[:, n:].contiguous()))
+        return img, attn.to_add_out(out[:, :n].contiguous())
+
+
+def use_flash_mask(transformer: nn.Module, on: bool = True) -> None:
+    """Every block's attention through `FlashMaskAttnProcessor` (on) or diffusers' FluxAttnProcessor (off)."""
+    for b in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
+        b.attn.set_processor(FlashMaskAttnProcessor() if on else FluxAttnProcessor())
