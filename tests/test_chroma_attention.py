@@ -145,3 +145,54 @@ def test_flash_mask_processor_matches_the_masked_attention(sdpa_masks, head, dty
         assert not torch.equal(ref(**kw)[0], ref(**_inputs(dtype))[0])
     use_flash_mask(fast, False)
     assert not any(isinstance(b.attn.processor, FlashMaskAttnProcessor) for b in _blocks(fast))
+
+
+def test_attention_mask_bench_smoke(tmp_path):
+    """bench/attn_mask_speed.py (the GPU micro-benchmark of the forms above) runs on the CPU."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "attn_mask_speed.py"
+    spec = importlib.util.spec_from_file_location("attn_mask_speed", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.main(["--smoke", "--out", str(tmp_path)])
+    assert [r["name"] for r in rows] == ["sdpa, (B,1,S,S) mask", "sdpa, no mask", "flash mask (head dim 24)"]
+    assert rows[2]["max_diff_vs_masked"] == 0.0 and rows[1]["max_diff_vs_masked"] > 0  # the mask matters
+    assert (tmp_path / "attn_mask_speed.md").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_mask_runs_on_flash_attention_where_the_mask_cannot():
+    """At Chroma's head width (128) in bf16: the masked SDPA call is refused by flash attention; the flash-mask
+    form runs forward and backward on flash alone and agrees with the masked call (the key column's sqrt(128)
+    rounds in bf16: a bias of 0.99989 for 1)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from trainer.models.chroma import attend_outer_mask
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    s, h, d = 512 + 256, 4, 128
+    q, k, v = (torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    m = torch.ones(1, s, device="cuda", dtype=torch.bfloat16)
+    m[:, 81:512] = 0
+    mask = m[:, None, None, :] * m[:, None, :, None]
+
+    def run(fn):
+        xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*xs)
+        out.float().square().sum().backward()
+        return [out.float(), *[x.grad.float() for x in xs]]
+
+    def masked(a, b, c):
+        return F.scaled_dot_product_attention(a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2),
+                                              attn_mask=mask).transpose(1, 2)
+
+    want = run(masked)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        with pytest.raises(RuntimeError):
+            run(masked)
+        got = run(lambda a, b, c: attend_outer_mask(a, b, c, m))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0.02, atol=0.02 * w.abs().max().item())
