@@ -196,3 +196,21 @@ def test_flash_mask_runs_on_flash_attention_where_the_mask_cannot():
         got = run(lambda a, b, c: attend_outer_mask(a, b, c, m))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0.02, atol=0.02 * w.abs().max().item())
+
+
+def test_train_attention_flash_trains_chroma_through_the_flash_mask_form(tiny_models, tmp_path):
+    """`train.attention: flash` on Chroma: the trainer's transformer attends through FlashMaskAttnProcessor (the
+    numbers are those of the masked attention: the test above)."""
+    import json
+
+    import numpy as np
+    from test_train_support import make_config, write_images
+
+    from trainer.train.trainer import Trainer
+
+    cfg = make_config(tiny_models, write_images(tmp_path / "images"), tmp_path / "out", tmp_path / "cache", "chroma",
+                      train={"steps": 1, "device": "cpu", "attention": "flash"})
+    t = Trainer(cfg)
+    t.fit()
+    assert {type(b.attn.processor).__name__ for b in t.adapter.blocks(t.transformer)} == {"FlashMaskAttnProcessor"}
+    assert np.isfinite(json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])["loss"])

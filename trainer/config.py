@@ -253,7 +253,8 @@ class TrainConfig(_Section):
     attention: Literal["auto", "flash", "efficient", "math"] = Field(
         default="auto",
         description="Attention backend for scaled_dot_product_attention; auto avoids cuDNN attention, which "
-        "fails in backward on some drivers.",
+        "fails in backward on some drivers. flash on Chroma: its attention mask as one more head dimension, "
+        "which flash attention accepts.",
     )
 
 

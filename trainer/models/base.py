@@ -244,6 +244,12 @@ class ModelAdapter(ABC):
         reference images when `self.references` (Flux.3's reference-mode blocks)."""
         return tuple(self.default_lora_targets)
 
+    def use_attention(self, transformer: nn.Module, choice: str) -> None:
+        """The family's own form of its attention for `train.attention` (`choice`), set on the loaded transformer
+        before training (default: nothing; Chroma's `flash` computes its masked attention in a form flash
+        attention accepts)."""
+        return
+
     def slim_text_encoder(self, encoder: nn.Module) -> nn.Module:
         """Drop what this family never runs of a loaded text encoder (default: nothing), before it is placed on
         the GPU: the parts it does not use then cost neither VRAM nor RAM while captions are encoded."""

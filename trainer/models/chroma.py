@@ -31,11 +31,12 @@ Attention with the mask, and its speed (bench/RESULTS.md, "Chroma at offload 0")
 memory-efficient kernel, whose backward is the slow part on an H100. The pipeline does this in all 57 blocks and so
 does training here; diffusers' own checkpointed forward passes no mask to the 38 single blocks (they run flash
 attention there and train attention the pipeline does not run), which is why the plain compiled script looked as
-fast as dittrain's step without recomputation. `FlashMaskAttnProcessor` (opt-in, `use_flash_mask`) computes the
-same attention with flash: the mask is an outer product m_i m_j of a 0/1 vector (the block builds it from the
-transformer's mask), so its bias is one more head dimension, m_i in the queries and m_j sqrt(d) in the keys
-(padded with zeros to a multiple of 8, values zero there, the softmax scale kept at 1 / sqrt(d)). Only the key
-column's rounding differs (sqrt(128) in bf16: a bias of 0.99989 for 1); kept off until it is measured faster.
+fast as dittrain's step without recomputation. `FlashMaskAttnProcessor` (`train.attention: flash`, which would
+otherwise fail on the mask; `use_flash_mask`) computes the same attention with flash: the mask is an outer product
+m_i m_j of a 0/1 vector (the block builds it from the transformer's mask), so its bias is one more head dimension,
+m_i in the queries and m_j sqrt(d) in the keys (padded with zeros to a multiple of 8, values zero there, the
+softmax scale kept at 1 / sqrt(d)). Only the key column's rounding differs (sqrt(128) in bf16: a bias of 0.99989
+for 1). `auto` keeps the SDPA mask until the flash form is measured faster (bench/attn_mask_speed.py).
 
 Left out: IP-adapter inputs; training the attention on padding-free captions (the pipeline attends to all 512).
 """
@@ -129,6 +130,11 @@ class ChromaAdapter(DiffusersAdapter):
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+
+    def use_attention(self, transformer: nn.Module, choice: str) -> None:
+        # `flash` alone refuses a mask: the mask as a head dimension (essay); auto keeps the SDPA mask until the
+        # flash form is measured faster on the GPU
+        use_flash_mask(transformer, choice == "flash")
 
     @torch.no_grad()
     def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
