@@ -770,14 +770,11 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 def _fsdp_combinations(cfg: Config) -> None:
     """What train.distributed: fsdp does not do (yet), refused before anything loads (trainer/train/sharded.py
     says why each is so)."""
-    o, t, opt = cfg.offload, cfg.train, cfg.optimizer
+    o, opt = cfg.offload, cfg.optimizer
     refused = [
         (opt.fused_back_pass, "optimizer.fused_back_pass: false (the shards step after backward's reduce-scatter)"),
         (opt.name != "adamw", "optimizer.name: adamw (the one optimizer tested on sharded weights)"),
         (opt.stochastic_rounding, "optimizer.stochastic_rounding: false"),
-        (t.ema is not None, "no train.ema"),
-        (o.activations, "offload.activations: false"),
-        (o.nano_batches > 1, "offload.nano_batches: 1"),
         (o.transformer == "auto", "a number for offload.transformer (0: shards on the GPUs; > 0: in CPU RAM)"),
     ]
     bad = [fix for on, fix in refused if on]

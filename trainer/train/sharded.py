@@ -73,44 +73,67 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import UserError
+from ..offload.activations import ActivationOffloader
+from ..offload.nano import split_mlps
 from .checkpoint import first_nonfinite
 from .monitor import say
 
 OPTIMIZER_DIR = "optimizer"  # the optimizer state's shards inside a checkpoint folder
 FILE_BYTES = 2 * 2**30  # whole-tensor bytes per optimizer-state file (`_files`)
+ACTIVATION_MIN_BYTES = 1 << 20  # smaller checkpoint inputs stay where they are (the conductor's default)
 
 
-def _checkpointed(block: nn.Module) -> None:
+def _checkpointed(block: nn.Module, index: int, activations: ActivationOffloader | None) -> None:
     """Run `block`'s forward under non-reentrant activation checkpointing: its class becomes a subclass whose
-    forward wraps the original (names, state-dict keys and isinstance checks unchanged)."""
+    forward wraps the original (names, state-dict keys and isinstance checks unchanged). Tensor keyword arguments
+    (diffusers passes a block everything by keyword) become positional ones of the checkpointed function, so
+    checkpoint saves them as saved tensors, which `activations`' hooks move to CPU RAM; only the non-tensor ones
+    are kept by the closure (as trainer/offload/block.py does, and for the same reason)."""
     cls = type(block)
 
     def forward(self, *args, **kwargs):
-        return checkpoint(cls.forward, self, *args, use_reentrant=False, **kwargs)
+        keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        static = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        n = len(args)
+
+        def run(*a):
+            return cls.forward(self, *a[:n], **static, **dict(zip(keys, a[n:], strict=True)))
+
+        flat = [*args, *(kwargs[k] for k in keys)]
+        del kwargs
+        hooks = activations.hooks(index) if activations is not None and torch.is_grad_enabled() else \
+            contextlib.nullcontext()
+        with hooks:
+            return checkpoint(run, *flat, use_reentrant=False)
 
     block.__class__ = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})
 
 
 def shard(transformer: nn.Module, blocks: list[nn.Module], device: torch.device, *, offload: bool,
-          checkpointed: bool | list[bool], compile: bool, loader=None, master: torch.dtype | None = None) -> None:
+          checkpointed: bool | list[bool], compile: bool, loader=None, master: torch.dtype | None = None,
+          activations: bool = False, nano_batches: int = 1) -> ActivationOffloader | None:
     """Make `transformer` FSDP2 units across the default process group (see the module essay). `loader`: the
     stream_load.TransformerLoader whose placeholders fill block by block (None: the weights are already on the
     CPU). `checkpointed`: per block, or one bool for all. `master`: keep the shards in this dtype (fp32 for a
-    full fine-tune of bf16 weights) and compute in the weights' own dtype."""
+    full fine-tune of bf16 weights) and compute in the weights' own dtype. `activations`: the checkpointed
+    blocks' inputs go to CPU RAM (returns the offloader: close it after training); `nano_batches`: each block's
+    token-wise MLPs run in that many checkpointed chunks (trainer/offload/nano.py)."""
     world = tdist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     compute = next(p.dtype for p in transformer.parameters() if p.is_floating_point())
     mixed = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master) if master else MixedPrecisionPolicy()
     per_block = checkpointed if isinstance(checkpointed, list) else [checkpointed] * len(blocks)
+    offloader = ActivationOffloader(device, min_bytes=ACTIVATION_MIN_BYTES) if activations else None
     with torch.no_grad():
-        for b, ckpt in zip(blocks, per_block, strict=True):
+        for i, (b, ckpt) in enumerate(zip(blocks, per_block, strict=True)):
             if loader is not None:
                 loader.place(b, torch.device("cpu"))  # this block's whole tensors, dropped once sharded
             if master is not None:
                 b.to(master)
+            split_mlps(b, nano_batches)
             if ckpt:
-                _checkpointed(b)
+                _checkpointed(b, i, offloader)
             if compile:
                 b.compile()
             fully_shard(b, mesh=mesh, offload_policy=policy, mp_policy=mixed, reshard_after_forward=True)
@@ -121,7 +144,16 @@ def shard(transformer: nn.Module, blocks: list[nn.Module], device: torch.device,
         fully_shard(transformer, mesh=mesh, offload_policy=policy, mp_policy=mixed)
     shards = sum(p.to_local().numel() * p.element_size() for p in transformer.parameters() if isinstance(p, DTensor))
     say(f"fsdp: {len(blocks)} blocks + the rest sharded over {world} processes; this one holds "
-        f"{shards / 1e9:.2f} GB of weights {'in pinned CPU RAM' if offload else f'on {device}'}")
+        f"{shards / 1e9:.2f} GB of weights {'in pinned CPU RAM' if offload else f'on {device}'}"
+        f"{'; checkpointed block inputs offloaded to CPU RAM' if offloader else ''}"
+        f"{f'; MLPs in {nano_batches} token chunks' if nano_batches > 1 else ''}")
+    if offloader is not None:
+        def new_step(module, args) -> None:  # returns None: a pre-hook's return value would replace the args
+            if torch.is_grad_enabled():  # a training forward: the last backward has unpacked everything
+                offloader.new_step()
+
+        transformer.register_forward_pre_hook(new_step)
+    return offloader
 
 
 def trainable(transformer: nn.Module) -> list[nn.Parameter]:
