@@ -230,8 +230,8 @@ class TrainConfig(_Section):
         description="With several processes (torchrun): ddp, every process holds the whole model and gradients are "
         "averaged; fsdp, the transformer's weights, gradients and optimizer state are sharded across processes "
         "(PyTorch FSDP2, one unit per block), and with offload.transformer > 0 each process keeps only its shard "
-        "in pinned CPU RAM (no fused back pass, EMA or activation offloading with fsdp). One process trains as with "
-        "ddp.",
+        "in pinned CPU RAM (no fused back pass, optimizers other than AdamW or stochastic rounding with fsdp; EMA, "
+        "activation offloading and nano-batches work). One process trains as with ddp.",
     )
     compile: bool | Literal["auto"] = Field(
         default="auto",

@@ -28,6 +28,18 @@ gradients, so each process ends the backward pass with the mean gradient of its 
 - Checkpointing: each block's forward runs under `torch.utils.checkpoint` (non-reentrant) inside the FSDP2 unit,
   so backward all-gathers a block once, recomputes it and reduce-scatters it; train.gradient_checkpointing: auto
   keeps the blocks the planner picks.
+- Activation offloading (offload.activations): the conductor's own ActivationOffloader (trainer/offload/
+  activations.py), which does not care where the weights come from. Its saved-tensor hooks wrap each block's
+  checkpoint call, so the tensors checkpoint saves (the block's inputs; the tensor keyword arguments diffusers
+  passes are made positional for that) go to pinned CPU RAM on a side stream in forward and come back one block
+  ahead in backward, while FSDP2 all-gathers that block; a forward pre-hook on the root starts each step's
+  arena. Only on a GPU, as with one process (tests/test_fsdp.py runs its CPU path: copies into an unpinned
+  arena and back). Inside a checkpointed block FSDP2's all-gathered weights are not saved tensors (the
+  recompute uses the weights FSDP2 gathers again), so only activations move.
+- Nano-batches (offload.nano_batches): each block's token-wise MLPs are split (trainer/offload/nano.py) before
+  it is sharded, as the conductor splits them.
+- EMA (train.ema): each process keeps the EMA of its own shards; the checkpoint's ema.safetensors and the final
+  -ema weights are what one process writes (trainer/train/sharded_ema.py).
 - Compile (train.compile): each block is compiled with `torch.compile` before it is sharded (not yet measured on
   a GPU: bench/bench_fsdp.py's rows are eager).
 - Checkpoints: the trainable weights are gathered to rank 0 one at a time (a LoRA's frozen base is not) and
@@ -41,10 +53,12 @@ gradients, so each process ends the backward pass with the mean gradient of its 
   the data order and noise are distributed.py's, the same as ddp.
 
 Left out (config.py refuses each in one line): the fused back pass (its point, never holding all gradients, is
-what sharding does: each process holds 1/N of them), optimizers other than AdamW (untested on DTensor state),
-EMA, activation offloading and nano-batches (the conductor's), and `offload.transformer: auto` (the planner plans
-one process). Sampling and validation during training run on rank 0 as under ddp, the other ranks joining each of
-its transformer calls (`Lockstep`).
+mostly what sharding does: each process holds 1/N of them), optimizers other than AdamW (untested on DTensor
+state), stochastic rounding (the fp32 master shards above keep what it keeps), and `offload.transformer: auto`
+(the planner plans one process). Gradient accumulation reduce-scatters after every micro-batch
+(`set_requires_gradient_sync(False)` would save those collectives by keeping every unit's whole gradient until
+the last one: a full-size gradient per process, what sharding is for removing). Sampling and validation during
+training run on rank 0 as under ddp, the other ranks joining each of its transformer calls (`Lockstep`).
 
 Measured (bench/RESULTS.md, issue 31, 2 x H100, Flux.1-dev LoRA): slower than ddp, resident (1.13 vs 0.87 s, for
 10 GB less VRAM per GPU) and streamed (FSDP2's CPU offload 1.64 s vs the conductor's 1.11 s). It is for what does
