@@ -48,6 +48,7 @@ RUNS = {
     "lora-fsdp-2-f1-act": ("lora", 2, "fsdp", 1.0, True),
     "lora-ddp-2-f1-act": ("lora", 2, "ddp", 1.0, True),
     "full-fsdp-2-f1-act": ("full", 2, "fsdp", 1.0, True),
+    "full-fsdp-2-f1-fused": ("full", 2, "fsdp", 1.0, False),  # each shard steps in backward (fused back pass)
 }
 
 
@@ -134,7 +135,7 @@ def run_one(name: str, model: Path, images: Path, work: Path, steps: int, smoke:
             "train.gradient_checkpointing=true", f"offload.activations={str(act).lower()}", "train.batch_size=1",
             "train.grad_accum=1", "sample.every=0", f"train.method={method}", "model.quantize=none"]
     if method == "full":
-        fused = mode == "ddp" and f > 0
+        fused = (mode == "ddp" and f > 0) or name.endswith("-fused")
         sets += [f"optimizer.fused_back_pass={str(fused).lower()}", "optimizer.max_grad_norm=null",
                  "optimizer.name=adamw", "train.ema=null"]
     sets.append(f"data.cache_dir={work / 'cache'}")  # one cache for every run: the first fills it

@@ -101,17 +101,34 @@ def test_fsdp_lora_on_2_and_4_processes_trains_like_one_and_resumes_across_world
     _close(_weights(resumed1, "lora"), ref_w)
 
 
+def _fused(cfg):
+    """`cfg` with the fused back pass (each shard steps in FSDP2's hook after its reduce-scatter)."""
+    return cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"fused_back_pass": True})})
+
+
 def test_fsdp_full_finetune_on_two_processes_trains_like_one(tiny_models, images, tmp_path, one_thread):
-    """... and its EMA (train.ema, each process the EMA of its shards): the transformer-ema/ folder of one process."""
+    """... and its EMA (train.ema, each process the EMA of its shards): the transformer-ema/ folder of one process;
+    and with the fused back pass (grad_accum 1 on 2 processes against 1 process accumulating 2, unfused): the same
+    weights, and the global gradient norm summed from the shards."""
     cache = tmp_path / "cache"
-    ref = tmp_path / "ref"
+    ref, ref2 = tmp_path / "ref", tmp_path / "ref-accum-2"
     ema = {"decay": 0.5}  # far from 1, so that the EMA moves visibly in 2 steps
     Trainer(_cfg(tiny_models, images, ref, cache, "full", steps=2, checkpoint_every=0, ema=ema)).fit()
-    two = tmp_path / "two"
-    r0, r1 = _run_two([{"cfg": _cfg(tiny_models, images, two, cache, "full", world=2, steps=2,
-                                    checkpoint_every=0, ema=ema).model_dump(mode="json")}], tmp_path)
-    assert r0[0]["error"] is None and r1[0]["error"] is None, (r0, r1)
+    c2 = _cfg(tiny_models, images, ref2, cache, "full", steps=2, checkpoint_every=0, grad_accum=2)
+    Trainer(c2.model_copy(update={"optimizer": c2.optimizer.model_copy(update={"max_grad_norm": 1e9})})).fit()  # norm
+    two, fused = tmp_path / "two", tmp_path / "fused"
+    jobs = [{"cfg": _cfg(tiny_models, images, two, cache, "full", world=2, steps=2, checkpoint_every=0,
+                         ema=ema).model_dump(mode="json")},
+            {"cfg": _fused(_cfg(tiny_models, images, fused, cache, "full", world=4, steps=2,
+                                checkpoint_every=0)).model_dump(mode="json")}]
+    r0, r1 = _run_two(jobs, tmp_path)
+    assert all(i["error"] is None for i in r0 + r1), (r0, r1)
     assert losses(two) == pytest.approx(losses(ref), rel=1e-5)
+    assert losses(fused) == pytest.approx(losses(ref2), rel=1e-5)
+    _close(_weights(fused, "full"), _weights(ref2, "full"))
+    norms = [[json.loads(line)["grad_norm"] for line in (o / "metrics.jsonl").read_text().splitlines()]
+             for o in (fused, ref2)]
+    assert None not in norms[0] and norms[0] == pytest.approx(norms[1], rel=1e-5)
     _close(_weights(two, "full"), _weights(ref, "full"))  # every weight, gathered from the shards
     ema_two, ema_ref = (_weights(o, "full", "transformer-ema") for o in (two, ref))
     _close(ema_two, ema_ref)
@@ -159,9 +176,10 @@ def test_fsdp_keeps_ema_activation_offloading_and_nano_batches_like_one_process(
 def test_fsdp_refuses_what_it_does_not_do_in_one_line(tiny_models, images, tmp_path):
     with pytest.raises((ConfigError, ValueError)) as e:
         make_config(tiny_models, images, tmp_path / "o", tmp_path / "c", "flux", "full",
-                    train={"distributed": "fsdp"}, optimizer={"fused_back_pass": True, "max_grad_norm": None})
+                    train={"distributed": "fsdp"}, offload={"transformer": "auto", "vram_budget_gb": 20},
+                    optimizer={"name": "adafactor", "max_grad_norm": None})
     msg = str(e.value)
-    assert "train.distributed: fsdp needs" in msg and "fused_back_pass: false" in msg
+    assert "train.distributed: fsdp needs" in msg and "optimizer.name: adamw" in msg and "offload.transformer" in msg
 
 
 def _free_port() -> int:

@@ -230,8 +230,8 @@ class TrainConfig(_Section):
         description="With several processes (torchrun): ddp, every process holds the whole model and gradients are "
         "averaged; fsdp, the transformer's weights, gradients and optimizer state are sharded across processes "
         "(PyTorch FSDP2, one unit per block), and with offload.transformer > 0 each process keeps only its shard "
-        "in pinned CPU RAM (no fused back pass, optimizers other than AdamW or stochastic rounding with fsdp; EMA, "
-        "activation offloading and nano-batches work). One process trains as with ddp.",
+        "in pinned CPU RAM (no optimizers other than AdamW or stochastic rounding with fsdp; EMA, the fused back "
+        "pass, activation offloading and nano-batches work). One process trains as with ddp.",
     )
     compile: bool | Literal["auto"] = Field(
         default="auto",
@@ -772,7 +772,6 @@ def _fsdp_combinations(cfg: Config) -> None:
     says why each is so)."""
     o, opt = cfg.offload, cfg.optimizer
     refused = [
-        (opt.fused_back_pass, "optimizer.fused_back_pass: false (the shards step after backward's reduce-scatter)"),
         (opt.name != "adamw", "optimizer.name: adamw (the one optimizer tested on sharded weights)"),
         (opt.stochastic_rounding, "optimizer.stochastic_rounding: false"),
         (o.transformer == "auto", "a number for offload.transformer (0: shards on the GPUs; > 0: in CPU RAM)"),

@@ -52,10 +52,18 @@ gradients, so each process ends the backward pass with the mean gradient of its 
   trains the one-process run with grad_accum x N micro-batches up to fp32 summation order (tests/test_fsdp.py);
   the data order and noise are distributed.py's, the same as ddp.
 
-Left out (config.py refuses each in one line): the fused back pass (its point, never holding all gradients, is
-mostly what sharding does: each process holds 1/N of them), optimizers other than AdamW (untested on DTensor
-state), stochastic rounding (the fp32 master shards above keep what it keeps), and `offload.transformer: auto`
-(the planner plans one process). Gradient accumulation reduce-scatters after every micro-batch
+- The fused back pass (optimizer.fused_back_pass): FSDP2 (torch 2.13's `foreach_reduce`) calls the sharded
+  parameters' post-accumulate-grad hooks itself, right after it has reduce-scattered a unit's gradients into
+  them, under its post-reduce stream; the fused pass's hook (trainer/optim/fused.py) steps that shard there and
+  frees its gradient, and the next forward's all-gather waits for that stream. Each process then never holds
+  more than one unit's gradient shards: with CPU offload, the 4 bytes per weight / N of fp32 gradients in pinned
+  RAM are gone. (FSDP2 copies the gradient to the CPU synchronously when such a hook exists, and the CPU AdamW
+  step runs inside backward: not yet measured on GPUs.) The gradient norm is summed from the shards
+  (optimizer.py `ShardNorm`).
+
+Left out (config.py refuses each in one line): optimizers other than AdamW (untested on DTensor state;
+Adafactor's factored moments are built as plain tensors beside DTensor gradients), stochastic rounding (the fp32
+master shards above keep what it keeps), and `offload.transformer: auto` (the planner plans one process). Gradient accumulation reduce-scatters after every micro-batch
 (`set_requires_gradient_sync(False)` would save those collectives by keeping every unit's whole gradient until
 the last one: a full-size gradient per process, what sharding is for removing). Sampling and validation during
 training run on rank 0 as under ddp, the other ranks joining each of its transformer calls (`Lockstep`).
