@@ -230,8 +230,8 @@ class TrainConfig(_Section):
         description="With several processes (torchrun): ddp, every process holds the whole model and gradients are "
         "averaged; fsdp, the transformer's weights, gradients and optimizer state are sharded across processes "
         "(PyTorch FSDP2, one unit per block), and with offload.transformer > 0 each process keeps only its shard "
-        "in pinned CPU RAM (no optimizers other than AdamW or stochastic rounding with fsdp; EMA, the fused back "
-        "pass, activation offloading and nano-batches work). One process trains as with ddp.",
+        "in pinned CPU RAM (fsdp: optimizer.name adamw or adamw_schedulefree, no stochastic rounding; EMA, the "
+        "fused back pass, activation offloading and nano-batches work). One process trains as with ddp.",
     )
     compile: bool | Literal["auto"] = Field(
         default="auto",
@@ -767,12 +767,18 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError("\n".join(msgs[:5]) + (f"\n(and {len(msgs) - 5} more)" if len(msgs) > 5 else "")) from None
 
 
+#: the optimizers train.distributed: fsdp trains and resumes exactly (tests/test_fsdp.py; sharded.py says why not
+#: the others)
+SHARDED_OPTIMIZERS = ("adamw", "adamw_schedulefree")
+
+
 def _fsdp_combinations(cfg: Config) -> None:
     """What train.distributed: fsdp does not do (yet), refused before anything loads (trainer/train/sharded.py
     says why each is so)."""
     o, opt = cfg.offload, cfg.optimizer
     refused = [
-        (opt.name != "adamw", "optimizer.name: adamw (the one optimizer tested on sharded weights)"),
+        (opt.name not in SHARDED_OPTIMIZERS, "optimizer.name: adamw or adamw_schedulefree (the optimizers tested on "
+         "sharded weights)"),
         (opt.stochastic_rounding, "optimizer.stochastic_rounding: false"),
         (o.transformer == "auto", "a number for offload.transformer (0: shards on the GPUs; > 0: in CPU RAM)"),
     ]

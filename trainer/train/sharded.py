@@ -61,9 +61,13 @@ gradients, so each process ends the backward pass with the mean gradient of its 
   step runs inside backward: not yet measured on GPUs.) The gradient norm is summed from the shards
   (optimizer.py `ShardNorm`).
 
-Left out (config.py refuses each in one line): optimizers other than AdamW (untested on DTensor state;
-Adafactor's factored moments are built as plain tensors beside DTensor gradients), stochastic rounding (the fp32
-master shards above keep what it keeps), and `offload.transformer: auto` (the planner plans one process). Gradient accumulation reduce-scatters after every micro-batch
+Optimizers: AdamW and schedule-free AdamW (its weight sum and step count live in the param groups, which rank 0
+writes beside the shards, GROUPS). Left out (config.py refuses each in one line): Adafactor (transformers'
+builds its factored moments as plain tensors beside DTensor gradients: "mixed torch.Tensor and DTensor"),
+Prodigy (trains like one process, but its state's shapes depend on the weights at its first step, a LoRA B's
+`p0` is a scalar, so torch.distributed.checkpoint cannot read it into freshly initialised state), 8-bit AdamW
+(bitsandbytes; CUDA only, untested on shards), stochastic rounding (the fp32 master shards above keep what it
+keeps), and `offload.transformer: auto` (the planner plans one process). Gradient accumulation reduce-scatters after every micro-batch
 (`set_requires_gradient_sync(False)` would save those collectives by keeping every unit's whole gradient until
 the last one: a full-size gradient per process, what sharding is for removing). Sampling and validation during
 training run on rank 0 as under ddp, the other ranks joining each of its transformer calls (`Lockstep`).
@@ -101,6 +105,7 @@ from .checkpoint import first_nonfinite
 from .monitor import say
 
 OPTIMIZER_DIR = "optimizer"  # the optimizer state's shards inside a checkpoint folder
+GROUPS = "param_groups.json"  # beside the shards: the param groups' settings (`save_optimizer`)
 FILE_BYTES = 2 * 2**30  # whole-tensor bytes per optimizer-state file (`_files`)
 ACTIVATION_MIN_BYTES = 1 << 20  # smaller checkpoint inputs stay where they are (the conductor's default)
 
@@ -321,13 +326,19 @@ def staging(root: Path, step: int) -> Path:
 
 
 def save_optimizer(transformer: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Collective: every process writes its shards of the optimizer state into `folder` (safetensors)."""
-    state = _flat(get_optimizer_state_dict(transformer, optimizer))
+    """Collective: every process writes its shards of the optimizer state into `folder` (safetensors); rank 0
+    adds the param groups' settings (GROUPS: Prodigy's step size d, schedule-free's weight sum and mode live
+    there, the same on every process)."""
+    osd = get_optimizer_state_dict(transformer, optimizer)
+    state = _flat(osd)
     if tdist.get_rank() == 0:
         shutil.rmtree(folder, ignore_errors=True)
     tdist.barrier()
     writer = dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True, fqn_to_index_mapping=_files(state))
     dcp.save(state, storage_writer=writer)
+    if tdist.get_rank() == 0:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]
+        (folder / GROUPS).write_text(json.dumps(groups))  # floats through repr: exact
 
 
 def _files(state: dict[str, torch.Tensor], group_bytes: int | None = None) -> dict[str, int]:
@@ -352,10 +363,17 @@ def load_optimizer(transformer: nn.Module, optimizer: torch.optim.Optimizer, fol
     if not folder.is_dir():
         raise UserError(f"--resume: {folder} is missing: this checkpoint was not written by a train.distributed: "
                         "fsdp run (resume it with train.distributed: ddp, or one process)")
+    for p in [p for p, st in optimizer.state.items() if not st]:  # schedule-free's train() leaves empty entries,
+        del optimizer.state[p]  # which would make torch skip initialising the state below
     osd = get_optimizer_state_dict(transformer, optimizer)  # initialises the state: the right shapes to read into
     flat = _flat(osd)
     dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
     for key, value in flat.items():
         fqn, _, k = key.rpartition("/")
         osd["state"][fqn][k] = value
+    if (folder / GROUPS).is_file():
+        for group, saved in zip(osd["param_groups"], json.loads((folder / GROUPS).read_text()), strict=True):
+            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
     set_optimizer_state_dict(transformer, optimizer, osd)
+    if hasattr(optimizer, "train") and not all(g.get("train_mode", True) for g in optimizer.param_groups):
+        optimizer.train()  # schedule-free: saved with the averaged weights in place (build.eval_weights)
