@@ -230,8 +230,8 @@ class TrainConfig(_Section):
         description="With several processes (torchrun): ddp, every process holds the whole model and gradients are "
         "averaged; fsdp, the transformer's weights, gradients and optimizer state are sharded across processes "
         "(PyTorch FSDP2, one unit per block), and with offload.transformer > 0 each process keeps only its shard "
-        "in pinned CPU RAM (fsdp: optimizer.name adamw or adamw_schedulefree, no stochastic rounding; EMA, the "
-        "fused back pass, activation offloading and nano-batches work). One process trains as with ddp.",
+        "in pinned CPU RAM (fsdp: optimizer.name adamw, adamw_schedulefree or prodigy, no stochastic rounding; "
+        "EMA, the fused back pass, activation offloading and nano-batches work). One process trains as with ddp.",
     )
     compile: bool | Literal["auto"] = Field(
         default="auto",
@@ -769,7 +769,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 #: the optimizers train.distributed: fsdp trains and resumes exactly (tests/test_fsdp.py; sharded.py says why not
 #: the others)
-SHARDED_OPTIMIZERS = ("adamw", "adamw_schedulefree")
+SHARDED_OPTIMIZERS = ("adamw", "adamw_schedulefree", "prodigy")
 
 
 def _fsdp_combinations(cfg: Config) -> None:
@@ -777,8 +777,8 @@ def _fsdp_combinations(cfg: Config) -> None:
     says why each is so)."""
     o, opt = cfg.offload, cfg.optimizer
     refused = [
-        (opt.name not in SHARDED_OPTIMIZERS, "optimizer.name: adamw or adamw_schedulefree (the optimizers tested on "
-         "sharded weights)"),
+        (opt.name not in SHARDED_OPTIMIZERS, "optimizer.name: adamw, adamw_schedulefree or prodigy (the "
+         "optimizers tested on sharded weights)"),
         (opt.stochastic_rounding, "optimizer.stochastic_rounding: false"),
         (o.transformer == "auto", "a number for offload.transformer (0: shards on the GPUs; > 0: in CPU RAM)"),
     ]

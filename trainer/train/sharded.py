@@ -61,13 +61,14 @@ gradients, so each process ends the backward pass with the mean gradient of its 
   step runs inside backward: not yet measured on GPUs.) The gradient norm is summed from the shards
   (optimizer.py `ShardNorm`).
 
-Optimizers: AdamW and schedule-free AdamW (its weight sum and step count live in the param groups, which rank 0
-writes beside the shards, GROUPS). Left out (config.py refuses each in one line): Adafactor (transformers'
-builds its factored moments as plain tensors beside DTensor gradients: "mixed torch.Tensor and DTensor"),
-Prodigy (trains like one process, but its state's shapes depend on the weights at its first step, a LoRA B's
-`p0` is a scalar, so torch.distributed.checkpoint cannot read it into freshly initialised state), 8-bit AdamW
-(bitsandbytes; CUDA only, untested on shards), stochastic rounding (the fp32 master shards above keep what it
-keeps), and `offload.transformer: auto` (the planner plans one process). Gradient accumulation reduce-scatters after every micro-batch
+Optimizers: AdamW, schedule-free AdamW and Prodigy (their step counts, weight sums and step size d live in the
+param groups, which rank 0 writes beside the shards, GROUPS; Prodigy's global sums are DTensor reductions;
+its `p0` of a weight that was all zeros at its first step, a LoRA B, is a scalar, read back as saved: a
+weight all zeros again at resume whose p0 was saved whole would not load). Left out (config.py refuses each in
+one line): Adafactor (transformers' builds its factored moments as plain tensors beside DTensor gradients:
+"mixed torch.Tensor and DTensor"), 8-bit AdamW (bitsandbytes; CUDA only, untested on shards), stochastic
+rounding (the fp32 master shards above keep what it keeps), and `offload.transformer: auto` (the planner plans
+one process). Gradient accumulation reduce-scatters after every micro-batch
 (`set_requires_gradient_sync(False)` would save those collectives by keeping every unit's whole gradient until
 the last one: a full-size gradient per process, what sharding is for removing). Sampling and validation during
 training run on rank 0 as under ddp, the other ranks joining each of its transformer calls (`Lockstep`).
@@ -318,6 +319,10 @@ def _flat(osd: dict) -> dict[str, torch.Tensor]:
             if isinstance(v, torch.Tensor)}
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def staging(root: Path, step: int) -> Path:
     """Where the processes write what they write together (the optimizer shards, a full fine-tune's weights)
     before rank 0 moves it into the checkpoint (a `.tmp-` name: checkpoint.remove_partial clears it after a
@@ -367,6 +372,11 @@ def load_optimizer(transformer: nn.Module, optimizer: torch.optim.Optimizer, fol
         del optimizer.state[p]  # which would make torch skip initialising the state below
     osd = get_optimizer_state_dict(transformer, optimizer)  # initialises the state: the right shapes to read into
     flat = _flat(osd)
+    saved = dcp.HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
+    for key, t in flat.items():  # state whose shape depends on the weights at its first step (Prodigy's p0: a
+        meta = saved.get(key)  # scalar for a weight that was all zeros, a LoRA B) is read as it was saved, whole
+        if meta is not None and tuple(meta.size) != tuple(t.shape) and meta.size.numel() == 1:
+            flat[key] = torch.empty(meta.size, dtype=t.dtype, device=_local(t).device)
     dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
     for key, value in flat.items():
         fqn, _, k = key.rpartition("/")
