@@ -20,7 +20,8 @@ gradients, so each process ends the backward pass with the mean gradient of its 
   assembles the rest, so each GPU moves 1/N of the bytes a single-GPU run moves. The gradients land in pinned RAM
   and the optimizer steps on the CPU (its state is there too). It is all or nothing: any fraction > 0 offloads
   every unit (FSDP2's policy is per unit; a mixed plan would step some shards on the GPU and some on the CPU).
-  Our conductor (trainer/offload) is not used: the arena, ring and fused back pass are its single-process design.
+  The conductor's streaming (trainer/offload: arena, ring) is not used, being a single-process design; its
+  activation offloader and nano split are (below).
 - Full fine-tuning of bf16 weights: the shards are kept in fp32 (FSDP2's `MixedPrecisionPolicy`: all-gathered
   in bf16, gradients reduce-scattered in fp32), so AdamW steps fp32 master shards and nothing is rounded away; a
   one-process run steps fp32 copies made per weight instead (trainer/optim/stochastic.py), which cannot shard.
@@ -48,10 +49,6 @@ gradients, so each process ends the backward pass with the mean gradient of its 
   output too. The optimizer state, the part that is big and sharded, is written by every process through
   `torch.distributed.checkpoint` with its safetensors writer (`optimizer/shard-*.safetensors`, no pickle) and read
   back through the same planner, which re-shards it: a run saved on 4 processes resumes on 2 or on 1.
-- Exactness: FSDP2 reduce-scatters the sum of the ranks' gradients and divides by N, so `fsdp` on N processes
-  trains the one-process run with grad_accum x N micro-batches up to fp32 summation order (tests/test_fsdp.py);
-  the data order and noise are distributed.py's, the same as ddp.
-
 - The fused back pass (optimizer.fused_back_pass): FSDP2 (torch 2.13's `foreach_reduce`) calls the sharded
   parameters' post-accumulate-grad hooks itself, right after it has reduce-scattered a unit's gradients into
   them, under its post-reduce stream; the fused pass's hook (trainer/optim/fused.py) steps that shard there and
@@ -60,6 +57,9 @@ gradients, so each process ends the backward pass with the mean gradient of its 
   RAM are gone. (FSDP2 copies the gradient to the CPU synchronously when such a hook exists, and the CPU AdamW
   step runs inside backward: not yet measured on GPUs.) The gradient norm is summed from the shards
   (optimizer.py `ShardNorm`).
+- Exactness: FSDP2 reduce-scatters the sum of the ranks' gradients and divides by N, so `fsdp` on N processes
+  trains the one-process run with grad_accum x N micro-batches up to fp32 summation order (tests/test_fsdp.py);
+  the data order and noise are distributed.py's, the same as ddp.
 
 Optimizers: AdamW, schedule-free AdamW and Prodigy (their step counts, weight sums and step size d live in the
 param groups, which rank 0 writes beside the shards, GROUPS; Prodigy's global sums are DTensor reductions;
@@ -70,7 +70,7 @@ one line): Adafactor (transformers' builds its factored moments as plain tensors
 rounding (the fp32 master shards above keep what it keeps), and `offload.transformer: auto` (the planner plans
 one process). Gradient accumulation reduce-scatters after every micro-batch
 (`set_requires_gradient_sync(False)` would save those collectives by keeping every unit's whole gradient until
-the last one: a full-size gradient per process, what sharding is for removing). Sampling and validation during
+the last one: for a full fine-tune a full-size gradient per process, what sharding is for removing). Sampling and validation during
 training run on rank 0 as under ddp, the other ranks joining each of its transformer calls (`Lockstep`).
 
 Measured (bench/RESULTS.md, issue 31, 2 x H100, Flux.1-dev LoRA): slower than ddp, resident (1.13 vs 0.87 s, for
