@@ -81,6 +81,8 @@ SMOKE = {  # tiny widths per family for --smoke (CPU)
                   num_refiner_text_blocks=1, axes_dims_rope=(4, 6, 6)),
     "flux3": dict(num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
                   joint_attention_dim=32, timestep_channels=32, axes_dims_rope=(4, 4, 4, 4)),
+    "flux2": dict(num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+                  joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4)),
 }
 TARGETS29 = {  # issue 29: ratio to plain compiled ("compiled") or to the row's PCIe floor ("floor"), by row name
     "dittrain offload 0, compiled": ("compiled", 0.80),
@@ -123,6 +125,11 @@ def issue29_specs(family: str) -> list[dict]:
             {**streamed, "name": "dittrain offload 1.0 + act, fp8 base + modulation, fp8 matmul, compiled",
              "quant": "fp8", "modulation": True, "fp8mm": True},
             {**streamed, "name": "dittrain offload 1.0 + act, compiled"},
+        ]
+    if family == "flux2":  # 32 B: is the streamed fp8 step bound by PCIe or by compute? (issue 26)
+        rows += [
+            {**ours, "name": "dittrain offload 0, fp8 base, compiled", "quant": "fp8"},
+            {**streamed, "name": "dittrain offload 1.0 + act, fp8 base, compiled", "quant": "fp8"},
         ]
     rows += [  # one compile per run: symbolic token axes (step speed); a second compile of row 3 (the cache's)
         {**ours, "name": "dittrain offload 0, compiled, dynamic token axes", "dynamic": "tokens"},
@@ -398,7 +405,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop adding rows after this many seconds")
-    ap.add_argument("--only", default="", help="substrings separated by ';': run only rows whose name has one (and the reference)")
+    ap.add_argument("--only", default="", help="substrings separated by ';' (or '=whole row name'): run only rows whose name has one "
+                    "(and the reference)")
     ap.add_argument("--rows", default="all", choices=("all", "issue29"), help="which row set (module docstring)")
     ap.add_argument("--profile", action="store_true",
                     help="profile plain vs dittrain, eager, resident (bench/speed_profile.py) instead of the rows")
@@ -419,8 +427,9 @@ def main(argv=None) -> list[dict]:
         return profile(args, dev)
     specs = issue29_specs(args.family) if args.rows == "issue29" else row_specs(args.family)
     if args.only:
-        keep = [s.strip() for s in args.only.split(";")]
-        specs = [specs[0]] + [s for s in specs[1:] if any(k in s["name"] for k in keep)]
+        keep = [s.strip() for s in args.only.split(";")]  # "=name": that row exactly; else a substring
+        specs = [specs[0]] + [s for s in specs[1:]
+                              if any(s["name"] == k[1:] if k.startswith("=") else k in s["name"] for k in keep)]
     rate = pcie_rate(dev) if args.rows == "issue29" else None
     if rate:
         print(f"pinned host-to-device: {rate / 1e9:.1f} GB/s (best of three 1 GiB copies)", flush=True)
