@@ -68,10 +68,10 @@ weight all zeros again at resume whose p0 was saved whole would not load). Left 
 one line): Adafactor (transformers' builds its factored moments as plain tensors beside DTensor gradients:
 "mixed torch.Tensor and DTensor"), 8-bit AdamW (bitsandbytes; CUDA only, untested on shards), stochastic
 rounding (the fp32 master shards above keep what it keeps), and `offload.transformer: auto` (the planner plans
-one process). Gradient accumulation reduce-scatters after every micro-batch
-(`set_requires_gradient_sync(False)` would save those collectives by keeping every unit's whole gradient until
-the last one: for a full fine-tune a full-size gradient per process, what sharding is for removing). Sampling and validation during
-training run on rank 0 as under ddp, the other ranks joining each of its transformer calls (`Lockstep`).
+one process). Gradient accumulation reduce-scatters after every micro-batch (`set_requires_gradient_sync(False)`
+would save those collectives by keeping every unit's whole gradient until the last one: for a full fine-tune a
+full-size gradient per process, what sharding is for removing). Sampling and validation during training run on
+rank 0 as under ddp, the other ranks joining each of its transformer calls (`Lockstep`).
 
 Measured (bench/RESULTS.md, issue 31, 2 x H100, Flux.1-dev LoRA): slower than ddp, resident (1.13 vs 0.87 s, for
 10 GB less VRAM per GPU) and streamed (FSDP2's CPU offload 1.64 s vs the conductor's 1.11 s). It is for what does
