@@ -395,6 +395,10 @@ class Trainer:
         line = compiled.report()  # once, after the first step that compiled (its time is logged below)
         if line is not None and self.dist.is_main:
             say(f"{line}; step {self.step} took {dt:.1f} s")
+        if self._activations is not None and self.step == 1 and self.dist.is_main:  # fsdp: proof it moved them
+            a = self._activations
+            say(f"fsdp: activation offloading moved {a.offloaded_bytes / 1e9:.2f} GB of block inputs per micro-batch "
+                f"to CPU RAM ({a.pinned_bytes / 1e9:.2f} GB page-locked)")
         metrics = {"loss": sum(losses) / len(losses), "lr": lr, "step_time": dt, "samples_per_s": images * self.dist.world / dt}
         if log_now:
             metrics["grad_norm"] = None if grad_norm is None else float(grad_norm)  # host sync, logging steps only
