@@ -481,7 +481,7 @@ def _set(d: dict, assignment: str) -> None:
     d[last] = yaml.safe_load(value)
 
 
-def write_config(family: str, model: Path, images: Path, work: Path, res: int, steps: int, smoke: bool,
+def write_config(family: str, model: Path, images: Path, work: Path, res: int | None, steps: int, smoke: bool,
                  card: int, transformer_file: str | None = None, sets: list[str] | None = None) -> Path:
     import yaml
 
@@ -493,6 +493,8 @@ def write_config(family: str, model: Path, images: Path, work: Path, res: int, s
     d["model"]["path"] = str(model)
     if transformer_file:
         d["model"].update({"transformer_file": str(model / FILES[transformer_file]), "quantize": "fp8"})
+    if res is None:  # the preset's own resolution (an 8 GB preset may train at 512 px where 1024 does not fit)
+        res = max(d["data"].get("resolutions") or [1024])
     d["data"].update({"sources": [{"path": str(images)}], "resolutions": [res], "cache_dir": str(work / "cache")})
     d["train"].update({"steps": steps, "checkpoint_every": 0, "log_every": 1})
     d["output"] = {**d.get("output", {}), "dir": str(work / "out")}
@@ -543,7 +545,7 @@ def bench_family(family: str, work: Path, args) -> list[dict]:
         nbytes = write_full_folder(family, model, args.transformer_file)
         print(f"{family}: wrote {nbytes / 1e9:.1f} GB of random weights in {time.time() - t:.0f} s", flush=True)
         res = args.resolution
-    images = write_jpegs(fam_dir / "images", args.images, res)
+    images = write_jpegs(fam_dir / "images", args.images, res or 1024)
     rows = []
     for card in args.card:
         run_dir = fam_dir / (f"{card}gb" + (f"-{args.tag}" if args.tag else ""))
@@ -623,7 +625,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/dittrain-bench-program"))
     ap.add_argument("--card", type=int, nargs="+", default=[8], help="preset card sizes in GB, run one after "
                     "another on the same folder; the VRAM cap is card - 1")
-    ap.add_argument("--resolution", type=int, default=1024)
+    ap.add_argument("--resolution", type=int, default=None,
+                    help="train and sample at this size instead of each preset's own (data.resolutions)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--images", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU (tests)")

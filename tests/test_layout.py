@@ -375,9 +375,17 @@ def test_every_adapter_declares_the_spec_facts(family):
     assert isinstance(cls.takes_reference, bool) and isinstance(cls.text_uses_reference, bool)
     assert cls.takes_reference or not cls.text_uses_reference
     assert isinstance(cls.reference_optional, bool) and (cls.takes_reference or not cls.reference_optional)
-    if cls.reference_optional:  # the planner counts an optional reference's tokens through `reference_inputs`
+    if cls.reference_optional:  # the planner counts an optional reference's tokens through `reference_inputs`:
+        # arguments the forward takes, one reference adding at least the target's tokens (Flux.2 joins them to
+        # hidden_states, Flux.3 passes them as a sequence of their own)
         kw = cls.dummy_inputs(meta_model(cls), 1, 256, 256, 8, torch.bfloat16)
-        assert cls.reference_inputs(kw, 1)["hidden_states"].shape[1] > kw["hidden_states"].shape[1]
+        ref = cls.reference_inputs(kw, 1)
+
+        def size(d):
+            return sum(v.numel() for v in d.values() if torch.is_tensor(v))
+
+        assert set(ref) <= set(inspect.signature(meta_model(cls).forward).parameters)
+        assert size(ref) >= size(kw) + kw["hidden_states"].numel()
     assert cls.preset_cards and all(isinstance(c, int) for c in cls.preset_cards)
     assert isinstance(cls.cache_family(), str) and cls.cache_family()
     for pat in (cls.modulation_linears, cls.text_encoder_keep_linears):

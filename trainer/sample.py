@@ -139,6 +139,8 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
 
     adapter = get_adapter(cfg.model)
     plan = resolve(cfg, req, adapter)
+    image = plan.settings.image  # bound to the reference count: a family may stream more blocks with references
+    adapter = get_adapter(cfg.model, references=0 if image is None else 1 if isinstance(image, str) else len(image))
     if plan.device.type == "cpu" and plan.offload > 0:
         tqdm.write(f"note: --offload {plan.offload:g} on the CPU streams the blocks within RAM, which saves no memory "
                    "(it pays only with a GPU)", file=sys.stderr)

@@ -90,10 +90,11 @@ def adapter_classes() -> list[type[ModelAdapter]]:
     return [adapter_class(f) for f in ADAPTERS]
 
 
-def get_adapter(model_cfg: ModelConfig) -> ModelAdapter:
+def get_adapter(model_cfg: ModelConfig, references: int = 0) -> ModelAdapter:
     """The adapter for `model_cfg.family`, bound to the model folder (it reads small JSON configs from it lazily,
-    never weights, so creating one is cheap and touches no disk)."""
-    return adapter_class(model_cfg.family)(model_cfg)
+    never weights, so creating one is cheap and touches no disk) and to the run's reference images per target
+    (`ModelAdapter.references`; 0: text-to-image)."""
+    return adapter_class(model_cfg.family)(model_cfg, references)
 
 
 def joined_pattern(attribute: str) -> re.Pattern:

@@ -51,15 +51,20 @@ class ModelAdapter(ABC):
     every family declares (`tests/test_layout.py::test_every_adapter_provides_the_family_facts`).
 
     An instance is bound to one `ModelConfig` (`get_adapter(cfg.model)`) and may read that model folder's small
-    JSON configs lazily (never weights), so sizes such as `resolution_divisor` come from the actual model. Apart
-    from that it holds no state; in particular no tensors. The class attributes describe the full-size model and
-    are what the planner and the presets use when no model folder is at hand.
+    JSON configs lazily (never weights), so sizes such as `resolution_divisor` come from the actual model, and to
+    the reference images per target of the run it serves (`references`: a fit's `DataConfig.references`, a
+    sample's `--image` count, the planner's data), which a family whose blocks run only with references reads
+    (`blocks`, `lora_targets`: Flux.3's reference-mode blocks). Apart from that it holds no state; in particular no
+    tensors. The class attributes describe the full-size model and are what the planner and the presets use when
+    no model folder is at hand.
 
     The diffusers-based adapters also offer, read from the folder, `latent_channels`, `vae_scale_factor`,
     `patch_size`, `guidance_embeds` and `image_seq_len(height, width)` (see `_diffusers.py`)."""
 
-    def __init__(self, model_cfg: ModelConfig | None = None) -> None:
+    def __init__(self, model_cfg: ModelConfig | None = None, references: int = 0) -> None:
         self.cfg = model_cfg
+        #: reference images per target of the run (0: text-to-image; only an edit family keeps a positive count)
+        self.references = int(references) if self.takes_reference else 0
 
     # ------------------------------------------------------------------------------------------ identity
 
@@ -230,7 +235,14 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
-        """The transformer's blocks in execution order: the units offloading and checkpointing wrap."""
+        """The transformer's blocks in execution order: the units offloading and checkpointing wrap. A family with
+        blocks that run only on reference images lists them when `self.references` (a block left out sits with the
+        non-block modules, resident, and still runs if called)."""
+
+    def lora_targets(self) -> tuple[str, ...]:
+        """The peft targets when lora.targets is null: `default_lora_targets`, plus what a family trains only with
+        reference images when `self.references` (Flux.3's reference-mode blocks)."""
+        return tuple(self.default_lora_targets)
 
     def slim_text_encoder(self, encoder: nn.Module) -> nn.Module:
         """Drop what this family never runs of a loaded text encoder (default: nothing), before it is placed on

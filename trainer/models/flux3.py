@@ -24,80 +24,63 @@ into a `Flux3ModularPipeline`). How each piece here mirrors those blocks:
   checkpoints are flow maps (`flow_map` in the transformer config): each call also takes the time the step jumps
   to. Training on the flow-matching loss gives them target time = t, where a flow map is the model's velocity.
 - shift: constant, the scheduler config's `shift` (the pipeline's `Flux3SetTimestepsStep`: 6.93), in training too.
-- sampling: `Flux3Pipeline` below, a classic `DiffusionPipeline` face on the modular pipeline (so `dittrain
-  sample`, sampling during training and the LoRA loader drive it as every other family's pipeline, with no family
-  code outside this file): it encodes with the text-encoder step's function, and calls the modular blocks without
-  their prompt-upsampler and text-encoder steps, with the stored embeddings. Base checkpoints: classifier-free
-  guidance through the pipeline's guider (`ClassifierFreeGuidance`, on unless the scale is 1; 50 steps at 3.5 by
-  default); distilled ones (`Flux3DistilledAutoBlocks`): 16 steps, no guidance, the guidance value is ignored.
-  LoRAs load through `Flux3LoraLoaderMixin` (both this pipeline and `Flux3ModularPipeline` inherit it). The mixin
-  reads diffusers-layout files; it refuses the comfy layout as written (its `.alpha` keys hold no "lora", and it
-  reads `lora_A` / `lora_B` only), which `dittrain sample` converts on the way in.
+- sampling: `Flux3Pipeline` (trainer/models/flux3_pipeline.py), a classic `DiffusionPipeline` face on the modular
+  pipeline (so `dittrain sample`, sampling during training and the LoRA loader drive it as every other family's
+  pipeline, with no family code outside these two files): it encodes with the text-encoder step's function, and
+  calls the modular blocks without their prompt-upsampler and text-encoder steps, with the stored embeddings. Base
+  checkpoints: classifier-free guidance through the pipeline's guider (`ClassifierFreeGuidance`, on unless the
+  scale is 1; 50 steps at 3.5 by default); distilled ones (`Flux3DistilledAutoBlocks`): 16 steps, no guidance, the
+  guidance value is ignored. LoRAs load through `Flux3LoraLoaderMixin` (both this pipeline and
+  `Flux3ModularPipeline` inherit it). The mixin reads diffusers-layout files; it refuses the comfy layout as written
+  (its `.alpha` keys hold no "lora", and it reads `lora_A` / `lora_B` only), which `dittrain sample` converts on the
+  way in.
+
+Reference images (image-to-image / edit: the `image_cond` mode) train as Flux.2's do, through Kontext's pairs
+layout, and they are optional (`reference_optional`): Flux.3 is one model for text-to-image and for editing, so
+the data decides. A data set with references (a `control/` folder beside the images, control2/ ... for several, or
+a "control" metadata key) trains (references, target, caption) items, one without trains text-to-image. Each
+reference is cut to the target's bucket, cached as a latent like any image, and reaches `predict` as
+`control_latents` ((B, K, C, h, w) for K of them); `predict` hands them to the transformer as the modular blocks
+do (`Flux3PrepareImageCondLatentsStep`): `image_cond_hidden_states`, their tokens joined in order, and
+`image_cond_ids` (0, 0.5 row, 0.5 col, l) with l = -1, -2, ... per reference. The transformer itself runs the
+reference tokens at timestep 0 (only the target's tokens get t; a flow map's target time reaches every mode) through
+the reference-mode blocks (`mode_blocks.image_cond`), then joins them to the joint blocks' sequence; only the
+target's tokens come out. `dittrain sample --image` (repeat it for several, in order) passes the reference, cut to
+the sample's size, as the modular pipeline's `image=`, whose own `vae_encoder` step prepares and encodes it.
+`max_references`: the pipeline's documented limit (10, its prompt upsampler's `MAX_REFERENCES`).
+
+The reference-mode blocks (5 x 123 M parameters) run only with references. The adapter is bound to the run's
+reference count (`ModelAdapter.references`: the fit's data, a sample's `--image`s, the planner's data): with
+references they are blocks like the others (`blocks`: text mode, image mode, reference mode, joint, the order they
+run in), streamed, checkpointed and quantized as the rest, and LoRA targets them too (`lora_targets`: the same six
+Linears per block; the LoRA then also learns how the reference is read); the planner counts their tokens
+(`reference_inputs`: K times the target's). Without references they sit with the non-block modules (resident,
+1.2 GB in bf16, not quantized) and get no LoRA: a text-to-image run streams nothing it never runs (sampling with
+`sample.image` during such a run still works, through the resident blocks).
 
 Left out: the prompt upsampler (a Qwen3.5-9B that rewrites short prompts; captions are encoded as written, as the
-pipeline does once its `prompt_upsampler` step is popped); reference images (image-to-image / edit: the
-`image_cond` mode). The reference-mode blocks (5 x 123 M parameters) never run in text-to-image, but they are part
-of the model: they load and sit with the non-block modules (not streamed; 1.2 GB in bf16), and get no LoRA.
+pipeline does once its `prompt_upsampler` step is popped). A reference of another size than the target's bucket:
+the pipeline keeps one reference at its own size (padded to the 16 px grid, at least 64 px a side: a smaller one
+is reflect-padded, which training does not do) and fits several under 1 MP each; training cuts each to the target's
+bucket, which is the pipeline's input for same-size pairs of at least 64 px (and at most 1 MP with several).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
-from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from diffusers import (
-    ClassifierFreeGuidance,
-    DiffusionPipeline,
-    Flux3AutoBlocks,
-    Flux3DistilledAutoBlocks,
-    Flux3Transformer2DModel,
-)
-from diffusers.loaders import Flux3LoraLoaderMixin
-from diffusers.modular_pipelines.flux3.before_denoise import Flux3PrepareLatentsStep, Flux3SetTimestepsStep
-from diffusers.modular_pipelines.flux3.denoise import Flux3LoopDenoiser
-from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
-from diffusers.pipelines.pipeline_utils import ImagePipelineOutput
+from diffusers import Flux3Transformer2DModel
+from diffusers.modular_pipelines.flux3.prompt_upsampler import MAX_REFERENCES
 from torch import nn
 
 from ._diffusers import DiffusersAdapter, pack_2x2, packed_inputs, unpack_2x2
 from .base import Components
-from .flux2 import Flux2Adapter, keep_layers
+from .flux2 import CONTROL, Flux2Adapter, keep_layers
+from .flux3_pipeline import Flux3Pipeline, recipe, text_embeds
 from .lora_keys import KeyRule, LoraKeyMap
 from .qwen_image import NoLogits
-
-# ---------------------------------------------------------------------------------------------- the recipe
-
-
-@functools.cache
-def recipe() -> dict[str, Any]:
-    """The modular pipeline's own settings, read from its blocks: text window multiple, longest text, hidden layers
-    read, image RoPE scale, timestep shift, default steps (base / distilled) and guidance."""
-    text = Flux3TextEncoderStep()
-    defaults = {p.name: p.default for p in text.inputs}
-    return {
-        "pad_multiple": text.pad_multiple,
-        "max_sequence_length": defaults["max_sequence_length"],
-        "layers": tuple(defaults["text_encoder_out_layers"]),
-        "image_rope_scale": Flux3PrepareLatentsStep().image_rope_scale,
-        "shift": Flux3SetTimestepsStep().shift,
-        "steps": Flux3SetTimestepsStep().num_inference_steps,
-        "guidance": Flux3LoopDenoiser().guidance_scale,
-    }
-
-
-def text_embeds(encoder, processor, prompt: str, device, pad_multiple: int | None = None) -> torch.Tensor:
-    """One prompt's (1, W, D) embeddings exactly as the pipeline's text-encoder step makes them."""
-    r = recipe()
-    return Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds(
-        text_encoder=encoder, tokenizer=processor, prompt=prompt, device=device,
-        max_sequence_length=r["max_sequence_length"], pad_multiple=pad_multiple or r["pad_multiple"],
-        hidden_states_layers=r["layers"],
-    )
-
 
 # ---------------------------------------------------------------------------------------------- LoRA key map
 
@@ -123,8 +106,10 @@ FLUX3_LORA_KEYS = LoraKeyMap((
     )),
 ))
 
-#: the Linears of every streamed block (text mode, image mode and joint blocks share the names)
+#: the Linears of every streamed block (text mode, image mode, reference mode and joint blocks share the names)
 _LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.linear_in", "ff.linear_out")
+#: LoRA targets of the reference-mode blocks (up to 16), for runs with reference images (`lora_targets`)
+REFERENCE_LORA_TARGETS = tuple(f"mode_blocks.image_cond.{i}.{m}" for i in range(16) for m in _LINEARS)
 
 #: Qwen3-VL-4B as Qwen3VLForConditionalGeneration (head tied to the embedding; meta-counted from
 #: krea2's `qwen3_vl_4b_config`): all, the vision tower, the embedding, one decoder layer
@@ -134,9 +119,9 @@ QWEN3_VL_4B, QWEN3_VL_4B_VISUAL, QWEN3_VL_4B_EMBED, QWEN3_VL_4B_LAYER = 4_437_81
 class Flux3Adapter(DiffusersAdapter):
     family = "flux3"
     transformer_cls = Flux3Transformer2DModel
-    pipeline_cls: ClassVar[type]  # Flux3Pipeline, set below
-    # by full name: the reference-image mode blocks (`mode_blocks.image_cond`, never run in text-to-image) have the
-    # same Linear names; up to 16 per-mode and 64 joint blocks (the model has 5 and 28)
+    pipeline_cls = Flux3Pipeline
+    # by full name: the reference-mode blocks (`mode_blocks.image_cond`, run only with references: `lora_targets`)
+    # have the same Linear names; up to 16 per-mode and 64 joint blocks (the model has 5 and 28)
     default_lora_targets = tuple(
         f"{blocks}.{i}.{m}" for blocks, n in (("txt_mode_blocks", 16), ("mode_blocks.image", 16),
                                              ("single_transformer_blocks", 64))
@@ -167,6 +152,9 @@ class Flux3Adapter(DiffusersAdapter):
     text_encoder_unloaded_params = (3 * QWEN3_VL_4B_LAYER,)  # `text_encoder_config`: layers 33-35 never built
     vae_params = 84_046_115  # AutoencoderKLFlux2 defaults
     sampling_uses_negative = True
+    takes_reference = True  # optional: the data decides (module docstring)
+    reference_optional = True
+    max_references = MAX_REFERENCES  # the modular pipeline's documented limit (10)
     #: the base checkpoint's pipeline defaults; distilled: steps 16, guidance 1 (ignored by its pipeline)
     sample_defaults = {"steps": 50, "guidance": 3.5}
     latent_scale, token_patch = 8, 2
@@ -212,8 +200,14 @@ class Flux3Adapter(DiffusersAdapter):
         )
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
-        # execution order of text-to-image: text mode, image mode, joint blocks (the reference mode never runs)
-        return [*transformer.txt_mode_blocks, *transformer.mode_blocks["image"], *transformer.single_transformer_blocks]
+        # execution order: text mode, image mode, reference mode (with references only), joint blocks
+        refs = list(transformer.mode_blocks["image_cond"]) if self.references else []
+        return [*transformer.txt_mode_blocks, *transformer.mode_blocks["image"], *refs,
+                *transformer.single_transformer_blocks]
+
+    def lora_targets(self) -> tuple[str, ...]:
+        """The text, image and joint blocks' Linears; with references the reference-mode blocks' too."""
+        return (*self.default_lora_targets, *(REFERENCE_LORA_TARGETS if self.references else ()))
 
     def text_encoder_config(self, config):
         """Built with the decoder layers up to the deepest hidden state read (33 of Qwen3-VL-4B's 36)."""
@@ -285,6 +279,13 @@ class Flux3Adapter(DiffusersAdapter):
         x = pack_2x2(noisy_latents)
         embeds = text["prompt_embeds"]
         ts = t.to(x.dtype)
+        refs = {}
+        ref = text.get(CONTROL)
+        if ref is not None:  # reference images: their own token sequence, told apart by l = -1, -2, ... in order
+            each = ref.unbind(1) if ref.dim() == 5 else (ref,)  # (B, K, C, h, w): K references
+            refs["image_cond_hidden_states"] = torch.cat([pack_2x2(r.to(x.dtype)) for r in each], dim=1)
+            refs["image_cond_ids"] = torch.cat([image_ids(r.shape[-2] // 2, r.shape[-1] // 2, dev, -(k + 1))
+                                                for k, r in enumerate(each)])
         out = transformer(
             hidden_states=x,
             encoder_hidden_states=embeds,
@@ -294,6 +295,7 @@ class Flux3Adapter(DiffusersAdapter):
             # a flow map at target time t is the velocity at t: what the flow-matching loss trains
             target_timestep=ts if transformer.config.flow_map else None,
             return_dict=False,
+            **refs,
         )[0]
         return unpack_2x2(out, h, w)
 
@@ -303,6 +305,22 @@ class Flux3Adapter(DiffusersAdapter):
         if transformer.config.flow_map:
             kw["target_timestep"] = torch.ones(batch, device=torch.device(device), dtype=dtype)
         return kw
+
+    @classmethod
+    def reference_inputs(cls, inputs: dict[str, Any], references: int) -> dict[str, Any]:
+        """Each reference (cut to the target's bucket) is a sequence of the target's token count (Flux.3's
+        `cond_in_channels` equals `in_channels`) and ids, through the reference-mode blocks, joined in the joint
+        blocks."""
+        kw = dict(inputs)
+        kw["image_cond_hidden_states"] = torch.cat([inputs["hidden_states"]] * references, dim=1)
+        kw["image_cond_ids"] = torch.cat([inputs["img_ids"]] * references, dim=0)
+        return kw
+
+    @classmethod
+    def pipeline_image(cls, pipe, image: Any) -> dict[str, Any]:
+        """The reference (or list of references), already the sample's size, as the modular pipeline's `image=`;
+        None: text-to-image."""
+        return {} if image is None else {"image": image}
 
     @classmethod
     def pipeline_embeds(cls, pipe, prompt, negative, device) -> dict[str, torch.Tensor]:
@@ -317,10 +335,12 @@ def _extend(e: torch.Tensor, pad: torch.Tensor, n: int) -> torch.Tensor:
     return e if e.shape[0] >= n else torch.cat([e, pad.to(e.dtype).expand(n - e.shape[0], -1)])
 
 
-def image_ids(h2: int, w2: int, dev) -> torch.Tensor:
-    """(h2 * w2, 4) ids (0, s row, s col, 0), s the pipeline's image RoPE scale: its `_prepare_image_ids`."""
+def image_ids(h2: int, w2: int, dev, l_coord: float = 0.0) -> torch.Tensor:
+    """(h2 * w2, 4) ids (0, s row, s col, l_coord), s the pipeline's image RoPE scale: its `_prepare_image_ids`
+    (l_coord 0: the target; -1, -2, ...: the references in order)."""
     s = recipe()["image_rope_scale"]
     ids = torch.zeros(h2, w2, 4, device=dev)
+    ids[..., 3] = l_coord
     ids[..., 1] += torch.arange(h2, device=dev, dtype=torch.float32)[:, None] * s
     ids[..., 2] += torch.arange(w2, device=dev, dtype=torch.float32)[None, :] * s
     return ids.reshape(-1, 4)
@@ -331,113 +351,6 @@ def text_ids(n: int, dev) -> torch.Tensor:
     ids = torch.zeros(n, 4, device=dev)
     ids[:, 3] = torch.arange(n, device=dev)
     return ids
-
-
-# ---------------------------------------------------------------------------------------------- the pipeline
-
-
-class Flux3Pipeline(DiffusionPipeline, Flux3LoraLoaderMixin):
-    """diffusers' Flux.3 modular pipeline behind a classic pipeline's interface (`encode_prompt`, `__call__` with
-    `prompt_embeds`, `register_modules`, `load_lora_weights`), which is what trainer/sampling drives.
-
-    Each call hands this pipeline's current modules (the transformer may have been swapped by reference) to a
-    modular pipeline built once from `Flux3AutoBlocks` (`Flux3DistilledAutoBlocks` for a flow-map transformer)
-    without the prompt-upsampler and text-encoder steps, and returns its images. Denoising, guidance, scheduling and
-    decoding are the modular blocks' own."""
-
-    model_cpu_offload_seq = "text_encoder->transformer->vae"
-    _optional_components = ["text_encoder", "tokenizer"]
-
-    def __init__(self, transformer, vae, scheduler, text_encoder=None, tokenizer=None):
-        super().__init__()
-        self.register_modules(transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=text_encoder,
-                              tokenizer=tokenizer)
-        self._modular: dict[bool, Any] = {}
-
-    def modular_pipeline(self, distilled: bool):
-        """The modular pipeline (built on first use) for embeddings in, images out."""
-        if distilled not in self._modular:
-            blocks = (Flux3DistilledAutoBlocks if distilled else Flux3AutoBlocks)()
-            for step in ("prompt_upsampler", "text_encoder"):
-                blocks.sub_blocks.pop(step)
-            with _quiet_modular_notes():  # it creates a default guider and scheduler
-                self._modular[distilled] = blocks.init_pipeline()
-        return self._modular[distilled]
-
-    @torch.no_grad()
-    def encode_prompt(self, prompt: str, device=None, num_images_per_prompt: int = 1) -> torch.Tensor:
-        """One prompt's `prompt_embeds` (num_images_per_prompt, W, D), as the modular text-encoder step makes them."""
-        device = device if device is not None else self._execution_device
-        e = text_embeds(self.text_encoder, self.tokenizer, prompt, device)
-        return e.repeat(num_images_per_prompt, 1, 1)
-
-    @torch.no_grad()
-    def __call__(self, prompt_embeds: torch.Tensor, negative_prompt_embeds: torch.Tensor | None = None,
-                 guidance_scale: float | None = None, height: int = 1024, width: int = 1024,
-                 num_inference_steps: int | None = None, generator=None, output_type: str = "pil",
-                 return_dict: bool = True):
-        distilled = bool(self.transformer.config.flow_map)
-        mp = self.modular_pipeline(distilled)
-        parts = {"transformer": self.transformer, "vae": self.vae, "scheduler": self.scheduler}
-        kw: dict[str, Any] = {"prompt_embeds": prompt_embeds, "height": height, "width": width,
-                              "generator": generator, "output_type": output_type}
-        if num_inference_steps is not None:
-            kw["num_inference_steps"] = num_inference_steps
-        with _quiet_modular_notes():
-            if not distilled:
-                g = recipe()["guidance"] if guidance_scale is None else float(guidance_scale)
-                parts["guider"] = ClassifierFreeGuidance(guidance_scale=g)
-                if parts["guider"].num_conditions > 1:
-                    if negative_prompt_embeds is None:
-                        raise ValueError(f"guidance_scale {g} runs classifier-free guidance: pass "
-                                         f"negative_prompt_embeds")
-                    kw["negative_prompt_embeds"] = negative_prompt_embeds
-            mp.update_components(**parts)
-        _progress_config(mp._blocks, getattr(self, "_progress_bar_config", {}))  # `blocks` is a copy
-        images = mp(**kw, output="images")
-        return ImagePipelineOutput(images=images) if return_dict else (images,)
-
-    def save_pretrained(self, save_directory, **kwargs):
-        super().save_pretrained(save_directory, **kwargs)
-        if self.tokenizer is not None and hasattr(self.tokenizer, "image_processor"):
-            from .tiny import name_processor_as_transformers_does
-
-            name_processor_as_transformers_does(save_directory, self.tokenizer, "tokenizer")
-
-
-Flux3Adapter.pipeline_cls = Flux3Pipeline
-
-def _progress_config(blocks, config: dict) -> None:
-    """This pipeline's progress-bar settings on every nested block that draws one (the denoising loop sits two
-    levels down; `ModularPipeline.set_progress_bar_config` reaches only the top level)."""
-    for block in getattr(blocks, "sub_blocks", {}).values():
-        if hasattr(block, "set_progress_bar_config"):
-            block.set_progress_bar_config(**config)
-        _progress_config(block, config)
-
-
-#: diffusers' notes on every call that hands parts to a modular pipeline (a guider is "experimental"; a part built
-#: outside a `ComponentSpec` "defaults to from_config"): noise under a progress bar, once per sample image
-_MODULAR_NOTES = ("Guiders are currently an experimental feature", "Component was not created using `ComponentSpec`")
-
-
-class _DropNotes(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(_MODULAR_NOTES)
-
-
-@contextmanager
-def _quiet_modular_notes():
-    loggers = [logging.getLogger(n) for n in ("diffusers.guiders.guider_utils",
-                                              "diffusers.modular_pipelines.modular_pipeline_utils")]
-    note = _DropNotes()
-    for lg in loggers:
-        lg.addFilter(note)
-    try:
-        yield
-    finally:
-        for lg in loggers:
-            lg.removeFilter(note)
 
 
 # ---------------------------------------------------------------------------------------------- tiny model

@@ -25,6 +25,7 @@ rows only, but the entries are stored as the pipeline makes them.
 
 from __future__ import annotations
 
+import json
 import math
 from functools import cached_property
 from typing import Any
@@ -115,12 +116,16 @@ class Krea2Adapter(DiffusersAdapter):
     @classmethod
     def full_size_parts(cls, folder):
         """bench/bench_program.py's full-size random folders: Qwen-Image's VAE (built for real) and Qwen3-VL-4B as
-        `Qwen3VLModel`, whole (36 layers, vision tower included), with the tiny tokenizer's special token ids."""
+        `Qwen3VLModel`, whole (36 layers, vision tower included), with the tiny tokenizer's special token ids; the
+        pipeline's `text_encoder_select_layers` set to the 12 the full transformer reads."""
         import transformers
         from diffusers import AutoencoderKLQwenImage
 
         from .qwen_image_21 import full_text_config
 
+        index = folder / "model_index.json"  # the tiny pipeline's 2 selected layers -> the full model's 12
+        index.write_text(json.dumps({**json.loads(index.read_text()), "text_encoder_select_layers": SELECT_LAYERS},
+                                    indent=2))
         return AutoencoderKLQwenImage(), [("text_encoder", transformers.Qwen3VLModel,
                                            full_text_config(folder, qwen3_vl_4b_config()))]
 

@@ -25,9 +25,10 @@ def transformer_class(family: str) -> type:
     return adapter_class(family).transformer_cls
 
 
-def default_lora_targets(family: str) -> tuple[str, ...]:
-    """The family's default LoRA targets, from its model adapter."""
-    return tuple(adapter_class(family).default_lora_targets)
+def default_lora_targets(family: str, references: int = 0) -> tuple[str, ...]:
+    """The family's default LoRA targets, from its model adapter (with `references` reference images per target:
+    `ModelAdapter.lora_targets`)."""
+    return adapter_class(family)(references=references).lora_targets()
 
 
 def meta_transformer(family: str, config: dict, dtype: torch.dtype) -> nn.Module:
@@ -39,9 +40,10 @@ def meta_transformer(family: str, config: dict, dtype: torch.dtype) -> nn.Module
     return model.to(dtype)
 
 
-def blocks_of(family: str, transformer: nn.Module) -> list[nn.Module]:
-    """Blocks in execution order, from the family's adapter (the units offloading streams)."""
-    return adapter_class(family)().blocks(transformer)
+def blocks_of(family: str, transformer: nn.Module, references: int = 0) -> list[nn.Module]:
+    """Blocks in execution order, from the family's adapter (the units offloading streams), for a run with
+    `references` reference images per target."""
+    return adapter_class(family)(references=references).blocks(transformer)
 
 
 class _ComputeDtypeLora:

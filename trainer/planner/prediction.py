@@ -128,7 +128,8 @@ class Facts:
     #: the transformer is read whole into pageable RAM before its blocks are packed (else block by block)
     loads_whole: bool = False
     #: reference images joined to each sample's sequence beyond what `dummy_inputs` gives: for a family whose
-    #: reference is optional (Flux.2), the data's references per image (`DataConfig.references`), else 0
+    #: reference is optional (Flux.2, Flux.3), the data's references per image (`DataConfig.references`), else 0;
+    #: `blocks` and the LoRA targets are the adapter's for that count (Flux.3's reference-mode blocks)
     references: int = 0
     #: count the blocks' saved tensors as compiled blocks keep them (planner/compiled.py): train.compile on (auto
     #: is on for CUDA) and some block may keep its activations (gradient_checkpointing false or auto)
@@ -152,7 +153,8 @@ def analyze(cfg) -> Facts:
     dtype = DTYPES[cfg.model.dtype]
     config, source = transformer_config(cfg)
     model = ptrace.meta_transformer(family, config, dtype)
-    blocks = ptrace.blocks_of(family, model)
+    refs = cfg.data.references() if adapter_class(family).reference_optional and cfg.data is not None else 0
+    blocks = ptrace.blocks_of(family, model, refs)
     if cfg.model.quantize != "none":  # the loader's own quantization (meta tensors): 8-bit weights, fp32 scales
         quant.quantize_blocks(blocks, cfg.model.quantize, cfg.model.quantize_modulation,
                               adapter_class(family).modulation_linears)
@@ -162,7 +164,7 @@ def analyze(cfg) -> Facts:
     block_param_bytes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
     if method == "lora":
         model.requires_grad_(False)
-        targets = tuple(cfg.lora.targets) if cfg.lora.targets else ptrace.default_lora_targets(family)
+        targets = tuple(cfg.lora.targets) if cfg.lora.targets else ptrace.default_lora_targets(family, refs)
         # lora.compute_dtype auto runs plain LoRA's branch in the model dtype (DoRA, LoKr, LoHa: peft's forward)
         in_dtype = cfg.lora.compute_dtype == "auto" and cfg.lora.type == "lora" and not cfg.lora.dora
         trainable = ptrace.add_meta_lora(model, targets, cfg.lora.rank, cfg.lora.alpha, in_dtype)
@@ -226,7 +228,7 @@ def analyze(cfg) -> Facts:
         text_encoders=text_encoder_bytes(cfg),
         resolutions=res,
         loads_whole=stream_load.loads_whole(cfg),  # a resumed full fine-tune loads whole too; plan cannot know
-        references=cfg.data.references() if adapter_class(family).reference_optional and cfg.data is not None else 0,
+        references=refs,
         compiled=cfg.train.compile is not False and cfg.train.gradient_checkpointing is not True,
     )
 

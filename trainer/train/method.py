@@ -111,7 +111,7 @@ class LoraMethod(TrainingMethod):
         if self.cfg.lora.init_from is not None:
             init = lora_format.read_lora_file(self.cfg.lora.init_from, self.cfg.model.family)
             self.lora = init_lora_config(self.cfg, init, transformer)
-        params = add_lora(transformer, self.cfg.model_copy(update={"lora": self.lora}), adapter.default_lora_targets)
+        params = add_lora(transformer, self.cfg.model_copy(update={"lora": self.lora}), adapter.lora_targets())
         # output.lora_format must hold this adapter (a LoKr on fused q/k/v does not fit comfy): said before training
         lora_format.check_layout(adapted_modules(transformer), self.lora.type, self.lora.dora,
                                  self.cfg.output.lora_format, self.cfg.model.family)

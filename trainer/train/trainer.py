@@ -188,7 +188,8 @@ class Trainer:
         self.dtype = DTYPES[cfg.model.dtype]
         say(f"device {self.device}; {self.method.storage()}; attention {choose_attention(self.device, c.attention)}")
 
-        self.adapter = get_adapter(cfg.model)
+        # bound to the data's reference images per target: a family may stream and train more blocks with them
+        self.adapter = get_adapter(cfg.model, references=cfg.data.references() if cfg.data is not None else 0)
         # Data first: building the caches loads (and frees) the VAE and text encoders, so the transformer is not
         # in memory at the same time, and a bad image fails the run before the big load.
         self.data = self.dist.main_first(lambda: prepare_data(  # rank 0 fills the cache, the others read it
