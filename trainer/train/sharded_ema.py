@@ -9,7 +9,7 @@
 What. The one-process EMA (ema.py: an fp32 shadow, `shadow.lerp_(w, 1 - decay)` after every `every`-th step)
 over the local shard of each DTensor parameter. The lerp is elementwise, so the N processes' shadows are the N
 shards of the one-process shadow, given the same weights; each process holds 4 bytes per trainable weight / N.
-`device: cpu` keeps the shadow in RAM; `gpu` beside the shard (the GPU, or pinned RAM when FSDP2 offloads the
+`device: cpu` keeps the shadow in RAM; `gpu` beside the shard (the GPU, or RAM when FSDP2 offloads the
 shards there).
 
 Files. A checkpoint's ema.safetensors is the file one process writes (whole fp32 tensors keyed by parameter name,
