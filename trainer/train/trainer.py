@@ -53,6 +53,7 @@ from .monitor import Monitor, say
 from .objective import FlowMatching
 from .optimizer import optimizer_for
 from .phases import LOG, Phase, ram_words
+from .sharded_ema import ShardedEMA
 from .validation import Validator
 
 
@@ -98,6 +99,7 @@ class Trainer:
         self.monitor: Monitor | None = None
         self.last_checkpoint: Path | None = None
         self.offload = None
+        self._activations = None  # fsdp: sharded.shard's activation offloader (the conductor's, else)
         self.ema = None  # train.ema (ema.py), built in setup
         self.method = method_for(cfg)  # LoRA or full: everything the loop would otherwise branch on
         self.fraction: float | None = None  # offload.transformer resolved (auto: the planner's pick), in setup
@@ -232,12 +234,16 @@ class Trainer:
             f"{len(blocks)} blocks{_checkpointed(c.gradient_checkpointing)}"
             f"{f', {self.fraction:g} of block bytes streamed from CPU RAM' if streamed else ''}")
         if self.sharded:  # train.distributed: fsdp; config.py refused what it does not do (EMA, conductor, ...)
-            sharded.shard(self.transformer, blocks, self.device, offload=streamed, loader=self._loader,
-                          checkpointed=streaming.checkpoint_policy(cfg, self.device, self.fraction),
-                          compile=streaming.compiles(cfg, self.device), master=self._master_dtype())
+            self._activations = sharded.shard(
+                self.transformer, blocks, self.device, offload=streamed, loader=self._loader,
+                checkpointed=streaming.checkpoint_policy(cfg, self.device, self.fraction),
+                compile=streaming.compiles(cfg, self.device), master=self._master_dtype(),
+                activations=cfg.offload.activations and self._can_stream(),  # as one process: only on a GPU
+                nano_batches=cfg.offload.nano_batches)
             self._loader = None
             self.params = sharded.trainable(self.transformer)  # FSDP2's DTensor parameters replaced the originals
             self.optim = optimizer_for(cfg, self.params, self.dist, sharded=self.transformer)
+            self.ema = ShardedEMA.build(cfg, self.transformer, self.params)  # train.ema: the EMA of each shard
             self.objective = FlowMatching(c, self.adapter.timestep_shift, vae_scale=self.adapter.latent_scale)
             return self._finish_setup(resume_dir)
         # gradients averaged over ranks, if several
@@ -390,6 +396,10 @@ class Trainer:
         line = compiled.report()  # once, after the first step that compiled (its time is logged below)
         if line is not None and self.dist.is_main:
             say(f"{line}; step {self.step} took {dt:.1f} s")
+        if self._activations is not None and self.step == 1 and self.dist.is_main:  # fsdp: proof it moved them
+            a = self._activations
+            say(f"fsdp: activation offloading moved {a.offloaded_bytes / 1e9:.2f} GB of block inputs per micro-batch "
+                f"to CPU RAM ({a.pinned_bytes / 1e9:.2f} GB page-locked)")
         metrics = {"loss": sum(losses) / len(losses), "lr": lr, "step_time": dt, "samples_per_s": images * self.dist.world / dt}
         if log_now:
             metrics["grad_norm"] = None if grad_norm is None else float(grad_norm)  # host sync, logging steps only
@@ -442,9 +452,16 @@ class Trainer:
             staged = sharded.staging(root, self.step)
             self.optim.save_shards(staged / sharded.OPTIMIZER_DIR)
             wrote = self.method.save_sharded(staged, self.dist.is_main, self.dtype)
+            if self.ema is not None:  # ema.safetensors, gathered tensor by tensor (sharded_ema.py)
+                self.ema.save(staged)
         whole = sharded.whole_trainable(self.transformer, self.dist.is_main) if self.sharded and not wrote else None
         with whole or contextlib.nullcontext():  # a LoRA: gathered on rank 0, written by save_weights
-            return self._write(final, root, staged, wrote)
+            path = self._write(final, root, staged, wrote)
+        if final and self.sharded and self.ema is not None:  # collective: the EMA shards gathered as the weights
+            ema_path = self.ema.write_final(self.method, self.out, self.step, self.dist.is_main, self.dtype)
+            if self.dist.is_main:
+                say(f"saved {ema_path} (EMA)")
+        return path
 
     def _write(self, final: bool, root: Path, staged: Path | None, wrote: bool) -> Path:
         if not self.dist.is_main:  # rank 0 writes (every rank holds the same weights); the others wait for it
@@ -460,7 +477,7 @@ class Trainer:
                 os.replace(part, tmp / part.name)
             if staged is not None:
                 staged.rmdir()
-            if self.ema is not None:
+            if self.ema is not None and not self.sharded:  # fsdp: staged by `_save`
                 self.ema.save(tmp)
             save_file(ck.rng_state(self.objective.state()), str(tmp / "rng.safetensors"))
             ck.write_json(tmp / "state.json", self._state())
@@ -475,7 +492,7 @@ class Trainer:
                 self.dist.barrier()
                 return self.last_checkpoint
             path = self.method.write_final(self.out, self.last_checkpoint)
-            if self.ema is not None:
+            if self.ema is not None and not self.sharded:  # fsdp: after this, collectively (`_save`)
                 say(f"saved {self.ema.write_final(self.method, self.out, self.step)} (EMA)")
         say(f"saved {path} (step {self.step})")
         self.dist.barrier()
@@ -520,6 +537,9 @@ class Trainer:
         if self.offload is not None:
             self.offload.close(keep_weights=self.keep_model)
             self.offload = None
+        if self._activations is not None:
+            self._activations.close()
+            self._activations = None
         self.dist.close()
 
 
