@@ -4,6 +4,7 @@ random-weight Flux.1-dev folder (bench_program.py writes it). Issue 31's measure
 
     python bench/bench_fsdp.py --work /dev/shm/fsdp --out $OUT                     # 2+ GPUs
     python bench/bench_fsdp.py --work /dev/shm/fsdp --out $OUT --runs lora-fsdp-2-f1 lora-ddp-2-f1
+    python bench/bench_fsdp.py --work /dev/shm/fsdp --out $OUT --runs lora-fsdp-2-f1 lora-fsdp-2-f1-act  # act. offload
 
 Each run is `torchrun --standalone --nproc_per_node N -m trainer fit cfg.yaml` (N = 1: plain `python -m trainer
 fit`) of configs/flux/lora-24gb.yaml (or the full fine-tune preset) with --set overrides: 1024 px, batch 1 per
@@ -32,17 +33,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-#: name -> (method, processes, distributed, offload fraction)
+#: name -> (method, processes, distributed, offload fraction, offload.activations); "-act": activations offloaded
 RUNS = {
-    "lora-1-f0": ("lora", 1, "ddp", 0.0),
-    "lora-ddp-2-f0": ("lora", 2, "ddp", 0.0),
-    "lora-fsdp-2-f0": ("lora", 2, "fsdp", 0.0),
-    "lora-1-f1": ("lora", 1, "ddp", 1.0),
-    "lora-ddp-2-f1": ("lora", 2, "ddp", 1.0),
-    "lora-fsdp-2-f1": ("lora", 2, "fsdp", 1.0),
-    "full-fsdp-2-f0": ("full", 2, "fsdp", 0.0),
-    "full-ddp-2-f1": ("full", 2, "ddp", 1.0),
-    "full-fsdp-2-f1": ("full", 2, "fsdp", 1.0),
+    "lora-1-f0": ("lora", 1, "ddp", 0.0, False),
+    "lora-ddp-2-f0": ("lora", 2, "ddp", 0.0, False),
+    "lora-fsdp-2-f0": ("lora", 2, "fsdp", 0.0, False),
+    "lora-1-f1": ("lora", 1, "ddp", 1.0, False),
+    "lora-ddp-2-f1": ("lora", 2, "ddp", 1.0, False),
+    "lora-fsdp-2-f1": ("lora", 2, "fsdp", 1.0, False),
+    "full-fsdp-2-f0": ("full", 2, "fsdp", 0.0, False),
+    "full-ddp-2-f1": ("full", 2, "ddp", 1.0, False),
+    "full-fsdp-2-f1": ("full", 2, "fsdp", 1.0, False),
+    "lora-fsdp-2-f0-act": ("lora", 2, "fsdp", 0.0, True),
+    "lora-fsdp-2-f1-act": ("lora", 2, "fsdp", 1.0, True),
+    "lora-ddp-2-f1-act": ("lora", 2, "ddp", 1.0, True),
+    "full-fsdp-2-f1-act": ("full", 2, "fsdp", 1.0, True),
+    "full-fsdp-2-f1-fused": ("full", 2, "fsdp", 1.0, False),  # each shard steps in backward (fused back pass)
 }
 
 
@@ -123,13 +129,13 @@ def h2d_gbps(gpus: int) -> list[float]:
 def run_one(name: str, model: Path, images: Path, work: Path, steps: int, smoke: bool = False) -> dict:
     from bench_program import write_config
 
-    method, nproc, mode, f = RUNS[name]
+    method, nproc, mode, f, act = RUNS[name]
     run_dir = work / name
     sets = [f"train.distributed={mode}", f"offload.transformer={f}", "train.compile=false",
-            "train.gradient_checkpointing=true", "offload.activations=false", "train.batch_size=1",
+            "train.gradient_checkpointing=true", f"offload.activations={str(act).lower()}", "train.batch_size=1",
             "train.grad_accum=1", "sample.every=0", f"train.method={method}", "model.quantize=none"]
     if method == "full":
-        fused = mode == "ddp" and f > 0
+        fused = (mode == "ddp" and f > 0) or name.endswith("-fused")
         sets += [f"optimizer.fused_back_pass={str(fused).lower()}", "optimizer.max_grad_norm=null",
                  "optimizer.name=adamw", "train.ema=null"]
     sets.append(f"data.cache_dir={work / 'cache'}")  # one cache for every run: the first fills it
@@ -146,7 +152,8 @@ def run_one(name: str, model: Path, images: Path, work: Path, steps: int, smoke:
         poll = TreePoller(p.pid)
         rc = p.wait()
     poll.stop()
-    row = {"run": name, "method": method, "processes": nproc, "distributed": mode, "fraction": f, "rc": rc,
+    row = {"run": name, "method": method, "processes": nproc, "distributed": mode, "fraction": f,
+           "activations": act, "rc": rc,
            "wall_s": time.time() - t0, "node_anon_peak": poll.node_peak, "rank_anon_peak": poll.rank_peak}
     metrics = run_dir / "out" / "metrics.jsonl"
     if metrics.exists():

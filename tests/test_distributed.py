@@ -10,6 +10,7 @@ loss on one rank stop both at the same step.
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import time
@@ -40,11 +41,11 @@ def _cfg(models, images, out, cache, method="lora", world=1, **train):
     )
 
 
-def _weights(out: Path, method: str) -> dict[str, torch.Tensor]:
+def _weights(out: Path, method: str, folder: str = "transformer") -> dict[str, torch.Tensor]:
     if method == "lora":
         return load_file(str(out / "lora.safetensors"))
     sd = {}
-    for f in sorted((out / "transformer").glob("*.safetensors")):
+    for f in sorted((out / folder).glob("*.safetensors")):
         sd.update(load_file(str(f)))
     return sd
 
@@ -62,14 +63,19 @@ def _job(rank: int, job: dict) -> dict:
     from trainer.config import Config
 
     cfg = Config.model_validate(job["cfg"])
+    for target, value in job.get("patch", {}).items():  # "module.NAME": value, set in this process
+        module, _, name = target.rpartition(".")
+        setattr(importlib.import_module(module), name, value)
     if job.get("stream"):  # the conductor's CPU path, as tests/test_train_resume.py runs it
         Trainer._can_stream = lambda self: True
     t = Trainer(cfg, resume=job.get("resume"))
     t.setup()
     reducer = getattr(t.optim, "_reducer", None)
     info = {"monitor": t.monitor is not None, "sampler": t.sampler is not None, "world": t.dist.world,
-            "rank": t.dist.rank, "buckets": len(reducer.buckets) if reducer else 0, "error": None}
-    if job.get("stream"):  # the shared arena (issue 20), seen from inside while both processes map it
+            "rank": t.dist.rank, "buckets": len(reducer.buckets) if reducer else 0, "error": None,
+            "nano_mlps": sum(type(m).__name__.startswith("NanoBatched") for m in t.transformer.modules())}
+    if job.get("stream") and t.offload is not None:  # the shared arena (issue 20), seen from inside while both
+        # processes map it (fsdp has no conductor: "stream" only lets it offload activations on the CPU)
         inner_step = t.train_step
 
         def step_and_look():
@@ -97,8 +103,10 @@ def _job(rank: int, job: dict) -> dict:
             return out * float("nan") if t.step + 1 == job["nan_at"] else out
 
         t.objective.loss = loss
+    offloader = getattr(t, "_activations", None)  # fsdp's activation offloader (closed by fit, its count kept)
     try:
         info["path"] = str(t.fit())
+        info["offloaded_activation_bytes"] = offloader.offloaded_bytes if offloader is not None else 0
     except Exception as e:  # noqa: BLE001 - reported to the test
         info["error"] = f"{type(e).__name__}: {e}"
         info["step"] = t.step

@@ -113,13 +113,13 @@ def test_sample_lora_that_is_not_safetensors(tiny_models, images, tmp_path):
 
 
 def test_disk_full_during_a_save_says_how_much_was_needed(tiny_models, images, tmp_path, monkeypatch):
-    from trainer.train import trainer as trainer_mod
+    from trainer.train import saving as saving_mod
 
     def full(*a, **k):
         raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
                               'space left on device" })')
 
-    monkeypatch.setattr(trainer_mod, "save_file", full)  # the rng file of the first checkpoint
+    monkeypatch.setattr(saving_mod, "save_file", full)  # the rng file of the first checkpoint
     cfg = _cfg(tiny_models, images, tmp_path / "out", tmp_path / "cache")
     r = CliRunner().invoke(app, ["fit", str(_yaml(cfg, tmp_path / "c.yaml"))])
     line = _one_line(r, 1, alone=False)  # after two training steps

@@ -20,6 +20,7 @@ import pytest
 import torch
 import yaml
 from safetensors import safe_open
+from safetensors.torch import load_file
 from test_distributed import _run_two, _weights
 from test_train_support import losses, make_config
 
@@ -100,25 +101,111 @@ def test_fsdp_lora_on_2_and_4_processes_trains_like_one_and_resumes_across_world
     _close(_weights(resumed1, "lora"), ref_w)
 
 
+def _fused(cfg):
+    """`cfg` with the fused back pass (each shard steps in FSDP2's hook after its reduce-scatter)."""
+    return cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"fused_back_pass": True})})
+
+
 def test_fsdp_full_finetune_on_two_processes_trains_like_one(tiny_models, images, tmp_path, one_thread):
+    """... and its EMA (train.ema, each process the EMA of its shards): the transformer-ema/ folder of one process;
+    and with the fused back pass (grad_accum 1 on 2 processes against 1 process accumulating 2, unfused): the same
+    weights, and the global gradient norm summed from the shards."""
     cache = tmp_path / "cache"
-    ref = tmp_path / "ref"
-    Trainer(_cfg(tiny_models, images, ref, cache, "full", steps=2, checkpoint_every=0)).fit()
-    two = tmp_path / "two"
-    r0, r1 = _run_two([{"cfg": _cfg(tiny_models, images, two, cache, "full", world=2, steps=2,
-                                    checkpoint_every=0).model_dump(mode="json")}], tmp_path)
-    assert r0[0]["error"] is None and r1[0]["error"] is None, (r0, r1)
+    ref, ref2 = tmp_path / "ref", tmp_path / "ref-accum-2"
+    ema = {"decay": 0.5}  # far from 1, so that the EMA moves visibly in 2 steps
+    Trainer(_cfg(tiny_models, images, ref, cache, "full", steps=2, checkpoint_every=0, ema=ema)).fit()
+    c2 = _cfg(tiny_models, images, ref2, cache, "full", steps=2, checkpoint_every=0, grad_accum=2)
+    Trainer(c2.model_copy(update={"optimizer": c2.optimizer.model_copy(update={"max_grad_norm": 1e9})})).fit()  # norm
+    two, fused = tmp_path / "two", tmp_path / "fused"
+    jobs = [{"cfg": _cfg(tiny_models, images, two, cache, "full", world=2, steps=2, checkpoint_every=0,
+                         ema=ema).model_dump(mode="json")},
+            {"cfg": _fused(_cfg(tiny_models, images, fused, cache, "full", world=4, steps=2,
+                                checkpoint_every=0)).model_dump(mode="json")}]
+    r0, r1 = _run_two(jobs, tmp_path)
+    assert all(i["error"] is None for i in r0 + r1), (r0, r1)
     assert losses(two) == pytest.approx(losses(ref), rel=1e-5)
+    assert losses(fused) == pytest.approx(losses(ref2), rel=1e-5)
+    _close(_weights(fused, "full"), _weights(ref2, "full"))
+    norms = [[json.loads(line)["grad_norm"] for line in (o / "metrics.jsonl").read_text().splitlines()]
+             for o in (fused, ref2)]
+    assert None not in norms[0] and norms[0] == pytest.approx(norms[1], rel=1e-5)
     _close(_weights(two, "full"), _weights(ref, "full"))  # every weight, gathered from the shards
+    ema_two, ema_ref = (_weights(o, "full", "transformer-ema") for o in (two, ref))
+    _close(ema_two, ema_ref)
+    trained = _weights(two, "full")
+    assert any(not torch.equal(ema_two[k], trained[k]) for k in trained)  # the EMA, not the trained weights
+
+
+def test_fsdp_keeps_ema_activation_offloading_and_nano_batches_like_one_process(tiny_models, images, tmp_path,
+                                                                                 one_thread):
+    """train.ema, offload.activations and offload.nano_batches under fsdp on 2 processes: the losses, LoRA and EMA
+    of one process (which nano-batches too; it offloads activations only on a GPU), the checkpoints' ema.safetensors
+    the file one process writes (each process reads its rows of it on resume). Activation offloading
+    runs its CPU path (copies into an unpinned host arena and back) on every block input, as its byte count shows."""
+    cache = tmp_path / "cache"
+
+    def cfg(out, world):
+        c = _cfg(tiny_models, images, out, cache, world=world, ema={"decay": 0.5})
+        return c.model_copy(update={"offload": c.offload.model_copy(update={"activations": True, "nano_batches": 2})})
+
+    ref, two, resumed = tmp_path / "ref", tmp_path / "two", tmp_path / "resumed-in-two"
+    Trainer(cfg(ref, 1)).fit()
+    jobs = [{"cfg": cfg(two, 2).model_dump(mode="json"), "stream": True,  # stream: a "GPU", so activations run
+             "patch": {"trainer.train.sharded.ACTIVATION_MIN_BYTES": 0}},  # the tiny model's inputs count too
+            {"cfg": cfg(resumed, 2).model_dump(mode="json"), "resume": str(two / "checkpoints" / "step-000002")}]
+    results = _run_two(jobs, tmp_path)
+    assert all(i["error"] is None for r in results for i in r), results
+    assert all(r[0]["offloaded_activation_bytes"] > 0 and r[0]["nano_mlps"] > 0 for r in results), results
+    assert losses(two) == pytest.approx(losses(ref), rel=1e-5)
+    _close(_weights(two, "lora"), _weights(ref, "lora"))
+    ema_ref = load_file(str(ref / "lora-ema.safetensors"))
+    _close(load_file(str(two / "lora-ema.safetensors")), ema_ref)
+    assert any(not torch.equal(ema_ref[k], v) for k, v in load_file(str(ref / "lora.safetensors")).items())
+    for step in ("step-000002", "step-000004"):  # what one process writes: same names, values and header
+        files = [two / "checkpoints" / step / "ema.safetensors", ref / "checkpoints" / step / "ema.safetensors"]
+        _close(*(load_file(str(f)) for f in files))
+        metas = []
+        for f in files:
+            with safe_open(str(f), "pt") as sf:
+                metas.append(sf.metadata())
+        assert metas[0] == metas[1]
+    assert losses(resumed) == pytest.approx(losses(ref)[2:], rel=1e-5)
+    _close(load_file(str(resumed / "lora-ema.safetensors")), ema_ref)
+
+
+def test_fsdp_schedule_free_and_prodigy_train_like_one_process_and_resume(tiny_models, images, tmp_path,
+                                                                            one_thread):
+    """optimizer.name adamw_schedulefree and prodigy on DTensor shards: the losses and LoRA of one process; their
+    checkpoints (schedule-free's saved with the averaged weights swapped in; both keep step sizes and counts in
+    the param groups, written beside the shards; Prodigy's p0 of a LoRA B is a scalar) resumed on one process
+    end where the uninterrupted run did."""
+    cache = tmp_path / "cache"
+    names = {"adamw_schedulefree": {"scheduler": "constant", "warmup_steps": 0}, "prodigy": {"lr": 1.0}}
+
+    def cfg(out, world, name):
+        c = _cfg(tiny_models, images, out, cache, world=world)
+        return c.model_copy(update={"optimizer": c.optimizer.model_copy(update={"name": name, **names[name]})})
+
+    for n in names:
+        Trainer(cfg(tmp_path / f"ref-{n}", 1, n)).fit()
+    r0, r1 = _run_two([{"cfg": cfg(tmp_path / f"two-{n}", 2, n).model_dump(mode="json")} for n in names], tmp_path)
+    assert all(i["error"] is None for i in r0 + r1), (r0, r1)
+    for n in names:
+        ref, two, resumed = (tmp_path / f"{o}-{n}" for o in ("ref", "two", "resumed"))
+        assert losses(two) == pytest.approx(losses(ref), rel=1e-5)
+        _close(_weights(two, "lora"), _weights(ref, "lora"))
+        Trainer(cfg(resumed, 1, n), resume=str(two / "checkpoints" / "step-000002")).fit()
+        assert losses(resumed) == pytest.approx(losses(ref)[2:], rel=1e-5)
+        _close(_weights(resumed, "lora"), _weights(ref, "lora"))
 
 
 def test_fsdp_refuses_what_it_does_not_do_in_one_line(tiny_models, images, tmp_path):
     with pytest.raises((ConfigError, ValueError)) as e:
         make_config(tiny_models, images, tmp_path / "o", tmp_path / "c", "flux", "full",
-                    train={"distributed": "fsdp", "ema": {"decay": 0.9}},
-                    optimizer={"fused_back_pass": True, "max_grad_norm": None})
+                    train={"distributed": "fsdp"}, offload={"transformer": "auto", "vram_budget_gb": 20},
+                    optimizer={"name": "adafactor", "max_grad_norm": None})
     msg = str(e.value)
-    assert "train.distributed: fsdp needs" in msg and "fused_back_pass: false" in msg and "no train.ema" in msg
+    assert "train.distributed: fsdp needs" in msg and "optimizer.name: adamw, " in msg and "offload.transformer" in msg
 
 
 def _free_port() -> int:

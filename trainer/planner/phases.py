@@ -9,7 +9,8 @@ The trainer logs each phase's measured peak beside these (trainer/train/phases.p
 
 How each is estimated (bf16 sizes; activations of the encoders are coarse, the bench measures them):
 - load: the transformer is read into pageable RAM, its blocks packed into the pinned arena; on the GPU the
-  ring, the non-block modules and the trained weights' state (the training step's static part).
+  ring, the non-block modules and the trained weights' state (the training step's static part), or, when
+  sampling during training has prompts, the text encoders encoding them before that (as in text caching).
 - text caching: every text encoder on the GPU at once, its non-block bytes and (1 - f) of its block bytes
   resident (f = offload.text_encoders; the conductor's ring holds whole blocks), plus the encode batch's
   activations (T5's attention scores in fp32 are most of them) and workspace; RAM: the encoders in CPU RAM as
@@ -21,8 +22,9 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
 - sampling: the training step's static part (ring, non-block, LoRA state) + the VAE + the larger of the
   denoising forward's activations (sampling.py; doubled under classifier-free guidance) and the tiled decode's
   (512-pixel tiles above 512x512).
-- checkpoint save: on the GPU the static part; in RAM the training peak plus a host copy of the trained
-  weights and optimizer state (safetensors writes from CPU tensors).
+- checkpoint save: on the GPU what the training step reserved (the caching allocator keeps it; the save adds
+  little); in RAM the training peak plus a host copy of the trained weights and optimizer state (safetensors
+  writes from CPU tensors).
 """
 
 from __future__ import annotations
@@ -107,15 +109,17 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
     px = res * res
     enc_act = min(px, CACHE_TILE_PIXELS) * VAE_ACT_ENCODE
+    text_vram = _text_vram(facts, te, cfg.data.encode_batch_size if cfg.data else 4)
+    s = cfg.sample
+    prompts_at_load = _text_vram(facts, te, 1) if s.every and s.prompts else 0.0  # encoded before the transformer
     out = [
-        PhasePrediction("text caching", _text_vram(facts, te, cfg.data.encode_batch_size if cfg.data else 4),
-                        text_bytes, f"offload.text_encoders {te:g}"),
+        PhasePrediction("text caching", text_vram, text_bytes, f"offload.text_encoders {te:g}"),
         PhasePrediction("latent caching", vae + ALLOCATOR_OVERHEAD * enc_act + WORKSPACE, vae + px * 12,
                         "tiled" if px > CACHE_TILE_PIXELS else "untiled"),
-        PhasePrediction("load", train.static, train.ram_peak, f"offload.transformer {fraction:g}"),
+        PhasePrediction("load", max(train.static, prompts_at_load), train.ram_peak,
+                        f"offload.transformer {fraction:g}" + (", sample prompts encoded" if prompts_at_load else "")),
         PhasePrediction("training step", train.peak_reserved, train.ram_peak, f"{res} px"),
     ]
-    s = cfg.sample
     if s.every and s.prompts:
         from .sampling import cfg_batch, predict_sampling
 
@@ -128,7 +132,8 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
                                    train.ram_peak + vae, f"every {s.every} steps, {s.width}x{s.height}"))
     state = (facts.trainable_params * 4 + facts.state_gpu) if facts.method == "lora" else model_bytes + sum(
         facts.block_states)
-    out.append(PhasePrediction("checkpoint save", train.static, train.ram_peak + state, "trained weights + state"))
+    out.append(PhasePrediction("checkpoint save", train.peak_reserved, train.ram_peak + state,
+                               "trained weights + state; the step's reserved VRAM kept"))
     return out
 
 

@@ -9,6 +9,7 @@
     method.save_weights(folder, step) / method.load_weights(folder)
     method.write_final(out_dir, checkpoint) -> path   # output.dir/lora.safetensors or output.dir/transformer
     method.write_ema(out_dir, step) -> path           # the same for the EMA weights (-ema), swapped in by ema.py
+    method.write_ema_sharded(out_dir, step, main, dtype)  # fsdp: the same, collective (sharded_ema.py)
     method.describe(params)                           # "lora: 0.012 M trainable parameters in 56 tensors"
 
 Everything the loop would otherwise decide with `if method == "lora"` is here, so trainer/train/trainer.py reads
@@ -65,6 +66,14 @@ class TrainingMethod:
     def sharded_master_dtype(self, dtype: torch.dtype) -> torch.dtype | None:  # noqa: ARG002
         """fsdp: the dtype to keep the trainable shards in when it is not the model's `dtype` (None: the model's)."""
         return None
+
+    def write_ema_sharded(self, out_dir: Path, step: int, main: bool, dtype: torch.dtype | None) -> Path:  # noqa: ARG002
+        """fsdp, collective, with the EMA in the shards (sharded_ema.py): the trainable weights gathered to rank 0
+        (`main`), which writes them as `write_ema` does."""
+        from . import sharded
+
+        with sharded.whole_trainable(self.transformer, main):
+            return self.write_ema(out_dir, step) if main else out_dir
 
     def describe(self, params: list[torch.nn.Parameter]) -> str:
         return f"{self.name}: {count(params) / 1e6:.3f} M trainable parameters in {len(params)} tensors"
@@ -213,6 +222,18 @@ class FullMethod(TrainingMethod):
         """The EMA weights (swapped in by ema.py) as the diffusers folder output.dir/transformer-ema."""
         path = out_dir / "transformer-ema"
         ck.atomic_dir(path, lambda tmp: ck.save_transformer(tmp, self.transformer))
+        return path
+
+    def write_ema_sharded(self, out_dir: Path, step: int, main: bool, dtype: torch.dtype | None) -> Path:  # noqa: ARG002
+        """fsdp, collective: transformer-ema/ written by rank 0 file by file as the shards (the EMA swapped in)
+        are gathered (sharded.save_transformer), in `dtype`."""
+        from . import sharded
+
+        path = out_dir / "transformer-ema"
+        if main:
+            ck.atomic_dir(path, lambda tmp: sharded.save_transformer(self.transformer, tmp, True, dtype))
+        else:
+            sharded.save_transformer(self.transformer, path, False, dtype)
         return path
 
     def write_final(self, out_dir: Path, checkpoint: Path) -> Path:

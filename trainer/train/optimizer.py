@@ -16,7 +16,9 @@ before clipping; fused, a `FusedAllReduce` pre-step hook averages each gradient 
 steps, and measures the norm of the averaged gradients (the fused pass's own would be this rank's). The loop
 calls the same methods with one process or eight. Under train.distributed: fsdp (trainer/train/sharded.py) the
 parameters are shards: FSDP2 averages their gradients itself, clipping sees the global norm of the DTensors,
-and `save` / `load` go through torch.distributed.checkpoint (every process writes its shards).
+and `save` / `load` go through torch.distributed.checkpoint (every process writes its shards). Fused under fsdp,
+FSDP2 calls each shard's post-accumulate-grad hook right after its reduce-scatter (on its post-reduce stream),
+so the shard steps there with the averaged gradient; `ShardNorm` sums the norm over the processes.
 
 Where the optimizer state of streamed weights lives is the training method's business (trainer/train/method.py):
 it calls `keep_state_in_ram` or binds `fused` to the conductor.
@@ -27,6 +29,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as tdist
+from torch.distributed.tensor import DTensor
 
 from ..config import Config
 from ..errors import UserError
@@ -50,8 +54,11 @@ class Optim:
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.train.steps)
         self.fused = FusedBackPass(self.optimizer) if cfg.optimizer.fused_back_pass else None
         self._reducer: BucketedAllReduce | None = None  # several processes, unfused
-        self._fused_reduce: FusedAllReduce | None = None  # several processes, fused
-        if dist.active and self.fused is not None:
+        self._fused_reduce: FusedAllReduce | ShardNorm | None = None  # several processes, fused
+        if dist.active and self.fused is not None and sharded is not None:
+            self._fused_reduce = ShardNorm()  # FSDP2 has averaged each gradient before the hook sees it
+            self.fused.add_step_hooks(pre=self._fused_reduce.pre)
+        elif dist.active and self.fused is not None:
             self._fused_reduce = FusedAllReduce(dist.world)
             self.fused.add_step_hooks(pre=self._fused_reduce.pre)
         elif dist.active and sharded is None:
@@ -119,6 +126,31 @@ class Optim:
             self._reducer.remove()
         if self.fused is not None:
             self.fused.remove()
+
+
+class ShardNorm:
+    """fsdp with the fused back pass: each process's pre-step hook adds up the squares of its gradient shards;
+    `take_norm` sums them over the processes (one all-reduce, logging steps only). The fused pass's own norm
+    would be a DTensor reduction, a collective inside FSDP2's reduce-scatter hook, per parameter."""
+
+    def __init__(self):
+        self.track = False
+        self._sq: torch.Tensor | None = None
+
+    def pre(self, p: torch.Tensor, state) -> None:  # noqa: ARG002 - FusedBackPass hook signature
+        if self.track and p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            sq = torch.linalg.vector_norm(g, dtype=torch.float32).square()  # stays where the shard is
+            self._sq = sq if self._sq is None else self._sq.add_(sq.to(self._sq.device))
+
+    def take_norm(self) -> float | None:
+        if not self.track:
+            return None
+        on = torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else torch.device("cpu")
+        sq = (self._sq if self._sq is not None else torch.zeros(())).reshape(1).to(on, torch.float32)
+        tdist.all_reduce(sq)  # every process calls it: `track` is the same logging step everywhere
+        self._sq = None
+        return float(sq) ** 0.5  # host-device sync (logging steps only)
 
 
 def optimizer_for(cfg: Config, params: list[torch.nn.Parameter], dist: Dist,

@@ -20,7 +20,8 @@ gradients, so each process ends the backward pass with the mean gradient of its 
   assembles the rest, so each GPU moves 1/N of the bytes a single-GPU run moves. The gradients land in pinned RAM
   and the optimizer steps on the CPU (its state is there too). It is all or nothing: any fraction > 0 offloads
   every unit (FSDP2's policy is per unit; a mixed plan would step some shards on the GPU and some on the CPU).
-  Our conductor (trainer/offload) is not used: the arena, ring and fused back pass are its single-process design.
+  The conductor's streaming (trainer/offload: arena, ring) is not used, being a single-process design; its
+  activation offloader and nano split are (below).
 - Full fine-tuning of bf16 weights: the shards are kept in fp32 (FSDP2's `MixedPrecisionPolicy`: all-gathered
   in bf16, gradients reduce-scattered in fp32), so AdamW steps fp32 master shards and nothing is rounded away; a
   one-process run steps fp32 copies made per weight instead (trainer/optim/stochastic.py), which cannot shard.
@@ -28,6 +29,18 @@ gradients, so each process ends the backward pass with the mean gradient of its 
 - Checkpointing: each block's forward runs under `torch.utils.checkpoint` (non-reentrant) inside the FSDP2 unit,
   so backward all-gathers a block once, recomputes it and reduce-scatters it; train.gradient_checkpointing: auto
   keeps the blocks the planner picks.
+- Activation offloading (offload.activations): the conductor's own ActivationOffloader (trainer/offload/
+  activations.py), which does not care where the weights come from. Its saved-tensor hooks wrap each block's
+  checkpoint call, so the tensors checkpoint saves (the block's inputs; the tensor keyword arguments diffusers
+  passes are made positional for that) go to pinned CPU RAM on a side stream in forward and come back one block
+  ahead in backward, while FSDP2 all-gathers that block; a forward pre-hook on the root starts each step's
+  arena. Only on a GPU, as with one process (tests/test_fsdp.py runs its CPU path: copies into an unpinned
+  arena and back). Inside a checkpointed block FSDP2's all-gathered weights are not saved tensors (the
+  recompute uses the weights FSDP2 gathers again), so only activations move.
+- Nano-batches (offload.nano_batches): each block's token-wise MLPs are split (trainer/offload/nano.py) before
+  it is sharded, as the conductor splits them.
+- EMA (train.ema): each process keeps the EMA of its own shards; the checkpoint's ema.safetensors and the final
+  -ema weights are what one process writes (trainer/train/sharded_ema.py).
 - Compile (train.compile): each block is compiled with `torch.compile` before it is sharded (not yet measured on
   a GPU: bench/bench_fsdp.py's rows are eager).
 - Checkpoints: the trainable weights are gathered to rank 0 one at a time (a LoRA's frozen base is not) and
@@ -36,15 +49,29 @@ gradients, so each process ends the backward pass with the mean gradient of its 
   output too. The optimizer state, the part that is big and sharded, is written by every process through
   `torch.distributed.checkpoint` with its safetensors writer (`optimizer/shard-*.safetensors`, no pickle) and read
   back through the same planner, which re-shards it: a run saved on 4 processes resumes on 2 or on 1.
+- The fused back pass (optimizer.fused_back_pass): FSDP2 (torch 2.13's `foreach_reduce`) calls the sharded
+  parameters' post-accumulate-grad hooks itself, right after it has reduce-scattered a unit's gradients into
+  them, under its post-reduce stream; the fused pass's hook (trainer/optim/fused.py) steps that shard there and
+  frees its gradient, and the next forward's all-gather waits for that stream. Each process then never holds
+  more than one unit's gradient shards: with CPU offload, the 4 bytes per weight / N of fp32 gradients in pinned
+  RAM are gone. (FSDP2 copies the gradient to the CPU synchronously when such a hook exists, and the CPU AdamW
+  step runs inside backward: not yet measured on GPUs.) The gradient norm is summed from the shards
+  (optimizer.py `ShardNorm`).
 - Exactness: FSDP2 reduce-scatters the sum of the ranks' gradients and divides by N, so `fsdp` on N processes
   trains the one-process run with grad_accum x N micro-batches up to fp32 summation order (tests/test_fsdp.py);
   the data order and noise are distributed.py's, the same as ddp.
 
-Left out (config.py refuses each in one line): the fused back pass (its point, never holding all gradients, is
-what sharding does: each process holds 1/N of them), optimizers other than AdamW (untested on DTensor state),
-EMA, activation offloading and nano-batches (the conductor's), and `offload.transformer: auto` (the planner plans
-one process). Sampling and validation during training run on rank 0 as under ddp, the other ranks joining each of
-its transformer calls (`Lockstep`).
+Optimizers: AdamW, schedule-free AdamW and Prodigy (their step counts, weight sums and step size d live in the
+param groups, which rank 0 writes beside the shards, GROUPS; Prodigy's global sums are DTensor reductions;
+its `p0` of a weight that was all zeros at its first step, a LoRA B, is a scalar, read back as saved: a
+weight all zeros again at resume whose p0 was saved whole would not load). Left out (config.py refuses each in
+one line): Adafactor (transformers' builds its factored moments as plain tensors beside DTensor gradients:
+"mixed torch.Tensor and DTensor"), 8-bit AdamW (bitsandbytes; CUDA only, untested on shards), stochastic
+rounding (the fp32 master shards above keep what it keeps), and `offload.transformer: auto` (the planner plans
+one process). Gradient accumulation reduce-scatters after every micro-batch (`set_requires_gradient_sync(False)`
+would save those collectives by keeping every unit's whole gradient until the last one: for a full fine-tune a
+full-size gradient per process, what sharding is for removing). Sampling and validation during training run on
+rank 0 as under ddp, the other ranks joining each of its transformer calls (`Lockstep`).
 
 Measured (bench/RESULTS.md, issue 31, 2 x H100, Flux.1-dev LoRA): slower than ddp, resident (1.13 vs 0.87 s, for
 10 GB less VRAM per GPU) and streamed (FSDP2's CPU offload 1.64 s vs the conductor's 1.11 s). It is for what does
@@ -73,44 +100,68 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import UserError
+from ..offload.activations import ActivationOffloader
+from ..offload.nano import split_mlps
 from .checkpoint import first_nonfinite
 from .monitor import say
 
 OPTIMIZER_DIR = "optimizer"  # the optimizer state's shards inside a checkpoint folder
+GROUPS = "param_groups.json"  # beside the shards: the param groups' settings (`save_optimizer`)
 FILE_BYTES = 2 * 2**30  # whole-tensor bytes per optimizer-state file (`_files`)
+ACTIVATION_MIN_BYTES = 1 << 20  # smaller checkpoint inputs stay where they are (the conductor's default)
 
 
-def _checkpointed(block: nn.Module) -> None:
+def _checkpointed(block: nn.Module, index: int, activations: ActivationOffloader | None) -> None:
     """Run `block`'s forward under non-reentrant activation checkpointing: its class becomes a subclass whose
-    forward wraps the original (names, state-dict keys and isinstance checks unchanged)."""
+    forward wraps the original (names, state-dict keys and isinstance checks unchanged). Tensor keyword arguments
+    (diffusers passes a block everything by keyword) become positional ones of the checkpointed function, so
+    checkpoint saves them as saved tensors, which `activations`' hooks move to CPU RAM; only the non-tensor ones
+    are kept by the closure (as trainer/offload/block.py does, and for the same reason)."""
     cls = type(block)
 
     def forward(self, *args, **kwargs):
-        return checkpoint(cls.forward, self, *args, use_reentrant=False, **kwargs)
+        keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        static = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        n = len(args)
+
+        def run(*a):
+            return cls.forward(self, *a[:n], **static, **dict(zip(keys, a[n:], strict=True)))
+
+        flat = [*args, *(kwargs[k] for k in keys)]
+        del kwargs
+        hooks = activations.hooks(index) if activations is not None and torch.is_grad_enabled() else \
+            contextlib.nullcontext()
+        with hooks:
+            return checkpoint(run, *flat, use_reentrant=False)
 
     block.__class__ = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})
 
 
 def shard(transformer: nn.Module, blocks: list[nn.Module], device: torch.device, *, offload: bool,
-          checkpointed: bool | list[bool], compile: bool, loader=None, master: torch.dtype | None = None) -> None:
+          checkpointed: bool | list[bool], compile: bool, loader=None, master: torch.dtype | None = None,
+          activations: bool = False, nano_batches: int = 1) -> ActivationOffloader | None:
     """Make `transformer` FSDP2 units across the default process group (see the module essay). `loader`: the
     stream_load.TransformerLoader whose placeholders fill block by block (None: the weights are already on the
     CPU). `checkpointed`: per block, or one bool for all. `master`: keep the shards in this dtype (fp32 for a
-    full fine-tune of bf16 weights) and compute in the weights' own dtype."""
+    full fine-tune of bf16 weights) and compute in the weights' own dtype. `activations`: the checkpointed
+    blocks' inputs go to CPU RAM (returns the offloader: close it after training); `nano_batches`: each block's
+    token-wise MLPs run in that many checkpointed chunks (trainer/offload/nano.py)."""
     world = tdist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     compute = next(p.dtype for p in transformer.parameters() if p.is_floating_point())
     mixed = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master) if master else MixedPrecisionPolicy()
     per_block = checkpointed if isinstance(checkpointed, list) else [checkpointed] * len(blocks)
+    offloader = ActivationOffloader(device, min_bytes=ACTIVATION_MIN_BYTES) if activations else None
     with torch.no_grad():
-        for b, ckpt in zip(blocks, per_block, strict=True):
+        for i, (b, ckpt) in enumerate(zip(blocks, per_block, strict=True)):
             if loader is not None:
                 loader.place(b, torch.device("cpu"))  # this block's whole tensors, dropped once sharded
             if master is not None:
                 b.to(master)
+            split_mlps(b, nano_batches)
             if ckpt:
-                _checkpointed(b)
+                _checkpointed(b, i, offloader)
             if compile:
                 b.compile()
             fully_shard(b, mesh=mesh, offload_policy=policy, mp_policy=mixed, reshard_after_forward=True)
@@ -121,7 +172,16 @@ def shard(transformer: nn.Module, blocks: list[nn.Module], device: torch.device,
         fully_shard(transformer, mesh=mesh, offload_policy=policy, mp_policy=mixed)
     shards = sum(p.to_local().numel() * p.element_size() for p in transformer.parameters() if isinstance(p, DTensor))
     say(f"fsdp: {len(blocks)} blocks + the rest sharded over {world} processes; this one holds "
-        f"{shards / 1e9:.2f} GB of weights {'in pinned CPU RAM' if offload else f'on {device}'}")
+        f"{shards / 1e9:.2f} GB of weights {'in pinned CPU RAM' if offload else f'on {device}'}"
+        f"{'; checkpointed block inputs offloaded to CPU RAM' if offloader else ''}"
+        f"{f'; MLPs in {nano_batches} token chunks' if nano_batches > 1 else ''}")
+    if offloader is not None:
+        def new_step(module, args) -> None:  # returns None: a pre-hook's return value would replace the args
+            if torch.is_grad_enabled():  # a training forward: the last backward has unpacked everything
+                offloader.new_step()
+
+        transformer.register_forward_pre_hook(new_step)
+    return offloader
 
 
 def trainable(transformer: nn.Module) -> list[nn.Parameter]:
@@ -259,6 +319,10 @@ def _flat(osd: dict) -> dict[str, torch.Tensor]:
             if isinstance(v, torch.Tensor)}
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def staging(root: Path, step: int) -> Path:
     """Where the processes write what they write together (the optimizer shards, a full fine-tune's weights)
     before rank 0 moves it into the checkpoint (a `.tmp-` name: checkpoint.remove_partial clears it after a
@@ -267,13 +331,19 @@ def staging(root: Path, step: int) -> Path:
 
 
 def save_optimizer(transformer: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Collective: every process writes its shards of the optimizer state into `folder` (safetensors)."""
-    state = _flat(get_optimizer_state_dict(transformer, optimizer))
+    """Collective: every process writes its shards of the optimizer state into `folder` (safetensors); rank 0
+    adds the param groups' settings (GROUPS: Prodigy's step size d, schedule-free's weight sum and mode live
+    there, the same on every process)."""
+    osd = get_optimizer_state_dict(transformer, optimizer)
+    state = _flat(osd)
     if tdist.get_rank() == 0:
         shutil.rmtree(folder, ignore_errors=True)
     tdist.barrier()
     writer = dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True, fqn_to_index_mapping=_files(state))
     dcp.save(state, storage_writer=writer)
+    if tdist.get_rank() == 0:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]
+        (folder / GROUPS).write_text(json.dumps(groups))  # floats through repr: exact
 
 
 def _files(state: dict[str, torch.Tensor], group_bytes: int | None = None) -> dict[str, int]:
@@ -298,10 +368,22 @@ def load_optimizer(transformer: nn.Module, optimizer: torch.optim.Optimizer, fol
     if not folder.is_dir():
         raise UserError(f"--resume: {folder} is missing: this checkpoint was not written by a train.distributed: "
                         "fsdp run (resume it with train.distributed: ddp, or one process)")
+    for p in [p for p, st in optimizer.state.items() if not st]:  # schedule-free's train() leaves empty entries,
+        del optimizer.state[p]  # which would make torch skip initialising the state below
     osd = get_optimizer_state_dict(transformer, optimizer)  # initialises the state: the right shapes to read into
     flat = _flat(osd)
+    saved = dcp.HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
+    for key, t in flat.items():  # state whose shape depends on the weights at its first step (Prodigy's p0: a
+        meta = saved.get(key)  # scalar for a weight that was all zeros, a LoRA B) is read as it was saved, whole
+        if meta is not None and tuple(meta.size) != tuple(t.shape) and meta.size.numel() == 1:
+            flat[key] = torch.empty(meta.size, dtype=t.dtype, device=_local(t).device)
     dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
     for key, value in flat.items():
         fqn, _, k = key.rpartition("/")
         osd["state"][fqn][k] = value
+    if (folder / GROUPS).is_file():
+        for group, saved in zip(osd["param_groups"], json.loads((folder / GROUPS).read_text()), strict=True):
+            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
     set_optimizer_state_dict(transformer, optimizer, osd)
+    if hasattr(optimizer, "train") and not all(g.get("train_mode", True) for g in optimizer.param_groups):
+        optimizer.train()  # schedule-free: saved with the averaged weights in place (build.eval_weights)

@@ -11,7 +11,7 @@ setup     resolves --resume first (a missing checkpoint fails before anything lo
           (sharded.py); restores a checkpoint's state.
 train_step draws grad_accum micro-batches, checks each loss before its backward, clips, steps.
 save      writes a complete, resumable checkpoint atomically (see checkpoint.py) and, at the end, the method's
-          final weights in output.dir (the LoRA file or the transformer folder).
+          final weights in output.dir (the LoRA file or the transformer folder): saving.py, a mixin.
 close     restores signal handlers, closes the logs, drops the model.
 
 The loop never asks which method it trains: whatever differs between LoRA and full fine-tuning is a call on
@@ -27,16 +27,14 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from ..config import Config
 from ..dtypes import DTYPES
-from ..errors import NonFiniteLossError, NonFiniteWeightsError, UserError
+from ..errors import NonFiniteLossError, UserError
 from ..models import get_adapter, stream_load
 from ..offload import compiled
 from ..optim.build import eval_weights
@@ -47,12 +45,14 @@ from . import distributed, faults, sharded, streaming
 from . import run as runs
 from .ema import EMA
 from .faults import StopFlag, TrainingInterrupted, oom_error
-from .inputs import data_state, load_data_state, prepare_data
+from .inputs import prepare_data
 from .method import method_for
 from .monitor import Monitor, say
 from .objective import FlowMatching
 from .optimizer import optimizer_for
 from .phases import LOG, Phase, ram_words
+from .saving import Saving
+from .sharded_ema import ShardedEMA
 from .validation import Validator
 
 
@@ -81,7 +81,7 @@ def choose_attention(device: torch.device, choice: str) -> str:
     return "/".join(names) + " (cuDNN attention off)"
 
 
-class Trainer:
+class Trainer(Saving):
     def __init__(self, cfg: Config, resume: str | None = None, overwrite: bool = False, resume_other_run: bool = False,
                  keep_model: bool = True, relaunch: str = "dittrain fit CONFIG --resume latest"):
         self.cfg = cfg
@@ -98,6 +98,7 @@ class Trainer:
         self.monitor: Monitor | None = None
         self.last_checkpoint: Path | None = None
         self.offload = None
+        self._activations = None  # fsdp: sharded.shard's activation offloader (the conductor's, else)
         self.ema = None  # train.ema (ema.py), built in setup
         self.method = method_for(cfg)  # LoRA or full: everything the loop would otherwise branch on
         self.fraction: float | None = None  # offload.transformer resolved (auto: the planner's pick), in setup
@@ -233,12 +234,16 @@ class Trainer:
             f"{len(blocks)} blocks{_checkpointed(c.gradient_checkpointing)}"
             f"{f', {self.fraction:g} of block bytes streamed from CPU RAM' if streamed else ''}")
         if self.sharded:  # train.distributed: fsdp; config.py refused what it does not do (EMA, conductor, ...)
-            sharded.shard(self.transformer, blocks, self.device, offload=streamed, loader=self._loader,
-                          checkpointed=streaming.checkpoint_policy(cfg, self.device, self.fraction),
-                          compile=streaming.compiles(cfg, self.device), master=self._master_dtype())
+            self._activations = sharded.shard(
+                self.transformer, blocks, self.device, offload=streamed, loader=self._loader,
+                checkpointed=streaming.checkpoint_policy(cfg, self.device, self.fraction),
+                compile=streaming.compiles(cfg, self.device), master=self._master_dtype(),
+                activations=cfg.offload.activations and self._can_stream(),  # as one process: only on a GPU
+                nano_batches=cfg.offload.nano_batches)
             self._loader = None
             self.params = sharded.trainable(self.transformer)  # FSDP2's DTensor parameters replaced the originals
             self.optim = optimizer_for(cfg, self.params, self.dist, sharded=self.transformer)
+            self.ema = ShardedEMA.build(cfg, self.transformer, self.params)  # train.ema: the EMA of each shard
             self.objective = FlowMatching(c, self.adapter.timestep_shift, vae_scale=self.adapter.latent_scale)
             return self._finish_setup(resume_dir)
         # gradients averaged over ranks, if several
@@ -333,29 +338,6 @@ class Trainer:
         this to run the conductor's CPU path through the loop.)"""
         return self.device.type == "cuda"
 
-    def _load_weights(self, folder: Path) -> None:
-        state = json.loads((folder / "state.json").read_text())
-        if state.get("method") != self.method.name:
-            raise UserError(f"--resume {folder}: checkpoint of a {state.get('method')} run, config says {self.method.name}")
-        self.method.load_weights(folder)
-
-    def _restore(self, folder: Path) -> None:
-        """Everything but the weights (`_load_weights`): optimizer, schedule, data position, generators, step."""
-        state = json.loads((folder / "state.json").read_text())
-        if state.get("config_digest") != self.cfg.digest():
-            changes = runs.config_changes(state.get("config"), self.cfg.model_dump(mode="json"))
-            say(f"note: the config differs from the one {folder} was saved with"
-                f"{' (' + '; '.join(changes) + ')' if changes else ''}; continuing with the current one")
-        self.optim.load(folder, state["scheduler"])
-        load_data_state(self.data, state["data"])
-        self.objective.load_state(ck.restore_rng(load_file(str(folder / "rng.safetensors"))))
-        self.step = int(state["step"])
-        self._smoothing = state.get("loss_smoothing")  # the monitor's smoothed loss goes on from here
-        if self.ema is not None:
-            self.ema.load(folder, self.step)
-        self.last_checkpoint = folder
-        say(f"resumed from {folder} at step {self.step}")
-
     # ------------------------------------------------------------------------------------------------ step
 
     def train_step(self) -> dict[str, float]:
@@ -391,6 +373,10 @@ class Trainer:
         line = compiled.report()  # once, after the first step that compiled (its time is logged below)
         if line is not None and self.dist.is_main:
             say(f"{line}; step {self.step} took {dt:.1f} s")
+        if self._activations is not None and self.step == 1 and self.dist.is_main:  # fsdp: proof it moved them
+            a = self._activations
+            say(f"fsdp: activation offloading moved {a.offloaded_bytes / 1e9:.2f} GB of block inputs per micro-batch "
+                f"to CPU RAM ({a.pinned_bytes / 1e9:.2f} GB page-locked)")
         metrics = {"loss": sum(losses) / len(losses), "lr": lr, "step_time": dt, "samples_per_s": images * self.dist.world / dt}
         if log_now:
             metrics["grad_norm"] = None if grad_norm is None else float(grad_norm)  # host sync, logging steps only
@@ -401,86 +387,6 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------------------------------------ save
-
-    def _state(self) -> dict:
-        return {"step": self.step, "method": self.method.name, "config_digest": self.cfg.digest(),
-                "config": self.cfg.model_dump(mode="json"), **self.run.state(),
-                "scheduler": self.optim.scheduler.state_dict(), "data": data_state(self.data),
-                "loss_smoothing": self.monitor.smoothing_state() if self.monitor is not None else None}
-
-    def _newest_checkpoint(self) -> str:
-        """This run's last checkpoint, else the newest complete one of this run in output.dir (a resumed run's)."""
-        found = self.last_checkpoint or (runs.run_checkpoints(self.out, getattr(getattr(self, "run", None), "id", None))
-                                         or [(0, None)])[-1][1]
-        return str(found) if found else "none (no checkpoint was saved yet)"
-
-    def save(self, final: bool = False) -> Path:
-        """A complete resumable checkpoint; with `final`, also the weights in output.dir. Returns the checkpoint
-        folder, or the final weights' path. (A schedule-free optimizer's averaged weights are what is saved.)"""
-        with self._phase("checkpoint save"), eval_weights(self.optim.optimizer if getattr(self, "optim", None)
-                                                          else None):
-            return self._save(final)
-
-    def _save(self, final: bool) -> Path:
-        if self.offload is not None:
-            self.offload.sync()  # host copies of streamed trainable weights must be current
-        # A NaN or inf gradient under a finite loss steps the weights to NaN without tripping the loss check; never
-        # save such weights over the last good checkpoint. Every rank holds the same weights, so all raise together.
-        if self.sharded:  # each process checks its shards; every rank raises together
-            mine = sharded.local_nonfinite(self.transformer)
-            bad = (mine or "a weight on another process") if self.dist.any(mine is not None) else None
-        else:
-            bad = ck.first_nonfinite((n, p) for n, p in self.transformer.named_parameters() if p.requires_grad)
-        if bad is not None:
-            raise NonFiniteWeightsError(
-                f"weight {bad} is NaN or inf after step {self.step} (a non-finite gradient under a finite loss); "
-                f"nothing was saved; last checkpoint: {self._newest_checkpoint()}. Lower optimizer.lr or set "
-                "optimizer.max_grad_norm, then resume from it"
-            )
-        root = ck.checkpoint_root(self.out)
-        staged, wrote = None, False
-        if self.sharded:  # collective: the optimizer shards (and a full fine-tune's weights) written together
-            staged = sharded.staging(root, self.step)
-            self.optim.save_shards(staged / sharded.OPTIMIZER_DIR)
-            wrote = self.method.save_sharded(staged, self.dist.is_main, self.dtype)
-        whole = sharded.whole_trainable(self.transformer, self.dist.is_main) if self.sharded and not wrote else None
-        with whole or contextlib.nullcontext():  # a LoRA: gathered on rank 0, written by save_weights
-            return self._write(final, root, staged, wrote)
-
-    def _write(self, final: bool, root: Path, staged: Path | None, wrote: bool) -> Path:
-        if not self.dist.is_main:  # rank 0 writes (every rank holds the same weights); the others wait for it
-            self.dist.barrier()
-            return (self.method.final_output(self.out) if final
-                    else ck.checkpoint_root(self.out) / f"step-{self.step:06d}")
-
-        def write(tmp: Path) -> None:
-            if not wrote:
-                self.method.save_weights(tmp, self.step)
-            self.optim.save(tmp)
-            for part in sorted(staged.iterdir()) if staged is not None else ():
-                os.replace(part, tmp / part.name)
-            if staged is not None:
-                staged.rmdir()
-            if self.ema is not None:
-                self.ema.save(tmp)
-            save_file(ck.rng_state(self.objective.state()), str(tmp / "rng.safetensors"))
-            ck.write_json(tmp / "state.json", self._state())
-
-        keep = self.cfg.train.keep_checkpoints
-        with runs.disk_errors(root, runs.estimate_checkpoint_bytes(self.out, self.params)):
-            self.last_checkpoint = ck.write_checkpoint(
-                root, self.step, write, keep, prune=lambda r: runs.prune(r, self.run.id, self.step, keep))
-            say(f"saved checkpoint {self.last_checkpoint}")
-            runs.keep_step_lora(self.cfg, self.run, self.last_checkpoint, self.step)
-            if not final:
-                self.dist.barrier()
-                return self.last_checkpoint
-            path = self.method.write_final(self.out, self.last_checkpoint)
-            if self.ema is not None:
-                say(f"saved {self.ema.write_final(self.method, self.out, self.step)} (EMA)")
-        say(f"saved {path} (step {self.step})")
-        self.dist.barrier()
-        return path
 
     # ------------------------------------------------------------------------------------------------ sample
 
@@ -521,6 +427,9 @@ class Trainer:
         if self.offload is not None:
             self.offload.close(keep_weights=self.keep_model)
             self.offload = None
+        if self._activations is not None:
+            self._activations.close()
+            self._activations = None
         self.dist.close()
 
 
