@@ -192,9 +192,13 @@ def row_specs(family: str) -> list[dict]:
     return rows
 
 
-def build(family: str, dev, smoke: bool):
+def build(family: str, dev, smoke: bool, layers: int | None = None):
+    """A random model of the family (full size, or SMOKE's widths), bf16, in training mode; `layers`: that many
+    blocks (`num_layers`) instead of the config's (two models side by side in `--profile --interleave`)."""
     cls = adapter_class(family)
     conf = {**cls.full_config, **(SMOKE[family] if smoke else {})}
+    if layers:
+        conf["num_layers"] = layers
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -212,6 +216,14 @@ def model_inputs(adapter, m, dev, res: int):
             kw[k] = v * 0.5
     kw["return_dict"] = False
     return kw
+
+
+def drop_mask(kw: dict) -> None:
+    """No text mask: Chroma's `attention_mask` (a different function: a diagnostic), Qwen's all-ones
+    `encoder_hidden_states_mask` (the same function: QwenImagePipeline.encode_prompt and the trainer's collate
+    drop a mask with nothing padded, so at batch 1 they attend without one, which lets SDPA pick flash)."""
+    kw.pop("attention_mask", None)
+    kw.pop("encoder_hidden_states_mask", None)
 
 
 def sync(dev):
@@ -349,7 +361,7 @@ def run_row(spec, args, dev) -> dict:
     adapter, m = build(args.family, dev, args.smoke)
     kw = model_inputs(adapter, m, dev, args.res)
     if spec.get("nomask"):  # a diagnostic: what the attention mask costs (a different function)
-        kw.pop("attention_mask", None)
+        drop_mask(kw)
     plain = spec["kind"] in ("plain", "sample-plain")
     params, handle = plain_setup(adapter, m, args, spec) if plain else ours_setup(adapter, m, args, spec, dev)
     sample = spec["kind"].startswith("sample")
@@ -451,6 +463,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rows", default="all", choices=("all", "issue29"), help="which row set (module docstring)")
     ap.add_argument("--profile", action="store_true",
                     help="profile plain vs dittrain, eager, resident (bench/speed_profile.py) instead of the rows")
+    ap.add_argument("--interleave", action="store_true", help="with --profile: also time the rows' steps "
+                    "alternately in one process, every model built at once (bench/speed_profile.py)")
+    ap.add_argument("--layers", type=int, default=None, help="with --profile: blocks per model (num_layers)")
+    ap.add_argument("--no-mask", action="store_true", help="with --profile: drop the text mask (Qwen: as the "
+                    "pipeline and the trainer at batch 1)")
     ap.add_argument("--backend", default=None, help="torch.compile backend (default inductor; smoke: aot_eager)")
     ap.add_argument("--out", type=Path, default=None, help="folder for speed.json and speed.md")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny widths: checks the script, measures nothing")

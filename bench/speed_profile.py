@@ -5,8 +5,12 @@ Two rows, both eager, resident, every block checkpointed, built as bench_speed b
 bf16 LoRA, diffusers' checkpointing, torch AdamW) and dittrain offload 0 (StreamedBlock, the project's LoRA math
 and AdamW). After --warmup steps, torch.profiler records --steps steps of each (CPU and CUDA activities) and prints:
 
-- per row: wall time per step, CUDA kernel time per step (the sum of every kernel's self time: where it is far
-  below the wall time the GPU waits on the host's launches), and the number of kernel launches per step;
+- per row, before the profiler starts: the step's device time (CUDA events, median of --steps) and its host issue
+  time (until the step function returns, before any sync: close to the device time means the GPU waited on the
+  host's launches);
+- per row, profiled: wall time per step, CUDA kernel time per step (the sum of every kernel's self time: where it
+  is far below the wall time the GPU waits on the host's launches), kernel launches and `aten::_to_copy` calls
+  (casts) per step;
 - per row: the top operators by self CUDA time and by self CPU time (`key_averages().table`);
 - the operators whose self CUDA time differs most between the two rows, per step (the answer to "why").
 
@@ -18,11 +22,19 @@ order; every row is compared to the first:
 
     python bench/bench_speed.py --profile --rows issue29 --family chroma --only "=plain + compile_repeated_blocks;=dittrain offload 0, compiled, checkpointing auto" --warmup 2 --steps 2 --out $OUT/prof
 
+`--interleave` first builds every row's model at once and times their steps in turn (`--steps` rounds), so that
+drift of the machine falls on every row alike (two full Qwen-Images need an H200, or `--layers 30`); `--layers N`
+builds N blocks per model; `--no-mask` drops the text mask (Qwen-Image: the all-ones mask the pipeline and the
+trainer drop at batch 1, where SDPA then may use flash attention):
+
+    python bench/bench_speed.py --profile --interleave --layers 30 --family qwen_image --warmup 2 --steps 6 --out $OUT/prof
+
 Writes profile_<family>.txt under --out.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
@@ -44,14 +56,14 @@ def _self_device_us(e) -> float:
     return 0.0
 
 
-def _record(spec, args, dev):
+def _setup(spec, args, dev):
+    """The row's model, optimizer and one-step function, built as bench_speed builds them; (step, handle)."""
     import bench.bench_speed as bs
 
-    bs.compiled.reset()
-    adapter, m = bs.build(args.family, dev, args.smoke)
+    adapter, m = bs.build(args.family, dev, args.smoke, getattr(args, "layers", None))
     kw = bs.model_inputs(adapter, m, dev, args.res)
-    if spec.get("nomask"):
-        kw.pop("attention_mask", None)
+    if spec.get("nomask") or getattr(args, "no_mask", False):
+        bs.drop_mask(kw)
     plain = spec["kind"] == "plain"
     params, handle = bs.plain_setup(adapter, m, args, spec) if plain else bs.ours_setup(adapter, m, args, spec, dev)
     opt = (torch.optim.AdamW(params, lr=1e-5) if plain
@@ -63,9 +75,39 @@ def _record(spec, args, dev):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step, handle
+
+
+def _timed_step(step, dev) -> tuple[float, float]:
+    """(device seconds of one step by CUDA events, host seconds until `step` returned, before any sync): where
+    the two are close the GPU waited on the host's launches (on the CPU both are the wall time)."""
+    import bench.bench_speed as bs
+
+    bs.sync(dev)
+    if dev.type != "cuda":
+        t0 = time.perf_counter()
+        step()
+        t = time.perf_counter() - t0
+        return t, t
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    e0.record()
+    step()
+    issued = time.perf_counter() - t0
+    e1.record()
+    e1.synchronize()  # host-device sync: the measurement
+    return e0.elapsed_time(e1) / 1000, issued
+
+
+def _record(spec, args, dev):
+    import bench.bench_speed as bs
+
+    bs.compiled.reset()
+    step, handle = _setup(spec, args, dev)
     try:
         for _ in range(args.warmup):
             step()
+        timing = [_timed_step(step, dev) for _ in range(args.steps)]  # unprofiled: device and host time
         bs.sync(dev)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         with torch_profile(activities=acts) as prof:
@@ -77,7 +119,33 @@ def _record(spec, args, dev):
     finally:
         if handle is not None:
             handle.close()
-    return prof.key_averages(), wall
+    return prof.key_averages(), wall, timing
+
+
+def interleaved(args, dev, specs: list[dict]) -> list[dict]:
+    """Every row's model at once (`--layers` to fit them), warmed up, then their steps in turn, `--steps`
+    rounds: drift of the machine over a run (clocks, heat, the host's other work) falls on every row alike."""
+    import bench.bench_speed as bs
+
+    bs.compiled.reset()
+    made = [_setup(s, args, dev) for s in specs]
+    try:
+        for step, _ in made:
+            for _ in range(args.warmup):
+                step()
+        times = [[] for _ in specs]
+        for _ in range(args.steps):
+            for i, (step, _) in enumerate(made):
+                times[i].append(_timed_step(step, dev))
+    finally:
+        for _, handle in made:
+            if handle is not None:
+                handle.close()
+    rows = []
+    for spec, ts in zip(specs, times, strict=True):
+        rows.append({"name": spec["name"], "step_s": statistics.median(t for t, _ in ts),
+                     "issue_s": statistics.median(h for _, h in ts)})
+    return rows
 
 
 def profile(args, dev, specs: list[dict] | None = None) -> list[dict]:
@@ -86,12 +154,24 @@ def profile(args, dev, specs: list[dict] | None = None) -> list[dict]:
     specs = specs or ROWS
     sort_dev = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     out, rows, per_op = [], [], {}
+    head_extra = []
+    if getattr(args, "interleave", False):
+        inter = interleaved(args, dev, specs)
+        bs.free(dev)
+        ref = inter[0]["step_s"]
+        head_extra = [f"interleaved ({args.steps} rounds, every model built at once"
+                      + (f", {args.layers} blocks each" if getattr(args, "layers", None) else "") + "):", ""]
+        head_extra += [f"- {r['name']}: step {r['step_s']:.3f} s ({r['step_s'] / ref:.3f} x the first), host "
+                       f"issue {r['issue_s']:.3f} s" for r in inter] + [""]
     for spec in specs:
-        avgs, wall = _record(spec, args, dev)
+        avgs, wall, timing = _record(spec, args, dev)
         bs.free(dev)
         kernel_s = sum(_self_device_us(e) for e in avgs) / 1e6 / args.steps
         launches = sum(e.count for e in avgs if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) / args.steps
-        rows.append({"name": spec["name"], "wall_s": wall, "kernel_s": kernel_s, "launches": launches})
+        casts = sum(e.count for e in avgs if e.key == "aten::_to_copy") / args.steps
+        rows.append({"name": spec["name"], "wall_s": wall, "kernel_s": kernel_s, "launches": launches,
+                     "casts": casts, "step_s": statistics.median(t for t, _ in timing),
+                     "issue_s": statistics.median(h for _, h in timing)})
         per_op[spec["name"]] = {e.key: (_self_device_us(e) / args.steps, e.self_cpu_time_total / args.steps,
                                         e.count / args.steps) for e in avgs}
         out += [f"## {spec['name']}: wall {wall:.3f} s/step, CUDA kernels {kernel_s:.3f} s/step, "
@@ -112,9 +192,11 @@ def profile(args, dev, specs: list[dict] | None = None) -> list[dict]:
         out.append("")
     head = [f"profile: {args.family}, {args.res} px, LoRA r{args.rank}, "
             f"{'cpu (smoke)' if dev.type == 'cpu' else torch.cuda.get_device_name()}, {args.steps} steps after "
-            f"{args.warmup} warm-up", ""]
-    head += [f"- {r['name']}: wall {r['wall_s']:.3f} s, kernels {r['kernel_s']:.3f} s, "
-             f"launches {r['launches']:.0f} per step" for r in rows]
+            f"{args.warmup} warm-up" + (f", {args.layers} blocks" if getattr(args, "layers", None) else "")
+            + (", no text mask" if getattr(args, "no_mask", False) else ""), ""] + head_extra
+    head += [f"- {r['name']}: step {r['step_s']:.3f} s (host issue {r['issue_s']:.3f} s), profiled wall "
+             f"{r['wall_s']:.3f} s, kernels {r['kernel_s']:.3f} s, launches {r['launches']:.0f}, aten::_to_copy "
+             f"{r['casts']:.0f} per step" for r in rows]
     text = "\n".join(head + [""] + out)
     print(text)
     if args.out is not None:
