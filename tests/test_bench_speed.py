@@ -115,7 +115,7 @@ def test_bench_speed_smoke_profile_of_compiled_rows(tmp_path):
 
 def test_bench_speed_smoke_profile_interleaved_qwen(tmp_path):
     """--profile --interleave --layers --no-mask (Qwen-Image, issue 29's eager question): both rows built at once
-    with 3 blocks, timed in turn; device and host-issue time per row; the all-ones text mask dropped."""
+    with 3 blocks, timed in turn; the all-ones text mask dropped."""
     mod = _bench()
     kw = {"encoder_hidden_states_mask": 1, "attention_mask": 2, "hidden_states": 3}
     mod.drop_mask(kw)
@@ -124,7 +124,7 @@ def test_bench_speed_smoke_profile_interleaved_qwen(tmp_path):
                      "--out", str(tmp_path)])
     assert [r["name"] for r in rows] == ["plain diffusers + peft, bf16 LoRA, eager, resident",
                                          "dittrain offload 0, eager"]
-    assert all(r["step_s"] > 0 and r["issue_s"] > 0 for r in rows)
+    assert all(r["step_s"] > 0 and r["kernel_s"] >= 0 for r in rows)
     text = (tmp_path / "profile_qwen_image.txt").read_text()
     assert "interleaved (1 rounds, every model built at once, 3 blocks each)" in text and "no text mask" in text
     adapter, m = mod.build("qwen_image", mod.torch.device("cpu"), True, layers=3)
