@@ -11,6 +11,7 @@ on the family's default targets, AdamW, gradient checkpointing), every row a rat
     python bench/bench_speed.py --smoke --out /tmp/s                   # CPU, tiny widths: checks the script
     python bench/bench_speed.py --rows issue29 --out /tmp/s29          # issue 29's table (Flux; or --family)
     python bench/bench_speed.py --profile --family qwen_image --out /tmp/p  # profiler: dittrain vs plain, eager
+    python bench/bench_speed.py --profile --interleave --layers 30 --family qwen_image --out /tmp/p  # + steps in turn
     python bench/bench_speed.py --profile --rows issue29 --family chroma --only "=plain + compile_repeated_blocks;=dittrain offload 0, compiled, checkpointing auto" --out /tmp/p
 
 Issue 29 (`--rows issue29`): every ratio is also given to the row 'plain + compile_repeated_blocks' (the compiled
