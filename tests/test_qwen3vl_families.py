@@ -196,3 +196,23 @@ def test_sample_equals_the_pipeline_with_the_same_seed_and_lora(tiny_models, lor
     theirs = np.asarray(out.images[0].convert("RGB"))
     assert ours.shape == (32, 64, 3)
     np.testing.assert_array_equal(ours, theirs)
+
+
+def test_krea2_folder_whose_pipeline_selects_other_text_layers_than_the_transformer_fuses_is_one_line(
+        tiny_models, tmp_path):
+    """A model_index.json whose text_encoder_select_layers count differs from the transformer's num_text_layers
+    would fail deep in the first forward (the text fusion's projector); it is said before captions are encoded."""
+    import json
+    import shutil
+
+    from trainer.errors import UserError
+
+    folder = tmp_path / "krea2"
+    shutil.copytree(tiny_models / "krea2", folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    good = get_adapter(ModelConfig(family="krea2", path=folder, dtype="fp32")).select_layers
+    assert len(good) == json.loads((folder / "transformer" / "config.json").read_text())["num_text_layers"]
+    (folder / "model_index.json").write_text(json.dumps({**index, "text_encoder_select_layers": [*good, 3]}))
+    with pytest.raises(UserError, match=r"model_index.json: text_encoder_select_layers names 3 layers, but .*"
+                                        r"num_text_layers is 2"):
+        _ = get_adapter(ModelConfig(family="krea2", path=folder, dtype="fp32")).select_layers

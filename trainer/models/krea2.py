@@ -28,12 +28,14 @@ from __future__ import annotations
 import json
 import math
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import Krea2Pipeline, Krea2Transformer2DModel
 from torch import nn
 
+from ..errors import UserError
 from ._diffusers import DiffusersAdapter, pack_2x2, unpack_2x2
 from .base import Components
 from .lora_keys import KeyRule, LoraKeyMap
@@ -146,7 +148,16 @@ class Krea2Adapter(DiffusersAdapter):
 
     @property
     def select_layers(self) -> tuple[int, ...]:
-        return tuple(self.pipeline_config.get("text_encoder_select_layers") or SELECT_LAYERS)
+        """The text encoder's hidden states the transformer fuses: as many as its `num_text_layers` (else its
+        text fusion fails deep in the first forward: said here, before the captions are encoded)."""
+        layers = tuple(self.pipeline_config.get("text_encoder_select_layers") or SELECT_LAYERS)
+        want = self._json("transformer/config.json", required=False).get("num_text_layers")
+        if want is not None and want != len(layers):
+            raise UserError(f"{Path(self.cfg.path) / 'model_index.json'}: text_encoder_select_layers names "
+                            f"{len(layers)} layers, but transformer/config.json's num_text_layers is {want}: the "
+                            "folder's pipeline and transformer do not belong together (set the list to the layers "
+                            "the transformer was trained on)")
+        return layers
 
     def timestep_shift(self, height: int, width: int) -> float:
         return math.exp(DISTILLED_MU) if self.is_distilled else super().timestep_shift(height, width)
