@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
+
+from test_train_support import bench_module
 
 
 def test_bench_speed_smoke(tmp_path):
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_speed.py"
-    spec = importlib.util.spec_from_file_location("bench_speed", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = bench_module("bench_speed")
     rows = mod.main(["--smoke", "--backend", "eager", "--only", "offload 0.5, compiled;sample: dittrain resident, compiled",
                      "--out", str(tmp_path)])
     names = [r["name"] for r in rows]
@@ -25,10 +22,7 @@ def test_bench_speed_smoke(tmp_path):
 
 def test_bench_speed_smoke_fp8_rows(tmp_path):
     """The fp8 + modulation rows, training and sampling (CPU smoke)."""
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_speed.py"
-    spec = importlib.util.spec_from_file_location("bench_speed", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = bench_module("bench_speed")
     rows = mod.main(["--smoke", "--backend", "eager", "--only", "modulation", "--out", str(tmp_path)])
     names = [r["name"] for r in rows]
     assert names[1:] == ["dittrain offload 1.0 + act, fp8 base + modulation, compiled",
@@ -38,18 +32,10 @@ def test_bench_speed_smoke_fp8_rows(tmp_path):
     assert {"sample: dittrain offload 1.0, fp8, compiled", "dittrain offload 1.0 + act, fp8 base, compiled"} <= specs
 
 
-def _bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_speed.py"
-    spec = importlib.util.spec_from_file_location("bench_speed", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bench_speed_smoke_issue29_rows(tmp_path):
     """Issue 29's table (CPU smoke): checkpointing auto from the planner, fp8 matmul rows, ratios to plain
     compiled, the PCIe-floor columns."""
-    mod = _bench()
+    mod = bench_module("bench_speed")
     rows = mod.main(["--smoke", "--backend", "eager", "--rows", "issue29", "--only",
                      "compile_repeated_blocks;checkpointing auto;fp8 base, fp8 matmul", "--out", str(tmp_path)])
     names = [r["name"] for r in rows]
@@ -66,7 +52,7 @@ def test_bench_speed_smoke_issue29_rows(tmp_path):
 
 
 def test_bench_speed_smoke_profile(tmp_path):
-    mod = _bench()
+    mod = bench_module("bench_speed")
     rows = mod.main(["--smoke", "--profile", "--out", str(tmp_path)])
     assert [r["name"] for r in rows] == ["plain diffusers + peft, bf16 LoRA, eager, resident",
                                          "dittrain offload 0, eager"]
@@ -79,7 +65,7 @@ def test_bench_speed_smoke_chroma_mask_rows(tmp_path):
     computes (no checkpointing) under diffusers' checkpointing, which alone gives the single blocks no mask."""
     from types import SimpleNamespace
 
-    mod = _bench()
+    mod = bench_module("bench_speed")
     rows = mod.main(["--smoke", "--backend", "eager", "--rows", "issue29", "--family", "chroma", "--only",
                      "flash mask;auto, no attention mask", "--out", str(tmp_path)])
     assert [r["name"] for r in rows[1:]] == ["dittrain offload 0, compiled, checkpointing auto, flash mask",
@@ -103,7 +89,7 @@ def test_bench_speed_smoke_chroma_mask_rows(tmp_path):
 
 def test_bench_speed_smoke_profile_of_compiled_rows(tmp_path):
     """--profile with --only profiles the rows named (compiled ones, Chroma's), each against the first."""
-    mod = _bench()
+    mod = bench_module("bench_speed")
     rows = mod.main(["--smoke", "--backend", "eager", "--profile", "--rows", "issue29", "--family", "chroma",
                      "--only", "=plain + compile_repeated_blocks;=dittrain offload 0, compiled, checkpointing auto",
                      "--out", str(tmp_path)])
@@ -116,7 +102,7 @@ def test_bench_speed_smoke_profile_of_compiled_rows(tmp_path):
 def test_bench_speed_smoke_profile_interleaved_qwen(tmp_path):
     """--profile --interleave --layers --no-mask (Qwen-Image, issue 29's eager question): both rows built at once
     with 3 blocks, timed in turn; the all-ones text mask dropped."""
-    mod = _bench()
+    mod = bench_module("bench_speed")
     kw = {"encoder_hidden_states_mask": 1, "attention_mask": 2, "hidden_states": 3}
     mod.drop_mask(kw)
     assert kw == {"hidden_states": 3}

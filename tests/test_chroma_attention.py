@@ -149,13 +149,9 @@ def test_flash_mask_processor_matches_the_masked_attention(sdpa_masks, head, dty
 
 def test_attention_mask_bench_smoke(tmp_path):
     """bench/attn_mask_speed.py (the GPU micro-benchmark of the forms above) runs on the CPU."""
-    import importlib.util
-    from pathlib import Path
+    from test_train_support import bench_module
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "attn_mask_speed.py"
-    spec = importlib.util.spec_from_file_location("attn_mask_speed", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = bench_module("attn_mask_speed")
     rows = mod.main(["--smoke", "--out", str(tmp_path)])
     assert [r["name"] for r in rows] == ["sdpa, (B,1,S,S) mask", "sdpa, no mask", "flash mask (head dim 24)"]
     assert rows[2]["max_diff_vs_masked"] == 0.0 and rows[1]["max_diff_vs_masked"] > 0  # the mask matters

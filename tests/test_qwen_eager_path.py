@@ -14,14 +14,13 @@ offload 0"). Counts, not timings:
 from __future__ import annotations
 
 import collections
-import importlib.util
 import inspect
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_train_support import bench_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 OURS = dict(kind="ours", fraction=0.0, act=False, compile=False, math="auto", quant="none", modulation=False,
@@ -29,14 +28,6 @@ OURS = dict(kind="ours", fraction=0.0, act=False, compile=False, math="auto", qu
 #: not kernels, or placed differently only: the release identity's `view_as` on each block's grad-carrying inputs,
 #: and AccumulateGrad's `detach` of each gradient
 NOT_KERNELS = {"aten.view.default", "aten.detach.default"}
-
-
-def _bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_speed.py"
-    spec = importlib.util.spec_from_file_location("bench_speed", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class _Ops(TorchDispatchMode):
@@ -88,7 +79,7 @@ def test_checkpointed_qwen_blocks_get_the_pipelines_arguments(monkeypatch, sdpa_
     arguments the pipeline's forward gives it, the text mask included, and SDPA gets the same mask."""
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
-    bs = _bench()
+    bs = bench_module("bench_speed")
     calls, orig = [], QwenImageTransformerBlock.forward
     sig = inspect.signature(orig)
 
@@ -123,7 +114,7 @@ def test_dittrain_step_dispatches_the_plain_ops_plus_lora_weight_casts(family):
     of its two fp32 weights to bf16, and per LoRA weight that gets a gradient, that gradient's cast to fp32."""
     from trainer.train.model import ComputeDtypeLora
 
-    bs = _bench()
+    bs = bench_module("bench_speed")
     counts, lora_calls = {}, collections.Counter()
     orig = ComputeDtypeLora.forward
 

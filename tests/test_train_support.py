@@ -121,3 +121,14 @@ def lora_predictions(trainer, lora_path: Path):
     with torch.no_grad():
         return tuple(t.adapter.predict(m, n.noisy, n.t, b.text, guidance=cfg.model.guidance)
                      for m in (t.transformer, pipe.transformer.eval(), base))
+
+
+def bench_module(name: str):
+    """bench/<name>.py loaded as a module (bench/ is scripts, not a package): the tests call its `main`."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
