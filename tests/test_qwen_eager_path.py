@@ -14,7 +14,9 @@ offload 0"). Counts, not timings:
 from __future__ import annotations
 
 import collections
-import inspect
+import contextlib
+import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -61,6 +63,28 @@ def _describe(v):
     return v
 
 
+@contextlib.contextmanager
+def _calls_of(fn, record):
+    """`record(arguments)` at every call of the function `fn` however it is reached (module __call__, a
+    checkpoint's recompute, a wrapper's direct call), through the interpreter's profile hook: nothing in the
+    model is replaced (tests/test_offload.py::test_nothing_assigns_forward)."""
+    code = fn.__code__
+    names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+
+    def profile(frame, event, arg):  # noqa: ARG001
+        if event == "call" and frame.f_code is code:
+            record({k: frame.f_locals[k] for k in names if k in frame.f_locals})
+
+    old = sys.getprofile()
+    sys.setprofile(profile)
+    threading.setprofile(profile)  # the autograd engine's threads, should the recompute run on one
+    try:
+        yield
+    finally:
+        sys.setprofile(old)
+        threading.setprofile(None)
+
+
 @pytest.fixture
 def sdpa_masks(monkeypatch):
     seen, orig = [], F.scaled_dot_product_attention
@@ -74,27 +98,24 @@ def sdpa_masks(monkeypatch):
     return seen
 
 
-def test_checkpointed_qwen_blocks_get_the_pipelines_arguments(monkeypatch, sdpa_masks):
+def test_checkpointed_qwen_blocks_get_the_pipelines_arguments(sdpa_masks):
     """Every block call (forward and recompute) of the plain checkpointed script and of dittrain gets the
     arguments the pipeline's forward gives it, the text mask included, and SDPA gets the same mask."""
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
     bs = bench_module("bench_speed")
-    calls, orig = [], QwenImageTransformerBlock.forward
-    sig = inspect.signature(orig)
+    calls = []
 
-    def spy(self, *a, **kw):
-        bound = sig.bind(self, *a, **kw)
-        calls.append(tuple((k, _describe(v)) for k, v in bound.arguments.items() if k != "self"))
-        return orig(self, *a, **kw)
+    def spy(arguments):
+        calls.append(tuple((k, _describe(v)) for k, v in arguments.items() if k != "self"))
 
-    monkeypatch.setattr(QwenImageTransformerBlock, "forward", spy)
     seen = {}
     for kind in ("pipeline", "plain", "ours"):
         calls.clear()
         sdpa_masks.clear()
         _, m, kw = _row(bs, "qwen_image", kind)
-        m(**kw)[0].float().square().mean().backward()
+        with _calls_of(QwenImageTransformerBlock.forward, spy):
+            m(**kw)[0].float().square().mean().backward()
         seen[kind] = (collections.Counter(calls), collections.Counter(sdpa_masks))
     n = len(m.transformer_blocks)
     pipe_calls, pipe_masks = seen["pipeline"]
@@ -116,20 +137,14 @@ def test_dittrain_step_dispatches_the_plain_ops_plus_lora_weight_casts(family):
 
     bs = bench_module("bench_speed")
     counts, lora_calls = {}, collections.Counter()
-    orig = ComputeDtypeLora.forward
 
-    def counted(self, x, *a, **kw):
+    def counted(arguments):  # noqa: ARG001
         lora_calls["n"] += 1
-        return orig(self, x, *a, **kw)
 
     for kind in ("plain", "ours"):
         _, m, kw = _row(bs, family, kind)
-        ComputeDtypeLora.forward = counted
-        try:
-            with _Ops() as ops:
-                m(**kw)[0].float().square().mean().backward()
-        finally:
-            ComputeDtypeLora.forward = orig
+        with _calls_of(ComputeDtypeLora.forward, counted), _Ops() as ops:
+            m(**kw)[0].float().square().mean().backward()
         counts[kind] = collections.Counter({k: v for k, v in ops.ops.items() if k not in NOT_KERNELS})
         grads = sum(p.grad is not None for p in m.parameters() if p.requires_grad)
     n_lora = sum(isinstance(x, ComputeDtypeLora) for x in m.modules())
