@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from test_train_support import write_images
+from test_train_support import pixels, write_images
 from typer.testing import CliRunner
 
 from trainer.cli import app
@@ -364,8 +364,7 @@ def test_qwen_edit_sample_with_image_equals_the_pipeline(qwen_fitted, qwen_edit,
                                  "3", "--lora", lora, "--out", str(tmp_path / "a")])
     assert r.exit_code == 0, r.output
     (png,) = sorted((tmp_path / "a").glob("*.png"))
-    with Image.open(png) as im:
-        ours = np.asarray(im.convert("RGB")).copy()
+    ours = pixels(png)
     pipe = QwenImageEditPipeline.from_pretrained(str(qwen_edit), processor=load_processor(qwen_edit / "processor"),
                                                  torch_dtype=torch.float32, local_files_only=True)
     own_aligned_memory(pipe.transformer)
@@ -515,8 +514,7 @@ def test_qwen_plus_sample_with_image_equals_the_pipeline(plus_fitted, qwen_plus,
                                  "3", "--lora", lora, "--out", str(tmp_path / "a")])
     assert r.exit_code == 0, r.output
     (png,) = sorted((tmp_path / "a").glob("*.png"))
-    with Image.open(png) as im:
-        ours = np.asarray(im.convert("RGB")).copy()
+    ours = pixels(png)
     pipe = _plus_pipe(qwen_plus)
     own_aligned_memory(pipe.transformer)
     pipe.load_lora_weights(lora)

@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from test_sample import PROMPT, _cfg, _lora_transformer, _pixels, _save_lora
-from test_train_support import make_config, write_images
+from test_sample import PROMPT, _cfg, _lora_transformer, _save_lora
+from test_train_support import make_config, pixels, write_images
 from typer.testing import CliRunner
 
 from trainer.cli import app
@@ -284,9 +284,9 @@ def test_sample_with_image_equals_the_pipeline_with_image(tiny_models, tmp_path,
     s = cfg.sample
     kw = dict(prompt=PROMPT, height=s.height, width=s.width, num_inference_steps=s.steps, guidance_scale=s.guidance)
     theirs = pipe(image=ref, generator=torch.Generator().manual_seed(1), **kw).images[0]
-    np.testing.assert_array_equal(_pixels(got[0]), np.asarray(theirs.convert("RGB")))
+    np.testing.assert_array_equal(pixels(got[0]), np.asarray(theirs.convert("RGB")))
     plain = pipe(generator=torch.Generator().manual_seed(1), **kw).images[0]
-    assert (_pixels(got[0]) != np.asarray(plain.convert("RGB"))).any(), "the reference image must change the result"
+    assert (pixels(got[0]) != np.asarray(plain.convert("RGB"))).any(), "the reference image must change the result"
 
 
 def test_sample_cli_image_on_the_pairs_fit_equals_flux2_klein_pipeline(fitted, tmp_path):
@@ -311,7 +311,7 @@ def test_sample_cli_image_on_the_pairs_fit_equals_flux2_klein_pipeline(fitted, t
     cut = ref.crop((0, 8, 64, 72))  # the training rule: cover 64 x 64, centre crop (no resize needed here)
     theirs = pipe(prompt=PROMPT, image=cut, height=64, width=64, num_inference_steps=2, guidance_scale=4.0,
                   generator=torch.Generator().manual_seed(3)).images[0]
-    np.testing.assert_array_equal(_pixels(png), np.asarray(theirs.convert("RGB")))
+    np.testing.assert_array_equal(pixels(png), np.asarray(theirs.convert("RGB")))
 
 
 def test_sample_cli_two_images_equal_the_pipelines_list(fitted2, tmp_path):
@@ -342,7 +342,7 @@ def test_sample_cli_two_images_equal_the_pipelines_list(fitted2, tmp_path):
     pipe.set_progress_bar_config(disable=True)
     theirs = pipe(prompt=PROMPT, image=refs, height=64, width=64, num_inference_steps=2, guidance_scale=4.0,
                   generator=torch.Generator().manual_seed(3)).images[0]
-    np.testing.assert_array_equal(_pixels(png), np.asarray(theirs.convert("RGB")))
+    np.testing.assert_array_equal(pixels(png), np.asarray(theirs.convert("RGB")))
     r, _ = sample(*["r0.png"] * 5)
     assert r.exit_code != 0 and "--image given 5 times: flux2-klein takes at most 4 reference images" in r.output
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_train_support import fit_scored, losses, make_config, write_images
+from test_train_support import fit_scored, losses, make_config, pixels, write_images
 
 from trainer.config import Config, ModelConfig
 from trainer.models import get_adapter
@@ -233,10 +233,8 @@ def test_sample_equals_the_modular_pipeline_with_the_same_seed_and_lora(tiny_mod
     })
     (png,) = run_sample(cfg, SampleRequest(prompts=[PROMPTS[0]], seed=7, out=tmp_path / "s", loras=[str(lora)],
                                            offload=0.5))
-    from PIL import Image
 
-    with Image.open(png) as im:
-        ours = np.asarray(im.convert("RGB")).copy()
+    ours = pixels(png)
     _, comps = _components(tiny_models, folder)
     mp = modular_pipeline(comps, "distilled" in folder)
     mp.load_lora_weights(str(lora), adapter_name="x")

@@ -17,7 +17,7 @@ import yaml
 from PIL import Image
 from test_flux2_pairs import _pairs
 from test_flux3 import modular_pipeline
-from test_train_support import losses, make_config, write_images
+from test_train_support import losses, make_config, pixels, write_images
 from typer.testing import CliRunner
 
 from trainer.cli import app
@@ -206,7 +206,7 @@ def test_streamed_pair_training_is_bitwise_resident(fitted2, tiny_models, pairs2
     pngs = [sorted((o / "samples").rglob("*.png")) for o in (out, streamed)]
     assert len(pngs[0]) == len(pngs[1]) == 2
     for x, y in zip(*pngs, strict=True):
-        np.testing.assert_array_equal(_pixels(x), _pixels(y))
+        np.testing.assert_array_equal(pixels(x), pixels(y))
 
 
 @pytest.mark.parametrize(("method", "model"), [("full", {}), ("lora", {"quantize": "fp8"})], ids=["full", "lora-fp8"])
@@ -234,12 +234,7 @@ def test_streamed_full_and_fp8_pair_training_equal_resident(tiny_models, pairs, 
         pngs = [sorted((tmp_path / f"f{f}" / "samples").rglob("*.png")) for f in (0.0, 0.5)]
         assert len(pngs[0]) == len(pngs[1]) == 2
         for x, y in zip(*pngs, strict=True):
-            np.testing.assert_array_equal(_pixels(x), _pixels(y))
-
-
-def _pixels(path: Path) -> np.ndarray:
-    with Image.open(path) as im:
-        return np.asarray(im.convert("RGB")).copy()
+            np.testing.assert_array_equal(pixels(x), pixels(y))
 
 
 @pytest.mark.parametrize(("folder", "guidance"), [("flux3", 2.0), ("flux3-distilled", 1.0)])
@@ -275,10 +270,10 @@ def test_sample_cli_image_equals_the_modular_pipeline(fitted2, tiny_models, tmp_
         image = cut[0] if len(images) == 1 else cut
         (theirs,) = mp(prompt=PROMPT, image=image, height=64, width=64, num_inference_steps=2,
                        generator=torch.Generator().manual_seed(3), output="images", **kw)
-        np.testing.assert_array_equal(_pixels(png), np.asarray(theirs.convert("RGB")))
+        np.testing.assert_array_equal(pixels(png), np.asarray(theirs.convert("RGB")))
     (plain,) = mp(prompt=PROMPT, height=64, width=64, num_inference_steps=2,
                   generator=torch.Generator().manual_seed(3), output="images", **kw)
-    assert (_pixels(png) != np.asarray(plain.convert("RGB"))).any(), "the references must change the result"
+    assert (pixels(png) != np.asarray(plain.convert("RGB"))).any(), "the references must change the result"
 
 
 def test_planner_counts_the_reference_tokens_and_blocks_for_pair_data_only(tiny_models, pairs, pairs2, tmp_path):

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from test_sample import PROMPT, _diffusers_image, _lora_transformer, _pixels, _save_lora
-from test_train_support import lora_predictions, make_config, write_images
+from test_sample import PROMPT, _diffusers_image, _lora_transformer, _save_lora
+from test_train_support import lora_predictions, make_config, pixels, write_images
 from typer.testing import CliRunner
 
 from trainer.cli import app
@@ -118,7 +118,7 @@ def test_sample_without_cfg_equals_the_pipeline(tiny_models, tmp_path, family):
     assert not adapter_class(family).runs_cfg(g) and adapter_class(family).runs_cfg(CFG_ON[family])
     cfg = _sample_cfg(tiny_models, family, tmp_path, g)
     a = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=7, out=tmp_path / "a"))
-    np.testing.assert_array_equal(_pixels(a[0]), _diffusers_image(cfg, seed=7))
+    np.testing.assert_array_equal(pixels(a[0]), _diffusers_image(cfg, seed=7))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -127,12 +127,12 @@ def test_sample_with_a_lora_equals_the_pipeline_and_streams_identically(tiny_mod
     lora = _save_lora(_lora_transformer(cfg), tmp_path / "lora.safetensors")
     plain = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, out=tmp_path / "plain"))
     ours = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, loras=[f"{lora}:0.7"], out=tmp_path / "l"))
-    img = _pixels(ours[0])
-    assert (img != _pixels(plain[0])).mean() > 0.1, "the LoRA must change the image"
+    img = pixels(ours[0])
+    assert (img != pixels(plain[0])).mean() > 0.1, "the LoRA must change the image"
     np.testing.assert_array_equal(img, _diffusers_image(cfg, seed=1, lora=(lora, 0.7)))
     streamed = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, loras=[f"{lora}:0.7"], offload=1.0,
                                              out=tmp_path / "s"))
-    np.testing.assert_array_equal(img, _pixels(streamed[0]))
+    np.testing.assert_array_equal(img, pixels(streamed[0]))
 
 
 # ---------------------------------------------------------------------------------------------- training

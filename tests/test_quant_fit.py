@@ -70,7 +70,8 @@ def test_fit_at_fp8_writes_a_lora_that_diffusers_loads_on_the_unquantized_base(t
 
 
 def test_sampling_on_an_fp8_base_with_a_lora(tiny_models, tmp_path):
-    from test_sample import PROMPT, _lora_transformer, _pixels, _save_lora
+    from test_sample import PROMPT, _lora_transformer, _save_lora
+    from test_train_support import pixels
 
     from trainer.config import Config
     from trainer.sample import SampleRequest, run_sample
@@ -87,7 +88,7 @@ def test_sampling_on_an_fp8_base_with_a_lora(tiny_models, tmp_path):
     for mode, off in (("none", 0.0), ("fp8", 0.0), ("fp8", 1.0)):
         out = run_sample(cfg(mode), SampleRequest(prompts=[PROMPT], loras=[str(lora)], seed=1, offload=off,
                                                   out=tmp_path / f"{mode}-{off}"))
-        imgs[mode, off] = _pixels(out[0]).astype(np.int16)
+        imgs[mode, off] = pixels(out[0]).astype(np.int16)
     np.testing.assert_array_equal(imgs["fp8", 0.0], imgs["fp8", 1.0])  # streamed fp8 == resident fp8
     # noise images of a random model: fp8 rounding moves pixels a little, not wholesale
     assert np.abs(imgs["fp8", 0.0] - imgs["none", 0.0]).mean() < 20

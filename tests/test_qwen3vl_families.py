@@ -15,6 +15,7 @@ from test_train_support import (
     lora_predictions,
     losses,
     make_config,
+    pixels,
     write_images,
 )
 
@@ -184,10 +185,8 @@ def test_sample_equals_the_pipeline_with_the_same_seed_and_lora(tiny_models, lor
     })
     (png,) = run_sample(cfg, SampleRequest(prompts=[PROMPTS[0]], seed=7, out=tmp_path / "s", loras=[str(lora)],
                                    offload=0.5))
-    from PIL import Image
 
-    with Image.open(png) as im:
-        ours = np.asarray(im.convert("RGB")).copy()
+    ours = pixels(png)
     adapter, comps = _components(tiny_models, family, folder)
     pipe = reference_pipeline(adapter, comps)
     pipe.load_lora_weights(str(lora), adapter_name="x")

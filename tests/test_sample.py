@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_train_support import pixels
 
 from trainer.config import Config
 from trainer.models import get_adapter
@@ -32,11 +33,6 @@ def _cfg(tiny_models: Path, family: str, out: Path, **sample) -> Config:
             "output": {"dir": str(out)},
         }
     )
-
-
-def _pixels(path: Path) -> np.ndarray:
-    with Image.open(path) as im:
-        return np.asarray(im.convert("RGB")).copy()
 
 
 def _diffusers_image(cfg: Config, seed: int, lora: tuple[Path, float] | None = None) -> np.ndarray:
@@ -98,10 +94,10 @@ def test_same_seed_same_image_and_equal_to_diffusers(tiny_models, tmp_path, fami
     a = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=7, num=2, out=tmp_path / "a"))  # seeds 7 and 8
     b = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=7, out=tmp_path / "b"))
     assert a[0].name == b[0].name
-    img = _pixels(a[0])
+    img = pixels(a[0])
     assert img.shape == (32, 32, 3)
-    np.testing.assert_array_equal(img, _pixels(b[0]))
-    assert (img != _pixels(a[1])).any(), "a different seed must give a different image"
+    np.testing.assert_array_equal(img, pixels(b[0]))
+    assert (img != pixels(a[1])).any(), "a different seed must give a different image"
     # Encoding first and denoising from stored embeddings is bit-identical to diffusers' pipe(prompt=...).
     np.testing.assert_array_equal(img, _diffusers_image(cfg, seed=7))
 
@@ -134,7 +130,7 @@ def test_offload_fraction_gives_identical_images_on_cpu(tiny_models, tmp_path, m
     got = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, offload=fraction, out=tmp_path / "f1"))
     assert calls[1] == (n_blocks, fraction), "the conductor must be attached to every block at fraction > 0"
     assert stats[1]["offloaded_bytes"] > 0 and stats[1]["ring_bytes"] < stats[1]["block_bytes"]
-    np.testing.assert_array_equal(_pixels(ref[0]), _pixels(got[0]))
+    np.testing.assert_array_equal(pixels(ref[0]), pixels(got[0]))
     with Image.open(got[0]) as im:
         assert im.text["offload"] == str(fraction)
 
@@ -145,7 +141,7 @@ def test_offloaded_lora_sampling_is_identical(tiny_models, tmp_path):
     lora = _save_lora(_lora_transformer(cfg), tmp_path / "lora.safetensors")
     a = run_sample(cfg, SampleRequest(prompts=[PROMPT], loras=[str(lora)], offload=0.0, out=tmp_path / "a"))
     b = run_sample(cfg, SampleRequest(prompts=[PROMPT], loras=[str(lora)], offload=1.0, out=tmp_path / "b"))
-    np.testing.assert_array_equal(_pixels(a[0]), _pixels(b[0]))
+    np.testing.assert_array_equal(pixels(a[0]), pixels(b[0]))
 
 
 @pytest.mark.parametrize("family", ["flux", "sd3", "flux2", "flux2-klein"])
@@ -156,8 +152,8 @@ def test_lora_changes_output_exactly_as_diffusers_load_lora_weights(tiny_models,
     with_lora = run_sample(
         cfg, SampleRequest(prompts=[PROMPT], seed=1, loras=[f"{lora}:0.7"], out=tmp_path / "l")
     )
-    ours = _pixels(with_lora[0])
-    assert (ours != _pixels(plain[0])).mean() > 0.1, "the LoRA must change the image"
+    ours = pixels(with_lora[0])
+    assert (ours != pixels(plain[0])).mean() > 0.1, "the LoRA must change the image"
     np.testing.assert_array_equal(ours, _diffusers_image(cfg, seed=1, lora=(lora, 0.7)))
     with Image.open(with_lora[0]) as im:
         assert im.text["loras"] == f"{lora}:0.7"
@@ -171,7 +167,7 @@ def test_two_loras_with_weights(tiny_models, tmp_path):
         cfg, SampleRequest(prompts=[PROMPT], loras=[f"{a}:0.5", f"{b}:1.5"], out=tmp_path / "ab")
     )
     only_a = run_sample(cfg, SampleRequest(prompts=[PROMPT], loras=[f"{a}:0.5"], out=tmp_path / "a"))
-    assert (_pixels(both[0]) != _pixels(only_a[0])).any()
+    assert (pixels(both[0]) != pixels(only_a[0])).any()
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(str(cfg.model.path), torch_dtype=torch.float32)
@@ -188,7 +184,7 @@ def test_two_loras_with_weights(tiny_models, tmp_path):
         guidance_scale=s.guidance,
         generator=torch.Generator().manual_seed(s.seed),
     ).images[0]
-    np.testing.assert_array_equal(_pixels(both[0]), np.asarray(ref))
+    np.testing.assert_array_equal(pixels(both[0]), np.asarray(ref))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -214,7 +210,7 @@ def test_generate_with_the_model_in_training_matches_its_saved_lora(tiny_models,
     assert comps.transformer is not model
     lora = _save_lora(model, tmp_path / "lora.safetensors")
     from_file = run_sample(cfg, SampleRequest(prompts=[PROMPT], loras=[str(lora)], out=tmp_path / "f"))
-    np.testing.assert_array_equal(np.asarray(images[0].convert("RGB")), _pixels(from_file[0]))
+    np.testing.assert_array_equal(np.asarray(images[0].convert("RGB")), pixels(from_file[0]))
     # The loop's object: prompts encoded once at setup, then called with the model every sample.every steps.
     sampler = TrainingSampler(
         cfg.model_copy(update={"sample": s.model_copy(update={"prompts": [PROMPT]})}),
@@ -225,7 +221,7 @@ def test_generate_with_the_model_in_training_matches_its_saved_lora(tiny_models,
     assert text_encoder_names(sampler.pipe) == []
     (again,) = sampler(model)
     assert model.training
-    np.testing.assert_array_equal(np.asarray(again.convert("RGB")), _pixels(from_file[0]))
+    np.testing.assert_array_equal(np.asarray(again.convert("RGB")), pixels(from_file[0]))
 
 
 def test_metadata_names_and_contact_sheet(tiny_models, tmp_path):
@@ -252,13 +248,13 @@ def test_metadata_names_and_contact_sheet(tiny_models, tmp_path):
         # 2 rows (prompts) x 2 columns (--num) of 48x32 cells with 4 px padding
         assert sheet.size == (2 * 48 + 3 * 4, 2 * 32 + 3 * 4)
         cell = np.asarray(sheet.convert("RGB"))[4 + 32 + 4 : 4 + 32 + 4 + 32, 4 + 48 + 4 : 4 + 48 + 4 + 48]
-    np.testing.assert_array_equal(cell, _pixels(written[3]))
+    np.testing.assert_array_equal(cell, pixels(written[3]))
     # Image k depends only on its prompt and seed: the second prompt's first image alone is identical.
     alone = run_sample(
         cfg, SampleRequest(prompts=[PROMPT], seed=12, steps=1, width=48, height=32, out=tmp_path / "x")
     )
     assert [p.name for p in alone] == ["0000-seed12-a-red-square-on-a-blue-background.png"]
-    np.testing.assert_array_equal(_pixels(alone[0]), _pixels(written[2]))
+    np.testing.assert_array_equal(pixels(alone[0]), pixels(written[2]))
 
 
 def test_training_sampler_without_prompts_makes_nothing(tiny_models, tmp_path):
@@ -287,7 +283,7 @@ def test_streamed_text_encoders_give_identical_images(tiny_models, tmp_path, mon
     got = run_sample(cfg, SampleRequest(prompts=[PROMPT], out=tmp_path / "b"))
     # Flux: CLIP's and T5's layer lists; the others: the language model's layers
     assert len(attached) == (2 if family == "flux" else 1) and all(n >= 2 for n in attached)
-    np.testing.assert_array_equal(_pixels(ref[0]), _pixels(got[0]))
+    np.testing.assert_array_equal(pixels(ref[0]), pixels(got[0]))
 
 
 def test_generate_encodes_string_prompts_like_stored_embeddings(tiny_models, tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from test_train_support import pixels
 
 from trainer.config import Config
 from trainer.sample import SampleRequest, run_sample
@@ -25,8 +25,7 @@ def _cfg(tiny_models: Path, out: Path, method: str) -> Config:
 
 
 def _pixels(paths: list[Path]) -> np.ndarray:
-    with Image.open(paths[0]) as im:
-        return np.asarray(im.convert("RGB")).copy()
+    return pixels(paths[0])
 
 
 def test_full_finetune_config_samples_the_runs_transformer_unless_base(tiny_models, tmp_path, capsys):

@@ -132,3 +132,9 @@ def bench_module(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def pixels(path: Path) -> np.ndarray:
+    """An image file's RGB pixels (a sample `dittrain sample` or a fit wrote)."""
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB")).copy()
