@@ -9,6 +9,11 @@ and AdamW). After --warmup steps, torch.profiler records --steps steps of each (
 - per row, profiled: wall time per step, CUDA kernel time per step (the sum of every kernel's self time: where it
   is far below the wall time the GPU waits on the host's launches), kernel launches and `aten::_to_copy` calls
   (casts) per step;
+- per row: the device timeline of the profiled steps (bench/timeline.py, issue 29: why the streamed steps are
+  1.35-1.43 x their PCIe floor): compute, H2D and D2H busy time, how much of each copy runs under kernels, exposed
+  copy time, idle time, bytes and GB/s, the streams the kernels and copies ran on, for the whole step and its
+  forward / backward / optimizer parts (`record_function` ranges "bench.step", "bench.forward"... around each
+  step's parts); no table without device events (the CPU profiler), a line that says so;
 - per row: the top operators by self CUDA time and by self CPU time (`key_averages().table`);
 - the operators whose self CUDA time differs most between the two rows, per step (the answer to "why").
 
@@ -27,18 +32,22 @@ trainer drop at batch 1, where SDPA then may use flash attention):
 
     python bench/bench_speed.py --profile --interleave --layers 30 --family qwen_image --warmup 2 --steps 6 --out $OUT/prof
 
-Writes profile_<family>.txt under --out.
+Writes profile_<family>.txt under --out, and speed_<family>_profile.json (each row's numbers, its timeline per
+step and their mean).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity
+from torch.profiler import ProfilerActivity, record_function
 from torch.profiler import profile as torch_profile
+
+from bench import timeline
 
 ROWS = [
     dict(name="plain diffusers + peft, bf16 LoRA, eager, resident", kind="plain", compile=False),
@@ -67,11 +76,15 @@ def _setup(spec, args, dev):
     opt = (torch.optim.AdamW(params, lr=1e-5) if plain
            else bs.build_optimizer(params, bs.OptimizerConfig(name="adamw", lr=1e-5)))
 
-    def step():
-        out = m(**kw)[0]
-        out.float().square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def step():  # the ranges name the step and its parts on the profile's host timeline (bench/timeline.py)
+        with record_function(timeline.STEP):
+            with record_function("bench.forward"):
+                loss = m(**kw)[0].float().square().mean()
+            with record_function("bench.backward"):
+                loss.backward()
+            with record_function("bench.optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
 
     return step, handle
 
@@ -115,7 +128,7 @@ def _record(spec, args, dev):
     finally:
         if handle is not None:
             handle.close()
-    return prof.key_averages(), wall, timing
+    return prof.key_averages(), wall, timing, timeline.summarize_events(prof.profiler.kineto_results.events())
 
 
 def interleaved(args, dev, specs: list[dict]) -> list[dict]:
@@ -159,17 +172,20 @@ def profile(args, dev, specs: list[dict] | None = None) -> list[dict]:
         head_extra += [f"- {r['name']}: step {r['step_s']:.3f} s ({r['step_s'] / ref:.3f} x the first; steps "
                        + " ".join(f"{t:.3f}" for t in r["steps_s"]) + ")" for r in inter] + [""]
     for spec in specs:
-        avgs, wall, timing = _record(spec, args, dev)
+        avgs, wall, timing, tl = _record(spec, args, dev)
         bs.free(dev)
-        kernel_s = sum(_self_device_us(e) for e in avgs) / 1e6 / args.steps
+        # (the bench's own ranges are left out: kineto projects them onto the device as annotations spanning
+        # the whole step, which would count every kernel again)
+        kernel_s = sum(_self_device_us(e) for e in avgs if e.key not in (timeline.STEP, *timeline.PARTS)
+                       and not getattr(e, "is_user_annotation", False)) / 1e6 / args.steps
         launches = sum(e.count for e in avgs if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) / args.steps
         casts = sum(e.count for e in avgs if e.key == "aten::_to_copy") / args.steps
         rows.append({"name": spec["name"], "wall_s": wall, "kernel_s": kernel_s, "launches": launches,
-                     "casts": casts, "step_s": statistics.median(timing)})
+                     "casts": casts, "step_s": statistics.median(timing), "timeline": tl})
         per_op[spec["name"]] = {e.key: (_self_device_us(e) / args.steps, e.self_cpu_time_total / args.steps,
                                         e.count / args.steps) for e in avgs}
         out += [f"## {spec['name']}: wall {wall:.3f} s/step, CUDA kernels {kernel_s:.3f} s/step, "
-                f"{launches:.0f} kernel launches/step", "",
+                f"{launches:.0f} kernel launches/step", "", timeline.markdown(tl), "",
                 avgs.table(sort_by=sort_dev, row_limit=25), "",
                 avgs.table(sort_by="self_cpu_time_total", row_limit=15), ""]
     a = per_op[specs[0]["name"]]
@@ -196,4 +212,5 @@ def profile(args, dev, specs: list[dict] | None = None) -> list[dict]:
     if args.out is not None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / f"profile_{args.family}.txt").write_text(text + "\n")
+        (Path(args.out) / f"speed_{args.family}_profile.json").write_text(json.dumps(rows, indent=1))
     return rows
