@@ -63,6 +63,16 @@ def _self_device_us(e) -> float:
     return 0.0
 
 
+def _gist(r: dict) -> str:
+    """The row's device timeline in one clause (bench/timeline.py; nothing without device events)."""
+    m = (r["timeline"].get("mean") or {}).get("all") or {}
+    floor = "" if r["pcie_floor_s"] is None else f"; PCIe floor {r['pcie_floor_s'] * 1e3:.0f} ms"
+    if not m.get("events"):
+        return floor
+    return (f"; device per step: wall {m['wall_ms']:.0f} ms, compute {m['compute_ms']:.0f}, H2D {m['h2d_ms']:.0f}, "
+            f"D2H {m['d2h_ms']:.0f}, exposed copy {m['exposed_copy_ms']:.0f}, idle {m['idle_ms']:.0f}" + floor)
+
+
 def _setup(spec, args, dev):
     """The row's model, optimizer and one-step function, built as bench_speed builds them; (step, handle)."""
     import bench.bench_speed as bs
@@ -125,10 +135,11 @@ def _record(spec, args, dev):
                 step()
             bs.sync(dev)
             wall = (time.perf_counter() - t0) / args.steps
+        h2d = handle.stats()["h2d_bytes_per_step"] if handle is not None else 0  # (synchronises)
     finally:
         if handle is not None:
             handle.close()
-    return prof.key_averages(), wall, timing, timeline.summarize_events(prof.profiler.kineto_results.events())
+    return prof.key_averages(), wall, timing, timeline.summarize_events(prof.profiler.kineto_results.events()), h2d
 
 
 def interleaved(args, dev, specs: list[dict]) -> list[dict]:
@@ -162,6 +173,7 @@ def profile(args, dev, specs: list[dict] | None = None) -> list[dict]:
     specs = specs or ROWS
     sort_dev = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     out, rows, per_op = [], [], {}
+    rate = bs.pcie_rate(dev)  # pinned host-to-device bytes/s (None on the CPU): the streamed rows' floor
     head_extra = []
     if getattr(args, "interleave", False):
         inter = interleaved(args, dev, specs)
@@ -172,7 +184,7 @@ def profile(args, dev, specs: list[dict] | None = None) -> list[dict]:
         head_extra += [f"- {r['name']}: step {r['step_s']:.3f} s ({r['step_s'] / ref:.3f} x the first; steps "
                        + " ".join(f"{t:.3f}" for t in r["steps_s"]) + ")" for r in inter] + [""]
     for spec in specs:
-        avgs, wall, timing, tl = _record(spec, args, dev)
+        avgs, wall, timing, tl, h2d = _record(spec, args, dev)
         bs.free(dev)
         # (the bench's own ranges are left out: kineto projects them onto the device as annotations spanning
         # the whole step, which would count every kernel again)
@@ -181,7 +193,8 @@ def profile(args, dev, specs: list[dict] | None = None) -> list[dict]:
         launches = sum(e.count for e in avgs if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) / args.steps
         casts = sum(e.count for e in avgs if e.key == "aten::_to_copy") / args.steps
         rows.append({"name": spec["name"], "wall_s": wall, "kernel_s": kernel_s, "launches": launches,
-                     "casts": casts, "step_s": statistics.median(timing), "timeline": tl})
+                     "casts": casts, "step_s": statistics.median(timing), "timeline": tl,
+                     "h2d_bytes": h2d, "pcie_floor_s": h2d / rate if rate and h2d else None})
         per_op[spec["name"]] = {e.key: (_self_device_us(e) / args.steps, e.self_cpu_time_total / args.steps,
                                         e.count / args.steps) for e in avgs}
         out += [f"## {spec['name']}: wall {wall:.3f} s/step, CUDA kernels {kernel_s:.3f} s/step, "
@@ -203,10 +216,12 @@ def profile(args, dev, specs: list[dict] | None = None) -> list[dict]:
     head = [f"profile: {args.family}, {args.res} px, LoRA r{args.rank}, "
             f"{'cpu (smoke)' if dev.type == 'cpu' else torch.cuda.get_device_name()}, {args.steps} steps after "
             f"{args.warmup} warm-up" + (f", {args.layers} blocks" if getattr(args, "layers", None) else "")
-            + (", no text mask" if getattr(args, "no_mask", False) else ""), ""] + head_extra
+            + (", no text mask" if getattr(args, "no_mask", False) else "")
+            + (f", pinned H2D {rate / 1e9:.1f} GB/s (best of three 1 GiB copies)" if rate else ""), ""] + head_extra
     head += [f"- {r['name']}: step {r['step_s']:.3f} s; profiled: wall {r['wall_s']:.3f} s, kernels "
              f"{r['kernel_s']:.3f} s ({r['kernel_s'] / r['step_s']:.0%} of the unprofiled step: well below 100 % the GPU "
-             f"waits on the host), launches {r['launches']:.0f}, aten::_to_copy {r['casts']:.0f} per step" for r in rows]
+             f"waits on the host), launches {r['launches']:.0f}, aten::_to_copy {r['casts']:.0f} per step"
+             + _gist(r) for r in rows]
     text = "\n".join(head + [""] + out)
     print(text)
     if args.out is not None:

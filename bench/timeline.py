@@ -22,7 +22,9 @@ interval unions (the pure functions below, tested on synthetic intervals):
 
 Only `_KinetoEvent` methods present in torch 2.11 and 2.13 are called unguarded (name, device_type,
 start_ns, end_ns, device_resource_id, correlation_id); activity_type, metadata_json and is_user_annotation are
-read where present (names decide otherwise).
+read where present. Without activity types the names decide: "Memcpy ..." and "Memset ..." are copies and
+memsets, a device event named like a host event is a range's projection (record_function, compiled regions),
+anything else is a kernel; host calls named "cu..." are the launches.
 
 Left out: device-side user annotations (kineto's "gpu_user_annotation" events; their presence depends on
 the kineto build), the dependency edges (which wait held which copy: only a trace viewer shows that).
@@ -145,27 +147,31 @@ def read_events(events) -> dict:
     Returns {"device": [(DevEvent, launch_ns or None)], "ranges": {name: [(start, end)]}, "syncs": [(start,
     end)]}; `ranges` holds the host `record_function` ranges named in STEP / PARTS."""
     launches: dict[int, int] = {}
-    device, ranges, syncs = [], {n: [] for n in (STEP, *PARTS)}, []
+    device, ranges, syncs, host_names = [], {n: [] for n in (STEP, *PARTS)}, [], set()
     for e in events:
         activity = _get(e, "activity_type")
         name = e.name()
         if _is_device(e):
-            if name in ranges:
+            if _get(e, "is_user_annotation", False):
                 continue  # the device projection of a host range (kineto's gpu_user_annotation)
             k = kind_of(name, activity)
             if k is None:
                 continue
-            md = _get(e, "metadata_json", "") or ""
-            m = _BYTES.search(md) if k != "kernel" else None
+            md = (_get(e, "metadata_json", "") or "") if k != "kernel" else ""
+            m = _BYTES.search(md)
             ev = DevEvent(k, e.start_ns(), e.end_ns(), e.device_resource_id(), name, int(m.group(1)) if m else None)
-            device.append((ev, e.correlation_id()))
+            device.append((ev, e.correlation_id(), activity))
             continue
+        host_names.add(name)
         if name in ranges:
             ranges[name].append((e.start_ns(), e.end_ns()))
         elif _is_launch(e, activity):
             launches[e.correlation_id()] = e.start_ns()
             if "Synchronize" in name:  # cudaStreamSynchronize, cudaEventSynchronize, cudaDeviceSynchronize
                 syncs.append((e.start_ns(), e.end_ns()))
+    # Without kineto's activity types, a "kernel" named like a host event is that host range's projection
+    # onto the device (record_function, torch.compile's regions): it spans kernels, it is none.
+    device = [(ev, c) for ev, c, act in device if act is not None or ev.kind != "kernel" or ev.name not in host_names]
     return {"device": [(ev, launches.get(c)) for ev, c in device],
             "ranges": {k: sorted(v) for k, v in ranges.items()}, "syncs": syncs}
 

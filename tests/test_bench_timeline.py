@@ -125,7 +125,10 @@ def _trace(activities: bool):
                 _Fake("gemm_bwd", "CUDA", s + 200, s + 400, corr=s + 3, stream=7, activity=a("kernel")),
                 _Fake("Memcpy HtoD (Pinned -> Device)", "CUDA", s + 380, s + 420, corr=s + 4, stream=21,
                       activity=a("gpu_memcpy"), md='"bytes": 800'),
-                _Fake("bench.step", "CUDA", s + 30, s + 420, activity=a("gpu_user_annotation"))]
+                _Fake("bench.step", "CUDA", s + 30, s + 420, activity=a("gpu_user_annotation")),
+                # a torch.compile region on the host and its projection onto the device (no kernel)
+                _Fake("CompiledFunction", "CPU", s + 5, s + 95, activity=a("cpu_op")),
+                _Fake("CompiledFunction", "CUDA", s + 40, s + 90, activity=a("gpu_user_annotation"))]
     return evs
 
 
