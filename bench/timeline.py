@@ -218,7 +218,10 @@ def summarize(evs: list[DevEvent], syncs=()) -> dict:
         s[e.kind] = s.get(e.kind, 0) + 1
     for sid, s in streams.items():
         for k in list(s):
-            s[f"{k}_ms"] = length([(e.start, e.end) for e in evs if e.stream == sid and e.kind == k]) * ms
+            mine = [e for e in evs if e.stream == sid and e.kind == k]
+            s[f"{k}_ms"] = length([(e.start, e.end) for e in mine]) * ms
+            if k in ("h2d", "d2h") and all(e.nbytes is not None for e in mine):
+                s[f"{k}_bytes"] = sum(e.nbytes for e in mine)
     out["streams"] = {str(k): v for k, v in sorted(streams.items())}
     names: dict[str, int] = {}
     for e in evs:
@@ -293,6 +296,10 @@ def _f(v, fmt="{:.1f}") -> str:
     return "" if v is None else fmt.format(v)
 
 
+def _gbs(b) -> str:
+    return "" if b is None else f"{b / 1e9:.2f}"
+
+
 def _gb(r: dict, d: str) -> str:
     b = r.get(f"{d}_bytes")
     return "" if b is None else f"{b / 1e9:.2f} ({_f(r.get(f'{d}_gbps'))})"
@@ -332,12 +339,15 @@ def markdown(summary: dict) -> str:
     walls = [s["all"].get("wall_ms") for s in summary["per_step"]]
     lines.append("step walls ms: " + " ".join(_f(w) for w in walls))
     streams = mean["all"].get("streams") or {}
-    lines += ["", "| stream (first step) | kernels | kernel ms | H2D | H2D ms | D2H | D2H ms | other copies, memsets |",
-              "|---|---|---|---|---|---|---|---|"]
+    main = max(streams, key=lambda k: streams[k].get("kernel_ms", 0.0), default=None)
+    lines += ["", "| stream (first step) | kernels | kernel ms | H2D | H2D ms | H2D GB | D2H | D2H ms | D2H GB | other "
+              "copies, memsets |", "|---|---|---|---|---|---|---|---|---|---|"]
     for sid, s in streams.items():
         other = s.get("copy", 0) + s.get("memset", 0)
-        lines.append(f"| {sid} | {s.get('kernel', 0)} | {_f(s.get('kernel_ms'))} | {s.get('h2d', 0)} | "
-                     f"{_f(s.get('h2d_ms'))} | {s.get('d2h', 0)} | {_f(s.get('d2h_ms'))} | {other} |")
+        label = f"{sid} (most kernel time)" if sid == main and s.get("kernel") else sid
+        lines.append(f"| {label} | {s.get('kernel', 0)} | {_f(s.get('kernel_ms'))} | {s.get('h2d', 0)} | "
+                     f"{_f(s.get('h2d_ms'))} | {_gbs(s.get('h2d_bytes'))} | {s.get('d2h', 0)} | "
+                     f"{_f(s.get('d2h_ms'))} | {_gbs(s.get('d2h_bytes'))} | {other} |")
     names = mean["all"].get("copy_names") or {}
     if names:
         lines += ["", "copies and memsets (first step): " + "; ".join(f"{k} x{v}" for k, v in sorted(names.items()))]

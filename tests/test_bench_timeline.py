@@ -51,7 +51,8 @@ def test_summarize_splits_busy_overlap_exposed_idle():
     assert s["exposed_copy_ms"] == pytest.approx(2 + 5) and s["h2d_with_d2h_ms"] == 0
     assert s["idle_ms"] == pytest.approx(5) and s["idle_long_gaps"] == 1 and s["idle_short_ms"] == 0
     assert s["h2d_gbps"] == pytest.approx(50.0) and s["d2h_bytes"] == 70_000_000
-    assert s["streams"]["7"]["kernel"] == 3 and s["streams"]["13"] == {"h2d": 1, "h2d_ms": pytest.approx(10)}
+    assert s["streams"]["7"]["kernel"] == 3 and s["streams"]["13"] == {"h2d": 1, "h2d_ms": pytest.approx(10),
+                                                                        "h2d_bytes": 500_000_000}
     assert s["host_sync_ms"] == pytest.approx(3) and s["kernels"] == 4
     no_bytes = tl.summarize([_ev("h2d", 0, ms, 13)])
     assert no_bytes["h2d_bytes"] is None and no_bytes["h2d_gbps"] is None  # unknown, not zero
@@ -149,7 +150,7 @@ def test_summarize_events_places_device_work_by_its_launch(activities):
         assert set(step["all"]["streams"]) == {"7", "13", "21"}
     assert out["mean"]["all"]["compute_ms"] == pytest.approx(250e-6)
     md = tl.markdown(out)
-    assert "| forward |" in md and "| optimizer | no device events |" in md and "| 13 | 0 |" in md
+    assert "| forward |" in md and "| optimizer | no device events |" in md and "| 13 | 0 |" in md and "| 7 (most kernel time) | 2 |" in md
     assert "Memcpy HtoD (Pinned -> Device) x2" in md
 
 
