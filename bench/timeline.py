@@ -224,10 +224,15 @@ def summarize(evs: list[DevEvent], syncs=()) -> dict:
                 s[f"{k}_bytes"] = sum(e.nbytes for e in mine)
     out["streams"] = {str(k): v for k, v in sorted(streams.items())}
     names: dict[str, int] = {}
+    sizes: dict[str, list] = {}  # "h2d 680 MB": [copies, bytes, ns]: each copy's own rate, not the union's
     for e in evs:
         if e.kind not in ("kernel",):
             names[e.name] = names.get(e.name, 0) + 1
+        if e.kind in ("h2d", "d2h") and e.nbytes:
+            c = sizes.setdefault(f"{e.kind} {e.nbytes / 1e6:.0f} MB", [0, 0, 0])
+            c[0], c[1], c[2] = c[0] + 1, c[1] + e.nbytes, c[2] + (e.end - e.start)
     out["copy_names"] = names
+    out["copy_sizes"] = {k: {"copies": n, "gbps": b / t if t else None} for k, (n, b, t) in sizes.items()}
     return out
 
 
@@ -283,7 +288,7 @@ def _mean(table: list[dict]) -> dict:
             vals = [r.get(k) for r in rows]
             if isinstance(v, (int, float)) and not isinstance(v, bool) and all(x is not None for x in vals):
                 m[k] = statistics.fmean(vals)
-            elif k in ("streams", "copy_names"):
+            elif k in ("streams", "copy_names", "copy_sizes"):
                 m[k] = v  # the first step's (counts per step)
             else:
                 m[k] = None
@@ -351,4 +356,9 @@ def markdown(summary: dict) -> str:
     names = mean["all"].get("copy_names") or {}
     if names:
         lines += ["", "copies and memsets (first step): " + "; ".join(f"{k} x{v}" for k, v in sorted(names.items()))]
+    sizes = mean["all"].get("copy_sizes") or {}
+    big = sorted(sizes.items(), key=lambda kv: -kv[1]["copies"] * float(kv[0].split()[1]))[:8]
+    if big:
+        lines.append("copies by size (first step; GB/s of each copy alone, the bulk first): " + "; ".join(
+            f"{k} x{v['copies']} at {_f(v['gbps'])} GB/s" for k, v in big))
     return "\n".join(lines)

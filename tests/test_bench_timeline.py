@@ -54,6 +54,8 @@ def test_summarize_splits_busy_overlap_exposed_idle():
     assert s["streams"]["7"]["kernel"] == 3 and s["streams"]["13"] == {"h2d": 1, "h2d_ms": pytest.approx(10),
                                                                         "h2d_bytes": 500_000_000}
     assert s["host_sync_ms"] == pytest.approx(3) and s["kernels"] == 4
+    assert s["copy_sizes"] == {"h2d 500 MB": {"copies": 1, "gbps": pytest.approx(50.0)},
+                               "d2h 70 MB": {"copies": 1, "gbps": pytest.approx(10.0)}}
     no_bytes = tl.summarize([_ev("h2d", 0, ms, 13)])
     assert no_bytes["h2d_bytes"] is None and no_bytes["h2d_gbps"] is None  # unknown, not zero
     assert tl.summarize([]) == {"events": 0}
@@ -151,7 +153,7 @@ def test_summarize_events_places_device_work_by_its_launch(activities):
     assert out["mean"]["all"]["compute_ms"] == pytest.approx(250e-6)
     md = tl.markdown(out)
     assert "| forward |" in md and "| optimizer | no device events |" in md and "| 13 | 0 |" in md and "| 7 (most kernel time) | 2 |" in md
-    assert "Memcpy HtoD (Pinned -> Device) x2" in md
+    assert "Memcpy HtoD (Pinned -> Device) x2" in md and "h2d 0 MB x2 at 41.4 GB/s" in md
 
 
 def test_summarize_events_without_device_events_says_so():
