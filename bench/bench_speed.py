@@ -13,6 +13,7 @@ on the family's default targets, AdamW, gradient checkpointing), every row a rat
     python bench/bench_speed.py --profile --family qwen_image --out /tmp/p  # profiler: dittrain vs plain, eager
     python bench/bench_speed.py --profile --interleave --layers 30 --family qwen_image --out /tmp/p  # + steps in turn
     python bench/bench_speed.py --profile --rows issue29 --family chroma --only "=plain + compile_repeated_blocks;=dittrain offload 0, compiled, checkpointing auto" --out /tmp/p
+    python bench/bench_speed.py --profile --rows issue29 --only "=dittrain offload 0, compiled;=dittrain offload 1.0 + act, compiled" --out /tmp/p  # + each row's device timeline (bench/timeline.py)
 
 Issue 29 (`--rows issue29`): every ratio is also given to the row 'plain + compile_repeated_blocks' (the compiled
 plain script a user writes in one line), and streamed rows get their PCIe floor (H2D bytes per step over the
@@ -483,13 +484,19 @@ def main(argv=None) -> list[dict]:
     specs = issue29_specs(args.family) if args.rows == "issue29" else row_specs(args.family)
     if args.only:
         keep = [s.strip() for s in args.only.split(";")]  # "=name": that row exactly; else a substring
-        specs = [specs[0]] + [s for s in specs[1:]
-                              if any(s["name"] == k[1:] if k.startswith("=") else k in s["name"] for k in keep)]
+
+        def first_key(s) -> int | None:
+            hits = [i for i, k in enumerate(keep) if (s["name"] == k[1:] if k.startswith("=") else k in s["name"])]
+            return hits[0] if hits else None
+
+        specs = [specs[0]] + [s for s in specs[1:] if first_key(s) is not None]
     if args.profile:
         from bench.speed_profile import profile
 
-        # --only picks the rows to profile (compiled ones too; the first is the one the others are compared to)
-        return profile(args, dev, specs[1:] if args.only else None)
+        # --only picks the rows to profile (compiled ones too), in the order it names them (the first is the one
+        # the others are compared to; each row is written as soon as it is done, so put the one that matters
+        # most early)
+        return profile(args, dev, sorted(specs[1:], key=first_key) if args.only else None)
     rate = pcie_rate(dev) if args.rows == "issue29" else None
     if rate:
         print(f"pinned host-to-device: {rate / 1e9:.1f} GB/s (best of three 1 GiB copies)", flush=True)

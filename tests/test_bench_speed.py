@@ -92,14 +92,15 @@ def test_bench_speed_smoke_chroma_mask_rows(tmp_path):
 
 
 def test_bench_speed_smoke_profile_of_compiled_rows(tmp_path):
-    """--profile with --only profiles the rows named (compiled ones, Chroma's), each against the first."""
+    """--profile with --only profiles the rows named (compiled ones, Chroma's), in the order named (not the table's),
+    each against the first."""
     mod = bench_module("bench_speed")
     rows = mod.main(["--smoke", "--backend", "eager", "--profile", "--rows", "issue29", "--family", "chroma",
-                     "--only", "=plain + compile_repeated_blocks;=dittrain offload 0, compiled, checkpointing auto",
+                     "--only", "=dittrain offload 0, compiled, checkpointing auto;=plain + compile_repeated_blocks",
                      "--out", str(tmp_path)])
-    assert [r["name"] for r in rows] == ["plain + compile_repeated_blocks",
-                                         "dittrain offload 0, compiled, checkpointing auto"]
-    assert "'dittrain offload 0, compiled, checkpointing auto' minus 'plain + compile_repeated_blocks'" in (
+    assert [r["name"] for r in rows] == ["dittrain offload 0, compiled, checkpointing auto",
+                                         "plain + compile_repeated_blocks"]
+    assert "'plain + compile_repeated_blocks' minus 'dittrain offload 0, compiled, checkpointing auto'" in (
         tmp_path / "profile_chroma.txt").read_text()
 
 
