@@ -167,6 +167,25 @@ def test_vae_memory_modes(tiny_models):
     assert vae.tile_latent_min_size == 512 // 2 ** (len(vae.config.block_out_channels) - 1)
 
 
+def test_sample_decodes_untiled_where_it_fits_else_tiled(tiny_models, monkeypatch):
+    """`dittrain sample` keeps the pipeline's untiled decode (images equal `pipe(...)`'s) unless it would not fit
+    next to the placed transformer: Qwen-Image 2.1's 16 GB preset ran out of memory decoding 1024 px untiled."""
+    from diffusers import AutoencoderKL
+
+    from trainer.sampling import placement
+
+    cuda = torch.device("cuda")
+    vae = AutoencoderKL.from_pretrained(tiny_models / "flux", subfolder="vae")
+    monkeypatch.setattr(placement, "cuda_headroom", lambda device: 8 * 2**30)
+    assert placement.decode_for_sample(vae, torch.device("cpu"), 1024, 1024) is None  # the CPU: as the pipeline
+    assert placement.decode_for_sample(vae, cuda, 512, 512) is None  # small: never tiled
+    assert placement.decode_for_sample(vae, cuda, 1024, 1024) is None and not vae.use_tiling  # 4.1 GiB + 1 fits in 8
+    monkeypatch.setattr(placement, "cuda_headroom", lambda device: 4 * 2**30)
+    note = placement.decode_for_sample(vae, cuda, 1024, 1024)
+    assert vae.use_tiling and vae.tile_sample_min_size == 512
+    assert note.startswith("note: the VAE decodes in 512 px tiles") and "4.1 GiB" in note and "4.0 GiB is free" in note
+
+
 def test_training_step_out_of_memory_keeps_its_advice_and_names_the_phase(tiny_models, tmp_path, monkeypatch):
     from trainer.train.trainer import Trainer
 

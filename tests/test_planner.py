@@ -321,6 +321,23 @@ def test_sampling_prediction_uses_the_conductors_plan(flux_full_size):
     assert half.peak_reserved < resident.peak_reserved - 10e9
 
 
+def test_sampling_prediction_counts_the_untiled_decode_beside_the_placed_transformer(flux_full_size):
+    """An untiled decode next to the ring: what ran Qwen-Image 2.1's 16 GB `sample` out of memory (RESULTS.md)."""
+    from trainer.planner import predict_sampling
+    from trainer.planner.prediction import ALLOCATOR_OVERHEAD, WORKSPACE, _round2m
+    from trainer.planner.sampling import VAE_ACT_DECODE
+
+    from trainer.models import adapter_class
+
+    _, facts = flux_full_size
+    vae = adapter_class("flux").vae_params * 2
+    for f in (0.0, 0.5):
+        p, small = predict_sampling(facts, f, 1024), predict_sampling(facts, f, 512)
+        static = _round2m(p.ring) + _round2m(facts.nonblock_bytes) + WORKSPACE
+        assert p.decode_reserved - static - vae == pytest.approx(ALLOCATOR_OVERHEAD * 1024**2 * VAE_ACT_DECODE)
+        assert p.decode_reserved - small.decode_reserved == pytest.approx(ALLOCATOR_OVERHEAD * 3 * 512**2 * VAE_ACT_DECODE)
+
+
 def test_sampling_under_classifier_free_guidance_counts_a_batch_of_two(flux_full_size):
     from trainer.planner import predict_sampling
     from trainer.planner.sampling import cfg_batch

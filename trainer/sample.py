@@ -17,7 +17,8 @@ The run reads top to bottom as a few named steps:
    no second memory): the fraction is accepted and the conductor replays the same plan through a ring in CPU
    RAM, which saves nothing and runs at resident speed; the tests use it to check the images do not change.
 5. Denoise image by image (`sampling.engine.generate`), write PNGs with metadata and, for several images, a
-   contact sheet.
+   contact sheet. The VAE decodes as the pipeline does (untiled) where that fits next to the placed transformer,
+   else in 512 px tiles with a note (`placement.decode_for_sample`).
 
 The shared pieces live in `trainer/sampling/`; the training loop samples through `sampling.TrainingSampler`,
 which calls the same `generate`.
@@ -41,7 +42,7 @@ from .progress import bar as progress_bar
 from .sampling.engine import encode_prompts, generate, release_text_encoders
 from .sampling.lora import load_loras
 from .sampling.output import contact_sheet, image_metadata, save_png
-from .sampling.placement import place_text_encoders, place_transformer
+from .sampling.placement import decode_for_sample, place_text_encoders, place_transformer
 from .sampling.request import (
     Job,
     LoraSpec,
@@ -157,6 +158,9 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
     with _oom_as_user_error(oom), place_transformer(
             adapter, pipe.transformer, plan.device, plan.offload, compile_options(cfg, plan.device) or False,
             fill=loader and loader.fill, keep_weights=False):  # the pipeline is dropped after the images
+        tiled = decode_for_sample(pipe.vae, plan.device, plan.settings.height, plan.settings.width)
+        if tiled:
+            tqdm.write(tiled, file=sys.stderr)
         for job in progress_bar(plan.jobs, desc="images", unit="img", enabled=len(plan.jobs) > 1):
             (image,) = generate(
                 pipe, adapter, [embeds[job.prompt]], settings=plan.settings, seeds=[job.seed], progress=True

@@ -34,11 +34,11 @@ from dataclasses import dataclass
 from ..models import adapter_class
 from ..offload.plan import capacity_for
 from .prediction import ALLOCATOR_OVERHEAD, GB, WORKSPACE, Facts, predict
+from .sampling import VAE_ACT_DECODE, cfg_batch, predict_sampling
 
-#: activation bytes per image pixel at the peak of a bf16 VAE encode / decode (128 channels at full resolution,
-#: a few live tensors; the decode's up blocks hold more): coarse, from diffusers' figures for 1024 px
+#: activation bytes per image pixel at the peak of a bf16 VAE encode (128 channels at full resolution, a few live
+#: tensors; the decode: sampling.py VAE_ACT_DECODE): coarse, from diffusers' figures for 1024 px
 VAE_ACT_ENCODE = 6 * 128 * 2
-VAE_ACT_DECODE = 12 * 128 * 2
 CACHE_TILE_PIXELS = 1024 * 1024  # trainer/data/cache.py VAE_TILE_PIXELS
 SAMPLE_TILE_PIXELS = 512 * 512  # trainer/sampling/placement.py
 
@@ -121,8 +121,6 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
         PhasePrediction("training step", train.peak_reserved, train.ram_peak, f"{res} px"),
     ]
     if s.every and s.prompts:
-        from .sampling import cfg_batch, predict_sampling
-
         sp = s.width * s.height
         # its activations (a batch of two under classifier-free guidance); the ring is the training one
         samp = predict_sampling(facts, 0.0, int(sp**0.5), batch=cfg_batch(facts.family, s.guidance))

@@ -311,7 +311,7 @@ def _phases(cfg, facts: Facts, fraction: float, budget: float | None) -> list[st
 def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1) -> list[str]:
     """`dittrain sample --offload F`: the denoising loop alone (trainer/planner/sampling.py)."""
     base = predict_sampling(facts, 0.0, res, rates, batch)
-    rows = [("fraction", "ring", "peak reserved", "compute", "transfer", "s / step", "vs resident")]
+    rows = [("fraction", "ring", "peak reserved", "untiled decode", "compute", "transfer", "s / step", "vs resident")]
     for f in sorted(set(fractions) | {1.0}):
         p = predict_sampling(facts, f, res, rates, batch)
         rows.append(
@@ -319,6 +319,7 @@ def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1) -> list[
                 f"{f:.2f}",
                 _gb(p.ring),
                 _gb(p.peak_reserved),
+                _gb(p.decode_reserved),
                 f"{p.compute_s:.2f}",
                 f"{p.transfer_s:.2f}",
                 f"{p.step_s:.2f}",
@@ -327,8 +328,10 @@ def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1) -> list[
         )
     return [
         "",
-        f"Sampling at {res} px, batch {batch}{' (classifier-free guidance)' if batch > 1 else ''}, denoising steps only (GB, s; streamed blocks are reloaded "
-        "every step, part of the model stays resident; text encoders and VAE decode not included):",
+        f"Sampling at {res} px, batch {batch}{' (classifier-free guidance)' if batch > 1 else ''}, denoising steps (GB, s; streamed blocks are reloaded "
+        "every step, part of the model stays resident; text encoders not included). The VAE decode after them reserves "
+        "'untiled decode' where it decodes as the pipeline does; `dittrain sample` decodes in 512 px tiles where that "
+        "does not fit the card:",
         *_table(rows),
     ]
 

@@ -9,18 +9,24 @@ activations of a no-grad forward are small: the block's inputs and outputs plus 
 Classifier-free guidance (SD3 / Qwen-Image pipelines with guidance > 1) runs the prompt and the negative prompt as
 one batch of two: `batch` (`cfg_batch`) doubles the activations and the compute.
 
-Left out: the text encoders (they run first and are released, trainer/sample.py) and the VAE decode at the end
-(its own peak, which can exceed the transformer's at large sizes; trainer/planner/phases.py counts it for sampling
-during training).
+The VAE decode at the end has its own peak (`decode_reserved`: the placed transformer, the VAE and an untiled
+decode's activations), which can exceed the denoising loop's at large sizes; `dittrain sample` decodes in 512 px
+tiles where that does not fit (trainer/sampling/placement.py). Left out: the text encoders (they run first and are
+released, trainer/sample.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..models import adapter_class
 from ..offload.plan import capacity_for, plan_for
 from . import timing as ptime
 from .prediction import ALLOCATOR_OVERHEAD, WORKSPACE, _round2m
+
+#: activation bytes per image pixel at the peak of a bf16 VAE decode (128 channels at full resolution, several live
+#: tensors in the up blocks): coarse, from diffusers' figures for 1024 px; phases.py's sampling phase uses it too
+VAE_ACT_DECODE = 12 * 128 * 2
 
 
 @dataclass
@@ -32,12 +38,13 @@ class SamplePrediction:
     step_s: float
     compute_s: float
     transfer_s: float
+    #: peak reserved while the VAE decodes one image untiled next to the placed transformer (`dittrain sample`
+    #: decodes tiled where this does not fit: trainer/sampling/placement.py `decode_for_sample`)
+    decode_reserved: float = 0.0
 
 
 def cfg_batch(family: str, guidance: float) -> int:
     """The batch the family's pipeline denoises per image: 2 where it runs classifier-free guidance."""
-    from ..models import adapter_class
-
     return 2 if adapter_class(family).runs_cfg(guidance) else 1
 
 
@@ -55,4 +62,6 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
     reserved = _round2m(ring) + _round2m(facts.nonblock_bytes) + ALLOCATOR_OVERHEAD * act + WORKSPACE
     compute = batch * (tr.linear_flops + tr.attn_flops) / ptime.forward_rate(rates, res)
     transfer = moved / rates.h2d
-    return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer)
+    decode = (_round2m(ring) + _round2m(facts.nonblock_bytes) + adapter_class(facts.family).vae_params * 2
+              + ALLOCATOR_OVERHEAD * res * res * VAE_ACT_DECODE + WORKSPACE)
+    return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer, decode)

@@ -18,7 +18,8 @@ swaps the given transformer into the pipeline by reference (no copy), switches i
 restores both afterwards. It never touches the global RNG.
 
 Left out: batching several images into one pipeline call (faster on a big GPU, but it makes an image depend on
-its batch), VAE tiling for very large images, negative prompts for Flux's "true CFG".
+its batch), negative prompts for Flux's "true CFG". VAE tiling is the callers' (`placement.tile_decode`,
+`placement.decode_for_sample`).
 """
 
 from __future__ import annotations

@@ -94,6 +94,11 @@ def place_text_encoders(pipe, device: torch.device, fraction: float):
 
 #: images with more pixels than this decode tiled while sampling during training (see trainer/sampling/training.py)
 SAMPLE_TILE_PIXELS = 512 * 512
+#: bytes per image pixel an untiled bf16 VAE decode reserves at its peak: trainer/planner/sampling.py's
+#: VAE_ACT_DECODE (12 x 128 channels x 2 bytes) times the caching allocator's 1.35 (~4.3 GB at 1024 x 1024)
+UNTILED_DECODE_PER_PIXEL = 12 * 128 * 2 * 1.35
+#: what an untiled decode must leave free besides its estimate (the estimate is coarse; cuDNN workspaces)
+DECODE_MARGIN = 2**30
 
 
 def tile_decode(vae: nn.Module, height: int, width: int, tile: int = 512) -> bool:
@@ -110,3 +115,28 @@ def tile_decode(vae: nn.Module, height: int, width: int, tile: int = 512) -> boo
         down = 2 ** (len(vae.config.block_out_channels) - 1)
         vae.tile_sample_min_size, vae.tile_latent_min_size = tile, tile // down
     return True
+
+
+def cuda_headroom(device: torch.device) -> int:
+    """Bytes this process can still allocate on `device`: what the card has free plus what the caching allocator
+    holds unused, within the per-process cap (`set_per_process_memory_fraction`, as `DITTRAIN_VRAM_CAP_GB` sets)."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    cached = torch.cuda.memory_reserved(device) - allocated
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _d: 1.0)(device)
+    return int(min(free + cached, fraction * total - allocated))
+
+
+def decode_for_sample(vae: nn.Module, device: torch.device, height: int, width: int) -> str | None:
+    """`dittrain sample`, once the transformer is placed: decode untiled (the pipeline's own decode, so the image
+    equals `pipe(...)`'s) when that fits in what the device has free with `DECODE_MARGIN` to spare, else tiled
+    (`tile_decode`). Returns a note when it tiles, None otherwise. An untiled 1024 px decode next to a streaming
+    ring ran Qwen-Image 2.1's 16 GB preset out of memory (bench/RESULTS.md, 2026-11-25 21:40)."""
+    if device.type != "cuda" or height * width <= SAMPLE_TILE_PIXELS:
+        return None
+    need, have = height * width * UNTILED_DECODE_PER_PIXEL, cuda_headroom(device)
+    if need + DECODE_MARGIN <= have or not tile_decode(vae, height, width):
+        return None
+    return (f"note: the VAE decodes in 512 px tiles (an untiled {width}x{height} decode needs about "
+            f"{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB is free): tile seams differ from the pipeline's "
+            "untiled decode by a few levels")
