@@ -26,7 +26,9 @@ every bucket: is the step slower?), the offload-0 compiled row once more (its 'f
 inductor's cache warm, the issue's <= 10 s), and plain compiled without checkpointing. Chroma also: plain
 compiled with the attention mask in every block (diffusers' checkpointed forward gives the single blocks none; the
 pipeline gives them the mask, as dittrain does), dittrain `auto` with the flash-attention form of the mask
-(trainer/models/chroma.py `use_flash_mask`), and both without any mask (what the mask costs). A row that runs out
+and with flex attention adding it (trainer/models/chroma.py `use_mask_attention`; flex has no CPU backward, so
+the CPU smoke run of that row fails unless torch's device check is lifted, as tests/test_bench_speed.py does),
+and both without any mask (what the mask costs). A row that runs out
 of memory is reported as such and the run goes on.
 
 Rows (in this order; `--budget-s` stops adding rows when the time is spent, the reference always runs):
@@ -138,7 +140,9 @@ def issue29_specs(family: str) -> list[dict]:
             {**plain_c, "name": "plain + compile_repeated_blocks, mask in every block (as the pipeline)",
              "mask_all": True},
             {**ours, "name": "dittrain offload 0, compiled, checkpointing auto, flash mask", "ckpt": "auto",
-             "attn": "flash-mask"},
+             "attn": "flash"},
+            {**ours, "name": "dittrain offload 0, compiled, checkpointing auto, flex mask", "ckpt": "auto",
+             "attn": "flex"},
             {**plain_c, "name": "plain + compile_repeated_blocks, no attention mask", "nomask": True},
             {**ours, "name": "dittrain offload 0, compiled, checkpointing auto, no attention mask", "ckpt": "auto",
              "nomask": True},
@@ -294,10 +298,10 @@ def ours_setup(adapter, m, args, spec, dev):
     if spec["quant"] != "none":
         quant.quantize_blocks(blocks, spec["quant"], spec["modulation"])
         quant.use_scaled_mm(m, spec.get("fp8mm", False))  # model.fp8_matmul
-    if spec.get("attn") == "flash-mask":
-        from trainer.models.chroma import use_flash_mask
+    if spec.get("attn"):  # Chroma's own forms of its masked attention (train.attention: flash / flex)
+        from trainer.models.chroma import use_mask_attention
 
-        use_flash_mask(m)
+        use_mask_attention(m, spec["attn"])
     cfg = SimpleNamespace(lora=LoraConfig(rank=args.rank, alpha=args.rank, compute_dtype=spec["math"]))
     params = add_lora(m, cfg, adapter.default_lora_targets)
     for p in params:

@@ -64,21 +64,26 @@ def test_bench_speed_smoke_profile(tmp_path):
     assert [r["timeline"]["steps"] for r in saved] == [1, 1] and saved[1]["timeline"]["device_events"] == 0
 
 
-def test_bench_speed_smoke_chroma_mask_rows(tmp_path):
-    """Chroma's attention-mask rows (CPU smoke); the plain row 'mask in every block' computes what the pipeline
+def test_bench_speed_smoke_chroma_mask_rows(tmp_path, monkeypatch):
+    """Chroma's attention-mask rows (CPU smoke; flex's CPU device check lifted: torch has no CPU flex backward
+    kernel, its unfused reference runs); the plain row 'mask in every block' computes what the pipeline
     computes (no checkpointing) under diffusers' checkpointing, which alone gives the single blocks no mask."""
     from types import SimpleNamespace
 
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
     mod = bench_module("bench_speed")
     rows = mod.main(["--smoke", "--backend", "eager", "--rows", "issue29", "--family", "chroma", "--only",
-                     "flash mask;auto, no attention mask", "--out", str(tmp_path)])
+                     "flash mask;flex mask;auto, no attention mask", "--out", str(tmp_path)])
     assert [r["name"] for r in rows[1:]] == ["dittrain offload 0, compiled, checkpointing auto, flash mask",
+                                             "dittrain offload 0, compiled, checkpointing auto, flex mask",
                                              "dittrain offload 0, compiled, checkpointing auto, no attention mask"]
     assert all(r["step_s"] for r in rows)
     names = [s["name"] for s in mod.issue29_specs("chroma")]
     assert {"plain + compile_repeated_blocks, mask in every block (as the pipeline)",
             "plain + compile_repeated_blocks, no attention mask"} <= set(names)
-    assert "flash mask" not in str(mod.issue29_specs("flux"))
+    assert "flash mask" not in str(mod.issue29_specs("flux")) and "flex" not in str(mod.issue29_specs("flux"))
     args = SimpleNamespace(family="chroma", smoke=True, rank=4, backend="eager", res=64)
     outs = []
     for spec in (dict(kind="plain", compile=False, ckpt=False), dict(kind="plain", compile=False),
