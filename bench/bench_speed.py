@@ -62,7 +62,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import step_seconds  # noqa: E402
+from bench.timing import build_bf16, step_seconds  # noqa: E402
 from trainer import quant  # noqa: E402
 from trainer.config import LoraConfig, OptimizerConfig  # noqa: E402
 from trainer.models import adapter_class  # noqa: E402
@@ -205,13 +205,7 @@ def build(family: str, dev, smoke: bool, layers: int | None = None):
     conf = {**cls.full_config, **(SMOKE[family] if smoke else {})}
     if layers:
         conf["num_layers"] = layers
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(dev):
-            m = cls.transformer_cls.from_config(conf)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    m = build_bf16(lambda: cls.transformer_cls.from_config(conf), dev)
     return cls(), m.to(torch.bfloat16).train()
 
 
