@@ -189,6 +189,12 @@ class ModelAdapter(ABC):
     #: sample settings the presets write (`sample.steps`, `sample.guidance`) where the family's pipeline wants
     #: others than the presets' 28 steps and the config's default guidance (a distilled model's few steps)
     sample_defaults: ClassVar[dict[str, Any]] = {}
+    #: the pipeline keeps a KV cache through its denoising loop: every block's keys and values of the prompt (the
+    #: step-independent prefix) from the first step, for the later ones (Qwen-Image 2.1's `use_kv_cache`, on by
+    #: default). Compiled blocks hand the cache views of their whole first-step keys and values (inductor leaves
+    #: out the copy of a slice of a block-internal tensor), so every block's K and V stay until the pipeline returns;
+    #: the planner's sampling phase counts them (trainer/planner/sampling.py)
+    sampling_kv_cache: ClassVar[bool] = False
 
     # ------------------------------------------------------------------------------------------ presets
 

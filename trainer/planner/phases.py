@@ -20,9 +20,10 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   are sliced), about `VAE_ACT_ENCODE` bytes per pixel (tiled above 1 MP, trainer/data/cache.py, so at most 1 MP
   counts).
 - training step: `predict` (prediction.py).
-- sampling: the training step's static part (ring, non-block, LoRA state) + the VAE + the larger of the
-  denoising forward's activations (sampling.py; doubled under classifier-free guidance) and the tiled decode's
-  (512-pixel tiles above 512x512).
+- sampling: the training step's static part (ring, non-block, LoRA state) + the VAE + the pipeline's KV cache
+  where it keeps one (sampling.py `kv_cache_bytes`: Qwen-Image 2.1) + the larger of the denoising forward's
+  activations (sampling.py; doubled under classifier-free guidance) and the tiled decode's (512-pixel tiles above
+  512x512).
 - checkpoint save: on the GPU what the training step reserved (the caching allocator keeps it; the save adds
   little); in RAM the training peak plus a host copy of the trained weights and optimizer state (safetensors
   writes from CPU tensors).
@@ -110,9 +111,10 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
         sp = s.width * s.height
         # its activations (a batch of two under classifier-free guidance); the ring is the training one
         samp = predict_sampling(facts, 0.0, int(sp**0.5), batch=cfg_batch(facts.family, s.guidance))
-        sample_act = samp.peak_reserved - sum(facts.packed) - facts.nonblock_bytes - WORKSPACE
+        # the pipeline's KV cache (if any) lasts through the denoising loop and the decode
+        sample_act = samp.peak_reserved - sum(facts.packed) - facts.nonblock_bytes - WORKSPACE - samp.kv_cache
         dec = min(sp, SAMPLE_TILE_PIXELS) * VAE_ACT_DECODE * ALLOCATOR_OVERHEAD
-        out.append(PhasePrediction("sampling", train.static + vae + max(sample_act, dec) + WORKSPACE,
+        out.append(PhasePrediction("sampling", train.static + vae + samp.kv_cache + max(sample_act, dec) + WORKSPACE,
                                    train.ram_peak + vae, f"every {s.every} steps, {s.width}x{s.height}"))
     state = (facts.trainable_params * 4 + facts.state_gpu) if facts.method == "lora" else model_bytes + sum(
         facts.block_states)
