@@ -7,7 +7,8 @@ batch 1, in four forms:
 - `sdpa, no mask`: what Flux runs, and what diffusers' checkpointed Chroma runs in its single blocks (a different
   function where the mask has zeros: its difference is the mask's effect, not an error);
 - `flash mask`: `attend_outer_mask`, the mask as one more head dimension (136), no mask tensor;
-- `flex, score_mod`: torch.compile'd flex attention adding m_i m_j in the kernel (skipped if it fails).
+- `flex, score_mod`: `attend_flex` (train.attention: flex), torch.compile'd flex attention adding m_i m_j in the
+  kernel (CUDA only: flex has no CPU backward).
 
 Each row: milliseconds per forward + backward (CUDA events, median of --steps after --warmup), whether flash
 attention accepts its SDPA call (run once under `sdpa_kernel(FLASH_ATTENTION)` only), and the largest
@@ -32,28 +33,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.timing import step_seconds  # noqa: E402
-from trainer.models.chroma import attend_outer_mask  # noqa: E402
+from trainer.models.chroma import attend_flex, attend_outer_mask  # noqa: E402
 
 
 def sdpa(q, k, v, mask=None):
     """diffusers' native backend: (B, S, H, D) in and out."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
     return out.transpose(1, 2)
-
-
-def flex_fn():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    compiled = torch.compile(flex_attention)
-
-    def run(q, k, v, m):
-        def score_mod(score, b, h, qi, ki):
-            return score + m[b, qi] * m[b, ki]
-
-        out = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod)
-        return out.transpose(1, 2)
-
-    return run
 
 
 def main(argv=None) -> list[dict]:
@@ -83,11 +69,7 @@ def main(argv=None) -> list[dict]:
              "sdpa, no mask": lambda a, b, c: sdpa(a, b, c),
              f"flash mask (head dim {dim + 8 - dim % 8})": lambda a, b, c: attend_outer_mask(a, b, c, m)}
     if dev.type == "cuda":
-        try:
-            flex = flex_fn()
-            forms["flex, score_mod m_i m_j"] = lambda a, b, c: flex(a, b, c, m.float())
-        except Exception as e:  # noqa: BLE001 - a missing form is reported, the others still run
-            print(f"flex: {e}")
+        forms["flex, score_mod m_i m_j"] = lambda a, b, c: attend_flex(a, b, c, m)  # a failure is a row's error
     ref, rows = None, []
     for name, fn in forms.items():
         xs = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]

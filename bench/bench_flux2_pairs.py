@@ -34,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.timing import build_bf16  # noqa: E402
 from trainer import planner  # noqa: E402
 from trainer.config import CONTROL_DIR, Config  # noqa: E402
 from trainer.models import adapter_class  # noqa: E402
@@ -53,13 +54,7 @@ def build(adapter, dev: str, config: dict):
     cls = type(adapter)
     from peft import LoraConfig
 
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(dev):
-            m = cls.transformer_cls.from_config(config)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    m = build_bf16(lambda: cls.transformer_cls.from_config(config), dev)
     m.requires_grad_(False)
     m.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=list(adapter.lora_targets()),
                              init_lora_weights="gaussian"))

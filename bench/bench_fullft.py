@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offload import block_list, h2d_rate  # noqa: E402
 from bench_offload import inputs as _flux_inputs  # noqa: E402
 
+from bench.timing import build_bf16  # noqa: E402
 from trainer.config import OptimizerConfig  # noqa: E402
 from trainer.offload import attach_offload, bind_fused  # noqa: E402
 from trainer.optim import FusedBackPass, StateOffload, build_optimizer  # noqa: E402
@@ -89,13 +90,7 @@ def build(args, dev):
             in_channels=16, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
             pooled_projection_dim=32, axes_dims_rope=(4, 6, 6),
         )  # fmt: skip
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(dev):
-            m = FluxTransformer2DModel(**kw)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    return m
+    return build_bf16(lambda: FluxTransformer2DModel(**kw), dev)
 
 
 def inputs(model, dev, res, text):

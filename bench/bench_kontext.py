@@ -30,6 +30,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.timing import build_bf16  # noqa: E402
 from trainer import planner  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer.models.flux_kontext import FluxKontextAdapter  # noqa: E402
@@ -45,13 +46,7 @@ def build(dev: str, config: dict):
     from diffusers import FluxTransformer2DModel
     from peft import LoraConfig
 
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(dev):
-            m = FluxTransformer2DModel(**config)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    m = build_bf16(lambda: FluxTransformer2DModel(**config), dev)
     m.requires_grad_(False)
     m.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=list(FluxKontextAdapter.default_lora_targets),
                              init_lora_weights="gaussian"))

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import step_seconds  # noqa: E402
+from bench.timing import build_bf16, step_seconds  # noqa: E402
 from trainer.config import OptimizerConfig  # noqa: E402
 from trainer.models.flux import FluxAdapter  # noqa: E402
 from trainer.offload import attach_offload  # noqa: E402
@@ -57,14 +57,8 @@ def h2d_rate(dev, nbytes=1 << 30, reps=6) -> float:
 def build(args, dev):
     from diffusers import FluxTransformer2DModel
 
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(dev):
-        m = FluxTransformer2DModel(
-            num_layers=args.layers, num_single_layers=args.singles, guidance_embeds=True
-        )
-    torch.set_default_dtype(torch.float32)
-    return m
+    return build_bf16(
+        lambda: FluxTransformer2DModel(num_layers=args.layers, num_single_layers=args.singles, guidance_embeds=True), dev)
 
 
 def add_lora(m, rank):

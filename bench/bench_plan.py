@@ -43,6 +43,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.timing import build_bf16  # noqa: E402
 from trainer import planner  # noqa: E402
 from trainer.config import Config, load_config  # noqa: E402
 from trainer.models.flux import FluxAdapter  # noqa: E402
@@ -66,13 +67,7 @@ def log(msg: str) -> None:
 def build(dev: str):
     from diffusers import FluxTransformer2DModel
 
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(dev):
-            m = FluxTransformer2DModel(**FluxAdapter.full_config)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    m = build_bf16(lambda: FluxTransformer2DModel(**FluxAdapter.full_config), dev)
     from peft import LoraConfig
 
     m.requires_grad_(False)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import step_seconds  # noqa: E402
+from bench.timing import build_bf16, step_seconds  # noqa: E402
 from trainer import quant  # noqa: E402
 from trainer.offload import attach_offload  # noqa: E402
 
@@ -47,12 +47,8 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", 
 def build(args, dev, mode, modulation=False):
     from diffusers import FluxTransformer2DModel
 
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(dev):
-        m = FluxTransformer2DModel(num_layers=args.layers, num_single_layers=args.singles, guidance_embeds=True,
-                                   **args.dims)
-    torch.set_default_dtype(torch.float32)
+    m = build_bf16(lambda: FluxTransformer2DModel(num_layers=args.layers, num_single_layers=args.singles,
+                                                  guidance_embeds=True, **args.dims), dev)
     m.requires_grad_(False)
     quant.quantize_blocks(blocks_of(m), mode, modulation)  # one block at a time, as the loader does
     from peft import LoraConfig

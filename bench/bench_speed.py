@@ -13,6 +13,7 @@ on the family's default targets, AdamW, gradient checkpointing), every row a rat
     python bench/bench_speed.py --profile --family qwen_image --out /tmp/p  # profiler: dittrain vs plain, eager
     python bench/bench_speed.py --profile --interleave --layers 30 --family qwen_image --out /tmp/p  # + steps in turn
     python bench/bench_speed.py --profile --rows issue29 --family chroma --only "=plain + compile_repeated_blocks;=dittrain offload 0, compiled, checkpointing auto" --out /tmp/p
+    python bench/bench_speed.py --profile --rows issue29 --only "=dittrain offload 0, compiled;=dittrain offload 1.0 + act, compiled" --out /tmp/p  # + each row's device timeline (bench/timeline.py)
 
 Issue 29 (`--rows issue29`): every ratio is also given to the row 'plain + compile_repeated_blocks' (the compiled
 plain script a user writes in one line), and streamed rows get their PCIe floor (H2D bytes per step over the
@@ -25,7 +26,9 @@ every bucket: is the step slower?), the offload-0 compiled row once more (its 'f
 inductor's cache warm, the issue's <= 10 s), and plain compiled without checkpointing. Chroma also: plain
 compiled with the attention mask in every block (diffusers' checkpointed forward gives the single blocks none; the
 pipeline gives them the mask, as dittrain does), dittrain `auto` with the flash-attention form of the mask
-(trainer/models/chroma.py `use_flash_mask`), and both without any mask (what the mask costs). A row that runs out
+and with flex attention adding it (trainer/models/chroma.py `use_mask_attention`; flex has no CPU backward, so
+the CPU smoke run of that row fails unless torch's device check is lifted, as tests/test_bench_speed.py does),
+and both without any mask (what the mask costs). A row that runs out
 of memory is reported as such and the run goes on.
 
 Rows (in this order; `--budget-s` stops adding rows when the time is spent, the reference always runs):
@@ -137,7 +140,9 @@ def issue29_specs(family: str) -> list[dict]:
             {**plain_c, "name": "plain + compile_repeated_blocks, mask in every block (as the pipeline)",
              "mask_all": True},
             {**ours, "name": "dittrain offload 0, compiled, checkpointing auto, flash mask", "ckpt": "auto",
-             "attn": "flash-mask"},
+             "attn": "flash"},
+            {**ours, "name": "dittrain offload 0, compiled, checkpointing auto, flex mask", "ckpt": "auto",
+             "attn": "flex"},
             {**plain_c, "name": "plain + compile_repeated_blocks, no attention mask", "nomask": True},
             {**ours, "name": "dittrain offload 0, compiled, checkpointing auto, no attention mask", "ckpt": "auto",
              "nomask": True},
@@ -293,10 +298,10 @@ def ours_setup(adapter, m, args, spec, dev):
     if spec["quant"] != "none":
         quant.quantize_blocks(blocks, spec["quant"], spec["modulation"])
         quant.use_scaled_mm(m, spec.get("fp8mm", False))  # model.fp8_matmul
-    if spec.get("attn") == "flash-mask":
-        from trainer.models.chroma import use_flash_mask
+    if spec.get("attn"):  # Chroma's own forms of its masked attention (train.attention: flash / flex)
+        from trainer.models.chroma import use_mask_attention
 
-        use_flash_mask(m)
+        use_mask_attention(m, spec["attn"])
     cfg = SimpleNamespace(lora=LoraConfig(rank=args.rank, alpha=args.rank, compute_dtype=spec["math"]))
     params = add_lora(m, cfg, adapter.default_lora_targets)
     for p in params:
@@ -483,13 +488,19 @@ def main(argv=None) -> list[dict]:
     specs = issue29_specs(args.family) if args.rows == "issue29" else row_specs(args.family)
     if args.only:
         keep = [s.strip() for s in args.only.split(";")]  # "=name": that row exactly; else a substring
-        specs = [specs[0]] + [s for s in specs[1:]
-                              if any(s["name"] == k[1:] if k.startswith("=") else k in s["name"] for k in keep)]
+
+        def first_key(s) -> int | None:
+            hits = [i for i, k in enumerate(keep) if (s["name"] == k[1:] if k.startswith("=") else k in s["name"])]
+            return hits[0] if hits else None
+
+        specs = [specs[0]] + [s for s in specs[1:] if first_key(s) is not None]
     if args.profile:
         from bench.speed_profile import profile
 
-        # --only picks the rows to profile (compiled ones too; the first is the one the others are compared to)
-        return profile(args, dev, specs[1:] if args.only else None)
+        # --only picks the rows to profile (compiled ones too), in the order it names them (the first is the one
+        # the others are compared to; each row is written as soon as it is done, so put the one that matters
+        # most early)
+        return profile(args, dev, sorted(specs[1:], key=first_key) if args.only else None)
     rate = pcie_rate(dev) if args.rows == "issue29" else None
     if rate:
         print(f"pinned host-to-device: {rate / 1e9:.1f} GB/s (best of three 1 GiB copies)", flush=True)

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench.timing import build_bf16  # noqa: E402
 from trainer import planner  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer.models.flux import FluxAdapter  # noqa: E402
@@ -110,13 +111,7 @@ def staged_measure(fraction: float, facts) -> float:
     )
     base = torch.cuda.memory_allocated()
     torch.backends.cuda.enable_cudnn_sdp(False)
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            m = FluxTransformer2DModel(**CONFIG)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    m = build_bf16(lambda: FluxTransformer2DModel(**CONFIG), "cuda")
     mem("build (bf16, on the GPU)", base)
     m.requires_grad_(False)
     m.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=list(ptrace.default_lora_targets("flux"))))

@@ -9,6 +9,11 @@ and AdamW). After --warmup steps, torch.profiler records --steps steps of each (
 - per row, profiled: wall time per step, CUDA kernel time per step (the sum of every kernel's self time: where it
   is far below the wall time the GPU waits on the host's launches), kernel launches and `aten::_to_copy` calls
   (casts) per step;
+- per row: the device timeline of the profiled steps (bench/timeline.py, issue 29: why the streamed steps are
+  1.35-1.43 x their PCIe floor): compute, H2D and D2H busy time, how much of each copy runs under kernels, exposed
+  copy time, idle time, bytes and GB/s, the streams the kernels and copies ran on, for the whole step and its
+  forward / backward / optimizer parts (`record_function` ranges "bench.step", "bench.forward"... around each
+  step's parts); no table without device events (the CPU profiler), a line that says so;
 - per row: the top operators by self CUDA time and by self CPU time (`key_averages().table`);
 - the operators whose self CUDA time differs most between the two rows, per step (the answer to "why").
 
@@ -27,18 +32,22 @@ trainer drop at batch 1, where SDPA then may use flash attention):
 
     python bench/bench_speed.py --profile --interleave --layers 30 --family qwen_image --warmup 2 --steps 6 --out $OUT/prof
 
-Writes profile_<family>.txt under --out.
+Writes profile_<family>.txt under --out, and speed_<family>_profile.json (each row's numbers, its timeline per
+step and their mean).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity
+from torch.profiler import ProfilerActivity, record_function
 from torch.profiler import profile as torch_profile
+
+from bench import timeline
 
 ROWS = [
     dict(name="plain diffusers + peft, bf16 LoRA, eager, resident", kind="plain", compile=False),
@@ -54,6 +63,16 @@ def _self_device_us(e) -> float:
     return 0.0
 
 
+def _gist(r: dict) -> str:
+    """The row's device timeline in one clause (bench/timeline.py; nothing without device events)."""
+    m = (r["timeline"].get("mean") or {}).get("all") or {}
+    floor = "" if r["pcie_floor_s"] is None else f"; PCIe floor {r['pcie_floor_s'] * 1e3:.0f} ms"
+    if not m.get("events"):
+        return floor
+    return (f"; device per step: wall {m['wall_ms']:.0f} ms, compute {m['compute_ms']:.0f}, H2D {m['h2d_ms']:.0f}, "
+            f"D2H {m['d2h_ms']:.0f}, exposed copy {m['exposed_copy_ms']:.0f}, idle {m['idle_ms']:.0f}" + floor)
+
+
 def _setup(spec, args, dev):
     """The row's model, optimizer and one-step function, built as bench_speed builds them; (step, handle)."""
     import bench.bench_speed as bs
@@ -67,11 +86,15 @@ def _setup(spec, args, dev):
     opt = (torch.optim.AdamW(params, lr=1e-5) if plain
            else bs.build_optimizer(params, bs.OptimizerConfig(name="adamw", lr=1e-5)))
 
-    def step():
-        out = m(**kw)[0]
-        out.float().square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def step():  # the ranges name the step and its parts on the profile's host timeline (bench/timeline.py)
+        with record_function(timeline.STEP):
+            with record_function("bench.forward"):
+                loss = m(**kw)[0].float().square().mean()
+            with record_function("bench.backward"):
+                loss.backward()
+            with record_function("bench.optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
 
     return step, handle
 
@@ -112,10 +135,15 @@ def _record(spec, args, dev):
                 step()
             bs.sync(dev)
             wall = (time.perf_counter() - t0) / args.steps
+        h2d = handle.stats()["h2d_bytes_per_step"] if handle is not None else 0  # (synchronises)
     finally:
         if handle is not None:
             handle.close()
-    return prof.key_averages(), wall, timing
+    try:
+        tl = timeline.summarize_events(prof.profiler.kineto_results.events())
+    except Exception as e:  # noqa: BLE001 -- a GPU run's other tables must not be lost to this summary
+        tl = {"steps": 0, "device_events": 0, "note": f"the timeline failed: {type(e).__name__}: {e}"}
+    return prof.key_averages(), wall, timing, tl, h2d
 
 
 def interleaved(args, dev, specs: list[dict]) -> list[dict]:
@@ -149,6 +177,7 @@ def profile(args, dev, specs: list[dict] | None = None) -> list[dict]:
     specs = specs or ROWS
     sort_dev = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     out, rows, per_op = [], [], {}
+    rate = bs.pcie_rate(dev)  # pinned host-to-device bytes/s (None on the CPU): the streamed rows' floor
     head_extra = []
     if getattr(args, "interleave", False):
         inter = interleaved(args, dev, specs)
@@ -159,19 +188,26 @@ def profile(args, dev, specs: list[dict] | None = None) -> list[dict]:
         head_extra += [f"- {r['name']}: step {r['step_s']:.3f} s ({r['step_s'] / ref:.3f} x the first; steps "
                        + " ".join(f"{t:.3f}" for t in r["steps_s"]) + ")" for r in inter] + [""]
     for spec in specs:
-        avgs, wall, timing = _record(spec, args, dev)
+        avgs, wall, timing, tl, h2d = _record(spec, args, dev)
         bs.free(dev)
-        kernel_s = sum(_self_device_us(e) for e in avgs) / 1e6 / args.steps
+        # (the bench's own ranges are left out: kineto projects them onto the device as annotations spanning
+        # the whole step, which would count every kernel again)
+        kernel_s = sum(_self_device_us(e) for e in avgs if e.key not in (timeline.STEP, *timeline.PARTS)
+                       and not getattr(e, "is_user_annotation", False)) / 1e6 / args.steps
         launches = sum(e.count for e in avgs if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) / args.steps
         casts = sum(e.count for e in avgs if e.key == "aten::_to_copy") / args.steps
         rows.append({"name": spec["name"], "wall_s": wall, "kernel_s": kernel_s, "launches": launches,
-                     "casts": casts, "step_s": statistics.median(timing)})
+                     "casts": casts, "step_s": statistics.median(timing), "timeline": tl,
+                     "h2d_bytes": h2d, "pcie_floor_s": h2d / rate if rate and h2d else None})
         per_op[spec["name"]] = {e.key: (_self_device_us(e) / args.steps, e.self_cpu_time_total / args.steps,
                                         e.count / args.steps) for e in avgs}
         out += [f"## {spec['name']}: wall {wall:.3f} s/step, CUDA kernels {kernel_s:.3f} s/step, "
-                f"{launches:.0f} kernel launches/step", "",
+                f"{launches:.0f} kernel launches/step", "", timeline.markdown(tl), "",
                 avgs.table(sort_by=sort_dev, row_limit=25), "",
                 avgs.table(sort_by="self_cpu_time_total", row_limit=15), ""]
+        print(f"{spec['name']}: step {rows[-1]['step_s']:.3f} s{_gist(rows[-1])}\n\n{timeline.markdown(tl)}\n",
+              flush=True)
+        _write(args, _head(args, dev, rate, head_extra, rows) + out, rows)  # so far: a run cut short keeps it
     a = per_op[specs[0]["name"]]
     for spec in specs[1:]:
         b = per_op[spec["name"]]
@@ -184,16 +220,27 @@ def profile(args, dev, specs: list[dict] | None = None) -> list[dict]:
             out.append(f"| {k[:70]} | {pa[0] / 1e3:.2f} | {pb[0] / 1e3:.2f} | {(pb[0] - pa[0]) / 1e3:+.2f} | "
                        f"{pa[2]:.0f} | {pb[2]:.0f} |")
         out.append("")
+    lines = _head(args, dev, rate, head_extra, rows) + out
+    print("\n".join(lines))
+    _write(args, lines, rows)
+    return rows
+
+
+def _head(args, dev, rate, head_extra: list[str], rows: list[dict]) -> list[str]:
     head = [f"profile: {args.family}, {args.res} px, LoRA r{args.rank}, "
             f"{'cpu (smoke)' if dev.type == 'cpu' else torch.cuda.get_device_name()}, {args.steps} steps after "
             f"{args.warmup} warm-up" + (f", {args.layers} blocks" if getattr(args, "layers", None) else "")
-            + (", no text mask" if getattr(args, "no_mask", False) else ""), ""] + head_extra
+            + (", no text mask" if getattr(args, "no_mask", False) else "")
+            + (f", pinned H2D {rate / 1e9:.1f} GB/s (best of three 1 GiB copies)" if rate else ""), ""] + head_extra
     head += [f"- {r['name']}: step {r['step_s']:.3f} s; profiled: wall {r['wall_s']:.3f} s, kernels "
              f"{r['kernel_s']:.3f} s ({r['kernel_s'] / r['step_s']:.0%} of the unprofiled step: well below 100 % the GPU "
-             f"waits on the host), launches {r['launches']:.0f}, aten::_to_copy {r['casts']:.0f} per step" for r in rows]
-    text = "\n".join(head + [""] + out)
-    print(text)
+             f"waits on the host), launches {r['launches']:.0f}, aten::_to_copy {r['casts']:.0f} per step"
+             + _gist(r) for r in rows]
+    return head + [""]
+
+
+def _write(args, lines: list[str], rows: list[dict]) -> None:
     if args.out is not None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"profile_{args.family}.txt").write_text(text + "\n")
-    return rows
+        (Path(args.out) / f"profile_{args.family}.txt").write_text("\n".join(lines) + "\n")
+        (Path(args.out) / f"speed_{args.family}_profile.json").write_text(json.dumps(rows, indent=1))

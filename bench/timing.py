@@ -1,9 +1,11 @@
 """Per-step timing shared by the benchmarks (GPU.md: CUDA events after warm-up, the median compared in-process).
 
     ts = step_seconds(fn, steps, cuda)   # seconds of each of `steps` calls of fn
+    m = build_bf16(lambda: FluxTransformer2DModel(**config), "cuda")   # random bf16 weights, seed 0
 
 On a GPU each call is bracketed by two CUDA events and waited for (the time is the device's, not the host's
-launch time); elsewhere the wall clock.
+launch time); elsewhere the wall clock. `build_bf16` builds a full-size random-weight model where it will run, with
+bf16 as the default dtype while it is built (GPU.md: a Flux transformer builds on the GPU in under a second).
 """
 
 from __future__ import annotations
@@ -28,3 +30,15 @@ def step_seconds(fn, steps: int, cuda: bool) -> list[float]:
             fn()
             ts.append(time.perf_counter() - t0)
     return ts
+
+
+def build_bf16(make, device):
+    """`make()` (a model constructor) with seed 0, bf16 as the default dtype and `device` as the default device;
+    the default dtype is float32 again afterwards, also on an error."""
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return make()
+    finally:
+        torch.set_default_dtype(torch.float32)

@@ -58,23 +58,32 @@ def test_bench_speed_smoke_profile(tmp_path):
                                          "dittrain offload 0, eager"]
     text = (tmp_path / "profile_flux.txt").read_text()
     assert "'dittrain offload 0, eager' minus 'plain diffusers" in text and "Self CPU" in text
+    # the device timeline (bench/timeline.py): the CPU profiler records no kernels or copies, and says so
+    assert text.count("timeline: no device events in this profile") == 2
+    saved = json.loads((tmp_path / "speed_flux_profile.json").read_text())
+    assert [r["timeline"]["steps"] for r in saved] == [1, 1] and saved[1]["timeline"]["device_events"] == 0
 
 
-def test_bench_speed_smoke_chroma_mask_rows(tmp_path):
-    """Chroma's attention-mask rows (CPU smoke); the plain row 'mask in every block' computes what the pipeline
+def test_bench_speed_smoke_chroma_mask_rows(tmp_path, monkeypatch):
+    """Chroma's attention-mask rows (CPU smoke; flex's CPU device check lifted: torch has no CPU flex backward
+    kernel, its unfused reference runs); the plain row 'mask in every block' computes what the pipeline
     computes (no checkpointing) under diffusers' checkpointing, which alone gives the single blocks no mask."""
     from types import SimpleNamespace
 
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
     mod = bench_module("bench_speed")
     rows = mod.main(["--smoke", "--backend", "eager", "--rows", "issue29", "--family", "chroma", "--only",
-                     "flash mask;auto, no attention mask", "--out", str(tmp_path)])
+                     "flash mask;flex mask;auto, no attention mask", "--out", str(tmp_path)])
     assert [r["name"] for r in rows[1:]] == ["dittrain offload 0, compiled, checkpointing auto, flash mask",
+                                             "dittrain offload 0, compiled, checkpointing auto, flex mask",
                                              "dittrain offload 0, compiled, checkpointing auto, no attention mask"]
     assert all(r["step_s"] for r in rows)
     names = [s["name"] for s in mod.issue29_specs("chroma")]
     assert {"plain + compile_repeated_blocks, mask in every block (as the pipeline)",
             "plain + compile_repeated_blocks, no attention mask"} <= set(names)
-    assert "flash mask" not in str(mod.issue29_specs("flux"))
+    assert "flash mask" not in str(mod.issue29_specs("flux")) and "flex" not in str(mod.issue29_specs("flux"))
     args = SimpleNamespace(family="chroma", smoke=True, rank=4, backend="eager", res=64)
     outs = []
     for spec in (dict(kind="plain", compile=False, ckpt=False), dict(kind="plain", compile=False),
@@ -88,14 +97,15 @@ def test_bench_speed_smoke_chroma_mask_rows(tmp_path):
 
 
 def test_bench_speed_smoke_profile_of_compiled_rows(tmp_path):
-    """--profile with --only profiles the rows named (compiled ones, Chroma's), each against the first."""
+    """--profile with --only profiles the rows named (compiled ones, Chroma's), in the order named (not the table's),
+    each against the first."""
     mod = bench_module("bench_speed")
     rows = mod.main(["--smoke", "--backend", "eager", "--profile", "--rows", "issue29", "--family", "chroma",
-                     "--only", "=plain + compile_repeated_blocks;=dittrain offload 0, compiled, checkpointing auto",
+                     "--only", "=dittrain offload 0, compiled, checkpointing auto;=plain + compile_repeated_blocks",
                      "--out", str(tmp_path)])
-    assert [r["name"] for r in rows] == ["plain + compile_repeated_blocks",
-                                         "dittrain offload 0, compiled, checkpointing auto"]
-    assert "'dittrain offload 0, compiled, checkpointing auto' minus 'plain + compile_repeated_blocks'" in (
+    assert [r["name"] for r in rows] == ["dittrain offload 0, compiled, checkpointing auto",
+                                         "plain + compile_repeated_blocks"]
+    assert "'plain + compile_repeated_blocks' minus 'dittrain offload 0, compiled, checkpointing auto'" in (
         tmp_path / "profile_chroma.txt").read_text()
 
 

@@ -1,7 +1,9 @@
 """Chroma's attention mask in the training path (trainer/models/chroma.py, "Attention with the mask"): every
 block attends with it (as the pipeline does, unlike diffusers' checkpointed forward), the compiled blocks make one
-set of graphs per block class with no graph break, and `FlashMaskAttnProcessor` computes the masked attention
-without handing SDPA a mask (flash-eligible) and with the same numbers."""
+set of graphs per block class with no graph break, `FlashMaskAttnProcessor` computes the masked attention
+without handing SDPA a mask (flash-eligible) and `FlexMaskAttnProcessor` through flex attention, both with the
+same numbers. Torch has no flex backward on the CPU: the tests that need one lift its device check
+(`flex_cpu_backward`), so flex's unfused reference runs forward and backward here."""
 
 from __future__ import annotations
 
@@ -13,7 +15,12 @@ import torch
 import torch.nn.functional as F
 from diffusers import ChromaTransformer2DModel
 
-from trainer.models.chroma import FlashMaskAttnProcessor, use_flash_mask
+from trainer.models.chroma import (
+    FlashMaskAttnProcessor,
+    FlexMaskAttnProcessor,
+    use_flash_mask,
+    use_mask_attention,
+)
 from trainer.offload import CompileOptions, attach_offload, compiled
 
 TEXT, SIDE = 8, 4
@@ -71,6 +78,15 @@ def sdpa_masks(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def flex_cpu_backward(monkeypatch):
+    """flex_attention refuses CPU inputs that need a gradient (no CPU backward kernel); without that check its
+    unfused reference (the dense math torch checks its GPU kernels against) runs both ways."""
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_compile_cache():
     compiled.reset()
@@ -98,14 +114,17 @@ def test_every_block_attends_with_the_mask_unlike_diffusers_checkpointing(sdpa_m
     assert sdpa_masks.count(None) == 2 * len(m.single_transformer_blocks)
 
 
-@pytest.mark.parametrize("flash_mask", [False, True])
-def test_compiled_chroma_makes_graphs_per_block_class_not_per_block(flash_mask):
+@pytest.mark.parametrize("form", [None, "flash", "flex"])
+def test_compiled_chroma_makes_graphs_per_block_class_not_per_block(request, form):
     """No per-block recompile (each block gets its own slice of the modulation tensor) and no graph break, with
-    diffusers' processor and with the flash-mask one; the blocks keep their activations (issue 29's `auto` row)."""
+    diffusers' processor, the flash-mask one and the flex one; the blocks keep their activations (issue 29's
+    `auto` row)."""
     from torch._dynamo.utils import counters
 
+    if form == "flex":
+        request.getfixturevalue("flex_cpu_backward")
     m = _lora(_chroma(layers=3, singles=4))
-    use_flash_mask(m, flash_mask)
+    use_mask_attention(m, form)
     counters.clear()
     h = attach_offload(_blocks(m), "cpu", 0.0, checkpointing=False,
                        compile=CompileOptions(backend="aot_eager", shapes=2))
@@ -210,3 +229,148 @@ def test_train_attention_flash_trains_chroma_through_the_flash_mask_form(tiny_mo
     t.fit()
     assert {type(b.attn.processor).__name__ for b in t.adapter.blocks(t.transformer)} == {"FlashMaskAttnProcessor"}
     assert np.isfinite(json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])["loss"])
+
+
+# ---------------------------------------------------------------------------------------------- flex attention
+
+
+def _fit_and_grads(m, dtype, mask=True):
+    kw = _inputs(dtype) if mask else {k: v for k, v in _inputs(dtype).items() if k != "attention_mask"}
+    out = m(**kw)[0]
+    out.float().square().mean().backward()
+    grads = torch.cat([p.grad.flatten() for p in m.parameters() if p.requires_grad]).float()
+    return out.detach().float(), grads
+
+
+@pytest.mark.parametrize(("dtype", "tol", "compile"), [(torch.float32, 1e-5, False), (torch.bfloat16, 0.03, False),
+                                                       (torch.float32, 1e-5, True)])
+def test_flex_mask_processor_matches_the_masked_attention(sdpa_masks, flex_cpu_backward, dtype, tol, compile):
+    """Forward and LoRA gradients as diffusers' processor with the (float, added) mask, with several caption
+    tokens padded; no SDPA call at all. Eager, and inside compiled, recomputed blocks (where flex is traced with
+    the block, as train.compile has it on the GPU). bf16: both round differently, within `tol`."""
+    ref = _lora(_chroma()).to(dtype)
+    fast = copy.deepcopy(ref)
+    use_mask_attention(fast, "flex")
+    assert all(isinstance(b.attn.processor, FlexMaskAttnProcessor) for b in _blocks(fast))
+    want = _fit_and_grads(ref, dtype)
+    sdpa_masks.clear()
+    h = attach_offload(_blocks(fast), "cpu", 0.0, checkpointing=True,
+                       compile=CompileOptions(backend="aot_eager")) if compile else None
+    got = _fit_and_grads(fast, dtype)
+    if h is not None:
+        h.close()
+    assert sdpa_masks == []
+    for g, w in zip(got, want, strict=True):
+        assert w.abs().max() > 0
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item())
+
+
+def test_flex_mask_processor_without_a_float_mask_is_diffusers_processor():
+    """No mask: diffusers' processor, the same numbers exactly. A boolean mask (SDPA excludes pairs rather than
+    adding 1; Chroma's predict never makes one) goes to SDPA too; the float mask changes the result."""
+    ref = _chroma()
+    fast = copy.deepcopy(ref)
+    use_mask_attention(fast, "flex")
+    kw = {k: v for k, v in _inputs().items() if k != "attention_mask"}
+    boolean = {**_inputs(), "attention_mask": _inputs()["attention_mask"].bool()}
+    with torch.no_grad():
+        assert torch.equal(fast(**kw)[0], ref(**kw)[0])
+        torch.testing.assert_close(fast(**boolean)[0], ref(**boolean)[0], rtol=0, atol=0, equal_nan=True)
+        assert not torch.equal(fast(**_inputs())[0], fast(**kw)[0])
+    use_mask_attention(fast, None)
+    assert not any(isinstance(b.attn.processor, FlexMaskAttnProcessor) for b in _blocks(fast))
+
+
+def test_compiled_flex_forward_on_the_cpu_matches_and_compiles_once():
+    """The score_mod as inductor compiles it (forward only: the CPU has no compiled flex backward), against
+    masked SDPA; a second mask is a new input of the same graph, not a recompile."""
+    from torch._dynamo.utils import counters
+
+    from trainer.models.chroma import attend_flex
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 24, 2, 16, generator=g) for _ in range(3))
+    counters.clear()
+    for pad in (slice(5, 8), slice(3, 8)):
+        m = torch.ones(1, 24)
+        m[:, pad] = 0
+        mask = m[:, None, None, :] * m[:, None, :, None]
+        want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=mask).transpose(1, 2)
+        with torch.no_grad():
+            got = attend_flex(q, k, v, m, compiled=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_train_attention_flex_is_chromas_and_cuda_only(tmp_path):
+    """The config takes `flex`; the trainer refuses it in one line, before anything loads, for a family that
+    does not compute it, and for Chroma off CUDA (torch has no CPU flex backward). Chroma on CUDA is let through."""
+    from test_train_support import make_config
+
+    from trainer.errors import UserError
+    from trainer.models import get_adapter
+    from trainer.train.trainer import Trainer, check_attention
+
+    for family, match in (("flux", r"train.attention: flex is chroma's own attention; model.family flux takes auto, "
+                                    r"flash, efficient or math"),
+                          ("chroma", r"train.attention: flex trains on CUDA only")):
+        cfg = make_config(tmp_path / "models", tmp_path / "images", tmp_path / family, tmp_path / "cache", family,
+                          train={"steps": 1, "device": "cpu", "attention": "flex"})
+        with pytest.raises(UserError, match=match) as e:
+            Trainer(cfg).fit()
+        assert "\n" not in str(e.value)
+    chroma = get_adapter(cfg.model)
+    check_attention(chroma, "flex", torch.device("cuda"))
+    check_attention(chroma, "flash", torch.device("cpu"))
+    check_attention(get_adapter(make_config(tmp_path, tmp_path, tmp_path, tmp_path, "flux").model), "flash",
+                    torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flex_mask_matches_the_masked_sdpa_on_cuda():
+    """At Chroma's head width (128) in bf16, outside any compiled block (the module-level compiled flex): forward
+    and input gradients as the masked SDPA call."""
+    from trainer.models.chroma import attend_flex
+
+    s, h, d = 512 + 256, 4, 128
+    q, k, v = (torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    m = torch.ones(1, s, device="cuda", dtype=torch.bfloat16)
+    m[:, 81:512] = 0
+    mask = m[:, None, None, :] * m[:, None, :, None]
+
+    def run(fn):
+        xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*xs)
+        out.float().square().sum().backward()
+        return [out.float(), *[x.grad.float() for x in xs]]
+
+    want = run(lambda a, b, c: F.scaled_dot_product_attention(
+        a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), attn_mask=mask).transpose(1, 2))
+    got = run(lambda a, b, c: attend_flex(a, b, c, m))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0.02, atol=0.02 * w.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flex_mask_processor_in_inductor_compiled_blocks_on_cuda():
+    """The trainer's path on the GPU: the flex processor inside blocks compiled by inductor (flex compiled with
+    the block), recomputed in backward; forward and LoRA gradients as diffusers' masked processor, eager."""
+    ref = _lora(_chroma()).cuda()
+    fast = copy.deepcopy(ref)
+    use_mask_attention(fast, "flex")
+
+    def cuda(kw):
+        return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+    outs = []
+    for m, compile in ((ref, False), (fast, CompileOptions())):
+        h = attach_offload(_blocks(m), "cuda", 0.0, checkpointing=True, compile=compile)
+        out = m(**cuda(_inputs()))[0]
+        out.square().mean().backward()
+        h.close()
+        outs.append([out.detach(), torch.cat([p.grad.flatten() for p in m.parameters() if p.requires_grad])])
+    for g, w in zip(outs[1], outs[0], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3 * w.abs().max().item())

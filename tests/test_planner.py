@@ -323,11 +323,10 @@ def test_sampling_prediction_uses_the_conductors_plan(flux_full_size):
 
 def test_sampling_prediction_counts_the_untiled_decode_beside_the_placed_transformer(flux_full_size):
     """An untiled decode next to the ring: what ran Qwen-Image 2.1's 16 GB `sample` out of memory (RESULTS.md)."""
+    from trainer.models import adapter_class
     from trainer.planner import predict_sampling
     from trainer.planner.prediction import ALLOCATOR_OVERHEAD, WORKSPACE, _round2m
     from trainer.planner.sampling import VAE_ACT_DECODE
-
-    from trainer.models import adapter_class
 
     _, facts = flux_full_size
     vae = adapter_class("flux").vae_params * 2

@@ -250,11 +250,12 @@ class TrainConfig(_Section):
         "<data.cache_dir>/torch-compile, so that a re-run or --resume loads the compiled blocks instead of "
         "compiling them again. The files are torch's own.",
     )
-    attention: Literal["auto", "flash", "efficient", "math"] = Field(
+    attention: Literal["auto", "flash", "efficient", "math", "flex"] = Field(
         default="auto",
         description="Attention backend for scaled_dot_product_attention; auto avoids cuDNN attention, which "
         "fails in backward on some drivers. flash on Chroma: its attention mask as one more head dimension, "
-        "which flash attention accepts.",
+        "which flash attention accepts. flex (Chroma only, CUDA only): its masked attention through torch's "
+        "flex attention, the mask added to the scores inside the kernel.",
     )
 
 

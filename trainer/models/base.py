@@ -114,6 +114,10 @@ class ModelAdapter(ABC):
     #: modulation Linears: they set per-sample scale / shift / gate and stay in the model dtype in an fp8 / int8
     #: base unless `model.quantize_modulation` (trainer/quant.py). "" : none
     modulation_linears: ClassVar[str] = ""
+    #: `train.attention` values this family computes with its own attention processors (`use_attention`) beyond
+    #: SDPA's backends (auto, flash, efficient, math): Chroma's `flash` and `flex`. The trainer refuses the others
+    #: (trainer/train/trainer.py `check_attention`)
+    own_attention: ClassVar[tuple[str, ...]] = ()
 
     # ------------------------------------------------------------------------------------------ text encoders
 
@@ -270,7 +274,7 @@ class ModelAdapter(ABC):
     def use_attention(self, transformer: nn.Module, choice: str) -> None:
         """The family's own form of its attention for `train.attention` (`choice`), set on the loaded transformer
         before training (default: nothing; Chroma's `flash` computes its masked attention in a form flash
-        attention accepts)."""
+        attention accepts, its `flex` through flex attention)."""
         return
 
     def slim_text_encoder(self, encoder: nn.Module) -> nn.Module:

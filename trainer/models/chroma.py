@@ -36,7 +36,15 @@ otherwise fail on the mask; `use_flash_mask`) computes the same attention with f
 m_i m_j of a 0/1 vector (the block builds it from the transformer's mask), so its bias is one more head dimension,
 m_i in the queries and m_j sqrt(d) in the keys (padded with zeros to a multiple of 8, values zero there, the
 softmax scale kept at 1 / sqrt(d)). Only the key column's rounding differs (sqrt(128) in bf16: a bias of 0.99989
-for 1). `auto` keeps the SDPA mask until the flash form is measured faster (bench/attn_mask_speed.py).
+for 1). `FlexMaskAttnProcessor` (`train.attention: flex`) hands the same attention to torch's flex attention
+with a score_mod adding m_i m_j to each fp32 score in the kernel: the pipeline's additive float mask, exactly
+(a BlockMask could skip only pairs excluded outright, and this mask excludes none). flex_attention is fast only
+compiled: inside a compiled block (train.compile) it compiles with the block, outside one a single module-level
+`torch.compile(flex_attention)` serves every call (the score_mod's tensor is an input, not a recompile). Alone,
+one block's attention forward + backward at 1024 px on an H100 takes 2.80 ms by flex, 6.37 ms by the flash form,
+7.90 ms by masked SDPA and 3.24 ms by SDPA without any mask (bench/attn_mask_speed.py,
+bench/logs/2026-11-25i-attn-mask-speed.md). Torch has no flex backward on the CPU, so `flex` trains on CUDA only
+(the trainer says so). `auto` keeps the SDPA mask until a form is measured faster in a whole training step.
 
 Left out: IP-adapter inputs; training the attention on padding-free captions (the pipeline attends to all 512).
 """
@@ -126,6 +134,7 @@ class ChromaAdapter(DiffusersAdapter):
     #: what the presets sample with: Chroma1-HD's card (true CFG at 3.0, 40 steps)
     sample_defaults: ClassVar[dict[str, Any]] = {"steps": 40, "guidance": 3.0}
     modulation_linears = ""  # none inside blocks: see the module essay
+    own_attention = ("flash", "flex")  # the masked attention in forms flash / flex attention run (essay)
 
     @classmethod
     def tiny_builders(cls):
@@ -135,9 +144,9 @@ class ChromaAdapter(DiffusersAdapter):
         return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
 
     def use_attention(self, transformer: nn.Module, choice: str) -> None:
-        # `flash` alone refuses a mask: the mask as a head dimension (essay); auto keeps the SDPA mask until the
-        # flash form is measured faster on the GPU
-        use_flash_mask(transformer, choice == "flash")
+        # `flash` alone refuses a mask: the mask as a head dimension; `flex`: flex attention adds it (essay); auto
+        # keeps the SDPA mask until a faster form is measured faster in a whole training step on the GPU
+        use_mask_attention(transformer, choice if choice in MASK_PROCESSORS else None)
 
     @torch.no_grad()
     def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -205,9 +214,44 @@ def attend_outer_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torc
     return out.transpose(1, 2)[..., :d]
 
 
-class FlashMaskAttnProcessor(FluxAttnProcessor):
-    """diffusers' FluxAttnProcessor (Chroma's blocks use it) with the masked attention computed by
-    `attend_outer_mask`; without a mask it is that processor."""
+def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor,
+                compiled: bool | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + m_i m_j) v by torch's flex attention, the bias added to each score in the kernel
+    (a score_mod), so no (B, 1, S, S) tensor exists and the scale stays 1 / sqrt(d). q, k, v: (B, S, H, d);
+    m: (B, S), 0 / 1. Inside a compiled block flex is compiled with it; outside one, on CUDA, through one
+    module-level `torch.compile(flex_attention)` (`compiled=None`). On the CPU (tests) the unfused reference runs:
+    torch compiles no flex backward there."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    bias = m.float()  # the scores are fp32 in the kernel; 0 / 1 are exact in any dtype
+
+    def add_outer(score, b, h, i, j):
+        return score + bias[b, i] * bias[b, j]
+
+    if compiled is None:
+        compiled = q.is_cuda and not torch.compiler.is_compiling()
+    fn = _compiled_flex() if compiled else flex_attention
+    out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=add_outer)
+    return out.transpose(1, 2)
+
+
+_FLEX: list = []  # torch.compile(flex_attention), built on first use (compiling it costs nothing until called)
+
+
+def _compiled_flex():
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX.append(torch.compile(flex_attention))
+    return _FLEX[0]
+
+
+class _MaskAttnProcessor(FluxAttnProcessor):
+    """diffusers' FluxAttnProcessor (Chroma's blocks use it) with the masked attention computed by `attend`
+    from the mask's token vector; without a mask it is that processor."""
+
+    def attend(self, q, k, v, m):
+        raise NotImplementedError
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if attention_mask is None:
@@ -224,7 +268,7 @@ class FlashMaskAttnProcessor(FluxAttnProcessor):
             q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
             k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
         m = attention_mask.diagonal(dim1=-2, dim2=-1)[:, 0]  # (B, S): m_i m_i = m_i for a 0 / 1 mask
-        out = attend_outer_mask(q, k, v, m).flatten(2, 3).to(q.dtype)
+        out = self.attend(q, k, v, m).flatten(2, 3).to(q.dtype)
         if encoder_hidden_states is None:
             return out
         n = encoder_hidden_states.shape[1]
@@ -232,7 +276,43 @@ class FlashMaskAttnProcessor(FluxAttnProcessor):
         return img, attn.to_add_out(out[:, :n].contiguous())
 
 
+class FlashMaskAttnProcessor(_MaskAttnProcessor):
+    """The masked attention by `attend_outer_mask` (SDPA without a mask: flash-eligible)."""
+
+    def attend(self, q, k, v, m):
+        return attend_outer_mask(q, k, v, m)
+
+
+class FlexMaskAttnProcessor(_MaskAttnProcessor):
+    """The masked attention by `attend_flex` (flex attention adding m_i m_j to the scores). A boolean mask
+    (SDPA would exclude pairs instead of adding 1; `ChromaAdapter.predict` never makes one) goes to SDPA."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            return FluxAttnProcessor.__call__(self, attn, hidden_states, encoder_hidden_states, attention_mask,
+                                              image_rotary_emb)
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+
+    def attend(self, q, k, v, m):
+        return attend_flex(q, k, v, m)
+
+
+#: `train.attention` values Chroma computes itself, and the processor each one sets
+MASK_PROCESSORS = {"flash": FlashMaskAttnProcessor, "flex": FlexMaskAttnProcessor}
+
+
+def use_mask_attention(transformer: nn.Module, form: str | None) -> None:
+    """Every block's attention through the processor of `form` ("flash", "flex"; `MASK_PROCESSORS`) or, for
+    None, diffusers' FluxAttnProcessor (masked SDPA)."""
+    for b in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
+        b.attn.set_processor(MASK_PROCESSORS[form]() if form is not None else FluxAttnProcessor())
+
+
 def use_flash_mask(transformer: nn.Module, on: bool = True) -> None:
     """Every block's attention through `FlashMaskAttnProcessor` (on) or diffusers' FluxAttnProcessor (off)."""
-    for b in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
-        b.attn.set_processor(FlashMaskAttnProcessor() if on else FluxAttnProcessor())
+    use_mask_attention(transformer, "flash" if on else None)
+
+
+def use_flex_mask(transformer: nn.Module, on: bool = True) -> None:
+    """Every block's attention through `FlexMaskAttnProcessor` (on) or diffusers' FluxAttnProcessor (off)."""
+    use_mask_attention(transformer, "flex" if on else None)

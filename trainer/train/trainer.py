@@ -35,7 +35,7 @@ import torch
 from ..config import Config
 from ..dtypes import DTYPES
 from ..errors import NonFiniteLossError, UserError
-from ..models import get_adapter, stream_load
+from ..models import adapter_classes, get_adapter, stream_load
 from ..offload import compiled
 from ..optim.build import eval_weights
 from ..sampling.output import image_metadata, save_png
@@ -72,13 +72,25 @@ def choose_attention(device: torch.device, choice: str) -> str:
         return "cpu (torch's CPU flash / math kernels)"
     b = torch.backends.cuda
     b.enable_cudnn_sdp(False)
-    flash, efficient, math_ = {"auto": (True, True, True), "flash": (True, False, False),
-                               "efficient": (False, True, False), "math": (False, False, True)}[choice]
+    flash, efficient, math_ = {"auto": (True, True, True), "flash": (True, False, False), "efficient": (False, True, False),
+                               "math": (False, False, True), "flex": (True, True, True)}[choice]
     b.enable_flash_sdp(flash)
     b.enable_mem_efficient_sdp(efficient)
     b.enable_math_sdp(math_ or choice == "auto")
     names = [n for n, on in (("flash", flash), ("efficient", efficient), ("math", math_)) if on]
-    return "/".join(names) + " (cuDNN attention off)"
+    return ("flex attention for the mask, SDPA " if choice == "flex" else "") + "/".join(names) + " (cuDNN attention off)"
+
+
+def check_attention(adapter, choice: str, device: torch.device) -> None:
+    """One line for a `train.attention` the family does not compute (`ModelAdapter.own_attention`; SDPA's
+    backends serve every family), or `flex` off CUDA, before anything loads."""
+    if choice not in ("auto", "flash", "efficient", "math") and choice not in adapter.own_attention:
+        has = ", ".join(c.family for c in adapter_classes() if choice in c.own_attention)
+        raise UserError(f"train.attention: {choice} is {has}'s own attention; model.family {adapter.family} takes "
+                        "auto, flash, efficient or math")
+    if choice == "flex" and device.type != "cuda":
+        raise UserError(f"train.attention: flex trains on CUDA only (torch's flex attention has no backward on "
+                        f"{device.type}); use auto there")
 
 
 class Trainer(Saving):
@@ -189,6 +201,7 @@ class Trainer(Saving):
 
         # bound to the data's reference images per target: a family may stream and train more blocks with them
         self.adapter = get_adapter(cfg.model, references=cfg.data.references() if cfg.data is not None else 0)
+        check_attention(self.adapter, c.attention, self.device)
         # Data first: building the caches loads (and frees) the VAE and text encoders, so the transformer is not
         # in memory at the same time, and a bad image fails the run before the big load.
         self.data = self.dist.main_first(lambda: prepare_data(  # rank 0 fills the cache, the others read it
