@@ -84,3 +84,58 @@ def test_text_caching_ram_is_the_encoder_as_the_loader_builds_it(family):
     # the planner's RAM for the full-size encoder (no folder: the declared size, bf16) is what is built
     facts = SimpleNamespace(family=family, text_encoders=[(cls.text_encoder_params[0][0], 2 * whole)])
     assert _text_ram(facts) == pytest.approx(2 * built, rel=1e-9)
+
+
+def _folder_with(tmp_path, config):
+    """A model folder holding only `text_encoder/config.json` (the planner builds the encoder from it)."""
+    config.save_pretrained(tmp_path / "text_encoder")
+    return tmp_path
+
+
+@pytest.mark.parametrize(("family", "layers"), [("flux2", None), ("flux2", 31), ("flux2-klein", None)],
+                         ids=["flux2-full", "flux2-bench-31-layers", "flux2-klein-full"])
+def test_text_caching_of_a_folder_is_the_presets_prediction(tmp_path, family, layers):
+    """The presets' headers plan the full-size encoder from the family's shares (no folder); a run plans the
+    encoder its folder's config builds. Both must be the same numbers for the published model, and for the bench's
+    folder that stores only the layers the loader reads. Before the planner built the folder's encoder, it applied
+    the full-size shares to the folder's bytes: 17.4 GB in the run against 21.5 GB in the 24 GB preset's header
+    for the bench's 31-layer Mistral-3, measured 20.6-21.2 GB (bench/RESULTS.md, 2026-11-25 21:40)."""
+    from trainer.planner.meta import text_encoder_sizes
+    from trainer.planner.phases import _text_vram
+
+    cls = adapter_class(family)
+    _, config = _full_text_encoder(family)
+    if layers is not None:
+        config.get_text_config().num_hidden_layers = layers
+    root = _folder_with(tmp_path, config)
+    run = SimpleNamespace(model=SimpleNamespace(family=family, path=str(root), dtype="bf16"))
+    sizes = text_encoder_sizes(run)
+    assert sizes is not None
+    name, params = cls.text_encoder_params[0]
+    header = SimpleNamespace(family=family, text_encoders=[(name, 2 * params)], text_tokens=cls.text_tokens)
+    in_run = SimpleNamespace(family=family, text_encoders=[], text_sizes=sizes, text_tokens=cls.text_tokens)
+    for f in (0.0, 0.25, 0.45, 0.65, 1.0):
+        for batch in (1, 4):
+            assert _text_vram(in_run, f, batch) == pytest.approx(_text_vram(header, f, batch), rel=1e-5), (f, batch)
+    assert _text_ram(in_run) == pytest.approx(_text_ram(header), rel=1e-6)
+
+
+TINY = [(f, folder) for f in ADAPTERS for folder in adapter_class(f).own_tiny_builders()]
+
+
+@pytest.mark.parametrize(("family", "folder"), TINY, ids=[c[1] for c in TINY])
+def test_the_planners_text_encoders_are_the_loaders(tiny_models, family, folder):
+    """The encoder the planner builds on the meta device from a folder holds what the loader places: the same
+    streamed blocks (`text_encoder_blocks`) and the same bytes outside them."""
+    from trainer.config import ModelConfig
+    from trainer.models import get_adapter
+    from trainer.models.base import text_encoder_blocks
+    from trainer.planner.meta import text_encoder_sizes
+
+    mc = ModelConfig(family=family, path=tiny_models / folder, dtype="fp32")
+    sizes = text_encoder_sizes(SimpleNamespace(model=mc))
+    encoders = get_adapter(mc).load(mc, parts={"text"}, dtype=torch.float32, device="cpu").text_encoders
+    assert sizes is not None and len(sizes) == len(encoders) > 0
+    for s, enc in zip(sizes, encoders, strict=True):
+        blocks = [4 * _params(b) for b in text_encoder_blocks(enc)]
+        assert list(s.blocks) == blocks and s.gpu == 4 * _params(enc)

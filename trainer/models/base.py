@@ -41,6 +41,19 @@ class Components:
     scheduler: Any = None
 
 
+def text_encoder_blocks(encoder: nn.Module) -> list[nn.Module]:
+    """A text encoder's streamed units: its largest ModuleList by parameter count (T5's `encoder.block`, CLIP's
+    `encoder.layers`, a decoder's `layers`). Text encoders have no adapter-declared block list; the sampling
+    placement streams these and the planner sizes its text-caching ring from the same choice."""
+    best, size = None, -1
+    for m in encoder.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 0:
+            n = sum(p.numel() for p in m.parameters())
+            if n > size:
+                best, size = m, n
+    return list(best) if best is not None else []
+
+
 class ModelAdapter(ABC):
     """One model family: its code (the methods below) and every fact about it (the class attributes below), in one
     file of trainer/models/ plus one line of the registry (`trainer/models/__init__.py` `ADAPTERS`).
@@ -134,6 +147,10 @@ class ModelAdapter(ABC):
     #: without them (Flux.2: the decoder layers after the deepest hidden state read); part of the unused ones.
     #: The planner's text-caching RAM leaves them out (the rest of the unused ones are loaded, then dropped)
     text_encoder_unloaded_params: ClassVar[tuple[int, ...]] = ()
+    #: per text encoder: the streamed blocks (its layers) it keeps as loaded and slimmed; empty: 24. The planner's
+    #: text-caching ring holds whole blocks, so without a folder to build the encoder from it rounds the kept
+    #: share to this many equal blocks, as the conductor rounds the real ones (trainer/planner/meta.py)
+    text_encoder_layers: ClassVar[tuple[int, ...]] = ()
 
     # ------------------------------------------------------------------------------------------ VAE and latents
 
@@ -176,6 +193,12 @@ class ModelAdapter(ABC):
     #: sample settings the presets write (`sample.steps`, `sample.guidance`) where the family's pipeline wants
     #: others than the presets' 28 steps and the config's default guidance (a distilled model's few steps)
     sample_defaults: ClassVar[dict[str, Any]] = {}
+    #: the pipeline keeps a KV cache through its denoising loop: every block's keys and values of the prompt (the
+    #: step-independent prefix) from the first step, for the later ones (Qwen-Image 2.1's `use_kv_cache`, on by
+    #: default). Compiled blocks hand the cache views of their whole first-step keys and values (inductor leaves
+    #: out the copy of a slice of a block-internal tensor), so every block's K and V stay until the pipeline returns;
+    #: the planner's sampling phase counts them (trainer/planner/sampling.py)
+    sampling_kv_cache: ClassVar[bool] = False
 
     # ------------------------------------------------------------------------------------------ presets
 

@@ -179,6 +179,7 @@ class Flux2Adapter(DiffusersAdapter):
                                   + (MISTRAL_LAYERS - 31) * MISTRAL_LAYER,)
     text_encoder_nonblock_params = (MISTRAL_EMBED,)
     text_encoder_unloaded_params = ((MISTRAL_LAYERS - 31) * MISTRAL_LAYER,)  # `text_encoder_config`: layers 31-39
+    text_encoder_layers = (31,)  # the decoder layers it keeps, streamed as blocks
     sampling_uses_negative = False
     takes_reference = True  # optional: the data decides (module docstring)
     reference_optional = True

@@ -60,6 +60,7 @@ class Flux2KleinAdapter(Flux2Adapter):
     text_encoder_unused_params = ((QWEN3_LAYERS - 28) * QWEN3_LAYER,)
     text_encoder_nonblock_params = (QWEN3_EMBED,)
     text_encoder_unloaded_params = ((QWEN3_LAYERS - 28) * QWEN3_LAYER,)  # `text_encoder_config`: layers 28-35
+    text_encoder_layers = (28,)  # the decoder layers it keeps, streamed as blocks
     sampling_uses_negative = True
     max_references = 4  # BFL's limit for klein 4B and 9B (docs.bfl.ml, reference images per model)
 

@@ -203,6 +203,8 @@ class QwenImage21Adapter(DiffusersAdapter):
     sampling_uses_negative = True
     #: the pipeline's defaults: 40 steps, no classifier-free guidance (`true_cfg_scale` 1); presets sample so
     sample_defaults = {"steps": 40, "guidance": 1.0}
+    #: the pipeline's `use_kv_cache` (default on): the planner counts what it keeps (ModelAdapter.sampling_kv_cache)
+    sampling_kv_cache = True
     #: full-size latent geometry: 16 px per latent, one latent per token (the planner's image tokens)
     latent_scale, token_patch = 16, 1
     #: VAE parameters at full size (AutoencoderKLQwenImage21 defaults, meta-counted), for the planner

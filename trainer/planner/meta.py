@@ -4,12 +4,21 @@ device, the text encoders' bytes and the optimizer state's bytes.
 Configs and text-encoder sizes come from the model folder (`transformer/config.json`, the text encoders'
 safetensors headers) when it is at hand; otherwise from the family's adapter (`full_config`,
 `text_encoder_params` in trainer/models/), which is how presets and `dittrain plan` size full-size models.
+
+What of a text encoder reaches RAM and the GPU (`text_encoder_sizes`): from a folder, the encoder is built on the
+meta device from its own config.json exactly as the loader builds it (the family's `text_encoder_config`, then
+`slim_text_encoder`) and split into the blocks the placement streams (`text_encoder_blocks`) and the rest. Without
+a folder, the family's declared shares of its full-size encoder say the same (`shared_sizes`). Applying the
+full-size shares to a folder's own bytes was wrong where the folder already lacks a part the shares remove: the
+bench's Flux.2-dev folder has 31 of Mistral-3's 40 layers, and the shares took the 9 unloaded layers off a second
+time, 3.2 GB under the measured text-caching peak at offload.text_encoders 0.45 (bench/RESULTS.md, 2026-11-25).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -173,3 +182,91 @@ def text_encoder_bytes(cfg) -> list[tuple[str, int]]:
     if found:
         return found
     return [(name, n * nbytes) for name, n in adapter_class(cfg.model.family).text_encoder_params]
+
+
+#: streamed blocks per text encoder the shares assume when a family does not declare `text_encoder_layers`
+DEFAULT_TEXT_BLOCKS = 24
+
+
+@dataclass(frozen=True)
+class TextEncoderSize:
+    """One text encoder's bytes in the model dtype, as the run holds them while captions are encoded."""
+
+    name: str
+    loaded: float  #: in CPU RAM as loaded (without what `text_encoder_config` never builds)
+    outside: float  #: on the GPU outside the streamed blocks (embeddings, final norm)
+    blocks: tuple[float, ...]  #: the streamed blocks (`text_encoder_blocks`), execution order, after slimming
+
+    @property
+    def gpu(self) -> float:
+        """Bytes placed on the GPU when nothing streams."""
+        return self.outside + sum(self.blocks)
+
+
+def _share(counts: tuple[int, ...], i: int, params: int) -> float:
+    return counts[i] / params if i < len(counts) and params else 0.0
+
+
+#: share of a text encoder's bytes outside its blocks when the family declares none (T5-XXL's embedding: 2.8 %)
+TEXT_NONBLOCK_SHARE = 0.03
+
+
+def shared_sizes(family: str, text_encoders: list[tuple[str, int]]) -> list[TextEncoderSize]:
+    """Sizes from the family's facts about its full-size encoders, as shares (parameters `text_encoder_config`
+    never builds, parameters `slim_text_encoder` drops, parameters outside the streamed blocks) of `text_encoders`'
+    bytes, in `text_encoder_layers` equal blocks (24 where undeclared). Right for the full-size encoder; the
+    planner uses it only where there is no folder to build the encoder from."""
+    cls = adapter_class(family)
+    out = []
+    for i, (name, nbytes) in enumerate(text_encoders):
+        params = cls.text_encoder_params[i][1] if i < len(cls.text_encoder_params) else 0
+        nonblock = (_share(cls.text_encoder_nonblock_params, i, params) if i < len(cls.text_encoder_nonblock_params)
+                    else TEXT_NONBLOCK_SHARE)
+        outside = nbytes * nonblock
+        kept = nbytes * (1.0 - _share(cls.text_encoder_unused_params, i, params))
+        n = cls.text_encoder_layers[i] if i < len(cls.text_encoder_layers) else DEFAULT_TEXT_BLOCKS
+        loaded = nbytes * (1.0 - _share(cls.text_encoder_unloaded_params, i, params))
+        out.append(TextEncoderSize(name, loaded, outside, ((kept - outside) / n,) * n))
+    return out
+
+
+def _built_size(cfg, i: int, folder: Path) -> TextEncoderSize | None:
+    """Text encoder `i` built on the meta device from the folder's config as the loader builds it
+    (trainer/models/_diffusers.py `load`); None where the family names no transformers class for it or the
+    folder has no readable config (the shares then apply)."""
+    import transformers
+
+    from ..models.base import text_encoder_blocks
+
+    cls = adapter_class(cfg.model.family)
+    if i >= len(cls.text_encoder_classes) or not (folder / "config.json").is_file():
+        return None
+    enc_cls = getattr(transformers, cls.text_encoder_classes[i], None)
+    if enc_cls is None:
+        return None
+    adapter = cls(cfg.model)
+    try:
+        config = adapter.text_encoder_config(enc_cls.config_class.from_pretrained(folder, local_files_only=True))
+        with torch.device("meta"):
+            enc = enc_cls(config)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    esize = torch.tensor([], dtype=DTYPES[cfg.model.dtype]).element_size()
+    loaded = sum(p.numel() for p in enc.parameters()) * esize
+    enc = adapter.slim_text_encoder(enc)
+    blocks = text_encoder_blocks(enc)
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    outside = sum(p.numel() for p in enc.parameters() if id(p) not in inside) * esize
+    return TextEncoderSize(folder.name, loaded, outside, tuple(sum(p.numel() for p in b.parameters()) * esize
+                                                               for b in blocks))
+
+
+def text_encoder_sizes(cfg) -> list[TextEncoderSize] | None:
+    """Each text encoder as the loader builds it from the folder (`_built_size`), or None where any cannot be
+    built that way (no folder: the planner applies `shared_sizes` to `text_encoder_bytes`)."""
+    root = Path(cfg.model.path)
+    dirs = adapter_class(cfg.model.family).text_encoder_dirs
+    if not dirs or not all((root / d).is_dir() for d in dirs):
+        return None
+    sizes = [_built_size(cfg, i, root / d) for i, d in enumerate(dirs)]
+    return None if any(s is None for s in sizes) else sizes

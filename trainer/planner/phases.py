@@ -11,17 +11,19 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
 - load: the transformer is read into pageable RAM, its blocks packed into the pinned arena; on the GPU the
   ring, the non-block modules and the trained weights' state (the training step's static part), or, when
   sampling during training has prompts, the text encoders encoding them before that (as in text caching).
-- text caching: every text encoder on the GPU at once, its non-block bytes and (1 - f) of its block bytes
-  resident (f = offload.text_encoders; the conductor's ring holds whole blocks), plus the encode batch's
-  activations (T5's attention scores in fp32 are most of them) and workspace; RAM: the encoders in CPU RAM as
-  loaded (without the layers the family's `text_encoder_config` never builds: `text_encoder_unloaded_params`).
+- text caching: every text encoder on the GPU at once, its non-block bytes and the ring of its block bytes at
+  f = offload.text_encoders (`capacity_for`: whole blocks), plus the encode batch's activations (T5's attention
+  scores in fp32 are most of them) and workspace; RAM: the encoders in CPU RAM as loaded. The encoders' blocks
+  and the rest are those of the encoder as the loader builds and slims it from the folder's config, or, without a
+  folder, the family's shares of its full-size encoder (trainer/planner/meta.py `text_encoder_sizes`).
 - latent caching: the VAE's weights (the family's `vae_params`) plus its encode activations of one image (batches
   are sliced), about `VAE_ACT_ENCODE` bytes per pixel (tiled above 1 MP, trainer/data/cache.py, so at most 1 MP
   counts).
 - training step: `predict` (prediction.py).
-- sampling: the training step's static part (ring, non-block, LoRA state) + the VAE + the larger of the
-  denoising forward's activations (sampling.py; doubled under classifier-free guidance) and the tiled decode's
-  (512-pixel tiles above 512x512).
+- sampling: the training step's static part (ring, non-block, LoRA state) + the VAE + the pipeline's KV cache
+  where it keeps one (sampling.py `kv_cache_bytes`: Qwen-Image 2.1) + the larger of the denoising forward's
+  activations (sampling.py; doubled under classifier-free guidance) and the tiled decode's (512-pixel tiles above
+  512x512).
 - checkpoint save: on the GPU what the training step reserved (the caching allocator keeps it; the save adds
   little); in RAM the training peak plus a host copy of the trained weights and optimizer state (safetensors
   writes from CPU tensors).
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 from ..models import adapter_class
 from ..offload.plan import capacity_for
+from .meta import TextEncoderSize, shared_sizes
 from .prediction import ALLOCATOR_OVERHEAD, GB, WORKSPACE, Facts, predict
 from .sampling import VAE_ACT_DECODE, cfg_batch, predict_sampling
 
@@ -51,9 +54,6 @@ class PhasePrediction:
     note: str = ""
 
 
-#: share of a text encoder's bytes outside its blocks (embeddings, final norm), resident while its blocks stream
-#: (T5-XXL: the 32128 x 4096 embedding, 2.8 %)
-TEXT_NONBLOCK_SHARE = 0.03
 #: T5's eager attention holds batch x heads x tokens^2 scores several times over: the bf16 scores, an fp32 copy
 #: for the softmax, its fp32 result and the bf16 cast (12 bytes an entry; T5-XXL has 64 heads). An upper bound
 #: for the encoders that use fused attention. Without it the Flux 8 GB preset (predicted 6.9 GB) ran out of
@@ -62,25 +62,18 @@ TEXT_ATTN_HEADS = 64
 TEXT_ATTN_BYTES = 2 + 4 + 4 + 2
 
 
-def _share(counts: tuple[int, ...], i: int, params: int) -> float | None:
-    return counts[i] / params if i < len(counts) and params else None
+def text_sizes(facts: Facts) -> list[TextEncoderSize]:
+    """The text encoders as the run holds them: built from the folder where `analyze` could
+    (`Facts.text_sizes`), else the family's shares of `Facts.text_encoders` (trainer/planner/meta.py)."""
+    sizes = getattr(facts, "text_sizes", None)
+    return list(sizes) if sizes is not None else shared_sizes(facts.family, facts.text_encoders)
 
 
 def _text_vram(facts: Facts, te_fraction: float, encode_batch: int) -> float:
-    cls = adapter_class(facts.family)
     total = 0.0
-    for i, (_, nbytes) in enumerate(facts.text_encoders):
-        # the family's facts for its full-size encoders, as shares (parameters `slim_text_encoder` drops before
-        # the GPU; parameters outside the streamed blocks), so they hold for any size of the same architecture
-        params = cls.text_encoder_params[i][1] if i < len(cls.text_encoder_params) else 0
-        outside = _share(cls.text_encoder_nonblock_params, i, params)
-        outside = nbytes * (TEXT_NONBLOCK_SHARE if outside is None else outside)
-        nbytes -= nbytes * (_share(cls.text_encoder_unused_params, i, params) or 0.0)
-        if te_fraction <= 0:
-            total += nbytes
-        else:  # non-block bytes resident; ~24 equal blocks: the ring holds whole blocks
-            blocks = nbytes - outside
-            total += outside + capacity_for([blocks / 24] * 24, te_fraction)
+    for s in text_sizes(facts):
+        # non-block bytes resident; the ring holds whole blocks, as the conductor rounds them
+        total += s.gpu if te_fraction <= 0 or not s.blocks else s.outside + capacity_for(list(s.blocks), te_fraction)
     # activations: encode_batch x tokens x 4096 wide x a few tensors and the FFN's widening; attention scores
     t = facts.text_tokens
     act = encode_batch * t * 4096 * 2 * 8 + encode_batch * TEXT_ATTN_HEADS * t * t * TEXT_ATTN_BYTES
@@ -88,14 +81,8 @@ def _text_vram(facts: Facts, te_fraction: float, encode_batch: int) -> float:
 
 
 def _text_ram(facts: Facts) -> float:
-    """The text encoders as loaded into CPU RAM: without the parameters their config leaves out (the family's
-    `text_encoder_unloaded_params`, as shares of its full-size encoders, like the shares above)."""
-    cls = adapter_class(facts.family)
-    total = 0.0
-    for i, (_, nbytes) in enumerate(facts.text_encoders):
-        params = cls.text_encoder_params[i][1] if i < len(cls.text_encoder_params) else 0
-        total += nbytes * (1.0 - (_share(cls.text_encoder_unloaded_params, i, params) or 0.0))
-    return total
+    """The text encoders as loaded into CPU RAM: without the parameters their config leaves out."""
+    return sum(s.loaded for s in text_sizes(facts))
 
 
 def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None = None) -> list[PhasePrediction]:
@@ -124,9 +111,10 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
         sp = s.width * s.height
         # its activations (a batch of two under classifier-free guidance); the ring is the training one
         samp = predict_sampling(facts, 0.0, int(sp**0.5), batch=cfg_batch(facts.family, s.guidance))
-        sample_act = samp.peak_reserved - sum(facts.packed) - facts.nonblock_bytes - WORKSPACE
+        # the pipeline's KV cache (if any) lasts through the denoising loop and the decode
+        sample_act = samp.peak_reserved - sum(facts.packed) - facts.nonblock_bytes - WORKSPACE - samp.kv_cache
         dec = min(sp, SAMPLE_TILE_PIXELS) * VAE_ACT_DECODE * ALLOCATOR_OVERHEAD
-        out.append(PhasePrediction("sampling", train.static + vae + max(sample_act, dec) + WORKSPACE,
+        out.append(PhasePrediction("sampling", train.static + vae + samp.kv_cache + max(sample_act, dec) + WORKSPACE,
                                    train.ram_peak + vae, f"every {s.every} steps, {s.width}x{s.height}"))
     state = (facts.trainable_params * 4 + facts.state_gpu) if facts.method == "lora" else model_bytes + sum(
         facts.block_states)

@@ -72,6 +72,7 @@ from .meta import (
     optimizer_state_bytes,
     packed_state_layout,
     text_encoder_bytes,
+    text_encoder_sizes,
     transformer_config,
 )
 from .replay import simulate
@@ -134,6 +135,11 @@ class Facts:
     #: count the blocks' saved tensors as compiled blocks keep them (planner/compiled.py): train.compile on (auto
     #: is on for CUDA) and some block may keep its activations (gradient_checkpointing false or auto)
     compiled: bool = False
+    #: the blocks run compiled (train.compile on or auto, which is on for CUDA): in sampling too (sampling.py)
+    compile_blocks: bool = False
+    #: the text encoders as built from the folder (planner/meta.py `text_encoder_sizes`); None: no folder, the
+    #: family's shares of `text_encoders` apply
+    text_sizes: list | None = None
     traces: dict = field(default_factory=dict)
 
     def trace(self, res: int) -> ptrace.Trace:
@@ -226,10 +232,12 @@ def analyze(cfg) -> Facts:
         largest_param=largest,
         text_tokens=adapter_class(family).text_tokens,
         text_encoders=text_encoder_bytes(cfg),
+        text_sizes=text_encoder_sizes(cfg),
         resolutions=res,
         loads_whole=stream_load.loads_whole(cfg),  # a resumed full fine-tune loads whole too; plan cannot know
         references=refs,
         compiled=cfg.train.compile is not False and cfg.train.gradient_checkpointing is not True,
+        compile_blocks=cfg.train.compile is not False,
     )
 
 

@@ -10,8 +10,9 @@ from .. import quant
 from ..dtypes import DTYPES
 from ..errors import UserError
 from ..models import adapter_class
+from ..offload.plan import capacity_for
 from . import timing as ptime
-from .phases import fit_text_fraction, predict_phases
+from .phases import fit_text_fraction, predict_phases, text_sizes
 from .phases import table as phase_table
 from .prediction import (
     ALLOCATOR_OVERHEAD,
@@ -153,15 +154,16 @@ def report(
             )
         )
     f_te = cfg.offload.text_encoders
-    for name, nb in facts.text_encoders:
+    for size in text_sizes(facts):  # as the loader builds and slims it; the ring holds whole blocks
+        gpu = size.gpu if f_te <= 0 or not size.blocks else size.outside + capacity_for(list(size.blocks), f_te)
         rows.append(
             (
-                f"text encoder {name}",
+                f"text encoder {size.name}",
                 "-",
                 cfg.model.dtype if cfg.model.quantize_text_encoders == "none" else cfg.model.quantize_text_encoders,
-                _gb(nb),
-                _gb(nb * (1 - f_te)),
-                _gb(nb * f_te),
+                _gb(size.gpu),
+                _gb(gpu),
+                _gb(size.gpu - gpu),
                 f"f={f_te:.2f} (offload.text_encoders)",
             )
         )

@@ -9,6 +9,16 @@ activations of a no-grad forward are small: the block's inputs and outputs plus 
 Classifier-free guidance (SD3 / Qwen-Image pipelines with guidance > 1) runs the prompt and the negative prompt as
 one batch of two: `batch` (`cfg_batch`) doubles the activations and the compute.
 
+A pipeline with a KV cache (the family's `sampling_kv_cache`: Qwen-Image 2.1) keeps every block's keys and values
+of the prompt from the first step to its return, decode included (`kv_cache_bytes`). Where the blocks run compiled
+the cache holds views of each block's *whole* first-step keys and values, not copies of the prompt's part:
+inductor drops the `.clone()` of a slice of a tensor that lives only inside the compiled block, so the slice keeps
+the block's K and V buffers (shown on the CPU with inductor: a 5-token prefix kept the storage of all 261 tokens).
+At 1024 px that is 32 blocks x 2 x 4101 tokens x 4096 x 2 bytes = 2.15 GB, which the sampling phase of Qwen-Image
+2.1's 16 GB preset left out: predicted 12.39 GB, measured 14.11 GB while denoising (bench/RESULTS.md, 2026-11-25
+21:40). Eager blocks keep the prompt's share only. The trace gives the keys and values of each block's attention
+(`Trace.block_kv`, at the planner's text length).
+
 The VAE decode at the end has its own peak (`decode_reserved`: the placed transformer, the VAE and an untiled
 decode's activations), which can exceed the denoising loop's at large sizes; `dittrain sample` decodes in 512 px
 tiles where that does not fit (trainer/sampling/placement.py). Left out: the text encoders (they run first and are
@@ -41,6 +51,21 @@ class SamplePrediction:
     #: peak reserved while the VAE decodes one image untiled next to the placed transformer (`dittrain sample`
     #: decodes tiled where this does not fit: trainer/sampling/placement.py `decode_for_sample`)
     decode_reserved: float = 0.0
+    #: bytes the pipeline's KV cache holds from the first step to the end of the call (in both peaks above)
+    kv_cache: float = 0.0
+
+
+def kv_cache_bytes(facts, tr, res: int, batch: int = 1) -> float:
+    """What the family's pipeline keeps in its KV cache while it samples at `res` (0 without one): every block's
+    whole keys and values where the blocks run compiled, else the prompt's share of them (see the module essay)."""
+    cls = adapter_class(facts.family)
+    if not cls.sampling_kv_cache:
+        return 0.0
+    kv = batch * sum(tr.block_kv)
+    if facts.compile_blocks:
+        return float(kv)
+    text = facts.text_tokens
+    return kv * text / (text + cls.full_image_tokens(res, res))
 
 
 def cfg_batch(family: str, guidance: float) -> int:
@@ -59,9 +84,10 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
         ring = capacity_for(packed, fraction)
         moved = plan_for(packed, ring, "sample").bytes_per_step()
     act = batch * (2 * max(tr.block_inputs) + 2 * max(tr.block_largest) + tr.outside_saved)
-    reserved = _round2m(ring) + _round2m(facts.nonblock_bytes) + ALLOCATOR_OVERHEAD * act + WORKSPACE
+    kv = kv_cache_bytes(facts, tr, res, batch)
+    reserved = _round2m(ring) + _round2m(facts.nonblock_bytes) + kv + ALLOCATOR_OVERHEAD * act + WORKSPACE
     compute = batch * (tr.linear_flops + tr.attn_flops) / ptime.forward_rate(rates, res)
     transfer = moved / rates.h2d
     decode = (_round2m(ring) + _round2m(facts.nonblock_bytes) + adapter_class(facts.family).vae_params * 2
-              + ALLOCATOR_OVERHEAD * res * res * VAE_ACT_DECODE + WORKSPACE)
-    return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer, decode)
+              + kv + ALLOCATOR_OVERHEAD * res * res * VAE_ACT_DECODE + WORKSPACE)
+    return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer, decode, kv)

@@ -103,10 +103,16 @@ class _KernelModel:
     def __init__(self, kernels: str):
         self.kernels = kernels
         self.attn_flops = 0
+        #: storage -> bytes of the keys and values attention took since the last `clear()` (a KV cache keeps them:
+        #: sampling.py); by storage, since a block's calls may take slices of one key tensor (Qwen-Image 2.1's prefix)
+        self.kv: dict[int, int] = {}
 
     def _sdpa(self, query, key, value, attn_mask=None, *args, **kwargs):
         # QK^T and PV: 2 multiply-adds each per (query, key, channel)
         self.attn_flops += 4 * query.shape[:-1].numel() * key.shape[-2] * query.shape[-1]
+        for t in (key, value):
+            sid, nbytes = _storage(t)
+            self.kv[sid] = nbytes
         return _FlashAttn.apply(query, key, value, attn_mask if isinstance(attn_mask, torch.Tensor) else None)
 
     @staticmethod
@@ -187,6 +193,8 @@ class Trace:
     saved_by: str = "eager blocks"
     #: the same for its last call: a block inside the stack, whose inputs carry gradients (planner/compiled.py)
     last_calls: dict[str, tuple[int, tuple, dict]] = field(default_factory=dict, repr=False)
+    #: per block: bytes of the keys and values its attention calls take (what a sampling KV cache can keep)
+    block_kv: list[int] = field(default_factory=list)
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -217,6 +225,7 @@ def trace_forward(
     b_saved: list[int] = [0] * len(blocks)
     b_largest: list[int] = [0] * len(blocks)
     current: list[int] = []  # index of the block being run (a stack of one)
+    b_kv: list[int] = [0] * len(blocks)
     inside: dict[int, int] = {}
     # Every tensor counted is kept alive until the trace ends: storages are told apart by address, and a freed
     # storage's address can be reused by a later tensor (which would then pass for one already counted).
@@ -260,6 +269,7 @@ def trace_forward(
                 outside.pop(sid, None)  # a block input saved outside too (e.g. temb) is counted once, here
                 new += nbytes
         b_inputs[i] = new
+        getattr(mode, "kv", {}).clear()
         current.append(i)
         inside.clear()
 
@@ -268,6 +278,7 @@ def trace_forward(
         saved = {s: n for s, n in inside.items() if s not in seen}
         b_saved[i] = sum(saved.values())
         b_largest[i] = max(saved.values(), default=0)
+        b_kv[i] = sum(getattr(mode, "kv", {}).values())
 
     index = {id(b): i for i, b in enumerate(blocks)}
     handles = [b.register_forward_pre_hook(pre, with_kwargs=True) for b in blocks]
@@ -310,6 +321,7 @@ def trace_forward(
         storages=dict(seen),
         calls=calls,
         last_calls=last_calls,
+        block_kv=b_kv,
     )
 
 

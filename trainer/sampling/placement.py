@@ -14,7 +14,8 @@ run their class's compiled forward (trainer/offload/compiled.py); at fraction 0 
 resident conductor (nothing streams) only so that the StreamedBlock runs the compiled code.
 
 Text encoders have no adapter-declared block list; their blocks are taken to be their largest `nn.ModuleList`
-by parameter count (T5's `encoder.block`, CLIP's `encoder.layers`, Qwen2.5-VL's language-model `layers`).
+by parameter count (T5's `encoder.block`, CLIP's `encoder.layers`, Qwen2.5-VL's language-model `layers`):
+`trainer.models.base.text_encoder_blocks`, which the planner's text-caching phase sizes too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
+from ..models.base import text_encoder_blocks as encoder_blocks  # the planner sizes the same blocks
 from ..offload import move_outside_blocks
 
 
@@ -53,17 +55,6 @@ def place_transformer(adapter, transformer: nn.Module, device: torch.device, fra
         yield handle
     finally:
         handle.close(keep_weights)
-
-
-def encoder_blocks(encoder: nn.Module) -> list[nn.Module]:
-    """The encoder's largest ModuleList (by parameter count): the units to stream."""
-    best, size = None, -1
-    for m in encoder.modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 0:
-            n = sum(p.numel() for p in m.parameters())
-            if n > size:
-                best, size = m, n
-    return list(best) if best is not None else []
 
 
 def place_encoder(encoder: nn.Module, device: torch.device, fraction: float):
