@@ -18,6 +18,7 @@ Tensors crossing this boundary:
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -195,9 +196,9 @@ class ModelAdapter(ABC):
     sample_defaults: ClassVar[dict[str, Any]] = {}
     #: the pipeline keeps a KV cache through its denoising loop: every block's keys and values of the prompt (the
     #: step-independent prefix) from the first step, for the later ones (Qwen-Image 2.1's `use_kv_cache`, on by
-    #: default). Compiled blocks hand the cache views of their whole first-step keys and values (inductor leaves
-    #: out the copy of a slice of a block-internal tensor), so every block's K and V stay until the pipeline returns;
-    #: the planner's sampling phase counts them (trainer/planner/sampling.py)
+    #: default); the planner's sampling phase counts it (trainer/planner/sampling.py). Compiled blocks hand the
+    #: cache views of their whole first-step keys and values (inductor leaves out the copy of a slice of a
+    #: block-internal tensor): `sampling_hooks` copies them down to the prompt's rows
     sampling_kv_cache: ClassVar[bool] = False
 
     # ------------------------------------------------------------------------------------------ presets
@@ -276,6 +277,11 @@ class ModelAdapter(ABC):
         before training (default: nothing; Chroma's `flash` computes its masked attention in a form flash
         attention accepts, its `flex` through flex attention)."""
         return
+
+    def sampling_hooks(self, transformer: nn.Module) -> contextlib.AbstractContextManager:
+        """What the family's transformer needs while its pipeline samples with it, entered around the pipeline calls
+        (trainer/sampling/engine.py `generate`; default: nothing). Qwen-Image 2.1 keeps its KV cache compact."""
+        return contextlib.nullcontext()
 
     def slim_text_encoder(self, encoder: nn.Module) -> nn.Module:
         """Drop what this family never runs of a loaded text encoder (default: nothing), before it is placed on

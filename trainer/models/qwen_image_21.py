@@ -22,7 +22,12 @@ How it mirrors diffusers' QwenImage21Pipeline (0.42.1), text-to-image:
   negative prompt (the pipeline's default is 1: the model is meant to be sampled without guidance).
 
 Training runs the full prefill (no KV cache): text tokens are modulated at t = 0 (`causal_condition`) inside the
-transformer itself, nothing to do here.
+transformer itself, nothing to do here. Sampling keeps the pipeline's KV cache (`use_kv_cache`): each block stores
+`key[:, :prefix].clone()` (and the values) at the first step. Under inductor that clone comes back as a view of the
+block's whole first-step keys and values, so the cache held 2.15 GB of them at 1024 px through every later step and
+the decode (Qwen-Image 2.1's 16 GB preset, bench/RESULTS.md). `sampling_hooks` puts a forward hook on each block
+that replaces such a view by a compact copy of the same rows as soon as the block returns: the same numbers, the
+prompt's share of the memory (`compact_layer_cache`).
 
 Left out: condition images (the pipeline's image-conditioned mode), which would need text entries keyed by the
 reference as Qwen-Image-Edit does.
@@ -31,6 +36,7 @@ reference as Qwen-Image-Edit does.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -174,6 +180,22 @@ def qwen3_vl_hidden(enc: nn.Module, inputs) -> torch.Tensor:
         handle.remove()
 
 
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy holding only its own elements where it is a view into a larger storage."""
+    if t.untyped_storage().nbytes() <= t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def compact_layer_cache(block: nn.Module, args, kwargs: dict, output):  # noqa: ARG001 - a forward hook's signature
+    """Forward hook (with kwargs) on a transformer block: after the pipeline's first step (`kv_cache_mode`
+    "extract") the block's `layer_cache` keeps copies of the prompt's keys and values, not views of the block's
+    whole ones (see the module essay)."""
+    cache_ = kwargs.get("layer_cache")
+    if cache_ is not None and kwargs.get("kv_cache_mode") == "extract" and cache_.k is not None:
+        cache_.k, cache_.v = _compact(cache_.k), _compact(cache_.v)
+
+
 class QwenImage21Adapter(DiffusersAdapter):
     family = "qwen-image-2.1"
     transformer_cls = QwenImage21Transformer2DModel
@@ -205,6 +227,15 @@ class QwenImage21Adapter(DiffusersAdapter):
     sample_defaults = {"steps": 40, "guidance": 1.0}
     #: the pipeline's `use_kv_cache` (default on): the planner counts what it keeps (ModelAdapter.sampling_kv_cache)
     sampling_kv_cache = True
+
+    @contextmanager
+    def sampling_hooks(self, transformer: nn.Module):
+        handles = [b.register_forward_hook(compact_layer_cache, with_kwargs=True) for b in self.blocks(transformer)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
     #: full-size latent geometry: 16 px per latent, one latent per token (the planner's image tokens)
     latent_scale, token_patch = 16, 1
     #: VAE parameters at full size (AutoencoderKLQwenImage21 defaults, meta-counted), for the planner

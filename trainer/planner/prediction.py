@@ -135,8 +135,6 @@ class Facts:
     #: count the blocks' saved tensors as compiled blocks keep them (planner/compiled.py): train.compile on (auto
     #: is on for CUDA) and some block may keep its activations (gradient_checkpointing false or auto)
     compiled: bool = False
-    #: the blocks run compiled (train.compile on or auto, which is on for CUDA): in sampling too (sampling.py)
-    compile_blocks: bool = False
     #: the text encoders as built from the folder (planner/meta.py `text_encoder_sizes`); None: no folder, the
     #: family's shares of `text_encoders` apply
     text_sizes: list | None = None
@@ -237,7 +235,6 @@ def analyze(cfg) -> Facts:
         loads_whole=stream_load.loads_whole(cfg),  # a resumed full fine-tune loads whole too; plan cannot know
         references=refs,
         compiled=cfg.train.compile is not False and cfg.train.gradient_checkpointing is not True,
-        compile_blocks=cfg.train.compile is not False,
     )
 
 

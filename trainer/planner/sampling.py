@@ -10,14 +10,14 @@ Classifier-free guidance (SD3 / Qwen-Image pipelines with guidance > 1) runs the
 one batch of two: `batch` (`cfg_batch`) doubles the activations and the compute.
 
 A pipeline with a KV cache (the family's `sampling_kv_cache`: Qwen-Image 2.1) keeps every block's keys and values
-of the prompt from the first step to its return, decode included (`kv_cache_bytes`). Where the blocks run compiled
-the cache holds views of each block's *whole* first-step keys and values, not copies of the prompt's part:
-inductor drops the `.clone()` of a slice of a tensor that lives only inside the compiled block, so the slice keeps
-the block's K and V buffers (shown on the CPU with inductor: a 5-token prefix kept the storage of all 261 tokens).
-At 1024 px that is 32 blocks x 2 x 4101 tokens x 4096 x 2 bytes = 2.15 GB, which the sampling phase of Qwen-Image
-2.1's 16 GB preset left out: predicted 12.39 GB, measured 14.11 GB while denoising (bench/RESULTS.md, 2026-11-25
-21:40). Eager blocks keep the prompt's share only. The trace gives the keys and values of each block's attention
-(`Trace.block_kv`, at the planner's text length).
+of the prompt from the first step to its return, decode included (`kv_cache_bytes`): the prompt's share of each
+block's keys and values (`Trace.block_kv`, at the planner's text length). Compiled blocks would hand the cache views
+of their *whole* first-step keys and values (inductor drops the `.clone()` of a slice of a tensor that lives only
+inside the compiled block; shown on the CPU with inductor: a 5-token prefix kept the storage of all 261 tokens):
+2.15 GB at 1024 px, which is what Qwen-Image 2.1's 16 GB preset measured above its sampling prediction (predicted
+12.39 GB, measured 14.11 GB while denoising: bench/RESULTS.md, 2026-11-25 21:40). The family's `sampling_hooks`
+copy each view down to the prompt's rows as its block returns (trainer/models/qwen_image_21.py), so compiled and
+eager sampling keep the same share.
 
 The VAE decode at the end has its own peak (`decode_reserved`: the placed transformer, the VAE and an untiled
 decode's activations), which can exceed the denoising loop's at large sizes; `dittrain sample` decodes in 512 px
@@ -56,14 +56,12 @@ class SamplePrediction:
 
 
 def kv_cache_bytes(facts, tr, res: int, batch: int = 1) -> float:
-    """What the family's pipeline keeps in its KV cache while it samples at `res` (0 without one): every block's
-    whole keys and values where the blocks run compiled, else the prompt's share of them (see the module essay)."""
+    """What the family's pipeline keeps in its KV cache while it samples at `res` (0 without one): the prompt's
+    share of every block's keys and values, compiled or not (see the module essay)."""
     cls = adapter_class(facts.family)
     if not cls.sampling_kv_cache:
         return 0.0
     kv = batch * sum(tr.block_kv)
-    if facts.compile_blocks:
-        return float(kv)
     text = facts.text_tokens
     return kv * text / (text + cls.full_image_tokens(res, res))
 

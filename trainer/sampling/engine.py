@@ -213,21 +213,22 @@ def generate(
         if "negative_prompt" in inspect.signature(pipe.__call__).parameters:
             reference = {**reference, "negative_prompt": None}
         images = []
-        for prompt, seed in zip(prompts, seeds, strict=True):
-            embeds = next(encoded) if isinstance(prompt, str) else prompt
-            generator = torch.Generator("cpu").manual_seed(int(seed))
-            out = pipe(
-                **_to(embeds, device),
-                **adapter.pipeline_guidance(pipe, settings.guidance),
-                **reference,
-                **adapter.pipeline_size(pipe, settings.width, settings.height),
-                height=settings.height,
-                width=settings.width,
-                num_inference_steps=settings.steps,
-                generator=generator,
-                output_type=output_type,
-            )
-            images.append(out.images[0])
+        with adapter.sampling_hooks(model):  # the family's (Qwen-Image 2.1: its KV cache kept compact)
+            for prompt, seed in zip(prompts, seeds, strict=True):
+                embeds = next(encoded) if isinstance(prompt, str) else prompt
+                generator = torch.Generator("cpu").manual_seed(int(seed))
+                out = pipe(
+                    **_to(embeds, device),
+                    **adapter.pipeline_guidance(pipe, settings.guidance),
+                    **reference,
+                    **adapter.pipeline_size(pipe, settings.width, settings.height),
+                    height=settings.height,
+                    width=settings.width,
+                    num_inference_steps=settings.steps,
+                    generator=generator,
+                    output_type=output_type,
+                )
+                images.append(out.images[0])
         return images
     finally:
         pipe_logger.removeFilter(quiet)
