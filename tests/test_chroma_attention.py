@@ -177,17 +177,9 @@ def test_attention_mask_bench_smoke(tmp_path):
     assert (tmp_path / "attn_mask_speed.md").exists()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_flash_mask_runs_on_flash_attention_where_the_mask_cannot():
-    """At Chroma's head width (128) in bf16: the masked SDPA call is refused by flash attention; the flash-mask
-    form runs forward and backward on flash alone and agrees with the masked call (the key column's sqrt(128)
-    rounds in bf16: a bias of 0.99989 for 1)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from trainer.models.chroma import attend_outer_mask
-
-    torch.backends.cuda.enable_cudnn_sdp(False)
+def _cuda_attention_case():
+    """q, k, v of Chroma's head width (128) in bf16 on CUDA, the token mask m (text tokens 81-511 padded), its
+    outer-product SDPA mask, and `run(fn)`: fn's output and input gradients in fp32."""
     s, h, d = 512 + 256, 4, 128
     q, k, v = (torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     m = torch.ones(1, s, device="cuda", dtype=torch.bfloat16)
@@ -199,6 +191,22 @@ def test_flash_mask_runs_on_flash_attention_where_the_mask_cannot():
         out = fn(*xs)
         out.float().square().sum().backward()
         return [out.float(), *[x.grad.float() for x in xs]]
+
+    return m, mask, run
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_mask_runs_on_flash_attention_where_the_mask_cannot():
+    """At Chroma's head width (128) in bf16: the masked SDPA call is refused by flash attention; the flash-mask
+    form runs forward and backward on flash alone and agrees with the masked call (the key column's sqrt(128)
+    rounds in bf16: a bias of 0.99989 for 1)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from trainer.models.chroma import attend_outer_mask
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    m, mask, run = _cuda_attention_case()
 
     def masked(a, b, c):
         return F.scaled_dot_product_attention(a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2),
@@ -334,17 +342,7 @@ def test_flex_mask_matches_the_masked_sdpa_on_cuda():
     and input gradients as the masked SDPA call."""
     from trainer.models.chroma import attend_flex
 
-    s, h, d = 512 + 256, 4, 128
-    q, k, v = (torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    m = torch.ones(1, s, device="cuda", dtype=torch.bfloat16)
-    m[:, 81:512] = 0
-    mask = m[:, None, None, :] * m[:, None, :, None]
-
-    def run(fn):
-        xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        out = fn(*xs)
-        out.float().square().sum().backward()
-        return [out.float(), *[x.grad.float() for x in xs]]
+    m, mask, run = _cuda_attention_case()
 
     want = run(lambda a, b, c: F.scaled_dot_product_attention(
         a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), attn_mask=mask).transpose(1, 2))
