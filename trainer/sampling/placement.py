@@ -27,6 +27,8 @@ from torch import nn
 
 from ..models.base import text_encoder_blocks as encoder_blocks  # the planner sizes the same blocks
 from ..offload import move_outside_blocks
+from ..planner.prediction import ALLOCATOR_OVERHEAD
+from ..planner.sampling import VAE_ACT_DECODE
 
 
 def _attach(blocks: list[nn.Module], device: torch.device, fraction: float, compile=False, fill=None):
@@ -85,9 +87,9 @@ def place_text_encoders(pipe, device: torch.device, fraction: float):
 
 #: images with more pixels than this decode tiled while sampling during training (see trainer/sampling/training.py)
 SAMPLE_TILE_PIXELS = 512 * 512
-#: bytes per image pixel an untiled bf16 VAE decode reserves at its peak: trainer/planner/sampling.py's
-#: VAE_ACT_DECODE (12 x 128 channels x 2 bytes) times the caching allocator's 1.35 (~4.3 GB at 1024 x 1024)
-UNTILED_DECODE_PER_PIXEL = 12 * 128 * 2 * 1.35
+#: bytes per image pixel an untiled bf16 VAE decode reserves at its peak, as the planner counts it (~4.3 GB at
+#: 1024 x 1024)
+UNTILED_DECODE_PER_PIXEL = VAE_ACT_DECODE * ALLOCATOR_OVERHEAD
 #: what an untiled decode must leave free besides its estimate (the estimate is coarse; cuDNN workspaces)
 DECODE_MARGIN = 2**30
 
