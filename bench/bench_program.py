@@ -576,10 +576,22 @@ def run_commands(family: str, card: int, cfg: Path, run_dir: Path, args) -> list
         before = _records(phase_log)
         rc, poll, wall = run(commands[cmd_name], env, log_file)
         recs = _records(phase_log)[len(before):]
-        tail = log_file.read_text().strip().splitlines()[-1:] if log_file.exists() else []
+        lines = log_file.read_text().strip().splitlines() if log_file.exists() else []
+        key = key_lines(lines)
+        print("\n".join(f"[{label} {cmd_name}] {line}" for line in key), flush=True)
         rows.append({"family": family, "label": label, "command": cmd_name, "rc": rc, "wall_s": wall,
-                     "anon_peak": poll.peak(), "last_line": tail[0] if tail else "", "phases": _per_phase(recs, poll)})
+                     "anon_peak": poll.peak(), "last_line": lines[-1] if lines else "", "key_lines": key,
+                     "phases": _per_phase(recs, poll)})
     return rows
+
+
+#: the lines of a command's log that carry its measurements and decisions, echoed to the bench's own output and
+#: kept in results.json: a GPU machine that returns only some files still returns these
+KEY_PREFIXES = ("phase ", "step ", "offload:", "compile:", "note:", "error:", "warning:", "lora:", "device ", "wrote ")
+
+
+def key_lines(lines: list[str]) -> list[str]:
+    return [line.strip() for line in lines if line.strip().startswith(KEY_PREFIXES)]
 
 
 def _records(path: Path) -> list[dict]:

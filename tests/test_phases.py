@@ -279,6 +279,19 @@ def test_bench_writes_sharded_random_weights_that_diffusers_loads(tmp_path, monk
     assert 0.015 < w.std() < 0.025
 
 
+def test_bench_program_keeps_each_commands_measurement_lines():
+    """What bench_program echoes and keeps in results.json of a command's log: its phase, step and offload lines
+    (a GPU machine that returns only some of the log files still returns them)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_program as bp
+
+    log = ["loading...", "phase load: peak reserved VRAM 5.01 GB", "  step 2/3: loss 1.0, 0.77 s/step",
+           "offload: 24.31 GB of blocks in CPU RAM", "100%|####| 3/3", "error: out of GPU memory sampling 1024x1024"]
+    assert bp.key_lines(log) == [log[1], log[2].strip(), log[3], log[5]]
+
+
 def test_bench_writes_one_fp8_transformer_file_that_streams(tiny_models, tmp_path):
     """bench/bench_program.py --transformer-file fp8: one safetensors file written tensor by tensor from a meta
     model (block Linears float8_e4m3fn with a per-tensor scale_weight, the rest bf16) that safetensors reads, that
