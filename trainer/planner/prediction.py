@@ -475,6 +475,12 @@ def _sampling_peak(cfg, facts: Facts, fraction: float, res: int) -> float:
 PREDICTION_MARGIN = 0.03
 
 
+def first_fit(fits, grid: list[float] = GRID) -> float | None:
+    """The smallest fraction of `grid` (ascending) for which `fits(fraction)` holds, or None: the search
+    `choose_fraction` and sampling's auto (planner/sampling.py `choose_sampling_fraction`) share."""
+    return next((f for f in grid if fits(f)), None)
+
+
 def choose_fraction(
     cfg,
     vram_gb: float | None = None,
@@ -500,8 +506,8 @@ def choose_fraction(
     chosen = 0.0
     limit = budget * GB * (1 - PREDICTION_MARGIN)
     for res in facts.resolutions:
-        fit = next((f for f in grid if _peak(facts, f, res, act) <= limit
-                    and _sampling_peak(cfg, facts, f, res) <= limit), None)
+        fit = first_fit(lambda f, res=res: _peak(facts, f, res, act) <= limit
+                        and _sampling_peak(cfg, facts, f, res) <= limit, grid)
         if fit is None and _peak(facts, grid[-1], res, act) <= limit:
             need = _sampling_peak(cfg, facts, grid[-1], res) / GB
             raise UserError(

@@ -23,16 +23,22 @@ The VAE decode at the end has its own peak (`decode_reserved`: the placed transf
 decode's activations), which can exceed the denoising loop's at large sizes; `dittrain sample` decodes in 512 px
 tiles where that does not fit (trainer/sampling/placement.py). Left out: the text encoders (they run first and are
 released, trainer/sample.py).
+
+`choose_sampling_fraction` is `offload.transformer: auto` (or `--offload auto`) for `dittrain sample`: the smallest
+fraction on choose_fraction's grid (the same search, prediction.first_fit) whose denoising peak (`peak_reserved`)
+fits the budget less PREDICTION_MARGIN, at the sample's larger side squared and its guidance batch. The decode's
+peak is left out of the choice: `dittrain sample` decodes tiled where the untiled decode does not fit.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..models import adapter_class
-from ..offload.plan import capacity_for, plan_for
+from ..offload.plan import PlanError, capacity_for, plan_for
 from . import timing as ptime
-from .prediction import ALLOCATOR_OVERHEAD, WORKSPACE, _round2m
+from .prediction import ALLOCATOR_OVERHEAD, GB, GRID, PREDICTION_MARGIN, WORKSPACE, _round2m, first_fit
 
 #: activation bytes per image pixel at the peak of a bf16 VAE decode (128 channels at full resolution, several live
 #: tensors in the up blocks): coarse, from diffusers' figures for 1024 px; phases.py's sampling phase uses it too
@@ -89,3 +95,30 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
     decode = (_round2m(ring) + _round2m(facts.nonblock_bytes) + adapter_class(facts.family).vae_params * 2
               + kv + ALLOCATOR_OVERHEAD * res * res * VAE_ACT_DECODE + WORKSPACE)
     return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer, decode, kv)
+
+
+def choose_sampling_fraction(facts, budget_gb: float, width: int, height: int, batch: int = 1, log=print) -> float:
+    """`dittrain sample`'s auto: the smallest grid fraction whose predicted denoising peak at max(width, height)
+    px fits `budget_gb` less PREDICTION_MARGIN; 1.0 with a warning line when none does (the prediction may be
+    pessimistic, and 1.0 is the least the transformer can hold)."""
+    res = max(width, height)
+    limit = budget_gb * GB * (1 - PREDICTION_MARGIN)
+    peaks: dict[float, float] = {}
+
+    def peak(f: float) -> float:
+        if f not in peaks:
+            try:
+                peaks[f] = predict_sampling(facts, f, res, batch=batch).peak_reserved
+            except PlanError:  # a block larger than the ring this fraction leaves
+                peaks[f] = math.inf
+        return peaks[f]
+
+    fit = first_fit(lambda f: peak(f) <= limit, GRID)
+    size = f"{width}x{height}"
+    if fit is None:
+        log(f"offload: auto -> 1.0 for sampling {size}, but the prediction ({peak(1.0) / GB:.1f} GB) exceeds the "
+            f"{budget_gb:.1f} GB budget: it may run out of memory (lower --width/--height)")
+        return 1.0
+    log(f"offload: auto -> {fit:g} for sampling {size} (predicted {peak(fit) / GB:.1f} GB of the "
+        f"{budget_gb:.1f} GB budget)")
+    return fit
