@@ -181,11 +181,8 @@ def test_cli_prints_one_line(tiny_models, tmp_path):
     assert (tmp_path / "cli" / "0000-seed0-a-cat.png").is_file()
 
 
-def test_auto_offload_needs_an_explicit_fraction(tiny_models, tmp_path):
+def test_out_must_be_a_folder(tiny_models, tmp_path):
     cfg = _cfg(tiny_models, tmp_path, prompts=["x"])
-    cfg.offload.vram_budget_gb = 8.0
-    cfg.offload.transformer = "auto"
-    _fails(cfg, SampleRequest(), "offload.transformer is auto", "--offload FRACTION")
     out_file = tmp_path / "taken"
     out_file.write_text("")
     _fails(cfg, SampleRequest(offload=0.5, out=out_file), "taken: --out must be a folder")

@@ -132,8 +132,10 @@ def sample(
     lora: list[str] = typer.Option(
         [], "--lora", metavar="PATH[:WEIGHT]", help="LoRA .safetensors to apply, optionally weighted as PATH:WEIGHT (repeatable).", show_default=False
     ),
-    offload: float | None = typer.Option(
-        None, "--offload", min=0.0, max=1.0, help="Share of transformer block bytes kept in CPU RAM (overrides offload.transformer)."
+    offload: str | None = typer.Option(
+        None, "--offload", metavar="F|auto", help="Share of transformer block bytes kept in CPU RAM, 0 to 1 "
+        "(overrides offload.transformer); auto: the smallest share whose predicted peak fits the GPU "
+        "(offload.vram_budget_gb, else the card minus 1 GB), 0 on a CPU.", show_default=False
     ),
     steps: int | None = typer.Option(None, "--steps", min=1, help="Denoising steps (default: sample.steps)."),
     guidance: float | None = typer.Option(None, "--guidance", help="Guidance scale (default: sample.guidance)."),
@@ -163,7 +165,7 @@ def sample(
             prompts=list(prompt),
             prompts_file=prompts_file,
             loras=list(lora),
-            offload=offload,
+            offload=_offload_option(offload),
             steps=steps,
             guidance=guidance,
             seed=seed,
@@ -175,6 +177,19 @@ def sample(
             image=(image[0] if len(image) == 1 else list(image)) if image else None,
         ),
     )
+
+
+def _offload_option(value: str | None) -> float | str | None:
+    """`--offload`: a fraction from 0 to 1, or auto."""
+    if value is None or value.strip().lower() == "auto":
+        return None if value is None else "auto"
+    try:
+        f = float(value)
+    except ValueError:
+        f = None
+    if f is None or not 0.0 <= f <= 1.0:
+        raise UserError(f"--offload {value}: give a fraction from 0 to 1 (e.g. 0.5) or auto")
+    return f
 
 
 @app.command()

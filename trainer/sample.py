@@ -13,7 +13,9 @@ The run reads top to bottom as a few named steps:
 3. Encode all prompts (text encoders on the GPU one run at a time, streamed if `offload.text_encoders` > 0), then
    release the encoders.
 4. Place the transformer: resident at fraction 0, otherwise its blocks streamed by the offload conductor at
-   `--offload` (or `offload.transformer`) on its sampling plan (plan.plan_for). On a CPU nothing is gained (there is
+   `--offload` (or `offload.transformer`) on its sampling plan (plan.plan_for). `auto` picks the smallest fraction
+   whose predicted denoising peak fits the GPU (planner/sampling.py `choose_sampling_fraction`; step 1 resolves
+   it, reading the model folder's headers for the planner), and is 0 on a CPU. On a CPU nothing is gained (there is
    no second memory): the fraction is accepted and the conductor replays the same plan through a ring in CPU
    RAM, which saves nothing and runs at resident speed; the tests use it to check the images do not change.
 5. Denoise image by image (`sampling.engine.generate`), write PNGs with metadata and, for several images, a
@@ -100,12 +102,7 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
     if req.num < 1:
         raise UserError(f"--num {req.num}: at least one image per prompt")
     offload = req.offload if req.offload is not None else cfg.offload.transformer
-    if offload == "auto":
-        raise UserError(
-            "offload.transformer is auto, which sampling does not plan: pass --offload FRACTION "
-            "(run `dittrain plan` to see which fraction fits)"
-        )
-    if not 0.0 <= float(offload) <= 1.0:
+    if offload != "auto" and not 0.0 <= float(offload) <= 1.0:
         raise UserError(f"--offload {offload}: the fraction must be between 0 and 1")
     settings = SampleSettings(
         steps=req.steps if req.steps is not None else s.steps,
@@ -122,6 +119,9 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
     from .train.run import check_writable
 
     check_writable(out, "--out" if req.out is not None else "the samples folder")  # before any weight loads
+    device = _device(cfg)
+    if offload == "auto":
+        offload = _auto_fraction(cfg, adapter.family, settings, device)
     return SamplePlan(
         prompts,
         loras,
@@ -130,7 +130,41 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
         req.num,
         float(offload),
         out,
-        _device(cfg),
+        device,
+    )
+
+
+def vram_budget_gb(cfg: Config, device: torch.device) -> float:
+    """The VRAM auto plans sampling for: offload.vram_budget_gb, else the card's memory (or DITTRAIN_VRAM_CAP_GB,
+    the cap train/phases.py `apply_vram_cap` sets, where smaller) less the CUDA context's HEADROOM_GB, as the
+    presets and `dittrain plan --vram` count it."""
+    if cfg.offload.vram_budget_gb is not None:
+        return cfg.offload.vram_budget_gb
+    import os
+
+    from .planner import GB
+    from .planner.presets import HEADROOM_GB
+
+    card = torch.cuda.get_device_properties(device).total_memory / GB
+    cap = os.environ.get("DITTRAIN_VRAM_CAP_GB")
+    if cap:
+        card = min(card, float(cap))
+    return card - HEADROOM_GB
+
+
+def _auto_fraction(cfg: Config, family: str, settings: SampleSettings, device: torch.device) -> float:
+    """offload.transformer (or --offload) auto: 0 on the CPU, else the planner's smallest fraction whose
+    predicted denoising peak fits the budget at this size and guidance batch (planner/sampling.py)."""
+    if device.type != "cuda":
+        tqdm.write("offload: auto -> 0 on the CPU (there is no second memory to save: streaming within RAM only "
+                   "costs time)", file=sys.stderr)
+        return 0.0
+    from .planner import analyze
+    from .planner.sampling import cfg_batch, choose_sampling_fraction
+
+    return choose_sampling_fraction(
+        analyze(cfg), vram_budget_gb(cfg, device), settings.width, settings.height,
+        cfg_batch(family, settings.guidance), log=lambda line: tqdm.write(line, file=sys.stderr),
     )
 
 

@@ -21,7 +21,7 @@ class SampleRequest:
     prompts: list[str] = field(default_factory=list)
     prompts_file: Path | None = None
     loras: list[str] = field(default_factory=list)
-    offload: float | None = None
+    offload: float | str | None = None  #: a fraction, or "auto" (trainer/sample.py resolves it)
     steps: int | None = None
     guidance: float | None = None
     seed: int | None = None
