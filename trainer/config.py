@@ -428,7 +428,8 @@ class OffloadConfig(_Section):
     transformer: float | Literal["auto"] = Field(
         default=0.0,
         description="Share of the transformer's block bytes kept in CPU RAM (0: resident, 1: every block "
-        "streamed); auto picks the smallest share that fits vram_budget_gb.",
+        "streamed); auto picks the smallest share that fits vram_budget_gb (`dittrain sample`: its own "
+        "denoising peak).",
     )
     text_encoders: float = Field(default=0.0, ge=0, le=1, description="Same, for the text encoders.")
     activations: bool = Field(default=False, description="Move checkpointed block inputs to pinned CPU RAM in forward.")
