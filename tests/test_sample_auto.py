@@ -78,6 +78,17 @@ def test_auto_falls_back_to_streaming_everything_when_nothing_fits(tiny_models, 
     assert "exceeds the" in capsys.readouterr().err
 
 
+def test_auto_streams_everything_when_the_planner_cannot_run(tiny_models, tmp_path, monkeypatch, capsys):
+    def broken(cfg):
+        raise RuntimeError("no trace for this model")
+
+    cfg = _cfg(tiny_models, tmp_path)
+    _on_fake_gpu(monkeypatch, 8.0)
+    monkeypatch.setattr(trainer.planner, "analyze", broken)
+    assert resolve(cfg, SampleRequest(), get_adapter(cfg.model)).offload == 1.0
+    assert "auto could not plan sampling (RuntimeError: no trace for this model)" in capsys.readouterr().err
+
+
 def test_budget_is_the_config_or_the_card_less_headroom(tiny_models, tmp_path, monkeypatch):
     from trainer.planner.presets import HEADROOM_GB
 

@@ -15,7 +15,8 @@ The run reads top to bottom as a few named steps:
 4. Place the transformer: resident at fraction 0, otherwise its blocks streamed by the offload conductor at
    `--offload` (or `offload.transformer`) on its sampling plan (plan.plan_for). `auto` picks the smallest fraction
    whose predicted denoising peak fits the GPU (planner/sampling.py `choose_sampling_fraction`; step 1 resolves
-   it, reading the model folder's headers for the planner), and is 0 on a CPU. On a CPU nothing is gained (there is
+   it, reading the model folder's headers for the planner; 1.0 where that cannot be predicted), and is 0 on a
+   CPU. On a CPU nothing is gained (there is
    no second memory): the fraction is accepted and the conductor replays the same plan through a ring in CPU
    RAM, which saves nothing and runs at resident speed; the tests use it to check the images do not change.
 5. Denoise image by image (`sampling.engine.generate`), write PNGs with metadata and, for several images, a
@@ -162,10 +163,18 @@ def _auto_fraction(cfg: Config, family: str, settings: SampleSettings, device: t
     from .planner import analyze
     from .planner.sampling import cfg_batch, choose_sampling_fraction
 
-    return choose_sampling_fraction(
-        analyze(cfg), vram_budget_gb(cfg, device), settings.width, settings.height,
-        cfg_batch(family, settings.guidance), log=lambda line: tqdm.write(line, file=sys.stderr),
-    )
+    def say(line: str) -> None:
+        tqdm.write(line, file=sys.stderr)
+
+    try:
+        facts = analyze(cfg)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a prediction that cannot be made must not stop sampling
+        say(f"offload: auto could not plan sampling ({type(e).__name__}: {e}); streaming every block (1.0)")
+        return 1.0
+    return choose_sampling_fraction(facts, vram_budget_gb(cfg, device), settings.width, settings.height,
+                                    cfg_batch(family, settings.guidance), log=say)
 
 
 def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
