@@ -18,7 +18,6 @@ from diffusers import ChromaTransformer2DModel
 from trainer.models.chroma import (
     FlashMaskAttnProcessor,
     FlexMaskAttnProcessor,
-    use_flash_mask,
     use_mask_attention,
 )
 from trainer.offload import CompileOptions, attach_offload, compiled
@@ -144,7 +143,7 @@ def test_flash_mask_processor_matches_the_masked_attention(sdpa_masks, head, dty
     24: the key column's sqrt(24) rounds, within `tol`."""
     ref = _lora(_chroma(head=head)).to(dtype)
     fast = copy.deepcopy(ref)
-    use_flash_mask(fast)
+    use_mask_attention(fast, "flash")
     assert all(isinstance(b.attn.processor, FlashMaskAttnProcessor) for b in _blocks(fast))
     outs, grads = [], []
     for m in (ref, fast):
@@ -162,7 +161,7 @@ def test_flash_mask_processor_matches_the_masked_attention(sdpa_masks, head, dty
     with torch.no_grad():
         assert torch.equal(fast(**kw)[0], ref(**kw)[0])
         assert not torch.equal(ref(**kw)[0], ref(**_inputs(dtype))[0])
-    use_flash_mask(fast, False)
+    use_mask_attention(fast, None)
     assert not any(isinstance(b.attn.processor, FlashMaskAttnProcessor) for b in _blocks(fast))
 
 

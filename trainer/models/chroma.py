@@ -32,7 +32,7 @@ memory-efficient kernel, whose backward is the slow part on an H100. The pipelin
 does training here; diffusers' own checkpointed forward passes no mask to the 38 single blocks (they run flash
 attention there and train attention the pipeline does not run), which is why the plain compiled script looked as
 fast as dittrain's step without recomputation. `FlashMaskAttnProcessor` (`train.attention: flash`, which would
-otherwise fail on the mask; `use_flash_mask`) computes the same attention with flash: the mask is an outer product
+otherwise fail on the mask; `use_mask_attention`) computes the same attention with flash: the mask is an outer product
 m_i m_j of a 0/1 vector (the block builds it from the transformer's mask), so its bias is one more head dimension,
 m_i in the queries and m_j sqrt(d) in the keys (padded with zeros to a multiple of 8, values zero there, the
 softmax scale kept at 1 / sqrt(d)). Only the key column's rounding differs (sqrt(128) in bf16: a bias of 0.99989
@@ -51,6 +51,7 @@ Left out: IP-adapter inputs; training the attention on padding-free captions (th
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import torch
@@ -235,15 +236,12 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tens
     return out.transpose(1, 2)
 
 
-_FLEX: list = []  # torch.compile(flex_attention), built on first use (compiling it costs nothing until called)
-
-
+@functools.cache
 def _compiled_flex():
-    if not _FLEX:
-        from torch.nn.attention.flex_attention import flex_attention
+    """torch.compile(flex_attention), built on first use (compiling costs nothing until it is called)."""
+    from torch.nn.attention.flex_attention import flex_attention
 
-        _FLEX.append(torch.compile(flex_attention))
-    return _FLEX[0]
+    return torch.compile(flex_attention)
 
 
 class _MaskAttnProcessor(FluxAttnProcessor):
@@ -306,13 +304,3 @@ def use_mask_attention(transformer: nn.Module, form: str | None) -> None:
     None, diffusers' FluxAttnProcessor (masked SDPA)."""
     for b in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
         b.attn.set_processor(MASK_PROCESSORS[form]() if form is not None else FluxAttnProcessor())
-
-
-def use_flash_mask(transformer: nn.Module, on: bool = True) -> None:
-    """Every block's attention through `FlashMaskAttnProcessor` (on) or diffusers' FluxAttnProcessor (off)."""
-    use_mask_attention(transformer, "flash" if on else None)
-
-
-def use_flex_mask(transformer: nn.Module, on: bool = True) -> None:
-    """Every block's attention through `FlexMaskAttnProcessor` (on) or diffusers' FluxAttnProcessor (off)."""
-    use_mask_attention(transformer, "flex" if on else None)
