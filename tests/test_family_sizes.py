@@ -82,7 +82,8 @@ def test_text_caching_ram_is_the_encoder_as_the_loader_builds_it(family):
     assert whole == cls.text_encoder_params[0][1]
     assert whole - built == cls.text_encoder_unloaded_params[0] > 0
     # the planner's RAM for the full-size encoder (no folder: the declared size, bf16) is what is built
-    facts = SimpleNamespace(family=family, text_encoders=[(cls.text_encoder_params[0][0], 2 * whole)])
+    facts = SimpleNamespace(family=family, text_encoders=[(cls.text_encoder_params[0][0], 2 * whole)],
+                            text_sizes=None)
     assert _text_ram(facts) == pytest.approx(2 * built, rel=1e-9)
 
 
@@ -112,7 +113,8 @@ def test_text_caching_of_a_folder_is_the_presets_prediction(tmp_path, family, la
     sizes = text_encoder_sizes(run)
     assert sizes is not None
     name, params = cls.text_encoder_params[0]
-    header = SimpleNamespace(family=family, text_encoders=[(name, 2 * params)], text_tokens=cls.text_tokens)
+    header = SimpleNamespace(family=family, text_encoders=[(name, 2 * params)], text_tokens=cls.text_tokens,
+                             text_sizes=None)
     in_run = SimpleNamespace(family=family, text_encoders=[], text_sizes=sizes, text_tokens=cls.text_tokens)
     for f in (0.0, 0.25, 0.45, 0.65, 1.0):
         for batch in (1, 4):

@@ -227,6 +227,10 @@ class QwenImage21Adapter(DiffusersAdapter):
     sample_defaults = {"steps": 40, "guidance": 1.0}
     #: the pipeline's `use_kv_cache` (default on): the planner counts what it keeps (ModelAdapter.sampling_kv_cache)
     sampling_kv_cache = True
+    #: full-size latent geometry: 16 px per latent, one latent per token (the planner's image tokens)
+    latent_scale, token_patch = 16, 1
+    #: VAE parameters at full size (AutoencoderKLQwenImage21 defaults, meta-counted), for the planner
+    vae_params = 337_740_404
 
     @contextmanager
     def sampling_hooks(self, transformer: nn.Module):
@@ -236,10 +240,6 @@ class QwenImage21Adapter(DiffusersAdapter):
         finally:
             for h in handles:
                 h.remove()
-    #: full-size latent geometry: 16 px per latent, one latent per token (the planner's image tokens)
-    latent_scale, token_patch = 16, 1
-    #: VAE parameters at full size (AutoencoderKLQwenImage21 defaults, meta-counted), for the planner
-    vae_params = 337_740_404
 
     @classmethod
     def full_size_parts(cls, folder: Path):

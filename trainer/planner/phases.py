@@ -65,7 +65,7 @@ TEXT_ATTN_BYTES = 2 + 4 + 4 + 2
 def text_sizes(facts: Facts) -> list[TextEncoderSize]:
     """The text encoders as the run holds them: built from the folder where `analyze` could
     (`Facts.text_sizes`), else the family's shares of `Facts.text_encoders` (trainer/planner/meta.py)."""
-    sizes = getattr(facts, "text_sizes", None)
+    sizes = facts.text_sizes
     return list(sizes) if sizes is not None else shared_sizes(facts.family, facts.text_encoders)
 
 
