@@ -100,9 +100,10 @@ def test_budget_is_the_config_or_the_card_less_headroom(tiny_models, tmp_path, m
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
     cfg.offload.vram_budget_gb = None
-    monkeypatch.delenv("DITTRAIN_VRAM_CAP_GB", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
     assert sample.vram_budget_gb(cfg, torch.device("cuda")) == 16 - HEADROOM_GB
-    monkeypatch.setenv("DITTRAIN_VRAM_CAP_GB", "12")
+    # DITTRAIN_VRAM_CAP_GB=12: the CLI caps the process at 12 of the 16 GB (apply_vram_cap)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 12 / 16)
     assert sample.vram_budget_gb(cfg, torch.device("cuda")) == 12 - HEADROOM_GB
 
 

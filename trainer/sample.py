@@ -136,21 +136,16 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
 
 
 def vram_budget_gb(cfg: Config, device: torch.device) -> float:
-    """The VRAM auto plans sampling for: offload.vram_budget_gb, else the card's memory (or DITTRAIN_VRAM_CAP_GB,
-    the cap train/phases.py `apply_vram_cap` sets, where smaller) less the CUDA context's HEADROOM_GB, as the
-    presets and `dittrain plan --vram` count it."""
+    """The VRAM auto plans sampling for: offload.vram_budget_gb, else the card's memory within this process's cap
+    (`set_per_process_memory_fraction`, which DITTRAIN_VRAM_CAP_GB sets: train/phases.py `apply_vram_cap`) less
+    the CUDA context's HEADROOM_GB, as the presets and `dittrain plan --vram` count it."""
     if cfg.offload.vram_budget_gb is not None:
         return cfg.offload.vram_budget_gb
-    import os
-
     from .planner import GB
     from .planner.presets import HEADROOM_GB
 
-    card = torch.cuda.get_device_properties(device).total_memory / GB
-    cap = os.environ.get("DITTRAIN_VRAM_CAP_GB")
-    if cap:
-        card = min(card, float(cap))
-    return card - HEADROOM_GB
+    card = torch.cuda.get_device_properties(device).total_memory * torch.cuda.get_per_process_memory_fraction(device)
+    return card / GB - HEADROOM_GB
 
 
 def _auto_fraction(cfg: Config, family: str, settings: SampleSettings, device: torch.device) -> float:
