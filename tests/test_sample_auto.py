@@ -100,11 +100,20 @@ def test_budget_is_the_config_or_the_card_less_headroom(tiny_models, tmp_path, m
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
     cfg.offload.vram_budget_gb = None
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
+    fraction = [1.0]
+
+    def get_fraction(device):  # as torch's: an index, not a bare torch.device("cuda") (the GPU run's failure)
+        if not isinstance(device, int):
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        return fraction[0]
+
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", get_fraction)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert sample.vram_budget_gb(cfg, torch.device("cuda")) == 16 - HEADROOM_GB
     # DITTRAIN_VRAM_CAP_GB=12: the CLI caps the process at 12 of the 16 GB (apply_vram_cap)
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 12 / 16)
+    fraction[0] = 12 / 16
     assert sample.vram_budget_gb(cfg, torch.device("cuda")) == 12 - HEADROOM_GB
+    assert sample.vram_budget_gb(cfg, torch.device("cuda", 0)) == 12 - HEADROOM_GB
 
 
 def test_cli_offload_accepts_auto_and_rejects_nonsense(tiny_models, tmp_path, monkeypatch):

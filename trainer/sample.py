@@ -45,7 +45,7 @@ from .progress import bar as progress_bar
 from .sampling.engine import encode_prompts, generate, release_text_encoders
 from .sampling.lora import load_loras
 from .sampling.output import contact_sheet, image_metadata, save_png
-from .sampling.placement import decode_for_sample, place_text_encoders, place_transformer
+from .sampling.placement import decode_for_sample, place_text_encoders, place_transformer, process_fraction
 from .sampling.request import (
     Job,
     LoraSpec,
@@ -144,7 +144,7 @@ def vram_budget_gb(cfg: Config, device: torch.device) -> float:
     from .planner import GB
     from .planner.presets import HEADROOM_GB
 
-    card = torch.cuda.get_device_properties(device).total_memory * torch.cuda.get_per_process_memory_fraction(device)
+    card = torch.cuda.get_device_properties(device).total_memory * process_fraction(device)
     return card / GB - HEADROOM_GB
 
 

@@ -116,8 +116,14 @@ def cuda_headroom(device: torch.device) -> int:
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     cached = torch.cuda.memory_reserved(device) - allocated
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _d: 1.0)(device)
-    return int(min(free + cached, fraction * total - allocated))
+    return int(min(free + cached, process_fraction(device) * total - allocated))
+
+
+def process_fraction(device: torch.device) -> float:
+    """This process's cap on `device` as a fraction of the card (`set_per_process_memory_fraction`); the getter
+    wants an index, which a bare `torch.device("cuda")` lacks."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_per_process_memory_fraction(index)
 
 
 def decode_for_sample(vae: nn.Module, device: torch.device, height: int, width: int) -> str | None:
