@@ -371,3 +371,29 @@ def test_flex_mask_processor_in_inductor_compiled_blocks_on_cuda():
         outs.append([out.detach(), torch.cat([p.grad.flatten() for p in m.parameters() if p.requires_grad])])
     for g, w in zip(outs[1], outs[0], strict=True):
         torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3 * w.abs().max().item())
+
+
+def test_auto_trains_with_flex_on_cuda_and_the_masked_sdpa_elsewhere(tmp_path):
+    """`train.attention: auto` for Chroma: flex attention where training runs on CUDA (the fastest whole step on
+    the GPU: bench/RESULTS.md 2026-11-26), diffusers' masked SDPA on the CPU (no flex backward there), with a line
+    naming the form; the explicit choices set their own processors, and the SDPA backends set none."""
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+    from test_train_support import make_config
+
+    from trainer.models import get_adapter
+    from trainer.models.chroma import FlashMaskAttnProcessor, FlexMaskAttnProcessor
+
+    chroma = get_adapter(make_config(tmp_path, tmp_path, tmp_path, tmp_path, "chroma").model)
+    m = _chroma()
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for choice, device, want, line in (("auto", cuda, FlexMaskAttnProcessor, "flex attention"),
+                                       ("auto", cpu, FluxAttnProcessor, None),
+                                       ("flash", cpu, FlashMaskAttnProcessor, "flash attention"),
+                                       ("flex", cuda, FlexMaskAttnProcessor, "flex attention"),
+                                       ("efficient", cuda, FluxAttnProcessor, None)):
+        said = chroma.use_attention(m, choice, device)  # sets processors only: nothing moves to the device
+        assert {type(b.attn.processor) for b in _blocks(m)} == {want}, (choice, device)
+        assert (said is None) == (line is None) and (line is None or line in said), said
+        assert said is None or f"train.attention: {choice}" in said
+    flux = get_adapter(make_config(tmp_path, tmp_path, tmp_path, tmp_path, "flux").model)
+    assert flux.use_attention(m, "auto", cuda) is None

@@ -272,11 +272,12 @@ class ModelAdapter(ABC):
         reference images when `self.references` (Flux.3's reference-mode blocks)."""
         return tuple(self.default_lora_targets)
 
-    def use_attention(self, transformer: nn.Module, choice: str) -> None:
-        """The family's own form of its attention for `train.attention` (`choice`), set on the loaded transformer
-        before training (default: nothing; Chroma's `flash` computes its masked attention in a form flash
-        attention accepts, its `flex` through flex attention)."""
-        return
+    def use_attention(self, transformer: nn.Module, choice: str, device: torch.device) -> str | None:
+        """The family's own form of its attention for `train.attention` (`choice`) on `device` (where training
+        runs; the transformer may still be in RAM), set on the loaded transformer before training; returns a line
+        naming the form where one was set (default: nothing; Chroma's `flash` computes its masked attention in a
+        form flash attention accepts, its `flex` (and `auto` on CUDA) through flex attention)."""
+        return None
 
     def sampling_hooks(self, transformer: nn.Module) -> contextlib.AbstractContextManager:
         """What the family's transformer needs while its pipeline samples with it, entered around the pipeline calls

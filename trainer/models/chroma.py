@@ -43,8 +43,11 @@ compiled: inside a compiled block (train.compile) it compiles with the block, ou
 `torch.compile(flex_attention)` serves every call (the score_mod's tensor is an input, not a recompile). Alone,
 one block's attention forward + backward at 1024 px on an H100 takes 2.80 ms by flex, 6.37 ms by the flash form,
 7.90 ms by masked SDPA and 3.24 ms by SDPA without any mask (bench/attn_mask_speed.py,
-bench/logs/2026-11-25i-attn-mask-speed.md). Torch has no flex backward on the CPU, so `flex` trains on CUDA only
-(the trainer says so). `auto` keeps the SDPA mask until a form is measured faster in a whole training step.
+bench/logs/2026-11-25i-attn-mask-speed.md). In a whole training step (1024 px, LoRA r16, bf16, compiled, H100,
+bench/RESULTS.md "2026-11-26"): 0.442 s by flex, 0.638 s by the flash form, 0.703 s by masked SDPA at offload 0,
+and 0.94 against 1.43 s at the 8 GB preset, every block streamed. So `auto` trains with flex on CUDA; torch has
+no flex backward on the CPU, so there `auto` keeps the masked SDPA call and `flex` is refused (the trainer says
+so).
 
 Left out: IP-adapter inputs; training the attention on padding-free captions (the pipeline attends to all 512).
 """
@@ -144,10 +147,16 @@ class ChromaAdapter(DiffusersAdapter):
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
 
-    def use_attention(self, transformer: nn.Module, choice: str) -> None:
-        # `flash` alone refuses a mask: the mask as a head dimension; `flex`: flex attention adds it (essay); auto
-        # keeps the SDPA mask until a faster form is measured faster in a whole training step on the GPU
-        use_mask_attention(transformer, choice if choice in MASK_PROCESSORS else None)
+    def use_attention(self, transformer: nn.Module, choice: str, device: torch.device) -> str | None:
+        # `flash` alone refuses a mask: the mask as a head dimension; `flex`: flex attention adds it (essay). auto:
+        # flex on CUDA (the fastest whole step measured), the masked SDPA call elsewhere (no CPU flex backward)
+        form = "flex" if choice == "auto" and device.type == "cuda" else choice if choice in MASK_PROCESSORS else None
+        use_mask_attention(transformer, form)
+        if form is None:
+            return None
+        how = {"flash": "flash attention, the mask as one more head dimension",
+               "flex": "torch's flex attention, the mask added to the scores in the kernel"}[form]
+        return f"chroma: masked attention by {how} (train.attention: {choice})"
 
     @torch.no_grad()
     def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:

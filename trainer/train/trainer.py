@@ -235,7 +235,8 @@ class Trainer(Saving):
             load_to = torch.device("cpu") if streamed or self.sharded else self.device
             self.transformer = self.adapter.load(cfg.model, parts={"transformer"}, dtype=self.dtype, device=load_to).transformer
         self.transformer.train()
-        self.adapter.use_attention(self.transformer, c.attention)  # a family's own form of attention, if any
+        if (form := self.adapter.use_attention(self.transformer, c.attention, self.device)) is not None:
+            say(form)  # a family's own form of its attention
         torch.manual_seed(c.seed)  # LoRA init and dropout draw from torch's global generator
         self.params = self.method.trainable_params(self.transformer, self.adapter)
         if resume_dir is not None:
