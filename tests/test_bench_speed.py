@@ -42,7 +42,9 @@ def test_bench_speed_smoke_issue29_rows(tmp_path):
     assert names == ["plain diffusers + peft, bf16 LoRA, eager, resident", "plain + compile_repeated_blocks",
                      "dittrain offload 0, compiled, checkpointing auto",
                      "dittrain offload 1.0 + act, fp8 base, fp8 matmul, compiled",
+                     "dittrain offload 1.0 + act, fp8 base, fp8 matmul, ring 3 blocks, compiled",
                      "plain + compile_repeated_blocks, no checkpointing"]
+    assert rows[4]["spec"]["ring"] == 3 and "ring" not in rows[3]["spec"]
     assert rows[3]["spec"]["fp8mm"] and "h2d_bytes" in rows[3]  # (the smoke ring may hold all three blocks)
     md = (tmp_path / "speed_flux_issue29.md").read_text()
     assert "| vs plain compiled |" in md and "<= 0.8 x plain compiled" in md

@@ -48,6 +48,22 @@ def test_lora_offloaded_training_is_bitwise_resident(lora_reference, fraction):
     assert all(p.device.type == "cpu" and p.numel() > 0 for p in m.parameters())
 
 
+@pytest.mark.parametrize("ring", [3])  # (4 of the tiny model's largest block hold all six)
+def test_a_deeper_ring_streams_less_and_trains_the_same(lora_reference, ring):
+    """`min_ring_blocks` (issue 29's deeper prefetch): at fraction 1.0 the ring holds that many of the largest
+    block, keeps more of them across the turn (fewer bytes a step) and the training is still bitwise."""
+    runs = {}
+    for n in (2, ring):
+        m = add_lora(tiny_flux(0))
+        h = attach_offload(blocks_of(m), "cpu", 1.0, min_ring_blocks=n)
+        losses = train_steps(m, STEPS)
+        assert torch.equal(losses, lora_reference[0]) and _same(trainable_state(m), lora_reference[1])
+        runs[n] = h.stats()
+        h.close()
+    assert runs[ring]["ring_bytes"] > runs[2]["ring_bytes"]
+    assert 0 < runs[ring]["h2d_bytes_per_step"] < runs[2]["h2d_bytes_per_step"]
+
+
 def test_race_detector_leaves_results_unchanged(lora_reference):
     m = add_lora(tiny_flux(0))
     attach_offload(blocks_of(m), "cpu", 0.5, race_detector=True)

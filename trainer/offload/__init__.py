@@ -166,9 +166,12 @@ def attach_offload(
     fill=None,
     pinned_budget: int | None = None,
     share=None,
+    min_ring_blocks: int = 2,
 ) -> OffloadHandle:
     """Install streaming on `blocks`; see the module docstring. `training` is an alias of `mode`;
-    `_release_at_recompute` reproduces the OneTrainer race (tests prove the race detector catches it)."""
+    `_release_at_recompute` reproduces the OneTrainer race (tests prove the race detector catches it);
+    `min_ring_blocks`: the ring holds at least this many of the largest block (2: one computing, one arriving;
+    more loads further ahead and keeps more blocks across the turn, at that many blocks' VRAM)."""
     if training is not None:
         mode = "train" if training else "sample"
     blocks = list(blocks)
@@ -182,6 +185,7 @@ def attach_offload(
         activation_min_bytes=activation_min_bytes,
         release_at_recompute=_release_at_recompute,
         pinned_budget=pinned_budget,
+        min_ring_blocks=min_ring_blocks,
     )
     if any(isinstance(b, block.StreamedBlock) for b in blocks):
         raise ValueError("offload: these blocks are already attached; close their handle first")
