@@ -45,7 +45,7 @@ one block's attention forward + backward at 1024 px on an H100 takes 2.80 ms by 
 7.90 ms by masked SDPA and 3.24 ms by SDPA without any mask (bench/attn_mask_speed.py,
 bench/logs/2026-11-25i-attn-mask-speed.md). In a whole training step (1024 px, LoRA r16, bf16, compiled, H100,
 bench/RESULTS.md "2026-11-26"): 0.442 s by flex, 0.638 s by the flash form, 0.703 s by masked SDPA at offload 0,
-and 0.94 against 1.43 s at the 8 GB preset, every block streamed. So `auto` trains with flex on CUDA; torch has
+and 0.94 against 1.08-1.43 s at the 8 GB preset (offload 0.9). So `auto` trains with flex on CUDA; torch has
 no flex backward on the CPU, so there `auto` keeps the masked SDPA call and `flex` is refused (the trainer says
 so).
 
