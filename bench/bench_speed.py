@@ -30,7 +30,8 @@ compiled with the attention mask in every block (diffusers' checkpointed forward
 pipeline gives them the mask, as dittrain does), dittrain `auto` with the flash-attention form of the mask
 and with flex attention adding it (trainer/models/chroma.py `use_mask_attention`; flex has no CPU backward, so
 the CPU smoke run of that row fails unless torch's device check is lifted, as tests/test_bench_speed.py does),
-and both without any mask (what the mask costs). A row that runs out
+flex with every block recomputed (the streaming presets' compute), and both without any mask (what the mask
+costs). A row that runs out
 of memory is reported as such and the run goes on.
 
 Rows (in this order; `--budget-s` stops adding rows when the time is spent, the reference always runs):
@@ -156,6 +157,8 @@ def issue29_specs(family: str) -> list[dict]:
              "attn": "flash"},
             {**ours, "name": "dittrain offload 0, compiled, checkpointing auto, flex mask", "ckpt": "auto",
              "attn": "flex"},
+            # what the streaming presets run (every block recomputed), with flex: their compute floor
+            {**ours, "name": "dittrain offload 0, compiled, every block recomputed, flex", "attn": "flex"},
             {**plain_c, "name": "plain + compile_repeated_blocks, no attention mask", "nomask": True},
             {**ours, "name": "dittrain offload 0, compiled, checkpointing auto, no attention mask", "ckpt": "auto",
              "nomask": True},

@@ -84,7 +84,8 @@ def test_bench_speed_smoke_chroma_mask_rows(tmp_path, monkeypatch):
     assert all(r["step_s"] for r in rows)
     names = [s["name"] for s in mod.issue29_specs("chroma")]
     assert {"plain + compile_repeated_blocks, mask in every block (as the pipeline)",
-            "plain + compile_repeated_blocks, no attention mask"} <= set(names)
+            "plain + compile_repeated_blocks, no attention mask",
+            "dittrain offload 0, compiled, every block recomputed, flex"} <= set(names)
     assert "flash mask" not in str(mod.issue29_specs("flux")) and "flex" not in str(mod.issue29_specs("flux"))
     args = SimpleNamespace(family="chroma", smoke=True, rank=4, backend="eager", res=64)
     outs = []
