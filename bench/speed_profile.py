@@ -13,7 +13,9 @@ and AdamW). After --warmup steps, torch.profiler records --steps steps of each (
   1.35-1.43 x their PCIe floor): compute, H2D and D2H busy time, how much of each copy runs under kernels, exposed
   copy time, idle time, bytes and GB/s, the streams the kernels and copies ran on, for the whole step and its
   forward / backward / optimizer parts (`record_function` ranges "bench.step", "bench.forward"... around each
-  step's parts); no table without device events (the CPU profiler), a line that says so;
+  step's parts), and the backward block by block (a "bench.block.<i>" range where each recompute starts: the
+  stall before each block's kernels, by block size); no table without device events (the CPU profiler), a line
+  that says so;
 - per row: the top operators by self CUDA time and by self CPU time (`key_averages().table`);
 - the operators whose self CUDA time differs most between the two rows, per step (the answer to "why").
 
@@ -83,6 +85,10 @@ def _setup(spec, args, dev):
         bs.drop_mask(kw)
     plain = spec["kind"] == "plain"
     params, handle = bs.plain_setup(adapter, m, args, spec) if plain else bs.ours_setup(adapter, m, args, spec, dev)
+    if handle is not None:
+        _mark_recomputes(handle._c)
+        handle.block_bytes = {i: sum(p.numel() * p.element_size() for p in b.parameters() if not p.requires_grad)
+                              for i, b in enumerate(adapter.blocks(m))}  # the frozen weights a block streams
     opt = (torch.optim.AdamW(params, lr=1e-5) if plain
            else bs.build_optimizer(params, bs.OptimizerConfig(name="adamw", lr=1e-5)))
 
@@ -97,6 +103,22 @@ def _setup(spec, args, dev):
                 opt.zero_grad(set_to_none=True)
 
     return step, handle
+
+
+def _mark_recomputes(conductor) -> None:
+    """A host range `timeline.BLOCK + i` around the conductor's `enter(BWD, i)`, where block i's recompute starts
+    in the backward: bench/timeline.py splits the backward's kernels by block at these marks."""
+    from trainer.offload.plan import BWD
+
+    enter = conductor.enter
+
+    def marked(phase, i):
+        if phase != BWD:
+            return enter(phase, i)
+        with record_function(f"{timeline.BLOCK}{i}"):
+            return enter(phase, i)
+
+    conductor.enter = marked
 
 
 def _timed_step(step, dev) -> float:
@@ -141,6 +163,7 @@ def _record(spec, args, dev):
             handle.close()
     try:
         tl = timeline.summarize_events(prof.profiler.kineto_results.events())
+        tl["block_bytes"] = getattr(handle, "block_bytes", None)
     except Exception as e:  # noqa: BLE001 -- a GPU run's other tables must not be lost to this summary
         tl = {"steps": 0, "device_events": 0, "note": f"the timeline failed: {type(e).__name__}: {e}"}
     return prof.key_averages(), wall, timing, tl, h2d

@@ -26,6 +26,12 @@ read where present. Without activity types the names decide: "Memcpy ..." and "M
 memsets, a device event named like a host event is a range's projection (record_function, compiled regions),
 anything else is a kernel; host calls named "cu..." are the launches.
 
+The backward by block (`block_stalls`): bench/speed_profile.py marks on the host where each block's recompute
+starts (a `BLOCK` range around the conductor's `enter(BWD, i)`); the kernels launched from one mark to the next
+are that block's recompute and backward. Per block: kernel busy, span, and the stall before its first kernel
+(no kernel since the previous block's last): which blocks wait, and whether they are the double blocks (the
+table groups them by their weights' bytes). Tested on synthetic events; not yet run on a GPU.
+
 Left out: device-side user annotations (kineto's "gpu_user_annotation" events; their presence depends on
 the kineto build), the dependency edges (which wait held which copy: only a trace viewer shows that).
 """
@@ -38,6 +44,9 @@ from bisect import bisect_right
 from typing import NamedTuple
 
 STEP, PARTS = "bench.step", ("bench.forward", "bench.backward", "bench.optimizer")
+#: + the block's index: a host range around the conductor's `enter(BWD, i)`, where block i's recompute starts
+#: (bench/speed_profile.py puts it there)
+BLOCK = "bench.block."
 LONG_GAP_NS = 100_000  # idle gaps at least this long are not launch gaps
 _BYTES = re.compile(r'"bytes"\s*:\s*(\d+)')
 _SKIP_ACTIVITIES = ("gpu_user_annotation", "cuda_sync", "cuda_profiler_range", "user_annotation")
@@ -145,9 +154,10 @@ def read_events(events) -> dict:
     """Split kineto events into device events (with the host time of their launch) and the host ranges.
 
     Returns {"device": [(DevEvent, launch_ns or None)], "ranges": {name: [(start, end)]}, "syncs": [(start,
-    end)]}; `ranges` holds the host `record_function` ranges named in STEP / PARTS."""
+    end)], "blocks": [(start, block)]}; `ranges` holds the host `record_function` ranges named in STEP / PARTS,
+    `blocks` the BLOCK markers."""
     launches: dict[int, int] = {}
-    device, ranges, syncs, host_names = [], {n: [] for n in (STEP, *PARTS)}, [], set()
+    device, ranges, syncs, host_names, blocks = [], {n: [] for n in (STEP, *PARTS)}, [], set(), []
     for e in events:
         activity = _get(e, "activity_type")
         name = e.name()
@@ -165,6 +175,8 @@ def read_events(events) -> dict:
         host_names.add(name)
         if name in ranges:
             ranges[name].append((e.start_ns(), e.end_ns()))
+        elif name.startswith(BLOCK):
+            blocks.append((e.start_ns(), int(name[len(BLOCK):])))
         elif _is_launch(e, activity):
             launches[e.correlation_id()] = e.start_ns()
             if "Synchronize" in name:  # cudaStreamSynchronize, cudaEventSynchronize, cudaDeviceSynchronize
@@ -173,7 +185,7 @@ def read_events(events) -> dict:
     # onto the device (record_function, torch.compile's regions): it spans kernels, it is none.
     device = [(ev, c) for ev, c, act in device if act is not None or ev.kind != "kernel" or ev.name not in host_names]
     return {"device": [(ev, launches.get(c)) for ev, c in device],
-            "ranges": {k: sorted(v) for k, v in ranges.items()}, "syncs": syncs}
+            "ranges": {k: sorted(v) for k, v in ranges.items()}, "syncs": syncs, "blocks": sorted(blocks)}
 
 
 def _which(ranges: list[tuple[int, int]], t: int) -> int | None:
@@ -236,6 +248,28 @@ def summarize(evs: list[DevEvent], syncs=()) -> dict:
     return out
 
 
+def block_stalls(kernels: list[tuple[DevEvent, int]], markers: list[tuple[int, int]], end: int) -> list[dict]:
+    """A backward block by block. `markers`: (host ns, block) where each block's recompute starts, in order;
+    `kernels`: (kernel, launch ns). A block's kernels are those launched from its marker to the next one (the
+    last: to `end`): its recompute and its backward. Per block, in ms: compute (kernel busy), span (its first
+    kernel's start to its last one's end), and stall: the time between the previous block's last kernel and this
+    one's first, when no kernel of either runs (None for the first block): what the block waited for, its weights
+    or inputs, or the host."""
+    out, prev_end = [], None
+    for k, (t0, block) in enumerate(markers):
+        t1 = markers[k + 1][0] if k + 1 < len(markers) else end
+        mine = [e for e, t in kernels if t0 <= t < t1]
+        if not mine:
+            out.append({"block": block, "kernels": 0, "compute_ms": 0.0, "span_ms": 0.0, "stall_ms": None})
+            continue
+        first, last = min(e.start for e in mine), max(e.end for e in mine)
+        stall = None if prev_end is None else max(0, first - prev_end) * 1e-6
+        out.append({"block": block, "kernels": len(mine), "compute_ms": length([(e.start, e.end) for e in mine]) * 1e-6,
+                    "span_ms": (last - first) * 1e-6, "stall_ms": stall})
+        prev_end = last
+    return out
+
+
 def summarize_events(events) -> dict:
     """Per profiled step and per part of it (forward / backward / optimizer), from kineto events; the mean
     over the steps in `mean`. Without device events (the CPU profiler) {"steps": 0, "note": ...}."""
@@ -266,14 +300,20 @@ def summarize_events(events) -> dict:
         i = _which(steps, a)
         if i is not None:
             sync_of[i].append((a, b))
-    table = []
+    table, blocks = [], []
     for i, groups in enumerate(per_step):
         row = {"all": summarize(groups["all"], sync_of[i])}
         for p in PARTS:
             row[p] = summarize(groups[p], [s for s in sync_of[i] if _which(parts[p], s[0]) is not None])
         table.append(row)
+        back = [r for r in parts["bench.backward"] if _which(steps, r[0]) == i]
+        if back and got["blocks"]:
+            lo, hi = back[0]
+            kernels = [(e, t if t is not None else e.start) for e, t in got["device"] if e.kind == "kernel"]
+            kernels = [(e, t) for e, t in kernels if lo <= t <= hi]
+            blocks.append(block_stalls(kernels, [(t, b) for t, b in got["blocks"] if lo <= t <= hi], hi))
     return {"steps": len(steps), "device_events": len(got["device"]), "unplaced": unplaced,
-            "placed_by_own_start": by_start, "per_step": table, "mean": _mean(table)}
+            "placed_by_own_start": by_start, "per_step": table, "mean": _mean(table), "backward_blocks": blocks}
 
 
 def _mean(table: list[dict]) -> dict:
@@ -361,4 +401,35 @@ def markdown(summary: dict) -> str:
     if big:
         lines.append("copies by size (first step; GB/s of each copy alone, the bulk first): " + "; ".join(
             f"{k} x{v['copies']} at {_f(v['gbps'])} GB/s" for k, v in big))
+    lines += backward_blocks_markdown(summary.get("backward_blocks") or [], summary.get("block_bytes"))
     return "\n".join(lines)
+
+
+def backward_blocks_markdown(per_step: list[list[dict]], block_bytes: dict | None = None) -> list[str]:
+    """The backward by block (`block_stalls`, mean over the steps): totals per block size (`block_bytes`: block
+    -> bytes, e.g. double and single blocks), then the blocks that stalled longest."""
+    if not per_step or not per_step[0]:
+        return []
+    by_block: dict[int, list[dict]] = {}
+    for step in per_step:
+        for r in step:
+            by_block.setdefault(r["block"], []).append(r)
+
+    def mean(rows, k):
+        vals = [r[k] for r in rows if r[k] is not None]
+        return statistics.fmean(vals) if vals else 0.0
+
+    rows = [{"block": b, **{k: mean(rs, k) for k in ("compute_ms", "span_ms", "stall_ms")}} for b, rs in by_block.items()]
+    size = (lambda b: f"{block_bytes[b] / 1e6:.0f} MB") if block_bytes else (lambda b: "all")
+    classes: dict[str, list[dict]] = {}
+    for r in rows:
+        classes.setdefault(size(r["block"]) if not block_bytes or r["block"] in block_bytes else "?", []).append(r)
+    out = ["", f"backward by block ({len(per_step)} steps, mean; a block's kernels: those launched from its "
+           "recompute's start to the next block's; stall: no kernel between the previous block's last and its "
+           "first)", "", "| blocks (size) | count | stall ms | compute ms | span ms |", "|---|---|---|---|---|"]
+    for c, rs in sorted(classes.items()):
+        out.append(f"| {c} | {len(rs)} | {sum(r['stall_ms'] for r in rs):.1f} | "
+                   f"{sum(r['compute_ms'] for r in rs):.1f} | {sum(r['span_ms'] for r in rs):.1f} |")
+    worst = sorted(rows, key=lambda r: -r["stall_ms"])[:8]
+    out.append("longest stalls: " + "; ".join(f"block {r['block']} {r['stall_ms']:.2f} ms" for r in worst))
+    return out

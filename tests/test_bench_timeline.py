@@ -160,3 +160,55 @@ def test_summarize_events_without_device_events_says_so():
     out = tl.summarize_events([_Fake("bench.step", "CPU", 0, 10, activity="user_annotation")])
     assert out["device_events"] == 0 and out["steps"] == 1
     assert "no device events" in tl.markdown(out)
+
+
+def test_block_stalls_split_the_backward_by_recompute_marks():
+    """Kernels go to the block whose recompute mark precedes their launch; a block's stall is the kernel-free
+    time since the previous block's last kernel (the first block has none)."""
+    k = [(_ev("kernel", 100, 140, 7), 10), (_ev("kernel", 140, 150, 7), 12),  # block 5: 100-150
+         (_ev("kernel", 170, 200, 7), 30), (_ev("kernel", 180, 190, 9), 31),  # block 4: 170-200, one nested
+         (_ev("kernel", 200, 260, 7), 55)]  # block 3: right after block 4
+    got = tl.block_stalls(k, [(0, 5), (20, 4), (50, 3), (70, 2)], end=100)
+    assert [r["block"] for r in got] == [5, 4, 3, 2]
+    assert got[0]["stall_ms"] is None and got[0]["compute_ms"] == pytest.approx(50e-6)
+    assert got[1]["stall_ms"] == pytest.approx(20e-6) and got[1]["compute_ms"] == pytest.approx(30e-6)
+    assert got[2]["stall_ms"] == 0 and got[2]["span_ms"] == pytest.approx(60e-6)
+    assert got[3] == {"block": 2, "kernels": 0, "compute_ms": 0.0, "span_ms": 0.0, "stall_ms": None}
+
+
+def test_summarize_events_gives_the_backward_by_block_and_its_table():
+    evs = _trace(True)
+    for s in (0, 1000):  # two blocks recompute in each backward: block 1 at 140, block 0 at 170 (host)
+        evs += [_Fake(f"{tl.BLOCK}1", "CPU", s + 140, s + 141, activity="user_annotation"),
+                _Fake(f"{tl.BLOCK}0", "CPU", s + 170, s + 171, activity="user_annotation"),
+                _Fake("cudaLaunchKernel", "CPU", s + 175, s + 176, corr=s + 9, activity="cuda_runtime"),
+                _Fake("gemm_bwd0", "CUDA", s + 450, s + 470, corr=s + 9, stream=7, activity="kernel")]
+    out = tl.summarize_events(evs)
+    assert [[r["block"] for r in step] for step in out["backward_blocks"]] == [[1, 0], [1, 0]]
+    one, zero = out["backward_blocks"][0]
+    assert one["compute_ms"] == pytest.approx(200e-6) and zero["stall_ms"] == pytest.approx(50e-6)  # 400 -> 450
+    out["block_bytes"] = {0: 680e6, 1: 283e6}
+    md = tl.markdown(out)
+    assert "| 283 MB | 1 | 0.0 | 0.0 |" in md and "| 680 MB | 1 | 0.0 |" in md  # (ns-scale trace: 0.0 ms)
+    assert "longest stalls: block 0 0.00 ms; block 1 0.00 ms" in md
+    assert tl.summarize_events(_trace(True))["backward_blocks"] == []  # no marks: no table
+
+
+def test_speed_profile_marks_each_recompute_on_the_host():
+    from torch.profiler import profile
+
+    sp = bench_module("speed_profile")
+    seen = []
+
+    class Conductor:
+        def enter(self, phase, i):
+            seen.append((phase, i))
+
+    c = Conductor()
+    sp._mark_recomputes(c)
+    with profile() as prof:
+        c.enter("F", 0)
+        c.enter("B", 3)
+    assert seen == [("F", 0), ("B", 3)]  # the conductor's own enter still runs, for both phases
+    names = [e.name for e in prof.events()]
+    assert f"{tl.BLOCK}3" in names and f"{tl.BLOCK}0" not in names
