@@ -373,10 +373,11 @@ def test_flex_mask_processor_in_inductor_compiled_blocks_on_cuda():
         torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3 * w.abs().max().item())
 
 
-def test_auto_trains_with_flex_on_cuda_and_the_masked_sdpa_elsewhere(tmp_path):
-    """`train.attention: auto` for Chroma: flex attention where training runs on CUDA (the fastest whole step on
-    the GPU: bench/RESULTS.md 2026-11-26), diffusers' masked SDPA on the CPU (no flex backward there), with a line
-    naming the form; the explicit choices set their own processors, and the SDPA backends set none."""
+def test_auto_trains_with_flex_on_cuda_and_the_masked_sdpa_elsewhere(tmp_path, monkeypatch):
+    """`train.attention: auto` for Chroma: flex attention where training runs on CUDA of compute capability 8.0
+    and up (the fastest whole step on the GPU: bench/RESULTS.md 2026-11-26), diffusers' masked SDPA on older
+    CUDA devices and on the CPU (no flex backward there), with a line naming the form; the explicit choices set
+    their own processors, and the SDPA backends set none."""
     from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
     from test_train_support import make_config
 
@@ -386,6 +387,8 @@ def test_auto_trains_with_flex_on_cuda_and_the_masked_sdpa_elsewhere(tmp_path):
     chroma = get_adapter(make_config(tmp_path, tmp_path, tmp_path, tmp_path, "chroma").model)
     m = _chroma()
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     for choice, device, want, line in (("auto", cuda, FlexMaskAttnProcessor, "flex attention"),
                                        ("auto", cpu, FluxAttnProcessor, None),
                                        ("flash", cpu, FlashMaskAttnProcessor, "flash attention"),
@@ -395,5 +398,9 @@ def test_auto_trains_with_flex_on_cuda_and_the_masked_sdpa_elsewhere(tmp_path):
         assert {type(b.attn.processor) for b in _blocks(m)} == {want}, (choice, device)
         assert (said is None) == (line is None) and (line is None or line in said), said
         assert said is None or f"train.attention: {choice}" in said
+    capability[0] = (7, 5)  # Turing: torch's flex backward falls back to 16 x 16 tiles there
+    assert chroma.use_attention(m, "auto", cuda) is None
+    assert {type(b.attn.processor) for b in _blocks(m)} == {FluxAttnProcessor}
+    assert chroma.use_attention(m, "flex", cuda) is not None  # asked for: still set
     flux = get_adapter(make_config(tmp_path, tmp_path, tmp_path, tmp_path, "flux").model)
     assert flux.use_attention(m, "auto", cuda) is None

@@ -254,8 +254,9 @@ class TrainConfig(_Section):
         default="auto",
         description="Attention backend for scaled_dot_product_attention; auto avoids cuDNN attention, which "
         "fails in backward on some drivers. flash on Chroma: its attention mask as one more head dimension, "
-        "which flash attention accepts. flex (Chroma only, CUDA only; what auto picks for Chroma on CUDA): "
-        "its masked attention through torch's flex attention, the mask added to the scores inside the kernel.",
+        "which flash attention accepts. flex (Chroma only, CUDA only; what auto picks for Chroma on CUDA of "
+        "compute capability 8.0 and up): its masked attention through torch's flex attention, the mask added to "
+        "the scores inside the kernel; efficient keeps Chroma on the masked SDPA call.",
     )
 
 

@@ -45,9 +45,10 @@ one block's attention forward + backward at 1024 px on an H100 takes 2.80 ms by 
 7.90 ms by masked SDPA and 3.24 ms by SDPA without any mask (bench/attn_mask_speed.py,
 bench/logs/2026-11-25i-attn-mask-speed.md). In a whole training step (1024 px, LoRA r16, bf16, compiled, H100,
 bench/RESULTS.md "2026-11-26"): 0.442 s by flex, 0.638 s by the flash form, 0.703 s by masked SDPA at offload 0,
-and 0.94 against 1.08-1.43 s at the 8 GB preset (offload 0.9). So `auto` trains with flex on CUDA; torch has
-no flex backward on the CPU, so there `auto` keeps the masked SDPA call and `flex` is refused (the trainer says
-so).
+and 0.94 against 1.08-1.43 s at the 8 GB preset (offload 0.9). So `auto` trains with flex on CUDA devices of
+compute capability 8.0 and up (`flex_by_default`: torch tunes flex's kernels for those; consumer cards, sm86 / sm89,
+are not measured: `train.attention: efficient` keeps the masked SDPA call there). Torch has no flex backward on the
+CPU, so there `auto` keeps the masked SDPA call and `flex` is refused (the trainer says so).
 
 Left out: IP-adapter inputs; training the attention on padding-free captions (the pipeline attends to all 512).
 """
@@ -149,8 +150,8 @@ class ChromaAdapter(DiffusersAdapter):
 
     def use_attention(self, transformer: nn.Module, choice: str, device: torch.device) -> str | None:
         # `flash` alone refuses a mask: the mask as a head dimension; `flex`: flex attention adds it (essay). auto:
-        # flex on CUDA (the fastest whole step measured), the masked SDPA call elsewhere (no CPU flex backward)
-        form = "flex" if choice == "auto" and device.type == "cuda" else choice if choice in MASK_PROCESSORS else None
+        # flex where `flex_by_default`, else the masked SDPA call
+        form = "flex" if choice == "auto" and flex_by_default(device) else choice if choice in MASK_PROCESSORS else None
         use_mask_attention(transformer, form)
         if form is None:
             return None
@@ -302,6 +303,14 @@ class FlexMaskAttnProcessor(_MaskAttnProcessor):
 
     def attend(self, q, k, v, m):
         return attend_flex(q, k, v, m)
+
+
+def flex_by_default(device: torch.device) -> bool:
+    """`train.attention: auto` trains Chroma with flex attention: on CUDA devices of compute capability 8.0 and up
+    (Ampere on), for which torch ships flex attention's tuned kernel configs (below that its backward falls back to
+    16 x 16 tiles, and the CPU has no flex backward at all). Measured faster only on an H100 (essay); elsewhere
+    `train.attention: efficient` keeps the masked SDPA call."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 #: `train.attention` values Chroma computes itself, and the processor each one sets
