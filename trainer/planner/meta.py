@@ -27,6 +27,7 @@ from torch import nn
 from ..dtypes import DTYPES
 from ..errors import UserError
 from ..models import adapter_class
+from ..offload.plan import capacity_for
 
 
 def transformer_class(family: str) -> type:
@@ -201,6 +202,13 @@ class TextEncoderSize:
     def gpu(self) -> float:
         """Bytes placed on the GPU when nothing streams."""
         return self.outside + sum(self.blocks)
+
+    def on_gpu(self, fraction: float) -> float:
+        """Bytes on the GPU at offload.text_encoders `fraction`: the non-block bytes and the ring of the blocks
+        (`capacity_for`: whole blocks, as the conductor rounds them)."""
+        if fraction <= 0 or not self.blocks:
+            return self.gpu
+        return self.outside + capacity_for(list(self.blocks), fraction)
 
 
 def _share(counts: tuple[int, ...], i: int, params: int) -> float:

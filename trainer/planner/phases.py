@@ -34,7 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models import adapter_class
-from ..offload.plan import capacity_for
 from .meta import TextEncoderSize, shared_sizes
 from .prediction import ALLOCATOR_OVERHEAD, GB, WORKSPACE, Facts, predict
 from .sampling import VAE_ACT_DECODE, cfg_batch, predict_sampling
@@ -72,8 +71,7 @@ def text_sizes(facts: Facts) -> list[TextEncoderSize]:
 def _text_vram(facts: Facts, te_fraction: float, encode_batch: int) -> float:
     total = 0.0
     for s in text_sizes(facts):
-        # non-block bytes resident; the ring holds whole blocks, as the conductor rounds them
-        total += s.gpu if te_fraction <= 0 or not s.blocks else s.outside + capacity_for(list(s.blocks), te_fraction)
+        total += s.on_gpu(te_fraction)
     # activations: encode_batch x tokens x 4096 wide x a few tensors and the FFN's widening; attention scores
     t = facts.text_tokens
     act = encode_batch * t * 4096 * 2 * 8 + encode_batch * TEXT_ATTN_HEADS * t * t * TEXT_ATTN_BYTES

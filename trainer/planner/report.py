@@ -10,7 +10,6 @@ from .. import quant
 from ..dtypes import DTYPES
 from ..errors import UserError
 from ..models import adapter_class
-from ..offload.plan import capacity_for
 from . import timing as ptime
 from .phases import fit_text_fraction, predict_phases, text_sizes
 from .phases import table as phase_table
@@ -155,7 +154,7 @@ def report(
         )
     f_te = cfg.offload.text_encoders
     for size in text_sizes(facts):  # as the loader builds and slims it; the ring holds whole blocks
-        gpu = size.gpu if f_te <= 0 or not size.blocks else size.outside + capacity_for(list(size.blocks), f_te)
+        gpu = size.on_gpu(f_te)
         rows.append(
             (
                 f"text encoder {size.name}",
