@@ -50,6 +50,7 @@ from torch.profiler import ProfilerActivity, record_function
 from torch.profiler import profile as torch_profile
 
 from bench import timeline
+from bench.timing import step_seconds
 
 ROWS = [
     dict(name="plain diffusers + peft, bf16 LoRA, eager, resident", kind="plain", compile=False),
@@ -128,16 +129,7 @@ def _timed_step(step, dev) -> float:
     import bench.bench_speed as bs
 
     bs.sync(dev)
-    if dev.type != "cuda":
-        t0 = time.perf_counter()
-        step()
-        return time.perf_counter() - t0
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    step()
-    e1.record()
-    e1.synchronize()  # host-device sync: the measurement
-    return e0.elapsed_time(e1) / 1000
+    return step_seconds(step, 1, dev.type == "cuda")[0]
 
 
 def _record(spec, args, dev):
