@@ -276,7 +276,8 @@ class ModelAdapter(ABC):
         """The family's own form of its attention for `train.attention` (`choice`) on `device` (where training
         runs; the transformer may still be in RAM), set on the loaded transformer before training; returns a line
         naming the form where one was set (default: nothing; Chroma's `flash` computes its masked attention in a
-        form flash attention accepts, its `flex` (and `auto` on CUDA) through flex attention)."""
+        form flash attention accepts, its `flex` (and `auto` on CUDA of compute capability 8.0 and up) through flex
+        attention)."""
         return None
 
     def sampling_hooks(self, transformer: nn.Module) -> contextlib.AbstractContextManager:

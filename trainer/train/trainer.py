@@ -64,6 +64,10 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
+#: `train.attention` values every family takes (SDPA's backends); the others are a family's own (`own_attention`)
+SDPA_ATTENTION = ("auto", "flash", "efficient", "math")
+
+
 def choose_attention(device: torch.device, choice: str) -> str:
     """Set the scaled_dot_product_attention backends for the run, deliberately, and describe the choice.
 
@@ -84,7 +88,7 @@ def choose_attention(device: torch.device, choice: str) -> str:
 def check_attention(adapter, choice: str, device: torch.device) -> None:
     """One line for a `train.attention` the family does not compute (`ModelAdapter.own_attention`; SDPA's
     backends serve every family), or `flex` off CUDA, before anything loads."""
-    if choice not in ("auto", "flash", "efficient", "math") and choice not in adapter.own_attention:
+    if choice not in SDPA_ATTENTION and choice not in adapter.own_attention:
         has = ", ".join(c.family for c in adapter_classes() if choice in c.own_attention)
         raise UserError(f"train.attention: {choice} is {has}'s own attention; model.family {adapter.family} takes "
                         "auto, flash, efficient or math")
