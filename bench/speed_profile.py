@@ -13,8 +13,10 @@ and AdamW). After --warmup steps, torch.profiler records --steps steps of each (
   1.35-1.43 x their PCIe floor): compute, H2D and D2H busy time, how much of each copy runs under kernels, exposed
   copy time, idle time, bytes and GB/s, the streams the kernels and copies ran on, for the whole step and its
   forward / backward / optimizer parts (`record_function` ranges "bench.step", "bench.forward"... around each
-  step's parts), and the backward block by block (a "bench.block.<i>" range where each recompute starts: the
-  stall before each block's kernels, by block size); no table without device events (the CPU profiler), a line
+  step's parts), the longest idle gaps grouped by the device events either side of them, and the backward block
+  by block (a "bench.block.<i>" range where each recompute starts: the stall before each block's kernels, its
+  kernel time and span, the host's time per block and how long its kernels queued, by block size; the JSON keeps
+  every block, which bench/ring_bound.py replays); no table without device events (the CPU profiler), a line
   that says so;
 - per row: the top operators by self CUDA time and by self CPU time (`key_averages().table`);
 - the operators whose self CUDA time differs most between the two rows, per step (the answer to "why").
@@ -88,8 +90,8 @@ def _setup(spec, args, dev):
     params, handle = bs.plain_setup(adapter, m, args, spec) if plain else bs.ours_setup(adapter, m, args, spec, dev)
     if handle is not None:
         _mark_recomputes(handle._c)
-        handle.block_bytes = {i: sum(p.numel() * p.element_size() for p in b.parameters() if not p.requires_grad)
-                              for i, b in enumerate(adapter.blocks(m))}  # the frozen weights a block streams
+        # the packed bytes a block streams (its parameters no longer hold them once the conductor has packed them)
+        handle.block_bytes = {i: pk.nbytes for i, pk in enumerate(handle._c.packs)}
     opt = (torch.optim.AdamW(params, lr=1e-5) if plain
            else bs.build_optimizer(params, bs.OptimizerConfig(name="adamw", lr=1e-5)))
 

@@ -30,7 +30,10 @@ The backward by block (`block_stalls`): bench/speed_profile.py marks on the host
 starts (a `BLOCK` range around the conductor's `enter(BWD, i)`); the kernels launched from one mark to the next
 are that block's recompute and backward. Per block: kernel busy, span, and the stall before its first kernel
 (no kernel since the previous block's last): which blocks wait, and whether they are the double blocks (the
-table groups them by their weights' bytes). Tested on synthetic events; not yet run on a GPU.
+table groups them by their weights' bytes); and the host's side, its time from mark to mark and the least time a
+kernel of the block queued between launch and start (near zero: the host paced the device). Run on the H100
+(bench/RESULTS.md, 2026-11-26 02:10). `idle_neighbours`: the long idle gaps grouped by the device events either
+side, which says what the device waited between.
 
 Left out: device-side user annotations (kineto's "gpu_user_annotation" events; their presence depends on
 the kineto build), the dependency edges (which wait held which copy: only a trace viewer shows that).
@@ -105,6 +108,22 @@ def subtract(x, y) -> list[tuple[float, float]]:
 def gaps(iv, lo: float, hi: float) -> list[float]:
     """Lengths of the stretches of [lo, hi] that `iv` does not cover."""
     return [b - a for a, b in subtract([(lo, hi)], iv)]
+
+
+def idle_neighbours(evs: list, min_ns: float, top: int = 8) -> list[dict]:
+    """The device's idle gaps of at least `min_ns` (nothing on any stream), grouped by the event that ended just
+    before and the one that started just after (names cut to 60 characters): what the device waited between, the
+    longest total first. `evs`: DevEvents of one or more steps."""
+    ordered = sorted(evs, key=lambda e: e.start)
+    groups: dict[tuple[str, str], list[float]] = {}
+    last = None  # the event ending last so far
+    for e in ordered:
+        if last is not None and e.start - last.end >= min_ns:
+            groups.setdefault((last.name[:60], e.name[:60]), []).append(e.start - last.end)
+        if last is None or e.end > last.end:
+            last = e
+    rows = [{"before": a, "after": b, "gaps": len(g), "ms": sum(g) * 1e-6} for (a, b), g in groups.items()]
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
 
 
 # ---------------------------------------------------------------------------------------------- events
@@ -254,18 +273,23 @@ def block_stalls(kernels: list[tuple[DevEvent, int]], markers: list[tuple[int, i
     last: to `end`): its recompute and its backward. Per block, in ms: compute (kernel busy), span (its first
     kernel's start to its last one's end), and stall: the time between the previous block's last kernel and this
     one's first, when no kernel of either runs (None for the first block): what the block waited for, its weights
-    or inputs, or the host."""
+    or inputs, or the host. Host side: host_ms, the host's time from this block's mark to the next one (launching
+    it, and any wait on the way), and lead_ms, the least time any of its kernels waited between launch and start:
+    near 0, the device ran out of work at that kernel (the host paced it); large, the host was ahead."""
     out, prev_end = [], None
     for k, (t0, block) in enumerate(markers):
         t1 = markers[k + 1][0] if k + 1 < len(markers) else end
         mine = [e for e, t in kernels if t0 <= t < t1]
+        host = (t1 - t0) * 1e-6
         if not mine:
-            out.append({"block": block, "kernels": 0, "compute_ms": 0.0, "span_ms": 0.0, "stall_ms": None})
+            out.append({"block": block, "kernels": 0, "compute_ms": 0.0, "span_ms": 0.0, "stall_ms": None,
+                        "host_ms": host, "lead_ms": None})
             continue
         first, last = min(e.start for e in mine), max(e.end for e in mine)
         stall = None if prev_end is None else max(0, first - prev_end) * 1e-6
+        lead = min(e.start - t for e, t in kernels if t0 <= t < t1) * 1e-6
         out.append({"block": block, "kernels": len(mine), "compute_ms": length([(e.start, e.end) for e in mine]) * 1e-6,
-                    "span_ms": (last - first) * 1e-6, "stall_ms": stall})
+                    "span_ms": (last - first) * 1e-6, "stall_ms": stall, "host_ms": host, "lead_ms": lead})
         prev_end = last
     return out
 
@@ -312,8 +336,12 @@ def summarize_events(events) -> dict:
             kernels = [(e, t if t is not None else e.start) for e, t in got["device"] if e.kind == "kernel"]
             kernels = [(e, t) for e, t in kernels if lo <= t <= hi]
             blocks.append(block_stalls(kernels, [(t, b) for t, b in got["blocks"] if lo <= t <= hi], hi))
+    idle = idle_neighbours([e for g in per_step for e in g["all"]], LONG_GAP_NS)
+    for r in idle:
+        r["ms"] /= len(steps)  # per step
     return {"steps": len(steps), "device_events": len(got["device"]), "unplaced": unplaced,
-            "placed_by_own_start": by_start, "per_step": table, "mean": _mean(table), "backward_blocks": blocks}
+            "placed_by_own_start": by_start, "per_step": table, "mean": _mean(table), "backward_blocks": blocks,
+            "idle_neighbours": idle}
 
 
 def _mean(table: list[dict]) -> dict:
@@ -401,6 +429,11 @@ def markdown(summary: dict) -> str:
     if big:
         lines.append("copies by size (first step; GB/s of each copy alone, the bulk first): " + "; ".join(
             f"{k} x{v['copies']} at {_f(v['gbps'])} GB/s" for k, v in big))
+    idle = summary.get("idle_neighbours") or []
+    if idle:
+        lines += ["", "long idle gaps (nothing on the device) by the events around them, ms per step:", "",
+                  "| before the gap | after it | gaps | ms |", "|---|---|---|---|"]
+        lines += [f"| {r['before']} | {r['after']} | {r['gaps']} | {r['ms']:.1f} |" for r in idle]
     lines += backward_blocks_markdown(summary.get("backward_blocks") or [], summary.get("block_bytes"))
     return "\n".join(lines)
 
@@ -419,17 +452,21 @@ def backward_blocks_markdown(per_step: list[list[dict]], block_bytes: dict | Non
         vals = [r[k] for r in rows if r[k] is not None]
         return statistics.fmean(vals) if vals else 0.0
 
-    rows = [{"block": b, **{k: mean(rs, k) for k in ("compute_ms", "span_ms", "stall_ms")}} for b, rs in by_block.items()]
+    keys = ("compute_ms", "span_ms", "stall_ms", "host_ms", "lead_ms")
+    rows = [{"block": b, **{k: mean(rs, k) for k in keys}} for b, rs in by_block.items()]
     size = (lambda b: f"{block_bytes[b] / 1e6:.0f} MB") if block_bytes else (lambda b: "all")
     classes: dict[str, list[dict]] = {}
     for r in rows:
         classes.setdefault(size(r["block"]) if not block_bytes or r["block"] in block_bytes else "?", []).append(r)
     out = ["", f"backward by block ({len(per_step)} steps, mean; a block's kernels: those launched from its "
            "recompute's start to the next block's; stall: no kernel between the previous block's last and its "
-           "first)", "", "| blocks (size) | count | stall ms | compute ms | span ms |", "|---|---|---|---|---|"]
+           "first; host: the host's time from its mark to the next; lead: the least time one of its kernels waited "
+           "from launch to start, mean over the blocks)", "",
+           "| blocks (size) | count | stall ms | compute ms | span ms | host ms | lead ms |", "|---|---|---|---|---|---|---|"]
     for c, rs in sorted(classes.items()):
         out.append(f"| {c} | {len(rs)} | {sum(r['stall_ms'] for r in rs):.1f} | "
-                   f"{sum(r['compute_ms'] for r in rs):.1f} | {sum(r['span_ms'] for r in rs):.1f} |")
+                   f"{sum(r['compute_ms'] for r in rs):.1f} | {sum(r['span_ms'] for r in rs):.1f} | "
+                   f"{sum(r['host_ms'] for r in rs):.1f} | {statistics.fmean(r['lead_ms'] for r in rs):.2f} |")
     worst = sorted(rows, key=lambda r: -r["stall_ms"])[:8]
     out.append("longest stalls: " + "; ".join(f"block {r['block']} {r['stall_ms']:.2f} ms" for r in worst))
     return out

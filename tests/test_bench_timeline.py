@@ -173,7 +173,10 @@ def test_block_stalls_split_the_backward_by_recompute_marks():
     assert got[0]["stall_ms"] is None and got[0]["compute_ms"] == pytest.approx(50e-6)
     assert got[1]["stall_ms"] == pytest.approx(20e-6) and got[1]["compute_ms"] == pytest.approx(30e-6)
     assert got[2]["stall_ms"] == 0 and got[2]["span_ms"] == pytest.approx(60e-6)
-    assert got[3] == {"block": 2, "kernels": 0, "compute_ms": 0.0, "span_ms": 0.0, "stall_ms": None}
+    assert got[3] == {"block": 2, "kernels": 0, "compute_ms": 0.0, "span_ms": 0.0, "stall_ms": None,
+                      "host_ms": pytest.approx(30e-6), "lead_ms": None}
+    # host: mark to mark; lead: the least launch-to-start wait (block 4: launched at 30, started at 170: 140 ns)
+    assert got[1]["host_ms"] == pytest.approx(30e-6) and got[1]["lead_ms"] == pytest.approx(140e-6)
 
 
 def test_summarize_events_gives_the_backward_by_block_and_its_table():
@@ -190,6 +193,7 @@ def test_summarize_events_gives_the_backward_by_block_and_its_table():
     out["block_bytes"] = {0: 680e6, 1: 283e6}
     md = tl.markdown(out)
     assert "| 283 MB | 1 | 0.0 | 0.0 |" in md and "| 680 MB | 1 | 0.0 |" in md  # (ns-scale trace: 0.0 ms)
+    assert "| host ms | lead ms |" in md
     assert "longest stalls: block 0 0.00 ms; block 1 0.00 ms" in md
     assert tl.summarize_events(_trace(True))["backward_blocks"] == []  # no marks: no table
 
@@ -212,3 +216,13 @@ def test_speed_profile_marks_each_recompute_on_the_host():
     assert seen == [("F", 0), ("B", 3)]  # the conductor's own enter still runs, for both phases
     names = [e.name for e in prof.events()]
     assert f"{tl.BLOCK}3" in names and f"{tl.BLOCK}0" not in names
+
+
+def test_idle_neighbours_names_what_the_device_waited_between():
+    evs = [_ev("kernel", 0, 100, 7, name="a"), _ev("memset", 300, 310, 7, name="m"),  # a -> m: under the copy
+           _ev("h2d", 50, 400, 13, name="copy"),
+           _ev("kernel", 900, 1000, 7, name="b"), _ev("kernel", 1600, 1700, 7, name="b")]
+    got = tl.idle_neighbours(evs, min_ns=300)  # idle: copy -> b (500 ns), b -> b (600 ns)
+    assert got == [{"before": "b", "after": "b", "gaps": 1, "ms": pytest.approx(600e-6)},
+                   {"before": "copy", "after": "b", "gaps": 1, "ms": pytest.approx(500e-6)}]
+    assert tl.idle_neighbours(evs, min_ns=550) == [got[0]]
