@@ -30,8 +30,8 @@ compiled with the attention mask in every block (diffusers' checkpointed forward
 pipeline gives them the mask, as dittrain does), dittrain `auto` with the flash-attention form of the mask
 and with flex attention adding it (trainer/models/chroma.py `use_mask_attention`; flex has no CPU backward, so
 the CPU smoke run of that row fails unless torch's device check is lifted, as tests/test_bench_speed.py does),
-flex with every block recomputed (the streaming presets' compute), and both without any mask (what the mask
-costs). A row that runs out
+flex with every block recomputed (the streaming presets' compute), flex at offload 0.9 (the 8 GB preset's
+fraction, no activation offloading), and both without any mask (what the mask costs). A row that runs out
 of memory is reported as such and the run goes on.
 
 Rows (in this order; `--budget-s` stops adding rows when the time is spent, the reference always runs):
@@ -159,6 +159,8 @@ def issue29_specs(family: str) -> list[dict]:
              "attn": "flex"},
             # what the streaming presets run (every block recomputed), with flex: their compute floor
             {**ours, "name": "dittrain offload 0, compiled, every block recomputed, flex", "attn": "flex"},
+            # the 8 GB preset's fraction, flex, no activation offloading (configs/chroma/lora-8gb.yaml)
+            {**ours, "name": "dittrain offload 0.9, compiled, flex", "attn": "flex", "fraction": 0.9},
             {**plain_c, "name": "plain + compile_repeated_blocks, no attention mask", "nomask": True},
             {**ours, "name": "dittrain offload 0, compiled, checkpointing auto, no attention mask", "ckpt": "auto",
              "nomask": True},
