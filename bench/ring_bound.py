@@ -2,8 +2,8 @@
 
 Why. The PCIe floor (every streamed byte at the measured rate, copies never idle) is the bound when every block
 is copy-bound. A Flux step at offload 1.0 is not: the H100 profile of 2026-11-26 timed a double block's
-recompute + backward at 6.7 ms of kernels against 12.5 ms to copy its 680 MB, and a single block's at 6.35 ms
-against 5.2 ms for 283 MB. In the backward the singles come first and keep the copy engine waiting; a ring of two
+recompute + backward at 7.9 ms of kernels against 12.3 ms to copy its 680 MB, and a single block's at 7.4 ms
+against 5.1 ms for 283 MB. In the backward the singles come first and keep the copy engine waiting; a ring of two
 double blocks cannot bank that slack for the doubles that follow. This replays the conductor's plan
 (trainer/offload/plan.py) with those kernel times through the planner's simulator (trainer/planner/replay.py)
 and prints what each ring would take: the bound a plan can reach, beside the floor and the measured step.
@@ -16,11 +16,12 @@ bound in this model); `--span` uses each block's span instead of its kernel time
 included), which bounds what removing them would save.
 
     python bench/bench_speed.py --profile --rows issue29 ... --out $OUT/blk     # on the GPU
-    python bench/ring_bound.py --profile bench/logs/2026-11-26j-profile-flux-blocks.json --rate 54.5 --rings 2 3 4
+    python bench/ring_bound.py --profile bench/logs/2026-11-26o-profile-flux-all-kernels.json --rate 55.3 --rings 2 3 4
 
 Left out: the embedders, loss and optimizer outside the blocks (a few ms), activation offloading's copies (30 ms
-each way on the same engine), and the forward's per-block times (the forward is copy-bound: 134 ms of kernels
-against 413 ms of copies).
+each way on the same engine), and the forward's per-block times (the forward is copy-bound: 163 ms of kernels
+against 411 ms of copies). Profiles made with torch 2.11 before the timeline fix of 2026-11-26 02:50 (logs j-n)
+left inductor's triton kernels out of the kernel times.
 """
 
 from __future__ import annotations

@@ -200,9 +200,13 @@ def read_events(events) -> dict:
             launches[e.correlation_id()] = e.start_ns()
             if "Synchronize" in name:  # cudaStreamSynchronize, cudaEventSynchronize, cudaDeviceSynchronize
                 syncs.append((e.start_ns(), e.end_ns()))
-    # Without kineto's activity types, a "kernel" named like a host event is that host range's projection
-    # onto the device (record_function, torch.compile's regions): it spans kernels, it is none.
-    device = [(ev, c) for ev, c, act in device if act is not None or ev.kind != "kernel" or ev.name not in host_names]
+    # Without kineto's activity types, a "kernel" named like a host event may be that host range's projection
+    # onto the device (record_function, torch.compile's regions: it spans kernels, it is none) or a real kernel
+    # whose launch inductor wraps in a range of the kernel's own name (every triton kernel when profiling): the
+    # real one has a launch call with its correlation id. (Before 2026-11-26 02:50 both were dropped: the H100
+    # timelines left inductor's triton kernels out of "compute" and counted them as idle.)
+    device = [(ev, c) for ev, c, act in device
+              if act is not None or ev.kind != "kernel" or ev.name not in host_names or c in launches]
     return {"device": [(ev, launches.get(c)) for ev, c in device],
             "ranges": {k: sorted(v) for k, v in ranges.items()}, "syncs": syncs, "blocks": sorted(blocks)}
 
