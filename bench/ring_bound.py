@@ -10,8 +10,9 @@ and prints what each ring would take: the bound a plan can reach, beside the flo
 
 How. `--profile` is the JSON `bench_speed.py --profile` writes: per row, the backward block by block (kernel
 busy ms and span ms, mean over the profiled steps) and the forward's kernel ms (split over the blocks in
-proportion to their backward). Block sizes come from the family's full-size model built on the meta device;
-the rate is the bench's measured pinned H2D rate. Host launch times are taken as zero (the host is never the
+proportion to their backward). Block sizes: the packed bytes the profile recorded (`block_bytes`: fp8 rows
+stream fp8 blocks), else the family's full-size bf16 model built on the meta device; the rate is the bench's
+measured pinned H2D rate. Host launch times are taken as zero (the host is never the
 bound in this model); `--span` uses each block's span instead of its kernel time (the idle gaps inside a block
 included), which bounds what removing them would save.
 
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="profiled rows whose name contains this")
     args = ap.parse_args(argv)
     rows = json.loads(Path(args.profile).read_text())
-    sizes = block_sizes(args.family)
+    model_sizes = None
     rate = args.rate * 1e9
     print(f"offload fraction {args.fraction:g}, {args.rate:g} GB/s")
     print("| profiled row | block times | ring (blocks) | ring GB | PCIe floor s | replayed step s | vs floor |")
@@ -89,15 +90,22 @@ def main(argv=None) -> int:
     for row in rows:
         if not row.get("timeline", {}).get("backward_blocks") or (args.only and args.only not in row["name"]):
             continue
+        recorded = row["timeline"].get("block_bytes")
+        if recorded:
+            sizes = [int(recorded[str(i)]) for i in range(len(recorded))]
+        else:
+            model_sizes = model_sizes or block_sizes(args.family)
+            sizes = model_sizes
         if len(row["timeline"]["backward_blocks"][0]) != len(sizes):
+            where = "the profile recorded" if recorded else f"the {args.family} model has"
             raise SystemExit(f"{row['name']}: {len(row['timeline']['backward_blocks'][0])} blocks profiled, "
-                             f"the {args.family} model has {len(sizes)}")
+                             f"{where} {len(sizes)} block sizes")
         for key, what in (("compute_ms", "kernels"), ("span_ms", "spans")):
             fwd, bwd = row_costs(row, key)
             for ring in args.rings:
                 r = bound(sizes, fwd, bwd, ring, rate, args.fraction)
                 print(f"| {row['name']} | {what} | {ring} | {r['ring_gb']:.2f} | {r['floor_s']:.3f} | "
-                      f"{r['step_s']:.3f} | {r['step_s'] / r['floor_s']:.2f} |")
+                      f"{r['step_s']:.3f} | {r['step_s'] / r['floor_s'] if r['floor_s'] else float('nan'):.2f} |")
     return 0
 
 

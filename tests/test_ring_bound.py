@@ -44,3 +44,15 @@ def test_row_costs_average_the_steps_and_split_the_forward_by_the_backward(tmp_p
     p.write_text(json.dumps([row]))
     with pytest.raises(SystemExit, match="2 blocks profiled"):  # a profile of another model is refused
         rb.main(["--profile", str(p), "--rate", "50", "--family", "flux"])
+
+
+def test_the_profile_s_recorded_block_sizes_are_used(tmp_path, capsys):
+    """fp8 rows stream fp8 blocks: the sizes the profile recorded, not the bf16 model's, make the floor."""
+    blocks = [{"block": b, "compute_ms": 1.0, "span_ms": 1.0} for b in (2, 1, 0)]
+    row = {"name": "fp8 row", "timeline": {"backward_blocks": [blocks], "per_step": [{"bench.forward": {"compute_ms": 1.0}}],
+                                           "block_bytes": {"0": int(1e8), "1": int(1e8), "2": int(1e8)}}}
+    p = tmp_path / "profile.json"
+    p.write_text(json.dumps([row]))
+    assert rb.main(["--profile", str(p), "--rate", "1", "--rings", "2"]) == 0  # 3 blocks: not Flux's 57, no error
+    out = capsys.readouterr().out
+    assert "| fp8 row | kernels | 2 | 0.20 |" in out
