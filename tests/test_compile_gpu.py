@@ -18,10 +18,12 @@ so an element whose tiny gradient changes sign by one rounding moves by up to 2 
 H100 runs of 2026-11-26 found max |dW| 0.0009-0.002 (a third of the whole update) between runs whose first-step
 gradients differ in rounding only. The relative norms below say how much of the update moved.
 
-Measured on an H100 (bench/RESULTS.md, 2026-11-26): flash attention's backward accumulates dQ with atomic adds
-in a varying order, so flash runs differ run to run, resident included; with the math kernel the resident runs
-were bitwise in some processes and not in others. The tests therefore ask that offloading stay within
-SPREAD_X x the resident spread or REL_TOL of the measure, whichever is larger.
+Measured on an H100 (bench/RESULTS.md, 2026-11-26 02:10): eager bf16 bitwise at every fraction in every process;
+compiled, the resident runs differ from each other as much as offloaded ones differ from them, and which pair
+differs changes per process (with TORCHINDUCTOR_DETERMINISTIC=1 the first, freshly compiled run of a process
+differed from the later, cache-loaded ones): each compile may pick other kernel configurations, so another
+summation order. Flash attention's backward also adds dQ in a varying order. The tests therefore ask that
+offloading stay within SPREAD_X x the resident spread or REL_TOL of the measure, whichever is larger.
 """
 
 from __future__ import annotations
