@@ -25,6 +25,7 @@ state in the checkpoint, and nothing outside the training step (saving, sampling
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import time
@@ -448,7 +449,19 @@ class Trainer(Saving):
         if self._activations is not None:
             self._activations.close()
             self._activations = None
+        several = self.dist.active and not self.keep_model
+        if several:
+            # Several processes: what holds the process groups (the fsdp-wrapped model, its DTensor parameters,
+            # the EMA, the sampler) goes while the interpreter is alive. A gloo group whose last reference dies at
+            # interpreter exit can abort the process after a finished run (SIGABRT, "terminate called without an
+            # active exception": seen once on rank 1 of the two-node CI test; the race pytorch/pytorch#179291 names).
+            for name in ("transformer", "params", "ema", "objective", "_loader", "sampler", "validator"):
+                if getattr(self, name, None) is not None:
+                    setattr(self, name, None)
+            gc.collect()
         self.dist.close()
+        if several:
+            gc.collect()
 
 
 def _checkpointed(setting) -> str:
