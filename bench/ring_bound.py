@@ -42,13 +42,13 @@ from trainer.planner.replay import BlockCost, simulate  # noqa: E402
 
 
 def block_sizes(family: str) -> list[int]:
-    """Bytes of each block's frozen bf16 weights, from the full-size model built on the meta device."""
+    """Bytes of each block's frozen bf16 weights, from the full-size model built on the meta device (as the
+    planner builds it)."""
     from trainer.models import adapter_class
+    from trainer.planner.meta import blocks_of, meta_transformer
 
-    cls = adapter_class(family)
-    with torch.device("meta"):
-        m = cls.transformer_cls.from_config(cls.full_config)
-    return [sum(p.numel() * 2 for p in b.parameters()) for b in cls().blocks(m)]
+    m = meta_transformer(family, adapter_class(family).full_config, torch.bfloat16)
+    return [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks_of(family, m)]
 
 
 def row_costs(row: dict, key: str) -> tuple[list[float], list[float]]:

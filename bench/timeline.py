@@ -283,7 +283,8 @@ def block_stalls(kernels: list[tuple[DevEvent, int]], markers: list[tuple[int, i
     out, prev_end = [], None
     for k, (t0, block) in enumerate(markers):
         t1 = markers[k + 1][0] if k + 1 < len(markers) else end
-        mine = [e for e, t in kernels if t0 <= t < t1]
+        launched = [(e, t) for e, t in kernels if t0 <= t < t1]
+        mine = [e for e, _ in launched]
         host = (t1 - t0) * 1e-6
         if not mine:
             out.append({"block": block, "kernels": 0, "compute_ms": 0.0, "span_ms": 0.0, "stall_ms": None,
@@ -291,7 +292,7 @@ def block_stalls(kernels: list[tuple[DevEvent, int]], markers: list[tuple[int, i
             continue
         first, last = min(e.start for e in mine), max(e.end for e in mine)
         stall = None if prev_end is None else max(0, first - prev_end) * 1e-6
-        lead = min(e.start - t for e, t in kernels if t0 <= t < t1) * 1e-6
+        lead = min(e.start - t for e, t in launched) * 1e-6
         out.append({"block": block, "kernels": len(mine), "compute_ms": length([(e.start, e.end) for e in mine]) * 1e-6,
                     "span_ms": (last - first) * 1e-6, "stall_ms": stall, "host_ms": host, "lead_ms": lead})
         prev_end = last
