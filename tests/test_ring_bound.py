@@ -56,3 +56,15 @@ def test_the_profile_s_recorded_block_sizes_are_used(tmp_path, capsys):
     assert rb.main(["--profile", str(p), "--rate", "1", "--rings", "2"]) == 0  # 3 blocks: not Flux's 57, no error
     out = capsys.readouterr().out
     assert "| fp8 row | kernels | 2 | 0.20 |" in out
+
+
+def test_recorded_zero_sizes_fall_back_to_the_model(tmp_path):
+    """The first profiles recorded every streamed block as 0 bytes (read from emptied parameters): not sizes."""
+    row = {"name": "old row", "timeline": {"backward_blocks": [[{"block": 1, "compute_ms": 1.0, "span_ms": 1.0},
+                                                                {"block": 0, "compute_ms": 1.0, "span_ms": 1.0}]],
+                                           "per_step": [{"bench.forward": {"compute_ms": 1.0}}],
+                                           "block_bytes": {"0": 0, "1": 0}}}
+    p = tmp_path / "profile.json"
+    p.write_text(json.dumps([row]))
+    with pytest.raises(SystemExit, match="the flux model has 57 block sizes"):
+        rb.main(["--profile", str(p), "--rate", "50"])
