@@ -91,7 +91,9 @@ def main(argv=None) -> int:
         if not row.get("timeline", {}).get("backward_blocks") or (args.only and args.only not in row["name"]):
             continue
         recorded = row["timeline"].get("block_bytes")
-        if recorded and all(int(v) > 0 for v in recorded.values()):  # profiles before 11-26 02:30 recorded zeros
+        # (profiles before 11-26 02:30 recorded zeros: not sizes)
+        recorded = recorded if recorded and all(int(v) > 0 for v in recorded.values()) else None
+        if recorded:
             sizes = [int(recorded[str(i)]) for i in range(len(recorded))]
         else:
             model_sizes = model_sizes or block_sizes(args.family)
