@@ -456,8 +456,7 @@ class Trainer(Saving):
             # interpreter exit can abort the process after a finished run (SIGABRT, "terminate called without an
             # active exception": seen once on rank 1 of the two-node CI test; the race pytorch/pytorch#179291 names).
             for name in ("transformer", "params", "ema", "objective", "_loader", "sampler", "validator"):
-                if getattr(self, name, None) is not None:
-                    setattr(self, name, None)
+                setattr(self, name, None)
             gc.collect()
         self.dist.close()
         if several:
