@@ -44,6 +44,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "qwen-image-2.1": ("qwen_image_21", "QwenImage21Adapter"),
     "krea2": ("krea2", "Krea2Adapter"),
     "flux3": ("flux3", "Flux3Adapter"),
+    "wan": ("wan", "WanAdapter"),
 }
 
 __all__ = [

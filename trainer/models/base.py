@@ -9,7 +9,8 @@ Tensors crossing this boundary:
 
 - images: float pixels in [-1, 1], shape (B, 3, H, W), H and W divisible by `resolution_divisor`;
 - latents: the VAE's latents already shifted and scaled for the transformer, shape (B, C, H/8, W/8) (for
-  Qwen-Image the single-frame video axis is squeezed out);
+  Qwen-Image the single-frame video axis is squeezed out); a video family's (`video`) are (B, C, F, H/8, W/8),
+  F latent frames (`latent_frames`), an image being one frame;
 - text: a dict of tensors with a leading batch axis (`encode_prompts`). One caption's entry (`t[i]` for each
   value) is what the text cache stores; `collate_text` stacks cached entries back into a batch;
 - timesteps: t in [0, 1] of shape (B,), the flow-matching time (1 = pure noise); `predict` converts it into
@@ -163,6 +164,48 @@ class ModelAdapter(ABC):
     #: transformer token side (2x2 packing or patchify); `full_image_tokens` multiplies them out
     latent_scale: ClassVar[int] = 8
     token_patch: ClassVar[int] = 2
+
+    # ------------------------------------------------------------------------------------------ video
+
+    # A video family (`video`) trains clips: its latents are (C, F, h, w) with F latent frames (`latent_frames`),
+    # its sources may hold videos beside images (an image is a 1-frame clip: trainer/data/video.py), and its
+    # pipeline returns frames (`pipeline_result`). Every default below is the image families' behaviour, so they
+    # declare none of it.
+
+    #: the family trains clips of frames: data sources read videos too, latents are (C, F, h, w), samples are
+    #: videos (mp4 plus a contact sheet of frames)
+    video: ClassVar[bool] = False
+    #: pixel frames per latent frame after the first (the VAE's temporal downscale: 4 for Wan); a clip has
+    #: frame_step * k + 1 frames, so the first frame is a latent frame of its own, as the causal video VAEs encode
+    frame_step: ClassVar[int] = 1
+    #: frames per clip the planner's dummy inputs and the presets assume for the full-size model (1: images)
+    plan_frames: ClassVar[int] = 1
+
+    @classmethod
+    def latent_frames(cls, frames: int) -> int:
+        """Latent frames of a clip of `frames` pixel frames (1 for an image)."""
+        return (int(frames) - 1) // cls.frame_step + 1
+
+    @classmethod
+    def valid_frames(cls, frames: int) -> bool:
+        """Whether a clip of this many frames is one the VAE encodes whole (frame_step * k + 1)."""
+        return frames >= 1 and (frames - 1) % cls.frame_step == 0
+
+    def encode_videos(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """Video families: pixels in [-1, 1] (B, 3, F, H, W) (F = 1 for an image) -> transformer-ready latents
+        (B, C, latent_frames(F), H/8, W/8)."""
+        raise NotImplementedError(f"{self.family} trains images only (video = False)")
+
+    @classmethod
+    def pipeline_frames(cls, pipe: Any, frames: int) -> dict[str, Any]:  # noqa: ARG003 - the protocol
+        """Pipeline call kwargs asking for `frames` frames (video families: `num_frames`; images: none)."""
+        return {}
+
+    @classmethod
+    def pipeline_result(cls, out: Any) -> Any:
+        """The one sample of a pipeline call's output: a PIL image (image families: `out.images[0]`), or a list of
+        PIL frames (video families: `out.frames[0]`)."""
+        return out.images[0]
 
     # ------------------------------------------------------------------------------------------ edit families
 

@@ -1,0 +1,265 @@
+"""Wan 2.1 text-to-video: WanTransformer3DModel (1.3 B: 30 blocks, 14 B: 40 blocks), UMT5-XXL text encoder,
+AutoencoderKLWan (8x in space, 4x in time, causal), `WanPipeline`.
+
+The first video family: its latents are (B, C, F, h, w) and its samples are frames (base.py, "video").
+
+How it mirrors diffusers' WanPipeline (0.42):
+
+- text: the prompt is cleaned as the pipeline cleans it (`prompt_clean`: ftfy where installed, HTML unescaping,
+  whitespace), tokenized to 512 tokens (the pipeline's `max_sequence_length` default), run through UMT5 with its
+  attention mask, and the last hidden state kept at the real tokens and zeroed after them -> `prompt_embeds`
+  (B, 512, 4096). The transformer attends to all 512 rows (no mask), as in the pipeline.
+- latents: the VAE takes (B, 3, F, H, W) with F = 4k + 1 (an image is F = 1); its mean (`latent_dist.mode()`) is
+  normalised per channel, (z - latents_mean) / latents_std, the inverse of the pipeline's decode. AutoencoderKLWan
+  encodes time causally by itself: the first frame, then chunks of 4 frames, each through the encoder with a
+  feature cache of the previous chunk's last frames (`_encode`), so the activations it holds are a chunk's, not the
+  clip's; with tiling (`vae_memory_mode`, frames above 1024x1024 pixels) it tiles in space as well. Nothing here
+  chunks again.
+- predict: the transformer patchifies (1, 2, 2) and unpatchifies itself, so latents go in and come out as
+  (B, C, F, h, w); the timestep is t * 1000 (the scheduler's flow timesteps, sigma * 1000, as the pipeline passes
+  them).
+- shift: the folder's scheduler `flow_shift` (3.0 for the 480p checkpoints, 5.0 for 720p), fixed; the same shift
+  trains (`train.shift: auto`).
+- sampling (`WanPipeline`): `prompt_embeds` (+ `negative_prompt_embeds` when guidance > 1: classifier-free
+  guidance, two passes), `num_frames`, the folder's own scheduler class (UniPCMultistepScheduler with flow sigmas in
+  the published folders: `load` builds the class `scheduler_config.json` names, as `WanPipeline.from_pretrained`
+  does); the output is `frames`.
+
+Left out: image-to-video (`WanImageToVideoPipeline`, the CLIP image encoder and `image_dim`), Wan 2.2's two experts
+(`transformer_2`, `boundary_ratio`) and TI2V-5B (`expand_timesteps`, the 48-channel VAE).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import WanPipeline, WanTransformer3DModel
+from torch import nn
+
+from ._diffusers import DiffusersAdapter
+from .base import Components
+from .lora_keys import KeyRule, LoraKeyMap
+
+_B = _W = "blocks.{i}"
+#: Wan's original layout (ComfyUI's WanModel, the Wan-AI checkpoints; kohya / musubi-tuner `lora_unet_blocks_0_...`),
+#: as diffusers' single-file converter (`convert_wan_transformer_to_diffusers`) renames it: self_attn / cross_attn
+#: q, k, v, o and ffn.0 / ffn.2, no fused layers.
+WAN_LORA_KEYS = LoraKeyMap((
+    *(KeyRule(f"{_W}.{orig}.{o}", (f"{_B}.{attn}.{d}",))
+      for orig, attn in (("self_attn", "attn1"), ("cross_attn", "attn2"))
+      for o, d in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"))),
+    KeyRule(f"{_W}.ffn.0", (f"{_B}.ffn.net.0.proj",)),
+    KeyRule(f"{_W}.ffn.2", (f"{_B}.ffn.net.2",)),
+    KeyRule("patch_embedding", ("patch_embedding",)),
+    KeyRule("text_embedding.0", ("condition_embedder.text_embedder.linear_1",)),
+    KeyRule("text_embedding.2", ("condition_embedder.text_embedder.linear_2",)),
+    KeyRule("time_embedding.0", ("condition_embedder.time_embedder.linear_1",)),
+    KeyRule("time_embedding.2", ("condition_embedder.time_embedder.linear_2",)),
+    KeyRule("time_projection.1", ("condition_embedder.time_proj",)),
+    KeyRule("head.head", ("proj_out",)),
+))
+
+#: UMT5-XXL's parameters outside its 24 encoder blocks: the 256 k-token embedding and the final norm
+UMT5_NONBLOCK = 1_050_152_960
+#: the published Wan 2.1 folders' scheduler (scheduler/scheduler_config.json), used when a folder has none
+WAN_SCHEDULER = {
+    "num_train_timesteps": 1000, "prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0,
+    "solver_order": 2, "solver_type": "bh2", "predict_x0": True, "lower_order_final": True,
+    "final_sigmas_type": "zero", "timestep_spacing": "linspace",
+}
+MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s default
+
+
+def tiny_pipeline() -> WanPipeline:
+    """A tiny random Wan 2.1-like text-to-video model: a two-layer UMT5 on the shared T5 tokenizer, the causal
+    video VAE (4 latent channels, 8x space, 4x time), two transformer blocks, the published UniPC scheduler."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from .tiny import t5_tokenizer
+
+    tok = t5_tokenizer()
+    torch.manual_seed(21)
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tok), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, decoder_start_token_id=0,
+    )).eval()
+    torch.manual_seed(22)
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.05, 0.0], latents_std=[1.5, 2.0, 1.2, 1.8],
+    )
+    torch.manual_seed(23)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=64,
+    )
+    return WanPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                       scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER))
+
+
+class WanAdapter(DiffusersAdapter):
+    family = "wan"
+    transformer_cls = WanTransformer3DModel
+    pipeline_cls = WanPipeline
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
+    lora_key_map = WAN_LORA_KEYS
+    text_encoder_dirs = ("text_encoder",)
+    text_encoder_classes = ("UMT5EncoderModel",)
+    tokenizer_dirs = ("tokenizer",)
+    vae_cls_name = "AutoencoderKLWan"
+    packs_2x2 = False
+    default_scheduler = WAN_SCHEDULER
+    max_sequence_length = MAX_SEQUENCE_LENGTH
+    full_name, example_path = "Wan2.1-T2V-14B", "/path/to/Wan2.1-T2V-14B-Diffusers"
+    full_config = {  # Wan 2.1 T2V 14 B (WanTransformer3DModel defaults; 1.3 B: 12 heads, ffn_dim 8960, 30 layers)
+        "patch_size": [1, 2, 2],
+        "num_attention_heads": 40,
+        "attention_head_dim": 128,
+        "in_channels": 16,
+        "out_channels": 16,
+        "text_dim": 4096,
+        "freq_dim": 256,
+        "ffn_dim": 13824,
+        "num_layers": 40,
+        "cross_attn_norm": True,
+        "qk_norm": "rms_norm_across_heads",
+        "eps": 1e-6,
+        "rope_max_seq_len": 1024,
+    }
+    text_tokens = MAX_SEQUENCE_LENGTH  # always padded to 512
+    text_encoder_params = (("UMT5-XXL encoder", 5_680_910_336),)
+    text_encoder_nonblock_params = (UMT5_NONBLOCK,)
+    text_encoder_keep_linears = r"(^|\.)wo\."  # T5's `wo`, as for SD3's T5 (_diffusers.T5_KEEP)
+    #: the blocks' scale / shift / gate come from a Parameter (`scale_shift_table`) plus the shared `time_proj`
+    #: outside the blocks: no block Linear is a modulation Linear
+    modulation_linears = ""
+    vae_params = 126_892_531  # AutoencoderKLWan (Wan 2.1's VAE)
+    sampling_uses_negative = True
+    sample_defaults = {"guidance": 5.0, "steps": 50}
+
+    # video (base.py): 4x temporal VAE, clips of 4k + 1 frames; the planner assumes Wan's 81 frames
+    video = True
+    frame_step = 4
+    plan_frames = 81
+
+    @classmethod
+    def tiny_builders(cls):
+        return {"wan": tiny_pipeline}
+
+    # ------------------------------------------------------------------------------------------ folder facts
+
+    @property
+    def patch_size(self) -> int:
+        """Latent pixels per token side (the transformer's (1, 2, 2) patch)."""
+        return int(self.transformer_config.get("patch_size", (1, 2, 2))[-1])
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return int(self.vae_config.get("scale_factor_spatial") or super().vae_scale_factor)
+
+    def timestep_shift(self, height: int, width: int) -> float:
+        s = self.scheduler_config
+        return float(s.get("flow_shift", s.get("shift", 1.0)) or 1.0)
+
+    def load(self, cfg, *, parts, dtype, device="cpu") -> Components:
+        """As every family loads, but the scheduler is the class the folder's `scheduler_config.json` names (the
+        published folders: UniPCMultistepScheduler with flow sigmas), as `WanPipeline.from_pretrained` builds it."""
+        parts = set(parts)
+        out = super().load(cfg, parts=parts - {"scheduler"}, dtype=dtype, device=device)
+        if "scheduler" in parts:
+            out.scheduler = self.load_scheduler(Path(cfg.path))
+        return out
+
+    def load_scheduler(self, root: Path):
+        import diffusers
+
+        from ..errors import UserError
+
+        name = self.scheduler_config.get("_class_name", "UniPCMultistepScheduler")
+        cls = getattr(diffusers, str(name), None)
+        if cls is None or not hasattr(cls, "from_config") or not name.endswith("Scheduler"):
+            raise UserError(f"{root / 'scheduler/scheduler_config.json'}: unknown scheduler class {name!r} (expected a "
+                            f"diffusers scheduler such as UniPCMultistepScheduler)")
+        if (root / "scheduler" / "scheduler_config.json").is_file():
+            return cls.from_pretrained(str(root), subfolder="scheduler", local_files_only=True)
+        return cls.from_config(dict(self.default_scheduler))
+
+    # ------------------------------------------------------------------------------------------ model
+
+    def blocks(self, transformer: nn.Module) -> list[nn.Module]:
+        return list(transformer.blocks)
+
+    @torch.no_grad()
+    def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        (enc,), (tok,) = components.text_encoders, components.tokenizers
+        dev = enc.get_input_embeddings().weight.device
+        n = self.max_sequence_length
+        toks = tok([prompt_clean(p) for p in prompts], padding="max_length", max_length=n, truncation=True,
+                   add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        ids, mask = toks.input_ids.to(dev), toks.attention_mask.to(dev)
+        hidden = enc(ids, mask).last_hidden_state.to(enc.dtype)
+        # zero after each prompt's real tokens, as the pipeline pads them (mask is 1 on a prefix)
+        return {"prompt_embeds": hidden * mask.gt(0).unsqueeze(-1).to(hidden.dtype)}
+
+    def encode_videos(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        c = vae.config
+        lat = vae.encode(pixels.to(vae.dtype)).latent_dist.mode()
+        mean = torch.tensor(c.latents_mean, device=lat.device, dtype=lat.dtype).view(1, -1, 1, 1, 1)
+        std = torch.tensor(c.latents_std, device=lat.device, dtype=lat.dtype).view(1, -1, 1, 1, 1)
+        return (lat - mean) / std
+
+    def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """An image is a 1-frame clip: (B, 3, H, W) -> (B, C, 1, h, w)."""
+        return self.encode_videos(vae, pixels.unsqueeze(2))
+
+    def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:
+        return transformer(
+            hidden_states=noisy_latents,
+            timestep=t * 1000.0,
+            encoder_hidden_states=text["prompt_embeds"],
+            return_dict=False,
+        )[0]
+
+    @classmethod
+    def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta",
+                     frames: int | None = None) -> dict:
+        """As `predict` builds them, for a clip of `frames` frames (default `plan_frames`: 81, 21 latent frames)."""
+        c, dev = transformer.config, torch.device(device)
+        rnd = {"device": dev, "dtype": dtype}
+        f = cls.latent_frames(frames or cls.plan_frames)
+        return dict(
+            hidden_states=torch.randn(batch, c.in_channels, f, height // 8, width // 8, **rnd),
+            encoder_hidden_states=torch.randn(batch, text_tokens, c.text_dim, **rnd),
+            timestep=torch.ones(batch, **rnd),
+        )
+
+    @classmethod
+    def full_video_tokens(cls, height: int, width: int, frames: int) -> int:
+        """Tokens the full-size transformer sees for one clip (21 x 30 x 52 = 32,760 at 480x832x81)."""
+        return cls.latent_frames(frames) * cls.full_image_tokens(height, width)
+
+    # ------------------------------------------------------------------------------------------ sampling
+
+    @classmethod
+    def pipeline_embeds(cls, pipe, prompt, negative, device) -> dict[str, torch.Tensor]:
+        pe, npe = pipe.encode_prompt(prompt=prompt, negative_prompt=negative,
+                                     do_classifier_free_guidance=negative is not None,
+                                     max_sequence_length=MAX_SEQUENCE_LENGTH, device=device)
+        out = {"prompt_embeds": pe}
+        if negative is not None:
+            out["negative_prompt_embeds"] = npe
+        return out
+
+    @classmethod
+    def pipeline_frames(cls, pipe, frames: int) -> dict:
+        return {"num_frames": int(frames)}
+
+    @classmethod
+    def pipeline_result(cls, out):
+        return out.frames[0]
