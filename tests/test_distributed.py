@@ -81,7 +81,8 @@ def _job(rank: int, job: dict) -> dict:
         def step_and_look():
             m = inner_step()
             if t.step == 2:
-                info["arena"] = {"shared": t.offload.stats()["arena_shared"], **_arena_smaps()}
+                st = t.offload.stats()
+                info["arena"] = {"shared": st["arena_shared"], "gathered_by": st["gathered_by"], **_arena_smaps()}
             return m
 
         t.train_step = step_and_look
@@ -243,6 +244,26 @@ def test_two_processes_train_lora_like_one_and_checkpoints_cross_world_sizes(tin
     a, b = _weights(tmp_path / "accum2", "lora"), _weights(accum4, "lora")
     for k in b:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
+
+
+def test_the_sharded_stream_trains_like_one_process_and_joins_rank_0s_sampling(tiny_models, images, tmp_path,
+                                                                                 one_thread):
+    """offload.sharded_stream (trainer/offload/gather.py): each process copies half of every load and gathers the
+    other half; the LoRA is bitwise the 1-process one at the same global batch, and rank 0's sampling during
+    training (every load a collective) is joined by rank 1 (sharded.Lockstep), so neither waits forever."""
+    cache, ref, two = tmp_path / "cache", tmp_path / "ref", tmp_path / "two"
+    Trainer(_cfg(tiny_models, images, ref, cache, steps=3, checkpoint_every=0)).fit()
+    cfg2 = _cfg(tiny_models, images, two, cache, world=2, steps=3, checkpoint_every=0)
+    cfg2 = cfg2.model_copy(update={
+        "offload": cfg2.offload.model_copy(update={"transformer": 1.0, "sharded_stream": True}),
+        "sample": cfg2.sample.model_copy(update={"every": 2, "prompts": ["a red square"], "steps": 2, "width": 64,
+                                                 "height": 64}),
+    })
+    r0, r1 = _run_two([{"cfg": cfg2.model_dump(mode="json"), "stream": True}], tmp_path)
+    assert all(i["error"] is None for i in r0 + r1), (r0, r1)
+    assert r0[0]["arena"]["gathered_by"] == r1[0]["arena"]["gathered_by"] == 2
+    _assert_equal(_weights(two, "lora"), _weights(ref, "lora"))
+    assert [p.name for p in (two / "samples").iterdir()] == ["step-000002-0.png"]
 
 
 def test_two_processes_full_finetune_with_the_fused_back_pass_like_one(tiny_models, images, tmp_path, one_thread):

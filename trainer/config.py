@@ -400,6 +400,25 @@ class DataConfig(_Section):
         description="Held-out images scored with a validation loss every train.validate_every steps (no gradients; "
         "streamed like training); val_loss in metrics.jsonl and TensorBoard.",
     )
+    fps: float | None = Field(
+        default=16.0,
+        gt=0,
+        description="Video families (Wan): videos in the sources are read at this frame rate, frames skipped or "
+        "repeated by their timestamps (null: every frame as stored). Wan 2.1 was trained at 16 fps.",
+    )
+    clip_frames: int = Field(
+        default=81,
+        ge=1,
+        description="Video families: frames per training clip at data.fps; the family's VAE needs 4k+1 for Wan "
+        "(17, 33, 49, 81). A video shorter than one clip is left out with its frame count. Images are 1-frame clips.",
+    )
+    clips: Literal["first", "uniform", "all"] = Field(
+        default="first",
+        description="Video families: which clips of a video train: first (its start), uniform (clips_per_video clips "
+        "spread evenly over it) or all (every non-overlapping clip from the start). Each clip is cached and drawn "
+        "like an image.",
+    )
+    clips_per_video: int = Field(default=3, ge=1, description="With clips: uniform, the clips taken from each video.")
     caption_variants: int = Field(
         default=8,
         ge=1,
@@ -446,6 +465,14 @@ class OffloadConfig(_Section):
         default=True,
         description="With several training processes on one host (torchrun), LoRA: the streamed frozen blocks "
         "live once in a /dev/shm file that every process maps and pins, instead of once per process.",
+    )
+    sharded_stream: bool | Literal["auto"] = Field(
+        default="auto",
+        description="With several training processes on one host and blocks streamed (LoRA): each process copies "
+        "1/N of every streamed block over its PCIe link and the GPUs all-gather the rest over their own links, "
+        "instead of every GPU copying whole blocks. auto: on where every pair of the host's GPUs has peer access "
+        "(NVLink, or PCIe peer-to-peer), off otherwise (and on the CPU); true: on wherever it can run (gloo on the "
+        "CPU too); false: whole copies per process.",
     )
 
     @field_validator("transformer")

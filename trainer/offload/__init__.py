@@ -24,6 +24,9 @@ Public interface (everything else in this package is internal):
                                 #   stays pageable and copies go through two pinned one-block buffers
         share=None,             # allocators.SharedArena: the arena once per host for several processes (frozen
                                 #   weights only; filled by the owner, mapped by the others)
+        gather=None,            # gather.SliceGather: the processes of a host fill their rings together, each
+                                #   copying 1/N of every load over PCIe and all-gathering the rest (frozen
+                                #   weights only; every process must run the same passes: trainer/offload/gather.py)
     )
     handle.pinning_note -> None, or the one line that says the arena is pageable and why
     handle.stats()      -> dict: block_bytes, offloaded_bytes, ring_bytes, pinned_bytes, h2d_gbps, ...
@@ -167,6 +170,7 @@ def attach_offload(
     pinned_budget: int | None = None,
     share=None,
     min_ring_blocks: int = 2,
+    gather=None,
 ) -> OffloadHandle:
     """Install streaming on `blocks`; see the module docstring. `training` is an alias of `mode`;
     `_release_at_recompute` reproduces the OneTrainer race (tests prove the race detector catches it);
@@ -189,7 +193,8 @@ def attach_offload(
     )
     if any(isinstance(b, block.StreamedBlock) for b in blocks):
         raise ValueError("offload: these blocks are already attached; close their handle first")
-    # `fill` and `share` once: a later re-plan (set_mode) copies the real tensors into a private arena
-    c = Conductor(blocks, device, fraction, fill=fill, share=share, **kwargs)
+    # `fill`, `share` and `gather` once: a later re-plan (set_mode, one process) copies the real tensors into a
+    # private arena and loads whole blocks
+    c = Conductor(blocks, device, fraction, fill=fill, share=share, gather=gather, **kwargs)
     block.install(blocks, c, nano_batches, compiled.options(compile))
     return OffloadHandle(c, blocks, kwargs)

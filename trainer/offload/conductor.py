@@ -43,6 +43,10 @@ files straight into its arena region, its ring region, or (fraction 0) fresh dev
 cannot be pinned (cudaHostRegister refused, or larger than `pinned_budget`) it stays pageable and every load goes
 through two pinned one-block buffers (allocators.Staging); `pinning_note` is the one line that says so.
 
+Several processes of one host may fill their rings together (`gather`, trainer/offload/gather.py): every load
+then copies this process's 1/N slice of the block and all-gathers the rest from the other GPUs, on the same
+transfer stream and under the same events, so the rest of this text holds unchanged.
+
 Left out: torch.compile of the block wrapper (it is called eagerly; compiling inside blocks still works),
 several GPUs per process, and blocks that appear twice in one pass.
 """
@@ -91,11 +95,14 @@ class Conductor:
         fill=None,
         pinned_budget: int | None = None,
         share=None,
+        gather=None,
     ):
         """`fill(block, entries, views)`: writes block `block`'s tensors into `views` (one per packing entry) when
         the blocks hold placeholders instead of weights (trainer/models/stream_load.py); None: copy the blocks'
         own tensors. `pinned_budget`: bytes the host arena may pin (None: all of it); see allocators.Staging.
-        `share` (allocators.SharedArena): the arena is one file under /dev/shm for the processes of a host."""
+        `share` (allocators.SharedArena): the arena is one file under /dev/shm for the processes of a host.
+        `gather` (gather.SliceGather): the processes of a host fill their rings together, each copying 1/N of a
+        block over PCIe and all-gathering the rest (frozen blocks only; every process runs the same plan)."""
         self.blocks = list(blocks)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -132,6 +139,12 @@ class Conductor:
         self.pinning_note: str | None = None  # one line when the arena could not be pinned (or shared)
         self.staging = None
         self.shared = False  # the arena is one /dev/shm file for the processes of this host
+        #: gather.SliceGather: each load copies this process's slice and all-gathers the rest (None: whole copies)
+        self.gather = gather if self.streaming else None
+        if self.gather is not None and any(pk.states or any(e.tensor().requires_grad for e in pk.entries)
+                                           for pk in self.packs):
+            raise ValueError("offload: the sharded stream fills rings with frozen weights only (no trainable or "
+                             "state bytes)")
         if not self.streaming:
             for i, (b, pk) in enumerate(zip(self.blocks, self.packs, strict=True)):
                 if fill is not None:  # straight onto the device, one tensor at a time
@@ -162,6 +175,8 @@ class Conductor:
 
     def _setup_streaming(self, min_ring_blocks: int, fill, pinned_budget: int | None, share) -> None:
         sizes = [pk.nbytes for pk in self.packs]
+        if self.gather is not None:  # N equal slices per block (the padding is never read as weights)
+            sizes = [self.gather.padded(n) for n in sizes]
         cap = capacity_for(sizes, self.fraction, min_blocks=min_ring_blocks)
         self.plan: Plan = plan_for(sizes, cap, self.mode, min_ring_blocks)
         streamed = self.plan.streamed
@@ -349,8 +364,7 @@ class Conductor:
         if not self.cuda:
             for ld in loads:
                 dst = self.ring.region(ld.offset, sizes[ld.block])
-                src = self.arena.region(self.host_off[ld.block], sizes[ld.block])
-                self.staging.copy(dst, src) if self.staging is not None else dst.copy_(src)
+                self._load(dst, self.arena.region(self.host_off[ld.block], sizes[ld.block]))
                 self.ring_offset[ld.block] = ld.offset
             return
         ev = compute.record_event()
@@ -362,17 +376,27 @@ class Conductor:
                 n = sizes[ld.block]
                 t0 = torch.cuda.Event(enable_timing=True)
                 t0.record(self.h2d)
-                dst, src = self.ring.region(ld.offset, n), self.arena.region(self.host_off[ld.block], n)
-                if self.staging is not None:  # pageable arena: host memcpy into a pinned buffer, then DMA
-                    self.staging.copy(dst, src, self.h2d)
-                else:
-                    dst.copy_(src, non_blocking=True)
+                copied = self._load(self.ring.region(ld.offset, n), self.arena.region(self.host_off[ld.block], n))
                 t1 = torch.cuda.Event(enable_timing=True)
                 t1.record(self.h2d)
-                self._h2d_log_step.append((t0, t1, n))
+                self._h2d_log_step.append((t0, t1, copied))
                 self.loaded_event[ld.block] = t1
                 self.ring_offset[ld.block] = ld.offset
         self._h2d_log = self._h2d_log_step
+
+    def _load(self, dst: torch.Tensor, src: torch.Tensor) -> int:
+        """Enqueue one block's load into the ring region `dst` from its host bytes `src` (on the transfer stream
+        when on CUDA: the caller's stream context); returns the bytes this process copied over PCIe."""
+        if self.gather is not None:  # this process's slice over PCIe, the rest from the other GPUs
+            return self.gather.load(dst, src, self._copy, self.cuda)
+        self._copy(dst, src)
+        return dst.numel()
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.staging is not None:  # pageable arena: host memcpy into a pinned buffer, then DMA
+            self.staging.copy(dst, src, self.h2d if self.cuda else None)
+        else:
+            dst.copy_(src, non_blocking=self.cuda)
 
     def _write_back(self, x: int, compute):
         """Copy a dirty trainable block (weights + packed optimizer state) back to its host region."""
@@ -418,7 +442,8 @@ class Conductor:
         return cache.get(id(p))
 
     def stats(self) -> dict:
-        """Sizes and the measured host-to-device rate of the last step's copies (synchronises)."""
+        """Sizes and the measured host-to-device rate of the last step's copies (synchronises). With a sharded
+        stream, `h2d_gbps` is this process's copied bytes over the time of its loads, gathers included."""
         out = {
             "blocks": len(self.blocks),
             "block_bytes": sum(pk.nbytes for pk in self.packs),
@@ -427,8 +452,11 @@ class Conductor:
             "pinned_bytes": (self.arena.pinned_bytes if self.streaming else 0),
             "staging_pinned_bytes": self.staging.pinned_bytes if self.staging is not None else 0,
             "arena_shared": self.shared,
+            "gathered_by": self.gather.world if self.gather is not None else 1,
             "activation_pinned_bytes": self.activations.pinned_bytes if self.activations else 0,
-            "h2d_bytes_per_step": self.plan.bytes_per_step() if self.streaming else 0,
+            # over this process's PCIe link (a sharded stream copies 1/N of each load, the rest is gathered)
+            "h2d_bytes_per_step": self.plan.bytes_per_step() // (self.gather.world if self.gather else 1)
+            if self.streaming else 0,
         }
         if self.streaming:
             out["fraction_in_ram"] = 1.0 - self.ring.capacity / max(1, out["block_bytes"])

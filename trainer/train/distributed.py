@@ -80,8 +80,9 @@ class Dist:
     """This process's place in the job. `Dist()` is the single-process case (every method a no-op)."""
 
     def __init__(self, rank: int = 0, world: int = 1, local_rank: int = 0, device: torch.device | None = None,
-                 created: bool = False):
+                 created: bool = False, local_world: int | None = None):
         self.rank, self.world, self.local_rank = rank, world, local_rank
+        self.local_world = world if local_world is None else local_world  # processes on this host
         self.device = device  # None: one process, the trainer picks the device itself
         self._created = created
 
@@ -151,6 +152,16 @@ class Dist:
             "were changed by this step"
         )
 
+    def host_group(self):
+        """Collective: a process group of this host's processes, with its own communicator (the default group's
+        collectives keep their own order beside it). torchrun numbers each host's ranks contiguously."""
+        if self.local_world == self.world:
+            return tdist.new_group(list(range(self.world)))
+        if self.world % self.local_world:
+            raise UserError(f"{self.world} processes do not split into hosts of {self.local_world} "
+                            "(LOCAL_WORLD_SIZE); start as many processes on every host")
+        return tdist.new_subgroups(group_size=self.local_world)[0]
+
     def _comm_device(self) -> torch.device:
         return self.device if self.device is not None and self.device.type == "cuda" else torch.device("cpu")
 
@@ -202,7 +213,7 @@ def setup(device_choice: str, mode: str = "ddp") -> Dist:
     world = _env_int("WORLD_SIZE", 1)
     if world <= 1:
         return Dist()
-    rank, local = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    rank, local, local_world = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
     cuda = torch.cuda.is_available() and device_choice in ("auto", "cuda")
     if device_choice == "cuda" and not torch.cuda.is_available():
         raise UserError("train.device: cuda, but torch sees no CUDA device (set train.device: cpu or auto)")
@@ -228,7 +239,7 @@ def setup(device_choice: str, mode: str = "ddp") -> Dist:
            else "gradients averaged before every step")
     say(f"data parallel: {world} processes over {tdist.get_backend()}, one per "
         f"{'GPU' if cuda else 'CPU process'}; {how}")
-    return Dist(rank, world, local, device, created)
+    return Dist(rank, world, local, device, created, local_world)
 
 
 # ---------------------------------------------------------------------------------------------- data position

@@ -264,7 +264,8 @@ def local_nonfinite(transformer: nn.Module) -> str | None:
 class Lockstep:
     """The transformer's forward passes that only rank 0 makes (sampling, validation), joined by every other rank.
 
-    Under FSDP2 each block's forward all-gathers its shards from every process, so a forward on rank 0 alone would
+    Under FSDP2 each block's forward all-gathers its shards from every process (and under the conductor's sharded
+    stream each block's load gathers its slices: trainer/offload/gather.py), so a forward on rank 0 alone would
     wait forever. Rank 0 runs `with lockstep.lead():` around its pipeline or validation; a pre-forward hook (ahead
     of FSDP2's own) broadcasts "one more forward" before each call of the transformer, and leaving the block
     broadcasts "done". The other ranks run `lockstep.follow()`: for each "one more forward" they call the

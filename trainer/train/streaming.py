@@ -29,6 +29,7 @@ import torch
 from ..config import Config
 from ..offload import CompileOptions, attach_offload, move_outside_blocks
 from ..offload.allocators import SharedArena
+from ..offload.gather import SliceGather
 from ..planner import check_line, expected, resolve_fraction
 from .monitor import say
 
@@ -97,13 +98,13 @@ def conducts(cfg: Config, fraction: float, can_stream: bool, device: torch.devic
 
 
 def place_blocks(transformer, blocks, cfg: Config, device: torch.device, fraction: float, conduct: bool, method,
-                 optim, shapes: int = 8, fill=None, share=None):
+                 optim, shapes: int = 8, fill=None, share=None, gather: SliceGather | None = None):
     """With `conduct`, hand the blocks to the offload handle, which checkpoints them (at fraction 0 too), streams
     them at fraction > 0 and compiles them under train.compile (`shapes`: bucket shapes the data has); returns
     the handle or None. Activation offloading only on a GPU (on the CPU there is no second memory to move to).
     `fill`: the blocks hold placeholders, and the conductor reads their weights from the model's files into the
     arena and ring (trainer/models/stream_load.py). `share`: the arena is one /dev/shm file per host
-    (`shared_arena`)."""
+    (`shared_arena`); `gather`: the host's processes fill their rings together (`slice_gather`)."""
     if not conduct:
         if fill is not None:
             raise RuntimeError("place_blocks: blocks without weights need the offload handle (plan bug)")
@@ -113,7 +114,7 @@ def place_blocks(transformer, blocks, cfg: Config, device: torch.device, fractio
         nano_batches=cfg.offload.nano_batches, trainable=method.streams_trainable,
         checkpointing=checkpoint_policy(cfg, device, fraction), optimizer_state=method.optimizer_state_layout(optim),
         compile=compile_options(cfg, device, shapes) or False,
-        fill=fill, pinned_budget=_gb(cfg.offload.pinned_budget_gb), share=share,
+        fill=fill, pinned_budget=_gb(cfg.offload.pinned_budget_gb), share=share, gather=gather,
     )
     if handle.pinning_note:
         say(handle.pinning_note)
@@ -145,6 +146,34 @@ def shared_arena(cfg: Config, dist, method, streamed: bool):
         return None
     name = dist.broadcast_text(f"dittrain-arena-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     return SharedArena(shm / name, owner=dist.local_rank == 0, barrier=dist.barrier)
+
+
+def slice_gather(cfg: Config, dist, method, streamed: bool, device: torch.device) -> SliceGather | None:
+    """Collective. The sharded stream for this process (trainer/offload/gather.py) when several processes of one
+    host stream frozen blocks (LoRA) and offload.sharded_stream allows it: `auto` where every pair of the host's
+    GPUs has peer access (rank 0 decides for all: every process must take the same path); None otherwise. Logged
+    in one line either way when it could have run."""
+    mode = cfg.offload.sharded_stream
+    if not (dist.active and dist.local_world > 1 and streamed and mode is not False
+            and not method.streams_trainable):
+        return None
+    n = dist.local_world
+    if mode == "auto":
+        why = None
+        if device.type != "cuda":
+            why = "on the CPU"
+        elif not all(torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i != j):
+            why = "the host's GPUs have no peer access to each other (no NVLink or PCIe peer-to-peer)"
+        why = dist.broadcast_text(why or "", nbytes=200) or None
+        if why is not None:
+            if dist.is_main:
+                say(f"offload: every process copies whole blocks: {why} (offload.sharded_stream)")
+            return None
+    group = dist.host_group()
+    if dist.is_main:
+        say(f"offload: sharded stream: each of the host's {n} processes copies 1/{n} of every streamed block over "
+            "its PCIe link and all-gathers the rest from the other GPUs (offload.sharded_stream)")
+    return SliceGather(group, torch.distributed.get_rank(group), n)
 
 
 def _gb(x: float | None) -> int | None:

@@ -121,6 +121,7 @@ class Trainer(Saving):
         self.fraction: float | None = None  # offload.transformer resolved (auto: the planner's pick), in setup
         self.dist = distributed.Dist()  # one process until setup reads torchrun's environment
         self.sharded = False  # train.distributed: fsdp with several processes (sharded.py), decided in setup
+        self.lockstep = False  # the other ranks join rank 0's transformer calls (fsdp, a sharded stream): setup
         self._smoothing: dict | None = None  # the checkpoint's smoothed loss (monitor.py), on resume
         self._ready = False
 
@@ -228,6 +229,7 @@ class Trainer(Saving):
         stream_load.release_host_memory()  # the VAE and text encoders are gone: give their pages back
         self._loader = None  # reads streamed blocks from the files into the conductor's arena (stream_load.py)
         self.sharded = self.dist.active and c.distributed == "fsdp"  # sharded.py: FSDP2 units, no conductor
+        self.lockstep = self.sharded
         if self.sharded and not stream_load.loads_whole(cfg, resume_dir is not None):
             # blocks read one at a time in sharded.shard; the rest to the CPU, sharded from there
             self.transformer, self._loader = stream_load.load(self.adapter, cfg.model, self.dtype, torch.device("cpu"),
@@ -273,9 +275,11 @@ class Trainer(Saving):
         conduct = streaming.conducts(cfg, self.fraction, self._can_stream(), self.device)
         shapes = len({e.bucket for e in getattr(self.data, "entries", ())}) or 8  # train.compile: one per shape
         share = streaming.shared_arena(cfg, self.dist, self.method, conduct and streamed)  # several processes
+        gather = streaming.slice_gather(cfg, self.dist, self.method, conduct and streamed, self.device)
+        self.lockstep = gather is not None  # every load is a collective: rank-0 passes are joined (_joins)
         self.offload = streaming.place_blocks(self.transformer, blocks, cfg, self.device, self.fraction, conduct,
                                               self.method, self.optim, shapes,
-                                              fill=self._loader and self._loader.fill, share=share)
+                                              fill=self._loader and self._loader.fill, share=share, gather=gather)
         if self._loader is not None:
             self._loader.close()
             self._loader = None
@@ -284,16 +288,18 @@ class Trainer(Saving):
 
     def _joins(self, runner) -> bool:
         """Whether this rank runs a rank-0 phase (sampling, validation) whose runner it holds or not: rank 0 runs
-        it; under fsdp every other rank joins its transformer calls here (sharded.Lockstep) and returns False."""
+        it; under fsdp or a sharded stream every other rank joins its transformer calls here (sharded.Lockstep) and
+        returns False."""
         if runner is not None:
             return True
-        if self.sharded:
+        if self.lockstep:
             sharded.Lockstep(self.transformer, self.adapter, self.device, self.dtype).follow()
         return False
 
     def _lockstep(self):
-        """fsdp, rank 0: announce each transformer call to the other ranks (sharded.Lockstep). Otherwise nothing."""
-        if not self.sharded:
+        """fsdp or a sharded stream, rank 0: announce each transformer call to the other ranks (sharded.Lockstep).
+        Otherwise nothing."""
+        if not self.lockstep:
             return contextlib.nullcontext()
         return sharded.Lockstep(self.transformer, self.adapter, self.device, self.dtype).lead()
 
