@@ -82,9 +82,13 @@ def _user_errors(fn):
 
 
 def _load(config: Path, overrides: list[str]):
+    """The validated config, its model folder checked against model.family before any command loads from it."""
     from .config import load_config
+    from .models.folder import check_folder_family
 
-    return load_config(config, overrides)
+    cfg = load_config(config, overrides)
+    check_folder_family(cfg.model.path, cfg.model.family, cfg.model.transformer_file)
+    return cfg
 
 
 @app.command()

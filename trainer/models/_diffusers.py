@@ -1,8 +1,8 @@
 """What the three diffusers-based families share: checking and loading a local model folder, reading its small
 JSON configs, the resolution divisor, the resolution-dependent timestep shift and building the pipeline.
 
-Loading is two-phase on purpose. `_check` looks at the file system only (config files present, the transformer
-class the family expects) and raises a `UserError` naming the path and what belongs there; only then does
+Loading is two-phase on purpose. `_check` looks at the file system only (config files present, the classes the
+family expects: trainer/models/folder.py) and raises a `UserError` naming the path and what belongs there; only then does
 `load` call `from_pretrained(..., local_files_only=True)`. A typo in `model.path` therefore costs milliseconds,
 not a half-loaded 24 GB model, and nothing is ever fetched from a network.
 
@@ -28,6 +28,7 @@ from torch import nn
 from .. import quant
 from ..errors import UserError
 from .base import Components, ModelAdapter
+from .folder import check_folder_family
 
 PARTS = frozenset({"transformer", "vae", "text", "scheduler"})
 #: modulation Linears of AdaLayerNorm blocks (Flux, SD3): `norm*.linear`, the per-sample scale / shift / gate
@@ -187,12 +188,10 @@ class DiffusersAdapter(ModelAdapter):
                 raise UserError(f"{root / rel} not found: expected {what} of a diffusers-format {self.family} folder "
                                 f"({self._expected()})")
 
+        # another family's folder (or single file): one line before any weight loads (trainer/models/folder.py)
+        check_folder_family(root, self.family, getattr(cfg, "transformer_file", None))
         if "transformer" in parts:
             need("transformer/config.json", "the transformer config")
-            cls = self.transformer_config.get("_class_name")
-            if cls and cls != self.transformer_cls.__name__:
-                raise UserError(f"{root / 'transformer/config.json'}: the transformer is a {cls}, but model.family is "
-                                f"{self.family} (which needs a {self.transformer_cls.__name__})")
             if cfg.transformer_file is not None:
                 f = Path(cfg.transformer_file)
                 if not f.is_file():
