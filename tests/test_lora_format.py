@@ -293,6 +293,48 @@ def test_convert_lora_cli(tiny_models, tmp_path):
     assert res.exit_code != 0 and "choose one of diffusers, comfy, kohya" in res.output
 
 
+def test_convert_lora_cli_keeps_its_input_asks_before_replacing_and_writes_the_umasks_mode(tiny_models, tmp_path):
+    """OUT == IN is refused (however it is spelt), an existing OUT needs --overwrite, and the file gets the mode a
+    plain open() would give it under the umask (0644 under 022), as fit's files do (safetensors alone: 0600)."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    t, _, cfg = adapted(tiny_models, "sd3", "lora")
+    src = save_checkpoint_file(t, cfg, tmp_path / "ck.safetensors")
+    before = src.read_bytes()
+    dst = tmp_path / "k.safetensors"
+
+    def run(*args):
+        return CliRunner().invoke(app, ["convert-lora", *map(str, args), "--to", "kohya"])
+
+    old = os.umask(0o022)
+    try:
+        assert run(src, dst).exit_code == 0
+        assert dst.stat().st_mode & 0o777 == 0o644
+        first = {k: v.clone() for k, v in load_file(str(dst)).items()}  # not the file's pages: it is replaced below
+        r = run(src, dst)
+        assert r.exit_code == 1 and r.output.strip() == (
+            f"error: {dst} already exists: add --overwrite to replace it, or choose another output file"), r.output
+        os.umask(0o027)
+        dst.write_bytes(b"old")
+        r = run(src, dst, "--overwrite")
+        assert r.exit_code == 0, r.output
+        again = load_file(str(dst))
+        assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
+        assert dst.stat().st_mode & 0o777 == 0o640
+        for same in (src, tmp_path / "." / src.name):
+            r = run(src, same, "--overwrite")
+            assert r.exit_code == 1 and r.output.startswith(f"error: {same} is the input file: write the converted "
+                                                            "LoRA to another file (e.g. "), r.output
+        assert src.read_bytes() == before
+        assert not list(tmp_path.glob(".tmp-*"))
+    finally:
+        os.umask(old)
+
+
 @pytest.mark.parametrize(("family", "kind", "fmt"), [("sd3", "lora", "comfy"), ("flux", "loha", "kohya"),
                                                      ("z-image", "lora", "comfy"), ("chroma", "lora", "kohya"),
                                                      ("krea2", "lora", "kohya")])

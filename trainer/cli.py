@@ -261,12 +261,13 @@ def convert_lora(
     dst: Path = typer.Argument(..., help="File to write.", show_default=False),
     to: str = typer.Option(..., "--to", help="Layout to write: diffusers, comfy (ComfyUI's own keys) or kohya (lora_unet_*).", show_default=False),
     family: str | None = typer.Option(None, "--family", help="Model family, for comfy / kohya files whose header does not name it.", show_default=False),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it exists (never SRC itself)."),
 ) -> None:
     """Convert a LoRA between the diffusers, ComfyUI and kohya layouts (same update, alpha kept)."""
     from .lora_format import DORA_COMFY_NOTE
     from .lora_format import convert_lora as run
 
-    lf = run(src, dst, to, family)
+    lf = run(src, dst, to, family, overwrite=overwrite)
     typer.echo(f"wrote {dst} ({to}, {len(lf.modules)} modules, {lf.kind}{' + DoRA' if lf.dora else ''})")
     if lf.dora:
         typer.echo(DORA_COMFY_NOTE)

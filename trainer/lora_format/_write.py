@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_write
 from ..errors import UserError
 from ._core import (
     COMFY_PREFIX,
@@ -164,17 +164,11 @@ def encode(lf: LoraFile, fmt: str, family: str | None = None, where: Path | str 
 
 
 def write_lora_file(path: Path, lf: LoraFile, fmt: str, family: str | None = None) -> None:
-    """Write `lf` in layout `fmt` to `path`, under a temporary name renamed into place."""
+    """Write `lf` in layout `fmt` to `path`, under a temporary name renamed into place, with the mode the umask
+    gives a new file (as fit's files: trainer/atomic.py)."""
     from safetensors.torch import save_file
 
     tensors, header = encode(lf, fmt, family, path)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=header)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=header))
 
 

@@ -39,6 +39,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ..atomic import _fsync_dir, _fsync_file, atomic_write, umask_mode
 from ..errors import UserError
 
 MARKER = "COMPLETE"
@@ -48,29 +49,6 @@ LORA_METADATA_KEY = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_
 
 
 # ---------------------------------------------------------------------------------------------- disk helpers
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        _fsync_file(path)
-    except OSError:  # some file systems cannot fsync a directory; the rename is still atomic
-        pass
-
-
-def umask_mode(mode: int = 0o666) -> int:
-    """`mode` under the process umask: what a plain open() creates. safetensors' writer creates files -rw-------,
-    so saved files are given this mode (a shared machine's group then reads checkpoints as it reads the rest)."""
-    mask = os.umask(0)
-    os.umask(mask)  # no way to read the umask without setting it; both calls are instant
-    return mode & ~mask
 
 
 def fsync_tree(root: Path) -> None:
@@ -84,21 +62,6 @@ def fsync_tree(root: Path) -> None:
 
 def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=1, sort_keys=True))
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Write one file through `write(tmp_path)`, then rename it over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    try:
-        write(tmp)
-        os.chmod(tmp, umask_mode())
-        _fsync_file(tmp)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def atomic_dir(path: Path, write: Callable[[Path], None]) -> None:
