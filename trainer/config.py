@@ -490,6 +490,12 @@ class SampleConfig(_Section):
     guidance: float = Field(default=3.5, description="Guidance scale.")
     width: int = Field(default=512, ge=16, description="Image width in pixels.")
     height: int = Field(default=512, ge=16, description="Image height in pixels.")
+    frames: int = Field(
+        default=1,
+        ge=1,
+        description="Video families (Wan): frames per sample, 4k+1 (81 is Wan's 5 s at 16 fps); written as an mp4 "
+        "with a contact sheet of frames. 1: a still image.",
+    )
     seed: int = Field(default=0, description="Seed of the first image; image i uses seed + i.")
     negative_prompt: str = Field(
         default="",

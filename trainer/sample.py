@@ -38,19 +38,21 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import Config
+from .data.video import write_video
 from .dtypes import DTYPES
 from .errors import UserError
 from .models import stream_load
 from .progress import bar as progress_bar
 from .sampling.engine import encode_prompts, generate, release_text_encoders
 from .sampling.lora import load_loras
-from .sampling.output import contact_sheet, image_metadata, save_png
+from .sampling.output import contact_sheet, frame_sheet, image_metadata, save_png
 from .sampling.placement import decode_for_sample, place_text_encoders, place_transformer, process_fraction
 from .sampling.request import (
     Job,
     LoraSpec,
     SampleRequest,
     SampleSettings,
+    check_frames,
     check_image,
     check_loras,
     check_size,
@@ -100,6 +102,8 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
     check_size(width, height, adapter.resolution_divisor, adapter.family)
     image = req.image if req.image is not None else s.image
     check_image(image, adapter)
+    frames = req.frames if req.frames is not None else s.frames
+    check_frames(frames, adapter)
     if req.num < 1:
         raise UserError(f"--num {req.num}: at least one image per prompt")
     offload = req.offload if req.offload is not None else cfg.offload.transformer
@@ -112,6 +116,7 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
         height=height,
         negative_prompt=s.negative_prompt,
         image=image_setting(image),
+        frames=frames,
     )
     seed = req.seed if req.seed is not None else s.seed
     out = req.out if req.out is not None else cfg.output.dir / "samples"
@@ -203,6 +208,9 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
             (image,) = generate(
                 pipe, adapter, [embeds[job.prompt]], settings=plan.settings, seeds=[job.seed], progress=True
             )
+            if isinstance(image, list):  # a video family's frames: the mp4, and the PNG of its frames beside it
+                written.append(write_video(image, (plan.out / job.filename).with_suffix(".mp4"), _video_fps(cfg)))
+                image = frame_sheet(image)
             written.append(
                 save_png(image, plan.out / job.filename, _metadata(cfg, adapter.family, plan, job))
             )
@@ -219,6 +227,11 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
     note = f" (LoRA adapters: {', '.join(adapters)})" if adapters else ""
     tqdm.write(f"wrote {count(len(images), 'image')} to {plan.out}{note}", file=sys.stderr)
     return written
+
+
+def _video_fps(cfg: Config) -> float:
+    """The frame rate samples are written at: the rate the clips trained at (data.fps), else 16 (Wan's)."""
+    return float(getattr(cfg.data, "fps", None) or 16.0)
 
 
 def trained_transformer(cfg: Config, base: bool = False) -> Path | None:
@@ -295,6 +308,7 @@ def _metadata(cfg: Config, family: str, plan: SamplePlan, job: Job) -> dict[str,
         guidance=s.guidance,
         width=s.width,
         height=s.height,
+        frames=s.frames if s.frames > 1 else None,
         model=cfg.model.path,
         transformer_file=cfg.model.transformer_file,
         dtype=cfg.model.dtype,

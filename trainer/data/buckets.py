@@ -70,12 +70,20 @@ def nearest_bucket(width: int, height: int, sizes: Sequence[tuple[int, int]]) ->
 
 @dataclass(frozen=True)
 class Entry:
-    """One (image, resolution) pair: which bucket it trains in and where its crop sits."""
+    """One (image, resolution) pair: which bucket it trains in and where its crop sits. For a video (video
+    families) one (clip, resolution) pair: `frames` frames from frame `start` at data.fps (video.py)."""
 
     item: int
     resolution: int
     bucket: tuple[int, int]  # (w, h) pixels
     box: tuple[int, int]  # (left, top) of the crop inside the covering resize
+    frames: int = 1  #: frames of the clip (1: an image)
+    start: int = 0  #: first frame of the clip at data.fps
+
+    @property
+    def group(self) -> tuple[int, ...]:
+        """What a batch shares: the bucket (w, h), and for a clip its frames (w, h, frames)."""
+        return self.bucket if self.frames == 1 else (*self.bucket, self.frames)
 
 
 def assign_buckets(
@@ -88,9 +96,11 @@ def assign_buckets(
     max_upscale: float = 1.0,
     max_aspect: float = 4.0,
     step: int = 64,
+    clips=None,
 ) -> tuple[list[Entry], list[tuple[int, str]]]:
     """Entries for every item at every resolution it is big enough for, and (item index, reason) for items too
-    small for all of them."""
+    small for all of them. `clips(item) -> (frames, [start, ...])` for a video item (video families): one entry
+    per clip, each of `frames` frames; None: every item is an image."""
     tables = {r: bucket_sizes(r, divisor, max_aspect, step) for r in sorted(set(resolutions))}
     entries: list[Entry] = []
     too_small: list[tuple[int, str]] = []
@@ -104,7 +114,11 @@ def assign_buckets(
                 smallest = smallest or (r, b, need)
                 continue
             box = crop_box(it.width, it.height, b, crop, seed_text=f"{seed}|{it.sha}")
-            entries.append(Entry(idx, r, b, box))
+            if clips is not None and it.frames:
+                frames, starts = clips(it)
+                entries += [Entry(idx, r, b, box, frames, s) for s in starts]
+            else:
+                entries.append(Entry(idx, r, b, box))
             used = True
         if not used:
             r, b, need = smallest

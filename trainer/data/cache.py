@@ -64,6 +64,7 @@ from ..errors import UserError
 from ..progress import bar as progress_bar
 from ..train.phases import LOG, Phase
 from .images import BadImage, load_mask, load_pixels
+from .video import is_video, load_clip
 
 CACHE_VERSION = "1"
 _SMALL_FILE = 1 << 20  # config / tokenizer files up to this size are hashed by content, weights by name + size
@@ -99,9 +100,16 @@ def model_identity(model_cfg, adapter, part: str) -> str:
     return h.hexdigest()[:16]
 
 
-def latent_key(sha: str, bucket: tuple[int, int], box: tuple[int, int], mask_sha: str = "") -> str:
+def latent_key(sha: str, bucket: tuple[int, int], box: tuple[int, int], mask_sha: str = "", clip: str = "") -> str:
+    """`clip`: a video clip's rate, first frame and length (`clip_id`); "" for an image."""
     mask = f"|mask:{mask_sha}" if mask_sha else ""
-    return hashlib.sha256(f"{sha}|{bucket[0]}x{bucket[1]}|{box[0]},{box[1]}{mask}".encode()).hexdigest()[:32]
+    clip = f"|clip:{clip}" if clip else ""
+    return hashlib.sha256(f"{sha}|{bucket[0]}x{bucket[1]}|{box[0]},{box[1]}{mask}{clip}".encode()).hexdigest()[:32]
+
+
+def clip_id(fps: float | None, start: int, frames: int) -> str:
+    """What names one clip of a video inside its latent key."""
+    return f"{fps}|{start}+{frames}"
 
 
 def text_key(caption: str, reference: str = "") -> str:
@@ -181,6 +189,10 @@ class LatentJob:
     bucket: tuple[int, int]
     box: tuple[int, int]
     mask: str = ""  #: the mask file ("" without one)
+    #: a video's clip (video.py): its frames from frame `start` at `fps`; an image has frames 1
+    frames: int = 1
+    start: int = 0
+    fps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -290,9 +302,10 @@ def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int,
     if vae is None:
         raise RuntimeError("load_encoders() returned Components without a vae")
     device, dtype = _device_dtype(vae)
-    by_bucket: dict[tuple[int, int], list[LatentJob]] = {}
-    for j in jobs:
-        by_bucket.setdefault(j.bucket, []).append(j)
+    video = bool(getattr(adapter, "video", False))
+    by_bucket: dict[tuple[int, int, int], list[LatentJob]] = {}
+    for j in jobs:  # a batch stacks one shape: one bucket, one clip length
+        by_bucket.setdefault((*j.bucket, j.frames), []).append(j)
     chunks = [g[i : i + batch_size] for g in by_bucket.values() for i in range(0, len(g), batch_size)]
     bar = progress_bar(total=len(jobs), desc="encoding latents", unit="img", enabled=progress)
     # Decoding and resizing release the GIL: a few threads keep the VAE fed.
@@ -308,13 +321,18 @@ def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int,
                     ok.append(j)
             if ok:
                 vae_memory_mode(vae, chunk[0].bucket[0] * chunk[0].bucket[1])
-                batch = torch.stack(pixels).to(device=device, dtype=dtype)
+                # video families: (B, 3, F, H, W), an image as one frame; the VAE chunks time itself (its adapter)
+                batch = torch.stack([p if p.ndim == 4 or not video else p.unsqueeze(1) for p in pixels])
+                batch = batch.to(device=device, dtype=dtype)
                 with torch.no_grad():
-                    lat = adapter.encode_images(vae, batch).float().cpu()  # device->host sync, once per chunk
+                    enc = adapter.encode_videos if video else adapter.encode_images
+                    lat = enc(vae, batch).float().cpu()  # device->host sync, once per chunk
                 for j, x, m in zip(ok, lat, masks, strict=True):
                     t = {"latent": x.clone()}
                     if m is not None:  # pixel mask -> latent cells: the share of each cell it covers
                         t["mask"] = torch.nn.functional.interpolate(m[None], size=x.shape[-2:], mode="area")[0]
+                        if x.ndim == 4:  # (C, F, h, w): one mask for every frame of the clip, (1, 1, h, w)
+                            t["mask"] = t["mask"][:, None]
                     if not finite(t):
                         res.bad_latents[j.key] = "VAE latent has NaN/inf (fp16 overflow? try model.dtype: bf16 or fp32)"
                         continue
@@ -327,7 +345,10 @@ def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int,
 
 def _pixels_or_reason(job: LatentJob) -> tuple[torch.Tensor, torch.Tensor | None] | str:
     try:
-        px = load_pixels(job.file, job.bucket, job.box)
+        if is_video(job.file):  # (3, F, H, W)
+            px = load_clip(job.file, job.bucket, job.box, job.fps, job.start, job.frames)
+        else:
+            px = load_pixels(job.file, job.bucket, job.box)
     except BadImage as e:
         return f"{e} (changed since the scan?)"
     if not job.mask:

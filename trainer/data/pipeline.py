@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from .cache import (
     MemoryStore,
     TextJob,
     cache_stages,
+    clip_id,
     ensure_encoded,
     finite,
     latent_key,
@@ -35,6 +36,7 @@ from .cache import (
 from .captions import caption_texts, pick
 from .sources import Item, ScanReport, check_report, scan_sources
 from .validation import ValidationData, ValidationPlan, holdout, plan_validation, reference_jobs
+from .video import clip_starts
 
 
 @dataclass
@@ -83,7 +85,8 @@ class DataPlan:
 
     def latent_key(self, e: Entry) -> str:
         it = self.items[e.item]
-        return latent_key(it.sha, e.bucket, e.box, it.mask_sha)
+        clip = clip_id(self.cfg.data.fps, e.start, e.frames) if it.frames else ""
+        return latent_key(it.sha, e.bucket, e.box, it.mask_sha, clip)
 
     def control_key(self, e: Entry) -> str:
         """The (first) reference's latent: keyed like any image (content, bucket, box), so it shares entries with
@@ -110,7 +113,8 @@ class DataPlan:
 
     def latent_jobs(self) -> list[LatentJob]:
         """Training entries (and their references), then the validation set's (encoded in the same pass)."""
-        jobs = [LatentJob(self.latent_key(e), self.items[e.item].file, e.bucket, e.box, self.items[e.item].mask)
+        jobs = [LatentJob(self.latent_key(e), self.items[e.item].file, e.bucket, e.box, self.items[e.item].mask,
+                          e.frames, e.start, self.cfg.data.fps)
                 for e in self.entries]
         jobs += [j for e in self.entries for j in self.control_jobs(e)]
         return jobs + (self.validation.latent_jobs() if self.validation else [])
@@ -141,8 +145,8 @@ class DataPlan:
         per: Counter = Counter()
         imgs: Counter = Counter()
         for e in self.entries:
-            per[(e.resolution, e.bucket)] += srcs[self.items[e.item].source].repeats
-            imgs[(e.resolution, e.bucket)] += 1
+            per[(e.resolution, e.bucket, e.frames)] += srcs[self.items[e.item].source].repeats
+            imgs[(e.resolution, e.bucket, e.frames)] += 1
         bs = self.cfg.train.batch_size
         for r in sorted(set(d.resolutions)):
             keys = sorted(k for k in per if k[0] == r)
@@ -154,10 +158,17 @@ class DataPlan:
             for k in keys:
                 w, h = k[1]
                 n_img, n_batch = imgs[k], -(-per[k] // bs)
-                lines.append(f"    {w:>5}x{h:<5} {n_img:>6} {'image' if n_img == 1 else 'images'}, {per[k]:>6} per "
+                what = ('image' if n_img == 1 else 'images') if k[2] == 1 else ('clip' if n_img == 1 else 'clips')
+                size = f"{w}x{h}" + (f"x{k[2]}f" if k[2] > 1 else "")
+                lines.append(f"    {size:<11} {n_img:>6} {what}, {per[k]:>6} per "
                              f"epoch, {n_batch:>5} {'batch' if n_batch == 1 else 'batches'}")
         lines.append(f"  {count(sum(-(-n // bs) for n in per.values()), 'batch', 'batches')} per epoch at batch size {bs} "
                      f"(remainder: {d.remainder})")
+        videos = sum(1 for it in self.items if it.frames)
+        if videos:
+            clips = sum(1 for e in self.entries if self.items[e.item].frames)
+            lines.append(f"  videos: {count(videos, 'video')} give {count(clips, 'clip')} of {d.clip_frames} frames at "
+                         f"{d.fps or 'their own'} fps (data.clips: {d.clips}); images are 1-frame clips")
         refs = max((len(it.references) for it in self.items), default=0)
         if refs:
             lines.append(f"  pairs: each image trains with {'its reference image' if refs == 1 else f'{refs} reference images'} "
@@ -191,8 +202,23 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
         raise UserError("the config has no data: section (data.sources lists the image folders)")
     disk = d.cache or force_disk
     pairs = pairs_run(adapter, d)
+    videos = bool(getattr(adapter, "video", False))
+    if videos and not adapter.valid_frames(d.clip_frames):
+        k = (d.clip_frames - 1) // adapter.frame_step
+        lo, hi = k * adapter.frame_step + 1, (k + 1) * adapter.frame_step + 1
+        raise UserError(f"data.clip_frames {d.clip_frames}: {adapter.family} trains clips of {adapter.frame_step}k+1 "
+                        f"frames (its VAE encodes the first frame, then groups of {adapter.frame_step}): use {lo} or {hi}")
     report = scan_sources(d.sources, index_dir=Path(d.cache_dir) if disk else None, progress=progress,
-                          masks=d.masked_loss, controls=pairs)
+                          masks=d.masked_loss, controls=pairs, videos=videos, fps=d.fps)
+    if videos:  # shorter than one clip: left out with its frame count, before anything else sees it
+        short = [(i, it) for i, it in enumerate(report.items) if it.frames and it.frames < d.clip_frames]
+        for _, it in short:
+            report.bad.append((it.file, f"{it.frames} frames at {d.fps or 'its own'} fps, shorter than one clip of "
+                                        f"{d.clip_frames} (lower data.clip_frames or data.fps)"))
+        _keep_items(report, [], {i for i, _ in short})
+        if d.validation is not None and any(it.frames for it in report.items):
+            raise UserError("data.validation does not take videos yet: remove data.validation, or keep videos out of "
+                            "the sources")
     held = []
     if d.validation is not None and d.validation.fraction > 0:  # held out before bucketing: never trained on
         report.items, held = holdout(report.items, d.validation.fraction, cfg.train.seed)
@@ -200,6 +226,8 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
     entries, too_small = assign_buckets(
         report.items, d.resolutions, divisor, crop=d.crop, seed=cfg.train.seed, max_upscale=d.max_upscale,
         max_aspect=d.max_aspect, step=d.bucket_step,
+        clips=(lambda it: (d.clip_frames, clip_starts(it.frames, d.clip_frames, d.clips, d.clips_per_video)))
+        if videos else None,
     )
     refs = max((len(it.references) for it in report.items), default=0)
     if refs > 1 and refs > adapter.max_references:  # (one reference: every edit family takes it)
@@ -241,7 +269,7 @@ def _keep_items(report: ScanReport, entries: list[Entry], drop: set[int]) -> lis
             new_index[i] = len(kept)
             kept.append(it)
     report.items = kept
-    return [Entry(new_index[e.item], e.resolution, e.bucket, e.box) for e in entries if e.item in new_index]
+    return [replace(e, item=new_index[e.item]) for e in entries if e.item in new_index]
 
 
 class TrainData:
@@ -265,7 +293,7 @@ class TrainData:
         self._masked, self._unmasked = cfg.data.masked_loss, cfg.data.unmasked_weight
         items = plan.items
         self.sampler = BucketSampler(
-            [e.bucket for e in self.entries],
+            [e.group for e in self.entries],
             [srcs[items[e.item].source].repeats for e in self.entries],
             [srcs[items[e.item].source].caption_dropout for e in self.entries],
             batch_size=cfg.train.batch_size,

@@ -47,6 +47,7 @@ from ..errors import UserError
 from ..progress import bar as progress_bar
 from ..words import count
 from .images import IMAGE_SUFFIXES, BadImage, open_image
+from .video import VIDEO_SUFFIXES, is_video, probe_video
 
 INDEX_NAME = "scan-index.json"
 MASK_DIR = "masks"
@@ -73,6 +74,8 @@ class Item:
     control_size: tuple[int, int] = (0, 0)
     #: further reference images (families with `max_references` > 1), as (file, sha256, upright size)
     more_controls: tuple[tuple[str, str, tuple[int, int]], ...] = ()
+    #: a video (video families): its frames at data.fps; 0 for an image
+    frames: int = 0
 
     @property
     def references(self) -> tuple[tuple[str, str, tuple[int, int]], ...]:
@@ -163,11 +166,16 @@ def _with_controls(root: Path, cands, report: ScanReport, meta: dict | None = No
     return out
 
 
+def _suffixes(videos: bool) -> tuple[str, ...]:
+    return IMAGE_SUFFIXES + VIDEO_SUFFIXES if videos else IMAGE_SUFFIXES
+
+
 def _folder_candidates(
-    i: int, root: Path, recursive: bool, several: bool, masks: bool, report: ScanReport, controls: bool = False
+    i: int, root: Path, recursive: bool, several: bool, masks: bool, report: ScanReport, controls: bool = False,
+    videos: bool = False,
 ) -> list[tuple[Path, list[str], Path | None]]:
     walk = root.rglob("*") if recursive else root.glob("*")
-    images = sorted(p for p in walk if p.suffix.lower() in IMAGE_SUFFIXES and not p.is_dir())
+    images = sorted(p for p in walk if p.suffix.lower() in _suffixes(videos) and not p.is_dir())
     skip = {d for d, on in ((MASK_DIR, masks), (CONTROL_DIR, controls)) if on}
     if skip:  # control2/, control3/, ... hold further references
         images = [p for p in images if p.relative_to(root).parts[0] not in skip
@@ -206,7 +214,8 @@ def _metadata_path(i: int, root: Path, metadata: Path) -> Path:
 
 
 def _metadata_candidates(
-    i: int, root: Path, metadata: Path, masks: bool, report: ScanReport, controls: dict | None = None
+    i: int, root: Path, metadata: Path, masks: bool, report: ScanReport, controls: dict | None = None,
+    videos: bool = False,
 ) -> list[tuple[Path, list[str], Path | None]]:
     meta = _metadata_path(i, root, metadata)
     out: list[tuple[Path, list[str], Path | None]] = []
@@ -234,8 +243,8 @@ def _metadata_candidates(
         else:
             report.bad.append((str(path), f'missing caption (no "caption" string or list of strings at {where})'))
             continue
-        if path.suffix.lower() not in IMAGE_SUFFIXES:
-            report.bad.append((str(path), f"not a JPEG/PNG/WebP file name ({where})"))
+        if path.suffix.lower() not in _suffixes(videos):
+            report.bad.append((str(path), f"not a JPEG/PNG/WebP{'/video' if videos else ''} file name ({where})"))
             continue
         if not path.exists():
             report.bad.append((str(path), f"file not found ({where})"))
@@ -259,11 +268,13 @@ def _metadata_candidates(
 
 
 def scan_sources(sources, index_dir: Path | None = None, progress: bool = True, masks: bool = False,
-                 controls: bool = False) -> ScanReport:
+                 controls: bool = False, videos: bool = False, fps: float | None = None) -> ScanReport:
     """Scan every source (a list of `SourceConfig`). Raises `UserError` for a missing folder or an empty data set.
 
     `index_dir`: where to keep the scan index (None: decode everything, keep nothing). `masks`: find and check
-    each image's mask (data.masked_loss). `controls`: pairs; find and check each image's reference image."""
+    each image's mask (data.masked_loss). `controls`: pairs; find and check each image's reference image.
+    `videos`: video families; the sources' videos (video.py `VIDEO_SUFFIXES`) are items too, decoded whole and
+    counted in frames at `fps` (`Item.frames`)."""
     report = ScanReport()
     per_source: list[list[tuple[Path, list[str], Path | None]]] = []
     for i, src in enumerate(sources):
@@ -274,13 +285,13 @@ def scan_sources(sources, index_dir: Path | None = None, progress: bool = True, 
             raise UserError(f"data.sources[{i}].path: '{root}' is a file, expected a folder of images")
         meta_ctrl: dict | None = {} if controls and src.metadata is not None else None
         if src.metadata is not None:
-            cands = _metadata_candidates(i, root, Path(src.metadata), masks, report, meta_ctrl)
+            cands = _metadata_candidates(i, root, Path(src.metadata), masks, report, meta_ctrl, videos)
         else:
-            cands = _folder_candidates(i, root, src.recursive, src.several_captions, masks, report, controls)
+            cands = _folder_candidates(i, root, src.recursive, src.several_captions, masks, report, controls, videos)
         per_source.append(_with_controls(root, cands, report, meta_ctrl) if controls else [(*c, None) for c in cands])
     if sum(report.found) == 0:
         where = ", ".join(str(s.path) for s in sources)
-        raise UserError(f"no images ({' '.join(IMAGE_SUFFIXES)}) found in {where}")
+        raise UserError(f"no images ({' '.join(_suffixes(videos))}) found in {where}")
 
     index_file = index_dir / INDEX_NAME if index_dir is not None else None
     index = _read_index(index_file)
@@ -290,7 +301,7 @@ def scan_sources(sources, index_dir: Path | None = None, progress: bool = True, 
     new_index: dict[str, dict] = {}
     # Decoding and hashing release the GIL: threads make the first scan of a large folder several times faster.
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        probes = pool.map(lambda c: (_probe(c[1], index), c[3] and _probe(c[3], index),
+        probes = pool.map(lambda c: (_probe(c[1], index, fps if videos else None), c[3] and _probe(c[3], index),
                                      c[4] and [_probe(r, index) for r in c[4]]), flat)
         for (i, path, caps, mask, ctrl), (got, got_mask, got_ctrl) in zip(flat, probes, strict=True):
             bar.update(1)
@@ -323,7 +334,8 @@ def scan_sources(sources, index_dir: Path | None = None, progress: bool = True, 
             first = refs[0] if refs else ("", "", (0, 0))
             caps = tuple(join_caption(sources[i].caption_prefix, c) for c in caps)
             report.items.append(Item(str(path), caps[0], i, rec["w"], rec["h"], rec["sha"], caps if len(caps) > 1 else (),
-                                     str(mask) if mask is not None else "", mask_sha, *first, tuple(refs[1:])))
+                                     str(mask) if mask is not None else "", mask_sha, *first, tuple(refs[1:]),
+                                     rec.get("frames", 0)))
     bar.close()
     _same_reference_count(report)
     if index_file is not None and any(index.get(k) != v for k, v in new_index.items()):
@@ -348,14 +360,20 @@ def _same_reference_count(report: ScanReport) -> None:
     report.items = keep
 
 
-def _probe(path: Path, index: dict[str, dict]) -> tuple[str, dict] | str:
-    """(index key, {size, mtime_ns, w, h, sha}) of a good image, or the reason it is bad."""
+def _probe(path: Path, index: dict[str, dict], fps: float | None = None) -> tuple[str, dict] | str:
+    """(index key, {size, mtime_ns, w, h, sha}) of a good image, or the reason it is bad. A video (video families
+    only list them) also gets `frames` at `fps`, and its index key names the rate."""
     try:
         st = path.stat()
-        key = str(path.resolve())
+        video = is_video(path)
+        key = str(path.resolve()) + (f"|fps={fps}" if video else "")
         hit = index.get(key)
         if hit and hit.get("size") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
             return key, hit
+        if video:
+            w, h, n = probe_video(path, fps)
+            return key, {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "w": w, "h": h, "sha": _sha256(path),
+                         "frames": n}
         w, h = open_image(path).size
         return key, {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "w": w, "h": h, "sha": _sha256(path)}
     except BadImage as e:

@@ -173,6 +173,8 @@ def generate(
                           transformer=model)
 
     `output_type`: "pil" (default), or "np" / "pt" for float images in [0, 1] (exactness tests compare those).
+    A video family (`adapter.video`) gives each sample as its list of `settings.frames` frames instead
+    (`adapter.pipeline_result`).
 
     The model's blocks must be reachable on the pipeline's device while it runs (resident, or streamed by an
     offload handle in a mode that allows forward-only passes).
@@ -222,13 +224,14 @@ def generate(
                     **adapter.pipeline_guidance(pipe, settings.guidance),
                     **reference,
                     **adapter.pipeline_size(pipe, settings.width, settings.height),
+                    **adapter.pipeline_frames(pipe, settings.frames),
                     height=settings.height,
                     width=settings.width,
                     num_inference_steps=settings.steps,
                     generator=generator,
                     output_type=output_type,
                 )
-                images.append(out.images[0])
+                images.append(adapter.pipeline_result(out))  # video families: a list of frames
         return images
     finally:
         pipe_logger.removeFilter(quiet)

@@ -1,6 +1,7 @@
 """Writing sampled images: PNG text metadata that says how each image was made, and a contact sheet.
 
-Every PNG carries tEXt chunks `prompt`, `seed`, `steps`, `guidance`, `width`, `height`, `model` (model.path),
+A video family's sample is an mp4 (trainer/data/video.py `write_video`) with a PNG of its frames beside it
+(`frame_sheet`, same name), which carries the metadata below. Every PNG carries tEXt chunks `prompt`, `seed`, `steps`, `guidance`, `width`, `height`, `model` (model.path),
 `dtype`, `family`, `loras` (`path:weight`, comma-separated; absent without LoRAs), `offload`, `software`, and
 `transformer_file` / `negative_prompt` when set, plus `dittrain` with all of them as one JSON object, so an image
 found later can be remade. Read them with `PIL.Image.open(p).text`. The contact sheet lists its `prompts` and
@@ -35,6 +36,14 @@ def save_png(image: Image.Image, path: Path, metadata: dict[str, str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path, format="PNG", pnginfo=info)
     return path
+
+
+def frame_sheet(frames: list[Image.Image], most: int = 9) -> Image.Image:
+    """A video's contact sheet: up to `most` of its frames evenly spaced from the first to the last (all of them
+    when it has no more), row-major on a grid of up to 3 columns."""
+    n = len(frames)
+    picks = sorted({round(i * (n - 1) / (most - 1)) for i in range(most)}) if n > most else range(n)
+    return contact_sheet([frames[i] for i in picks], columns=min(3, n))
 
 
 def contact_sheet(images: list[Image.Image], columns: int | None = None, pad: int = 4) -> Image.Image:

@@ -31,6 +31,7 @@ class SampleRequest:
     out: Path | None = None
     base: bool = False  # full fine-tune configs: sample the base model, not output.dir/transformer
     image: Path | list[Path] | None = None  # edit families: the reference image (several: Flux.2, `max_references`)
+    frames: int | None = None  # video families: frames per sample
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class SampleSettings:
     #: edit families: the reference image file (resized and centre-cropped to width x height, as in training);
     #: a tuple of files for several references (families with `max_references` > 1)
     image: str | tuple[str, ...] | None = None
+    #: video families: frames per sample (1: a still image)
+    frames: int = 1
 
     def reference(self):
         """The reference image as the pipeline gets it (PIL, width x height), a list of them for several, or None."""
@@ -72,7 +75,8 @@ class SampleSettings:
     def from_config(cls, sample_cfg) -> SampleSettings:
         """The config's `sample:` section as settings (what sampling during training uses)."""
         s = sample_cfg
-        return cls(s.steps, s.guidance, s.width, s.height, s.negative_prompt, image_setting(getattr(s, "image", None)))
+        return cls(s.steps, s.guidance, s.width, s.height, s.negative_prompt, image_setting(getattr(s, "image", None)),
+                   getattr(s, "frames", 1))
 
 
 def image_setting(image) -> str | tuple[str, ...] | None:
@@ -177,6 +181,20 @@ def collect_prompts(req: SampleRequest, config_prompts: list[str]) -> list[str]:
     if not prompts:
         raise UserError("no prompts: pass --prompt TEXT, --prompts FILE, or set sample.prompts in the config")
     return prompts
+
+
+def check_frames(frames: int, adapter) -> None:
+    """`sample.frames` / `--frames`: more than one only for a video family, and then a clip its VAE decodes
+    (frame_step * k + 1)."""
+    if frames == 1:
+        return
+    if not adapter.video:
+        raise UserError(f"sample.frames {frames}: {adapter.family} makes images; frames are for video families "
+                        f"(set sample.frames: 1)")
+    if not adapter.valid_frames(frames):
+        k = (frames - 1) // adapter.frame_step
+        raise UserError(f"sample.frames {frames}: {adapter.family} makes {adapter.frame_step}k+1 frames: use "
+                        f"{k * adapter.frame_step + 1} or {(k + 1) * adapter.frame_step + 1}")
 
 
 def check_image(path: Path | list[Path] | None, adapter) -> None:

@@ -29,8 +29,9 @@ import torch
 from PIL import Image
 
 from .engine import encode_prompts, generate, release_text_encoders, to_device
+from .output import frame_sheet
 from .placement import place_text_encoders, tile_decode
-from .request import SampleSettings, check_image
+from .request import SampleSettings, check_frames, check_image
 
 
 class TrainingSampler:
@@ -43,6 +44,7 @@ class TrainingSampler:
         self.prompts = list(s.prompts)
         self.seeds = [s.seed + i for i in range(len(self.prompts))]
         self.settings = SampleSettings.from_config(s)
+        check_frames(self.settings.frames, adapter)
         if isinstance(s.image, list):  # several references: readable, and no more than the family takes
             check_image(s.image, adapter)
         comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler"}, dtype=dtype, device="cpu")
@@ -67,7 +69,8 @@ class TrainingSampler:
             tile_decode(self.pipe.vae, s.height, s.width)
 
     def __call__(self, transformer: torch.nn.Module, progress: bool = False, before_decode=None) -> list[Image.Image]:
-        """One image per prompt, with the given transformer (by reference). Empty when there are no prompts.
+        """One image per prompt, with the given transformer (by reference); for a video family the contact sheet of
+        each sample's frames (`frame_sheet`; no mp4 during training yet). Empty when there are no prompts.
         `before_decode()`: called once, when the VAE's decoder first runs (after the first image's denoising)."""
         if not self.prompts:
             return []
@@ -81,7 +84,7 @@ class TrainingSampler:
 
             hook = vae.decoder.register_forward_pre_hook(first_decode)
         try:
-            return generate(
+            out = generate(
                 self.pipe,
                 self.adapter,
                 self.embeds,
@@ -90,6 +93,8 @@ class TrainingSampler:
                 transformer=transformer,
                 progress=progress,
             )
+            # a video family's samples are lists of frames: the run folder and TensorBoard get each one's frame sheet
+            return [frame_sheet(x) if isinstance(x, list) else x for x in out]
         finally:
             if hook is not None:
                 hook.remove()
