@@ -173,7 +173,9 @@ def test_text_latents_and_predict_as_wan_pipeline_does(wan):
 def test_the_comfy_key_map_is_where_diffusers_single_file_converter_takes_the_weights():
     """Wan's original names (ComfyUI's WanModel, the Wan-AI files), checked with diffusers' own converter run on row
     ids (as for the other families: tests/test_lora_format.py)."""
-    from test_lora_format import test_key_map_places_rows_where_diffusers_single_file_converter_takes_them as check
+    from test_lora_format import (
+        test_key_map_places_rows_where_diffusers_single_file_converter_takes_them as check,
+    )
 
     check("wan")
 
@@ -185,6 +187,7 @@ def test_the_comfy_key_map_is_where_diffusers_single_file_converter_takes_the_we
 def fitted(wan, videos, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wan-fit")
     cfg = _config(wan, videos, tmp)
+    cfg.sample.every = 4  # the last step samples with the model being trained: a frame sheet PNG
     path = tmp / "fit.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True)))
     r = CliRunner().invoke(app, ["fit", str(path)])
@@ -196,6 +199,8 @@ def test_fit_trains_a_lora_on_a_video_that_wan_pipeline_loads(fitted):
     cfg, out = fitted
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and all(np.isfinite(x["loss"]) for x in lines)
+    sheet = Image.open(out / "samples" / "step-000004-0.png")
+    assert sheet.size == (3 * 64 + 4 * 4, 3 * 64 + 4 * 4)  # 9 frames on a 3 x 3 grid
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(str(cfg.model.path), torch_dtype=torch.float32, local_files_only=True)
