@@ -27,8 +27,8 @@ How.
 - `check_writable` tries a folder before the model loads, and `disk_errors` turns a full disk during a save into
   one line with the size needed.
 
-Left out: locking against two live processes writing the same folder at once (the second is refused only if the
-first has saved something).
+Two live processes: `claim` refuses a second run only once the first has saved something; the lock of lock.py,
+taken before `claim`, refuses it from the start.
 """
 
 from __future__ import annotations

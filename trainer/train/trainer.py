@@ -12,7 +12,7 @@ setup     resolves --resume first (a missing checkpoint fails before anything lo
 train_step draws grad_accum micro-batches, checks each loss before its backward, clips, steps.
 save      writes a complete, resumable checkpoint atomically (see checkpoint.py) and, at the end, the method's
           final weights in output.dir (the LoRA file or the transformer folder): saving.py, a mixin.
-close     restores signal handlers, closes the logs, drops the model.
+close     restores signal handlers, closes the logs, drops the model, unlocks output.dir.
 
 The loop never asks which method it trains: whatever differs between LoRA and full fine-tuning is a call on
 `self.method`.
@@ -47,6 +47,7 @@ from . import run as runs
 from .ema import EMA
 from .faults import StopFlag, TrainingInterrupted, oom_error
 from .inputs import prepare_data
+from .lock import RunLock
 from .method import method_for
 from .monitor import Monitor, say
 from .objective import FlowMatching
@@ -124,6 +125,7 @@ class Trainer(Saving):
         self.lockstep = False  # the other ranks join rank 0's transformer calls (fsdp, a sharded stream): setup
         self._smoothing: dict | None = None  # the checkpoint's smoothed loss (monitor.py), on resume
         self._ready = False
+        self._lock: RunLock | None = None  # output.dir's lock (lock.py), from setup to close
 
     # ------------------------------------------------------------------------------------------------ run
 
@@ -195,6 +197,8 @@ class Trainer(Saving):
             from .wandb_log import require_wandb
 
             require_wandb()  # a missing package is one line now, not after the model has loaded
+        if runs.is_main_process():  # one live fit per output.dir (lock.py), held to close(); torchrun: rank 0
+            self._lock = RunLock(self.out).acquire(say)
         # The folder belongs to this run from here (or the run stops: another run's outputs are never touched).
         self.run = runs.claim(self.out, resume_dir, self.overwrite, self.resume_other_run, write=runs.is_main_process())
         self.dist = distributed.setup(c.device, c.distributed)  # several processes: process group, cuda:LOCAL_RANK
@@ -467,6 +471,9 @@ class Trainer(Saving):
         self.dist.close()
         if several:
             gc.collect()
+        if self._lock is not None:  # last: the folder is free once everything above let go of it
+            self._lock.release()
+            self._lock = None
 
 
 def _checkpointed(setting) -> str:
