@@ -236,6 +236,10 @@ def test_sample_writes_an_mp4_and_frames_pixel_identical_to_wan_pipeline(fitted,
     assert len(want) == 9
     np.testing.assert_array_equal(pixels(sheet), np.asarray(frame_sheet(want)))  # all 9 frames, bit for bit
     assert (pixels(sheet) != pixels(plain[1])).mean() > 0.05, "the trained LoRA must change the video"
+    # every block streamed by the offload conductor (its CPU ring here): the same frames
+    streamed = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[str(lora)], offload=1.0,
+                                             out=tmp_path / "streamed"))
+    np.testing.assert_array_equal(pixels(streamed[1]), pixels(sheet))
     # the mp4: 9 frames of 64x64 at 16 fps, H.264 close to the frames (lossy)
     assert probe_video(mp4, None) == (64, 64, 9)
     got = read_clip(mp4, None, 0, 9)

@@ -13,8 +13,9 @@ The interface the training loop uses (everything else here is internal):
 
 `prepare_data(cfg, adapter, load_encoders=None, *, device=None, progress=True) -> TrainData`:
 
-1. scans every source (no model loaded): images + captions, bad files with reasons; `data.strict` stops on
-   any, and an empty data set or a missing folder stops with one line (`UserError`);
+1. scans every source (no model loaded): images + captions (and videos for a video family: video.py), bad files
+   with reasons; `data.strict` stops on any, and an empty data set or a missing folder stops with one line
+   (`UserError`);
 2. assigns aspect-ratio buckets (sides divisible by `adapter.resolution_divisor`) and prints the summary;
 3. makes sure every latent and caption embedding is cached (in `data.cache_dir`, or in memory with
    `data.cache: false`); only if something is missing it calls `load_encoders()` (default: `adapter.load(

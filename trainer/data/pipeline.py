@@ -44,7 +44,7 @@ class Batch:
     """One training micro-batch, all from one bucket.
 
     latents: (B, C, h, w) float32 on the CPU, as `adapter.encode_images` returned them (move and cast them
-    yourself); text: `adapter.collate_text` of the cached entries (CPU, in the text encoders' dtype); captions:
+    yourself); for a video family (B, C, F, h, w), every sample a clip of the same frames (`Entry.group`); text: `adapter.collate_text` of the cached entries (CPU, in the text encoders' dtype); captions:
     the caption each sample trains on ("" where dropped); files: the image of each sample; size: (height, width)
     of the bucket in pixels (for `adapter.timestep_shift`); position: the global sampler position this batch was
     drawn at; mask: with data.masked_loss, (B, 1, h, w) float32 per-latent-cell loss weights (unmasked_weight +
