@@ -61,6 +61,12 @@ def test_offline_wandb_gets_the_runs_losses_config_and_id(tiny_models, images, t
                               "wandb": {"project": "dittrain-test", "mode": "offline", "tags": ["tiny"]}})
     t = Trainer(cfg)
     t.fit()
+    # run.finish() returns before W&B's service process has written the run's file (it only asks the service to
+    # close the stream: right after it the file holds its 7-byte header alone); teardown waits for that process
+    # to exit, files written. A CLI run gets the same at exit (W&B's atexit hook).
+    import wandb
+
+    wandb.teardown()
     files = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1 and files[0].name == f"run-{t.run.id}.wandb"  # the W&B run id is the dittrain run id
     logged, run = {}, None
