@@ -208,7 +208,7 @@ def test_compile_cache_folder_is_written_and_a_second_run_loads_it(tmp_path, mon
     every in-process cache is dropped loads the compiled forward + backward from it."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))  # restored after the test
     folder = compiled.use_cache(tmp_path / "torch-compile")
-    assert folder == str(tmp_path / "torch-compile")
+    assert folder == str(tmp_path / "torch-compile" / compiled._cpu_key())
     cls = _tiny_block_cls()
     opts = CompileOptions(backend="inductor", shapes=1)
 
@@ -231,6 +231,25 @@ def test_compile_cache_folder_is_written_and_a_second_run_loads_it(tmp_path, mon
     assert "cache 1 of 1 forward+backward graphs" in compiled.report()
 
 
+def test_compile_cache_has_one_folder_per_cpu_vector_isa(tmp_path, monkeypatch):
+    """Inductor's FX graph cache is keyed by the thread count but not by the ISA its C++ kernels were written for
+    (measured: a kernel compiled under ATEN_CPU_CAPABILITY=default loads as a hit under AVX2), so a compile cache
+    on a disk shared by machines of different CPUs keeps one subfolder per ISA; the same ISA finds its own."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))  # restored after the test
+    amx = {"on": False}
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx["on"], raising=False)
+    folders = {}
+    for cap, has_amx in (("AVX2", False), ("AVX512", False), ("AVX512", True), ("DEFAULT", False), ("AVX2", True)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda cap=cap: cap)
+        amx["on"] = has_amx
+        folders[cap, has_amx] = compiled.use_cache(tmp_path / "torch-compile")
+    root = tmp_path / "torch-compile"
+    assert folders == {("AVX2", False): str(root / "cpu-avx2"), ("AVX512", False): str(root / "cpu-avx512"),
+                       ("AVX512", True): str(root / "cpu-avx512-amx"), ("DEFAULT", False): str(root / "cpu-default"),
+                       ("AVX2", True): str(root / "cpu-avx2")}  # AMX tiles come only with AVX-512 kernels
+    assert sorted(p.name for p in root.iterdir()) == ["cpu-avx2", "cpu-avx512", "cpu-avx512-amx", "cpu-default"]
+
+
 def test_trainer_points_the_compile_cache_beside_the_data_cache(tiny_models, tmp_path, monkeypatch, capsys):
     import os
 
@@ -246,7 +265,7 @@ def test_trainer_points_the_compile_cache_beside_the_data_cache(tiny_models, tmp
     t = Trainer(cfg)
     t.fit()
     t.close()
-    want = str((tmp_path / "cache" / "torch-compile").resolve())
+    want = str((tmp_path / "cache" / "torch-compile" / compiled._cpu_key()).resolve())
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == want and os.path.isdir(want)
     out = capsys.readouterr()
     assert f"compile cache: {want}" in out.err + out.out

@@ -32,7 +32,11 @@ and dynamo's record of which dimensions turned dynamic. `use_cache` points all o
 `TORCHINDUCTOR_CACHE_DIR`, which inductor reads at each use; triton's folder lies under it unless
 `TRITON_CACHE_DIR` is set), so a re-run or `--resume` finds the previous run's kernels beside the data cache
 instead of in /tmp. The files are torch's own; nothing here writes or reads them. Dynamo still traces each block
-class again in a new process (seconds), and inductor then loads instead of compiling.
+class again in a new process (seconds), and inductor then loads instead of compiling. The folder gets one
+subfolder per CPU vector ISA (`cpu-avx2`, `cpu-avx512`, `cpu-default`, ...): torch 2.13 keys an FX graph by the
+thread count but not by the ISA its C++ kernels were generated for (a kernel written under
+ATEN_CPU_CAPABILITY=default loads as a hit under AVX2), so a data cache on a disk that machines of different CPUs
+share would hand one machine the other's kernels.
 
 Compile time is measured here (`report()`): the time spent in calls that produced a new graph, with the cache's
 hits and misses. Inductor compiles the backward graph lazily, at the first backward, so the first step's time
@@ -148,13 +152,22 @@ def stats() -> dict:
 
 
 def use_cache(folder: str | os.PathLike) -> str:
-    """Keep inductor's compile caches in `folder` (created) from now on in this process; returns it. See the
-    essay: the files are torch's own."""
-    path = os.path.abspath(os.fspath(folder))
+    """Keep inductor's compile caches in `folder`'s subfolder for this CPU's vector ISA (created) from now on in
+    this process; returns it. See the essay: the files are torch's own."""
+    path = os.path.join(os.path.abspath(os.fspath(folder)), _cpu_key())
     os.makedirs(path, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     _STATS["cache"] = path
     return path
+
+
+def _cpu_key() -> str:
+    """The compile cache's subfolder: the CPU's vector ISA as ATen dispatches it (ATEN_CPU_CAPABILITY counted, as
+    inductor counts it), AMX noted (inductor's AVX-512 GEMM kernels use its tiles where it is present). Read from
+    cpuinfo: no compiler probe (inductor's own `pick_vec_isa` compiles one: 1-7 s)."""
+    cap = torch.backends.cpu.get_cpu_capability().lower()
+    amx = cap.startswith("avx512") and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return f"cpu-{cap}{'-amx' if amx else ''}"
 
 
 def report(once: bool = True) -> str | None:
