@@ -75,8 +75,9 @@ def test_second_ctrl_c_during_the_save_quits_at_once_and_keeps_the_last_checkpoi
 
     monkeypatch.setattr(Trainer, "train_step", train_step)
     monkeypatch.setattr(ck, "save_lora", save_lora)
-    with pytest.raises(TrainingInterrupted, match="stopped at once at step 3.*step-000002"):
-        Trainer(cfg).fit()
+    with pytest.raises(TrainingInterrupted, match=r"^stopped by SIGINT at once at step 3 without saving; the last "
+                       r"complete checkpoint is .*step-000002; continue with `dittrain fit CONFIG --resume latest`$"):
+        Trainer(cfg).fit()  # the hint to continue is kept
     root = tmp_path / "run" / "checkpoints"
     assert [s for s, _ in ck.list_checkpoints(root)] == [2]
     monkeypatch.undo()
@@ -194,3 +195,110 @@ def test_ctrl_c_to_dittrain_fit_saves_and_resume_latest_continues(tiny_models, i
     assert f"resumed from {found[0][1]} at step {step}" in done.stderr
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()][-3:] == [step, step + 1, step + 2]
     assert (tmp_path / "run" / "lora.safetensors").is_file()
+
+
+def test_sigterm_saves_and_exits_143_and_sigint_130(tiny_models, images, tmp_path, monkeypatch):
+    """SIGTERM is the polite stop of schedulers and `kill`: the same save as Ctrl-C, exit code 143 (128 + 15, the
+    convention) where Ctrl-C keeps 130."""
+    import os
+
+    real_step = Trainer.train_step
+
+    for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        def train_step(self, sig=sig):
+            m = real_step(self)
+            if self.step == 1:
+                os.kill(os.getpid(), sig)  # through the installed handler, as from outside
+            return m
+
+        monkeypatch.setattr(Trainer, "train_step", train_step)
+        out = tmp_path / sig.name
+        cfg = make_config(tiny_models, images, out, tmp_path / "cache", "flux", train={"steps": 5})
+        before = signal.getsignal(sig)
+        with pytest.raises(TrainingInterrupted, match=rf"^stopped by {sig.name} at step 1: saved ") as e:
+            Trainer(cfg).fit()
+        assert e.value.exit_code == code
+        assert signal.getsignal(sig) is before  # the handlers installed twice (loading, training) are undone
+
+
+def test_a_stop_while_caching_says_what_is_kept_closes_the_bar_and_how_to_continue(tiny_models, images, tmp_path,
+                                                                                     monkeypatch):
+    """A signal before step 1 (here while caching latents) stops at once: the line says caching stopped, that the
+    entries written so far are kept (and counts them), and gives the command that continues, without
+    `--resume latest` (a fresh run has no checkpoint); the progress bar is closed before the line is printed."""
+    import os
+
+    from safetensors import safe_open
+
+    from trainer.data import cache as dc
+
+    real_put, puts, latents = dc.DiskStore.put, [], set()
+
+    def put(self, key, tensors, meta):
+        real_put(self, key, tensors, meta)
+        puts.append(key)
+        if "bucket" in meta:  # a latent
+            latents.add(key)
+            if len(latents) == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # the third latent written: mid-way through the latents
+
+    bars = []
+
+    class Bar:  # records whether the bar was closed, as tqdm's would be drawn one last time
+        def __init__(self, *a, **k):
+            self.closed = False
+            bars.append(self)
+
+        def update(self, n):
+            pass
+
+        def close(self):
+            self.closed = True
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.close()
+
+    monkeypatch.setattr(dc.DiskStore, "put", put)
+    monkeypatch.setattr(dc, "progress_bar", Bar)
+    cache = tmp_path / "cache"
+    cfg = make_config(tiny_models, write_images(tmp_path / "many", n=12), tmp_path / "run", cache, "flux")
+    with pytest.raises(TrainingInterrupted) as e:
+        Trainer(cfg, relaunch="dittrain fit my.yaml --resume latest").fit()
+    entries = sorted(cache.rglob("*.safetensors"))
+    captions = sum("caption" in safe_open(str(p), "pt").metadata() for p in entries)
+    assert str(e.value) == (f"caching stopped by SIGTERM before training: the {captions} captions and "
+                            f"{len(entries) - captions} latents encoded so far are kept in {cache} and reused; "
+                            f"continue with `dittrain fit my.yaml`")
+    assert e.value.exit_code == 143 and len(entries) == len(puts) and len(entries) - captions == 3
+    assert len(bars) == 2 and all(b.closed for b in bars)  # captions, then latents
+    assert not (tmp_path / "run").exists()  # the folder a fresh run made is given back
+
+
+def test_dittrain_cache_stopped_says_what_is_kept_and_exits_130(tiny_models, images, tmp_path, monkeypatch):
+    import os
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+    from trainer.data import cache as dc
+
+    real_put = dc.DiskStore.put
+
+    def put(self, key, tensors, meta):
+        real_put(self, key, tensors, meta)
+        if "bucket" in meta:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C after the first latent
+
+    monkeypatch.setattr(dc.DiskStore, "put", put)
+    cfg = _cfg(tiny_models, images, tmp_path)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    r = CliRunner().invoke(app, ["cache", str(tmp_path / "c.yaml")])
+    assert r.exit_code == 130, r.output
+    assert r.output.strip().splitlines()[-1].startswith("caching stopped by SIGINT: the ")
+    assert r.output.strip().endswith(f"captions and 1 latent encoded so far are kept in {tmp_path / 'cache'} and "
+                                     "reused; `dittrain cache` (or `dittrain fit`) with this config encodes the rest")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -227,8 +227,14 @@ def cache(config: Path = CONFIG_ARG, overrides: list[str] = SET_OPT) -> None:
     its own entries."""
     cfg = _load(config, overrides)
     from .data.cache import run_cache
+    from .train.faults import StopFlag
 
-    run_cache(cfg)
+    stop = StopFlag()
+    stop.install(at_once=True)  # Ctrl-C / SIGTERM: one line on what is kept, exit 130 / 143
+    try:
+        run_cache(cfg)
+    finally:
+        stop.restore()
 
 
 @app.command()

@@ -12,7 +12,7 @@ class UserError(Exception):
     """A problem with the user's input; `str(err)` is the one line the CLI prints, after `label`."""
 
     exit_code = 1
-    label = "error: "  # a requested stop (trainer/train/faults.py) is no error and prints none
+    label = "error: "  # a requested stop (`Interrupted`) is no error and prints none
 
 
 class ConfigError(UserError):
@@ -32,3 +32,26 @@ class NonFiniteWeightsError(UserError):
     are saved, so the newest checkpoint stays the last good one."""
 
     exit_code = 3
+
+
+class Interrupted(UserError):
+    """A stop the user asked for (Ctrl-C, SIGTERM): no error, so the CLI prints its line without "error:", and
+    exits with 128 + the signal's number as shells report a process the signal ended (130 for SIGINT, 143 for
+    SIGTERM)."""
+
+    label = ""
+    exit_code = 130
+
+    def __init__(self, message: str, signal_name: str = "SIGINT") -> None:
+        super().__init__(message)
+        import signal
+
+        self.signal_name = signal_name
+        self.exit_code = 128 + getattr(signal.Signals, signal_name, signal.SIGINT).value
+
+    @staticmethod
+    def signal_of(e: BaseException) -> str:
+        """The signal a KeyboardInterrupt stands for: the name a handler raised it with (faults.StopFlag), else
+        SIGINT (Python's own Ctrl-C)."""
+        name = e.args[0] if e.args and isinstance(e.args[0], str) else ""
+        return name if name.startswith("SIG") else "SIGINT"

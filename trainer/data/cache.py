@@ -60,9 +60,10 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..dtypes import DTYPES
-from ..errors import UserError
+from ..errors import Interrupted, UserError
 from ..progress import bar as progress_bar
 from ..train.phases import LOG, Phase
+from ..words import count
 from .images import BadImage, load_mask, load_pixels
 from .video import is_video, load_clip
 
@@ -275,6 +276,39 @@ def ensure_encoded(
     stages = load_encoders if isinstance(load_encoders, EncoderStages) else _AllAtOnce(load_encoders)
     res.loaded_encoders = True
     try:
+        _encode_stages(adapter, stages, latent_store, text_store, unique_jobs, todo_lat, todo_caps, batch_size,
+                       progress, res)
+    except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: every entry written so far is whole (DiskStore.put)
+        raise CachingInterrupted(e, sum(map(text_store.has, todo_txt_set)), sum(map(latent_store.has, todo_lat)),
+                                 (latent_store, text_store)) from None
+    if "" in res.bad_texts:
+        raise UserError(f"the empty caption's embedding is not finite ({res.bad_texts['']}); try model.dtype: bf16 or fp32")
+    return res
+
+
+class CachingInterrupted(KeyboardInterrupt):
+    """Caching stopped by a signal (still a KeyboardInterrupt): how many entries this run wrote, and the folder
+    that keeps them (None: in memory, data.cache: false), for the line that says what is kept and how to go on."""
+
+    def __init__(self, cause: KeyboardInterrupt, captions: int, latents: int, stores) -> None:
+        super().__init__(*cause.args)  # the signal's name, as faults.StopFlag raised it
+        self.captions, self.latents = captions, latents  # entries written by this run (counted on disk)
+        disk = all(isinstance(s, DiskStore) for s in stores)
+        self.kept = os.path.commonpath([str(s.folder) for s in stores]) if disk else None
+
+    def kept_words(self) -> str:
+        """What was kept, e.g. "the 8 captions and 3 latents encoded so far are kept in cache/x and reused"."""
+        if self.kept is None:
+            return "nothing is kept (data.cache: false encodes in memory)"
+        if not self.captions + self.latents:
+            return f"nothing new was written to {self.kept} yet"
+        return (f"the {count(self.captions, 'caption')} and {count(self.latents, 'latent')} encoded so far are kept "
+                f"in {self.kept} and reused")
+
+
+def _encode_stages(adapter, stages, latent_store, text_store, unique_jobs, todo_lat, todo_caps, batch_size,
+                   progress, res) -> None:
+    try:
         # Text first, then the VAE: each stage loads its models, encodes and frees them before the next.
         if todo_caps:
             with Phase("text caching"), stages.text() as comps:
@@ -288,9 +322,6 @@ def ensure_encoded(
     finally:
         stages.close()
         _free()
-    if "" in res.bad_texts:
-        raise UserError(f"the empty caption's embedding is not finite ({res.bad_texts['']}); try model.dtype: bf16 or fp32")
-    return res
 
 
 def _device_dtype(module) -> tuple[torch.device, torch.dtype]:
@@ -307,9 +338,9 @@ def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int,
     for j in jobs:  # a batch stacks one shape: one bucket, one clip length
         by_bucket.setdefault((*j.bucket, j.frames), []).append(j)
     chunks = [g[i : i + batch_size] for g in by_bucket.values() for i in range(0, len(g), batch_size)]
-    bar = progress_bar(total=len(jobs), desc="encoding latents", unit="img", enabled=progress)
-    # Decoding and resizing release the GIL: a few threads keep the VAE fed.
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+    # closed however the loop ends: a bar left open is redrawn below the line an interrupt prints
+    with progress_bar(total=len(jobs), desc="encoding latents", unit="img", enabled=progress) as bar, \
+            ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # decoding releases the GIL
         for chunk in chunks:
             pixels, masks, ok = [], [], []
             for j, px in zip(chunk, pool.map(_pixels_or_reason, chunk), strict=True):
@@ -340,7 +371,6 @@ def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int,
                                          "crop": f"{j.box[0]},{j.box[1]}", "version": CACHE_VERSION})
                     res.latents_new += 1
             bar.update(len(chunk))
-    bar.close()
 
 
 def _pixels_or_reason(job: LatentJob) -> tuple[torch.Tensor, torch.Tensor | None] | str:
@@ -370,36 +400,35 @@ def _reference_or_reason(job: TextJob):
 
 
 def _encode_texts(adapter, comps, store, captions: list[TextJob], batch_size: int, progress: bool, res) -> None:
-    bar = progress_bar(total=len(captions), desc="encoding captions", unit="cap", enabled=progress)
-    plain, with_ref = [j for j in captions if j.ref is None], [j for j in captions if j.ref is not None]
-    chunks = [g[i : i + batch_size] for g in (plain, with_ref) for i in range(0, len(g), batch_size)]
-    for chunk in chunks:
-        kw = {}
-        bar.update(len(chunk))
-        if chunk[0].ref is not None:
-            refs = [_reference_or_reason(j) for j in chunk]
-            for j, r in zip(chunk, refs, strict=True):
-                if isinstance(r, str):
-                    res.bad_texts[j.label] = r
-            chunk, kw = [j for j, r in zip(chunk, refs, strict=True) if not isinstance(r, str)], {
-                "images": [r for r in refs if not isinstance(r, str)]}
-            if not chunk:
-                continue
-        with torch.no_grad():
-            out = adapter.encode_prompts(comps, [j.caption for j in chunk], **kw)
-        out = {k: v.detach().cpu() for k, v in out.items()}  # device->host sync, once per chunk
-        for n, job in enumerate(chunk):
-            # clone: one caption's slice must not keep the whole batch alive (and safetensors refuses views)
-            t = {k: v[n].clone() for k, v in out.items()}
-            if not finite(t):
-                res.bad_texts[job.label] = "text embedding has NaN/inf (fp16 overflow? try model.dtype: bf16 or fp32)"
-                continue
-            meta = {"caption": job.caption, "version": CACHE_VERSION}
-            if job.ref is not None:
-                meta["reference"] = job.ref.file
-            store.put(job.key, t, meta)
-            res.texts_new += 1
-    bar.close()
+    with progress_bar(total=len(captions), desc="encoding captions", unit="cap", enabled=progress) as bar:
+        plain, with_ref = [j for j in captions if j.ref is None], [j for j in captions if j.ref is not None]
+        chunks = [g[i : i + batch_size] for g in (plain, with_ref) for i in range(0, len(g), batch_size)]
+        for chunk in chunks:
+            kw = {}
+            bar.update(len(chunk))
+            if chunk[0].ref is not None:
+                refs = [_reference_or_reason(j) for j in chunk]
+                for j, r in zip(chunk, refs, strict=True):
+                    if isinstance(r, str):
+                        res.bad_texts[j.label] = r
+                chunk, kw = [j for j, r in zip(chunk, refs, strict=True) if not isinstance(r, str)], {
+                    "images": [r for r in refs if not isinstance(r, str)]}
+                if not chunk:
+                    continue
+            with torch.no_grad():
+                out = adapter.encode_prompts(comps, [j.caption for j in chunk], **kw)
+            out = {k: v.detach().cpu() for k, v in out.items()}  # device->host sync, once per chunk
+            for n, job in enumerate(chunk):
+                # clone: one caption's slice must not keep the whole batch alive (and safetensors refuses views)
+                t = {k: v[n].clone() for k, v in out.items()}
+                if not finite(t):
+                    res.bad_texts[job.label] = "text embedding has NaN/inf (fp16 overflow? try model.dtype: bf16 or fp32)"
+                    continue
+                meta = {"caption": job.caption, "version": CACHE_VERSION}
+                if job.ref is not None:
+                    meta["reference"] = job.ref.file
+                store.put(job.key, t, meta)
+                res.texts_new += 1
 
 
 # ---------------------------------------------------------------------------------------------- stages
@@ -550,10 +579,15 @@ def run_cache(cfg) -> None:
     if not cfg.data.cache:
         tqdm.write(f"note: data.cache is false, so fit will encode in memory and not read {cfg.data.cache_dir}",
                    file=sys.stderr)
-    res = ensure_encoded(
-        adapter, cache_stages(cfg, adapter), plan.latent_store, plan.text_store, plan.latent_jobs(),
-        plan.captions(), batch_size=cfg.data.encode_batch_size, verify_latents=True, verify_texts=True,
-    )
+    try:
+        res = ensure_encoded(
+            adapter, cache_stages(cfg, adapter), plan.latent_store, plan.text_store, plan.latent_jobs(),
+            plan.captions(), batch_size=cfg.data.encode_batch_size, verify_latents=True, verify_texts=True,
+        )
+    except CachingInterrupted as e:
+        name = Interrupted.signal_of(e)
+        raise Interrupted(f"caching stopped by {name}: {e.kept_words()}; `dittrain cache` (or `dittrain fit`) with "
+                          f"this config encodes the rest", name) from None
     drop_encoding_failures(plan, res)
     tqdm.write(plan.encode_summary(res), file=sys.stderr)
     if torch.cuda.is_available():

@@ -2,9 +2,12 @@
 
 Ctrl-C / SIGTERM. The first signal only sets a flag: the current step finishes (a step cut in half would leave
 the optimizer state and the weights out of step), the loop sees the flag, saves a resumable checkpoint and ends
-with exit code 130. A second signal raises `KeyboardInterrupt` at once, wherever the program is. That is safe
-for the checkpoints because every one is written under a temporary name and renamed into place only when
-complete: the worst a second Ctrl-C can do is leave a `.tmp-*` folder, which the next run deletes.
+with exit code 130 (SIGINT) or 143 (SIGTERM), as shells report them. A second signal raises `KeyboardInterrupt`
+at once, wherever the program is; its line still says how to continue. That is safe for the checkpoints because
+every one is written under a temporary name and renamed into place only when complete: the worst a second Ctrl-C
+can do is leave a `.tmp-*` folder, which the next run deletes. Before the first step (loading, caching) there is
+no step to finish, so the first signal stops at once (`install(at_once=True)`); cache entries are written whole
+(temp file + rename), so every one already written is kept and the next run reuses it.
 
 Non-finite loss. The loss is checked before backward: with the fused back pass the optimizer steps inside
 backward, so a check afterwards would come after the weights changed. The error names the step and the batch's
@@ -30,15 +33,12 @@ import threading
 
 import torch
 
-from ..errors import UserError
+from ..errors import Interrupted, UserError
 
 
-class TrainingInterrupted(UserError):
+class TrainingInterrupted(Interrupted):
     """The run stopped on request after saving a resumable checkpoint (or at once, on a second signal). Not an
-    error: the CLI prints the line without "error:" (exit code 130, as shells report a Ctrl-C)."""
-
-    exit_code = 130
-    label = ""
+    error: the CLI prints the line without "error:" (exit code 130 for SIGINT, 143 for SIGTERM)."""
 
 
 class StopFlag:
@@ -47,21 +47,24 @@ class StopFlag:
     def __init__(self, say=print):
         self.requested = False
         self.signal_name = ""
+        self.at_once = False
         self._say = say
         self._previous: dict[int, object] = {}
 
     def handler(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         name = signal.Signals(signum).name
-        if self.requested:
+        if self.requested or self.at_once:
             raise KeyboardInterrupt(name)
         self.requested, self.signal_name = True, name
         self._say(f"{name}: finishing this step and saving a checkpoint (press Ctrl-C again to quit at once)")
 
-    def install(self) -> None:
+    def install(self, at_once: bool = False) -> None:
+        """Handle SIGINT / SIGTERM from now on; `at_once`: the first signal already stops (nothing to finish)."""
+        self.at_once = at_once
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread; run without them
         for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.getsignal(sig)
+            self._previous.setdefault(sig, signal.getsignal(sig))  # installed twice: the first one's to restore
             signal.signal(sig, self.handler)
 
     def restore(self) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config
+from ..data.cache import CachingInterrupted
 from ..dtypes import DTYPES
 from ..errors import NonFiniteLossError, UserError
 from ..models import adapter_classes, get_adapter, stream_load
@@ -134,6 +135,7 @@ class Trainer(Saving):
         c = self.cfg.train
         try:
             if not self._ready:
+                self.stop.install(at_once=True)  # no step to finish yet: a signal stops loading / caching at once
                 with self._phase("load"):  # the caching phases inside it measure and report themselves
                     self.setup()
             self.stop.install()
@@ -152,7 +154,7 @@ class Trainer(Saving):
                     path = self.save()
                     raise TrainingInterrupted(
                         f"stopped by {self.stop.signal_name} at step {self.step}: saved {path}; continue with "
-                        f"`{self.relaunch}`"
+                        f"`{self.relaunch}`", self.stop.signal_name
                     )
                 if runs.save_due(self.cfg, self.step):  # train.checkpoint_every, output.save_every
                     self.save()
@@ -169,15 +171,26 @@ class Trainer(Saving):
             return self.save(final=True)
         except torch.OutOfMemoryError:
             raise oom_error(self.step + 1, self.fraction, self.method.oom_hint) from None
-        except KeyboardInterrupt:
-            raise TrainingInterrupted(
-                f"stopped at once at step {self.step} without saving; the last complete checkpoint is "
-                f"{self._newest_checkpoint()}"
-            ) from None
+        except KeyboardInterrupt as e:  # a second signal, or the first before step 1
+            raise TrainingInterrupted(self._stopped_at_once(e), TrainingInterrupted.signal_of(e)) from None
         finally:
             self.close()
             if self.resume is None and self.step == 0 and getattr(self, "run", None) and self.dist.is_main:
                 runs.release(self.out, self.run.id, keep_folder=self._out_existed)  # failed before step 1
+
+    def _stopped_at_once(self, e: KeyboardInterrupt) -> str:
+        """The line for a run stopped without saving: what is kept and the command that continues it (`--resume
+        latest` only where this run has a checkpoint; a fresh run stopped before one starts again as it was)."""
+        name = TrainingInterrupted.signal_of(e)
+        newest = self._newest_checkpoint() if getattr(self, "run", None) or self.resume else None
+        has = newest is not None and not newest.startswith("none")
+        again = self.relaunch if has or self.resume else self.relaunch.removesuffix(" --resume latest")
+        if isinstance(e, CachingInterrupted):
+            return f"caching stopped by {name} before training: {e.kept_words()}; continue with `{again}`"
+        if not self._ready:
+            return f"stopped by {name} while loading, before step 1 (nothing trained); continue with `{again}`"
+        last = f"the last complete checkpoint is {newest}" if has else "no checkpoint was saved yet"
+        return f"stopped by {name} at once at step {self.step} without saving; {last}; continue with `{again}`"
 
     # ------------------------------------------------------------------------------------------------ setup
 
