@@ -158,3 +158,32 @@ def test_fp8_base_only_where_the_header_says_why_and_then_within_the_small_ram()
             over = f"over {SMALL_RAM_GB} GB too" in head
             assert (float(re.search(r"\((\d+) GB peak\)", head).group(1)) <= SMALL_RAM_GB) != over
     assert "qwen-image" in seen and "flux" not in seen  # Qwen-Image's 20 B do not fit 32 GB in bf16; Flux's do
+
+
+def test_presets_filter_by_family_and_card_and_the_whole_list_stays(capsys):
+    """`dittrain presets FAMILY` lists one family's, `--vram GB` one preset per family and method (the largest card
+    at or below it); without either, every preset and a line saying how to narrow it."""
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+    from trainer.presets import find_presets, pick
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    every = find_presets(root)
+    family = every[0].family
+    mine = pick(every, family.replace("-", "_"))
+    assert mine and {p.family for p in mine} == {family} and len(mine) < len(every)
+    card = pick(every, vram_gb=12.5)
+    assert {(p.family, p.method) for p in card} == {(p.family, p.method) for p in every if p.vram_gb and
+                                                    p.vram_gb <= 12.5}
+    assert len(card) == len({(p.family, p.method) for p in card})  # one each
+    assert all(p.vram_gb == max(q.vram_gb for q in every if q.vram_gb and q.vram_gb <= 12.5 and
+                                (q.family, q.method) == (p.family, p.method)) for p in card)
+    r = CliRunner().invoke(app, ["presets", family, "--vram", "12", "--dir", str(root)])
+    assert r.exit_code == 0, r.output
+    names = [line.split()[0] for line in r.output.splitlines() if line.startswith("  ") and ".yaml" in line]
+    assert names == [p.path.name for p in pick(every, family, 12)]
+    whole = CliRunner().invoke(app, ["presets", "--dir", str(root)]).output
+    assert all(p.path.name in whole for p in every) and "dittrain presets FAMILY" in whole
+    r = CliRunner().invoke(app, ["presets", "--vram", "4", "--dir", str(root)])
+    assert r.exit_code == 1 and r.output.startswith("error: no preset for a 4 GB card (the smallest is ")

@@ -227,7 +227,7 @@ def test_generate_with_the_model_in_training_matches_its_saved_lora(tiny_models,
 def test_metadata_names_and_contact_sheet(tiny_models, tmp_path):
     cfg = _cfg(tiny_models, "flux", tmp_path, prompts=["a green circle", PROMPT])
     written = run_sample(cfg, SampleRequest(num=2, seed=10, steps=1, width=48, height=32))
-    out = tmp_path / "samples"  # default: <output.dir>/samples
+    out = tmp_path / "samples" / "base"  # default without --lora: <output.dir>/samples/base, not the run's samples/
     names = [p.name for p in written]
     assert names == [
         "0000-seed10-a-green-circle.png",
@@ -330,3 +330,24 @@ def test_dora_lora_files_are_recognised_so_the_base_loads_first(tmp_path):
     (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
     assert [_is_dora(tmp_path / f"{n}.safetensors") for n in ("plain", "meta", "keys", "broken")] == [
         False, True, True, False]
+
+
+def test_the_base_models_images_go_to_samples_base_not_beside_the_runs_own(tmp_path):
+    """Without --out: a LoRA's (or a full fine-tune's transformer's) images go to <output.dir>/samples, the base
+    model's to <output.dir>/samples/base (`dittrain sample --help` says so)."""
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+    from trainer.sample import default_out
+
+    cfg = Config.model_validate({"model": {"family": "flux", "path": str(tmp_path / "m")},
+                                 "output": {"dir": str(tmp_path / "run")}})
+    assert default_out(cfg, loras=True) == tmp_path / "run" / "samples"
+    assert default_out(cfg, loras=False) == tmp_path / "run" / "samples" / "base"
+    full = cfg.model_copy(update={"train": cfg.train.model_copy(update={"method": "full"})})
+    assert default_out(full, loras=False) == tmp_path / "run" / "samples" / "base"  # nothing trained yet
+    (tmp_path / "run" / "transformer").mkdir(parents=True)
+    assert default_out(full, loras=False) == tmp_path / "run" / "samples"  # the trained transformer's
+    assert default_out(full, loras=False, base=True) == tmp_path / "run" / "samples" / "base"
+    help_text = " ".join(CliRunner().invoke(app, ["sample", "--help"], terminal_width=200).output.split())
+    assert "the base model's images, without them, go to <output.dir>/samples/base" in help_text

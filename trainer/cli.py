@@ -147,7 +147,9 @@ def sample(
     width: int | None = typer.Option(None, "--width", min=16, help="Width in pixels (default: sample.width)."),
     height: int | None = typer.Option(None, "--height", min=16, help="Height in pixels (default: sample.height)."),
     num: int = typer.Option(1, "--num", min=1, help="Images per prompt."),
-    out: Path | None = typer.Option(None, "--out", help="Output folder (default: <output.dir>/samples).", show_default=False),
+    out: Path | None = typer.Option(None, "--out", help="Output folder (default: <output.dir>/samples with --lora or a "
+                                    "full fine-tune's transformer; the base model's images, without them, go to "
+                                    "<output.dir>/samples/base).", show_default=False),
     base: bool = typer.Option(
         False, "--base", help="Full fine-tune configs: sample the base model instead of <output.dir>/transformer."),
     image: list[Path] = typer.Option(
@@ -282,12 +284,16 @@ def convert_lora(
 @app.command()
 @_user_errors
 def presets(
+    family: str | None = typer.Argument(None, metavar="[FAMILY]", help="Only this family's presets (a model.family "
+                                        "value); all when left out.", show_default=False),
+    vram: float | None = typer.Option(None, "--vram", help="Only the presets for a card of this many GB (per family "
+                                      "and method, the largest card size at or below it).", show_default=False),
     configs_dir: Path = typer.Option(Path("configs"), "--dir", help="Folder of presets."),
 ) -> None:
-    """List the shipped presets per model family and GPU size."""
+    """List the shipped presets per model family and GPU size (all of them unless FAMILY or --vram narrow it)."""
     from .presets import print_presets
 
-    print_presets(configs_dir)
+    print_presets(configs_dir, family=family, vram_gb=vram)
 
 
 @app.command("make-tiny")

@@ -9,7 +9,9 @@ A preset's header is its documentation, and `dittrain presets` prints it as a ta
 The table groups the presets by folder (family), one row per file with its card size and what it expects,
 wrapped at word boundaries to the terminal's width (100 columns where there is no terminal) under its own column,
 never cut. A preset without `expects:` (the tiny ones) shows its title's first sentence, whole.
-`configs/tiny/` holds the CPU-sized configs of the demo and the tests; they are listed last.
+`configs/tiny/` holds the CPU-sized configs of the demo and the tests; they are listed last. `dittrain presets
+FAMILY` lists one family's, `--vram GB` the one preset per family and method for that card (the largest card
+size at or below it); without them, every preset.
 """
 
 from __future__ import annotations
@@ -86,11 +88,35 @@ def _card(p: Preset) -> str:
     return f"{p.vram_gb} GB" if p.vram_gb else "CPU" if p.family == "tiny" else "-"
 
 
-def print_presets(configs_dir: Path, width: int | None = None) -> None:
-    """The table (see the module docstring), no line wider than `width` (default: the terminal's, 60 to 120)."""
-    presets = find_presets(configs_dir)
-    if not presets:
+def pick(presets: list[Preset], family: str | None = None, vram_gb: float | None = None) -> list[Preset]:
+    """The presets of `family` (any accepted spelling; None: every family), and with `vram_gb` only the one for
+    that card per family and method: the largest card size at or below it (the tiny CPU configs left out)."""
+    if family is not None:
+        from .models import canonical_family
+
+        key = canonical_family(family, where="dittrain presets FAMILY")
+        presets = [p for p in presets if p.family == key]
+    if vram_gb is not None:
+        fits = [p for p in presets if p.vram_gb is not None and p.vram_gb <= vram_gb]
+        best = {}
+        for p in fits:  # sorted by card size within family and method: the last one fitting wins
+            best[(p.family, p.method)] = p
+        presets = [p for p in fits if best[(p.family, p.method)] is p]
+    return presets
+
+
+def print_presets(configs_dir: Path, width: int | None = None, family: str | None = None,
+                  vram_gb: float | None = None) -> None:
+    """The table (see the module docstring), no line wider than `width` (default: the terminal's, 60 to 120);
+    `family` / `vram_gb` narrow it (`pick`)."""
+    every = find_presets(configs_dir)
+    if not every:
         raise UserError(f"{configs_dir}: no presets found (expected <family>/<lora|full>-<N>gb.yaml files)")
+    presets = pick(every, family, vram_gb)
+    if not presets:
+        smallest = min((p.vram_gb for p in pick(every, family) if p.vram_gb), default=None)
+        raise UserError(f"no preset for a {vram_gb:g} GB card{f' of family {family}' if family else ''} (the "
+                        f"smallest is {smallest} GB): `dittrain plan CONFIG --vram {vram_gb:g}` says what fits")
     width = width or max(60, min(120, shutil.get_terminal_size((100, 24)).columns))
     name_w = max(len(p.path.name) for p in presets)
     card_w = max(len("card"), *(len(_card(p)) for p in presets))
@@ -105,3 +131,5 @@ def print_presets(configs_dir: Path, width: int | None = None) -> None:
             for line in text[1:]:
                 print(" " * indent + line)
     print("\nCopy the one for your card, set model.path and data.sources, then: dittrain fit my.yaml")
+    if family is None and vram_gb is None:
+        print("Only one family or card: dittrain presets FAMILY, dittrain presets --vram GB (or both)")

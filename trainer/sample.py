@@ -119,7 +119,7 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
         frames=frames,
     )
     seed = req.seed if req.seed is not None else s.seed
-    out = req.out if req.out is not None else cfg.output.dir / "samples"
+    out = req.out if req.out is not None else default_out(cfg, bool(loras), req.base)
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: --out must be a folder, and this is a file")
     from .train.run import check_writable
@@ -232,6 +232,14 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
 def _video_fps(cfg: Config) -> float:
     """The frame rate samples are written at: the rate the clips trained at (data.fps), else 16 (Wan's)."""
     return float(getattr(cfg.data, "fps", None) or 16.0)
+
+
+def default_out(cfg: Config, loras: bool, base: bool = False) -> Path:
+    """Where images go without --out: <output.dir>/samples, beside the run's own samples, when they show what the
+    run trained (a LoRA given, or a full fine-tune's transformer); the base model's go to samples/base/, so they
+    are never taken for the run's."""
+    out = Path(cfg.output.dir) / "samples"
+    return out if loras or trained_transformer(cfg, base) is not None else out / "base"
 
 
 def trained_transformer(cfg: Config, base: bool = False) -> Path | None:

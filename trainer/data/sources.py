@@ -166,6 +166,16 @@ def _with_controls(root: Path, cands, report: ScanReport, meta: dict | None = No
     return out
 
 
+def read_caption(path: Path) -> str:
+    """A caption file's text: UTF-8 (with or without the byte-order mark some editors write), or UTF-16 with its
+    byte-order mark (Windows Notepad's "Unicode"). Anything else raises UnicodeDecodeError (Latin-1 is not told
+    apart from UTF-8 by its bytes alone, so it is refused, not guessed)."""
+    raw = path.read_bytes()
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return raw.decode("utf-16")  # the BOM says the byte order; decode drops it
+    return raw.decode("utf-8-sig")  # a UTF-8 BOM is dropped, plain UTF-8 read as it is
+
+
 def _suffixes(videos: bool) -> tuple[str, ...]:
     return IMAGE_SUFFIXES + VIDEO_SUFFIXES if videos else IMAGE_SUFFIXES
 
@@ -189,9 +199,10 @@ def _folder_candidates(
             missing += 1
             continue
         try:
-            out.append((p, _caption_lines(txt.read_text(encoding="utf-8"), several), _folder_mask(root, p) if masks else None))
+            out.append((p, _caption_lines(read_caption(txt), several), _folder_mask(root, p) if masks else None))
         except UnicodeDecodeError:
-            report.bad.append((str(p), f"caption {txt.name} is not UTF-8 text"))
+            report.bad.append((str(p), f"caption {txt.name} is not UTF-8 text (Latin-1? convert it: `iconv -f latin1 "
+                                       f"-t utf-8 {txt.name} > new.txt`, then replace the old one)"))
         except OSError as e:
             report.bad.append((str(p), f"caption {txt.name} unreadable ({e.strerror or e})"))
     if missing and (root / "metadata.jsonl").is_file():
@@ -280,7 +291,8 @@ def scan_sources(sources, index_dir: Path | None = None, progress: bool = True, 
     for i, src in enumerate(sources):
         root = Path(src.path)
         if not root.exists():
-            raise UserError(f"data.sources[{i}].path: folder '{root}' not found")
+            tried = f" (looked for {root.resolve()})" if not root.is_absolute() else ""
+            raise UserError(f"data.sources[{i}].path: folder '{root}' not found{tried}")
         if not root.is_dir():
             raise UserError(f"data.sources[{i}].path: '{root}' is a file, expected a folder of images")
         meta_ctrl: dict | None = {} if controls and src.metadata is not None else None
