@@ -1,0 +1,277 @@
+#!/usr/bin/env python3
+"""The sharded stream (trainer/offload/gather.py) against whole copies per GPU, at 1, 2 and 4 GPUs of one host.
+
+Full-size Flux.1-dev (11.9 B, random bf16 weights built on each GPU, seed 0) LoRA rank 16, 1024x1024, batch 1 per
+GPU, every block streamed (--fraction 1.0) with activations offloaded, eager, the streamed frozen blocks in one
+/dev/shm arena shared by the host's processes (as the trainer does with several processes). For each world size a
+fresh set of processes (spawn, NCCL):
+
+- world 1: the same model resident (fraction 0, every block recomputed, eager) and then streamed;
+- world N > 1: one conductor, two ways to fill its ring, switched between measurements at a step boundary on every
+  process (the arena holds whole blocks either way): "whole copies" (each GPU copies every block over PCIe, what
+  ddp did before) and "sharded stream" (each GPU copies 1/N of every block, NCCL all-gathers the rest);
+- the host's links in the same processes: pinned host-to-device GB/s per GPU with all N copying at once, and the
+  all-gather bus bandwidth of the gather group (256 MiB a rank).
+
+Per row: median step, samples/s over the timed steps (world x steps / wall seconds), the first timed step's loss
+(the same on every process and in both modes when the gathered rings hold the same bytes), peak reserved VRAM, and
+per process its anonymous RSS with the node's shared memory (/dev/shm arena). Gradients are averaged with the
+trainer's BucketedAllReduce. Writes sharded.json and sharded.md under --out.
+
+    python bench/bench_sharded.py --gpus 4 --out $OUT/sharded
+    python bench/bench_sharded.py --gpus 2 --layers 1 --singles 2 --res 64 --text 16 --steps 2 --warmup 1   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_offload import add_lora, block_list, build, inputs  # noqa: E402
+
+from trainer.offload import attach_offload  # noqa: E402
+from trainer.offload.allocators import SharedArena  # noqa: E402
+from trainer.offload.gather import SliceGather  # noqa: E402
+from trainer.train.distributed import BucketedAllReduce  # noqa: E402
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _barrier(world, dev) -> None:
+    import torch.distributed as tdist
+
+    if world > 1:
+        tdist.barrier(device_ids=[dev.index]) if dev.type == "cuda" else tdist.barrier()
+
+
+def _memory() -> dict:
+    """This process's anonymous RSS and the node's shared memory (the /dev/shm arena), GB."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            out["rss_anon_gb"] = int(line.split()[1]) * 1024 / 1e9
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            out["node_shmem_gb"] = int(line.split()[1]) * 1024 / 1e9
+    return out
+
+
+def _measure(step, dev, world, args) -> dict:
+    for _ in range(args.warmup):
+        step()
+    _sync(dev)
+    _barrier(world, dev)
+    t0 = time.perf_counter()
+    per, first = [], None
+    for k in range(args.steps):
+        s0 = time.perf_counter()
+        loss = step()
+        _sync(dev)
+        per.append(time.perf_counter() - s0)
+        if k == 0:
+            first = float(loss)
+    _barrier(world, dev)
+    total = time.perf_counter() - t0
+    return {"seconds": total, "step_s_median": statistics.median(per), "steps_s": per,
+            "samples_per_s": world * args.steps / total, "first_loss": first}
+
+
+def _links(dev, world, group, args) -> dict:
+    """Pinned host-to-device GB/s of this GPU while every GPU copies; all-gather bus GB/s of the group."""
+    import torch.distributed as tdist
+
+    out = {}
+    if dev.type != "cuda":
+        return out
+    n = 1 << 30
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(n, dtype=torch.uint8, device=dev)
+    ts = []
+    for _ in range(4):
+        _barrier(world, dev)
+        t0 = time.perf_counter()
+        gpu.copy_(host, non_blocking=True)
+        _sync(dev)
+        ts.append(time.perf_counter() - t0)
+    out["h2d_gbps_each"] = n / statistics.median(ts[1:]) / 1e9
+    del host, gpu
+    if world > 1:
+        k = 256 << 20
+        buf = torch.empty(k * world, dtype=torch.uint8, device=dev)
+        ts = []
+        for _ in range(5):
+            _barrier(world, dev)
+            t0 = time.perf_counter()
+            tdist.all_gather_into_tensor(buf, buf[dev.index * k:(dev.index + 1) * k], group=group)
+            _sync(dev)
+            ts.append(time.perf_counter() - t0)
+        out["allgather_bus_gbps"] = k * (world - 1) / statistics.median(ts[1:]) / 1e9
+        del buf
+    return out
+
+
+def _worker(rank: int, world: int, args, port: int, out: str) -> None:
+    import torch.distributed as tdist
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # fails in backward for some shapes (GPU.md)
+    group = gather = share = None
+    if world > 1:
+        tdist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                 world_size=world, timeout=datetime.timedelta(minutes=10),
+                                 device_id=dev if cuda else None)
+        group = tdist.new_group(list(range(world)))
+        gather = SliceGather(group, rank, world)
+        share = SharedArena(Path("/dev/shm") / f"dittrain-bench-{port}", owner=rank == 0,
+                            barrier=lambda: _barrier(world, dev))
+    model = build(args, dev)
+    torch.manual_seed(1)
+    params = add_lora(model, args.rank)
+    model.train()
+    kw, target = inputs(dev, args.res, text=args.text)
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    reducer = BucketedAllReduce(params, world, 1) if world > 1 else None
+
+    def step():
+        loss = F.mse_loss(model(**kw)[0].float(), target)
+        loss.backward()
+        if reducer is not None:
+            reducer.finish()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def reset_peak():
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+
+    def row(name, handle) -> dict:
+        r = {"name": name, "world": world, "rank": rank, **_measure(step, dev, world, args)}
+        st = handle.stats()
+        r.update(peak_reserved_gb=torch.cuda.max_memory_reserved(dev) / 1e9 if cuda else None,
+                 h2d_gbps_loads=st.get("h2d_gbps"), h2d_bytes_per_step=st["h2d_bytes_per_step"],
+                 offloaded_gb=st["offloaded_bytes"] / 1e9, **_memory())
+        return r
+
+    rows = []
+    if world == 1 and args.resident:
+        h = attach_offload(block_list(model), dev, 0.0, mode="train", checkpointing=True)
+        reset_peak()
+        rows.append(row("1 GPU resident (every block recomputed)", h))
+        h.close()
+    h = attach_offload(block_list(model), dev, args.fraction, mode="train", activations=args.activations and cuda,
+                       share=share, gather=gather)
+    c = h._c
+    if world == 1:
+        reset_peak()
+        rows.append(row("1 GPU streamed", h))
+    else:
+        for name, g in (("whole copies", None), ("sharded stream", gather)):
+            _sync(dev)
+            _barrier(world, dev)
+            c.gather = g  # every process switches at the same step boundary
+            reset_peak()
+            rows.append(row(f"{world} GPUs, {name}", h))
+    links = _links(dev, world, group, args)
+    for r in rows:
+        r.update(links)
+    Path(out, f"world{world}-rank{rank}.json").write_text(json.dumps(rows))
+    print(json.dumps([{k: v for k, v in r.items() if k != "steps_s"} for r in rows]), flush=True)
+    h.close(keep_weights=False)
+    if world > 1:
+        tdist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=19)
+    ap.add_argument("--singles", type=int, default=38)
+    ap.add_argument("--res", type=int, default=1024)
+    ap.add_argument("--text", type=int, default=512)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--fraction", type=float, default=1.0)
+    ap.add_argument("--no-activations", dest="activations", action="store_false")
+    ap.add_argument("--no-resident", dest="resident", action="store_false")
+    ap.add_argument("--gpus", type=int, default=4)
+    ap.add_argument("--worlds", default=None, help="comma-separated world sizes (default: 1, 2, ..., --gpus)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--out", type=Path, default=Path("bench_out/sharded"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if torch.cuda.is_available() and torch.cuda.device_count() < args.gpus:
+        sys.exit(f"needs {args.gpus} GPUs, found {torch.cuda.device_count()}")
+    worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else sorted({1, 2, args.gpus})
+
+    import torch.multiprocessing as mp
+
+    for world in worlds:
+        t0 = time.perf_counter()
+        mp.start_processes(_worker, args=(world, args, _port(), str(args.out)), nprocs=world, start_method="spawn")
+        print(f"world {world}: {time.perf_counter() - t0:.0f} s", flush=True)
+
+    def ranks(world):
+        return [json.loads((args.out / f"world{world}-rank{r}.json").read_text()) for r in range(world)]
+
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (gloo smoke)",
+        "torch": torch.__version__,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "worlds": {w: ranks(w) for w in worlds},
+    }
+    (args.out / "sharded.json").write_text(json.dumps(result, indent=1))
+    one = next(r for r in result["worlds"][1][0] if r["name"] == "1 GPU streamed")
+    lines = [
+        f"Flux.1-dev LoRA r{args.rank}, {args.res} px, batch 1 a GPU, fraction {args.fraction}, activations "
+        f"{'offloaded' if args.activations else 'kept'}, eager, {args.layers}+{args.singles} blocks, {result['device']}, "
+        f"torch {result['torch']}, {result['date']}",
+        "",
+        "| run | median step s | samples/s | x 1 streaming GPU | first loss (ranks) | peak reserved GB | PCIe GB/s in "
+        "loads | RSS anon GB / proc | node shmem GB | H2D GB/s each (all copying) | all-gather bus GB/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for w in worlds:
+        per_rank = result["worlds"][w]
+        for i, r in enumerate(per_rank[0]):
+            losses = sorted({f"{pr[i]['first_loss']:.6f}" for pr in per_rank})
+            gb = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
+            lines.append(
+                f"| {r['name']} | {r['step_s_median']:.3f} | {r['samples_per_s']:.3f} | "
+                f"{r['samples_per_s'] / one['samples_per_s']:.2f} | {' / '.join(losses)} | "
+                f"{gb(max(pr[i]['peak_reserved_gb'] or 0 for pr in per_rank))} | {gb(r.get('h2d_gbps_loads'))} | "
+                f"{gb(max(pr[i].get('rss_anon_gb', 0) for pr in per_rank))} | {gb(r.get('node_shmem_gb'))} | "
+                f"{gb(r.get('h2d_gbps_each'))} | {gb(r.get('allgather_bus_gbps'))} |")
+    (args.out / "sharded.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
