@@ -76,6 +76,13 @@ class ModelConfig(_Section):
     quantize_text_encoders: Literal["none", "fp8", "int8"] = Field(
         default="none", description="The same for every Linear of the text encoders (they are frozen in any mode)."
     )
+    expert: str | None = Field(
+        default=None,
+        description="A family of expert transformers (Wan 2.2 A14B: high_noise, transformer/, denoises the steps at "
+        "or above the pipeline's boundary_ratio; low_noise, transformer_2/, those below): the expert a fit trains, "
+        "one per run, on its own timesteps only, written as lora-<expert>.safetensors. Sampling loads every expert "
+        "either way. null for families of one transformer.",
+    )
     guidance: float = Field(
         default=1.0,
         description="Guidance value fed to a guidance-distilled transformer (Flux dev) while training. "

@@ -30,7 +30,7 @@ which calls the same `generate`.
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,9 +198,12 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
     written, images = [], []
     fix = "raise --offload (1.0 streams every block)" if plan.offload < 1 else "lower --width/--height"
     oom = f"out of GPU memory sampling {plan.settings.width}x{plan.settings.height} at --offload {plan.offload}: {fix}"
-    with _oom_as_user_error(oom), place_transformer(
-            adapter, pipe.transformer, plan.device, plan.offload, compile_options(cfg, plan.device) or False,
-            fill=loader and loader.fill, keep_weights=False):  # the pipeline is dropped after the images
+    with _oom_as_user_error(oom), ExitStack() as placed:
+        for tr in adapter.pipeline_transformers(pipe):  # a family of experts places each (streamed: while it runs)
+            main = tr is getattr(pipe, adapter.transformer_dir)  # the one whose blocks are placeholders (loader)
+            placed.enter_context(place_transformer(
+                adapter, tr, plan.device, plan.offload, compile_options(cfg, plan.device) or False,
+                fill=main and loader and loader.fill, keep_weights=False))  # the pipeline is dropped after the images
         tiled = decode_for_sample(pipe.vae, plan.device, plan.settings.height, plan.settings.width)
         if tiled:
             tqdm.write(tiled, file=sys.stderr)
@@ -267,8 +270,8 @@ def _build_pipeline(cfg: Config, adapter, plan: SamplePlan, trained: Path | None
     dtype = DTYPES[cfg.model.dtype]
     stream = (trained is None and stream_load.supported(cfg.model)
               and not any(is_dora_file(s.path) for s in plan.loras))
-    comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler"} | (set() if stream else {"transformer"}),
-                         dtype=dtype, device="cpu")
+    comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler", "experts"} | (set() if stream else {"transformer"}),
+                         dtype=dtype, device="cpu")  # experts: a family of experts' others, whole in RAM
     loader = None
     if stream:
         comps.transformer, loader = stream_load.load(adapter, cfg.model, dtype, torch.device("cpu"), True)
@@ -281,7 +284,8 @@ def _build_pipeline(cfg: Config, adapter, plan: SamplePlan, trained: Path | None
     names = load_loras(pipe, plan.loras, adapter.family)
     # Inference only. It also tells the conductor that every block weight (LoRA layers included) is frozen, so
     # all of it is packed and streamed; a parameter that requires grad would be kept resident on the device.
-    pipe.transformer.requires_grad_(False)
+    for tr in adapter.pipeline_transformers(pipe):
+        tr.requires_grad_(False)
     return pipe, names, loader
 
 

@@ -45,6 +45,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "krea2": ("krea2", "Krea2Adapter"),
     "flux3": ("flux3", "Flux3Adapter"),
     "wan": ("wan", "WanAdapter"),
+    "wan2.2-a14b": ("wan22", "Wan22A14BAdapter"),
 }
 
 __all__ = [

@@ -30,7 +30,7 @@ from ..errors import UserError
 from .base import Components, ModelAdapter
 from .folder import check_folder_family
 
-PARTS = frozenset({"transformer", "vae", "text", "scheduler"})
+PARTS = frozenset({"transformer", "vae", "text", "scheduler", "experts"})  # experts: ModelAdapter.experts
 #: modulation Linears of AdaLayerNorm blocks (Flux, SD3): `norm*.linear`, the per-sample scale / shift / gate
 NORM_MODULATION = r"(^|\.)norm[^.]*\."
 #: T5 encoders' `wo` stays in the model dtype when text encoders are quantized (transformers casts its input to
@@ -191,7 +191,8 @@ class DiffusersAdapter(ModelAdapter):
         # another family's folder (or single file): one line before any weight loads (trainer/models/folder.py)
         check_folder_family(root, self.family, getattr(cfg, "transformer_file", None))
         if "transformer" in parts:
-            need("transformer/config.json", "the transformer config")
+            tdir = self.transformer_dir  # `transformer`, or the folder of the expert model.expert picks
+            need(f"{tdir}/config.json", "the transformer config")
             if cfg.transformer_file is not None:
                 f = Path(cfg.transformer_file)
                 if not f.is_file():
@@ -200,8 +201,8 @@ class DiffusersAdapter(ModelAdapter):
                 if f.suffix != ".safetensors":
                     raise UserError(f"{f}: model.transformer_file must be a .safetensors file (pickled checkpoints are "
                                     f"not loaded)")
-            elif not any((root / "transformer").glob("*.safetensors")):
-                raise UserError(f"{root / 'transformer'}: no .safetensors weights found (expected "
+            elif not any((root / tdir).glob("*.safetensors")):
+                raise UserError(f"{root / tdir}: no .safetensors weights found (expected "
                                 f"diffusion_pytorch_model*.safetensors, or set model.transformer_file)")
         if "vae" in parts:
             need("vae/config.json", "the VAE config")
@@ -237,7 +238,7 @@ class DiffusersAdapter(ModelAdapter):
                     )
                 else:
                     tr = self.transformer_cls.from_pretrained(
-                        root, subfolder="transformer", torch_dtype=dtype, local_files_only=True
+                        root, subfolder=self.transformer_dir, torch_dtype=dtype, local_files_only=True
                     )
                 # 8-bit frozen base (trainer/quant.py): block by block, before the move to the device
                 quant.prepare_transformer(tr, self.blocks(tr), cfg.quantize, dtype, cfg.transformer_file,
@@ -285,6 +286,12 @@ class DiffusersAdapter(ModelAdapter):
             # Files present but unreadable or mismatched (truncated safetensors, wrong shapes, ...).
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"{root}: could not load the {self.family} model: {first}") from e
+        if "experts" in parts:  # a family of experts: the others than `transformer`, each loaded as it would train
+            for name, d in self.experts.items():
+                if d != self.transformer_dir:
+                    mc = cfg.model_copy(update={"expert": name})
+                    out.experts[d] = type(self)(mc, self.references).load(mc, parts={"transformer"}, dtype=dtype,
+                                                                          device=device).transformer
         if "text" in parts and self.processor_label:
             try:
                 out.tokenizers.append(self.load_processor(Path(root) / self.processor_dir))
@@ -302,7 +309,8 @@ class DiffusersAdapter(ModelAdapter):
     # ------------------------------------------------------------------------------------------ shared helpers
 
     def pipeline(self, components: Components) -> Any:
-        kw = {"transformer": components.transformer, "vae": components.vae, "scheduler": components.scheduler}
+        kw = {self.transformer_dir: components.transformer, **components.experts, "vae": components.vae,
+              "scheduler": components.scheduler}
         for i, d in enumerate(self.text_encoder_dirs):
             kw[d] = components.text_encoders[i] if i < len(components.text_encoders) else None
         for i, d in enumerate(self.tokenizer_dirs):

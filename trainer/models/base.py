@@ -41,6 +41,9 @@ class Components:
     text_encoders: list[nn.Module] = field(default_factory=list)
     tokenizers: list[Any] = field(default_factory=list)
     scheduler: Any = None
+    #: a family of several experts (`ModelAdapter.experts`), part "experts": the experts other than `transformer`
+    #: (the one `model.expert` picks), by pipeline component (Wan 2.2 A14B: {"transformer_2": ...})
+    experts: dict[str, nn.Module] = field(default_factory=dict)
 
 
 def text_encoder_blocks(encoder: nn.Module) -> list[nn.Module]:
@@ -78,6 +81,13 @@ class ModelAdapter(ABC):
 
     def __init__(self, model_cfg: ModelConfig | None = None, references: int = 0) -> None:
         self.cfg = model_cfg
+        expert = getattr(model_cfg, "expert", None)
+        if expert is not None and expert not in self.experts:
+            from ..errors import UserError
+
+            raise UserError(f"model.expert: {expert!r}: " + (
+                f"{self.family} has one transformer (model.expert is for a family of experts; leave it null)"
+                if not self.experts else f"{self.family}'s experts are {', '.join(self.experts)}"))
         #: reference images per target of the run (0: text-to-image; only an edit family keeps a positive count)
         self.references = int(references) if self.takes_reference else 0
 
@@ -206,6 +216,42 @@ class ModelAdapter(ABC):
         """The one sample of a pipeline call's output: a PIL image (image families: `out.images[0]`), or a list of
         PIL frames (video families: `out.frames[0]`)."""
         return out.images[0]
+
+    # ------------------------------------------------------------------------------------------ experts
+
+    # A family of expert transformers (Wan 2.2 A14B: `transformer/` denoises the high-noise steps, `transformer_2/`
+    # the low-noise ones, split at the pipeline's `boundary_ratio`) trains one expert per run: `model.expert` picks
+    # its folder (`transformer_dir`), the flow times it trains (`train_timesteps`) and its LoRA file's name; sampling
+    # loads every expert (part "experts") and routes each LoRA file to its expert (`lora_load_kwargs`).
+
+    #: {model.expert: the expert's folder, which is also its pipeline component}; empty: one transformer
+    experts: ClassVar[dict[str, str]] = {}
+
+    @property
+    def expert(self) -> str | None:
+        """The expert `model.expert` picks (None: the family's one transformer, or no expert chosen)."""
+        return getattr(self.cfg, "expert", None)
+
+    @property
+    def transformer_dir(self) -> str:
+        """The folder (and pipeline component) of the transformer this adapter trains and loads as `transformer`."""
+        return self.experts[self.expert] if self.expert else "transformer"
+
+    def train_timesteps(self) -> tuple[float, float]:
+        """The flow times t in [0, 1] a fit trains, as (low, high): the whole range, or the chosen expert's. A
+        family of experts refuses a fit without `model.expert` here (the trainer asks before anything loads)."""
+        return (0.0, 1.0)
+
+    @classmethod
+    def lora_load_kwargs(cls, path: Any) -> dict[str, Any]:  # noqa: ARG003 - the protocol
+        """`load_lora_weights` kwargs that send the LoRA file `path` to its expert (default: none)."""
+        return {}
+
+    @classmethod
+    def pipeline_transformers(cls, pipe: Any) -> list[nn.Module]:
+        """The transformers a pipeline denoises with (placed, frozen and LoRA-loaded for sampling): its
+        `transformer`, and a family of experts' others."""
+        return [pipe.transformer]
 
     # ------------------------------------------------------------------------------------------ edit families
 

@@ -180,7 +180,8 @@ def empty_transformer(adapter, cfg, dtype: torch.dtype, files: _Files | None = N
     from accelerate import init_empty_weights
 
     adapter._check(cfg, {"transformer"})
-    config = adapter.transformer_cls.load_config(str(cfg.path), subfolder="transformer", local_files_only=True)
+    config = adapter.transformer_cls.load_config(str(cfg.path), subfolder=adapter.transformer_dir,
+                                                 local_files_only=True)
     with init_empty_weights():  # parameters on meta, buffers real (rotary tables and the like)
         tr = adapter.transformer_cls.from_config(config)
     nn.Module.to(tr, dtype)  # torch's, not ModelMixin's (it warns about the fp32 modules kept just below)
@@ -311,9 +312,10 @@ class _Files:
         self._handle = self._path = None
 
 
-def open_files(cfg) -> _Files:
-    """The safetensors files of the ModelConfig `cfg`'s transformer (the folder's, or its single file)."""
-    folder = Path(cfg.path) / "transformer"
+def open_files(cfg, subfolder: str = "transformer") -> _Files:
+    """The safetensors files of the ModelConfig `cfg`'s transformer (the folder's `subfolder`: an expert's, or its
+    single file)."""
+    folder = Path(cfg.path) / subfolder
     single = None if cfg.transformer_file is None else Path(cfg.transformer_file)
     layout = _Layout("") if single is None else file_layout(cfg)
     if layout is None:
@@ -432,7 +434,7 @@ def release_host_memory() -> None:
 def load(adapter, cfg, dtype: torch.dtype, device: torch.device, stream_blocks: bool):
     """The transformer with its non-block weights on `device`, and its blocks too unless `stream_blocks` (then
     they keep placeholders until the conductor's `fill`). Returns (transformer, loader or None)."""
-    files = open_files(cfg)
+    files = open_files(cfg, adapter.transformer_dir)
     if files.fp8 and cfg.quantize == "int8":  # quant.prepare_transformer's refusal, before a weight is read
         raise UserError(f"{cfg.transformer_file} holds float8 weights: use model.quantize: fp8 (kept as they are) "
                         f"or none (up-cast to model.dtype), not int8")

@@ -182,11 +182,12 @@ def generate(
     if len(prompts) != len(seeds):
         raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds")
     pipe = _as_pipeline(pipe_or_components, adapter)
-    old = pipe.transformer
+    slot = getattr(adapter, "transformer_dir", "transformer")  # a family of experts: the trained expert's component
+    old = getattr(pipe, slot)
     model = transformer if transformer is not None else old
     was_training = model.training
     if transformer is not None:
-        pipe.transformer = transformer  # a reference swap: no weights are copied
+        setattr(pipe, slot, transformer)  # a reference swap: no weights are copied
     model.eval()
     pipe.set_progress_bar_config(disable=not shown(progress), leave=False, desc="steps")
     pipe_logger, quiet = logging.getLogger(type(pipe).__module__), _DropMaskNotice()
@@ -237,7 +238,7 @@ def generate(
         pipe_logger.removeFilter(quiet)
         model.train(was_training)
         if transformer is not None:
-            pipe.transformer = old
+            setattr(pipe, slot, old)
 
 
 def _as_pipeline(pipe_or_components: Any, adapter: Any):

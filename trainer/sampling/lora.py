@@ -152,6 +152,9 @@ def _load_loras(pipe, specs: list[LoraSpec], family: str, paths: list) -> list[s
         except Exception:  # not a readable safetensors header: diffusers' loader below says what is wrong
             return "lora"
 
+    from ..models import adapter_class
+
+    fam = adapter_class(family)
     kinds = [kind(p) for p in paths]
     lycoris = [(s, k) for s, k in zip(specs, kinds, strict=True) if k != "lora"]
     if lycoris and len(specs) > 1:
@@ -172,7 +175,8 @@ def _load_loras(pipe, specs: list[LoraSpec], family: str, paths: list) -> list[s
         hint = "was it trained for another model? (model.path in the config is the model it is applied to)"
         with _diffusers_warnings() as cap:
             try:
-                pipe.load_lora_weights(str(paths[i]), adapter_name=name)
+                # a family of experts: the expert the file's name picks (Wan 2.2: load_into_transformer_2)
+                pipe.load_lora_weights(str(paths[i]), adapter_name=name, **fam.lora_load_kwargs(spec.path))
             except (ValueError, RuntimeError, KeyError, TypeError) as e:
                 raise UserError(
                     f"{spec.path}: LoRA does not fit this model: {_explain(str(e), family)}; {hint}"

@@ -25,12 +25,14 @@ the training step's peak, whose activations it reuses (the planner's `sampling` 
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import torch
 from PIL import Image
 
 from .engine import encode_prompts, generate, release_text_encoders, to_device
 from .output import frame_sheet
-from .placement import place_text_encoders, tile_decode
+from .placement import place_text_encoders, place_transformer, tile_decode
 from .request import SampleSettings, check_frames, check_image
 
 
@@ -47,7 +49,8 @@ class TrainingSampler:
         check_frames(self.settings.frames, adapter)
         if isinstance(s.image, list):  # several references: readable, and no more than the family takes
             check_image(s.image, adapter)
-        comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler"}, dtype=dtype, device="cpu")
+        # experts: a family of experts' others than the one training (their base weights, in CPU RAM)
+        comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler", "experts"}, dtype=dtype, device="cpu")
         self.pipe = adapter.pipeline(comps)
         del comps  # the pipeline holds the only references: releasing the encoders frees them
         self.embeds = []
@@ -83,16 +86,22 @@ class TrainingSampler:
                 before_decode()
 
             hook = vae.decoder.register_forward_pre_hook(first_decode)
+        mine = getattr(self.pipe, self.adapter.transformer_dir)
+        others = [m for m in self.adapter.pipeline_transformers(self.pipe) if m is not None and m is not mine]
         try:
-            out = generate(
-                self.pipe,
-                self.adapter,
-                self.embeds,
-                settings=self.settings,
-                seeds=self.seeds,
-                transformer=transformer,
-                progress=progress,
-            )
+            with ExitStack() as placed:  # the other experts: streamed from CPU RAM on a GPU, only for the call
+                for m in others:
+                    placed.enter_context(place_transformer(self.adapter, m, self.device,
+                                                           1.0 if self.device.type == "cuda" else 0.0))
+                out = generate(
+                    self.pipe,
+                    self.adapter,
+                    self.embeds,
+                    settings=self.settings,
+                    seeds=self.seeds,
+                    transformer=transformer,
+                    progress=progress,
+                )
             # a video family's samples are lists of frames: the run folder and TensorBoard get each one's frame sheet
             return [frame_sheet(x) if isinstance(x, list) else x for x in out]
         finally:

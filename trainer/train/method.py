@@ -138,7 +138,10 @@ class LoraMethod(TrainingMethod):
         ck.load_lora(folder / "lora.safetensors", self.transformer)
 
     def final_output(self, out_dir: Path) -> Path:
-        return out_dir / "lora.safetensors"
+        """output.dir/lora.safetensors; a family of experts' lora-<model.expert>.safetensors (lora-low_noise: the
+        name tells `dittrain sample` and the user which expert loads it)."""
+        expert = self.cfg.model.expert
+        return out_dir / (f"lora-{expert}.safetensors" if expert else "lora.safetensors")
 
     def write_ema(self, out_dir: Path, step: int) -> Path:
         """The EMA weights (swapped in by ema.py) as output.dir/lora-ema.safetensors, in output.lora_format."""

@@ -63,11 +63,14 @@ class Noised:
 class FlowMatching:
     """Samples timesteps and noise from its own generator and computes the weighted velocity loss."""
 
-    def __init__(self, cfg: TrainConfig, shift_fn=None, seed: int | None = None, vae_scale: int = VAE_SCALE):
+    def __init__(self, cfg: TrainConfig, shift_fn=None, seed: int | None = None, vae_scale: int = VAE_SCALE,
+                 t_range: tuple[float, float] = (0.0, 1.0)):
         """`shift_fn(height_px, width_px) -> s` is the adapter's `timestep_shift`, used when `cfg.shift` is
         auto; `vae_scale` (the family's `latent_scale`) turns latent sides back into pixels for it. `seed`
-        defaults to the training seed."""
+        defaults to the training seed. `t_range` (the adapter's `train_timesteps`: one expert's share of the
+        flow times) maps each shifted t linearly into [low, high]; (0, 1) leaves it as it is."""
         self.cfg = cfg
+        self.t_range = (float(t_range[0]), float(t_range[1]))
         self._shift_fn = shift_fn
         self._vae_scale = vae_scale
         self.generator = torch.Generator("cpu")
@@ -110,6 +113,9 @@ class FlowMatching:
         latents' dtype) and the fp32 target."""
         b = x0.shape[0]
         t = shift_timesteps(self.sample_t(b), self.shift_for(x0))
+        lo, hi = self.t_range
+        if (lo, hi) != (0.0, 1.0):  # an expert's timesteps (Wan 2.2 A14B: t >= boundary, or t < boundary)
+            t = lo + (hi - lo) * t
         eps = torch.randn(x0.shape, generator=self.generator, dtype=torch.float32)
         # Host-to-device copies of t and eps (small; see the module essay). The mix is done in fp32 and only the
         # transformer input is cast to the model's dtype.

@@ -225,6 +225,7 @@ class Trainer(Saving):
         # bound to the data's reference images per target: a family may stream and train more blocks with them
         self.adapter = get_adapter(cfg.model, references=cfg.data.references() if cfg.data is not None else 0)
         check_attention(self.adapter, c.attention, self.device)
+        self.t_range = self.adapter.train_timesteps()  # a family of experts: the chosen one's (refused without one)
         # Data first: building the caches loads (and frees) the VAE and text encoders, so the transformer is not
         # in memory at the same time, and a bad image fails the run before the big load.
         self.data = self.dist.main_first(lambda: prepare_data(  # rank 0 fills the cache, the others read it
@@ -282,7 +283,8 @@ class Trainer(Saving):
             self.params = sharded.trainable(self.transformer)  # FSDP2's DTensor parameters replaced the originals
             self.optim = optimizer_for(cfg, self.params, self.dist, sharded=self.transformer)
             self.ema = ShardedEMA.build(cfg, self.transformer, self.params)  # train.ema: the EMA of each shard
-            self.objective = FlowMatching(c, self.adapter.timestep_shift, vae_scale=self.adapter.latent_scale)
+            self.objective = FlowMatching(c, self.adapter.timestep_shift, vae_scale=self.adapter.latent_scale,
+                                          t_range=self.t_range)
             return self._finish_setup(resume_dir)
         # gradients averaged over ranks, if several
         self.optim = optimizer_for(cfg, self.params, self.dist, model=self.transformer)
@@ -300,7 +302,8 @@ class Trainer(Saving):
         if self._loader is not None:
             self._loader.close()
             self._loader = None
-        self.objective = FlowMatching(c, self.adapter.timestep_shift, vae_scale=self.adapter.latent_scale)
+        self.objective = FlowMatching(c, self.adapter.timestep_shift, vae_scale=self.adapter.latent_scale,
+                                          t_range=self.t_range)
         self._finish_setup(resume_dir)
 
     def _joins(self, runner) -> bool:

@@ -1,0 +1,99 @@
+"""Wan 2.2 A14B text-to-video: two experts of Wan 2.1 14B's architecture in one `WanPipeline`.
+
+How the pipeline splits the work (diffusers' WanPipeline, 0.42): `transformer` (the high-noise expert) denoises
+every step whose scheduler timestep t (0..1000) is at or above `boundary_ratio * num_train_timesteps` (the folder's
+model_index.json: 0.875 for T2V-A14B), `transformer_2` (the low-noise expert) the steps below it, each with
+classifier-free guidance (`guidance_scale`, and `guidance_scale_2` for the low-noise steps, which defaults to the
+same value). Text encoder (UMT5-XXL), VAE (Wan 2.1's) and scheduler are shared, so everything but the transformer
+is Wan 2.1's adapter (trainer/models/wan.py).
+
+Training: one expert per run. `model.expert: high_noise` loads `transformer/` and trains it on flow times
+t in [boundary, 1]; `low_noise` loads `transformer_2/` and trains t in [0, boundary) (ModelAdapter.train_timesteps:
+the objective maps each shifted t linearly into that range, trainer/train/objective.py). So only that expert is
+loaded, LoRA-wrapped and streamed; the other is not in memory at all while the step runs. Its LoRA is written as
+`lora-high_noise.safetensors` / `lora-low_noise.safetensors`, which diffusers loads as
+
+    pipe.load_lora_weights("lora-high_noise.safetensors")
+    pipe.load_lora_weights("lora-low_noise.safetensors", load_into_transformer_2=True)
+
+and `dittrain sample --lora` does the same by the file's name (`low_noise` / `low-noise` in it: transformer_2).
+
+Why not both experts in one run: the trainer holds one transformer (one LoRA, one optimizer, one conductor, one
+checkpoint); two would touch each of them. Two runs (the same data, each expert its own output.dir) train the same
+thing, and each run's memory is one 14 B expert's.
+
+Sampling (`dittrain sample`, and the samples during a fit) loads both experts: the one `model.expert` picks as
+usual (streamed from its files at an offload fraction), the other whole into CPU RAM (`Components.experts`); each
+is placed at the same fraction (streamed: its blocks come to the GPU only while it runs). During a fit the other
+expert is the base model (its LoRA is not trained here), streamed at fraction 1.0 on a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .wan import WAN_SCHEDULER, WanAdapter, tiny_pipeline
+
+#: the boundary when a folder's model_index.json names none (Wan 2.2's wan_t2v_A14B config: 0.875)
+T2V_BOUNDARY = 0.875
+#: a LoRA file for the low-noise expert, told by its name (`<name>-low_noise.safetensors`, `low_noise_model...`)
+_LOW_NOISE = re.compile(r"low[_-]?noise", re.IGNORECASE)
+
+
+def tiny_pipeline_a14b():
+    """Tiny Wan 2.2 A14B-like: Wan 2.1's tiny parts, a second random transformer as the low-noise expert, the
+    boundary at 0.875."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    base = tiny_pipeline()
+    torch.manual_seed(24)
+    low = WanTransformer3DModel.from_config(base.transformer.config)
+    return WanPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae,
+                       transformer=base.transformer, transformer_2=low, scheduler=base.scheduler,
+                       boundary_ratio=T2V_BOUNDARY)
+
+
+class Wan22A14BAdapter(WanAdapter):
+    family = "wan2.2-a14b"
+    full_name, example_path = "Wan2.2-T2V-A14B", "/path/to/Wan2.2-T2V-A14B-Diffusers"
+    #: model.expert -> its folder and pipeline component
+    experts = {"high_noise": "transformer", "low_noise": "transformer_2"}
+    default_boundary = T2V_BOUNDARY
+    #: the published T2V-A14B folders' scheduler when a folder has none (Wan 2.2's sample_shift 12 for T2V-A14B)
+    default_scheduler = {**WAN_SCHEDULER, "flow_shift": 12.0}
+    sample_defaults = {"guidance": 4.0, "steps": 40}
+
+    @classmethod
+    def tiny_builders(cls):
+        return {"wan22-a14b": tiny_pipeline_a14b}
+
+    @property
+    def boundary_ratio(self) -> float:
+        """Where the experts split, as a share of the 1000 training timesteps (model_index.json)."""
+        index = self._json("model_index.json", required=False)
+        return float(index.get("boundary_ratio") or self.default_boundary)
+
+    def train_timesteps(self) -> tuple[float, float]:
+        from ..errors import UserError
+
+        if self.expert is None:
+            raise UserError(f"model.expert: {self.family} trains one expert per run: set model.expert to high_noise "
+                            f"(transformer/, t >= {self.boundary_ratio:g}) or low_noise (transformer_2/, below it), "
+                            f"each run in its own output.dir")
+        b = self.boundary_ratio
+        return (b, 1.0) if self.experts[self.expert] == "transformer" else (0.0, b)
+
+    @classmethod
+    def lora_load_kwargs(cls, path) -> dict:
+        return {"load_into_transformer_2": True} if _LOW_NOISE.search(str(path).rsplit("/", 1)[-1]) else {}
+
+    @classmethod
+    def pipeline_transformers(cls, pipe) -> list:
+        return [pipe.transformer, pipe.transformer_2]
+
+    def pipeline(self, components):
+        pipe = super().pipeline(components)
+        pipe.register_to_config(boundary_ratio=self.boundary_ratio)  # what WanPipeline.from_pretrained sets
+        return pipe
