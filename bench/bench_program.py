@@ -299,10 +299,10 @@ def write_full_folder(family: str, folder: Path, transformer_file: str | None = 
 
     bf16 = torch.bfloat16
     tmp = folder.parent / f"{folder.name}-tiny"
-    make_tiny_models(tmp, [family])
+    (tiny,) = make_tiny_models(tmp, [family])  # the family's tiny folder (qwen_image's is qwen-image)
     if folder.exists():
         shutil.rmtree(folder)
-    shutil.move(str(tmp / family), str(folder))
+    shutil.move(str(tiny), str(folder))
     shutil.rmtree(tmp, ignore_errors=True)
     ad = adapter_class(family)
     tcls = ad.transformer_cls if hasattr(ad, "transformer_cls") else None

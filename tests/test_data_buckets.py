@@ -38,7 +38,7 @@ def test_divisors_of_the_tiny_families(tiny_models):
     from trainer.config import ModelConfig
     from trainer.models import get_adapter
 
-    for fam, folder in [("flux", "flux"), ("sd3", "sd3"), ("qwen_image", "qwen_image")]:
+    for fam, folder in [("flux", "flux"), ("sd3", "sd3"), ("qwen-image", "qwen-image")]:
         d = get_adapter(ModelConfig(family=fam, path=tiny_models / folder)).resolution_divisor
         assert d >= 1
         for res in (64, 512):

@@ -30,7 +30,7 @@ def cfg_for(tmp_path, model_path, family, **data):
     })
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3", "qwen_image", "flux2"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwen-image", "flux2"])
 def test_batches_from_each_family(tmp_path, tiny_models, family):
     images(tmp_path / "imgs")
     cfg = cfg_for(tmp_path, tiny_models / family, family)

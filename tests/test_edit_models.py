@@ -380,7 +380,7 @@ def test_qwen_edit_sample_with_image_equals_the_pipeline(qwen_fitted, qwen_edit,
 def test_qwen_edit_planner_sees_the_reference_tokens():
     from trainer.models import adapter_class
 
-    qi, qe = adapter_class("qwen_image"), adapter_class("qwen-image-edit")
+    qi, qe = adapter_class("qwen-image"), adapter_class("qwen-image-edit")
     with torch.device("meta"):
         model = qi.transformer_cls.from_config(qi.full_config)
     a = qi.dummy_inputs(model, 1, 1024, 1024, 256, torch.bfloat16)
@@ -529,7 +529,7 @@ def test_qwen_plus_sample_with_image_equals_the_pipeline(plus_fitted, qwen_plus,
 def test_qwen_plus_planner_counts_the_smaller_reference_in_the_text():
     from trainer.models import adapter_class
 
-    qi, qe, qp = (adapter_class(f) for f in ("qwen_image", "qwen-image-edit", "qwen-image-edit-plus"))
+    qi, qe, qp = (adapter_class(f) for f in ("qwen-image", "qwen-image-edit", "qwen-image-edit-plus"))
     with torch.device("meta"):
         model = qi.transformer_cls.from_config(qi.full_config)
     assert qp.dummy_inputs(model, 1, 1024, 1024, 256, torch.bfloat16)["img_shapes"] == [[(1, 64, 64), (1, 64, 64)]]

@@ -112,7 +112,7 @@ def stacked(kmap, deltas: dict[str, torch.Tensor], original: str, like: torch.nn
 
 
 CASES = [("flux", "lora"), ("flux", "dora"), ("flux", "lokr"), ("flux", "loha"), ("sd3", "lora"), ("sd3", "loha"),
-         ("qwen_image", "lora"), ("qwen_image", "lokr")]
+         ("qwen-image", "lora"), ("qwen-image", "lokr")]
 
 
 @pytest.mark.parametrize(("family", "kind"), CASES)
@@ -151,7 +151,7 @@ def test_diffusers_layout_loads_the_trained_update_everywhere(tiny_models, tmp_p
 
 
 @pytest.mark.parametrize(("family", "kind"), [("flux", "lora"), ("flux", "loha"), ("sd3", "lora"), ("sd3", "loha"),
-                                              ("qwen_image", "lora"), ("qwen_image", "lokr"), ("flux2", "lora"),
+                                              ("qwen-image", "lora"), ("qwen-image", "lokr"), ("flux2", "lora"),
                                               ("z-image", "lora"), ("chroma", "lora"), ("chroma", "loha"),
                                               ("qwen-image-2.1", "lora"), ("qwen-image-2.1", "loha"),
                                               ("krea2", "lora")])
@@ -179,7 +179,7 @@ def test_original_layout_gives_the_diffusers_update(tiny_models, tmp_path, famil
     assert set(deltas) <= covered
 
 
-@pytest.mark.parametrize(("family", "fmt"), [("flux", "kohya"), ("qwen_image", "comfy"), ("qwen_image", "kohya")])
+@pytest.mark.parametrize(("family", "fmt"), [("flux", "kohya"), ("qwen-image", "comfy"), ("qwen-image", "kohya")])
 def test_diffusers_own_converter_reads_our_original_layout(tiny_models, tmp_path, family, fmt):
     """An outside check of the key maps: diffusers' own readers of BFL's kohya layout (Flux) and of Qwen-Image's comfy
     and kohya layouts load our files to the trained layer outputs (alpha applied, fused q/k/v split back). diffusers'
@@ -203,7 +203,7 @@ def test_diffusers_own_converter_reads_our_original_layout(tiny_models, tmp_path
 
 
 @pytest.mark.parametrize(("family", "kind"), [("flux", "lora"), ("flux", "loha"), ("sd3", "lora"),
-                                              ("qwen_image", "lokr"), ("z-image", "lora"), ("chroma", "lora"),
+                                              ("qwen-image", "lokr"), ("z-image", "lora"), ("chroma", "lora"),
                                               ("qwen-image-2.1", "lora"), ("krea2", "loha")])
 def test_round_trips_through_every_layout(tiny_models, tmp_path, family, kind):
     """diffusers -> comfy -> kohya -> diffusers keeps every module's update and the trained alpha; comfy <-> kohya is

@@ -31,7 +31,7 @@ def _init_method(cfg, path, **lora):
     return LoraMethod(cfg)
 
 
-@pytest.mark.parametrize(("family", "kind"), [("flux", "lora"), ("sd3", "lora"), ("qwen_image", "lokr")])
+@pytest.mark.parametrize(("family", "kind"), [("flux", "lora"), ("sd3", "lora"), ("qwen-image", "lokr")])
 @pytest.mark.parametrize("fmt", ["diffusers", "comfy", "kohya"])
 def test_init_from_any_layout_predicts_as_the_loaded_lora(tiny_models, tmp_path, family, kind, fmt):
     """A LoRA saved by dittrain, in each layout, put in by lora.init_from: the transformer predicts what the

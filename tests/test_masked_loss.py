@@ -110,9 +110,9 @@ def test_metadata_mask_column(masked_set):
     assert torch.equal(b.mask[i], torch.zeros(1, *b.latents.shape[-2:]))  # its bucket, black everywhere
 
 
-# flux / qwen_image / flux2 / chroma / krea2 / flux3 pack latents 2x2 into tokens inside predict, z-image's transformer
+# flux / qwen-image / flux2 / chroma / krea2 / flux3 pack latents 2x2 into tokens inside predict, z-image's transformer
 # patchifies lists, qwen-image-2.1 flattens 16x latents unpacked
-@pytest.mark.parametrize("family", ["flux", "qwen_image", "flux2", "z-image", "chroma", "qwen-image-2.1", "krea2", "flux3"])
+@pytest.mark.parametrize("family", ["flux", "qwen-image", "flux2", "z-image", "chroma", "qwen-image-2.1", "krea2", "flux3"])
 def test_masked_training_end_to_end_from_yaml(family, tiny_models, tmp_path):
     from trainer.train.trainer import Trainer
 

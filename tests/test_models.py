@@ -14,7 +14,7 @@ from trainer.errors import UserError
 from trainer.models import get_adapter
 from trainer.models._diffusers import pack_2x2, unpack_2x2
 
-VARIANTS = {"flux": "flux", "flux-schnell": "flux", "sd3": "sd3", "qwen_image": "qwen_image", "flux2": "flux2",
+VARIANTS = {"flux": "flux", "flux-schnell": "flux", "sd3": "sd3", "qwen-image": "qwen-image", "flux2": "flux2",
             "flux2-klein": "flux2-klein", "z-image": "z-image", "chroma": "chroma"}
 ALL = {"transformer", "vae", "text", "scheduler"}
 PROMPTS = ["a red square on a blue background", "a cat"]
@@ -69,8 +69,8 @@ def test_forward_backward_finite_grads(loaded, name):
     # get no gradient (a LoRA there stays at its init).
     last = f"transformer_blocks.{len(adapter.blocks(tr)) - 1}."
     unused = (last + "attn.to_add_out.", last + "txt_mlp.")
-    expected = [n for n in missing if name == "qwen_image" and n.startswith(unused)]
-    assert (len(expected) == 6) == (name == "qwen_image")
+    expected = [n for n in missing if name == "qwen-image" and n.startswith(unused)]
+    assert (len(expected) == 6) == (name == "qwen-image")
     assert missing == expected
     bad = [n for n, p in tr.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
     assert not bad
@@ -119,7 +119,7 @@ def test_interfaces_and_shift(loaded):
         "flux": (16, 4, {"prompt_embeds", "pooled_prompt_embeds"}, 1.15, 0.5),
         "flux-schnell": (16, 4, {"prompt_embeds", "pooled_prompt_embeds"}, 0.0, 0.0),
         "sd3": (16, 4, {"prompt_embeds", "pooled_prompt_embeds"}, 1.0986, 1.0986),
-        "qwen_image": (16, 4, {"prompt_embeds", "prompt_embeds_mask"}, 0.6935, 0.5),
+        "qwen-image": (16, 4, {"prompt_embeds", "prompt_embeds_mask"}, 0.6935, 0.5),
         "flux2": (16, 4, {"prompt_embeds"}, 1.15, 0.5),
         "flux2-klein": (16, 4, {"prompt_embeds"}, 1.15, 0.5),
     }
@@ -138,7 +138,7 @@ def test_interfaces_and_shift(loaded):
 
 
 def test_qwen_collate_pads_and_masks(loaded):
-    adapter, comps = loaded("qwen_image")
+    adapter, comps = loaded("qwen-image")
     enc = adapter.encode_prompts(comps, PROMPTS)
     items = [{k: v[i] for k, v in enc.items()} for i in range(2)]
     n0, n1 = (int(it["prompt_embeds_mask"].sum()) for it in items)
@@ -183,7 +183,7 @@ def test_predict_matches_pipeline_transformer_call(loaded, name):
     assert torch.allclose(text["prompt_embeds"], kw["encoder_hidden_states"], atol=1e-6)
     if "pooled_prompt_embeds" in text:
         assert torch.allclose(text["pooled_prompt_embeds"], kw["pooled_projections"], atol=1e-6)
-    if name == "qwen_image":
+    if name == "qwen-image":
         assert torch.equal(text["prompt_embeds_mask"], kw["encoder_hidden_states_mask"])
     with torch.no_grad():
         out = adapter.predict(comps.transformer, lat, torch.full((2,), sigma), text, guidance=3.5)
@@ -191,7 +191,7 @@ def test_predict_matches_pipeline_transformer_call(loaded, name):
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), (out - ref).abs().max()
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3", "qwen_image"])  # flux-schnell's pipeline runs above
+@pytest.mark.parametrize("name", ["flux", "sd3", "qwen-image"])  # flux-schnell's pipeline runs above
 def test_pipeline_from_folder_makes_image(tiny_models, name):
     adapter = get_adapter(_mc(tiny_models, name))
     pipe = adapter.pipeline_cls.from_pretrained(str(tiny_models / name), local_files_only=True)
@@ -201,14 +201,14 @@ def test_pipeline_from_folder_makes_image(tiny_models, name):
     assert img.shape == (1, 3, 64, 64) and torch.isfinite(img).all()
 
 
-@pytest.mark.parametrize("name", ["flux", "qwen_image"])
+@pytest.mark.parametrize("name", ["flux", "qwen-image"])
 def test_encode_images_inverts_pipeline_decode_scaling(loaded, name):
     adapter, comps = loaded(name)
     px = torch.rand(1, 3, 64, 64) * 2 - 1
     lat = adapter.encode_images(comps.vae, px)
     assert lat.shape == (1, adapter.latent_channels, 8, 8)
     c = comps.vae.config
-    if name == "qwen_image":  # QwenImagePipeline: latents / (1 / std) + mean, on (B, C, 1, h, w)
+    if name == "qwen-image":  # QwenImagePipeline: latents / (1 / std) + mean, on (B, C, 1, h, w)
         raw = comps.vae.encode(px.unsqueeze(2)).latent_dist.mode()[:, :, 0]
         back = lat / (1.0 / torch.tensor(c.latents_std).view(1, -1, 1, 1)) + torch.tensor(c.latents_mean).view(1, -1, 1, 1)
     else:  # FluxPipeline: latents / scaling_factor + shift_factor
@@ -217,7 +217,7 @@ def test_encode_images_inverts_pipeline_decode_scaling(loaded, name):
     assert torch.allclose(back, raw, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3", "qwen_image", "flux2"])
+@pytest.mark.parametrize("name", ["flux", "sd3", "qwen-image", "flux2"])
 def test_single_file_transformer_matches_folder(tiny_models, loaded, tmp_path, name):
     from safetensors.torch import save_file
 
@@ -300,7 +300,7 @@ def test_make_tiny_is_deterministic_and_qwen_template_is_34_tokens(tiny_models, 
 
     # every family's own tiny folders, in registry order (the family modules declare them: tiny_builders)
     assert [p.name for p in written] == [name for cls in adapter_classes() for name in cls.tiny_builders()]
-    assert [p.name for p in written][:7] == ["flux", "flux-schnell", "sd3", "qwen_image", "flux-kontext",
+    assert [p.name for p in written][:7] == ["flux", "flux-schnell", "sd3", "qwen-image", "flux-kontext",
                                              "qwen-image-edit", "qwen-image-edit-plus"]
 
     def digest(folder: Path) -> dict[str, str]:
@@ -309,7 +309,7 @@ def test_make_tiny_is_deterministic_and_qwen_template_is_34_tokens(tiny_models, 
 
     for folder in written:
         assert digest(folder) == digest(tiny_models / folder.name), folder.name
-    again = tmp_path / "qwen_image"
+    again = tmp_path / "qwen-image"
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(again / "tokenizer"), local_files_only=True)
@@ -338,11 +338,11 @@ def test_qwen_text_encoder_drops_its_head_and_vision_tower_and_keeps_the_embeddi
 
     from trainer.models.qwen_image import NoLogits
 
-    adapter, comps = loaded("qwen_image")
+    adapter, comps = loaded("qwen-image")
     (enc,) = comps.text_encoders
     assert isinstance(enc.lm_head, NoLogits) and enc.model.visual is None
     full = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        tiny_models / "qwen_image", subfolder="text_encoder", dtype=torch.float32, local_files_only=True
+        tiny_models / "qwen-image", subfolder="text_encoder", dtype=torch.float32, local_files_only=True
     ).eval()
     assert sum(p.numel() for p in enc.parameters()) < sum(p.numel() for p in full.parameters())
     want = adapter.encode_prompts(type(comps)(text_encoders=[full], tokenizers=comps.tokenizers), PROMPTS)

@@ -21,7 +21,7 @@ from trainer.planner import timing as ptime
 from trainer.planner import trace as ptrace
 from trainer.planner.prediction import PREDICTION_MARGIN
 
-FAMILIES = ("flux", "sd3", "qwen_image", "flux2")  # flux2-klein: the same classes at another size
+FAMILIES = ("flux", "sd3", "qwen-image", "flux2")  # flux2-klein: the same classes at another size
 
 
 def _cfg(path, family, method="lora", **offload) -> Config:
@@ -348,7 +348,7 @@ def test_sampling_under_classifier_free_guidance_counts_a_batch_of_two(flux_full
 
     act_one = one.peak_reserved - _round2m(one.ring) - _round2m(facts.nonblock_bytes) - WORKSPACE
     assert act_one > 1e8 and two.peak_reserved - one.peak_reserved == pytest.approx(act_one)  # activations doubled
-    assert (cfg_batch("sd3", 3.5), cfg_batch("sd3", 1.0), cfg_batch("qwen_image", 4.0), cfg_batch("flux", 3.5)) == (
+    assert (cfg_batch("sd3", 3.5), cfg_batch("sd3", 1.0), cfg_batch("qwen-image", 4.0), cfg_batch("flux", 3.5)) == (
         2, 1, 2, 1)
 
 

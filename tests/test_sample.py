@@ -20,7 +20,7 @@ from trainer.sampling.engine import text_encoder_names
 PROMPT = "a red square on a blue background"
 # guidance > 1 runs SD3's, Qwen-Image's, Flux.2-klein's and Chroma's classifier-free guidance (negative pass;
 # Z-Image's runs above 0), Flux dev's and Flux.2-dev's guidance embedding
-GUIDANCE = {"flux": 3.5, "sd3": 4.0, "qwen_image": 4.0, "flux2": 4.0, "flux2-klein": 4.0, "z-image": 2.0, "chroma": 3.0}
+GUIDANCE = {"flux": 3.5, "sd3": 4.0, "qwen-image": 4.0, "flux2": 4.0, "flux2-klein": 4.0, "z-image": 2.0, "chroma": 3.0}
 FAMILIES = list(GUIDANCE)
 
 
@@ -264,7 +264,7 @@ def test_training_sampler_without_prompts_makes_nothing(tiny_models, tmp_path):
     assert TrainingSampler(cfg, adapter, "cpu", torch.float32)(model) == []
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen_image", "flux2", "flux2-klein", "z-image", "chroma"])
+@pytest.mark.parametrize("family", ["flux", "qwen-image", "flux2", "flux2-klein", "z-image", "chroma"])
 def test_streamed_text_encoders_give_identical_images(tiny_models, tmp_path, monkeypatch, family):
     import trainer.sampling.placement as placement
 

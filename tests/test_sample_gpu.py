@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 PROMPT = "a red square on a blue background"
-GUIDANCE = {"flux": 3.5, "sd3": 4.0, "qwen_image": 4.0}
+GUIDANCE = {"flux": 3.5, "sd3": 4.0, "qwen-image": 4.0}
 
 
 def _cfg(tiny_models: Path, family: str, out: Path, dtype: str) -> Config:

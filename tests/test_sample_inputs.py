@@ -118,7 +118,7 @@ def _lora_for(tiny_models: Path, family: str, path: Path) -> Path:
 
 @pytest.mark.parametrize(
     ("model", "lora_family"),
-    [("flux", "sd3"), ("sd3", "flux"), ("qwen_image", "flux"), ("flux", "qwen_image")],
+    [("flux", "sd3"), ("sd3", "flux"), ("qwen-image", "flux"), ("flux", "qwen-image")],
 )
 def test_lora_for_another_model(tiny_models, tmp_path, model, lora_family):
     lora = _lora_for(tiny_models, lora_family, tmp_path / f"{lora_family}.safetensors")

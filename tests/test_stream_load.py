@@ -51,7 +51,7 @@ def sharded_flux(tiny_models, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3", "qwen_image", "flux2"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwen-image", "flux2"])
 @pytest.mark.parametrize("quantize", ["none", "int8"])
 def test_resident_load_equals_from_pretrained_bitwise(family, quantize, tiny_models):
     mc = _model_cfg(tiny_models / family, family, quantize)
@@ -175,7 +175,7 @@ def test_streamed_fit_peak_rss_stays_near_the_arena(tiny_models, tmp_path):
     assert r["rss_over_baseline"] <= 1.10 * held + ALLOWANCE, r
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3", "qwen_image"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwen-image"])
 def test_quantized_modulation_loads_bitwise_like_from_pretrained(family, tiny_models, sharded_flux):
     """model.quantize_modulation: resident and conductor-filled loads equal from_pretrained + prepare_transformer,
     and the modulation Linears are 8-bit in all of them."""

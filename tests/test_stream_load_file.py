@@ -48,7 +48,7 @@ def _cfg(tiny_models, family, f, quantize="none") -> ModelConfig:
 
 CASES = [("flux", "bf16", "none"), ("flux", "bf16", "int8"), ("flux", "fp8", "fp8"), ("flux", "fp8", "none"),
          ("flux", "fp8-scaled", "fp8"), ("flux", "fp8-scaled", "none"), ("sd3", "fp8-scaled", "fp8"),
-         ("qwen_image", "fp8-scaled", "fp8"), ("qwen_image", "bf16", "fp8"), ("flux2", "fp8", "fp8")]
+         ("qwen-image", "fp8-scaled", "fp8"), ("qwen-image", "bf16", "fp8"), ("flux2", "fp8", "fp8")]
 
 
 @pytest.mark.parametrize(("family", "kind", "quantize"), CASES)

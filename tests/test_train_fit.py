@@ -22,7 +22,7 @@ from trainer.offload.block import StreamedBlock
 from trainer.train import checkpoint as ck
 from trainer.train.trainer import Trainer
 
-FAMILIES = ["flux", "sd3", "qwen_image", "flux2", "flux2-klein"]
+FAMILIES = ["flux", "sd3", "qwen-image", "flux2", "flux2-klein"]
 
 # (first, last) step losses of 8 training steps on the tests' own image set, seed 0 (tests/test_train_support.py).
 # They change only on purpose: a change means the objective, the data pipeline, the adapters, the optimizer or the
@@ -30,10 +30,10 @@ FAMILIES = ["flux", "sd3", "qwen_image", "flux2", "flux2-klein"]
 GOLDEN_LOSSES = {
     ("flux", "lora"): (1.5445270538330078, 1.327577829360962),
     ("sd3", "lora"): (1.4446372985839844, 1.2604743242263794),
-    ("qwen_image", "lora"): (1.5481176376342773, 1.3484065532684326),
+    ("qwen-image", "lora"): (1.5481176376342773, 1.3484065532684326),
     ("flux", "full"): (1.5445270538330078, 0.9987795352935791),
     ("sd3", "full"): (1.4446372985839844, 1.1152362823486328),
-    ("qwen_image", "full"): (1.5481176376342773, 0.959783673286438),
+    ("qwen-image", "full"): (1.5481176376342773, 0.959783673286438),
     ("flux2", "lora"): (1.358278512954712, 1.1269481182098389),
     ("flux2", "full"): (1.358278512954712, 1.0862152576446533),
     ("flux2-klein", "lora"): (1.4068182706832886, 1.3640755414962769),

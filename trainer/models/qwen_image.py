@@ -147,8 +147,7 @@ class QwenImageAdapter(DiffusersAdapter):
 
     @classmethod
     def tiny_builders(cls):
-        # the folder keeps the family's former spelling: tests, the demo and users' tiny configs point at it
-        return {"qwen_image": lambda: QwenImagePipeline(**tiny_parts())}
+        return {"qwen-image": lambda: QwenImagePipeline(**tiny_parts())}
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.transformer_blocks)
