@@ -247,7 +247,7 @@ def main() -> None:
         "worlds": {w: ranks(w) for w in worlds},
     }
     (args.out / "sharded.json").write_text(json.dumps(result, indent=1))
-    one = next(r for r in result["worlds"][1][0] if r["name"] == "1 GPU streamed")
+    one = next((r for r in result["worlds"].get(1, [[]])[0] if r["name"] == "1 GPU streamed"), None)
     lines = [
         f"Flux.1-dev LoRA r{args.rank}, {args.res} px, batch 1 a GPU, fraction {args.fraction}, activations "
         f"{'offloaded' if args.activations else 'kept'}, eager, {args.layers}+{args.singles} blocks, {result['device']}, "
@@ -264,7 +264,7 @@ def main() -> None:
             gb = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
             lines.append(
                 f"| {r['name']} | {r['step_s_median']:.3f} | {r['samples_per_s']:.3f} | "
-                f"{r['samples_per_s'] / one['samples_per_s']:.2f} | {' / '.join(losses)} | "
+                f"{r['samples_per_s'] / one['samples_per_s'] if one else float('nan'):.2f} | {' / '.join(losses)} | "
                 f"{gb(max(pr[i]['peak_reserved_gb'] or 0 for pr in per_rank))} | {gb(r.get('h2d_gbps_loads'))} | "
                 f"{gb(max(pr[i].get('rss_anon_gb', 0) for pr in per_rank))} | {gb(r.get('node_shmem_gb'))} | "
                 f"{gb(r.get('h2d_gbps_each'))} | {gb(r.get('allgather_bus_gbps'))} |")
