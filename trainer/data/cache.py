@@ -358,8 +358,11 @@ def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int,
                 with torch.no_grad():
                     enc = adapter.encode_videos if video else adapter.encode_images
                     lat = enc(vae, batch).float().cpu()  # device->host sync, once per chunk
-                for j, x, m in zip(ok, lat, masks, strict=True):
-                    t = {"latent": x.clone()}
+                    # image-to-video families: the first frame's conditioning, cached beside the latent
+                    conds = {k: v.float().cpu() for k, v in adapter.encode_conditions(vae, batch).items()} \
+                        if getattr(adapter, "first_frame_conditions", False) else {}
+                for i, (j, x, m) in enumerate(zip(ok, lat, masks, strict=True)):
+                    t = {"latent": x.clone(), **{k: v[i].clone() for k, v in conds.items()}}
                     if m is not None:  # pixel mask -> latent cells: the share of each cell it covers
                         t["mask"] = torch.nn.functional.interpolate(m[None], size=x.shape[-2:], mode="area")[0]
                         if x.ndim == 4:  # (C, F, h, w): one mask for every frame of the clip, (1, 1, h, w)

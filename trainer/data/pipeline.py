@@ -336,13 +336,14 @@ class TrainData:
     def batch_at(self, position: int) -> Batch:
         """The batch at any position, without moving the sampler."""
         slots: list[Slot] = self.sampler.batch_at(position)
-        lats, masks, texts, caps, files, ctrls = [], [], [], [], [], []
+        lats, masks, texts, caps, files, ctrls, conds = [], [], [], [], [], [], []
         for n, s in enumerate(slots):
             e = self.entries[s.entry]
             it = self.plan.items[e.item]
             cap = "" if s.dropped else pick(self._texts[e.item], self._seed, position, n)
             entry = self._read(self.plan.latent_store, self._lat_keys[s.entry], it.file)
             lats.append(entry["latent"])
+            conds.append({k: v for k, v in entry.items() if k not in ("latent", "mask")})  # adapter.encode_conditions
             refs = [self._read(self.plan.latent_store, k, f)["latent"]
                     for k, (f, _, _) in zip(self._ctrl_keys[s.entry], it.references, strict=True)]
             if refs:  # one reference: (C, h, w); several: (K, C, h, w)
@@ -358,6 +359,8 @@ class TrainData:
         cond = self._adapter.collate_text(texts)
         if ctrls:
             cond["control_latents"] = torch.stack(ctrls)
+        for k in conds[0]:  # an image-to-video family's first-frame conditioning (adapter.encode_conditions)
+            cond[k] = torch.stack([c[k] for c in conds])
         return Batch(torch.stack(lats), cond, caps, files, (bucket[1], bucket[0]), position,
                      torch.stack(masks) if self._masked else None)
 

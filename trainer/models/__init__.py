@@ -46,6 +46,8 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "flux3": ("flux3", "Flux3Adapter"),
     "wan": ("wan", "WanAdapter"),
     "wan2.2-a14b": ("wan22", "Wan22A14BAdapter"),
+    "wan-i2v": ("wan_i2v", "WanI2VAdapter"),
+    "wan2.2-a14b-i2v": ("wan_i2v", "Wan22A14BI2VAdapter"),
 }
 
 __all__ = [

@@ -217,6 +217,16 @@ class ModelAdapter(ABC):
         PIL frames (video families: `out.frames[0]`)."""
         return out.images[0]
 
+    #: image-to-video: the clip's first frame conditions every step as the pipeline's `image` does (Wan I2V: its
+    #: latents, and a CLIP embedding, beside the noisy ones). `encode_conditions` caches it with the clip's latent,
+    #: the batch carries it in the text dict to `predict`, and sampling needs `--image` (`sample.image` in a fit)
+    first_frame_conditions: ClassVar[bool] = False
+
+    def encode_conditions(self, vae: nn.Module, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-clip conditioning computed from the clip's pixels (B, 3, F, H, W) when its latent is cached, stored
+        beside it and stacked into the batch's text dict under these keys (default: none)."""
+        return {}
+
     # ------------------------------------------------------------------------------------------ experts
 
     # A family of expert transformers (Wan 2.2 A14B: `transformer/` denoises the high-noise steps, `transformer_2/`

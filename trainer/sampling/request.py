@@ -211,10 +211,12 @@ def check_image(path: Path | list[Path] | None, adapter) -> None:
         return
     path = paths[0] if paths else None
     if path is None:
+        if adapter.first_frame_conditions:
+            raise UserError(f"{adapter.family} is image-to-video: pass --image (or set sample.image), the first frame")
         if adapter.text_uses_reference:
             raise UserError(f"{adapter.family} samples need a reference image: pass --image (or set sample.image)")
         return
-    if not adapter.takes_reference:
+    if not adapter.takes_reference and not adapter.first_frame_conditions:
         from ..models import adapter_classes
 
         edit = ", ".join(c.family for c in adapter_classes() if c.takes_reference)

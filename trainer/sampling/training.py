@@ -47,7 +47,8 @@ class TrainingSampler:
         self.seeds = [s.seed + i for i in range(len(self.prompts))]
         self.settings = SampleSettings.from_config(s)
         check_frames(self.settings.frames, adapter)
-        if isinstance(s.image, list):  # several references: readable, and no more than the family takes
+        # several references: readable, and no more than the family takes; image-to-video: the first frame given
+        if isinstance(s.image, list) or adapter.first_frame_conditions:
             check_image(s.image, adapter)
         # experts: a family of experts' others than the one training (their base weights, in CPU RAM)
         comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler", "experts"}, dtype=dtype, device="cpu")
