@@ -2,7 +2,7 @@
 """The sharded stream (trainer/offload/gather.py) against whole copies per GPU, at 1, 2 and 4 GPUs of one host.
 
 Full-size Flux.1-dev (11.9 B, random bf16 weights built on each GPU, seed 0) LoRA rank 16, 1024x1024, batch 1 per
-GPU, every block streamed (--fraction 1.0) with activations offloaded, eager, the streamed frozen blocks in one
+GPU, every block streamed (--fraction 1.0) with activations offloaded, eager (or --compile), the streamed frozen blocks in one
 /dev/shm arena shared by the host's processes (as the trainer does with several processes). For each world size a
 fresh set of processes (spawn, NCCL):
 
@@ -181,12 +181,12 @@ def _worker(rank: int, world: int, args, port: int, out: str) -> None:
 
     rows = []
     if world == 1 and args.resident:
-        h = attach_offload(block_list(model), dev, 0.0, mode="train", checkpointing=True)
+        h = attach_offload(block_list(model), dev, 0.0, mode="train", checkpointing=True, compile=args.compile)
         reset_peak()
         rows.append(row("1 GPU resident (every block recomputed)", h))
         h.close()
     h = attach_offload(block_list(model), dev, args.fraction, mode="train", activations=args.activations and cuda,
-                       share=share, gather=gather)
+                       share=share, gather=gather, compile=args.compile, min_ring_blocks=args.ring)
     c = h._c
     if world == 1:
         reset_peak()
@@ -218,6 +218,8 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=1.0)
     ap.add_argument("--no-activations", dest="activations", action="store_false")
     ap.add_argument("--no-resident", dest="resident", action="store_false")
+    ap.add_argument("--compile", action="store_true", help="each block class compiled (the trainer's train.compile)")
+    ap.add_argument("--ring", type=int, default=2, help="min_ring_blocks of the streamed runs")
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--worlds", default=None, help="comma-separated world sizes (default: 1, 2, ..., --gpus)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -250,7 +252,8 @@ def main() -> None:
     one = next((r for r in result["worlds"].get(1, [[]])[0] if r["name"] == "1 GPU streamed"), None)
     lines = [
         f"Flux.1-dev LoRA r{args.rank}, {args.res} px, batch 1 a GPU, fraction {args.fraction}, activations "
-        f"{'offloaded' if args.activations else 'kept'}, eager, {args.layers}+{args.singles} blocks, {result['device']}, "
+        f"{'offloaded' if args.activations else 'kept'}, {'compiled' if args.compile else 'eager'}, ring "
+        f"{args.ring} blocks, {args.layers}+{args.singles} blocks, {result['device']}, "
         f"torch {result['torch']}, {result['date']}",
         "",
         "| run | median step s | samples/s | x 1 streaming GPU | first loss (ranks) | peak reserved GB | PCIe GB/s in "
