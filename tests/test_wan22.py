@@ -148,3 +148,65 @@ def test_sample_with_both_experts_loras_is_pixel_identical_to_wan_pipeline(fitte
     _, streamed = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[str(p) for p in loras],
                                                 offload=1.0, out=tmp_path / "streamed"))
     np.testing.assert_array_equal(pixels(streamed), pixels(sheet))
+
+
+# ---------------------------------------------------------------------------------------------- TI2V-5B
+
+
+@pytest.fixture(scope="module")
+def ti2v(tmp_path_factory) -> Path:
+    from trainer.models.tiny import make_tiny_models
+
+    (folder,) = make_tiny_models(tmp_path_factory.mktemp("tiny-wan22-ti2v"), ["wan2.2-ti2v-5b"])
+    return folder
+
+
+def test_ti2v_latents_and_per_token_timesteps_as_wan_pipeline(ti2v):
+    mc = ModelConfig(family="wan2.2-ti2v-5b", path=ti2v, dtype="fp32")
+    adapter = get_adapter(mc)
+    assert adapter.resolution_divisor == 32 and adapter.expand_timesteps
+    comps = adapter.load(mc, parts={"transformer", "vae", "text", "scheduler"}, dtype=torch.float32)
+    pipe = adapter.pipeline(comps)
+    assert pipe.config.expand_timesteps
+    # Wan 2.2's VAE: 2x2 patchify, then 8x: a latent pixel is 16x16 pixels
+    assert adapter.encode_videos(comps.vae, torch.rand(1, 3, 5, 64, 64) * 2 - 1).shape == (1, 8, 2, 4, 4)
+    seen = {}
+
+    def hook(_m, _args, kw, out):
+        seen.setdefault("call", (kw, out[0]))
+
+    h = comps.transformer.register_forward_hook(hook, with_kwargs=True)
+    try:
+        pipe(prompt=PROMPT, num_inference_steps=2, height=64, width=64, num_frames=5, guidance_scale=1.0,
+             output_type="latent", generator=torch.Generator().manual_seed(0))
+    finally:
+        h.remove()
+    kw, out = seen["call"]
+    assert kw["timestep"].shape == (1, 2 * 2 * 2)  # one per token: 2 latent frames of 2x2 tokens
+    with torch.no_grad():
+        got = adapter.predict(comps.transformer, kw["hidden_states"], kw["timestep"][:, 0].float() / 1000,
+                              {"prompt_embeds": kw["encoder_hidden_states"]})
+    torch.testing.assert_close(got, out, rtol=0, atol=1e-5)
+
+
+def test_ti2v_fit_and_sample_are_pixel_identical_to_wan_pipeline(ti2v, clip, tmp_path):
+    from diffusers import WanPipeline
+
+    from trainer.models._diffusers import own_aligned_memory
+
+    cfg = _config(ti2v, clip, tmp_path, None)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"family": "wan2.2-ti2v-5b"})})
+    path = tmp_path / "fit.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True)))
+    r = CliRunner().invoke(app, ["fit", str(path)])
+    assert r.exit_code == 0, r.output
+    lora = tmp_path / "out" / "lora.safetensors"
+    _, sheet = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[str(lora)], out=tmp_path / "s"))
+    pipe = WanPipeline.from_pretrained(str(ti2v), torch_dtype=torch.float32, local_files_only=True)
+    own_aligned_memory(pipe.transformer)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(lora))
+    s = cfg.sample
+    want = pipe(prompt=PROMPT, height=s.height, width=s.width, num_frames=s.frames, num_inference_steps=s.steps,
+                guidance_scale=s.guidance, generator=torch.Generator().manual_seed(3), output_type="pil").frames[0]
+    np.testing.assert_array_equal(pixels(sheet), np.asarray(frame_sheet(want)))

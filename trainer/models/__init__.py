@@ -48,6 +48,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "wan2.2-a14b": ("wan22", "Wan22A14BAdapter"),
     "wan-i2v": ("wan_i2v", "WanI2VAdapter"),
     "wan2.2-a14b-i2v": ("wan_i2v", "Wan22A14BI2VAdapter"),
+    "wan2.2-ti2v-5b": ("wan22_ti2v", "Wan22TI2VAdapter"),
 }
 
 __all__ = [

@@ -234,7 +234,8 @@ class WanAdapter(DiffusersAdapter):
         rnd = {"device": dev, "dtype": dtype}
         f = cls.latent_frames(frames or cls.plan_frames)
         return dict(
-            hidden_states=torch.randn(batch, c.in_channels, f, height // 8, width // 8, **rnd),
+            hidden_states=torch.randn(batch, c.in_channels, f, height // cls.latent_scale, width // cls.latent_scale,
+                                      **rnd),
             encoder_hidden_states=torch.randn(batch, text_tokens, c.text_dim, **rnd),
             timestep=torch.ones(batch, **rnd),
         )

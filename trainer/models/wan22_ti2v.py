@@ -1,0 +1,94 @@
+"""Wan 2.2 TI2V-5B, text-to-video: one 5 B transformer on Wan 2.2's own VAE, `WanPipeline` with `expand_timesteps`.
+
+What differs from Wan 2.1 (trainer/models/wan.py), as diffusers' WanPipeline (0.42) runs it:
+
+- the VAE (AutoencoderKLWan with `is_residual`, `patch_size` 2, `z_dim` 48) patchifies the pixels 2x2 before its
+  encoder, so a latent pixel covers 16x16 pixels (`scale_factor_spatial` 16) and 4 frames; with the transformer's
+  (1, 2, 2) patch a token covers 32x32 pixels (the buckets' divisor). Latents are normalised per channel with its 48
+  `latents_mean` / `latents_std`, as for Wan 2.1;
+- `expand_timesteps` (model_index.json): the transformer gets one timestep per token, (B, F' * h/2 * w/2), every
+  entry the step's t here (the pipeline's mask is all ones for text-to-video); the image-to-video mode of the same
+  model (WanImageToVideoPipeline with `expand_timesteps`: the first latent frame replaced by the image's latents,
+  its tokens at timestep 0) is not trained here yet;
+- defaults (the Wan 2.2 ti2v_5B config): flow shift 5, 50 steps, guidance 5, 121 frames at 24 fps, 704x1280.
+
+The text encoder (UMT5-XXL) and everything else are Wan 2.1's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .wan import WAN_SCHEDULER, WanAdapter, tiny_pipeline
+
+
+def tiny_pipeline_ti2v():
+    """Tiny Wan 2.2 TI2V-5B-like: the residual, 2x2-patchifying VAE (8 latent channels, 16x in space, 4x in time),
+    an 8-channel two-block transformer, Wan 2.1's tiny text encoder, `expand_timesteps`."""
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+
+    base = tiny_pipeline()
+    torch.manual_seed(29)
+    vae = AutoencoderKLWan(
+        base_dim=8, decoder_base_dim=8, z_dim=8, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+        temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+        scale_factor_spatial=16, scale_factor_temporal=4,
+        latents_mean=[0.1, -0.2, 0.05, 0.0, 0.3, -0.1, 0.2, 0.0], latents_std=[1.5, 2.0, 1.2, 1.8, 1.1, 1.3, 0.9, 1.6],
+    )
+    torch.manual_seed(30)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=8, out_channels=8,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=64,
+    )
+    return WanPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=vae, transformer=transformer,
+                       scheduler=base.scheduler, expand_timesteps=True)
+
+
+class Wan22TI2VAdapter(WanAdapter):
+    family = "wan2.2-ti2v-5b"
+    full_name, example_path = "Wan2.2-TI2V-5B", "/path/to/Wan2.2-TI2V-5B-Diffusers"
+    full_config = {  # Wan 2.2 TI2V-5B (5.0 B parameters)
+        **WanAdapter.full_config, "num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30,
+        "in_channels": 48, "out_channels": 48,
+    }
+    #: Wan 2.2's VAE: 2x2 patchify, then 8x (base_dim 160, decoder_base_dim 256, z_dim 48, residual), counted on the
+    #: meta device from that config
+    vae_params = 704_688_668
+    latent_scale = 16
+    default_scheduler = {**WAN_SCHEDULER, "flow_shift": 5.0}
+    sample_defaults = {"guidance": 5.0, "steps": 50}
+    plan_frames = 121
+
+    @classmethod
+    def tiny_builders(cls):
+        return {"wan22-ti2v": tiny_pipeline_ti2v}
+
+    @property
+    def expand_timesteps(self) -> bool:
+        """One timestep per token (model_index.json; the published TI2V-5B folder sets it)."""
+        return bool(self._json("model_index.json", required=False).get("expand_timesteps", True))
+
+    def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:
+        if not self.expand_timesteps:
+            return super().predict(transformer, noisy_latents, t, text, guidance)
+        b, _, f, h, w = noisy_latents.shape
+        p = self.patch_size
+        # (B, tokens), every token at its sample's t: the pipeline's (mask[:, ::2, ::2] * t).flatten(), mask all ones
+        timestep = (t * 1000.0)[:, None].expand(b, f * (h // p) * (w // p))
+        return transformer(hidden_states=noisy_latents, timestep=timestep,
+                           encoder_hidden_states=text["prompt_embeds"], return_dict=False)[0]
+
+    @classmethod
+    def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta",
+                     frames: int | None = None) -> dict:
+        kw = super().dummy_inputs(transformer, batch, height, width, text_tokens, dtype, device, frames)
+        x = kw["hidden_states"]
+        kw["timestep"] = torch.ones(batch, x.shape[2] * (x.shape[3] // 2) * (x.shape[4] // 2), device=x.device,
+                                    dtype=dtype)
+        return kw
+
+    def pipeline(self, components):
+        pipe = super().pipeline(components)
+        pipe.register_to_config(expand_timesteps=self.expand_timesteps)  # as WanPipeline.from_pretrained sets it
+        return pipe
