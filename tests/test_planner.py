@@ -226,6 +226,43 @@ def test_report_table(flux_full_size):
     assert "Assumptions" in text and "RAM 64 GB" in text
 
 
+@pytest.mark.parametrize("width", [80, 100])
+def test_report_fits_the_width_and_keeps_every_word(flux_full_size, width):
+    """Fitted to `width` columns (`dittrain plan` passes the terminal's), no line is wider, but one holding a
+    single unbreakable word (a long path); tables split into tables led by the row names, prose wraps at spaces:
+    every word of the unfitted report is still there, and each fraction row still starts a line."""
+    from collections import Counter
+
+    cfg, facts = flux_full_size
+    wide, chosen = planner.report(cfg, vram_gb=16, ram_gb=64, facts=facts)
+    fitted, chosen2 = planner.report(cfg, vram_gb=16, ram_gb=64, facts=facts, width=width)
+    assert chosen2 == chosen and max(map(len, wide)) > 200
+    assert all(len(line) <= width or " " not in line.strip() for line in fitted), max(fitted, key=len)
+    def words(lines):  # the tables' rules (dashes) change length with their columns
+        return Counter(w for line in lines for w in line.split() if set(w) != {"-"})
+
+    assert not words(wide) - words(fitted)
+    assert any(line.startswith(f"{chosen:.2f} <- chosen") for line in fitted)
+
+
+def test_cli_plan_fits_80_columns(tiny_models, tmp_path):
+    """`dittrain plan` at COLUMNS=80 on the tiny models, LoRA and full fine-tuning with a budget: every line fits
+    (but one holding a single word: a path longer than the terminal stays whole). It printed 322 columns."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    for method in ("lora", "full"):
+        path = tmp_path / f"{method}.yaml"
+        path.write_text(yaml.safe_dump(_cfg(tiny_models / "flux", "flux", method).model_dump(mode="json")))
+        res = CliRunner().invoke(app, ["plan", str(path), "--vram", "8"], env={"COLUMNS": "80"})
+        assert res.exit_code == 0, res.output
+        lines = res.output.splitlines()
+        assert all(len(line) <= 80 or " " not in line.strip() for line in lines), max(lines, key=len)
+        assert "Per fraction" in res.output and "Assumptions" in res.output
+
+
 def test_run_plan_without_budget_prints(tiny_models, capsys):
     planner.run_plan(_cfg(tiny_models / "flux", "flux"))
     out = capsys.readouterr().out

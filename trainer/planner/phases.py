@@ -37,6 +37,7 @@ from ..models import adapter_class
 from .meta import TextEncoderSize, shared_sizes
 from .prediction import ALLOCATOR_OVERHEAD, GB, WORKSPACE, Facts, predict
 from .sampling import VAE_ACT_DECODE, cfg_batch, predict_sampling
+from .text import table as text_table
 
 #: activation bytes per image pixel at the peak of a bf16 VAE encode (128 channels at full resolution, a few live
 #: tensors; the decode: sampling.py VAE_ACT_DECODE): coarse, from diffusers' figures for 1024 px
@@ -141,15 +142,13 @@ def predicted_map(cfg, fraction: float, facts: Facts) -> dict[str, tuple[float, 
     return {p.name: (p.vram, p.ram) for p in predict_phases(cfg, fraction, facts)}
 
 
-def table(preds: list[PhasePrediction], budget_gb: float | None = None) -> list[str]:
-    """The phase table `dittrain plan` prints."""
+def table(preds: list[PhasePrediction], budget_gb: float | None = None, width: int | None = None) -> list[str]:
+    """The phase table `dittrain plan` prints (fitted to `width` columns, trainer/planner/text.py)."""
     rows = [("phase", "peak VRAM GB", "peak RAM GB", "note")]
     for p in preds:
         rows.append((p.name, f"{p.vram / GB:.2f}", f"{p.ram / GB:.1f}", p.note))
-    w = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["", "Phases of `dittrain fit` (predicted peaks; the largest decides whether the run fits):"]
-    for r in rows:
-        lines.append("  " + "  ".join(c.ljust(w[i]) if i in (0, 3) else c.rjust(w[i]) for i, c in enumerate(r)))
+    lines += text_table(rows, note=True, width=width, indent="  ")
     big = max(preds, key=lambda p: p.vram)
     line = f"  largest: {big.name}, {big.vram / GB:.2f} GB"
     if budget_gb is not None:

@@ -26,6 +26,8 @@ from .prediction import (
     streaming,
 )
 from .sampling import cfg_batch, predict_sampling
+from .text import table as _table
+from .text import terminal_width, wrap
 
 _DTYPE_NAMES = {**{v: k for k, v in DTYPES.items()}, torch.float8_e4m3fn: "fp8", torch.int8: "int8"}
 
@@ -34,29 +36,16 @@ def _gb(n: float) -> str:
     return f"{n / GB:.2f}"
 
 
-def _table(rows: list[tuple], note: bool = False) -> list[str]:
-    w = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for k, r in enumerate(rows):
-        # numbers right-aligned; the first column and a trailing note column left-aligned
-        cells = [
-            str(c).rjust(w[i]) if 0 < i < len(r) - (1 if note else 0) else str(c).ljust(w[i])
-            for i, c in enumerate(r)
-        ]
-        out.append("  ".join(cells).rstrip())
-        if k == 0:
-            out.append("  ".join("-" * x for x in w))
-    return out
-
-
 def report(
     cfg,
     vram_gb: float | None = None,
     ram_gb: float | None = None,
     rates: ptime.Rates | None = None,
     facts: Facts | None = None,
+    width: int | None = None,
 ) -> tuple[list[str], float | None]:
-    """The lines `dittrain plan` prints, and the chosen fraction (None when no budget was given)."""
+    """The lines `dittrain plan` prints, and the chosen fraction (None when no budget was given); with `width`,
+    fitted to that many columns (trainer/planner/text.py)."""
     facts = facts or analyze(cfg)
     rates = rates or ptime.reference_rates()
     act = cfg.offload.activations
@@ -166,7 +155,7 @@ def report(
                 f"f={f_te:.2f} (offload.text_encoders)",
             )
         )
-    lines += _table(rows, note=True)
+    lines += _table(rows, note=True, width=width)
     cached = cfg.data is None or cfg.data.cache
     lines.append(
         "text encoders run "
@@ -205,7 +194,7 @@ def report(
                 _gb(p1.act_checkpoint_host),
             )
         )
-    lines += _table(rows)
+    lines += _table(rows, width=width)
     fr = sorted(
         set(TABLE_FRACTIONS)
         | ({chosen} if chosen is not None else set())
@@ -259,9 +248,9 @@ def report(
                 f"{p.step_s / base.step_s:.2f}x",
             )
         )
-    lines += _table(rows)
-    lines += _sampling(facts, fr, big, rates, cfg_batch(facts.family, cfg.sample.guidance))
-    lines += _phases(cfg, facts, f_show, budget)
+    lines += _table(rows, width=width)
+    lines += _sampling(facts, fr, big, rates, cfg_batch(facts.family, cfg.sample.guidance), width)
+    lines += _phases(cfg, facts, f_show, budget, width)
     if ram_gb is not None:
         lines.append(_ram_line(facts, f_show, ram_gb, act, rates)[0])
     lines += [
@@ -277,7 +266,7 @@ def report(
         "over the offload plan (GPU = kernels alone, host = launches alone, PCIe = copies alone); without a GPU "
         "measurement, GPU time scales the reference by FLOPs and host time by traced operations",
     ]
-    return lines, chosen
+    return wrap(lines, width), chosen
 
 
 def _ram_line(facts: Facts, fraction: float, ram_gb: float, act: bool, rates) -> tuple[str, bool]:
@@ -295,7 +284,7 @@ class DoesNotFit(UserError):
     label = ""
 
 
-def _phases(cfg, facts: Facts, fraction: float, budget: float | None) -> list[str]:
+def _phases(cfg, facts: Facts, fraction: float, budget: float | None, width: int | None = None) -> list[str]:
     """Every phase of `fit` (trainer/planner/phases.py); with a budget, the text-encoder share that fits it."""
     te = float(cfg.offload.text_encoders)
     out = []
@@ -305,11 +294,11 @@ def _phases(cfg, facts: Facts, fraction: float, budget: float | None) -> list[st
             out.append(f"text caching needs offload.text_encoders >= {need:.2f} for {budget:g} GB (config: {te:g}); "
                        "the table uses it")
             te = need
-    table = phase_table(predict_phases(cfg, fraction, facts, te), budget)
+    table = phase_table(predict_phases(cfg, fraction, facts, te), budget, width)
     return table[:2] + out + table[2:]
 
 
-def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1) -> list[str]:
+def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1, width: int | None = None) -> list[str]:
     """`dittrain sample --offload F`: the denoising loop alone (trainer/planner/sampling.py)."""
     base = predict_sampling(facts, 0.0, res, rates, batch)
     rows = [("fraction", "ring", "peak reserved", "untiled decode", "compute", "transfer", "s / step", "vs resident")]
@@ -333,7 +322,7 @@ def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1) -> list[
         "every step, part of the model stays resident; text encoders not included). The VAE decode after them reserves "
         "'untiled decode' where it decodes as the pipeline does; `dittrain sample` decodes in 512 px tiles where that "
         "does not fit the card:",
-        *_table(rows),
+        *_table(rows, width=width),
     ]
 
 
@@ -348,7 +337,7 @@ def run_plan(cfg, vram_gb: float | None = None, ram_gb: float | None = None) -> 
             rates = measure(facts)
         except Exception as e:  # noqa: BLE001 - a failed measurement must not stop the plan
             print(f"(GPU measurement failed: {type(e).__name__}: {e}; using the reference figures)")
-    lines, chosen = report(cfg, vram_gb=vram_gb, ram_gb=ram_gb, rates=rates, facts=facts)
+    lines, chosen = report(cfg, vram_gb=vram_gb, ram_gb=ram_gb, rates=rates, facts=facts, width=terminal_width())
     print("\n".join(lines))
     if ram_gb is not None:
         fraction = chosen if chosen is not None else (_fraction_of(cfg) or 0.0)
