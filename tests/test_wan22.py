@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from trainer.cli import app
 from trainer.config import Config, ModelConfig
-from trainer.data.video import write_video
+from trainer.data.video import probe_video, write_video
 from trainer.errors import UserError
 from trainer.models import get_adapter
 from trainer.sample import SampleRequest, run_sample
@@ -73,6 +73,11 @@ def test_each_expert_owns_its_side_of_the_boundary(a14b):
     for lo, hi in (high.train_timesteps(), low.train_timesteps()):
         t = FlowMatching(cfg, lambda h, w: 3.0, t_range=(lo, hi)).noise(torch.zeros(256, 4, 2, 4, 4)).t
         assert lo <= t.min() and t.max() <= hi and t.max() - t.min() > 0.5 * (hi - lo)
+    # the Wan variants share WanPipeline: a folder of another one is refused in one line naming it
+    with pytest.raises(UserError, match=r"two experts \(transformer_2, boundary_ratio\), not wan: use model.family: "
+                                        r"wan2.2-a14b$"):
+        get_adapter(ModelConfig(family="wan", path=a14b)).load(ModelConfig(family="wan", path=a14b), parts={"vae"},
+                                                               dtype=torch.float32)
     # a LoRA file goes to its expert by its name
     assert high.lora_load_kwargs("out/lora-low_noise.safetensors") == {"load_into_transformer_2": True}
     assert high.lora_load_kwargs("wan22_Low-Noise_v1.safetensors") == {"load_into_transformer_2": True}
@@ -102,6 +107,7 @@ def test_each_run_writes_its_experts_lora_that_wan_pipeline_loads(fitted):
     assert (high / "lora-high_noise.safetensors").is_file() and not (high / "lora.safetensors").exists()
     assert (low / "lora-low_noise.safetensors").is_file()
     assert (low / "samples" / "step-000002-0.png").is_file()  # sampled with both experts during the fit
+    assert probe_video(low / "samples" / "step-000002-0.mp4", None) == (32, 32, 5)  # and its mp4 beside it
     pipe = WanPipeline.from_pretrained(str(cfg.model.path), torch_dtype=torch.float32, local_files_only=True)
     pipe.load_lora_weights(str(high / "lora-high_noise.safetensors"), adapter_name="high")
     pipe.load_lora_weights(str(low / "lora-low_noise.safetensors"), adapter_name="low",
@@ -150,6 +156,19 @@ def test_sample_with_both_experts_loras_is_pixel_identical_to_wan_pipeline(fitte
     np.testing.assert_array_equal(pixels(streamed), pixels(sheet))
 
 
+def test_sample_frames_on_the_command_line(fitted, tmp_path):
+    cfg, low = fitted["low_noise"]
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True)))
+    r = CliRunner().invoke(app, ["sample", str(path), "--frames", "9", "--lora", str(low / "lora-low_noise.safetensors"),
+                                 "--out", str(tmp_path / "s")])
+    assert r.exit_code == 0, r.output
+    (mp4,) = (tmp_path / "s").glob("*.mp4")
+    assert probe_video(mp4, None) == (32, 32, 9)
+    r = CliRunner().invoke(app, ["sample", str(path), "--frames", "8", "--out", str(tmp_path / "t")])
+    assert r.exit_code != 0 and "sample.frames 8: wan2.2-a14b makes 4k+1 frames" in r.output
+
+
 # ---------------------------------------------------------------------------------------------- TI2V-5B
 
 
@@ -165,6 +184,9 @@ def test_ti2v_latents_and_per_token_timesteps_as_wan_pipeline(ti2v):
     mc = ModelConfig(family="wan2.2-ti2v-5b", path=ti2v, dtype="fp32")
     adapter = get_adapter(mc)
     assert adapter.resolution_divisor == 32 and adapter.expand_timesteps
+    other = ModelConfig(family="wan2.2-a14b", path=ti2v)
+    with pytest.raises(UserError, match="with expand_timesteps, not wan2.2-a14b: use model.family: wan2.2-ti2v-5b"):
+        get_adapter(other).load(other, parts={"vae"}, dtype=torch.float32)
     comps = adapter.load(mc, parts={"transformer", "vae", "text", "scheduler"}, dtype=torch.float32)
     pipe = adapter.pipeline(comps)
     assert pipe.config.expand_timesteps

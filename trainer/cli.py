@@ -146,6 +146,8 @@ def sample(
     seed: int | None = typer.Option(None, "--seed", help="Seed of the first image (default: sample.seed)."),
     width: int | None = typer.Option(None, "--width", min=16, help="Width in pixels (default: sample.width)."),
     height: int | None = typer.Option(None, "--height", min=16, help="Height in pixels (default: sample.height)."),
+    frames: int | None = typer.Option(None, "--frames", min=1, help="Video families: frames per video, 4k+1 for Wan "
+                                      "(default: sample.frames).", show_default=False),
     num: int = typer.Option(1, "--num", min=1, help="Images per prompt."),
     out: Path | None = typer.Option(None, "--out", help="Output folder (default: <output.dir>/samples with --lora or a "
                                     "full fine-tune's transformer; the base model's images, without them, go to "
@@ -154,7 +156,8 @@ def sample(
         False, "--base", help="Full fine-tune configs: sample the base model instead of <output.dir>/transformer."),
     image: list[Path] = typer.Option(
         [], "--image", help="Edit families (trained on image pairs): the reference image to edit, resized to the sample "
-        "size (default: sample.image); repeat it for several references (Flux.2).",
+        "size (default: sample.image); repeat it for several references (Flux.2). Image-to-video families: the first "
+        "frame.",
         show_default=False),
 ) -> None:
     """Generate images with the family's diffusers pipeline, the transformer streamed by the offload conductor.
@@ -177,6 +180,7 @@ def sample(
             seed=seed,
             width=width,
             height=height,
+            frames=frames,
             num=num,
             out=out,
             base=base,

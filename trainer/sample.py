@@ -45,7 +45,7 @@ from .models import stream_load
 from .progress import bar as progress_bar
 from .sampling.engine import encode_prompts, generate, release_text_encoders
 from .sampling.lora import load_loras
-from .sampling.output import contact_sheet, frame_sheet, image_metadata, save_png
+from .sampling.output import contact_sheet, frame_sheet, image_metadata, save_png, video_fps
 from .sampling.placement import decode_for_sample, place_text_encoders, place_transformer, process_fraction
 from .sampling.request import (
     Job,
@@ -212,7 +212,7 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
                 pipe, adapter, [embeds[job.prompt]], settings=plan.settings, seeds=[job.seed], progress=True
             )
             if isinstance(image, list):  # a video family's frames: the mp4, and the PNG of its frames beside it
-                written.append(write_video(image, (plan.out / job.filename).with_suffix(".mp4"), _video_fps(cfg)))
+                written.append(write_video(image, (plan.out / job.filename).with_suffix(".mp4"), video_fps(cfg)))
                 image = frame_sheet(image)
             written.append(
                 save_png(image, plan.out / job.filename, _metadata(cfg, adapter.family, plan, job))
@@ -230,11 +230,6 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
     note = f" (LoRA adapters: {', '.join(adapters)})" if adapters else ""
     tqdm.write(f"wrote {count(len(images), 'image')} to {plan.out}{note}", file=sys.stderr)
     return written
-
-
-def _video_fps(cfg: Config) -> float:
-    """The frame rate samples are written at: the rate the clips trained at (data.fps), else 16 (Wan's)."""
-    return float(getattr(cfg.data, "fps", None) or 16.0)
 
 
 def default_out(cfg: Config, loras: bool, base: bool = False) -> Path:

@@ -174,6 +174,39 @@ class WanAdapter(DiffusersAdapter):
             out.scheduler = self.load_scheduler(Path(cfg.path))
         return out
 
+    def _check(self, cfg, parts) -> None:
+        """As every family checks its folder, and: the Wan variants share a pipeline class, so model_index.json's
+        `transformer_2` / `boundary_ratio` (two experts) and `expand_timesteps` (TI2V-5B) must be this family's."""
+        super()._check(cfg, parts)
+        import json
+
+        from ..errors import UserError
+        from . import adapter_classes
+
+        p = Path(cfg.path) / "model_index.json"
+        try:
+            index = json.loads(p.read_text()) if p.is_file() else {}
+        except (OSError, ValueError):
+            return  # the loaders say what is wrong with it
+        facts = ((index.get("transformer_2") or [None])[0] is not None or bool(index.get("boundary_ratio")),
+                 bool(index.get("expand_timesteps")))
+        if facts == self.folder_facts():
+            return
+        fits = [c.family for c in adapter_classes() if c.pipeline_cls is self.pipeline_cls
+                and getattr(c, "folder_facts", None) and c.folder_facts() == facts]
+        what = {(True, False): "two experts (transformer_2, boundary_ratio)", (False, True): "expand_timesteps",
+                (False, False): "one transformer, one timestep per step"}.get(facts, "another Wan variant")
+        raise UserError(f"{p}: this folder is a Wan model with {what}, not {self.family}: use model.family: "
+                        f"{' or '.join(fits) or 'another family'}")
+
+    @classmethod
+    def folder_facts(cls) -> tuple[bool, bool]:
+        """(two experts, one timestep per token) as model_index.json says them for this family's folders."""
+        return bool(cls.experts), cls.per_token_timesteps
+
+    #: the pipeline's `expand_timesteps` (TI2V-5B): one timestep per token
+    per_token_timesteps = False
+
     def load_scheduler(self, root: Path):
         import diffusers
 

@@ -59,6 +59,7 @@ class Wan22TI2VAdapter(WanAdapter):
     default_scheduler = {**WAN_SCHEDULER, "flow_shift": 5.0}
     sample_defaults = {"guidance": 5.0, "steps": 50}
     plan_frames = 121
+    per_token_timesteps = True
 
     @classmethod
     def tiny_builders(cls):

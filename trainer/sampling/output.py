@@ -65,3 +65,9 @@ def contact_sheet(images: list[Image.Image], columns: int | None = None, pad: in
         y = pad + r * (ch + pad) + (ch - im.height) // 2
         sheet.paste(im.convert("RGB"), (x, y))
     return sheet
+
+
+def video_fps(cfg) -> float:
+    """The frame rate a video family's samples are written at: the rate its clips trained at (data.fps), else 16
+    (Wan's)."""
+    return float(getattr(cfg.data, "fps", None) or 16.0)

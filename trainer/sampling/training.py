@@ -46,6 +46,8 @@ class TrainingSampler:
         self.prompts = list(s.prompts)
         self.seeds = [s.seed + i for i in range(len(self.prompts))]
         self.settings = SampleSettings.from_config(s)
+        #: per prompt, the last call's frames (a video family) or None (an image)
+        self.videos: list = []
         check_frames(self.settings.frames, adapter)
         # several references: readable, and no more than the family takes; image-to-video: the first frame given
         if isinstance(s.image, list) or adapter.first_frame_conditions:
@@ -74,7 +76,8 @@ class TrainingSampler:
 
     def __call__(self, transformer: torch.nn.Module, progress: bool = False, before_decode=None) -> list[Image.Image]:
         """One image per prompt, with the given transformer (by reference); for a video family the contact sheet of
-        each sample's frames (`frame_sheet`; no mp4 during training yet). Empty when there are no prompts.
+        each sample's frames (`frame_sheet`; the frames stay in `videos`, which the loop writes as mp4). Empty when
+        there are no prompts.
         `before_decode()`: called once, when the VAE's decoder first runs (after the first image's denoising)."""
         if not self.prompts:
             return []
@@ -103,7 +106,9 @@ class TrainingSampler:
                     transformer=transformer,
                     progress=progress,
                 )
-            # a video family's samples are lists of frames: the run folder and TensorBoard get each one's frame sheet
+            # a video family's samples are lists of frames: kept in `videos` (the loop writes each as an mp4), and
+            # the run folder and TensorBoard get each one's frame sheet
+            self.videos = [x if isinstance(x, list) else None for x in out]
             return [frame_sheet(x) if isinstance(x, list) else x for x in out]
         finally:
             if hook is not None:

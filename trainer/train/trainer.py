@@ -35,12 +35,13 @@ import torch
 
 from ..config import Config
 from ..data.cache import CachingInterrupted
+from ..data.video import write_video
 from ..dtypes import DTYPES
 from ..errors import NonFiniteLossError, UserError
 from ..models import adapter_classes, get_adapter, stream_load
 from ..offload import compiled
 from ..optim.build import eval_weights
-from ..sampling.output import image_metadata, save_png
+from ..sampling.output import image_metadata, save_png, video_fps
 from ..sampling.training import TrainingSampler
 from . import checkpoint as ck
 from . import distributed, faults, sharded, streaming
@@ -447,7 +448,9 @@ class Trainer(Saving):
         for i, (img, prompt) in enumerate(zip(images, s.prompts, strict=True)):
             meta = image_metadata(prompt=prompt, seed=s.seed + i, steps=s.steps, guidance=s.guidance,
                                   model=str(self.cfg.model.path), training_step=self.step)
-            save_png(img, self.out / "samples" / f"step-{self.step:06d}-{i}.png", meta)
+            png = save_png(img, self.out / "samples" / f"step-{self.step:06d}-{i}.png", meta)
+            if i < len(self.sampler.videos) and self.sampler.videos[i] is not None:  # a video: its mp4 beside it
+                write_video(self.sampler.videos[i], png.with_suffix(".mp4"), video_fps(self.cfg))
         if self.monitor is not None:
             self.monitor.images(self.step, images, self.cfg.sample.prompts)
         return images
