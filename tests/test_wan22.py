@@ -232,3 +232,30 @@ def test_ti2v_fit_and_sample_are_pixel_identical_to_wan_pipeline(ti2v, clip, tmp
     want = pipe(prompt=PROMPT, height=s.height, width=s.width, num_frames=s.frames, num_inference_steps=s.steps,
                 guidance_scale=s.guidance, generator=torch.Generator().manual_seed(3), output_type="pil").frames[0]
     np.testing.assert_array_equal(pixels(sheet), np.asarray(frame_sheet(want)))
+
+
+def test_a_full_fine_tune_of_the_low_noise_expert_samples_in_transformer_2(a14b, clip, tmp_path):
+    """`train.method: full` with model.expert low_noise: output.dir/transformer holds the trained transformer_2, and
+    `dittrain sample` puts it back there (the high-noise expert as in the folder)."""
+    from diffusers import WanPipeline
+
+    from trainer.models._diffusers import own_aligned_memory
+    from trainer.train.checkpoint import load_transformer_weights
+
+    cfg = _config(a14b, clip, tmp_path, "low_noise")
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"method": "full", "steps": 1}),
+                                 "optimizer": cfg.optimizer.model_copy(update={"lr": 1e-3})})
+    path = tmp_path / "fit.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True)))
+    r = CliRunner().invoke(app, ["fit", str(path)])
+    assert r.exit_code == 0, r.output
+    _, sheet = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, out=tmp_path / "s"))
+    pipe = WanPipeline.from_pretrained(str(a14b), torch_dtype=torch.float32, local_files_only=True)
+    load_transformer_weights(tmp_path / "out" / "transformer", pipe.transformer_2)
+    for tr in (pipe.transformer, pipe.transformer_2):
+        own_aligned_memory(tr)
+    pipe.set_progress_bar_config(disable=True)
+    s = cfg.sample
+    want = pipe(prompt=PROMPT, height=s.height, width=s.width, num_frames=s.frames, num_inference_steps=s.steps,
+                guidance_scale=s.guidance, generator=torch.Generator().manual_seed(3), output_type="pil").frames[0]
+    np.testing.assert_array_equal(pixels(sheet), np.asarray(frame_sheet(want)))

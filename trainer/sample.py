@@ -275,7 +275,7 @@ def _build_pipeline(cfg: Config, adapter, plan: SamplePlan, trained: Path | None
     if trained is not None:
         from .train.checkpoint import load_transformer_weights
 
-        load_transformer_weights(trained, pipe.transformer)
+        load_transformer_weights(trained, getattr(pipe, adapter.transformer_dir))  # model.expert's, if experts
     names = load_loras(pipe, plan.loras, adapter.family)
     # Inference only. It also tells the conductor that every block weight (LoRA layers included) is frozen, so
     # all of it is packed and streamed; a parameter that requires grad would be kept resident on the device.
