@@ -56,6 +56,7 @@ Left out: IP-adapter inputs; training the attention on padding-free captions (th
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, ClassVar
 
 import torch
@@ -69,6 +70,11 @@ from ._diffusers import T5_KEEP, DiffusersAdapter, pack_2x2, packed_inputs, unpa
 from .base import Components
 from .flux import FLUX_LORA_KEYS, FluxAdapter, image_ids
 from .lora_keys import KeyRule, LoraKeyMap
+
+# diffusers' own ChromaTransformer2DModel builds its rotary embedding through the deprecated
+# `diffusers.models.embeddings.FluxPosEmbed`, which warns at every construction (make-tiny, plan, fit, sample) about
+# an import dittrain does not make and its user cannot change: that one warning, by its message, is dropped
+warnings.filterwarnings("ignore", message=r"`FluxPosEmbed` is deprecated", category=FutureWarning)
 
 #: Lodestone's original layout is BFL's Flux layout (ComfyUI's Chroma model subclasses its Flux model; diffusers'
 #: `convert_chroma_transformer_checkpoint_to_diffusers`) without the per-block modulation and the time / vector /

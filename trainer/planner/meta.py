@@ -42,12 +42,20 @@ def default_lora_targets(family: str, references: int = 0) -> tuple[str, ...]:
 
 
 def meta_transformer(family: str, config: dict, dtype: torch.dtype) -> nn.Module:
-    """The transformer on the meta device (no memory), parameters in `dtype`."""
+    """The transformer on the meta device (no memory), parameters in `dtype` but the modules diffusers keeps in
+    fp32 (`_keep_in_fp32_modules`: Krea 2's and Flux.3's norms), as the loader builds it
+    (trainer/models/stream_load.py)."""
     cls = transformer_class(family)
     known = {k: v for k, v in config.items() if not k.startswith("_")}
     with torch.device("meta"):
         model = cls.from_config(known)
-    return model.to(dtype)
+    nn.Module.to(model, dtype)  # torch's: ModelMixin's warns on the user's terminal that it casts those modules
+    keep = cls._keep_in_fp32_modules or []
+    if keep and dtype in (torch.float16, torch.bfloat16):  # diffusers' rule: a name part in the list stays fp32
+        for n, p in model.named_parameters():
+            if any(m in n.split(".") for m in keep):
+                p.data = p.data.to(torch.float32)
+    return model
 
 
 def blocks_of(family: str, transformer: nn.Module, references: int = 0) -> list[nn.Module]:
