@@ -26,3 +26,31 @@ def test_make_tiny_and_plan_print_no_library_warnings(tiny_models, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("dittrain plan:") == 3 and "wrote" in r.stdout
     assert not [line for line in r.stderr.splitlines() if any(w in line for w in LIBRARY_WARNINGS)], r.stderr
+
+
+def test_help_names_every_family_whole_and_counts_them():
+    """`dittrain --help` lists every registered family, none broken at its hyphens (click wrapped
+    `qwen-\\nimage-edit`), and its first line counts them rather than naming three."""
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+    from trainer.models import ADAPTERS
+
+    for columns in ("80", "60"):
+        out = CliRunner().invoke(app, ["--help"], env={"COLUMNS": columns}).output
+        words = {w.strip(",.") for w in out.split()}
+        assert set(ADAPTERS) <= words, set(ADAPTERS) - words
+        assert not [line for line in out.splitlines() if line.rstrip().endswith("-")]
+        assert f"({len(ADAPTERS)} families of image and video models" in " ".join(out.split())
+
+
+def test_no_help_shows_a_python_type_as_metavar():
+    """`sample --help` showed `--image <list[Path]>`; no command's help shows a Python type."""
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    for cmd in ("fit", "sample", "plan", "cache", "merge", "convert-lora", "presets", "make-tiny"):
+        out = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "80"}).output
+        assert "list[" not in out and "Path]" not in out, (cmd, out)
+    assert "--image PATH" in CliRunner().invoke(app, ["sample", "--help"], env={"COLUMNS": "80"}).output

@@ -10,6 +10,7 @@ import functools
 import logging
 import shlex
 import sys
+import textwrap
 from pathlib import Path
 
 import typer
@@ -30,11 +31,20 @@ def _no_empty_fp32_notice(record: logging.LogRecord) -> bool:
 
 logging.getLogger("diffusers.models.modeling_utils").addFilter(_no_empty_fp32_notice)
 
+
+
+def _families(width: int = 72) -> str:
+    """The registry's family keys as a help paragraph, wrapped here between keys: click would break
+    `qwen-image-edit` at its hyphens. Its leading \\b line keeps click from wrapping it again."""
+    text = f"Model families (model.family): {', '.join(ADAPTERS)}."
+    return "\b\n" + "\n".join(textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False))
+
+
 app = typer.Typer(
     name="dittrain",
-    help="Fine-tune diffusion transformers (Flux, SD3/SD3.5, Qwen-Image) with LoRA or full fine-tuning on GPUs "
-    "far smaller than the model, by streaming blocks between pinned CPU RAM and the GPU.\n\n"
-    f"Model families (model.family): {', '.join(ADAPTERS)}.\n\n"
+    help=f"Fine-tune diffusion transformers ({len(ADAPTERS)} families of image and video models, listed below) "
+    "with LoRA or full fine-tuning on GPUs far smaller than the model, by streaming blocks between pinned CPU RAM "
+    f"and the GPU.\n\n{_families()}\n\n"
     "Start from a preset (`dittrain presets`), copy it, edit the paths, then `dittrain fit my.yaml`.",
     no_args_is_help=True,
     add_completion=False,
@@ -155,7 +165,7 @@ def sample(
     base: bool = typer.Option(
         False, "--base", help="Full fine-tune configs: sample the base model instead of <output.dir>/transformer."),
     image: list[Path] = typer.Option(
-        [], "--image", help="Edit families (trained on image pairs): the reference image to edit, resized to the sample "
+        [], "--image", metavar="PATH", help="Edit families (trained on image pairs): the reference image to edit, resized to the sample "
         "size (default: sample.image); repeat it for several references (Flux.2). Image-to-video families: the first "
         "frame.",
         show_default=False),
