@@ -78,7 +78,14 @@ def test_each_expert_owns_its_side_of_the_boundary(a14b):
                                         r"wan2.2-a14b$"):
         get_adapter(ModelConfig(family="wan", path=a14b)).load(ModelConfig(family="wan", path=a14b), parts={"vae"},
                                                                dtype=torch.float32)
-    # a LoRA file goes to its expert by its name
+    # a LoRA file goes to its expert by its name: every file a run writes says which
+    from trainer.train.method import method_for
+    from trainer.train.run import step_lora_name
+
+    run = _config(a14b, a14b, a14b, "low_noise")
+    assert method_for(run).final_output(Path("o")) == Path("o/lora-low_noise.safetensors")
+    assert method_for(run)._named(Path("o"), "-ema") == Path("o/lora-low_noise-ema.safetensors")
+    assert step_lora_name(run, 500) == "lora-low_noise-step-000500.safetensors"
     assert high.lora_load_kwargs("out/lora-low_noise.safetensors") == {"load_into_transformer_2": True}
     assert high.lora_load_kwargs("wan22_Low-Noise_v1.safetensors") == {"load_into_transformer_2": True}
     assert high.lora_load_kwargs("out/lora-high_noise.safetensors") == {}
@@ -108,6 +115,13 @@ def test_each_run_writes_its_experts_lora_that_wan_pipeline_loads(fitted):
     assert (low / "lora-low_noise.safetensors").is_file()
     assert (low / "samples" / "step-000002-0.png").is_file()  # sampled with both experts during the fit
     assert probe_video(low / "samples" / "step-000002-0.mp4", None) == (32, 32, 5)  # and its mp4 beside it
+    import shutil
+
+    from trainer.train.run import clear
+
+    copy = Path(shutil.copytree(low, low.parent / "copy"))
+    clear(copy)  # --overwrite: the fit's sample videos go with their frame PNGs
+    assert not (copy / "samples").exists()
     pipe = WanPipeline.from_pretrained(str(cfg.model.path), torch_dtype=torch.float32, local_files_only=True)
     pipe.load_lora_weights(str(high / "lora-high_noise.safetensors"), adapter_name="high")
     pipe.load_lora_weights(str(low / "lora-low_noise.safetensors"), adapter_name="low",

@@ -140,14 +140,19 @@ class LoraMethod(TrainingMethod):
     def final_output(self, out_dir: Path) -> Path:
         """output.dir/lora.safetensors; a family of experts' lora-<model.expert>.safetensors (lora-low_noise: the
         name tells `dittrain sample` and the user which expert loads it)."""
+        return self._named(out_dir, "")
+
+    def _named(self, out_dir: Path, suffix: str) -> Path:
+        """output.dir/lora<suffix>.safetensors, with `-<model.expert>` after `lora` for a family of experts."""
         expert = self.cfg.model.expert
-        return out_dir / (f"lora-{expert}.safetensors" if expert else "lora.safetensors")
+        return out_dir / f"lora{'-' + expert if expert else ''}{suffix}.safetensors"
 
     def write_ema(self, out_dir: Path, step: int) -> Path:
-        """The EMA weights (swapped in by ema.py) as output.dir/lora-ema.safetensors, in output.lora_format."""
+        """The EMA weights (swapped in by ema.py) as output.dir/lora-ema.safetensors (lora-<model.expert>-ema), in
+        output.lora_format."""
         from ..lora_format import lora_file_from
 
-        path = out_dir / "lora-ema.safetensors"
+        path = self._named(out_dir, "-ema")
         self.export(path, lora_file_from(*ck.lora_file(self.transformer, self._meta(step))))
         return path
 

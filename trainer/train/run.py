@@ -200,7 +200,7 @@ def _training_sample(path: Path) -> bool:
 
 def clear(out: Path) -> list[Path]:
     """Delete dittrain's training outputs from `out` (never other files, nor images `dittrain sample` wrote into
-    samples/: only the fit's own step-*.png go, and the folder if that empties it)."""
+    samples/: only the fit's own step-*.png go, with a video's mp4 beside it, and the folder if that empties it)."""
     out, gone = Path(out), []
     for name in OUTPUTS:
         for p in out.glob(name):
@@ -209,6 +209,8 @@ def clear(out: Path) -> list[Path]:
                     if _training_sample(f):
                         f.unlink()
                         gone.append(f)
+                        if (video := f.with_suffix(".mp4")).is_file():  # a video family's sample beside its frames
+                            video.unlink()
                 if not any(p.iterdir()):
                     p.rmdir()
                 continue
@@ -455,7 +457,8 @@ def save_due(cfg, step: int) -> bool:
 
 
 def step_lora_name(cfg, step: int) -> str:
-    return f"{cfg.output.name or 'lora'}-step-{step:06d}.safetensors"
+    expert = getattr(cfg.model, "expert", None)  # a family of experts: the name says which (sample routes by it)
+    return f"{cfg.output.name or 'lora'}{'-' + expert if expert else ''}-step-{step:06d}.safetensors"
 
 
 def keep_step_lora(cfg, run: Run, checkpoint: Path, step: int) -> Path | None:
