@@ -8,9 +8,17 @@ STAMP := $(VENV)/.installed
 
 env: $(STAMP)
 
+# torch's CPU build, first: on Linux, PyPI's wheel of the pinned torch is the CUDA build (it pulls NVIDIA's CUDA
+# libraries); PyTorch's CPU index has the same release as <version>+cpu, which pip prefers to the plain one. For a
+# GPU, in a fresh clone: `make env TORCH_INDEX=` (PyPI's wheel: the CUDA build on Linux), or PyTorch's index for
+# your CUDA version. pip's own configuration (find-links, other indexes) still applies.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH := $(shell sed -n 's/^ *"\(torch==[^"]*\)".*/\1/p' pyproject.toml)
+
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -e ".[dev]"  # dev: pytest, ruff and wandb (its offline test)
 	touch $(STAMP)
 
