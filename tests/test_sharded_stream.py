@@ -135,3 +135,46 @@ def test_a_trainable_stream_refuses_the_gather():
     with pytest.raises(ValueError, match="frozen weights only"):
         attach_offload(blocks_of(m), "cpu", 1.0, trainable=True, optimizer_state=("exp_avg",),
                        gather=SliceGather(None, 0, 2))
+
+
+# ---------------------------------------------------------------------------------------------- the planner
+
+
+def test_the_planner_shares_the_hosts_copies_and_the_sharded_stream_gathers():
+    from trainer.planner import timing as ptime
+
+    ref = ptime.reference_rates()
+    assert ptime.for_processes(ref, 1, True) is ref
+    whole4 = ptime.for_processes(ref, 4, False)
+    assert whole4.h2d == pytest.approx(ptime.HOST_H2D_TOTAL / 4)  # 43.75 GB/s each: the host's total shared
+    assert ptime.for_processes(ref, 2, False).h2d == pytest.approx(min(ref.h2d, ptime.HOST_H2D_TOTAL / 2))
+    shard4 = ptime.for_processes(ref, 4, True)
+    # a block of S bytes: S/4 over PCIe at 43.75 GB/s, 3S/4 gathered at the bus rate
+    want = 1 / (1 / (4 * whole4.h2d) + 3 / (4 * ptime.GATHER_BUS_MORE))
+    assert shard4.h2d == pytest.approx(want) and shard4.h2d > ref.h2d > whole4.h2d
+    assert "sharded stream" in shard4.source
+
+
+def test_the_fit_logs_check_compares_a_step_of_several_micro_batches_with_as_many_predictions():
+    from types import SimpleNamespace
+
+    from trainer.planner.prediction import check_line
+
+    pred = SimpleNamespace(peak_reserved=10 * 2**30, step_s=1.0)
+    assert "step predicted 1.00 s, measured 1.00 s (+0 %)" in check_line(pred, 10 * 2**30, 1.0)
+    line = check_line(pred, 10 * 2**30, 2.1, micro_batches=2)
+    assert "step of 2 micro-batches predicted 2.00 s, measured 2.10 s (-5 %)" in line
+
+
+def test_plan_with_several_gpus_prints_each_processs_step_both_ways():
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    r = CliRunner().invoke(app, ["plan", "configs/flux/lora-24gb.yaml", "--gpus", "4",
+                                 "--set", "offload.transformer=1.0"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    head = next(i for i, line in enumerate(r.output.splitlines()) if "4 GPUs of one host" in line)
+    rows = [line.split() for line in r.output.splitlines()[head:] if line.startswith("1.00")]
+    one, whole, shard = (float(x) for x in rows[0][1:4])
+    assert shard < one < whole  # whole copies share the host; the sharded stream gathers the rest

@@ -220,6 +220,8 @@ def plan(
     vram: float | None = typer.Option(None, "--vram", help="The GPU's memory in GB (the card size, e.g. 12): the "
                                       "fraction is picked for it minus 1 GB for the CUDA context, as the presets are."),
     ram: float | None = typer.Option(None, "--ram", help="CPU RAM in GB to check the pinned arena against."),
+    gpus: int = typer.Option(1, "--gpus", min=1, help="Processes of one host training at once (torchrun "
+                             "--nproc_per_node): also each one's step with whole copies and with the sharded stream."),
 ) -> None:
     """Predict VRAM, RAM and step time per offload fraction without training, and pick the fraction that fits."""
     cfg = _load(config, overrides)
@@ -231,7 +233,7 @@ def plan(
             raise UserError(f"--vram {vram:g}: give the card's memory in GB (more than {HEADROOM_GB:g})")
         typer.echo(f"budget {vram - HEADROOM_GB:g} GB: the {vram:g} GB card minus {HEADROOM_GB:g} GB for the CUDA "
                    "context (as the presets)")
-    run_plan(cfg, vram_gb=None if vram is None else vram - HEADROOM_GB, ram_gb=ram)
+    run_plan(cfg, vram_gb=None if vram is None else vram - HEADROOM_GB, ram_gb=ram, gpus=gpus)
 
 
 @app.command()

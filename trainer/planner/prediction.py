@@ -541,16 +541,20 @@ def resolve_fraction(cfg, *, facts: Facts | None = None, log=print) -> float:
 
 def expected(
     cfg, fraction: float, *, facts: Facts | None = None, rates: ptime.Rates | None = None,
-    kept: frozenset[int] = frozenset(),
+    kept: frozenset[int] = frozenset(), processes: int = 1, sharded: bool = False,
 ) -> Prediction:
     """The prediction for the config's largest bucket at `fraction` (what the first real steps are checked
-    against); `kept`: blocks that keep their activations (train.gradient_checkpointing: auto)."""
+    against); `kept`: blocks that keep their activations (train.gradient_checkpointing: auto); `processes` of one
+    host streaming at once, with whole copies or the `sharded` stream (timing.for_processes)."""
     facts = facts or analyze(cfg)
+    rates = ptime.for_processes(rates or ptime.reference_rates(), processes, sharded)
     return predict(facts, fraction, max(facts.resolutions), cfg.offload.activations, rates, kept=kept)
 
 
-def check_line(pred: Prediction, reserved_bytes: float, step_s: float | None = None) -> str:
-    """One log line comparing a prediction with the measured peak reserved VRAM (and step time)."""
+def check_line(pred: Prediction, reserved_bytes: float, step_s: float | None = None, micro_batches: int = 1) -> str:
+    """One log line comparing a prediction with the measured peak reserved VRAM (and step time). The prediction
+    is for one micro-batch (a forward and backward); a step of `micro_batches` (train.grad_accum) is compared with
+    that many of them."""
 
     def pct(p, m):
         return f"{100.0 * (p - m) / m:+.0f} %" if m else "n/a"
@@ -560,5 +564,7 @@ def check_line(pred: Prediction, reserved_bytes: float, step_s: float | None = N
         f"{reserved_bytes / GB:.2f} GB (prediction {pct(pred.peak_reserved, reserved_bytes)})"
     )
     if step_s is not None:
-        line += f"; step predicted {pred.step_s:.2f} s, measured {step_s:.2f} s ({pct(pred.step_s, step_s)})"
+        want = pred.step_s * micro_batches
+        what = "step" if micro_batches == 1 else f"step of {micro_batches} micro-batches"
+        line += f"; {what} predicted {want:.2f} s, measured {step_s:.2f} s ({pct(want, step_s)})"
     return line

@@ -43,9 +43,11 @@ def report(
     rates: ptime.Rates | None = None,
     facts: Facts | None = None,
     width: int | None = None,
+    gpus: int = 1,
 ) -> tuple[list[str], float | None]:
     """The lines `dittrain plan` prints, and the chosen fraction (None when no budget was given); with `width`,
-    fitted to that many columns (trainer/planner/text.py)."""
+    fitted to that many columns (trainer/planner/text.py); `gpus` > 1: also the step of each of that many
+    processes of one host (`_several`)."""
     facts = facts or analyze(cfg)
     rates = rates or ptime.reference_rates()
     act = cfg.offload.activations
@@ -249,6 +251,8 @@ def report(
             )
         )
     lines += _table(rows, width=width)
+    if gpus > 1 and facts.method == "lora":
+        lines += _several(facts, [f for f in fr if f > 0], big, act, rates, gpus, width)
     lines += _sampling(facts, fr, big, rates, cfg_batch(facts.family, cfg.sample.guidance), width)
     lines += _phases(cfg, facts, f_show, budget, width)
     if ram_gb is not None:
@@ -298,6 +302,28 @@ def _phases(cfg, facts: Facts, fraction: float, budget: float | None, width: int
     return table[:2] + out + table[2:]
 
 
+def _several(facts: Facts, fractions, res: int, act: bool, rates, gpus: int, width: int | None) -> list[str]:
+    """`--gpus N`: each process's step when N processes of one host stream at once, copying whole blocks (the host's
+    copy bandwidth shared) or through the sharded stream (offload.sharded_stream; timing.for_processes)."""
+    if not fractions:
+        return []
+    one = {f: predict(facts, f, res, act, rates).step_s for f in fractions}
+    rows = [("fraction", "1 GPU step", "whole copies step", "sharded step", "x 1 GPU (whole)", "x 1 GPU (sharded)")]
+    for f in fractions:
+        whole = predict(facts, f, res, act, ptime.for_processes(rates, gpus, False)).step_s
+        shard = predict(facts, f, res, act, ptime.for_processes(rates, gpus, True)).step_s
+        rows.append((f"{f:.2f}", f"{one[f]:.2f}", f"{whole:.2f}", f"{shard:.2f}", f"{gpus * one[f] / whole:.2f}x",
+                     f"{gpus * one[f] / shard:.2f}x"))
+    return [
+        "",
+        f"{gpus} GPUs of one host, each streaming at the largest bucket (s; samples/s against one streaming GPU). "
+        f"Assumed: the host's copies {ptime.HOST_H2D_TOTAL / 1e9:.0f} GB/s in all, all-gathers at "
+        f"{(ptime.GATHER_BUS_2 if gpus == 2 else ptime.GATHER_BUS_MORE) / 1e9:.0f} GB/s bus bandwidth (4 x H200 "
+        "with NVLink; without peer access the sharded stream is off):",
+        *_table(rows, width=width),
+    ]
+
+
 def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1, width: int | None = None) -> list[str]:
     """`dittrain sample --offload F`: the denoising loop alone (trainer/planner/sampling.py)."""
     base = predict_sampling(facts, 0.0, res, rates, batch)
@@ -326,7 +352,7 @@ def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1, width: i
     ]
 
 
-def run_plan(cfg, vram_gb: float | None = None, ram_gb: float | None = None) -> None:
+def run_plan(cfg, vram_gb: float | None = None, ram_gb: float | None = None, gpus: int = 1) -> None:
     """`dittrain plan`: print the table; with a GPU present, measure its copy rates and one block first."""
     facts = analyze(cfg)
     rates = None
@@ -337,7 +363,8 @@ def run_plan(cfg, vram_gb: float | None = None, ram_gb: float | None = None) -> 
             rates = measure(facts)
         except Exception as e:  # noqa: BLE001 - a failed measurement must not stop the plan
             print(f"(GPU measurement failed: {type(e).__name__}: {e}; using the reference figures)")
-    lines, chosen = report(cfg, vram_gb=vram_gb, ram_gb=ram_gb, rates=rates, facts=facts, width=terminal_width())
+    lines, chosen = report(cfg, vram_gb=vram_gb, ram_gb=ram_gb, rates=rates, facts=facts, width=terminal_width(),
+                           gpus=gpus)
     print("\n".join(lines))
     if ram_gb is not None:
         fraction = chosen if chosen is not None else (_fraction_of(cfg) or 0.0)

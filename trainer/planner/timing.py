@@ -27,7 +27,7 @@ launches for the layers outside the blocks.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .replay import REF_HOST_S_PER_OP, BlockCost, reference_costs
 
@@ -131,6 +131,33 @@ def reference_rates() -> Rates:
         "1024 px; H2D 55.4 GB/s, D2H 55.3 GB/s, both 100.7 GB/s; host "
         f"{REF_HOST_S_PER_OP * 1e6:.0f} us per traced block operation per training pass (that machine's host)",
     )
+
+
+# Several processes of one host streaming at once, measured on 4 x H200 with NV18 NVLink between every pair
+# (bench/RESULTS.md, 2026-11-27): pinned host-to-device copies ran 55 GB/s for one GPU alone, 48-53 GB/s each with
+# two copying and 42.5-45.3 GB/s each with four, about 175 GB/s for the host in all; NCCL all-gathers ran at 254-266
+# GB/s of bus bandwidth on 2 GPUs and 284-326 on 4.
+HOST_H2D_TOTAL = 175e9
+GATHER_BUS_2, GATHER_BUS_MORE = 260e9, 300e9
+
+
+def for_processes(rates: Rates, n: int, sharded: bool) -> Rates:
+    """The rates one of `n` processes of a host sees while every one of them streams: its blocks arrive at
+    `h2d`. Whole copies share the host (`HOST_H2D_TOTAL` / n each, at most one link's rate); the sharded stream
+    (trainer/offload/gather.py) copies 1/n of each block at that rate and all-gathers the rest over the GPUs'
+    links, a byte of the (n - 1)/n taking 1 / bus bandwidth. Left out: activation offloading's copies, which
+    share the host too but are charged at the block rate here."""
+    if n <= 1:
+        return rates
+    each = min(rates.h2d, HOST_H2D_TOTAL / n)
+    if not sharded:
+        return replace(rates, h2d=each, source=f"{rates.source}; {n} processes copying whole blocks at once: "
+                       f"{each / 1e9:.1f} GB/s each")
+    bus = GATHER_BUS_2 if n == 2 else GATHER_BUS_MORE
+    rate = 1.0 / (1.0 / (n * each) + (n - 1) / (n * bus))
+    return replace(rates, h2d=rate, source=f"{rates.source}; {n} processes, sharded stream: 1/{n} of each block "
+                   f"copied at {each / 1e9:.1f} GB/s, the rest all-gathered at {bus / 1e9:.0f} GB/s: blocks "
+                   f"arrive at {rate / 1e9:.0f} GB/s")
 
 
 def transfer_seconds(h2d_bytes: float, d2h_bytes: float, rates: Rates) -> float:

@@ -200,19 +200,21 @@ class SteadySteps:
 
 
 def check_plan(cfg: Config, fraction: float, device: torch.device, step_s: float, handle=None,
-               steps: int | None = None) -> None:
+               steps: int | None = None, processes: int = 1) -> None:
     """Log the planner's predicted peak VRAM and step time beside what the real steps measured: `step_s` is the
-    median of `steps` steady-state steps (none of which compiled). `handle`: its per-block checkpointing is what
-    the prediction assumes."""
+    median of `steps` steady-state steps (none of which compiled), each of train.grad_accum micro-batches.
+    `handle`: its per-block checkpointing, and whether it runs the sharded stream, are what the prediction
+    assumes; `processes`: this host's processes streaming at once."""
     kept = frozenset()
     if handle is not None:
         kept = frozenset(i for i, c in enumerate(handle.checkpointed) if not c)
     try:
-        pred = expected(cfg, fraction, kept=kept)
+        sharded = handle is not None and handle.stats()["gathered_by"] > 1
+        pred = expected(cfg, fraction, kept=kept, processes=processes if fraction > 0 else 1, sharded=sharded)
     except Exception as e:  # a prediction that cannot be made must never stop training
         say(f"offload: no planner prediction to compare with ({type(e).__name__}: {e})")
         return
-    line = check_line(pred, torch.cuda.max_memory_reserved(device), step_s)
+    line = check_line(pred, torch.cuda.max_memory_reserved(device), step_s, micro_batches=cfg.train.grad_accum)
     if steps is not None:
         line += f" [measured: median of {steps} steady-state steps, compile steps excluded]"
     say(line)

@@ -150,7 +150,7 @@ class Trainer(Saving):
                 median = steady.add(metrics["step_time"], compiled=compiled.stats()["graphs"] != graphs)
                 if median is not None and self.device.type == "cuda" and self.dist.is_main and not self.sharded:
                     streaming.check_plan(self.cfg, self.fraction, self.device, median, handle=self.offload,
-                                         steps=steady.need)
+                                         steps=steady.need, processes=self.dist.local_world)
                 if self.dist.any(self.stop.requested):  # every rank stops at the same step
                     path = self.save()
                     raise TrainingInterrupted(
