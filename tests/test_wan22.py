@@ -73,6 +73,10 @@ def test_each_expert_owns_its_side_of_the_boundary(a14b):
     for lo, hi in (high.train_timesteps(), low.train_timesteps()):
         t = FlowMatching(cfg, lambda h, w: 3.0, t_range=(lo, hi)).noise(torch.zeros(256, 4, 2, 4, 4)).t
         assert lo <= t.min() and t.max() <= hi and t.max() - t.min() > 0.5 * (hi - lo)
+    from trainer.sampling.request import check_guidance_2
+
+    with pytest.raises(UserError, match="sample.guidance_2: wan has one transformer"):
+        check_guidance_2(2.0, get_adapter(ModelConfig(family="wan", path=a14b)))
     # the Wan variants share WanPipeline: a folder of another one is refused in one line naming it
     with pytest.raises(UserError, match=r"two experts \(transformer_2, boundary_ratio\), not wan: use model.family: "
                                         r"wan2.2-a14b$"):
@@ -129,7 +133,7 @@ def test_each_run_writes_its_experts_lora_that_wan_pipeline_loads(fitted):
     assert pipe.get_list_adapters() == {"transformer": ["high"], "transformer_2": ["low"]}
 
 
-def _pipeline_frames(cfg: Config, loras: list[Path], seed: int) -> tuple[list, list[str]]:
+def _pipeline_frames(cfg: Config, loras: list[Path], seed: int, **kw) -> tuple[list, list[str]]:
     """The reference: WanPipeline with both experts, each LoRA loaded as a diffusers user loads it; and which
     expert ran each step."""
     from diffusers import WanPipeline
@@ -147,7 +151,8 @@ def _pipeline_frames(cfg: Config, loras: list[Path], seed: int) -> tuple[list, l
         getattr(pipe, name).register_forward_pre_hook(lambda *_, n=name: ran.append(n))
     s = cfg.sample
     frames = pipe(prompt=PROMPT, height=s.height, width=s.width, num_frames=s.frames, num_inference_steps=s.steps,
-                  guidance_scale=s.guidance, generator=torch.Generator().manual_seed(seed), output_type="pil").frames[0]
+                  guidance_scale=s.guidance, generator=torch.Generator().manual_seed(seed), output_type="pil",
+                  **kw).frames[0]
     return frames, ran
 
 
@@ -168,6 +173,13 @@ def test_sample_with_both_experts_loras_is_pixel_identical_to_wan_pipeline(fitte
     _, streamed = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[str(p) for p in loras],
                                                 offload=1.0, out=tmp_path / "streamed"))
     np.testing.assert_array_equal(pixels(streamed), pixels(sheet))
+    # the low-noise steps' own guidance (sample.guidance_2), as guidance_scale_2
+    cfg2 = cfg.model_copy(update={"sample": cfg.sample.model_copy(update={"guidance_2": 2.0})})
+    _, two = run_sample(cfg2, SampleRequest(prompts=[PROMPT], seed=3, loras=[str(p) for p in loras],
+                                            out=tmp_path / "g2"))
+    want, _ = _pipeline_frames(cfg, loras, seed=3, guidance_scale_2=2.0)
+    np.testing.assert_array_equal(pixels(two), np.asarray(frame_sheet(want)))
+    assert (pixels(two) != pixels(sheet)).mean() > 0.05
 
 
 def test_sample_frames_on_the_command_line(fitted, tmp_path):

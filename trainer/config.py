@@ -495,6 +495,11 @@ class SampleConfig(_Section):
     every: int = Field(default=0, ge=0, description="Sample every N training steps (0: never during training).")
     steps: int = Field(default=20, ge=1, description="Denoising steps.")
     guidance: float = Field(default=3.5, description="Guidance scale.")
+    guidance_2: float | None = Field(
+        default=None,
+        description="Families of two experts (Wan 2.2 A14B): the guidance scale of the low-noise expert's steps (the "
+        "pipeline's guidance_scale_2). null: sample.guidance for both.",
+    )
     width: int = Field(default=512, ge=16, description="Image width in pixels.")
     height: int = Field(default=512, ge=16, description="Image height in pixels.")
     frames: int = Field(

@@ -53,6 +53,7 @@ from .sampling.request import (
     SampleRequest,
     SampleSettings,
     check_frames,
+    check_guidance_2,
     check_image,
     check_loras,
     check_size,
@@ -117,7 +118,9 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
         negative_prompt=s.negative_prompt,
         image=image_setting(image),
         frames=frames,
+        guidance_2=s.guidance_2,
     )
+    check_guidance_2(s.guidance_2, adapter)
     seed = req.seed if req.seed is not None else s.seed
     out = req.out if req.out is not None else default_out(cfg, bool(loras), req.base)
     if out.exists() and not out.is_dir():
@@ -313,6 +316,7 @@ def _metadata(cfg: Config, family: str, plan: SamplePlan, job: Job) -> dict[str,
         seed=job.seed,
         steps=s.steps,
         guidance=s.guidance,
+        guidance_2=s.guidance_2,
         width=s.width,
         height=s.height,
         frames=s.frames if s.frames > 1 else None,

@@ -223,6 +223,8 @@ def generate(
                 out = pipe(
                     **_to(embeds, device),
                     **adapter.pipeline_guidance(pipe, settings.guidance),
+                    # a family of two experts: the low-noise steps' own guidance (sample.guidance_2)
+                    **({"guidance_scale_2": settings.guidance_2} if settings.guidance_2 is not None else {}),
                     **reference,
                     **adapter.pipeline_size(pipe, settings.width, settings.height),
                     **adapter.pipeline_frames(pipe, settings.frames),

@@ -59,6 +59,8 @@ class SampleSettings:
     image: str | tuple[str, ...] | None = None
     #: video families: frames per sample (1: a still image)
     frames: int = 1
+    #: families of two experts: the low-noise expert's guidance (None: `guidance`)
+    guidance_2: float | None = None
 
     def reference(self):
         """The reference image as the pipeline gets it (PIL, width x height), a list of them for several, or None."""
@@ -76,7 +78,7 @@ class SampleSettings:
         """The config's `sample:` section as settings (what sampling during training uses)."""
         s = sample_cfg
         return cls(s.steps, s.guidance, s.width, s.height, s.negative_prompt, image_setting(getattr(s, "image", None)),
-                   getattr(s, "frames", 1))
+                   getattr(s, "frames", 1), getattr(s, "guidance_2", None))
 
 
 def image_setting(image) -> str | tuple[str, ...] | None:
@@ -181,6 +183,13 @@ def collect_prompts(req: SampleRequest, config_prompts: list[str]) -> list[str]:
     if not prompts:
         raise UserError("no prompts: pass --prompt TEXT, --prompts FILE, or set sample.prompts in the config")
     return prompts
+
+
+def check_guidance_2(guidance_2: float | None, adapter) -> None:
+    """`sample.guidance_2`: only for a family of two experts (its pipeline refuses it otherwise)."""
+    if guidance_2 is not None and not adapter.experts:
+        raise UserError(f"sample.guidance_2: {adapter.family} has one transformer; the low-noise guidance is for a "
+                        f"family of two experts (leave it null)")
 
 
 def check_frames(frames: int, adapter) -> None:

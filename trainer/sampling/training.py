@@ -33,7 +33,7 @@ from PIL import Image
 from .engine import encode_prompts, generate, release_text_encoders, to_device
 from .output import frame_sheet
 from .placement import place_text_encoders, place_transformer, tile_decode
-from .request import SampleSettings, check_frames, check_image
+from .request import SampleSettings, check_frames, check_guidance_2, check_image
 
 
 class TrainingSampler:
@@ -49,6 +49,7 @@ class TrainingSampler:
         #: per prompt, the last call's frames (a video family) or None (an image)
         self.videos: list = []
         check_frames(self.settings.frames, adapter)
+        check_guidance_2(self.settings.guidance_2, adapter)
         # several references: readable, and no more than the family takes; image-to-video: the first frame given
         if isinstance(s.image, list) or adapter.first_frame_conditions:
             check_image(s.image, adapter)
