@@ -141,3 +141,13 @@ def test_fit_and_sample_with_image_are_pixel_identical_to_the_pipeline(models, c
     with pytest.raises(UserError, match="is image-to-video: pass --image"):
         run_sample(cfg.model_copy(update={"sample": cfg.sample.model_copy(update={"image": None})}),
                    SampleRequest(prompts=[PROMPT], out=tmp_path / "none"))
+
+
+def test_the_comfy_key_map_places_the_image_cross_attention_where_diffusers_converter_takes_it():
+    """Wan 2.1 I2V trains add_k_proj / add_v_proj (ComfyUI's k_img / v_img) too: checked with diffusers' own
+    single-file converter run on row ids, as for Wan (tests/test_wan.py)."""
+    from test_lora_format import (
+        test_key_map_places_rows_where_diffusers_single_file_converter_takes_them as check,
+    )
+
+    check("wan-i2v")

@@ -35,8 +35,19 @@ from torch import nn
 
 from ..errors import UserError
 from .base import Components
-from .wan import WAN_SCHEDULER, WanAdapter, tiny_pipeline
+from .lora_keys import KeyRule, LoraKeyMap
+from .wan import WAN_LORA_KEYS, WAN_SCHEDULER, WanAdapter, tiny_pipeline
 from .wan22 import Wan22A14BAdapter
+
+#: Wan 2.1 I2V's original names beyond T2V's: the image cross-attention's k_img / v_img and the image embedder's MLP
+#: (as diffusers' single-file converter renames them)
+WAN_I2V_LORA_KEYS = LoraKeyMap((
+    *WAN_LORA_KEYS.rules,
+    KeyRule("blocks.{i}.cross_attn.k_img", ("blocks.{i}.attn2.add_k_proj",)),
+    KeyRule("blocks.{i}.cross_attn.v_img", ("blocks.{i}.attn2.add_v_proj",)),
+    KeyRule("img_emb.proj.1", ("condition_embedder.image_embedder.ff.net.0.proj",)),
+    KeyRule("img_emb.proj.3", ("condition_embedder.image_embedder.ff.net.2",)),
+))
 
 #: the attribute of the VAE module that holds (image encoder, image processor) for Wan 2.1 I2V
 _ATTR = "wan_image_encoder"
@@ -88,6 +99,10 @@ class WanI2VAdapter(WanAdapter):
     full_name, example_path = "Wan2.1-I2V-14B-480P", "/path/to/Wan2.1-I2V-14B-480P-Diffusers"
     full_config = {**WanAdapter.full_config, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120}
     first_frame_conditions = True
+    #: Wan 2.1's image cross-attention trains too (an I2V LoRA has add_k_proj / add_v_proj: diffusers then loads it as
+    #: it is, rather than padding a T2V LoRA with zeros there)
+    default_lora_targets = (*WanAdapter.default_lora_targets, "add_k_proj", "add_v_proj")
+    lora_key_map = WAN_I2V_LORA_KEYS
     #: the folders of the CLIP image encoder and its processor (Wan 2.1); None: the family has none (Wan 2.2)
     image_encoder_dir: str | None = "image_encoder"
     image_processor_dir = "image_processor"
@@ -193,6 +208,8 @@ class Wan22A14BI2VAdapter(Wan22A14BAdapter, WanI2VAdapter):
     full_name, example_path = "Wan2.2-I2V-A14B", "/path/to/Wan2.2-I2V-A14B-Diffusers"
     full_config = {**WanAdapter.full_config, "in_channels": 36}
     image_encoder_dir = None
+    default_lora_targets = WanAdapter.default_lora_targets  # no image cross-attention in Wan 2.2
+    lora_key_map = WAN_LORA_KEYS
     default_boundary = 0.9  # Wan 2.2's wan_i2v_A14B config
     default_scheduler = {**WAN_SCHEDULER, "flow_shift": 5.0}
     sample_defaults = {"guidance": 3.5, "steps": 40}
