@@ -336,6 +336,13 @@ class Trainer(Saving):
             self.monitor = Monitor(self.out, c.steps, self.step, cfg.output.tensorboard, run_id=self.run.id,
                                    config=cfg, epoch=self._epoch, smoothing=self._smoothing,
                                    wandb=cfg.output.wandb)
+        # The collector's full (generation-2) pass walks every tracked Python object: ~0.9 M with a full-size Flux,
+        # its LoRA and the libraries, 0.56-0.79 s on the H200 host whenever it fell inside a step (the slow steps of
+        # bench/bench_gc.py, bench/RESULTS.md 2026-11-27). What setup built lives as long as the run: frozen, no
+        # collection walks it again, and the steps' collections take milliseconds. `close` unfreezes.
+        gc.collect()
+        gc.freeze()
+        self._frozen = True
         self._ready = True
 
     def _phase(self, name: str, fix: str | None = None, message=None, own_cache: bool = False) -> Phase:
@@ -466,6 +473,9 @@ class Trainer(Saving):
 
     def close(self) -> None:
         self.stop.restore()
+        if getattr(self, "_frozen", False):  # what setup froze may be collected again (the run is ending)
+            gc.unfreeze()
+            self._frozen = False
         if getattr(self, "optim", None) is not None:
             self.optim.close()
             self.optim = None
