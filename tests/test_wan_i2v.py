@@ -151,3 +151,24 @@ def test_the_comfy_key_map_places_the_image_cross_attention_where_diffusers_conv
     )
 
     check("wan-i2v")
+
+
+def test_validation_scores_stills_with_their_first_frame_conditioning(models, tmp_path):
+    """data.validation (stills only: videos are not taken there yet) hands the held-out entries' cached first-frame
+    conditioning to predict, as the training batches do."""
+    import json
+
+    train, held = tmp_path / "train", tmp_path / "held"
+    for d, k in ((train, 0), (held, 3)):
+        d.mkdir()
+        _frames(k + 1)[k].resize((32, 32)).save(d / "still.png")
+        (d / "still.txt").write_text(PROMPT)
+    cfg = _config("wan-i2v", models["wan-i2v"], train, tmp_path)
+    cfg = Config.model_validate({**cfg.model_dump(mode="json", exclude_unset=True),
+                                 "train": {**cfg.train.model_dump(mode="json", exclude_unset=True), "validate_every": 2},
+                                 "data": {**cfg.data.model_dump(mode="json", exclude_unset=True),
+                                          "validation": {"sources": [{"path": str(held)}], "timesteps": [0.5]}},
+                                 "sample": {**cfg.sample.model_dump(mode="json", exclude_unset=True), "every": 0}})
+    out = _fit(cfg, tmp_path)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(np.isfinite(x.get("val_loss", np.nan)) for x in lines)

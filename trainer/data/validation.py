@@ -141,12 +141,13 @@ class ValidationData:
 
     def batches(self):
         for idx in self._batches:
-            lats, masks, texts, files, ctrls = [], [], [], [], []
+            lats, masks, texts, files, ctrls, conds = [], [], [], [], [], []
             for i in idx:
                 e = self.plan.entries[i]
                 it = self.plan.items[e.item]
                 entry = self._read(self._lat, self.plan.latent_key(e), it.file)
                 lats.append(entry["latent"])
+                conds.append({k: v for k, v in entry.items() if k not in ("latent", "mask")})  # encode_conditions
                 refs = [self._read(self._lat, j.key, j.file)["latent"] for j in reference_jobs(it, e)]
                 if refs:  # as training batches: (C, h, w) for one reference, (K, C, h, w) for several
                     ctrls.append(refs[0] if len(refs) == 1 else torch.stack(refs))
@@ -159,6 +160,8 @@ class ValidationData:
             cond = self._adapter.collate_text(texts)
             if ctrls:
                 cond["control_latents"] = torch.stack(ctrls)
+            for k in conds[0]:  # an image-to-video family's first-frame conditioning, as in training batches
+                cond[k] = torch.stack([c[k] for c in conds])
             yield ValidationBatch(torch.stack(lats), cond, torch.stack(masks) if self._masked else None, list(idx), files)
 
     @staticmethod
