@@ -203,7 +203,7 @@ def _split_fused(path, orig, rule, names, m: Module, ranks) -> dict[str, Module]
     if m.kind == "lokr":
         raise UserError(f"{path}: {orig} is a LoKr on a fused layer, which cannot be split into diffusers' "
                         f"separate {', '.join(n.rsplit('.', 1)[-1] for n in names)}")
-    sizes = [w * _in_features(m) for w in rule.widths]
+    sizes = [round(w * _in_features(m)) for w in rule.widths]  # a fraction for grouped-query k / v
     up_name = "up" if m.kind == "lora" else "hada_w1_a"
     if m.t[up_name].shape[0] != sum(sizes):
         raise UserError(f"{path}: {orig} has {m.t[up_name].shape[0]} outputs, this family's fused layer "

@@ -120,7 +120,7 @@ def _stack(orig: str, rule, parts: dict[int, Module]) -> tuple[Module, list[int]
     same = len({m.scale for m in parts.values()}) == 1
     parts = {j: m if same else m.baked() for j, m in parts.items()}
     fin = _in_features(first)
-    sizes = [w * fin for w in rule.widths]
+    sizes = [round(w * fin) for w in rule.widths]  # a fraction for grouped-query k / v
     ranks = [parts[j].rank if j in parts else 0 for j in range(len(sizes))]
     pairs = [("down", "up")] if first.kind == "lora" else [("hada_w1_b", "hada_w1_a"), ("hada_w2_b", "hada_w2_a")]
     t = {}

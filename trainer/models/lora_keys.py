@@ -29,8 +29,9 @@ class KeyRule:
     original: str
     #: the diffusers module(s) it holds, stacked along the output in this order
     parts: tuple[str, ...]
-    #: fused rules: each part's output features as a multiple of the layer's input features
-    widths: tuple[int, ...] = ()
+    #: fused rules: each part's output features as a multiple of the layer's input features (a fraction for
+    #: grouped-query attention's k / v, e.g. Lumina 2's 1 / 3)
+    widths: tuple[float, ...] = ()
 
     @property
     def fused(self) -> bool:
