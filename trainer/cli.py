@@ -312,6 +312,40 @@ def presets(
     print_presets(configs_dir, family=family, vram_gb=vram)
 
 
+@app.command()
+@_user_errors
+def caption(
+    data_dir: Path = typer.Argument(..., help="Folder of images and videos (sub-folders included).", show_default=False),
+    model: Path = typer.Option(..., "--model", help="Local transformers image-text-to-text model folder with a chat "
+                               "template (e.g. Qwen2.5-VL-7B-Instruct, Qwen3-VL-8B-Instruct).", show_default=False),
+    style: str = typer.Option("detailed", "--style", help="tags, short or detailed."),
+    trigger: str = typer.Option("", "--trigger", metavar="WORD", help="Put first in every caption.", show_default=False),
+    prompt: str | None = typer.Option(None, "--prompt", metavar="TEXT", help="The instruction instead of the "
+                                      "--style's.", show_default=False),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Caption files that have a caption too (replaces it)."),
+    offload: str = typer.Option("auto", "--offload", metavar="F|auto", help="Share of the decoder layers' bytes "
+                                "kept in CPU RAM and streamed, 0 to 1; auto: the smallest that fits the GPU, 0 on a "
+                                "CPU."),
+    batch: int = typer.Option(4, "--batch", min=1, help="Files per generate call (one pass of the weights per token "
+                              "serves them all)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Longest caption, in tokens."),
+    frames: int = typer.Option(4, "--frames", min=1, help="Frames per video, spread from first to last."),
+) -> None:
+    """Write a .txt caption beside every image and video of DATA_DIR that has none, with a vision-language model
+    whose decoder layers stream like the transformer's. Ctrl-C keeps every caption written; run it again to go on."""
+    from .captioning import CaptionRequest, run_caption
+    from .train.faults import StopFlag
+
+    stop = StopFlag()
+    stop.install(at_once=True)  # Ctrl-C / SIGTERM: stop now, the captions written stay
+    try:
+        run_caption(CaptionRequest(data_dir=data_dir, model=model, style=style, trigger=trigger, prompt=prompt,
+                                   overwrite=overwrite, offload=_offload_option(offload), batch=batch,
+                                   max_new_tokens=max_new_tokens, frames=frames))
+    finally:
+        stop.restore()
+
+
 @app.command("make-tiny")
 @_user_errors
 def make_tiny(

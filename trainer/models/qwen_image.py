@@ -51,30 +51,40 @@ TEMPLATE_DROP = 34  # tokens of the system prompt, as QwenImagePipeline.prompt_t
 QWEN_VL_LM_HEAD, QWEN_VL_VISUAL, QWEN_VL_EMBED = 544_997_376, 676_550_144, 544_997_376
 
 
-def tiny_parts() -> dict:
-    """A tiny random Qwen-Image's pipeline parts (scheduler, vae, text_encoder, tokenizer, transformer): the
-    Qwen2.5-VL text encoder with a one-layer vision tower, the video VAE (4 latent channels), two blocks."""
-    from diffusers import AutoencoderKLQwenImage
+def tiny_qwen2_5_vl(tokenizer, layers: int = 2, seed: int = 4) -> nn.Module:
+    """A `layers`-layer Qwen2.5-VL 16 wide (vision tower of one block) over the tiny Qwen tokenizer
+    (trainer/models/tiny.py): Qwen-Image's tiny text encoder, and `dittrain caption`'s tests' model."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from .tiny import QWEN_SPECIAL, flow_scheduler, qwen_tokenizer
+    from .tiny import QWEN_SPECIAL
 
-    tok = qwen_tokenizer()
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
     cfg = Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": len(tok), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+            "vocab_size": len(tokenizer), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": layers,
             "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 2048,
             "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1000000.0},
             "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"],
         },
         vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16},
-        vocab_size=len(tok), hidden_size=16, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        vocab_size=len(tokenizer), hidden_size=16, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
     )
-    torch.manual_seed(4)
-    text_encoder = Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    torch.manual_seed(seed)
+    return Qwen2_5_VLForConditionalGeneration(cfg).eval()
+
+
+def tiny_parts() -> dict:
+    """A tiny random Qwen-Image's pipeline parts (scheduler, vae, text_encoder, tokenizer, transformer): the
+    Qwen2.5-VL text encoder with a one-layer vision tower, the video VAE (4 latent channels), two blocks."""
+    from diffusers import AutoencoderKLQwenImage
+
+    from .tiny import flow_scheduler, qwen_tokenizer
+
+    tok = qwen_tokenizer()
+    text_encoder = tiny_qwen2_5_vl(tok)
     torch.manual_seed(5)
     vae = AutoencoderKLQwenImage(
         base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],

@@ -1,0 +1,206 @@
+"""`dittrain caption`: the run, top to bottom. Find what has no caption, load the model and place it, then per batch:
+read the files (a bad one is named in one line and counted), generate, write each caption at once.
+
+Ctrl-C (or SIGTERM) stops at once: every caption written is a whole file already (files.py), the batch being
+generated is lost, and the same command later captions exactly what is left. Stopped or finished, the run ends
+with one summary line (written, skipped because a caption existed, failed).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..data.captions import with_trigger
+from ..data.images import BadImage
+from ..errors import Interrupted, UserError
+from ..progress import bar, shown
+from ..words import count
+from . import files, vlm
+
+#: the instruction per --style; a video's prompt says first that the pictures are its frames, in order
+STYLES = {
+    "tags": "List what this image shows as comma-separated tags (subjects, attributes, clothing, setting, style, "
+            "composition), most important first. Output only the tags.",
+    "short": "Describe this image in one sentence. Output only the sentence.",
+    "detailed": "Describe this image in detail in one paragraph: the subjects, their appearance and actions, the "
+                "setting, composition, lighting, colours and style. Output only the description.",
+}
+VIDEO_PREFIX = "These {n} images are frames of one video, in order; caption the video. "
+#: without a terminal, one progress line at most this often (seconds)
+LOG_EVERY = 60.0
+
+
+@dataclass
+class CaptionRequest:
+    data_dir: Path
+    model: Path
+    style: str = "detailed"
+    trigger: str = ""
+    prompt: str | None = None
+    overwrite: bool = False
+    offload: float | str = "auto"  # a fraction, or "auto"
+    batch: int = 4
+    max_new_tokens: int = 256
+    frames: int = 4  # per video
+    device: str | None = None  # None: cuda if there is one, else cpu
+
+
+@dataclass
+class CaptionSummary:
+    written: list[Path] = field(default_factory=list)
+    skipped: int = 0  # a caption existed (no --overwrite)
+    failed: list[tuple[Path, str]] = field(default_factory=list)
+    fraction: float = 0.0
+
+    def line(self) -> str:
+        return (f"captions: {len(self.written)} written, {self.skipped} skipped (caption exists), "
+                f"{len(self.failed)} failed")
+
+
+def _say(line: str) -> None:
+    tqdm.write(line, file=sys.stderr)
+
+
+def _prompt(req: CaptionRequest, path: Path, pictures: int) -> str:
+    text = req.prompt or STYLES[req.style]
+    return VIDEO_PREFIX.format(n=pictures) + text if pictures > 1 or files.is_video(path) else text
+
+
+def _fraction(req: CaptionRequest, model, blocks, device: torch.device, tokens: int) -> float:
+    if req.offload != "auto":
+        return float(req.offload)
+    if device.type != "cuda":
+        _say("offload: auto -> 0 on the CPU (there is no second memory to save)")
+        return 0.0
+    from ..planner import GB
+    from ..planner.presets import HEADROOM_GB
+
+    card = torch.cuda.get_device_properties(device).total_memory
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    budget = card * torch.cuda.get_per_process_memory_fraction(index) - HEADROOM_GB * GB
+    return vlm.auto_fraction(model, blocks, budget, req.batch, tokens, _say)
+
+
+def _tokens_per_row(processor, req: CaptionRequest) -> int:
+    """A prompt's length for the auto estimate: an image at files.IMAGE_PIXELS (or a video's frames), the
+    instruction and the new tokens."""
+    ip = getattr(processor, "image_processor", None)
+    px = (getattr(ip, "patch_size", 14) * getattr(ip, "merge_size", 2)) ** 2
+    return max(files.IMAGE_PIXELS, req.frames * files.FRAME_PIXELS) // px + 128 + req.max_new_tokens
+
+
+class _Progress:
+    """The tqdm bar (images/s, time left) on a terminal; else a line at most every LOG_EVERY seconds."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.t0, self.last = total, 0, time.monotonic(), time.monotonic()
+        self.bar = bar(total=total, desc="captioning", unit="img")
+
+    def update(self, n: int) -> None:
+        self.done += n
+        self.bar.update(n)
+        now = time.monotonic()
+        if not shown() and (now - self.last >= LOG_EVERY or self.done == self.total):
+            self.last = now
+            rate = self.done / max(now - self.t0, 1e-9)
+            left = (self.total - self.done) / rate if rate else 0.0
+            _say(f"captioning: {self.done}/{self.total} files ({rate:.2f} files/s, {left / 60:.1f} min left)")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _batches(todo: list[Path], size: int):
+    for i in range(0, len(todo), size):
+        yield todo[i:i + size]
+
+
+def _read(paths: list[Path], frames: int, summary: CaptionSummary) -> list[tuple[Path, list]]:
+    out = []
+    for p in paths:
+        try:
+            out.append((p, files.load_pictures(p, frames)))
+        except BadImage as e:
+            _say(f"skipped {p}: {e}")
+            summary.failed.append((p, str(e)))
+    return out
+
+
+def _caption_batch(model, processor, gc, device, req: CaptionRequest, rows, summary: CaptionSummary) -> None:
+    """Generate and write one batch; where the processor refuses the batch, each row alone (naming the bad one)."""
+    prompts = [_prompt(req, p, len(pics)) for p, pics in rows]
+    try:
+        inputs = vlm.prepare(processor, device, model.dtype, [pics for _, pics in rows], prompts)
+    except (ValueError, TypeError) as e:  # the processor refused some image (too small, extreme aspect ratio)
+        if len(rows) == 1:
+            _say(f"skipped {rows[0][0]}: the model's processor refused it ({e})")
+            summary.failed.append((rows[0][0], str(e)))
+            return
+        for row in rows:
+            _caption_batch(model, processor, gc, device, req, [row], summary)
+        return
+    texts = vlm.generate(model, processor, gc, inputs)
+    for (path, _), text in zip(rows, texts, strict=True):
+        text = files.clean(text)
+        if not text:
+            _say(f"skipped {path}: the model generated an empty caption")
+            summary.failed.append((path, "empty caption"))
+            continue
+        files.write_caption(path, with_trigger(req.trigger, text))
+        summary.written.append(path)
+
+
+def _device(req: CaptionRequest) -> torch.device:
+    if req.device is not None:
+        return torch.device(req.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run_caption(req: CaptionRequest) -> CaptionSummary:
+    """Caption every image and video under `req.data_dir` that has no caption (all with `overwrite`)."""
+    if not req.data_dir.is_dir():
+        raise UserError(f"{req.data_dir}: no such folder")
+    if req.style not in STYLES:
+        raise UserError(f"--style {req.style}: one of {', '.join(STYLES)}")
+    vlm.check_model_folder(req.model)
+    todo, skipped = files.find_items(req.data_dir, req.overwrite)
+    summary = CaptionSummary(skipped=skipped)
+    if not todo:
+        _say(f"nothing to caption in {req.data_dir}: {count(skipped, 'file')} already captioned")
+        return summary
+    device = _device(req)
+    processor = vlm.load_processor(req.model)
+    model = vlm.load_model(req.model, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    blocks = vlm.decoder_blocks(model)
+    summary.fraction = _fraction(req, model, blocks, device, _tokens_per_row(processor, req))
+    handle = vlm.place(model, blocks, device, summary.fraction)
+    gc = vlm.greedy_config(model, processor, req.max_new_tokens)
+    progress = _Progress(len(todo))
+    try:
+        for paths in _batches(todo, req.batch):
+            rows = _read(paths, req.frames, summary)
+            if rows:
+                try:
+                    _caption_batch(model, processor, gc, device, req, rows, summary)
+                except torch.OutOfMemoryError:
+                    raise UserError(f"out of memory captioning a batch of {len(rows)} at --offload "
+                                    f"{summary.fraction:g}: lower --batch or raise --offload") from None
+            progress.update(len(paths))
+    except KeyboardInterrupt as e:
+        progress.close()
+        _say(summary.line())
+        raise Interrupted(f"captioning stopped by {Interrupted.signal_of(e)}: the {count(len(summary.written), 'caption')} "
+                          "written are kept; the same command captions the rest",
+                          Interrupted.signal_of(e)) from None
+    finally:
+        if handle is not None:
+            handle.close(keep_weights=False)
+    progress.close()
+    _say(summary.line())
+    return summary
