@@ -218,3 +218,14 @@ def test_one_line_errors(models, tmp_path):
         assert expected in res.output and res.output.count("\n") == 1, res.output
     with pytest.raises(UserError):
         run_caption(CaptionRequest(data_dir=data, model=no_template))
+
+
+def test_an_image_the_processor_refuses_is_named_and_the_batch_goes_on(models, tmp_path, capsys):
+    data = tmp_path / "data"
+    _image(data / "a.png", 64, 64, 0)
+    _image(data / "b.png", 600, 2, 1)  # aspect ratio 300: Qwen-VL's resize refuses more than 200
+    _image(data / "c.png", 48, 64, 2)
+    summary = run_caption(CaptionRequest(data_dir=data, model=models["qwen3-vl"], offload=0.0, max_new_tokens=3))
+    assert sorted(p.name for p in summary.written) == ["a.png", "c.png"]
+    assert [p.name for p, _ in summary.failed] == ["b.png"]
+    assert f"skipped {data / 'b.png'}: the model's processor refused it" in capsys.readouterr().err

@@ -33,7 +33,7 @@ STYLES = {
 }
 VIDEO_PREFIX = "These {n} images are frames of one video, in order; caption the video. "
 #: without a terminal, one progress line at most this often (seconds)
-LOG_EVERY = 60.0
+LOG_EVERY = 30.0
 
 
 @dataclass
