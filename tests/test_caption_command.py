@@ -229,3 +229,38 @@ def test_an_image_the_processor_refuses_is_named_and_the_batch_goes_on(models, t
     assert sorted(p.name for p in summary.written) == ["a.png", "c.png"]
     assert [p.name for p, _ in summary.failed] == ["b.png"]
     assert f"skipped {data / 'b.png'}: the model's processor refused it" in capsys.readouterr().err
+
+
+def _fit_config(tmp_path, source: str):
+    from trainer.config import load_config
+
+    p = tmp_path / "c.yaml"
+    p.write_text(f"model: {{family: flux, path: {tmp_path / 'no-model'}}}\ntrain: {{steps: 5}}\n"
+                 f"data:\n  sources:\n    - {source}\noutput: {{dir: {tmp_path / 'out'}}}\n")
+    return load_config(p)
+
+
+def test_caption_with_captions_a_source_before_fit_scans_it(models, tmp_path, monkeypatch):
+    """data.sources[].caption_with: fit's prepare_data (and `dittrain cache`) caption the source's uncaptioned files
+    first, into the same .txt files, before any model of the run loads; a metadata source refuses it."""
+    from trainer.config import ConfigError
+    from trainer.train import inputs
+
+    data = tmp_path / "data"
+    _image(data / "a.png", 64, 64, 0)
+    _image(data / "deeper" / "b.png", 64, 64, 1)
+    cfg = _fit_config(tmp_path, f"{{path: {data}, caption_with: {models['qwen3-vl']}, recursive: false}}")
+
+    class Scanned(Exception):
+        pass
+
+    def stages(*a, **k):  # the first step after captioning: the captions are there by now
+        assert (data / "a.txt").is_file()
+        raise Scanned
+
+    monkeypatch.setattr(inputs, "cache_stages", stages)
+    with pytest.raises(Scanned):
+        inputs.prepare_data(cfg, None, torch.device("cpu"), torch.float32)
+    assert not (data / "deeper" / "b.txt").exists()  # the source's recursive: false holds
+    with pytest.raises(ConfigError, match="caption_with writes .txt captions beside the images"):
+        _fit_config(tmp_path, f"{{path: {data}, caption_with: {models['qwen3-vl']}, metadata: m.jsonl}}")

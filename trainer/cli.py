@@ -250,6 +250,10 @@ def cache(config: Path = CONFIG_ARG, overrides: list[str] = SET_OPT) -> None:
     stop = StopFlag()
     stop.install(at_once=True)  # Ctrl-C / SIGTERM: one line on what is kept, exit 130 / 143
     try:
+        if cfg.data is not None:
+            from .captioning import caption_sources
+
+            caption_sources(cfg.data)  # data.sources[].caption_with: the missing captions first
         run_cache(cfg)
     finally:
         stop.restore()

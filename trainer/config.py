@@ -293,6 +293,19 @@ class SourceConfig(_Section):
     tag_dropout: float = Field(
         default=0.0, ge=0, lt=1, description="Probability of leaving out each tag after the first keep_tokens."
     )
+    caption_with: Path | None = Field(
+        default=None,
+        description="A local vision-language model folder (what `dittrain caption --model` takes): before the scan, "
+        "fit and cache caption every image and video of this source that has no .txt caption with it (detailed "
+        "style; the folder's own .txt files, as `dittrain caption` writes them). Not with metadata.",
+    )
+
+    @model_validator(mode="after")
+    def _caption_with_folder(self):
+        if self.caption_with is not None and self.metadata is not None:
+            raise ValueError("caption_with writes .txt captions beside the images, which a metadata source does not "
+                             "read: remove caption_with or metadata")
+        return self
 
     def metadata_file(self) -> Path | None:
         """`metadata` as found: relative to the current directory, else (a bare name) inside `path`; None: unset

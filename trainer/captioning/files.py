@@ -42,10 +42,11 @@ def _not_training_images(rel: Path) -> bool:
     return top == MASK_DIR or re.fullmatch(rf"{CONTROL_DIR}[0-9]*", top) is not None
 
 
-def find_items(root: Path, overwrite: bool) -> tuple[list[Path], int]:
-    """(files to caption, files skipped because their caption exists) under `root`."""
+def find_items(root: Path, overwrite: bool, recursive: bool = True) -> tuple[list[Path], int]:
+    """(files to caption, files skipped because their caption exists) under `root` (its sub-folders too with
+    `recursive`, as a source's `recursive` says for `fit`)."""
     suffixes = IMAGE_SUFFIXES + VIDEO_SUFFIXES
-    found = sorted(p for p in root.rglob("*") if p.suffix.lower() in suffixes and p.is_file()
+    found = sorted(p for p in (root.rglob("*") if recursive else root.glob("*")) if p.suffix.lower() in suffixes and p.is_file()
                    and not _not_training_images(p.relative_to(root)))
     todo = [p for p in found if overwrite or not caption_path(p).exists()]
     return todo, len(found) - len(todo)

@@ -49,6 +49,7 @@ class CaptionRequest:
     max_new_tokens: int = 256
     frames: int = 4  # per video
     device: str | None = None  # None: cuda if there is one, else cpu
+    recursive: bool = True  # sub-folders too
 
 
 @dataclass
@@ -169,7 +170,7 @@ def run_caption(req: CaptionRequest) -> CaptionSummary:
     if req.style not in STYLES:
         raise UserError(f"--style {req.style}: one of {', '.join(STYLES)}")
     vlm.check_model_folder(req.model)
-    todo, skipped = files.find_items(req.data_dir, req.overwrite)
+    todo, skipped = files.find_items(req.data_dir, req.overwrite, req.recursive)
     summary = CaptionSummary(skipped=skipped)
     if not todo:
         _say(f"nothing to caption in {req.data_dir}: {count(skipped, 'file')} already captioned")
@@ -204,3 +205,14 @@ def run_caption(req: CaptionRequest) -> CaptionSummary:
     progress.close()
     _say(summary.line())
     return summary
+
+
+def caption_sources(data, device: torch.device | str | None = None) -> None:
+    """`data.sources[].caption_with` (and the validation sources'): caption each such source's uncaptioned files
+    before `fit` or `cache` scans them. Runs before any model of the run loads; the captioner is freed after."""
+    sources = list(data.sources) + (list(data.validation.sources or []) if data.validation is not None else [])
+    for src in sources:
+        if src.caption_with is not None:
+            _say(f"captioning {src.path} with {src.caption_with} (data.sources[].caption_with)")
+            run_caption(CaptionRequest(data_dir=Path(src.path), model=Path(src.caption_with), recursive=src.recursive,
+                                       device=None if device is None else str(device)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..captioning import caption_sources
 from ..config import Config
 from ..data.cache import cache_stages
 from ..data.pipeline import prepare_data as _prepare
@@ -27,7 +28,9 @@ def _text_fraction(cfg: Config, device: torch.device) -> float:
 def prepare_data(cfg: Config, adapter, device: torch.device, dtype: torch.dtype, rank: int = 0, world_size: int = 1):
     """TrainData with complete caches; the encoders it loaded are freed before this returns. The text encoders
     (streamed at offload.text_encoders on a GPU) encode first and are freed, then the VAE (trainer/data/cache.py
-    `cache_stages`): never two model groups on the device at once."""
+    `cache_stages`): never two model groups on the device at once. Before that, sources with `caption_with` get
+    their missing captions (trainer/captioning; rank 0 first, so the others find them written)."""
+    caption_sources(cfg.data, device)
     stages = cache_stages(cfg, adapter, device, dtype, fraction=_text_fraction(cfg, torch.device(device)))
     return _prepare(cfg, adapter, stages, rank=rank, world_size=world_size,
                     progress=rank == 0)
