@@ -264,3 +264,22 @@ def test_caption_with_captions_a_source_before_fit_scans_it(models, tmp_path, mo
     assert not (data / "deeper" / "b.txt").exists()  # the source's recursive: false holds
     with pytest.raises(ConfigError, match="caption_with writes .txt captions beside the images"):
         _fit_config(tmp_path, f"{{path: {data}, caption_with: {models['qwen3-vl']}, metadata: m.jsonl}}")
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_auto_fraction_estimate_picks_the_least_streaming_that_fits(models, kind):
+    """--offload auto's estimate (used on a GPU only; its figures are not yet checked against a GPU run): the more
+    budget, the less streams; from every layer streamed (1.0) through partial fractions to all resident (0.0), and
+    1.0 with a warning where nothing fits."""
+    from trainer.planner.prediction import PREDICTION_MARGIN, WORKSPACE
+
+    model = vlm.load_model(models[kind], torch.float32)
+    blocks = vlm.decoder_blocks(model)
+    lines = []
+    assert vlm.auto_fraction(model, blocks, 1e6, 1, 50, lines.append) == 1.0
+    assert "may run out of memory" in lines[-1]
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    base = WORKSPACE / (1 - PREDICTION_MARGIN)
+    picked = [vlm.auto_fraction(model, blocks, base + whole * k / 100, 1, 50, lines.append) for k in range(0, 300, 3)]
+    assert picked == sorted(picked, reverse=True) and picked[-1] == 0.0
+    assert any(0.0 < f < 1.0 for f in picked)
