@@ -172,3 +172,79 @@ def test_validation_scores_stills_with_their_first_frame_conditioning(models, tm
     out = _fit(cfg, tmp_path)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(np.isfinite(x.get("val_loss", np.nan)) for x in lines)
+
+
+# ---------------------------------------------------------------------------------------------- TI2V-5B, image-to-video
+
+TI2V = "wan2.2-ti2v-5b-i2v"
+
+
+@pytest.fixture(scope="module")
+def ti2v(tmp_path_factory) -> Path:
+    from trainer.models.tiny import make_tiny_models
+
+    (folder,) = make_tiny_models(tmp_path_factory.mktemp("tiny-ti2v-i2v"), [TI2V])
+    return folder
+
+
+def test_ti2v_image_to_video_replaces_the_first_latent_frame_as_the_pipeline_does(ti2v):
+    mc = ModelConfig(family=TI2V, path=ti2v, dtype="fp32")
+    adapter = get_adapter(mc)
+    comps = adapter.load(mc, parts={"transformer", "vae", "text", "scheduler"}, dtype=torch.float32)
+    pipe = adapter.pipeline(comps)  # the TI2V folder (saved as WanPipeline) read as WanImageToVideoPipeline
+    assert type(pipe).__name__ == "WanImageToVideoPipeline" and pipe.config.expand_timesteps
+    arr = (np.random.RandomState(1).rand(64, 64, 3) * 255).astype(np.uint8)
+    seen = {}
+
+    def hook(_m, _args, kw, out):
+        seen.setdefault("call", (kw, out[0]))
+
+    h = comps.transformer.register_forward_hook(hook, with_kwargs=True)
+    try:
+        pipe(**adapter.pipeline_embeds(pipe, PROMPT, None, "cpu"), image=Image.fromarray(arr), height=64, width=64,
+             num_frames=5, num_inference_steps=2, guidance_scale=1.0, output_type="latent",
+             generator=torch.Generator().manual_seed(0))
+    finally:
+        h.remove()
+    kw, out = seen["call"]
+    x, ts = kw["hidden_states"], kw["timestep"]
+    assert x.shape == (1, 8, 2, 4, 4) and ts.shape == (1, 8)
+    assert ts[0, :4].eq(0).all() and ts[0, 4:].gt(0).all()  # the image's tokens at timestep 0
+    px = (torch.from_numpy(arr).float().permute(2, 0, 1) / 255 * 2 - 1)[None, :, None].repeat(1, 1, 5, 1, 1)
+    cond = adapter.encode_conditions(comps.vae, px)
+    torch.testing.assert_close(cond["image_latents"], x[:, :, :1], rtol=0, atol=1e-6)
+    text = {**adapter.encode_prompts(comps, [PROMPT]), **cond}
+    noisy = torch.cat([torch.randn_like(x[:, :, :1]), x[:, :, 1:]], dim=2)  # whatever frame 0 holds, it is replaced
+    with torch.no_grad():
+        got = adapter.predict(comps.transformer, noisy, ts[:, -1].float() / 1000, text)
+    torch.testing.assert_close(got, out, rtol=0, atol=1e-5)
+    assert adapter.frame_loss_weights(3).tolist() == [0.0, 1.0, 1.0]
+
+
+def test_ti2v_image_to_video_fit_leaves_the_first_frame_out_and_samples_as_the_pipeline(ti2v, clip, tmp_path):
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    from trainer.config import Config as C
+    from trainer.data.pipeline import prepare_data
+
+    cfg = _config(TI2V, ti2v, clip, tmp_path)
+    batch = prepare_data(cfg, get_adapter(cfg.model), progress=False).next_batch()
+    assert batch.mask is not None and batch.mask.shape == (1, 1, 2, 2, 2)  # (B, 1, F', h, w): frame 0 at 0
+    assert batch.mask[0, 0].flatten(1).tolist() == [[0.0] * 4, [1.0] * 4]
+    out = _fit(C.model_validate(cfg.model_dump(mode="json", exclude_unset=True)), tmp_path)
+    lora = out / "lora.safetensors"
+    _, sheet = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[str(lora)], out=tmp_path / "s"))
+    pipe = WanImageToVideoPipeline.from_pretrained(str(ti2v), torch_dtype=torch.float32, local_files_only=True,
+                                                   expand_timesteps=True)
+    from trainer.models._diffusers import own_aligned_memory
+
+    own_aligned_memory(pipe.transformer)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(lora))
+    s = cfg.sample
+    with torch.no_grad():
+        pe, npe = (WanPipeline._get_t5_prompt_embeds(pipe, prompt=p, max_sequence_length=512) for p in (PROMPT, ""))
+    want = pipe(image=Image.open(clip.parent / "first.png").convert("RGB"), prompt_embeds=pe, negative_prompt_embeds=npe,
+                height=s.height, width=s.width, num_frames=s.frames, num_inference_steps=s.steps,
+                guidance_scale=s.guidance, generator=torch.Generator().manual_seed(3), output_type="pil").frames[0]
+    np.testing.assert_array_equal(pixels(sheet), np.asarray(frame_sheet(want)))

@@ -291,6 +291,8 @@ class TrainData:
         self._texts = [plan.item_texts(i) for i in range(len(plan.items))]
         self._seed = cfg.train.seed
         self._masked, self._unmasked = cfg.data.masked_loss, cfg.data.unmasked_weight
+        # some latent frames are not the model's to predict (ModelAdapter.frame_loss_weights)
+        self._frame_weights = getattr(adapter, "frame_loss_weights", lambda _: None)(2) is not None
         items = plan.items
         self.sampler = BucketSampler(
             [e.group for e in self.entries],
@@ -348,9 +350,11 @@ class TrainData:
                     for k, (f, _, _) in zip(self._ctrl_keys[s.entry], it.references, strict=True)]
             if refs:  # one reference: (C, h, w); several: (K, C, h, w)
                 ctrls.append(refs[0] if len(refs) == 1 else torch.stack(refs))
-            if self._masked:
+            if self._masked or self._frame_weights:
                 m = entry.get("mask")
-                masks.append(torch.ones_like(entry["latent"][:1]) if m is None else self._unmasked + (1 - self._unmasked) * m)
+                m = torch.ones_like(entry["latent"][:1]) if m is None or not self._masked \
+                    else self._unmasked + (1 - self._unmasked) * m
+                masks.append(_frame_weighted(m, self._adapter, entry["latent"]))
             texts.append(self._read(self.plan.text_store, self.plan.text_id(e, cap), it.file))
             caps.append(cap)
             files.append(it.file)
@@ -362,7 +366,7 @@ class TrainData:
         for k in conds[0]:  # an image-to-video family's first-frame conditioning (adapter.encode_conditions)
             cond[k] = torch.stack([c[k] for c in conds])
         return Batch(torch.stack(lats), cond, caps, files, (bucket[1], bucket[0]), position,
-                     torch.stack(masks) if self._masked else None)
+                     torch.stack(masks) if masks else None)
 
     def _read(self, store, key: str, file: str) -> dict[str, torch.Tensor]:
         if not store.has(key):
@@ -375,6 +379,16 @@ class TrainData:
                 "(or `dittrain cache`) to re-encode it"
             )
         return t
+
+
+def _frame_weighted(mask: torch.Tensor, adapter, latent: torch.Tensor) -> torch.Tensor:
+    """An entry's loss mask times the family's per-frame loss weights (`frame_loss_weights`), for a clip's
+    (C, F, h, w) latent: (1, F, h, w); unchanged where the family weighs every frame alike."""
+    weights = getattr(adapter, "frame_loss_weights", None)
+    w = weights(latent.shape[1]) if weights is not None and latent.ndim == 4 else None
+    if w is None:
+        return mask
+    return mask * w.to(mask.dtype).view(1, -1, 1, 1)
 
 
 def prepare_data(

@@ -49,6 +49,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "wan-i2v": ("wan_i2v", "WanI2VAdapter"),
     "wan2.2-a14b-i2v": ("wan_i2v", "Wan22A14BI2VAdapter"),
     "wan2.2-ti2v-5b": ("wan22_ti2v", "Wan22TI2VAdapter"),
+    "wan2.2-ti2v-5b-i2v": ("wan22_ti2v", "Wan22TI2VI2VAdapter"),
     "lumina2": ("lumina2", "Lumina2Adapter"),
 }
 

@@ -227,6 +227,13 @@ class ModelAdapter(ABC):
         beside it and stacked into the batch's text dict under these keys (default: none)."""
         return {}
 
+    @classmethod
+    def frame_loss_weights(cls, latent_frames: int) -> torch.Tensor | None:
+        """Per latent frame loss weights (F,) where some frames are not the model's to predict (Wan 2.2 TI2V-5B's
+        image-to-video: the first frame is the given image, its prediction discarded); the batch's loss mask
+        carries them (trainer/data/pipeline.py). None: every frame counts."""
+        return None
+
     # ------------------------------------------------------------------------------------------ experts
 
     # A family of expert transformers (Wan 2.2 A14B: `transformer/` denoises the high-noise steps, `transformer_2/`

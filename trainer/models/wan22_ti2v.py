@@ -7,9 +7,13 @@ What differs from Wan 2.1 (trainer/models/wan.py), as diffusers' WanPipeline (0.
   (1, 2, 2) patch a token covers 32x32 pixels (the buckets' divisor). Latents are normalised per channel with its 48
   `latents_mean` / `latents_std`, as for Wan 2.1;
 - `expand_timesteps` (model_index.json): the transformer gets one timestep per token, (B, F' * h/2 * w/2), every
-  entry the step's t here (the pipeline's mask is all ones for text-to-video); the image-to-video mode of the same
-  model (WanImageToVideoPipeline with `expand_timesteps`: the first latent frame replaced by the image's latents,
-  its tokens at timestep 0) is not trained here yet;
+  entry the step's t here (the pipeline's mask is all ones for text-to-video);
+- image-to-video (`wan2.2-ti2v-5b-i2v`, the same folder sampled with WanImageToVideoPipeline and
+  `expand_timesteps`): the image alone is encoded (one latent frame) and replaces the first latent frame of the
+  transformer's input at every step, whose tokens get timestep 0; the pipeline overwrites that frame's prediction
+  with the image's latents. Training does the same with the clip's first frame (`encode_conditions`: it is the
+  clip's own first latent frame, which the causal VAE encodes alone) and leaves that frame out of the loss
+  (`frame_loss_weights`: 0 there, so the loss is the mean over all frames with the first at zero);
 - defaults (the Wan 2.2 ti2v_5B config): flow shift 5, 50 steps, guidance 5, 121 frames at 24 fps, 704x1280.
 
 The text encoder (UMT5-XXL) and everything else are Wan 2.1's.
@@ -18,8 +22,10 @@ The text encoder (UMT5-XXL) and everything else are Wan 2.1's.
 from __future__ import annotations
 
 import torch
+from diffusers import WanImageToVideoPipeline, WanPipeline
 
 from .wan import WAN_SCHEDULER, WanAdapter, tiny_pipeline
+from .wan_i2v import WanI2VAdapter
 
 
 def tiny_pipeline_ti2v():
@@ -93,3 +99,51 @@ class Wan22TI2VAdapter(WanAdapter):
         pipe = super().pipeline(components)
         pipe.register_to_config(expand_timesteps=self.expand_timesteps)  # as WanPipeline.from_pretrained sets it
         return pipe
+
+
+class Wan22TI2VI2VAdapter(Wan22TI2VAdapter, WanI2VAdapter):
+    """Wan 2.2 TI2V-5B's image-to-video mode: the TI2V-5B folder (model_index.json: WanPipeline) sampled with
+    WanImageToVideoPipeline and `expand_timesteps`; the first latent frame is the image's (module essay)."""
+
+    family = "wan2.2-ti2v-5b-i2v"
+    #: the folder's pipeline (the published folder is saved as WanPipeline: folder checks and planning read it);
+    #: sampling builds WanImageToVideoPipeline from the same components (`pipeline`)
+    pipeline_cls = WanPipeline
+    full_name, example_path = "Wan2.2-TI2V-5B (image-to-video)", "/path/to/Wan2.2-TI2V-5B-Diffusers"
+    image_encoder_dir = None
+    default_lora_targets = WanAdapter.default_lora_targets
+    lora_key_map = WanAdapter.lora_key_map
+
+    @classmethod
+    def tiny_builders(cls):
+        return {"wan22-ti2v-i2v": tiny_pipeline_ti2v}
+
+    def encode_conditions(self, vae, pixels) -> dict[str, torch.Tensor]:
+        """The first frame alone through the VAE (as the pipeline encodes `image` with expand_timesteps): one latent
+        frame (B, C, 1, h, w)."""
+        return {"image_latents": self.encode_videos(vae, pixels[:, :, :1])}
+
+    @classmethod
+    def frame_loss_weights(cls, latent_frames: int) -> torch.Tensor:
+        w = torch.ones(latent_frames)
+        w[0] = 0.0  # the given image's frame: the pipeline replaces its prediction
+        return w
+
+    def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:
+        b, _, f, h, w = noisy_latents.shape
+        mask = torch.ones(1, 1, f, h, w, dtype=noisy_latents.dtype, device=noisy_latents.device)
+        mask[:, :, 0] = 0  # the pipeline's first_frame_mask
+        cond = text["image_latents"].to(noisy_latents.dtype)
+        x = (1 - mask) * cond + mask * noisy_latents
+        p = self.patch_size
+        timestep = (t * 1000.0)[:, None] * mask[0, 0][:, ::p, ::p].flatten()[None].float()  # first frame's at 0
+        return transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=text["prompt_embeds"],
+                           return_dict=False)[0]
+
+    def pipeline(self, components):
+        """WanImageToVideoPipeline with `expand_timesteps`, from the TI2V folder's components (no image encoder)."""
+        c = components
+        return WanImageToVideoPipeline(tokenizer=c.tokenizers[0] if c.tokenizers else None,
+                                       text_encoder=c.text_encoders[0] if c.text_encoders else None,
+                                       vae=c.vae, scheduler=c.scheduler, transformer=c.transformer,
+                                       expand_timesteps=True)
