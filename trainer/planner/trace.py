@@ -171,6 +171,23 @@ class _HostLayoutOnMeta(TorchDispatchMode):
             return func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
 
 
+@contextlib.contextmanager
+def _autocast_off_meta():
+    """autocast knows no meta device: a model that turns it off around some math of its own (a rotary table kept
+    in fp32) names its tensors' device, `torch.autocast(device_type="meta", enabled=False)`, which raises. While
+    tracing, autocast for the meta device is a null context (nothing autocasts on meta anyway)."""
+    real = torch.autocast
+
+    def autocast(device_type, *args, **kwargs):
+        return contextlib.nullcontext() if device_type == "meta" else real(device_type, *args, **kwargs)
+
+    torch.autocast = autocast
+    try:
+        yield
+    finally:
+        torch.autocast = real
+
+
 @dataclass
 class Trace:
     """Activation bytes of one training forward at one bucket shape (batch included)."""
@@ -301,7 +318,7 @@ def trace_forward(
     b_ops = [0] * len(blocks)
     try:
         with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _HostLayoutOnMeta(), mode,
-              _OpCounter(current, b_ops)):
+              _OpCounter(current, b_ops), _autocast_off_meta()):
             transformer(**inputs, return_dict=False)
     finally:
         for h in handles:
