@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -39,23 +38,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ddp import _port, _sync  # noqa: E402
 from bench_offload import add_lora, block_list, build, inputs  # noqa: E402
 
 from trainer.offload import attach_offload  # noqa: E402
 from trainer.offload.allocators import SharedArena  # noqa: E402
 from trainer.offload.gather import SliceGather  # noqa: E402
 from trainer.train.distributed import BucketedAllReduce  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _sync(dev) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _barrier(world, dev) -> None:
