@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import struct
 from pathlib import Path
 
 from ..errors import UserError
@@ -122,12 +123,12 @@ def _check_single_file(root: Path, family: str, file: Path) -> None:
     from . import adapter_classes, stream_load
 
     cfg = SimpleNamespace(path=root, family=family, transformer_file=file)
-    if stream_load.file_layout(cfg) is not None:
-        return
     try:
+        if stream_load.file_layout(cfg) is not None:
+            return
         keys = set(quant._header(file))
-    except (OSError, ValueError):
-        return  # not a safetensors file: the load says so
+    except (OSError, ValueError, struct.error):
+        return  # not a safetensors file (shorter than its 8-byte header length, say): the load says so
 
     found, by_class = _names(keys), {}
     for cls in adapter_classes():  # families sharing a transformer class share its keys
