@@ -254,7 +254,7 @@ def test_another_tools_fused_lora_splits_to_the_same_update(tiny_models, tmp_pat
 def test_refusals_name_the_file_and_the_misfit(tiny_models, tmp_path):
     t, _, cfg = adapted(tiny_models, "flux", "dora")
     src = save_checkpoint_file(t, cfg, tmp_path / "dora.safetensors")
-    with pytest.raises(UserError, match="DoRA cannot be written in the comfy / kohya layout"):
+    with pytest.raises(UserError, match="DoRA in the comfy / kohya layout needs the base model's weights"):
         lfm.convert_lora(src, tmp_path / "x.safetensors", "comfy")
     t, _, cfg = adapted(tiny_models, "flux", "lokr")
     src = save_checkpoint_file(t, cfg, tmp_path / "lokr.safetensors")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file
 from test_lora_format import ALPHA, RANK, adapted, bare_pipeline, base_model, save_checkpoint_file
 from test_train_support import make_config, write_images
@@ -105,11 +106,10 @@ def test_fit_from_init_writes_the_chosen_layout(tiny_models, tmp_path):
         sd, meta = load_file(str(f)), ck.lora_metadata(f)
         assert meta[lfm.META_FORMAT] == "kohya" and float(meta["dittrain.alpha"]) == pytest.approx(ALPHA)
         assert all(k.startswith("lora_unet_") for k in sd) and any(k.endswith(".alpha") for k in sd)
-    assert lfm.file_format(next((tmp_path / "run" / "checkpoints").glob("step-*")) / "lora.safetensors") == "diffusers"
+    checkpoint = next((tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert lfm.file_format(checkpoint / ck.ADAPTER_STATE) == "diffusers"
+    assert not (checkpoint / "lora.safetensors").exists()  # not a LoRA to load (ComfyUI: alpha = rank)
 
-    bad = make_config(tiny_models, images, tmp_path / "bad", tmp_path / "cache", "flux", train={"steps": 1},
-                      lora={"type": "lokr"}, output={"lora_format": "comfy"})
-    with pytest.raises(UserError, match="cannot be written as one fused LoKr"):
-        Trainer(bad).fit()
-    metrics = tmp_path / "bad" / "metrics.jsonl"
-    assert not metrics.exists() or not metrics.read_text().strip()  # stopped before the first step
+    with pytest.raises(ValidationError, match="cannot be written as one fused LoKr"):  # before anything loads
+        make_config(tiny_models, images, tmp_path / "bad", tmp_path / "cache", "flux", train={"steps": 1},
+                    lora={"type": "lokr"}, output={"lora_format": "comfy"})

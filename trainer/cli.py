@@ -290,15 +290,29 @@ def convert_lora(
     to: str = typer.Option(..., "--to", help="Layout to write: diffusers, comfy (ComfyUI's own keys) or kohya (lora_unet_*).", show_default=False),
     family: str | None = typer.Option(None, "--family", help="Model family, for comfy / kohya files whose header does not name it.", show_default=False),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it exists (never SRC itself)."),
+    model: Path | None = typer.Option(None, "--model", help="The diffusers model folder the LoRA was trained on: a DoRA in the comfy / kohya layout needs its base weights.", show_default=False),
 ) -> None:
     """Convert a LoRA between the diffusers, ComfyUI and kohya layouts (same update, alpha kept)."""
     from .lora_format import DORA_COMFY_NOTE
     from .lora_format import convert_lora as run
 
-    lf = run(src, dst, to, family, overwrite=overwrite)
+    lf = run(src, dst, to, family, overwrite=overwrite, base=_base_weights(model, src, family) if model else None)
     typer.echo(f"wrote {dst} ({to}, {len(lf.modules)} modules, {lf.kind}{' + DoRA' if lf.dora else ''})")
-    if lf.dora:
+    if lf.dora and to == "diffusers":
         typer.echo(DORA_COMFY_NOTE)
+
+
+def _base_weights(model: Path, src: Path, family: str | None):
+    """convert-lora --model: the base weights of that diffusers folder, for the family the LoRA is for."""
+    from .config import ModelConfig
+    from .errors import UserError
+    from .lora_format import read_lora_file
+    from .train.checkpoint import base_weights
+
+    family = family or read_lora_file(src).meta.get("dittrain.family")
+    if family is None:
+        raise UserError(f"{src}: the file does not say which model family it is for; pass --family")
+    return base_weights(ModelConfig.model_validate({"family": family, "path": str(model)}))
 
 
 @app.command()

@@ -630,10 +630,14 @@ class Config(_Section):
         if self.model.quantize != "none" and self.lora.dora:
             raise ValueError(f"lora.dora needs the full-precision base weight for its norm; set model.quantize: none "
                              f"(or lora.dora: false with model.quantize: {self.model.quantize})")
-        if self.lora.dora and self.output.lora_format != "diffusers" and t.method == "lora":
-            raise ValueError(f"lora.dora: true cannot be saved as output.lora_format: {self.output.lora_format} "
-                             "(ComfyUI's DoRA decomposes the weight another way than peft's); keep "
-                             "output.lora_format: diffusers")
+        if t.method == "lora" and self.lora.init_from is None:  # a LoKr the layout cannot hold: said before caching
+            from .lora_format import check_targets
+            from .models import adapter_class
+
+            targets = self.lora.targets or list(adapter_class(self.model.family).default_lora_targets)
+            misfit = check_targets(targets, self.lora.type, self.output.lora_format, self.model.family)
+            if misfit:
+                raise ValueError(misfit)
         if opt.name == "adamw_schedulefree" and (opt.scheduler != "constant" or opt.fused_back_pass):
             raise ValueError(
                 "optimizer.name: adamw_schedulefree replaces the decay schedule and steps all weights at once: set "

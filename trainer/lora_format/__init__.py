@@ -28,10 +28,11 @@ the same way. A part the LoRA does not adapt is a zero block. Reading splits the
 rows of `lora_up`, which is the same delta. A LoKr cannot be stacked (a stack of Kronecker products is not one):
 refused for fused layers, and the diffusers layout, which ComfyUI reads for these families, is the answer.
 
-DoRA. peft's DoRA rescales each output row (a magnitude vector of out_features); ComfyUI's `dora_scale` rescales
-each input column (its `weight_decompose` takes the norm over the output axis). No renaming turns one into the
-other, so DoRA stays in the diffusers layout (which diffusers loads exactly, and ComfyUI loads as a plain LoRA without
-the magnitudes: the save log and the README say so), and comfy / kohya refuse it.
+DoRA. peft's DoRA rescales each output row by a trained magnitude over the row norm of W + dW; ComfyUI's
+`dora_scale` (one value per output row, since its PR #7727) is divided by the row norm of the base W. So the comfy /
+kohya layouts write dora_scale = m * (||W||_row + eps) / ||W + dW||_row, computed from the base weights (`base`:
+fit reads them from the model's files, convert-lora from `--model`), which ComfyUI merges to peft's W'
+(trainer/lora_format/_dora.py). The diffusers layout keeps peft's magnitudes (diffusers loads them exactly).
 
 Left out: Tucker / conv factors (`lokr_t2`, `hada_t1`), LoRA biases, text-encoder LoRAs, modules a family's map does
 not name (`norm_out.linear` and others stored differently in the original: the error names the module).
@@ -55,18 +56,21 @@ from ._core import (
     LoraFile,
     Module,
 )
+from ._dora import BaseWeights, file_weights
 from ._read import detect_format, file_format, lora_file_from, peft_state_dict, read_lora_file
-from ._write import check_layout, encode, write_lora_file
+from ._write import check_layout, check_targets, encode, write_lora_file
 
 __all__ = ["COMFY_PREFIX", "DIFFUSERS_PREFIX", "DORA_COMFY_NOTE", "FORMATS", "KOHYA_PREFIX", "LORA_METADATA_KEY",
-           "META_BAKED", "META_FORMAT", "META_FUSED", "LoraFile", "Module", "check_layout", "convert_lora",
-           "detect_format", "encode", "file_format", "lora_file_from", "peft_state_dict", "read_lora_file",
-           "write_lora_file"]
+           "META_BAKED", "META_FORMAT", "META_FUSED", "BaseWeights", "LoraFile", "Module", "check_layout",
+           "check_targets", "convert_lora", "detect_format", "encode", "file_format", "file_weights", "lora_file_from",
+           "peft_state_dict", "read_lora_file", "write_lora_file"]
 
 
-def convert_lora(src: Path, dst: Path, to: str, family: str | None = None, overwrite: bool = False) -> LoraFile:
+def convert_lora(src: Path, dst: Path, to: str, family: str | None = None, overwrite: bool = False,
+                 base: BaseWeights | None = None) -> LoraFile:
     """`dittrain convert-lora`: read any layout, write `to`. An existing `dst` is replaced only with `overwrite`,
-    and never when it is `src` (the input would be gone if the conversion were not what was wanted)."""
+    and never when it is `src` (the input would be gone if the conversion were not what was wanted). `base`: the
+    base weights, which a DoRA needs in the comfy / kohya layout."""
     if to not in FORMATS:
         raise UserError(f"--to {to}: choose one of {', '.join(FORMATS)}")
     src, dst = Path(src), Path(dst)
@@ -76,7 +80,7 @@ def convert_lora(src: Path, dst: Path, to: str, family: str | None = None, overw
     if dst.exists() and not overwrite:
         raise UserError(f"{dst} already exists: add --overwrite to replace it, or choose another output file")
     lf = read_lora_file(src, family)
-    write_lora_file(dst, lf, to, family)
+    write_lora_file(dst, lf, to, family, base)
     return lf
 
 

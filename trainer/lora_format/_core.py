@@ -20,7 +20,8 @@ _LORA_SUFFIXES = {"lora_A.weight": "down", "lora_down.weight": "down", "lora_B.w
                   "lora_magnitude_vector": "magnitude"}
 _LYCORIS = ("lokr_w1", "lokr_w2", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b",
             "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
-_REFUSED = {"dora_scale": "ComfyUI-style DoRA (dora_scale) has no peft equivalent",
+_REFUSED = {"dora_scale": "ComfyUI's DoRA (dora_scale) is read by ComfyUI only: turning it back into peft's magnitudes "
+                          "needs the base weights (read the diffusers-layout file of the same run instead)",
             "lokr_t2": "Tucker (conv) LoKr factors are not supported", "hada_t1": "Tucker (conv) LoHa factors are not "
             "supported", "hada_t2": "Tucker (conv) LoHa factors are not supported",
             "lora_B.bias": "LoRA biases are not supported", "lora_mid.weight": "conv LoRA (lora_mid) is not supported"}
@@ -109,5 +110,6 @@ def _in_features(m: Module) -> int:
     return m.t["down"].shape[1] if m.kind == "lora" else m.t["hada_w1_b"].shape[1]
 
 
-DORA_COMFY_NOTE = ("DoRA: ComfyUI does not read peft's DoRA magnitudes (it loads this file as a plain LoRA without "
-                   "them); use it with diffusers' load_lora_weights or `dittrain sample`")
+DORA_COMFY_NOTE = ("DoRA: ComfyUI does not read peft's DoRA magnitudes (it loads this diffusers-layout file as a plain "
+                   "LoRA without them); for ComfyUI write output.lora_format: comfy, or `dittrain convert-lora IN OUT "
+                   "--to comfy --model PATH` (its dora_scale needs the base weights)")

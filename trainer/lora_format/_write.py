@@ -22,6 +22,7 @@ from ._core import (
     _in_features,
     _key_map,
 )
+from ._dora import BaseWeights, comfy_dora_scale, missing_base_message, unchanged_scale
 
 # ---------------------------------------------------------------------------------------------- writing
 
@@ -61,19 +62,23 @@ def _alpha(value: float) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32)
 
 
-def _original_tensors(modules: dict[str, Module], kmap, fmt: str, family: str) -> tuple[dict, dict, set]:
-    """(tensors, fused ranks, the scales multiplied into full-factor LoKr weights) in the comfy or kohya layout."""
+def _original_tensors(modules: dict[str, Module], kmap, fmt: str, family: str,
+                      base: BaseWeights | None = None) -> tuple[dict, dict, set]:
+    """(tensors, fused ranks, the scales multiplied into full-factor LoKr weights) in the comfy or kohya layout; a
+    DoRA's magnitudes become ComfyUI's `dora_scale` from the `base` weights (trainer/lora_format/_dora.py)."""
     names = {"down": "lora_down.weight", "up": "lora_up.weight"}
     groups: dict[str, tuple] = {}
     for n, m in modules.items():
-        place = _place(kmap, n, m.kind, "magnitude" in m.t, family)
+        place = _place(kmap, n, m.kind, family)
+        if "magnitude" in m.t:
+            m = _with_dora_scale(n, m, base)
         groups.setdefault(place.original, (place.rule, {}))[1][place.index] = m
     prefix = COMFY_PREFIX if fmt == "comfy" else ""
     out, fused, baked = {}, {}, set()
     for orig, (rule, parts) in groups.items():
         key = prefix + (orig if fmt == "comfy" else kmap.kohya(orig))
         if rule.fused:
-            m, ranks = _stack(orig, rule, parts)
+            m, ranks = _stack(orig, rule, parts, kmap.parts(orig)[1], base)
             fused[orig] = ranks
         else:
             m = parts[0]
@@ -86,36 +91,76 @@ def _original_tensors(modules: dict[str, Module], kmap, fmt: str, family: str) -
     return out, fused, baked
 
 
-def _place(kmap, name: str, kind: str, dora: bool, family: str):
+def _with_dora_scale(name: str, m: Module, base: BaseWeights | None) -> Module:
+    """`m` with peft's magnitude replaced by ComfyUI's dora_scale (needs the base weight)."""
+    if base is None:
+        raise UserError(missing_base_message(name))
+    t = {k: v for k, v in m.t.items() if k != "magnitude"}
+    t["dora_scale"] = comfy_dora_scale(m.t["magnitude"], base(name), m.delta())
+    return Module(m.kind, t, m.scale, m.peft_r)
+
+
+def _place(kmap, name: str, kind: str, family: str):
     """Where module `name` goes in the original layout, or the one-line reason it cannot."""
-    if dora:
-        raise UserError("DoRA cannot be written in the comfy / kohya layout (ComfyUI's dora_scale is another "
-                        "decomposition); keep output.lora_format: diffusers for DoRA")
     place = kmap.place(name)
     if place is None:
         raise UserError(f"{name}: no name for this module in the {family} original layout (lora_key_map in "
                         f"trainer/models/); use the diffusers layout")
     if kind == "lokr" and place.rule.fused:
-        from ..models import adapter_class
-
-        comfy = ("ComfyUI reads it for this family" if adapter_class(family).comfy_reads_diffusers_lora
-                 else "ComfyUI does not read it for this family: train LoRA or LoHa for ComfyUI")
-        raise UserError(f"{place.original}: a LoKr on {', '.join(p.rsplit('.', 1)[-1] for p in place.rule.parts)} "
-                        f"cannot be written as one fused LoKr; use the diffusers layout ({comfy})")
+        raise UserError(_fused_lokr_message(place.original, place.rule, family))
     return place
 
 
-def check_layout(modules: list[str], kind: str, dora: bool, fmt: str, family: str) -> None:
+def _fused_lokr_message(original: str, rule, family: str) -> str:
+    from ..models import adapter_class
+
+    return (f"{original}: a LoKr on {', '.join(p.rsplit('.', 1)[-1] for p in rule.parts)} cannot be written as one "
+            f"fused LoKr in the comfy / kohya layout; use output.lora_format: diffusers "
+            f"({adapter_class(family).comfy_diffusers_lora_note()}), train lora.type: lora or loha, or leave "
+            f"{', '.join(p.rsplit('.', 1)[-1] for p in rule.parts)} out of lora.targets")
+
+
+def check_layout(modules: list[str], kind: str, fmt: str, family: str) -> None:
     """Refuse, before training, an adapter that layout `fmt` cannot hold (by module names only)."""
     if fmt == "diffusers":
         return
     kmap = _key_map(family, Path(f"output.lora_format: {fmt}"))
     for name in modules:
-        _place(kmap, name, kind, dora, family)
+        _place(kmap, name, kind, family)
 
 
-def _stack(orig: str, rule, parts: dict[int, Module]) -> tuple[Module, list[int]]:
-    """One module for a fused layer from its parts (see the module essay)."""
+def _matches(template: str, target: str) -> bool:
+    """Whether a module named by key-map template `template` ({i}: a block index) is one that peft's list target
+    `target` adapts (peft: the name equals the target or ends with "." + target)."""
+    import re
+
+    t, want = template.split("."), target.split(".")
+    if len(want) > len(t):
+        return False
+    return all(re.fullmatch(re.escape(a).replace(r"\{i\}", r"\d+"), b) for a, b in zip(t[-len(want):], want,
+                                                                                     strict=True))
+
+
+def check_targets(targets: list[str], kind: str, fmt: str, family: str) -> str | None:
+    """Before anything loads (config validation): the one-line reason layout `fmt` cannot hold a `kind` adapter on
+    peft targets `targets`, or None. Only a LoKr on a part of a fused original layer is known from names alone."""
+    if fmt == "diffusers" or kind != "lokr":
+        return None
+    from ..models import adapter_class
+
+    kmap = adapter_class(family).lora_key_map
+    if kmap is None:
+        return None  # _key_map says so when the file is written
+    for rule in kmap.rules:
+        if rule.fused and any(_matches(p, t) for p in rule.parts for t in targets):
+            return _fused_lokr_message(rule.original, rule, family)
+    return None
+
+
+def _stack(orig: str, rule, parts: dict[int, Module], names: list[str],
+           base: BaseWeights | None = None) -> tuple[Module, list[int]]:
+    """One module for a fused layer from its parts (see the module essay); DoRA's dora_scale rows stacked too, a
+    part without an update at the scale that leaves its rows unchanged."""
     first = next(iter(parts.values()))
     same = len({m.scale for m in parts.values()}) == 1
     parts = {j: m if same else m.baked() for j, m in parts.items()}
@@ -136,12 +181,16 @@ def _stack(orig: str, rule, parts: dict[int, Module]) -> tuple[Module, list[int]
                                     f"{size}")
                 t[u][row:row + size, col:col + ranks[j]] = parts[j].t[u]
             row, col = row + size, col + ranks[j]
+    if any("dora_scale" in m.t for m in parts.values()):
+        t["dora_scale"] = torch.cat([parts[j].t["dora_scale"] if j in parts else unchanged_scale(base(names[j]))
+                                     for j in range(len(sizes))])
     return Module(first.kind, t, first.scale if same else 1.0), ranks
 
 
-def encode(lf: LoraFile, fmt: str, family: str | None = None, where: Path | str = "") -> tuple[dict, dict]:
+def encode(lf: LoraFile, fmt: str, family: str | None = None, where: Path | str = "",
+           base: BaseWeights | None = None) -> tuple[dict, dict]:
     """(tensors, header) of `lf` in layout `fmt` (FORMATS); the header keeps the source's dittrain.* keys and names
-    the layout. `where` names the file in errors."""
+    the layout. `where` names the file in errors; `base` gives the base weights a DoRA needs in comfy / kohya."""
     if fmt not in FORMATS:
         raise UserError(f"--to {fmt}: choose one of {', '.join(FORMATS)}")
     family = family or lf.meta.get("dittrain.family")
@@ -153,7 +202,9 @@ def encode(lf: LoraFile, fmt: str, family: str | None = None, where: Path | str 
         if len(scales) == 1 and scales != {1.0}:
             header[META_BAKED] = repr(scales.pop())
     else:
-        tensors, fused, baked = _original_tensors(lf.modules, _key_map(family, Path(where)), fmt, family)
+        if lf.dora and base is None:
+            raise UserError(missing_base_message(str(where)))
+        tensors, fused, baked = _original_tensors(lf.modules, _key_map(family, Path(where)), fmt, family, base)
         if fused:
             header[META_FUSED] = json.dumps(fused, sort_keys=True)
         if len(baked) == 1 and baked != {1.0}:
@@ -163,12 +214,13 @@ def encode(lf: LoraFile, fmt: str, family: str | None = None, where: Path | str 
     return tensors, header
 
 
-def write_lora_file(path: Path, lf: LoraFile, fmt: str, family: str | None = None) -> None:
+def write_lora_file(path: Path, lf: LoraFile, fmt: str, family: str | None = None,
+                    base: BaseWeights | None = None) -> None:
     """Write `lf` in layout `fmt` to `path`, under a temporary name renamed into place, with the mode the umask
     gives a new file (as fit's files: trainer/atomic.py)."""
     from safetensors.torch import save_file
 
-    tensors, header = encode(lf, fmt, family, path)
+    tensors, header = encode(lf, fmt, family, path, base)
     atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=header))
 
 

@@ -119,9 +119,12 @@ class ModelAdapter(ABC):
     #: the family's LoRA module names in the original layout (ComfyUI, kohya; trainer/models/lora_keys.py `LoraKeyMap`),
     #: inherited by a family that shares the architecture; None: none yet, and output.lora_format comfy / kohya say so
     lora_key_map: ClassVar[Any] = None
-    #: ComfyUI maps this family's diffusers-keyed LoRAs (`transformer.<module>`) onto its model; when not, the end of
-    #: a fit with output.lora_format: diffusers says to convert (its maintainers add no new diffusers key maps)
+    #: ComfyUI maps this family's diffusers-keyed LoRAs (`transformer.<module>`) onto its model (comfy/lora.py
+    #: `model_lora_keys_unet`); when not, the end of a fit with output.lora_format: diffusers says to convert
     comfy_reads_diffusers_lora: ClassVar[bool] = False
+    #: where ComfyUI maps them only in recent releases: from which one ("its January 2026 releases", "v0.37"); None:
+    #: for long (or not at all)
+    comfy_diffusers_lora_since: ClassVar[str | None] = None
     #: regular expression (`re.search` on a block Linear's name relative to its block, with a "." appended) of the
     #: modulation Linears: they set per-sample scale / shift / gate and stay in the model dtype in an fp8 / int8
     #: base unless `model.quantize_modulation` (trainer/quant.py). "" : none
@@ -190,6 +193,19 @@ class ModelAdapter(ABC):
     frame_step: ClassVar[int] = 1
     #: frames per clip the planner's dummy inputs and the presets assume for the full-size model (1: images)
     plan_frames: ClassVar[int] = 1
+
+    @classmethod
+    def comfy_diffusers_lora_note(cls) -> str:
+        """What ComfyUI does with this family's diffusers-layout LoRA files, in a clause for the fit's log and its
+        refusals (from `comfy_reads_diffusers_lora` / `comfy_diffusers_lora_since`)."""
+        if not cls.comfy_reads_diffusers_lora:
+            return (f"ComfyUI does not map diffusers-keyed {cls.family} LoRAs (transformer.*): for ComfyUI, "
+                    "`dittrain convert-lora IN OUT --to comfy` or output.lora_format: comfy")
+        if cls.comfy_diffusers_lora_since:
+            return (f"ComfyUI maps diffusers-keyed {cls.family} LoRAs (transformer.*) since "
+                    f"{cls.comfy_diffusers_lora_since}; for an older ComfyUI, `dittrain convert-lora IN OUT --to "
+                    "comfy` or output.lora_format: comfy")
+        return f"ComfyUI maps diffusers-keyed {cls.family} LoRAs (transformer.*)"
 
     @classmethod
     def latent_frames(cls, frames: int) -> int:

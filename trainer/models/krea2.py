@@ -91,6 +91,8 @@ class Krea2Adapter(DiffusersAdapter):
     default_lora_targets = tuple(f"transformer_blocks.{i}.{m}" for i in range(64) for m in (
         "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_gate", "attn.to_out.0", "ff.gate", "ff.up", "ff.down"))
     lora_key_map = KREA2_LORA_KEYS
+    comfy_reads_diffusers_lora = True  # comfy/lora.py model_lora_keys_unet, in recent releases only:
+    comfy_diffusers_lora_since = "its June 2026 releases"  # (issue 46 item 13; not checked against that code here)
     text_encoder_dirs = ("text_encoder",)
     text_encoder_classes = ("Qwen3VLModel",)
     tokenizer_dirs = ("tokenizer",)

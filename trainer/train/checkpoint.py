@@ -7,18 +7,21 @@ a run killed mid-write leaves a `.tmp-*` folder that is ignored and deleted by t
 checkpoint is untouched. Old checkpoints are pruned only after the new one is in place.
 
 What a checkpoint holds (no pickle anywhere):
-- `lora.safetensors` (LoRA) or `transformer/` (full fine-tune, diffusers `save_pretrained` format);
+- `adapter-state.safetensors` (LoRA; `ADAPTER_STATE`) or `transformer/` (full fine-tune, diffusers `save_pretrained`
+  format);
 - the optimizer state as safetensors + JSON (written by `trainer.optim`);
 - `rng.safetensors`: generator states as uint8 tensors (the objective's noise generator, torch's global CPU
   generator that LoRA dropout draws from, and each CUDA device's);
 - `state.json`: step, scheduler and data-sampler state, the config digest.
 
-LoRA files. A checkpoint's `lora.safetensors` has peft's keys (`get_peft_model_state_dict`) under the
+LoRA files. A checkpoint's `adapter-state.safetensors` has peft's keys (`get_peft_model_state_dict`) under the
 `transformer.` prefix, the weights as trained, and in the header diffusers' `lora_adapter_metadata` (the peft
 config: alpha, r, targets) and dittrain's own keys (rank, alpha, step, config digest): resuming reads it back
 bitwise. The files a user gets (output.dir's `lora.safetensors`, `lora-ema`, the per-step files) are written from
 it by `export_lora` in output.lora_format (trainer/lora_format/), where the alpha / rank scale is applied so that
-diffusers and ComfyUI load the same update.
+diffusers and ComfyUI load the same update. The checkpoint's file is not one of them: ComfyUI reads alpha only from
+`.alpha` tensors, which it has not (diffusers refuses them beside the header), so it would load at alpha = rank; it
+is named so that nobody takes it for a LoRA to load (checkpoints written as `lora.safetensors` before still resume).
 
 LoKr and LoHa (lora.type) use the same file layout with peft's own key names (`.lokr_w1`, `.hada_w1_a`, ...);
 the header's peft config says which (`peft_type`). DoRA adds `.lora_magnitude_vector` keys, which diffusers reads.
@@ -219,25 +222,54 @@ def lora_file(transformer: torch.nn.Module, meta: dict[str, str]) -> tuple[dict[
     return {f"{LORA_PREFIX}{k}": v for k, v in lora_state_dict(transformer).items()}, header
 
 
+#: the adapter inside a checkpoint folder (see the module essay: not a LoRA file for loaders)
+ADAPTER_STATE = "adapter-state.safetensors"
+
+
+def checkpoint_adapter(folder: Path) -> Path:
+    """The adapter file of checkpoint `folder`: ADAPTER_STATE, or `lora.safetensors` in a checkpoint written before
+    that name."""
+    new, old = Path(folder) / ADAPTER_STATE, Path(folder) / "lora.safetensors"
+    return old if not new.exists() and old.exists() else new
+
+
 def save_lora(path: Path, transformer: torch.nn.Module, meta: dict[str, str]) -> None:
     """Write the LoRA in peft's layout with its config in the header (checkpoints), atomically."""
     weights, header = lora_file(transformer, meta)
     atomic_write(Path(path), lambda tmp: save_file(weights, str(tmp), metadata=header))
 
 
-def export_lora(path: Path, lf, fmt: str, family: str) -> None:
-    """Write a `trainer.lora_format.LoraFile` in the user's layout (output.lora_format), atomically."""
+def export_lora(path: Path, lf, fmt: str, family: str, model_cfg=None) -> None:
+    """Write a `trainer.lora_format.LoraFile` in the user's layout (output.lora_format), atomically. A DoRA in the
+    comfy / kohya layout reads the base weights it needs from the files of `model_cfg` (trainer.config.ModelConfig)."""
     from ..lora_format import encode
 
-    tensors, header = encode(lf, fmt, family, path)
+    base = base_weights(model_cfg) if lf.dora and fmt != "diffusers" and model_cfg is not None else None
+    tensors, header = encode(lf, fmt, family, path, base)
     atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=header))
 
 
-def lycoris_loading_hint(path: Path, kind: str) -> str:
-    """How to load a LoKr / LoHa file, which diffusers' `load_lora_weights` does not read (README: LoRA kinds)."""
-    return (f"{path} is a {kind} adapter in peft's format: `dittrain sample --lora {path}` loads it; in your own "
-            "code, `from trainer.sampling.lora import load_peft_file; load_peft_file(pipe.transformer, path)` "
-            "(peft's inject_adapter_in_model + set_peft_model_state_dict with the config in the file's header)")
+def base_weights(model_cfg):
+    """The base weights of the ModelConfig `model_cfg`, read one by one from its transformer's files in their stored
+    precision (what a user loads in ComfyUI; not the training copy: a bf16 cast, or streamed placeholders)."""
+    from ..lora_format import file_weights
+    from ..models import get_adapter
+    from ..models.stream_load import open_files
+
+    return file_weights(open_files(model_cfg, get_adapter(model_cfg).transformer_dir))
+
+
+def lycoris_loading_hint(path: Path, kind: str, fmt: str, comfy_note: str) -> str:
+    """Which loaders take a LoKr / LoHa file (README: LoRA kinds): not diffusers' `load_lora_weights` (it refuses
+    them for most pipelines); `dittrain sample`, peft, and ComfyUI's LoRA loader (`comfy_note`: the family's
+    `comfy_diffusers_lora_note`, for the diffusers layout)."""
+    if fmt != "diffusers":
+        return (f"{path} is a {kind} adapter ({fmt} layout), which diffusers' load_lora_weights does not take: "
+                f"ComfyUI's LoRA loader reads it, and `dittrain sample --lora {path}` loads it")
+    return (f"{path} is a {kind} adapter in peft's format, which diffusers' load_lora_weights does not take: "
+            f"`dittrain sample --lora {path}` loads it; in your own code, `from trainer.sampling.lora import "
+            "load_peft_file; load_peft_file(pipe.transformer, path)` (peft's inject_adapter_in_model + "
+            f"set_peft_model_state_dict with the config in the file's header); {comfy_note}")
 
 
 def lora_kind(meta: dict[str, str]) -> str:

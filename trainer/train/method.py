@@ -113,8 +113,8 @@ class LoraMethod(TrainingMethod):
             self.lora = init_lora_config(self.cfg, init, transformer)
         params = add_lora(transformer, self.cfg.model_copy(update={"lora": self.lora}), adapter.lora_targets())
         # output.lora_format must hold this adapter (a LoKr on fused q/k/v does not fit comfy): said before training
-        lora_format.check_layout(adapted_modules(transformer), self.lora.type, self.lora.dora,
-                                 self.cfg.output.lora_format, self.cfg.model.family)
+        lora_format.check_layout(adapted_modules(transformer), self.lora.type, self.cfg.output.lora_format,
+                                 self.cfg.model.family)
         if init is not None:
             load_init(transformer, init, self.cfg.lora.init_from)
             say(f"lora.init_from {self.cfg.lora.init_from}: {len(init.modules)} modules, {self.lora.type}"
@@ -132,10 +132,10 @@ class LoraMethod(TrainingMethod):
         """Nothing streams that trains: the optimizer state stays beside the LoRA weights."""
 
     def save_weights(self, folder: Path, step: int) -> None:
-        ck.save_lora(folder / "lora.safetensors", self.transformer, self._meta(step))
+        ck.save_lora(folder / ck.ADAPTER_STATE, self.transformer, self._meta(step))
 
     def load_weights(self, folder: Path) -> None:
-        ck.load_lora(folder / "lora.safetensors", self.transformer)
+        ck.load_lora(ck.checkpoint_adapter(folder), self.transformer)
 
     def final_output(self, out_dir: Path) -> Path:
         """output.dir/lora.safetensors; a family of experts' lora-<model.expert>.safetensors (lora-low_noise: the
@@ -162,22 +162,23 @@ class LoraMethod(TrainingMethod):
                 "family": self.cfg.model.family, "type": lc.type, "dora": lc.dora}
 
     def export(self, path: Path, lf) -> None:
-        """Write a LoRA for the user: output.lora_format's layout, the alpha / rank scale where its loaders read it."""
-        ck.export_lora(path, lf, self.cfg.output.lora_format, self.cfg.model.family)
+        """Write a LoRA for the user: output.lora_format's layout, the alpha / rank scale where its loaders read it (a
+        DoRA's comfy / kohya dora_scale from the base weights of the model's files)."""
+        ck.export_lora(path, lf, self.cfg.output.lora_format, self.cfg.model.family, self.cfg.model)
 
     def write_final(self, out_dir: Path, checkpoint: Path) -> Path:
         """The final LoRA file in output.dir: the checkpoint's weights in output.lora_format."""
         from ..lora_format import DORA_COMFY_NOTE, read_lora_file
 
         path = self.final_output(out_dir)
-        self.export(path, read_lora_file(checkpoint / "lora.safetensors"))
-        if self.lora.type != "lora" and self.cfg.output.lora_format == "diffusers":
-            say(ck.lycoris_loading_hint(path, self.lora.type))
-        if self.lora.dora:
-            say(DORA_COMFY_NOTE)
-        elif self.cfg.output.lora_format == "diffusers" and not getattr(self.adapter, "comfy_reads_diffusers_lora", True):
-            say(f"ComfyUI reads no diffusers-keyed {self.cfg.model.family} LoRA: for ComfyUI, `dittrain convert-lora "
-                f"{path} out.safetensors --to comfy` (or output.lora_format: comfy)")
+        self.export(path, read_lora_file(ck.checkpoint_adapter(checkpoint)))
+        from ..models import adapter_class
+
+        fmt, comfy_note = self.cfg.output.lora_format, adapter_class(self.cfg.model.family).comfy_diffusers_lora_note()
+        if self.lora.type != "lora":
+            say(ck.lycoris_loading_hint(path, self.lora.type, fmt, comfy_note))
+        elif fmt == "diffusers":
+            say(DORA_COMFY_NOTE if self.lora.dora else f"{path}: {comfy_note}")
         return path
 
 

@@ -465,13 +465,13 @@ def keep_step_lora(cfg, run: Run, checkpoint: Path, step: int) -> Path | None:
     """With output.save_every, a checkpoint's LoRA (in output.lora_format) that pruning never deletes, beside the
     checkpoints: `<output.dir>/<run name>-step-000500.safetensors`."""
     every = getattr(cfg.output, "save_every", 0)
-    src = Path(checkpoint) / "lora.safetensors"
+    src = ck.checkpoint_adapter(checkpoint)
     if not every or step % every or not src.is_file():
         return None
     from ..lora_format import read_lora_file
 
     path = run.out / step_lora_name(cfg, step)
-    ck.export_lora(path, read_lora_file(src), cfg.output.lora_format, cfg.model.family)  # the user's layout
+    ck.export_lora(path, read_lora_file(src), cfg.output.lora_format, cfg.model.family, cfg.model)  # the user's layout
     from .monitor import say
 
     say(f"saved {path} (step {step})")
