@@ -148,3 +148,22 @@ def test_checkpoint_adapter_is_not_named_as_a_lora(tmp_path):
     old.mkdir()
     (old / "lora.safetensors").write_bytes(b"")
     assert ck.checkpoint_adapter(old) == old / "lora.safetensors"
+
+
+def test_fit_writes_dora_for_comfyui_from_the_model_files(tiny_models, tmp_path):
+    """A DoRA fit with output.lora_format: comfy and streamed blocks (their base weights are placeholders between
+    steps) writes dora_scale from the model's files: the same file convert-lora --model writes from the checkpoint."""
+    from test_train_support import make_config, write_images
+
+    from trainer.train.trainer import Trainer
+
+    cfg = make_config(tiny_models, write_images(tmp_path / "images"), tmp_path / "run", tmp_path / "cache", "flux",
+                      train={"steps": 1}, lora={"dora": True}, output={"lora_format": "comfy"},
+                      offload={"transformer": 0.5})
+    Trainer(cfg).fit()
+    got = load_file(str(tmp_path / "run" / "lora.safetensors"))
+    assert any(k.endswith(".dora_scale") for k in got)
+    checkpoint = next((tmp_path / "run" / "checkpoints").glob("step-*"))
+    lfm.convert_lora(ck.checkpoint_adapter(checkpoint), tmp_path / "c.safetensors", "comfy", base=ck.base_weights(cfg.model))
+    want = load_file(str(tmp_path / "c.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
