@@ -8,8 +8,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: warnings diffusers printed on `make-tiny` and Chroma's plan / sample (the first), Krea 2's and Flux.3's plan
-LIBRARY_WARNINGS = ("`FluxPosEmbed` is deprecated", "should be kept in float32")
+#: warnings diffusers printed on `make-tiny` and Chroma's plan / sample (the first), Krea 2's and Flux.3's plan;
+#: transformers' note that an image processor falls back to PIL without torchvision (any pipeline import on the CPU)
+LIBRARY_WARNINGS = ("`FluxPosEmbed` is deprecated", "should be kept in float32", "requires torchvision (not installed)")
 
 
 def test_make_tiny_and_plan_print_no_library_warnings(tiny_models, tmp_path):

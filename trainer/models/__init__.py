@@ -19,11 +19,26 @@ package (the registry, `canonical_family`) is cheap, which keeps `dittrain --hel
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 from importlib import import_module
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
+
+
+class _QuietPilFallback(logging.Filter):
+    """transformers 5 says once per image-processor class that, torchvision being absent (the CPU install), it
+    falls back to the class's PIL version; diffusers' pipelines import CLIP / Siglip processors when they are
+    imported, so `make demo`, `fit` and `sample` printed two such lines. The PIL versions are what these
+    processors were before transformers 5: nothing for a user to do."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision (not installed)" not in record.getMessage()
+
+
+# the logger transformers.utils.import_utils creates (std logging returns the same object to it later)
+logging.getLogger("transformers.utils.import_utils").addFilter(_QuietPilFallback())
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
