@@ -167,3 +167,16 @@ def test_fit_writes_dora_for_comfyui_from_the_model_files(tiny_models, tmp_path)
     lfm.convert_lora(ck.checkpoint_adapter(checkpoint), tmp_path / "c.safetensors", "comfy", base=ck.base_weights(cfg.model))
     want = load_file(str(tmp_path / "c.safetensors"))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_fused_lokr_refusal_never_advises_a_layout_comfyui_cannot_take():
+    """For a family whose diffusers keys ComfyUI maps, the refusal says so; else it does not send the user to
+    convert-lora --to comfy, which refuses the same LoKr."""
+    for cls in adapter_classes():
+        kmap = cls.lora_key_map
+        rule = next((r for r in (kmap.rules if kmap else ()) if r.fused), None)
+        if rule is None:
+            continue
+        msg = lfm.check_targets([rule.parts[0].rsplit(".", 1)[-1]], "lokr", "kohya", cls.family)
+        assert msg and "fused LoKr" in msg
+        assert ("convert-lora" not in msg) or cls.comfy_diffusers_lora_since, (cls.family, msg)

@@ -114,10 +114,12 @@ def _place(kmap, name: str, kind: str, family: str):
 def _fused_lokr_message(original: str, rule, family: str) -> str:
     from ..models import adapter_class
 
+    cls = adapter_class(family)
+    comfy = (cls.comfy_diffusers_lora_note() if cls.comfy_reads_diffusers_lora
+             else f"which ComfyUI does not map for {family}: for ComfyUI train lora.type: lora or loha")
     return (f"{original}: a LoKr on {', '.join(p.rsplit('.', 1)[-1] for p in rule.parts)} cannot be written as one "
-            f"fused LoKr in the comfy / kohya layout; use output.lora_format: diffusers "
-            f"({adapter_class(family).comfy_diffusers_lora_note()}), train lora.type: lora or loha, or leave "
-            f"{', '.join(p.rsplit('.', 1)[-1] for p in rule.parts)} out of lora.targets")
+            f"fused LoKr in the comfy / kohya layout; use output.lora_format: diffusers ({comfy}), train lora.type: "
+            f"lora or loha, or leave {', '.join(p.rsplit('.', 1)[-1] for p in rule.parts)} out of lora.targets")
 
 
 def check_layout(modules: list[str], kind: str, fmt: str, family: str) -> None:
