@@ -33,11 +33,33 @@ def _metrics(step: int, loss: float) -> dict:
     return {"loss": loss, "lr": 1e-3, "step_time": 0.5, "samples_per_s": 4.0, "grad_norm": 1.0, "vram_gb": 3.5}
 
 
+def test_a_status_line_gives_the_wall_seconds_per_step_since_the_last_one(tmp_path, capsys, monkeypatch):
+    """Steps of 0.14 s of their own with a sample every 20 steps: the line says what the interval took per step
+    (26 s for 20 steps: 1.30 s/step), not the last step's 0.14 s."""
+    from trainer.train import monitor
+
+    clock = [0.0]
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False, raising=False)
+    monkeypatch.setattr(monitor, "_now", lambda: clock[0])
+    m = Monitor(tmp_path, total=400, start=200, tensorboard=False)  # a resume at step 200; a line every 20 steps
+    for s in range(201, 221):
+        clock[0] += 1.3
+        m.log(s, {**_metrics(s, 1.0), "step_time": 0.14}, write=False)
+    m.close()
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step 220/400")][0]
+    assert "1.30 s/step" in line and "0.14" not in line
+
+
 def test_status_without_a_terminal_is_a_line_every_5_percent_with_smoothed_loss_and_epoch(tmp_path, capsys,
                                                                                           monkeypatch):
+    from trainer.train import monitor
+
+    clock = [0.0]
     monkeypatch.setattr("sys.stderr.isatty", lambda: False, raising=False)
+    monkeypatch.setattr(monitor, "_now", lambda: clock[0])
     m = Monitor(tmp_path, total=40, start=0, tensorboard=False, run_id="R", epoch=lambda: 3)
     for s in range(1, 41):
+        clock[0] += 0.5  # each step takes its step_time of wall time
         m.log(s, _metrics(s, 1.0 if s % 2 else 2.0), write=True)
     m.close()
     err = capsys.readouterr().err

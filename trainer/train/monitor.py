@@ -54,7 +54,7 @@ class Monitor:
             self._ema, self._ema_n = float(smoothing["ema"]), int(smoothing["n"])
         self._tty = sys.stderr.isatty()
         self._every = max(1, total // 20)  # status lines when stderr is not a terminal
-        self._said = _now()
+        self._said, self._said_step = _now(), start  # the last status line (without a terminal): when, at which step
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
@@ -105,19 +105,24 @@ class Monitor:
         self._ema, self._ema_n = 0.9 * self._ema + 0.1 * loss, self._ema_n + 1
         return self._ema / (1 - 0.9**self._ema_n)
 
-    def status(self, step: int, metrics: dict[str, float], smooth: float, epoch: int) -> str:
-        return (f"loss {smooth:.4f} (step {metrics['loss']:.4f}), epoch {epoch}, {metrics['step_time']:.2f} s/step, "
+    def status(self, step: int, metrics: dict[str, float], smooth: float, epoch: int,
+               per_step: float | None = None) -> str:
+        """`per_step`: the wall seconds per step since the last status line (sampling and saving included), else
+        this step's own time."""
+        per = metrics["step_time"] if per_step is None else per_step
+        return (f"loss {smooth:.4f} (step {metrics['loss']:.4f}), epoch {epoch}, {per:.2f} s/step, "
                 f"{metrics['samples_per_s']:.1f} img/s")
 
     def log(self, step: int, metrics: dict[str, float], write: bool) -> None:
         smooth, epoch = self.smoothed(metrics["loss"]), int(self._epoch())
-        line = self.status(step, metrics, smooth, epoch)
         if self._tty:
             self.bar.update(1)
             self.bar.set_postfix_str(f"loss {smooth:.4f}, ep {epoch}, {metrics['step_time']:.3g} s/step", refresh=False)
         elif step % self._every == 0 or step == self.total or _now() - self._said >= STATUS_EVERY_S:
-            say(f"step {step}/{self.total}: {line}")
-            self._said = _now()
+            now, n = _now(), step - self._said_step
+            say(f"step {step}/{self.total}: "
+                f"{self.status(step, metrics, smooth, epoch, (now - self._said) / n if n > 0 else None)}")
+            self._said, self._said_step = now, step
         if not write:
             return
         self._file.write(json.dumps({"step": step, **metrics, "loss_smoothed": smooth, "epoch": epoch,
