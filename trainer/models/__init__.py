@@ -67,6 +67,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "wan2.2-ti2v-5b-i2v": ("wan22_ti2v", "Wan22TI2VI2VAdapter"),
     "lumina2": ("lumina2", "Lumina2Adapter"),
     "ernie-image": ("ernie_image", "ErnieImageAdapter"),
+    "anima": ("anima", "AnimaAdapter"),
 }
 
 __all__ = [
