@@ -54,7 +54,9 @@ def trained(tiny_models, images, tmp_path_factory):
 
 def _break(folder: Path, how: str) -> None:
     if how == "truncated lora":
-        f = folder / "lora.safetensors"
+        from trainer.train.checkpoint import ADAPTER_STATE
+
+        f = folder / ADAPTER_STATE  # the checkpoint's LoRA (named so nobody takes it for a finished LoRA)
         f.write_bytes(f.read_bytes()[:-100])
     elif how == "garbage state.json":
         (folder / "state.json").write_text("{not json")
