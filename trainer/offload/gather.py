@@ -39,7 +39,7 @@ import torch.distributed as tdist
 
 from .allocators import ALIGN, align
 
-# torch 2.13 renamed all_gather_into_tensor (2.11 on the GPU machine has only the old name)
+# torch 2.13 deprecates all_gather_into_tensor for all_gather_single: the new name where this torch has it
 _all_gather = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
 
 
