@@ -10,18 +10,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import _family_checks as checks
 import numpy as np
 import pytest
 import torch
 import yaml
-from test_sample import PROMPT, _diffusers_image
-from test_train_support import lora_predictions, losses, make_config, pixels, write_images
+from test_sample import PROMPT
+from test_train_support import make_config, write_images
 from typer.testing import CliRunner
 
 from trainer.cli import app
-from trainer.config import Config, ModelConfig
+from trainer.config import ModelConfig
 from trainer.models import adapter_class, get_adapter
-from trainer.sample import SampleRequest, run_sample
 
 FAMILY = "ernie-image"
 
@@ -133,65 +133,25 @@ def test_fit_from_yaml_writes_a_lora_the_pipeline_loads(fitted):
 
 
 def test_lora_changes_the_pipeline_exactly_as_in_the_trainer(tiny_models, images, tmp_path):
-    from trainer.train.trainer import Trainer
-
-    cfg = make_config(tiny_models, images, tmp_path / "out", tmp_path / "cache", FAMILY,
-                      train={"steps": 2, "device": "cpu"}, optimizer={"lr": 1e-2}, lora={"rank": 4, "alpha": 2})
-    t = Trainer(cfg)
-    path = t.fit()
-    ours, theirs, untrained = lora_predictions(t, path)
-    assert torch.equal(ours, theirs)
-    assert (theirs - untrained).abs().max() > 1e-4
+    checks.lora_changes_the_pipeline_exactly(FAMILY, tiny_models, images, tmp_path)
 
 
 @pytest.mark.parametrize(("method", "fraction"), [("lora", 1.0), ("full", 0.5)])
 def test_streamed_training_equals_resident(tiny_models, images, tmp_path, monkeypatch, method, fraction):
-    """Through the conductor's CPU path, fp32: bitwise the resident run's losses."""
-    from trainer.train.trainer import Trainer
-
-    runs = {}
-    for f in (0.0, fraction):
-        if f:
-            monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
-        cfg = make_config(tiny_models, images, tmp_path / f"f{f}", tmp_path / "cache", FAMILY, method,
-                          train={"steps": 2, "device": "cpu"}, offload={"transformer": f})
-        Trainer(cfg).fit()
-        runs[f] = losses(tmp_path / f"f{f}")
-    assert len(runs[0.0]) == 2 and all(np.isfinite(runs[0.0]))
-    assert runs[fraction] == runs[0.0]
+    checks.streamed_training_equals_resident(FAMILY, tiny_models, images, tmp_path, monkeypatch, method, fraction)
 
 
 # ---------------------------------------------------------------------------------------------- sampling
 
 
-def _sample_cfg(tiny_models: Path, out: Path, guidance: float) -> Config:
-    return Config.model_validate({
-        "model": {"family": FAMILY, "path": str(tiny_models / FAMILY), "dtype": "fp32"},
-        "sample": {"steps": 2, "width": 32, "height": 48, "guidance": guidance},
-        "train": {"device": "cpu"},
-        "output": {"dir": str(out)},
-    })
-
-
 def test_sample_without_cfg_equals_the_pipeline(tiny_models, tmp_path):
-    cfg = _sample_cfg(tiny_models, tmp_path, 1.0)
-    assert not adapter_class(FAMILY).runs_cfg(1.0) and adapter_class(FAMILY).runs_cfg(4.0)
-    (png,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=7, out=tmp_path / "a"))
-    np.testing.assert_array_equal(pixels(png), _diffusers_image(cfg, seed=7))
+    checks.sample_without_cfg_equals_the_pipeline(FAMILY, tiny_models, tmp_path)
 
 
 def test_sample_with_the_fitted_lora_equals_the_pipeline_resident_and_streamed(tiny_models, fitted, tmp_path):
-    """Guidance 4 (the positive and negative prompt in one batch), the LoRA `dittrain fit` wrote at weight 0.7."""
-    lora = fitted[1] / "lora.safetensors"
-    cfg = _sample_cfg(tiny_models, tmp_path, 4.0)
-    (plain,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, out=tmp_path / "plain"))
-    (ours,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, loras=[f"{lora}:0.7"], out=tmp_path / "l"))
-    img = pixels(ours)
-    assert img.shape == (48, 32, 3) and (img != pixels(plain)).mean() > 0.1, "the LoRA must change the image"
-    np.testing.assert_array_equal(img, _diffusers_image(cfg, seed=1, lora=(lora, 0.7)))
-    (streamed,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, loras=[f"{lora}:0.7"], offload=1.0,
-                                                out=tmp_path / "s"))
-    np.testing.assert_array_equal(img, pixels(streamed))
+    """Guidance 4 (the positive and negative prompt in one batch)."""
+    checks.sample_with_the_fitted_lora_equals_the_pipeline(FAMILY, tiny_models, fitted[1] / "lora.safetensors",
+                                                            tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------- LoRA layouts

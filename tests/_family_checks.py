@@ -1,0 +1,76 @@
+"""The checks every new image family's test module runs on its tiny model (tests/test_lumina2.py,
+tests/test_ernie_image.py): a LoRA changes the pipeline's prediction exactly as in the trainer, streamed training
+is bitwise the resident one, and `dittrain sample` is pixel-identical to the family's pipeline (without guidance,
+and with the fitted LoRA at 0.7, resident and streamed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from test_sample import PROMPT, _diffusers_image
+from test_train_support import lora_predictions, losses, make_config, pixels
+
+from trainer.config import Config
+from trainer.models import adapter_class
+from trainer.sample import SampleRequest, run_sample
+
+
+def lora_changes_the_pipeline_exactly(family: str, tiny_models: Path, images: Path, tmp_path: Path) -> None:
+    from trainer.train.trainer import Trainer
+
+    cfg = make_config(tiny_models, images, tmp_path / "out", tmp_path / "cache", family,
+                      train={"steps": 2, "device": "cpu"}, optimizer={"lr": 1e-2}, lora={"rank": 4, "alpha": 2})
+    t = Trainer(cfg)
+    path = t.fit()
+    ours, theirs, untrained = lora_predictions(t, path)
+    assert torch.equal(ours, theirs)
+    assert (theirs - untrained).abs().max() > 1e-4
+
+
+def streamed_training_equals_resident(family: str, tiny_models: Path, images: Path, tmp_path: Path, monkeypatch,
+                                      method: str, fraction: float) -> None:
+    """Through the conductor's CPU path, fp32: bitwise the resident run's losses."""
+    from trainer.train.trainer import Trainer
+
+    runs = {}
+    for f in (0.0, fraction):
+        if f:
+            monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
+        cfg = make_config(tiny_models, images, tmp_path / f"f{f}", tmp_path / "cache", family, method,
+                          train={"steps": 2, "device": "cpu"}, offload={"transformer": f})
+        Trainer(cfg).fit()
+        runs[f] = losses(tmp_path / f"f{f}")
+    assert len(runs[0.0]) == 2 and all(np.isfinite(runs[0.0]))
+    assert runs[fraction] == runs[0.0]
+
+
+def sample_cfg(family: str, tiny_models: Path, out: Path, guidance: float) -> Config:
+    return Config.model_validate({
+        "model": {"family": family, "path": str(tiny_models / family), "dtype": "fp32"},
+        "sample": {"steps": 2, "width": 32, "height": 48, "guidance": guidance},
+        "train": {"device": "cpu"},
+        "output": {"dir": str(out)},
+    })
+
+
+def sample_without_cfg_equals_the_pipeline(family: str, tiny_models: Path, tmp_path: Path) -> None:
+    cfg = sample_cfg(family, tiny_models, tmp_path, 1.0)
+    assert not adapter_class(family).runs_cfg(1.0) and adapter_class(family).runs_cfg(4.0)
+    (png,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=7, out=tmp_path / "a"))
+    np.testing.assert_array_equal(pixels(png), _diffusers_image(cfg, seed=7))
+
+
+def sample_with_the_fitted_lora_equals_the_pipeline(family: str, tiny_models: Path, lora: Path,
+                                                    tmp_path: Path) -> None:
+    """Guidance 4, the LoRA `dittrain fit` wrote at weight 0.7; then the same with every block streamed."""
+    cfg = sample_cfg(family, tiny_models, tmp_path, 4.0)
+    (plain,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, out=tmp_path / "plain"))
+    (ours,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, loras=[f"{lora}:0.7"], out=tmp_path / "l"))
+    img = pixels(ours)
+    assert img.shape == (48, 32, 3) and (img != pixels(plain)).mean() > 0.1, "the LoRA must change the image"
+    np.testing.assert_array_equal(img, _diffusers_image(cfg, seed=1, lora=(lora, 0.7)))
+    (streamed,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, loras=[f"{lora}:0.7"], offload=1.0,
+                                                out=tmp_path / "s"))
+    np.testing.assert_array_equal(img, pixels(streamed))
