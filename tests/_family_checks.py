@@ -74,3 +74,19 @@ def sample_with_the_fitted_lora_equals_the_pipeline(family: str, tiny_models: Pa
     (streamed,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, loras=[f"{lora}:0.7"], offload=1.0,
                                                 out=tmp_path / "s"))
     np.testing.assert_array_equal(img, pixels(streamed))
+
+
+def fit_from_yaml(family: str, tiny_models: Path, images: Path, tmp: Path, steps: int) -> tuple[Path, Path]:
+    """`dittrain fit` of a LoRA YAML config for the family's tiny model: (config path, output folder)."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    cfg = make_config(tiny_models, images, tmp / "out", tmp / "cache", family, train={"steps": steps, "device": "cpu"},
+                      optimizer={"lr": 1e-2}, lora={"rank": 4, "alpha": 2})
+    path = tmp / "fit.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True)))
+    r = CliRunner().invoke(app, ["fit", str(path)])
+    assert r.exit_code == 0, r.output
+    return path, tmp / "out"

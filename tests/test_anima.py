@@ -10,15 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import _family_checks as checks
 import numpy as np
 import pytest
 import torch
-import yaml
 from test_sample import PROMPT
-from test_train_support import losses, make_config, pixels, write_images
-from typer.testing import CliRunner
+from test_train_support import losses, pixels, write_images
 
-from trainer.cli import app
 from trainer.config import Config, ModelConfig
 from trainer.models import adapter_class, get_adapter
 from trainer.sample import SampleRequest, run_sample
@@ -92,14 +90,7 @@ def test_full_size_is_cosmos_predict2_2b():
 @pytest.fixture(scope="module")
 def fitted(tiny_models, images, tmp_path_factory):
     """`dittrain fit` of a LoRA YAML config: (config path, output folder)."""
-    tmp = tmp_path_factory.mktemp("fit-anima")
-    cfg = make_config(tiny_models, images, tmp / "out", tmp / "cache", FAMILY, train={"steps": 2, "device": "cpu"},
-                      optimizer={"lr": 1e-2}, lora={"rank": 4, "alpha": 2})
-    path = tmp / "fit.yaml"
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True)))
-    r = CliRunner().invoke(app, ["fit", str(path)])
-    assert r.exit_code == 0, r.output
-    return path, tmp / "out"
+    return checks.fit_from_yaml(FAMILY, tiny_models, images, tmp_path_factory.mktemp("fit-anima"), steps=2)
 
 
 def test_fit_writes_a_lora_the_modular_pipeline_loads(tiny_models, fitted):

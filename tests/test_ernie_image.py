@@ -16,10 +16,8 @@ import pytest
 import torch
 import yaml
 from test_sample import PROMPT
-from test_train_support import make_config, write_images
-from typer.testing import CliRunner
+from test_train_support import write_images
 
-from trainer.cli import app
 from trainer.config import ModelConfig
 from trainer.models import adapter_class, get_adapter
 
@@ -109,14 +107,7 @@ def test_blocks_hold_no_modulation_and_the_full_size_is_8b():
 @pytest.fixture(scope="module")
 def fitted(tiny_models, images, tmp_path_factory):
     """`dittrain fit` of a LoRA YAML config: (config path, output folder)."""
-    tmp = tmp_path_factory.mktemp("fit-ernie")
-    cfg = make_config(tiny_models, images, tmp / "out", tmp / "cache", FAMILY, train={"steps": 3, "device": "cpu"},
-                      optimizer={"lr": 1e-2}, lora={"rank": 4, "alpha": 2})
-    path = tmp / "fit.yaml"
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True)))
-    r = CliRunner().invoke(app, ["fit", str(path)])
-    assert r.exit_code == 0, r.output
-    return path, tmp / "out"
+    return checks.fit_from_yaml(FAMILY, tiny_models, images, tmp_path_factory.mktemp("fit-ernie"), steps=3)
 
 
 def test_fit_from_yaml_writes_a_lora_the_pipeline_loads(fitted):
