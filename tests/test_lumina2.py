@@ -197,3 +197,19 @@ def test_planner_on_the_presets():
         assert facts.family == FAMILY and len(facts.block_param_bytes) == 30
         lines, fraction = report(cfg, vram_gb=8, facts=facts)
         assert fraction is not None and 0 < fraction <= 1, lines
+
+
+def test_dynamic_shift_uses_the_latent_channels_as_the_pipeline_does(monkeypatch):
+    """Lumina2Pipeline (diffusers 0.42) hands calculate_shift latents.shape[1], the latent channels, whatever the
+    image size: the same shift at every bucket."""
+    import math
+
+    cls = adapter_class(FAMILY)
+    sched = {"use_dynamic_shifting": True, "base_image_seq_len": 256, "max_image_seq_len": 4096,
+             "base_shift": 0.5, "max_shift": 1.15}
+    monkeypatch.setattr(cls, "scheduler_config", property(lambda self: sched))
+    monkeypatch.setattr(cls, "latent_channels", property(lambda self: 16))
+    a = cls()
+    m = (1.15 - 0.5) / (4096 - 256)
+    want = math.exp(16 * m + (0.5 - m * 256))
+    assert a.timestep_shift(512, 512) == a.timestep_shift(1024, 768) == pytest.approx(want)

@@ -169,8 +169,13 @@ class DiffusersAdapter(ModelAdapter):
         base_len, max_len = s.get("base_image_seq_len", 256), s.get("max_image_seq_len", 4096)
         base, top = s.get("base_shift", 0.5), s.get("max_shift", 1.15)
         m = (top - base) / (max_len - base_len)
-        mu = self.image_seq_len(height, width) * m + (base - m * base_len)
+        mu = self.shift_seq_len(height, width) * m + (base - m * base_len)
         return math.exp(mu) if s.get("time_shift_type", "exponential") == "exponential" else mu
+
+    def shift_seq_len(self, height: int, width: int) -> int:
+        """The "image_seq_len" the family's pipeline hands calculate_shift: the image tokens, unless a family's
+        pipeline passes something else."""
+        return self.image_seq_len(height, width)
 
     # ------------------------------------------------------------------------------------------ loading
 

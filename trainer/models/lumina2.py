@@ -30,7 +30,6 @@ Left out: `cfg_trunc_ratio` / `cfg_normalization` other than the pipeline's defa
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 import torch
@@ -164,16 +163,9 @@ class Lumina2Adapter(DiffusersAdapter):
         # execution order of Lumina2Transformer2DModel.forward: caption refiners, image refiners, the main layers
         return [*transformer.context_refiner, *transformer.noise_refiner, *transformer.layers]
 
-    def timestep_shift(self, height: int, width: int) -> float:
-        s = self.scheduler_config
-        if not s.get("use_dynamic_shifting", False):
-            return float(s.get("shift", 1.0))
+    def shift_seq_len(self, height: int, width: int) -> int:
         # Lumina2Pipeline (0.42) takes mu's "image_seq_len" from latents.shape[1]: the latent channels
-        base_len, max_len = s.get("base_image_seq_len", 256), s.get("max_image_seq_len", 4096)
-        base, top = s.get("base_shift", 0.5), s.get("max_shift", 1.15)
-        m = (top - base) / (max_len - base_len)
-        mu = self.latent_channels * m + (base - m * base_len)
-        return math.exp(mu) if s.get("time_shift_type", "exponential") == "exponential" else mu
+        return self.latent_channels
 
     @torch.no_grad()
     def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
