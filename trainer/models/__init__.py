@@ -68,6 +68,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "lumina2": ("lumina2", "Lumina2Adapter"),
     "ernie-image": ("ernie_image", "ErnieImageAdapter"),
     "anima": ("anima", "AnimaAdapter"),
+    "hunyuan-video-1.5": ("hunyuan_video15", "HunyuanVideo15Adapter"),
 }
 
 __all__ = [

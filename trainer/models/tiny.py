@@ -160,7 +160,10 @@ QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>
                 "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def qwen_tokenizer():
+def qwen_tokenizer(extra_lines: tuple[str, ...] = ()):
+    """The tiny Qwen2 byte-level BPE tokenizer, trained on the corpus (and `extra_lines`, for a family whose
+    pipeline cuts a fixed number of template tokens: each of their words then becomes one token, as with the real
+    tokenizer)."""
     from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
     from tokenizers.models import BPE
     from tokenizers.trainers import BpeTrainer
@@ -177,7 +180,7 @@ def qwen_tokenizer():
         vocab_size=700, special_tokens=QWEN_SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(_corpus() + list(extra_lines), trainer=trainer)
     vocab, merges = _bpe_vocab_merges(tok)
     vocab = {k: v for k, v in vocab.items() if k not in QWEN_SPECIAL}
     out = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=2048)
