@@ -39,11 +39,13 @@ in 65 / out 32, Qwen 3584, ByT5 1472, SigLIP 1152, rope (16, 56, 56) at theta 25
 default, "t2v" there; the forward never reads it); 720p differs in `target_size` only (960 for 640), which the
 pipeline reads for its default size. 8,326,608,160 parameters, 8,157,072,384 of them in the 54 blocks.
 
-Left out: image-to-video (`HunyuanVideo15ImageToVideoPipeline`: SigLIP image embeddings and the first frame's latents
-in the condition channels), the step- and CFG-distilled variants' settings (their folders load as this family; sample
-them at `sample.guidance` 1, their guider's scale: the sample's scale replaces the folder's), the 1080p super-resolution model (`use_meanflow`), ComfyUI / kohya key names (the
-ComfyUI sources at hand predate HunyuanVideo 1.5, so its LoRA key names were not checked: `lora_key_map` is None and
-output.lora_format comfy / kohya are refused for this family).
+Image-to-video (`HunyuanVideo15ImageToVideoPipeline`: SigLIP image embeddings and the first frame's latents in the
+condition channels) is `hunyuan-video-1.5-i2v` (trainer/models/hunyuan_video15_i2v.py).
+
+Left out: the step- and CFG-distilled variants' settings (their folders load as this family; sample them at
+`sample.guidance` 1, their guider's scale: the sample's scale replaces the folder's), the 1080p super-resolution
+model (`use_meanflow`), ComfyUI / kohya key names (the ComfyUI sources at hand predate HunyuanVideo 1.5, so its LoRA
+key names were not checked: `lora_key_map` is None and output.lora_format comfy / kohya are refused for this family).
 """
 
 from __future__ import annotations
@@ -243,18 +245,22 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         return list(transformer.transformer_blocks)
 
     def pipeline(self, components: Components) -> HunyuanVideo15Pipeline:
+        pipe = self.pipeline_cls(**self.pipeline_parts(components))
+        # read from the transformer when the pipeline is built, else the full-size values (1152, 640): a fit's
+        # samples build it before the trained transformer is swapped in, so they come from the folder's config
+        c = self.transformer_config
+        pipe.vision_states_dim, pipe.target_size = c.get("image_embed_dim", 1152), c.get("target_size", 640)
+        return pipe
+
+    def pipeline_parts(self, components: Components) -> dict[str, Any]:
+        """The pipeline's components: the loaded ones and the folder's guider."""
         kw = {"transformer": components.transformer, "vae": components.vae, "scheduler": components.scheduler,
               "guider": self.guider()}
         for i, d in enumerate(self.text_encoder_dirs):
             kw[d] = components.text_encoders[i] if i < len(components.text_encoders) else None
         for i, d in enumerate(self.tokenizer_dirs):
             kw[d] = components.tokenizers[i] if i < len(components.tokenizers) else None
-        pipe = HunyuanVideo15Pipeline(**kw)
-        # read from the transformer when the pipeline is built, else the full-size values (1152, 640): a fit's
-        # samples build it before the trained transformer is swapped in, so they come from the folder's config
-        c = self.transformer_config
-        pipe.vision_states_dim, pipe.target_size = c.get("image_embed_dim", 1152), c.get("target_size", 640)
-        return pipe
+        return kw
 
     @torch.no_grad()
     def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:

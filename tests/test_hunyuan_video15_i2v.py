@@ -1,0 +1,134 @@
+"""HunyuanVideo 1.5 image-to-video (`hunyuan-video-1.5-i2v`, issue 45) on the tiny model built here: the clip's first
+frame gives the condition channels, the mask and SigLIP's image embeddings exactly as HunyuanVideo15ImageToVideoPipeline
+gives them for its image (its transformer call, captured), a fit trains a LoRA on a tiny video, and `dittrain sample
+--image` is pixel-identical to diffusers' pipeline with the same image, seed, guidance and LoRA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from test_train_support import pixels
+from test_wan import _frames
+from typer.testing import CliRunner
+
+from trainer.cli import app
+from trainer.config import Config, ModelConfig
+from trainer.data.video import write_video
+from trainer.errors import UserError
+from trainer.models import get_adapter
+from trainer.sample import SampleRequest, run_sample
+from trainer.sampling.output import frame_sheet
+
+FAMILY = "hunyuan-video-1.5-i2v"
+PROMPT = 'a green square moving right past a sign saying "go"'
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    from trainer.models.tiny import make_tiny_models
+
+    (folder,) = make_tiny_models(tmp_path_factory.mktemp("tiny-hv15-i2v"), [FAMILY])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("hv15-i2v-data")
+    frames = _frames(5)
+    write_video(frames, d / "clip.mp4", 16)
+    (d / "clip.txt").write_text(PROMPT)
+    frames[0].save(d.parent / "first.png")  # the sample's --image, outside the data
+    return d
+
+
+def test_the_first_frame_conditions_predict_as_the_pipeline_does(model):
+    mc = ModelConfig(family=FAMILY, path=model, dtype="fp32")
+    adapter = get_adapter(mc)
+    comps = adapter.load(mc, parts={"transformer", "vae", "text", "scheduler"}, dtype=torch.float32)
+    pipe = adapter.pipeline(comps)
+    pipe.set_progress_bar_config(disable=True)
+    assert type(pipe).__name__ == "HunyuanVideo15ImageToVideoPipeline" and pipe.image_encoder is not None
+    arr = (np.random.RandomState(0).rand(64, 64, 3) * 255).astype(np.uint8)
+    seen = []
+
+    def hook(_m, _args, kw, out):
+        seen.append((kw, out[0]))
+
+    h = comps.transformer.register_forward_hook(hook, with_kwargs=True)
+    try:
+        adapter.pipeline_guidance(pipe, 6.0)
+        pipe(**adapter.pipeline_embeds(pipe, PROMPT, "", "cpu"), image=Image.fromarray(arr), height=64, width=64,
+             num_frames=5, num_inference_steps=2, output_type="latent", generator=torch.Generator().manual_seed(0))
+    finally:
+        h.remove()
+    # the clip's first frame (every frame the same here) gives the pipeline's condition channels and SigLIP tokens
+    px = (torch.from_numpy(arr).float().permute(2, 0, 1) / 255 * 2 - 1)[None, :, None].repeat(1, 1, 5, 1, 1)
+    cond = adapter.encode_conditions(comps.vae, px)
+    kw, out = seen[0]
+    x = kw["hidden_states"]
+    assert x.shape == (1, 9, 2, 4, 4) and cond["image_embeds"].shape == (1, 16, 16)
+    assert torch.equal(cond["image_latents"], x[:, 4:8, :1]) and not x[:, 4:8, 1:].any()
+    assert x[:, 8, 0].eq(1).all() and not x[:, 8, 1:].any()  # the mask: the first latent frame
+    assert torch.equal(cond["image_embeds"], kw["image_embeds"])
+    text = {**adapter.encode_prompts(comps, [PROMPT]), **cond}
+    neg = {**adapter.encode_prompts(comps, [""]), **cond}
+    assert len(seen) == 4  # 2 steps x (prompt, negative)
+    for i, (kw, out) in enumerate(seen):
+        with torch.no_grad():
+            got = adapter.predict(comps.transformer, kw["hidden_states"][:, :4], kw["timestep"] / 1000,
+                                  neg if i % 2 else text)
+        torch.testing.assert_close(got, out, rtol=0, atol=1e-6)
+
+
+def _config(model: Path, data: Path, tmp: Path) -> Config:
+    return Config.model_validate({
+        "model": {"family": FAMILY, "path": str(model), "dtype": "fp32"},
+        "train": {"method": "lora", "steps": 2, "batch_size": 1, "seed": 0, "checkpoint_every": 0, "device": "cpu"},
+        "lora": {"rank": 4, "alpha": 4},
+        "optimizer": {"lr": 5e-2},
+        "data": {"sources": [{"path": str(data)}], "resolutions": [64], "cache_dir": str(tmp / "cache"),
+                 "clip_frames": 5, "clips": "first"},
+        "sample": {"prompts": [PROMPT], "steps": 2, "width": 64, "height": 64, "frames": 5, "guidance": 6.0,
+                   "seed": 3, "image": str(data.parent / "first.png"), "every": 2},
+        "output": {"dir": str(tmp / "out"), "tensorboard": False},
+    })
+
+
+def test_fit_and_sample_with_image_are_pixel_identical_to_the_pipeline(model, clip, tmp_path):
+    import diffusers
+
+    from trainer.models._diffusers import own_aligned_memory
+
+    cfg = _config(model, clip, tmp_path)
+    path = tmp_path / "fit.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True)))
+    r = CliRunner().invoke(app, ["fit", str(path)])
+    assert r.exit_code == 0, r.output
+    lora = tmp_path / "out" / "lora.safetensors"
+    assert lora.is_file() and (tmp_path / "out" / "samples" / "step-000002-0.png").is_file()  # sampled with the image
+    _, sheet = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[f"{lora}:0.7"], out=tmp_path / "s"))
+    # the reference: diffusers' own I2V pipeline, the LoRA through the transformer's loader, called from the prompt
+    pipe = diffusers.HunyuanVideo15ImageToVideoPipeline.from_pretrained(str(model), torch_dtype=torch.float32,
+                                                                        local_files_only=True)
+    own_aligned_memory(pipe.transformer)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.transformer.load_lora_adapter(str(lora), adapter_name="x")
+    pipe.transformer.set_adapters(["x"], weights=[0.7])
+    pipe.guider = pipe.guider.new(guidance_scale=6.0)
+    want = pipe(image=Image.open(clip.parent / "first.png").convert("RGB"), prompt=PROMPT, num_frames=5,
+                num_inference_steps=2, generator=torch.Generator().manual_seed(3), output_type="pil").frames[0]
+    np.testing.assert_array_equal(pixels(sheet), np.asarray(frame_sheet(want)))
+    _, plain = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, out=tmp_path / "plain"))
+    assert (pixels(plain) != pixels(sheet)).mean() > 0.05, "the trained LoRA must change the video"
+    # the pipeline picks the size from the image: another one is refused, naming it; no image is refused too
+    wide = cfg.model_copy(update={"sample": cfg.sample.model_copy(update={"width": 80, "height": 64})})
+    with pytest.raises(UserError, match="samples at the size its pipeline picks .*: 64x64, not 80x64"):
+        run_sample(wide, SampleRequest(prompts=[PROMPT], out=tmp_path / "wide"))
+    with pytest.raises(UserError, match="is image-to-video: pass --image"):
+        run_sample(cfg.model_copy(update={"sample": cfg.sample.model_copy(update={"image": None})}),
+                   SampleRequest(prompts=[PROMPT], out=tmp_path / "none"))
