@@ -232,7 +232,7 @@ def test_phase_lines_report_the_peak_anonymous_rss_apart_from_file_pages(tmp_pat
 
     import torch
 
-    from trainer.train.phases import Phase, PhaseLog, anon_rss
+    from trainer.phase_log import Phase, PhaseLog, anon_rss
 
     if not anon_rss():
         pytest.skip("no RssAnon in /proc/self/status")

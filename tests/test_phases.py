@@ -10,12 +10,12 @@ import torch
 from test_data_cache import FakeAdapter, config, make_images, make_model
 from test_train_support import make_config, write_images
 
+from trainer import phase_log
 from trainer.data import cache as dcache
 from trainer.data.pipeline import prepare_data
 from trainer.errors import UserError
 from trainer.models.base import Components
-from trainer.train import phases
-from trainer.train.phases import Phase, PhaseLog, PhaseOutOfMemory, parse_oom
+from trainer.phase_log import Phase, PhaseLog, PhaseOutOfMemory, parse_oom
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_OOM = (
@@ -130,7 +130,7 @@ def test_caching_loads_text_encoders_then_frees_them_then_the_vae(tmp_path):
     data = prepare_data(config(tmp_path), FakeAdapter(), loader, progress=False)
     assert loader.events == ["text", "free text", "vae", "free vae"]
     assert data.encode.latents_new > 0 and data.encode.texts_new > 0
-    assert {"text caching", "latent caching"} <= set(phases.LOG.peaks)
+    assert {"text caching", "latent caching"} <= set(phase_log.LOG.peaks)
     # everything cached: nothing loaded
     again = StageLoader()
     prepare_data(config(tmp_path), FakeAdapter(), again, progress=False)
@@ -222,7 +222,7 @@ def test_planner_predicts_every_phase_and_fits_text_encoders_to_the_budget():
     facts = analyze(cfg)
     preds = predict_phases(cfg, 0.9, facts)
     names = [p.name for p in preds]
-    assert set(names) == set(phases.PHASES) - {"sampling"} | ({"sampling"} if cfg.sample.every else set())
+    assert set(names) == set(phase_log.PHASES) - {"sampling"} | ({"sampling"} if cfg.sample.every else set())
     assert all(p.vram > 0 and p.ram > 0 for p in preds)
     by = {p.name: p for p in preds}
     # the T5-XXL (9.5 GB) must stream on a 7 GB budget, less of it on a larger one, none on 24 GB
@@ -375,13 +375,13 @@ def test_fit_on_cuda_logs_every_phase_and_sampling_adds_at_most_half_a_gb(tiny_m
     images = write_images(tmp_path / "imgs")
     peaks = {}
     for every in (0, 2):
-        phases.LOG.peaks.clear()
+        phase_log.LOG.peaks.clear()
         cfg = make_config(tiny_models, images, tmp_path / f"run{every}", tmp_path / "cache", "flux", "lora",
                           train={"steps": 4, "device": "cuda"},
                           sample={"every": every, "prompts": ["a cat"], "steps": 2, "width": 64, "height": 64})
         Trainer(cfg).fit()
-        peaks[every] = max(p.vram_reserved for p in phases.LOG.peaks.values())
-        assert ("sampling" in phases.LOG.peaks) == bool(every)
+        peaks[every] = max(p.vram_reserved for p in phase_log.LOG.peaks.values())
+        assert ("sampling" in phase_log.LOG.peaks) == bool(every)
     assert peaks[2] <= peaks[0] + 0.5e9
     err = capsys.readouterr().err
     assert "phase training step: peak reserved VRAM" in err and "(planner:" in err

@@ -72,7 +72,7 @@ def _main(
 ) -> None:
     """Fine-tune diffusion transformers on GPUs far smaller than the model."""
     if __import__("os").environ.get("DITTRAIN_VRAM_CAP_GB"):  # benchmarks: act as if the card were that small
-        from .train.phases import apply_vram_cap
+        from .phase_log import apply_vram_cap
 
         apply_vram_cap()
 
@@ -174,8 +174,8 @@ def sample(
 
     PNGs carry the prompt, seed, steps and model in their metadata; several images also get a contact sheet."""
     cfg = _load(config, overrides)
+    from .phase_log import measured
     from .sample import SampleRequest, run_sample
-    from .train.phases import measured
 
     run_sample = measured("sampling", run_sample)  # per-phase peaks (bench/bench_program.py); errors unchanged
     run_sample(

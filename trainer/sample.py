@@ -145,7 +145,7 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
 
 def vram_budget_gb(cfg: Config, device: torch.device) -> float:
     """The VRAM auto plans sampling for: offload.vram_budget_gb, else the card's memory within this process's cap
-    (`set_per_process_memory_fraction`, which DITTRAIN_VRAM_CAP_GB sets: train/phases.py `apply_vram_cap`) less
+    (`set_per_process_memory_fraction`, which DITTRAIN_VRAM_CAP_GB sets: trainer/phase_log.py `apply_vram_cap`) less
     the CUDA context's HEADROOM_GB, as the presets and `dittrain plan --vram` count it."""
     if cfg.offload.vram_budget_gb is not None:
         return cfg.offload.vram_budget_gb

@@ -61,8 +61,8 @@ from tqdm.auto import tqdm
 
 from ..dtypes import DTYPES
 from ..errors import Interrupted, UserError
+from ..phase_log import LOG, Phase
 from ..progress import bar as progress_bar
-from ..train.phases import LOG, Phase
 from ..words import count
 from .images import BadImage, load_mask, load_pixels
 from .video import is_video, load_clip
@@ -258,7 +258,7 @@ def ensure_encoded(
     `load_encoders`: an `EncoderStages` (one model group on the device at a time: the text encoders, freed, then
     the VAE), or a plain callable returning Components with both, called at most once, only when something is
     missing. Everything loaded is freed before returning. Each stage runs as a named phase
-    (trainer/train/phases.py: out of memory there is one line naming the phase and the fix)."""
+    (trainer/phase_log.py: out of memory there is one line naming the phase and the fix)."""
     res = EncodeResult()
     unique_jobs = list({j.key: j for j in jobs}.values())
     todo_lat = set(_missing(latent_store, (j.key for j in unique_jobs), verify_latents, res))

@@ -18,8 +18,8 @@ without tripping the loss check. Every save first checks the trained weights (on
 refuses to write non-finite ones (`NonFiniteWeightsError`, exit code 3, naming the weight and the last good
 checkpoint); the next step's loss check would stop the run anyway, this keeps the bad weights off the disk.
 
-Out of memory (GPU or host) becomes a one-line `UserError` naming the phase it happened in (trainer/train/
-phases.py: load, latent / text caching, training step, sampling, checkpoint save), what it needed against what
+Out of memory (GPU or host) becomes a one-line `UserError` naming the phase it happened in (trainer/
+phase_log.py: load, latent / text caching, training step, sampling, checkpoint save), what it needed against what
 was free, and the setting that fixes that phase; for the training step (`training_fix`) a higher offload
 fraction than the one the run streamed with (for `offload.transformer: auto`, the float the planner picked),
 else activation offloading, a smaller batch or resolution. `oom_error` is the fallback for an error outside

@@ -41,6 +41,7 @@ from ..errors import NonFiniteLossError, UserError
 from ..models import adapter_classes, get_adapter, stream_load
 from ..offload import compiled
 from ..optim.build import eval_weights
+from ..phase_log import LOG, Phase, ram_words
 from ..sampling.output import image_metadata, save_png, video_fps
 from ..sampling.training import TrainingSampler
 from . import checkpoint as ck
@@ -54,7 +55,6 @@ from .method import method_for
 from .monitor import Monitor, say
 from .objective import FlowMatching
 from .optimizer import optimizer_for
-from .phases import LOG, Phase, ram_words
 from .saving import Saving
 from .sharded_ema import ShardedEMA
 from .validation import Validator
@@ -346,9 +346,9 @@ class Trainer(Saving):
         self._ready = True
 
     def _phase(self, name: str, fix: str | None = None, message=None, own_cache: bool = False) -> Phase:
-        """A named phase (phases.py): peaks measured, out of memory as one line naming the phase and `fix` (or
-        `message(detail)`: the training step keeps faults.oom_error's step-numbered advice); `own_cache` for the
-        phases between training steps (phases.py)."""
+        """A named phase (trainer/phase_log.py): peaks measured, out of memory as one line naming the phase and
+        `fix` (or `message(detail)`: the training step keeps faults.oom_error's step-numbered advice); `own_cache`
+        for the phases between training steps."""
         return Phase(name, fix, device=getattr(self, "device", None), on_exit=self._phase_done, message=message,
                      own_cache=own_cache)
 

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError
+from .errors import UserError
 
 PHASES = ("load", "latent caching", "text caching", "training step", "sampling", "checkpoint save")
 
