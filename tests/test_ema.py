@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from test_train_support import make_config, write_images
 
 from trainer.config import Config
-from trainer.lora_format import peft_state_dict, read_lora_file
+from trainer.lora_format import lora_metadata, peft_state_dict, read_lora_file
 from trainer.train import checkpoint as ck
 from trainer.train.ema import FILE
 from trainer.train.trainer import Trainer
@@ -70,7 +70,7 @@ def test_lora_ema_file_and_bitwise_resume(tiny_models, images, tmp_path):
     ref = Trainer(_cfg(tiny_models, images, tmp_path / "ref", cache, checkpoint_every=2))
     ref.fit()
     ema_file = tmp_path / "ref" / "lora-ema.safetensors"
-    meta = ck.lora_metadata(ema_file)
+    meta = lora_metadata(ema_file)
     assert meta["dittrain.step"] == "4" and "lora_adapter_metadata" in meta  # loads like the LoRA itself
     sd = load_file(str(ema_file))
     saved = peft_state_dict(read_lora_file(ema_file))  # the scale (alpha / r = 2) divided back out: exact

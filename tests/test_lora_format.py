@@ -128,7 +128,7 @@ def test_diffusers_layout_loads_the_trained_update_everywhere(tiny_models, tmp_p
     lfm.convert_lora(src, out, "diffusers")
     keys = list(load_file(str(out)))
     assert not any(k.endswith(".alpha") for k in keys)
-    meta = ck.lora_metadata(out)
+    meta = lfm.lora_metadata(out)
     assert meta[lfm.META_FORMAT] == "diffusers" and meta["dittrain.alpha"] == str(ALPHA)
 
     base = base_model(adapter, cfg)
@@ -164,7 +164,7 @@ def test_original_layout_gives_the_diffusers_update(tiny_models, tmp_path, famil
     src = save_checkpoint_file(t, cfg, tmp_path / "ck.safetensors")
     out = tmp_path / f"{fmt}.safetensors"
     lfm.convert_lora(src, out, fmt)
-    assert ck.lora_metadata(out)[lfm.META_FORMAT] == fmt
+    assert lfm.lora_metadata(out)[lfm.META_FORMAT] == fmt
     kmap, base = adapter.lora_key_map, base_model(adapter, cfg)
     prefix = "diffusion_model." if fmt == "comfy" else "lora_unet_"
     comfy = comfy_style_deltas(out)

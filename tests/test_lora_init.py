@@ -71,7 +71,7 @@ def test_init_from_a_file_that_does_not_fit_is_one_line(tiny_models, tmp_path):
     # The same module names with other widths (a LoRA for a bigger model of the family).
     sd = {k: torch.cat([v, v], dim=-1) if k.endswith("lora_A.weight") else v for k, v in load_file(str(flux_lora)).items()}
     wide = tmp_path / "wide.safetensors"
-    lfm.write_lora_file(wide, lfm.lora_file_from(sd, ck.lora_metadata(flux_lora)), "diffusers", "flux")
+    lfm.write_lora_file(wide, lfm.lora_file_from(sd, lfm.lora_metadata(flux_lora)), "diffusers", "flux")
     with pytest.raises(UserError, match=r"wide.safetensors: .*lora_A.weight has shape \[4, 64\] in the file, this model "
                                         r"needs \[4, 32\]"):
         _init_method(cfg, wide).trainable_params(base_model(adapter, cfg), adapter)
@@ -104,7 +104,7 @@ def test_fit_from_init_writes_the_chosen_layout(tiny_models, tmp_path):
                       output={"lora_format": "kohya", "save_every": 1})
     Trainer(run).fit()
     for f in (tmp_path / "run" / "lora.safetensors", tmp_path / "run" / "lora-step-000001.safetensors"):
-        sd, meta = load_file(str(f)), ck.lora_metadata(f)
+        sd, meta = load_file(str(f)), lfm.lora_metadata(f)
         assert meta[lfm.META_FORMAT] == "kohya" and float(meta["dittrain.alpha"]) == pytest.approx(ALPHA)
         assert all(k.startswith("lora_unet_") for k in sd) and any(k.endswith(".alpha") for k in sd)
     checkpoint = next((tmp_path / "run" / "checkpoints").glob("step-*"))

@@ -10,6 +10,7 @@ from test_train_support import losses, make_config, write_images
 
 from trainer.config import Config
 from trainer.errors import ConfigError
+from trainer.lora_format import lora_kind, lora_metadata
 from trainer.models import get_adapter
 from trainer.sampling.lora import load_loras
 from trainer.sampling.request import LoraSpec
@@ -59,8 +60,8 @@ def test_kind_trains_and_saves_its_own_keys(kind, trained):
     sd = ck.lora_state_dict(t.transformer)
     want = {"lokr": ".lokr_w1", "loha": ".hada_w1_a", "dora": ".lora_magnitude_vector"}[kind]
     assert any(want in k for k in sd)
-    meta = ck.lora_metadata(out / "lora.safetensors")
-    assert ck.lora_kind(meta) == ("lora" if kind == "dora" else kind)
+    meta = lora_metadata(out / "lora.safetensors")
+    assert lora_kind(meta) == ("lora" if kind == "dora" else kind)
     assert meta["dittrain.type"] == KINDS[kind].get("type", "lora")
     assert len(losses(out)) == 3 and all(torch.isfinite(torch.tensor(losses(out))))
     # The update moved off zero (peft starts every kind at a zero update).

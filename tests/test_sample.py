@@ -321,7 +321,7 @@ def test_streamed_sampling_builds_the_transformer_from_its_files(tiny_models, tm
 def test_dora_lora_files_are_recognised_so_the_base_loads_first(tmp_path):
     from safetensors.torch import save_file
 
-    from trainer.train.checkpoint import is_dora_file as _is_dora
+    from trainer.lora_format import is_dora_file as _is_dora
 
     w = {"a.lora_A.weight": torch.zeros(2, 2)}
     save_file(w, str(tmp_path / "plain.safetensors"))

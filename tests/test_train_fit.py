@@ -18,8 +18,8 @@ from test_train_support import (
     write_images,
 )
 
+from trainer.lora_format import lora_metadata
 from trainer.offload.block import StreamedBlock
-from trainer.train import checkpoint as ck
 from trainer.train.trainer import Trainer
 
 FAMILIES = ["flux", "sd3", "qwen-image", "flux2", "flux2-klein"]
@@ -67,7 +67,7 @@ def test_lora_training_lowers_the_loss_and_writes_a_lora(family, tiny_models, tr
     got = losses(tmp_path / "out")
     assert len(got) == 8
     assert (got[0], got[-1]) == pytest.approx(GOLDEN_LOSSES[(family, "lora")], rel=1e-5)
-    meta = ck.lora_metadata(path)
+    meta = lora_metadata(path)
     assert meta["dittrain.rank"] == "4" and meta["dittrain.alpha"] == "8.0" and meta["dittrain.step"] == "8"
     assert meta["dittrain.config_digest"] == cfg.digest()
     # the file carries alpha / rank in its weights (trainer/lora_format: ComfyUI and diffusers apply the same update),

@@ -41,6 +41,7 @@ from .config import Config
 from .data.video import write_video
 from .dtypes import DTYPES
 from .errors import UserError
+from .lora_format import is_dora_file
 from .models import stream_load
 from .progress import bar as progress_bar
 from .sampling.engine import encode_prompts, generate, release_text_encoders
@@ -62,7 +63,6 @@ from .sampling.request import (
     parse_lora,
     plan_jobs,
 )
-from .train.checkpoint import is_dora_file
 from .train.streaming import compile_options
 from .words import count
 

@@ -3,6 +3,7 @@
     lf = read_lora_file(path, family=None)          # any of the three -> LoraFile (diffusers module names)
     write_lora_file(path, lf, "comfy", family)      # LoraFile -> one layout, atomically
     convert_lora(src, dst, "kohya", family=None)    # `dittrain convert-lora`
+    lora_kind(lora_metadata(path))                  # lora, lokr or loha, from the header alone
 
 The one thing every loader must agree on is the strength. peft and diffusers scale an update by alpha / r, with
 alpha in the file's header (`lora_adapter_metadata`); ComfyUI and kohya-style loaders read alpha only from a
@@ -57,13 +58,24 @@ from ._core import (
     Module,
 )
 from ._dora import BaseWeights, file_weights
-from ._read import detect_format, file_format, lora_file_from, peft_state_dict, read_lora_file
+from ._read import (
+    detect_format,
+    file_format,
+    is_dora_file,
+    lora_file_from,
+    lora_kind,
+    lora_metadata,
+    peft_config,
+    peft_state_dict,
+    read_lora_file,
+)
 from ._write import check_layout, check_targets, encode, write_lora_file
 
 __all__ = ["COMFY_PREFIX", "DIFFUSERS_PREFIX", "DORA_COMFY_NOTE", "FORMATS", "KOHYA_PREFIX", "LORA_METADATA_KEY",
            "META_BAKED", "META_FORMAT", "META_FUSED", "BaseWeights", "LoraFile", "Module", "check_layout",
-           "check_targets", "convert_lora", "detect_format", "encode", "file_format", "file_weights", "lora_file_from",
-           "peft_state_dict", "read_lora_file", "write_lora_file"]
+           "check_targets", "convert_lora", "detect_format", "encode", "file_format", "file_weights", "is_dora_file",
+           "lora_file_from", "lora_kind", "lora_metadata", "peft_config", "peft_state_dict", "read_lora_file",
+           "write_lora_file"]
 
 
 def convert_lora(src: Path, dst: Path, to: str, family: str | None = None, overwrite: bool = False,

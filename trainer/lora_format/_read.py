@@ -72,13 +72,6 @@ def _split_key(path: Path, key: str) -> tuple[str, str]:
     raise UserError(f"{path}: {key} is not a LoRA, LoKr or LoHa weight (unknown key suffix)")
 
 
-def _peft_config(meta: dict[str, str]) -> dict:
-    if LORA_METADATA_KEY not in meta:
-        return {}
-    raw = json.loads(meta[LORA_METADATA_KEY])
-    return {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in raw.items()}
-
-
 def _pattern(name: str, patterns: dict | None, default):
     import re
 
@@ -139,7 +132,7 @@ def read_lora_file(path: Path, family: str | None = None) -> LoraFile:
 
 
 def _read_diffusers(path: Path, tensors: dict, meta: dict) -> dict[str, Module]:
-    cfg = _peft_config(meta)
+    cfg = peft_config(meta)
 
     def strip(k: str) -> str:
         for p in (DIFFUSERS_PREFIX, "base_model.model.", "unet."):
@@ -241,3 +234,44 @@ def peft_state_dict(lf: LoraFile) -> dict[str, torch.Tensor]:
     return {f"{n}.{names.get(k, k)}": v for n, m in lf.modules.items() for k, v in m.t.items()}
 
 
+# ---------------------------------------------------------------------------------------------- headers
+
+
+def lora_metadata(path: Path) -> dict[str, str]:
+    """The header (`__metadata__`) of a safetensors LoRA file."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def peft_config(meta: dict[str, str]) -> dict:
+    """The peft config in a header (diffusers' `lora_adapter_metadata`, keys without the `transformer.` prefix);
+    empty when the header has none."""
+    if LORA_METADATA_KEY not in meta:
+        return {}
+    raw = json.loads(meta[LORA_METADATA_KEY])
+    return {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in raw.items()}
+
+
+def lora_kind(meta: dict[str, str]) -> str:
+    """lora, lokr or loha, from a LoRA file's header (peft_type in the adapter metadata; lora when absent)."""
+    if LORA_METADATA_KEY in meta:
+        cfg = json.loads(meta[LORA_METADATA_KEY])
+        return str(cfg.get(f"{DIFFUSERS_PREFIX}peft_type", "LORA")).rsplit(".", 1)[-1].lower()
+    return meta.get("dittrain.type", "lora")
+
+
+def is_dora_file(path: Path) -> bool:
+    """Whether a LoRA file is DoRA: ours (`dittrain.dora` in the header, as the trainer writes it) or another
+    tool's (a `dora` header, or magnitude / dora_scale tensors). False for a file that cannot be read: the LoRA
+    loader reports that with the file's name."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            return "True" in (meta.get("dittrain.dora"), meta.get("dora")) or any(
+                "magnitude" in k or "dora_scale" in k for k in f.keys())
+    except Exception:  # noqa: BLE001 - any unreadable file
+        return False

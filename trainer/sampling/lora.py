@@ -16,7 +16,6 @@ peft itself (`load_peft_file`: the adapter built from the peft config in the hea
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from contextlib import contextmanager
@@ -95,17 +94,17 @@ def load_peft_file(transformer, path, adapter: str = "default", weight: float = 
     from peft.tuners.lycoris_utils import LycorisLayer
     from safetensors.torch import load_file
 
-    from ..train.checkpoint import LORA_METADATA_KEY, LORA_PREFIX, lora_metadata
+    from ..lora_format import DIFFUSERS_PREFIX, LORA_METADATA_KEY, lora_metadata, peft_config
 
     meta = lora_metadata(path)
     if LORA_METADATA_KEY not in meta:
         raise UserError(f"{path}: no peft config in the file's header (a LoKr / LoHa file saved by dittrain is expected)")
-    raw = {k.removeprefix(LORA_PREFIX): v for k, v in json.loads(meta[LORA_METADATA_KEY]).items()}
+    raw = peft_config(meta)
     raw["peft_type"] = str(raw["peft_type"]).rsplit(".", 1)[-1]
     config = PeftConfig.from_peft_type(**{k: v for k, v in raw.items() if v is not None or k == "target_modules"})
     config.inference_mode = True
     inject_adapter_in_model(config, transformer, adapter_name=adapter)
-    sd = {k.removeprefix(LORA_PREFIX): v for k, v in load_file(str(path)).items()}
+    sd = {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in load_file(str(path)).items()}
     result = set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
     missing = [k for k in getattr(result, "missing_keys", []) if f".{adapter}" in k]
     if getattr(result, "unexpected_keys", None) or missing:
@@ -144,7 +143,7 @@ def _diffusers_copies(specs: list[LoraSpec], family: str, tmp: str) -> list:
 
 
 def _load_loras(pipe, specs: list[LoraSpec], family: str, paths: list) -> list[str]:
-    from ..train.checkpoint import lora_kind, lora_metadata
+    from ..lora_format import lora_kind, lora_metadata
 
     def kind(path) -> str:
         try:

@@ -39,16 +39,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..atomic import _fsync_dir, _fsync_file, atomic_write, umask_mode
 from ..errors import UserError
+from ..lora_format import DIFFUSERS_PREFIX, LORA_METADATA_KEY
 
 MARKER = "COMPLETE"
 _STEP_RE = re.compile(r"^step-(\d+)$")
-LORA_PREFIX = "transformer."
-LORA_METADATA_KEY = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
 
 
 # ---------------------------------------------------------------------------------------------- disk helpers
@@ -216,10 +214,10 @@ def lora_file(transformer: torch.nn.Module, meta: dict[str, str]) -> tuple[dict[
     for k, v in list(peft_cfg.items()):
         if isinstance(v, set):
             peft_cfg[k] = sorted(v)
-    packed = {f"{LORA_PREFIX}{k}": v for k, v in peft_cfg.items()}
+    packed = {f"{DIFFUSERS_PREFIX}{k}": v for k, v in peft_cfg.items()}
     header = {"format": "pt", LORA_METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True, default=str)}
     header.update({f"dittrain.{k}": str(v) for k, v in meta.items()})
-    return {f"{LORA_PREFIX}{k}": v for k, v in lora_state_dict(transformer).items()}, header
+    return {f"{DIFFUSERS_PREFIX}{k}": v for k, v in lora_state_dict(transformer).items()}, header
 
 
 #: the adapter inside a checkpoint folder (see the module essay: not a LoRA file for loaders)
@@ -272,37 +270,11 @@ def lycoris_loading_hint(path: Path, kind: str, fmt: str, comfy_note: str) -> st
             f"set_peft_model_state_dict with the config in the file's header); {comfy_note}")
 
 
-def lora_kind(meta: dict[str, str]) -> str:
-    """lora, lokr or loha, from a LoRA file's header (peft_type in the adapter metadata; lora when absent)."""
-    if LORA_METADATA_KEY in meta:
-        cfg = json.loads(meta[LORA_METADATA_KEY])
-        return str(cfg.get(f"{LORA_PREFIX}peft_type", "LORA")).rsplit(".", 1)[-1].lower()
-    return meta.get("dittrain.type", "lora")
-
-
-def lora_metadata(path: Path) -> dict[str, str]:
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
-
-
-def is_dora_file(path: Path) -> bool:
-    """Whether a LoRA file is DoRA: ours (`dittrain.dora` in the header, as `save_lora` writes it) or another
-    tool's (a `dora` header, or magnitude / dora_scale tensors). False for a file that cannot be read: the LoRA
-    loader reports that with the file's name."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            return "True" in (meta.get("dittrain.dora"), meta.get("dora")) or any(
-                "magnitude" in k or "dora_scale" in k for k in f.keys())
-    except Exception:  # noqa: BLE001 - any unreadable file
-        return False
-
-
 def load_lora(path: Path, transformer: torch.nn.Module) -> None:
     """Put a file written by `save_lora` back into a transformer that has the same adapter (resume)."""
     from peft.utils import set_peft_model_state_dict
 
-    sd = {k.removeprefix(LORA_PREFIX): v for k, v in load_file(str(path)).items()}
+    sd = {k.removeprefix(DIFFUSERS_PREFIX): v for k, v in load_file(str(path)).items()}
     have = lora_state_dict(transformer)
     expected = set(have)
     if set(sd) != expected:

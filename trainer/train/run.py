@@ -46,6 +46,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from ..errors import UserError
+from ..lora_format import lora_metadata
 from . import checkpoint as ck
 
 RUN_FILE = "run.json"
@@ -319,7 +320,7 @@ def check_target(state: dict, steps: int, folder: Path, out: Path | None = None)
     lora = Path(out) / "lora.safetensors"
     if lora.is_file():
         try:
-            reached.append(int(ck.lora_metadata(lora).get("dittrain.step", 0)))
+            reached.append(int(lora_metadata(lora).get("dittrain.step", 0)))
         except (OSError, ValueError, SafetensorError):
             pass
     if reached and max(reached) > steps:
