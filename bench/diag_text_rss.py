@@ -51,9 +51,9 @@ def main() -> None:
     from transformers import T5EncoderModel
 
     from bench.bench_program import _meta, _save, _t5_cfg
+    from trainer.data.cache import place_encoder
     from trainer.models.tiny import make_tiny_models
     from trainer.offload import conductor
-    from trainer.sampling.placement import place_encoder
 
     flux = next(p for p in make_tiny_models(args.work / "tiny", ["flux"]) if p.name == "flux")
     folder = args.work / "t5"

@@ -412,9 +412,9 @@ def test_text_encoders_are_not_copied_back_out_of_the_arena_when_their_stage_end
     closing the streamed encoder copied every block out of the arena (arena + copies) just before the encoder was
     dropped. Leaving the stage must leave the streamed blocks empty (meta) instead, after the same embeddings."""
     from trainer.config import ModelConfig
-    from trainer.data.cache import StagedLoader
+    from trainer.data.cache import StagedLoader, place_encoder
     from trainer.models import get_adapter
-    from trainer.sampling.placement import encoder_blocks, place_encoder
+    from trainer.models.base import text_encoder_blocks
 
     mc = ModelConfig(family="flux", path=tiny_models / "flux", dtype="fp32")
     adapter = get_adapter(mc)
@@ -426,5 +426,5 @@ def test_text_encoders_are_not_copied_back_out_of_the_arena_when_their_stage_end
         encoders = list(comps.text_encoders)
         got = adapter.encode_prompts(comps, ["a cat"])
     assert all(torch.equal(got[k], want[k]) for k in want)
-    frozen = [p for enc in encoders for b in encoder_blocks(enc) for p in b.parameters()]
+    frozen = [p for enc in encoders for b in text_encoder_blocks(enc) for p in b.parameters()]
     assert frozen and all(p.device.type == "meta" for p in frozen)

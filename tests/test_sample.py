@@ -267,16 +267,18 @@ def test_training_sampler_without_prompts_makes_nothing(tiny_models, tmp_path):
 @pytest.mark.parametrize("family", ["flux", "qwen-image", "flux2", "flux2-klein", "z-image", "chroma"])
 def test_streamed_text_encoders_give_identical_images(tiny_models, tmp_path, monkeypatch, family):
     import trainer.sampling.placement as placement
+    from trainer.models.base import text_encoder_blocks
 
     attached = []
-    real = placement._attach
+    real = placement.place_encoder
 
-    def spy(blocks, device, fraction, **kw):
-        if "fill" not in kw:  # a text encoder (the transformer's blocks are filled from its files)
-            attached.append(len(blocks))
-        return real(blocks, device, fraction, **kw)
+    def spy(encoder, device, fraction):
+        handle = real(encoder, device, fraction)
+        if handle is not None:  # its blocks streamed by the conductor
+            attached.append(len(text_encoder_blocks(encoder)))
+        return handle
 
-    monkeypatch.setattr(placement, "_attach", spy)
+    monkeypatch.setattr(placement, "place_encoder", spy)
     cfg = _cfg(tiny_models, family, tmp_path)
     ref = run_sample(cfg, SampleRequest(prompts=[PROMPT], out=tmp_path / "a"))
     cfg.offload.text_encoders = 1.0

@@ -530,6 +530,21 @@ class _AllAtOnce(EncoderStages):
         super().close()
 
 
+def place_encoder(encoder, device: torch.device, fraction: float):
+    """Put one text encoder on `device`: resident at fraction 0, else its blocks (`text_encoder_blocks`, the ones
+    the planner sizes) streamed by the offload conductor. Returns the handle to close, or None. The text stage
+    below and sampling (trainer/sampling/placement.py) place encoders with it."""
+    from ..models.base import text_encoder_blocks
+    from ..offload import attach_offload, move_outside_blocks
+
+    blocks = text_encoder_blocks(encoder) if fraction > 0 else []
+    if not blocks:
+        encoder.to(device)
+        return None
+    move_outside_blocks(encoder, blocks, device)
+    return attach_offload(blocks, device, fraction, mode="sample")
+
+
 class StagedLoader(EncoderStages):
     """The adapter's own loader for the two stages on `device` (default train.device), text encoders streamed
     by `place_text(encoder, device)` when given (it returns a handle to close, or None)."""
@@ -600,9 +615,7 @@ def run_cache(cfg) -> None:
 
 def cache_stages(cfg, adapter, device=None, dtype=None, fraction: float | None = None) -> StagedLoader:
     """The two-stage loader of `dittrain cache` and `fit`: text encoders streamed at `fraction` (default
-    offload.text_encoders on a GPU, 0 on the CPU; trainer/sampling/placement.py), then the VAE."""
-    from ..sampling.placement import place_encoder
-
+    offload.text_encoders on a GPU, 0 on the CPU; `place_encoder`), then the VAE."""
     loader = StagedLoader(cfg, adapter, device, dtype)
     if fraction is None:
         fraction = float(cfg.offload.text_encoders) if loader.device.type == "cuda" else 0.0

@@ -13,9 +13,10 @@ With `compile` (train.compile resolved, trainer/train/streaming.py `compile_opti
 run their class's compiled forward (trainer/offload/compiled.py); at fraction 0 they are then attached to a
 resident conductor (nothing streams) only so that the StreamedBlock runs the compiled code.
 
-Text encoders have no adapter-declared block list; their blocks are taken to be their largest `nn.ModuleList`
-by parameter count (T5's `encoder.block`, CLIP's `encoder.layers`, Qwen2.5-VL's language-model `layers`):
-`trainer.models.base.text_encoder_blocks`, which the planner's text-caching phase sizes too.
+Text encoders are placed as the caches' text stage places them (`place_encoder`, trainer/data/cache.py): they have
+no adapter-declared block list, so their blocks are taken to be their largest `nn.ModuleList` by parameter count
+(T5's `encoder.block`, CLIP's `encoder.layers`, Qwen2.5-VL's language-model `layers`:
+`trainer.models.base.text_encoder_blocks`, which the planner's text-caching phase sizes too).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
-from ..models.base import text_encoder_blocks as encoder_blocks  # the planner sizes the same blocks
+from ..data.cache import place_encoder
 from ..offload import move_outside_blocks
 from ..planner.prediction import ALLOCATOR_OVERHEAD
 from ..planner.sampling import VAE_ACT_DECODE
@@ -57,17 +58,6 @@ def place_transformer(adapter, transformer: nn.Module, device: torch.device, fra
         yield handle
     finally:
         handle.close(keep_weights)
-
-
-def place_encoder(encoder: nn.Module, device: torch.device, fraction: float):
-    """Put one text encoder on `device`: resident at fraction 0, else its blocks streamed (returns the handle to
-    close, or None)."""
-    blocks = encoder_blocks(encoder) if fraction > 0 else []
-    if not blocks:
-        encoder.to(device)
-        return None
-    move_outside_blocks(encoder, blocks, device)
-    return _attach(blocks, device, fraction)
 
 
 @contextmanager
