@@ -38,6 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.timing import build_bf16, step_seconds  # noqa: E402
 from trainer import quant  # noqa: E402
+from trainer.models import adapter_class  # noqa: E402
 from trainer.offload import attach_offload  # noqa: E402
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -50,7 +51,8 @@ def build(args, dev, mode, modulation=False):
     m = build_bf16(lambda: FluxTransformer2DModel(num_layers=args.layers, num_single_layers=args.singles,
                                                   guidance_embeds=True, **args.dims), dev)
     m.requires_grad_(False)
-    quant.quantize_blocks(blocks_of(m), mode, modulation)  # one block at a time, as the loader does
+    quant.quantize_blocks(blocks_of(m), mode, modulation,  # one block at a time, as the loader does
+                          adapter_class("flux").modulation_linears)
     from peft import LoraConfig
 
     m.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=LORA_TARGETS,

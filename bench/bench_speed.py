@@ -308,7 +308,7 @@ def ours_setup(adapter, m, args, spec, dev):
     m.requires_grad_(False)
     blocks = adapter.blocks(m)
     if spec["quant"] != "none":
-        quant.quantize_blocks(blocks, spec["quant"], spec["modulation"])
+        quant.quantize_blocks(blocks, spec["quant"], spec["modulation"], adapter.modulation_linears)
         quant.use_scaled_mm(m, spec.get("fp8mm", False))  # model.fp8_matmul
     if spec.get("attn"):  # Chroma's own forms of its masked attention (train.attention: flash / flex)
         from trainer.models.chroma import use_mask_attention

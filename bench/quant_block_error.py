@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer import quant  # noqa: E402
+from trainer.models import adapter_class  # noqa: E402
 
 VARIANTS = (("bf16", "none", False), ("fp8", "fp8", False), ("fp8+mod", "fp8", True), ("int8", "int8", False),
             ("int8+mod", "int8", True))
@@ -111,6 +112,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def measure(family: str, smoke: bool) -> list[dict]:
     torch.manual_seed(0)
     m, inputs, blocks = (_flux if family == "flux" else _qwen)(smoke)
+    pattern = adapter_class(family).modulation_linears
     _init(m, 0)
     m32 = m.float().eval()
     m = copy.deepcopy(m32).to(torch.bfloat16)
@@ -134,13 +136,13 @@ def measure(family: str, smoke: bool) -> list[dict]:
             x = _flat((kwargs["encoder_hidden_states"], kwargs["hidden_states"]))
             ref = None
             mod_name, mod32 = next((n, x) for n, x in b32.named_modules()
-                                   if isinstance(x, torch.nn.Linear) and quant.is_modulation(n))
+                                   if isinstance(x, torch.nn.Linear) and quant.is_modulation(n, pattern))
             temb = kwargs.get("temb", args[2] if len(args) > 2 else None)
             e32 = mod32(torch.nn.functional.silu(temb.float()))
             for label, mode, modulation in VARIANTS:
                 b = copy.deepcopy(b32).to(torch.bfloat16)
                 t0 = time.perf_counter()
-                n = quant.quantize_blocks([b], mode, modulation)
+                n = quant.quantize_blocks([b], mode, modulation, pattern)
                 y = _flat(b(*args, **kwargs))
                 ref = y if ref is None else ref
                 e = dict(b.named_modules())[mod_name](torch.nn.functional.silu(temb)).float()

@@ -49,6 +49,14 @@ def blocks_of(model):
     return list(model.transformer_blocks) + list(model.single_transformer_blocks)
 
 
+def flux_modulation() -> str:
+    """The Flux adapter's `modulation_linears`: the pattern trainer.quant keeps in the model dtype in tiny_flux's
+    blocks (unless `modulation`)."""
+    from trainer.models import adapter_class
+
+    return adapter_class("flux").modulation_linears
+
+
 def batch(seed: int, device="cpu", dtype=torch.float32, side=8, text=8, channels=4, joint=32, pooled=32):
     g = torch.Generator().manual_seed(seed)
     n = side * side

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _offload_util import add_lora, blocks_of, tiny_flux, train_steps, trainable_state
+from _offload_util import add_lora, blocks_of, flux_modulation, tiny_flux, train_steps, trainable_state
 
 from trainer import quant
 from trainer.quant import QuantizedLinear
@@ -93,7 +93,7 @@ def _train(fraction, compile=False, steps=2):
     from trainer.offload import attach_offload
 
     m = tiny_flux(0, layers=1, singles=2, dtype=torch.bfloat16)
-    quant.quantize_blocks(blocks_of(m), "fp8")
+    quant.quantize_blocks(blocks_of(m), "fp8", False, flux_modulation())
     add_lora(m)
     assert quant.use_scaled_mm(m, True) > 0
     h = attach_offload(blocks_of(m), "cpu", fraction, compile=compile)

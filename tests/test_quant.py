@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _offload_util import add_lora, blocks_of, tiny_flux, train_steps, trainable_state
+from _offload_util import add_lora, blocks_of, flux_modulation, tiny_flux, train_steps, trainable_state
 from torch import nn
 
 from trainer import quant
+from trainer.models import adapter_class
 from trainer.quant import QuantizedLinear
 
 
@@ -59,7 +60,7 @@ def test_quantized_block_matches_the_fp32_block(mode, tol):
     weights by up to 6%, int8 by half a step of 1/127 of the row's largest weight)."""
     m = tiny_flux(0)
     ref = tiny_flux(0)
-    n = quant.quantize_blocks(blocks_of(m), mode)
+    n = quant.quantize_blocks(blocks_of(m), mode, False, flux_modulation())
     # double blocks: to_q/k/v, to_out.0, add_q/k/v_proj, to_add_out, ff and ff_context 2 each; singles: q k v,
     # proj_mlp, proj_out
     assert n == 2 * 12 + 4 * 5
@@ -79,7 +80,7 @@ def test_quantized_block_matches_the_fp32_block(mode, tol):
 def test_state_dict_keeps_names_and_the_class_is_still_a_linear():
     m = tiny_flux(0)
     names = set(m.state_dict())
-    quant.quantize_blocks(blocks_of(m), "fp8")
+    quant.quantize_blocks(blocks_of(m), "fp8", False, flux_modulation())
     sd = m.state_dict()
     lin = m.transformer_blocks[0].attn.to_q
     assert isinstance(lin, nn.Linear) and isinstance(lin, QuantizedLinear)
@@ -90,7 +91,7 @@ def test_state_dict_keeps_names_and_the_class_is_still_a_linear():
 
 def test_lora_on_a_quantized_base_gets_gradients_and_stays_fp32():
     m = tiny_flux(0)
-    quant.quantize_blocks(blocks_of(m), "fp8")
+    quant.quantize_blocks(blocks_of(m), "fp8", False, flux_modulation())
     add_lora(m)
     lora = [p for p in m.parameters() if p.requires_grad]
     for p in lora:
@@ -108,7 +109,7 @@ def test_lora_on_a_quantized_base_gets_gradients_and_stays_fp32():
 
 def test_peft_makes_the_lora_in_the_compute_dtype_not_fp8():
     m = tiny_flux(0, dtype=torch.bfloat16)
-    quant.quantize_blocks(blocks_of(m), "fp8")
+    quant.quantize_blocks(blocks_of(m), "fp8", False, flux_modulation())
     add_lora(m)
     q = m.transformer_blocks[0].attn.to_q
     assert q.lora_A["default"].weight.dtype == torch.bfloat16
@@ -121,7 +122,7 @@ def test_streamed_quantized_training_is_bitwise_resident(mode, fraction):
 
     def run(frac):
         m = tiny_flux(0)
-        quant.quantize_blocks(blocks_of(m), mode)
+        quant.quantize_blocks(blocks_of(m), mode, False, flux_modulation())
         add_lora(m)
         h = attach_offload(blocks_of(m), "cpu", frac) if frac else None
         losses = train_steps(m, 3)
@@ -143,7 +144,7 @@ def test_packed_blocks_are_smaller_when_quantized():
 
     m = tiny_flux(0, dtype=torch.bfloat16).requires_grad_(False)
     before = sum(BlockPacking.of(b, False).nbytes for b in blocks_of(m))
-    quant.quantize_blocks(blocks_of(m), "fp8")
+    quant.quantize_blocks(blocks_of(m), "fp8", False, flux_modulation())
     after = sum(BlockPacking.of(b, False).nbytes for b in blocks_of(m))
     qs = [x for x in m.modules() if isinstance(x, QuantizedLinear)]
     # each quantized weight: 2 bytes -> 1 byte per element, plus 4 bytes of scale per output channel
@@ -225,13 +226,13 @@ def test_modulation_switch_adds_exactly_the_modulation_linears(mode):
     """model.quantize_modulation: the blocks' `norm*.linear` join the quantized Linears; nothing else changes
     (norm weights, biases, embedders and the final layer's modulation keep the model dtype)."""
     base, mod = tiny_flux(0, dtype=torch.bfloat16), tiny_flux(0, dtype=torch.bfloat16)
-    n0 = quant.quantize_blocks(blocks_of(base), mode)
-    n1 = quant.quantize_blocks(blocks_of(mod), mode, modulation=True)
+    n0 = quant.quantize_blocks(blocks_of(base), mode, False, flux_modulation())
+    n1 = quant.quantize_blocks(blocks_of(mod), mode, True, flux_modulation())
     added = _quantized_names(mod) - _quantized_names(base)
     assert _quantized_names(base) <= _quantized_names(mod)
     # 2 double blocks: norm1.linear and norm1_context.linear; 4 single blocks: norm.linear
     assert n1 - n0 == len(added) == 2 * 2 + 4
-    assert all(quant.is_modulation(n.split(".", 2)[2]) for n in added), added
+    assert all(quant.is_modulation(n.split(".", 2)[2], flux_modulation()) for n in added), added
     assert {n.rsplit(".", 1)[0].split(".", 2)[2] for n in added} == {"norm1", "norm1_context", "norm"}
     lin = mod.transformer_blocks[0].norm1.linear
     assert lin.weight.dtype == quant._DTYPES[mode] and lin.bias.dtype == torch.bfloat16
@@ -256,8 +257,9 @@ def test_modulation_switch_on_qwen_image_blocks():
                                            axes_dims_rope=(4, 6, 6))
 
     base, mod = tiny(), tiny()
-    quant.quantize_blocks(list(base.transformer_blocks), "fp8")
-    quant.quantize_blocks(list(mod.transformer_blocks), "fp8", modulation=True)
+    pattern = adapter_class("qwen-image").modulation_linears
+    quant.quantize_blocks(list(base.transformer_blocks), "fp8", False, pattern)
+    quant.quantize_blocks(list(mod.transformer_blocks), "fp8", True, pattern)
     added = _quantized_names(mod) - _quantized_names(base)
     assert added == {f"transformer_blocks.{i}.{s}_mod.1" for i in range(2) for s in ("img", "txt")}
     assert not any("mod" in n for n in _quantized_names(base))

@@ -13,7 +13,7 @@ from test_train_support import lora_predictions, losses, make_config, write_imag
 
 from trainer import quant
 from trainer.errors import UserError
-from trainer.models import get_adapter
+from trainer.models import adapter_class, get_adapter
 from trainer.quant import QuantizedLinear
 
 
@@ -174,7 +174,7 @@ def test_fp8_file_with_full_precision_modulation(tiny_models, tmp_path, modulati
 
     sd = FluxTransformer2DModel.from_pretrained(str(tiny_models / "flux"), subfolder="transformer").state_dict()
     mod_keys = {k for k, v in sd.items() if k.endswith(".weight") and v.ndim == 2 and "transformer_blocks." in k
-                and quant.is_modulation(k[: -len(".weight")])}
+                and quant.is_modulation(k[: -len(".weight")], adapter_class("flux").modulation_linears)}
     assert len(mod_keys) == 2 * 2 + 2
     out = {k: v.to(torch.float8_e4m3fn) if v.ndim == 2 and k.endswith(".weight") and k not in mod_keys else v
            for k, v in sd.items()}

@@ -3,7 +3,7 @@ bitwise equal to resident fp8 training. Run with `make test-gpu`."""
 
 import pytest
 import torch
-from _offload_util import add_lora, blocks_of, tiny_flux, train_steps, trainable_state
+from _offload_util import add_lora, blocks_of, flux_modulation, tiny_flux, train_steps, trainable_state
 
 from trainer import quant
 
@@ -40,7 +40,7 @@ def test_streamed_quantized_lora_training_is_bitwise_resident_on_the_gpu(mode):
 
     def run(fraction):
         m = tiny_flux(0, dtype=torch.bfloat16, device="cuda")
-        quant.quantize_blocks(blocks_of(m), mode)
+        quant.quantize_blocks(blocks_of(m), mode, False, flux_modulation())
         add_lora(m)
         h = attach_offload(blocks_of(m), "cuda", fraction) if fraction else None
         losses = train_steps(m, 3, device="cuda", dtype=torch.bfloat16)
@@ -65,7 +65,7 @@ def test_fp8_matmul_streamed_is_bitwise_resident_and_close_to_dequantize(compile
     def run(fraction, fp8mm):
         compiled.reset()
         m = tiny_flux(0, dtype=torch.bfloat16, device="cuda", dim_head=64, heads=4)
-        quant.quantize_blocks(blocks_of(m), "fp8")
+        quant.quantize_blocks(blocks_of(m), "fp8", False, flux_modulation())
         add_lora(m)
         assert quant.use_scaled_mm(m, fp8mm) > 0
         if fraction:

@@ -185,7 +185,8 @@ def test_quantized_modulation_loads_bitwise_like_from_pretrained(family, tiny_mo
     mc = ModelConfig(family=family, path=path, quantize="fp8", quantize_modulation=True, dtype="bf16")
     ad = get_adapter(mc)
     ref = ad.load(mc, parts={"transformer"}, dtype=torch.bfloat16).transformer
-    mods = [m for b in ad.blocks(ref) for n, m in b.named_modules() if is_modulation(n) and isinstance(m, torch.nn.Linear)]
+    mods = [m for b in ad.blocks(ref) for n, m in b.named_modules()
+            if is_modulation(n, ad.modulation_linears) and isinstance(m, torch.nn.Linear)]
     assert mods and all(isinstance(m, QuantizedLinear) and m.weight.dtype == torch.float8_e4m3fn for m in mods)
     tr, _ = stream_load.load(ad, mc, torch.bfloat16, torch.device("cpu"), stream_blocks=False)
     _same_state(ref, tr)

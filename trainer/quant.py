@@ -40,7 +40,7 @@ output's error against fp32 goes from 0.3 % (bf16) to 2.6 % (fp8) / 0.9 % (int8)
 about 4 % to about 5 % in fp8 (1.5 % to 1.9 % in int8); real weights, with their outlier channels, are not measured
 yet. Text encoders (`model.quantize_text_encoders`) quantize every Linear they have but the ones their family
 keeps (`text_encoder_keep_linears`: T5's `wo`, whose input transformers casts to the weight's dtype, and an unused
-language-model head). Callers that know the family pass its pattern; without one, any registered family's is used.
+language-model head). Callers pass their family's pattern: this module never reads the family registry.
 
 Why plain torch dtypes, not torchao / optimum-quanto. Both represent a quantized weight as a wrapper tensor
 subclass (torchao `AffineQuantizedTensor` / `Float8Tensor`, quanto `QBytesTensor`) whose bytes live in inner
@@ -61,7 +61,6 @@ counts an fp8 file's blocks as the switch says, not as the file holds them.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -77,21 +76,12 @@ _DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 _QMAX = {"fp8": 448.0, "int8": 127.0}
 
 #: a pattern of Linear names: a regular expression (string or compiled), matched with `re.search` against the
-#: name relative to its block / text encoder with a "." appended. The families declare theirs on their adapters
-#: (`ModelAdapter.modulation_linears`, `text_encoder_keep_linears`); None means every registered family's
-Pattern = str | re.Pattern | None
+#: name relative to its block / text encoder with a "." appended; "" matches none. The families declare theirs on
+#: their adapters (`ModelAdapter.modulation_linears`, `text_encoder_keep_linears`), which the callers pass
+Pattern = str | re.Pattern
 
 
-@functools.cache
-def _joined(attribute: str) -> re.Pattern:
-    from .models import joined_pattern  # the adapter registry (models/ imports this module only in functions)
-
-    return joined_pattern(attribute)
-
-
-def _pattern(pattern: Pattern, attribute: str) -> re.Pattern:
-    if pattern is None:
-        return _joined(attribute)
+def _pattern(pattern: Pattern) -> re.Pattern:
     return re.compile(pattern or r"(?!)") if isinstance(pattern, str) else pattern
 
 _scaled_mm = os.environ.get("DITTRAIN_SCALED_MM", "0") == "1"
@@ -216,31 +206,31 @@ def quantize_linear(lin: nn.Linear, mode: str) -> None:
     _become_quantized(lin, q, scale, dtype)
 
 
-def is_modulation(name: str, pattern: Pattern = None) -> bool:
+def is_modulation(name: str, pattern: Pattern) -> bool:
     """Whether the Linear called `name` inside a block is a modulation Linear (see the essay): `pattern` is the
-    family's `modulation_linears` (None: any registered family's)."""
-    return bool(_pattern(pattern, "modulation_linears").search(name + "."))
+    family's `modulation_linears`."""
+    return bool(_pattern(pattern).search(name + "."))
 
 
-def keeps_model_dtype(name: str, modulation: bool, pattern: Pattern = None) -> bool:
+def keeps_model_dtype(name: str, modulation: bool, pattern: Pattern) -> bool:
     """Whether the block Linear called `name` stays in the model dtype: a modulation Linear (`pattern`, as in
     `is_modulation`), unless `modulation` (`model.quantize_modulation`). The one rule for quantizing, adopting fp8
     files and the streamed loader."""
     return not modulation and is_modulation(name, pattern)
 
 
-def quantize_module(module: nn.Module, mode: str, text_encoder: bool = False, modulation: bool = False,
-                    keep: Pattern = None) -> int:
+def quantize_module(module: nn.Module, mode: str, text_encoder: bool = False, modulation: bool = False, *,
+                    keep: Pattern) -> int:
     """Quantize the Linears of one block (or, with `text_encoder`, of a whole text encoder) in place; returns
     how many. `mode` "none" does nothing. `modulation` quantizes a block's modulation Linears too
     (`model.quantize_modulation`). `keep`: the family's pattern of the Linears left alone (`modulation_linears`
-    for a block, `text_encoder_keep_linears` for a text encoder; None: any registered family's). One Linear at
-    a time: the peak is one layer's fp32 copy."""
+    for a block, `text_encoder_keep_linears` for a text encoder). One Linear at a time: the peak is one layer's
+    fp32 copy."""
     if mode == "none":
         return 0
     if mode not in _DTYPES:
         raise ValueError(f"quantize mode {mode!r}: choose from {MODES}")
-    text_keep = _pattern(keep, "text_encoder_keep_linears") if text_encoder else None
+    text_keep = _pattern(keep) if text_encoder else None
 
     def kept(name: str) -> bool:
         return bool(text_keep.search(name + ".")) if text_keep else keeps_model_dtype(name, modulation, keep)
@@ -264,7 +254,7 @@ def describe(mode: str, modulation: bool, dtype: str, fp8_matmul: bool = False) 
     return f"base block Linears {fmt} with per-channel fp32 scales ({mod}; the rest {dtype}), {how}"
 
 
-def quantize_blocks(blocks: list[nn.Module], mode: str, modulation: bool = False, pattern: Pattern = None) -> int:
+def quantize_blocks(blocks: list[nn.Module], mode: str, modulation: bool, pattern: Pattern) -> int:
     """`quantize_module` over a transformer's blocks, one block after another (`pattern`: the family's
     `modulation_linears`)."""
     return sum(quantize_module(b, mode, modulation=modulation, keep=pattern) for b in blocks)
@@ -343,7 +333,7 @@ def convert_scales(transformer_cls: type, config: dict, rows: dict[str, int], fp
 
 
 def adopt_fp8(module: nn.Module, scales: dict[str, torch.Tensor], prefix: str, compute_dtype: torch.dtype,
-              modulation: bool = False, pattern: Pattern = None) -> int:
+              modulation: bool, pattern: Pattern) -> int:
     """Turn the Linears of one block, loaded from an fp8 file (diffusers up-casts e4m3fn exactly), back into fp8
     without quantizing again: the 8-bit values are the file's, the scale is the file's per-tensor `scale_weight`
     (`file_scales`; 1 when absent) on every output row. `prefix` is the block's name in the transformer. A weight
@@ -369,7 +359,7 @@ def adopt_fp8(module: nn.Module, scales: dict[str, torch.Tensor], prefix: str, c
 
 
 def prepare_transformer(transformer: nn.Module, blocks: list[nn.Module], mode: str, dtype: torch.dtype,
-                        file: str | Path | None = None, modulation: bool = False, pattern: Pattern = None) -> None:
+                        file: str | Path | None, modulation: bool, pattern: Pattern) -> None:
     """What loading does after diffusers built the transformer in `dtype`: quantize the blocks one by one (their
     modulation Linears, the family's `pattern`, too with `modulation`), or, for an fp8 `file`, keep its 8-bit
     values and apply its per-tensor scales (see `adopt_fp8`)."""

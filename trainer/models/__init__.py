@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import re
 from importlib import import_module
 from typing import TYPE_CHECKING
 
@@ -74,7 +73,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
 
 __all__ = [
     "ADAPTERS", "Components", "ModelAdapter", "adapter_class", "adapter_classes", "canonical_family", "families",
-    "get_adapter", "joined_pattern",
+    "get_adapter",
 ]
 
 
@@ -121,10 +120,3 @@ def get_adapter(model_cfg: ModelConfig, references: int = 0) -> ModelAdapter:
     never weights, so creating one is cheap and touches no disk) and to the run's reference images per target
     (`ModelAdapter.references`; 0: text-to-image)."""
     return adapter_class(model_cfg.family)(model_cfg, references)
-
-
-def joined_pattern(attribute: str) -> re.Pattern:
-    """One regular expression matching what any family's `attribute` pattern (e.g. `modulation_linears`)
-    matches: for callers that do not know the family (trainer/quant.py's defaults)."""
-    parts = sorted({getattr(cls, attribute) for cls in adapter_classes()} - {""})
-    return re.compile("|".join(f"(?:{p})" for p in parts) if parts else r"(?!)")

@@ -209,8 +209,8 @@ def empty_transformer(adapter, cfg, dtype: torch.dtype, files: _Files | None = N
     return tr
 
 
-def _adopt_on_meta(block: nn.Module, prefix: str, files: _Files, dtype: torch.dtype, modulation: bool = False,
-                   pattern: str | None = None) -> None:
+def _adopt_on_meta(block: nn.Module, prefix: str, files: _Files, dtype: torch.dtype, modulation: bool,
+                   pattern: str) -> None:
     """`quant.adopt_fp8`'s choice for each Linear of one meta `block`, made from the file: adopted (fp8 in the
     file, or a higher-precision weight whose values are all fp8 values: read once here, one tensor), else
     quantized per channel, else (modulation: the family's `pattern`, unless `modulation`) kept in `dtype`. Shapes
