@@ -9,7 +9,11 @@ the family facts every model adapter must provide.
 - nor names a family at all, keeps a table keyed by one, or holds a regular expression of a family's module names
   (those are the adapters' `modulation_linears` / `text_encoder_keep_linears`);
 - no import cycle anywhere in trainer/, imports inside functions counted (but not `if TYPE_CHECKING:` ones),
-  apart from the listed cycles that predate this test;
+  apart from the listed cycles inside a package that predate this test; none at all between the packages and
+  top-level modules of trainer/ (trainer.data, trainer.quant, ...);
+- those packages form the layers of README "What each package owns and may import", each importing only from the
+  layers below, and each package imports only what that section says it may (nothing but train/, sample.py, the
+  CLI, sampling/placement.py and captioning/ imports the planner);
 - every registered family declares the facts of trainer/models/base.py, its own tiny builders, and its
   spellings resolve (`canonical_family`).
 """
@@ -233,10 +237,10 @@ def test_the_family_fact_check_passes_generic_code(snippet):
 # ---------------------------------------------------------------------------------------------- import cycles
 
 
-def _module_names() -> dict[str, Path]:
+def _module_names(root: Path = ROOT) -> dict[str, Path]:
     out = {}
-    for p in ROOT.rglob("*.py"):
-        parts = p.relative_to(ROOT.parent).with_suffix("").parts
+    for p in root.rglob("*.py"):
+        parts = p.relative_to(root.parent).with_suffix("").parts
         out[".".join(parts[:-1] if p.name == "__init__.py" else parts)] = p
     return out
 
@@ -250,10 +254,11 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """trainer module -> the trainer modules it imports anywhere in its file (at the top or inside functions;
-    `from pkg import name` resolves to the module pkg.name when there is one, else to pkg)."""
-    mods = _module_names()
+    `from pkg import name` resolves to the module pkg.name when there is one, else to pkg). `root`: the trainer
+    folder."""
+    mods = _module_names(root)
     graph = {}
     for name, path in mods.items():
         pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -328,6 +333,103 @@ def test_no_import_cycles_counting_function_level_imports():
     assert not new, f"import cycles (imports inside functions count too): {new}"
     fixed = [sorted(c) for c in KNOWN_CYCLES - found]
     assert not fixed, f"these cycles are gone: take them off KNOWN_CYCLES: {fixed}"
+
+
+def _unit(module: str) -> str:
+    """The package or top-level module of trainer that `module` belongs to: trainer.data.cache -> trainer.data."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """`graph` (module -> modules) between trainer's packages and top-level modules; trainer/__init__.py, which
+    only holds the version, left out."""
+    out: dict[str, set[str]] = {}
+    for m, targets in graph.items():
+        if _unit(m) != "trainer":
+            out.setdefault(_unit(m), set()).update(_unit(t) for t in targets if _unit(t) not in (_unit(m), "trainer"))
+    return out
+
+
+def test_no_import_cycle_between_packages_counting_function_level_imports():
+    graph = package_graph(import_graph())
+    found = {" <-> ".join(sorted(c)): {a: sorted(graph[a] & c) for a in sorted(c)} for c in cycles(graph)}
+    assert not found, f"import cycles between trainer's packages (imports inside functions count too): {found}"
+
+
+def test_the_package_cycle_check_sees_a_cycle_no_module_cycle_shows(tmp_path):
+    """a/x.py imports b/y.py, which imports a/w.py inside a function: no module imports itself back, but the
+    packages a and b import each other. c.py imports a only under TYPE_CHECKING: no cycle."""
+    files = {
+        "__init__.py": "",
+        "a/__init__.py": "",
+        "a/x.py": "from ..b.y import f\n",
+        "a/w.py": "from .. import c\n",
+        "b/__init__.py": "",
+        "b/y.py": "def f():\n    from ..a import w\n\n    return w\n",
+        "c.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .a import x\n",
+    }
+    root = tmp_path / "trainer"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    graph = import_graph(root)
+    assert graph["trainer.b.y"] == {"trainer.a.w"} and graph["trainer.c"] == set()
+    assert not cycles(graph)
+    assert cycles(package_graph(graph)) == [frozenset({"trainer.a", "trainer.b"})]
+    (root / "b" / "y.py").write_text("def f():\n    return 1\n")
+    assert not cycles(package_graph(import_graph(root)))
+
+
+#: README "What each package owns and may import": the layers, bottom first. A package or top-level module of
+#: trainer/ imports only from layers below its own; a new one takes its place here (and in the README).
+LAYERS = (
+    {"offload", "errors", "atomic", "dtypes", "words", "progress"},
+    {"phase_log"},
+    {"quant"},
+    {"models"},
+    {"lora_format"},
+    {"config"},
+    {"optim", "planner", "data"},
+    {"sampling", "captioning"},
+    {"train"},
+    {"sample", "merge", "demo", "presets"},
+    {"cli"},
+    {"__main__"},
+)
+#: the small modules every package but offload/ and quant.py may use
+SHARED = {"errors", "atomic", "dtypes", "words", "progress", "phase_log"}
+#: the same section's rules, package by package (the planner's own: test_planner_imports_only_what_it_may)
+MAY_IMPORT = {
+    "offload": set(),
+    "quant": set(),
+    "models": {"errors", "quant"},
+    "lora_format": {"models", "errors", "atomic"},
+    "data": {"models", "offload", "config", *SHARED},
+    "optim": {"config", "errors"},
+    "sampling": {"models", "data", "offload", "lora_format", "planner", *SHARED},
+    "captioning": {"data", "models", "offload", "planner", *SHARED},
+}
+#: the only modules outside the planner that import it (a name stands for the modules under it too)
+PLANNER_IMPORTERS = ("trainer.train", "trainer.sample", "trainer.cli", "trainer.sampling.placement",
+                     "trainer.captioning")
+
+
+def test_packages_import_only_from_the_layers_below():
+    layer = {f"trainer.{u}": i for i, units in enumerate(LAYERS) for u in units}
+    graph = package_graph(import_graph())
+    assert set(graph) <= set(layer), f"not placed in LAYERS: {sorted(set(graph) - set(layer))}"
+    up = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer[b] >= layer[a])
+    assert not up, f"imports that do not go down the layers: {up}"
+
+
+def test_packages_import_only_what_the_readme_says():
+    graph = package_graph(import_graph())
+    bad = {p: sorted(u.removeprefix("trainer.") for u in graph[f"trainer.{p}"] - {f"trainer.{m}" for m in ok})
+           for p, ok in MAY_IMPORT.items()}
+    assert not {p: b for p, b in bad.items() if b}
+    planner_users = sorted(m for m, targets in import_graph().items() if _unit(m) != "trainer.planner"
+                           and any(_unit(t) == "trainer.planner" for t in targets))
+    assert [m for m in planner_users if not any(m == p or m.startswith(p + ".") for p in PLANNER_IMPORTERS)] == []
 
 
 def test_the_cycle_check_sees_imports_inside_functions():
