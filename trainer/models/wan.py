@@ -69,6 +69,22 @@ WAN_SCHEDULER = {
     "final_sigmas_type": "zero", "timestep_spacing": "linspace",
 }
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s default
+#: google/umt5-xxl's encoder (config.json), as the Wan folders' text_encoder holds it: 5.68 B parameters
+UMT5_XXL = {"vocab_size": 256384, "d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64,
+            "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
+            "feed_forward_proj": "gated-gelu", "layer_norm_epsilon": 1e-6, "tie_word_embeddings": False}
+
+
+def umt5_xxl_config(folder: Path):
+    """UMT5-XXL's encoder config with the pad / eos ids of `folder`'s tiny text encoder (its tokenizer is the tiny
+    one; every id exists in the 256384 rows)."""
+    import json
+
+    from transformers import UMT5Config
+
+    tiny = json.loads((Path(folder) / "text_encoder" / "config.json").read_text())
+    return UMT5Config(**UMT5_XXL, is_encoder_decoder=False, use_cache=False, decoder_start_token_id=0,
+                      **{k: tiny[k] for k in ("pad_token_id", "eos_token_id") if tiny.get(k) is not None})
 
 
 def tiny_pipeline() -> WanPipeline:
@@ -146,9 +162,30 @@ class WanAdapter(DiffusersAdapter):
     frame_step = 4
     plan_frames = 81
 
+    #: bench/bench_program.py's other full sizes of this family's transformer (`--families wan-1.3b`):
+    #: Wan2.1-T2V-1.3B (1.42 B: 12 heads, ffn_dim 8960, 30 layers)
+    full_variants = {"1.3b": {**full_config, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}}
+
     @classmethod
     def tiny_builders(cls):
         return {"wan": tiny_pipeline}
+
+    @classmethod
+    def full_size_parts(cls, folder: Path):
+        """bench/bench_program.py's full-size random folders: (the VAE, AutoencoderKLWan's defaults = Wan 2.1's;
+        [(sub-folder, class, config, dtype of its matrices on disk)]): UMT5-XXL's encoder whole, its 2-D weights
+        written in fp8 (5.7 GB on disk instead of 11.4; transformers casts them to the load dtype, so RAM and VRAM
+        are bf16's)."""
+        from transformers import UMT5EncoderModel
+
+        return cls._full_vae(), [("text_encoder", UMT5EncoderModel, umt5_xxl_config(folder), torch.float8_e4m3fn)]
+
+    @classmethod
+    def _full_vae(cls):
+        """The family's VAE at full size (Wan 2.1's: AutoencoderKLWan's defaults)."""
+        from diffusers import AutoencoderKLWan
+
+        return AutoencoderKLWan()
 
     # ------------------------------------------------------------------------------------------ folder facts
 

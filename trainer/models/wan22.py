@@ -64,6 +64,7 @@ class Wan22A14BAdapter(WanAdapter):
     #: the published T2V-A14B folders' scheduler when a folder has none (Wan 2.2's sample_shift 12 for T2V-A14B)
     default_scheduler = {**WAN_SCHEDULER, "flow_shift": 12.0}
     sample_defaults = {"guidance": 4.0, "steps": 40}
+    full_variants = {}  # two 14 B experts only
 
     @classmethod
     def tiny_builders(cls):

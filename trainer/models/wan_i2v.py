@@ -106,10 +106,27 @@ class WanI2VAdapter(WanAdapter):
     #: the folders of the CLIP image encoder and its processor (Wan 2.1); None: the family has none (Wan 2.2)
     image_encoder_dir: str | None = "image_encoder"
     image_processor_dir = "image_processor"
+    full_variants = {}  # Wan 2.1 I2V is 14 B only
 
     @classmethod
     def tiny_builders(cls):
         return {"wan-i2v": tiny_pipeline_i2v}
+
+    @classmethod
+    def full_size_parts(cls, folder: Path):
+        """bench/bench_program.py's full-size random folders: Wan's VAE and UMT5-XXL (WanAdapter.full_size_parts),
+        and where the family has one the CLIP image encoder as the Wan 2.1 I2V folders hold it (open-clip ViT-H/14
+        as a CLIPVisionModel: 0.63 B) with its image processor (CLIPImageProcessor's defaults: 224 px, OpenAI
+        CLIP's mean and std), written over the tiny folder's."""
+        from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+        vae, parts = super().full_size_parts(folder)
+        if cls.image_encoder_dir:
+            CLIPImageProcessor().save_pretrained(Path(folder) / cls.image_processor_dir)
+            parts.append((cls.image_encoder_dir, CLIPVisionModel, CLIPVisionConfig(
+                hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16, patch_size=14,
+                image_size=224, projection_dim=1024, hidden_act="gelu", layer_norm_eps=1e-5)))
+        return vae, parts
 
     def _check(self, cfg, parts) -> None:
         super()._check(cfg, parts)
