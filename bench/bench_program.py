@@ -3,6 +3,8 @@
     python bench/bench_program.py --families flux sd3 qwen_image --work /tmp/bench   # a GPU box
     python bench/bench_program.py --smoke --work /tmp/smoke                            # CPU, tiny models
     python bench/bench_program.py --families flux2 --transformer-file fp8 --card 16 --keep   # Flux.2-dev, 64 GB disk
+    python bench/bench_program.py --families wan --transformer-file fp8 --card 16 --frames 81 --resolution 480p
+    python bench/bench_program.py --estimate --families wan wan-1.3b wan-i2v wan2.2-a14b --transformer-file fp8
 
 For each family: write a diffusers folder with every component at full size (transformer from the adapter's
 `full_config`; VAE, CLIP-L / CLIP-G / T5-XXL / Qwen2.5-VL-7B / Qwen3-4B from their real configs, built here in
@@ -34,8 +36,32 @@ with --transformer-file fp8 (33 GB) the dev folder is ~52 GB. klein gets Qwen3-4
 preset of dev (24 GB and up) is measured on the fp8 file with `--set model.quantize=none`: the loader up-casts it
 to bf16 block by block, which is what the preset streams.
 
+Video (the Wan families; `wan-1.3b` is Wan2.1-T2V-1.3B, a size the adapter declares in `full_variants`): the
+transformer from `full_config` (14 B; I2V 16.4 B with its image cross-attention; TI2V-5B 5.0 B) and the rest from
+the adapter's `full_size_parts`: AutoencoderKLWan at Wan 2.1's config (its defaults) or Wan 2.2's 48-channel one
+(TI2V-5B, 0.70 B); UMT5-XXL's encoder whole (google/umt5-xxl: 24 layers of 4096, 256384 tokens, 5.68 B), its
+2-D weights written in fp8 and cast to bf16 by transformers on load (5.7 GB on disk instead of 11.4, the same
+bytes in RAM and VRAM); for Wan 2.1 I2V the CLIP image encoder (open-clip ViT-H/14 as a CLIPVisionModel, 0.63 B,
+bf16) and a 224 px CLIPImageProcessor. Nothing of the models is cut. Tied tensors (UMT5's and T5's
+`encoder.embed_tokens` = `shared`) are written once, as save_pretrained writes them, so they are tied again on
+load. Wan 2.2 A14B trains one expert a run (`model.expert`, set to the first, high_noise, where the preset has
+none): with --transformer-file the one fp8 file is what the loader reads for every expert (`model.transformer_file`
+names one file), so `transformer_2/` gets its config only (the second expert's weights are the first's numbers:
+sizes, memory and times are those of two files); without it `transformer_2/` is written with fp8 matrices (two
+bf16 experts, 57 GB, would not fit a 64 GB disk beside the rest). Folders, with --transformer-file fp8 / without:
+wan 20.5 / 34.5 GB, wan-1.3b 7.4 / 8.8, wan-i2v 23.8 / 40.0, wan2.2-a14b(-i2v) 20.5 / 48.8, wan2.2-ti2v-5b
+12.2 / 17.1; every folder's size and its write time (at the rates the GPU box wrote earlier folders, WRITE_RATE)
+are printed before it is written, and `--estimate` prints only them. Data: `--images` mp4 clips instead of
+JPEGs (bench/program_video.py: moving content, `--frames` + 4 frames at 16 fps, at `--resolution` 480p = 832x480,
+720p = 1280x720 or WxH, with captions), trained in one bucket of their own size (data.resolutions,
+data.bucket_step, data.fps, data.clip_frames) and sampled at that size with `--sample-frames` (9) frames, 2
+steps (image-to-video: from the first frame, `sample.image`). Config: the family's `lora-<card>gb` preset, else
+the preset of the nearest card, else one built here that streams everything (offload.transformer 1.0,
+offload.activations, offload.text_encoders 1.0; `--set` for what to measure); the line `config from ...` says which.
+
 --smoke: the tiny models on the CPU, no cap, 2 steps (tests/test_phases.py-style check that the whole path runs;
-tests/test_phases.py runs it, also with --transformer-file fp8, which rewrites the tiny transformer the same way).
+tests/test_phases.py runs it, also with --transformer-file fp8, which rewrites the tiny transformer the same way,
+and for wan and wan-i2v on 96x64 clips of 5 frames).
 """
 
 from __future__ import annotations
@@ -89,9 +115,7 @@ def write_random(module, folder: Path, prefix: str, dtype, seed: int = 0, matrix
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    sd = module.state_dict()
-    shapes = {k: (tuple(v.shape), v.dtype if not v.is_floating_point()
-                  else (matrix_dtype or dtype) if v.ndim == 2 else dtype) for k, v in sd.items()}
+    shapes = disk_plan(module, dtype, matrix_dtype)
     groups, cur, size = [], [], 0
     for k, (shape, dt) in shapes.items():
         n = torch.Size(shape).numel() * torch.tensor([], dtype=dt).element_size()
@@ -116,6 +140,29 @@ def write_random(module, folder: Path, prefix: str, dtype, seed: int = 0, matrix
     return total
 
 
+def disk_plan(module, dtype, matrix_dtype=None) -> dict:
+    """key -> (shape, dtype on disk) of what `write_random` writes for `module`: floating 2-D tensors in
+    `matrix_dtype` (or `dtype`), other floating tensors in `dtype`, the rest in their own. A tensor tied to one
+    listed before it (UMT5's and T5's `encoder.embed_tokens` is their `shared`, a tied head is its embedding) is
+    written once, under its first name, as save_pretrained writes it: transformers then ties it again on load
+    (written twice with different values, it keeps two copies: 2.1 GB more RAM for UMT5-XXL)."""
+    seen, out = set(), {}
+    for k, v in module.state_dict(keep_vars=True).items():
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        out[k] = (tuple(v.shape), v.dtype if not v.is_floating_point()
+                  else (matrix_dtype or dtype) if v.ndim == 2 else dtype)
+    return out
+
+
+def plan_bytes(plan: dict) -> int:
+    """Bytes of the tensors of a plan (key -> (shape, dtype)), headers aside."""
+    import torch
+
+    return sum(torch.Size(shape).numel() * torch.tensor([], dtype=dt).element_size() for shape, dt in plan.values())
+
+
 _ST_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32", "int64": "I64"}
 
 
@@ -125,12 +172,25 @@ def write_fp8_file(module, blocks, path: Path, seed: int = 0) -> int:
     (weight = fp8 * scale), every other tensor bf16. Written tensor by tensor after a header computed from the
     shapes (safetensors' own layout: 8-byte header length, JSON header, then the bytes in header order), so at most
     one tensor is in RAM. Returns the bytes written."""
+    return _write_fp8_plan(*_fp8_tensors(module, blocks), path, seed)
+
+
+def _fp8_tensors(module, blocks) -> tuple[dict, set[str]]:
+    """(key -> (shape, dtype), the keys written in fp8) of `write_fp8_file`."""
     from torch import nn
 
-    sd = module.state_dict()
     names = {id(m): n for n, m in module.named_modules()}
     fp8 = {f"{names[id(b)]}.{n}.weight" for b in blocks for n, m in b.named_modules() if type(m) is nn.Linear}
-    return _write_fp8_plan({k: (tuple(v.shape), v.dtype) for k, v in sd.items()}, fp8, path, seed)
+    return {k: (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}, fp8
+
+
+def fp8_file_bytes(tensors: dict, fp8: set[str]) -> int:
+    """Bytes of `_write_fp8_plan`'s tensors (header aside): fp8 keys 1 byte a value and a 4-byte scale, the rest
+    bf16 (floating) or 8 bytes (integer)."""
+    import torch
+
+    return sum(torch.Size(shape).numel() * (1 if k in fp8 else 2 if dt.is_floating_point else 8) + 4 * (k in fp8)
+               for k, (shape, dt) in tensors.items())
 
 
 def bfl_flux_header(c: dict) -> dict[str, list[int]]:
@@ -170,12 +230,15 @@ def bfl_flux_header(c: dict) -> dict[str, list[int]]:
 def write_original_fp8_file(config: dict, path: Path, seed: int = 0) -> int:
     """Flux.1 in the original layout as ComfyUI's scaled fp8 files are: BFL key names under
     `model.diffusion_model.`, block Linear weights float8_e4m3fn with a per-tensor `scale_weight`, the rest bf16."""
+    return _write_fp8_plan(*_original_fp8_tensors(config), path, seed)
+
+
+def _original_fp8_tensors(config: dict) -> tuple[dict, set[str]]:
     import torch
 
     pre = "model.diffusion_model."
     shapes = {pre + k: (tuple(v), torch.bfloat16) for k, v in bfl_flux_header(config).items()}
-    fp8 = {k for k, (shape, _) in shapes.items() if len(shape) == 2 and "blocks." in k}
-    return _write_fp8_plan(shapes, fp8, path, seed)
+    return shapes, {k for k, (shape, _) in shapes.items() if len(shape) == 2 and "blocks." in k}
 
 
 def _write_fp8_plan(tensors: dict, fp8: set[str], path: Path, seed: int) -> int:
@@ -279,11 +342,98 @@ def _save(folder: Path, model, config_owner, prefix: str, dtype, seed: int, matr
     return write_random(model, folder, prefix, dtype, seed, matrix_dtype)
 
 
-def write_full_folder(family: str, folder: Path, transformer_file: str | None = None) -> int:
+#: bytes a second the GPU box wrote (H200, bench/logs/2026-11-2*-program-*.log): sharded bf16 folders 28-58 GB in
+#: 26-56 s; Flux.2-dev's 33 GB fp8 file and 19 GB fp8 Mistral in 117 s, so the file at ~0.34 GB/s (each matrix
+#: is scaled and cast); estimates, printed before a folder is written
+WRITE_RATE = {"shards": 1.0e9, "fp8 file": 0.34e9}
+
+
+def write_full_folder(family: str, folder: Path, transformer_file: str | None = None, variant: str | None = None,
+                      write: bool = True) -> int:
     """A full-size random-weight diffusers folder for `family` (see the module essay). Returns bytes written.
     `transformer_file` "fp8" / "fp8-original": the transformer as one fp8 file in the folder, named by FILES
-    (`write_transformer_file`)."""
+    (`write_transformer_file`). `variant`: a key of the adapter's `full_variants` (another size of its
+    transformer). Prints the bytes and the write time estimated at WRITE_RATE first; `write` False: only that
+    (the tiny folder is left in `folder`)."""
     import torch
+
+    from trainer.models import adapter_class
+    from trainer.models.tiny import make_tiny_models
+
+    bf16 = torch.bfloat16
+    tmp = folder.parent / f"{folder.name}-tiny"
+    tiny = make_tiny_models(tmp, [family])[0]  # the family's tiny folder (qwen_image's is qwen-image)
+    if folder.exists():
+        shutil.rmtree(folder)
+    shutil.move(str(tiny), str(folder))
+    shutil.rmtree(tmp, ignore_errors=True)
+    ad = adapter_class(family)
+    tcls = ad.transformer_cls if hasattr(ad, "transformer_cls") else None
+    conf = ad.full_variants[variant] if variant else ad.full_config
+    tr = _meta(lambda: tcls.from_config(conf))
+    with torch.device("meta"):
+        vae, encs = _full_parts(family, folder, ad)
+    fp8 = torch.float8_e4m3fn
+    parts = []  # (what, bytes on disk, how: a WRITE_RATE key, write() -> bytes)
+    if transformer_file:
+        tensors = (_original_fp8_tensors(dict(tr.config)) if transformer_file == "fp8-original"
+                   else _fp8_tensors(tr, ad().blocks(tr)))
+        parts.append(("transformer", fp8_file_bytes(*tensors), "fp8 file",
+                      lambda: write_transformer_file(folder, tr, ad, transformer_file)))
+    else:
+        parts.append(("transformer", plan_bytes(disk_plan(tr, bf16)), "shards",
+                      lambda: _save(folder / "transformer", tr, tr, "diffusion_pytorch_model", bf16, 1)))
+    # a family of experts (Wan 2.2 A14B): the others than `transformer`. With a transformer file, that one file is
+    # what the loader reads for every expert (model.transformer_file), so each gets its config only; otherwise its
+    # matrices in fp8 on disk (diffusers casts them to bf16 on load), or two 14 B experts in bf16 (57 GB) would not
+    # fit the GPU box's 64 GB disk beside the rest
+    for i, d in enumerate(sorted(set(getattr(ad, "experts", {}).values()) - {"transformer"})):
+        if transformer_file:
+            parts.append((d, 0, "shards", lambda d=d: _config_only(folder / d, tr)))
+        else:
+            parts.append((d, plan_bytes(disk_plan(tr, bf16, fp8)), "shards",
+                          lambda d=d, i=i: _save(folder / d, tr, tr, "diffusion_pytorch_model", bf16, 2 + i, fp8)))
+    parts.append(("vae", sum(p.numel() * 2 for p in vae.parameters()), "shards", lambda: _write_vae(folder, vae)))
+    # Flux.2-dev's Mistral-3 (19 B after the cut below) in bf16 would not fit the GPU box's 64 GB disk beside the
+    # 32 GB fp8 transformer: its matrices are written in fp8 (loaded as bf16, so RAM and VRAM are bf16's); a
+    # family's `full_size_parts` says so for its own encoders (a fourth entry: the matrices' dtype on disk)
+    for i, (name, cls, cfg, *disk) in enumerate(encs):
+        matrices = disk[0] if disk else fp8 if family == "flux2" else None
+        enc = _meta(lambda cls=cls, cfg=cfg: cls(cfg))
+        parts.append((name, plan_bytes(disk_plan(enc, bf16, matrices)), "shards",
+                      lambda name=name, enc=enc, i=i, m=matrices: _save(folder / name, enc, enc.config, "model", bf16,
+                                                                        10 + i, m)))
+    est = sum(n / WRITE_RATE[how] for _, n, how, _ in parts)
+    label = family + (f"-{variant}" if variant else "")
+    print(f"{label}: folder ~{sum(n for _, n, _, _ in parts) / 1e9:.1f} GB on disk ("
+          + ", ".join(f"{what} {n / 1e9:.2f} GB{' fp8 file' if how == 'fp8 file' else ''}"
+                      for what, n, how, _ in parts if n)
+          + f"), ~{est:.0f} s to write at the GPU box's rates", flush=True)
+    if not write:
+        return sum(n for _, n, _, _ in parts)
+    return sum(w() for _, _, _, w in parts)
+
+
+def _config_only(folder: Path, transformer) -> int:
+    if folder.exists():
+        shutil.rmtree(folder)
+    transformer.save_config(folder)
+    return 0
+
+
+def _write_vae(folder: Path, meta_vae) -> int:
+    """The VAE is small (84-705 M): built for real from the meta one's config and saved in bf16."""
+    import torch
+
+    vae = type(meta_vae).from_config(meta_vae.config).to(torch.bfloat16)
+    shutil.rmtree(folder / "vae", ignore_errors=True)
+    vae.save_pretrained(folder / "vae", safe_serialization=True)
+    return sum(p.numel() * 2 for p in vae.parameters())
+
+
+def _full_parts(family: str, folder: Path, ad):
+    """(the VAE, [(sub-folder, encoder class, config[, matrices' dtype on disk])]) of the family at full size,
+    built under the caller's device (the meta device: `write_full_folder`)."""
     from diffusers import AutoencoderKLQwenImage
     from transformers import (
         CLIPTextModel,
@@ -294,75 +444,41 @@ def write_full_folder(family: str, folder: Path, transformer_file: str | None = 
         T5EncoderModel,
     )
 
-    from trainer.models import adapter_class
-    from trainer.models.tiny import make_tiny_models
-
-    bf16 = torch.bfloat16
-    tmp = folder.parent / f"{folder.name}-tiny"
-    (tiny,) = make_tiny_models(tmp, [family])  # the family's tiny folder (qwen_image's is qwen-image)
-    if folder.exists():
-        shutil.rmtree(folder)
-    shutil.move(str(tiny), str(folder))
-    shutil.rmtree(tmp, ignore_errors=True)
-    ad = adapter_class(family)
-    tcls = ad.transformer_cls if hasattr(ad, "transformer_cls") else None
-    tr = _meta(lambda: tcls.from_config(ad.full_config))
-    if transformer_file:
-        total = write_transformer_file(folder, tr, ad, transformer_file)
-    else:
-        total = _save(folder / "transformer", tr, tr, "diffusion_pytorch_model", bf16, 1)
-    del tr
     if hasattr(ad, "full_size_parts"):  # families that declare their full-size VAE and text encoders themselves
-        vae, encs = ad.full_size_parts(folder)
-    elif family == "flux":
-        vae = _kl_vae(0.3611, 0.1159)
-        encs = [("text_encoder", CLIPTextModel, _clip_cfg(folder / "tokenizer", 768, 3072, 12, 12, 768, "quick_gelu")),
-                ("text_encoder_2", T5EncoderModel, _t5_cfg(folder / "tokenizer_2"))]
-    elif family == "chroma":  # Flux's VAE, T5-XXL alone
-        vae = _kl_vae(0.3611, 0.1159)
-        encs = [("text_encoder", T5EncoderModel, _t5_cfg(folder / "tokenizer"))]
-    elif family == "z-image":  # Flux's VAE, Qwen3-4B (the base model without its tied head, as the pipeline loads it)
-        vae = _kl_vae(0.3611, 0.1159)
-        encs = [("text_encoder", Qwen3Model, _qwen3_4b_cfg(folder / "text_encoder"))]
-    elif family == "sd3":
-        vae = _kl_vae(1.5305, 0.0609)
-        encs = [("text_encoder", CLIPTextModelWithProjection,
-                 _clip_cfg(folder / "tokenizer", 768, 3072, 12, 12, 768, "quick_gelu")),
-                ("text_encoder_2", CLIPTextModelWithProjection,
-                 _clip_cfg(folder / "tokenizer_2", 1280, 5120, 32, 20, 1280, "gelu")),
-                ("text_encoder_3", T5EncoderModel, _t5_cfg(folder / "tokenizer_3"))]
-    elif family in FLUX2:
-        vae, encs = _flux2_parts(family, folder)
-    else:
-        vae = AutoencoderKLQwenImage()  # its defaults are Qwen-Image's VAE
-        tiny = json.loads((folder / "text_encoder" / "config.json").read_text())
-        text = {k: tiny["text_config"][k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                if k in tiny.get("text_config", {})}
-        cfg = Qwen2_5_VLConfig(
-            text_config={"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
-                         "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-                         "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
-                         "rope_parameters": {"rope_type": "default", "mrope_section": [16, 24, 24],
-                                             "rope_theta": 1000000.0}, **text},
-            vision_config={"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
-                           "out_hidden_size": 3584},
-            vocab_size=152064, hidden_size=3584,
-            **{k: tiny[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                    "vision_end_token_id") if k in tiny},
-        )
-        encs = [("text_encoder", Qwen2_5_VLForConditionalGeneration, cfg)]
-    vae = vae.to(bf16)
-    shutil.rmtree(folder / "vae")
-    vae.save_pretrained(folder / "vae", safe_serialization=True)  # small (84-127 M): built for real
-    total += sum(p.numel() * 2 for p in vae.parameters())
-    # Flux.2-dev's Mistral-3 (19 B after the cut below) in bf16 would not fit the GPU box's 64 GB disk beside the
-    # 32 GB fp8 transformer: its matrices are written in fp8 (loaded as bf16, so RAM and VRAM are bf16's)
-    matrices = torch.float8_e4m3fn if family == "flux2" else None
-    for i, (name, cls, cfg) in enumerate(encs):
-        enc = _meta(lambda cls=cls, cfg=cfg: cls(cfg))
-        total += _save(folder / name, enc, enc.config, "model", bf16, 10 + i, matrices)
-        del enc
-    return total
+        return ad.full_size_parts(folder)
+    if family == "flux":
+        return _kl_vae(0.3611, 0.1159), [
+            ("text_encoder", CLIPTextModel, _clip_cfg(folder / "tokenizer", 768, 3072, 12, 12, 768, "quick_gelu")),
+            ("text_encoder_2", T5EncoderModel, _t5_cfg(folder / "tokenizer_2"))]
+    if family == "chroma":  # Flux's VAE, T5-XXL alone
+        return _kl_vae(0.3611, 0.1159), [("text_encoder", T5EncoderModel, _t5_cfg(folder / "tokenizer"))]
+    if family == "z-image":  # Flux's VAE, Qwen3-4B (the base model without its tied head, as the pipeline loads it)
+        return _kl_vae(0.3611, 0.1159), [("text_encoder", Qwen3Model, _qwen3_4b_cfg(folder / "text_encoder"))]
+    if family == "sd3":
+        return _kl_vae(1.5305, 0.0609), [
+            ("text_encoder", CLIPTextModelWithProjection,
+             _clip_cfg(folder / "tokenizer", 768, 3072, 12, 12, 768, "quick_gelu")),
+            ("text_encoder_2", CLIPTextModelWithProjection,
+             _clip_cfg(folder / "tokenizer_2", 1280, 5120, 32, 20, 1280, "gelu")),
+            ("text_encoder_3", T5EncoderModel, _t5_cfg(folder / "tokenizer_3"))]
+    if family in FLUX2:
+        return _flux2_parts(family, folder)
+    tiny = json.loads((folder / "text_encoder" / "config.json").read_text())
+    text = {k: tiny["text_config"][k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if k in tiny.get("text_config", {})}
+    cfg = Qwen2_5_VLConfig(
+        text_config={"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                     "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                     "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+                     "rope_parameters": {"rope_type": "default", "mrope_section": [16, 24, 24],
+                                         "rope_theta": 1000000.0}, **text},
+        vision_config={"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                       "out_hidden_size": 3584},
+        vocab_size=152064, hidden_size=3584,
+        **{k: tiny[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                "vision_end_token_id") if k in tiny},
+    )
+    return AutoencoderKLQwenImage(), [("text_encoder", Qwen2_5_VLForConditionalGeneration, cfg)]  # Qwen-Image's VAE
 
 
 FLUX2 = ("flux2", "flux2-klein")
@@ -481,16 +597,61 @@ def _set(d: dict, assignment: str) -> None:
     d[last] = yaml.safe_load(value)
 
 
-def write_config(family: str, model: Path, images: Path, work: Path, res: int | None, steps: int, smoke: bool,
-                 card: int, transformer_file: str | None = None, sets: list[str] | None = None) -> Path:
+def base_config(name: str, card: int, smoke: bool) -> tuple[dict, str]:
+    """The config dict a run starts from and where it came from: the family's tiny config (--smoke) or its
+    `lora-<card>gb` preset; where that file is missing, the family's preset of the nearest card size, else
+    `fallback_config` (Wan's video presets came after this bench learned video)."""
     import yaml
 
-    name = {"qwen_image": "qwen-image"}.get(family, family)  # the registry key: configs/<key>/, tiny/<key>-lora
     if smoke:
-        d = yaml.safe_load((ROOT / "configs" / "tiny" / f"{name}-lora.yaml").read_text())
-    else:
-        d = yaml.safe_load((ROOT / "configs" / name / f"lora-{card}gb.yaml").read_text())
+        path = ROOT / "configs" / "tiny" / f"{name}-lora.yaml"
+        return (yaml.safe_load(path.read_text()), str(path)) if path.exists() else (
+            fallback_config(name, True), "built here (no tiny config)")
+    path = ROOT / "configs" / name / f"lora-{card}gb.yaml"
+    if path.exists():
+        return yaml.safe_load(path.read_text()), str(path)
+    sizes = sorted((abs(int(f.stem[5:-2]) - card), f) for f in (ROOT / "configs" / name).glob("lora-*gb.yaml")
+                   if f.stem[5:-2].isdigit())
+    if sizes:
+        return yaml.safe_load(sizes[0][1].read_text()), f"{sizes[0][1]} (no lora-{card}gb preset: the nearest card's)"
+    return fallback_config(name, False), "built here (no preset: override with --set)"
+
+
+def fallback_config(name: str, smoke: bool) -> dict:
+    """A LoRA config for a family without presets: rank 16 (tiny: 4), gradient checkpointing, AdamW; on a GPU every
+    block streamed with activation offloading and the text encoders streamed (offload.transformer 1.0,
+    offload.activations, offload.text_encoders 1.0: fits any card the planner would stream on, the slowest way);
+    `--set offload.transformer=...` etc. for the variant to measure."""
+    rank = 4 if smoke else 16
+    return {
+        "model": {"family": name, "path": "", "dtype": "fp32" if smoke else "bf16"},
+        "train": {"method": "lora", "steps": 1, "batch_size": 1, "seed": 0, "gradient_checkpointing": True},
+        "lora": {"rank": rank, "alpha": rank},
+        "optimizer": {"name": "adamw", "lr": 1e-4},
+        "data": {"sources": [], "resolutions": [64 if smoke else 1024]},
+        "offload": {} if smoke else {"transformer": 1.0, "text_encoders": 1.0, "activations": True},
+        "sample": {},
+        "output": {"dir": ""},
+    }
+
+
+def write_config(family: str, model: Path, images: Path, work: Path, res: int | None, steps: int, smoke: bool,
+                 card: int, transformer_file: str | None = None, sets: list[str] | None = None, *,
+                 clips=None, image: Path | None = None) -> Path:
+    """The run's config: `base_config` pointed at the model, the data (`images`, or for a video family the clips
+    in that folder: `clips`, a program_video.Clips, and `image`, an image-to-video family's sample image) and
+    `work`, a few steps, sampling during training on, then `sets`."""
+    import yaml
+
+    from trainer.models import adapter_class
+
+    name = {"qwen_image": "qwen-image"}.get(family, family)  # the registry key: configs/<key>/, tiny/<key>-lora
+    d, source = base_config(name, card, smoke)
+    print(f"{family} {card}gb: config from {source}", flush=True)
     d["model"]["path"] = str(model)
+    ad = adapter_class(name)
+    if ad.experts and not d["model"].get("expert"):  # a family of experts trains one per run: the first
+        d["model"]["expert"] = next(iter(ad.experts))
     if transformer_file:
         d["model"].update({"transformer_file": str(model / FILES[transformer_file]), "quantize": "fp8"})
     if res is None:  # the preset's own resolution (an 8 GB preset may train at 512 px where 1024 does not fit)
@@ -500,6 +661,10 @@ def write_config(family: str, model: Path, images: Path, work: Path, res: int | 
     d["output"] = {**d.get("output", {}), "dir": str(work / "out")}
     d["sample"] = {**d.get("sample", {}), "prompts": ["a photo of a cat"], "every": max(1, steps - 1), "steps": 2,
                    "width": res, "height": res}
+    if clips is not None:
+        from bench.program_video import video_config
+
+        video_config(d, ad, images, clips, image)
     if smoke:
         d["train"]["device"] = "cpu"
     for a in sets or ():
@@ -510,48 +675,78 @@ def write_config(family: str, model: Path, images: Path, work: Path, res: int | 
     return path
 
 
-def bench_family(family: str, work: Path, args) -> list[dict]:
+def split_variant(name: str) -> tuple[str, str | None]:
+    """`--families` entry -> (registry family, variant of its transformer or None): `wan-1.3b` is wan's 1.3b
+    (`full_variants`)."""
+    from trainer.models import ADAPTERS, adapter_class
+
+    if name in ADAPTERS or name == "qwen_image":
+        return name, None
+    for fam in ADAPTERS:
+        if name.startswith(fam + "-") and name[len(fam) + 1:] in getattr(adapter_class(fam), "full_variants", {}):
+            return fam, name[len(fam) + 1:]
+    raise SystemExit(f"--families {name}: not a family whose folder this bench writes")
+
+
+def bench_family(name: str, work: Path, args) -> list[dict]:
     """Write (or, with --keep, reuse) the family's folder, then run the commands for each of `args.card`."""
-    fam_dir = work / family
+    from trainer.models import adapter_class
+
+    family, variant = split_variant(name)
+    ad = adapter_class({"qwen_image": "qwen-image"}.get(family, family))
+    fam_dir = work / name
     fam_dir.mkdir(parents=True, exist_ok=True)
     model = fam_dir / "model"
     if args.smoke:
         from trainer.models.tiny import make_tiny_models
 
-        make_tiny_models(fam_dir / "tiny", [family])
-        model = fam_dir / "tiny" / family
-        res = 64
+        model = make_tiny_models(fam_dir / "tiny", [family])[0]
         if args.transformer_file == "fp8":  # the tiny transformer through the same writer
-            from trainer.models import adapter_class
-
-            ad = adapter_class(family)
             tcls = ad.transformer_cls
-            write_transformer_file(model, _meta(lambda: tcls.from_config(tcls.load_config(model / "transformer"))), ad)
+            meta = _meta(lambda: tcls.from_config(tcls.load_config(model / "transformer")))
+            write_transformer_file(model, meta, ad)
+            for d in set(getattr(ad, "experts", {}).values()) - {"transformer"}:  # as `write_full_folder` leaves them
+                _config_only(model / d, meta)
     elif args.keep and (model / "model_index.json").exists() and (
             args.transformer_file or any((model / "transformer").glob("diffusion_pytorch_model*"))):
-        print(f"{family}: reusing {model}", flush=True)
-        res = args.resolution
+        print(f"{name}: reusing {model}", flush=True)
         if args.transformer_file and not (model / FILES[args.transformer_file]).exists():  # only the file is new
-            from trainer.models import adapter_class
-
-            ad = adapter_class(family)
             t = time.time()
-            nbytes = write_transformer_file(model, _meta(lambda: ad.transformer_cls.from_config(ad.full_config)), ad,
+            conf = ad.full_variants[variant] if variant else ad.full_config
+            nbytes = write_transformer_file(model, _meta(lambda: ad.transformer_cls.from_config(conf)), ad,
                                             args.transformer_file)
-            print(f"{family}: wrote {nbytes / 1e9:.1f} GB ({args.transformer_file}) in {time.time() - t:.0f} s",
+            print(f"{name}: wrote {nbytes / 1e9:.1f} GB ({args.transformer_file}) in {time.time() - t:.0f} s",
                   flush=True)
     else:
         t = time.time()
-        nbytes = write_full_folder(family, model, args.transformer_file)
-        print(f"{family}: wrote {nbytes / 1e9:.1f} GB of random weights in {time.time() - t:.0f} s", flush=True)
-        res = args.resolution
-    images = write_jpegs(fam_dir / "images", args.images, res or 1024)
+        nbytes = write_full_folder(family, model, args.transformer_file, variant)
+        print(f"{name}: wrote {nbytes / 1e9:.1f} GB of random weights in {time.time() - t:.0f} s", flush=True)
+    clips, image, res = None, None, None
+    if getattr(ad, "video", False):
+        from bench.program_video import Clips, divisor, first_frame, video_size, write_clips
+
+        size = video_size(args.resolution or ("96x64" if args.smoke else "480p"), divisor(ad))
+        frames, sample_frames = (args.frames or 5, args.sample_frames or 5) if args.smoke else (
+            args.frames or 81, args.sample_frames or 9)
+        if not (ad.valid_frames(frames) and ad.valid_frames(sample_frames)):
+            raise SystemExit(f"--frames {frames} / --sample-frames {sample_frames}: {family} takes "
+                             f"{ad.frame_step}k + 1 frames")
+        clips = Clips(*size, frames, sample_frames)
+        t = time.time()
+        data = write_clips(fam_dir / "clips", args.images, clips)
+        print(f"{name}: wrote {args.images} clips of {frames + 4} frames at {size[0]}x{size[1]} in "
+              f"{time.time() - t:.0f} s", flush=True)
+        if getattr(ad, "first_frame_conditions", False):
+            image = first_frame(fam_dir / "first-frame.png", clips)
+    else:
+        res = 64 if args.smoke else None if args.resolution is None else int(args.resolution)
+        data = write_jpegs(fam_dir / "images", args.images, res or 1024)
     rows = []
     for card in args.card:
         run_dir = fam_dir / (f"{card}gb" + (f"-{args.tag}" if args.tag else ""))
-        cfg = write_config(family, model, images, run_dir, res, args.steps, args.smoke, card, args.transformer_file,
-                           args.set)
-        rows += run_commands(family, card, cfg, run_dir, args)
+        cfg = write_config(family, model, data, run_dir, res, args.steps, args.smoke, card, args.transformer_file,
+                           args.set, clips=clips, image=image)
+        rows += run_commands(name, card, cfg, run_dir, args)
     if not args.keep:
         shutil.rmtree(model, ignore_errors=True)
     return rows
@@ -626,19 +821,40 @@ def report(rows: list[dict]) -> list[str]:
     return lines
 
 
-#: the families `write_full_folder` knows the text encoders and VAE of
+#: the families `_full_parts` knows the text encoders and VAE of (others declare them: `full_size_parts`)
 WRITABLE = ("flux", "sd3", "qwen_image", "qwen-image", "flux2", "flux2-klein", "z-image", "chroma", "qwen-image-2.1", "krea2", "flux3")
+
+
+def writable() -> list[str]:
+    """WRITABLE, every family whose adapter declares `full_size_parts`, and their transformers' other sizes
+    (`full_variants`: wan-1.3b)."""
+    from trainer.models import ADAPTERS, adapter_class
+
+    out = list(WRITABLE)
+    for f in ADAPTERS:
+        cls = adapter_class(f)
+        if hasattr(cls, "full_size_parts"):
+            out += [f] * (f not in out) + [f"{f}-{v}" for v in getattr(cls, "full_variants", {})]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--families", nargs="*", default=["flux", "sd3", "qwen_image"], choices=WRITABLE,
-                    help="families whose full-size folder this script writes")
+    ap.add_argument("--families", nargs="*", default=["flux", "sd3", "qwen_image"], choices=writable(),
+                    help="families whose full-size folder this script writes (<family>-<size>: another size of its "
+                    "transformer, e.g. wan-1.3b)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/dittrain-bench-program"))
     ap.add_argument("--card", type=int, nargs="+", default=[8], help="preset card sizes in GB, run one after "
                     "another on the same folder; the VRAM cap is card - 1")
-    ap.add_argument("--resolution", type=int, default=None,
-                    help="train and sample at this size instead of each preset's own (data.resolutions)")
+    ap.add_argument("--resolution", default=None,
+                    help="train and sample at this size instead of each preset's own (data.resolutions); video "
+                    "families: 480p (832x480, the default), 720p (1280x720) or WxH, the clips' size")
+    ap.add_argument("--frames", type=int, default=None, help="video families: frames per training clip at 16 fps "
+                    "(4k + 1; default 81, smoke 5)")
+    ap.add_argument("--sample-frames", type=int, default=None, help="video families: frames per sample (during "
+                    "the fit and `dittrain sample`; default 9, smoke 5)")
+    ap.add_argument("--estimate", action="store_true", help="print each family's folder size on disk and its "
+                    "estimated write time; write and run nothing")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--images", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU (tests)")
@@ -656,6 +872,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.steps = min(args.steps, 2)
+    if args.estimate:
+        for name in args.families:
+            family, variant = split_variant(name)
+            folder = args.work / name / "estimate"
+            write_full_folder(family, folder, args.transformer_file, variant, write=False)
+            shutil.rmtree(folder, ignore_errors=True)
+        return 0
     rows = []
     for fam in args.families:
         rows += bench_family(fam, args.work, args)

@@ -345,6 +345,31 @@ def test_bench_program_smoke_runs_cache_fit_sample_and_reports_phases(tmp_path, 
     assert (tmp_path / "flux" / "8gb" / "out" / "lora.safetensors").exists()
 
 
+@pytest.mark.slow
+def test_bench_program_smoke_trains_and_samples_video_families(tmp_path):
+    """bench_program --smoke on Wan 2.1 text-to-video and Wan 2.1 image-to-video: tiny models, mp4 clips at a
+    size of their own (one bucket of 96x64 x 5 frames, uncropped), fit (caching, training, sampling during it)
+    under the phase log; the samples are videos, the image-to-video one's from the first frame. (`dittrain sample`
+    of the same families: tests/test_wan*.py.)"""
+    import subprocess
+    import sys
+
+    import yaml
+
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_program.py"), "--smoke", "--families", "wan",
+                        "wan-i2v", "--commands", "fit", "--work", str(tmp_path)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for phase in ("text caching", "latent caching", "load", "training step", "sampling"):
+        assert f"| {phase} |" in r.stdout
+    for family in ("wan", "wan-i2v"):
+        run = tmp_path / family / "8gb"
+        assert "96x64x5f         3 clips" in (run / "fit.log").read_text()
+        assert (run / "out" / "lora.safetensors").exists() and list((run / "out" / "samples").glob("step-*.mp4"))
+    cfg = yaml.safe_load((tmp_path / "wan-i2v" / "8gb" / "wan-i2v.yaml").read_text())
+    assert cfg["sample"]["image"] == str(tmp_path / "wan-i2v" / "first-frame.png") and cfg["sample"]["frames"] == 5
+
+
 @pytest.mark.gpu
 def test_a_real_cuda_out_of_memory_is_parsed_into_need_and_free():
     with pytest.raises(PhaseOutOfMemory) as e, Phase("latent caching", log=PhaseLog(), device=torch.device("cuda")):
