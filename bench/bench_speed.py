@@ -8,6 +8,7 @@ on the family's default targets, AdamW, gradient checkpointing), every row a rat
     python bench/bench_speed.py --family sd3 --out /tmp/speed_s
     python bench/bench_speed.py --family z-image --out /tmp/speed_z    # (and --family chroma) offload-0 rows
     python bench/bench_speed.py --family qwen-image-2.1 --out /tmp/speed_q21    # also krea2, flux3
+    python bench/bench_speed.py --family wan --size 832x480 --frames 81 --out /tmp/speed_w  # a 480p clip (--variant 1.3b)
     python bench/bench_speed.py --smoke --out /tmp/s                   # CPU, tiny widths: checks the script
     python bench/bench_speed.py --rows issue29 --out /tmp/s29          # issue 29's table (Flux; or --family)
     python bench/bench_speed.py --profile --family qwen_image --out /tmp/p  # profiler: dittrain vs plain, eager
@@ -44,6 +45,11 @@ Rows (in this order; `--budget-s` stops adding rows when the time is spent, the 
   Linears quantized too (`model.quantize_modulation`);
 - sampling forward (no grad): plain eager, dittrain resident compiled, dittrain streamed 1.0 compiled, and that
   with an fp8 base and with an fp8 base + modulation (bf16 vs fp8 streamed sampling in one process).
+
+Video families (Wan): `--size WxH` and `--frames` make the inputs one clip (832x480x81: latents (1, 16, 21, 60,
+104), 512 text tokens); their rows add the streamed ones (offload 1.0 + act, bf16 and fp8 base) after offload 0.
+Every model keeps its class's `_keep_in_fp32_modules` (Wan's norms) in fp32, as `from_pretrained(torch_dtype=bf16)`
+and the trainer load them.
 
 Timing: CUDA events around each step after --warmup steps (compile happens in them), median of --steps.
 "first step" is the wall time of the first step (compile included); "compile" is compiled.stats()'s forward
@@ -94,6 +100,8 @@ SMOKE = {  # tiny widths per family for --smoke (CPU)
                   joint_attention_dim=32, timestep_channels=32, axes_dims_rope=(4, 4, 4, 4)),
     "flux2": dict(num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
                   joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4)),
+    "wan": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, ffn_dim=64, text_dim=32, freq_dim=32,
+                rope_max_seq_len=64),
 }
 TARGETS29 = {  # issue 29: ratio to plain compiled ("compiled") or to the row's PCIe floor ("floor"), by row name
     "dittrain offload 0, compiled": ("compiled", 0.80),
@@ -207,6 +215,12 @@ def row_specs(family: str) -> list[dict]:
         {**ours, "name": "dittrain offload 0, compiled, old LoRA math (fp32)", "math": "fp32"},
         {**ours, "name": "dittrain offload 0, compiled, dynamic shapes", "dynamic": True},
     ]
+    if adapter_class(family).video:  # a 14 B video model: streamed from pinned RAM, bf16 and fp8 (the GPU presets')
+        rows[2:2] = [
+            {**ours, "name": "dittrain offload 1.0 + act, compiled", "fraction": 1.0, "act": True},
+            {**ours, "name": "dittrain offload 1.0 + act, fp8 base, compiled", "fraction": 1.0, "act": True,
+             "quant": "fp8"},
+        ]
     if family == "flux":
         rows += [
             {**ours, "name": "dittrain offload 0.5, eager", "fraction": 0.5, "compile": False},
@@ -216,19 +230,29 @@ def row_specs(family: str) -> list[dict]:
     return rows
 
 
-def build(family: str, dev, smoke: bool, layers: int | None = None):
+def build(family: str, dev, smoke: bool, layers: int | None = None, variant: str | None = None):
     """A random model of the family (full size, or SMOKE's widths), bf16, in training mode; `layers`: that many
-    blocks (`num_layers`) instead of the config's (two models side by side in `--profile --interleave`)."""
+    blocks (`num_layers`) instead of the config's (two models side by side in `--profile --interleave`);
+    `variant`: another full size of the family's transformer (`full_variants`: wan's 1.3b)."""
     cls = adapter_class(family)
-    conf = {**cls.full_config, **(SMOKE[family] if smoke else {})}
+    conf = {**(cls.full_variants[variant] if variant else cls.full_config), **(SMOKE[family] if smoke else {})}
     if layers:
         conf["num_layers"] = layers
     m = build_bf16(lambda: cls.transformer_cls.from_config(conf), dev)
-    return cls(), m.to(torch.bfloat16).train()
+    torch.nn.Module.to(m, torch.bfloat16)  # torch's: ModelMixin's warns that it casts the fp32 modules
+    for n, p in m.named_parameters():  # those stay fp32, as `from_pretrained(torch_dtype=bf16)` and the trainer
+        if any(k in n.split(".") for k in m._keep_in_fp32_modules or []):  # load them (Wan's norms, Krea 2's)
+            p.data = p.data.float()
+    return cls(), m.train()
 
 
-def model_inputs(adapter, m, dev, res: int):
-    kw = type(adapter).dummy_inputs(m, 1, res, res, type(adapter).text_tokens if res > 64 else 8, torch.bfloat16, dev)
+def model_inputs(adapter, m, dev, res: int, size: tuple[int, int] | None = None, frames: int | None = None):
+    """The transformer's inputs for one sample of `res` x `res` (or `size`, (width, height)); a video family's of
+    a clip of `frames` frames (Wan at 832x480x81: latents (1, 16, 21, 60, 104))."""
+    w, h = size or (res, res)
+    video = {"frames": frames} if getattr(type(adapter), "video", False) else {}
+    kw = type(adapter).dummy_inputs(m, 1, h, w, type(adapter).text_tokens if res > 64 else 8, torch.bfloat16, dev,
+                                    **video)
     for k, v in kw.items():  # the image tokens never require grad (latents)
         if isinstance(v, torch.Tensor) and v.is_floating_point() and k not in ("img_ids", "txt_ids", "attention_mask"):
             kw[k] = v * 0.5
@@ -377,8 +401,8 @@ def pcie_rate(dev) -> float | None:
 
 def run_row(spec, args, dev) -> dict:
     compiled.reset()
-    adapter, m = build(args.family, dev, args.smoke)
-    kw = model_inputs(adapter, m, dev, args.res)
+    adapter, m = build(args.family, dev, args.smoke, variant=args.variant)
+    kw = model_inputs(adapter, m, dev, args.res, args.size, args.frames)
     if spec.get("nomask"):  # a diagnostic: what the attention mask costs (a different function)
         drop_mask(kw)
     plain = spec["kind"] in ("plain", "sample-plain")
@@ -473,6 +497,12 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--family", default="flux", choices=sorted(SMOKE))
     ap.add_argument("--res", type=int, default=1024)
+    ap.add_argument("--size", default=None, help="WxH instead of --res x --res (video: the clip's pixels, e.g. "
+                    "832x480)")
+    ap.add_argument("--frames", type=int, default=None, help="video families: frames of the clip (default: the "
+                    "family's plan_frames, Wan's 81)")
+    ap.add_argument("--variant", default=None, help="another full size of the family's transformer "
+                    "(full_variants, e.g. --family wan --variant 1.3b)")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
@@ -493,7 +523,9 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.smoke:
         args.res, args.warmup, args.steps, args.rank = 64, 1, 1, 4
+        args.size, args.frames = ("96x64", 5) if adapter_class(args.family).video else (None, None)
         args.backend = args.backend or "aot_eager"
+    args.size = tuple(int(x) for x in args.size.lower().split("x")) if args.size else None
     args.backend = args.backend or "inductor"
     dev = torch.device("cpu" if args.smoke else "cuda")
     if dev.type == "cuda":
@@ -536,7 +568,10 @@ def main(argv=None) -> list[dict]:
         print(f"{r['name']}: {r['step_s']:.3f} s/step, first step {r['first_s']:.1f} s{comp}", flush=True)
     device = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()
     body = table29(rows, rate) if args.rows == "issue29" else table(rows, args.family)
-    md = (f"{args.family}, {args.res} px, LoRA r{args.rank}, {device}, "
+    shape = f"{args.size[0]}x{args.size[1]}" if args.size else f"{args.res} px"
+    if adapter_class(args.family).video:
+        shape += f" x {args.frames or adapter_class(args.family).plan_frames} frames"
+    md = (f"{args.family}{f' {args.variant}' if args.variant else ''}, {shape}, LoRA r{args.rank}, {device}, "
           f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, backend {args.backend}"
           + (f", pinned H2D {rate / 1e9:.1f} GB/s" if rate else "") + "\n\n" + body)
     print(md)

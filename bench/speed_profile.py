@@ -82,8 +82,8 @@ def _setup(spec, args, dev):
     """The row's model, optimizer and one-step function, built as bench_speed builds them; (step, handle)."""
     import bench.bench_speed as bs
 
-    adapter, m = bs.build(args.family, dev, args.smoke, getattr(args, "layers", None))
-    kw = bs.model_inputs(adapter, m, dev, args.res)
+    adapter, m = bs.build(args.family, dev, args.smoke, getattr(args, "layers", None), getattr(args, "variant", None))
+    kw = bs.model_inputs(adapter, m, dev, args.res, getattr(args, "size", None), getattr(args, "frames", None))
     if spec.get("nomask") or getattr(args, "no_mask", False):
         bs.drop_mask(kw)
     plain = spec["kind"] == "plain"

@@ -53,6 +53,25 @@ def test_bench_speed_smoke_issue29_rows(tmp_path):
     assert "dittrain offload 1.0 + act, compiled" not in {s["name"] for s in mod.issue29_specs("qwen_image")}
 
 
+def test_bench_speed_smoke_wan_reference_rows(tmp_path):
+    """Wan (issue 39): the reference rows (plain diffusers + peft, eager and compile_repeated_blocks) on a clip
+    (CPU smoke: 96x64 x 5 frames); the full-size inputs are a 480x832x81 clip's latents; the streamed rows are
+    among the family's rows, and the 1.3 B transformer is a variant of the family's."""
+    mod = bench_module("bench_speed")
+    rows = mod.main(["--smoke", "--backend", "eager", "--family", "wan", "--only", "=plain + compile_repeated_blocks",
+                     "--out", str(tmp_path)])
+    assert [r["name"] for r in rows] == ["plain diffusers + peft, bf16 LoRA, eager, resident",
+                                         "plain + compile_repeated_blocks"]
+    assert "wan, 96x64 x 5 frames, LoRA r4" in (tmp_path / "speed_wan.md").read_text()
+    adapter, m = mod.build("wan", "meta", False, variant="1.3b")
+    assert len(m.blocks) == 30 and m.blocks[0].norm2.weight.dtype == mod.torch.float32  # kept fp32, as loaded
+    kw = mod.model_inputs(adapter, m, mod.torch.device("meta"), 1024, (832, 480), 81)
+    assert tuple(kw["hidden_states"].shape) == (1, 16, 21, 60, 104) and kw["encoder_hidden_states"].shape[1] == 512
+    names = [s["name"] for s in mod.row_specs("wan")]
+    assert names[:4] == ["plain diffusers + peft, bf16 LoRA, eager, resident", "dittrain offload 0, compiled",
+                         "dittrain offload 1.0 + act, compiled", "dittrain offload 1.0 + act, fp8 base, compiled"]
+
+
 def test_bench_speed_smoke_profile(tmp_path):
     mod = bench_module("bench_speed")
     rows = mod.main(["--smoke", "--profile", "--out", str(tmp_path)])
