@@ -371,9 +371,31 @@ class ValidationConfig(_Section):
         return self
 
 
+_HEIGHT = re.compile(r"(\d+)p", re.IGNORECASE)
+
+
+def video_frame(height: int) -> tuple[int, int]:
+    """(width, height) of the 16:9 video frame `height` pixels high, the width rounded down to a multiple of 32 as
+    Wan publishes its sizes: 480 -> 832x480, 720 -> 1280x720."""
+    return int(height * 16 / 9) // 32 * 32, int(height)
+
+
+def video_resolution(name: str) -> int:
+    """`data.resolutions`' `<N>p` as a resolution: the side of the square of that frame's area (480p -> 632,
+    720p -> 960), whose buckets hold the frame itself at the video families' 16 px step."""
+    w, h = video_frame(int(_HEIGHT.fullmatch(name.strip()).group(1)))
+    return round((w * h) ** 0.5)
+
+
 class DataConfig(_Section):
     sources: list[SourceConfig] = Field(min_length=1, description="One or more image sources.")
-    resolutions: list[int] = Field(default=[512], min_length=1, description="Target side lengths; buckets keep ~res^2 pixels.")
+    resolutions: list[int] = Field(
+        default=[512],
+        min_length=1,
+        description="Target side lengths; buckets keep ~res^2 pixels (aspect buckets around the res x res square). "
+        "Video families may name a video height instead: <N>p is the area of the 16:9 frame N pixels high, its width "
+        "rounded down to a multiple of 32 as Wan's sizes are: 480p = 832x480 (632), 720p = 1280x720 (960).",
+    )
     crop: Literal["center", "random"] = Field(
         default="center",
         description="Crop after resizing to cover the bucket. random: one seeded random crop per image (from "
@@ -395,7 +417,8 @@ class DataConfig(_Section):
         default=64,
         ge=1,
         description="Bucket sides step by this many pixels (capped at resolution/4, rounded to the family's "
-        "divisor); smaller steps fit aspect ratios closer but spread images over more buckets.",
+        "divisor); smaller steps fit aspect ratios closer but spread images over more buckets. Unset, a video family "
+        "takes its own (Wan: 16, so that 832x480 is a bucket at 480p and 1280x720 at 720p).",
     )
     max_aspect: float = Field(default=4.0, ge=1.0, description="Largest bucket side ratio (long side / short side).")
     max_upscale: float = Field(
@@ -455,6 +478,14 @@ class DataConfig(_Section):
     def has_references(self) -> bool:
         """Whether the data pairs its images with reference images (`references` > 0)."""
         return self.references() > 0
+
+    @field_validator("resolutions", mode="before")
+    @classmethod
+    def _video_heights(cls, v: Any) -> Any:
+        """`480p` -> 632: the side of the square of the named frame's area (`video_frame`)."""
+        if not isinstance(v, list):
+            return v
+        return [video_resolution(r) if isinstance(r, str) and _HEIGHT.fullmatch(r.strip()) else r for r in v]
 
     @field_validator("resolutions")
     @classmethod
@@ -645,6 +676,12 @@ class Config(_Section):
             )
         if opt.stochastic_rounding and t.method != "full":
             raise ValueError("optimizer.stochastic_rounding applies to full fine-tuning only (train.method: full)")
+        if self.data is not None and "bucket_step" not in self.data.model_fields_set:  # the family's, unless set
+            from .models import adapter_class
+
+            step = adapter_class(self.model.family).bucket_step
+            if step != self.data.bucket_step:
+                self.data.bucket_step = step
         return self
 
     def digest(self) -> str:

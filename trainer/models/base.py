@@ -191,8 +191,19 @@ class ModelAdapter(ABC):
     #: pixel frames per latent frame after the first (the VAE's temporal downscale: 4 for Wan); a clip has
     #: frame_step * k + 1 frames, so the first frame is a latent frame of its own, as the causal video VAEs encode
     frame_step: ClassVar[int] = 1
-    #: frames per clip the planner's dummy inputs and the presets assume for the full-size model (1: images)
+    #: frames per clip the planner assumes where a config names none (no `data` section: `data.clip_frames` decides
+    #: otherwise); `dummy_inputs` of a video family takes `frames=` (default this) (1: images)
     plan_frames: ClassVar[int] = 1
+    #: `data.bucket_step` where a config sets none: 64 px for images (coarse steps fill batches); a video family's
+    #: clips train at batch 1 and its published sizes must be buckets (Wan's 832x480 at resolution 632 needs 16)
+    bucket_step: ClassVar[int] = 64
+    #: the full-size VAE's diffusers config (`vae_cls_name`'s constructor arguments; {}: its defaults), which the
+    #: planner builds on the meta device and runs on one clip to find the VAE's peak while it encodes or decodes a
+    #: clip (trainer/planner/vae.py); None: the per-pixel estimates of one image (trainer/planner/phases.py)
+    full_vae_config: ClassVar[dict[str, Any] | None] = None
+    #: parameters of an image encoder that sits beside the VAE while latents are cached (Wan 2.1 I2V's CLIP ViT-H:
+    #: `encode_conditions` moves it to the VAE's device), counted in the planner's latent-caching phase
+    cache_encoder_params: ClassVar[int] = 0
 
     @classmethod
     def comfy_diffusers_lora_note(cls) -> str:
@@ -352,6 +363,12 @@ class ModelAdapter(ABC):
         return (height // d) * (width // d)
 
     @classmethod
+    def full_tokens(cls, height: int, width: int, frames: int = 1) -> int:
+        """Tokens of one training item of the full-size model: `full_image_tokens` per latent frame (a clip of
+        `frames` frames has `latent_frames(frames)`; an image has one)."""
+        return cls.latent_frames(frames) * cls.full_image_tokens(height, width)
+
+    @classmethod
     def tiny_builders(cls) -> dict[str, Callable[[], Any]]:
         """{folder name: function returning a tiny random-weight diffusers pipeline of this family} that
         `dittrain make-tiny` saves (tests and the demo use them). Each family overrides it on its own class
@@ -458,7 +475,8 @@ class ModelAdapter(ABC):
     ) -> dict[str, Any]:
         """Transformer call arguments for one bucket (pixels height x width) with random values, shaped as
         `predict` builds them (the planner traces activations with them on the meta device). The image tokens do
-        not require grad (latents); the hidden states start requiring grad at the first trained layer."""
+        not require grad (latents); the hidden states start requiring grad at the first trained layer. A video
+        family's also take `frames=` (pixel frames of the clip; the planner passes `data.clip_frames`)."""
 
     @classmethod
     def reference_inputs(cls, inputs: dict[str, Any], references: int) -> dict[str, Any]:

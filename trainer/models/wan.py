@@ -127,6 +127,11 @@ class WanAdapter(DiffusersAdapter):
     text_encoder_classes = ("UMT5EncoderModel",)
     tokenizer_dirs = ("tokenizer",)
     vae_cls_name = "AutoencoderKLWan"
+    #: Wan 2.1's VAE is AutoencoderKLWan's defaults; the planner runs it on the meta device over one clip
+    full_vae_config: dict = {}
+    #: 16 px buckets (the divisor), so that Wan's sizes are buckets: 832x480 at resolution 632 (`480p`), 1280x720
+    #: at 960 (`720p`); 64 px steps would make 832x512 the 480p bucket, too tall for an 832x480 video
+    bucket_step = 16
     packs_2x2 = False
     default_scheduler = WAN_SCHEDULER
     max_sequence_length = MAX_SEQUENCE_LENGTH
@@ -182,10 +187,10 @@ class WanAdapter(DiffusersAdapter):
 
     @classmethod
     def _full_vae(cls):
-        """The family's VAE at full size (Wan 2.1's: AutoencoderKLWan's defaults)."""
+        """The family's VAE at full size (`full_vae_config`; Wan 2.1's: AutoencoderKLWan's defaults)."""
         from diffusers import AutoencoderKLWan
 
-        return AutoencoderKLWan()
+        return AutoencoderKLWan(**cls.full_vae_config)
 
     # ------------------------------------------------------------------------------------------ folder facts
 
@@ -309,11 +314,6 @@ class WanAdapter(DiffusersAdapter):
             encoder_hidden_states=torch.randn(batch, text_tokens, c.text_dim, **rnd),
             timestep=torch.ones(batch, **rnd),
         )
-
-    @classmethod
-    def full_video_tokens(cls, height: int, width: int, frames: int) -> int:
-        """Tokens the full-size transformer sees for one clip (21 x 30 x 52 = 32,760 at 480x832x81)."""
-        return cls.latent_frames(frames) * cls.full_image_tokens(height, width)
 
     # ------------------------------------------------------------------------------------------ sampling
 

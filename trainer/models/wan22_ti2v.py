@@ -72,6 +72,11 @@ class Wan22TI2VAdapter(WanAdapter):
         **WanAdapter.full_config, "num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30,
         "in_channels": 48, "out_channels": 48,
     }
+    #: Wan 2.2's VAE as the TI2V-5B folder's vae/config.json has it (the latent statistics aside: `_full_vae`), which
+    #: the planner runs on the meta device over one clip; buckets step by 32 px (data.bucket_step 16, rounded to the
+    #: divisor), so 720p is 1280x704, the size Wan 2.2 samples TI2V-5B at
+    full_vae_config = {"base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "is_residual": True, "in_channels": 12,
+                       "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4}
     #: Wan 2.2's VAE: 2x2 patchify, then 8x (base_dim 160, decoder_base_dim 256, z_dim 48, residual), counted on the
     #: meta device from that config
     vae_params = 704_688_668
@@ -89,12 +94,10 @@ class Wan22TI2VAdapter(WanAdapter):
     @classmethod
     def _full_vae(cls):
         """Wan 2.2's VAE as the Wan2.2-TI2V-5B-Diffusers folder's vae/config.json has it (diffusers'
-        scripts/convert_wan_to_diffusers.py, `vae22_diffusers_config`)."""
+        scripts/convert_wan_to_diffusers.py, `vae22_diffusers_config`): `full_vae_config` and the latent statistics."""
         from diffusers import AutoencoderKLWan
 
-        return AutoencoderKLWan(base_dim=160, decoder_base_dim=256, z_dim=48, is_residual=True, in_channels=12,
-                                out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
-                                latents_mean=VAE22_MEAN, latents_std=VAE22_STD)
+        return AutoencoderKLWan(**cls.full_vae_config, latents_mean=VAE22_MEAN, latents_std=VAE22_STD)
 
     @property
     def expand_timesteps(self) -> bool:
@@ -136,6 +139,7 @@ class Wan22TI2VI2VAdapter(Wan22TI2VAdapter, WanI2VAdapter):
     pipeline_cls = WanPipeline
     full_name, example_path = "Wan2.2-TI2V-5B (image-to-video)", "/path/to/Wan2.2-TI2V-5B-Diffusers"
     image_encoder_dir = None
+    cache_encoder_params = 0
     default_lora_targets = WanAdapter.default_lora_targets
     lora_key_map = WanAdapter.lora_key_map
 

@@ -19,8 +19,10 @@ the latent cache's stage loads the VAE alone and the conditioning is computed th
 gets them as its `image_encoder` / `image_processor`. Sampling takes `--image` (`sample.image` during a fit): the
 picture is cut to the sample's size as for an edit family and handed to the pipeline as `image`.
 
-Left out: the last-frame conditioning (`last_image`, Wan 2.1 FLF2V), `image_embeds` passed precomputed, the
-image encoder's size in the planner (CLIP ViT-H, 632 M parameters, sits with the VAE while latents are cached).
+The planner counts the image encoder (CLIP ViT-H, 0.63 B parameters) beside the VAE in the latent-caching phase
+(`cache_encoder_params`).
+
+Left out: the last-frame conditioning (`last_image`, Wan 2.1 FLF2V), `image_embeds` passed precomputed.
 """
 
 from __future__ import annotations
@@ -106,6 +108,9 @@ class WanI2VAdapter(WanAdapter):
     #: the folders of the CLIP image encoder and its processor (Wan 2.1); None: the family has none (Wan 2.2)
     image_encoder_dir: str | None = "image_encoder"
     image_processor_dir = "image_processor"
+    #: that image encoder (open-clip ViT-H/14 as a CLIPVisionModel: 32 layers of 1280) beside the VAE while latents
+    #: are cached (the planner's latent-caching phase)
+    cache_encoder_params = 630_766_080
     full_variants = {}  # Wan 2.1 I2V is 14 B only
 
     @classmethod
@@ -225,6 +230,7 @@ class Wan22A14BI2VAdapter(Wan22A14BAdapter, WanI2VAdapter):
     full_name, example_path = "Wan2.2-I2V-A14B", "/path/to/Wan2.2-I2V-A14B-Diffusers"
     full_config = {**WanAdapter.full_config, "in_channels": 36}
     image_encoder_dir = None
+    cache_encoder_params = 0
     default_lora_targets = WanAdapter.default_lora_targets  # no image cross-attention in Wan 2.2
     lora_key_map = WAN_LORA_KEYS
     default_boundary = 0.9  # Wan 2.2's wan_i2v_A14B config
