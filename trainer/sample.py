@@ -177,7 +177,7 @@ def _auto_fraction(cfg: Config, family: str, settings: SampleSettings, device: t
         say(f"offload: auto could not plan sampling ({type(e).__name__}: {e}); streaming every block (1.0)")
         return 1.0
     return choose_sampling_fraction(facts, vram_budget_gb(cfg, device), settings.width, settings.height,
-                                    cfg_batch(family, settings.guidance), log=say)
+                                    cfg_batch(family, settings.guidance), log=say, frames=settings.frames)
 
 
 def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:

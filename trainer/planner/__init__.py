@@ -14,6 +14,7 @@ imports it. Modules:
 - timing.py, replay.py: step-time costs, and the step replayed block by block over the conductor's plan;
 - measure.py: a short measurement on the user's GPU (`dittrain plan` with a GPU);
 - sampling.py: the same for the denoising loop of `dittrain sample`;
+- vae.py: what a video family's VAE holds while it encodes a clip or decodes one, counted on the meta device;
 - checkpointing.py: which blocks `train.gradient_checkpointing: auto` keeps the activations of;
 - report.py: the text `dittrain plan` prints (`report`, `run_plan`);
 - presets.py: `python -m trainer.planner.presets` writes configs/<family>/<method>-<N>gb.yaml.

@@ -18,12 +18,17 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   folder, the family's shares of its full-size encoder (trainer/planner/meta.py `text_encoder_sizes`).
 - latent caching: the VAE's weights (the family's `vae_params`) plus its encode activations of one image (batches
   are sliced), about `VAE_ACT_ENCODE` bytes per pixel (tiled above 1 MP, trainer/data/cache.py, so at most 1 MP
-  counts).
+  counts). A video family's: the VAE's encode of one clip of the training bucket (`Facts.size`), counted on the
+  meta device (vae.py: a causal chunk's working set and caches, not the clip's; reserved as measured on an H100,
+  `RESERVED_PER_COUNTED`), plus the batch of clips
+  (data.encode_batch_size) on the GPU (twice for image-to-video, which encodes [first frame, zeros] too) and an
+  image encoder that sits beside the VAE (`cache_encoder_params`: Wan 2.1 I2V's CLIP); RAM: the batch's frames.
 - training step: `predict` (prediction.py).
 - sampling: the training step's static part (ring, non-block, LoRA state) + the VAE + the pipeline's KV cache
   where it keeps one (sampling.py `kv_cache_bytes`: Qwen-Image 2.1) + the larger of the denoising forward's
   activations (sampling.py; doubled under classifier-free guidance) and the tiled decode's (512-pixel tiles above
-  512x512).
+  512x512). A video family's forward is its sample's clip (sample.width x height x frames) and its decode the
+  video VAE's, tiled as diffusers tiles it above 512x512 (vae.py).
 - checkpoint save: on the GPU what the training step reserved (the caching allocator keeps it; the save adds
   little); in RAM the training peak plus a host copy of the trained weights and optimizer state (safetensors
   writes from CPU tensors).
@@ -38,6 +43,7 @@ from .meta import TextEncoderSize, shared_sizes
 from .prediction import ALLOCATOR_OVERHEAD, GB, WORKSPACE, Facts, predict
 from .sampling import VAE_ACT_DECODE, cfg_batch, predict_sampling
 from .text import table as text_table
+from .vae import RESERVED_PER_COUNTED, clip_bytes, clip_peak
 
 #: activation bytes per image pixel at the peak of a bf16 VAE encode (128 channels at full resolution, a few live
 #: tensors; the decode: sampling.py VAE_ACT_DECODE): coarse, from diffusers' figures for 1024 px
@@ -93,33 +99,64 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     vae = adapter_class(facts.family).vae_params * esize  # the full-size VAE's parameters
     text_bytes = _text_ram(facts)
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
-    px = res * res
-    enc_act = min(px, CACHE_TILE_PIXELS) * VAE_ACT_ENCODE
-    text_vram = _text_vram(facts, te, cfg.data.encode_batch_size if cfg.data else 4)
+    encode_batch = cfg.data.encode_batch_size if cfg.data else 4
+    text_vram = _text_vram(facts, te, encode_batch)
     s = cfg.sample
     prompts_at_load = _text_vram(facts, te, 1) if s.every and s.prompts else 0.0  # encoded before the transformer
     out = [
         PhasePrediction("text caching", text_vram, text_bytes, f"offload.text_encoders {te:g}"),
-        PhasePrediction("latent caching", vae + ALLOCATOR_OVERHEAD * enc_act + WORKSPACE, vae + px * 12,
-                        "tiled" if px > CACHE_TILE_PIXELS else "untiled"),
+        _latent_caching(facts, res, vae, encode_batch),
         PhasePrediction("load", max(train.static, prompts_at_load), train.ram_peak,
                         f"offload.transformer {fraction:g}" + (", sample prompts encoded" if prompts_at_load else "")),
-        PhasePrediction("training step", train.peak_reserved, train.ram_peak, f"{res} px"),
+        PhasePrediction("training step", train.peak_reserved, train.ram_peak, _bucket(facts, res)),
     ]
     if s.every and s.prompts:
         sp = s.width * s.height
+        clip = facts.vae_config is not None  # a video family's sample: its clip, and the video VAE's decode
         # its activations (a batch of two under classifier-free guidance); the ring is the training one
-        samp = predict_sampling(facts, 0.0, int(sp**0.5), batch=cfg_batch(facts.family, s.guidance))
+        samp = predict_sampling(facts, 0.0, int(sp**0.5), batch=cfg_batch(facts.family, s.guidance),
+                                size=(s.width, s.height, s.frames) if clip else None)
         # the pipeline's KV cache (if any) lasts through the denoising loop and the decode
         sample_act = samp.peak_reserved - sum(facts.packed) - facts.nonblock_bytes - WORKSPACE - samp.kv_cache
-        dec = min(sp, SAMPLE_TILE_PIXELS) * VAE_ACT_DECODE * ALLOCATOR_OVERHEAD
+        if clip:
+            dec = RESERVED_PER_COUNTED * clip_peak(facts.family, facts.vae_config, facts.dtype, "decode", s.width,
+                                                   s.height, s.frames, tiled=sp > SAMPLE_TILE_PIXELS)
+        else:
+            dec = min(sp, SAMPLE_TILE_PIXELS) * VAE_ACT_DECODE * ALLOCATOR_OVERHEAD
+        size = f"{s.width}x{s.height}" + (f"x{s.frames}" if clip and s.frames > 1 else "")
         out.append(PhasePrediction("sampling", train.static + vae + samp.kv_cache + max(sample_act, dec) + WORKSPACE,
-                                   train.ram_peak + vae, f"every {s.every} steps, {s.width}x{s.height}"))
+                                   train.ram_peak + vae, f"every {s.every} steps, {size}"))
     state = (facts.trainable_params * 4 + facts.state_gpu) if facts.method == "lora" else model_bytes + sum(
         facts.block_states)
     out.append(PhasePrediction("checkpoint save", train.peak_reserved, train.ram_peak + state,
                                "trained weights + state; the step's reserved VRAM kept"))
     return out
+
+
+def _bucket(facts: Facts, res: int) -> str:
+    """`res` px, and for a video family the clip the planner traces there (`Facts.size`)."""
+    w, h, frames = facts.size(res)
+    return f"{res} px" + (f": {w}x{h}x{frames} clips" if adapter_class(facts.family).video else "")
+
+
+def _latent_caching(facts: Facts, res: int, vae: float, encode_batch: int) -> PhasePrediction:
+    """`dittrain cache`'s latent stage at bucket `res`: the VAE (and an image encoder beside it) and one item's
+    encode (module essay)."""
+    cls = adapter_class(facts.family)
+    if facts.vae_config is None:  # an image: bytes per pixel
+        px = res * res
+        enc_act = min(px, CACHE_TILE_PIXELS) * VAE_ACT_ENCODE
+        return PhasePrediction("latent caching", vae + ALLOCATOR_OVERHEAD * enc_act + WORKSPACE, vae + px * 12,
+                               "tiled" if px > CACHE_TILE_PIXELS else "untiled")
+    w, h, frames = facts.size(res)
+    tiled = w * h > CACHE_TILE_PIXELS
+    enc_act = clip_peak(facts.family, facts.vae_config, facts.dtype, "encode", w, h, frames, tiled=tiled)
+    # the batch of clips on the GPU (image-to-video: and its [first frame, zeros] copy); each clip encodes alone
+    clips = encode_batch * clip_bytes(w, h, frames, facts.dtype) * (2 if cls.first_frame_conditions else 1)
+    encoder = cls.cache_encoder_params * facts.dtype.itemsize
+    return PhasePrediction("latent caching", vae + encoder + clips + RESERVED_PER_COUNTED * enc_act + WORKSPACE,
+                           vae + encoder + encode_batch * frames * w * h * 12,
+                           f"{w}x{h}x{frames} clips, {'tiled' if tiled else 'untiled'}")
 
 
 #: headroom kept under the budget when choosing offload.text_encoders: the encoders' activations are the

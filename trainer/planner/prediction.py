@@ -9,8 +9,9 @@ How. Everything is derived from the model's own code and the conductor's own ari
   ring size is
   `plan.capacity_for`, the streamed blocks and the host-to-device bytes per step come from `plan.make_plan`,
   and the pinned arena is the sum of the streamed blocks' packed bytes (`HostArena` is exact);
-- activations per bucket: one forward on meta tensors of the bucket's shape counts each block's checkpoint
-  inputs and what one block's recompute saves for backward (with the attention and RMS-norm kernels modelled
+- activations per bucket: one forward on meta tensors of the bucket's shape (a video family's: a clip of
+  data.clip_frames frames in a bucket of the resolution, `Facts.size`, every latent frame's tokens) counts each
+  block's checkpoint inputs and what one block's recompute saves for backward (with the attention and RMS-norm kernels modelled
   as the GPU runs them). Backward's transients are an estimate: the working set of the block being
   differentiated is taken as its saved tensors + twice its largest saved tensor (the gradient of that tensor
   and of its producer's input coexist) + twice its input bytes (gradient in, gradient out);
@@ -76,6 +77,7 @@ from .meta import (
     transformer_config,
 )
 from .replay import simulate
+from .vae import vae_config
 
 GB = 1e9
 MIB2 = 2 << 20
@@ -138,13 +140,47 @@ class Facts:
     #: the text encoders as built from the folder (planner/meta.py `text_encoder_sizes`); None: no folder, the
     #: family's shares of `text_encoders` apply
     text_sizes: list | None = None
+    #: pixel frames of a training clip (video families: data.clip_frames, or the family's `plan_frames` without
+    #: data; 1: images). The presets generator sets it per setting, as it sets `resolutions`
+    frames: int = 1
+    #: data.bucket_step as the run resolves it (the family's own where the config sets none): a video bucket's sides
+    bucket_step: int = 64
+    #: the VAE config a video family's clip encode and decode are counted with (planner/vae.py); None: an image
+    #: family's per-pixel estimates
+    vae_config: dict | None = None
     traces: dict = field(default_factory=dict)
 
+    def size(self, res: int) -> tuple[int, int, int]:
+        """(width, height, frames) the planner traces for bucket `res`. An image family: the res x res square (the
+        presets' 512 and 1024 px buckets are exactly that). A video family: a clip of `frames` frames in the bucket
+        of `res` whose width is the multiple of the bucket step nearest res, as trainer/data/buckets.py
+        `bucket_sizes` makes it (step d = data.bucket_step capped at res/4, rounded to the divisor; height the
+        multiple of d nearest res^2 / width): 640x624 at 632 (480p), as many tokens as 832x480; 960x960 at 960
+        (720p), as many as 1280x720."""
+        cls = adapter_class(self.family)
+        if not cls.video:
+            return res, res, 1
+        div = cls.latent_scale * cls.token_patch
+        d = max(div, (min(self.bucket_step, res // 4) // div) * div)
+        w = max(d, round(res / d) * d)
+        return w, max(d, round(res * res / w / d) * d), self.frames
+
+    def tokens(self, res: int) -> int:
+        """Image (or clip) tokens of one item at bucket `res` for the full-size model (references not included)."""
+        w, h, frames = self.size(res)
+        return adapter_class(self.family).full_tokens(h, w, frames)
+
     def trace(self, res: int) -> ptrace.Trace:
-        key = (res, self.compiled)  # the presets generator flips `compiled` with `checkpointing` on one Facts
+        """The training forward at bucket `res` (`size`)."""
+        return self.trace_at(*self.size(res))
+
+    def trace_at(self, width: int, height: int, frames: int = 1) -> ptrace.Trace:
+        """The forward on one item of width x height pixels (and `frames` frames: video families), traced once."""
+        key = (width, height, frames, self.compiled)  # the presets generator flips `compiled` on one Facts
         if key not in self.traces:
             inputs = ptrace.forward_inputs(
-                self.family, self.model, self.batch, res, res, self.text_tokens, self.dtype, references=self.references
+                self.family, self.model, self.batch, height, width, self.text_tokens, self.dtype,
+                references=self.references, frames=frames,
             )
             tr = ptrace.trace_forward(self.model, self.blocks, inputs, kernels="cuda")
             self.traces[key] = pcompiled.apply_compiled(self.model, self.blocks, tr) if self.compiled else tr
@@ -204,6 +240,8 @@ def analyze(cfg) -> Facts:
     ]
     nonblock_grads = 0 if fused else sum(p.numel() * gsize for p in nonblock if p.requires_grad)
     res = sorted(set(cfg.data.resolutions)) if cfg.data is not None else [cfg.sample.width]
+    cls = adapter_class(family)
+    frames = (cfg.data.clip_frames if cfg.data is not None else cls.plan_frames) if cls.video else 1
     return Facts(
         family=family,
         source=source,
@@ -235,6 +273,9 @@ def analyze(cfg) -> Facts:
         loads_whole=stream_load.loads_whole(cfg),  # a resumed full fine-tune loads whole too; plan cannot know
         references=refs,
         compiled=cfg.train.compile is not False and cfg.train.gradient_checkpointing is not True,
+        frames=frames,
+        bucket_step=cfg.data.bucket_step if cfg.data is not None else cls.bucket_step,
+        vae_config=vae_config(cfg),
     )
 
 

@@ -52,6 +52,7 @@ def report(
     rates = rates or ptime.reference_rates()
     act = cfg.offload.activations
     big = max(facts.resolutions)
+    video = adapter_class(facts.family).video
     lines = [
         f"dittrain plan: {facts.family} {facts.method}"
         + (
@@ -61,7 +62,8 @@ def report(
             if facts.fused
             else f" ({facts.optimizer})"
         )
-        + f", batch {facts.batch}, buckets {', '.join(map(str, facts.resolutions))} px",
+        + f", batch {facts.batch}, buckets {', '.join(map(str, facts.resolutions))} px"
+        + (f", clips of {facts.frames} frames" if video else ""),
         quant.describe(cfg.model.quantize, cfg.model.quantize_modulation, cfg.model.dtype, cfg.model.fp8_matmul)
         + ("; LoRA fp32" if facts.method == "lora" else ""),
         f"model: {facts.source}",
@@ -174,7 +176,7 @@ def report(
     rows = [
         (
             "bucket",
-            "image+text tokens",
+            "clip+text tokens" if video else "image+text tokens",
             "ckpt inputs",
             "block working set",
             "other",
@@ -184,10 +186,11 @@ def report(
     ]
     for res in facts.resolutions:
         p0, p1 = predict(facts, 0.0, res, False), predict(facts, 0.0, res, True)
-        n_img = adapter_class(facts.family).full_image_tokens(res, res) * (1 + facts.references)  # + references
+        n_img = facts.tokens(res) * (1 + facts.references)  # + references
+        w, h, frames = facts.size(res)
         rows.append(
             (
-                f"{res} px",
+                f"{res} px" + (f" ({w}x{h}x{frames})" if video else ""),
                 f"{n_img}+{facts.text_tokens}",
                 _gb(p0.act_checkpoint_gpu),
                 _gb(p0.act_block),
@@ -253,7 +256,9 @@ def report(
     lines += _table(rows, width=width)
     if gpus > 1 and facts.method == "lora":
         lines += _several(facts, [f for f in fr if f > 0], big, act, rates, gpus, width)
-    lines += _sampling(facts, fr, big, rates, cfg_batch(facts.family, cfg.sample.guidance), width)
+    s = cfg.sample  # a video family samples the config's clip (`dittrain sample`'s default); images the bucket
+    clip = (s.width, s.height, s.frames) if video else None
+    lines += _sampling(facts, fr, big, rates, cfg_batch(facts.family, s.guidance), width, clip)
     lines += _phases(cfg, facts, f_show, budget, width)
     if ram_gb is not None:
         lines.append(_ram_line(facts, f_show, ram_gb, act, rates)[0])
@@ -265,7 +270,10 @@ def report(
         f"{WORKSPACE / GB:.2f} GB workspaces; the CUDA context (0.5-1 GB) comes on top",
         "- block working set = saved tensors of one block's recompute (flash attention, fused RMS norm) "
         "+ 2 x its largest saved tensor + 2 x its inputs (backward transients, estimated)",
-        f"- text tokens per caption: {facts.text_tokens}; square buckets of res x res pixels",
+        f"- text tokens per caption: {facts.text_tokens}; "
+        + (f"clips of {facts.frames} frames ({adapter_class(facts.family).latent_frames(facts.frames)} latent "
+           "frames) in the bucket of res nearest the square (data.bucket_step); the VAE's clip encode and decode "
+           "counted on the meta device" if video else "square buckets of res x res pixels"),
         "- step: the host's launches, the GPU's kernels and the conductor's copies replayed block by block "
         "over the offload plan (GPU = kernels alone, host = launches alone, PCIe = copies alone); without a GPU "
         "measurement, GPU time scales the reference by FLOPs and host time by traced operations",
@@ -324,12 +332,14 @@ def _several(facts: Facts, fractions, res: int, act: bool, rates, gpus: int, wid
     ]
 
 
-def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1, width: int | None = None) -> list[str]:
-    """`dittrain sample --offload F`: the denoising loop alone (trainer/planner/sampling.py)."""
-    base = predict_sampling(facts, 0.0, res, rates, batch)
+def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1, width: int | None = None,
+              clip: tuple[int, int, int] | None = None) -> list[str]:
+    """`dittrain sample --offload F`: the denoising loop alone (trainer/planner/sampling.py), at `res` px or, for a
+    video family, at `clip` (width, height, frames)."""
+    base = predict_sampling(facts, 0.0, res, rates, batch, size=clip)
     rows = [("fraction", "ring", "peak reserved", "untiled decode", "compute", "transfer", "s / step", "vs resident")]
     for f in sorted(set(fractions) | {1.0}):
-        p = predict_sampling(facts, f, res, rates, batch)
+        p = predict_sampling(facts, f, res, rates, batch, size=clip)
         rows.append(
             (
                 f"{f:.2f}",
@@ -342,10 +352,11 @@ def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1, width: i
                 f"{p.step_s / base.step_s:.2f}x",
             )
         )
+    where = f"{clip[0]}x{clip[1]}x{clip[2]} (sample.width x height x frames)" if clip else f"{res} px"
     return [
         "",
-        f"Sampling at {res} px, batch {batch}{' (classifier-free guidance)' if batch > 1 else ''}, denoising steps (GB, s; streamed blocks are reloaded "
-        "every step, part of the model stays resident; text encoders not included). The VAE decode after them reserves "
+        f"Sampling at {where}, batch {batch}{' (classifier-free guidance)' if batch > 1 else ''}, denoising steps (GB, s; "
+        "streamed blocks are reloaded every step, part of the model stays resident; text encoders not included). The VAE decode after them reserves "
         "'untiled decode' where it decodes as the pipeline does; `dittrain sample` decodes in 512 px tiles where that "
         "does not fit the card:",
         *_table(rows, width=width),

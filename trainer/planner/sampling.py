@@ -21,8 +21,9 @@ eager sampling keep the same share.
 
 The VAE decode at the end has its own peak (`decode_reserved`: the placed transformer, the VAE and an untiled
 decode's activations), which can exceed the denoising loop's at large sizes; `dittrain sample` decodes in 512 px
-tiles where that does not fit (trainer/sampling/placement.py). Left out: the text encoders (they run first and are
-released, trainer/sample.py).
+tiles where that does not fit (trainer/sampling/placement.py). A video family's sample is its clip (`size`: width x
+height x sample.frames, the tokens of every latent frame), and its decode is the video VAE's own, counted on the meta
+device (trainer/planner/vae.py). Left out: the text encoders (they run first and are released, trainer/sample.py).
 
 `choose_sampling_fraction` is `offload.transformer: auto` (or `--offload auto`) for `dittrain sample`: the smallest
 fraction on choose_fraction's grid (the same search, prediction.first_fit) whose denoising peak (`peak_reserved`)
@@ -39,6 +40,7 @@ from ..models import adapter_class
 from ..offload.plan import PlanError, capacity_for, plan_for
 from . import timing as ptime
 from .prediction import ALLOCATOR_OVERHEAD, GB, GRID, PREDICTION_MARGIN, WORKSPACE, _round2m, first_fit
+from .vae import RESERVED_PER_COUNTED, clip_peak
 
 #: activation bytes per image pixel at the peak of a bf16 VAE decode (128 channels at full resolution, several live
 #: tensors in the up blocks): coarse, from diffusers' figures for 1024 px; phases.py's sampling phase uses it too
@@ -78,9 +80,12 @@ def cfg_batch(family: str, guidance: float) -> int:
 
 
 def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None = None,
-                     batch: int = 1) -> SamplePrediction:
+                     batch: int = 1, size: tuple[int, int, int] | None = None) -> SamplePrediction:
+    """The denoising loop and the decode at bucket `res` (`Facts.size`: an image family's res x res), or at `size`
+    (width, height, frames): a video family's sample of `sample.frames` frames."""
     rates = rates or ptime.reference_rates()
-    tr = facts.trace(res)
+    w, h, frames = size or facts.size(res)
+    tr = facts.trace_at(w, h, frames)
     packed = facts.packed if facts.method == "lora" else facts.block_param_bytes
     if fraction <= 0.0:
         ring, moved = sum(packed), 0
@@ -92,33 +97,39 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
     reserved = _round2m(ring) + _round2m(facts.nonblock_bytes) + kv + ALLOCATOR_OVERHEAD * act + WORKSPACE
     compute = batch * (tr.linear_flops + tr.attn_flops) / ptime.forward_rate(rates, res)
     transfer = moved / rates.h2d
+    if facts.vae_config is None:  # an image: bytes per pixel
+        dec_act = ALLOCATOR_OVERHEAD * res * res * VAE_ACT_DECODE
+    else:  # a clip: the video VAE's own decode, counted on the meta device (planner/vae.py)
+        dec_act = RESERVED_PER_COUNTED * clip_peak(facts.family, facts.vae_config, facts.dtype, "decode", w, h, frames)
     decode = (_round2m(ring) + _round2m(facts.nonblock_bytes) + adapter_class(facts.family).vae_params * 2
-              + kv + ALLOCATOR_OVERHEAD * res * res * VAE_ACT_DECODE + WORKSPACE)
+              + kv + dec_act + WORKSPACE)
     return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer, decode, kv)
 
 
-def choose_sampling_fraction(facts, budget_gb: float, width: int, height: int, batch: int = 1, log=print) -> float:
+def choose_sampling_fraction(facts, budget_gb: float, width: int, height: int, batch: int = 1, log=print,
+                             frames: int = 1) -> float:
     """`dittrain sample`'s auto: the smallest grid fraction whose predicted denoising peak at max(width, height)
-    px fits `budget_gb` less PREDICTION_MARGIN; 1.0 with a warning line when none does (the prediction may be
-    pessimistic, and 1.0 is the least the transformer can hold)."""
+    px (a video family: width x height x `frames`) fits `budget_gb` less PREDICTION_MARGIN; 1.0 with a warning line
+    when none does (the prediction may be pessimistic, and 1.0 is the least the transformer can hold)."""
     res = max(width, height)
+    size = (width, height, frames) if adapter_class(facts.family).video else None
     limit = budget_gb * GB * (1 - PREDICTION_MARGIN)
     peaks: dict[float, float] = {}
 
     def peak(f: float) -> float:
         if f not in peaks:
             try:
-                peaks[f] = predict_sampling(facts, f, res, batch=batch).peak_reserved
+                peaks[f] = predict_sampling(facts, f, res, batch=batch, size=size).peak_reserved
             except PlanError:  # a block larger than the ring this fraction leaves
                 peaks[f] = math.inf
         return peaks[f]
 
     fit = first_fit(lambda f: peak(f) <= limit, GRID)
-    size = f"{width}x{height}"
+    shown = f"{width}x{height}" + (f"x{frames}" if size and frames > 1 else "")
     if fit is None:
-        log(f"offload: auto -> 1.0 for sampling {size}, but the prediction ({peak(1.0) / GB:.1f} GB) exceeds the "
+        log(f"offload: auto -> 1.0 for sampling {shown}, but the prediction ({peak(1.0) / GB:.1f} GB) exceeds the "
             f"{budget_gb:.1f} GB budget: it may run out of memory (lower --width/--height)")
         return 1.0
-    log(f"offload: auto -> {fit:g} for sampling {size} (predicted {peak(fit) / GB:.1f} GB of the "
+    log(f"offload: auto -> {fit:g} for sampling {shown} (predicted {peak(fit) / GB:.1f} GB of the "
         f"{budget_gb:.1f} GB budget)")
     return fit

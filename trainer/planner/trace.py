@@ -352,10 +352,13 @@ def forward_inputs(
     dtype: torch.dtype,
     device: str | torch.device = "meta",
     references: int = 0,
+    frames: int | None = None,
 ) -> dict:
-    """Transformer call arguments for one bucket (pixels height x width), from the family's adapter
-    (`ModelAdapter.dummy_inputs`), with `references` optional reference images joined (`reference_inputs`)."""
+    """Transformer call arguments for one bucket (pixels height x width; a video family's clip of `frames`
+    frames; None: the family's `plan_frames`), from the family's adapter (`ModelAdapter.dummy_inputs`), with
+    `references` optional reference images joined (`reference_inputs`)."""
     cls = adapter_class(family)
-    inputs = cls.dummy_inputs(transformer, batch, height, width, text_tokens, dtype, device)
+    clip = {"frames": frames} if cls.video and frames else {}
+    inputs = cls.dummy_inputs(transformer, batch, height, width, text_tokens, dtype, device, **clip)
     return cls.reference_inputs(inputs, references) if references else inputs
 
