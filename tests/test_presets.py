@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import load_config
-from trainer.models import ADAPTERS
+from trainer.models import ADAPTERS, adapter_class
 from trainer.presets import find_presets, print_presets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +93,15 @@ def test_every_preset_header_agrees_with_its_body(path):
         assert have == want, f"{path}: header says {section}.{key}: {value}, body has {have}"
     f = float(re.search(r"transformer fraction (\d+\.\d+)", head).group(1))
     assert f == pytest.approx(float(cfg.offload.transformer)), path
-    assert f"{cfg.data.resolutions[0]} px" in head and f"{cfg.data.resolutions[0]}x{cfg.data.resolutions[0]} buckets" in head
+    cls = adapter_class(cfg.model.family)
+    if cls.video:  # a clip of the presets' ladder: `<N>p` x frames, sampled at that frame and length
+        frames = cfg.data.clip_frames
+        assert re.search(rf", (\d+)p x {frames} frames\)", head) and f"clips of {frames} frames" in head, path
+        assert cfg.sample.frames == frames and f"{cfg.sample.width}x{cfg.sample.height} and the other" in head
+        assert (cfg.sample.width * cfg.sample.height) ** 0.5 == pytest.approx(cfg.data.resolutions[0], rel=0.03)
+    else:
+        assert f"{cfg.data.resolutions[0]} px" in head and f"{cfg.data.resolutions[0]}x{cfg.data.resolutions[0]} buckets" in head
+    assert (cfg.model.expert is not None) == bool(cls.experts), f"{path}: a family of experts' preset names one"
     if cfg.sample.every:
         assert f"every {cfg.sample.every} steps" in head and f"{cfg.sample.width}x{cfg.sample.height}" in head
     else:
@@ -130,7 +138,8 @@ def test_the_commented_optional_features_validate_when_uncommented(path, tmp_pat
     extra = yaml.safe_load("\n".join(line[2:] for line in block))
     merged = _merge(yaml.safe_load(text), extra)
     assert merged["train"]["ema"] and merged["data"]["sources"][0]["shuffle_tags"]
-    no_val = path.parent.name in ("qwen-image-edit", "qwen-image-edit-plus")  # not supported there
+    cls = adapter_class(yaml.safe_load(text)["model"]["family"])
+    no_val = cls.text_uses_reference or cls.video  # not supported there (qwen-image-edit, video families)
     assert ("validation" in merged["data"]) != no_val
     out = tmp_path / "c.yaml"
     out.write_text(yaml.safe_dump(merged))

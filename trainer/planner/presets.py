@@ -8,6 +8,13 @@ with it, then 512 px without / with. Within a setting it takes the smallest offl
 (`choose_fraction`). A combination where nothing fits gets no file; `configs/README.md` lists them with
 the reason. The header of each file carries the planner's predictions (VRAM, RAM, speed relative to the same
 training without offloading); they are predictions until bench/bench_plan.py measures them.
+
+A video family's (`video`) ladder is the clip instead of the side (`VIDEO_CLIPS`): 720p x 81 frames, 480p x 81,
+then fewer frames at 480p (49, 33), each without checkpointing, with it, then with activation offloading; the
+preset names its size as `data.resolutions: [480p]` (trainer/config.py `video_resolution`), samples that frame at
+the clip's length, and its header says which rung it took. A family of experts (Wan 2.2 A14B) trains the
+`model.expert` its presets name (`EXPERT`; the other has the same size) with sampling during training off: a sample
+needs every expert, which the planner does not count.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..config import Config
+from ..config import Config, video_frame, video_resolution
 from ..errors import UserError
 from ..models import ADAPTERS, adapter_class, canonical_family
 from .phases import fit_text_fraction, predict_phases
@@ -32,6 +39,13 @@ SETTINGS = (
     (512, False, True),
     (512, True, True),
 )
+# A video family's clips (video height as `<N>p`, frames), most preferred first, each tried with the three
+# (activation offloading, gradient checkpointing) settings of 1024 px above: Wan's 720p and 480p at its 81 frames
+# (5 s at 16 fps), then shorter 480p clips where nothing longer fits.
+VIDEO_CLIPS = (("720p", 81), ("480p", 81), ("480p", 49), ("480p", 33))
+VIDEO_SETTINGS = ((False, False), (False, True), (True, True))
+# the expert a family of experts' presets train (one per run; the other is the same size)
+EXPERT = "high_noise"
 # Host RAM a preset may assume: workstations with <= 24 GB cards, servers with 48 / 80 GB cards.
 RAM_GB = {8: 128, 12: 128, 16: 128, 24: 128, 48: 256, 80: 256}
 # LoRA presets for these cards switch to an fp8 base (model.quantize: fp8) where the bf16 one would not fit the
@@ -40,18 +54,47 @@ FP8_CARDS = (8, 12, 16)
 SMALL_RAM_GB = 32
 
 
+def _settings(family: str) -> list[tuple[int | str, int, bool, bool]]:
+    """(resolution, frames, activation offloading, gradient checkpointing) in order of preference: SETTINGS for an
+    image family (frames 1), VIDEO_CLIPS x VIDEO_SETTINGS for a video family."""
+    if not adapter_class(family).video:
+        return [(res, 1, act, ckpt) for res, act, ckpt in SETTINGS]
+    return [(name, frames, act, ckpt) for name, frames in VIDEO_CLIPS for act, ckpt in VIDEO_SETTINGS]
+
+
+def _size(d: dict) -> tuple[int, int]:
+    """(resolution in px, frames) a preset dict trains: its preference among the fits (larger first)."""
+    res = d["data"]["resolutions"][0]
+    return (video_resolution(res) if isinstance(res, str) else res), d["data"].get("clip_frames", 1)
+
+
+def _frame(family: str, res: int | str) -> tuple[int, int]:
+    """The sample's width and height: res x res, or a video family's `<N>p` frame (its height rounded down to the
+    family's divisor: Wan 2.2 TI2V-5B's 720p is 1280x704, as Wan 2.2 samples it)."""
+    if not isinstance(res, str):
+        return res, res
+    cls = adapter_class(family)
+    div = cls.latent_scale * cls.token_patch
+    w, h = video_frame(int(res[:-1]))
+    return w // div * div, h // div * div
+
+
 def _config(
     family: str,
     method: str,
-    res: int,
+    res: int | str,
     act: bool,
     fraction: float = 0.0,
     ckpt: bool = True,
     opt: str = "adamw",
     te: float = 0.0,
     quantize: str = "none",
+    frames: int = 1,
 ) -> dict:
     full = method == "full"
+    cls = adapter_class(family)
+    width, height = _frame(family, res)
+    expert = {"expert": EXPERT} if cls.experts else {}
     # qwen-image-edit: its captions are encoded with their reference images (~1400 vision tokens at 1024 px), so
     # one at a time; its samples need a reference image
     ref_text = adapter_class(family).text_uses_reference
@@ -59,7 +102,7 @@ def _config(
     # where a family has them) go to fp8 too (bench/RESULTS.md: loss curve unchanged on the bundled data)
     mod = {"quantize_modulation": True} if adapter_class(family).modulation_linears else {}
     return {
-        "model": {"family": family, "path": adapter_class(family).example_path, "dtype": "bf16",
+        "model": {"family": family, "path": adapter_class(family).example_path, "dtype": "bf16", **expert,
                   **({"quantize": quantize, **mod} if quantize != "none" else {})},
         "train": {
             "method": method,
@@ -77,24 +120,28 @@ def _config(
             **({"fused_back_pass": True, "max_grad_norm": None, "stochastic_rounding": True} if full else {}),
         },
         "data": {
-            "sources": [{"path": "/path/to/images"}],
+            "sources": [{"path": "/path/to/videos" if cls.video else "/path/to/images"}],
             "resolutions": [res],
-            "cache_dir": f"cache/{family}-{res}",
+            **({"clip_frames": frames} if cls.video else {}),
+            "cache_dir": f"cache/{family}-{res}" + (f"-{frames}f" if cls.video else ""),
             **({"encode_batch_size": 1} if ref_text else {}),
         },
         "offload": {"transformer": fraction, "text_encoders": te, "activations": act},
         "sample": {
-            "prompts": ["a photo of a cat sitting on a wooden table"],
+            "prompts": ["a cat walks along a wooden fence in the afternoon sun" if cls.video
+                        else "a photo of a cat sitting on a wooden table"],
             "every": 250,
             "steps": 28,
-            "width": res,
-            "height": res,
+            "width": width,
+            "height": height,
+            **({"frames": frames} if cls.video else {}),
             **adapter_class(family).sample_defaults,  # a distilled model's steps and guidance
             **({"image": "/path/to/reference.png"} if ref_text else {}),
+            **({"image": "/path/to/first-frame.png"} if cls.first_frame_conditions else {}),  # image-to-video
             # the family's own sampling settings (e.g. Qwen-Image 2.1: 40 steps without guidance)
             **adapter_class(family).sample_defaults,
         },
-        "output": {"dir": f"out/{family}-{method}"},
+        "output": {"dir": f"out/{family}-{method}" + (f"-{EXPERT}" if expert else "")},
     }
 
 
@@ -127,16 +174,19 @@ def _yaml(d: dict, indent: int = 0) -> list[str]:
 def _first_fit(family, method, card, opt, cache, quantize="none", ram_gb=None):
     budget = card - HEADROOM_GB
     last = ""
-    for res, act, ckpt in SETTINGS:
-        d0 = _config(family, method, res, act, 0.0, ckpt, opt, quantize=quantize)
+    experts = bool(adapter_class(family).experts)
+    for name, frames, act, ckpt in _settings(family):
+        d0 = _config(family, method, name, act, 0.0, ckpt, opt, quantize=quantize, frames=frames)
         d0["sample"]["every"] = 0  # the fraction for training; sampling is checked below (off if it does not fit)
         cfg = Config.model_validate(d0)
+        res = cfg.data.resolutions[0]  # a video height (480p) as the side it names (632)
         key = (family, method, opt, quantize)
         if key not in cache:
             cache[key] = analyze(cfg)
         facts = cache[key]
         # as analyze(cfg) sets them for this setting (compile auto: kept activations counted as compiled blocks')
         facts.resolutions, facts.checkpointing, facts.compiled = [res], ckpt, not ckpt
+        facts.frames = cfg.data.clip_frames if adapter_class(family).video else 1
         try:
             f = choose_fraction(cfg, budget, facts=facts, activation_offload=act, log=lambda s: None)
         except UserError as e:
@@ -146,7 +196,7 @@ def _first_fit(family, method, card, opt, cache, quantize="none", ram_gb=None):
         ram = ram_gb or RAM_GB[card]
         if p.ram_peak / 1e9 > ram:
             last = (
-                f"needs {p.ram_peak / 1e9:.0f} GB of CPU RAM at fraction {f:.2f} ({res} px), more than the "
+                f"needs {p.ram_peak / 1e9:.0f} GB of CPU RAM at fraction {f:.2f} ({_where(name, frames)}), more than the "
                 f"{ram} GB assumed beside a {card} GB card"
             )
             continue
@@ -154,18 +204,24 @@ def _first_fit(family, method, card, opt, cache, quantize="none", ram_gb=None):
         base = predict(facts, 0.0, res, False)  # the same training without offloading (checkpointed)
         facts.checkpointing, facts.compiled = ckpt, not ckpt
         te = fit_text_fraction(facts, budget)
-        d = _config(family, method, res, act, f, ckpt, opt, te, quantize)
+        d = _config(family, method, name, act, f, ckpt, opt, te, quantize, frames)
         dcfg = Config.model_validate(d)
         phases = predict_phases(dcfg, f, facts, te)
-        if any(ph.name == "sampling" and ph.vram > budget * 1e9 for ph in phases):
-            d["sample"]["every"] = 0  # sampling during training would not fit beside the ring: off
+        if experts or any(ph.name == "sampling" and ph.vram > budget * 1e9 for ph in phases):
+            # off where it would not fit beside the ring, and for a family of experts (module essay)
+            d["sample"]["every"] = 0
             phases = predict_phases(Config.model_validate(d), f, facts, te)
         if max(ph.vram for ph in phases) > budget * 1e9:
-            last = f"a phase does not fit at {res} px: " + ", ".join(
+            last = f"a phase does not fit at {_where(name, frames)}: " + ", ".join(
                 f"{ph.name} {ph.vram / 1e9:.1f} GB" for ph in phases if ph.vram > budget * 1e9)
             continue
         return d, p, min(base.step_s, p.step_s), phases
     return last or "does not fit"
+
+
+def _where(res: int | str, frames: int) -> str:
+    """A setting's size in words: 512 px, or 480p x 49 frames."""
+    return f"{res} x {frames} frames" if isinstance(res, str) else f"{res} px"
 
 
 def plan_preset(
@@ -204,7 +260,7 @@ def plan_preset(
             why = ""
     if not fits:
         return found[-1]
-    return (*min(fits, key=lambda r: (-r[0]["data"]["resolutions"][0], r[1].step_s)), why)
+    return (*min(fits, key=lambda r: (*(-n for n in _size(r[0])), r[1].step_s)), why)
 
 
 def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: float, phases: list,
@@ -224,19 +280,39 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
     big = max(phases, key=lambda ph: ph.vram)
     s = d["sample"]
     te = d["offload"]["text_encoders"]
+    cls = adapter_class(family)
+    frames = d["data"].get("clip_frames", 1)
+    clip = f"x{s['frames']}" if cls.video else ""
     sampling = (
         [f"# Sampling during training: every {s['every']} steps (sample.every: {s['every']}), {s['width']}x"
-         f"{s['height']}, through the training ring with",
+         f"{s['height']}{clip}, through the training ring with",
          "# the prompt embeddings computed up front and a tiled VAE decode (set sample.every to 0 to turn it off)."]
         if s["every"] else
+        ["# Sampling during training is off (sample.every: 0): a sample needs every expert (the other one loaded and",
+         "# streamed beside the training ring, not in these figures); use `dittrain sample` with both LoRAs afterwards."]
+        if cls.experts else
         ["# Sampling during training is off (sample.every: 0): it would not fit beside training on this card;",
          "# use `dittrain sample` afterwards."]
     )
+    if cls.video:  # the clip: the rung of VIDEO_CLIPS it took
+        size = f"{res} x {frames} frames"
+        buckets = (f"{res} clips of {frames} frames (data.clip_frames: {frames}; {s['width']}x{s['height']} and the "
+                   f"other aspect buckets of its area, {_size(d)[0]}^2 pixels a frame)")
+        ladder = ", ".join(f"{n} x {k}" for n, k in VIDEO_CLIPS)
+        rung = [f"# Clip: {size}, the largest of the presets' ladder ({ladder} frames) predicted to fit this card."]
+    else:
+        size, buckets, rung = f"{res} px", f"{res}x{res} buckets", []
+    expert = d["model"].get("expert")
+    experts = [f"# {cls.full_name} trains one expert per run: this file trains model.expert: {expert} "
+               f"({cls.experts[expert]}/); for the other expert, copy it with {next(e for e in cls.experts if e != expert)} "
+               "as model.expert and its own output.dir (the same size: the same figures)."] if expert else []
     return [
-        f"# {name} {'LoRA' if method == 'lora' else 'full fine-tune'} for {card} GB cards ({how}, {res} px)",
-        f"# trains: {what} on the transformer, {res}x{res} buckets, batch 1, bf16"
+        f"# {name} {'LoRA' if method == 'lora' else 'full fine-tune'} for {card} GB cards ({how}, {size})",
+        f"# trains: {what} on the transformer, {buckets}, batch 1, bf16"
         + (", gradient checkpointing" if ckpt else "")
         + (", frozen base in fp8 (model.quantize: fp8)" if why_fp8 else ""),
+        *rung,
+        *experts,
         *([f"# fp8 base: {why_fp8} ("
            + ("modulation Linears too: model.quantize_modulation; " if adapter_class(family).modulation_linears
               else "the modulation Linears sit outside the blocks and stay bf16; ")
@@ -266,9 +342,11 @@ OPTIONAL_MARK = "# Optional features: uncomment what you want and merge it into 
 
 def optional_features(method: str, family: str = "") -> list[str]:
     """Commented YAML showing the keys of the features most users of other trainers look for (README: Training).
-    Validation is left out for families whose captions are encoded with their reference (not supported there)."""
+    Validation is left out for families whose captions are encoded with their reference and for video families
+    (not supported there)."""
     lora = method == "lora"
-    val = not adapter_class(family).text_uses_reference if family else True
+    cls = adapter_class(family) if family else None
+    val = not (cls.text_uses_reference or cls.video) if cls else True
     body = [
         "train:",
         "  ema: {decay: 0.999, every: 1, device: cpu}  # EMA of the trained weights: "
