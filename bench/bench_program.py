@@ -13,7 +13,7 @@ model is never built in RAM); tokenizers, scheduler and model_index.json come fr
 same classes and wiring, small vocabularies whose ids all exist in the full-size embeddings). A few JPEGs. Then
 `dittrain cache`, `dittrain fit` (a few steps, sampling during training on) and `dittrain sample` run as
 subprocesses of the family's `lora-<card>gb` preset with DITTRAIN_VRAM_CAP_GB = card - 1, and the table prints per
-phase: peak reserved VRAM (from DITTRAIN_PHASE_LOG, trainer/train/phases.py), peak anonymous RSS (this process
+phase: peak reserved VRAM (from DITTRAIN_PHASE_LOG, trainer/phase_log.py), peak anonymous RSS (this process
 polls the child's RssAnon every 0.1 s and takes the maximum inside each phase's time window), and the median
 training-step time. The folder is deleted after each family (Qwen-Image is ~58 GB on disk: one family at a time)
 unless --keep, which also reuses a folder left by an earlier run. Several `--card` sizes run one after another on

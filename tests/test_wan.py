@@ -224,10 +224,11 @@ def _pipeline_frames(cfg: Config, lora: Path, seed: int) -> list[Image.Image]:
                 guidance_scale=s.guidance, generator=torch.Generator().manual_seed(seed), output_type="pil").frames[0]
 
 
-def test_sample_writes_an_mp4_and_frames_pixel_identical_to_wan_pipeline(fitted, tmp_path):
+def test_sample_writes_an_mp4_and_frames_pixel_identical_to_wan_pipeline(fitted, tmp_path, capsys):
     cfg, out = fitted
     lora = out / "lora.safetensors"
     plain = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, out=tmp_path / "plain"))
+    assert f"wrote 1 video (mp4, each with a PNG of its frames) to {tmp_path / 'plain'}" in capsys.readouterr().err
     ours = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[str(lora)], out=tmp_path / "lora"))
     mp4, sheet = ours
     assert mp4.suffix == ".mp4" and sheet.suffix == ".png" and mp4.stem == sheet.stem

@@ -231,7 +231,9 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
         )
         written.append(save_png(sheet, plan.out / SHEET_NAME, meta))
     note = f" (LoRA adapters: {', '.join(adapters)})" if adapters else ""
-    tqdm.write(f"wrote {count(len(images), 'image')} to {plan.out}{note}", file=sys.stderr)
+    videos = sum(p.suffix == ".mp4" for p in written)
+    what = f"{count(videos, 'video')} (mp4, each with a PNG of its frames)" if videos else count(len(images), "image")
+    tqdm.write(f"wrote {what} to {plan.out}{note}", file=sys.stderr)
     return written
 
 

@@ -5,7 +5,7 @@ text encoders, streamed at offload.text_encoders) and latents (the VAE), samples
 ring and LoRA state stay, the VAE comes for the call) and saves checkpoints. `predict_phases` gives each phase's
 peak reserved VRAM and peak host RAM (bytes); `fit_phases` picks offload.text_encoders so that text caching fits
 the same budget the transformer fraction was chosen for, so that the largest phase decides whether a config fits.
-The trainer logs each phase's measured peak beside these (trainer/train/phases.py).
+The trainer logs each phase's measured peak beside these (trainer/phase_log.py).
 
 How each is estimated (bf16 sizes; activations of the encoders are coarse, the bench measures them):
 - load: the transformer is read into pageable RAM, its blocks packed into the pinned arena; on the GPU the
