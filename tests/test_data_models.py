@@ -59,7 +59,7 @@ def test_run_cache_command(tmp_path, tiny_models, capsys):
     images(tmp_path / "imgs", sizes=((64, 64), (96, 64)))
     cfg = cfg_for(tmp_path, tiny_models / "flux", "flux")
     run_cache(cfg)
-    out = capsys.readouterr().err  # status lines go to stderr (README: Status)
+    out = capsys.readouterr().err  # status lines go to stderr (docs/training.md: Status)
     assert "latents 0 reused, 2 encoded" in out and "captions 0 reused, 3 encoded" in out
     assert "resolution 64" in out
     assert len(list((tmp_path / "cache" / "latents").rglob("*.safetensors"))) == 2

@@ -215,8 +215,8 @@ def _free_port() -> int:
 
 
 def test_two_node_torchrun_on_localhost_trains_through_the_cli(tiny_models, images, tmp_path):
-    """`torchrun --nnodes 2` twice on one host (one process per "node", c10d rendezvous), as the README's two-host
-    example runs it: the run ends on both nodes with one LoRA written by node 0's rank 0."""
+    """`torchrun --nnodes 2` twice on one host (one process per "node", c10d rendezvous), as docs/multi-gpu.md's
+    two-host example runs it: the run ends on both nodes with one LoRA written by node 0's rank 0."""
     out, cache = tmp_path / "out", tmp_path / "cache"
     cfg = _cfg(tiny_models, images, out, cache, world=2, steps=2, checkpoint_every=0)
     path = tmp_path / "cfg.yaml"

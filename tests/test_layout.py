@@ -1,4 +1,4 @@
-"""The package boundaries the architecture promises (README "Architecture"), read from the source with `ast`, and
+"""The package boundaries the architecture promises (docs/architecture.md), read from the source with `ast`, and
 the family facts every model adapter must provide.
 
 - trainer/offload/ (the conductor) imports nothing from the planner, the config or the model adapters;
@@ -11,8 +11,8 @@ the family facts every model adapter must provide.
 - no import cycle anywhere in trainer/, imports inside functions counted (but not `if TYPE_CHECKING:` ones),
   apart from the listed cycles inside a package that predate this test; none at all between the packages and
   top-level modules of trainer/ (trainer.data, trainer.quant, ...);
-- those packages form the layers of README "What each package owns and may import", each importing only from the
-  layers below, and each package imports only what that section says it may (nothing but train/, sample.py, the
+- those packages form the layers of docs/architecture.md "What each package owns and may import", each importing
+  only from the layers below, and each package imports only what that section says it may (nothing but train/, sample.py, the
   CLI, sampling/placement.py and captioning/ imports the planner);
 - every registered family declares the facts of trainer/models/base.py, its own tiny builders, and its
   spellings resolve (`canonical_family`).
@@ -380,8 +380,8 @@ def test_the_package_cycle_check_sees_a_cycle_no_module_cycle_shows(tmp_path):
     assert not cycles(package_graph(import_graph(root)))
 
 
-#: README "What each package owns and may import": the layers, bottom first. A package or top-level module of
-#: trainer/ imports only from layers below its own; a new one takes its place here (and in the README).
+#: docs/architecture.md "What each package owns and may import": the layers, bottom first. A package or top-level module of
+#: trainer/ imports only from layers below its own; a new one takes its place here (and in docs/architecture.md).
 LAYERS = (
     {"offload", "errors", "atomic", "dtypes", "words", "progress"},
     {"phase_log"},

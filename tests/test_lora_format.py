@@ -141,7 +141,7 @@ def test_diffusers_layout_loads_the_trained_update_everywhere(tiny_models, tmp_p
     for m in mods:
         torch.testing.assert_close(got[m], want[m], rtol=1e-5, atol=1e-5)
 
-    if kind != "dora":  # ComfyUI drops peft's DoRA magnitudes (README); the rest loads as below
+    if kind != "dora":  # ComfyUI drops peft's DoRA magnitudes (docs/lora-files.md); the rest loads as below
         comfy = comfy_style_deltas(out)
         for m, d in peft_deltas(t).items():
             torch.testing.assert_close(comfy[f"transformer.{m}"], d, rtol=1e-5, atol=1e-6)

@@ -115,7 +115,7 @@ class LoraConfig(_Section):
         default="lora",
         description="Adapter kind, through peft: lora (B @ A), lokr (Kronecker product, LyCORIS LoKr) or loha "
         "(Hadamard product of two low-rank pairs, LyCORIS LoHa). lora loads with diffusers' load_lora_weights; "
-        "lokr and loha load with peft (the README and the log say how) and with `dittrain sample --lora`.",
+        "lokr and loha load with peft (docs/training.md and the log say how) and with `dittrain sample --lora`.",
     )
     dora: bool = Field(
         default=False,

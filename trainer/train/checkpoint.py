@@ -258,7 +258,7 @@ def base_weights(model_cfg):
 
 
 def lycoris_loading_hint(path: Path, kind: str, fmt: str, comfy_note: str) -> str:
-    """Which loaders take a LoKr / LoHa file (README: LoRA kinds): not diffusers' `load_lora_weights` (it refuses
+    """Which loaders take a LoKr / LoHa file (docs/training.md: LoRA kinds): not diffusers' `load_lora_weights` (it refuses
     them for most pipelines); `dittrain sample`, peft, and ComfyUI's LoRA loader (`comfy_note`: the family's
     `comfy_diffusers_lora_note`, for the diffusers layout)."""
     if fmt != "diffusers":
