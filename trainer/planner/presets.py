@@ -341,7 +341,7 @@ OPTIONAL_MARK = "# Optional features: uncomment what you want and merge it into 
 
 
 def optional_features(method: str, family: str = "") -> list[str]:
-    """Commented YAML showing the keys of the features most users of other trainers look for (README: Training).
+    """Commented YAML showing the keys of the features most users of other trainers look for (docs/training.md).
     Validation is left out for families whose captions are encoded with their reference and for video families
     (not supported there)."""
     lora = method == "lora"
@@ -369,7 +369,7 @@ def optional_features(method: str, family: str = "") -> list[str]:
         *(["output:", "  save_every: 500                           # also keep the LoRA of every 500th step"]
           if lora else []),
     ]
-    return ["", OPTIONAL_MARK, "# (README, Training, says what each does):", *("# " + line for line in body)]
+    return ["", OPTIONAL_MARK, "# (docs/training.md says what each does):", *("# " + line for line in body)]
 
 
 def main(argv: list[str] | None = None) -> int:
