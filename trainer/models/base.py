@@ -133,6 +133,12 @@ class ModelAdapter(ABC):
     #: SDPA's backends (auto, flash, efficient, math): Chroma's `flash` and `flex`. The trainer refuses the others
     #: (trainer/train/trainer.py `check_attention`)
     own_attention: ClassVar[tuple[str, ...]] = ()
+    #: names, relative to a block (`block.get_submodule`), of the block's token-wise sub-layers, called with the
+    #: tokens first, (B, S, D), where each token's output depends on that token alone (feed-forwards; a
+    #: cross-attention whose queries are the tokens): `offload.nano_batches: N` runs them in N token chunks, each
+    #: recomputed in backward (trainer/offload/nano.py), and the planner counts one chunk's hidden activations
+    #: instead of the whole sequence's. None: every diffusers `FeedForward` inside the block
+    token_wise: ClassVar[tuple[str, ...] | None] = None
 
     # ------------------------------------------------------------------------------------------ text encoders
 
@@ -405,6 +411,13 @@ class ModelAdapter(ABC):
         """The transformer's blocks in execution order: the units offloading and checkpointing wrap. A family with
         blocks that run only on reference images lists them when `self.references` (a block left out sits with the
         non-block modules, resident, and still runs if called)."""
+
+    @classmethod
+    def token_wise_of(cls, block: nn.Module) -> list[nn.Module]:
+        """The token-wise feed-forward modules of one block (`token_wise`)."""
+        if cls.token_wise is None:
+            return [m for m in block.modules() if type(m).__name__ == "FeedForward" and m is not block]
+        return [block.get_submodule(n) for n in cls.token_wise]
 
     def lora_targets(self) -> tuple[str, ...]:
         """The peft targets when lora.targets is null: `default_lora_targets`, plus what a family trains only with

@@ -158,6 +158,9 @@ class WanAdapter(DiffusersAdapter):
     #: the blocks' scale / shift / gate come from a Parameter (`scale_shift_table`) plus the shared `time_proj`
     #: outside the blocks: no block Linear is a modulation Linear
     modulation_linears = ""
+    #: the block's FeedForward (5120 -> 13824 -> 5120 at 14 B: its hidden is the largest tensor a block saves) and
+    #: its cross-attention (each video token's query attends to the text alone: its q and output are per token)
+    token_wise = ("attn2", "ffn")
     vae_params = 126_892_531  # AutoencoderKLWan (Wan 2.1's VAE)
     sampling_uses_negative = True
     sample_defaults = {"guidance": 5.0, "steps": 50}

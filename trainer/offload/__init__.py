@@ -9,6 +9,7 @@ Public interface (everything else in this package is internal):
         mode="train",           # "train": forward then backward; "sample": cyclic forward
         activations=False,      # offload checkpoint inputs to pinned RAM (training)
         nano_batches=1,         # split token-wise MLPs (diffusers FeedForward) into this many checkpointed chunks
+        nano_mlps=None,         # block -> its token-wise MLPs (the family's `token_wise_of`; None: every FeedForward)
         trainable=False,        # True: block weights are trained (full fine-tune, needs a fused back pass)
         checkpointing=None,     # default: True in "train"; per-block torch.utils.checkpoint(use_reentrant=False);
                                 #   a list of bools: per block (a streamed block must be checkpointed)
@@ -158,6 +159,7 @@ def attach_offload(
     mode: str = "train",
     activations: bool = False,
     nano_batches: int = 1,
+    nano_mlps=None,
     trainable: bool = False,
     checkpointing: bool | None | list[bool] = None,
     optimizer_state=(),
@@ -175,7 +177,8 @@ def attach_offload(
     """Install streaming on `blocks`; see the module docstring. `training` is an alias of `mode`;
     `_release_at_recompute` reproduces the OneTrainer race (tests prove the race detector catches it);
     `min_ring_blocks`: the ring holds at least this many of the largest block (2: one computing, one arriving;
-    more loads further ahead and keeps more blocks across the turn, at that many blocks' VRAM)."""
+    more loads further ahead and keeps more blocks across the turn, at that many blocks' VRAM); `nano_mlps`: a
+    function of a block giving its token-wise MLPs to split into `nano_batches` (None: every FeedForward)."""
     if training is not None:
         mode = "train" if training else "sample"
     blocks = list(blocks)
@@ -196,5 +199,5 @@ def attach_offload(
     # `fill`, `share` and `gather` once: a later re-plan (set_mode, one process) copies the real tensors into a
     # private arena and loads whole blocks
     c = Conductor(blocks, device, fraction, fill=fill, share=share, gather=gather, **kwargs)
-    block.install(blocks, c, nano_batches, compiled.options(compile))
+    block.install(blocks, c, nano_batches, compiled.options(compile), nano_mlps)
     return OffloadHandle(c, blocks, kwargs)

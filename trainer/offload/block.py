@@ -166,13 +166,13 @@ class StreamedBlock:
 
 
 def install(blocks: list[nn.Module], conductor, nano_batches: int = 1,
-            compile: compiled.CompileOptions | None = None) -> None:
-    """Make every block a StreamedBlock bound to `conductor` (and split its token-wise MLPs into
-    `nano_batches`; compile each block class's forward with `compile`)."""
+            compile: compiled.CompileOptions | None = None, nano_mlps=None) -> None:
+    """Make every block a StreamedBlock bound to `conductor` (and split its token-wise MLPs, `nano_mlps(block)`
+    or every FeedForward, into `nano_batches`; compile each block class's forward with `compile`)."""
     from .nano import split_mlps
 
     for i, b in enumerate(blocks):
-        split_mlps(b, nano_batches)
+        split_mlps(b, nano_batches, nano_mlps(b) if nano_mlps is not None else None)
         swap_class(b, StreamedBlock, "Streamed")
         b.bind(conductor, i)
         b._offload_compile = compile

@@ -1,14 +1,31 @@
-"""Nano-batching (seed 004): split token-wise MLPs into chunks, each under its own checkpoint.
+"""Nano-batching (seed 004; offload.nano_batches): split token-wise sub-layers into token chunks, each under its
+own checkpoint.
 
 Inside a checkpointed block the MLP's wide intermediate (4 x hidden for every token) is what peaks in the
 block's backward. A diffusers `FeedForward` acts on each token independently, so splitting the token axis into
 n chunks and checkpointing each chunk keeps only one chunk's intermediate alive at a time: that peak falls by
-n for one more MLP forward per chunk. Results are the same up to the matmul kernel picked for the smaller
-shape (bitwise on the CPU in our tests).
+n for one more MLP forward per chunk. The same holds for any sub-layer whose output for a token depends on that
+token alone and which takes the tokens first, (B, S, D): a cross-attention whose queries are the tokens (Wan's
+attn2; its keys and values, the text's, are made again per chunk). The forward is the same up to the matmul
+kernel picked for the smaller shape (bitwise on the CPU); the sub-layers' weight gradients are sums over chunks,
+so they differ by fp32 reassociation (tests/test_nano_batches.py).
 
 How. A stage of the block's StreamedBlock install (trainer/offload/block.py): every FeedForward inside the block
 becomes a `NanoBatched` subclass of its class (the same class swap, so module names and state-dict keys stay),
 whose forward splits and then calls the MLP's own forward per chunk; `block.remove` restores the class.
+
+Which modules: the family's declaration (trainer/models/base.py `token_wise`, handed to `attach_offload` as
+`nano_mlps`), else every diffusers `FeedForward` in the block. The planner counts the saving
+(trainer/planner/trace.py `chunk_mlps`): the block's recompute no longer saves the sub-layers' hidden activations
+for the whole sequence, only their inputs; backward recomputes one chunk's at a time. In Wan 2.1 14B at 480p x 81
+(32,760 tokens, fp8 base) a block's recompute saves 8.5 GB, of which the feed-forward's hidden is 1.8 GB (the
+GELU's bf16 input and output, 13,824 wide: the two largest tensors) and the cross-attention's per-token tensors
+(q, output, their projections' inputs) 1.0 GB.
+
+Under train.compile the block's compiled forward (trainer/offload/compiled.py) traces the chunks and their
+checkpoints as torch.compile's activation-checkpoint regions, and AOTAutograd recomputes each chunk in the compiled
+backward: the same numbers as eager (aot_eager on the CPU, tests/test_nano_batches.py). That inductor's backward
+holds one chunk's hidden at a time, as eager does, is what the planner assumes, not yet measured.
 
 Left out: MLPs written inline in a block's forward (Flux's single blocks) are not split.
 """
@@ -43,11 +60,11 @@ class NanoBatched:
         return torch.cat(outs, dim=1)
 
 
-def split_mlps(block: nn.Module, n: int) -> None:
-    """Make every FeedForward inside `block` run in `n` token chunks (n <= 1: nothing)."""
+def split_mlps(block: nn.Module, n: int, mlps: list[nn.Module] | None = None) -> None:
+    """Make the token-wise MLPs `mlps` of `block` (None: every diffusers FeedForward inside it; a family declares
+    its own, trainer/models/base.py `token_wise`) run in `n` token chunks (n <= 1: nothing)."""
     if n <= 1:
         return
-    for m in list(block.modules()):
-        if _is_token_mlp(m):
-            swap_class(m, NanoBatched, "NanoBatched")
-            m._nano_batches = n
+    for m in (mlps if mlps is not None else [m for m in block.modules() if _is_token_mlp(m)]):
+        swap_class(m, NanoBatched, "NanoBatched")
+        m._nano_batches = n

@@ -139,13 +139,14 @@ def _checkpointed(block: nn.Module, index: int, activations: ActivationOffloader
 
 def shard(transformer: nn.Module, blocks: list[nn.Module], device: torch.device, *, offload: bool,
           checkpointed: bool | list[bool], compile: bool, loader=None, master: torch.dtype | None = None,
-          activations: bool = False, nano_batches: int = 1) -> ActivationOffloader | None:
+          activations: bool = False, nano_batches: int = 1, nano_mlps=None) -> ActivationOffloader | None:
     """Make `transformer` FSDP2 units across the default process group (see the module essay). `loader`: the
     stream_load.TransformerLoader whose placeholders fill block by block (None: the weights are already on the
     CPU). `checkpointed`: per block, or one bool for all. `master`: keep the shards in this dtype (fp32 for a
     full fine-tune of bf16 weights) and compute in the weights' own dtype. `activations`: the checkpointed
     blocks' inputs go to CPU RAM (returns the offloader: close it after training); `nano_batches`: each block's
-    token-wise MLPs run in that many checkpointed chunks (trainer/offload/nano.py)."""
+    token-wise MLPs (`nano_mlps(block)`: the family's `token_wise_of`; None: every FeedForward) run in that many
+    checkpointed chunks (trainer/offload/nano.py)."""
     world = tdist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
@@ -159,7 +160,7 @@ def shard(transformer: nn.Module, blocks: list[nn.Module], device: torch.device,
                 loader.place(b, torch.device("cpu"))  # this block's whole tensors, dropped once sharded
             if master is not None:
                 b.to(master)
-            split_mlps(b, nano_batches)
+            split_mlps(b, nano_batches, nano_mlps(b) if nano_mlps is not None else None)
             if ckpt:
                 _checkpointed(b, i, offloader)
             if compile:

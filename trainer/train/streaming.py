@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config
+from ..models import adapter_class
 from ..offload import CompileOptions, attach_offload, move_outside_blocks
 from ..offload.allocators import SharedArena
 from ..offload.gather import SliceGather
@@ -111,7 +112,8 @@ def place_blocks(transformer, blocks, cfg: Config, device: torch.device, fractio
         return None
     handle = attach_offload(
         blocks, device, fraction, mode="train", activations=cfg.offload.activations and device.type == "cuda",
-        nano_batches=cfg.offload.nano_batches, trainable=method.streams_trainable,
+        nano_batches=cfg.offload.nano_batches, nano_mlps=adapter_class(cfg.model.family).token_wise_of,
+        trainable=method.streams_trainable,
         checkpointing=checkpoint_policy(cfg, device, fraction), optimizer_state=method.optimizer_state_layout(optim),
         compile=compile_options(cfg, device, shapes) or False,
         fill=fill, pinned_budget=_gb(cfg.offload.pinned_budget_gb), share=share, gather=gather,

@@ -279,7 +279,7 @@ class Trainer(Saving):
                 checkpointed=streaming.checkpoint_policy(cfg, self.device, self.fraction),
                 compile=streaming.compiles(cfg, self.device), master=self._master_dtype(),
                 activations=cfg.offload.activations and self._can_stream(),  # as one process: only on a GPU
-                nano_batches=cfg.offload.nano_batches)
+                nano_batches=cfg.offload.nano_batches, nano_mlps=self.adapter.token_wise_of)
             self._loader = None
             self.params = sharded.trainable(self.transformer)  # FSDP2's DTensor parameters replaced the originals
             self.optim = optimizer_for(cfg, self.params, self.dist, sharded=self.transformer)
