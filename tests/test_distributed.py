@@ -184,28 +184,75 @@ def images(tmp_path_factory):
 # ---------------------------------------------------------------------------------------------- tests
 
 
-def test_two_processes_train_lora_like_one_and_checkpoints_cross_world_sizes(tiny_models, images, tmp_path, one_thread):
-    cache = tmp_path / "cache"
-    ref = tmp_path / "ref"
-    Trainer(_cfg(tiny_models, images, ref, cache)).fit()  # 1 process, grad_accum 2; fills the cache
-    ref_w = _weights(ref, "lora")
+@pytest.fixture(scope="module")
+def launched(tiny_models, images, tmp_path_factory):
+    """The four 2-process tests below in one launch: their 1-process references first (each filling its test's
+    data cache, as the 2-process jobs then find it), then every job of theirs in the same two processes, one after
+    another (a launch imports torch and diffusers in both processes and loads the model: ~10-20 s of 2 cores).
+    The stop and non-finite jobs run last. -> {test: (its folder, rank 0's results, rank 1's)}."""
+    root = tmp_path_factory.mktemp("launched")
+    lora, shard, full, stop = (root / n for n in ("lora", "sharded", "full", "stop"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        Trainer(_cfg(tiny_models, images, lora / "ref", lora / "cache")).fit()  # grad_accum 2; fills the cache
+        Trainer(_cfg(tiny_models, images, shard / "ref", shard / "cache", steps=3, checkpoint_every=0)).fit()
+        Trainer(_cfg(tiny_models, images, full / "ref", full / "cache", "full", steps=2,
+                     checkpoint_every=0)).fit()  # unfused, accumulates
+    finally:
+        torch.set_num_threads(before)
 
-    two, resumed2 = tmp_path / "two", tmp_path / "resumed-in-two"
-    cfg2 = _cfg(tiny_models, images, two, cache, world=2)
+    cfg2 = _cfg(tiny_models, images, lora / "two", lora / "cache", world=2)
     cfg2 = cfg2.model_copy(update={
         "offload": cfg2.offload.model_copy(update={"transformer": 0.5}),
         "output": cfg2.output.model_copy(update={"tensorboard": True}),
         "sample": cfg2.sample.model_copy(update={"every": 4, "prompts": ["a red square"], "steps": 2, "width": 64,
                                                  "height": 64}),
     })
-    jobs = [
-        {"cfg": cfg2.model_dump(mode="json"), "stream": True},
-        {"cfg": _cfg(tiny_models, images, resumed2, cache, world=2).model_dump(mode="json"),
-         "resume": str(ref / "checkpoints" / "step-000002")},
-        {"cfg": _cfg(tiny_models, images, tmp_path / "accum2", cache, world=2, steps=2, grad_accum=2,
-                     checkpoint_every=0).model_dump(mode="json")},
-    ]
-    r0, r1 = _run_two(jobs, tmp_path)
+    cfg_sh = _cfg(tiny_models, images, shard / "two", shard / "cache", world=2, steps=3, checkpoint_every=0)
+    cfg_sh = cfg_sh.model_copy(update={
+        "offload": cfg_sh.offload.model_copy(update={"transformer": 1.0, "sharded_stream": True}),
+        "sample": cfg_sh.sample.model_copy(update={"every": 2, "prompts": ["a red square"], "steps": 2, "width": 64,
+                                                   "height": 64}),
+    })
+    cfg_f = _cfg(tiny_models, images, full / "two", full / "cache", "full", world=2, steps=2, checkpoint_every=0)
+    assert cfg_f.optimizer.fused_back_pass
+    cfg_fs = _cfg(tiny_models, images, full / "streamed", full / "cache", "full", world=2, steps=2,
+                  checkpoint_every=0)
+    cfg_fs = cfg_fs.model_copy(update={"offload": cfg_fs.offload.model_copy(update={"transformer": 0.5})})
+    jobs = {  # the unstreamed full fine-tune first: "stream" patches Trainer for the rest of the process
+        "full-fused": [{"cfg": cfg_f.model_dump(mode="json")}],
+        "lora": [
+            {"cfg": cfg2.model_dump(mode="json"), "stream": True},
+            {"cfg": _cfg(tiny_models, images, lora / "resumed-in-two", lora / "cache", world=2).model_dump(mode="json"),
+             "resume": str(lora / "ref" / "checkpoints" / "step-000002")},
+            {"cfg": _cfg(tiny_models, images, lora / "accum2", lora / "cache", world=2, steps=2, grad_accum=2,
+                         checkpoint_every=0).model_dump(mode="json")},
+        ],
+        "sharded": [{"cfg": cfg_sh.model_dump(mode="json"), "stream": True}],
+        "full-streamed": [{"cfg": cfg_fs.model_dump(mode="json"), "stream": True}],
+        "stop": [
+            {"cfg": _cfg(tiny_models, images, stop / "stop", stop / "cache", world=2,
+                         checkpoint_every=0).model_dump(mode="json"), "stop_after": 1},
+            {"cfg": _cfg(tiny_models, images, stop / "nan", stop / "cache", world=2).model_dump(mode="json"),
+             "nan_at": 2},
+        ],
+    }
+    r0, r1 = _run_two([j for js in jobs.values() for j in js], root, timeout=900)
+    out, i = {}, 0
+    for name, js in jobs.items():
+        out[name] = (r0[i:i + len(js)], r1[i:i + len(js)])
+        i += len(js)
+    full_r = tuple(a + b for a, b in zip(out.pop("full-fused"), out.pop("full-streamed"), strict=True))
+    dirs = {"lora": lora, "sharded": shard, "full": full, "stop": stop}
+    return {name: (dirs[name], *rs) for name, rs in {**out, "full": full_r}.items()}
+
+
+def test_two_processes_train_lora_like_one_and_checkpoints_cross_world_sizes(tiny_models, images, launched,
+                                                                               one_thread):
+    tmp, r0, r1 = launched["lora"]
+    cache, ref, two = tmp / "cache", tmp / "ref", tmp / "two"
+    ref_w = _weights(ref, "lora")
     assert all(i["error"] is None for i in r0 + r1), (r0, r1)
     assert r0[0]["buckets"] > 1
 
@@ -218,7 +265,7 @@ def test_two_processes_train_lora_like_one_and_checkpoints_cross_world_sizes(tin
     _assert_equal(_weights(two, "lora"), ref_w)
     assert losses(two) == pytest.approx(losses(ref), rel=1e-6, abs=0)
     # A 1-process checkpoint resumed in 2 processes ends where the 1-process run did.
-    _assert_equal(_weights(resumed2, "lora"), ref_w)
+    _assert_equal(_weights(tmp / "resumed-in-two", "lora"), ref_w)
 
     # Rank 0 alone writes: one metrics line per step, one TensorBoard event file, complete checkpoints only.
     assert (r0[0]["monitor"], r1[0]["monitor"]) == (True, False)
@@ -233,74 +280,48 @@ def test_two_processes_train_lora_like_one_and_checkpoints_cross_world_sizes(tin
     assert state["data"]["position"] == 4  # global: 2 steps x 2 processes x 1 micro-batch
 
     # A 2-process checkpoint resumed in 1 process ends where the 1-process run did.
-    resumed1 = tmp_path / "resumed-in-one"
+    resumed1 = tmp / "resumed-in-one"
     Trainer(_cfg(tiny_models, images, resumed1, cache), resume=str(two / "checkpoints" / "step-000002")).fit()
     _assert_equal(_weights(resumed1, "lora"), ref_w)
 
     # Accumulation in several processes (buckets launched only after the last micro-batch): 2 x grad_accum 2 is
     # 1 x grad_accum 4, to rounding (the micro-batch gradients are summed in another order).
-    accum4 = tmp_path / "accum4"
+    accum4 = tmp / "accum4"
     Trainer(_cfg(tiny_models, images, accum4, cache, steps=2, grad_accum=4, checkpoint_every=0)).fit()
-    a, b = _weights(tmp_path / "accum2", "lora"), _weights(accum4, "lora")
+    a, b = _weights(tmp / "accum2", "lora"), _weights(accum4, "lora")
     for k in b:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
 
 
-def test_the_sharded_stream_trains_like_one_process_and_joins_rank_0s_sampling(tiny_models, images, tmp_path,
-                                                                                 one_thread):
+def test_the_sharded_stream_trains_like_one_process_and_joins_rank_0s_sampling(launched):
     """offload.sharded_stream (trainer/offload/gather.py): each process copies half of every load and gathers the
     other half; the LoRA is bitwise the 1-process one at the same global batch, and rank 0's sampling during
     training (every load a collective) is joined by rank 1 (sharded.Lockstep), so neither waits forever."""
-    cache, ref, two = tmp_path / "cache", tmp_path / "ref", tmp_path / "two"
-    Trainer(_cfg(tiny_models, images, ref, cache, steps=3, checkpoint_every=0)).fit()
-    cfg2 = _cfg(tiny_models, images, two, cache, world=2, steps=3, checkpoint_every=0)
-    cfg2 = cfg2.model_copy(update={
-        "offload": cfg2.offload.model_copy(update={"transformer": 1.0, "sharded_stream": True}),
-        "sample": cfg2.sample.model_copy(update={"every": 2, "prompts": ["a red square"], "steps": 2, "width": 64,
-                                                 "height": 64}),
-    })
-    r0, r1 = _run_two([{"cfg": cfg2.model_dump(mode="json"), "stream": True}], tmp_path)
+    tmp, r0, r1 = launched["sharded"]
     assert all(i["error"] is None for i in r0 + r1), (r0, r1)
     assert r0[0]["arena"]["gathered_by"] == r1[0]["arena"]["gathered_by"] == 2
-    _assert_equal(_weights(two, "lora"), _weights(ref, "lora"))
-    assert [p.name for p in (two / "samples").iterdir()] == ["step-000002-0.png"]
+    _assert_equal(_weights(tmp / "two", "lora"), _weights(tmp / "ref", "lora"))
+    assert [p.name for p in (tmp / "two" / "samples").iterdir()] == ["step-000002-0.png"]
 
 
-def test_two_processes_full_finetune_with_the_fused_back_pass_like_one(tiny_models, images, tmp_path, one_thread):
-    cache = tmp_path / "cache"
-    ref = tmp_path / "ref"
-    Trainer(_cfg(tiny_models, images, ref, cache, "full", steps=2, checkpoint_every=0)).fit()  # unfused, accumulates
-
-    two, streamed = tmp_path / "two", tmp_path / "streamed"
-    cfg = _cfg(tiny_models, images, two, cache, "full", world=2, steps=2, checkpoint_every=0)
-    assert cfg.optimizer.fused_back_pass
-    cfg_s = _cfg(tiny_models, images, streamed, cache, "full", world=2, steps=2, checkpoint_every=0)
-    cfg_s = cfg_s.model_copy(update={"offload": cfg_s.offload.model_copy(update={"transformer": 0.5})})
-    jobs = [{"cfg": cfg.model_dump(mode="json")}, {"cfg": cfg_s.model_dump(mode="json"), "stream": True}]
-    r0, r1 = _run_two(jobs, tmp_path)
+def test_two_processes_full_finetune_with_the_fused_back_pass_like_one(launched):
+    tmp, r0, r1 = launched["full"]
     assert all(i["error"] is None for i in r0 + r1), (r0, r1)
-    ref_w = _weights(ref, "full")
-    _assert_equal(_weights(two, "full"), ref_w)
+    ref_w = _weights(tmp / "ref", "full")
+    _assert_equal(_weights(tmp / "two", "full"), ref_w)
     # Streamed trainable blocks (conductor's CPU path, optimizer state kept in RAM): equal to the last bits only,
     # as in one process (tests/test_train_resume.py: shared inputs' gradients are summed in another order).
-    got = _weights(streamed, "full")
+    got = _weights(tmp / "streamed", "full")
     for k in ref_w:
         torch.testing.assert_close(got[k], ref_w[k], rtol=1e-5, atol=1e-7)
 
 
-def test_stop_and_nonfinite_loss_are_agreed_across_ranks(tiny_models, images, tmp_path):
-    cache = tmp_path / "cache"
-    stop, nan = tmp_path / "stop", tmp_path / "nan"
-    jobs = [
-        {"cfg": _cfg(tiny_models, images, stop, cache, world=2, checkpoint_every=0).model_dump(mode="json"),
-         "stop_after": 1},
-        {"cfg": _cfg(tiny_models, images, nan, cache, world=2).model_dump(mode="json"), "nan_at": 2},
-    ]
-    r0, r1 = _run_two(jobs, tmp_path)
+def test_stop_and_nonfinite_loss_are_agreed_across_ranks(launched):
+    tmp, r0, r1 = launched["stop"]
     # Ctrl-C seen by rank 1 only: both finish step 1, rank 0 saves, both stop.
     for r in (r0, r1):
         assert r[0]["error"].startswith("TrainingInterrupted") and r[0]["step"] == 1, r[0]
-    assert [s for s, _ in ck.list_checkpoints(stop / "checkpoints")] == [1]
+    assert [s for s, _ in ck.list_checkpoints(tmp / "stop" / "checkpoints")] == [1]
     # NaN on rank 1 at step 2: both raise before backward (no collective left waiting); rank 1 names its batch.
     assert r0[1]["error"].startswith("NonFiniteLossError") and "rank 1" in r0[1]["error"], r0[1]
     assert r1[1]["error"].startswith("NonFiniteLossError") and "broken image in the batch" in r1[1]["error"], r1[1]
