@@ -47,7 +47,13 @@ For the trainer: `resolve_fraction(cfg)` (the config's number, or auto's choice,
 and `check_line(pred, measured_reserved, measured_step)` to log the prediction against the first real steps.
 `dittrain plan`'s text is trainer/planner/report.py.
 
-Left out: nano-batching's saving (it only lowers the MLP's share of the block working set), the text encoders
+Nano-batching (offload.nano_batches: the family's token-wise MLPs in token chunks, trainer/offload/nano.py): each
+block saves its MLPs' inputs instead of their hidden activations, and backward's working set holds one chunk's
+(planner/trace.py `chunk_mlps`), in eager blocks; a compiled block that keeps its activations is counted unsplit.
+The step time adds the MLPs' matmuls once more to each block's backward (their attention, a cross-attention's,
+is left out).
+
+Left out: the text encoders
 and VAE during training when captions and latents are cached (they run in `dittrain cache`, reported apart),
 and the optimizer's transient fp32 copies of one parameter (at most a few hundred MB for the largest matrix).
 """
@@ -148,6 +154,9 @@ class Facts:
     #: the VAE config a video family's clip encode and decode are counted with (planner/vae.py); None: an image
     #: family's per-pixel estimates
     vae_config: dict | None = None
+    #: offload.nano_batches: the blocks' token-wise MLPs run in this many token chunks (planner/trace.py
+    #: `chunk_mlps`; eager blocks only: a compiled block's count is its plain class's, the saving not counted)
+    nano_batches: int = 1
     traces: dict = field(default_factory=dict)
 
     def size(self, res: int) -> tuple[int, int, int]:
@@ -176,14 +185,17 @@ class Facts:
 
     def trace_at(self, width: int, height: int, frames: int = 1) -> ptrace.Trace:
         """The forward on one item of width x height pixels (and `frames` frames: video families), traced once."""
-        key = (width, height, frames, self.compiled)  # the presets generator flips `compiled` on one Facts
+        # the presets generator flips `compiled` (and may set `nano_batches`) on one Facts
+        key = (width, height, frames, self.compiled, self.nano_batches)
         if key not in self.traces:
             inputs = ptrace.forward_inputs(
                 self.family, self.model, self.batch, height, width, self.text_tokens, self.dtype,
                 references=self.references, frames=frames,
             )
-            tr = ptrace.trace_forward(self.model, self.blocks, inputs, kernels="cuda")
-            self.traces[key] = pcompiled.apply_compiled(self.model, self.blocks, tr) if self.compiled else tr
+            mlps = [adapter_class(self.family).token_wise_of(b) for b in self.blocks]
+            tr = ptrace.trace_forward(self.model, self.blocks, inputs, kernels="cuda", mlps=mlps)
+            tr = pcompiled.apply_compiled(self.model, self.blocks, tr) if self.compiled else tr
+            self.traces[key] = ptrace.chunk_mlps(tr, self.nano_batches) if not self.compiled else tr
         return self.traces[key]
 
 
@@ -276,6 +288,7 @@ def analyze(cfg) -> Facts:
         frames=frames,
         bucket_step=cfg.data.bucket_step if cfg.data is not None else cls.bucket_step,
         vae_config=vae_config(cfg),
+        nano_batches=cfg.offload.nano_batches,
     )
 
 
@@ -443,6 +456,9 @@ def predict(
             extra_gpu_bwd=facts.block_param_bytes[b] / esize * opt_step
             # StateOffload's state copies run on the compute stream, in the block's backward
             + (2 * facts.block_states[b] / rates.h2d if state_moved and b in streamed_blocks else 0.0)
+            # offload.nano_batches: each chunk of the token-wise MLPs runs its forward once more in backward
+            + (tr.block_mlp_linear_flops[b] / rates.rate(res) if facts.nano_batches > 1 and tr.block_mlp_linear_flops
+               else 0.0)
         )
         for b, c in enumerate(costs)
     ]

@@ -39,7 +39,7 @@ its activations).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -212,6 +212,33 @@ class Trace:
     last_calls: dict[str, tuple[int, tuple, dict]] = field(default_factory=dict, repr=False)
     #: per block: bytes of the keys and values its attention calls take (what a sampling KV cache can keep)
     block_kv: list[int] = field(default_factory=list)
+    #: per block: what its token-wise MLPs (`trace_forward`'s `mlps`) save beyond their inputs (their hidden
+    #: activations), the largest such tensor, and the largest tensor the block saves outside them
+    block_mlp_saved: list[int] = field(default_factory=list)
+    block_mlp_largest: list[int] = field(default_factory=list)
+    block_largest_outside_mlp: list[int] = field(default_factory=list)
+    #: per block: what its token-wise MLPs save that is not per token (a cross-attention's keys and values of the
+    #: text, dequantized weights): made again by each chunk, so `chunk_mlps` leaves it counted once
+    block_mlp_other: list[int] = field(default_factory=list)
+    #: per block: the share of block_linear_flops inside its token-wise MLPs (chunked, they run once more)
+    block_mlp_linear_flops: list[int] = field(default_factory=list)
+
+
+def chunk_mlps(tr: Trace, n: int) -> Trace:
+    """`tr` as blocks whose token-wise MLPs run in `n` checkpointed token chunks (offload.nano_batches,
+    trainer/offload/nano.py) save it: the recompute keeps each MLP's input but not its hidden activations, and
+    backward recomputes one chunk's hidden at a time, so 1/n of them (and of their largest tensor) is what the
+    block's working set holds of the MLP; what they save that is not per token (`block_mlp_other`) stays counted
+    once, as one chunk's recompute holds it. The chunk's share rounds up (chunks of whole tokens)."""
+    if n <= 1 or not tr.block_mlp_saved:
+        return tr
+    return replace(
+        tr,
+        block_saved=[s - m + -(-m // n) for s, m in zip(tr.block_saved, tr.block_mlp_saved, strict=True)],
+        block_largest=[max(o, -(-b // n)) for o, b in zip(tr.block_largest_outside_mlp, tr.block_mlp_largest,
+                                                           strict=True)],
+        saved_by=f"{tr.saved_by}, token-wise MLPs in {n} chunks",
+    )
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -230,9 +257,12 @@ def _tensors(obj) -> list[torch.Tensor]:
 
 
 def trace_forward(
-    transformer: nn.Module, blocks: list[nn.Module], inputs: dict, kernels: str = "cuda"
+    transformer: nn.Module, blocks: list[nn.Module], inputs: dict, kernels: str = "cuda",
+    mlps: list[list[nn.Module]] | None = None,
 ) -> Trace:
-    """Run `transformer(**inputs)` (meta or CPU tensors) with hooks on `blocks`; see the module essay."""
+    """Run `transformer(**inputs)` (meta or CPU tensors) with hooks on `blocks`; see the module essay. `mlps`:
+    per block, its token-wise MLPs (the family's `token_wise_of`), whose saved hidden activations are counted
+    apart (`Trace.block_mlp_saved`, for `chunk_mlps`)."""
     weights = {_storage(p)[0] for p in transformer.parameters()} | {
         _storage(b)[0] for b in transformer.buffers()
     }
@@ -248,6 +278,12 @@ def trace_forward(
     # storage's address can be reused by a later tensor (which would then pass for one already counted).
     alive: list[torch.Tensor] = []
 
+    in_mlp: dict[int, int] = {}  # storage -> bytes saved inside the token-wise MLP now running
+    mlp_inputs: set[int] = set()
+    outside_mlp: dict[int, int] = {}  # storage -> bytes saved in the block outside its MLPs (or not per token)
+    mlp_other: dict[int, int] = {}  # storage -> bytes saved inside the MLPs, not per token
+    mlp_on: list[int] = [0, 0]  # while a token-wise MLP runs: its input's tokens S and B x S
+
     def pack(t: torch.Tensor):
         alive.append(t)
         sid, nbytes = _storage(t)
@@ -256,6 +292,12 @@ def trace_forward(
         if current:
             if sid not in seen:
                 inside[sid] = nbytes
+                # the MLP's per-token tensors (an axis of its input's tokens S, or B x S flattened): not the
+                # weights it dequantizes, nor a cross-attention's keys and values
+                token_wise = bool(mlp_on[0]) and any(d in mlp_on for d in t.shape[:-1])
+                (in_mlp if token_wise else outside_mlp)[sid] = nbytes
+                if mlp_on[0] and not token_wise:
+                    mlp_other[sid] = nbytes
         elif sid not in seen:
             outside[sid] = nbytes
         return t
@@ -289,6 +331,10 @@ def trace_forward(
         getattr(mode, "kv", {}).clear()
         current.append(i)
         inside.clear()
+        in_mlp.clear()
+        mlp_inputs.clear()
+        outside_mlp.clear()
+        mlp_other.clear()
 
     def post(mod, args, kwargs, out):
         i = current.pop()
@@ -296,10 +342,29 @@ def trace_forward(
         b_saved[i] = sum(saved.values())
         b_largest[i] = max(saved.values(), default=0)
         b_kv[i] = sum(getattr(mode, "kv", {}).values())
+        # the MLPs' hidden activations: saved inside them, neither their inputs nor saved elsewhere in the block
+        hidden = {s: n for s, n in in_mlp.items()
+                  if s not in seen and s not in mlp_inputs and s not in outside_mlp}
+        b_mlp[i] = sum(hidden.values())
+        b_mlp_big[i] = max(hidden.values(), default=0)
+        b_big_out[i] = max((n for s, n in saved.items() if s not in hidden), default=0)
+        b_mlp_other[i] = sum(n for s, n in mlp_other.items() if s in saved and s not in mlp_inputs)
+
+    def mlp_pre(mod, args, kwargs):
+        x = (_tensors(args) + _tensors(kwargs))[0]
+        mlp_on[:] = [x.shape[1], x.shape[:-1].numel()]
+        mlp_inputs.update(_storage(t)[0] for t in _tensors(args) + _tensors(kwargs))
+
+    def mlp_post(mod, args, kwargs, out):
+        mlp_on[:] = [0, 0]
 
     index = {id(b): i for i, b in enumerate(blocks)}
     handles = [b.register_forward_pre_hook(pre, with_kwargs=True) for b in blocks]
     handles += [b.register_forward_hook(post, with_kwargs=True) for b in blocks]
+    b_mlp, b_mlp_big, b_big_out, b_mlp_other, b_mlp_linear = ([0] * len(blocks) for _ in range(5))
+    for m in (m for ms in (mlps or []) for m in ms):
+        handles += [m.register_forward_pre_hook(mlp_pre, with_kwargs=True),
+                    m.register_forward_hook(mlp_post, with_kwargs=True)]
     linear_flops = [0]
     b_linear = [0] * len(blocks)
 
@@ -309,6 +374,8 @@ def trace_forward(
         linear_flops[0] += f
         if current:
             b_linear[current[-1]] += f
+            if mlp_on[0]:
+                b_mlp_linear[current[-1]] += f
 
     # Every matmul of these models is an nn.Linear (LoRA's too); attention is counted by the kernel model.
     handles += [
@@ -339,6 +406,11 @@ def trace_forward(
         calls=calls,
         last_calls=last_calls,
         block_kv=b_kv,
+        block_mlp_saved=b_mlp if mlps else [],
+        block_mlp_largest=b_mlp_big if mlps else [],
+        block_largest_outside_mlp=b_big_out if mlps else [],
+        block_mlp_other=b_mlp_other if mlps else [],
+        block_mlp_linear_flops=b_mlp_linear if mlps else [],
     )
 
 

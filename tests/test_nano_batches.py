@@ -1,0 +1,182 @@
+"""offload.nano_batches (trainer/offload/nano.py): a family's token-wise sub-layers (`token_wise` on the adapter:
+Wan's cross-attention and feed-forward; every diffusers FeedForward for the others) run in token chunks, each
+recomputed in backward. Same losses and LoRA weights with it on and off for tiny Wan and Flux, resident and
+streamed, eager and compiled (aot_eager), fp32 on the CPU: the forward is bitwise the same (each token's rows are
+computed alone either way), so the first loss is; a weight inside a split sub-layer gets its gradient as a sum of
+per-chunk matmuls instead of one over all tokens (fp32 reassociation, ~1e-7 relative), so after 3 AdamW steps
+the weights agree to 1e-5 of their size, not bitwise (measured: up to 6e-6). And the planner's count of what a block saves with
+chunks (planner/trace.py `chunk_mlps`) equals the trace of the block with the split installed, on a narrow Wan
+block at the real 480p x 81 token count (32,760)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _offload_util import add_lora, blocks_of, tiny_flux, train_steps, trainable_state
+
+from trainer.models import adapter_class
+from trainer.offload import CompileOptions, attach_offload, compiled
+from trainer.offload.nano import NanoBatched, split_mlps
+from trainer.planner import trace as ptrace
+
+AOT = CompileOptions(backend="aot_eager", shapes=4)
+WAN = adapter_class("wan")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_cache():
+    compiled.reset()
+    yield
+    compiled.reset()
+
+
+def _wan(width: int = 16, heads: int = 2, ffn: int = 64, device="cpu"):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(23)
+    with torch.device(device):
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=width, in_channels=4,
+            out_channels=4, text_dim=32, freq_dim=32, ffn_dim=ffn, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
+        )
+
+
+def _wan_lora():
+    from peft import LoraConfig
+
+    m = _wan()
+    m.requires_grad_(False)
+    m.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=list(WAN.default_lora_targets),
+                             init_lora_weights=False))
+    return m
+
+
+def _wan_steps(m, steps: int = 3) -> torch.Tensor:
+    params = [p for p in m.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses = []
+    for s in range(steps):
+        g = torch.Generator().manual_seed(100 + s)
+        x = torch.randn(1, 4, 3, 8, 8, generator=g)  # 3 latent frames of 4 x 4 tokens: 48 tokens
+        text = torch.randn(1, 8, 32, generator=g)
+        out = m(hidden_states=x, timestep=torch.rand(1, generator=g) * 1000, encoder_hidden_states=text,
+                return_dict=False)[0]
+        loss = F.mse_loss(out, torch.randn(out.shape, generator=g))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def _same_run(base, other) -> None:
+    (base_l, base_w, _), (losses, w, _) = base, other
+    assert torch.equal(losses[0], base_l[0]), (losses, base_l)  # the first forward: bitwise
+    torch.testing.assert_close(losses, base_l, rtol=1e-5, atol=0)
+    assert w.keys() == base_w.keys()
+    for k in w:  # summation order of the split sub-layers' weight gradients: see the module docstring
+        torch.testing.assert_close(w[k], base_w[k], rtol=0, atol=1e-5 * base_w[k].abs().max().item())
+
+
+def _run(build, steps_fn, family: str, fraction: float, nano: int, compile, blocks):
+    m = build()
+    h = attach_offload(blocks(m), "cpu", fraction, nano_batches=nano, compile=compile,
+                       nano_mlps=adapter_class(family).token_wise_of)
+    split = sum(isinstance(x, NanoBatched) for x in m.modules())
+    losses = steps_fn(m)
+    h.close()
+    return losses, trainable_state(m), split
+
+
+CASES = [(0.0, False), (1.0, False), (0.0, AOT), (1.0, AOT)]
+
+
+@pytest.mark.parametrize(("fraction", "compile"), CASES, ids=["resident", "streamed", "compiled", "streamed-compiled"])
+def test_wan_chunks_give_the_same_losses_and_lora(fraction, compile):
+    """Wan: both blocks' attn2 and ffn split in 4 chunks (of 48 tokens); the same bits as without."""
+    base = _run(_wan_lora, _wan_steps, "wan", fraction, 1, compile, lambda m: list(m.blocks))
+    run = _run(_wan_lora, _wan_steps, "wan", fraction, 4, compile, lambda m: list(m.blocks))
+    assert base[2] == 0 and run[2] == 2 * len(WAN.token_wise)
+    _same_run(base, run)
+
+
+@pytest.mark.parametrize(("fraction", "compile"), CASES, ids=["resident", "streamed", "compiled", "streamed-compiled"])
+def test_flux_chunks_give_the_same_losses_and_lora(fraction, compile):
+    """An image family without a declaration: every FeedForward (the double blocks' ff and ff_context)."""
+    def build():
+        return add_lora(tiny_flux(0))
+
+    def steps(m):
+        return train_steps(m, 3)
+
+    base = _run(build, steps, "flux", fraction, 1, compile, blocks_of)
+    run = _run(build, steps, "flux", fraction, 4, compile, blocks_of)
+    assert run[2] == 4  # 2 double blocks x (ff, ff_context); the single blocks' MLP is inline
+    _same_run(base, run)
+
+
+def test_wan_declares_its_token_wise_sub_layers():
+    m = _wan()
+    b = m.blocks[0]
+    assert [type(x).__name__ for x in WAN.token_wise_of(b)] == ["WanAttention", "FeedForward"]
+    assert WAN.token_wise_of(b)[0] is b.attn2
+    assert [x for x in adapter_class("flux").token_wise_of(tiny_flux(0).transformer_blocks[0])]  # FeedForwards
+
+
+def test_planner_counts_what_a_chunked_block_saves_at_480p_x_81():
+    """Narrow Wan blocks (2 heads of 16, ffn 64: the count is per tensor, the width only scales it) on the meta device at 32,760 tokens (21 latent frames of 30 x 52): what the block's
+    recompute saves with the split installed, traced, is the planner's `chunk_mlps` count less the one chunk's
+    tensors that backward recomputes at a time (which the planner adds to the working set)."""
+    n, tokens = 4, 21 * 30 * 52
+    x = dict(hidden_states=torch.randn(1, 4, 21, 60, 104, device="meta"),
+             encoder_hidden_states=torch.randn(1, 512, 32, device="meta"), timestep=torch.ones(1, device="meta"))
+    plain = _wan(device="meta")
+    plain.requires_grad_(True)
+    tr = ptrace.trace_forward(plain, list(plain.blocks), x, mlps=[WAN.token_wise_of(b) for b in plain.blocks])
+    planned = ptrace.chunk_mlps(tr, n)
+    split = _wan(device="meta")
+    split.requires_grad_(True)
+    for b in split.blocks:
+        split_mlps(b, n, WAN.token_wise_of(b))
+    real = ptrace.trace_forward(split, list(split.blocks), x)
+    assert x["hidden_states"][0, 0].numel() // 4 == tokens
+    for i in range(len(plain.blocks)):
+        chunk = -(-tr.block_mlp_saved[i] // n)
+        assert tr.block_mlp_saved[i] > 0.25 * tr.block_saved[i]  # attn2's q and output, ffn's 64-wide hidden
+        # the split block saves neither the hidden nor what the sub-layers make again per chunk (the text's keys
+        # and values): the planner keeps one chunk's worth of both in backward's working set
+        assert tr.block_mlp_other[i] > 0
+        assert real.block_saved[i] == planned.block_saved[i] - chunk - tr.block_mlp_other[i]
+    # one chunk's hidden is what the sub-layers save on a quarter of the tokens
+    assert planned.block_largest[0] < tr.block_largest[0]
+
+
+def test_plan_of_the_14b_preset_at_480p_x_81_counts_the_chunks():
+    """`dittrain plan` of configs/wan/lora-16gb.yaml at 480p x 81, every block streamed: with 8 chunks the block
+    working set is the chunked trace's (saved + 2 x largest + 2 x inputs, prediction.py), the feed-forward's
+    13,824-wide hidden (two 0.91 GB bf16 tensors) no longer the largest; the step costs the sub-layers' matmuls
+    once more."""
+    import yaml
+
+    from trainer.config import Config
+    from trainer.planner.prediction import analyze, predict
+
+    raw = yaml.safe_load(open("configs/wan/lora-16gb.yaml"))
+    raw["data"]["clip_frames"] = 81
+    raw["offload"]["transformer"] = 1.0
+    facts = analyze(Config.model_validate(raw))
+    off = predict(facts, 1.0, 632, activation_offload=True)
+    tr = facts.trace(632)
+    assert tr.block_largest[5] == 32760 * 13824 * 2 and facts.tokens(632) == 32760
+    facts.nano_batches = 8
+    on = predict(facts, 1.0, 632, activation_offload=True)
+    ch = facts.trace(632)
+    assert ch.block_largest[5] == 32760 * 5120 * 4  # an fp32 residual / norm input is now the largest
+    assert on.act_block == max(s + 2 * b + 2 * i for s, b, i in zip(ch.block_saved, ch.block_largest,
+                                                                       ch.block_inputs, strict=True))
+    saved = off.act_block - on.act_block
+    assert 2.9e9 < saved < 3.0e9, saved  # of 10.99 GB
+    assert on.peak_reserved < off.peak_reserved - 3.9e9
+    assert on.step_s > off.step_s
