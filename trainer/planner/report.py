@@ -171,7 +171,9 @@ def report(
     )
     lines += [
         "",
-        "Activations per bucket (GB; checkpoint inputs of all blocks, one block's backward working set):",
+        "Activations per bucket (GB; checkpoint inputs of all blocks, one block's backward working set"
+        + (f", its token-wise sub-layers in {facts.nano_batches} token chunks: offload.nano_batches"
+           if facts.nano_batches > 1 else "") + "):",
     ]
     rows = [
         (
