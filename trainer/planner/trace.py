@@ -351,8 +351,9 @@ def trace_forward(
         b_mlp_other[i] = sum(n for s, n in mlp_other.items() if s in saved and s not in mlp_inputs)
 
     def mlp_pre(mod, args, kwargs):
-        x = (_tensors(args) + _tensors(kwargs))[0]
-        mlp_on[:] = [x.shape[1], x.shape[:-1].numel()]
+        x = (_tensors(args) + _tensors(kwargs) or [None])[0]
+        # (B, S, D) only: nano.NanoBatched leaves anything else whole, and so is it counted
+        mlp_on[:] = [x.shape[1], x.shape[:-1].numel()] if x is not None and x.dim() >= 3 else [0, 0]
         mlp_inputs.update(_storage(t)[0] for t in _tensors(args) + _tensors(kwargs))
 
     def mlp_post(mod, args, kwargs, out):
