@@ -62,15 +62,91 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def _fused(cfg):
+    """`cfg` with the fused back pass (each shard steps in FSDP2's hook after its reduce-scatter)."""
+    return cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"fused_back_pass": True})})
+
+
+_EMA = {"decay": 0.5}  # far from 1, so that the EMA moves visibly in 2 steps
+_OPTIMIZERS = {"adamw_schedulefree": {"scheduler": "constant", "warmup_steps": 0}, "prodigy": {"lr": 1.0}}
+
+
+def _ema_act_cfg(models, images, out, cache, world):
+    c = _cfg(models, images, out, cache, world=world, ema=_EMA)
+    return c.model_copy(update={"offload": c.offload.model_copy(update={"activations": True, "nano_batches": 2})})
+
+
+def _optim_cfg(models, images, out, cache, world, name):
+    c = _cfg(models, images, out, cache, world=world)
+    return c.model_copy(update={"optimizer": c.optimizer.model_copy(update={"name": name, **_OPTIMIZERS[name]})})
+
+
+def _sample_cfg(models, images, out, cache, world):
+    c = make_config(
+        models, images, out, cache, "flux", "lora",
+        train={"steps": 2, "batch_size": 1, "grad_accum": 2 // world, "distributed": "fsdp", "validate_every": 0},
+        optimizer={"fused_back_pass": False},
+        sample={"every": 2, "prompts": ["a red square", "a blue disc"], "steps": 2, "width": 64, "height": 64})
+    d = c.model_dump(mode="json")  # `data` is make_config's own argument: set the held-out share here
+    d["data"]["validation"] = {"fraction": 0.25}
+    d["train"]["validate_every"] = 2
+    return type(c).model_validate(d)
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_models, images, tmp_path_factory):
+    """The 2-process runs of the tests below in one launch: their 1-process references first (each filling its
+    test's data cache, as the 2-process jobs then find it), then every 2-process job of theirs in the same two
+    processes, one after another (a launch imports torch and diffusers in both processes and loads the model:
+    ~10-20 s of 2 cores). The activation-offloading jobs run last: they patch the trainer for the rest of the
+    process. -> {test: (its folder, rank 0's results, rank 1's)}."""
+    root = tmp_path_factory.mktemp("launched")
+    lora, full, act, opt, smp = (root / n for n in ("lora", "full", "act", "optim", "sample"))
+    m, im = tiny_models, images
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        Trainer(_cfg(m, im, lora / "ref", lora / "cache")).fit()  # 1 process, grad_accum 4 (fsdp ignored)
+        Trainer(_cfg(m, im, full / "ref", full / "cache", "full", steps=2, checkpoint_every=0, ema=_EMA)).fit()
+        c2 = _cfg(m, im, full / "ref-accum-2", full / "cache", "full", steps=2, checkpoint_every=0, grad_accum=2)
+        Trainer(c2.model_copy(update={"optimizer": c2.optimizer.model_copy(update={"max_grad_norm": 1e9})})).fit()
+        Trainer(_ema_act_cfg(m, im, act / "ref", act / "cache", 1)).fit()
+        for n in _OPTIMIZERS:
+            Trainer(_optim_cfg(m, im, opt / f"ref-{n}", opt / "cache", 1, n)).fit()
+        Trainer(_sample_cfg(m, im, smp / "ref", smp / "cache", 1)).fit()
+    finally:
+        torch.set_num_threads(before)
+    jobs = {
+        "lora": [{"cfg": _cfg(m, im, lora / "two", lora / "cache", world=2).model_dump(mode="json")}],
+        "full": [{"cfg": _cfg(m, im, full / "two", full / "cache", "full", world=2, steps=2, checkpoint_every=0,
+                              ema=_EMA).model_dump(mode="json")},
+                 {"cfg": _fused(_cfg(m, im, full / "fused", full / "cache", "full", world=4, steps=2,
+                                     checkpoint_every=0)).model_dump(mode="json")}],
+        "optim": [{"cfg": _optim_cfg(m, im, opt / f"two-{n}", opt / "cache", 2, n).model_dump(mode="json")}
+                  for n in _OPTIMIZERS],
+        "sample": [{"cfg": _sample_cfg(m, im, smp / "two", smp / "cache", 2).model_dump(mode="json")}],
+        "act": [{"cfg": _ema_act_cfg(m, im, act / "two", act / "cache", 2).model_dump(mode="json"),
+                 "stream": True,  # stream: a "GPU", so activations run
+                 "patch": {"trainer.train.sharded.ACTIVATION_MIN_BYTES": 0}},  # the tiny model's inputs count too
+                {"cfg": _ema_act_cfg(m, im, act / "resumed-in-two", act / "cache", 2).model_dump(mode="json"),
+                 "resume": str(act / "two" / "checkpoints" / "step-000002")}],
+    }
+    r0, r1 = _run_two([j for js in jobs.values() for j in js], root, timeout=900)
+    dirs = {"lora": lora, "full": full, "act": act, "optim": opt, "sample": smp}
+    out, i = {}, 0
+    for name, js in jobs.items():
+        out[name] = (dirs[name], r0[i:i + len(js)], r1[i:i + len(js)])
+        i += len(js)
+    return out
+
+
 def test_fsdp_lora_on_2_and_4_processes_trains_like_one_and_resumes_across_world_sizes(
-        tiny_models, images, tmp_path, one_thread):
-    cache = tmp_path / "cache"
-    ref = tmp_path / "ref"
-    Trainer(_cfg(tiny_models, images, ref, cache)).fit()  # 1 process, grad_accum 4 (fsdp ignored); fills the cache
+        tiny_models, images, launched, tmp_path, one_thread):
+    root, r0, r1 = launched["lora"]
+    cache, ref = root / "cache", root / "ref"  # 1 process, grad_accum 4 (fsdp ignored); filled the cache
     ref_w = _weights(ref, "lora")
 
-    two, four = tmp_path / "two", tmp_path / "four"
-    (r0, r1) = _run_two([{"cfg": _cfg(tiny_models, images, two, cache, world=2).model_dump(mode="json")}], tmp_path)
+    two, four = root / "two", tmp_path / "four"
     assert r0[0]["error"] is None and r1[0]["error"] is None, (r0, r1)
     assert (r0[0]["monitor"], r1[0]["monitor"], r0[0]["buckets"]) == (True, False, 0)  # FSDP2 averages, no buckets
     assert losses(two) == pytest.approx(losses(ref), rel=1e-5)
@@ -101,27 +177,12 @@ def test_fsdp_lora_on_2_and_4_processes_trains_like_one_and_resumes_across_world
     _close(_weights(resumed1, "lora"), ref_w)
 
 
-def _fused(cfg):
-    """`cfg` with the fused back pass (each shard steps in FSDP2's hook after its reduce-scatter)."""
-    return cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"fused_back_pass": True})})
-
-
-def test_fsdp_full_finetune_on_two_processes_trains_like_one(tiny_models, images, tmp_path, one_thread):
+def test_fsdp_full_finetune_on_two_processes_trains_like_one(launched):
     """... and its EMA (train.ema, each process the EMA of its shards): the transformer-ema/ folder of one process;
     and with the fused back pass (grad_accum 1 on 2 processes against 1 process accumulating 2, unfused): the same
     weights, and the global gradient norm summed from the shards."""
-    cache = tmp_path / "cache"
-    ref, ref2 = tmp_path / "ref", tmp_path / "ref-accum-2"
-    ema = {"decay": 0.5}  # far from 1, so that the EMA moves visibly in 2 steps
-    Trainer(_cfg(tiny_models, images, ref, cache, "full", steps=2, checkpoint_every=0, ema=ema)).fit()
-    c2 = _cfg(tiny_models, images, ref2, cache, "full", steps=2, checkpoint_every=0, grad_accum=2)
-    Trainer(c2.model_copy(update={"optimizer": c2.optimizer.model_copy(update={"max_grad_norm": 1e9})})).fit()  # norm
-    two, fused = tmp_path / "two", tmp_path / "fused"
-    jobs = [{"cfg": _cfg(tiny_models, images, two, cache, "full", world=2, steps=2, checkpoint_every=0,
-                         ema=ema).model_dump(mode="json")},
-            {"cfg": _fused(_cfg(tiny_models, images, fused, cache, "full", world=4, steps=2,
-                                checkpoint_every=0)).model_dump(mode="json")}]
-    r0, r1 = _run_two(jobs, tmp_path)
+    tmp, r0, r1 = launched["full"]  # ref: 1 process with the EMA; ref-accum-2: accumulating 2, unfused
+    ref, ref2, two, fused = tmp / "ref", tmp / "ref-accum-2", tmp / "two", tmp / "fused"
     assert all(i["error"] is None for i in r0 + r1), (r0, r1)
     assert losses(two) == pytest.approx(losses(ref), rel=1e-5)
     assert losses(fused) == pytest.approx(losses(ref2), rel=1e-5)
@@ -136,24 +197,14 @@ def test_fsdp_full_finetune_on_two_processes_trains_like_one(tiny_models, images
     assert any(not torch.equal(ema_two[k], trained[k]) for k in trained)  # the EMA, not the trained weights
 
 
-def test_fsdp_keeps_ema_activation_offloading_and_nano_batches_like_one_process(tiny_models, images, tmp_path,
-                                                                                 one_thread):
+def test_fsdp_keeps_ema_activation_offloading_and_nano_batches_like_one_process(launched):
     """train.ema, offload.activations and offload.nano_batches under fsdp on 2 processes: the losses, LoRA and EMA
     of one process (which nano-batches too; it offloads activations only on a GPU), the checkpoints' ema.safetensors
     the file one process writes (each process reads its rows of it on resume). Activation offloading
     runs its CPU path (copies into an unpinned host arena and back) on every block input, as its byte count shows."""
-    cache = tmp_path / "cache"
-
-    def cfg(out, world):
-        c = _cfg(tiny_models, images, out, cache, world=world, ema={"decay": 0.5})
-        return c.model_copy(update={"offload": c.offload.model_copy(update={"activations": True, "nano_batches": 2})})
-
-    ref, two, resumed = tmp_path / "ref", tmp_path / "two", tmp_path / "resumed-in-two"
-    Trainer(cfg(ref, 1)).fit()
-    jobs = [{"cfg": cfg(two, 2).model_dump(mode="json"), "stream": True,  # stream: a "GPU", so activations run
-             "patch": {"trainer.train.sharded.ACTIVATION_MIN_BYTES": 0}},  # the tiny model's inputs count too
-            {"cfg": cfg(resumed, 2).model_dump(mode="json"), "resume": str(two / "checkpoints" / "step-000002")}]
-    results = _run_two(jobs, tmp_path)
+    tmp, r0, r1 = launched["act"]  # ema decay 0.5, offload.activations, nano_batches 2: `_ema_act_cfg`
+    ref, two, resumed = tmp / "ref", tmp / "two", tmp / "resumed-in-two"
+    results = [r0, r1]
     assert all(i["error"] is None for r in results for i in r), results
     assert all(r[0]["offloaded_activation_bytes"] > 0 and r[0]["nano_mlps"] > 0 for r in results), results
     assert losses(two) == pytest.approx(losses(ref), rel=1e-5)
@@ -173,28 +224,20 @@ def test_fsdp_keeps_ema_activation_offloading_and_nano_batches_like_one_process(
     _close(load_file(str(resumed / "lora-ema.safetensors")), ema_ref)
 
 
-def test_fsdp_schedule_free_and_prodigy_train_like_one_process_and_resume(tiny_models, images, tmp_path,
+def test_fsdp_schedule_free_and_prodigy_train_like_one_process_and_resume(tiny_models, images, launched,
                                                                             one_thread):
     """optimizer.name adamw_schedulefree and prodigy on DTensor shards: the losses and LoRA of one process; their
     checkpoints (schedule-free's saved with the averaged weights swapped in; both keep step sizes and counts in
     the param groups, written beside the shards; Prodigy's p0 of a LoRA B is a scalar) resumed on one process
     end where the uninterrupted run did."""
-    cache = tmp_path / "cache"
-    names = {"adamw_schedulefree": {"scheduler": "constant", "warmup_steps": 0}, "prodigy": {"lr": 1.0}}
-
-    def cfg(out, world, name):
-        c = _cfg(tiny_models, images, out, cache, world=world)
-        return c.model_copy(update={"optimizer": c.optimizer.model_copy(update={"name": name, **names[name]})})
-
-    for n in names:
-        Trainer(cfg(tmp_path / f"ref-{n}", 1, n)).fit()
-    r0, r1 = _run_two([{"cfg": cfg(tmp_path / f"two-{n}", 2, n).model_dump(mode="json")} for n in names], tmp_path)
+    tmp, r0, r1 = launched["optim"]
     assert all(i["error"] is None for i in r0 + r1), (r0, r1)
-    for n in names:
-        ref, two, resumed = (tmp_path / f"{o}-{n}" for o in ("ref", "two", "resumed"))
+    for n in _OPTIMIZERS:
+        ref, two, resumed = (tmp / f"{o}-{n}" for o in ("ref", "two", "resumed"))
         assert losses(two) == pytest.approx(losses(ref), rel=1e-5)
         _close(_weights(two, "lora"), _weights(ref, "lora"))
-        Trainer(cfg(resumed, 1, n), resume=str(two / "checkpoints" / "step-000002")).fit()
+        Trainer(_optim_cfg(tiny_models, images, resumed, tmp / "cache", 1, n),
+                resume=str(two / "checkpoints" / "step-000002")).fit()
         assert losses(resumed) == pytest.approx(losses(ref)[2:], rel=1e-5)
         _close(_weights(resumed, "lora"), _weights(ref, "lora"))
 
@@ -283,26 +326,14 @@ def test_sharded_transformer_folder_is_written_file_by_file_and_loads_in_diffuse
     assert not bad, bad[:5]
 
 
-def test_fsdp_samples_and_validates_during_training_like_one_process(tiny_models, images, tmp_path, one_thread):
+def test_fsdp_samples_and_validates_during_training_like_one_process(launched):
     """Rank 0 samples and scores the held-out image while the other rank joins each transformer call
     (sharded.Lockstep): the images and validation losses of one process, to fp32 rounding."""
     import numpy as np
     from PIL import Image
 
-    def cfg(out, world):
-        c = make_config(
-            tiny_models, images, out, tmp_path / "cache", "flux", "lora",
-            train={"steps": 2, "batch_size": 1, "grad_accum": 2 // world, "distributed": "fsdp", "validate_every": 0},
-            optimizer={"fused_back_pass": False},
-            sample={"every": 2, "prompts": ["a red square", "a blue disc"], "steps": 2, "width": 64, "height": 64})
-        d = c.model_dump(mode="json")  # `data` is make_config's own argument: set the held-out share here
-        d["data"]["validation"] = {"fraction": 0.25}
-        d["train"]["validate_every"] = 2
-        return type(c).model_validate(d)
-
-    ref, two = tmp_path / "ref", tmp_path / "two"
-    Trainer(cfg(ref, 1)).fit()
-    r0, r1 = _run_two([{"cfg": cfg(two, 2).model_dump(mode="json")}], tmp_path)
+    tmp, r0, r1 = launched["sample"]  # `_sample_cfg`: 2 prompts sampled and a held-out quarter scored at step 2
+    ref, two = tmp / "ref", tmp / "two"
     assert r0[0]["error"] is None and r1[0]["error"] is None, (r0, r1)
     assert (r0[0]["sampler"], r1[0]["sampler"]) == (True, False)
 
