@@ -23,6 +23,8 @@ How it mirrors diffusers' HunyuanVideo15Pipeline (0.42):
   that rounds it, which training then sees as sampling does). Patch size 1: latents in and out are (B, C, F, h, w).
   Inside, the transformer moves each sample's valid text tokens first (image, glyph, Qwen) and the padding after
   them, and the joint attention masks the padding (a (B, 1, S, S) boolean mask per block, S = video tokens + 1985).
+  The adapter's transformer (`transformer_cls`) attends over each sample's valid prefix instead, without the mask:
+  the same numbers within fp32 rounding (trainer/models/hunyuan_video15_attention.py).
 - shift: the folder's scheduler `shift` (FlowMatchEulerDiscreteScheduler, 5.0 for 480p, 9.0 for 720p), fixed.
 - sampling: `HunyuanVideo15Pipeline` with the embeddings and masks of both encoders (and the negative prompt's:
   the pipeline's guider runs classifier-free guidance for any scale other than 1). The pipeline takes no
@@ -56,13 +58,14 @@ from typing import Any
 
 import diffusers
 import torch
-from diffusers import ClassifierFreeGuidance, HunyuanVideo15Transformer3DModel
+from diffusers import ClassifierFreeGuidance
 from diffusers.loaders import HunyuanVideoLoraLoaderMixin
 from torch import nn
 
 from ._diffusers import NORM_MODULATION, T5_KEEP, DiffusersAdapter
 from .base import Components
 from .flux3_pipeline import _quiet_modular_notes
+from .hunyuan_video15_attention import HunyuanVideo15Transformer3DModel
 
 
 class HunyuanVideo15Pipeline(diffusers.HunyuanVideo15Pipeline, HunyuanVideoLoraLoaderMixin):
@@ -135,7 +138,7 @@ def tiny_pipeline() -> diffusers.HunyuanVideo15Pipeline:
     torch.manual_seed(43)
     vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 16, 16, 16), layers_per_block=1)
     torch.manual_seed(44)
-    transformer = HunyuanVideo15Transformer3DModel(
+    transformer = diffusers.HunyuanVideo15Transformer3DModel(
         in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2, num_refiner_layers=1,
         mlp_ratio=2.0, text_embed_dim=32, text_embed_2_dim=32, image_embed_dim=16, rope_axes_dim=(4, 6, 6),
         target_size=64, task_type="t2v",
@@ -163,6 +166,8 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
     tokenizer_dirs = ("tokenizer", "tokenizer_2")
     text_encoder_keep_linears = T5_KEEP  # ByT5's `wo` (a T5); Qwen has none of that name
     vae_cls_name = "AutoencoderKLHunyuanVideo15"
+    #: 16 px buckets (the VAE's 16x divisor), as Wan's: 832x480 is a bucket at 480p (resolution 632), not 832x512
+    bucket_step = 16
     packs_2x2 = False  # the transformer patchifies (1, 1, 1) itself
     default_scheduler = SCHEDULER
     max_sequence_length = RECIPE["tokenizer_max_length"]
