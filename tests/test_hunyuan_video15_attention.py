@@ -23,9 +23,10 @@ from trainer.models.hunyuan_video15_attention import (
 from trainer.offload import CompileOptions, attach_offload, compiled
 
 QWEN, BYT5, IMAGE = 20, 6, 5  # text tokens of each kind (the real model: 1000, 256, 729)
-#: fp32: SDPA's CPU kernel groups its sum over the keys by their count, so leaving the padded keys out reorders
-#: additions (module essay): a few ulps of the largest value. bf16: one rounding step (2^-8) of it
-TOL = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7}
+#: of the largest value. fp32: SDPA's CPU kernel groups its sum over the keys by their count, so leaving the padded
+#: keys out reorders additions (module essay): a few ulps (measured up to 2.5e-7). bf16: its rounding steps (2^-8),
+#: which the tiny transformer's two blocks compound (measured up to 7.6e-3 on the output, 6.8e-3 on LoRA gradients)
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2 ** -6}
 
 
 @pytest.fixture(autouse=True)
