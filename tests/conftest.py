@@ -52,3 +52,28 @@ def tiny_models(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny_models")
     make_tiny_models(root)
     return root
+
+
+@pytest.fixture(scope="session")
+def once_per_session(tmp_path_factory):
+    """`once_per_session(name, make)`: `make(folder)`'s JSON-able result, computed once in the whole test session,
+    by whichever pytest-xdist worker asks first; a worker asking later (the tests of one module may be spread over
+    several) waits for it and reads it back. For a multi-process launch that several tests share: while it runs,
+    its processes use the cores the waiting worker would."""
+    import json
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the workers' common folder
+
+    def run(name: str, make):
+        folder, done = root / name, root / f"{name}.json"
+        with FileLock(str(root / f"{name}.lock")):
+            if not done.exists():
+                shutil.rmtree(folder, ignore_errors=True)  # a worker's failed try before this one
+                folder.mkdir()
+                done.write_text(json.dumps(make(folder)))
+        return json.loads(done.read_text())
+
+    return run

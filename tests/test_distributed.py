@@ -185,12 +185,18 @@ def images(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def launched(tiny_models, images, tmp_path_factory):
-    """The four 2-process tests below in one launch: their 1-process references first (each filling its test's
-    data cache, as the 2-process jobs then find it), then every job of theirs in the same two processes, one after
-    another (a launch imports torch and diffusers in both processes and loads the model: ~10-20 s of 2 cores).
-    The stop and non-finite jobs run last. -> {test: (its folder, rank 0's results, rank 1's)}."""
-    root = tmp_path_factory.mktemp("launched")
+def launched(tiny_models, images, once_per_session):
+    """The four 2-process tests below in one launch, once in the session (`once_per_session`: xdist may spread
+    them over workers): their 1-process references first (each filling its test's data cache, as the 2-process
+    jobs then find it), then every job of theirs in the same two processes, one after another (a launch imports
+    torch and diffusers in both processes and loads the model: ~10-20 s of 2 cores). The stop and non-finite
+    jobs run last. -> {test: (its folder, rank 0's results, rank 1's)}, and "models" / "images": the tiny models
+    and images it used (another worker's), for the tests' own runs beside it."""
+    out = once_per_session("distributed-launch", lambda root: _launch(tiny_models, images, root))
+    return {k: Path(v) if isinstance(v, str) else (Path(v[0]), v[1], v[2]) for k, v in out.items()}
+
+
+def _launch(tiny_models, images, root: Path) -> dict:
     lora, shard, full, stop = (root / n for n in ("lora", "sharded", "full", "stop"))
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -245,12 +251,13 @@ def launched(tiny_models, images, tmp_path_factory):
         i += len(js)
     full_r = tuple(a + b for a, b in zip(out.pop("full-fused"), out.pop("full-streamed"), strict=True))
     dirs = {"lora": lora, "sharded": shard, "full": full, "stop": stop}
-    return {name: (dirs[name], *rs) for name, rs in {**out, "full": full_r}.items()}
+    return {"models": str(tiny_models), "images": str(images),
+            **{name: (str(dirs[name]), *rs) for name, rs in {**out, "full": full_r}.items()}}
 
 
-def test_two_processes_train_lora_like_one_and_checkpoints_cross_world_sizes(tiny_models, images, launched,
-                                                                               one_thread):
+def test_two_processes_train_lora_like_one_and_checkpoints_cross_world_sizes(launched, one_thread):
     tmp, r0, r1 = launched["lora"]
+    tiny_models, images = launched["models"], launched["images"]  # those of the launch's references
     cache, ref, two = tmp / "cache", tmp / "ref", tmp / "two"
     ref_w = _weights(ref, "lora")
     assert all(i["error"] is None for i in r0 + r1), (r0, r1)

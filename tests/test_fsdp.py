@@ -94,13 +94,19 @@ def _sample_cfg(models, images, out, cache, world):
 
 
 @pytest.fixture(scope="module")
-def launched(tiny_models, images, tmp_path_factory):
-    """The 2-process runs of the tests below in one launch: their 1-process references first (each filling its
-    test's data cache, as the 2-process jobs then find it), then every 2-process job of theirs in the same two
-    processes, one after another (a launch imports torch and diffusers in both processes and loads the model:
-    ~10-20 s of 2 cores). The activation-offloading jobs run last: they patch the trainer for the rest of the
-    process. -> {test: (its folder, rank 0's results, rank 1's)}."""
-    root = tmp_path_factory.mktemp("launched")
+def launched(tiny_models, images, once_per_session):
+    """The 2-process runs of the tests below in one launch, once in the session (`once_per_session`: xdist may
+    spread the tests over workers): their 1-process references first (each filling its test's data cache, as the
+    2-process jobs then find it), then every 2-process job of theirs in the same two processes, one after another
+    (a launch imports torch and diffusers in both processes and loads the model: ~10-20 s of 2 cores). The
+    activation-offloading jobs run last: they patch the trainer for the rest of the process. -> {test: (its
+    folder, rank 0's results, rank 1's)}, and "models" / "images": the tiny models and images it used (another
+    worker's), for the tests' own runs beside it."""
+    out = once_per_session("fsdp-launch", lambda root: _launch(tiny_models, images, root))
+    return {k: Path(v) if isinstance(v, str) else (Path(v[0]), v[1], v[2]) for k, v in out.items()}
+
+
+def _launch(tiny_models, images, root: Path) -> dict:
     lora, full, act, opt, smp = (root / n for n in ("lora", "full", "act", "optim", "sample"))
     m, im = tiny_models, images
     before = torch.get_num_threads()
@@ -133,16 +139,17 @@ def launched(tiny_models, images, tmp_path_factory):
     }
     r0, r1 = _run_two([j for js in jobs.values() for j in js], root, timeout=900)
     dirs = {"lora": lora, "full": full, "act": act, "optim": opt, "sample": smp}
-    out, i = {}, 0
+    out, i = {"models": str(tiny_models), "images": str(images)}, 0
     for name, js in jobs.items():
-        out[name] = (dirs[name], r0[i:i + len(js)], r1[i:i + len(js)])
+        out[name] = (str(dirs[name]), r0[i:i + len(js)], r1[i:i + len(js)])
         i += len(js)
     return out
 
 
-def test_fsdp_lora_on_2_and_4_processes_trains_like_one_and_resumes_across_world_sizes(
-        tiny_models, images, launched, tmp_path, one_thread):
+def test_fsdp_lora_on_2_and_4_processes_trains_like_one_and_resumes_across_world_sizes(launched, tmp_path,
+                                                                                          one_thread):
     root, r0, r1 = launched["lora"]
+    tiny_models, images = launched["models"], launched["images"]  # those of the launch's references
     cache, ref = root / "cache", root / "ref"  # 1 process, grad_accum 4 (fsdp ignored); filled the cache
     ref_w = _weights(ref, "lora")
 
@@ -224,13 +231,13 @@ def test_fsdp_keeps_ema_activation_offloading_and_nano_batches_like_one_process(
     _close(load_file(str(resumed / "lora-ema.safetensors")), ema_ref)
 
 
-def test_fsdp_schedule_free_and_prodigy_train_like_one_process_and_resume(tiny_models, images, launched,
-                                                                            one_thread):
+def test_fsdp_schedule_free_and_prodigy_train_like_one_process_and_resume(launched, one_thread):
     """optimizer.name adamw_schedulefree and prodigy on DTensor shards: the losses and LoRA of one process; their
     checkpoints (schedule-free's saved with the averaged weights swapped in; both keep step sizes and counts in
     the param groups, written beside the shards; Prodigy's p0 of a LoRA B is a scalar) resumed on one process
     end where the uninterrupted run did."""
     tmp, r0, r1 = launched["optim"]
+    tiny_models, images = launched["models"], launched["images"]  # those of the launch's references
     assert all(i["error"] is None for i in r0 + r1), (r0, r1)
     for n in _OPTIMIZERS:
         ref, two, resumed = (tmp / f"{o}-{n}" for o in ("ref", "two", "resumed"))
