@@ -60,7 +60,7 @@ def test_every_family_accepts_its_own_folder_and_refuses_every_other_naming_the_
             owners = [f for f in ADAPTERS if f == other or _twins(f, other)]
             assert "\n" not in line
             assert line.startswith(f"model.path {fakes / other} holds a model of family {' or '.join(owners)} (")
-            fix = f"set model.family: {other}," if len(owners) == 1 else f"set model.family to the folder's family ("
+            fix = f"set model.family: {other}," if len(owners) == 1 else "set model.family to the folder's family ("
             assert f"model.family is {family}: {fix}" in line
 
 

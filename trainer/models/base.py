@@ -32,6 +32,15 @@ if TYPE_CHECKING:
     from ..config import ModelConfig
 
 
+def to_pil(pixels: torch.Tensor):
+    """(3, H, W) in [-1, 1] -> RGB PIL image (exact for pixels that came from 8-bit images): a reference image or
+    a clip's first frame handed to a pipeline's image processor."""
+    import numpy as np
+    from PIL import Image
+
+    a = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    return Image.fromarray(np.ascontiguousarray(a))
+
 @dataclass
 class Components:
     """What `ModelAdapter.load` returns. Parts not asked for are None / empty."""
@@ -242,13 +251,13 @@ class ModelAdapter(ABC):
     @classmethod
     def pipeline_frames(cls, pipe: Any, frames: int) -> dict[str, Any]:  # noqa: ARG003 - the protocol
         """Pipeline call kwargs asking for `frames` frames (video families: `num_frames`; images: none)."""
-        return {}
+        return {"num_frames": int(frames)} if cls.video else {}
 
     @classmethod
     def pipeline_result(cls, out: Any) -> Any:
         """The one sample of a pipeline call's output: a PIL image (image families: `out.images[0]`), or a list of
         PIL frames (video families: `out.frames[0]`)."""
-        return out.images[0]
+        return out.frames[0] if cls.video else out.images[0]
 
     #: image-to-video: the clip's first frame conditions every step as the pipeline's `image` does (Wan I2V: its
     #: latents, and a CLIP embedding, beside the noisy ones). `encode_conditions` caches it with the clip's latent,

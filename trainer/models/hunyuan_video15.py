@@ -356,10 +356,3 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
                 pipe.guider = guider.new(guidance_scale=float(guidance))
         return {}
 
-    @classmethod
-    def pipeline_frames(cls, pipe, frames: int) -> dict:
-        return {"num_frames": int(frames)}
-
-    @classmethod
-    def pipeline_result(cls, out):
-        return out.frames[0]

@@ -29,15 +29,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import diffusers
-import numpy as np
 import torch
 from diffusers.loaders import HunyuanVideoLoraLoaderMixin
 from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
-from PIL import Image
 from torch import nn
 
 from ..errors import UserError
-from .base import Components
+from .base import Components, to_pil
 from .hunyuan_video15 import HunyuanVideo15Adapter, tiny_pipeline
 
 
@@ -71,12 +69,6 @@ def tiny_pipeline_i2v() -> diffusers.HunyuanVideo15ImageToVideoPipeline:
         text_encoder=base.text_encoder, tokenizer=base.tokenizer, transformer=transformer, vae=base.vae,
         scheduler=base.scheduler, text_encoder_2=base.text_encoder_2, tokenizer_2=base.tokenizer_2, guider=base.guider,
         image_encoder=enc, feature_extractor=proc)
-
-
-def _pil(frame: torch.Tensor) -> Image.Image:
-    """(3, H, W) in [-1, 1] -> the 8-bit picture it was read from."""
-    a = ((frame.float().cpu().permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
-    return Image.fromarray(np.ascontiguousarray(a))
 
 
 class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
@@ -124,7 +116,7 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
         w) and SigLIP's embeddings, through the pipeline's own functions on the 8-bit frame."""
         enc, proc = getattr(vae, _ATTR)
         P = diffusers.HunyuanVideo15ImageToVideoPipeline
-        frames = [_pil(f) for f in pixels[:, :, 0]]
+        frames = [to_pil(f) for f in pixels[:, :, 0]]
         h, w = pixels.shape[-2:]
         video_processor = HunyuanVideo15ImageProcessor(vae_scale_factor=self.vae_scale_factor, do_resize=False,
                                                        do_convert_rgb=True)  # the pipeline's

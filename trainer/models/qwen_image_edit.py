@@ -53,7 +53,7 @@ from torch import nn
 
 from ..errors import UserError
 from ._diffusers import pack_2x2, unpack_2x2
-from .base import Components
+from .base import Components, to_pil
 from .qwen_image import QWEN_VL_EMBED, QWEN_VL_LM_HEAD, QWEN_VL_VISUAL, QwenImageAdapter, tiny_parts
 
 CONTROL = "control_latents"
@@ -178,7 +178,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
             raise ValueError(f"{self.family}: encode_prompts needs one reference image per prompt")
         (enc,), proc = components.text_encoders, components.tokenizers[1]
         dev = enc.get_input_embeddings().weight.device
-        pil = [self.text_reference(im if isinstance(im, Image.Image) else _to_pil(im)) for im in images]
+        pil = [self.text_reference(im if isinstance(im, Image.Image) else to_pil(im)) for im in images]
         inputs = proc(text=[self.edit_template.format(p) for p in prompts], images=pil, padding=True,
                       return_tensors="pt").to(dev)
         hidden = enc(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
@@ -256,8 +256,3 @@ class QwenImageEditAdapter(QwenImageAdapter):
             raise UserError(f"{cls.family} samples need a reference image: pass --image (or set sample.image)")
         return {"image": image}
 
-
-def _to_pil(pixels: torch.Tensor) -> Image.Image:
-    """(3, H, W) in [-1, 1] -> RGB PIL image (exact for pixels that came from 8-bit images)."""
-    arr = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-    return Image.fromarray(arr)

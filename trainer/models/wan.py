@@ -330,10 +330,3 @@ class WanAdapter(DiffusersAdapter):
             out["negative_prompt_embeds"] = npe
         return out
 
-    @classmethod
-    def pipeline_frames(cls, pipe, frames: int) -> dict:
-        return {"num_frames": int(frames)}
-
-    @classmethod
-    def pipeline_result(cls, out):
-        return out.frames[0]

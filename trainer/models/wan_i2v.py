@@ -29,14 +29,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 from diffusers import WanImageToVideoPipeline
-from PIL import Image
 from torch import nn
 
 from ..errors import UserError
-from .base import Components
+from .base import Components, to_pil
 from .lora_keys import KeyRule, LoraKeyMap
 from .wan import WAN_LORA_KEYS, WAN_SCHEDULER, WanAdapter, tiny_pipeline
 from .wan22 import Wan22A14BAdapter
@@ -87,12 +85,6 @@ def tiny_pipeline_a14b_i2v() -> WanImageToVideoPipeline:
     return WanImageToVideoPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae,
                                    scheduler=base.scheduler, transformer=_tiny_transformer(27, None),
                                    transformer_2=_tiny_transformer(28, None), boundary_ratio=0.9)
-
-
-def _pil(frame: torch.Tensor) -> Image.Image:
-    """(3, H, W) in [-1, 1] -> the 8-bit picture it was read from."""
-    a = ((frame.float().cpu().permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
-    return Image.fromarray(np.ascontiguousarray(a))
 
 
 class WanI2VAdapter(WanAdapter):
@@ -172,7 +164,7 @@ class WanI2VAdapter(WanAdapter):
             dev = next(enc.parameters()).device
             enc.to(pixels.device)  # beside the VAE while latents are cached; back afterwards
             try:
-                px = proc(images=[_pil(f) for f in first[:, :, 0]], return_tensors="pt").to(pixels.device)
+                px = proc(images=[to_pil(f) for f in first[:, :, 0]], return_tensors="pt").to(pixels.device)
                 out["image_embeds"] = enc(**px, output_hidden_states=True).hidden_states[-2]
             finally:
                 enc.to(dev)
