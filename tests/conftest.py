@@ -77,3 +77,19 @@ def once_per_session(tmp_path_factory):
         return json.loads(done.read_text())
 
     return run
+
+
+@pytest.fixture
+def sdpa_masks(monkeypatch):
+    """Every SDPA call's attention mask (None or its shape), in call order (the attention-processor tests)."""
+    import torch.nn.functional as F
+
+    seen, orig = [], F.scaled_dot_product_attention
+
+    def spy(*a, **kw):
+        mask = a[3] if len(a) > 3 else kw.get("attn_mask")
+        seen.append(None if mask is None else tuple(mask.shape))
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return seen

@@ -64,20 +64,6 @@ def _blocks(m):
 
 
 @pytest.fixture
-def sdpa_masks(monkeypatch):
-    """Every SDPA call's attention mask (None or its shape), in call order."""
-    seen, orig = [], F.scaled_dot_product_attention
-
-    def spy(*a, **kw):
-        mask = a[3] if len(a) > 3 else kw.get("attn_mask")
-        seen.append(None if mask is None else tuple(mask.shape))
-        return orig(*a, **kw)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    return seen
-
-
-@pytest.fixture
 def flex_cpu_backward(monkeypatch):
     """flex_attention refuses CPU inputs that need a gradient (no CPU backward kernel); without that check its
     unfused reference (the dense math torch checks its GPU kernels against) runs both ways."""

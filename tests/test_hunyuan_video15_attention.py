@@ -11,7 +11,6 @@ import copy
 import diffusers
 import pytest
 import torch
-import torch.nn.functional as F
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
 from trainer.models import adapter_class
@@ -34,20 +33,6 @@ def _fresh_compile_cache():
     compiled.reset()
     yield
     compiled.reset()
-
-
-@pytest.fixture
-def sdpa_masks(monkeypatch):
-    """Every SDPA call's attention mask (None or its shape), in call order."""
-    seen, orig = [], F.scaled_dot_product_attention
-
-    def spy(*a, **kw):
-        mask = a[3] if len(a) > 3 else kw.get("attn_mask")
-        seen.append(None if mask is None else tuple(mask.shape))
-        return orig(*a, **kw)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    return seen
 
 
 def _pair(dtype=torch.float32, lora=True):
