@@ -447,7 +447,8 @@ class DataConfig(_Section):
         default=16.0,
         gt=0,
         description="Video families (Wan): videos in the sources are read at this frame rate, frames skipped or "
-        "repeated by their timestamps (null: every frame as stored). Wan 2.1 was trained at 16 fps.",
+        "repeated by their timestamps (null: every frame as stored). Unset: the family's rate (Wan 2.1 was trained "
+        "at 16 fps; LTX-2 reads 24, its positions are in seconds at 24 fps).",
     )
     clip_frames: int = Field(
         default=81,
@@ -688,6 +689,10 @@ class Config(_Section):
             step = adapter_class(self.model.family).bucket_step
             if step != self.data.bucket_step:
                 self.data.bucket_step = step
+        if self.data is not None and "fps" not in self.data.model_fields_set:  # the family's frame rate, unless set
+            from .models import adapter_class
+
+            self.data.fps = adapter_class(self.model.family).default_fps
         return self
 
     def digest(self) -> str:

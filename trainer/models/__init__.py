@@ -69,6 +69,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "anima": ("anima", "AnimaAdapter"),
     "hunyuan-video-1.5": ("hunyuan_video15", "HunyuanVideo15Adapter"),
     "hunyuan-video-1.5-i2v": ("hunyuan_video15_i2v", "HunyuanVideo15I2VAdapter"),
+    "ltx2": ("ltx2", "LTX2Adapter"),
 }
 
 __all__ = [

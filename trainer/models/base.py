@@ -219,6 +219,16 @@ class ModelAdapter(ABC):
     #: parameters of an image encoder that sits beside the VAE while latents are cached (Wan 2.1 I2V's CLIP ViT-H:
     #: `encode_conditions` moves it to the VAE's device), counted in the planner's latent-caching phase
     cache_encoder_params: ClassVar[int] = 0
+    #: the frame rate clips are read at where a config sets no `data.fps` (trainer/config.py), and samples are
+    #: written at without a data section (trainer/sampling/output.py `video_fps`): 16, Wan's; LTX-2's positions
+    #: are in seconds at its pipeline's 24
+    default_fps: ClassVar[float] = 16.0
+
+    @classmethod
+    def vae_latent_geometry(cls, config: Any) -> tuple[int, int, int]:
+        """(latent channels, pixels per latent side, pixel frames per latent frame) from the family's VAE config
+        (the planner's meta clip, trainer/planner/vae.py): AutoencoderKLWan's names by default."""
+        return int(config.z_dim), int(config.scale_factor_spatial), int(config.scale_factor_temporal)
 
     @classmethod
     def comfy_diffusers_lora_note(cls) -> str:

@@ -122,8 +122,8 @@ def _untiled_peak(family: str, config: str, dtype: torch.dtype, kind: str, width
     if kind == "encode":
         x = torch.empty(1, 3, frames, height, width, device="meta", dtype=dtype)
     else:
-        s, t = c.scale_factor_spatial, c.scale_factor_temporal
-        x = torch.empty(1, c.z_dim, (frames - 1) // t + 1, height // s, width // s, device="meta", dtype=dtype)
+        z, s, t = adapter_class(family).vae_latent_geometry(c)  # the family's VAE config names
+        x = torch.empty(1, z, (frames - 1) // t + 1, height // s, width // s, device="meta", dtype=dtype)
     vae.disable_tiling()
     mode = _LiveBytes()
     with torch.no_grad(), mode:
@@ -142,7 +142,7 @@ def _tiled_decode_peak(family: str, config: str, dtype: torch.dtype, width: int,
     (one tile's untiled peak, scaled by the tile's area), then every tile with the blended rows, their
     concatenation and its clamped copy (module essay)."""
     vae = _meta_vae(family, config, dtype)
-    r = vae.config.scale_factor_spatial
+    r = adapter_class(family).vae_latent_geometry(vae.config)[1]
     th, tw = vae.tile_sample_min_height, vae.tile_sample_min_width
     rows = _spans(height // r, th // r, vae.tile_sample_stride_height // r)
     cols = _spans(width // r, tw // r, vae.tile_sample_stride_width // r)

@@ -68,6 +68,8 @@ def contact_sheet(images: list[Image.Image], columns: int | None = None, pad: in
 
 
 def video_fps(cfg) -> float:
-    """The frame rate a video family's samples are written at: the rate its clips trained at (data.fps), else 16
-    (Wan's)."""
-    return float(getattr(cfg.data, "fps", None) or 16.0)
+    """The frame rate a video family's samples are written at: the rate its clips trained at (data.fps), else the
+    family's `default_fps` (16, Wan's; 24 for LTX-2)."""
+    from ..models import adapter_class
+
+    return float(getattr(cfg.data, "fps", None) or adapter_class(cfg.model.family).default_fps)

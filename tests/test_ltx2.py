@@ -1,0 +1,234 @@
+"""LTX-2 text-to-video (`ltx2`, issue 45) on the tiny model built here, with tiny videos written by PyAV as for Wan
+(tests/test_wan.py): the text (Gemma's stacked states through the connectors), the latents and the transformer call
+as LTX2Pipeline makes them, video-only training (the prediction independent of the audio stream), a LoRA `dittrain
+fit` on a video and a still whose file `LTX2Pipeline.load_lora_weights` loads, `dittrain sample` writing an mp4
+whose frames are pixel-identical to diffusers' pipeline with the same seed, guidance and LoRA (resident and
+streamed), streamed training equal to resident, and the full-size facts (the released config, the planner's VAE)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import _family_checks as checks
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from test_train_support import pixels, write_images
+from test_wan import _frames
+from typer.testing import CliRunner
+
+from trainer.cli import app
+from trainer.config import Config, ModelConfig
+from trainer.data.video import probe_video, write_video
+from trainer.models import adapter_class, get_adapter
+from trainer.sample import SampleRequest, run_sample
+from trainer.sampling.output import frame_sheet
+
+FAMILY = "ltx2"
+PROMPT = "a green square moving right"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    """A root holding only this family's tiny folder (the session's `tiny_models` writes every family)."""
+    from trainer.models.tiny import make_tiny_models
+
+    root = tmp_path_factory.mktemp("tiny-ltx2")
+    make_tiny_models(root, [FAMILY])
+    return root
+
+
+@pytest.fixture(scope="module")
+def loaded(models):
+    mc = ModelConfig(family=FAMILY, path=models / FAMILY, dtype="fp32")
+    adapter = get_adapter(mc)
+    comps = adapter.load(mc, parts={"transformer", "vae", "text", "scheduler"}, dtype=torch.float32)
+    pipe = adapter.pipeline(comps)
+    pipe.set_progress_bar_config(disable=True)
+    return adapter, comps, pipe
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory) -> Path:
+    """A 9-frame (8k + 1) 24 fps mp4 and a still, captioned."""
+    d = tmp_path_factory.mktemp("ltx2-data")
+    write_video(_frames(9), d / "clip.mp4", 24)
+    (d / "clip.txt").write_text(PROMPT)
+    _frames(1)[0].save(d / "still.png")
+    (d / "still.txt").write_text("a green square")
+    return d
+
+
+def _config(models: Path, data: Path, tmp: Path) -> Config:
+    return Config.model_validate({
+        "model": {"family": FAMILY, "path": str(models / FAMILY), "dtype": "fp32"},
+        "train": {"method": "lora", "steps": 3, "batch_size": 1, "seed": 0, "checkpoint_every": 0, "device": "cpu",
+                  "timestep_sampling": "uniform"},
+        "lora": {"rank": 4, "alpha": 4},
+        "optimizer": {"lr": 5e-2},
+        "data": {"sources": [{"path": str(data)}], "resolutions": [64], "cache_dir": str(tmp / "cache"),
+                 "clip_frames": 9, "clips": "first"},
+        "sample": {"prompts": [PROMPT], "steps": 2, "width": 64, "height": 64, "frames": 9, "guidance": 3.0,
+                   "seed": 3, "every": 3},
+        "output": {"dir": str(tmp / "out"), "tensorboard": False},
+    })
+
+
+# ---------------------------------------------------------------------------------------------- mirrors the pipeline
+
+
+def test_full_size_is_the_released_ltx2_and_the_planner_counts_its_vae():
+    """diffusers' defaults but `rope_type` are the release's (module essay); 18.9 B parameters in 48 blocks; the
+    planner builds the family's VAE from its own config names (32x, 8x, 128 channels) and counts a clip's decode."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    from trainer.planner.vae import clip_peak
+
+    cls = adapter_class(FAMILY)
+    with torch.device("meta"):
+        full = LTX2VideoTransformer3DModel.from_config(cls.full_config)
+        default = LTX2VideoTransformer3DModel()
+    assert {k for k in full.config if not k.startswith("_") and full.config[k] != default.config[k]} == {"rope_type"}
+    assert sum(p.numel() for p in full.parameters()) == 18_876_174_592
+    assert len(cls(None).blocks(full)) == 48
+    assert cls.full_tokens(512, 768, 121) == 16 * 16 * 24  # the pipeline's 121 frames at its 768x512: 6144 tokens
+    from types import SimpleNamespace
+
+    geo = cls.vae_latent_geometry(SimpleNamespace(**cls.full_vae_config))
+    assert geo == (128, 32, 8)
+    small = clip_peak(FAMILY, cls.full_vae_config, torch.bfloat16, "decode", 256, 256, 9)
+    assert clip_peak(FAMILY, cls.full_vae_config, torch.bfloat16, "decode", 256, 256, 17) > small > 0
+
+
+def test_text_latents_and_predict_as_the_pipeline_does(loaded):
+    """The cached text is the connectors' output on the pipeline's own Gemma states (all 1024 rows valid: the
+    registers fill the padding); latents are normalised as the pipeline denormalises; `predict` equals the
+    pipeline's transformer call with the cross-modal attention off, and does not depend on the audio stream."""
+    from diffusers import LTX2Pipeline
+
+    adapter, comps, pipe = loaded
+    prompts = [PROMPT, "a dog"]
+    text = adapter.encode_prompts(comps, prompts)
+    pe, pm, _, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device="cpu")
+    video, _audio, mask = pipe.connectors(pe, pm, padding_side=pipe.tokenizer.padding_side)
+    assert torch.equal(text["prompt_embeds"], video) and torch.equal(text["prompt_attention_mask"], mask)
+    assert text["prompt_embeds"].shape == (2, 1024, 32) and mask.sum(1).tolist() == [1024, 1024]
+    assert pm.sum(1).tolist()[0] > pm.sum(1).tolist()[1] > 0 and not pm[:, 0].any()  # left-padded
+    px = torch.rand(1, 3, 9, 64, 32) * 2 - 1
+    with torch.no_grad():
+        lat = adapter.encode_videos(comps.vae, px)
+        assert lat.shape == (1, 4, 2, 2, 1)
+        back = LTX2Pipeline._denormalize_latents(lat, comps.vae.latents_mean, comps.vae.latents_std,
+                                                 comps.vae.config.scaling_factor)
+        torch.testing.assert_close(back, comps.vae.encode(px).latent_dist.mode(), rtol=0, atol=1e-6)
+    seen = []
+    h = comps.transformer.register_forward_hook(lambda _m, _a, kw, out: seen.append((kw, out[0])), with_kwargs=True)
+    try:
+        pipe(prompt=PROMPT, height=64, width=64, num_frames=9, num_inference_steps=2, output_type="latent",
+             generator=torch.Generator().manual_seed(0))
+    finally:
+        h.remove()
+    assert len(seen) == 6  # 2 steps x (CFG batch, spatio-temporal guidance, modality guidance)
+    ours = adapter.encode_prompts(comps, [PROMPT])
+    for kw, _ in seen[::3]:
+        assert kw["fps"] == 24.0 and (kw["num_frames"], kw["height"], kw["width"]) == (2, 2, 2)
+        one = {k: (v[1:2] if isinstance(v, torch.Tensor) and v.shape[:1] == (2,) else v) for k, v in kw.items()}
+        with torch.no_grad():
+            want = comps.transformer(**{**one, "isolate_modalities": True})[0]
+            noisy = one["hidden_states"].reshape(1, 2, 2, 2, 4).permute(0, 4, 1, 2, 3)
+            got = adapter.predict(comps.transformer, noisy, one["timestep"] / 1000, ours)
+            other = comps.transformer(**{**one, "isolate_modalities": True,
+                                         "audio_hidden_states": torch.randn_like(one["audio_hidden_states"])})[0]
+        assert torch.equal(got, want.reshape(1, 2, 2, 2, 4).permute(0, 4, 1, 2, 3))
+        assert torch.equal(other, want)  # the video stream does not see the audio one
+    assert [kw["timestep"][0].item() for kw, _ in seen[::3]][0] == 1000.0
+
+
+# ---------------------------------------------------------------------------------------------- fit and sample
+
+
+@pytest.fixture(scope="module")
+def fitted(models, videos, tmp_path_factory):
+    """`dittrain fit` of a LoRA YAML config on the clip and the still (its last step samples: a frame sheet)."""
+    tmp = tmp_path_factory.mktemp("ltx2-fit")
+    cfg = _config(models, videos, tmp)
+    path = tmp / "fit.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True)))
+    r = CliRunner().invoke(app, ["fit", str(path)])
+    assert r.exit_code == 0, r.output
+    return cfg, tmp / "out"
+
+
+def test_fit_trains_a_video_lora_that_the_pipeline_loads(fitted):
+    """Three finite losses, the step-3 sample sheet (9 frames), latents cached through the LTX-2 VAE at (C, 2, 2, 2)
+    for the clip, and a file `LTX2Pipeline.load_lora_weights` loads into the video stream only."""
+    from diffusers import LTX2Pipeline
+
+    cfg, out = fitted
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 and all(np.isfinite(x["loss"]) for x in lines)
+    assert Image.open(out / "samples" / "step-000003-0.png").size == (3 * 64 + 4 * 4, 3 * 64 + 4 * 4)
+    shapes = set()
+    for f in Path(cfg.data.cache_dir).rglob("*.safetensors"):
+        from safetensors.torch import load_file
+
+        shapes |= {tuple(v.shape) for k, v in load_file(f).items() if k.endswith("latent")}
+    assert (4, 2, 2, 2) in shapes and (4, 1, 2, 2) in shapes, shapes  # the clip and the still
+    pipe = LTX2Pipeline.from_pretrained(str(cfg.model.path), local_files_only=True)
+    pipe.load_lora_weights(str(out / "lora.safetensors"))
+    names = {k.split(".lora_A.")[0] for k in pipe.transformer.state_dict() if ".lora_A." in k}
+    block = {n.split(".", 2)[-1] for n in names if n.startswith("transformer_blocks.1.")}
+    assert block == {f"{a}.{m}" for a in ("attn1", "attn2") for m in ("to_q", "to_k", "to_v", "to_out.0")} | {
+        "ff.net.0.proj", "ff.net.2"}
+
+
+def _pipeline_frames(cfg: Config, lora: Path, weight: float, seed: int) -> list[Image.Image]:
+    """The reference: diffusers' own LTX2Pipeline from the folder, the LoRA through `load_lora_weights` at `weight`,
+    called from the prompt at the pipeline's defaults but the sample's size, frames, steps and guidance."""
+    from diffusers import LTX2Pipeline
+
+    from trainer.models._diffusers import own_aligned_memory
+
+    pipe = LTX2Pipeline.from_pretrained(str(cfg.model.path), torch_dtype=torch.float32, local_files_only=True)
+    own_aligned_memory(pipe.transformer)  # as our loader does: same memory alignment, same CPU rounding
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(lora), adapter_name="x")
+    pipe.set_adapters(["x"], adapter_weights=[weight])
+    s = cfg.sample
+    return pipe(prompt=PROMPT, height=s.height, width=s.width, num_frames=s.frames, num_inference_steps=s.steps,
+                guidance_scale=s.guidance, generator=torch.Generator().manual_seed(seed), output_type="pil").frames[0]
+
+
+def test_sample_writes_an_mp4_and_frames_pixel_identical_to_the_pipeline(fitted, tmp_path):
+    """Guidance 3 (with the pipeline's audio guidance, STG and modality passes), the fitted LoRA at 0.7; then every
+    block streamed; the mp4 is written at the pipeline's 24 fps."""
+    cfg, out = fitted
+    lora = out / "lora.safetensors"
+    plain = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, out=tmp_path / "plain"))
+    mp4, sheet = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[f"{lora}:0.7"], out=tmp_path / "l"))
+    assert mp4.suffix == ".mp4" and Image.open(sheet).text["frames"] == "9"
+    want = _pipeline_frames(cfg, lora, 0.7, seed=3)
+    assert len(want) == 9
+    np.testing.assert_array_equal(pixels(sheet), np.asarray(frame_sheet(want)))
+    assert (pixels(sheet) != pixels(plain[1])).mean() > 0.05, "the trained LoRA must change the video"
+    streamed = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[f"{lora}:0.7"], offload=1.0,
+                                             out=tmp_path / "streamed"))
+    np.testing.assert_array_equal(pixels(streamed[1]), pixels(sheet))
+    assert probe_video(mp4, None) == (64, 64, 9)
+    import av
+
+    with av.open(str(mp4)) as f:
+        assert float(f.streams.video[0].average_rate) == 24.0
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return write_images(tmp_path_factory.mktemp("ltx2-images"))
+
+
+def test_streamed_training_equals_resident(models, images, tmp_path, monkeypatch):
+    """Stills (1-frame clips) through the conductor's CPU path at fraction 1.0, fp32: bitwise the resident losses."""
+    checks.streamed_training_equals_resident(FAMILY, models, images, tmp_path, monkeypatch, "lora", 1.0)

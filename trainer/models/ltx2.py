@@ -1,0 +1,341 @@
+"""LTX-2 text-to-video: LTX2VideoTransformer3DModel (18.9 B, 48 joint audio-video blocks), Gemma 3 12B with LTX-2's
+text connectors, AutoencoderKLLTX2Video (32x in space, 8x in time, 128 channels), `LTX2Pipeline` (issue 45).
+
+LTX-2 is one transformer for sound and picture: every block runs a video stream (4096 wide) and an audio stream
+(2048 wide), each with self-attention, cross-attention to the prompt and a feed-forward, joined by audio-to-video
+and video-to-audio cross-attention. The pipeline always denoises both: a random audio latent beside the video one,
+decoded by the audio VAE and the vocoder into a waveform.
+
+How it mirrors diffusers' LTX2Pipeline (0.42):
+
+- text: the prompt, stripped, tokenized left-padded to 1024 tokens, through Gemma 3 with its attention mask; every
+  hidden state (the embeddings and the 48 layers' outputs, 49 x 3840) stacked per token (`_get_gemma_prompt_embeds`,
+  called as is), then the pipeline's `connectors` (LTX2TextConnectors: a masked per-layer norm, a projection to
+  3840 and a two-layer transformer per stream whose 128 learned registers take the padding's place, so every one
+  of the 1024 rows is valid afterwards) -> `prompt_embeds` (B, 1024, 3840) for the video stream and its mask.
+  The connectors are frozen: they ride with the text encoder (`Components.text_encoders[1]`) and the cache holds
+  their output, 7.9 MB a caption in bf16, not Gemma's 385 MB of stacked states.
+- latents: the VAE's mean (`latent_dist.mode()`, the image-to-video pipeline's `retrieve_latents(..., "argmax")`)
+  normalised per channel, (z - latents_mean) * scaling_factor / latents_std, the inverse of the pipeline's
+  `_denormalize_latents`. Clips have 8k + 1 frames (an image is one); sides divide by 32.
+- predict: the latents go in as tokens (`_pack_latents` with patch 1: (B, F h w, C)) with `num_frames`, `height`,
+  `width` and the frame rate, from which the transformer makes its positions (in seconds: `FRAME_RATE`, the
+  pipeline's 24 fps default); the timestep is t * 1000 (the scheduler's timesteps, sigma * 1000), passed as
+  `timestep` and `sigma` as the pipeline passes it.
+- audio (video-only training): a clip trains the video stream alone. The transformer runs with
+  `isolate_modalities=True` (no audio-to-video or video-to-audio cross-attention, as the pipeline's modality
+  guidance pass runs it), so the video prediction does not depend on the audio stream at all, and the audio stream
+  gets one zero token and a one-token zero prompt (it must run: the blocks take both streams; one token costs
+  nothing). This is how Lightricks' own trainer (ltx-trainer) trains without audio: the audio modality left out,
+  the cross-modal attention with it. Feeding made-up sound instead (silence, or noise at the video's noise level)
+  would train the cross-attention on a false pairing, "this scene sounds like silence". The default LoRA targets
+  are the video stream's attention and feed-forward (`attn1`, `attn2`, `ff`), which a video-only loss reaches.
+  Sampling runs the pipeline as it is: both streams, joined, the audio generated and dropped.
+- shift: the folder's scheduler (FlowMatchEulerDiscreteScheduler with dynamic shifting, base 0.95 at 1024 tokens
+  to 2.05 at 4096); the pipeline computes mu from the video tokens, so training takes the shift of a clip of
+  `plan_frames` (121) frames at the bucket's size.
+- sampling: `LTX2Pipeline` with the Gemma embeddings and mask of the prompt and of the negative prompt: its audio
+  guidance (`audio_guidance_scale` 7) runs classifier-free guidance at any video `guidance_scale`, so the negative
+  pass always runs (`runs_cfg`). Everything else at the pipeline's defaults (its spatio-temporal guidance at block
+  28, modality guidance 3, guidance rescale 0.7); `frame_rate` is `FRAME_RATE`.
+
+Full size (`full_config`): diffusers' defaults are the released LTX-2 (19 B) transformer's config except
+`rope_type`, "split" in the release (diffusers' scripts/convert_ltx2_to_diffusers.py, `get_ltx2_transformer_config`;
+every other key there equals the default): 48 blocks, video 32 heads of 128, audio 32 of 64, caption 3840;
+18,876,174,592 parameters, 18,531,581,952 in the blocks (268.6 M of a block's 386.1 M in its video stream). The
+VAE is the converter's `get_ltx2_video_vae_config` (1.22 B). LTX-2.3 (gated attention, cross-attention AdaLN,
+per-modality connectors) loads from its folder's configs; its full size is not declared here.
+
+Left out: training the audio stream (clips with a sound track, audio latents through AutoencoderKLLTX2Audio, the
+sound written into the mp4), image-to-video (`LTX2ImageToVideoPipeline`), ComfyUI / kohya key names (`lora_key_map`
+None), dropping Gemma's vision tower while captions are encoded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+from torch import nn
+
+from ._diffusers import DiffusersAdapter
+from .base import Components
+
+#: the pipeline's default `frame_rate`: the clips' positions are in seconds at this rate (train with data.fps: 24)
+FRAME_RATE = 24.0
+#: the pipeline's default `max_sequence_length` (Gemma tokens, left-padded)
+MAX_SEQUENCE_LENGTH = 1024
+#: LTX-2's scheduler (scheduler/scheduler_config.json of the release), used when a folder has none
+SCHEDULER = {"use_dynamic_shifting": True, "base_shift": 0.95, "max_shift": 2.05, "base_image_seq_len": 1024,
+             "max_image_seq_len": 4096, "shift_terminal": 0.1, "time_shift_type": "exponential"}
+#: the released video VAE (diffusers' scripts/convert_ltx2_to_diffusers.py `get_ltx2_video_vae_config`)
+VAE_CONFIG = {
+    "latent_channels": 128, "block_out_channels": (256, 512, 1024, 2048), "decoder_block_out_channels": (256, 512, 1024),
+    "layers_per_block": (4, 6, 6, 2, 2), "decoder_layers_per_block": (5, 5, 5, 5),
+    "spatio_temporal_scaling": (True, True, True, True), "decoder_spatio_temporal_scaling": (True, True, True),
+    "decoder_inject_noise": (False, False, False, False),
+    "downsample_type": ("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
+    "upsample_residual": (True, True, True), "upsample_factor": (2, 2, 2), "timestep_conditioning": False,
+    "patch_size": 4, "patch_size_t": 1, "encoder_causal": True, "decoder_causal": False,
+    "encoder_spatial_padding_mode": "zeros", "decoder_spatial_padding_mode": "reflect",
+    "spatial_compression_ratio": 32, "temporal_compression_ratio": 8,
+}
+#: Gemma 3 12B (Gemma3ForConditionalGeneration) outside its 48 decoder layers: the 262k-token embedding (tied to
+#: the head), the final norm, the SigLIP vision tower and its projector
+GEMMA3_NONBLOCK = 12_187_325_040 - 10_759_151_616
+
+
+def tiny_pipeline() -> LTX2Pipeline:
+    """A tiny random LTX-2: a two-layer Gemma 3 (with a one-layer SigLIP tower, as the real class has) on the tiny
+    Gemma tokenizer, connectors with 8 registers, two joint blocks, the video VAE at the real geometry (32x, 8x,
+    4 latent channels), a tiny audio VAE and vocoder (the pipeline decodes sound on every call), LTX-2's scheduler."""
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from .lumina2 import gemma_tokenizer
+
+    tok = gemma_tokenizer()
+    torch.manual_seed(61)
+    text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config={"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 64,
+                     "max_position_embeddings": 2048, "pad_token_id": tok.pad_token_id,
+                     "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id},
+        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": 28, "patch_size": 14, "vision_use_head": False},
+        mm_tokens_per_image=4, image_token_index=len(tok) - 1,
+    )).eval()
+    torch.manual_seed(62)
+    connectors = LTX2TextConnectors(
+        caption_channels=32, text_proj_in_factor=3, video_connector_num_attention_heads=2,
+        video_connector_attention_head_dim=16, video_connector_num_layers=1, video_connector_num_learnable_registers=8,
+        audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=16, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=8, connector_rope_base_seq_len=64, rope_type="split")
+    torch.manual_seed(63)
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, cross_attention_dim=32,
+        audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=8,
+        audio_cross_attention_dim=16, num_layers=2, caption_channels=32, rope_type="split")
+    torch.manual_seed(64)
+    vae = AutoencoderKLLTX2Video(
+        latent_channels=4, block_out_channels=(8, 8, 16, 16), layers_per_block=(1, 1, 1, 1, 1),
+        decoder_block_out_channels=(8, 16, 32), decoder_layers_per_block=(1, 1, 1, 1),
+        spatial_compression_ratio=32, temporal_compression_ratio=8)
+    with torch.no_grad():  # a per-channel normalisation that is not the identity, as the real VAE's
+        vae.latents_mean.copy_(torch.tensor([0.1, -0.2, 0.05, 0.0]))
+        vae.latents_std.copy_(torch.tensor([1.5, 2.0, 1.2, 1.8]))
+    torch.manual_seed(65)
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
+        resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
+        mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8)
+    torch.manual_seed(66)
+    vocoder = LTX2Vocoder(
+        in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
+        resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]], leaky_relu_negative_slope=0.1,
+        output_sampling_rate=16000)
+    return LTX2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae, audio_vae=audio_vae,
+                        text_encoder=text_encoder, tokenizer=tok, connectors=connectors, transformer=transformer,
+                        vocoder=vocoder)
+
+
+class LTX2Adapter(DiffusersAdapter):
+    family = "ltx2"
+    transformer_cls = LTX2VideoTransformer3DModel
+    pipeline_cls = LTX2Pipeline
+    #: the video stream's self-attention, prompt cross-attention and feed-forward (module essay: what a video-only
+    #: loss reaches); ".attn1" etc. do not match the audio stream's `audio_attn1`, `audio_ff`
+    default_lora_targets = (
+        *(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v", "to_out.0")),
+        "ff.net.0.proj", "ff.net.2",
+    )
+    text_encoder_dirs = ("text_encoder",)
+    text_encoder_classes = ("Gemma3ForConditionalGeneration",)
+    tokenizer_dirs = ("tokenizer",)
+    #: the connectors turn Gemma's states into the embeddings the cache holds: part of the text cache's identity
+    extra_text_dirs = ("connectors",)
+    max_sequence_length = MAX_SEQUENCE_LENGTH
+    vae_cls_name = "AutoencoderKLLTX2Video"
+    full_vae_config = VAE_CONFIG
+    vae_params = 1_222_479_601
+    latent_scale, token_patch = 32, 1
+    packs_2x2 = False  # patch size 1: one token per latent pixel
+    bucket_step = 32  # the VAE's divisor: 832x480 is no bucket (480 = 15 x 32), 768x512 and 1280x704 are
+    default_scheduler = SCHEDULER
+    full_name, example_path = "LTX-2 (19B)", "/path/to/LTX-2-Diffusers"
+    full_config = {"rope_type": "split"}  # diffusers' defaults otherwise (module essay)
+    text_tokens = MAX_SEQUENCE_LENGTH  # always 1024 rows: the registers fill the padding
+    text_encoder_params = (("Gemma 3 12B (with LTX-2's text connectors)", 12_187_325_040 + 1_431_475_200),)
+    text_encoder_nonblock_params = (GEMMA3_NONBLOCK + 1_431_475_200,)
+    text_encoder_layers = (48,)
+    #: the blocks' scale / shift / gate are Parameters (`scale_shift_table`, ...) plus the time embeddings outside
+    #: the blocks: no block Linear is a modulation Linear
+    modulation_linears = ""
+    #: the video stream's feed-forward (4096 -> 16384 -> 4096); the audio stream's runs on one token here
+    token_wise = ("ff",)
+    sampling_uses_negative = True
+    sample_defaults = {"guidance": 3.0, "steps": 30}  # the pipeline's defaults
+
+    # video (base.py): 8x temporal VAE, clips of 8k + 1 frames; the planner assumes the pipeline's 121 frames
+    video = True
+    frame_step = 8
+    plan_frames = 121
+    default_fps = FRAME_RATE  # data.fps where a config sets none
+
+    @classmethod
+    def tiny_builders(cls):
+        return {"ltx2": tiny_pipeline}
+
+    @classmethod
+    def comfy_diffusers_lora_note(cls) -> str:
+        """No key map (module essay)."""
+        return (f"dittrain does not map {cls.family} LoRAs to ComfyUI's names yet (no comfy / kohya key map); "
+                "diffusers' LTX2Pipeline.load_lora_weights loads the file")
+
+    @classmethod
+    def vae_latent_geometry(cls, config) -> tuple[int, int, int]:
+        """AutoencoderKLLTX2Video's config names (its defaults leave the ratios None: the release sets 32 and 8)."""
+        return (int(config.latent_channels), int(config.spatial_compression_ratio or 32),
+                int(config.temporal_compression_ratio or 8))
+
+    # ------------------------------------------------------------------------------------------ folder facts
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return int(self.vae_config.get("spatial_compression_ratio") or 32)
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.vae_config.get("latent_channels", 128))
+
+    def shift_seq_len(self, height: int, width: int) -> int:
+        """The pipeline's mu counts the video tokens: those of a `plan_frames` clip at this size (module essay)."""
+        return self.latent_frames(self.plan_frames) * self.image_seq_len(height, width)
+
+    # ------------------------------------------------------------------------------------------ loading
+
+    def load(self, cfg, *, parts, dtype, device="cpu") -> Components:
+        """As every family loads, and with the text encoder its connectors (`text_encoders[1]`): they run on its
+        states wherever it runs."""
+        out = super().load(cfg, parts=parts, dtype=dtype, device=device)
+        if "text" in parts:
+            from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+            from ..errors import UserError
+
+            root = Path(cfg.path)
+            if not (root / "connectors" / "config.json").is_file():
+                raise UserError(f"{root / 'connectors'} not found: expected LTX-2's text connectors of a "
+                                f"diffusers-format {self.family} folder ({self._expected()}, connectors/)")
+            conn = LTX2TextConnectors.from_pretrained(str(root), subfolder="connectors", torch_dtype=dtype,
+                                                      local_files_only=True)
+            out.text_encoders.append(conn.to(device).eval().requires_grad_(False))
+        return out
+
+    def pipeline(self, components: Components) -> LTX2Pipeline:
+        """The pipeline from the loaded parts, and the folder's audio VAE and vocoder (it decodes sound on every
+        call; loaded here, in the VAE's dtype)."""
+        import diffusers
+        from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+        root, dtype = str(self.cfg.path), components.vae.dtype
+        audio_vae = diffusers.AutoencoderKLLTX2Audio.from_pretrained(root, subfolder="audio_vae", torch_dtype=dtype,
+                                                                     local_files_only=True)
+        vocoder = LTX2Vocoder.from_pretrained(root, subfolder="vocoder", torch_dtype=dtype, local_files_only=True)
+        encs, toks = components.text_encoders, components.tokenizers
+        return LTX2Pipeline(
+            scheduler=components.scheduler, vae=components.vae, audio_vae=audio_vae.eval(), vocoder=vocoder.eval(),
+            text_encoder=encs[0] if encs else None, connectors=encs[1] if len(encs) > 1 else None,
+            tokenizer=toks[0] if toks else None, transformer=components.transformer)
+
+    # ------------------------------------------------------------------------------------------ model
+
+    def blocks(self, transformer: nn.Module) -> list[nn.Module]:
+        return list(transformer.transformer_blocks)
+
+    @torch.no_grad()
+    def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Gemma's stacked states through the pipeline's own `_get_gemma_prompt_embeds` (on the encoder's language
+        model: the logits over 262k tokens are never read), then the connectors' video embeddings and mask."""
+        (enc, conn), (tok,) = components.text_encoders, components.tokenizers
+        dev = enc.get_input_embeddings().weight.device
+        host = SimpleNamespace(tokenizer=tok, text_encoder=enc.model)
+        states, mask = LTX2Pipeline._get_gemma_prompt_embeds(host, list(prompts), max_sequence_length=MAX_SEQUENCE_LENGTH,
+                                                             device=dev, dtype=enc.dtype)
+        conn_dev = next(conn.parameters()).device
+        video, _audio, video_mask = conn(states.to(conn_dev), mask.to(conn_dev), padding_side=tok.padding_side)
+        return {"prompt_embeds": video.to(enc.dtype), "prompt_attention_mask": video_mask}
+
+    def encode_videos(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        lat = vae.encode(pixels.to(vae.dtype)).latent_dist.mode()
+        return LTX2Pipeline._normalize_latents(lat, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+
+    def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """An image is a 1-frame clip: (B, 3, H, W) -> (B, C, 1, h, w)."""
+        return self.encode_videos(vae, pixels.unsqueeze(2))
+
+    def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:
+        x = noisy_latents
+        b, c, f, h, w = x.shape
+        video, _ = transformer(**self._inputs(transformer, x.permute(0, 2, 3, 4, 1).reshape(b, f * h * w, c),
+                                              t * 1000.0, text["prompt_embeds"], text["prompt_attention_mask"],
+                                              (f, h, w)), return_dict=False)
+        return video.reshape(b, f, h, w, c).permute(0, 4, 1, 2, 3)
+
+    @staticmethod
+    def _inputs(transformer, tokens, timestep, embeds, mask, grid: tuple[int, int, int]) -> dict[str, Any]:
+        """The transformer's video-only call (module essay): the video tokens of a (frames, height, width) latent
+        grid, the cross-modal attention off, the audio stream one zero token with a one-token zero prompt."""
+        c, b = transformer.config, tokens.shape[0]
+        f, h, w = grid
+        return dict(
+            hidden_states=tokens,
+            audio_hidden_states=tokens.new_zeros(b, 1, c.audio_in_channels),
+            encoder_hidden_states=embeds,
+            audio_encoder_hidden_states=embeds.new_zeros(b, 1, c.caption_channels),
+            timestep=timestep, sigma=timestep,
+            encoder_attention_mask=mask,
+            num_frames=f, height=h, width=w, fps=FRAME_RATE, audio_num_frames=1,
+            isolate_modalities=True,
+        )
+
+    @classmethod
+    def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta",
+                     frames: int | None = None) -> dict:
+        """As `predict` builds them, for a clip of `frames` frames (default `plan_frames`: 121, 16 latent frames)."""
+        c, dev = transformer.config, torch.device(device)
+        rnd = {"device": dev, "dtype": dtype}
+        grid = (cls.latent_frames(frames or cls.plan_frames), height // cls.latent_scale, width // cls.latent_scale)
+        tokens = torch.randn(batch, grid[0] * grid[1] * grid[2], c.in_channels, **rnd)
+        embeds = torch.randn(batch, text_tokens, c.caption_channels, **rnd)
+        mask = torch.ones(batch, text_tokens, device=dev, dtype=torch.long)
+        return cls._inputs(transformer, tokens, torch.ones(batch, **rnd), embeds, mask, grid)
+
+    # ------------------------------------------------------------------------------------------ sampling
+
+    @classmethod
+    def runs_cfg(cls, guidance: float) -> bool:
+        """The pipeline's audio guidance (7) runs classifier-free guidance whatever the video scale."""
+        return True
+
+    @classmethod
+    def pipeline_embeds(cls, pipe, prompt, negative, device) -> dict[str, torch.Tensor]:
+        """The prompt's (and the negative prompt's) Gemma states and masks from the pipeline's `encode_prompt`; the
+        parts the pipeline runs after the text encoder is gone (connectors, audio VAE, vocoder) go to `device`."""
+        for name in ("connectors", "audio_vae", "vocoder"):
+            getattr(pipe, name).to(device)
+        pe, pm, npe, npm = pipe.encode_prompt(prompt=prompt, negative_prompt=negative,
+                                              do_classifier_free_guidance=negative is not None, device=device)
+        out = {"prompt_embeds": pe, "prompt_attention_mask": pm}
+        if negative is not None:
+            out |= {"negative_prompt_embeds": npe, "negative_prompt_attention_mask": npm}
+        return out
+
+    @classmethod
+    def pipeline_frames(cls, pipe, frames: int) -> dict[str, Any]:
+        return {"num_frames": int(frames), "frame_rate": FRAME_RATE}
