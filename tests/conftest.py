@@ -38,6 +38,18 @@ def _hermetic_caches() -> str:
 SESSION_CACHES = _hermetic_caches()
 
 
+def pytest_collection_finish(session):
+    """Everything imported by now (torch, dynamo, diffusers, transformers, every test module: ~0.5 M objects in a
+    worker that collected the whole suite) lives to the end of the session: move it into the garbage collector's
+    permanent generation, so that the trainer's and the sampler's `gc.collect()` calls (several per fit, to hand
+    memory back) and Python's own full collections scan only what the tests made since, not the imports each time
+    (~0.3 s a call measured on 2 cores, 5 us frozen). Objects made later are collected as before."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_unconfigure(config):
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         shutil.rmtree(SESSION_CACHES, ignore_errors=True)

@@ -358,6 +358,11 @@ class ModelAdapter(ABC):
     #: cache views of their whole first-step keys and values (inductor leaves out the copy of a slice of a
     #: block-internal tensor): `sampling_hooks` copies them down to the prompt's rows
     sampling_kv_cache: ClassVar[bool] = False
+    #: pipeline components beyond the trained transformer that every sample runs (Ideogram 4's text-free
+    #: `unconditional_transformer`): loaded whole into CPU RAM with part "experts" and placed beside the trained one
+    #: while sampling (`pipeline_transformers`). The planner does not count them, so the presets sample nothing during
+    #: training (trainer/planner/presets.py)
+    sampling_components: ClassVar[tuple[str, ...]] = ()
 
     # ------------------------------------------------------------------------------------------ presets
 

@@ -14,7 +14,8 @@ then fewer frames at 480p (49, 33), each without checkpointing, with it, then wi
 preset names its size as `data.resolutions: [480p]` (trainer/config.py `video_resolution`), samples that frame at
 the clip's length, and its header says which rung it took. A family of experts (Wan 2.2 A14B) trains the
 `model.expert` its presets name (`EXPERT`; the other has the same size) with sampling during training off: a sample
-needs every expert, which the planner does not count.
+needs every expert, which the planner does not count. So does a family whose samples run further transformers
+(`sampling_components`: Ideogram 4's unconditional one).
 """
 
 from __future__ import annotations
@@ -174,7 +175,9 @@ def _yaml(d: dict, indent: int = 0) -> list[str]:
 def _first_fit(family, method, card, opt, cache, quantize="none", ram_gb=None):
     budget = card - HEADROOM_GB
     last = ""
-    experts = bool(adapter_class(family).experts)
+    # a family of experts, or one whose samples run other transformers too: sampling off (module essay)
+    cls = adapter_class(family)
+    sample_off = bool(cls.experts or cls.sampling_components)
     for name, frames, act, ckpt in _settings(family):
         d0 = _config(family, method, name, act, 0.0, ckpt, opt, quantize=quantize, frames=frames)
         d0["sample"]["every"] = 0  # the fraction for training; sampling is checked below (off if it does not fit)
@@ -207,7 +210,7 @@ def _first_fit(family, method, card, opt, cache, quantize="none", ram_gb=None):
         d = _config(family, method, name, act, f, ckpt, opt, te, quantize, frames)
         dcfg = Config.model_validate(d)
         phases = predict_phases(dcfg, f, facts, te)
-        if experts or any(ph.name == "sampling" and ph.vram > budget * 1e9 for ph in phases):
+        if sample_off or any(ph.name == "sampling" and ph.vram > budget * 1e9 for ph in phases):
             # off where it would not fit beside the ring, and for a family of experts (module essay)
             d["sample"]["every"] = 0
             phases = predict_phases(Config.model_validate(d), f, facts, te)
@@ -291,6 +294,9 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
         ["# Sampling during training is off (sample.every: 0): a sample needs every expert (the other one loaded and",
          "# streamed beside the training ring, not in these figures); use `dittrain sample` with both LoRAs afterwards."]
         if cls.experts else
+        [f"# Sampling during training is off (sample.every: 0): a sample also runs {', '.join(cls.sampling_components)}",
+         "# (loaded and streamed beside the training ring, not in these figures); use `dittrain sample` afterwards."]
+        if cls.sampling_components else
         ["# Sampling during training is off (sample.every: 0): it would not fit beside training on this card;",
          "# use `dittrain sample` afterwards."]
     )

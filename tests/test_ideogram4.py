@@ -1,0 +1,287 @@
+"""Ideogram 4 (`ideogram4`, issue 42) against diffusers' Ideogram 4 modular pipeline on its tiny model: captions
+(the text-encoder step's 13 Qwen3-VL layers) and the packed [padding][text][image] transformer call as the blocks
+make them, latents as the decode step un-normalises them, a tiny LoRA `dittrain fit` from YAML whose file
+`Ideogram4ModularPipeline.load_lora_weights` loads and that predicts exactly as in the trainer, streamed training
+equal to resident (LoRA and full), `dittrain sample` pixel-identical to the modular pipeline run from the prompt
+(both transformers, constant guidance, the LoRA, resident and streamed), the comfy layout through the pipeline's own
+loader (diffusers' Ideogram 4 LoRA converter, fused qkv), the kohya layout and the LyCORIS kinds through every
+layout, and the planner on the shipped presets."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import _family_checks as checks
+import numpy as np
+import pytest
+import torch
+from test_sample import PROMPT
+from test_train_support import losses, pixels, write_images
+
+from trainer.config import Config, ModelConfig
+from trainer.models import adapter_class, get_adapter
+from trainer.sample import SampleRequest, run_sample
+
+FAMILY = "ideogram4"
+UNCOND = "unconditional_transformer"
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return write_images(tmp_path_factory.mktemp("ideogram4-images"))
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_models):
+    """(adapter, every component, the unconditional transformer included), fp32, read-only for the tests."""
+    mc = ModelConfig(family=FAMILY, path=tiny_models / FAMILY, dtype="fp32")
+    adapter = get_adapter(mc)
+    return adapter, adapter.load(mc, parts={"transformer", "vae", "text", "scheduler", "experts"},
+                                 dtype=torch.float32)
+
+
+def _fresh_transformer(adapter):
+    """The base conditional transformer, loaded anew (a LoRA goes into it, not into the shared one)."""
+    return adapter.load(adapter.cfg, parts={"transformer"}, dtype=torch.float32).transformer
+
+
+def modular_pipeline(comps, transformer=None):
+    """diffusers' own Ideogram 4 modular pipeline (`Ideogram4AutoBlocks`, its text-encoder step included) on the
+    folder's parts."""
+    from diffusers.modular_pipelines.ideogram4.modular_blocks_ideogram4 import Ideogram4AutoBlocks
+
+    mp = Ideogram4AutoBlocks().init_pipeline()
+    mp.update_components(transformer=transformer or comps.transformer, unconditional_transformer=comps.experts[UNCOND],
+                         vae=comps.vae, scheduler=comps.scheduler, text_encoder=comps.text_encoders[0],
+                         tokenizer=comps.tokenizers[0])
+    mp.set_progress_bar_config(disable=True)
+    return mp
+
+
+def test_text_and_predict_as_the_modular_blocks_do(parts):
+    """Captions: the step's features at each caption's own length, left-padded per batch (within fp32 rounding of
+    the step at the batch's window); the ids built on the device equal the blocks'; predict on the blocks' own
+    inputs is the negated image rows of the conditional transformer's first call, bitwise."""
+    from trainer.models.ideogram4 import sequence_ids, unpack
+
+    adapter, comps = parts
+    assert comps.text_encoders[0].visual is None  # slimmed: captions are text
+    text = adapter.encode_prompts(comps, [PROMPT, "a cat"])
+    batch = adapter.collate_text([{k: v[i] for k, v in text.items()} for i in range(2)])
+    mask, window = batch["prompt_embeds_mask"], batch["prompt_embeds"].shape[1]
+    assert mask[0].all() and not mask[1].all() and mask[1, -1] == 1  # left padding
+    seen = {}
+
+    def hook(_m, args, kwargs, out):
+        seen.setdefault("call", (kwargs, out[0]))
+
+    h = comps.transformer.register_forward_hook(hook, with_kwargs=True)
+    try:
+        modular_pipeline(comps)(prompt=[PROMPT, "a cat"], max_sequence_length=window, num_inference_steps=1,
+                                height=32, width=48, guidance_schedule=[4.0],
+                                generator=torch.Generator().manual_seed(0), output="latents")
+    finally:
+        h.remove()
+    kw, out = seen["call"]
+    ids = sequence_ids(mask, 2, 3)
+    for got, name in zip(ids, ("position_ids", "segment_ids", "indicator"), strict=True):
+        assert torch.equal(got, kw[name]), name
+    torch.testing.assert_close(batch["prompt_embeds"], kw["encoder_hidden_states"][:, :window], rtol=0, atol=1e-6)
+    sigma = comps.scheduler.sigmas[0].item()
+    torch.testing.assert_close(kw["timestep"], torch.full((2,), 1 - sigma))
+    blocks_text = {"prompt_embeds": kw["encoder_hidden_states"][:, :window], "prompt_embeds_mask": mask}
+    latents = unpack(kw["hidden_states"][:, window:], 4, 6)
+    with torch.no_grad():
+        got = adapter.predict(comps.transformer, latents, torch.full((2,), sigma), blocks_text)
+    assert torch.equal(got, -unpack(out[:, window:], 4, 6))
+
+
+def test_latents_are_normalised_as_the_decode_step_un_normalises_them(parts):
+    """encode_images: the VAE's mode normalised per 2x2 patch by its batch-norm statistics in the (row, column,
+    channel) order the decode step reads them; `pack` is the inverse of the after-denoise un-patchify."""
+    from trainer.models.ideogram4 import pack, unpack
+
+    adapter, comps = parts
+    pixels_ = torch.rand(2, 3, 64, 32) * 2 - 1
+    lat = adapter.encode_images(comps.vae, pixels_)
+    assert lat.shape == (2, adapter.latent_channels, 8, 4) and adapter.resolution_divisor == 16
+    vae, c = comps.vae, adapter.latent_channels
+    tokens = pack(lat)  # (B, N, 4C): what the denoising loop integrates
+    std = torch.sqrt(vae.bn.running_var + vae.config.batch_norm_eps)
+    raw = unpack(tokens * std + vae.bn.running_mean, 8, 4)  # the classic pipeline's de-normalisation on tokens
+    torch.testing.assert_close(raw, vae.encode(pixels_).latent_dist.mode(), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(vae.bn.running_mean.view(2, 2, c).permute(2, 0, 1).flatten(),
+                           vae.bn.running_mean)  # the order matters on this VAE
+
+
+def test_full_size_is_the_released_9_3b_diffusers_default_and_the_shift_follows_the_schedule():
+    cls = adapter_class(FAMILY)
+    with torch.device("meta"):
+        model = cls.transformer_cls.from_config(cls.full_config)
+    assert len(cls().blocks(model)) == 34
+    assert sum(p.numel() for p in model.parameters()) == 9_279_288_448
+    defaults = {k: v.default for k, v in inspect.signature(cls.transformer_cls.__init__).parameters.items()
+                if k != "self"}
+    assert {k: list(v) if isinstance(v, tuple) else v for k, v in defaults.items()} == cls.full_config
+    adapter = cls()
+    assert adapter.timestep_shift(512, 512) == pytest.approx(1.0)
+    assert adapter.timestep_shift(1024, 1024) == pytest.approx(2.0)
+    assert not cls.runs_cfg(7.0) and cls.sampling_components == (UNCOND,)
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_models, images, tmp_path_factory):
+    """`dittrain fit` of a LoRA YAML config: (config path, output folder)."""
+    return checks.fit_from_yaml(FAMILY, tiny_models, images, tmp_path_factory.mktemp("fit-ideogram4"), steps=2)
+
+
+def test_fit_writes_a_lora_the_modular_pipeline_loads(parts, fitted):
+    """The file through `Ideogram4ModularPipeline.load_lora_weights` adapts every block Linear the defaults target,
+    in the conditional transformer only."""
+    adapter, comps = parts
+    _, out = fitted
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(np.isfinite(x["loss"]) for x in lines)
+    base = _fresh_transformer(adapter)
+    modular_pipeline(comps, base).load_lora_weights(str(out / "lora.safetensors"))
+    names = {k.split(".lora_A.")[0].split(".", 2)[-1] for k in base.state_dict() if ".lora_A." in k}
+    assert names == {f"attention.{m}" for m in ("to_q", "to_k", "to_v", "to_out.0")} | {
+        f"feed_forward.w{i}" for i in (1, 2, 3)}
+    assert not any(".lora_A." in k for k in comps.experts[UNCOND].state_dict())
+
+
+def test_streamed_training_equals_resident_and_the_lora_predicts_as_in_the_trainer(fitted, monkeypatch):
+    """The fit's config again with the transformer streamed at fraction 1.0 (the conductor's CPU path, fp32): bitwise
+    the `dittrain fit` run's losses; its LoRA file through the pipeline's `load_lora_weights` predicts exactly what
+    the trainer's model does."""
+    from test_train_support import lora_predictions
+
+    from trainer.config import load_config
+    from trainer.train.trainer import Trainer
+
+    path, out = fitted
+    monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
+    cfg = load_config(path, ["offload.transformer=1.0", f"output.dir={out.parent / 'streamed'}"])
+    t = Trainer(cfg)
+    lora = t.fit()
+    assert losses(out.parent / "streamed") == losses(out)
+    ours, theirs, untrained = lora_predictions(t, lora)
+    assert torch.equal(ours, theirs)
+    assert (theirs - untrained).abs().max() > 1e-4
+
+
+def test_full_fine_tune_streamed_at_half_equals_resident(tiny_models, images, tmp_path, monkeypatch):
+    checks.streamed_training_equals_resident(FAMILY, tiny_models, images, tmp_path, monkeypatch, "full", 0.5)
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+
+def test_sample_with_the_fitted_lora_equals_the_modular_pipeline_resident_and_streamed(parts, fitted, tmp_path):
+    """Guidance 4 at both steps (the conditional and the unconditional transformer), the LoRA `dittrain fit` wrote at
+    weight 0.7: the image is the modular pipeline's from the prompt (its 2048-token window), pixel for pixel;
+    streamed (offload 1.0, both transformers) too."""
+    adapter, comps = parts
+    lora = fitted[1] / "lora.safetensors"
+    cfg = Config.model_validate({
+        "model": {"family": FAMILY, "path": str(adapter.cfg.path), "dtype": "fp32"},
+        "sample": {"steps": 2, "width": 32, "height": 48, "guidance": 4.0},
+        "train": {"device": "cpu"},
+        "output": {"dir": str(tmp_path)},
+    })
+    (plain,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, out=tmp_path / "plain"))
+    (ours,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, loras=[f"{lora}:0.7"], out=tmp_path / "l"))
+    mp = modular_pipeline(comps, _fresh_transformer(adapter))
+    mp.load_lora_weights(str(lora), adapter_name="x")
+    mp.set_adapters(["x"], adapter_weights=[0.7])
+    (image,) = mp(prompt=PROMPT, height=48, width=32, num_inference_steps=2, guidance_schedule=[4.0, 4.0],
+                  generator=torch.Generator().manual_seed(1), output="images")
+    img = pixels(ours)
+    assert img.shape == (48, 32, 3) and (img != pixels(plain)).mean() > 0.1, "the LoRA must change the image"
+    np.testing.assert_array_equal(img, np.asarray(image.convert("RGB")))
+    (streamed,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, loras=[f"{lora}:0.7"], offload=1.0,
+                                                out=tmp_path / "s"))
+    np.testing.assert_array_equal(img, pixels(streamed))
+
+
+# ---------------------------------------------------------------------------------------------- LoRA layouts
+
+
+def test_comfy_layout_loads_in_the_pipelines_own_loader(parts, tiny_models, tmp_path):
+    """The comfy file as written (`diffusion_model.layers.N.attention.qkv`, `.o`, `.feed_forward.wK`, with `.alpha`)
+    through `Ideogram4ModularPipeline.load_lora_weights`, which splits the fused qkv and folds alpha / rank with
+    diffusers' own Ideogram 4 converter, gives the trained layer outputs."""
+    from diffusers import Ideogram4ModularPipeline
+    from safetensors.torch import load_file
+    from test_lora_format import adapted, base_model, outputs, peft_deltas, save_checkpoint_file
+
+    from trainer import lora_format as lfm
+
+    t, adapter, cfg = adapted(tiny_models, FAMILY, "lora")
+    src = save_checkpoint_file(t, cfg, tmp_path / "ck.safetensors")
+    lfm.convert_lora(src, tmp_path / "comfy.safetensors", "comfy")
+    sd = load_file(str(tmp_path / "comfy.safetensors"))
+    assert any(".attention.qkv.lora_up." in k for k in sd) and all(k.startswith("diffusion_model.layers.") for k in sd)
+    base = base_model(adapter, cfg)
+    mp = Ideogram4ModularPipeline()
+    mp.update_components(transformer=base)
+    mp.load_lora_weights(str(tmp_path / "comfy.safetensors"), adapter_name="x")
+    mods = list(peft_deltas(t))
+    want, got = outputs(t, mods), outputs(base, mods)
+    for m in mods:
+        torch.testing.assert_close(got[m], want[m], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["comfy", "kohya"])
+def test_original_layout_gives_the_diffusers_update(tiny_models, tmp_path, fmt):
+    from test_lora_format import test_original_layout_gives_the_diffusers_update as check
+
+    check(tiny_models, tmp_path, FAMILY, "lora", fmt)
+
+
+@pytest.mark.parametrize("kind", ["loha"])
+def test_round_trips_through_every_layout(tiny_models, tmp_path, kind):
+    from test_lora_format import test_round_trips_through_every_layout as check
+
+    check(tiny_models, tmp_path, FAMILY, kind)
+
+
+def test_a_lokr_stays_in_the_diffusers_layout_and_the_fused_qkv_refuses_it(tiny_models, tmp_path):
+    """A LoKr file is written and read back in the diffusers layout; the comfy layout's fused qkv cannot hold three
+    LoKr products as one, which the conversion says in one line naming the layer."""
+    from test_lora_format import adapted, save_checkpoint_file
+
+    from trainer import lora_format as lfm
+    from trainer.errors import UserError
+
+    t, _, cfg = adapted(tiny_models, FAMILY, "lokr")
+    src = save_checkpoint_file(t, cfg, tmp_path / "ck.safetensors")
+    assert lfm.read_lora_file(src).modules
+    with pytest.raises(UserError, match=r"layers\.0\.attention\.qkv: a LoKr on to_q, to_k, to_v"):
+        lfm.convert_lora(src, tmp_path / "comfy.safetensors", "comfy")
+
+
+# ---------------------------------------------------------------------------------------------- planner
+
+
+def test_planner_on_the_presets():
+    """The shipped 8 GB presets of both methods plan at the full-size config and fit their card; sampling during
+    training is off (the unconditional transformer is not in the figures)."""
+    import yaml
+
+    from trainer.config import load_config
+    from trainer.planner import analyze, report
+
+    for method in ("lora", "full"):
+        path = Path("configs") / FAMILY / f"{method}-8gb.yaml"
+        assert yaml.safe_load(path.read_text())["sample"]["every"] == 0
+        cfg = load_config(path, [])
+        facts = analyze(cfg)
+        assert facts.family == FAMILY and len(facts.block_param_bytes) == 34
+        lines, fraction = report(cfg, vram_gb=8, facts=facts)
+        assert fraction is not None and 0 < fraction <= 1, lines

@@ -1,0 +1,130 @@
+"""Ideogram 4's sampling pipeline: diffusers' Ideogram 4 pipelines take a prompt, never its embeddings, and dittrain's
+sampler hands a pipeline embeddings computed once (the text encoder is gone while it denoises). So
+`Ideogram4EmbedsPipeline` here puts a classic `DiffusionPipeline` face on diffusers' *modular* Ideogram 4 pipeline
+(`diffusers/modular_pipelines/ideogram4`), as Flux.3's and Anima's faces do (trainer/models/ideogram4.py says how the
+training side mirrors the same blocks).
+
+- `recipe()`: the modular blocks' own settings (text window, default steps, guidance schedule), read from them.
+- `text_features`: one prompt through the text-encoder step itself (`Ideogram4TextEncoderStep`, run as a one-block
+  modular pipeline): the chat template, left padding to the window and the 13 Qwen3-VL hidden states side by side.
+- `Ideogram4EmbedsPipeline.__call__`: the pipeline's current modules (the transformer may have been swapped by
+  reference) handed to a modular pipeline built once from `Ideogram4AutoBlocks` without its prompt-upsampling and
+  text-encoder steps, with the stored features and lengths. The packed sequence, the asymmetric guidance over the
+  two transformers (conditional `transformer`, text-free `unconditional_transformer`), the resolution-aware
+  logit-normal schedule and the batch-norm de-normalised decode are the modular blocks' own.
+- guidance: `guidance_scale` is a constant weight w at every step (v = w v_cond + (1 - w) v_uncond, the classic
+  pipeline's `guidance_scale`); without it, the blocks' default schedule (7 for 45 steps, then 3 for 3: 48 steps).
+- LoRAs load through `Ideogram4LoraLoaderMixin` (as `Ideogram4ModularPipeline`'s do): into `transformer` only, the
+  unconditional transformer is never adapted.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.loaders import Ideogram4LoraLoaderMixin
+from diffusers.modular_pipelines.ideogram4.before_denoise import Ideogram4SetTimestepsStep
+from diffusers.modular_pipelines.ideogram4.encoders import Ideogram4TextEncoderStep
+from diffusers.modular_pipelines.ideogram4.modular_blocks_ideogram4 import Ideogram4AutoBlocks
+from diffusers.pipelines.pipeline_utils import ImagePipelineOutput
+
+from ..errors import UserError
+from .flux3_pipeline import _progress_config, _quiet_modular_notes
+
+
+@functools.cache
+def recipe() -> dict[str, Any]:
+    """The modular pipeline's own settings, read from its blocks: the text window (longest prompt, in tokens),
+    default steps and the default guidance schedule."""
+    text = {p.name: p.default for p in Ideogram4TextEncoderStep().inputs}
+    steps = {p.name: p.default for p in Ideogram4SetTimestepsStep().inputs}
+    return {"max_sequence_length": text["max_sequence_length"], "steps": steps["num_inference_steps"],
+            "guidance_schedule": tuple(steps["guidance_schedule"])}
+
+
+def prompt_tokens(tokenizer, prompt: str) -> int:
+    """Tokens of `prompt` in the text-encoder step's chat form (a user turn, then the assistant's generation
+    prompt), as the step counts them."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@functools.cache
+def _text_step():
+    """The text-encoder step as a one-block modular pipeline (built once; its parts are set per call)."""
+    with _quiet_modular_notes():
+        return Ideogram4TextEncoderStep().init_pipeline()
+
+
+@torch.no_grad()
+def text_features(encoder, tokenizer, prompt: str, window: int | None = None) -> tuple[torch.Tensor, int]:
+    """(features (1, window, 13 x hidden) in fp32, padding rows zero; the prompt's token count): the text-encoder
+    step's own output at `window` tokens (None: the pipeline's 2048). A prompt longer than the window is a
+    `UserError`."""
+    window = window or recipe()["max_sequence_length"]
+    n = prompt_tokens(tokenizer, prompt)
+    if n > window:
+        raise UserError(f"a caption of {n} tokens (in Ideogram 4's chat form) is longer than its text window of "
+                        f"{window} tokens: shorten it (\"{prompt[:40]}...\")")
+    mp = _text_step()
+    with _quiet_modular_notes():
+        mp.update_components(text_encoder=encoder, tokenizer=tokenizer)
+    feats, lengths = mp(prompt=prompt, max_sequence_length=window, output=["text_features", "text_lengths"]).values()
+    assert lengths == [n], (lengths, n)  # the step counted as `prompt_tokens`: the layout below relies on it
+    return feats, n
+
+
+class Ideogram4EmbedsPipeline(DiffusionPipeline, Ideogram4LoraLoaderMixin):
+    """diffusers' Ideogram 4 modular pipeline behind a classic pipeline's interface (`encode_prompt`, `__call__`
+    with `prompt_embeds`, `register_modules`, `load_lora_weights`), which is what trainer/sampling drives (module
+    essay)."""
+
+    model_cpu_offload_seq = "text_encoder->transformer->unconditional_transformer->vae"
+    _optional_components = ["text_encoder", "tokenizer", "unconditional_transformer"]
+
+    def __init__(self, transformer, vae, scheduler, unconditional_transformer=None, text_encoder=None,
+                 tokenizer=None):
+        super().__init__()
+        self.register_modules(transformer=transformer, unconditional_transformer=unconditional_transformer, vae=vae,
+                              scheduler=scheduler, text_encoder=text_encoder, tokenizer=tokenizer)
+        self._modular = None
+
+    def modular_pipeline(self):
+        """The text-to-image modular pipeline (built on first use): text features in, images out."""
+        if self._modular is None:
+            blocks = Ideogram4AutoBlocks()
+            for step in ("prompt_upsample", "text_encoder"):
+                blocks.sub_blocks.pop(step)
+            with _quiet_modular_notes():  # it creates a default image processor
+                self._modular = blocks.init_pipeline()
+        return self._modular
+
+    @torch.no_grad()
+    def encode_prompt(self, prompt: str, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One prompt's (features (1, 2048, D), lengths (1,)) as the modular text-encoder step makes them."""
+        feats, n = text_features(self.text_encoder, self.tokenizer, prompt)
+        device = device if device is not None else self._execution_device
+        return feats.to(device), torch.tensor([n])
+
+    @torch.no_grad()
+    def __call__(self, prompt_embeds: torch.Tensor, prompt_lengths: torch.Tensor, guidance_scale: float | None = None,
+                 height: int = 1024, width: int = 1024, num_inference_steps: int | None = None, generator=None,
+                 output_type: str = "pil", return_dict: bool = True):
+        if self.unconditional_transformer is None:
+            raise ValueError("Ideogram 4 samples with both transformers: load unconditional_transformer too")
+        mp = self.modular_pipeline()
+        steps = num_inference_steps or recipe()["steps"]
+        schedule = (list(recipe()["guidance_schedule"]) if guidance_scale is None
+                    else [float(guidance_scale)] * steps)
+        with _quiet_modular_notes():
+            mp.update_components(transformer=self.transformer, unconditional_transformer=self.unconditional_transformer,
+                                 vae=self.vae, scheduler=self.scheduler)
+        _progress_config(mp._blocks, getattr(self, "_progress_bar_config", {}))
+        images = mp(text_features=prompt_embeds, text_lengths=[int(n) for n in prompt_lengths.tolist()],
+                    height=height, width=width, num_inference_steps=steps, guidance_schedule=schedule,
+                    generator=generator, output_type=output_type, output="images")
+        return ImagePipelineOutput(images=images) if return_dict else (images,)
