@@ -38,6 +38,11 @@ ideogram4_pipeline.py), a face on the modular blocks. How each piece here mirror
 - modulation and quantization: each block's `adaln_modulation` (scale and tanh gate from the 512-wide time
   conditioning) stays in the model dtype in an 8-bit base, as the other families' modulation Linears.
 
+Not in the planner's figures: the transformer projects the text features over the whole sequence (image rows are
+zeros there), so each forward starts with transients of (tokens x 53248) values: about 3 GB at 1024 px with 512-token
+captions in bf16 (the input, its masked copy, the text RMSNorm's fp32 copies); docs/families.md says what that means
+for the small presets.
+
 Left out: prompt upsampling (`Ideogram4PromptEnhancerHead`: captions are used as written; the model was trained on
 structured JSON captions, which a data set's captions may already be), training the unconditional transformer,
 the classic pipeline's `guidance_schedule` from a config, and attention without the (B, 1, S, S) segment mask
