@@ -1,9 +1,11 @@
-"""LTX-2 text-to-video (`ltx2`, issue 45) on the tiny model built here, with tiny videos written by PyAV as for Wan
+"""LTX-2 text-to-video (`ltx2`) and image-to-video (`ltx2-i2v`), issue 45, on the tiny model built here, with tiny videos written by PyAV as for Wan
 (tests/test_wan.py): the text (Gemma's stacked states through the connectors), the latents and the transformer call
 as LTX2Pipeline makes them, video-only training (the prediction independent of the audio stream), a LoRA `dittrain
 fit` on a video and a still whose file `LTX2Pipeline.load_lora_weights` loads, `dittrain sample` writing an mp4
 whose frames are pixel-identical to diffusers' pipeline with the same seed, guidance and LoRA (resident and
-streamed), streamed training equal to resident, and the full-size facts (the released config, the planner's VAE)."""
+streamed), streamed training equal to resident, the full-size facts (the released config, the planner's VAE); for
+image-to-video the first latent frame and per-token timesteps as LTX2ImageToVideoPipeline makes them, and a fit on
+the clip whose `sample --image` is pixel-identical to that pipeline."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from trainer.models import adapter_class, get_adapter
 from trainer.sample import SampleRequest, run_sample
 from trainer.sampling.output import frame_sheet
 
-FAMILY = "ltx2"
+FAMILY, I2V = "ltx2", "ltx2-i2v"
 PROMPT = "a green square moving right"
 
 
@@ -37,7 +39,7 @@ def models(tmp_path_factory) -> Path:
     from trainer.models.tiny import make_tiny_models
 
     root = tmp_path_factory.mktemp("tiny-ltx2")
-    make_tiny_models(root, [FAMILY])
+    make_tiny_models(root, [FAMILY, I2V])
     return root
 
 
@@ -232,3 +234,73 @@ def images(tmp_path_factory) -> Path:
 def test_streamed_training_equals_resident(models, images, tmp_path, monkeypatch):
     """Stills (1-frame clips) through the conductor's CPU path at fraction 1.0, fp32: bitwise the resident losses."""
     checks.streamed_training_equals_resident(FAMILY, models, images, tmp_path, monkeypatch, "lora", 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- image-to-video
+
+
+def test_i2v_replaces_the_first_latent_frame_as_the_pipeline_does(models):
+    """The pipeline's first latent frame is the image's (encoded alone: `encode_conditions`, with its CRF
+    re-compression off), its tokens at timestep 0; `predict` on any first frame gives the pipeline's transformer
+    output (cross-modal attention off, as in text-to-video); the first frame is out of the loss."""
+    mc = ModelConfig(family=I2V, path=models / I2V, dtype="fp32")
+    adapter = get_adapter(mc)
+    comps = adapter.load(mc, parts={"transformer", "vae", "text", "scheduler"}, dtype=torch.float32)
+    pipe = adapter.pipeline(comps)
+    pipe.set_progress_bar_config(disable=True)
+    assert type(pipe).__name__ == "LTX2ImageToVideoPipeline"
+    arr = (np.random.RandomState(1).rand(64, 64, 3) * 255).astype(np.uint8)
+    seen = []
+    h = comps.transformer.register_forward_hook(lambda _m, _a, kw, out: seen.append((kw, out[0])), with_kwargs=True)
+    try:
+        pipe(prompt=PROMPT, image=Image.fromarray(arr), image_crf=0, height=64, width=64, num_frames=17,
+             num_inference_steps=2, output_type="latent", generator=torch.Generator().manual_seed(0))
+    finally:
+        h.remove()
+    kw, out = seen[0]
+    one = {k: (v[1:2] if isinstance(v, torch.Tensor) and v.shape[:1] == (2,) else v) for k, v in kw.items()}
+    ts = one["timestep"]
+    assert ts.shape == (1, 12) and ts[0, :4].eq(0).all() and ts[0, 4:].eq(1000).all()  # 3 latent frames of 2x2
+    x = one["hidden_states"].reshape(1, 3, 2, 2, 4).permute(0, 4, 1, 2, 3)
+    px = (torch.from_numpy(arr).float().permute(2, 0, 1) / 255 * 2 - 1)[None, :, None].repeat(1, 1, 17, 1, 1)
+    with torch.no_grad():
+        cond = adapter.encode_conditions(comps.vae, px)
+        torch.testing.assert_close(cond["image_latents"], x[:, :, :1], rtol=0, atol=1e-6)
+        text = {**adapter.encode_prompts(comps, [PROMPT]), "image_latents": x[:, :, :1]}
+        noisy = torch.cat([torch.randn_like(x[:, :, :1]), x[:, :, 1:]], dim=2)  # frame 0 is replaced, whatever it is
+        got = adapter.predict(comps.transformer, noisy, ts[:, -1] / 1000, text)
+        want = comps.transformer(**{**one, "isolate_modalities": True})[0]
+    assert torch.equal(got, want.reshape(1, 3, 2, 2, 4).permute(0, 4, 1, 2, 3))
+    assert adapter.frame_loss_weights(3).tolist() == [0.0, 1.0, 1.0]
+
+
+def test_i2v_fit_and_sample_with_image_are_pixel_identical_to_the_pipeline(models, videos, tmp_path):
+    """A LoRA fit on the clip (its first frame conditions, left out of the loss), then `sample` with the image:
+    the frames of LTX2ImageToVideoPipeline with the same image, seed and LoRA."""
+    from diffusers import LTX2ImageToVideoPipeline
+
+    from trainer.models._diffusers import own_aligned_memory
+
+    _frames(1)[0].save(tmp_path / "first.png")
+    base = _config(models, videos, tmp_path).model_dump(mode="json", exclude_unset=True)
+    base["model"]["path"] = str(models / I2V)
+    base["model"]["family"] = I2V
+    base["train"]["steps"] = 2
+    base["sample"] |= {"image": str(tmp_path / "first.png"), "every": 0}
+    cfg = Config.model_validate(base)
+    path = tmp_path / "fit.yaml"
+    path.write_text(yaml.safe_dump(base))
+    r = CliRunner().invoke(app, ["fit", str(path)])
+    assert r.exit_code == 0, r.output
+    lora = tmp_path / "out" / "lora.safetensors"
+    _, sheet = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[str(lora)], out=tmp_path / "s"))
+    pipe = LTX2ImageToVideoPipeline.from_pretrained(str(models / I2V), torch_dtype=torch.float32,
+                                                    local_files_only=True)
+    own_aligned_memory(pipe.transformer)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(lora))
+    s = cfg.sample
+    want = pipe(image=Image.open(tmp_path / "first.png").convert("RGB"), prompt=PROMPT, height=s.height,
+                width=s.width, num_frames=s.frames, num_inference_steps=s.steps, guidance_scale=s.guidance,
+                generator=torch.Generator().manual_seed(3), output_type="pil").frames[0]
+    np.testing.assert_array_equal(pixels(sheet), np.asarray(frame_sheet(want)))

@@ -71,6 +71,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "hunyuan-video-1.5": ("hunyuan_video15", "HunyuanVideo15Adapter"),
     "hunyuan-video-1.5-i2v": ("hunyuan_video15_i2v", "HunyuanVideo15I2VAdapter"),
     "ltx2": ("ltx2", "LTX2Adapter"),
+    "ltx2-i2v": ("ltx2_i2v", "LTX2I2VAdapter"),
 }
 
 __all__ = [

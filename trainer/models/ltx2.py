@@ -46,8 +46,11 @@ every other key there equals the default): 48 blocks, video 32 heads of 128, aud
 VAE is the converter's `get_ltx2_video_vae_config` (1.22 B). LTX-2.3 (gated attention, cross-attention AdaLN,
 per-modality connectors) loads from its folder's configs; its full size is not declared here.
 
+Image-to-video (`LTX2ImageToVideoPipeline`: the first latent frame is the image's) is `ltx2-i2v`
+(trainer/models/ltx2_i2v.py).
+
 Left out: training the audio stream (clips with a sound track, audio latents through AutoencoderKLLTX2Audio, the
-sound written into the mp4), image-to-video (`LTX2ImageToVideoPipeline`), ComfyUI / kohya key names (`lora_key_map`
+sound written into the mp4), ComfyUI / kohya key names (`lora_key_map`
 None), dropping Gemma's vision tower while captions are encoded.
 """
 
@@ -86,6 +89,18 @@ VAE_CONFIG = {
 #: Gemma 3 12B (Gemma3ForConditionalGeneration) outside its 48 decoder layers: the 262k-token embedding (tied to
 #: the head), the final norm, the SigLIP vision tower and its projector
 GEMMA3_NONBLOCK = 12_187_325_040 - 10_759_151_616
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, F, h, w) -> (B, F h w, C): the pipeline's `_pack_latents` with patch size 1."""
+    b, c, f, h, w = latents.shape
+    return latents.permute(0, 2, 3, 4, 1).reshape(b, f * h * w, c)
+
+
+def unpack(tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+    """Inverse of `pack` for a (frames, height, width) latent grid."""
+    b, _, c = tokens.shape
+    return tokens.reshape(b, *grid, c).permute(0, 4, 1, 2, 3)
 
 
 def tiny_pipeline() -> LTX2Pipeline:
@@ -281,24 +296,27 @@ class LTX2Adapter(DiffusersAdapter):
 
     def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:
         x = noisy_latents
-        b, c, f, h, w = x.shape
-        video, _ = transformer(**self._inputs(transformer, x.permute(0, 2, 3, 4, 1).reshape(b, f * h * w, c),
-                                              t * 1000.0, text["prompt_embeds"], text["prompt_attention_mask"],
-                                              (f, h, w)), return_dict=False)
-        return video.reshape(b, f, h, w, c).permute(0, 4, 1, 2, 3)
+        f, h, w = x.shape[2:]
+        video, _ = transformer(**self._inputs(transformer, pack(x), t * 1000.0, text["prompt_embeds"],
+                                              text["prompt_attention_mask"], (f, h, w)), return_dict=False)
+        return unpack(video, (f, h, w))
 
     @staticmethod
-    def _inputs(transformer, tokens, timestep, embeds, mask, grid: tuple[int, int, int]) -> dict[str, Any]:
+    def _inputs(transformer, tokens, timestep, embeds, mask, grid: tuple[int, int, int],
+                sigma: torch.Tensor | None = None) -> dict[str, Any]:
         """The transformer's video-only call (module essay): the video tokens of a (frames, height, width) latent
-        grid, the cross-modal attention off, the audio stream one zero token with a one-token zero prompt."""
+        grid at `timestep` ((B,), or (B, tokens) for image-to-video; `sigma`: the step's (B,), else `timestep`, which
+        the audio stream gets too), the cross-modal attention off, the audio stream one zero token with a one-token
+        zero prompt."""
         c, b = transformer.config, tokens.shape[0]
         f, h, w = grid
+        step = timestep if sigma is None else sigma
         return dict(
             hidden_states=tokens,
             audio_hidden_states=tokens.new_zeros(b, 1, c.audio_in_channels),
             encoder_hidden_states=embeds,
             audio_encoder_hidden_states=embeds.new_zeros(b, 1, c.caption_channels),
-            timestep=timestep, sigma=timestep,
+            timestep=timestep, sigma=step, audio_timestep=step,
             encoder_attention_mask=mask,
             num_frames=f, height=h, width=w, fps=FRAME_RATE, audio_num_frames=1,
             isolate_modalities=True,
