@@ -73,6 +73,7 @@ def _job(rank: int, job: dict) -> dict:
     reducer = getattr(t.optim, "_reducer", None)
     info = {"monitor": t.monitor is not None, "sampler": t.sampler is not None, "world": t.dist.world,
             "rank": t.dist.rank, "buckets": len(reducer.buckets) if reducer else 0, "error": None,
+            "owned": t.optim.owners is not None,
             "nano_mlps": sum(type(m).__name__.startswith("NanoBatched") for m in t.transformer.modules())}
     if job.get("stream") and t.offload is not None:  # the shared arena (issue 20), seen from inside while both
         # processes map it (fsdp has no conductor: "stream" only lets it offload activations on the CPU)
@@ -226,6 +227,10 @@ def _launch(tiny_models, images, root: Path) -> dict:
     cfg_fs = _cfg(tiny_models, images, full / "streamed", full / "cache", "full", world=2, steps=2,
                   checkpoint_every=0)
     cfg_fs = cfg_fs.model_copy(update={"offload": cfg_fs.offload.model_copy(update={"transformer": 0.5})})
+    cfg_fo = _cfg(tiny_models, images, full / "owned", full / "cache", "full", world=2, steps=2, checkpoint_every=1)
+    cfg_fo = cfg_fo.model_copy(update={"offload": cfg_fo.offload.model_copy(update={"transformer": 0.5,
+                                                                                     "sharded_stream": True})})
+    cfg_fr = cfg_fo.model_copy(update={"output": cfg_fo.output.model_copy(update={"dir": full / "owned-resumed"})})
     jobs = {  # the unstreamed full fine-tune first: "stream" patches Trainer for the rest of the process
         "full-fused": [{"cfg": cfg_f.model_dump(mode="json")}],
         "lora": [
@@ -236,7 +241,10 @@ def _launch(tiny_models, images, root: Path) -> dict:
                          checkpoint_every=0).model_dump(mode="json")},
         ],
         "sharded": [{"cfg": cfg_sh.model_dump(mode="json"), "stream": True}],
-        "full-streamed": [{"cfg": cfg_fs.model_dump(mode="json"), "stream": True}],
+        "full-streamed": [{"cfg": cfg_fs.model_dump(mode="json"), "stream": True},
+                          {"cfg": cfg_fo.model_dump(mode="json"), "stream": True},  # owned steps (owners.py)
+                          {"cfg": cfg_fr.model_dump(mode="json"), "stream": True,
+                           "resume": str(full / "owned" / "checkpoints" / "step-000001")}],
         "stop": [
             {"cfg": _cfg(tiny_models, images, stop / "stop", stop / "cache", world=2,
                          checkpoint_every=0).model_dump(mode="json"), "stop_after": 1},
@@ -321,6 +329,29 @@ def test_two_processes_full_finetune_with_the_fused_back_pass_like_one(launched)
     got = _weights(tmp / "streamed", "full")
     for k in ref_w:
         torch.testing.assert_close(got[k], ref_w[k], rtol=1e-5, atol=1e-7)
+
+
+def test_a_full_finetune_over_the_sharded_stream_steps_owned_weights_like_whole_copies(launched, one_thread):
+    """offload.sharded_stream with train.method: full (trainer/train/owners.py): each process steps half of the
+    weights and keeps their optimizer state; the run is bitwise the whole-copies one (2 processes: a + b), its
+    checkpoint holds one state file per process, and it resumes in 2 processes bitwise and in 1 process (which
+    reads both files) to the last bits."""
+    tmp, r0, r1 = launched["full"]
+    owned, resumed = (r0[2], r1[2]), (r0[3], r1[3])
+    assert all(i["error"] is None for i in owned + resumed), (owned, resumed)
+    assert all(i["owned"] for i in owned) and not r0[1]["owned"]
+    assert r0[2]["arena"]["gathered_by"] == 2 and r0[2]["arena"]["shared"]
+    got = _weights(tmp / "owned", "full")
+    _assert_equal(got, _weights(tmp / "streamed", "full"))
+    ck1 = tmp / "owned" / "checkpoints" / "step-000001"
+    assert sorted(p.name for p in ck1.glob("optimizer*")) == [
+        "optimizer.rank-000-of-002.safetensors", "optimizer.rank-001-of-002.safetensors"]
+    _assert_equal(_weights(tmp / "owned-resumed", "full"), got)
+    one = tmp / "owned-resumed-in-one"
+    Trainer(_cfg(Path(launched["models"]), Path(launched["images"]), one, tmp / "cache", "full", steps=2,
+                 checkpoint_every=0), resume=str(ck1)).fit()
+    for k, v in _weights(one, "full").items():
+        torch.testing.assert_close(v, got[k], rtol=1e-5, atol=1e-7)
 
 
 def test_stop_and_nonfinite_loss_are_agreed_across_ranks(launched):

@@ -128,11 +128,11 @@ def test_the_poison_shows_when_nothing_gathers():
     h.close()
 
 
-def test_a_trainable_stream_refuses_the_gather():
+def test_a_trainable_stream_with_packed_state_refuses_the_gather():
     from trainer.offload.gather import SliceGather
 
     m = tiny_flux(0)
-    with pytest.raises(ValueError, match="frozen weights only"):
+    with pytest.raises(ValueError, match="packs no optimizer state"):
         attach_offload(blocks_of(m), "cpu", 1.0, trainable=True, optimizer_state=("exp_avg",),
                        gather=SliceGather(None, 0, 2))
 

@@ -526,9 +526,10 @@ class OffloadConfig(_Section):
     )
     sharded_stream: bool | Literal["auto"] = Field(
         default="auto",
-        description="With several training processes on one host and blocks streamed (LoRA): each process copies "
+        description="With several training processes on one host and blocks streamed: each process copies "
         "1/N of every streamed block over its PCIe link and the GPUs all-gather the rest over their own links, "
-        "instead of every GPU copying whole blocks. auto: on where every pair of the host's GPUs has peer access "
+        "instead of every GPU copying whole blocks. A full fine-tune (AdamW, 8-bit AdamW or Adafactor) then also "
+        "has each process step 1/N of the weights and keep only their optimizer state. auto: on where every pair of the host's GPUs has peer access "
         "(NVLink, or PCIe peer-to-peer), off otherwise (and on the CPU); true: on wherever it can run (gloo on the "
         "CPU too); false: whole copies per process.",
     )

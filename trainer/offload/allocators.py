@@ -219,8 +219,9 @@ class SharedArena:
     """The streamed frozen weights once per host for the processes on it (issue 20): the arena is a file under
     /dev/shm that the `owner` (local rank 0) creates and fills while the others wait at `barrier`, then every
     process maps it (and pins its mapping with cudaHostRegister, as any arena), and the owner unlinks the name
-    after a second barrier (the mappings stay). Only for arenas without trainable weights or optimizer state: every
-    process reads the same bytes and none writes them. `barrier` is a collective of every process of the job."""
+    after a second barrier (the mappings stay). Never for optimizer state; trainable weights only under the sharded
+    stream, where each process writes back its own slice (trainer/train/owners.py); otherwise every process reads
+    the same bytes and none writes them. `barrier` is a collective of every process of the job."""
 
     path: Path
     owner: bool

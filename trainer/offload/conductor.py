@@ -45,7 +45,11 @@ through two pinned one-block buffers (allocators.Staging); `pinning_note` is the
 
 Several processes of one host may fill their rings together (`gather`, trainer/offload/gather.py): every load
 then copies this process's 1/N slice of the block and all-gathers the rest from the other GPUs, on the same
-transfer stream and under the same events, so the rest of this text holds unchanged.
+transfer stream and under the same events, so the rest of this text holds unchanged. Trainable blocks too, when
+every process ends a block's backward with the same stepped weights (trainer/train/owners.py broadcasts each
+owner's step) and no optimizer state is packed: the write-back then copies only this process's slice, the one
+its next load copies in again, so the processes never read each other's host bytes during training, and the
+arena is whole after a barrier (`expose_current_weights`, `close`).
 
 Left out: torch.compile of the block wrapper (it is called eagerly; compiling inside blocks still works),
 several GPUs per process, and blocks that appear twice in one pass.
@@ -141,10 +145,9 @@ class Conductor:
         self.shared = False  # the arena is one /dev/shm file for the processes of this host
         #: gather.SliceGather: each load copies this process's slice and all-gathers the rest (None: whole copies)
         self.gather = gather if self.streaming else None
-        if self.gather is not None and any(pk.states or any(e.tensor().requires_grad for e in pk.entries)
-                                           for pk in self.packs):
-            raise ValueError("offload: the sharded stream fills rings with frozen weights only (no trainable or "
-                             "state bytes)")
+        if self.gather is not None and any(pk.states for pk in self.packs):
+            raise ValueError("offload: the sharded stream packs no optimizer state beside the weights (each "
+                             "process keeps its own parameters' state: trainer/train/owners.py)")
         if not self.streaming:
             for i, (b, pk) in enumerate(zip(self.blocks, self.packs, strict=True)):
                 if fill is not None:  # straight onto the device, one tensor at a time
@@ -191,8 +194,10 @@ class Conductor:
             total += sizes[b]
         use = None  # the SharedArena in use (issue 20), if sharing was asked for and this host can
         if share is not None:
-            if any(pk.states or any(e.tensor().requires_grad for e in pk.entries) for pk in self.packs):
-                raise ValueError("offload: a shared arena holds frozen weights only (no trainable or state bytes)")
+            if any(pk.states or (self.gather is None and any(e.tensor().requires_grad for e in pk.entries))
+                   for pk in self.packs):
+                raise ValueError("offload: a shared arena holds frozen weights, or trainable ones under the sharded "
+                                 "stream (each process writes back its own slice); never optimizer state")
             why = share.fits(total)
             share.barrier()  # every process has looked at /dev/shm before the owner writes to it
             if why is None:
@@ -404,6 +409,8 @@ class Conductor:
         n = self.plan.sizes[x]
         src = self.ring.region(self.ring_offset[x], n)
         dst = self.arena.region(self.host_off[x], n)
+        if self.gather is not None:  # every ring holds the same stepped block: each process writes its slice
+            src, dst = self.gather.slice(src), self.gather.slice(dst)
         if not self.cuda:
             dst.copy_(src)
             return None
@@ -412,6 +419,12 @@ class Conductor:
             self.d2h.wait_event(ev)
             dst.copy_(src, non_blocking=True)
             return self.d2h.record_event()
+
+    def _slices_written(self) -> None:
+        """Trainable blocks under the sharded stream: the arena is whole only once every process has written
+        its slices back (after its own `wait_for_device`); one barrier of the host's processes."""
+        if self.gather is not None and self.trainable:
+            self.gather.barrier()
 
     # ------------------------------------------------------------------------------------------ public
     def state_of(self, p: torch.Tensor) -> dict[str, torch.Tensor] | None:
@@ -483,6 +496,7 @@ class Conductor:
         self.wait_for_device()
         if not self.streaming:
             return
+        self._slices_written()
         for b, pk in enumerate(self.packs):
             if self.ring_offset[b] is not None:
                 self._point(b)
@@ -497,6 +511,7 @@ class Conductor:
         copy of every streamed block in RAM beside the arena, twice the model at the end of a run."""
         self.wait_for_device()
         if self.streaming:
+            self._slices_written()
             for b, pk in enumerate(self.packs):
                 if self.ring_offset[b] is not None:
                     self._point(b)

@@ -24,9 +24,10 @@ transformer call (train/sharded.py Lockstep), as with FSDP. The gathers use thei
 the processes of this host), so their order is independent of the gradient all-reduces on the default group,
 which the autograd hooks issue in their own order.
 
-Where it is used: frozen streamed blocks (LoRA), several processes on one host of CUDA GPUs (on the CPU the same
-code runs over gloo, for the tests). A full fine-tune's blocks are written back by each process to its own arena
-and stay on today's per-process copies.
+Where it is used: streamed blocks with several processes on one host of CUDA GPUs (on the CPU the same code runs
+over gloo, for the tests): frozen blocks (LoRA), and a full fine-tune's trainable blocks when each process steps
+its own parameters and broadcasts them (trainer/train/owners.py), so every ring ends a block's backward with the
+same bytes and each process writes back only its slice (conductor `_write_back`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ class SliceGather:
     def slice(self, region: torch.Tensor) -> torch.Tensor:
         k = region.numel() // self.world
         return region[self.rank * k:(self.rank + 1) * k]
+
+    def barrier(self) -> None:
+        """Every process of the host has got here (e.g. has written its slices of the arena back)."""
+        tdist.barrier(group=self.group)
 
     def load(self, dst: torch.Tensor, src: torch.Tensor, copy: Callable[[torch.Tensor, torch.Tensor], object],
              cuda: bool) -> int:

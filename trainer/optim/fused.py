@@ -32,6 +32,8 @@ tests/test_optim_fused.py `_PackedStore`):
   (it was just set by `load_state_dict`);
 - post: copy `state[name]` into the slot if it is not the slot (first step), set `state[name]` back to the
   arena tensor; the block's write-back makes the arena current.
+Owners: with `owns` set, a parameter for which it is False is not stepped here (its gradient is freed after the
+pre hooks, which sent it to the process that steps it); the post hooks still run (they bring its new value).
 `step_param(p)` is public too, for an offloader that prefers to call the step from its own hooks (create the
 FusedBackPass with `params=` the ones it should hook itself). One FusedBackPass per parameter (checked).
 
@@ -101,6 +103,9 @@ class FusedBackPass:
                 )
         self.enabled = True
         self.track_grad_norm = False
+        #: p -> whether this process steps p (None: every parameter). Several processes that each own some
+        #: parameters (trainer/train/owners.py) run every hook for every parameter, but only the owner steps it.
+        self.owns: Callable[[torch.Tensor], bool] | None = None
         self._pre: list[StepHook] = []
         self._post: list[StepHook] = []
         self._sync: list[Callable[[], None]] = []
@@ -131,7 +136,10 @@ class FusedBackPass:
         state = self._state_of(p) if (self._pre or self._post) else None
         for f in self._pre:
             f(p, state)
-        self._step_one(p)
+        if self.owns is None or self.owns(p):
+            self._step_one(p)
+        else:
+            p.grad = None  # another process steps p; its gradient went there in a pre hook
         for f in self._post:
             f(p, state)
         self._stepped += 1
@@ -154,6 +162,10 @@ class FusedBackPass:
     def state_of(self, p: torch.Tensor) -> dict[str, Any]:
         """p's optimizer state dict (empty before its first step)."""
         return self._state_of(p)
+
+    def key_of(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor the optimizer keys p's state by (p, or its fp32 shadow under stochastic rounding)."""
+        return self._key_of(p)
 
     def state_layout(self, p: torch.Tensor) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """Name -> (shape, dtype) of the state tensors (dim > 0) the optimizer will keep for p, known before

@@ -103,14 +103,70 @@ def optimizer_state_from_safetensors(
     optimizer.load_state_dict(state_dict)
 
 
-def save_optimizer_state(optimizer, folder: str | Path) -> Path:
+def save_optimizer_state(optimizer, folder: str | Path, name: str = FILE_NAME) -> Path:
     """Write `folder/optimizer.safetensors` (tensors, with the JSON tree in the header). Returns the path."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # host-device sync: state copied off the GPU asynchronously must be complete
     tensors, meta = optimizer_state_to_safetensors(optimizer)
-    path = Path(folder) / FILE_NAME
+    path = Path(folder) / name
     save_file(tensors, str(path), metadata={_META_KEY: json.dumps(meta)})
     return path
+
+
+def load_optimizer_shards(optimizer, files: list[Path], keep) -> None:
+    """Load the state entries whose parameter index `keep(i)` accepts from several files, each written by
+    `save_optimizer_state` on one process that stepped some of the parameters (trainer/train/owners.py): their
+    `state` entries are disjoint; param groups come from the first file, per-weight rounding counts are the
+    owners' (the largest). Only the kept entries' tensors are read."""
+    state, tensors, tree = [], {}, None
+    for j, path in enumerate(files):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = json.loads((f.metadata() or {})[_META_KEY])
+                sd = meta["state_dict"]
+                entries = sd["state"].get("__intdict__", []) if isinstance(sd["state"], dict) else []
+                # a process's state dict also lists the others' parameters, with empty entries: skip those
+                kept = _renamed([[k, v] for k, v in entries if v and keep(int(k))], f"{j}:")
+                for name in _tensor_names(kept):
+                    tensors[name] = f.get_tensor(name.split(":", 1)[1])
+        except Exception as e:  # noqa: BLE001 - a truncated file, a foreign one: one line for the user
+            raise UserError(f"{path}: cannot read the optimizer state ({type(e).__name__}: {e}); resume from "
+                            "another checkpoint") from None
+        state += kept
+        if tree is None:
+            tree = {k: v for k, v in sd.items() if k != "state"}
+            if _tensor_names(tree):
+                raise UserError(f"{path}: optimizer settings hold tensors, which a sharded state cannot merge")
+        elif "rounding_counts" in sd:
+            tree["rounding_counts"] = [max(a, b) for a, b in zip(tree["rounding_counts"], sd["rounding_counts"],
+                                                                  strict=True)]
+    tree["state"] = {"__intdict__": state}
+    try:
+        optimizer_state_from_safetensors(optimizer, tensors, {"format": meta.get("format"), "state_dict": tree})
+    except (ValueError, KeyError) as e:
+        raise UserError(f"{files[0].parent}: optimizer state does not fit this run's parameters or optimizer ({e}); "
+                        "resume with the config it was saved with") from None
+
+
+def _tensor_names(tree: Any) -> list[str]:
+    if isinstance(tree, dict):
+        if "__tensor__" in tree:
+            return [tree["__tensor__"]]
+        return [n for v in tree.values() for n in _tensor_names(v)]
+    if isinstance(tree, list):
+        return [n for v in tree for n in _tensor_names(v)]
+    return []
+
+
+def _renamed(tree: Any, prefix: str) -> Any:
+    """The tree with every tensor reference prefixed (files' tensor names may repeat)."""
+    if isinstance(tree, dict):
+        if "__tensor__" in tree:
+            return {"__tensor__": prefix + tree["__tensor__"]}
+        return {k: _renamed(v, prefix) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_renamed(v, prefix) for v in tree]
+    return tree
 
 
 def load_optimizer_state(optimizer, folder: str | Path) -> None:

@@ -195,7 +195,9 @@ class FullMethod(TrainingMethod):
         """Nothing to do: every rank loaded the same files."""
 
     def _packs_state(self, optim) -> bool:
-        return optim.fused is not None and self.cfg.optimizer.name in packed.PACKED_STATE_OPTIMIZERS
+        """Packed beside the weights, unless each process steps its own (owners.py: the state is the owner's)."""
+        return (optim.fused is not None and optim.owners is None
+                and self.cfg.optimizer.name in packed.PACKED_STATE_OPTIMIZERS)
 
     def optimizer_state_layout(self, optim):
         return optim.fused.state_layout if self._packs_state(optim) else ()

@@ -18,7 +18,10 @@ calls the same methods with one process or eight. Under train.distributed: fsdp 
 parameters are shards: FSDP2 averages their gradients itself, clipping sees the global norm of the DTensors,
 and `save` / `load` go through torch.distributed.checkpoint (every process writes its shards). Fused under fsdp,
 FSDP2 calls each shard's post-accumulate-grad hook right after its reduce-scatter (on its post-reduce stream),
-so the shard steps there with the averaged gradient; `ShardNorm` sums the norm over the processes.
+so the shard steps there with the averaged gradient; `ShardNorm` sums the norm over the processes. A full
+fine-tune over the sharded stream (`owners`, trainer/train/owners.py): each process steps the parameters it owns,
+their gradients reduced onto it and their new values broadcast, and keeps only their state; `save_shards` writes
+each process's part.
 
 Where the optimizer state of streamed weights lives is the training method's business (trainer/train/method.py):
 it calls `keep_state_in_ram` or binds `fused` to the conductor.
@@ -36,16 +39,17 @@ from ..config import Config
 from ..errors import UserError
 from ..optim.build import build_optimizer, build_scheduler
 from ..optim.fused import FusedBackPass, StateOffload
-from ..optim.state import load_optimizer_state, save_optimizer_state
+from ..optim.state import load_optimizer_shards, load_optimizer_state, save_optimizer_state
 from . import sharded
 from .distributed import BucketedAllReduce, Dist, FusedAllReduce
+from .owners import SHARD_GLOB, OwnedSteps
 
 
 class Optim:
     """See the module essay. Build it with `optimizer_for`."""
 
     def __init__(self, cfg: Config, params: list[torch.nn.Parameter], dist: Dist,
-                 sharded: torch.nn.Module | None = None, model: torch.nn.Module | None = None):
+                 sharded: torch.nn.Module | None = None, model: torch.nn.Module | None = None, owners: bool = False):
         self.sharded = sharded  # the FSDP2 model whose shards these parameters are (fsdp), else None
         self.model = sharded if model is None else model  # names the parameters of an fsdp checkpoint's state
         self.max_grad_norm = cfg.optimizer.max_grad_norm
@@ -54,8 +58,15 @@ class Optim:
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.train.steps)
         self.fused = FusedBackPass(self.optimizer) if cfg.optimizer.fused_back_pass else None
         self._reducer: BucketedAllReduce | None = None  # several processes, unfused
-        self._fused_reduce: FusedAllReduce | ShardNorm | None = None  # several processes, fused
-        if dist.active and self.fused is not None and sharded is not None:
+        self._fused_reduce: FusedAllReduce | ShardNorm | OwnedSteps | None = None  # several processes, fused
+        #: each process steps its own parameters (a full fine-tune over the sharded stream), else None
+        self.owners = OwnedSteps(params, dist.rank, dist.world) if owners and dist.active else None
+        if self.owners is not None:
+            if self.fused is None:
+                raise RuntimeError("owned steps need the fused back pass (config.py requires it when blocks stream)")
+            self._fused_reduce = self.owners
+            self.owners.attach(self.fused)
+        elif dist.active and self.fused is not None and sharded is not None:
             self._fused_reduce = ShardNorm()  # FSDP2 has averaged each gradient before the hook sees it
             self.fused.add_step_hooks(pre=self._fused_reduce.pre)
         elif dist.active and self.fused is not None:
@@ -67,6 +78,8 @@ class Optim:
     def keep_state_in_ram(self, params: list[torch.nn.Parameter]) -> None:
         """Full fine-tune with streamed blocks: the optimizer state of these parameters lives in pinned CPU RAM
         between steps and visits the GPU only while its parameter steps (trainer/optim StateOffload)."""
+        if self.owners is not None:
+            params = self.owners.owned(params)  # the others' state is never made here
         if not params:
             return
         off = StateOffload(params)
@@ -100,17 +113,36 @@ class Optim:
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
+    @property
+    def shards_state(self) -> bool:
+        """Whether every process writes its part of the state (`save_shards`) instead of rank 0 (`save`)."""
+        return self.sharded is not None or self.owners is not None
+
     def save(self, folder: Path) -> None:
-        """Rank 0's checkpoint file (one process / ddp); fsdp writes its shards with `save_shards` instead."""
-        if self.sharded is None:
+        """Rank 0's checkpoint file (one process / ddp); fsdp and owned steps write `save_shards` instead."""
+        if not self.shards_state:
             save_optimizer_state(self.fused or self.optimizer, folder)
 
-    def save_shards(self, folder: Path) -> None:
-        """fsdp, collective: every process writes its shards of the state into `folder`."""
-        sharded.save_optimizer(self.sharded, self.optimizer, folder)
+    def save_shards(self, staged: Path) -> None:
+        """Collective: every process writes its part of the state into `staged` (fsdp: its shards under
+        OPTIMIZER_DIR; owned steps: one file per process), which rank 0 then moves into the checkpoint."""
+        if self.owners is not None:
+            self.owners.save_state(self.fused, staged)
+        else:
+            sharded.save_optimizer(self.sharded, self.optimizer, staged / sharded.OPTIMIZER_DIR)
 
     def load(self, folder: Path, scheduler_state: dict) -> None:
-        if self.sharded is not None:
+        shards = sorted(folder.glob(SHARD_GLOB))
+        if shards and self.sharded is not None:
+            raise UserError(f"--resume {folder}: its optimizer state was saved by processes that each stepped their "
+                            "own weights (a full fine-tune over the sharded stream); train.distributed: fsdp cannot "
+                            "read it: resume with train.distributed: ddp")
+        if shards:  # owned steps' files: each process keeps its own parameters' entries (one process: all)
+            if self.owners is not None:
+                self.owners.load_state(self.fused, shards)
+            else:
+                load_optimizer_shards(self.fused or self.optimizer, shards, lambda i: True)
+        elif self.sharded is not None:
             sharded.load_optimizer(self.sharded, self.optimizer, folder / sharded.OPTIMIZER_DIR)
         elif (folder / sharded.OPTIMIZER_DIR).is_dir():  # an fsdp checkpoint: its shards read back whole
             if self.fused is not None or self.model is None:
@@ -154,7 +186,9 @@ class ShardNorm:
 
 
 def optimizer_for(cfg: Config, params: list[torch.nn.Parameter], dist: Dist,
-                  sharded: torch.nn.Module | None = None, model: torch.nn.Module | None = None) -> Optim:
+                  sharded: torch.nn.Module | None = None, model: torch.nn.Module | None = None,
+                  owners: bool = False) -> Optim:
     """The run's optimizer over `params`: fused or not as cfg.optimizer says, averaging over `dist`'s ranks
-    (`sharded`: the FSDP2 model, which averages them itself; `model`: the one the parameters belong to)."""
-    return Optim(cfg, params, dist, sharded, model)
+    (`sharded`: the FSDP2 model, which averages them itself; `model`: the one the parameters belong to;
+    `owners`: each process steps its own parameters, trainer/train/owners.py)."""
+    return Optim(cfg, params, dist, sharded, model, owners)

@@ -92,12 +92,15 @@ class Saving:
             )
         root = ck.checkpoint_root(self.out)
         staged, wrote = None, False
-        if self.sharded:  # collective: the optimizer shards (and a full fine-tune's weights) written together
+        if self.optim.shards_state:  # collective: each process's part of the optimizer state written together
             staged = sharded.staging(root, self.step)
-            self.optim.save_shards(staged / sharded.OPTIMIZER_DIR)
+            self.optim.save_shards(staged)
+        if self.sharded:  # and a full fine-tune's weights, the EMA
             wrote = self.method.save_sharded(staged, self.dist.is_main, self.dtype)
             if self.ema is not None:  # ema.safetensors, gathered tensor by tensor (sharded_ema.py)
                 self.ema.save(staged)
+        elif staged is not None:
+            self.dist.barrier()  # every process's file is in `staged` before rank 0 moves them
         whole = sharded.whole_trainable(self.transformer, self.dist.is_main) if self.sharded and not wrote else None
         with whole or contextlib.nullcontext():  # a LoRA: gathered on rank 0, written by save_weights
             path = self._write(final, root, staged, wrote)

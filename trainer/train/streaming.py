@@ -137,11 +137,24 @@ def memory_line(stats: dict) -> str:
     return line
 
 
-def shared_arena(cfg: Config, dist, method, streamed: bool):
+#: Optimizers whose step of one weight reads nothing of the others, so that each process can step its own
+#: weights (trainer/train/owners.py): Prodigy's step size is a sum over all of them.
+OWNED_STEP_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
+
+
+def owned_steps(cfg: Config, method) -> bool:
+    """Whether a full fine-tune's streamed blocks may go through the sharded stream: each process steps its own
+    weights (trainer/train/owners.py), so the rings stay alike and each process writes back its slice."""
+    return method.streams_trainable and cfg.optimizer.name in OWNED_STEP_OPTIMIZERS
+
+
+def shared_arena(cfg: Config, dist, method, streamed: bool, gather: SliceGather | None = None):
     """The SharedArena for this process when several processes train (issue 20): LoRA (nothing trainable in the
-    arena) with blocks streamed and offload.shared_arena on; the name is rank 0's, the owner each host's local
-    rank 0. None otherwise."""
-    if not (dist.active and streamed and cfg.offload.shared_arena and not method.streams_trainable):
+    arena), or a full fine-tune over the sharded stream (`gather`: each process writes back its own slice), with
+    blocks streamed and offload.shared_arena on; the name is rank 0's, the owner each host's local rank 0. None
+    otherwise."""
+    frozen = not method.streams_trainable or gather is not None
+    if not (dist.active and streamed and cfg.offload.shared_arena and frozen):
         return None
     shm = Path("/dev/shm")
     if not shm.is_dir():
@@ -152,12 +165,17 @@ def shared_arena(cfg: Config, dist, method, streamed: bool):
 
 def slice_gather(cfg: Config, dist, method, streamed: bool, device: torch.device) -> SliceGather | None:
     """Collective. The sharded stream for this process (trainer/offload/gather.py) when several processes of one
-    host stream frozen blocks (LoRA) and offload.sharded_stream allows it: `auto` where every pair of the host's
-    GPUs has peer access (rank 0 decides for all: every process must take the same path); None otherwise. Logged
-    in one line either way when it could have run."""
+    host stream blocks (LoRA's frozen ones, or a full fine-tune's whose optimizer steps each weight alone:
+    `owned_steps`) and offload.sharded_stream allows it: `auto` where every pair of the host's GPUs has peer
+    access (rank 0 decides for all: every process must take the same path); None otherwise. Logged in one line
+    either way when it could have run."""
     mode = cfg.offload.sharded_stream
-    if not (dist.active and dist.local_world > 1 and streamed and mode is not False
-            and not method.streams_trainable):
+    if not (dist.active and dist.local_world > 1 and streamed and mode is not False):
+        return None
+    if method.streams_trainable and not owned_steps(cfg, method):
+        if dist.is_main:
+            say(f"offload: every process copies whole blocks: optimizer.name {cfg.optimizer.name} steps the weights "
+                f"together; the sharded stream of a full fine-tune needs one of {', '.join(OWNED_STEP_OPTIMIZERS)}")
         return None
     n = dist.local_world
     if mode == "auto":
@@ -174,7 +192,9 @@ def slice_gather(cfg: Config, dist, method, streamed: bool, device: torch.device
     group = dist.host_group()
     if dist.is_main:
         say(f"offload: sharded stream: each of the host's {n} processes copies 1/{n} of every streamed block over "
-            "its PCIe link and all-gathers the rest from the other GPUs (offload.sharded_stream)")
+            "its PCIe link and all-gathers the rest from the other GPUs (offload.sharded_stream)"
+            + (f"; each steps 1/{dist.world} of the weights and keeps only their optimizer state"
+               if method.streams_trainable else ""))
     return SliceGather(group, torch.distributed.get_rank(group), n)
 
 

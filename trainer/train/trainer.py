@@ -287,15 +287,17 @@ class Trainer(Saving):
             self.objective = FlowMatching(c, self.adapter.timestep_shift, vae_scale=self.adapter.latent_scale,
                                           t_range=self.t_range)
             return self._finish_setup(resume_dir)
-        # gradients averaged over ranks, if several
-        self.optim = optimizer_for(cfg, self.params, self.dist, model=self.transformer)
+        conduct = streaming.conducts(cfg, self.fraction, self._can_stream(), self.device)
+        gather = streaming.slice_gather(cfg, self.dist, self.method, conduct and streamed, self.device)
+        share = streaming.shared_arena(cfg, self.dist, self.method, conduct and streamed, gather)  # several processes
+        # gradients averaged over ranks, if several; a full fine-tune over the sharded stream: each process steps
+        # its own weights (owners.py)
+        self.optim = optimizer_for(cfg, self.params, self.dist, model=self.transformer,
+                                   owners=gather is not None and self.method.streams_trainable)
         self.ema = EMA.build(cfg, self.transformer, self.params, self.optim)  # train.ema; before blocks stream
         # The optimizer before the conductor: a streamed full fine-tune packs each weight's optimizer state beside
         # it, in the layout the optimizer reports. Checkpointing and streaming of the blocks: streaming.py.
-        conduct = streaming.conducts(cfg, self.fraction, self._can_stream(), self.device)
         shapes = len({e.bucket for e in getattr(self.data, "entries", ())}) or 8  # train.compile: one per shape
-        share = streaming.shared_arena(cfg, self.dist, self.method, conduct and streamed)  # several processes
-        gather = streaming.slice_gather(cfg, self.dist, self.method, conduct and streamed, self.device)
         self.lockstep = gather is not None  # every load is a collective: rank-0 passes are joined (_joins)
         self.offload = streaming.place_blocks(self.transformer, blocks, cfg, self.device, self.fraction, conduct,
                                               self.method, self.optim, shapes,
