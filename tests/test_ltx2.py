@@ -304,3 +304,37 @@ def test_i2v_fit_and_sample_with_image_are_pixel_identical_to_the_pipeline(model
                 width=s.width, num_frames=s.frames, num_inference_steps=s.steps, guidance_scale=s.guidance,
                 generator=torch.Generator().manual_seed(3), output_type="pil").frames[0]
     np.testing.assert_array_equal(pixels(sheet), np.asarray(frame_sheet(want)))
+
+
+def test_comfy_layout_names_are_the_originals_diffusers_converter_reads(fitted, tmp_path):
+    """The comfy file's module names (`diffusion_model.<original>`) are LTX-2's original ones: diffusers' own
+    converter for original-layout LTX-2 LoRAs (`_convert_non_diffusers_ltx2_lora_to_diffusers`, which reads them as
+    lora_A / lora_B) maps them onto the modules the diffusers file adapts, with the same update; and the comfy file
+    converts back to the diffusers one."""
+    from diffusers import LTX2Pipeline
+    from safetensors.torch import load_file, save_file
+
+    cfg, out = fitted
+    lora, comfy, back = out / "lora.safetensors", tmp_path / "comfy.safetensors", tmp_path / "back.safetensors"
+    for src, dst, fmt in ((lora, comfy, "comfy"), (comfy, back, "diffusers")):
+        r = CliRunner().invoke(app, ["convert-lora", str(src), str(dst), "--to", fmt])
+        assert r.exit_code == 0, r.output
+    sd = load_file(comfy)
+    assert "diffusion_model.transformer_blocks.1.attn1.to_q.lora_down.weight" in sd
+    as_ab = {}  # the same update in the lora_A / lora_B names diffusers' converter takes (alpha folded into B)
+    for k, v in sd.items():
+        if k.endswith(".lora_up.weight"):
+            m = k.removesuffix(".lora_up.weight")
+            as_ab[m + ".lora_B.weight"] = v * (sd[m + ".alpha"] / v.shape[1])
+            as_ab[m + ".lora_A.weight"] = sd[m + ".lora_down.weight"]
+    save_file(as_ab, tmp_path / "ab.safetensors")
+    got = []
+    for f in (lora, tmp_path / "ab.safetensors", back):
+        pipe = LTX2Pipeline.from_pretrained(str(cfg.model.path), local_files_only=True)
+        pipe.load_lora_weights(str(f), adapter_name="x")
+        tr = pipe.transformer
+        got.append({n: m.get_delta_weight("x") for n, m in tr.named_modules() if hasattr(m, "get_delta_weight")})
+    assert got[0].keys() == got[1].keys() == got[2].keys() and len(got[0]) == 2 * 10
+    for n in got[0]:
+        torch.testing.assert_close(got[1][n], got[0][n], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got[2][n], got[0][n], rtol=0, atol=0)

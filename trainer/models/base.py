@@ -368,6 +368,9 @@ class ModelAdapter(ABC):
 
     #: card sizes (GB) `python -m trainer.planner.presets` writes configs/<family>/<method>-<N>gb.yaml for
     preset_cards: ClassVar[tuple[int, ...]] = (8, 12, 16, 24, 48, 80)
+    #: a video family's preset ladder, (video height as "<N>p", frames), most preferred first; None: Wan's
+    #: (trainer/planner/presets.py `VIDEO_CLIPS`: 720p and 480p x 81, then 480p x 49 and x 33)
+    preset_clips: ClassVar[tuple[tuple[str, int], ...] | None] = None
     #: the presets' `sample:` settings where the family's pipeline samples otherwise than the generic 28 steps at
     #: `sample.guidance`'s default (e.g. Qwen-Image 2.1: 40 steps without guidance)
     sample_defaults: ClassVar[dict[str, Any]] = {}

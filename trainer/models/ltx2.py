@@ -66,6 +66,7 @@ from torch import nn
 
 from ._diffusers import DiffusersAdapter
 from .base import Components
+from .lora_keys import KeyRule, LoraKeyMap, identity_rules
 
 #: the pipeline's default `frame_rate`: the clips' positions are in seconds at this rate (train with data.fps: 24)
 FRAME_RATE = 24.0
@@ -89,6 +90,23 @@ VAE_CONFIG = {
 #: Gemma 3 12B (Gemma3ForConditionalGeneration) outside its 48 decoder layers: the 262k-token embedding (tied to
 #: the head), the final norm, the SigLIP vision tower and its projector
 GEMMA3_NONBLOCK = 12_187_325_040 - 10_759_151_616
+
+
+#: LTX-2's original layout (Lightricks' checkpoints, ComfyUI's `diffusion_model.*`, kohya `lora_unet_*`): the blocks'
+#: Linears keep diffusers' names (diffusers' `_convert_non_diffusers_ltx2_lora_to_diffusers` renames only the input
+#: projections, the AdaLN embeddings, the per-block cross-modal tables and the q / k norms), so the map is the
+#: identity over the block Linears and the output / caption projections, plus the two input projections' names
+_ATTNS = ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
+LTX2_LORA_KEYS = LoraKeyMap((
+    *identity_rules(
+        "transformer_blocks",
+        (*(f"{a}.{p}" for a in _ATTNS for p in ("to_q", "to_k", "to_v", "to_out.0")),
+         "ff.net.0.proj", "ff.net.2", "audio_ff.net.0.proj", "audio_ff.net.2"),
+        ("proj_out", "audio_proj_out", "caption_projection.linear_1", "caption_projection.linear_2",
+         "audio_caption_projection.linear_1", "audio_caption_projection.linear_2")),
+    KeyRule("patchify_proj", ("proj_in",)),
+    KeyRule("audio_patchify_proj", ("audio_proj_in",)),
+))
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -169,6 +187,7 @@ class LTX2Adapter(DiffusersAdapter):
         *(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v", "to_out.0")),
         "ff.net.0.proj", "ff.net.2",
     )
+    lora_key_map = LTX2_LORA_KEYS
     text_encoder_dirs = ("text_encoder",)
     text_encoder_classes = ("Gemma3ForConditionalGeneration",)
     tokenizer_dirs = ("tokenizer",)
@@ -195,6 +214,8 @@ class LTX2Adapter(DiffusersAdapter):
     token_wise = ("ff",)
     sampling_uses_negative = True
     sample_defaults = {"guidance": 3.0, "steps": 30}  # the pipeline's defaults
+    #: presets: the pipeline's 121 frames (5 s at 24 fps) at 720p and 480p, then shorter 480p clips
+    preset_clips = (("720p", 121), ("480p", 121), ("480p", 81), ("480p", 49), ("480p", 33))
 
     # video (base.py): 8x temporal VAE, clips of 8k + 1 frames; the planner assumes the pipeline's 121 frames
     video = True
@@ -205,12 +226,6 @@ class LTX2Adapter(DiffusersAdapter):
     @classmethod
     def tiny_builders(cls):
         return {"ltx2": tiny_pipeline}
-
-    @classmethod
-    def comfy_diffusers_lora_note(cls) -> str:
-        """No key map (module essay)."""
-        return (f"dittrain does not map {cls.family} LoRAs to ComfyUI's names yet (no comfy / kohya key map); "
-                "diffusers' LTX2Pipeline.load_lora_weights loads the file")
 
     @classmethod
     def vae_latent_geometry(cls, config) -> tuple[int, int, int]:

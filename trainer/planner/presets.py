@@ -57,10 +57,12 @@ SMALL_RAM_GB = 32
 
 def _settings(family: str) -> list[tuple[int | str, int, bool, bool]]:
     """(resolution, frames, activation offloading, gradient checkpointing) in order of preference: SETTINGS for an
-    image family (frames 1), VIDEO_CLIPS x VIDEO_SETTINGS for a video family."""
-    if not adapter_class(family).video:
+    image family (frames 1), its clips (`preset_clips`, else VIDEO_CLIPS) x VIDEO_SETTINGS for a video family."""
+    cls = adapter_class(family)
+    if not cls.video:
         return [(res, 1, act, ckpt) for res, act, ckpt in SETTINGS]
-    return [(name, frames, act, ckpt) for name, frames in VIDEO_CLIPS for act, ckpt in VIDEO_SETTINGS]
+    clips = cls.preset_clips or VIDEO_CLIPS  # the family's own ladder (LTX-2's 121 frames), else Wan's
+    return [(name, frames, act, ckpt) for name, frames in clips for act, ckpt in VIDEO_SETTINGS]
 
 
 def _size(d: dict) -> tuple[int, int]:
