@@ -47,13 +47,24 @@ def _fresh_transformer(adapter):
     return adapter.load(adapter.cfg, parts={"transformer"}, dtype=torch.float32).transformer
 
 
-def modular_pipeline(comps, transformer=None):
+def _diffusers_transformer(adapter, folder: str = "transformer"):
+    """diffusers' own Ideogram4Transformer2DModel from the folder (memory aligned as the loader aligns it, so the CPU
+    rounds alike)."""
+    from diffusers import Ideogram4Transformer2DModel
+
+    from trainer.models._diffusers import own_aligned_memory
+
+    return own_aligned_memory(Ideogram4Transformer2DModel.from_pretrained(str(adapter.cfg.path), subfolder=folder))
+
+
+def modular_pipeline(comps, transformer=None, unconditional=None):
     """diffusers' own Ideogram 4 modular pipeline (`Ideogram4AutoBlocks`, its text-encoder step included) on the
     folder's parts."""
     from diffusers.modular_pipelines.ideogram4.modular_blocks_ideogram4 import Ideogram4AutoBlocks
 
     mp = Ideogram4AutoBlocks().init_pipeline()
-    mp.update_components(transformer=transformer or comps.transformer, unconditional_transformer=comps.experts[UNCOND],
+    mp.update_components(transformer=transformer or comps.transformer,
+                         unconditional_transformer=unconditional or comps.experts[UNCOND],
                          vae=comps.vae, scheduler=comps.scheduler, text_encoder=comps.text_encoders[0],
                          tokenizer=comps.tokenizers[0])
     mp.set_progress_bar_config(disable=True)
@@ -96,6 +107,30 @@ def test_text_and_predict_as_the_modular_blocks_do(parts):
     with torch.no_grad():
         got = adapter.predict(comps.transformer, latents, torch.full((2,), sigma), blocks_text)
     assert torch.equal(got, -unpack(out[:, window:], 4, 6))
+
+
+def test_the_text_rows_alone_give_diffusers_forward(parts):
+    """The adapter's transformer given the text region's features alone: diffusers' forward on the whole sequence
+    (zeros on the image rows), within fp32 rounding of the shorter projection; given the whole sequence it is
+    diffusers' forward, bitwise."""
+    from trainer.models.ideogram4 import sequence_ids
+
+    adapter, comps = parts
+    ours, theirs = comps.transformer, _diffusers_transformer(adapter)
+    assert type(ours).__name__ == type(theirs).__name__ and type(ours) is not type(theirs)
+    g = torch.Generator().manual_seed(3)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    pos, seg, ind = sequence_ids(mask, 2, 3)
+    x = torch.randn(2, 11, 16, generator=g)
+    text = torch.randn(2, 5, 208, generator=g) * mask.unsqueeze(-1)
+    full = torch.cat([text, torch.zeros(2, 6, 208)], 1)
+    kw = dict(hidden_states=x, timestep=torch.tensor([0.3, 0.7]), position_ids=pos, segment_ids=seg, indicator=ind,
+              return_dict=False)
+    with torch.no_grad():
+        want = theirs(encoder_hidden_states=full, **kw)[0]
+        torch.testing.assert_close(ours(encoder_hidden_states=text, **kw)[0][:, 5:], want[:, 5:], rtol=0, atol=1e-6)
+        assert torch.equal(ours(encoder_hidden_states=full, **kw)[0], want)
+    assert not ours.llm_cond_norm.passthrough and not ours.llm_cond_proj.passthrough
 
 
 def test_latents_are_normalised_as_the_decode_step_un_normalises_them(parts):
@@ -184,8 +219,8 @@ def test_full_fine_tune_streamed_at_half_equals_resident(tiny_models, images, tm
 
 def test_sample_with_the_fitted_lora_equals_the_modular_pipeline_resident_and_streamed(parts, fitted, tmp_path):
     """Guidance 4 at both steps (the conditional and the unconditional transformer), the LoRA `dittrain fit` wrote at
-    weight 0.7: the image is the modular pipeline's from the prompt (its 2048-token window), pixel for pixel;
-    streamed (offload 1.0, both transformers) too."""
+    weight 0.7: the image is the modular pipeline's from the prompt (its 2048-token window, diffusers' own
+    transformer class), pixel for pixel; streamed (offload 1.0, both transformers) too."""
     adapter, comps = parts
     lora = fitted[1] / "lora.safetensors"
     cfg = Config.model_validate({
@@ -196,7 +231,7 @@ def test_sample_with_the_fitted_lora_equals_the_modular_pipeline_resident_and_st
     })
     (plain,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, out=tmp_path / "plain"))
     (ours,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, loras=[f"{lora}:0.7"], out=tmp_path / "l"))
-    mp = modular_pipeline(comps, _fresh_transformer(adapter))
+    mp = modular_pipeline(comps, _diffusers_transformer(adapter), _diffusers_transformer(adapter, UNCOND))
     mp.load_lora_weights(str(lora), adapter_name="x")
     mp.set_adapters(["x"], adapter_weights=[0.7])
     (image,) = mp(prompt=PROMPT, height=48, width=32, num_inference_steps=2, guidance_schedule=[4.0, 4.0],
@@ -207,6 +242,32 @@ def test_sample_with_the_fitted_lora_equals_the_modular_pipeline_resident_and_st
     (streamed,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, loras=[f"{lora}:0.7"], offload=1.0,
                                                 out=tmp_path / "s"))
     np.testing.assert_array_equal(img, pixels(streamed))
+
+
+def test_the_sampling_face_projects_the_text_once_and_gives_the_same_image(parts):
+    """With the adapter's transformers the face hands the blocks the text projected once (4608 wide: 32 here), not
+    the 53248-wide features over the whole sequence; the image is the one diffusers' own transformers make from the
+    unprojected features."""
+    adapter, comps = parts
+    pipe = adapter.pipeline(comps)
+    pipe.set_progress_bar_config(disable=True)
+    embeds = adapter.pipeline_embeds(pipe, PROMPT, None, "cpu")
+    widths = []
+    h = comps.transformer.register_forward_pre_hook(
+        lambda _m, args, kwargs: widths.append(kwargs["encoder_hidden_states"].shape[-1]), with_kwargs=True)
+
+    def image():
+        return pipe(**embeds, guidance_scale=3.0, height=32, width=32, num_inference_steps=2,
+                    generator=torch.Generator().manual_seed(4), output_type="np").images
+
+    try:
+        ours = image()
+    finally:
+        h.remove()
+    assert widths == [32, 32]
+    pipe.register_modules(transformer=_diffusers_transformer(adapter),
+                          unconditional_transformer=_diffusers_transformer(adapter, UNCOND))
+    np.testing.assert_array_equal(ours, image())
 
 
 # ---------------------------------------------------------------------------------------------- LoRA layouts

@@ -38,10 +38,10 @@ ideogram4_pipeline.py), a face on the modular blocks. How each piece here mirror
 - modulation and quantization: each block's `adaln_modulation` (scale and tanh gate from the 512-wide time
   conditioning) stays in the model dtype in an 8-bit base, as the other families' modulation Linears.
 
-Not in the planner's figures: the transformer projects the text features over the whole sequence (image rows are
-zeros there), so each forward starts with transients of (tokens x 53248) values: about 3 GB at 1024 px with 512-token
-captions in bf16 (the input, its masked copy, the text RMSNorm's fp32 copies); docs/families.md says what that means
-for the small presets.
+The transformer (`Ideogram4Transformer2DModel` here: diffusers' class, same name and weights) takes the text rows
+alone: diffusers' forward projects the features over the whole sequence (zeros on the image rows), about 3 GB of
+transients at 1024 px that the planner would not see and 2.3 TFLOP a forward mostly on zeros; the sampling face
+projects each prompt once per image for the same reason (trainer/models/ideogram4_pipeline.py).
 
 Left out: prompt upsampling (`Ideogram4PromptEnhancerHead`: captions are used as written; the model was trained on
 structured JSON captions, which a data set's captions may already be), training the unconditional transformer,
@@ -51,11 +51,14 @@ the classic pipeline's `guidance_schedule` from a config, and attention without 
 
 from __future__ import annotations
 
+import functools
 import math
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
+import diffusers
 import torch
-from diffusers import Ideogram4Transformer2DModel
+from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_ideogram4 import (
     IMAGE_POSITION_OFFSET,
     LLM_TOKEN_INDICATOR,
@@ -129,6 +132,71 @@ def sequence_ids(mask: torch.Tensor, gh: int, gw: int) -> tuple[torch.Tensor, to
     indicator = torch.cat([torch.where(valid, one * LLM_TOKEN_INDICATOR, one * 0),
                            (one * OUTPUT_IMAGE_INDICATOR).expand(b, n)], 1)
     return position_ids, segment_ids, indicator
+
+
+class _PassRMSNorm(RMSNorm):
+    """The text RMSNorm, which passes its input through while `passthrough` is set (`Ideogram4Transformer2DModel`)."""
+
+    passthrough = False
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states if self.passthrough else super().forward(hidden_states)
+
+
+class _PassLinear(nn.Linear):
+    """The text projection, which passes its input through while `passthrough` is set."""
+
+    passthrough = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.passthrough else super().forward(x)
+
+
+class Ideogram4Transformer2DModel(diffusers.Ideogram4Transformer2DModel):
+    """diffusers' Ideogram4Transformer2DModel (same name, config and weights) that also takes the text features of
+    the text region alone.
+
+    diffusers' forward projects `encoder_hidden_states` (B, S, 53248), zeros on the image rows, over the whole
+    sequence: at 1024 px with 512-token captions that is 0.5 GB of input in bf16, a masked copy and the text
+    RMSNorm's two fp32 copies, ~3 GB of transients before the first block, and 2.3 TFLOP of projection, nine tenths
+    of it on zeros. Given features of the first n < S rows only (`predict`: [padding][text] come first), this forward
+    normalises and projects those rows with the model's own modules, pads the (B, n, 4608) result with zeros (what
+    the image rows' features give: proj(norm(0)) times the mask 0) and runs diffusers' forward with the text modules
+    passing it through. Given all S rows (the pipelines' calls), it is diffusers' forward, unchanged."""
+
+    @functools.wraps(diffusers.Ideogram4Transformer2DModel.__init__)  # diffusers reads the config's keys there
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        norm, proj = self.llm_cond_norm, self.llm_cond_proj
+        self.llm_cond_norm = _PassRMSNorm(norm.weight.shape[0], eps=norm.eps, elementwise_affine=True)
+        self.llm_cond_proj = _PassLinear(proj.in_features, proj.out_features, bias=True)
+
+    def project_text(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, n, 53248) text features -> (B, n, 4608), as diffusers' forward projects them (`mask`: (B, n, 1), 1 on
+        text rows)."""
+        return self.llm_cond_proj(self.llm_cond_norm(features * mask))
+
+    @contextmanager
+    def projected(self):
+        """Within: the text norm and projection pass their input through (the features come projected)."""
+        self.llm_cond_norm.passthrough = self.llm_cond_proj.passthrough = True
+        try:
+            yield
+        finally:
+            self.llm_cond_norm.passthrough = self.llm_cond_proj.passthrough = False
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, position_ids, segment_ids, indicator,
+                attention_kwargs=None, return_dict=True):
+        n, s = encoder_hidden_states.shape[1], hidden_states.shape[1]
+        kw = dict(timestep=timestep, position_ids=position_ids, segment_ids=segment_ids, indicator=indicator,
+                  attention_kwargs=attention_kwargs, return_dict=return_dict)
+        if n == s:
+            return super().forward(hidden_states, encoder_hidden_states=encoder_hidden_states, **kw)
+        mask = (indicator[:, :n] == LLM_TOKEN_INDICATOR).to(hidden_states.dtype).unsqueeze(-1)
+        text = self.project_text(encoder_hidden_states, mask)
+        projected = torch.cat([text, text.new_zeros(text.shape[0], s - n, text.shape[-1])], 1)
+        with self.projected():
+            return super().forward(hidden_states, encoder_hidden_states=projected, **kw)
 
 
 class Ideogram4Adapter(DiffusersAdapter):
@@ -252,13 +320,15 @@ class Ideogram4Adapter(DiffusersAdapter):
     def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:  # noqa: ARG002
         b, _, h, w = noisy_latents.shape
         x = pack(noisy_latents)
-        feats, mask = text["prompt_embeds"], text["prompt_embeds_mask"]
+        feats, mask = text["prompt_embeds"].to(x.dtype), text["prompt_embeds_mask"]
         n_text, n_image = feats.shape[1], x.shape[1]
         positions, segments, indicator = sequence_ids(mask, h // 2, w // 2)
+        if not isinstance(transformer, Ideogram4Transformer2DModel):  # diffusers' own class (a pipeline's): all rows
+            feats = torch.cat([feats, x.new_zeros(b, n_image, feats.shape[-1])], 1)
         out = transformer(
             hidden_states=torch.cat([x.new_zeros(b, n_text, x.shape[-1]), x], 1),
             timestep=(1.0 - t.float()).to(x.dtype),  # model time: 0 is noise
-            encoder_hidden_states=torch.cat([feats.to(x.dtype), x.new_zeros(b, n_image, feats.shape[-1])], 1),
+            encoder_hidden_states=feats,  # the text rows alone: `Ideogram4Transformer2DModel`
             position_ids=positions,
             segment_ids=segments,
             indicator=indicator,
@@ -276,7 +346,7 @@ class Ideogram4Adapter(DiffusersAdapter):
         return dict(
             hidden_states=torch.randn(batch, s, c.in_channels, device=dev, dtype=dtype),
             timestep=torch.ones(batch, device=dev, dtype=dtype),
-            encoder_hidden_states=torch.randn(batch, s, c.llm_features_dim, device=dev, dtype=dtype),
+            encoder_hidden_states=torch.randn(batch, text_tokens, c.llm_features_dim, device=dev, dtype=dtype),
             position_ids=positions, segment_ids=segments, indicator=indicator,
         )
 
@@ -294,8 +364,6 @@ def tiny_pipeline():
     16-wide Qwen3-VL (the pipeline reads layers 0 ... 35) over the tiny Qwen tokenizer with a Qwen3-VL-style chat
     template, Flux.2's tiny VAE (4 latent channels), and two transformers of 2 blocks 32 wide (conditional and
     unconditional, different seeds)."""
-    from diffusers import Ideogram4Pipeline
-
     from .flux2 import tiny_vae
     from .qwen_image_21 import CHAT_TEMPLATE, tiny_qwen3_vl
     from .tiny import flow_scheduler, qwen_tokenizer
@@ -306,9 +374,9 @@ def tiny_pipeline():
     kw = dict(in_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2, intermediate_size=64,
               adaln_dim=16, llm_features_dim=len(QWEN3_VL_ACTIVATION_LAYERS) * 16, mrope_section=(4, 2, 2))
     torch.manual_seed(52)
-    transformer = Ideogram4Transformer2DModel(**kw)
+    transformer = diffusers.Ideogram4Transformer2DModel(**kw)  # the library's class: saved as a real folder's
     torch.manual_seed(53)
-    unconditional = Ideogram4Transformer2DModel(**kw)
-    return Ideogram4Pipeline(scheduler=flow_scheduler(**Ideogram4Adapter.default_scheduler), vae=tiny_vae(),
+    unconditional = diffusers.Ideogram4Transformer2DModel(**kw)
+    return diffusers.Ideogram4Pipeline(scheduler=flow_scheduler(**Ideogram4Adapter.default_scheduler), vae=tiny_vae(),
                              text_encoder=encoder, tokenizer=tok, transformer=transformer,
                              unconditional_transformer=unconditional)
