@@ -177,10 +177,10 @@ def test_fit_from_yaml_writes_a_lora_the_pipeline_loads(fitted, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lora_changes_the_pipeline_exactly_as_in_the_trainer(tiny_models, images, tmp_path, family):
+def test_lora_changes_the_pipeline_exactly_as_in_the_trainer(tiny_models, images, caches, tmp_path, family):
     from trainer.train.trainer import Trainer
 
-    cfg = make_config(tiny_models, images, tmp_path / "out", tmp_path / "cache", family,
+    cfg = make_config(tiny_models, images, tmp_path / "out", caches / family, family,
                       train={"steps": 3, "device": "cpu"}, optimizer={"lr": 1e-2}, lora={"rank": 4, "alpha": 2})
     t = Trainer(cfg)
     path = t.fit()
@@ -189,25 +189,52 @@ def test_lora_changes_the_pipeline_exactly_as_in_the_trainer(tiny_models, images
     assert (theirs - untrained).abs().max() > 1e-4
 
 
-def _losses(tiny_models, images, tmp_path, monkeypatch, family, method, fraction):
-    """[losses streamed at `fraction` through the conductor's CPU path, losses resident] of a 2-step fit."""
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory) -> Path:
+    """One latent / caption cache per family for the module's fits (`caches / family`): every run of a family
+    encodes the same images and captions with the same encoders, so the first encodes and the others reuse."""
+    return tmp_path_factory.mktemp("more-families-caches")
+
+
+def _fit_losses(tiny_models, images, out: Path, cache: Path, family, method="lora", **sections) -> list[float]:
+    """The losses of a 2-step CPU fit of `family` (`sections` update make_config's)."""
     from trainer.train.trainer import Trainer
 
-    def run(name, f):
-        cfg = make_config(tiny_models, images, tmp_path / name, tmp_path / "cache", family, method,
-                          train={"steps": 2, "device": "cpu"}, offload={"transformer": f})
-        Trainer(cfg).fit()
-        return [json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    train = {"steps": 2, "device": "cpu", **sections.pop("train", {})}
+    cfg = make_config(tiny_models, images, out, cache, family, method, train=train, **sections)
+    t = Trainer(cfg)
+    t.fit()
+    t.close()
+    return [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
 
-    ref = run("ref", 0.0)
-    monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
-    return run("off", fraction), ref
+
+@pytest.fixture(scope="module")
+def resident(tiny_models, images, caches, tmp_path_factory):
+    """`resident(family, method)`: the losses of the 2-step resident (offload 0) fit, run once per family and
+    method in the module: the reference of the streamed runs (every fraction) and of the compiled one."""
+    done = {}
+
+    def get(family, method):
+        if (family, method) not in done:
+            out = tmp_path_factory.mktemp(f"resident-{family}-{method}")
+            done[family, method] = _fit_losses(tiny_models, images, out, caches / family, family, method,
+                                               offload={"transformer": 0.0})
+        return done[family, method]
+
+    return get
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("method,fraction", [("lora", 0.25), ("lora", 1.0), ("full", 0.5)])
-def test_streamed_training_equals_resident(tiny_models, images, tmp_path, monkeypatch, family, method, fraction):
-    got, ref = _losses(tiny_models, images, tmp_path, monkeypatch, family, method, fraction)
+def test_streamed_training_equals_resident(tiny_models, images, caches, resident, tmp_path, monkeypatch, family,
+                                           method, fraction):
+    """Streamed at `fraction` through the conductor's CPU path: the resident run's losses."""
+    from trainer.train.trainer import Trainer
+
+    ref = resident(family, method)
+    monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
+    got = _fit_losses(tiny_models, images, tmp_path / "off", caches / family, family, method,
+                      offload={"transformer": fraction})
     assert len(ref) == 2 and all(np.isfinite(ref))
     assert got == ref
 
@@ -253,7 +280,7 @@ def test_chroma_text_and_predict_as_the_pipeline_does(tiny_models):
 
 
 @pytest.mark.parametrize("family,mode", [("z-image", "fp8"), ("chroma", "int8")])
-def test_lora_fit_on_an_8bit_base_streams(tiny_models, images, tmp_path, monkeypatch, family, mode):
+def test_lora_fit_on_an_8bit_base_streams(tiny_models, images, caches, tmp_path, monkeypatch, family, mode):
     """model.quantize: the block Linears are 8-bit, modulation Linears (z-image: adaLN_modulation) keep the model
     dtype, non-block modules (chroma's modulation network) are untouched; a streamed LoRA fit on that base gives
     finite losses and a LoRA the pipeline reproduces up to the base's rounding."""
@@ -261,7 +288,7 @@ def test_lora_fit_on_an_8bit_base_streams(tiny_models, images, tmp_path, monkeyp
     from trainer.train.trainer import Trainer
 
     monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
-    cfg = make_config(tiny_models, images, tmp_path / "out", tmp_path / "cache", family, model={"quantize": mode},
+    cfg = make_config(tiny_models, images, tmp_path / "out", caches / family, family, model={"quantize": mode},
                       train={"steps": 2, "device": "cpu"}, optimizer={"lr": 1e-2}, offload={"transformer": 0.5})
     t = Trainer(cfg)
     path = t.fit()
@@ -279,7 +306,7 @@ def test_lora_fit_on_an_8bit_base_streams(tiny_models, images, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("family,kind", [("z-image", "lokr"), ("chroma", "dora")])
-def test_lora_kind_streams_like_resident(tiny_models, images, tmp_path, monkeypatch, family, kind):
+def test_lora_kind_streams_like_resident(tiny_models, images, caches, tmp_path, monkeypatch, family, kind):
     """LoKr / DoRA (lora.type, lora.dora) on the family's default targets: offload 0.5 through the conductor's CPU
     path gives the resident run's losses."""
     from test_lora_types import KINDS
@@ -287,11 +314,8 @@ def test_lora_kind_streams_like_resident(tiny_models, images, tmp_path, monkeypa
     from trainer.train.trainer import Trainer
 
     def run(name, f):
-        cfg = make_config(tiny_models, images, tmp_path / name, tmp_path / "cache", family,
-                          train={"steps": 2, "device": "cpu"}, lora={"rank": 4, "alpha": 8, **KINDS[kind]},
-                          offload={"transformer": f})
-        Trainer(cfg).fit()
-        return [json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return _fit_losses(tiny_models, images, tmp_path / name, caches / family, family,
+                           lora={"rank": 4, "alpha": 8, **KINDS[kind]}, offload={"transformer": f})
 
     ref = run("ref", 0.0)
     monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
@@ -299,19 +323,14 @@ def test_lora_kind_streams_like_resident(tiny_models, images, tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_compiled_training_matches_eager(tiny_models, images, tmp_path, monkeypatch, family):
-    """train.compile: the family's block classes compiled (aot_eager on the CPU) train like eager."""
+def test_compiled_training_matches_eager(tiny_models, images, caches, resident, tmp_path, monkeypatch, family):
+    """train.compile: the family's block classes compiled (aot_eager on the CPU) train like eager (the module's
+    resident LoRA fit: the same config without train.compile)."""
     from trainer.offload import compiled
-    from trainer.train.trainer import Trainer
 
     monkeypatch.setenv("DITTRAIN_COMPILE_BACKEND", "aot_eager")
-    runs = {}
-    for on in (False, True):
-        out = tmp_path / f"out-{on}"
-        cfg = make_config(tiny_models, images, out, tmp_path / "cache", family, train={"steps": 2, "compile": on})
-        t = Trainer(cfg)
-        t.fit()
-        t.close()
-        runs[on] = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    eager = resident(family, "lora")
+    got = _fit_losses(tiny_models, images, tmp_path / "out", caches / family, family, train={"compile": True},
+                      offload={"transformer": 0.0})
     assert compiled.stats()["graphs"] >= 1
-    torch.testing.assert_close(torch.tensor(runs[True]), torch.tensor(runs[False]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(eager), rtol=1e-5, atol=1e-6)
