@@ -107,7 +107,7 @@ def test_full_size_is_the_released_ltx2_and_the_planner_counts_its_vae():
 
 def test_text_latents_and_predict_as_the_pipeline_does(loaded):
     """The cached text is the connectors' output on the pipeline's own Gemma states (all 1024 rows valid: the
-    registers fill the padding); latents are normalised as the pipeline denormalises; `predict` equals the
+    registers fill the padding; Gemma loaded without its vision tower); latents are normalised as the pipeline denormalises; `predict` equals the
     pipeline's transformer call with the cross-modal attention off, and does not depend on the audio stream."""
     from diffusers import LTX2Pipeline
 
@@ -118,6 +118,7 @@ def test_text_latents_and_predict_as_the_pipeline_does(loaded):
     video, _audio, mask = pipe.connectors(pe, pm, padding_side=pipe.tokenizer.padding_side)
     assert torch.equal(text["prompt_embeds"], video) and torch.equal(text["prompt_attention_mask"], mask)
     assert text["prompt_embeds"].shape == (2, 1024, 32) and mask.sum(1).tolist() == [1024, 1024]
+    assert comps.text_encoders[0].model.vision_tower is None  # slimmed: captions never reach it
     assert pm.sum(1).tolist()[0] > pm.sum(1).tolist()[1] > 0 and not pm[:, 0].any()  # left-padded
     px = torch.rand(1, 3, 9, 64, 32) * 2 - 1
     with torch.no_grad():

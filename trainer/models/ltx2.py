@@ -50,8 +50,7 @@ Image-to-video (`LTX2ImageToVideoPipeline`: the first latent frame is the image'
 (trainer/models/ltx2_i2v.py).
 
 Left out: training the audio stream (clips with a sound track, audio latents through AutoencoderKLLTX2Audio, the
-sound written into the mp4), ComfyUI / kohya key names (`lora_key_map`
-None), dropping Gemma's vision tower while captions are encoded.
+sound written into the mp4).
 """
 
 from __future__ import annotations
@@ -87,9 +86,11 @@ VAE_CONFIG = {
     "encoder_spatial_padding_mode": "zeros", "decoder_spatial_padding_mode": "reflect",
     "spatial_compression_ratio": 32, "temporal_compression_ratio": 8,
 }
-#: Gemma 3 12B (Gemma3ForConditionalGeneration) outside its 48 decoder layers: the 262k-token embedding (tied to
-#: the head), the final norm, the SigLIP vision tower and its projector
-GEMMA3_NONBLOCK = 12_187_325_040 - 10_759_151_616
+#: Gemma 3 12B's SigLIP vision tower and its projector: a caption never runs them (`slim_text_encoder` drops them)
+GEMMA3_VISION = 416_866_032 + 4_424_832
+#: Gemma 3 12B (Gemma3ForConditionalGeneration) outside its 48 decoder layers, as slimmed: the 262k-token embedding
+#: (tied to the head) and the final norm
+GEMMA3_NONBLOCK = 12_187_325_040 - 10_759_151_616 - GEMMA3_VISION
 
 
 #: LTX-2's original layout (Lightricks' checkpoints, ComfyUI's `diffusion_model.*`, kohya `lora_unet_*`): the blocks'
@@ -206,6 +207,7 @@ class LTX2Adapter(DiffusersAdapter):
     text_tokens = MAX_SEQUENCE_LENGTH  # always 1024 rows: the registers fill the padding
     text_encoder_params = (("Gemma 3 12B (with LTX-2's text connectors)", 12_187_325_040 + 1_431_475_200),)
     text_encoder_nonblock_params = (GEMMA3_NONBLOCK + 1_431_475_200,)
+    text_encoder_unused_params = (GEMMA3_VISION,)
     text_encoder_layers = (48,)
     #: the blocks' scale / shift / gate are Parameters (`scale_shift_table`, ...) plus the time embeddings outside
     #: the blocks: no block Linear is a modulation Linear
@@ -266,6 +268,13 @@ class LTX2Adapter(DiffusersAdapter):
                                                       local_files_only=True)
             out.text_encoders.append(conn.to(device).eval().requires_grad_(False))
         return out
+
+    def slim_text_encoder(self, encoder: nn.Module) -> nn.Module:
+        """Without Gemma's vision tower and projector (0.42 B parameters): captions are text only, and neither the
+        pipeline's `encode_prompt` nor `encode_prompts` reaches them without `pixel_values`."""
+        encoder.model.vision_tower = None
+        encoder.model.multi_modal_projector = None
+        return encoder
 
     def pipeline(self, components: Components) -> LTX2Pipeline:
         """The pipeline from the loaded parts, and the folder's audio VAE and vocoder (it decodes sound on every

@@ -302,11 +302,11 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
         ["# Sampling during training is off (sample.every: 0): it would not fit beside training on this card;",
          "# use `dittrain sample` afterwards."]
     )
-    if cls.video:  # the clip: the rung of VIDEO_CLIPS it took
+    if cls.video:  # the clip: the rung of the family's ladder (`preset_clips`, else VIDEO_CLIPS) it took
         size = f"{res} x {frames} frames"
         buckets = (f"{res} clips of {frames} frames (data.clip_frames: {frames}; {s['width']}x{s['height']} and the "
                    f"other aspect buckets of its area, {_size(d)[0]}^2 pixels a frame)")
-        ladder = ", ".join(f"{n} x {k}" for n, k in VIDEO_CLIPS)
+        ladder = ", ".join(f"{n} x {k}" for n, k in cls.preset_clips or VIDEO_CLIPS)
         rung = [f"# Clip: {size}, the largest of the presets' ladder ({ladder} frames) predicted to fit this card."]
     else:
         size, buckets, rung = f"{res} px", f"{res}x{res} buckets", []
