@@ -214,6 +214,35 @@ def test_full_fine_tune_streamed_at_half_equals_resident(tiny_models, images, tm
     checks.streamed_training_equals_resident(FAMILY, tiny_models, images, tmp_path, monkeypatch, "full", 0.5)
 
 
+def test_a_lokr_on_an_fp8_base_streams_and_a_dora_streams_like_resident(tiny_models, images, tmp_path, monkeypatch):
+    """lora.type lokr on model.quantize fp8, streamed at 0.5: finite losses, every block Linear 8-bit but the
+    modulation (`adaln_modulation`, kept in the model dtype). DoRA streamed at 0.5: the resident run's losses."""
+    from test_train_support import make_config
+
+    from trainer import quant
+    from trainer.train.trainer import Trainer
+
+    def fit(name, f, **sections):
+        if f:
+            monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
+        cfg = make_config(tiny_models, images, tmp_path / name, tmp_path / "cache", FAMILY,
+                          train={"steps": 2, "device": "cpu"}, offload={"transformer": f}, **sections)
+        t = Trainer(cfg)
+        t.fit()
+        return t, losses(tmp_path / name)
+
+    t, lokr = fit("lokr", 0.5, model={"quantize": "fp8"}, lora={"rank": 4, "alpha": 8, "type": "lokr"})
+    assert len(lokr) == 2 and all(np.isfinite(lokr))
+    lin = {n.removesuffix(".base_layer"): m for b in t.adapter.blocks(t.transformer) for n, m in b.named_modules()
+           if isinstance(m, torch.nn.Linear) and "lokr_" not in n}
+    kept = {n for n, m in lin.items() if not isinstance(m, quant.QuantizedLinear)}
+    assert kept == {"adaln_modulation"} and len(lin) > len(kept)
+    dora = {"rank": 4, "alpha": 8, "dora": True}
+    _, ref = fit("dora-ref", 0.0, lora=dora)
+    _, streamed = fit("dora-off", 0.5, lora=dora)
+    assert streamed == ref and all(np.isfinite(ref))
+
+
 # ---------------------------------------------------------------------------------------------- sampling
 
 
