@@ -109,6 +109,18 @@ def test_text_and_predict_as_the_modular_blocks_do(parts):
     assert torch.equal(got, -unpack(out[:, window:], 4, 6))
 
 
+def test_a_caption_longer_than_the_window_is_one_line(parts):
+    from trainer.errors import UserError
+    from trainer.models.ideogram4_pipeline import prompt_tokens, text_features
+
+    _, comps = parts
+    (enc,), (tok,) = comps.text_encoders, comps.tokenizers
+    n = prompt_tokens(tok, PROMPT)
+    assert text_features(enc, tok, PROMPT, window=n)[0].shape == (1, n, 208)
+    with pytest.raises(UserError, match=f"a caption of {n} tokens .* text window of {n - 1} tokens"):
+        text_features(enc, tok, PROMPT, window=n - 1)
+
+
 def test_the_text_rows_alone_give_diffusers_forward(parts):
     """The adapter's transformer given the text region's features alone: diffusers' forward on the whole sequence
     (zeros on the image rows), within fp32 rounding of the shorter projection; given the whole sequence it is
