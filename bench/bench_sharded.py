@@ -18,7 +18,14 @@ Per row: median step, samples/s over the timed steps (world x steps / wall secon
 per process its anonymous RSS with the node's shared memory (/dev/shm arena). Gradients are averaged with the
 trainer's BucketedAllReduce. Writes sharded.json and sharded.md under --out.
 
+With --full: a full fine-tune instead (every weight trains, the fused back pass, `--optimizer` with stochastic
+rounding as `dittrain fit` builds it), each row on a fresh model: "whole copies" (each process streams the whole
+model from its own arena with the optimizer state packed beside the weights, gradients all-reduced: the trainer's
+ddp path) and "owned steps" (trainer/train/owners.py: the sharded stream from the host's one arena, each process
+stepping 1/N of the weights and keeping their state in pinned RAM).
+
     python bench/bench_sharded.py --gpus 4 --out $OUT/sharded
+    python bench/bench_sharded.py --full --gpus 4 --worlds 1,4 --out $OUT/sharded-full
     python bench/bench_sharded.py --gpus 2 --layers 1 --singles 2 --res 64 --text 16 --steps 2 --warmup 1   # smoke
 """
 
@@ -120,6 +127,58 @@ def _links(dev, world, group, args) -> dict:
     return out
 
 
+def _full_rows(rank, world, args, dev, gather, arena, row) -> list[dict]:
+    """--full: the rows of one world size, each on a fresh model (module docstring)."""
+    import gc
+
+    from trainer.config import OptimizerConfig
+    from trainer.offload import bind_fused
+    from trainer.optim import FusedBackPass, StateOffload, build_optimizer
+    from trainer.train.distributed import FusedAllReduce
+    from trainer.train.owners import OwnedSteps
+
+    opt_cfg = OptimizerConfig(name=args.optimizer, lr=1e-5, fused_back_pass=True, max_grad_norm=None,
+                              stochastic_rounding=True)
+    kw, target = inputs(dev, args.res, text=args.text)
+    rows = []
+    for mode in (args.full_modes.split(",") if world > 1 else ["whole"]):
+        model = build(args, dev)
+        model.requires_grad_(True)
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        fused = FusedBackPass(build_optimizer(params, opt_cfg, seed=0))
+        blocks = block_list(model)
+        common = dict(mode="train", activations=args.activations and dev.type == "cuda", trainable=True,
+                      compile=args.compile, min_ring_blocks=args.ring)
+        if mode == "whole":
+            if world > 1:
+                fused.add_step_hooks(pre=FusedAllReduce(world).pre)
+            h = attach_offload(blocks, dev, args.fraction, optimizer_state=fused.state_layout, **common)
+            bind_fused(h, fused)
+        else:
+            owners = OwnedSteps(params, rank, world)
+            owners.attach(fused)
+            h = attach_offload(blocks, dev, args.fraction, share=arena(mode), gather=gather, **common)
+            off = StateOffload(owners.owned([p for i in h.plan.streamed for p in blocks[i].parameters()]))
+            fused.add_step_hooks(pre=off.pre, post=off.post, synchronize=off.synchronize)
+
+        def step(model=model, fused=fused):
+            loss = F.mse_loss(model(**kw)[0].float(), target)
+            loss.backward()
+            fused.finish_step()
+            return loss.detach()
+
+        name = {"whole": "whole copies", "owned": "owned steps + sharded stream"}[mode]
+        rows.append(row(f"{world} GPU{'s' if world > 1 else ''}, full {args.optimizer}, {name}", h, step))
+        h.close(keep_weights=False)
+        fused.remove()
+        del model, params, fused, h
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def _worker(rank: int, world: int, args, port: int, out: str) -> None:
     import torch.distributed as tdist
 
@@ -137,6 +196,35 @@ def _worker(rank: int, world: int, args, port: int, out: str) -> None:
         gather = SliceGather(group, rank, world)
         share = SharedArena(Path("/dev/shm") / f"dittrain-bench-{port}", owner=rank == 0,
                             barrier=lambda: _barrier(world, dev))
+
+    def arena(tag: str):
+        if world == 1:
+            return None
+        return SharedArena(Path("/dev/shm") / f"dittrain-bench-{port}-{tag}", owner=rank == 0,
+                           barrier=lambda: _barrier(world, dev))
+
+    def reset_peak():
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+
+    def row(name, handle, step) -> dict:
+        reset_peak()
+        r = {"name": name, "world": world, "rank": rank, **_measure(step, dev, world, args)}
+        st = handle.stats()
+        r.update(peak_reserved_gb=torch.cuda.max_memory_reserved(dev) / 1e9 if cuda else None,
+                 h2d_gbps_loads=st.get("h2d_gbps"), h2d_bytes_per_step=st["h2d_bytes_per_step"],
+                 offloaded_gb=st["offloaded_bytes"] / 1e9, **_memory())
+        return r
+
+    if args.full:
+        rows = _full_rows(rank, world, args, dev, gather, arena, row)
+        rows = [{**r, **_links(dev, world, group, args)} for r in rows] if rows else rows
+        Path(out, f"world{world}-rank{rank}.json").write_text(json.dumps(rows))
+        print(json.dumps([{k: v for k, v in r.items() if k != "steps_s"} for r in rows]), flush=True)
+        if world > 1:
+            tdist.destroy_process_group()
+        return
     model = build(args, dev)
     torch.manual_seed(1)
     params = add_lora(model, args.rank)
@@ -155,38 +243,22 @@ def _worker(rank: int, world: int, args, port: int, out: str) -> None:
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    def reset_peak():
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(dev)
-
-    def row(name, handle) -> dict:
-        r = {"name": name, "world": world, "rank": rank, **_measure(step, dev, world, args)}
-        st = handle.stats()
-        r.update(peak_reserved_gb=torch.cuda.max_memory_reserved(dev) / 1e9 if cuda else None,
-                 h2d_gbps_loads=st.get("h2d_gbps"), h2d_bytes_per_step=st["h2d_bytes_per_step"],
-                 offloaded_gb=st["offloaded_bytes"] / 1e9, **_memory())
-        return r
-
     rows = []
     if world == 1 and args.resident:
         h = attach_offload(block_list(model), dev, 0.0, mode="train", checkpointing=True, compile=args.compile)
-        reset_peak()
-        rows.append(row("1 GPU resident (every block recomputed)", h))
+        rows.append(row("1 GPU resident (every block recomputed)", h, step))
         h.close()
     h = attach_offload(block_list(model), dev, args.fraction, mode="train", activations=args.activations and cuda,
                        share=share, gather=gather, compile=args.compile, min_ring_blocks=args.ring)
     c = h._c
     if world == 1:
-        reset_peak()
-        rows.append(row("1 GPU streamed", h))
+        rows.append(row("1 GPU streamed", h, step))
     else:
         for name, g in (("whole copies", None), ("sharded stream", gather)):
             _sync(dev)
             _barrier(world, dev)
             c.gather = g  # every process switches at the same step boundary
-            reset_peak()
-            rows.append(row(f"{world} GPUs, {name}", h))
+            rows.append(row(f"{world} GPUs, {name}", h, step))
     links = _links(dev, world, group, args)
     for r in rows:
         r.update(links)
@@ -209,6 +281,9 @@ def main() -> None:
     ap.add_argument("--no-resident", dest="resident", action="store_false")
     ap.add_argument("--compile", action="store_true", help="each block class compiled (the trainer's train.compile)")
     ap.add_argument("--ring", type=int, default=2, help="min_ring_blocks of the streamed runs")
+    ap.add_argument("--full", action="store_true", help="a full fine-tune: whole copies against owned steps")
+    ap.add_argument("--optimizer", default="adafactor", help="--full: adamw, adamw8bit or adafactor")
+    ap.add_argument("--full-modes", default="whole,owned", help="--full with several GPUs: rows to run")
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--worlds", default=None, help="comma-separated world sizes (default: 1, 2, ..., --gpus)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -238,9 +313,10 @@ def main() -> None:
         "worlds": {w: ranks(w) for w in worlds},
     }
     (args.out / "sharded.json").write_text(json.dumps(result, indent=1))
-    one = next((r for r in result["worlds"].get(1, [[]])[0] if r["name"] == "1 GPU streamed"), None)
+    one = next((r for r in result["worlds"].get(1, [[]])[0] if r["name"].startswith("1 GPU") and "resident"
+                not in r["name"]), None)
     lines = [
-        f"Flux.1-dev LoRA r{args.rank}, {args.res} px, batch 1 a GPU, fraction {args.fraction}, activations "
+        f"Flux.1-dev {'full fine-tune' if args.full else f'LoRA r{args.rank}'}, {args.res} px, batch 1 a GPU, fraction {args.fraction}, activations "
         f"{'offloaded' if args.activations else 'kept'}, {'compiled' if args.compile else 'eager'}, ring "
         f"{args.ring} blocks, {args.layers}+{args.singles} blocks, {result['device']}, "
         f"torch {result['torch']}, {result['date']}",
