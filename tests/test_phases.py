@@ -330,38 +330,42 @@ def test_bench_writes_one_fp8_transformer_file_that_streams(tiny_models, tmp_pat
     assert torch.equal(q.weight.view(torch.uint8), w.view(torch.uint8)) and torch.all(q.weight_scale == s)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("transformer_file", [None, "fp8"])
-def test_bench_program_smoke_runs_cache_fit_sample_and_reports_phases(tmp_path, transformer_file):
-    import subprocess
+def _bench_program(argv: list[str], capsys) -> str:
+    """bench_program's main in this process (its cache / fit / sample commands are its own subprocesses, as on a
+    GPU: only the bench's own start-up, ~4 s of imports, is saved); asserts it returned 0; its printed output."""
     import sys
 
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_program as bp
+
+    rc = bp.main(argv)
+    out = capsys.readouterr().out
+    assert rc == 0, out[-4000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transformer_file", [None, "fp8"])
+def test_bench_program_smoke_runs_cache_fit_sample_and_reports_phases(tmp_path, transformer_file, capsys):
     extra = ["--transformer-file", transformer_file] if transformer_file else []
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_program.py"), "--smoke", "--families", "flux",
-                        "--work", str(tmp_path), *extra], capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out = _bench_program(["--smoke", "--families", "flux", "--work", str(tmp_path), *extra], capsys)
     for phase in ("text caching", "latent caching", "load", "training step", "sampling", "checkpoint save"):
-        assert f"| {phase} |" in r.stdout
+        assert f"| {phase} |" in out
     assert (tmp_path / "flux" / "8gb" / "out" / "lora.safetensors").exists()
 
 
 @pytest.mark.slow
-def test_bench_program_smoke_trains_and_samples_video_families(tmp_path):
+def test_bench_program_smoke_trains_and_samples_video_families(tmp_path, capsys):
     """bench_program --smoke on Wan 2.1 text-to-video and Wan 2.1 image-to-video: tiny models, mp4 clips at a
     size of their own (one bucket of 96x64 x 5 frames, uncropped), fit (caching, training, sampling during it)
     under the phase log; the samples are videos, the image-to-video one's from the first frame. (`dittrain sample`
     of the same families: tests/test_wan*.py.)"""
-    import subprocess
-    import sys
-
     import yaml
 
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_program.py"), "--smoke", "--families", "wan",
-                        "wan-i2v", "--commands", "fit", "--work", str(tmp_path)],
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out = _bench_program(["--smoke", "--families", "wan", "wan-i2v", "--commands", "fit", "--work", str(tmp_path)],
+                         capsys)
     for phase in ("text caching", "latent caching", "load", "training step", "sampling"):
-        assert f"| {phase} |" in r.stdout
+        assert f"| {phase} |" in out
     for family in ("wan", "wan-i2v"):
         run = tmp_path / family / "8gb"
         assert "96x64x5f         3 clips" in (run / "fit.log").read_text()
