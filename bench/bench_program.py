@@ -386,9 +386,11 @@ def write_full_folder(family: str, folder: Path, transformer_file: str | None = 
     # a family of experts (Wan 2.2 A14B): the others than `transformer`. With a transformer file, that one file is
     # what the loader reads for every expert (model.transformer_file), so each gets its config only; otherwise its
     # matrices in fp8 on disk (diffusers casts them to bf16 on load), or two 14 B experts in bf16 (57 GB) would not
-    # fit the GPU box's 64 GB disk beside the rest
-    for i, d in enumerate(sorted(set(getattr(ad, "experts", {}).values()) - {"transformer"})):
-        if transformer_file:
+    # fit the GPU box's 64 GB disk beside the rest. A family's other sampling transformers (`sampling_components`:
+    # Ideogram 4's unconditional one, the same size) are always read from their folder: fp8 matrices there
+    experts = set(getattr(ad, "experts", {}).values()) - {"transformer"}
+    for i, d in enumerate(sorted(experts | set(getattr(ad, "sampling_components", ())))):
+        if transformer_file and d in experts:
             parts.append((d, 0, "shards", lambda d=d: _config_only(folder / d, tr)))
         else:
             parts.append((d, plan_bytes(disk_plan(tr, bf16, fp8)), "shards",

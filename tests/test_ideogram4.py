@@ -178,6 +178,22 @@ def test_full_size_is_the_released_9_3b_diffusers_default_and_the_shift_follows_
     assert not cls.runs_cfg(7.0) and cls.sampling_components == (UNCOND,)
 
 
+def test_full_size_parts_for_the_bench_are_the_released_sizes(tiny_models):
+    """bench/bench_program.py's full-size folder: Flux.2's VAE and Qwen3-VL-8B as Qwen3VLModel (the planner's count),
+    and the unconditional transformer written beside the trained one (a sampling component)."""
+    from accelerate import init_empty_weights
+    from test_train_support import bench_module
+
+    cls = adapter_class(FAMILY)
+    vae, [(name, enc_cls, cfg)] = cls.full_size_parts(tiny_models / FAMILY)
+    assert name == "text_encoder" and type(vae).__name__ == cls.vae_cls_name
+    with init_empty_weights():
+        enc = enc_cls(cfg)
+    assert sum(p.numel() for p in enc.parameters()) == cls.text_encoder_params[0][1]
+    assert sum(p.numel() for p in vae.parameters()) == cls.vae_params
+    assert FAMILY in bench_module("bench_program").writable()
+
+
 # ---------------------------------------------------------------------------------------------- training
 
 

@@ -246,6 +246,19 @@ class Ideogram4Adapter(DiffusersAdapter):
     def tiny_builders(cls):
         return {"ideogram4": tiny_pipeline}
 
+    @classmethod
+    def full_size_parts(cls, folder):
+        """bench/bench_program.py's full-size random folders: Flux.2's VAE (built for real) and Qwen3-VL-8B as
+        `Qwen3VLModel`, whole (36 layers, vision tower included), its special token ids those of the folder's tiny
+        tokenizer."""
+        import transformers
+        from diffusers import AutoencoderKLFlux2
+
+        from .qwen_image_21 import full_text_config, qwen3_vl_8b_config
+
+        return AutoencoderKLFlux2(), [("text_encoder", transformers.Qwen3VLModel,
+                                       full_text_config(folder, qwen3_vl_8b_config()))]
+
     @property
     def transformer_dir(self) -> str:
         return self._load_dir
