@@ -189,10 +189,14 @@ def test_ctrl_c_to_dittrain_fit_saves_and_resume_latest_continues(tiny_models, i
 
     hint = shlex.split(last.split("continue with `")[1].rstrip("`"))
     assert hint[:2] == ["dittrain", "fit"] and hint[-2:] == ["--resume", "latest"] and hint[2:-2] == cmd[4:]
-    done = subprocess.run([*cmd[:3], *hint[1:], "--set", f"train.steps={step + 2}"], capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert f"resumed from {found[0][1]} at step {step}" in done.stderr
+    # ... run here, through the same CLI (the stop above needed a process of its own; the resume does not)
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    done = CliRunner().invoke(app, [*hint[1:], "--set", f"train.steps={step + 2}"])
+    assert done.exit_code == 0, done.output[-2000:]
+    assert f"resumed from {found[0][1]} at step {step}" in done.output
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()][-3:] == [step, step + 1, step + 2]
     assert (tmp_path / "run" / "lora.safetensors").is_file()
 
