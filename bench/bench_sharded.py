@@ -133,6 +133,7 @@ def _full_rows(rank, world, args, dev, gather, arena, row) -> list[dict]:
 
     from trainer.config import OptimizerConfig
     from trainer.offload import bind_fused
+    from trainer.offload.allocators import pinned_exact
     from trainer.optim import FusedBackPass, StateOffload, build_optimizer
     from trainer.train.distributed import FusedAllReduce
     from trainer.train.owners import OwnedSteps
@@ -159,7 +160,8 @@ def _full_rows(rank, world, args, dev, gather, arena, row) -> list[dict]:
             owners = OwnedSteps(params, rank, world)
             owners.attach(fused)
             h = attach_offload(blocks, dev, args.fraction, share=arena(mode), gather=gather, **common)
-            off = StateOffload(owners.owned([p for i in h.plan.streamed for p in blocks[i].parameters()]))
+            off = StateOffload(owners.owned([p for i in h.plan.streamed for p in blocks[i].parameters()]),
+                               alloc=pinned_exact if args.exact_pins else None)
             fused.add_step_hooks(pre=off.pre, post=off.post, synchronize=off.synchronize)
 
         def step(model=model, fused=fused):
@@ -284,6 +286,8 @@ def main() -> None:
     ap.add_argument("--full", action="store_true", help="a full fine-tune: whole copies against owned steps")
     ap.add_argument("--optimizer", default="adafactor", help="--full: adamw, adamw8bit or adafactor")
     ap.add_argument("--full-modes", default="whole,owned", help="--full with several GPUs: rows to run")
+    ap.add_argument("--rounded-pins", dest="exact_pins", action="store_false",
+                    help="--full owned rows: the owned state in torch's pinned allocator (rounded up), not pinned_exact")
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--worlds", default=None, help="comma-separated world sizes (default: 1, 2, ..., --gpus)")
     ap.add_argument("--warmup", type=int, default=2)

@@ -24,7 +24,7 @@ def _model(dtype):
     )
 
 
-def _train(model, cfg, *, fused, offload=False, steps=4):
+def _train(model, cfg, *, fused, offload=False, steps=4, alloc=None):
     params = list(model.parameters())
     opt = build_optimizer(params, cfg, seed=1)
     sched = build_scheduler(opt, cfg, steps)
@@ -32,7 +32,7 @@ def _train(model, cfg, *, fused, offload=False, steps=4):
     if fused:
         fb = FusedBackPass(opt)
         if offload:
-            off = StateOffload(params)
+            off = StateOffload(params, alloc=alloc)
             fb.add_step_hooks(pre=off.pre, post=off.post, synchronize=off.synchronize)
     g = torch.Generator("cuda").manual_seed(0)
     dtype = params[0].dtype
@@ -49,14 +49,19 @@ def _train(model, cfg, *, fused, offload=False, steps=4):
     return model, opt, fb
 
 
+@pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("name", ["adamw", "adafactor"])
-def test_state_offload_is_exact_and_keeps_state_in_cpu_ram(name):
+def test_state_offload_is_exact_and_keeps_state_in_cpu_ram(name, exact):
+    """`exact`: the buffers from trainer/offload `pinned_exact` (cudaHostRegister, no power-of-two rounding), as
+    the trainer makes them."""
+    from trainer.offload.allocators import pinned_exact
+
     cfg = OptimizerConfig(
         name=name, lr=1e-3, weight_decay=0.01, warmup_steps=1, scheduler="cosine", max_grad_norm=None
     )
     start = _model(torch.float32)
     ref, _, _ = _train(copy.deepcopy(start), cfg, fused=True)
-    got, opt, fb = _train(copy.deepcopy(start), cfg, fused=True, offload=True)
+    got, opt, fb = _train(copy.deepcopy(start), cfg, fused=True, offload=True, alloc=pinned_exact if exact else None)
     for a, b in zip(ref.parameters(), got.parameters(), strict=True):
         assert torch.equal(a, b)
     for p in got.parameters():
@@ -67,6 +72,21 @@ def test_state_offload_is_exact_and_keeps_state_in_cpu_ram(name):
     unfused, _, _ = _train(copy.deepcopy(start), cfg, fused=False)
     for a, b in zip(unfused.parameters(), got.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # foreach vs one-tensor kernels: not bitwise
+
+
+def test_pinned_exact_is_page_locked_at_its_own_size_and_released_with_the_tensor():
+    from trainer.offload.allocators import pinned_exact
+
+    before = torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0) if hasattr(
+        torch.cuda.memory, "host_memory_stats") else None
+    t = pinned_exact((3, 1000), torch.float32)
+    assert t.is_pinned() and t.shape == (3, 1000)
+    if before is not None:  # not from torch's caching host allocator
+        assert torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0) == before
+    ptr = t.data_ptr()
+    del t
+    again = torch.empty(3000, dtype=torch.float32)
+    assert again.data_ptr() != ptr or not again.is_pinned()  # unregistered when the tensor died
 
 
 def test_bf16_stochastic_rounding_fused_equals_unfused():

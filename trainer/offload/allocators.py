@@ -150,6 +150,26 @@ def _clear_cuda_error() -> None:
             continue
 
 
+def pinned_exact(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked CPU tensor of exactly its size, for buffers made one at a time (trainer/optim StateOffload):
+    allocated pageable and registered with cudaHostRegister, unregistered when the tensor object dies. torch's
+    `pin_memory=True` goes through the caching host allocator, which rounds every request up to a power of two
+    (measured: 52 GB of an owned AdamW state's 171.7 GB, bench/RESULTS.md 2026-11-27 13:40); it is the fallback
+    where registration is refused. Keep this very tensor object alive as long as its memory is used."""
+    import weakref
+
+    buf = torch.empty(shape, dtype=dtype)
+    nbytes = buf.numel() * buf.element_size()
+    if nbytes == 0 or not torch.cuda.is_available():
+        return buf
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)) != 0:
+        _clear_cuda_error()
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    weakref.finalize(buf, cudart.cudaHostUnregister, buf.data_ptr())
+    return buf
+
+
 class HostArena:
     """One exactly sized host buffer, page-locked with cudaHostRegister when `pin` (and CUDA) allow.
 

@@ -282,9 +282,12 @@ class StateOffload:
         fused.add_step_hooks(pre=offload.pre, post=offload.post, synchronize=offload.synchronize)
     """
 
-    def __init__(self, params: list[torch.Tensor], *, pin: bool | None = None):
+    def __init__(self, params: list[torch.Tensor], *, pin: bool | None = None, alloc=None):
+        """`alloc(shape, dtype)`: makes each CPU buffer (default: torch's pinned allocator when `pin`, which
+        rounds sizes up to a power of two; trainer/offload `pinned_exact` is exact)."""
         self._params = set(params)
         self._pin = torch.cuda.is_available() if pin is None else pin
+        self._alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=self._pin))
         self._buffers: dict[tuple[torch.Tensor, str], torch.Tensor] = {}
         self._dirty = False
 
@@ -303,9 +306,7 @@ class StateOffload:
                 continue
             buf = self._buffers.get((p, k))
             if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
-                # Allocated once per state tensor. Pinned through torch's host allocator, which rounds
-                # sizes up; an offloader with its own pinned arena should pass its own hooks instead.
-                buf = torch.empty(v.shape, dtype=v.dtype, pin_memory=self._pin)
+                buf = self._alloc(v.shape, v.dtype)  # once per state tensor, reused after
                 self._buffers[(p, k)] = buf
             buf.copy_(v, non_blocking=self._pin)
             state[k] = buf

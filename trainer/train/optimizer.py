@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import Config
 from ..errors import UserError
+from ..offload.allocators import pinned_exact
 from ..optim.build import build_optimizer, build_scheduler
 from ..optim.fused import FusedBackPass, StateOffload
 from ..optim.state import load_optimizer_shards, load_optimizer_state, save_optimizer_state
@@ -82,7 +83,7 @@ class Optim:
             params = self.owners.owned(params)  # the others' state is never made here
         if not params:
             return
-        off = StateOffload(params)
+        off = StateOffload(params, alloc=pinned_exact if torch.cuda.is_available() else None)
         self.fused.add_step_hooks(pre=off.pre, post=off.post, synchronize=off.synchronize)
 
     def before_backward(self, track_norm: bool) -> None:
