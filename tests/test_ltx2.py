@@ -339,3 +339,15 @@ def test_comfy_layout_names_are_the_originals_diffusers_converter_reads(fitted, 
     for n in got[0]:
         torch.testing.assert_close(got[1][n], got[0][n], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(got[2][n], got[0][n], rtol=0, atol=0)
+
+
+def test_clips_are_read_at_the_rate_the_model_is_told(models, videos, tmp_path):
+    """data.fps unset reads LTX-2's 24 fps; another rate (or null, as stored) is refused in one line, since the
+    transformer's positions assume 24 fps."""
+    base = _config(models, videos, tmp_path).model_dump(mode="json", exclude_unset=True)
+    base["data"].pop("fps")  # the validator set the family's (as it sets bucket_step)
+    assert Config.model_validate(base).data.fps == 24.0
+    for fps in (16, None):
+        with pytest.raises(ValueError, match="ltx2 is told 24 fps"):
+            Config.model_validate({**base, "data": {**base["data"], "fps": fps}})
+    assert Config.model_validate({**base, "data": {**base["data"], "fps": 24}}).data.fps == 24.0

@@ -690,10 +690,17 @@ class Config(_Section):
             step = adapter_class(self.model.family).bucket_step
             if step != self.data.bucket_step:
                 self.data.bucket_step = step
-        if self.data is not None and "fps" not in self.data.model_fields_set:  # the family's frame rate, unless set
+        if self.data is not None:  # the family's frame rate, unless set; the only one where the family's is fixed
             from .models import adapter_class
 
-            self.data.fps = adapter_class(self.model.family).default_fps
+            fam = adapter_class(self.model.family)
+            if "fps" not in self.data.model_fields_set:
+                if self.data.fps != fam.default_fps:  # as bucket_step: an unchanged default stays unset
+                    self.data.fps = fam.default_fps
+            elif fam.fixed_fps and self.data.fps != fam.default_fps:
+                raise ValueError(f"data.fps: {self.data.fps}: {fam.family} is told {fam.default_fps:g} fps whatever "
+                                 f"the clips' rate (its positions are in seconds); read clips at {fam.default_fps:g} "
+                                 "(or leave data.fps unset)")
         return self
 
     def digest(self) -> str:

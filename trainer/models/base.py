@@ -223,6 +223,9 @@ class ModelAdapter(ABC):
     #: written at without a data section (trainer/sampling/output.py `video_fps`): 16, Wan's; LTX-2's positions
     #: are in seconds at its pipeline's 24
     default_fps: ClassVar[float] = 16.0
+    #: the family's transformer is told `default_fps` whatever `data.fps` says (LTX-2's positions, in seconds): a
+    #: config reading clips at another rate (or as stored, null) is refused (trainer/config.py)
+    fixed_fps: ClassVar[bool] = False
 
     @classmethod
     def vae_latent_geometry(cls, config: Any) -> tuple[int, int, int]:

@@ -224,6 +224,7 @@ class LTX2Adapter(DiffusersAdapter):
     frame_step = 8
     plan_frames = 121
     default_fps = FRAME_RATE  # data.fps where a config sets none
+    fixed_fps = True  # `predict` tells the transformer FRAME_RATE: another data.fps is refused
 
     @classmethod
     def tiny_builders(cls):
