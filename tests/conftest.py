@@ -55,10 +55,34 @@ def pytest_collection_finish(session):
     _freeze_what_lives()
 
 
+@pytest.fixture(autouse=True)
+def _freeze_again_after_a_trainer_closes(request, monkeypatch):
+    """`Trainer.close` unfreezes the whole permanent generation (what its setup froze, and the imports frozen above
+    with it), so a test's next trainer would pay full collections again (release_host_memory's and setup's, the
+    cache's: ~2-6 per fit): here a close is followed by one collection and the freeze again. Only when and where
+    to collect changes, not what the trainer does; tests/test_train_gc.py, which checks the trainer's own freeze
+    and unfreeze, sets TRAINER_GC_AS_IT_IS and runs without this."""
+    import gc
+    import sys
+
+    mod = sys.modules.get("trainer.train.trainer")
+    if mod is None or getattr(request.module, "TRAINER_GC_AS_IT_IS", False):
+        yield
+        return
+    real = mod.Trainer.close
+
+    def close(self):
+        real(self)
+        if gc.get_freeze_count() == 0:
+            _freeze_what_lives()
+
+    monkeypatch.setattr(mod.Trainer, "close", close)
+    yield
+
+
 def pytest_runtest_logfinish(nodeid, location):
-    """`Trainer.close` unfreezes the whole permanent generation (what its setup froze, and ours with it): after a
-    test that ran one, freeze what still lives again (one full collection per such test instead of every later
-    collection being a full one)."""
+    """After a test that left the permanent generation empty (test_train_gc's closed trainer, any other unfreeze),
+    freeze what still lives again."""
     import gc
 
     if gc.get_freeze_count() == 0:

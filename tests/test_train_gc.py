@@ -9,6 +9,8 @@ from test_train_support import make_config, write_images
 
 from trainer.train.trainer import Trainer
 
+TRAINER_GC_AS_IT_IS = True  # conftest.py: no freeze again after close here
+
 
 def test_setup_freezes_what_it_built_and_close_unfreezes(tiny_models, tmp_path):
     cfg = make_config(tiny_models, write_images(tmp_path / "images"), tmp_path / "out", tmp_path / "cache", "flux",
