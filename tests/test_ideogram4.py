@@ -411,13 +411,15 @@ def test_a_lokr_stays_in_the_diffusers_layout_and_the_fused_qkv_refuses_it(tiny_
 # ---------------------------------------------------------------------------------------------- planner
 
 
-def test_planner_on_the_presets():
+def test_planner_on_the_presets(monkeypatch):
     """The shipped 8 GB presets of both methods plan at the full-size config and fit their card; sampling during
-    training is off (the unconditional transformer is not in the figures)."""
+    training is off. `dittrain sample`'s prediction places the unconditional transformer beside the trained one at
+    the same fraction, and runs both every step."""
     import yaml
 
     from trainer.config import load_config
     from trainer.planner import analyze, report
+    from trainer.planner.sampling import predict_sampling
 
     for method in ("lora", "full"):
         path = Path("configs") / FAMILY / f"{method}-8gb.yaml"
@@ -427,3 +429,8 @@ def test_planner_on_the_presets():
         assert facts.family == FAMILY and len(facts.block_param_bytes) == 34
         lines, fraction = report(cfg, vram_gb=8, facts=facts)
         assert fraction is not None and 0 < fraction <= 1, lines
+    both = predict_sampling(facts, 0.5, 1024)
+    monkeypatch.setattr(adapter_class(FAMILY), "sampling_components", ())
+    one = predict_sampling(facts, 0.5, 1024)
+    assert both.others > 1e9 and both.peak_reserved == pytest.approx(one.peak_reserved + both.others)
+    assert both.compute_s == pytest.approx(2 * one.compute_s) and one.others == 0

@@ -363,7 +363,8 @@ class ModelAdapter(ABC):
     sampling_kv_cache: ClassVar[bool] = False
     #: pipeline components beyond the trained transformer that every sample runs (Ideogram 4's text-free
     #: `unconditional_transformer`): loaded whole into CPU RAM with part "experts" and placed beside the trained one
-    #: while sampling (`pipeline_transformers`). The planner does not count them, so the presets sample nothing during
+    #: while sampling (`pipeline_transformers`). The planner's sampling prediction places them at the trained one's
+    #: fraction (trainer/planner/sampling.py); their CPU RAM is not counted, so the presets sample nothing during
     #: training (trainer/planner/presets.py)
     sampling_components: ClassVar[tuple[str, ...]] = ()
 

@@ -31,10 +31,10 @@ ideogram4_pipeline.py), a face on the modular blocks. How each piece here mirror
   on the image tokens alone (zero text features), v = w v_cond + (1 - w) v_uncond, with no negative prompt.
   `sample.guidance` is w at every step (the pipeline's default is a schedule, 7 for 45 steps then 3 for the last 3:
   the presets sample 48 steps at a constant 7). LoRA goes into `transformer` only (Ideogram4LoraLoaderMixin's
-  single loadable module): the unconditional transformer stays the base model, which is what diffusers' loader and
-  ComfyUI do with an Ideogram 4 LoRA. Sampling loads it whole into CPU RAM (part "experts" of `load`) and places it
-  as the conductor places the trained one; the planner does not count it, so the presets sample nothing during
-  training (`sampling_components`).
+  single loadable module): the unconditional transformer stays the base model, as diffusers' loader leaves it.
+  Sampling loads it whole into CPU RAM (part "experts" of `load`) and places it as the conductor places the trained
+  one (`sampling_components`: the planner's sampling prediction counts it at the same fraction; its RAM is not
+  counted, so the presets sample nothing during training).
 - modulation and quantization: each block's `adaln_modulation` (scale and tanh gate from the 512-wide time
   conditioning) stays in the model dtype in an 8-bit base, as the other families' modulation Linears.
 

@@ -114,17 +114,21 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
         sp = s.width * s.height
         clip = facts.vae_config is not None  # a video family's sample: its clip, and the video VAE's decode
         # its activations (a batch of two under classifier-free guidance); the ring is the training one
-        samp = predict_sampling(facts, 0.0, int(sp**0.5), batch=cfg_batch(facts.family, s.guidance),
-                                size=(s.width, s.height, s.frames) if clip else None)
+        kw = {"batch": cfg_batch(facts.family, s.guidance), "size": (s.width, s.height, s.frames) if clip else None}
+        samp = predict_sampling(facts, 0.0, int(sp**0.5), **kw)
         # the pipeline's KV cache (if any) lasts through the denoising loop and the decode
-        sample_act = samp.peak_reserved - sum(facts.packed) - facts.nonblock_bytes - WORKSPACE - samp.kv_cache
+        sample_act = (samp.peak_reserved - sum(facts.packed) - facts.nonblock_bytes - WORKSPACE - samp.kv_cache
+                      - samp.others)
+        # the family's other sampling transformers: the training sampler streams them at 1.0 (sampling/training.py)
+        others = predict_sampling(facts, 1.0, int(sp**0.5), **kw).others if samp.others else 0.0
         if clip:
             dec = RESERVED_PER_COUNTED * clip_peak(facts.family, facts.vae_config, facts.dtype, "decode", s.width,
                                                    s.height, s.frames, tiled=sp > SAMPLE_TILE_PIXELS)
         else:
             dec = min(sp, SAMPLE_TILE_PIXELS) * VAE_ACT_DECODE * ALLOCATOR_OVERHEAD
         size = f"{s.width}x{s.height}" + (f"x{s.frames}" if clip and s.frames > 1 else "")
-        out.append(PhasePrediction("sampling", train.static + vae + samp.kv_cache + max(sample_act, dec) + WORKSPACE,
+        out.append(PhasePrediction("sampling", train.static + vae + samp.kv_cache + others + max(sample_act, dec)
+                                   + WORKSPACE,
                                    train.ram_peak + vae, f"every {s.every} steps, {size}"))
     state = (facts.trainable_params * 4 + facts.state_gpu) if facts.method == "lora" else model_bytes + sum(
         facts.block_states)

@@ -25,6 +25,11 @@ tiles where that does not fit (trainer/sampling/placement.py). A video family's 
 height x sample.frames, the tokens of every latent frame), and its decode is the video VAE's own, counted on the meta
 device (trainer/planner/vae.py). Left out: the text encoders (they run first and are released, trainer/sample.py).
 
+A family whose samples also run other transformers (`sampling_components`: Ideogram 4's unconditional one, the
+trained one's size) has each placed at the same fraction by `dittrain sample`: their rings and non-block weights
+sit beside the trained one's and each step runs and streams them too (`others`; counted at the trained one's size
+and tokens). The training sampler streams them at 1.0 (trainer/planner/phases.py). Their CPU RAM is not counted.
+
 `choose_sampling_fraction` is `offload.transformer: auto` (or `--offload auto`) for `dittrain sample`: the smallest
 fraction on choose_fraction's grid (the same search, prediction.first_fit) whose denoising peak (`peak_reserved`)
 fits the budget less PREDICTION_MARGIN, at the sample's larger side squared and its guidance batch. The decode's
@@ -61,6 +66,9 @@ class SamplePrediction:
     decode_reserved: float = 0.0
     #: bytes the pipeline's KV cache holds from the first step to the end of the call (in both peaks above)
     kv_cache: float = 0.0
+    #: bytes of the family's other sampling transformers (`sampling_components`) placed at this fraction (in both
+    #: peaks above)
+    others: float = 0.0
 
 
 def kv_cache_bytes(facts, tr, res: int, batch: int = 1) -> float:
@@ -94,16 +102,22 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
         moved = plan_for(packed, ring, "sample").bytes_per_step()
     act = batch * (2 * max(tr.block_inputs) + 2 * max(tr.block_largest) + tr.outside_saved)
     kv = kv_cache_bytes(facts, tr, res, batch)
-    reserved = _round2m(ring) + _round2m(facts.nonblock_bytes) + kv + ALLOCATOR_OVERHEAD * act + WORKSPACE
-    compute = batch * (tr.linear_flops + tr.attn_flops) / ptime.forward_rate(rates, res)
-    transfer = moved / rates.h2d
+    # a family whose samples also run other transformers of the same size (`sampling_components`: Ideogram 4's
+    # unconditional one) places each at this fraction too: their rings and non-block weights sit beside this one's,
+    # and each step runs and streams each of them (counted at the trained one's size and tokens: an upper bound)
+    placed = 1 + len(adapter_class(facts.family).sampling_components)
+    others = (placed - 1) * (_round2m(ring) + _round2m(facts.nonblock_bytes))
+    weights = _round2m(ring) + _round2m(facts.nonblock_bytes) + others
+    reserved = weights + kv + ALLOCATOR_OVERHEAD * act + WORKSPACE
+    compute = placed * batch * (tr.linear_flops + tr.attn_flops) / ptime.forward_rate(rates, res)
+    transfer = placed * moved / rates.h2d
     if facts.vae_config is None:  # an image: bytes per pixel
         dec_act = ALLOCATOR_OVERHEAD * res * res * VAE_ACT_DECODE
     else:  # a clip: the video VAE's own decode, counted on the meta device (planner/vae.py)
         dec_act = RESERVED_PER_COUNTED * clip_peak(facts.family, facts.vae_config, facts.dtype, "decode", w, h, frames)
-    decode = (_round2m(ring) + _round2m(facts.nonblock_bytes) + adapter_class(facts.family).vae_params * 2
-              + kv + dec_act + WORKSPACE)
-    return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer, decode, kv)
+    decode = weights + adapter_class(facts.family).vae_params * 2 + kv + dec_act + WORKSPACE
+    return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer, decode, kv,
+                            others)
 
 
 def choose_sampling_fraction(facts, budget_gb: float, width: int, height: int, batch: int = 1, log=print,
