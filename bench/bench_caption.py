@@ -1,0 +1,284 @@
+#!/usr/bin/env python3
+"""`dittrain caption` against what users run instead (issue 43): transformers' `device_map="auto"` under the same
+VRAM cap, and the model resident on the card.
+
+The model: a full-size random-weight Qwen2.5-VL-7B folder (its real config: 28 decoder layers 3584 wide, the 32-block
+vision tower, the 152,064-row embedding and head; 8.29 B parameters, bf16 on disk), with the project's tiny Qwen
+tokenizer (its special tokens carry Qwen-VL's chat and image markers; nothing is downloaded) and Qwen2.5-VL's image
+processor (patch 14, merge 2: a 1024 px image is 1,369 image tokens). Random weights generate random text: every row
+is made to generate exactly `--tokens` new tokens (`min_new_tokens`), so the rows do the same work (the captions
+themselves are noise, most of it ids the tiny tokenizer does not have: `ours` then writes few or none).
+
+Rows, each in its own process (one GPU, `torch.cuda.set_per_process_memory_fraction` = the cap):
+- `ours`: trainer/captioning `run_caption` (what `dittrain caption DIR --model F --offload auto --batch B` runs):
+  the decoder layers streamed through the conductor at the fraction `auto` picks for the cap;
+- `auto`: `AutoModelForImageTextToText.from_pretrained(F, device_map="auto", max_memory={0: cap - 2 GB, "cpu": ...})`
+  (accelerate keeps what fits on the GPU and moves the rest in per layer, per call), the same inputs, greedy;
+- `resident`: the whole model on the GPU, no cap.
+Per row: images/s over the generate calls (load time apart), the load time, peak reserved VRAM, peak RSS (VmHWM) and
+anonymous RSS at the end. Writes caption.json and caption.md under --out.
+
+    python bench/bench_caption.py --out $OUT/caption
+    python bench/bench_caption.py --small --images 2 --px 64 --tokens 4 --caps 0 --rows ours,resident --out /tmp/bc   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+#: Qwen2.5-VL-7B's released sizes (its config.json); `--small` keeps the shapes' kinds at a CPU's size
+FULL = {"text": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+                 "num_key_value_heads": 4, "mrope_section": [16, 24, 24]},
+        "vision": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16}}
+SMALL = {"text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "mrope_section": [2, 3, 3]},
+         "vision": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}}
+
+
+def write_model(folder: Path, small: bool) -> int:
+    """The model folder (module docstring); returns the bytes of weights written."""
+    import torch
+    from bench_program import write_random
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    from trainer.captioning import vlm
+    from trainer.models.tiny import QWEN_SPECIAL, qwen_tokenizer
+
+    size = SMALL if small else FULL
+    tok = qwen_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    t = size["text"]
+    cfg = Qwen2_5_VLConfig(
+        text_config={**{k: v for k, v in t.items() if k != "mrope_section"}, "vocab_size": 152064,
+                     "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+                     "rope_parameters": {"rope_type": "default", "mrope_section": t["mrope_section"],
+                                         "rope_theta": 1000000.0},
+                     "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+                     "pad_token_id": ids["<|endoftext|>"]},
+        vision_config={**size["vision"], "out_hidden_size": t["hidden_size"]},
+        vocab_size=152064, hidden_size=t["hidden_size"], image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(cfg)
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    nbytes = write_random(model, folder, "model", torch.bfloat16, seed=0)
+    proc = vlm.torchvision_free(Qwen2_5_VLProcessor)(
+        image_processor=Qwen2VLImageProcessorPil(patch_size=14, merge_size=2), tokenizer=tok,
+        video_processor=BaseVideoProcessor(), chat_template=CHAT_TEMPLATE)
+    proc.save_pretrained(folder)
+    for name in ("processor_config.json", "tokenizer_config.json"):  # the class a real folder names
+        d = json.loads((folder / name).read_text())
+        d["processor_class"] = "Qwen2_5_VLProcessor"
+        (folder / name).write_text(json.dumps(d))
+    return nbytes
+
+
+#: Qwen-VL's chat template for image items (the real folder ships it; the tiny tokenizer has none)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_images(folder: Path, n: int, px: int) -> None:
+    import numpy as np
+    from PIL import Image
+
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 256, (px, px, 3), dtype=np.uint8)).save(folder / f"img{i:03d}.png")
+
+
+# ---------------------------------------------------------------------------------------------- one row
+
+
+def _cap(cap_gb: float) -> None:
+    import torch
+
+    if cap_gb and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gb * 1e9 / total), 0)
+
+
+def _memory() -> dict:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        for key in ("VmHWM", "RssAnon"):
+            if line.startswith(key + ":"):
+                out[key] = int(line.split()[1]) * 1024 / 1e9
+    return out
+
+
+def row(kind: str, cap_gb: float, folder: Path, images: Path, batch: int, tokens: int) -> dict:
+    """One row in this process (see the module docstring)."""
+    import torch
+
+    from trainer.captioning import run as crun
+    from trainer.captioning import vlm
+
+    _cap(cap_gb)
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    timed = {"seconds": 0.0, "images": 0}
+    inner_generate, inner_greedy = vlm.generate, vlm.greedy_config
+
+    def generate(model, processor, gc, inputs):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = inner_generate(model, processor, gc, inputs)
+        if cuda:
+            torch.cuda.synchronize()
+        timed["seconds"] += time.perf_counter() - t0
+        timed["images"] += len(out)
+        return out
+
+    def greedy(model, processor, max_new_tokens):
+        gc = inner_greedy(model, processor, max_new_tokens)
+        gc.min_new_tokens = max_new_tokens  # random weights: every row generates the same number of tokens
+        return gc
+
+    vlm.generate, vlm.greedy_config = generate, greedy
+    t0 = time.perf_counter()
+    out = {"kind": kind, "cap_gb": cap_gb}
+    if kind == "ours":
+        data = Path(str(images) + f"-{kind}-{cap_gb:g}")
+        shutil.rmtree(data, ignore_errors=True)
+        shutil.copytree(images, data)
+        summary = crun.run_caption(crun.CaptionRequest(data_dir=data, model=folder, offload="auto", batch=batch,
+                                                       max_new_tokens=tokens, overwrite=True))
+        out["fraction"] = summary.fraction
+        out["written"] = len(summary.written)
+    else:
+        from transformers import AutoModelForImageTextToText
+
+        dtype = torch.bfloat16 if cuda else torch.float32
+        processor = vlm.load_processor(folder)
+        if kind == "auto":
+            gpu = max(1.0, cap_gb - 2.0) if cap_gb else None
+            model = AutoModelForImageTextToText.from_pretrained(
+                folder, dtype=dtype, device_map="auto" if cuda else "cpu",
+                max_memory={0: f"{gpu:g}GB", "cpu": "400GB"} if cuda and gpu else None)
+            out["gpu_max_memory_gb"] = gpu
+        else:
+            model = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype).to(dev)
+        model.eval().requires_grad_(False)
+        gc = greedy(model, processor, tokens)
+        paths = sorted(images.glob("*.png"))
+        from trainer.captioning import files
+
+        for i in range(0, len(paths), batch):
+            pics = [files.load_pictures(p, 4) for p in paths[i:i + batch]]
+            inputs = vlm.prepare(processor, dev, model.dtype, pics, [crun.STYLES["detailed"]] * len(pics))
+            generate(model, processor, gc, inputs)
+    out.update(wall_s=time.perf_counter() - t0, generate_s=timed["seconds"], images=timed["images"],
+               images_per_s=timed["images"] / timed["seconds"] if timed["seconds"] else None,
+               peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if cuda else None, **_memory())
+    out["load_and_rest_s"] = out["wall_s"] - out["generate_s"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/bench-caption"))
+    ap.add_argument("--out", type=Path, default=Path("bench_out/caption"))
+    ap.add_argument("--images", type=int, default=8)
+    ap.add_argument("--px", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per image")
+    ap.add_argument("--caps", default="7,15", help="VRAM caps in GB for the ours / auto rows (0: none)")
+    ap.add_argument("--rows", default="ours,auto,resident")
+    ap.add_argument("--small", action="store_true", help="a small model of the same kind (CPU smoke)")
+    ap.add_argument("--row-timeout", type=float, default=None, help="seconds a row may take (then it is failed)")
+    ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: run one row here
+    ap.add_argument("--cap", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    folder, images = args.work / "qwen2.5-vl", args.work / "images"
+    if args.row:
+        print("ROW " + json.dumps(row(args.row, args.cap, folder, images, args.batch, args.tokens)), flush=True)
+        return
+    import torch
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    nbytes = write_model(folder, args.small)
+    write_images(images, args.images, args.px)
+    print(f"model folder {nbytes / 1e9:.2f} GB written in {time.perf_counter() - t0:.0f} s", flush=True)
+    plan = []
+    for kind in args.rows.split(","):
+        caps = [0.0] if kind == "resident" else [float(c) for c in args.caps.split(",")]
+        plan += [(kind, c) for c in caps]
+    rows = []
+    for kind, cap in plan:
+        cmd = [sys.executable, __file__, "--row", kind, "--cap", str(cap), "--work", str(args.work),
+               "--batch", str(args.batch), "--tokens", str(args.tokens)]
+        t = time.perf_counter()
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout,
+                               env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        except subprocess.TimeoutExpired as e:
+            r = subprocess.CompletedProcess(cmd, -9, _text(e.stdout), _text(e.stderr) + f"\ntimed out after "
+                                            f"{args.row_timeout:g} s")
+        (args.out / f"{kind}-{cap:g}.log").write_text(r.stdout + r.stderr)
+        got = [json.loads(line[4:]) for line in r.stdout.splitlines() if line.startswith("ROW ")]
+        rows.append(got[0] if got else {"kind": kind, "cap_gb": cap, "error": (r.stderr or r.stdout)[-400:]})
+        print(f"{kind} cap {cap:g}: rc {r.returncode}, {time.perf_counter() - t:.0f} s: {json.dumps(rows[-1])}",
+              flush=True)
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
+              "model_gb": nbytes / 1e9, "rows": rows}
+    (args.out / "caption.json").write_text(json.dumps(result, indent=1))
+    lines = [f"Qwen2.5-VL {'small' if args.small else '7B'} random weights ({nbytes / 1e9:.1f} GB bf16), "
+             f"{args.images} images of {args.px} px, batch {args.batch}, {args.tokens} new tokens each, "
+             f"{result['device']}, torch {result['torch']}, {result['date']}", "",
+             "| row | cap GB | images/s | generate s | load + rest s | streamed fraction | peak reserved GB | "
+             "peak RSS GB | anon RSS at end GB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['kind']} | {r['cap_gb']:g} | failed: {r['error'][-160:]!r} | | | | | | |")
+            continue
+        f = lambda x: "" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)  # noqa: E731
+        lines.append(f"| {r['kind']} | {r['cap_gb']:g} | {f(r['images_per_s'])} | {f(r['generate_s'])} | "
+                     f"{f(r['load_and_rest_s'])} | {f(r.get('fraction'))} | {f(r['peak_reserved_gb'])} | "
+                     f"{f(r.get('VmHWM'))} | {f(r.get('RssAnon'))} |")
+    (args.out / "caption.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
