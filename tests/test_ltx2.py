@@ -232,9 +232,11 @@ def images(tmp_path_factory) -> Path:
     return write_images(tmp_path_factory.mktemp("ltx2-images"))
 
 
-def test_streamed_training_equals_resident(models, images, tmp_path, monkeypatch):
-    """Stills (1-frame clips) through the conductor's CPU path at fraction 1.0, fp32: bitwise the resident losses."""
-    checks.streamed_training_equals_resident(FAMILY, models, images, tmp_path, monkeypatch, "lora", 1.0)
+@pytest.mark.parametrize("method, fraction", [("lora", 1.0), ("lora", 0.5), ("full", 1.0)])
+def test_streamed_training_equals_resident(models, images, tmp_path, monkeypatch, method, fraction):
+    """Stills (1-frame clips) through the conductor's CPU path, fp32: bitwise the resident losses (LoRA with every
+    block or half of them streamed; a full fine-tune of every weight, streamed)."""
+    checks.streamed_training_equals_resident(FAMILY, models, images, tmp_path, monkeypatch, method, fraction)
 
 
 # ---------------------------------------------------------------------------------------------- image-to-video
