@@ -53,6 +53,9 @@ class Components:
     #: a family of several experts (`ModelAdapter.experts`), part "experts": the experts other than `transformer`
     #: (the one `model.expert` picks), by pipeline component (Wan 2.2 A14B: {"transformer_2": ...})
     experts: dict[str, nn.Module] = field(default_factory=dict)
+    #: further pipeline components a family loads with a part, by pipeline name, kept in CPU RAM (the family moves
+    #: them where it runs them): LTX-2's text connectors, loaded with part "text"
+    extras: dict[str, nn.Module] = field(default_factory=dict)
 
 
 def text_encoder_blocks(encoder: nn.Module) -> list[nn.Module]:

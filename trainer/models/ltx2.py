@@ -13,8 +13,10 @@ How it mirrors diffusers' LTX2Pipeline (0.42):
   called as is), then the pipeline's `connectors` (LTX2TextConnectors: a masked per-layer norm, a projection to
   3840 and a two-layer transformer per stream whose 128 learned registers take the padding's place, so every one
   of the 1024 rows is valid afterwards) -> `prompt_embeds` (B, 1024, 3840) for the video stream and its mask.
-  The connectors are frozen: they ride with the text encoder (`Components.text_encoders[1]`) and the cache holds
-  their output, 7.9 MB a caption in bf16, not Gemma's 385 MB of stacked states.
+  The connectors are frozen: they load with the text encoder (`Components.extras`), stay in CPU RAM and visit the
+  device of Gemma's states for each call; the cache holds their output, 7.9 MB a caption in bf16, not Gemma's
+  385 MB of stacked states. The planner counts them with Gemma's non-block weights where it has no folder to build
+  Gemma from, and not at all where it has one.
 - latents: the VAE's mean (`latent_dist.mode()`, the image-to-video pipeline's `retrieve_latents(..., "argmax")`)
   normalised per channel, (z - latents_mean) * scaling_factor / latents_std, the inverse of the pipeline's
   `_denormalize_latents`. Clips have 8k + 1 frames (an image is one); sides divide by 32.
@@ -270,8 +272,8 @@ class LTX2Adapter(DiffusersAdapter):
     # ------------------------------------------------------------------------------------------ loading
 
     def load(self, cfg, *, parts, dtype, device="cpu") -> Components:
-        """As every family loads, and with the text encoder its connectors (`text_encoders[1]`): they run on its
-        states wherever it runs."""
+        """As every family loads, and with the text encoder its connectors (`extras["connectors"]`), kept in CPU RAM:
+        they visit the device of Gemma's states for each call (`_visits_its_input`)."""
         out = super().load(cfg, parts=parts, dtype=dtype, device=device)
         if "text" in parts:
             from diffusers.pipelines.ltx2 import LTX2TextConnectors
@@ -284,7 +286,7 @@ class LTX2Adapter(DiffusersAdapter):
                                 f"diffusers-format {self.family} folder ({self._expected()}, connectors/)")
             conn = LTX2TextConnectors.from_pretrained(str(root), subfolder="connectors", torch_dtype=dtype,
                                                       local_files_only=True)
-            out.text_encoders.append(conn.to(device).eval().requires_grad_(False))
+            out.extras["connectors"] = _visits_its_input(conn.eval().requires_grad_(False))
         return out
 
     def slim_text_encoder(self, encoder: nn.Module) -> nn.Module:
@@ -305,10 +307,9 @@ class LTX2Adapter(DiffusersAdapter):
                                                                      local_files_only=True)
         vocoder = LTX2Vocoder.from_pretrained(root, subfolder="vocoder", torch_dtype=dtype, local_files_only=True)
         encs, toks = components.text_encoders, components.tokenizers
-        connectors = _visits_its_input(encs[1]) if len(encs) > 1 else None
         return LTX2Pipeline(
             scheduler=components.scheduler, vae=components.vae, audio_vae=audio_vae.eval(), vocoder=vocoder.eval(),
-            text_encoder=encs[0] if encs else None, connectors=connectors,
+            text_encoder=encs[0] if encs else None, connectors=components.extras.get("connectors"),
             tokenizer=toks[0] if toks else None, transformer=components.transformer)
 
     # ------------------------------------------------------------------------------------------ model
@@ -320,13 +321,12 @@ class LTX2Adapter(DiffusersAdapter):
     def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Gemma's stacked states through the pipeline's own `_get_gemma_prompt_embeds` (on the encoder's language
         model: the logits over 262k tokens are never read), then the connectors' video embeddings and mask."""
-        (enc, conn), (tok,) = components.text_encoders, components.tokenizers
+        (enc,), (tok,), conn = components.text_encoders, components.tokenizers, components.extras["connectors"]
         dev = enc.get_input_embeddings().weight.device
         host = SimpleNamespace(tokenizer=tok, text_encoder=enc.model)
         states, mask = LTX2Pipeline._get_gemma_prompt_embeds(host, list(prompts), max_sequence_length=MAX_SEQUENCE_LENGTH,
                                                              device=dev, dtype=enc.dtype)
-        conn_dev = next(conn.parameters()).device
-        video, _audio, video_mask = conn(states.to(conn_dev), mask.to(conn_dev), padding_side=tok.padding_side)
+        video, _audio, video_mask = conn(states, mask, padding_side=tok.padding_side)  # on `dev` for this call
         return {"prompt_embeds": video.to(enc.dtype), "prompt_attention_mask": video_mask}
 
     def encode_videos(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
