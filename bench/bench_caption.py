@@ -223,6 +223,7 @@ def main() -> None:
     ap.add_argument("--caps", default="7,15", help="VRAM caps in GB for the ours / auto rows (0: none)")
     ap.add_argument("--rows", default="ours,auto,resident")
     ap.add_argument("--small", action="store_true", help="a small model of the same kind (CPU smoke)")
+    ap.add_argument("--keep-model", action="store_true", help="reuse the model folder an earlier run wrote")
     ap.add_argument("--row-timeout", type=float, default=None, help="seconds a row may take (then it is failed)")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: run one row here
     ap.add_argument("--cap", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -235,7 +236,10 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    nbytes = write_model(folder, args.small)
+    if args.keep_model and (folder / "config.json").is_file():  # written by an earlier run of the same kind
+        nbytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    else:
+        nbytes = write_model(folder, args.small)
     write_images(images, args.images, args.px)
     print(f"model folder {nbytes / 1e9:.2f} GB written in {time.perf_counter() - t0:.0f} s", flush=True)
     plan = []
