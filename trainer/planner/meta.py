@@ -116,25 +116,21 @@ def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, a
     return n
 
 
-def optimizer_state_bytes(name: str, params, pinned: bool = False) -> int:
+def optimizer_state_bytes(name: str, params) -> int:
     """Bytes of optimizer state for `params`, fp32 as trainer/optim keeps it: AdamW two moments; 8-bit AdamW two
     uint8 moments (block-wise scales left out); Adafactor (beta1=None) factored row and column second moments
-    for matrices and a full one for vectors. `pinned`: each tensor rounded up to a power of two, as torch's
-    caching host allocator does for `pin_memory=True` tensors (trainer/optim StateOffload)."""
-
-    def size(n: int) -> int:
-        return 1 << (n - 1).bit_length() if pinned and n > 0 else n
-
+    for matrices and a full one for vectors. The same in pinned RAM (trainer/optim StateOffload's buffers are
+    exactly sized: trainer/offload `pinned_exact`)."""
     total = 0
     for p in params:
         if name == "adamw":
-            total += 2 * size(4 * p.numel())
+            total += 2 * 4 * p.numel()
         elif name == "adamw8bit":
-            total += 2 * size(p.numel())
+            total += 2 * p.numel()
         elif p.dim() >= 2:
-            total += size(4 * p.shape[:-1].numel()) + size(4 * p.shape[:-2].numel() * p.shape[-1])
+            total += 4 * p.shape[:-1].numel() + 4 * p.shape[:-2].numel() * p.shape[-1]
         else:
-            total += size(4 * p.numel())
+            total += 4 * p.numel()
     return total
 
 

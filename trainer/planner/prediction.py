@@ -123,9 +123,9 @@ class Facts:
     block_grads: list[int]
     nonblock_grads: int  #: gradient bytes of trained non-block parameters (full FT without fused back pass)
     state_gpu: int  #: optimizer state always on the GPU (LoRA's; full FT: the non-block parameters')
-    block_states: list[int]  #: full FT: per block, its parameters' optimizer state (fp32)
-    #: the same in pinned RAM (torch's host allocator rounds each tensor up to a power of 2)
-    block_states_pinned: list[int]
+    #: full FT: per block, its parameters' optimizer state (fp32; in pinned RAM at the same size when it is kept
+    #: there: trainer/offload `pinned_exact`)
+    block_states: list[int]
     largest_state: int  #: full FT: the largest parameter's optimizer state (on the GPU while it steps)
     largest_param: int  #: numel of the largest trainable parameter (fused back pass keeps one gradient)
     text_tokens: int
@@ -224,7 +224,7 @@ def analyze(cfg) -> Facts:
         lora = [p for p in model.parameters() if p.requires_grad]
         largest = max((p.numel() for p in lora), default=0)
         state_gpu = optimizer_state_bytes(cfg.optimizer.name, lora)
-        block_states = block_states_pinned = [0] * len(blocks)
+        block_states = [0] * len(blocks)
         largest_state = 0
         state_packed = False
     else:
@@ -241,9 +241,6 @@ def analyze(cfg) -> Facts:
         biggest = max(model.parameters(), key=lambda p: p.numel())
         largest, largest_state = biggest.numel(), optimizer_state_bytes(cfg.optimizer.name, [biggest])
         block_states = [optimizer_state_bytes(cfg.optimizer.name, list(b.parameters())) for b in blocks]
-        block_states_pinned = [
-            optimizer_state_bytes(cfg.optimizer.name, list(b.parameters()), pinned=True) for b in blocks
-        ]
         state_gpu = optimizer_state_bytes(cfg.optimizer.name, nonblock)
     fused = cfg.optimizer.fused_back_pass
     gsize = 4 if method == "lora" else torch.tensor([], dtype=dtype).element_size()  # LoRA grads are fp32
@@ -274,7 +271,6 @@ def analyze(cfg) -> Facts:
         nonblock_grads=nonblock_grads,
         state_gpu=state_gpu,
         block_states=block_states,
-        block_states_pinned=block_states_pinned,
         largest_state=largest_state,
         state_packed=state_packed,
         largest_param=largest,
@@ -375,7 +371,7 @@ def predict(
         else:  # StateOffload: resident blocks' state on the GPU, one streamed parameter's while it steps
             on_gpu = [s for b, s in enumerate(facts.block_states) if b not in streamed]
             trainable = facts.state_gpu + sum(on_gpu) + (facts.largest_state if streamed else 0)
-            pinned += sum(facts.block_states_pinned[b] for b in streamed)
+            pinned += sum(facts.block_states[b] for b in streamed)
             state_moved = sum(facts.block_states[b] for b in streamed)  # to the GPU and back, every step
         d2h = h2d  # every streamed block is written back before its region is reused
         # fused back pass: one gradient in the model dtype + the fp32 copies of weight and gradient it steps
