@@ -151,3 +151,26 @@ def place_non_blocks(model, blocks, device) -> None:
         for n, b in mod.named_buffers(recurse=False):
             if id(b) not in inside:
                 mod._buffers[n] = b.to(device)
+
+
+def run_ranks(worker, world: int, tmp, *args, timeout: float = 240) -> list[dict]:
+    """`worker(rank, world, store, result, *args)` in `world` spawned processes (each joins a gloo group over the
+    file `store` and writes `result`/rank<r>.json); returns the ranks' JSON. A run past `timeout` seconds fails."""
+    import json
+    import time
+    from pathlib import Path
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    result = Path(tmp) / f"results-{world}-{time.monotonic_ns()}"
+    result.mkdir()
+    ctx = mp.start_processes(worker, args=(world, str(result / "store"), str(result), *args), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the {world}-process run hung")
+    return [json.loads((result / f"rank{r}.json").read_text()) for r in range(world)]

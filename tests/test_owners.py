@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _offload_util import batch, blocks_of, tiny_flux
+from _offload_util import batch, blocks_of, run_ranks, tiny_flux
 
 from trainer.offload import attach_offload
 
@@ -116,25 +115,9 @@ def _worker(rank: int, world: int, store: str, result: str, fraction: float, sha
         tdist.destroy_process_group()
 
 
-def _run(world: int, fraction: float, shared: bool, tmp: Path) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    result = tmp / f"results-{world}-{time.monotonic_ns()}"
-    result.mkdir()
-    ctx = mp.start_processes(_worker, args=(world, str(result / "store"), str(result), fraction, shared), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the {world}-process run hung")
-    return [json.loads((result / f"rank{r}.json").read_text()) for r in range(world)]
-
-
 @pytest.mark.parametrize(("fraction", "shared"), [(1.0, False), (0.5, True)])
 def test_each_process_steps_its_own_weights_and_trains_what_whole_copies_train(tmp_path, fraction, shared):
-    rs = _run(2, fraction, shared, tmp_path)
+    rs = run_ranks(_worker, 2, tmp_path, fraction, shared)
     for r in rs:
         assert r["error"] is None, r["error"]
     for r in rs:
@@ -185,7 +168,7 @@ def test_state_files_of_several_processes_load_into_one(tmp_path):
     assert [bool(part.state.get(p)) for p in params] == [False, False, False, True]
 
 
-def test_a_full_finetune_with_prodigy_keeps_whole_copies(capsys):
+def test_a_full_finetune_with_prodigy_keeps_whole_copies():
     from types import SimpleNamespace
 
     from trainer.train import streaming

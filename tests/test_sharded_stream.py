@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
-from _offload_util import add_lora, batch, blocks_of, tiny_flux, train_steps, trainable_state
+from _offload_util import add_lora, batch, blocks_of, run_ranks, tiny_flux, train_steps, trainable_state
 
 from trainer.offload import attach_offload
 
@@ -85,25 +84,9 @@ def _worker(rank: int, world: int, store: str, result: str, fraction: float) -> 
         tdist.destroy_process_group()
 
 
-def _run(world: int, fraction: float, tmp: Path) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    result = tmp / f"results-{world}-{time.monotonic_ns()}"
-    result.mkdir()
-    ctx = mp.start_processes(_worker, args=(world, str(result / "store"), str(result), fraction), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the {world}-process run hung")
-    return [json.loads((result / f"rank{r}.json").read_text()) for r in range(world)]
-
-
 @pytest.mark.parametrize(("world", "fraction"), [(2, 1.0), (4, 0.5)])
 def test_each_process_copies_its_slice_and_the_gather_fills_the_ring(tmp_path, world, fraction):
-    rs = _run(world, fraction, tmp_path)
+    rs = run_ranks(_worker, world, tmp_path, fraction)
     for r in rs:
         assert r["error"] is None, r["error"]
     ref = rs[0]["ref_losses"]
