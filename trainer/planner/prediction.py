@@ -604,6 +604,18 @@ def expected(
     return predict(facts, fraction, max(facts.resolutions), cfg.offload.activations, rates, kept=kept)
 
 
+def node_ram_of_processes(facts: Facts, pred: Prediction, fraction: float, processes: int) -> tuple[int, int]:
+    """A streamed full fine-tune on `processes` processes of one host: the node's RAM (bytes) with whole copies
+    (every process `pred`'s own arena, the optimizer state packed in it or pinned beside it) and with owned steps
+    (trainer/train/owners.py: one shared arena of the streamed weights, each process 1/N of their optimizer
+    state). `pred`: the one-process prediction at `fraction`."""
+    _, streamed, _ = _streaming(tuple(facts.packed), fraction)
+    weights = sum(facts.block_param_bytes[b] for b in streamed)
+    state = sum(facts.block_states[b] for b in streamed)
+    own = pred.ram_peak - pred.pinned  # what a process holds besides its arena and pinned state
+    return processes * pred.ram_peak, weights + processes * own + state
+
+
 def check_line(pred: Prediction, reserved_bytes: float, step_s: float | None = None, micro_batches: int = 1) -> str:
     """One log line comparing a prediction with the measured peak reserved VRAM (and step time). The prediction
     is for one micro-batch (a forward and backward); a step of `micro_batches` (train.grad_accum) is compared with

@@ -22,6 +22,7 @@ from .prediction import (
     _fraction_of,
     analyze,
     choose_fraction,
+    node_ram_of_processes,
     predict,
     streaming,
 )
@@ -258,6 +259,8 @@ def report(
     lines += _table(rows, width=width)
     if gpus > 1 and facts.method == "lora":
         lines += _several(facts, [f for f in fr if f > 0], big, act, rates, gpus, width)
+    elif gpus > 1:
+        lines += _several_full(facts, [f for f in fr if f > 0], big, act, rates, gpus, width)
     s = cfg.sample  # a video family samples the config's clip (`dittrain sample`'s default); images the bucket
     clip = (s.width, s.height, s.frames) if video else None
     lines += _sampling(facts, fr, big, rates, cfg_batch(facts.family, s.guidance), width, clip)
@@ -332,6 +335,21 @@ def _several(facts: Facts, fractions, res: int, act: bool, rates, gpus: int, wid
         "with NVLink; without peer access the sharded stream is off):",
         *_table(rows, width=width),
     ]
+
+
+def _several_full(facts: Facts, fractions, res: int, act: bool, rates, gpus: int, width: int | None) -> list[str]:
+    """`--gpus N`, a full fine-tune: the node's RAM with whole copies against owned steps (trainer/train/owners.py,
+    the sharded stream: one arena, 1/N of the optimizer state each); their step times are not modelled."""
+    if not fractions:
+        return []
+    rows = [("fraction", "whole copies: node RAM", "owned steps: node RAM")]
+    for f in fractions:
+        whole, owned = node_ram_of_processes(facts, predict(facts, f, res, act, rates), f, gpus)
+        rows.append((f"{f:.2f}", _gb(whole), _gb(owned)))
+    return ["", f"{gpus} GPUs of one host, a full fine-tune: host RAM of the node with whole copies per process, and "
+                "with the sharded stream's owned steps (offload.sharded_stream; each process steps 1/N of the "
+                "weights). Step times of owned steps are not modelled (measured: docs/multi-gpu.md):",
+            *_table(rows, width=width)]
 
 
 def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1, width: int | None = None,
