@@ -299,13 +299,14 @@ def test_gpu_measurement_block_runs_on_cpu(tiny_models, family):
         assert lin == facts.trace(64).block_linear_flops[idx] > 0
 
 
-@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+@pytest.mark.parametrize("name", ["adamw", "adafactor", "prodigy", "adamw_schedulefree"])
 def test_optimizer_state_bytes_equal_the_real_optimizer(tiny_models, name):
     from trainer.optim.build import build_optimizer, torch_optimizer
     from trainer.planner import optimizer_state_bytes
 
     cfg = _cfg(tiny_models / "flux", "flux", "full")
-    cfg = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"name": name})})
+    extra = {"scheduler": "constant", "fused_back_pass": False} if name == "adamw_schedulefree" else {}
+    cfg = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"name": name, **extra})})
     model = _real(tiny_models, "flux", cfg)
     params = list(model.parameters())
     opt = build_optimizer(params, cfg.optimizer)

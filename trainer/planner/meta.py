@@ -117,14 +117,18 @@ def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, a
 
 
 def optimizer_state_bytes(name: str, params) -> int:
-    """Bytes of optimizer state for `params`, fp32 as trainer/optim keeps it: AdamW two moments; 8-bit AdamW two
-    uint8 moments (block-wise scales left out); Adafactor (beta1=None) factored row and column second moments
-    for matrices and a full one for vectors. The same in pinned RAM (trainer/optim StateOffload's buffers are
-    exactly sized: trainer/offload `pinned_exact`)."""
+    """Bytes of optimizer state for `params`, fp32 as trainer/optim keeps it: AdamW and schedule-free AdamW two
+    full-size tensors (moments; z and the second moment); Prodigy four (s, p0, and the two moments: p0 is one
+    number for a weight that is all zeros at its first step, a LoRA's B, counted whole here); 8-bit AdamW two uint8
+    moments (block-wise scales left out); Adafactor (beta1=None) factored row and column second moments for
+    matrices and a full one for vectors. The same in pinned RAM (trainer/optim StateOffload's buffers are exactly
+    sized: trainer/offload `pinned_exact`). Checked against a real step: tests/test_planner.py."""
     total = 0
     for p in params:
-        if name == "adamw":
+        if name in ("adamw", "adamw_schedulefree"):
             total += 2 * 4 * p.numel()
+        elif name == "prodigy":
+            total += 4 * 4 * p.numel()
         elif name == "adamw8bit":
             total += 2 * p.numel()
         elif p.dim() >= 2:
