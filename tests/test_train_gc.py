@@ -25,3 +25,19 @@ def test_setup_freezes_what_it_built_and_close_unfreezes(tiny_models, tmp_path):
     finally:
         t.close()
     assert gc.get_freeze_count() == 0
+
+
+def test_setups_collections_skip_what_was_alive_before(tiny_models, tmp_path, monkeypatch):
+    """Every gc.collect() of setup (caching, releasing the encoders) runs with the libraries already frozen."""
+    cfg = make_config(tiny_models, write_images(tmp_path / "images"), tmp_path / "out", tmp_path / "cache", "flux",
+                      train={"steps": 1})
+    gc.unfreeze()  # as a fresh `dittrain fit` process starts
+    seen, inner = [], gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: (seen.append(gc.get_freeze_count()), inner(*a))[1])
+    t = Trainer(cfg)
+    try:
+        t.setup()
+    finally:
+        t.close()
+    assert seen and min(seen) > 10_000
+
