@@ -36,10 +36,15 @@ DEMO := configs/tiny/flux-demo.yaml
 $(DEMO_MODEL)/model_index.json: trainer/models/demo.py | $(STAMP)
 	$(BIN)/python -m trainer.demo model $(DEMO_MODEL)
 
+# One torch thread: the tiny model's steps are thread hand-offs more than arithmetic, and with other programs busy
+# on the same 2 cores two threads wait on each other (a demo step took 1-8 s with two, 0.15-0.3 s with one, and the
+# whole demo 15 min against 1.5-2; 2026-11-27, load average 5-7).
+DEMO_RUN := OMP_NUM_THREADS=1 $(BIN)/dittrain
+
 demo: env $(DEMO_MODEL)/model_index.json
-	$(BIN)/dittrain fit $(DEMO) --overwrite
-	$(BIN)/dittrain sample $(DEMO) --out out/demo/untrained
-	$(BIN)/dittrain sample $(DEMO) --lora out/demo/lora.safetensors --out out/demo/trained
+	$(DEMO_RUN) fit $(DEMO) --overwrite
+	$(DEMO_RUN) sample $(DEMO) --out out/demo/untrained
+	$(DEMO_RUN) sample $(DEMO) --lora out/demo/lora.safetensors --out out/demo/trained
 	$(BIN)/python -m trainer.demo report $(DEMO)
 
 # One pytest worker per core, each with one torch thread: on 2 cores this is ~3x faster than one process with two

@@ -82,3 +82,21 @@ def test_comparison_has_one_row_per_prompt_and_blank_cells_for_missing_images(tm
     sheet = np.asarray(comparison(["p", "q"], {"x": {"p": a}, "y": {}}, 32))
     assert sheet.shape[1] == 8 + 2 * (32 * 3 + 8)
     assert (sheet == [0, 0, 255]).all(-1).sum() == (32 * 3) ** 2  # centre-cropped to a square, drawn 3x
+
+
+def test_the_demo_trains_on_the_pictures_it_samples_and_the_readme_says_so(monkeypatch):
+    """README's demo paragraph describes this config's picture: the four sampled captions are the captions of the
+    pictures the demo trains on (all of them), and the step count it names is the config's."""
+    from trainer.config import load_config
+    from trainer.demo import _training_images
+
+    monkeypatch.chdir(ROOT)  # the config's data/ paths are relative to the repository
+    cfg = load_config(ROOT / "configs/tiny/flux-demo.yaml")
+    trained = _training_images(cfg.data.sources)
+    assert sorted(cfg.sample.prompts) == sorted(trained) and len(trained) == 4
+    readme = (ROOT / "README.md").read_text()
+    demo = " ".join(readme[readme.index("**The demo.**"):].split("\n\n")[0].split())
+    assert f"after {cfg.train.steps} steps" in demo
+    for caption in cfg.sample.prompts:  # "a red square on a blue background": the picture is "red on blue"
+        words = caption.split()
+        assert f"{words[1]} on {words[-2]}" in demo
