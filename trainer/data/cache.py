@@ -309,19 +309,27 @@ class CachingInterrupted(KeyboardInterrupt):
 def _encode_stages(adapter, stages, latent_store, text_store, unique_jobs, todo_lat, todo_caps, batch_size,
                    progress, res) -> None:
     try:
-        # Text first, then the VAE: each stage loads its models, encodes and frees them before the next.
+        # Text first, then the VAE: each stage loads its models, encodes and frees them before the next. Each bar
+        # opens before its models load, so a log (no terminal: progress lines) says what runs while they do.
         if todo_caps:
-            with Phase("text caching"), stages.text() as comps:
-                _encode_texts(adapter, comps, text_store, todo_caps, batch_size, progress, res)
+            with _bar(len(todo_caps), "encoding captions", "cap", progress) as bar, Phase("text caching"), \
+                    stages.text() as comps:
+                _encode_texts(adapter, comps, text_store, todo_caps, batch_size, bar, res)
                 del comps
         if todo_lat:
-            with Phase("latent caching"), stages.vae() as vae:
+            with _bar(len(todo_lat), "encoding latents", "img", progress) as bar, Phase("latent caching"), \
+                    stages.vae() as vae:
                 _encode_latents(adapter, vae, latent_store, [j for j in unique_jobs if j.key in todo_lat],
-                                batch_size, progress, res)
+                                batch_size, bar, res)
                 del vae
     finally:
         stages.close()
         _free()
+
+
+def _bar(total: int, desc: str, unit: str, progress: bool):
+    # closed however the stage ends: a bar left open is redrawn below the line an interrupt prints
+    return progress_bar(total=total, desc=desc, unit=unit, enabled=progress, lines=True)
 
 
 def _device_dtype(module) -> tuple[torch.device, torch.dtype]:
@@ -329,7 +337,7 @@ def _device_dtype(module) -> tuple[torch.device, torch.dtype]:
     return (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
 
 
-def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int, progress: bool, res) -> None:
+def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int, bar, res) -> None:
     if vae is None:
         raise RuntimeError("load_encoders() returned Components without a vae")
     device, dtype = _device_dtype(vae)
@@ -338,9 +346,7 @@ def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int,
     for j in jobs:  # a batch stacks one shape: one bucket, one clip length
         by_bucket.setdefault((*j.bucket, j.frames), []).append(j)
     chunks = [g[i : i + batch_size] for g in by_bucket.values() for i in range(0, len(g), batch_size)]
-    # closed however the loop ends: a bar left open is redrawn below the line an interrupt prints
-    with progress_bar(total=len(jobs), desc="encoding latents", unit="img", enabled=progress) as bar, \
-            ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # decoding releases the GIL
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # decoding releases the GIL
         for chunk in chunks:
             pixels, masks, ok = [], [], []
             for j, px in zip(chunk, pool.map(_pixels_or_reason, chunk), strict=True):
@@ -402,36 +408,35 @@ def _reference_or_reason(job: TextJob):
         return f"reference image {job.ref.file}: {e} (changed since the scan?)"
 
 
-def _encode_texts(adapter, comps, store, captions: list[TextJob], batch_size: int, progress: bool, res) -> None:
-    with progress_bar(total=len(captions), desc="encoding captions", unit="cap", enabled=progress) as bar:
-        plain, with_ref = [j for j in captions if j.ref is None], [j for j in captions if j.ref is not None]
-        chunks = [g[i : i + batch_size] for g in (plain, with_ref) for i in range(0, len(g), batch_size)]
-        for chunk in chunks:
-            kw = {}
-            bar.update(len(chunk))
-            if chunk[0].ref is not None:
-                refs = [_reference_or_reason(j) for j in chunk]
-                for j, r in zip(chunk, refs, strict=True):
-                    if isinstance(r, str):
-                        res.bad_texts[j.label] = r
-                chunk, kw = [j for j, r in zip(chunk, refs, strict=True) if not isinstance(r, str)], {
-                    "images": [r for r in refs if not isinstance(r, str)]}
-                if not chunk:
-                    continue
-            with torch.no_grad():
-                out = adapter.encode_prompts(comps, [j.caption for j in chunk], **kw)
-            out = {k: v.detach().cpu() for k, v in out.items()}  # device->host sync, once per chunk
-            for n, job in enumerate(chunk):
-                # clone: one caption's slice must not keep the whole batch alive (and safetensors refuses views)
-                t = {k: v[n].clone() for k, v in out.items()}
-                if not finite(t):
-                    res.bad_texts[job.label] = "text embedding has NaN/inf (fp16 overflow? try model.dtype: bf16 or fp32)"
-                    continue
-                meta = {"caption": job.caption, "version": CACHE_VERSION}
-                if job.ref is not None:
-                    meta["reference"] = job.ref.file
-                store.put(job.key, t, meta)
-                res.texts_new += 1
+def _encode_texts(adapter, comps, store, captions: list[TextJob], batch_size: int, bar, res) -> None:
+    plain, with_ref = [j for j in captions if j.ref is None], [j for j in captions if j.ref is not None]
+    chunks = [g[i : i + batch_size] for g in (plain, with_ref) for i in range(0, len(g), batch_size)]
+    for chunk in chunks:
+        kw = {}
+        bar.update(len(chunk))
+        if chunk[0].ref is not None:
+            refs = [_reference_or_reason(j) for j in chunk]
+            for j, r in zip(chunk, refs, strict=True):
+                if isinstance(r, str):
+                    res.bad_texts[j.label] = r
+            chunk, kw = [j for j, r in zip(chunk, refs, strict=True) if not isinstance(r, str)], {
+                "images": [r for r in refs if not isinstance(r, str)]}
+            if not chunk:
+                continue
+        with torch.no_grad():
+            out = adapter.encode_prompts(comps, [j.caption for j in chunk], **kw)
+        out = {k: v.detach().cpu() for k, v in out.items()}  # device->host sync, once per chunk
+        for n, job in enumerate(chunk):
+            # clone: one caption's slice must not keep the whole batch alive (and safetensors refuses views)
+            t = {k: v[n].clone() for k, v in out.items()}
+            if not finite(t):
+                res.bad_texts[job.label] = "text embedding has NaN/inf (fp16 overflow? try model.dtype: bf16 or fp32)"
+                continue
+            meta = {"caption": job.caption, "version": CACHE_VERSION}
+            if job.ref is not None:
+                meta["reference"] = job.ref.file
+            store.put(job.key, t, meta)
+            res.texts_new += 1
 
 
 # ---------------------------------------------------------------------------------------------- stages
