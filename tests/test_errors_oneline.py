@@ -37,7 +37,8 @@ def _yaml(cfg, path: Path) -> Path:
 def _one_line(r, code: int, alone: bool = True) -> str:
     """The one error line; `alone`: nothing else was printed (the error came before any work)."""
     assert r.exit_code == code, r.output
-    lines = r.output.strip().splitlines()
+    # fit's first line says what loads, before anything does (cli.py): not work
+    lines = [x for x in r.output.strip().splitlines() if not x.startswith("fit ")]
     errors = [x for x in lines if x.startswith("error: ")]
     assert len(errors) == 1 and (len(lines) == 1 or not alone), r.output
     assert "Traceback" not in r.output and "None" not in errors[0]

@@ -1,9 +1,10 @@
-"""Without a terminal (a log file, a pipe), long phases still speak: `fit` says what it starts before the slow imports,
+"""Without a terminal (a log file, a pipe), long phases still speak: `fit` says what it loads before the config's and the trainer's slow imports,
 and caching prints a line as each stage starts and at least every LINES_EVERY_S while it runs (trainer/progress.py)."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import yaml
 from PIL import Image
@@ -51,7 +52,7 @@ def test_a_piped_cache_run_says_what_it_encodes(tiny_models, tmp_path):
     assert "latents 0 reused, 2 encoded" in err[-1]
 
 
-def test_fit_names_what_it_trains_before_it_imports_the_trainer(tiny_models, tmp_path, monkeypatch):
+def test_fit_says_what_it_loads_before_the_config_and_the_trainer(tiny_models, tmp_path, monkeypatch):
     from trainer.errors import UserError
     from trainer.train import trainer
 
@@ -60,8 +61,12 @@ def test_fit_names_what_it_trains_before_it_imports_the_trainer(tiny_models, tmp
             raise UserError("the trainer was built here")
 
     monkeypatch.setattr(trainer, "Trainer", Stop)
-    r = CliRunner().invoke(app, ["fit", _config(tiny_models, tmp_path)])
+    config = _config(tiny_models, tmp_path)
+    r = CliRunner().invoke(app, ["fit", config])
     err = r.stderr.splitlines()
-    first = f"fit: LoRA of flux {tiny_models / 'flux'} for 3 steps into {tmp_path / 'out'}; loading torch and the trainer"
-    assert err[0] == first
+    assert err[0] == f"fit {config}: loading torch, diffusers and the trainer"
     assert any("the trainer was built here" in e for e in err[1:])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(Path(config).read_text().replace("steps: 3", "stpes: 3"))
+    r = CliRunner().invoke(app, ["fit", str(bad)])  # before the config is read, too
+    assert r.exit_code == 2 and r.stderr.splitlines()[0] == f"fit {bad}: loading torch, diffusers and the trainer"

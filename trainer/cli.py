@@ -101,12 +101,6 @@ def _load(config: Path, overrides: list[str]):
     return cfg
 
 
-def _what(cfg) -> str:
-    """What a fit trains, e.g. "LoRA of flux models/tiny/flux-demo for 400 steps into out/demo"."""
-    method = "LoRA" if cfg.train.method == "lora" else f"{cfg.train.method} fine-tune"
-    return f"{method} of {cfg.model.family} {cfg.model.path} for {cfg.train.steps} steps into {cfg.output.dir}"
-
-
 @app.command()
 @_user_errors
 def fit(
@@ -132,11 +126,11 @@ def fit(
 
     Saves a resumable checkpoint every train.checkpoint_every steps and at the end; Ctrl-C finishes the current
     step and saves one (press it twice to quit at once)."""
-    cfg = _load(config, overrides)
     from .progress import line
 
-    # Importing the trainer (torch, diffusers) takes seconds, tens on a busy machine: say what starts before it
-    line(f"fit: {_what(cfg)}; loading torch and the trainer")
+    # The config's checks and the trainer import torch and diffusers: seconds, tens on a busy machine (issue 46)
+    line(f"fit {config}: loading torch, diffusers and the trainer")
+    cfg = _load(config, overrides)
     from .train.trainer import Trainer
 
     # What continues this run after a Ctrl-C: the same config and --set overrides (output.dir among them), resumed
