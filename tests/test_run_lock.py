@@ -89,7 +89,8 @@ def test_fit_refuses_a_folder_another_fit_holds_before_touching_it(holder, tiny_
     for extra in ([], ["--overwrite"]):
         r = CliRunner().invoke(app, ["fit", str(tmp_path / "c.yaml"), *extra])
         assert r.exit_code == 1, r.output
-        assert r.output.startswith(f"error: {out} is in use by another dittrain fit (pid {p.pid} "), r.output
+        error = r.output.split("\n", 1)[1]  # after fit's first line, which says what loads (cli.py)
+        assert error.startswith(f"error: {out} is in use by another dittrain fit (pid {p.pid} "), r.output
         assert json.loads((out / "run.json").read_text()) == {"run_id": "theirs"} and (out / "tensorboard").is_dir()
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
