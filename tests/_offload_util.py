@@ -153,9 +153,33 @@ def place_non_blocks(model, blocks, device) -> None:
                 mod._buffers[n] = b.to(device)
 
 
-def run_ranks(worker, world: int, tmp, *args, timeout: float = 240) -> list[dict]:
-    """`worker(rank, world, store, result, *args)` in `world` spawned processes (each joins a gloo group over the
-    file `store` and writes `result`/rank<r>.json); returns the ranks' JSON. A run past `timeout` seconds fails."""
+def _rank_main(rank: int, world: int, store: str, result: str, body, *args) -> None:
+    """One spawned rank of `run_ranks`: a gloo group over the file `store`, `body`'s dict (or its traceback as
+    "error") written to `result`/rank<r>.json."""
+    import datetime
+    import json
+    import traceback
+    from pathlib import Path
+
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                             timeout=datetime.timedelta(seconds=120))
+    out: dict = {"error": None}
+    try:
+        out.update(body(rank, world, store, result, *args))
+    except Exception:  # noqa: BLE001 - reported to the test
+        out["error"] = traceback.format_exc()
+    finally:
+        Path(result, f"rank{rank}.json").write_text(json.dumps(out))
+        tdist.destroy_process_group()
+
+
+def run_ranks(body, world: int, tmp, *args, timeout: float = 240) -> list[dict]:
+    """`body(rank, world, store, result, *args) -> dict` in `world` spawned processes, each a rank of one gloo group
+    (one thread each; `result` a folder they share); returns each rank's dict, its "error" a traceback or None. A run
+    past `timeout` seconds fails."""
     import json
     import time
     from pathlib import Path
@@ -165,8 +189,8 @@ def run_ranks(worker, world: int, tmp, *args, timeout: float = 240) -> list[dict
 
     result = Path(tmp) / f"results-{world}-{time.monotonic_ns()}"
     result.mkdir()
-    ctx = mp.start_processes(worker, args=(world, str(result / "store"), str(result), *args), nprocs=world,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(_rank_main, args=(world, str(result / "store"), str(result), body, *args),
+                             nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:

@@ -10,9 +10,6 @@ attaching; a load that read another process's bytes would poison the loss. With 
 
 from __future__ import annotations
 
-import datetime
-import json
-import traceback
 from pathlib import Path
 
 import pytest
@@ -44,75 +41,66 @@ def _fused(model):
     return FusedBackPass(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)), params
 
 
-def _worker(rank: int, world: int, store: str, result: str, fraction: float, shared: bool) -> None:
+def _worker(rank: int, world: int, store: str, result: str, fraction: float, shared: bool) -> dict:
     import torch.distributed as tdist
+    from test_sharded_stream import _poison_all_but
 
-    torch.set_num_threads(1)
-    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                             timeout=datetime.timedelta(seconds=120))
-    out: dict = {"error": None}
-    try:
-        from test_sharded_stream import _poison_all_but
+    from trainer.offload.allocators import SharedArena
+    from trainer.offload.gather import SliceGather
+    from trainer.optim.fused import StateOffload
+    from trainer.train.distributed import FusedAllReduce
+    from trainer.train.owners import SHARD_GLOB, OwnedSteps
 
-        from trainer.offload.allocators import SharedArena
-        from trainer.offload.gather import SliceGather
-        from trainer.optim.fused import StateOffload
-        from trainer.train.distributed import FusedAllReduce
-        from trainer.train.owners import SHARD_GLOB, OwnedSteps
+    out: dict = {}
+    ref = tiny_flux(0)
+    fused, _ = _fused(ref)
+    fused.add_step_hooks(pre=FusedAllReduce(world).pre)
+    hr = attach_offload(blocks_of(ref), "cpu", 0.0)  # the same graph (shared inputs' gradient sums)
+    out["ref_losses"] = _steps(ref, fused, rank)
+    want = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    hr.close()
 
-        ref = tiny_flux(0)
-        fused, _ = _fused(ref)
-        fused.add_step_hooks(pre=FusedAllReduce(world).pre)
-        hr = attach_offload(blocks_of(ref), "cpu", 0.0)  # the same graph (shared inputs' gradient sums)
-        out["ref_losses"] = _steps(ref, fused, rank)
-        want = {n: p.detach().clone() for n, p in ref.named_parameters()}
-        hr.close()
-
-        m = tiny_flux(0)
-        fused, params = _fused(m)
-        owners = OwnedSteps(params, rank, world)
-        owners.attach(fused)
-        group = tdist.new_group(list(range(world)))
-        gather = SliceGather(group, tdist.get_rank(group), world)
-        share = SharedArena(Path(store).with_suffix(".arena"), rank == 0, tdist.barrier) if shared else None
-        h = attach_offload(blocks_of(m), "cpu", fraction, trainable=True, gather=gather, share=share)
-        assert h._c.shared == shared
-        streamed = [p for i in h._c.plan.streamed for p in blocks_of(m)[i].parameters()]
-        off = StateOffload(owners.owned(streamed), pin=False)
-        fused.add_step_hooks(pre=off.pre, post=off.post, synchronize=off.synchronize)
-        if not shared:
-            _poison_all_but(h._c, gather.slice)
-        out["losses"] = _steps(m, fused, rank)
-        h.sync()  # every slice written back, then a barrier: a shared arena is whole
-        in_arena = {id(p) for i in h._c.plan.streamed if h._c.ring_offset[i] is None
-                    for p in blocks_of(m)[i].parameters()}
-        got = {n: p.detach().clone() for n, p in m.named_parameters() if shared or id(p) not in in_arena}
-        want = {n: want[n] for n in got}
-        out["read_from_arena"] = len(in_arena) if shared else 0
-        out["same"] = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-        out["differs"] = [k for k in want if not torch.equal(got[k], want[k])][:5]
-        owners.save_state(fused, Path(result))  # each process's file of the checkpoint
-        tdist.barrier()
-        saved = {p: {k: v.clone() for k, v in fused.state_of(p).items()} for p in params}
-        fused.remove()
-        again, _ = _fused(m)
-        mine = OwnedSteps(params, rank, world)
-        mine.attach(again)
-        mine.load_state(again, sorted(Path(result).glob(SHARD_GLOB)))
-        out["state_reloaded"] = all(
-            (not owners.owns(p)) == (not again.state_of(p))
-            and all(torch.equal(v, again.state_of(p)[k]) for k, v in saved[p].items()) for p in params)
-        with_state = [p for p in params if saved[p]]
-        out.update(owned=len(owners.owned(params)), with_state=len(with_state),
-                   only_owned=all(owners.owns(p) for p in with_state), params=len(params),
-                   owned_numel=sum(p.numel() for p in owners.owned(params)),
-                   numel=sum(p.numel() for p in params), streamed=len(h._c.plan.streamed))
-        h.close()
-    except Exception:  # noqa: BLE001 - reported to the test
-        out["error"] = traceback.format_exc()
-    finally:
-        Path(result, f"rank{rank}.json").write_text(json.dumps(out))
-        tdist.destroy_process_group()
+    m = tiny_flux(0)
+    fused, params = _fused(m)
+    owners = OwnedSteps(params, rank, world)
+    owners.attach(fused)
+    group = tdist.new_group(list(range(world)))
+    gather = SliceGather(group, tdist.get_rank(group), world)
+    share = SharedArena(Path(store).with_suffix(".arena"), rank == 0, tdist.barrier) if shared else None
+    h = attach_offload(blocks_of(m), "cpu", fraction, trainable=True, gather=gather, share=share)
+    assert h._c.shared == shared
+    streamed = [p for i in h._c.plan.streamed for p in blocks_of(m)[i].parameters()]
+    off = StateOffload(owners.owned(streamed), pin=False)
+    fused.add_step_hooks(pre=off.pre, post=off.post, synchronize=off.synchronize)
+    if not shared:
+        _poison_all_but(h._c, gather.slice)
+    out["losses"] = _steps(m, fused, rank)
+    h.sync()  # every slice written back, then a barrier: a shared arena is whole
+    in_arena = {id(p) for i in h._c.plan.streamed if h._c.ring_offset[i] is None
+                for p in blocks_of(m)[i].parameters()}
+    got = {n: p.detach().clone() for n, p in m.named_parameters() if shared or id(p) not in in_arena}
+    want = {n: want[n] for n in got}
+    out["read_from_arena"] = len(in_arena) if shared else 0
+    out["same"] = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    out["differs"] = [k for k in want if not torch.equal(got[k], want[k])][:5]
+    owners.save_state(fused, Path(result))  # each process's file of the checkpoint
+    tdist.barrier()
+    saved = {p: {k: v.clone() for k, v in fused.state_of(p).items()} for p in params}
+    fused.remove()
+    again, _ = _fused(m)
+    mine = OwnedSteps(params, rank, world)
+    mine.attach(again)
+    mine.load_state(again, sorted(Path(result).glob(SHARD_GLOB)))
+    out["state_reloaded"] = all(
+        (not owners.owns(p)) == (not again.state_of(p))
+        and all(torch.equal(v, again.state_of(p)[k]) for k, v in saved[p].items()) for p in params)
+    with_state = [p for p in params if saved[p]]
+    out.update(owned=len(owners.owned(params)), with_state=len(with_state),
+               only_owned=all(owners.owns(p) for p in with_state), params=len(params),
+               owned_numel=sum(p.numel() for p in owners.owned(params)),
+               numel=sum(p.numel() for p in params), streamed=len(h._c.plan.streamed))
+    h.close()
+    return out
 
 
 @pytest.mark.parametrize(("fraction", "shared"), [(1.0, False), (0.5, True)])

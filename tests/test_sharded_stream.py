@@ -9,10 +9,7 @@ tests can fail."""
 
 from __future__ import annotations
 
-import datetime
 import json
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -44,44 +41,36 @@ def _steps(model) -> torch.Tensor:
     return torch.cat([losses, train_steps(model, 1)])
 
 
-def _worker(rank: int, world: int, store: str, result: str, fraction: float) -> None:
+def _worker(rank: int, world: int, store: str, result: str, fraction: float) -> dict:
     import torch.distributed as tdist
 
-    torch.set_num_threads(1)
-    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                             timeout=datetime.timedelta(seconds=120))
-    out: dict = {"error": None}
-    try:
-        from trainer.offload.gather import SliceGather
+    from trainer.offload.gather import SliceGather
 
-        ref = add_lora(tiny_flux(0))
-        out["ref_losses"] = _steps(ref).tolist()
-        want = trainable_state(ref)
+    out: dict = {}
+    ref = add_lora(tiny_flux(0))
+    out["ref_losses"] = _steps(ref).tolist()
+    want = trainable_state(ref)
 
-        group = tdist.new_group(list(range(world)))
-        gather = SliceGather(group, tdist.get_rank(group), world)
-        m = add_lora(tiny_flux(0))
-        h = attach_offload(blocks_of(m), "cpu", fraction, gather=gather)
-        c = h._c
-        _poison_all_but(c, gather.slice)
-        losses = _steps(m)
-        got = trainable_state(m)
-        st = h.stats()
-        out.update(
-            losses=losses.tolist(),
-            same=all(torch.equal(got[k], want[k]) for k in want) and got.keys() == want.keys(),
-            streamed=len(c.plan.streamed),
-            sizes_split=all(n % (256 * world) == 0 for n in c.plan.sizes),
-            gathered_by=st["gathered_by"],
-            per_step=st["h2d_bytes_per_step"],
-            plan_per_step=c.plan.bytes_per_step(),
-        )
-        h.close()
-    except Exception:  # noqa: BLE001 - reported to the test
-        out["error"] = traceback.format_exc()
-    finally:
-        Path(result, f"rank{rank}.json").write_text(json.dumps(out))
-        tdist.destroy_process_group()
+    group = tdist.new_group(list(range(world)))
+    gather = SliceGather(group, tdist.get_rank(group), world)
+    m = add_lora(tiny_flux(0))
+    h = attach_offload(blocks_of(m), "cpu", fraction, gather=gather)
+    c = h._c
+    _poison_all_but(c, gather.slice)
+    losses = _steps(m)
+    got = trainable_state(m)
+    st = h.stats()
+    out.update(
+        losses=losses.tolist(),
+        same=all(torch.equal(got[k], want[k]) for k in want) and got.keys() == want.keys(),
+        streamed=len(c.plan.streamed),
+        sizes_split=all(n % (256 * world) == 0 for n in c.plan.sizes),
+        gathered_by=st["gathered_by"],
+        per_step=st["h2d_bytes_per_step"],
+        plan_per_step=c.plan.bytes_per_step(),
+    )
+    h.close()
+    return out
 
 
 @pytest.mark.parametrize(("world", "fraction"), [(2, 1.0), (4, 0.5)])
