@@ -12,8 +12,8 @@ import torch
 from test_sample import PROMPT, _diffusers_image
 from test_train_support import lora_predictions, losses, make_config, pixels
 
-from trainer.config import Config
-from trainer.models import adapter_class
+from trainer.config import Config, ModelConfig
+from trainer.models import adapter_class, get_adapter
 from trainer.sample import SampleRequest, run_sample
 
 
@@ -90,3 +90,15 @@ def fit_from_yaml(family: str, tiny_models: Path, images: Path, tmp: Path, steps
     r = CliRunner().invoke(app, ["fit", str(path)])
     assert r.exit_code == 0, r.output
     return path, tmp / "out"
+
+
+def tiny_pipeline(family: str, path: Path):
+    """(adapter, components, pipeline) of a family's tiny folder in fp32, the pipeline's progress bar off: what the
+    "as the pipeline does" tests compare with."""
+    mc = ModelConfig(family=family, path=path, dtype="fp32")
+    adapter = get_adapter(mc)
+    comps = adapter.load(mc, parts={"transformer", "vae", "text", "scheduler"}, dtype=torch.float32)
+    pipe = adapter.pipeline(comps)
+    pipe.set_progress_bar_config(disable=True)
+    return adapter, comps, pipe
+

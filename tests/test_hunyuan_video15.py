@@ -19,13 +19,13 @@ import torch
 import yaml
 from PIL import Image
 from test_train_support import pixels, write_images
-from test_wan import _frames
+from test_wan import write_clip_and_still
 from typer.testing import CliRunner
 
 from trainer.cli import app
-from trainer.config import Config, ModelConfig
-from trainer.data.video import probe_video, read_clip, write_video
-from trainer.models import adapter_class, get_adapter
+from trainer.config import Config
+from trainer.data.video import probe_video, read_clip
+from trainer.models import adapter_class
 from trainer.sample import SampleRequest, run_sample
 from trainer.sampling.output import frame_sheet
 
@@ -46,23 +46,14 @@ def models(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(models):
-    mc = ModelConfig(family=FAMILY, path=models / FAMILY, dtype="fp32")
-    adapter = get_adapter(mc)
-    comps = adapter.load(mc, parts={"transformer", "vae", "text", "scheduler"}, dtype=torch.float32)
-    pipe = adapter.pipeline(comps)
-    pipe.set_progress_bar_config(disable=True)
+    adapter, comps, pipe = checks.tiny_pipeline(FAMILY, models / FAMILY)
     return adapter, comps, pipe
 
 
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory) -> Path:
     """A 9-frame 16 fps mp4 and a still, captioned."""
-    d = tmp_path_factory.mktemp("hv15-data")
-    write_video(_frames(9), d / "clip.mp4", 16)
-    (d / "clip.txt").write_text(PROMPT)
-    _frames(1)[0].save(d / "still.png")
-    (d / "still.txt").write_text("a green square")
-    return d
+    return write_clip_and_still(tmp_path_factory.mktemp("hv15-data"), 9, 16, PROMPT)
 
 
 def _config(models: Path, data: Path, tmp: Path) -> Config:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import _family_checks as checks
 import numpy as np
 import pytest
 import torch
@@ -19,10 +20,9 @@ from test_wan import _frames
 from typer.testing import CliRunner
 
 from trainer.cli import app
-from trainer.config import Config, ModelConfig
+from trainer.config import Config
 from trainer.data.video import write_video
 from trainer.errors import UserError
-from trainer.models import get_adapter
 from trainer.models.hunyuan_video15_attention import use_prefix_attention
 from trainer.sample import SampleRequest, run_sample
 from trainer.sampling.output import frame_sheet
@@ -50,11 +50,7 @@ def clip(tmp_path_factory) -> Path:
 
 
 def test_the_first_frame_conditions_predict_as_the_pipeline_does(model):
-    mc = ModelConfig(family=FAMILY, path=model, dtype="fp32")
-    adapter = get_adapter(mc)
-    comps = adapter.load(mc, parts={"transformer", "vae", "text", "scheduler"}, dtype=torch.float32)
-    pipe = adapter.pipeline(comps)
-    pipe.set_progress_bar_config(disable=True)
+    adapter, comps, pipe = checks.tiny_pipeline(FAMILY, model)
     assert type(pipe).__name__ == "HunyuanVideo15ImageToVideoPipeline" and pipe.image_encoder is not None
     arr = (np.random.RandomState(0).rand(64, 64, 3) * 255).astype(np.uint8)
     seen = []

@@ -19,13 +19,13 @@ import torch
 import yaml
 from PIL import Image
 from test_train_support import pixels, write_images
-from test_wan import _frames
+from test_wan import _frames, write_clip_and_still
 from typer.testing import CliRunner
 
 from trainer.cli import app
-from trainer.config import Config, ModelConfig
-from trainer.data.video import probe_video, write_video
-from trainer.models import adapter_class, get_adapter
+from trainer.config import Config
+from trainer.data.video import probe_video
+from trainer.models import adapter_class
 from trainer.sample import SampleRequest, run_sample
 from trainer.sampling.output import frame_sheet
 
@@ -45,23 +45,14 @@ def models(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(models):
-    mc = ModelConfig(family=FAMILY, path=models / FAMILY, dtype="fp32")
-    adapter = get_adapter(mc)
-    comps = adapter.load(mc, parts={"transformer", "vae", "text", "scheduler"}, dtype=torch.float32)
-    pipe = adapter.pipeline(comps)
-    pipe.set_progress_bar_config(disable=True)
+    adapter, comps, pipe = checks.tiny_pipeline(FAMILY, models / FAMILY)
     return adapter, comps, pipe
 
 
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory) -> Path:
     """A 9-frame (8k + 1) 24 fps mp4 and a still, captioned."""
-    d = tmp_path_factory.mktemp("ltx2-data")
-    write_video(_frames(9), d / "clip.mp4", 24)
-    (d / "clip.txt").write_text(PROMPT)
-    _frames(1)[0].save(d / "still.png")
-    (d / "still.txt").write_text("a green square")
-    return d
+    return write_clip_and_still(tmp_path_factory.mktemp("ltx2-data"), 9, 24, PROMPT)
 
 
 def _config(models: Path, data: Path, tmp: Path) -> Config:
@@ -246,11 +237,7 @@ def test_i2v_replaces_the_first_latent_frame_as_the_pipeline_does(models):
     """The pipeline's first latent frame is the image's (encoded alone: `encode_conditions`, with its CRF
     re-compression off), its tokens at timestep 0; `predict` on any first frame gives the pipeline's transformer
     output (cross-modal attention off, as in text-to-video); the first frame is out of the loss."""
-    mc = ModelConfig(family=I2V, path=models / I2V, dtype="fp32")
-    adapter = get_adapter(mc)
-    comps = adapter.load(mc, parts={"transformer", "vae", "text", "scheduler"}, dtype=torch.float32)
-    pipe = adapter.pipeline(comps)
-    pipe.set_progress_bar_config(disable=True)
+    adapter, comps, pipe = checks.tiny_pipeline(I2V, models / I2V)
     assert type(pipe).__name__ == "LTX2ImageToVideoPipeline"
     arr = (np.random.RandomState(1).rand(64, 64, 3) * 255).astype(np.uint8)
     seen = []

@@ -42,6 +42,16 @@ def _frames(n: int, size: int = 64) -> list[Image.Image]:
     return out
 
 
+def write_clip_and_still(d: Path, frames: int, fps: float, prompt: str) -> Path:
+    """`d` with a captioned mp4 of `frames` `_frames` at `fps` (clip.mp4) and a captioned still (still.png): the
+    video families' fit data."""
+    write_video(_frames(frames), d / "clip.mp4", fps)
+    (d / "clip.txt").write_text(prompt)
+    _frames(1)[0].save(d / "still.png")
+    (d / "still.txt").write_text("a green square")
+    return d
+
+
 def _level(im: Image.Image) -> int:
     return int(round(np.asarray(im)[:8, :8].mean() / 10))
 
@@ -59,11 +69,7 @@ def wan(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory) -> Path:
     """A source folder: a 17-frame 16 fps mp4, a still, and three bad files (corrupt, 5 frames, audio only)."""
-    d = tmp_path_factory.mktemp("wan-data")
-    write_video(_frames(17), d / "clip.mp4", 16)
-    (d / "clip.txt").write_text(PROMPT)
-    _frames(1)[0].save(d / "still.png")
-    (d / "still.txt").write_text("a green square")
+    d = write_clip_and_still(tmp_path_factory.mktemp("wan-data"), 17, 16, PROMPT)
     (d / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not really a video")
     (d / "broken.txt").write_text("broken")
     write_video(_frames(5), d / "short.mp4", 16)
