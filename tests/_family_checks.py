@@ -102,3 +102,20 @@ def tiny_pipeline(family: str, path: Path):
     pipe.set_progress_bar_config(disable=True)
     return adapter, comps, pipe
 
+
+def streamed_fit_equals_the_fit(path: Path, out: Path, monkeypatch) -> None:
+    """A fitted config (`path`, its `out`put folder) again with the transformer streamed at fraction 1.0 (the
+    conductor's CPU path, fp32): bitwise the fit's losses; its LoRA file through the pipeline's `load_lora_weights`
+    predicts exactly what the trainer's model does."""
+    from trainer.config import load_config
+    from trainer.train.trainer import Trainer
+
+    monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
+    cfg = load_config(path, ["offload.transformer=1.0", f"output.dir={out.parent / 'streamed'}"])
+    t = Trainer(cfg)
+    lora = t.fit()
+    assert losses(out.parent / "streamed") == losses(out)
+    ours, theirs, untrained = lora_predictions(t, lora)
+    assert torch.equal(ours, theirs)
+    assert (theirs - untrained).abs().max() > 1e-4
+

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from test_sample import PROMPT
-from test_train_support import losses, pixels, write_images
+from test_train_support import pixels, write_images
 
 from trainer.config import Config, ModelConfig
 from trainer.models import adapter_class, get_adapter
@@ -109,20 +109,7 @@ def test_streamed_training_equals_resident_and_the_lora_predicts_as_in_the_train
     """The fit's config again with the transformer streamed at fraction 1.0 (the conductor's CPU path, fp32): bitwise
     the `dittrain fit` run's losses; its LoRA file through the pipeline's `load_lora_weights` predicts exactly what
     the trainer's model does."""
-    from test_train_support import lora_predictions
-
-    from trainer.config import load_config
-    from trainer.train.trainer import Trainer
-
-    path, out = fitted
-    monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
-    cfg = load_config(path, ["offload.transformer=1.0", f"output.dir={out.parent / 'streamed'}"])
-    t = Trainer(cfg)
-    lora = t.fit()
-    assert losses(out.parent / "streamed") == losses(out)
-    ours, theirs, untrained = lora_predictions(t, lora)
-    assert torch.equal(ours, theirs)
-    assert (theirs - untrained).abs().max() > 1e-4
+    checks.streamed_fit_equals_the_fit(*fitted, monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------------- sampling
