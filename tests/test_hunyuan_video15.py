@@ -46,8 +46,7 @@ def models(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(models):
-    adapter, comps, pipe = checks.tiny_pipeline(FAMILY, models / FAMILY)
-    return adapter, comps, pipe
+    return checks.tiny_pipeline(FAMILY, models / FAMILY)
 
 
 @pytest.fixture(scope="module")

@@ -285,12 +285,20 @@ class ModelAdapter(ABC):
         beside it and stacked into the batch's text dict under these keys (default: none)."""
         return {}
 
+    #: the first latent frame is the given image, not the model's to predict (Wan 2.2 TI2V-5B's and LTX-2's
+    #: image-to-video: the pipeline replaces or drops its prediction): `frame_loss_weights` leaves it out
+    first_frame_given: ClassVar[bool] = False
+
     @classmethod
     def frame_loss_weights(cls, latent_frames: int) -> torch.Tensor | None:
-        """Per latent frame loss weights (F,) where some frames are not the model's to predict (Wan 2.2 TI2V-5B's
-        image-to-video: the first frame is the given image, its prediction discarded); the batch's loss mask
-        carries them (trainer/data/pipeline.py). None: every frame counts."""
-        return None
+        """Per latent frame loss weights (F,) where some frames are not the model's to predict; the batch's loss mask
+        carries them (trainer/data/pipeline.py). None: every frame counts. With `first_frame_given` the first
+        latent frame weighs 0."""
+        if not cls.first_frame_given:
+            return None
+        w = torch.ones(latent_frames)
+        w[0] = 0.0
+        return w
 
     # ------------------------------------------------------------------------------------------ experts
 

@@ -31,6 +31,7 @@ class LTX2I2VAdapter(LTX2Adapter):
     family = "ltx2-i2v"
     full_name, example_path = "LTX-2 (19B, image-to-video)", "/path/to/LTX-2-Diffusers"
     first_frame_conditions = True
+    first_frame_given = True  # the pipeline drops the first frame's prediction
 
     @classmethod
     def tiny_builders(cls):
@@ -43,12 +44,6 @@ class LTX2I2VAdapter(LTX2Adapter):
     def encode_conditions(self, vae, pixels) -> dict[str, torch.Tensor]:
         """The first frame alone through the VAE, as the pipeline encodes `image`: one latent frame (B, C, 1, h, w)."""
         return {"image_latents": self.encode_videos(vae, pixels[:, :, :1])}
-
-    @classmethod
-    def frame_loss_weights(cls, latent_frames: int) -> torch.Tensor:
-        w = torch.ones(latent_frames)
-        w[0] = 0.0  # the given image's frame: the pipeline drops its prediction
-        return w
 
     def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:
         x = torch.cat([text["image_latents"].to(noisy_latents.dtype), noisy_latents[:, :, 1:]], dim=2)

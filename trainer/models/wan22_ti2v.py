@@ -142,6 +142,7 @@ class Wan22TI2VI2VAdapter(Wan22TI2VAdapter, WanI2VAdapter):
     cache_encoder_params = 0
     default_lora_targets = WanAdapter.default_lora_targets
     lora_key_map = WanAdapter.lora_key_map
+    first_frame_given = True  # the pipeline replaces the first frame's prediction with the image's latent
 
     @classmethod
     def tiny_builders(cls):
@@ -151,12 +152,6 @@ class Wan22TI2VI2VAdapter(Wan22TI2VAdapter, WanI2VAdapter):
         """The first frame alone through the VAE (as the pipeline encodes `image` with expand_timesteps): one latent
         frame (B, C, 1, h, w)."""
         return {"image_latents": self.encode_videos(vae, pixels[:, :, :1])}
-
-    @classmethod
-    def frame_loss_weights(cls, latent_frames: int) -> torch.Tensor:
-        w = torch.ones(latent_frames)
-        w[0] = 0.0  # the given image's frame: the pipeline replaces its prediction
-        return w
 
     def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:
         b, _, f, h, w = noisy_latents.shape
