@@ -62,6 +62,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as tdist
+from torch.distributed.tensor import DTensor
 
 from ..errors import NonFiniteLossError, UserError
 from .monitor import say
@@ -356,3 +357,29 @@ class FusedAllReduce:
         out = float(self._sq) ** 0.5  # host-device sync (logging steps only)
         self._sq = None
         return out
+
+
+class ShardNorm:
+    """The fused back pass where each process holds part of the mean gradient (fsdp: its shards; owned steps,
+    owners.py: the gradients of the weights it steps): each process's pre-step hook adds up the squares of its
+    part; `take_norm` sums them over the processes (one all-reduce, logging steps only). Under fsdp the fused pass's
+    own norm would be a DTensor reduction, a collective inside FSDP2's reduce-scatter hook, per parameter."""
+
+    def __init__(self):
+        self.track = False
+        self._sq: torch.Tensor | None = None
+
+    def pre(self, p: torch.Tensor, state) -> None:  # noqa: ARG002 - FusedBackPass hook signature
+        if self.track and p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            sq = torch.linalg.vector_norm(g, dtype=torch.float32).square()  # stays where the shard is
+            self._sq = sq if self._sq is None else self._sq.add_(sq.to(self._sq.device))
+
+    def take_norm(self) -> float | None:
+        if not self.track:
+            return None
+        on = torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else torch.device("cpu")
+        sq = (self._sq if self._sq is not None else torch.zeros(())).reshape(1).to(on, torch.float32)
+        tdist.all_reduce(sq)  # every process calls it: `track` is the same logging step everywhere
+        self._sq = None
+        return float(sq) ** 0.5  # host-device sync (logging steps only)

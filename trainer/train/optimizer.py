@@ -32,8 +32,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as tdist
-from torch.distributed.tensor import DTensor
 
 from ..config import Config
 from ..errors import UserError
@@ -42,7 +40,7 @@ from ..optim.build import build_optimizer, build_scheduler
 from ..optim.fused import FusedBackPass, StateOffload
 from ..optim.state import load_optimizer_shards, load_optimizer_state, save_optimizer_state
 from . import sharded
-from .distributed import BucketedAllReduce, Dist, FusedAllReduce
+from .distributed import BucketedAllReduce, Dist, FusedAllReduce, ShardNorm
 from .owners import SHARD_GLOB, OwnedSteps
 
 
@@ -159,31 +157,6 @@ class Optim:
             self._reducer.remove()
         if self.fused is not None:
             self.fused.remove()
-
-
-class ShardNorm:
-    """fsdp with the fused back pass: each process's pre-step hook adds up the squares of its gradient shards;
-    `take_norm` sums them over the processes (one all-reduce, logging steps only). The fused pass's own norm
-    would be a DTensor reduction, a collective inside FSDP2's reduce-scatter hook, per parameter."""
-
-    def __init__(self):
-        self.track = False
-        self._sq: torch.Tensor | None = None
-
-    def pre(self, p: torch.Tensor, state) -> None:  # noqa: ARG002 - FusedBackPass hook signature
-        if self.track and p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            sq = torch.linalg.vector_norm(g, dtype=torch.float32).square()  # stays where the shard is
-            self._sq = sq if self._sq is None else self._sq.add_(sq.to(self._sq.device))
-
-    def take_norm(self) -> float | None:
-        if not self.track:
-            return None
-        on = torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else torch.device("cpu")
-        sq = (self._sq if self._sq is not None else torch.zeros(())).reshape(1).to(on, torch.float32)
-        tdist.all_reduce(sq)  # every process calls it: `track` is the same logging step everywhere
-        self._sq = None
-        return float(sq) ** 0.5  # host-device sync (logging steps only)
 
 
 def optimizer_for(cfg: Config, params: list[torch.nn.Parameter], dist: Dist,

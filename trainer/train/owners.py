@@ -43,6 +43,7 @@ import torch.distributed as tdist
 
 from ..optim.build import torch_optimizer
 from ..optim.state import load_optimizer_shards, save_optimizer_state
+from .distributed import ShardNorm
 
 SHARD_GLOB = "optimizer.rank-*-of-*.safetensors"
 
@@ -70,8 +71,15 @@ class OwnedSteps:
     def __init__(self, params: list[torch.Tensor], rank: int, world: int):
         self.rank, self.world = rank, world
         self._owner = assign(params, world)
-        self.track = False
-        self._sq: torch.Tensor | None = None
+        self._norm = ShardNorm()  # each owner's squares of the mean gradients, summed over the processes
+
+    @property
+    def track(self) -> bool:
+        return self._norm.track
+
+    @track.setter
+    def track(self, on: bool) -> None:
+        self._norm.track = on
 
     def owns(self, p: torch.Tensor) -> bool:
         return self._owner[id(p)] == self.rank
@@ -83,7 +91,7 @@ class OwnedSteps:
         fused.owns = self.owns
         fused.add_step_hooks(pre=self.pre, post=self.post)
 
-    def pre(self, p: torch.Tensor, state) -> None:  # noqa: ARG002 - FusedBackPass hook signature
+    def pre(self, p: torch.Tensor, state) -> None:
         """Sum p's gradient onto its owner (NCCL: the step is ordered after it on the GPU; the host goes on)."""
         if p.grad is None:
             return
@@ -91,9 +99,7 @@ class OwnedSteps:
         if not self.owns(p):
             return
         p.grad.div_(self.world)
-        if self.track:  # the norm of the mean gradient, summed over the owners in `take_norm`
-            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()
-            self._sq = sq if self._sq is None else self._sq.add_(sq.to(self._sq.device))
+        self._norm.pre(p, state)  # the norm of the mean gradient, summed over the owners in `take_norm`
 
     def post(self, p: torch.Tensor, state) -> None:  # noqa: ARG002
         """Every process gets the owner's new weight (into its ring view of the block, or the resident tensor)."""
@@ -101,13 +107,7 @@ class OwnedSteps:
 
     def take_norm(self) -> float | None:
         """The gradient norm of the step (logging steps: every process calls it, as `track` is the same)."""
-        if not self.track:
-            return None
-        on = torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else torch.device("cpu")
-        sq = (self._sq if self._sq is not None else torch.zeros(())).reshape(1).to(on, torch.float32)
-        tdist.all_reduce(sq)
-        self._sq = None
-        return float(sq) ** 0.5  # host-device sync (logging steps only)
+        return self._norm.take_norm()
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def save_state(self, fused, folder: Path) -> None:

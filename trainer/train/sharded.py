@@ -56,7 +56,7 @@ gradients, so each process ends the backward pass with the mean gradient of its 
   more than one unit's gradient shards: with CPU offload, the 4 bytes per weight / N of fp32 gradients in pinned
   RAM are gone. (FSDP2 copies the gradient to the CPU synchronously when such a hook exists, and the CPU AdamW
   step runs inside backward: not yet measured on GPUs.) The gradient norm is summed from the shards
-  (optimizer.py `ShardNorm`).
+  (distributed.py `ShardNorm`).
 - Exactness: FSDP2 reduce-scatters the sum of the ranks' gradients and divides by N, so `fsdp` on N processes
   trains the one-process run with grad_accum x N micro-batches up to fp32 summation order (tests/test_fsdp.py);
   the data order and noise are distributed.py's, the same as ddp.
