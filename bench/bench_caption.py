@@ -60,7 +60,7 @@ def write_model(folder: Path, small: bool) -> int:
     from transformers.video_processing_utils import BaseVideoProcessor
 
     from trainer.captioning import vlm
-    from trainer.models.tiny import QWEN_SPECIAL, qwen_tokenizer
+    from trainer.models.tiny import QWEN_SPECIAL, QWEN_VL_CHAT_TEMPLATE, qwen_tokenizer
 
     size = SMALL if small else FULL
     tok = qwen_tokenizer()
@@ -87,22 +87,13 @@ def write_model(folder: Path, small: bool) -> int:
     nbytes = write_random(model, folder, "model", torch.bfloat16, seed=0)
     proc = vlm.torchvision_free(Qwen2_5_VLProcessor)(
         image_processor=Qwen2VLImageProcessorPil(patch_size=14, merge_size=2), tokenizer=tok,
-        video_processor=BaseVideoProcessor(), chat_template=CHAT_TEMPLATE)
+        video_processor=BaseVideoProcessor(), chat_template=QWEN_VL_CHAT_TEMPLATE)
     proc.save_pretrained(folder)
     for name in ("processor_config.json", "tokenizer_config.json"):  # the class a real folder names
         d = json.loads((folder / name).read_text())
         d["processor_class"] = "Qwen2_5_VLProcessor"
         (folder / name).write_text(json.dumps(d))
     return nbytes
-
-
-#: Qwen-VL's chat template for image items (the real folder ships it; the tiny tokenizer has none)
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def write_images(folder: Path, n: int, px: int) -> None:

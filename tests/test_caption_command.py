@@ -18,14 +18,8 @@ from trainer.captioning import CaptionRequest, run_caption, vlm
 from trainer.cli import app
 from trainer.data.video import write_video
 from trainer.errors import Interrupted, UserError
+from trainer.models.tiny import QWEN_VL_CHAT_TEMPLATE as CHAT_TEMPLATE
 
-#: a chat template that renders image items as Qwen-VL's does (the real folders ship their own)
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 LAYERS = 4
 
 

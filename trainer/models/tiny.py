@@ -160,6 +160,16 @@ QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>
                 "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 
 
+#: a chat template that renders image items as Qwen-VL's does, for the tiny Qwen tokenizer (the real folders ship
+#: their own): `dittrain caption`'s tests and bench/bench_caption.py
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def qwen_tokenizer(extra_lines: tuple[str, ...] = ()):
     """The tiny Qwen2 byte-level BPE tokenizer, trained on the corpus (and `extra_lines`, for a family whose
     pipeline cuts a fixed number of template tokens: each of their words then becomes one token, as with the real
