@@ -15,7 +15,8 @@ same classes and wiring, small vocabularies whose ids all exist in the full-size
 subprocesses of the family's `lora-<card>gb` preset with DITTRAIN_VRAM_CAP_GB = card - 1, and the table prints per
 phase: peak reserved VRAM (from DITTRAIN_PHASE_LOG, trainer/phase_log.py), peak anonymous RSS (this process
 polls the child's RssAnon every 0.1 s and takes the maximum inside each phase's time window), and the median
-training-step time. The folder is deleted after each family (Qwen-Image is ~58 GB on disk: one family at a time)
+training-step time. `--gpus N` runs `fit` through torchrun on N GPUs (RSS summed over its processes, the node's
+/dev/shm beside it). The folder is deleted after each family (Qwen-Image is ~58 GB on disk: one family at a time)
 unless --keep, which also reuses a folder left by an earlier run. Several `--card` sizes run one after another on
 the same folder; `--set section.key=value` overrides a preset setting and `--tag` names the variant, so variants
 can be compared on one written folder (each run has its own cache, output and logs under <family>/<card>gb[-tag]).
@@ -549,24 +550,63 @@ def write_jpegs(folder: Path, n: int, size: int) -> Path:
 # ---------------------------------------------------------------------------------------------- runs
 
 
-class AnonPoller:
-    """Samples a child's RssAnon every `every` seconds: [(time, bytes)]."""
+def _tree(pid: int) -> list[int]:
+    """pid and every process below it (a torchrun launcher's workers), from /proc's parent ids."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        ppid = int(text[text.rindex(")") + 2:].split()[1])
+        parents.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += parents.get(p, [])
+    return out
 
-    def __init__(self, pid: int, every: float = 0.1) -> None:
-        self.pid, self.every, self.samples = pid, every, []
+
+def _anon(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _node_shmem() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class AnonPoller:
+    """Samples a child's RssAnon every `every` seconds: [(time, bytes)]. `tree`: the sum over the child and every
+    process below it (a torchrun launch's workers), sampled every second, with the node's shared memory beside
+    (`shmem`: [(time, bytes)], the host's /dev/shm arena)."""
+
+    def __init__(self, pid: int, every: float = 0.1, tree: bool = False) -> None:
+        self.pid, self.tree, self.samples, self.shmem = pid, tree, [], []
+        self.every = 1.0 if tree else every  # walking /proc for the tree costs more
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
 
     def _run(self) -> None:
-        status = Path(f"/proc/{self.pid}/status")
         while not self._stop.is_set():
-            try:
-                for line in status.read_text().splitlines():
-                    if line.startswith("RssAnon:"):
-                        self.samples.append((time.time(), int(line.split()[1]) * 1024))
-            except OSError:
-                pass
+            now = time.time()
+            total = 0
+            for pid in _tree(self.pid) if self.tree else [self.pid]:
+                try:
+                    total += _anon(pid)
+                except OSError:
+                    pass
+            if total:
+                self.samples.append((now, total))
+            if self.tree:
+                self.shmem.append((now, _node_shmem()))
             time.sleep(self.every)
 
     def stop(self) -> list:
@@ -578,11 +618,11 @@ class AnonPoller:
         return max((b for t, b in self.samples if t0 - self.every <= t <= t1 + self.every), default=0)
 
 
-def run(cmd: list[str], env: dict, log: Path) -> tuple[int, AnonPoller, float]:
+def run(cmd: list[str], env: dict, log: Path, tree: bool = False) -> tuple[int, AnonPoller, float]:
     t0 = time.time()
     with open(log, "w") as out:
         p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-        poll = AnonPoller(p.pid)
+        poll = AnonPoller(p.pid, tree=tree)
         rc = p.wait()
     poll.stop()
     return rc, poll, time.time() - t0
@@ -763,7 +803,8 @@ def run_commands(family: str, card: int, cfg: Path, run_dir: Path, args) -> list
     py = [sys.executable, "-m", "trainer"]
     commands = {
         "cache": py + ["cache", str(cfg)],
-        "fit": py + ["fit", str(cfg)],
+        "fit": (py if args.gpus == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                                           str(args.gpus), "-m", "trainer"]) + ["fit", str(cfg)],
         "sample": py + ["sample", str(cfg), "--prompt", "a photo of a dog", "--steps", "2"],
     }
     label = f"{family} {card}gb" + (f" {args.tag}" if args.tag else "")
@@ -771,13 +812,14 @@ def run_commands(family: str, card: int, cfg: Path, run_dir: Path, args) -> list
     for cmd_name in args.commands.split(","):
         log_file = run_dir / f"{cmd_name}.log"
         before = _records(phase_log)
-        rc, poll, wall = run(commands[cmd_name], env, log_file)
+        rc, poll, wall = run(commands[cmd_name], env, log_file, tree=cmd_name == "fit" and args.gpus > 1)
         recs = _records(phase_log)[len(before):]
         lines = log_file.read_text().strip().splitlines() if log_file.exists() else []
         key = key_lines(lines)
         print("\n".join(f"[{label} {cmd_name}] {line}" for line in key), flush=True)
         rows.append({"family": family, "label": label, "command": cmd_name, "rc": rc, "wall_s": wall,
-                     "anon_peak": poll.peak(), "last_line": lines[-1] if lines else "", "key_lines": key,
+                     "anon_peak": poll.peak(), "shmem_peak": max((b for _, b in poll.shmem), default=0),
+                     "gpus": args.gpus if cmd_name == "fit" else 1, "last_line": lines[-1] if lines else "", "key_lines": key,
                      "phases": _per_phase(recs, poll)})
     return rows
 
@@ -810,7 +852,10 @@ def report(rows: list[dict]) -> list[str]:
     lines = ["| family | command | rc | phase | peak reserved VRAM GB | peak allocated GB | peak anon RSS GB | time s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['command']} | {r['rc']} | (process) | | | {r['anon_peak'] / 1e9:.1f} | "
+        gpus = r.get("gpus", 1)
+        what = "(process)" if gpus == 1 else (f"({gpus} processes: anon RSS summed; node shmem peak "
+                                              f"{r['shmem_peak'] / 1e9:.1f} GB)")
+        lines.append(f"| {r['label']} | {r['command']} | {r['rc']} | {what} | | | {r['anon_peak'] / 1e9:.1f} | "
                      f"{r['wall_s']:.0f} |")
         for name, p in r["phases"].items():
             t = p["times"]
@@ -869,6 +914,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a preset setting (dotted key, YAML value), e.g. --set sample.guidance=1")
     ap.add_argument("--tag", default="", help="a name for this variant (its run folder and table rows)")
+    ap.add_argument("--gpus", type=int, default=1, help="`fit` on this many GPUs of the host (torchrun "
+                    "--nproc_per_node; cache and sample run as one process): the fit row's RSS is summed over the "
+                    "processes, the node's shared memory (the /dev/shm arena) beside it, VRAM is the largest GPU's")
     ap.add_argument("--commands", default="cache,fit,sample", help="which commands to run, in order (fit alone "
                     "caches too)")
     args = ap.parse_args(argv)
