@@ -150,3 +150,24 @@ def test_plan_with_several_gpus_prints_each_processs_step_both_ways():
     rows = [line.split() for line in r.output.splitlines()[head:] if line.startswith("1.00")]
     one, whole, shard = (float(x) for x in rows[0][1:4])
     assert shard < one < whole  # whole copies share the host; the sharded stream gathers the rest
+
+
+def test_a_killed_runs_arena_file_is_removed_and_a_live_ones_kept(tmp_path):
+    """A run killed while its owner filled the /dev/shm arena leaves the file (tmpfs keeps its pages): the next run's
+    owner removes it; a live run's arena and files of other names stay."""
+    import os
+    import subprocess
+    import sys
+
+    from trainer.train.streaming import ARENA_PREFIX, remove_stale_arenas
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"{ARENA_PREFIX}{gone.pid}-abc"
+    dead.write_bytes(b"x" * 8192)
+    live = tmp_path / f"{ARENA_PREFIX}{os.getpid()}-def"
+    live.write_bytes(b"y")
+    other = tmp_path / "someone-else"
+    other.write_bytes(b"z")
+    assert remove_stale_arenas(tmp_path) >= 8192
+    assert not dead.exists() and live.exists() and other.exists()

@@ -57,6 +57,8 @@ several GPUs per process, and blocks that appear twice in one pass.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
 
 import torch
@@ -80,6 +82,21 @@ def _per_block(checkpointing, default: bool, n: int) -> list[bool]:
         raise ValueError(f"checkpointing: {len(flags)} flags for {n} blocks")
     return flags
 
+
+
+@contextlib.contextmanager
+def _every_core(on: bool):
+    """Inside: torch's CPU ops on every core this process may run on, if `on`. The owner of a shared arena fills it
+    (reading, casting and quantizing the streamed blocks) while the host's other processes wait at a barrier, and
+    torchrun starts each process with OMP_NUM_THREADS=1: one core would do the whole model's casts alone."""
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if on and cores > before:
+        torch.set_num_threads(cores)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 class Conductor:
     def __init__(
@@ -226,9 +243,10 @@ class Conductor:
         # host copies of streamed blocks (read from the files straight into the arena with `fill`)
         if use is None or use.owner:
             self._make_arena(total, pinned_budget, use.create(total) if use is not None else None, defer=True)
-            for b in streamed:
-                self.packs[b].write_into(self.arena.region(self.host_off[b], sizes[b]), fill, b)
-                self._drop_originals(b)
+            with _every_core(use is not None):
+                for b in streamed:
+                    self.packs[b].write_into(self.arena.region(self.host_off[b], sizes[b]), fill, b)
+                    self._drop_originals(b)
             self._pin_arena()  # after packing: RAM grows as the originals go
         if share is not None:  # as many barriers on every host, whatever it decided
             share.barrier()  # the owners have filled their files; the others map them

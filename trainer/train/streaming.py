@@ -159,8 +159,39 @@ def shared_arena(cfg: Config, dist, method, streamed: bool, gather: SliceGather 
     shm = Path("/dev/shm")
     if not shm.is_dir():
         return None
-    name = dist.broadcast_text(f"dittrain-arena-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    name = dist.broadcast_text(f"{ARENA_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    if dist.local_rank == 0:
+        remove_stale_arenas(shm)
     return SharedArena(shm / name, owner=dist.local_rank == 0, barrier=dist.barrier)
+
+
+ARENA_PREFIX = "dittrain-arena-"
+
+
+def remove_stale_arenas(shm: Path) -> int:
+    """Remove the arena files of runs whose first process is gone; returns the bytes freed. An arena's name is
+    removed once every process has mapped it, so a file is left only by a run killed while its owner filled it
+    (SIGKILL, or torchrun's SIGTERM during the load): tmpfs keeps its pages, the host's RAM, until someone removes
+    it. The name holds rank 0's pid (a pid of another PID namespace looks gone too: removing the name of a live
+    run's arena leaves its processes' mappings intact)."""
+    freed = 0
+    for f in shm.glob(ARENA_PREFIX + "*"):
+        try:
+            pid = int(f.name[len(ARENA_PREFIX):].split("-")[0])
+            os.kill(pid, 0)
+            continue  # its run is alive
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError):
+            continue  # not ours, or another user's live process
+        try:
+            size = f.stat().st_blocks * 512
+            f.unlink()
+        except OSError:
+            continue
+        freed += size
+        say(f"offload: removed {f} ({size / 1e9:.1f} GB of RAM), the arena of a run that was killed while loading")
+    return freed
 
 
 def slice_gather(cfg: Config, dist, method, streamed: bool, device: torch.device) -> SliceGather | None:
