@@ -69,6 +69,7 @@ import torch
 from .. import quant
 from ..dtypes import DTYPES
 from ..errors import UserError
+from ..lora_format.kinds import LORA_KINDS
 from ..models import adapter_class, stream_load
 from ..offload.allocators import BlockPacking
 from ..offload.plan import Plan, PlanError, capacity_for, make_plan
@@ -218,8 +219,9 @@ def analyze(cfg) -> Facts:
         model.requires_grad_(False)
         targets = tuple(cfg.lora.targets) if cfg.lora.targets else ptrace.default_lora_targets(family, refs)
         # lora.compute_dtype auto runs plain LoRA's branch in the model dtype (DoRA, LoKr, LoHa: peft's forward)
-        in_dtype = cfg.lora.compute_dtype == "auto" and cfg.lora.type == "lora" and not cfg.lora.dora
-        trainable = ptrace.add_meta_lora(model, targets, cfg.lora.rank, cfg.lora.alpha, in_dtype)
+        lc = cfg.lora
+        in_dtype = lc.compute_dtype == "auto" and LORA_KINDS[lc.type].compute_dtype_forward and not lc.dora
+        trainable = ptrace.add_meta_lora(model, targets, lc.rank, lc.alpha, in_dtype, kind=lc.type, dora=lc.dora)
         packed = [BlockPacking.of(b, include_trainable=False).nbytes for b in blocks]
         lora = [p for p in model.parameters() if p.requires_grad]
         largest = max((p.numel() for p in lora), default=0)
