@@ -4,6 +4,7 @@
     write_lora_file(path, lf, "comfy", family)      # LoraFile -> one layout, atomically
     convert_lora(src, dst, "kohya", family=None)    # `dittrain convert-lora`
     lora_kind(lora_metadata(path))                  # lora, lokr or loha, from the header alone
+    LORA_KINDS["lokr"]                              # a kind's spec (kinds.py): every fact of it the code reads
 
 The one thing every loader must agree on is the strength. peft and diffusers scale an update by alpha / r, with
 alpha in the file's header (`lora_adapter_metadata`); ComfyUI and kohya-style loaders read alpha only from a
