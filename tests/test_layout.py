@@ -2,9 +2,9 @@
 the family facts every model adapter must provide.
 
 - trainer/offload/ (the conductor) imports nothing from the planner, the config or the model adapters;
-- trainer/planner/ imports only the conductor's arithmetic (offload.plan, offload.allocators, and fused.py's list
-  of optimizers whose state is packed), models/, quant (the loader's quantized layout), config, errors, dtypes and
-  itself, with no import cycle;
+- trainer/planner/ imports only the conductor's arithmetic (offload.plan, offload.allocators), the optimizer and
+  LoRA-kind specs (optim/specs.py, lora_format/kinds.py), models/, quant (the loader's quantized layout), config,
+  errors, dtypes and itself, with no import cycle;
 - nothing outside trainer/models/ compares a family name (`family == "flux"`): facts live on the adapters;
 - nor names a family at all, keeps a table keyed by one, or holds a regular expression of a family's module names
   (those are the adapters' `modulation_linears` / `text_encoder_keep_linears`);
@@ -78,8 +78,8 @@ def test_offload_imports_neither_planner_config_nor_models():
     assert not bad
 
 
-ALLOWED = ("trainer.offload.plan", "trainer.offload.allocators", "trainer.offload.fused", "trainer.models",
-           "trainer.config", "trainer.errors", "trainer.dtypes", "trainer.planner", "trainer.quant")
+ALLOWED = ("trainer.offload.plan", "trainer.offload.allocators", "trainer.optim.specs", "trainer.lora_format.kinds",
+           "trainer.models", "trainer.config", "trainer.errors", "trainer.dtypes", "trainer.planner", "trainer.quant")
 
 
 def test_planner_imports_only_what_it_may():
@@ -387,9 +387,9 @@ LAYERS = (
     {"phase_log"},
     {"quant"},
     {"models"},
-    {"lora_format"},
+    {"lora_format", "optim"},
     {"config"},
-    {"optim", "planner", "data"},
+    {"planner", "data"},
     {"sampling", "captioning"},
     {"train"},
     {"sample", "merge", "demo", "presets"},
@@ -405,7 +405,7 @@ MAY_IMPORT = {
     "models": {"errors", "quant"},
     "lora_format": {"models", "errors", "atomic"},
     "data": {"models", "offload", "config", *SHARED},
-    "optim": {"config", "errors"},
+    "optim": {"errors"},
     "sampling": {"models", "data", "offload", "lora_format", "planner", *SHARED},
     "captioning": {"data", "models", "offload", "planner", *SHARED},
 }

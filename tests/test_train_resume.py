@@ -199,7 +199,9 @@ def test_streamed_full_fine_tune_packs_the_optimizer_state_with_its_block(
     """fit packs each streamed weight's optimizer state beside it in the block (trainer/offload/fused.py), so
     between steps it lives in the host arena, and trains bitwise like the state-in-RAM wiring (trainer/optim
     StateOffload) that 8-bit AdamW falls back to."""
-    from trainer.offload import fused
+    from dataclasses import replace
+
+    from trainer.optim.specs import OPTIMIZERS
 
     monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
 
@@ -230,7 +232,7 @@ def test_streamed_full_fine_tune_packs_the_optimizer_state_with_its_block(
     assert seen["host"]  # between steps the optimizer reads the host arena's copy of the state
 
     with monkeypatch.context() as m:
-        m.setattr(fused, "PACKED_STATE_OPTIMIZERS", ())
+        m.setitem(OPTIMIZERS, optimizer, replace(OPTIMIZERS[optimizer], packed=False))  # as 8-bit AdamW's spec
         in_ram = trainer(tmp_path / "ram")
         in_ram.setup()
         assert not any(pk.states for pk in in_ram.offload._c.packs)

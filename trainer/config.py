@@ -22,10 +22,17 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, UserError
+from .lora_format.kinds import LORA_KIND_NAMES, LORA_KINDS
 from .models import ADAPTERS, canonical_family
+from .optim.specs import OPTIMIZER_NAMES, OPTIMIZERS, names_where
 
 #: the folder of a source that holds its images' reference images (edit families' pairs: trainer/data/sources.py)
 CONTROL_DIR = "control"
+
+
+def _or(names: list[str]) -> str:
+    """a, b or c"""
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
 
 
 class _Section(BaseModel):
@@ -111,11 +118,10 @@ class ModelConfig(_Section):
 
 
 class LoraConfig(_Section):
-    type: Literal["lora", "lokr", "loha"] = Field(
+    type: Literal[LORA_KIND_NAMES] = Field(  # the registry's (trainer/lora_format/kinds.py)
         default="lora",
-        description="Adapter kind, through peft: lora (B @ A), lokr (Kronecker product, LyCORIS LoKr) or loha "
-        "(Hadamard product of two low-rank pairs, LyCORIS LoHa). lora loads with diffusers' load_lora_weights; "
-        "lokr and loha load with peft (docs/training.md and the log say how) and with `dittrain sample --lora`.",
+        description="Adapter kind, through peft: " + "; ".join(k.doc for k in LORA_KINDS.values()) + ". A kind "
+        "that loads with peft is loaded by `dittrain sample --lora` too (docs/training.md and the log say how).",
     )
     dora: bool = Field(
         default=False,
@@ -146,18 +152,15 @@ class LoraConfig(_Section):
 
     @model_validator(mode="after")
     def _dora_is_lora(self) -> LoraConfig:
-        if self.dora and self.type != "lora":
-            raise ValueError(f"lora.dora: true is a variant of lora.type: lora, not {self.type}; set one of them")
+        if self.dora and not LORA_KINDS[self.type].dora:
+            with_dora = " or ".join(k.name for k in LORA_KINDS.values() if k.dora)
+            raise ValueError(f"lora.dora: true is a variant of lora.type: {with_dora}, not {self.type}; set one of them")
         return self
 
 
 class OptimizerConfig(_Section):
-    name: Literal["adamw", "adamw8bit", "adafactor", "prodigy", "adamw_schedulefree"] = Field(
-        default="adamw",
-        description="adamw; adamw8bit (needs bitsandbytes and a GPU); adafactor (transformers' Adafactor with "
-        "lr as an absolute step size: relative_step and scale_parameter off, no momentum); prodigy (prodigyopt: "
-        "finds the step size itself, set lr: 1.0); adamw_schedulefree (schedulefree: no decay schedule, "
-        "scheduler: constant; saves and samples the averaged weights).",
+    name: Literal[OPTIMIZER_NAMES] = Field(  # the registry's (trainer/optim/specs.py)
+        default="adamw", description="; ".join(s.doc for s in OPTIMIZERS.values()) + ".",
     )
     lr: float = Field(default=1e-4, gt=0, description="Peak learning rate.")
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="Adam betas (adamw, adamw8bit).")
@@ -237,7 +240,7 @@ class TrainConfig(_Section):
         description="With several processes (torchrun): ddp, every process holds the whole model and gradients are "
         "averaged; fsdp, the transformer's weights, gradients and optimizer state are sharded across processes "
         "(PyTorch FSDP2, one unit per block), and with offload.transformer > 0 each process keeps only its shard "
-        "in pinned CPU RAM (fsdp: optimizer.name adamw, adamw_schedulefree or prodigy, no stochastic rounding; "
+        f"in pinned CPU RAM (fsdp: optimizer.name {_or(names_where('sharded'))}, no stochastic rounding; "
         "EMA, the fused back pass, activation offloading and nano-batches work). One process trains as with ddp.",
     )
     compile: bool | Literal["auto"] = Field(
@@ -677,9 +680,9 @@ class Config(_Section):
             misfit = check_targets(targets, self.lora.type, self.output.lora_format, self.model.family)
             if misfit:
                 raise ValueError(misfit)
-        if opt.name == "adamw_schedulefree" and (opt.scheduler != "constant" or opt.fused_back_pass):
+        if OPTIMIZERS[opt.name].whole_step and (opt.scheduler != "constant" or opt.fused_back_pass):
             raise ValueError(
-                "optimizer.name: adamw_schedulefree replaces the decay schedule and steps all weights at once: set "
+                f"optimizer.name: {opt.name} replaces the decay schedule and steps all weights at once: set "
                 "optimizer.scheduler: constant and optimizer.fused_back_pass: false"
             )
         if opt.stochastic_rounding and t.method != "full":
@@ -889,18 +892,13 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError("\n".join(msgs[:5]) + (f"\n(and {len(msgs) - 5} more)" if len(msgs) > 5 else "")) from None
 
 
-#: the optimizers train.distributed: fsdp trains and resumes exactly (tests/test_fsdp.py; sharded.py says why not
-#: the others)
-SHARDED_OPTIMIZERS = ("adamw", "adamw_schedulefree", "prodigy")
-
-
 def _fsdp_combinations(cfg: Config) -> None:
     """What train.distributed: fsdp does not do (yet), refused before anything loads (trainer/train/sharded.py
     says why each is so)."""
     o, opt = cfg.offload, cfg.optimizer
     refused = [
-        (opt.name not in SHARDED_OPTIMIZERS, "optimizer.name: adamw, adamw_schedulefree or prodigy (the "
-         "optimizers tested on sharded weights)"),
+        (not OPTIMIZERS[opt.name].sharded, f"optimizer.name: {_or(names_where('sharded'))} (the optimizers tested "
+         "on sharded weights; trainer/train/sharded.py says why not the others)"),
         (opt.stochastic_rounding, "optimizer.stochastic_rounding: false"),
         (o.transformer == "auto", "a number for offload.transformer (0: shards on the GPUs; > 0: in CPU RAM)"),
     ]

@@ -61,14 +61,14 @@ def _pattern_value(name: str, patterns: dict, default: float) -> float:
 
 def read_lora(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     """{base weight name: (A, B, alpha / r)} of one diffusers-format LoRA file, fp32."""
-    from .lora_format import file_format, read_lora_file
+    from .lora_format import LORA_KINDS, file_format, read_lora_file
 
     path = Path(path)
     if not path.is_file():
         raise UserError(f"--lora {path}: file not found")
     if file_format(path) != "diffusers":  # comfy / kohya layout (output.lora_format): through the converter
         lf = read_lora_file(path)
-        if lf.kind != "lora" or lf.dora:
+        if not LORA_KINDS[lf.kind].mergeable or lf.dora:
             raise UserError(f"--lora {path}: only plain LoRA files merge here, not {lf.kind}"
                             f"{' + DoRA' if lf.dora else ''}")
         return {f"{n}.weight": (m.t["down"].float(), m.t["up"].float(), m.scale) for n, m in lf.modules.items()}

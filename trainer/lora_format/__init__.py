@@ -4,6 +4,7 @@
     write_lora_file(path, lf, "comfy", family)      # LoraFile -> one layout, atomically
     convert_lora(src, dst, "kohya", family=None)    # `dittrain convert-lora`
     lora_kind(lora_metadata(path))                  # lora, lokr or loha, from the header alone
+    LORA_KINDS["lokr"]                              # a kind's spec (kinds.py): every fact of it the code reads
 
 The one thing every loader must agree on is the strength. peft and diffusers scale an update by alpha / r, with
 alpha in the file's header (`lora_adapter_metadata`); ComfyUI and kohya-style loaders read alpha only from a
@@ -41,58 +42,63 @@ not name (`norm_out.linear` and others stored differently in the original: the e
 
 from __future__ import annotations
 
-from pathlib import Path
+from importlib import import_module
+from typing import TYPE_CHECKING
 
-from ..errors import UserError
-from ._core import (
-    COMFY_PREFIX,
-    DIFFUSERS_PREFIX,
-    DORA_COMFY_NOTE,
-    FORMATS,
-    KOHYA_PREFIX,
-    LORA_METADATA_KEY,
-    META_BAKED,
-    META_FORMAT,
-    META_FUSED,
-    LoraFile,
-    Module,
-)
-from ._dora import BaseWeights, file_weights
-from ._read import (
-    detect_format,
-    file_format,
-    is_dora_file,
-    lora_file_from,
-    lora_kind,
-    lora_metadata,
-    peft_config,
-    peft_state_dict,
-    read_lora_file,
-)
-from ._write import check_layout, check_targets, encode, write_lora_file
+if TYPE_CHECKING:
+    from ._convert import convert_lora
+    from ._core import (
+        COMFY_PREFIX,
+        DIFFUSERS_PREFIX,
+        DORA_COMFY_NOTE,
+        FORMATS,
+        KOHYA_PREFIX,
+        LORA_METADATA_KEY,
+        META_BAKED,
+        META_FORMAT,
+        META_FUSED,
+        LoraFile,
+        Module,
+    )
+    from ._dora import BaseWeights, file_weights
+    from ._read import (
+        detect_format,
+        file_format,
+        is_dora_file,
+        lora_file_from,
+        lora_kind,
+        lora_metadata,
+        peft_config,
+        peft_state_dict,
+        read_lora_file,
+    )
+    from ._write import check_layout, check_targets, encode, write_lora_file
+    from .kinds import LORA_KINDS, LoraKind, lora_kind_spec
 
-__all__ = ["COMFY_PREFIX", "DIFFUSERS_PREFIX", "DORA_COMFY_NOTE", "FORMATS", "KOHYA_PREFIX", "LORA_METADATA_KEY",
-           "META_BAKED", "META_FORMAT", "META_FUSED", "BaseWeights", "LoraFile", "Module", "check_layout",
-           "check_targets", "convert_lora", "detect_format", "encode", "file_format", "file_weights", "is_dora_file",
-           "lora_file_from", "lora_kind", "lora_metadata", "peft_config", "peft_state_dict", "read_lora_file",
-           "write_lora_file"]
+__all__ = [
+    "convert_lora", "COMFY_PREFIX", "DIFFUSERS_PREFIX", "DORA_COMFY_NOTE", "FORMATS", "KOHYA_PREFIX",
+    "LORA_METADATA_KEY", "META_BAKED", "META_FORMAT", "META_FUSED", "LoraFile", "Module", "BaseWeights",
+    "file_weights", "detect_format", "file_format", "is_dora_file", "lora_file_from", "lora_kind",
+    "lora_metadata", "peft_config", "peft_state_dict", "read_lora_file", "check_layout", "check_targets",
+    "encode", "write_lora_file", "LORA_KINDS", "LoraKind", "lora_kind_spec",
+]
+#: the module of this package each public name is defined in, imported when the name is first asked for (PEP 562),
+#: so that config.py reads the LoRA-kind registry (kinds.py) without importing torch
+_MODULE_OF = {
+    "convert_lora": "_convert",
+    "COMFY_PREFIX": "_core", "DIFFUSERS_PREFIX": "_core", "DORA_COMFY_NOTE": "_core", "FORMATS": "_core",
+    "KOHYA_PREFIX": "_core", "LORA_METADATA_KEY": "_core", "META_BAKED": "_core", "META_FORMAT": "_core",
+    "META_FUSED": "_core", "LoraFile": "_core", "Module": "_core",
+    "BaseWeights": "_dora", "file_weights": "_dora",
+    "detect_format": "_read", "file_format": "_read", "is_dora_file": "_read", "lora_file_from": "_read",
+    "lora_kind": "_read", "lora_metadata": "_read", "peft_config": "_read", "peft_state_dict": "_read",
+    "read_lora_file": "_read",
+    "check_layout": "_write", "check_targets": "_write", "encode": "_write", "write_lora_file": "_write",
+    "LORA_KINDS": "kinds", "LoraKind": "kinds", "lora_kind_spec": "kinds",
+}
 
 
-def convert_lora(src: Path, dst: Path, to: str, family: str | None = None, overwrite: bool = False,
-                 base: BaseWeights | None = None) -> LoraFile:
-    """`dittrain convert-lora`: read any layout, write `to`. An existing `dst` is replaced only with `overwrite`,
-    and never when it is `src` (the input would be gone if the conversion were not what was wanted). `base`: the
-    base weights, which a DoRA needs in the comfy / kohya layout."""
-    if to not in FORMATS:
-        raise UserError(f"--to {to}: choose one of {', '.join(FORMATS)}")
-    src, dst = Path(src), Path(dst)
-    if dst.exists() and src.exists() and dst.resolve() == src.resolve():
-        raise UserError(f"{dst} is the input file: write the converted LoRA to another file (e.g. "
-                        f"{dst.with_name(f'{dst.stem}-{to}{dst.suffix}')})")
-    if dst.exists() and not overwrite:
-        raise UserError(f"{dst} already exists: add --overwrite to replace it, or choose another output file")
-    lf = read_lora_file(src, family)
-    write_lora_file(dst, lf, to, family, base)
-    return lf
-
-
+def __getattr__(name: str):
+    if name in _MODULE_OF:
+        return getattr(import_module(f".{_MODULE_OF[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

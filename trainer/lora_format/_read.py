@@ -9,7 +9,7 @@ import torch
 
 from ..errors import UserError
 from ._core import (
-    _LORA_SUFFIXES,
+    _FILE_NAMES,
     _REFUSED,
     _SUFFIXES,
     COMFY_PREFIX,
@@ -25,6 +25,7 @@ from ._core import (
     _in_features,
     _key_map,
 )
+from .kinds import LORA_KINDS, kind_of_factor, kind_of_peft_type
 
 # ---------------------------------------------------------------------------------------------- reading
 
@@ -69,7 +70,13 @@ def _split_key(path: Path, key: str) -> tuple[str, str]:
             if s in _REFUSED:
                 raise UserError(f"{path}: {key}: {_REFUSED[s]}")
             return key[: -len(s) - 1], s
-    raise UserError(f"{path}: {key} is not a LoRA, LoKr or LoHa weight (unknown key suffix)")
+    raise UserError(f"{path}: {key} is not a {_labels()} weight (unknown key suffix)")
+
+
+def _labels() -> str:
+    """LoRA, LoKr or LoHa: every kind's label."""
+    labels = [k.label for k in LORA_KINDS.values()]
+    return ", ".join(labels[:-1]) + " or " + labels[-1]
 
 
 def _pattern(name: str, patterns: dict | None, default):
@@ -90,19 +97,16 @@ def _group(path: Path, tensors: dict, strip) -> dict[str, tuple[dict[str, torch.
         if suffix == "alpha":
             alpha.append(float(v.float().item()))
         else:
-            t[_LORA_SUFFIXES.get(suffix, suffix)] = v
+            t[_FILE_NAMES[suffix]] = v
     return {n: (t, a[0] if a else None) for n, (t, a) in out.items() if t}
 
 
 def _kind(path: Path, name: str, t: dict) -> str:
-    kinds = {"lora" if k in ("down", "up", "magnitude") else k[:4].replace("hada", "loha") for k in t}
-    need = {"lora": ("down", "up"), "loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")}
+    kinds = {kind_of_factor(k) for k in t}
     if len(kinds) != 1:
         raise UserError(f"{path}: {name} mixes adapter kinds ({', '.join(sorted(t))})")
     kind = kinds.pop()
-    missing = [n for n in need.get(kind, ()) if n not in t]
-    if kind == "lokr" and not (("lokr_w1" in t or "lokr_w1_a" in t) and ("lokr_w2" in t or "lokr_w2_a" in t)):
-        missing = ["lokr_w1 / lokr_w2"]
+    missing = [" / ".join(alts) for alts in LORA_KINDS[kind].required if not any(a in t for a in alts)]
     if missing:
         raise UserError(f"{path}: {name} has no {', '.join(missing)} weight")
     return kind
@@ -122,7 +126,7 @@ def read_lora_file(path: Path, family: str | None = None) -> LoraFile:
     else:
         modules = _read_original(path, tensors, meta, fmt, _key_map(family or meta.get("dittrain.family"), path))
     if not modules:
-        raise UserError(f"{path}: no LoRA, LoKr or LoHa weights in this file")
+        raise UserError(f"{path}: no {_labels()} weights in this file")
     baked = float(meta.get(META_BAKED, 1.0))
     if baked != 1.0:  # ours: divide the trained scale back out of the weights it was multiplied into
         modules = {n: m.baked(1.0 / baked) if fmt == "diffusers" or m.rank is None else m for n, m in modules.items()}
@@ -144,13 +148,13 @@ def _read_diffusers(path: Path, tensors: dict, meta: dict) -> dict[str, Module]:
         kind = _kind(path, name, t)
         m = Module(kind, t)
         r = _pattern(name, cfg.get("rank_pattern"), cfg.get("r"))
-        if kind == "lokr" and m.rank is None:
-            m.peft_r = int(r) if r else max(t["lokr_w2"].shape)
+        if m.rank is None:  # a LoKr with two full factors: peft's r is not in the tensors
+            m.peft_r = int(r) if r else m.spec.r_of(t)
         if alpha is not None and m.rank:  # kohya-style alpha tensors under diffusers names
             m.scale = alpha / m.rank
         elif cfg:
             a = _pattern(name, cfg.get("alpha_pattern"), cfg.get("lora_alpha", cfg.get("alpha", r)))
-            r_eff = m.rank if kind != "lokr" else int(r)  # peft divides by the config's r
+            r_eff = int(r) if m.spec.scales_by_config_r else m.rank  # how peft scales this kind
             m.scale = float(a) / float(r_eff)
         out[name] = m
     return out
@@ -183,8 +187,8 @@ def _read_original(path: Path, tensors: dict, meta: dict, fmt: str, kmap) -> dic
         m = Module(kind, t)
         if alpha is not None and m.rank:
             m.scale = alpha / m.rank
-        if kind == "lokr" and m.rank is None:
-            m.peft_r = int(meta.get("dittrain.rank") or max(t["lokr_w2"].shape))
+        if m.rank is None:
+            m.peft_r = int(meta.get("dittrain.rank") or m.spec.r_of(t))
         if not rule.fused:
             out[names[0]] = m
             continue
@@ -193,15 +197,15 @@ def _read_original(path: Path, tensors: dict, meta: dict, fmt: str, kmap) -> dic
 
 
 def _split_fused(path, orig, rule, names, m: Module, ranks) -> dict[str, Module]:
-    if m.kind == "lokr":
-        raise UserError(f"{path}: {orig} is a LoKr on a fused layer, which cannot be split into diffusers' "
+    pairs = m.spec.pairs
+    if pairs is None:
+        raise UserError(f"{path}: {orig} is a {m.spec.label} on a fused layer, which cannot be split into diffusers' "
                         f"separate {', '.join(n.rsplit('.', 1)[-1] for n in names)}")
     sizes = [round(w * _in_features(m)) for w in rule.widths]  # a fraction for grouped-query k / v
-    up_name = "up" if m.kind == "lora" else "hada_w1_a"
+    up_name = pairs[0][1]
     if m.t[up_name].shape[0] != sum(sizes):
         raise UserError(f"{path}: {orig} has {m.t[up_name].shape[0]} outputs, this family's fused layer "
                         f"{sum(sizes)} ({'+'.join(map(str, sizes))})")
-    pairs = [("down", "up")] if m.kind == "lora" else [("hada_w1_b", "hada_w1_a"), ("hada_w2_b", "hada_w2_a")]
     out, row = {}, 0
     for j, (name, size) in enumerate(zip(names, sizes, strict=True)):
         rows = slice(row, row + size)
@@ -230,8 +234,7 @@ def lora_file_from(tensors: dict[str, torch.Tensor], meta: dict[str, str], where
 
 def peft_state_dict(lf: LoraFile) -> dict[str, torch.Tensor]:
     """peft's state dict of `lf` (each module at its own scale: load it into an adapter with alpha = scale x r)."""
-    names = {"down": "lora_A.weight", "up": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
-    return {f"{n}.{names.get(k, k)}": v for n, m in lf.modules.items() for k, v in m.t.items()}
+    return {f"{n}.{m.spec.peft_names.get(k, k)}": v for n, m in lf.modules.items() for k, v in m.t.items()}
 
 
 # ---------------------------------------------------------------------------------------------- headers
@@ -255,10 +258,11 @@ def peft_config(meta: dict[str, str]) -> dict:
 
 
 def lora_kind(meta: dict[str, str]) -> str:
-    """lora, lokr or loha, from a LoRA file's header (peft_type in the adapter metadata; lora when absent)."""
+    """A key of LORA_KINDS (lora, lokr, loha), from a LoRA file's header (peft_type in the adapter metadata; lora
+    when absent)."""
     if LORA_METADATA_KEY in meta:
         cfg = json.loads(meta[LORA_METADATA_KEY])
-        return str(cfg.get(f"{DIFFUSERS_PREFIX}peft_type", "LORA")).rsplit(".", 1)[-1].lower()
+        return kind_of_peft_type(cfg.get(f"{DIFFUSERS_PREFIX}peft_type", "LORA"))
     return meta.get("dittrain.type", "lora")
 
 

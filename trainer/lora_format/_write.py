@@ -23,6 +23,7 @@ from ._core import (
     _key_map,
 )
 from ._dora import BaseWeights, comfy_dora_scale, missing_base_message, unchanged_scale
+from .kinds import LORA_KINDS
 
 # ---------------------------------------------------------------------------------------------- writing
 
@@ -32,29 +33,17 @@ def _peft_metadata(modules: dict[str, Module]) -> dict:
     kinds = {m.kind for m in modules.values()}
     if len(kinds) != 1:
         raise UserError(f"a LoRA file holds one adapter kind, not {sorted(kinds)}")
-    kind = kinds.pop()
-
-    def r_of(m: Module) -> int:
-        return m.rank if m.kind != "lokr" else (m.t["lokr_w2_b"].shape[0] if "lokr_w2_b" in m.t else m.peft_r
-                                                 or max(m.t["lokr_w2"].shape))
-
-    ranks = {n: r_of(m) for n, m in modules.items()}
+    spec = LORA_KINDS[kinds.pop()]
+    ranks = {n: spec.r_of(m.t, m.peft_r) for n, m in modules.items()}
     r0 = max(set(ranks.values()), key=list(ranks.values()).count)
     pattern = {n: r for n, r in ranks.items() if r != r0}
     cfg: dict = {"r": r0, "target_modules": sorted(modules), "rank_pattern": pattern, "alpha_pattern": dict(pattern)}
-    if kind == "lora":
-        cfg.update(peft_type="LORA", lora_alpha=r0, use_dora=any("magnitude" in m.t for m in modules.values()),
-                   lora_dropout=0.0, bias="none", init_lora_weights=True)
-    else:
-        cfg.update(peft_type=kind.upper(), alpha=r0, rank_dropout=0.0, module_dropout=0.0, init_weights=True)
-        if kind == "lokr":
-            cfg["decompose_both"] = any("lokr_w1_a" in m.t for m in modules.values())
+    cfg.update(spec.header(modules, r0))
     return {f"{DIFFUSERS_PREFIX}{k}": v for k, v in cfg.items()}
 
 
 def _diffusers_tensors(modules: dict[str, Module]) -> dict[str, torch.Tensor]:
-    names = {"down": "lora_A.weight", "up": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
-    return {f"{DIFFUSERS_PREFIX}{n}.{names.get(k, k)}": v.contiguous()
+    return {f"{DIFFUSERS_PREFIX}{n}.{m.spec.peft_names.get(k, k)}": v.contiguous()
             for n, m in modules.items() for k, v in m.baked().t.items()}
 
 
@@ -66,7 +55,6 @@ def _original_tensors(modules: dict[str, Module], kmap, fmt: str, family: str,
                       base: BaseWeights | None = None) -> tuple[dict, dict, set]:
     """(tensors, fused ranks, the scales multiplied into full-factor LoKr weights) in the comfy or kohya layout; a
     DoRA's magnitudes become ComfyUI's `dora_scale` from the `base` weights (trainer/lora_format/_dora.py)."""
-    names = {"down": "lora_down.weight", "up": "lora_up.weight"}
     groups: dict[str, tuple] = {}
     for n, m in modules.items():
         place = _place(kmap, n, m.kind, family)
@@ -87,7 +75,7 @@ def _original_tensors(modules: dict[str, Module], kmap, fmt: str, family: str,
             m = m.baked()
         else:
             out[f"{key}.alpha"] = _alpha(m.scale * m.rank)
-        out.update({f"{key}.{names.get(k, k)}": v.contiguous() for k, v in m.t.items()})
+        out.update({f"{key}.{m.spec.original_names.get(k, k)}": v.contiguous() for k, v in m.t.items()})
     return out, fused, baked
 
 
@@ -106,20 +94,24 @@ def _place(kmap, name: str, kind: str, family: str):
     if place is None:
         raise UserError(f"{name}: no name for this module in the {family} original layout (lora_key_map in "
                         f"trainer/models/); use the diffusers layout")
-    if kind == "lokr" and place.rule.fused:
-        raise UserError(_fused_lokr_message(place.original, place.rule, family))
+    if LORA_KINDS[kind].pairs is None and place.rule.fused:
+        raise UserError(_unfusable_message(place.original, place.rule, family, kind))
     return place
 
 
-def _fused_lokr_message(original: str, rule, family: str) -> str:
+def _unfusable_message(original: str, rule, family: str, kind: str) -> str:
+    """Why a kind that cannot be stacked (`pairs` None: LoKr) on a part of a fused original layer has no comfy /
+    kohya file, and what to do instead."""
     from ..models import adapter_class
 
     cls = adapter_class(family)
+    label = LORA_KINDS[kind].label
+    others = " or ".join(k.name for k in LORA_KINDS.values() if k.pairs is not None)
     comfy = (cls.comfy_diffusers_lora_note() if cls.comfy_reads_diffusers_lora
-             else f"which ComfyUI does not map for {family}: for ComfyUI train lora.type: lora or loha")
-    return (f"{original}: a LoKr on {', '.join(p.rsplit('.', 1)[-1] for p in rule.parts)} cannot be written as one "
-            f"fused LoKr in the comfy / kohya layout; use output.lora_format: diffusers ({comfy}), train lora.type: "
-            f"lora or loha, or leave {', '.join(p.rsplit('.', 1)[-1] for p in rule.parts)} out of lora.targets")
+             else f"which ComfyUI does not map for {family}: for ComfyUI train lora.type: {others}")
+    return (f"{original}: a {label} on {', '.join(p.rsplit('.', 1)[-1] for p in rule.parts)} cannot be written as "
+            f"one fused {label} in the comfy / kohya layout; use output.lora_format: diffusers ({comfy}), train "
+            f"lora.type: {others}, or leave {', '.join(p.rsplit('.', 1)[-1] for p in rule.parts)} out of lora.targets")
 
 
 def check_layout(modules: list[str], kind: str, fmt: str, family: str) -> None:
@@ -145,8 +137,9 @@ def _matches(template: str, target: str) -> bool:
 
 def check_targets(targets: list[str], kind: str, fmt: str, family: str) -> str | None:
     """Before anything loads (config validation): the one-line reason layout `fmt` cannot hold a `kind` adapter on
-    peft targets `targets`, or None. Only a LoKr on a part of a fused original layer is known from names alone."""
-    if fmt == "diffusers" or kind != "lokr":
+    peft targets `targets`, or None. Only a kind that cannot be stacked (LoKr) on a part of a fused original layer is
+    known from names alone."""
+    if fmt == "diffusers" or LORA_KINDS[kind].pairs is not None:
         return None
     from ..models import adapter_class
 
@@ -155,7 +148,7 @@ def check_targets(targets: list[str], kind: str, fmt: str, family: str) -> str |
         return None  # _key_map says so when the file is written
     for rule in kmap.rules:
         if rule.fused and any(_matches(p, t) for p in rule.parts for t in targets):
-            return _fused_lokr_message(rule.original, rule, family)
+            return _unfusable_message(rule.original, rule, family, kind)
     return None
 
 
@@ -169,9 +162,8 @@ def _stack(orig: str, rule, parts: dict[int, Module], names: list[str],
     fin = _in_features(first)
     sizes = [round(w * fin) for w in rule.widths]  # a fraction for grouped-query k / v
     ranks = [parts[j].rank if j in parts else 0 for j in range(len(sizes))]
-    pairs = [("down", "up")] if first.kind == "lora" else [("hada_w1_b", "hada_w1_a"), ("hada_w2_b", "hada_w2_a")]
     t = {}
-    for d, u in pairs:
+    for d, u in first.spec.pairs:
         ref = parts[next(iter(parts))].t[u]
         t[d] = torch.cat([parts[j].t[d] for j in sorted(parts)])
         t[u] = torch.zeros(sum(sizes), sum(ranks), dtype=ref.dtype)

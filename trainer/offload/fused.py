@@ -11,8 +11,8 @@ The first step is the optimizer's own: it creates its state, and `post` copies i
 
 Blocks that never leave the ring (low fractions) have no host copy: their state simply stays in the ring.
 
-Left out: optimizers whose state shapes are not known before the first step (state_layout answers for AdamW,
-Adafactor); optimizer state of non-block parameters (embedders) is the optimizer's, on the device.
+Left out: optimizers whose state shapes are not known before the first step (the `packed` flag of their spec in
+trainer/optim/specs.py: AdamW and Adafactor are); optimizer state of non-block parameters (embedders) is the optimizer's, on the device.
 """
 
 from __future__ import annotations
@@ -20,10 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-#: Optimizers whose state layout `FusedBackPass.state_layout` knows before the first step, so it can be packed
-#: (8-bit AdamW's is not: the trainer keeps its state in RAM with trainer/optim StateOffload).
-PACKED_STATE_OPTIMIZERS = ("adamw", "adafactor")
 
 
 def bind_fused(handle, fused) -> None:

@@ -1,5 +1,7 @@
 """Optimizers, schedules, the fused back pass, stochastic rounding and optimizer state as safetensors.
 
+The optimizers are the specs of specs.py (`OPTIMIZERS`: one `OptimizerSpec` each, what every other part reads).
+
 The training loop, unfused:
 
     opt = build_optimizer(params, cfg.optimizer, seed=cfg.train.seed)
@@ -27,31 +29,43 @@ Checkpoints: `save_optimizer_state(opt, folder)` / `load_optimizer_state(opt, fo
 `optimizer_state_from_safetensors(opt, tensors, meta)`; `sched.state_dict()` is plain JSON.
 """
 
-from .build import build_optimizer, build_scheduler, current_lr, lr_factor, torch_optimizer
-from .clip import clip_grad_norm
-from .fused import FusedBackPass, StateOffload
-from .state import (
-    load_optimizer_state,
-    optimizer_state_from_safetensors,
-    optimizer_state_to_safetensors,
-    save_optimizer_state,
-)
-from .stochastic import Fp32StepOptimizer, copy_stochastic_, stochastic_round
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .build import build_optimizer, build_scheduler, current_lr, lr_factor, torch_optimizer
+    from .clip import clip_grad_norm
+    from .fused import FusedBackPass, StateOffload
+    from .specs import OPTIMIZERS, OptimizerSpec, optimizer_spec
+    from .state import (
+        load_optimizer_state,
+        optimizer_state_from_safetensors,
+        optimizer_state_to_safetensors,
+        save_optimizer_state,
+    )
+    from .stochastic import Fp32StepOptimizer, copy_stochastic_, stochastic_round
 
 __all__ = [
-    "build_optimizer",
-    "build_scheduler",
-    "current_lr",
-    "lr_factor",
-    "torch_optimizer",
-    "clip_grad_norm",
-    "FusedBackPass",
-    "StateOffload",
-    "save_optimizer_state",
-    "load_optimizer_state",
-    "optimizer_state_to_safetensors",
-    "optimizer_state_from_safetensors",
-    "Fp32StepOptimizer",
-    "copy_stochastic_",
-    "stochastic_round",
+    "build_optimizer", "build_scheduler", "current_lr", "lr_factor", "torch_optimizer", "clip_grad_norm",
+    "FusedBackPass", "StateOffload", "OPTIMIZERS", "OptimizerSpec", "optimizer_spec",
+    "load_optimizer_state", "optimizer_state_from_safetensors", "optimizer_state_to_safetensors",
+    "save_optimizer_state", "Fp32StepOptimizer", "copy_stochastic_", "stochastic_round",
 ]
+#: the module of this package each public name is defined in, imported when the name is first asked for (PEP 562),
+#: so that config.py reads the optimizer registry (specs.py) without importing torch
+_MODULE_OF = {
+    "build_optimizer": "build", "build_scheduler": "build", "current_lr": "build", "lr_factor": "build",
+    "torch_optimizer": "build",
+    "clip_grad_norm": "clip",
+    "FusedBackPass": "fused", "StateOffload": "fused",
+    "OPTIMIZERS": "specs", "OptimizerSpec": "specs", "optimizer_spec": "specs",
+    "load_optimizer_state": "state", "optimizer_state_from_safetensors": "state",
+    "optimizer_state_to_safetensors": "state", "save_optimizer_state": "state",
+    "Fp32StepOptimizer": "stochastic", "copy_stochastic_": "stochastic", "stochastic_round": "stochastic",
+}
+
+
+def __getattr__(name: str):
+    if name in _MODULE_OF:
+        return getattr(import_module(f".{_MODULE_OF[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

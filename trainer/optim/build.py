@@ -7,31 +7,26 @@ result back rounded to nearest, or stochastically with `optimizer.stochastic_rou
 `zero_grad()`, `param_groups`, `state_dict()` / `load_state_dict()`, and both are accepted by
 `build_scheduler`, `FusedBackPass` and the safetensors state helpers.
 
-Adafactor: torch 2.13 ships `torch.optim.Adafactor`, but it scales every step by the parameter's RMS (its `lr`
-is a relative step size), so a zero-initialised LoRA B barely moves at lr 1e-4. We use transformers' Adafactor
-with `relative_step=False, scale_parameter=False, warmup_init=False` (the setting diffusion trainers use), so
-`optimizer.lr` and the schedule mean the same for every optimizer. It has no momentum (beta1=None): `betas`
-apply to the Adam optimizers only.
-
-Prodigy (`prodigy`, the prodigyopt package) estimates the step size itself: `optimizer.lr` is a multiplier of its
-estimate, 1.0 as its authors advise. Schedule-free AdamW (`adamw_schedulefree`, the schedulefree package) replaces
-the decay schedule by averaging: the weights the model trains with are an interpolation, and the weights to save
-or sample are the average, which `eval_weights` swaps in (and back) around every save and sample. It needs a
-constant schedule (warmup still applies) and fp32 trainable weights, and does not run in the fused back pass.
+The optimizers themselves (what each is, how it is built, its state) are specs in specs.py. A schedule-free one
+(`whole_step`) replaces the decay schedule by averaging: the weights the model trains with are an interpolation, and
+the weights to save or sample are the average, which `eval_weights` swaps in (and back) around every save and sample.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from ..config import OptimizerConfig
 from ..errors import UserError
+from .specs import optimizer_spec
+
+if TYPE_CHECKING:
+    from ..config import OptimizerConfig
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
@@ -44,56 +39,6 @@ def param_groups(params: ParamsT) -> list[dict[str, Any]]:
     if isinstance(items[0], dict):
         return [{**g, "params": list(g["params"])} for g in items]
     return [{"params": items}]
-
-
-def _factory(cfg: OptimizerConfig) -> Callable[[list[dict]], torch.optim.Optimizer]:
-    if cfg.name == "adamw":
-        return lambda groups: torch.optim.AdamW(
-            groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
-    if cfg.name == "adafactor":
-        from transformers.optimization import Adafactor
-
-        return lambda groups: Adafactor(
-            groups,
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            beta1=None,
-            relative_step=False,
-            scale_parameter=False,
-            warmup_init=False,
-        )
-    if cfg.name == "adamw8bit":
-        if not torch.cuda.is_available():
-            raise UserError(
-                "optimizer.name: adamw8bit runs on CUDA only (bitsandbytes) and no CUDA device is available; "
-                "set optimizer.name: adamw"
-            )
-        try:
-            import bitsandbytes as bnb
-        except ImportError as e:
-            raise UserError(
-                f"optimizer.name: adamw8bit needs bitsandbytes ({e}): `pip install bitsandbytes`, "
-                "or set optimizer.name: adamw"
-            ) from None
-        return lambda groups: bnb.optim.AdamW8bit(
-            groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
-    if cfg.name == "prodigy":
-        from prodigyopt import Prodigy
-
-        return lambda groups: Prodigy(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if cfg.name == "adamw_schedulefree":
-        from schedulefree import AdamWScheduleFree
-
-        def make(groups):
-            opt = AdamWScheduleFree(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-            opt.train()  # training mode from the first step; eval_weights swaps to the averaged weights
-            return opt
-
-        return make
-    raise UserError(f"optimizer.name: unknown optimizer {cfg.name!r} (adamw, adamw8bit, adafactor, prodigy, "
-                    "adamw_schedulefree)")
 
 
 @contextmanager
@@ -123,13 +68,17 @@ def build_optimizer(params: ParamsT, cfg: OptimizerConfig, *, seed: int = 0):
     flat = [p for g in groups for p in g["params"]]
     if not flat:
         raise UserError("no trainable parameters to optimize (check train.method and lora.targets)")
-    make = _factory(cfg)
+    spec = optimizer_spec(cfg.name)
+
+    def make(groups):
+        return spec.make(cfg, groups)
+
     if cfg.stochastic_rounding and any(p.dtype == torch.float16 for p in flat):
         raise UserError("optimizer.stochastic_rounding needs bf16 weights: set model.dtype: bf16")
     if all(p.dtype == torch.float32 for p in flat):
         return make(groups)
-    if cfg.name == "adamw_schedulefree":
-        raise UserError("optimizer.name: adamw_schedulefree needs fp32 trainable weights (LoRA, or model.dtype: fp32 "
+    if spec.whole_step:
+        raise UserError(f"optimizer.name: {cfg.name} needs fp32 trainable weights (LoRA, or model.dtype: fp32 "
                         "for full fine-tuning)")
     rounding = "stochastic" if cfg.stochastic_rounding else "nearest"
     return Fp32StepOptimizer(groups, make, rounding=rounding, seed=seed)

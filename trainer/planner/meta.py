@@ -26,8 +26,10 @@ from torch import nn
 
 from ..dtypes import DTYPES
 from ..errors import UserError
+from ..lora_format.kinds import LORA_KINDS
 from ..models import adapter_class
 from ..offload.plan import capacity_for
+from ..optim.specs import optimizer_spec, state_bytes
 
 
 def transformer_class(family: str) -> type:
@@ -90,20 +92,22 @@ _SWAPPED: dict[type, type] = {}
 
 
 def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, alpha: float,
-                  compute_in_input_dtype: bool = False) -> int:
-    """Inject LoRA as the trainer does (peft, fp32 weights) on the meta model; returns its parameter count.
-    `compute_in_input_dtype`: the branch in the activations' dtype, as the trainer runs plain LoRA under
-    `lora.compute_dtype: auto` (`_ComputeDtypeLora`); else peft's forward (compute_dtype fp32, DoRA, LoKr, LoHa)."""
-    from peft import LoraConfig, inject_adapter_in_model
+                  compute_in_input_dtype: bool = False, *, kind: str = "lora", dora: bool = False) -> int:
+    """Inject the adapter of LoRA kind `kind` as the trainer does (the kind's peft config, trainer/lora_format/kinds.py;
+    fp32 weights) on the meta model; returns its parameter count. `compute_in_input_dtype`: the branch in the
+    activations' dtype, as the trainer runs plain LoRA under `lora.compute_dtype: auto` (`_ComputeDtypeLora`); else
+    peft's forward (compute_dtype fp32, DoRA, LoKr, LoHa). Dropout is left out (it saves no more here)."""
+    from types import SimpleNamespace
+
+    from peft import inject_adapter_in_model
     from peft.tuners.lora import Linear as LoraLinear
 
+    section = SimpleNamespace(rank=rank, alpha=alpha, dropout=0.0, dora=dora)  # the fields of config.LoraConfig it reads
     with torch.device("meta"):
-        inject_adapter_in_model(
-            LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets)), transformer
-        )
+        inject_adapter_in_model(LORA_KINDS[kind].build(section, list(targets)), transformer)
     n = 0
-    for name, p in transformer.named_parameters():
-        if "lora_" in name:
+    for p in transformer.parameters():
+        if p.requires_grad:  # the adapter's (peft marks only its own trainable)
             p.data = p.data.float()
             n += p.numel()
     if compute_in_input_dtype:
@@ -117,47 +121,18 @@ def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, a
 
 
 def optimizer_state_bytes(name: str, params) -> int:
-    """Bytes of optimizer state for `params`, fp32 as trainer/optim keeps it: AdamW and schedule-free AdamW two
-    full-size tensors (moments; z and the second moment); Prodigy four (s, p0, and the two moments: p0 is one
-    number for a weight that is all zeros at its first step, a LoRA's B, counted whole here); 8-bit AdamW two uint8
-    moments (block-wise scales left out); Adafactor (beta1=None) factored row and column second moments for
-    matrices and a full one for vectors. The same in pinned RAM (trainer/optim StateOffload's buffers are exactly
-    sized: trainer/offload `pinned_exact`). Checked against a real step: tests/test_planner.py."""
-    total = 0
-    for p in params:
-        if name in ("adamw", "adamw_schedulefree"):
-            total += 2 * 4 * p.numel()
-        elif name == "prodigy":
-            total += 4 * 4 * p.numel()
-        elif name == "adamw8bit":
-            total += 2 * p.numel()
-        elif p.dim() >= 2:
-            total += 4 * p.shape[:-1].numel() + 4 * p.shape[:-2].numel() * p.shape[-1]
-        else:
-            total += 4 * p.numel()
-    return total
+    """Bytes of optimizer state for `params`, fp32 as trainer/optim keeps it: what the optimizer's spec says it keeps
+    per parameter (trainer/optim/specs.py `state`; checked against a real step there). The same in pinned RAM
+    (trainer/optim StateOffload's buffers are exactly sized: trainer/offload `pinned_exact`)."""
+    return state_bytes(name, params)
 
 
 def packed_state_layout(name: str):
     """p -> {state name: (shape, dtype)} of the optimizer state the trainer packs beside each streamed weight
-    (trainer/optim FusedBackPass.state_layout, the same shapes as `optimizer_state_bytes`), or None when the
-    trainer keeps that optimizer's state in RAM instead (8-bit AdamW: its layout is not known before a step)."""
-    from ..offload.fused import PACKED_STATE_OPTIMIZERS
-
-    f32 = torch.float32
-    if name not in PACKED_STATE_OPTIMIZERS:
-        return None
-    if name == "adamw":
-        return lambda p: {"exp_avg": (p.shape, f32), "exp_avg_sq": (p.shape, f32)}
-    if name == "adafactor":
-
-        def factored(p):
-            if p.dim() < 2:
-                return {"v": (p.shape, f32)}
-            return {"row": (p.shape[:-1], f32), "col": (p.shape[:-2] + p.shape[-1:], f32)}
-
-        return factored
-    raise AssertionError(f"no planner layout for {name}")
+    (trainer/optim FusedBackPass.state_layout, the spec's `state`), or None when the trainer keeps that optimizer's
+    state in RAM instead (a spec that is not `packed`: 8-bit AdamW's layout is not known before a step)."""
+    spec = optimizer_spec(name)
+    return spec.state if spec.packed else None
 
 
 def transformer_config(cfg) -> tuple[dict, str]:

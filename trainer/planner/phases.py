@@ -38,7 +38,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models import adapter_class
 from .meta import TextEncoderSize, shared_sizes
 from .prediction import ALLOCATOR_OVERHEAD, GB, WORKSPACE, Facts, predict
 from .sampling import VAE_ACT_DECODE, cfg_batch, predict_sampling
@@ -96,7 +95,7 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     res = max(facts.resolutions)
     train = predict(facts, fraction, res, cfg.offload.activations)
     esize = 2 if facts.dtype.itemsize == 2 else facts.dtype.itemsize
-    vae = adapter_class(facts.family).vae_params * esize  # the full-size VAE's parameters
+    vae = facts.adapter.vae_params * esize  # the full-size VAE's parameters
     text_bytes = _text_ram(facts)
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
     encode_batch = cfg.data.encode_batch_size if cfg.data else 4
@@ -140,13 +139,13 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
 def _bucket(facts: Facts, res: int) -> str:
     """`res` px, and for a video family the clip the planner traces there (`Facts.size`)."""
     w, h, frames = facts.size(res)
-    return f"{res} px" + (f": {w}x{h}x{frames} clips" if adapter_class(facts.family).video else "")
+    return f"{res} px" + (f": {w}x{h}x{frames} clips" if facts.adapter.video else "")
 
 
 def _latent_caching(facts: Facts, res: int, vae: float, encode_batch: int) -> PhasePrediction:
     """`dittrain cache`'s latent stage at bucket `res`: the VAE (and an image encoder beside it) and one item's
     encode (module essay)."""
-    cls = adapter_class(facts.family)
+    cls = facts.adapter
     if facts.vae_config is None:  # an image: bytes per pixel
         px = res * res
         enc_act = min(px, CACHE_TILE_PIXELS) * VAE_ACT_ENCODE

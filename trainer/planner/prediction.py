@@ -69,6 +69,7 @@ import torch
 from .. import quant
 from ..dtypes import DTYPES
 from ..errors import UserError
+from ..lora_format.kinds import LORA_KINDS
 from ..models import adapter_class, stream_load
 from ..offload.allocators import BlockPacking
 from ..offload.plan import Plan, PlanError, capacity_for, make_plan
@@ -105,6 +106,8 @@ class Facts:
     """What the planner derives once per config: sizes and the meta model to trace activations with."""
 
     family: str
+    #: the family's adapter class (trainer/models/): every family fact the planner reads after `analyze`
+    adapter: type
     source: str
     method: str
     dtype: torch.dtype
@@ -166,7 +169,7 @@ class Facts:
         `bucket_sizes` makes it (step d = data.bucket_step capped at res/4, rounded to the divisor; height the
         multiple of d nearest res^2 / width): 640x624 at 632 (480p), as many tokens as 832x480; 960x960 at 960
         (720p), as many as 1280x720."""
-        cls = adapter_class(self.family)
+        cls = self.adapter
         if not cls.video:
             return res, res, 1
         div = cls.latent_scale * cls.token_patch
@@ -177,7 +180,7 @@ class Facts:
     def tokens(self, res: int) -> int:
         """Image (or clip) tokens of one item at bucket `res` for the full-size model (references not included)."""
         w, h, frames = self.size(res)
-        return adapter_class(self.family).full_tokens(h, w, frames)
+        return self.adapter.full_tokens(h, w, frames)
 
     def trace(self, res: int) -> ptrace.Trace:
         """The training forward at bucket `res` (`size`)."""
@@ -192,7 +195,7 @@ class Facts:
                 self.family, self.model, self.batch, height, width, self.text_tokens, self.dtype,
                 references=self.references, frames=frames,
             )
-            mlps = [adapter_class(self.family).token_wise_of(b) for b in self.blocks]
+            mlps = [self.adapter.token_wise_of(b) for b in self.blocks]
             tr = ptrace.trace_forward(self.model, self.blocks, inputs, kernels="cuda", mlps=mlps)
             tr = pcompiled.apply_compiled(self.model, self.blocks, tr) if self.compiled else tr
             self.traces[key] = ptrace.chunk_mlps(tr, self.nano_batches) if not self.compiled else tr
@@ -202,14 +205,15 @@ class Facts:
 def analyze(cfg) -> Facts:
     """Build the meta model for `cfg` and pack its blocks as the conductor would (no weights allocated)."""
     family, method = cfg.model.family, cfg.train.method
+    cls = adapter_class(family)  # the one look-up: Facts carries the class
     dtype = DTYPES[cfg.model.dtype]
     config, source = transformer_config(cfg)
     model = ptrace.meta_transformer(family, config, dtype)
-    refs = cfg.data.references() if adapter_class(family).reference_optional and cfg.data is not None else 0
+    refs = cfg.data.references() if cls.reference_optional and cfg.data is not None else 0
     blocks = ptrace.blocks_of(family, model, refs)
     if cfg.model.quantize != "none":  # the loader's own quantization (meta tensors): 8-bit weights, fp32 scales
         quant.quantize_blocks(blocks, cfg.model.quantize, cfg.model.quantize_modulation,
-                              adapter_class(family).modulation_linears)
+                              cls.modulation_linears)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     nonblock = [p for p in model.parameters() if id(p) not in in_blocks]
     nonblock_bytes = sum(p.numel() * p.element_size() for p in nonblock)
@@ -218,8 +222,9 @@ def analyze(cfg) -> Facts:
         model.requires_grad_(False)
         targets = tuple(cfg.lora.targets) if cfg.lora.targets else ptrace.default_lora_targets(family, refs)
         # lora.compute_dtype auto runs plain LoRA's branch in the model dtype (DoRA, LoKr, LoHa: peft's forward)
-        in_dtype = cfg.lora.compute_dtype == "auto" and cfg.lora.type == "lora" and not cfg.lora.dora
-        trainable = ptrace.add_meta_lora(model, targets, cfg.lora.rank, cfg.lora.alpha, in_dtype)
+        lc = cfg.lora
+        in_dtype = lc.compute_dtype == "auto" and LORA_KINDS[lc.type].compute_dtype_forward and not lc.dora
+        trainable = ptrace.add_meta_lora(model, targets, lc.rank, lc.alpha, in_dtype, kind=lc.type, dora=lc.dora)
         packed = [BlockPacking.of(b, include_trainable=False).nbytes for b in blocks]
         lora = [p for p in model.parameters() if p.requires_grad]
         largest = max((p.numel() for p in lora), default=0)
@@ -249,10 +254,10 @@ def analyze(cfg) -> Facts:
     ]
     nonblock_grads = 0 if fused else sum(p.numel() * gsize for p in nonblock if p.requires_grad)
     res = sorted(set(cfg.data.resolutions)) if cfg.data is not None else [cfg.sample.width]
-    cls = adapter_class(family)
     frames = (cfg.data.clip_frames if cfg.data is not None else cls.plan_frames) if cls.video else 1
     return Facts(
         family=family,
+        adapter=cls,
         source=source,
         method=method,
         dtype=dtype,
@@ -274,7 +279,7 @@ def analyze(cfg) -> Facts:
         largest_state=largest_state,
         state_packed=state_packed,
         largest_param=largest,
-        text_tokens=adapter_class(family).text_tokens,
+        text_tokens=cls.text_tokens,
         text_encoders=text_encoder_bytes(cfg),
         text_sizes=text_encoder_sizes(cfg),
         resolutions=res,

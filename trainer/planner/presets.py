@@ -27,6 +27,7 @@ from pathlib import Path
 from ..config import Config, video_frame, video_resolution
 from ..errors import UserError
 from ..models import ADAPTERS, adapter_class, canonical_family
+from ..optim.specs import OPTIMIZERS
 from .phases import fit_text_fraction, predict_phases
 from .prediction import PREDICTION_MARGIN, Prediction, analyze, choose_fraction, predict
 
@@ -272,7 +273,7 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
            why_fp8: str = "") -> list[str]:
     name = adapter_class(family).full_name
     res, act, f = d["data"]["resolutions"][0], d["offload"]["activations"], d["offload"]["transformer"]
-    opt = {"adamw": "AdamW", "adafactor": "Adafactor"}[d["optimizer"]["name"]]
+    opt = OPTIMIZERS[d["optimizer"]["name"]].label
     what = (
         "LoRA rank 16"
         if method == "lora"

@@ -9,7 +9,6 @@ import torch
 from .. import quant
 from ..dtypes import DTYPES
 from ..errors import UserError
-from ..models import adapter_class
 from . import timing as ptime
 from .phases import fit_text_fraction, predict_phases, text_sizes
 from .phases import table as phase_table
@@ -53,7 +52,7 @@ def report(
     rates = rates or ptime.reference_rates()
     act = cfg.offload.activations
     big = max(facts.resolutions)
-    video = adapter_class(facts.family).video
+    video = facts.adapter.video
     lines = [
         f"dittrain plan: {facts.family} {facts.method}"
         + (
@@ -276,7 +275,7 @@ def report(
         "- block working set = saved tensors of one block's recompute (flash attention, fused RMS norm) "
         "+ 2 x its largest saved tensor + 2 x its inputs (backward transients, estimated)",
         f"- text tokens per caption: {facts.text_tokens}; "
-        + (f"clips of {facts.frames} frames ({adapter_class(facts.family).latent_frames(facts.frames)} latent "
+        + (f"clips of {facts.frames} frames ({facts.adapter.latent_frames(facts.frames)} latent "
            "frames) in the bucket of res nearest the square (data.bucket_step); the VAE's clip encode and decode "
            "counted on the meta device" if video else "square buckets of res x res pixels"),
         "- step: the host's launches, the GPU's kernels and the conductor's copies replayed block by block "

@@ -74,7 +74,7 @@ class SamplePrediction:
 def kv_cache_bytes(facts, tr, res: int, batch: int = 1) -> float:
     """What the family's pipeline keeps in its KV cache while it samples at `res` (0 without one): the prompt's
     share of every block's keys and values, compiled or not (see the module essay)."""
-    cls = adapter_class(facts.family)
+    cls = facts.adapter
     if not cls.sampling_kv_cache:
         return 0.0
     kv = batch * sum(tr.block_kv)
@@ -105,7 +105,7 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
     # a family whose samples also run other transformers of the same size (`sampling_components`: Ideogram 4's
     # unconditional one) places each at this fraction too: their rings and non-block weights sit beside this one's,
     # and each step runs and streams each of them (counted at the trained one's size and tokens: an upper bound)
-    placed = 1 + len(adapter_class(facts.family).sampling_components)
+    placed = 1 + len(facts.adapter.sampling_components)
     others = (placed - 1) * (_round2m(ring) + _round2m(facts.nonblock_bytes))
     weights = _round2m(ring) + _round2m(facts.nonblock_bytes) + others
     reserved = weights + kv + ALLOCATOR_OVERHEAD * act + WORKSPACE
@@ -115,7 +115,7 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
         dec_act = ALLOCATOR_OVERHEAD * res * res * VAE_ACT_DECODE
     else:  # a clip: the video VAE's own decode, counted on the meta device (planner/vae.py)
         dec_act = RESERVED_PER_COUNTED * clip_peak(facts.family, facts.vae_config, facts.dtype, "decode", w, h, frames)
-    decode = weights + adapter_class(facts.family).vae_params * 2 + kv + dec_act + WORKSPACE
+    decode = weights + facts.adapter.vae_params * 2 + kv + dec_act + WORKSPACE
     return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer, decode, kv,
                             others)
 
@@ -126,7 +126,7 @@ def choose_sampling_fraction(facts, budget_gb: float, width: int, height: int, b
     px (a video family: width x height x `frames`) fits `budget_gb` less PREDICTION_MARGIN; 1.0 with a warning line
     when none does (the prediction may be pessimistic, and 1.0 is the least the transformer can hold)."""
     res = max(width, height)
-    size = (width, height, frames) if adapter_class(facts.family).video else None
+    size = (width, height, frames) if facts.adapter.video else None
     limit = budget_gb * GB * (1 - PREDICTION_MARGIN)
     peaks: dict[float, float] = {}
 

@@ -143,7 +143,7 @@ def _diffusers_copies(specs: list[LoraSpec], family: str, tmp: str) -> list:
 
 
 def _load_loras(pipe, specs: list[LoraSpec], family: str, paths: list) -> list[str]:
-    from ..lora_format import lora_kind, lora_metadata
+    from ..lora_format import LORA_KINDS, lora_kind, lora_metadata
 
     def kind(path) -> str:
         try:
@@ -155,7 +155,9 @@ def _load_loras(pipe, specs: list[LoraSpec], family: str, paths: list) -> list[s
 
     fam = adapter_class(family)
     kinds = [kind(p) for p in paths]
-    lycoris = [(s, k) for s, k in zip(specs, kinds, strict=True) if k != "lora"]
+    # a kind diffusers' loader does not take (LoKr, LoHa: trainer/lora_format/kinds.py) goes through peft
+    lycoris = [(s, k) for s, k in zip(specs, kinds, strict=True) if not (k in LORA_KINDS
+                                                                         and LORA_KINDS[k].loads_with_diffusers)]
     if lycoris and len(specs) > 1:
         s, k = lycoris[0]
         raise UserError(f"{s.path}: a {k} adapter is loaded through peft and cannot be combined with other --lora "

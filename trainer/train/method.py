@@ -41,7 +41,9 @@ import torch
 
 from .. import quant
 from ..config import Config
-from ..offload import fused as packed  # module, not names: tests swap PACKED_STATE_OPTIMIZERS
+from ..lora_format.kinds import LORA_KINDS
+from ..offload import fused as packed
+from ..optim.specs import optimizer_spec
 from . import checkpoint as ck
 from .model import add_lora, count, full_params
 from .monitor import say
@@ -175,7 +177,7 @@ class LoraMethod(TrainingMethod):
         from ..models import adapter_class
 
         fmt, comfy_note = self.cfg.output.lora_format, adapter_class(self.cfg.model.family).comfy_diffusers_lora_note()
-        if self.lora.type != "lora":
+        if not LORA_KINDS[self.lora.type].loads_with_diffusers:
             say(ck.lycoris_loading_hint(path, self.lora.type, fmt, comfy_note))
         elif fmt == "diffusers":
             say(DORA_COMFY_NOTE if self.lora.dora else f"{path}: {comfy_note}")
@@ -197,7 +199,7 @@ class FullMethod(TrainingMethod):
     def _packs_state(self, optim) -> bool:
         """Packed beside the weights, unless each process steps its own (owners.py: the state is the owner's)."""
         return (optim.fused is not None and optim.owners is None
-                and self.cfg.optimizer.name in packed.PACKED_STATE_OPTIMIZERS)
+                and optimizer_spec(self.cfg.optimizer.name).packed)
 
     def optimizer_state_layout(self, optim):
         return optim.fused.state_layout if self._packs_state(optim) else ()

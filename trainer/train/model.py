@@ -30,21 +30,15 @@ from torch import nn
 
 from ..config import Config
 from ..errors import UserError
+from ..lora_format.kinds import LORA_KINDS
 
 
 def peft_config(lc, targets: list[str]):
-    """The peft config for `lora` (trainer.config.LoraConfig): LoRA (DoRA with lora.dora), LoKr or LoHa. Every kind
-    starts at a zero update (peft's default init: B, or LoKr's w2 / LoHa's second factors, are zero)."""
-    # Imported here, not at the top: peft costs ~3 s to import (measured on top of torch), and only LoRA needs it.
-    from peft import LoHaConfig, LoKrConfig
-    from peft import LoraConfig as PeftLoraConfig
-
-    if lc.type == "lokr":
-        return LoKrConfig(r=lc.rank, alpha=lc.alpha, rank_dropout=lc.dropout, target_modules=targets, init_weights=True)
-    if lc.type == "loha":
-        return LoHaConfig(r=lc.rank, alpha=lc.alpha, rank_dropout=lc.dropout, target_modules=targets, init_weights=True)
-    return PeftLoraConfig(r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets,
-                          init_lora_weights=True, use_dora=lc.dora)
+    """The peft config for `lora` (trainer.config.LoraConfig): its kind's (trainer/lora_format/kinds.py `build`),
+    LoRA (DoRA with lora.dora), LoKr or LoHa. Every kind starts at a zero update (peft's default init: B, or LoKr's
+    w2 / LoHa's second factors, are zero). peft is imported there, not at the top: it costs ~3 s to import
+    (measured on top of torch), and only LoRA needs it."""
+    return LORA_KINDS[lc.type].build(lc, targets)
 
 
 def add_lora(transformer: nn.Module, cfg: Config, default_targets: tuple[str, ...]) -> list[nn.Parameter]:
@@ -61,7 +55,7 @@ def add_lora(transformer: nn.Module, cfg: Config, default_targets: tuple[str, ..
     params = [p for p in transformer.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
-    if lc.compute_dtype == "auto":
+    if lc.compute_dtype == "auto" and LORA_KINDS[lc.type].compute_dtype_forward:
         lora_in_compute_dtype(transformer)
     return params
 

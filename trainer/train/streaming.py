@@ -31,6 +31,7 @@ from ..models import adapter_class
 from ..offload import CompileOptions, attach_offload, move_outside_blocks
 from ..offload.allocators import SharedArena
 from ..offload.gather import SliceGather
+from ..optim.specs import names_where, optimizer_spec
 from ..planner import check_line, expected, resolve_fraction
 from .monitor import say
 
@@ -137,15 +138,10 @@ def memory_line(stats: dict) -> str:
     return line
 
 
-#: Optimizers whose step of one weight reads nothing of the others, so that each process can step its own
-#: weights (trainer/train/owners.py): Prodigy's step size is a sum over all of them.
-OWNED_STEP_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
-
-
 def owned_steps(cfg: Config, method) -> bool:
     """Whether a full fine-tune's streamed blocks may go through the sharded stream: each process steps its own
     weights (trainer/train/owners.py), so the rings stay alike and each process writes back its slice."""
-    return method.streams_trainable and cfg.optimizer.name in OWNED_STEP_OPTIMIZERS
+    return method.streams_trainable and optimizer_spec(cfg.optimizer.name).owned_steps
 
 
 def shared_arena(cfg: Config, dist, method, streamed: bool, gather: SliceGather | None = None):
@@ -206,7 +202,7 @@ def slice_gather(cfg: Config, dist, method, streamed: bool, device: torch.device
     if method.streams_trainable and not owned_steps(cfg, method):
         if dist.is_main:
             say(f"offload: every process copies whole blocks: optimizer.name {cfg.optimizer.name} steps the weights "
-                f"together; the sharded stream of a full fine-tune needs one of {', '.join(OWNED_STEP_OPTIMIZERS)}")
+                f"together; the sharded stream of a full fine-tune needs one of {', '.join(names_where('owned_steps'))}")
         return None
     n = dist.local_world
     if mode == "auto":
