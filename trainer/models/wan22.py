@@ -34,6 +34,7 @@ import re
 
 import torch
 
+from .base import BOTH_EXPERTS
 from .wan import WAN_SCHEDULER, WanAdapter, tiny_pipeline
 
 #: the boundary when a folder's model_index.json names none (Wan 2.2's wan_t2v_A14B config: 0.875)
@@ -80,11 +81,25 @@ class Wan22A14BAdapter(WanAdapter):
         from ..errors import UserError
 
         if self.expert is None:
-            raise UserError(f"model.expert: {self.family} trains one expert per run: set model.expert to high_noise "
-                            f"(transformer/, t >= {self.boundary_ratio:g}) or low_noise (transformer_2/, below it), "
-                            f"each run in its own output.dir")
+            raise UserError(f"model.expert: {self.family} trains one expert per run, or both: set model.expert to "
+                            f"high_noise (transformer/, t >= {self.boundary_ratio:g}), low_noise (transformer_2/, below "
+                            f"it) or {BOTH_EXPERTS} (each step trains the expert that owns its timestep)")
+        if self.expert == BOTH_EXPERTS:
+            return (0.0, 1.0)  # the objective draws each step's expert first (FlowMatching's `split`)
         b = self.boundary_ratio
         return (b, 1.0) if self.experts[self.expert] == "transformer" else (0.0, b)
+
+    def expert_for(self, timestep: torch.Tensor) -> str:
+        """`transformer` (high_noise) for pipeline timesteps at or above boundary_ratio * 1000, `transformer_2`
+        below: WanPipeline's own test (`t >= boundary_timestep`), on the same fp32 values `predict` passes."""
+        high = torch.as_tensor(timestep) >= self.boundary_ratio * 1000.0
+        if bool(high.all()):  # host-device sync (a (B,) bool): the expert decides which weights run
+            want = "transformer"
+        elif not bool(high.any()):
+            want = "transformer_2"
+        else:
+            raise ValueError(f"one batch spans both experts' timesteps ({timestep.tolist()}); a step trains one")
+        return next(name for name, d in self.experts.items() if d == want)
 
     @classmethod
     def lora_load_kwargs(cls, path) -> dict:
