@@ -38,6 +38,10 @@ How. Everything is derived from the model's own code and the conductor's own ari
   compiled, 1024 px LoRA, offload 0): without checkpointing Flux peaked at 44.7 GiB reserved (48.0 GB; predicted
   49.9 GB) and Qwen-Image at 66.9 GiB (71.8 GB; predicted 72.8 GB); with the overhead on the kept tensors too the
   predictions were 57.8 / 82.6 GB;
+- two experts in one run (model.expert: both, trainer/train/experts.py): the experts are the same size and run in
+  turn, the one not running parked (its ring freed): one ring on the GPU, both experts' non-block weights and
+  LoRAs resident, every block of both pinned (arena + parking buffer), and half a ring more host-to-device bytes
+  per step (a change of expert loads the incoming ring; the expert changes on 2 p (1 - p) <= 1/2 of the steps);
 - step time: the host's launches, the GPU's kernels and the conductor's copies replayed block by block over
   the training plan (trainer/planner/replay.py; costs in trainer/planner/timing.py).
 
@@ -70,6 +74,7 @@ from .. import quant
 from ..dtypes import DTYPES
 from ..errors import UserError
 from ..models import adapter_class, stream_load
+from ..models.base import BOTH_EXPERTS
 from ..offload.allocators import BlockPacking
 from ..offload.plan import Plan, PlanError, capacity_for, make_plan
 from . import compiled as pcompiled
@@ -157,6 +162,9 @@ class Facts:
     #: offload.nano_batches: the blocks' token-wise MLPs run in this many token chunks (planner/trace.py
     #: `chunk_mlps`; eager blocks only: a compiled block's count is its plain class's, the saving not counted)
     nano_batches: int = 1
+    #: transformers the run trains in turn (model.expert: both: each expert of the family, trainer/train/experts.py):
+    #: one ring on the GPU at a time, every expert's blocks pinned, its non-block weights and LoRA resident
+    experts: int = 1
     traces: dict = field(default_factory=dict)
 
     def size(self, res: int) -> tuple[int, int, int]:
@@ -285,6 +293,7 @@ def analyze(cfg) -> Facts:
         bucket_step=cfg.data.bucket_step if cfg.data is not None else cls.bucket_step,
         vae_config=vae_config(cfg),
         nano_batches=cfg.offload.nano_batches,
+        experts=len(cls.experts) if getattr(cfg.model, "expert", None) == BOTH_EXPERTS else 1,
     )
 
 
@@ -376,10 +385,15 @@ def predict(
         d2h = h2d  # every streamed block is written back before its region is reused
         # fused back pass: one gradient in the model dtype + the fp32 copies of weight and gradient it steps
         one_grad = facts.largest_param * (esize + 8) if facts.fused else 0
-    else:  # LoRA: fp32 weights and the optimizer state, resident
-        trainable = facts.trainable_params * 4 + facts.state_gpu
+    else:  # LoRA: fp32 weights and the optimizer state, resident (every expert's, model.expert: both)
+        trainable = (facts.trainable_params * 4 + facts.state_gpu) * facts.experts
         d2h = 0
         one_grad = facts.largest_param * 4 if facts.fused else 0
+    nonblock = facts.nonblock_bytes * facts.experts
+    if facts.experts > 1:  # experts trained in turn: the parked ones' rings are freed (offload/conductor.py parking)
+        pinned = facts.experts * sum(facts.packed)  # each expert's blocks: arena + parking buffer, all of them
+        # a change of expert loads the incoming expert's ring; the expert changes on 2 p (1 - p) <= 1/2 of the steps
+        h2d += ring // 2
     # Backward runs blocks last to first. While block i is differentiated, the checkpoint inputs of blocks
     # 0..i are still held, block i's working set exists, and the gradients of blocks i..n-1 (none under the
     # fused back pass, which frees each at once) have accumulated. The optimizer step after backward holds
@@ -430,8 +444,8 @@ def predict(
         h2d += ck_host
         d2h += ck_host
     trainable += grads_at_peak
-    static = _round2m(ring) + _round2m(facts.nonblock_bytes) + _round2m(trainable - grads_at_peak)
-    allocated = ring + facts.nonblock_bytes + trainable + act
+    static = _round2m(ring) + _round2m(nonblock) + _round2m(trainable - grads_at_peak)
+    allocated = ring + nonblock + trainable + act
     reserved = static + reserved_part(dynamic, long_lived) + WORKSPACE
     # RAM: the pinned arena and activation buffers, the process's own (HOST_BASE), and, where the transformer is
     # read whole before packing (facts.loads_whole), a pageable copy of it beside the arena.
@@ -468,7 +482,7 @@ def predict(
         resolution=res,
         activation_offload=activation_offload,
         ring=ring,
-        nonblock=facts.nonblock_bytes,
+        nonblock=nonblock,
         trainable=trainable,
         act_checkpoint_gpu=ck_gpu_shown,
         act_checkpoint_host=ck_host,
