@@ -39,9 +39,10 @@ How. Everything is derived from the model's own code and the conductor's own ari
   49.9 GB) and Qwen-Image at 66.9 GiB (71.8 GB; predicted 72.8 GB); with the overhead on the kept tensors too the
   predictions were 57.8 / 82.6 GB;
 - two experts in one run (model.expert: both, trainer/train/experts.py): the experts are the same size and run in
-  turn, the one not running parked (its ring freed): one ring on the GPU, both experts' non-block weights and
-  LoRAs resident, every block of both pinned (arena + parking buffer), and half a ring more host-to-device bytes
-  per step (a change of expert loads the incoming ring; the expert changes on 2 p (1 - p) <= 1/2 of the steps);
+  turn, the one not running parked (its ring freed, its non-block weights, LoRA and LoRA state in CPU RAM): the
+  GPU holds one expert as a one-expert run does; RAM every block of both (arena + parking buffer) and the parked
+  resident part; and per step half a switch more copies (the incoming ring and resident part: the expert changes
+  on 2 p (1 - p) <= 1/2 of the steps);
 - step time: the host's launches, the GPU's kernels and the conductor's copies replayed block by block over
   the training plan (trainer/planner/replay.py; costs in trainer/planner/timing.py).
 
@@ -385,15 +386,19 @@ def predict(
         d2h = h2d  # every streamed block is written back before its region is reused
         # fused back pass: one gradient in the model dtype + the fp32 copies of weight and gradient it steps
         one_grad = facts.largest_param * (esize + 8) if facts.fused else 0
-    else:  # LoRA: fp32 weights and the optimizer state, resident (every expert's, model.expert: both)
-        trainable = (facts.trainable_params * 4 + facts.state_gpu) * facts.experts
+    else:  # LoRA: fp32 weights and the optimizer state, resident
+        trainable = facts.trainable_params * 4 + facts.state_gpu
         d2h = 0
         one_grad = facts.largest_param * 4 if facts.fused else 0
-    nonblock = facts.nonblock_bytes * facts.experts
-    if facts.experts > 1:  # experts trained in turn: the parked ones' rings are freed (offload/conductor.py parking)
+    parked = 0  # host bytes of the parked experts' resident parts (model.expert: both)
+    if facts.experts > 1:  # experts trained in turn, the others parked (offload/conductor.py, train/experts.py)
         pinned = facts.experts * sum(facts.packed)  # each expert's blocks: arena + parking buffer, all of them
-        # a change of expert loads the incoming expert's ring; the expert changes on 2 p (1 - p) <= 1/2 of the steps
-        h2d += ring // 2
+        parked = (facts.experts - 1) * (facts.nonblock_bytes + trainable)  # non-block weights, LoRA and state
+        # a change of expert loads the incoming expert's ring and resident part (and sends the other's resident part
+        # back); the expert changes on 2 p (1 - p) <= 1/2 of the steps
+        h2d += (ring + facts.nonblock_bytes + trainable) // 2
+        d2h += (facts.nonblock_bytes + trainable) // 2
+    nonblock = facts.nonblock_bytes
     # Backward runs blocks last to first. While block i is differentiated, the checkpoint inputs of blocks
     # 0..i are still held, block i's working set exists, and the gradients of blocks i..n-1 (none under the
     # fused back pass, which frees each at once) have accumulated. The optimizer step after backward holds
@@ -450,7 +455,7 @@ def predict(
     # RAM: the pinned arena and activation buffers, the process's own (HOST_BASE), and, where the transformer is
     # read whole before packing (facts.loads_whole), a pageable copy of it beside the arena.
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
-    ram = (model_bytes if facts.loads_whole else 0) + pinned + ck_host + HOST_BASE
+    ram = (model_bytes if facts.loads_whole else 0) + pinned + ck_host + HOST_BASE + parked
     ck_flops = ptime.block_train_flops(tr, n, facts.checkpointing, full)
     kept_flops = ptime.block_train_flops(tr, n, False, full)  # no recompute
     flops = ptime.train_flops(

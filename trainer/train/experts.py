@@ -27,9 +27,10 @@ it moves every shadow every step, the other expert's too.
 Streaming. Each expert has its own offload handle over its own blocks, at the run's fraction. Where there is a
 second memory (a GPU; tests run the conductor's CPU ring), the handles are `parkable`: a forward pre-hook on each
 expert parks the other one (its ring given back, its blocks on their pinned host bytes; trainer/offload/
-conductor.py) and unparks this one, so only the running expert's blocks are on the GPU and the planner counts one
-ring, both experts' pinned bytes, and both LoRAs. A switch moves the incoming expert's ring (its initial blocks),
-once per change of expert; consecutive steps of one expert move nothing extra. The activation offloader's pinned
+conductor.py) and unparks this one; the parked expert's resident part (non-block weights, LoRA, the LoRA's
+optimizer state) waits in CPU RAM too. So the GPU holds one expert's bytes and the planner counts one ring, one
+LoRA, and both experts' host bytes. A switch moves the incoming expert's ring (its initial blocks) and resident
+part, once per change of expert; consecutive steps of one expert move nothing extra. The activation offloader's pinned
 buffers are shared by the two handles.
 
 Files. A checkpoint holds both: `<step>/high_noise/adapter-state.safetensors` and `<step>/low_noise/...` beside
@@ -53,6 +54,7 @@ from torch import nn
 from ..config import Config
 from ..errors import UserError
 from ..models.base import BOTH_EXPERTS
+from ..offload import move_outside_blocks
 from . import streaming
 from .method import method_for as one_method_for
 from .monitor import say
@@ -172,12 +174,16 @@ class ExpertRouter(nn.Module):
 
 class ExpertHandles:
     """The experts' offload handles as the loop's one handle (sync, close, stats, checkpointed), and the switch: a
-    forward pre-hook on each expert parks the others and unparks it (`parks`: handles built parkable)."""
+    forward pre-hook on each expert parks the others and unparks it (`parks`: handles built parkable). A parked
+    expert's resident part goes to CPU RAM too: its non-block weights, its LoRA and that LoRA's optimizer state
+    (`optimizer()`: the run's, or None before it exists), so the GPU holds one expert's bytes."""
 
-    def __init__(self, handles: dict[str, object], models: dict[str, nn.Module], parks: bool):
-        self.handles, self.parks = handles, parks
+    def __init__(self, handles: dict[str, object], models: dict[str, nn.Module], blocks: dict[str, list],
+                 params: dict[str, list], parks: bool, device: torch.device, optimizer=lambda: None):
+        self.handles, self.models, self.blocks, self.params, self.parks = handles, models, blocks, params, parks
+        self.device, self._optimizer = device, optimizer
         self.active: str | None = None
-        self.switches = 0  # changes of expert (each moves the incoming expert's ring)
+        self.switches = 0  # changes of expert (each moves the incoming expert's ring and resident part)
         first = next(iter(handles.values()))
         for h in list(handles.values())[1:]:
             h.share_activations(first)  # one pinned activation buffer: the experts run in turn
@@ -187,11 +193,18 @@ class ExpertHandles:
         if not self.parks or self.active == name:
             return
         for n, h in self.handles.items():
-            if n != name:
+            if n != name and not h.parked:
                 h.park()  # host-device sync; the ring freed for the next one
+                self.place_resident(n, torch.device("cpu"))
+        self.place_resident(name, self.device)
         self.handles[name].unpark()
         self.switches += self.active is not None
         self.active = name
+
+    def place_resident(self, name: str, device: torch.device) -> None:
+        opt = self._optimizer()
+        place_resident(self.models[name], self.blocks[name], self.params[name], device,
+                       getattr(opt, "state", {}) if opt is not None else {})
 
     @property
     def plan(self):
@@ -220,6 +233,19 @@ class ExpertHandles:
             h.close(keep_weights)
 
 
+def place_resident(model: nn.Module, blocks: list, params: list, device: torch.device, state: dict) -> None:
+    """An expert's non-block weights, its LoRA (`params`) and that LoRA's optimizer `state` to `device`, the
+    Parameter objects kept (the optimizer's keys hold). Copies of a few hundred MB per switch (Wan 14B: the time
+    and text embedders, a rank-16 LoRA and its AdamW moments)."""
+    move_outside_blocks(model, blocks, device)
+    for p in params:
+        if p.device != device:
+            p.data = p.data.to(device)
+        for k, v in state.get(p, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device != device:
+                state[p][k] = v.to(device)  # AdamW's 0-dim step count stays where torch keeps it
+
+
 def setup(tr, resume_dir: Path | None, streamed: bool) -> None:
     """The part of `Trainer.setup` from the transformer on, for model.expert: both: each expert loaded, adapted
     (its LoRA drawn from the training seed, as a run of it alone draws it) and streamed in turn, then the router,
@@ -231,7 +257,7 @@ def setup(tr, resume_dir: Path | None, streamed: bool) -> None:
     conduct = streaming.conducts(cfg, tr.fraction, tr._can_stream(), tr.device)
     parks = conduct and tr._can_stream()  # a second memory to park in (a GPU; tests: the conductor's CPU ring)
     shapes = len({e.bucket for e in getattr(tr.data, "entries", ())}) or 8
-    models, params, handles = {}, [], {}
+    models, params, handles, by_expert, block_lists = {}, [], {}, {}, {}
     for name, m in method.by_expert.items():
         adapter = tr.adapter.for_expert(name)
         # parked or streamed: blocks read from the files into the ring and arena, never whole on the device
@@ -252,16 +278,18 @@ def setup(tr, resume_dir: Path | None, streamed: bool) -> None:
                                    fill=loader and loader.fill, parkable=parks)
         if loader is not None:
             loader.close()
-        if h is not None and parks:
-            h.park()  # the next expert's ring takes these bytes; the first step unparks the expert it trains
-        models[name], handles[name] = model, h
+        models[name], handles[name], by_expert[name], block_lists[name] = model, h, p, blocks
         params += p
+        if h is not None and parks:  # the next expert's ring takes these bytes; the first step unparks the one it trains
+            h.park()
+            place_resident(model, blocks, p, torch.device("cpu"), {})
     tr.transformer = ExpertRouter(tr.adapter, models)
     method.transformer = tr.transformer
     tr.params = params
     tr.optim = optimizer_for(cfg, params, tr.dist, model=tr.transformer)
     tr.ema = None
-    tr.offload = ExpertHandles(handles, models, parks) if conduct else None
+    tr.offload = ExpertHandles(handles, models, block_lists, by_expert, parks, tr.device,
+                               lambda: tr.optim.optimizer) if conduct else None
     tr.objective = FlowMatching(c, tr.adapter.timestep_shift, vae_scale=tr.adapter.latent_scale,
                                 split=tr.adapter.boundary_ratio)
     tr._finish_setup(resume_dir)
