@@ -60,9 +60,9 @@ def clip(tmp_path_factory) -> Path:
     return d
 
 
-def _config(model: Path, data: Path, out: Path, **sections) -> Config:
+def _config(folder: Path, data: Path, out: Path, **sections) -> Config:
     d = {
-        "model": {"family": FAMILY, "path": str(model), "dtype": "fp32", "expert": "both"},
+        "model": {"family": FAMILY, "path": str(folder), "dtype": "fp32", "expert": "both"},
         "train": {"method": "lora", "steps": STEPS, "batch_size": 1, "grad_accum": 2, "seed": 0, "log_every": 1,
                   "checkpoint_every": STEPS // 2, "device": "cpu"},
         "lora": {"rank": 4, "alpha": 4},
@@ -245,6 +245,48 @@ def test_both_files_load_in_wan_pipeline_and_samples_are_its_pixels(fitted, a14b
     # sampled during the fit, at its last step (each expert with its LoRA as trained)
     np.testing.assert_array_equal(pixels(out / "samples" / f"step-{STEPS:06d}-0.png"), np.asarray(frame_sheet(want)))
     # `dittrain sample` with both files (model.expert: both samples as every config of the family does)
+    _, sheet = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[str(p) for p in loras],
+                                             out=tmp_path / "s"))
+    np.testing.assert_array_equal(pixels(sheet), np.asarray(frame_sheet(want)))
+
+
+def test_i2v_a14b_trains_both_experts_and_samples_as_its_pipeline(tmp_path):
+    """Wan 2.2 I2V A14B (the first frame conditions both experts; boundary 0.9): a `both` fit, its in-fit sample
+    and `dittrain sample --image` with both LoRAs are WanImageToVideoPipeline's pixels."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+    from PIL import Image
+
+    from trainer.models._diffusers import own_aligned_memory
+    from trainer.models.tiny import make_tiny_models
+
+    family = "wan2.2-a14b-i2v"
+    (model,) = make_tiny_models(tmp_path / "m", [family])
+    data = tmp_path / "data"
+    data.mkdir()
+    frames = [f.resize((32, 32)) for f in _frames(9)]
+    write_video(frames, data / "clip.mp4", 16)
+    (data / "clip.txt").write_text(PROMPT)
+    frames[0].save(tmp_path / "first.png")
+    out = tmp_path / "out"
+    cfg = _config(model, data, out, model={"family": family}, train={"steps": 4, "checkpoint_every": 0},
+                  sample={"every": 4, "image": str(tmp_path / "first.png")})
+    Trainer(cfg).fit()
+    assert set(_experts(out)) <= {"high_noise", "low_noise"} and len(_experts(out)) == 4
+    loras = [out / f for f in FILES]
+    pipe = WanImageToVideoPipeline.from_pretrained(str(model), torch_dtype=torch.float32, local_files_only=True)
+    for tr in (pipe.transformer, pipe.transformer_2):
+        own_aligned_memory(tr)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(loras[0]))
+    pipe.load_lora_weights(str(loras[1]), load_into_transformer_2=True)
+    s = cfg.sample
+    with torch.no_grad():  # as tests/test_wan_i2v.py encodes the prompt for this pipeline
+        pe, npe = (WanPipeline._get_t5_prompt_embeds(pipe, prompt=p, max_sequence_length=512) for p in (PROMPT, ""))
+    image = Image.open(tmp_path / "first.png").convert("RGB")
+    want = pipe(image=image, prompt_embeds=pe, negative_prompt_embeds=npe, height=s.height, width=s.width,
+                num_frames=s.frames, num_inference_steps=s.steps, guidance_scale=s.guidance,
+                generator=torch.Generator().manual_seed(3), output_type="pil").frames[0]
+    np.testing.assert_array_equal(pixels(out / "samples" / "step-000004-0.png"), np.asarray(frame_sheet(want)))
     _, sheet = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[str(p) for p in loras],
                                              out=tmp_path / "s"))
     np.testing.assert_array_equal(pixels(sheet), np.asarray(frame_sheet(want)))
