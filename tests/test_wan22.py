@@ -62,7 +62,7 @@ def test_each_expert_owns_its_side_of_the_boundary(a14b):
     low = get_adapter(ModelConfig(family=FAMILY, path=a14b, expert="low_noise"))
     assert (high.transformer_dir, low.transformer_dir) == ("transformer", "transformer_2")
     assert high.train_timesteps() == (0.875, 1.0) and low.train_timesteps() == (0.0, 0.875)
-    with pytest.raises(UserError, match="trains one expert per run: set model.expert to high_noise"):
+    with pytest.raises(UserError, match="trains one expert per run, or both: set model.expert to high_noise"):
         get_adapter(ModelConfig(family=FAMILY, path=a14b)).train_timesteps()
     with pytest.raises(UserError, match="model.expert: 'mid_noise': wan2.2-a14b's experts are high_noise, low_noise"):
         get_adapter(ModelConfig(family=FAMILY, path=a14b, expert="mid_noise"))

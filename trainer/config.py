@@ -87,8 +87,10 @@ class ModelConfig(_Section):
         default=None,
         description="A family of expert transformers (Wan 2.2 A14B: high_noise, transformer/, denoises the steps at "
         "or above the pipeline's boundary_ratio; low_noise, transformer_2/, those below): the expert a fit trains, "
-        "one per run, on its own timesteps only, written as lora-<expert>.safetensors. Sampling loads every expert "
-        "either way. null for families of one transformer.",
+        "on its own timesteps only, written as lora-<expert>.safetensors; or both: each step draws its timesteps "
+        "over the whole range and trains the expert that owns them, one LoRA per expert, only the running "
+        "expert's blocks on the GPU (LoRA; trainer/train/experts.py). Sampling loads every expert either way. null "
+        "for families of one transformer.",
     )
     guidance: float = Field(
         default=1.0,

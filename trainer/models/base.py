@@ -31,6 +31,9 @@ from torch import nn
 if TYPE_CHECKING:
     from ..config import ModelConfig
 
+#: `model.expert` for every expert of a family of experts in one run (trainer/train/experts.py)
+BOTH_EXPERTS = "both"
+
 
 def to_pil(pixels: torch.Tensor):
     """(3, H, W) in [-1, 1] -> RGB PIL image (exact for pixels that came from 8-bit images): a reference image or
@@ -94,12 +97,13 @@ class ModelAdapter(ABC):
     def __init__(self, model_cfg: ModelConfig | None = None, references: int = 0) -> None:
         self.cfg = model_cfg
         expert = getattr(model_cfg, "expert", None)
-        if expert is not None and expert not in self.experts:
+        if expert is not None and (expert not in self.experts and not (expert == BOTH_EXPERTS and self.experts)):
             from ..errors import UserError
 
             raise UserError(f"model.expert: {expert!r}: " + (
                 f"{self.family} has one transformer (model.expert is for a family of experts; leave it null)"
-                if not self.experts else f"{self.family}'s experts are {', '.join(self.experts)}"))
+                if not self.experts else f"{self.family}'s experts are {', '.join(self.experts)} (or "
+                f"{BOTH_EXPERTS}: every one in one run)"))
         #: reference images per target of the run (0: text-to-image; only an edit family keeps a positive count)
         self.references = int(references) if self.takes_reference else 0
 
@@ -303,9 +307,11 @@ class ModelAdapter(ABC):
     # ------------------------------------------------------------------------------------------ experts
 
     # A family of expert transformers (Wan 2.2 A14B: `transformer/` denoises the high-noise steps, `transformer_2/`
-    # the low-noise ones, split at the pipeline's `boundary_ratio`) trains one expert per run: `model.expert` picks
-    # its folder (`transformer_dir`), the flow times it trains (`train_timesteps`) and its LoRA file's name; sampling
-    # loads every expert (part "experts") and routes each LoRA file to its expert (`lora_load_kwargs`).
+    # the low-noise ones, split at the pipeline's `boundary_ratio`) trains one expert per run, or every one
+    # (`model.expert: both`, trainer/train/experts.py): `model.expert` picks its folder (`transformer_dir`), the flow
+    # times it trains (`train_timesteps`) and its LoRA file's name; `for_expert` binds an adapter to one expert of a
+    # `both` run, `expert_for` says which expert owns a timestep. Sampling loads every expert (part "experts") and
+    # routes each LoRA file to its expert (`lora_load_kwargs`).
 
     #: {model.expert: the expert's folder, which is also its pipeline component}; empty: one transformer
     experts: ClassVar[dict[str, str]] = {}
@@ -317,8 +323,26 @@ class ModelAdapter(ABC):
 
     @property
     def transformer_dir(self) -> str:
-        """The folder (and pipeline component) of the transformer this adapter trains and loads as `transformer`."""
-        return self.experts[self.expert] if self.expert else "transformer"
+        """The folder (and pipeline component) of the transformer this adapter trains and loads as `transformer`
+        (`both`: the first expert's; trainer/train/experts.py loads each through `for_expert`)."""
+        return self.experts[self.expert] if self.expert and self.expert != BOTH_EXPERTS else "transformer"
+
+    @property
+    def trained_experts(self) -> tuple[str, ...]:
+        """The experts a fit trains: model.expert's one, every expert for `both`, none for one transformer."""
+        if self.expert == BOTH_EXPERTS:
+            return tuple(self.experts)
+        return (self.expert,) if self.expert else ()
+
+    def for_expert(self, name: str) -> ModelAdapter:
+        """This adapter bound to expert `name` (its folder, timesteps and LoRA name), as a run of that expert
+        alone would hold it."""
+        return type(self)(self.cfg.model_copy(update={"expert": name}), self.references)
+
+    def expert_for(self, timestep: torch.Tensor) -> str:
+        """The expert that denoises the pipeline timestep(s) `timestep` (0..1000: `predict`'s t * 1000), as the
+        family's pipeline picks it; every entry must fall to the same one (ValueError otherwise)."""
+        raise NotImplementedError(f"{self.family} has one transformer")
 
     def train_timesteps(self) -> tuple[float, float]:
         """The flow times t in [0, 1] a fit trains, as (low, high): the whole range, or the chosen expert's. A

@@ -7,10 +7,14 @@ classifier-free guidance (`guidance_scale`, and `guidance_scale_2` for the low-n
 same value). Text encoder (UMT5-XXL), VAE (Wan 2.1's) and scheduler are shared, so everything but the transformer
 is Wan 2.1's adapter (trainer/models/wan.py).
 
-Training: one expert per run. `model.expert: high_noise` loads `transformer/` and trains it on flow times
-t in [boundary, 1]; `low_noise` loads `transformer_2/` and trains t in [0, boundary) (ModelAdapter.train_timesteps:
-the objective maps each shifted t linearly into that range, trainer/train/objective.py). So only that expert is
-loaded, LoRA-wrapped and streamed; the other is not in memory at all while the step runs. Its LoRA is written as
+Training: one expert per run, or both. `model.expert: high_noise` loads `transformer/` and trains it on flow
+times t in [boundary, 1]; `low_noise` loads `transformer_2/` and trains t in [0, boundary) (ModelAdapter.
+train_timesteps: the objective maps each shifted t linearly into that range, trainer/train/objective.py). Only that
+expert is loaded, LoRA-wrapped and streamed. `model.expert: both` (LoRA; trainer/train/experts.py) trains both in
+one run: each step draws its timesteps over [0, 1] as a one-model run does, the first draw picks the expert that
+owns it (`expert_for`: the pipeline's own t >= boundary test) and the rest of the step is drawn on its side; the
+other expert's LoRA and optimizer state stay untouched, and on a GPU it waits parked in pinned RAM (its ring given
+back) while the one that owns the step streams. Either way each expert's LoRA is written as
 `lora-high_noise.safetensors` / `lora-low_noise.safetensors`, which diffusers loads as
 
     pipe.load_lora_weights("lora-high_noise.safetensors")
@@ -18,14 +22,11 @@ loaded, LoRA-wrapped and streamed; the other is not in memory at all while the s
 
 and `dittrain sample --lora` does the same by the file's name (`low_noise` / `low-noise` in it: transformer_2).
 
-Why not both experts in one run: the trainer holds one transformer (one LoRA, one optimizer, one conductor, one
-checkpoint); two would touch each of them. Two runs (the same data, each expert its own output.dir) train the same
-thing, and each run's memory is one 14 B expert's.
-
 Sampling (`dittrain sample`, and the samples during a fit) loads both experts: the one `model.expert` picks as
 usual (streamed from its files at an offload fraction), the other whole into CPU RAM (`Components.experts`); each
-is placed at the same fraction (streamed: its blocks come to the GPU only while it runs). During a fit the other
-expert is the base model (its LoRA is not trained here), streamed at fraction 1.0 on a GPU.
+is placed at the same fraction (streamed: its blocks come to the GPU only while it runs). During a one-expert fit the
+other expert is the base model (its LoRA is not trained there), streamed at fraction 1.0 on a GPU; during a `both`
+fit each slot gets its trained expert.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import re
 
 import torch
 
+from .base import BOTH_EXPERTS
 from .wan import WAN_SCHEDULER, WanAdapter, tiny_pipeline
 
 #: the boundary when a folder's model_index.json names none (Wan 2.2's wan_t2v_A14B config: 0.875)
@@ -80,11 +82,25 @@ class Wan22A14BAdapter(WanAdapter):
         from ..errors import UserError
 
         if self.expert is None:
-            raise UserError(f"model.expert: {self.family} trains one expert per run: set model.expert to high_noise "
-                            f"(transformer/, t >= {self.boundary_ratio:g}) or low_noise (transformer_2/, below it), "
-                            f"each run in its own output.dir")
+            raise UserError(f"model.expert: {self.family} trains one expert per run, or both: set model.expert to "
+                            f"high_noise (transformer/, t >= {self.boundary_ratio:g}), low_noise (transformer_2/, below "
+                            f"it) or {BOTH_EXPERTS} (each step trains the expert that owns its timestep)")
+        if self.expert == BOTH_EXPERTS:
+            return (0.0, 1.0)  # the objective draws each step's expert first (FlowMatching's `split`)
         b = self.boundary_ratio
         return (b, 1.0) if self.experts[self.expert] == "transformer" else (0.0, b)
+
+    def expert_for(self, timestep: torch.Tensor) -> str:
+        """`transformer` (high_noise) for pipeline timesteps at or above boundary_ratio * 1000, `transformer_2`
+        below: WanPipeline's own test (`t >= boundary_timestep`), on the same fp32 values `predict` passes."""
+        high = torch.as_tensor(timestep) >= self.boundary_ratio * 1000.0
+        if bool(high.all()):  # host-device sync (a (B,) bool): the expert decides which weights run
+            want = "transformer"
+        elif not bool(high.any()):
+            want = "transformer_2"
+        else:
+            raise ValueError(f"one batch spans both experts' timesteps ({timestep.tolist()}); a step trains one")
+        return next(name for name, d in self.experts.items() if d == want)
 
     @classmethod
     def lora_load_kwargs(cls, path) -> dict:

@@ -28,6 +28,8 @@ Public interface (everything else in this package is internal):
         gather=None,            # gather.SliceGather: the processes of a host fill their rings together, each
                                 #   copying 1/N of every load over PCIe and all-gathering the rest (frozen
                                 #   weights only; every process must run the same passes: trainer/offload/gather.py)
+        parkable=False,         # park() may give the whole ring back (never-streamed blocks are held in the ring,
+                                #   at fraction 0 too): several models that share the GPU in turn (conductor.py)
     )
     handle.pinning_note -> None, or the one line that says the arena is pageable and why
     handle.stats()      -> dict: block_bytes, offloaded_bytes, ring_bytes, pinned_bytes, h2d_gbps, ...
@@ -37,6 +39,9 @@ Public interface (everything else in this package is internal):
     handle.sync()       -> waits; every block parameter then reads current values (to save a full fine-tune)
     handle.close()      -> restores plain modules (their own class) with current weights on the CPU (alias: detach)
     handle.close(keep_weights=False) -> the same, streamed blocks left with meta tensors (the model is discarded)
+    handle.park() / handle.unpark() -> (parkable) the ring given back, the blocks on their host bytes / the ring
+                           taken again with the plan's initial blocks; one handle runs at a time
+    handle.share_activations(other) -> use `other`'s activation offloader (one pinned buffer for models run in turn)
 
     bind_fused(handle, fused)  -> trainer.optim FusedBackPass steps streamed weights with their packed state
                                   (from trainer.offload.fused; pre/post/synchronize hooks of its protocol,
@@ -122,6 +127,24 @@ class OffloadHandle:
         """Wait for the device; point every block parameter at current values (ring or host copy)."""
         self._c.expose_current_weights()
 
+    def park(self) -> None:
+        """A parkable handle gives its ring back; its blocks read their host bytes until `unpark` (a sync)."""
+        self._c.park()
+
+    def unpark(self) -> None:
+        """The ring taken again, the plan's initial blocks copied in; the next pass starts a step."""
+        self._c.unpark()
+
+    @property
+    def parked(self) -> bool:
+        return self._c.parked
+
+    def share_activations(self, other: OffloadHandle) -> None:
+        """Offload checkpoint inputs into `other`'s buffers (models that run in turn need one pinned region)."""
+        if self._c.activations is not None and other._c.activations is not None:
+            self._c.activations = other._c.activations
+            self._c.shared_activations = True
+
     def close(self, keep_weights: bool = True) -> None:
         """Undo the attach; `keep_weights=False`: streamed blocks are left with meta tensors (no RAM copy)."""
         self._c.close(keep_weights)
@@ -173,6 +196,7 @@ def attach_offload(
     share=None,
     min_ring_blocks: int = 2,
     gather=None,
+    parkable: bool = False,
 ) -> OffloadHandle:
     """Install streaming on `blocks`; see the module docstring. `training` is an alias of `mode`;
     `_release_at_recompute` reproduces the OneTrainer race (tests prove the race detector catches it);
@@ -193,6 +217,7 @@ def attach_offload(
         release_at_recompute=_release_at_recompute,
         pinned_budget=pinned_budget,
         min_ring_blocks=min_ring_blocks,
+        parkable=parkable,
     )
     if any(isinstance(b, block.StreamedBlock) for b in blocks):
         raise ValueError("offload: these blocks are already attached; close their handle first")

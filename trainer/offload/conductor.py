@@ -51,6 +51,15 @@ owner's step) and no optimizer state is packed: the write-back then copies only 
 its next load copies in again, so the processes never read each other's host bytes during training, and the
 arena is whole after a barrier (`expose_current_weights`, `close`).
 
+Parking (several models sharing one GPU in turn: the two experts of Wan 2.2 A14B trained in one run,
+trainer/train/experts.py). A conductor built with `parkable` keeps even its never-streamed blocks in the ring (at
+fraction 0 too), so that `park()` can give the whole ring back: after a host-device sync, the blocks that have no
+arena copy are copied once into a pinned parking buffer (frozen weights never change; trainable ones are copied at
+every park), every block's parameters point at their host bytes, and the ring is freed. `unpark()` allocates the
+ring again (the caching allocator hands back the bytes the other model's park just freed: the models have the same
+blocks), copies in the plan's initial blocks, and starts a fresh step of the plan, as a new conductor would. So only
+the running model's blocks are on the GPU, and a switch moves one ring's bytes.
+
 Left out: torch.compile of the block wrapper (it is called eagerly; compiling inside blocks still works),
 several GPUs per process, and blocks that appear twice in one pass.
 """
@@ -117,13 +126,16 @@ class Conductor:
         pinned_budget: int | None = None,
         share=None,
         gather=None,
+        parkable: bool = False,
     ):
         """`fill(block, entries, views)`: writes block `block`'s tensors into `views` (one per packing entry) when
         the blocks hold placeholders instead of weights (trainer/models/stream_load.py); None: copy the blocks'
         own tensors. `pinned_budget`: bytes the host arena may pin (None: all of it); see allocators.Staging.
         `share` (allocators.SharedArena): the arena is one file under /dev/shm for the processes of a host.
         `gather` (gather.SliceGather): the processes of a host fill their rings together, each copying 1/N of a
-        block over PCIe and all-gathering the rest (frozen blocks only; every process runs the same plan)."""
+        block over PCIe and all-gathering the rest (frozen blocks only; every process runs the same plan).
+        `parkable`: `park()` may give the ring back (see the module essay); the ring then holds every block that is
+        not streamed, at fraction 0 too."""
         self.blocks = list(blocks)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -136,8 +148,13 @@ class Conductor:
         self.checkpointing = any(self.checkpointed)
         self.race_detector = race_detector
         self.release_at_recompute = release_at_recompute
-        self.streaming = self.fraction > 0.0
-        if self.streaming and mode == "train" and not self.checkpointing:
+        #: the plan and ring run (blocks streamed, or a parkable model's resident blocks held in the ring)
+        self.streaming = self.fraction > 0.0 or parkable
+        self.parkable, self.parked = parkable, False
+        self._park_buf: HostArena | None = None  # a parked model's never-streamed blocks (`park`)
+        self._park_off: dict[int, int] = {}
+        self._step0 = 0  # the step the plan's step 0 is (a new conductor, or the last `unpark`)
+        if self.fraction > 0.0 and mode == "train" and not self.checkpointing:
             # Without recompute, backward reads weights autograd saved in forward, long after their ring
             # region was refilled: streaming in training is only correct with per-block checkpointing.
             raise ValueError(
@@ -148,6 +165,7 @@ class Conductor:
         self.activations = (
             ActivationOffloader(self.device, min_bytes=activation_min_bytes) if activations else None
         )
+        self.shared_activations = False  # the offloader is another conductor's (OffloadHandle.share_activations)
         self._h2d_log: list = []  # (start event, end event, bytes) of the last step's copies
         self._host_state: dict[int, dict[str, torch.Tensor]] = {}  # host_state_of's views, built once
 
@@ -280,7 +298,7 @@ class Conductor:
         L = len(self.plan.sequence)
         self.released = [False] * L
         self.loads_after: dict[int, list] = {}
-        for ld in self.plan.step_loads(self.step):
+        for ld in self.plan.step_loads(self.step - self._step0):
             self.loads_after.setdefault(ld.after, []).append(ld)
         self._h2d_log_step: list = []
 
@@ -294,6 +312,8 @@ class Conductor:
             self.activations.new_step()
         if not self.streaming:
             return
+        if self.parked:
+            raise RuntimeError(f"offload: block {i} ran while its model is parked (unpark it first)")
         target = self._position(phase, i) if (self.mode == "train" or phase == FWD) else None
         if target is None or self.plan.sequence[target] != (phase, i):
             raise RuntimeError(
@@ -479,7 +499,7 @@ class Conductor:
             "blocks": len(self.blocks),
             "block_bytes": sum(pk.nbytes for pk in self.packs),
             "offloaded_bytes": sum(self.plan.sizes[b] for b in self.plan.streamed) if self.streaming else 0,
-            "ring_bytes": self.ring.capacity if self.streaming else 0,
+            "ring_bytes": self.plan.capacity if self.streaming else 0,
             "pinned_bytes": (self.arena.pinned_bytes if self.streaming else 0),
             "staging_pinned_bytes": self.staging.pinned_bytes if self.staging is not None else 0,
             "arena_shared": self.shared,
@@ -490,7 +510,8 @@ class Conductor:
             if self.streaming else 0,
         }
         if self.streaming:
-            out["fraction_in_ram"] = 1.0 - self.ring.capacity / max(1, out["block_bytes"])
+            out["fraction_in_ram"] = 1.0 - self.plan.capacity / max(1, out["block_bytes"])
+            out["parking_pinned_bytes"] = self._park_buf.pinned_bytes if self._park_buf is not None else 0
         if self.cuda and self._h2d_log:
             self._h2d_log[-1][1].synchronize()  # host-device sync
             ms = sum(a.elapsed_time(b) for a, b, _ in self._h2d_log)
@@ -519,8 +540,76 @@ class Conductor:
             if self.ring_offset[b] is not None:
                 self._point(b)
             else:
-                pk.point_at(pk.views(self.arena.region(self.host_off[b], self.plan.sizes[b])))
+                pk.point_at(pk.views(self._host_region(b)))
                 self.params_at[b] = None
+
+    def _host_region(self, b: int) -> torch.Tensor:
+        """Block `b`'s host bytes: its arena region, or (a parked model's never-streamed block) its parking one."""
+        if b in self.host_off:
+            return self.arena.region(self.host_off[b], self.plan.sizes[b])
+        return self._park_buf.region(self._park_off[b], self.plan.sizes[b])
+
+    # ------------------------------------------------------------------------------------------ parking
+    def park(self) -> None:
+        """Give the ring back (see the module essay); the blocks read their host bytes until `unpark`.
+        Host-device sync, once per park."""
+        if not self.parkable or self.parked:
+            return
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        for b in list(self.dirty):
+            if b in self.host_off and self.ring_offset[b] is not None:
+                self._write_back(b, compute)  # trainable streamed blocks: their host copies become current
+        self.wait_for_device()  # every kernel reading the ring, every load into it, every write-back has run
+        sizes = self.plan.sizes
+        kept = [b for b in range(len(self.blocks)) if b not in self.host_off]  # no arena copy: the ring's only
+        if self._park_buf is None and kept:
+            total = 0
+            for b in kept:
+                self._park_off[b] = total
+                total += sizes[b]
+            self._park_buf = HostArena(total, pin=self.cuda)  # allocation once per run: pinned, exact
+            fresh = True
+        else:
+            fresh = False
+        for b in kept:
+            if fresh or self.trainable:  # device-to-host, synchronous (parks only)
+                self._park_buf.region(self._park_off[b], sizes[b]).copy_(self.ring.region(self.ring_offset[b],
+                                                                                        sizes[b]))
+        self.dirty.clear()
+        for b, pk in enumerate(self.packs):
+            pk.point_at(pk.views(self._host_region(b)))
+            self.ring_offset[b] = self.params_at[b] = None
+        self.loaded_event.clear()
+        self._h2d_log = self._h2d_log_step = []
+        self.ring = None  # freed to the caching allocator: the next model's `unpark` takes the same bytes
+        self.parked = True
+
+    def unpark(self) -> None:
+        """Take a ring again, copy in the plan's initial blocks, and start the plan's step 0 (as at construction)."""
+        if not self.parked:
+            return
+        self.ring = Ring(self.plan.capacity, self.device)
+        sizes = self.plan.sizes
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        if self.cuda:  # on the transfer stream, after the ring's allocation; compute waits for all of it
+            ev = compute.record_event()
+            with torch.cuda.stream(self.h2d):
+                self.h2d.wait_event(ev)
+                for b, off in self.plan.initial.items():
+                    self._load(self.ring.region(off, sizes[b]), self._host_region(b))
+                done = self.h2d.record_event()
+            compute.wait_event(done)
+        else:
+            for b, off in self.plan.initial.items():
+                self._load(self.ring.region(off, sizes[b]), self._host_region(b))
+        for b, off in self.plan.initial.items():
+            self.ring_offset[b] = off
+            self._point(b)
+        self.parked = False
+        self.step += 1  # a release callback of an earlier step stays a no-op
+        self._step0 = self.step
+        self.cursor = 0
+        self._new_step_tables()
 
     def close(self, keep_weights: bool = True) -> None:
         """Restore ordinary tensors: every block's parameters and buffers become plain CPU tensors with current
@@ -535,7 +624,7 @@ class Conductor:
                     self._point(b)
                     src_views = self.ring.views(b, self.ring_offset[b], pk)
                 else:
-                    src_views = pk.views(self.arena.region(self.host_off[b], self.plan.sizes[b]))
+                    src_views = pk.views(self._host_region(b))
                 for e, v in zip(pk.entries, src_views, strict=True):
                     if not keep_weights:  # new meta objects (a CPU Parameter cannot take meta data)
                         t = torch.empty(v.shape, dtype=v.dtype, device="meta")
@@ -548,6 +637,8 @@ class Conductor:
                     else:
                         e.module._buffers[e.name] = t
             self.arena.close()
+            if self._park_buf is not None:
+                self._park_buf.close()
             self.ring = None
-        if self.activations is not None:
+        if self.activations is not None and not self.shared_activations:  # a shared one: its owner's to close
             self.activations.close()

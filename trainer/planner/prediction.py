@@ -38,6 +38,11 @@ How. Everything is derived from the model's own code and the conductor's own ari
   compiled, 1024 px LoRA, offload 0): without checkpointing Flux peaked at 44.7 GiB reserved (48.0 GB; predicted
   49.9 GB) and Qwen-Image at 66.9 GiB (71.8 GB; predicted 72.8 GB); with the overhead on the kept tensors too the
   predictions were 57.8 / 82.6 GB;
+- two experts in one run (model.expert: both, trainer/train/experts.py): the experts are the same size and run in
+  turn, the one not running parked (its ring freed, its non-block weights, LoRA and LoRA state in CPU RAM): the
+  GPU holds one expert as a one-expert run does; RAM every block of both (arena + parking buffer) and the parked
+  resident part; and per step half a switch more copies (the incoming ring and resident part: the expert changes
+  on 2 p (1 - p) <= 1/2 of the steps);
 - step time: the host's launches, the GPU's kernels and the conductor's copies replayed block by block over
   the training plan (trainer/planner/replay.py; costs in trainer/planner/timing.py).
 
@@ -71,6 +76,7 @@ from ..dtypes import DTYPES
 from ..errors import UserError
 from ..lora_format.kinds import LORA_KINDS
 from ..models import adapter_class, stream_load
+from ..models.base import BOTH_EXPERTS
 from ..offload.allocators import BlockPacking
 from ..offload.plan import Plan, PlanError, capacity_for, make_plan
 from . import compiled as pcompiled
@@ -160,6 +166,9 @@ class Facts:
     #: offload.nano_batches: the blocks' token-wise MLPs run in this many token chunks (planner/trace.py
     #: `chunk_mlps`; eager blocks only: a compiled block's count is its plain class's, the saving not counted)
     nano_batches: int = 1
+    #: transformers the run trains in turn (model.expert: both: each expert of the family, trainer/train/experts.py):
+    #: one ring on the GPU at a time, every expert's blocks pinned, its non-block weights and LoRA resident
+    experts: int = 1
     traces: dict = field(default_factory=dict)
 
     def size(self, res: int) -> tuple[int, int, int]:
@@ -290,6 +299,7 @@ def analyze(cfg) -> Facts:
         bucket_step=cfg.data.bucket_step if cfg.data is not None else cls.bucket_step,
         vae_config=vae_config(cfg),
         nano_batches=cfg.offload.nano_batches,
+        experts=len(cls.experts) if getattr(cfg.model, "expert", None) == BOTH_EXPERTS else 1,
     )
 
 
@@ -385,6 +395,15 @@ def predict(
         trainable = facts.trainable_params * 4 + facts.state_gpu
         d2h = 0
         one_grad = facts.largest_param * 4 if facts.fused else 0
+    parked = 0  # host bytes of the parked experts' resident parts (model.expert: both)
+    if facts.experts > 1:  # experts trained in turn, the others parked (offload/conductor.py, train/experts.py)
+        pinned = facts.experts * sum(facts.packed)  # each expert's blocks: arena + parking buffer, all of them
+        parked = (facts.experts - 1) * (facts.nonblock_bytes + trainable)  # non-block weights, LoRA and state
+        # a change of expert loads the incoming expert's ring and resident part (and sends the other's resident part
+        # back); the expert changes on 2 p (1 - p) <= 1/2 of the steps
+        h2d += (ring + facts.nonblock_bytes + trainable) // 2
+        d2h += (facts.nonblock_bytes + trainable) // 2
+    nonblock = facts.nonblock_bytes
     # Backward runs blocks last to first. While block i is differentiated, the checkpoint inputs of blocks
     # 0..i are still held, block i's working set exists, and the gradients of blocks i..n-1 (none under the
     # fused back pass, which frees each at once) have accumulated. The optimizer step after backward holds
@@ -435,13 +454,13 @@ def predict(
         h2d += ck_host
         d2h += ck_host
     trainable += grads_at_peak
-    static = _round2m(ring) + _round2m(facts.nonblock_bytes) + _round2m(trainable - grads_at_peak)
-    allocated = ring + facts.nonblock_bytes + trainable + act
+    static = _round2m(ring) + _round2m(nonblock) + _round2m(trainable - grads_at_peak)
+    allocated = ring + nonblock + trainable + act
     reserved = static + reserved_part(dynamic, long_lived) + WORKSPACE
     # RAM: the pinned arena and activation buffers, the process's own (HOST_BASE), and, where the transformer is
     # read whole before packing (facts.loads_whole), a pageable copy of it beside the arena.
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
-    ram = (model_bytes if facts.loads_whole else 0) + pinned + ck_host + HOST_BASE
+    ram = (model_bytes if facts.loads_whole else 0) + pinned + ck_host + HOST_BASE + parked
     ck_flops = ptime.block_train_flops(tr, n, facts.checkpointing, full)
     kept_flops = ptime.block_train_flops(tr, n, False, full)  # no recompute
     flops = ptime.train_flops(
@@ -473,7 +492,7 @@ def predict(
         resolution=res,
         activation_offload=activation_offload,
         ring=ring,
-        nonblock=facts.nonblock_bytes,
+        nonblock=nonblock,
         trainable=trainable,
         act_checkpoint_gpu=ck_gpu_shown,
         act_checkpoint_host=ck_host,

@@ -13,9 +13,10 @@ A video family's (`video`) ladder is the clip instead of the side (`VIDEO_CLIPS`
 then fewer frames at 480p (49, 33), each without checkpointing, with it, then with activation offloading; the
 preset names its size as `data.resolutions: [480p]` (trainer/config.py `video_resolution`), samples that frame at
 the clip's length, and its header says which rung it took. A family of experts (Wan 2.2 A14B) trains the
-`model.expert` its presets name (`EXPERT`; the other has the same size) with sampling during training off: a sample
-needs every expert, which the planner does not count. So does a family whose samples run further transformers
-(`sampling_components`: Ideogram 4's unconditional one).
+`model.expert` its presets name (`EXPERT`: both experts in one run for a LoRA, trainer/train/experts.py; one for a
+full fine-tune, the other the same size) with sampling during training off: a sample needs every expert, which the
+planner does not count. So does a family whose samples run further transformers (`sampling_components`:
+Ideogram 4's unconditional one).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ SETTINGS = (
 # (5 s at 16 fps), then shorter 480p clips where nothing longer fits.
 VIDEO_CLIPS = (("720p", 81), ("480p", 81), ("480p", 49), ("480p", 33))
 VIDEO_SETTINGS = ((False, False), (False, True), (True, True))
-# the expert a family of experts' presets train (one per run; the other is the same size)
-EXPERT = "high_noise"
+# the expert(s) a family of experts' presets train, per method: LoRA both in one run (model.expert: both); a full
+# fine-tune one per run (the other is the same size)
+EXPERT = {"lora": "both", "full": "high_noise"}
 # Host RAM a preset may assume: workstations with <= 24 GB cards, servers with 48 / 80 GB cards.
 RAM_GB = {8: 128, 12: 128, 16: 128, 24: 128, 48: 256, 80: 256}
 # LoRA presets for these cards switch to an fp8 base (model.quantize: fp8) where the bf16 one would not fit the
@@ -98,7 +100,7 @@ def _config(
     full = method == "full"
     cls = adapter_class(family)
     width, height = _frame(family, res)
-    expert = {"expert": EXPERT} if cls.experts else {}
+    expert = {"expert": EXPERT[method]} if cls.experts else {}
     # qwen-image-edit: its captions are encoded with their reference images (~1400 vision tokens at 1024 px), so
     # one at a time; its samples need a reference image
     ref_text = adapter_class(family).text_uses_reference
@@ -145,7 +147,7 @@ def _config(
             # the family's own sampling settings (e.g. Qwen-Image 2.1: 40 steps without guidance)
             **adapter_class(family).sample_defaults,
         },
-        "output": {"dir": f"out/{family}-{method}" + (f"-{EXPERT}" if expert else "")},
+        "output": {"dir": f"out/{family}-{method}" + (f"-{EXPERT[method]}" if expert else "")},
     }
 
 
@@ -296,6 +298,9 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
         if s["every"] else
         ["# Sampling during training is off (sample.every: 0): a sample needs every expert (the other one loaded and",
          "# streamed beside the training ring, not in these figures); use `dittrain sample` with both LoRAs afterwards."]
+        if cls.experts and d["model"].get("expert") != "both" else
+        ["# Sampling during training is off (sample.every: 0): the planner does not count a sample through both",
+         "# experts in turn yet; use `dittrain sample` with both LoRAs afterwards."]
         if cls.experts else
         [f"# Sampling during training is off (sample.every: 0): a sample also runs {', '.join(cls.sampling_components)}",
          "# (loaded and streamed beside the training ring, not in these figures); use `dittrain sample` afterwards."]
@@ -312,7 +317,10 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
     else:
         size, buckets, rung = f"{res} px", f"{res}x{res} buckets", []
     expert = d["model"].get("expert")
-    experts = [f"# {cls.full_name} trains one expert per run: this file trains model.expert: {expert} "
+    experts = [f"# {cls.full_name}: this file trains model.expert: {expert} (its experts {', '.join(cls.experts)} in one "
+               "run: each step the one that owns its timestep, only its blocks on the GPU, every expert's in pinned "
+               f"RAM), writing lora-{'.safetensors, lora-'.join(cls.experts)}.safetensors."] if expert == "both" else [
+               f"# {cls.full_name} trains one expert per run: this file trains model.expert: {expert} "
                f"({cls.experts[expert]}/); for the other expert, copy it with {next(e for e in cls.experts if e != expert)} "
                "as model.expert and its own output.dir (the same size: the same figures)."] if expert else []
     return [
@@ -356,12 +364,15 @@ def optional_features(method: str, family: str = "") -> list[str]:
     lora = method == "lora"
     cls = adapter_class(family) if family else None
     val = not (cls.text_uses_reference or cls.video) if cls else True
-    body = [
-        "train:",
-        "  ema: {decay: 0.999, every: 1, device: cpu}  # EMA of the trained weights: "
-        + ("lora-ema.safetensors" if lora else "transformer-ema/"),
+    ema = not (lora and cls is not None and cls.experts)  # both experts in one run have no EMA yet (train/experts.py)
+    train = [
+        *(["  ema: {decay: 0.999, every: 1, device: cpu}  # EMA of the trained weights: "
+           + ("lora-ema.safetensors" if lora else "transformer-ema/")] if ema else []),
         *(["  validate_every: 250                       # score data.validation every 250 steps (val_loss)"]
           if val else []),
+    ]
+    body = [
+        *(["train:", *train] if train else []),
         *(["lora:", "  type: lokr                                # lora | lokr | loha (or dora: true with type lora)"]
           if lora else []),
         "data:",

@@ -53,8 +53,10 @@ class TrainingSampler:
         # several references: readable, and no more than the family takes; image-to-video: the first frame given
         if isinstance(s.image, list) or adapter.first_frame_conditions:
             check_image(s.image, adapter)
-        # experts: a family of experts' others than the one training (their base weights, in CPU RAM)
-        comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler", "experts"}, dtype=dtype, device="cpu")
+        # experts: a family of experts' others than the one training (their base weights, in CPU RAM); none when
+        # the run trains every expert (model.expert: both: each call gets them all, `by_component`)
+        others = {"experts"} if len(adapter.trained_experts) < 2 else set()
+        comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler"} | others, dtype=dtype, device="cpu")
         self.pipe = adapter.pipeline(comps)
         del comps  # the pipeline holds the only references: releasing the encoders frees them
         self.embeds = []
@@ -91,8 +93,16 @@ class TrainingSampler:
                 before_decode()
 
             hook = vae.decoder.register_forward_pre_hook(first_decode)
-        mine = getattr(self.pipe, self.adapter.transformer_dir)
-        others = [m for m in self.adapter.pipeline_transformers(self.pipe) if m is not None and m is not mine]
+        # every expert the run trains into its pipeline slot (model.expert: both: the router's `by_component`)
+        trained = dict(getattr(transformer, "by_component", None) or {self.adapter.transformer_dir: transformer})
+        transformer = trained.pop(self.adapter.transformer_dir)
+        slots = {name: (getattr(self.pipe, name), m, m.training) for name, m in trained.items()}
+        for name, (_, m, _) in slots.items():
+            setattr(self.pipe, name, m)  # a reference swap; the slot of transformer_dir is `generate`'s
+            m.eval()
+        mine = transformer
+        others = [m for m in self.adapter.pipeline_transformers(self.pipe)
+                  if m is not None and m is not mine and all(m is not s[1] for s in slots.values())]
         try:
             with ExitStack() as placed:  # the other experts: streamed from CPU RAM on a GPU, only for the call
                 for m in others:
@@ -112,6 +122,9 @@ class TrainingSampler:
             self.videos = [x if isinstance(x, list) else None for x in out]
             return [frame_sheet(x) if isinstance(x, list) else x for x in out]
         finally:
+            for name, (old, m, was_training) in slots.items():
+                setattr(self.pipe, name, old)
+                m.train(was_training)
             if hook is not None:
                 hook.remove()
             vae.to("cpu")

@@ -13,6 +13,15 @@ uninterrupted run would have drawn, and the numbers do not depend on the device 
 other noise than the CPU's for the same seed). Drawing on the CPU costs one small host-to-device copy per
 step (a latent's size; 1 MiB at 1024x1024), which is nothing next to a transformer step.
 
+Two experts in one run (`model.expert: both`, trainer/train/experts.py). With `split` (the pipeline's boundary as
+a flow time) a step must train one expert, so its timesteps must all fall on one side of it. The step's first
+draw, made exactly as a one-model run makes it, picks the side: so each expert is trained on a share of the steps
+equal to its share of the shifted-timestep distribution, whatever the sampling, shift and bucket. Every further
+draw of the step (the rest of the batch, the other micro-batches) is drawn again until it falls on that side
+(rejection sampling: exactly the distribution conditioned on the expert). Each t then has the one-model run's
+distribution, and all of it comes from this generator, so it is fixed by the seed and resumes bitwise.
+`start_step` opens a step; `side` says the expert it drew (True: t at or above the split, the high-noise one).
+
 Left out. Per-family input packing and positions are the adapter's (`predict`); so is Flux's guidance
 embedding (the guidance value is passed through). Min-SNR or debiased weightings of epsilon-prediction models
 do not apply to a velocity target and are not offered.
@@ -64,13 +73,16 @@ class FlowMatching:
     """Samples timesteps and noise from its own generator and computes the weighted velocity loss."""
 
     def __init__(self, cfg: TrainConfig, shift_fn=None, seed: int | None = None, vae_scale: int = VAE_SCALE,
-                 t_range: tuple[float, float] = (0.0, 1.0)):
+                 t_range: tuple[float, float] = (0.0, 1.0), split: float | None = None):
         """`shift_fn(height_px, width_px) -> s` is the adapter's `timestep_shift`, used when `cfg.shift` is
         auto; `vae_scale` (the family's `latent_scale`) turns latent sides back into pixels for it. `seed`
         defaults to the training seed. `t_range` (the adapter's `train_timesteps`: one expert's share of the
-        flow times) maps each shifted t linearly into [low, high]; (0, 1) leaves it as it is."""
+        flow times) maps each shifted t linearly into [low, high]; (0, 1) leaves it as it is. `split`: two experts
+        in one run, split at this flow time (see the module essay)."""
         self.cfg = cfg
         self.t_range = (float(t_range[0]), float(t_range[1]))
+        self.split = split
+        self.side: bool | None = None  # with `split`: the step's expert (True: t at or above it), once drawn
         self._shift_fn = shift_fn
         self._vae_scale = vae_scale
         self.generator = torch.Generator("cpu")
@@ -113,6 +125,8 @@ class FlowMatching:
         latents' dtype) and the fp32 target."""
         b = x0.shape[0]
         t = shift_timesteps(self.sample_t(b), self.shift_for(x0))
+        if self.split is not None:
+            t = self._one_side(t, self.shift_for(x0))
         lo, hi = self.t_range
         if (lo, hi) != (0.0, 1.0):  # an expert's timesteps (Wan 2.2 A14B: t >= boundary, or t < boundary)
             t = lo + (hi - lo) * t
@@ -130,6 +144,31 @@ class FlowMatching:
             target=eps - x0f,
             weight=loss_weights(t, self.cfg.loss_weighting),
         )
+
+    def start_step(self) -> None:
+        """A new optimizer step: its first draw picks the side of `split` (the expert) again."""
+        self.side = None
+
+    def _high(self, t: torch.Tensor) -> torch.Tensor:
+        """Per t: at or above the split, compared as the pipeline compares its timesteps (t * 1000 in fp32, which
+        is what `predict` hands the transformer: the expert the router picks is the one drawn here)."""
+        return t.float() * 1000.0 >= self.split * 1000.0
+
+    def _one_side(self, t: torch.Tensor, shift: float, tries: int = 10_000) -> torch.Tensor:
+        """`t` with every draw on the step's side of `split` (the first draw of the step picks it): the others
+        drawn again, one at a time, until they fall there (see the module essay)."""
+        high = self._high(t)
+        if self.side is None:
+            self.side = bool(high[0])
+        for i in range(t.shape[0]):
+            for _ in range(tries):
+                if bool(high[i]) == self.side:
+                    break
+                t[i] = shift_timesteps(self.sample_t(1), shift)[0]
+                high[i] = self._high(t[i : i + 1])[0]
+            else:  # a side drawn this rarely is left at the split itself (its edge): bounded work per step
+                t[i] = self.split if self.side else self.split * (1.0 - 1e-6)
+        return t
 
     @staticmethod
     def loss(pred: torch.Tensor, noised: Noised, mask: torch.Tensor | None = None) -> torch.Tensor:

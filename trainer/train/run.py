@@ -47,6 +47,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import UserError
 from ..lora_format import lora_metadata
+from ..models.base import BOTH_EXPERTS
 from . import checkpoint as ck
 
 RUN_FILE = "run.json"
@@ -466,6 +467,13 @@ def keep_step_lora(cfg, run: Run, checkpoint: Path, step: int) -> Path | None:
     """With output.save_every, a checkpoint's LoRA (in output.lora_format) that pruning never deletes, beside the
     checkpoints: `<output.dir>/<run name>-step-000500.safetensors`."""
     every = getattr(cfg.output, "save_every", 0)
+    if getattr(cfg.model, "expert", None) == BOTH_EXPERTS:  # each expert's, from its subfolder (train/experts.py)
+        from ..models import adapter_class
+
+        for name in adapter_class(cfg.model.family).experts:
+            one = cfg.model_copy(update={"model": cfg.model.model_copy(update={"expert": name})})
+            keep_step_lora(one, run, checkpoint / name, step)
+        return None
     src = ck.checkpoint_adapter(checkpoint)
     if not every or step % every or not src.is_file():
         return None

@@ -33,10 +33,13 @@ class Saving:
     run, out, dist, sharded, transformer, offload, params, monitor)."""
 
     def _load_weights(self, folder: Path) -> None:
+        self._check_resumed_method(folder)
+        self.method.load_weights(folder)
+
+    def _check_resumed_method(self, folder: Path) -> None:
         state = json.loads((folder / "state.json").read_text())
         if state.get("method") != self.method.name:
             raise UserError(f"--resume {folder}: checkpoint of a {state.get('method')} run, config says {self.method.name}")
-        self.method.load_weights(folder)
 
     def _restore(self, folder: Path) -> None:
         """Everything but the weights (`_load_weights`): optimizer, schedule, data position, generators, step."""

@@ -100,13 +100,15 @@ def conducts(cfg: Config, fraction: float, can_stream: bool, device: torch.devic
 
 
 def place_blocks(transformer, blocks, cfg: Config, device: torch.device, fraction: float, conduct: bool, method,
-                 optim, shapes: int = 8, fill=None, share=None, gather: SliceGather | None = None):
+                 optim, shapes: int = 8, fill=None, share=None, gather: SliceGather | None = None,
+                 parkable: bool = False):
     """With `conduct`, hand the blocks to the offload handle, which checkpoints them (at fraction 0 too), streams
     them at fraction > 0 and compiles them under train.compile (`shapes`: bucket shapes the data has); returns
     the handle or None. Activation offloading only on a GPU (on the CPU there is no second memory to move to).
     `fill`: the blocks hold placeholders, and the conductor reads their weights from the model's files into the
     arena and ring (trainer/models/stream_load.py). `share`: the arena is one /dev/shm file per host
-    (`shared_arena`); `gather`: the host's processes fill their rings together (`slice_gather`)."""
+    (`shared_arena`); `gather`: the host's processes fill their rings together (`slice_gather`); `parkable`: the
+    handle may give its ring back while another model runs (trainer/train/experts.py)."""
     if not conduct:
         if fill is not None:
             raise RuntimeError("place_blocks: blocks without weights need the offload handle (plan bug)")
@@ -117,11 +119,11 @@ def place_blocks(transformer, blocks, cfg: Config, device: torch.device, fractio
         trainable=method.streams_trainable,
         checkpointing=checkpoint_policy(cfg, device, fraction), optimizer_state=method.optimizer_state_layout(optim),
         compile=compile_options(cfg, device, shapes) or False,
-        fill=fill, pinned_budget=_gb(cfg.offload.pinned_budget_gb), share=share, gather=gather,
+        fill=fill, pinned_budget=_gb(cfg.offload.pinned_budget_gb), share=share, gather=gather, parkable=parkable,
     )
     if handle.pinning_note:
         say(handle.pinning_note)
-    if fraction > 0 and device.type == "cuda":
+    if (fraction > 0 or parkable) and device.type == "cuda":
         say(memory_line(handle.stats()))
     move_outside_blocks(transformer, blocks, device)
     method.place_optimizer_state(handle, blocks, optim)

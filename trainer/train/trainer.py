@@ -45,13 +45,12 @@ from ..phase_log import LOG, Phase, ram_words
 from ..sampling.output import image_metadata, save_png, video_fps
 from ..sampling.training import TrainingSampler
 from . import checkpoint as ck
-from . import distributed, faults, sharded, streaming
+from . import distributed, experts, faults, sharded, streaming
 from . import run as runs
 from .ema import EMA
 from .faults import StopFlag, TrainingInterrupted, oom_error
 from .inputs import prepare_data
 from .lock import RunLock
-from .method import method_for
 from .monitor import Monitor, say
 from .objective import FlowMatching
 from .optimizer import optimizer_for
@@ -120,7 +119,7 @@ class Trainer(Saving):
         self.offload = None
         self._activations = None  # fsdp: sharded.shard's activation offloader (the conductor's, else)
         self.ema = None  # train.ema (ema.py), built in setup
-        self.method = method_for(cfg)  # LoRA or full: everything the loop would otherwise branch on
+        self.method = experts.method_for(cfg)  # LoRA or full (for each expert): what the loop would branch on
         self.fraction: float | None = None  # offload.transformer resolved (auto: the planner's pick), in setup
         self.dist = distributed.Dist()  # one process until setup reads torchrun's environment
         self.sharded = False  # train.distributed: fsdp with several processes (sharded.py), decided in setup
@@ -232,6 +231,8 @@ class Trainer(Saving):
         self.adapter = get_adapter(cfg.model, references=cfg.data.references() if cfg.data is not None else 0)
         check_attention(self.adapter, c.attention, self.device)
         self.t_range = self.adapter.train_timesteps()  # a family of experts: the chosen one's (refused without one)
+        if experts.trains_both(cfg):
+            experts.check(cfg, self.dist)
         # Data first: building the caches loads (and frees) the VAE and text encoders, so the transformer is not
         # in memory at the same time, and a bad image fails the run before the big load.
         self.data = self.dist.main_first(lambda: prepare_data(  # rank 0 fills the cache, the others read it
@@ -254,17 +255,15 @@ class Trainer(Saving):
         self._loader = None  # reads streamed blocks from the files into the conductor's arena (stream_load.py)
         self.sharded = self.dist.active and c.distributed == "fsdp"  # sharded.py: FSDP2 units, no conductor
         self.lockstep = self.sharded
+        if experts.trains_both(cfg):  # every expert of a family of experts: each loaded and streamed in turn
+            return experts.setup(self, resume_dir, streamed)
         if self.sharded and not stream_load.loads_whole(cfg, resume_dir is not None):
             # blocks read one at a time in sharded.shard; the rest to the CPU, sharded from there
             self.transformer, self._loader = stream_load.load(self.adapter, cfg.model, self.dtype, torch.device("cpu"),
                                                               stream_blocks=True)
-        elif not self.sharded and not stream_load.loads_whole(cfg, resume_dir is not None, streamed):
-            self.transformer, self._loader = stream_load.load(self.adapter, cfg.model, self.dtype, self.device, streamed)
-        else:  # original-layout single files, and where the base weights must exist before blocks stream: RAM
-            if (note := stream_load.whole_file_note(cfg.model)) is not None:
-                say(note)
-            load_to = torch.device("cpu") if streamed or self.sharded else self.device
-            self.transformer = self.adapter.load(cfg.model, parts={"transformer"}, dtype=self.dtype, device=load_to).transformer
+        else:
+            self.transformer, self._loader = self._load_transformer(cfg, self.adapter, streamed or self.sharded,
+                                                                    resume_dir is not None)
         self.transformer.train()
         if (form := self.adapter.use_attention(self.transformer, c.attention, self.device)) is not None:
             say(form)  # a family's own form of its attention
@@ -313,6 +312,17 @@ class Trainer(Saving):
         self.objective = FlowMatching(c, self.adapter.timestep_shift, vae_scale=self.adapter.latent_scale,
                                           t_range=self.t_range)
         self._finish_setup(resume_dir)
+
+    def _load_transformer(self, cfg: Config, adapter, streamed: bool, resuming: bool):
+        """(transformer, loader) of `cfg.model` (an expert's, for model.expert: both): streamed blocks as
+        placeholders the loader fills into the conductor's arena, or (original-layout single files, and where the
+        base weights must exist before blocks stream) whole, in RAM when they stream, else on the device."""
+        if not stream_load.loads_whole(cfg, resuming, streamed):
+            return stream_load.load(adapter, cfg.model, self.dtype, self.device, streamed)
+        if (note := stream_load.whole_file_note(cfg.model)) is not None:
+            say(note)
+        load_to = torch.device("cpu") if streamed else self.device
+        return adapter.load(cfg.model, parts={"transformer"}, dtype=self.dtype, device=load_to).transformer, None
 
     def _joins(self, runner) -> bool:
         """Whether this rank runs a rank-0 phase (sampling, validation) whose runner it holds or not: rank 0 runs
@@ -406,6 +416,7 @@ class Trainer(Saving):
         losses, images = [], 0
         log_now = (self.step + 1) % c.log_every == 0 or self.step + 1 == c.steps
         self.optim.before_backward(track_norm=log_now)
+        self.objective.start_step()  # model.expert: both: the step's first timestep picks the expert it trains
         for _ in range(c.grad_accum):
             batch = self.data.next_batch()
             latents = batch.latents.to(self.device, non_blocking=True)
@@ -438,6 +449,8 @@ class Trainer(Saving):
             say(f"fsdp: activation offloading moved {a.offloaded_bytes / 1e9:.2f} GB of block inputs per micro-batch "
                 f"to CPU RAM ({a.pinned_bytes / 1e9:.2f} GB page-locked)")
         metrics = {"loss": sum(losses) / len(losses), "lr": lr, "step_time": dt, "samples_per_s": images * self.dist.world / dt}
+        if isinstance(self.transformer, experts.ExpertRouter):
+            metrics["expert"] = self.transformer.last  # the expert this step trained
         if log_now:
             metrics["grad_norm"] = None if grad_norm is None else float(grad_norm)  # host sync, logging steps only
             if self.device.type == "cuda":

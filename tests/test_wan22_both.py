@@ -1,0 +1,292 @@
+"""Wan 2.2 A14B, `model.expert: both` (issue 39; trainer/train/experts.py): both experts trained in one run, on a
+tiny two-expert Wan of 6 blocks each (so that fractions 0.5 and 1.0 stream different blocks). Each step trains the
+expert that owns the timesteps it drew, and the other expert's LoRA and optimizer state do not move; streamed with
+parking (only the running expert in the ring) the run is bitwise the resident one; it resumes bitwise; its two
+files load into WanPipeline as diffusers users load them, and its samples are WanPipeline's pixels."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train_support import losses, pixels
+from test_wan import PROMPT, _frames
+from test_wan22 import _pipeline_frames
+
+from trainer.config import Config
+from trainer.data.video import write_video
+from trainer.errors import UserError
+from trainer.lora_format import peft_state_dict, read_lora_file
+from trainer.sample import SampleRequest, run_sample
+from trainer.sampling.output import frame_sheet
+from trainer.train.objective import FlowMatching, shift_timesteps
+from trainer.train.trainer import Trainer
+
+FAMILY = "wan2.2-a14b"
+STEPS = 8
+FILES = ("lora-high_noise.safetensors", "lora-low_noise.safetensors")
+
+
+@pytest.fixture(scope="module")
+def a14b(tmp_path_factory) -> Path:
+    """The tiny A14B with 6 blocks per expert (the registry's has 2: every fraction would keep both in the ring)."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    from trainer.models.wan22 import tiny_pipeline_a14b
+
+    base = tiny_pipeline_a14b()
+    experts = []
+    for seed in (5, 6):
+        torch.manual_seed(seed)
+        experts.append(WanTransformer3DModel.from_config(base.transformer.config, num_layers=6))
+    pipe = WanPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae,
+                       transformer=experts[0], transformer_2=experts[1], scheduler=base.scheduler,
+                       boundary_ratio=base.config.boundary_ratio)
+    folder = tmp_path_factory.mktemp("tiny-wan22-both") / "wan22-a14b"
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("wan22-both-data")
+    write_video([f.resize((32, 32)) for f in _frames(9)], d / "clip.mp4", 16)
+    (d / "clip.txt").write_text(PROMPT)
+    return d
+
+
+def _config(folder: Path, data: Path, out: Path, **sections) -> Config:
+    d = {
+        "model": {"family": FAMILY, "path": str(folder), "dtype": "fp32", "expert": "both"},
+        "train": {"method": "lora", "steps": STEPS, "batch_size": 1, "grad_accum": 2, "seed": 0, "log_every": 1,
+                  "checkpoint_every": STEPS // 2, "device": "cpu"},
+        "lora": {"rank": 4, "alpha": 4},
+        "optimizer": {"lr": 5e-2, "weight_decay": 0.1},
+        "data": {"sources": [{"path": str(data)}], "resolutions": [32], "cache_dir": str(out.parent / "cache"),
+                 "clip_frames": 5, "clips": "first"},
+        "sample": {"prompts": [PROMPT], "steps": 2, "width": 32, "height": 32, "frames": 5, "guidance": 5.0,
+                   "seed": 3, "every": STEPS},
+        "output": {"dir": str(out), "tensorboard": False},
+    }
+    for k, v in sections.items():
+        d[k] = {**d.get(k, {}), **v}
+    return Config.model_validate(d)
+
+
+def _experts(out: Path) -> list[str]:
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [x["expert"] for x in lines if "loss" in x]
+
+
+def _lora(path: Path) -> dict[str, torch.Tensor]:
+    return peft_state_dict(read_lora_file(path, FAMILY))
+
+
+def _snapshot(t: Trainer) -> dict[str, dict[str, torch.Tensor]]:
+    """Per expert: its LoRA weights and their optimizer state (AdamW's step, exp_avg, exp_avg_sq), copied."""
+    state = t.optim.optimizer.state
+    out = {}
+    for name, model in t.transformer.experts.items():
+        snap = {}
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                snap[n] = p.detach().clone()
+                snap.update({f"{n}/{k}": torch.as_tensor(v).clone() for k, v in state.get(p, {}).items()})
+        out[name] = snap
+    return out
+
+
+def test_the_first_draw_picks_the_expert_and_the_step_stays_on_its_side():
+    cfg = _config(Path("m"), Path("d"), Path("o")).train
+    obj = FlowMatching(cfg, lambda h, w: 3.0, split=0.875)
+    x0 = torch.zeros(4, 4, 2, 4, 4)
+    sides = []
+    for _ in range(400):
+        obj.start_step()
+        t = torch.cat([obj.noise(x0).t, obj.noise(x0).t])  # two micro-batches of one step
+        high = t * 1000.0 >= 875.0
+        assert bool(high.all()) or not bool(high.any())  # one expert per step
+        assert obj.side == bool(high[0])
+        sides.append(obj.side)
+    # each expert's share of the steps is its share of the shifted-timestep distribution: P(shift(u) >= 0.875)
+    u = FlowMatching(cfg, seed=1).sample_t(200_000)  # train.timestep_sampling's draws, before the shift
+    share = float((shift_timesteps(u, 3.0) >= 0.875).float().mean())
+    assert abs(np.mean(sides) - share) < 0.06
+    again = FlowMatching(cfg, lambda h, w: 3.0, split=0.875)
+    again.start_step()
+    obj2 = FlowMatching(cfg, lambda h, w: 3.0, split=0.875)
+    obj2.start_step()
+    assert torch.equal(again.noise(x0).t, obj2.noise(x0).t)  # fixed by the seed
+
+
+def test_what_both_does_not_do_is_refused_in_one_line(a14b, clip, tmp_path):
+    for section, why in ((("train", {"method": "full"}), "trains LoRAs only"),
+                         (("optimizer", {"name": "prodigy"}), "needs an optimizer that steps each weight from its own state"),
+                         (("train", {"ema": {"decay": 0.9}}), "has no EMA yet")):
+        cfg = _config(a14b, clip, tmp_path / "out", **{section[0]: section[1]})
+        with pytest.raises(UserError, match=rf"model.expert: both {re.escape(why)}"):
+            Trainer(cfg).fit()
+    from trainer.config import ModelConfig
+    from trainer.models import get_adapter
+
+    with pytest.raises(UserError, match="wan has one transformer"):
+        get_adapter(ModelConfig(family="wan", path=a14b, expert="both"))
+
+
+@pytest.fixture(scope="module")
+def fitted(a14b, clip, tmp_path_factory):
+    """The resident `both` fit, every step watched: the expert it trained, its timesteps, and both experts'
+    LoRA weights and optimizer state before and after."""
+    out = tmp_path_factory.mktemp("wan22-both") / "out"
+    seen = []
+    step, noise = Trainer.train_step, FlowMatching.noise
+    ts = []
+
+    def watched_noise(self, *a, **k):
+        n = noise(self, *a, **k)
+        ts.append(n.t.clone())
+        return n
+
+    def watched(self):
+        before, ts[:] = _snapshot(self), []
+        metrics = step(self)
+        seen.append((metrics["expert"], self.objective.side, torch.cat(ts), before, _snapshot(self)))
+        return metrics
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Trainer, "train_step", watched)
+    mp.setattr(FlowMatching, "noise", watched_noise)
+    try:
+        Trainer(_config(a14b, clip, out)).fit()
+    finally:
+        mp.undo()
+    return out, seen
+
+
+def test_each_step_trains_the_expert_that_owns_its_timesteps_and_leaves_the_other_alone(fitted):
+    out, seen = fitted
+    experts = [e for e, *_ in seen]
+    assert experts == _experts(out) and set(experts) == {"high_noise", "low_noise"}
+    assert len({(a, b) for a, b in zip(experts, experts[1:])}) > 1  # the experts take turns as drawn
+    for expert, side, t, before, after in seen:
+        assert len(t) == 2 and side == (expert == "high_noise")
+        assert bool((t * 1000.0 >= 875.0).all()) == side and bool((t * 1000.0 >= 875.0).any()) == side
+        other = "low_noise" if expert == "high_noise" else "high_noise"
+        # the other expert: weights and AdamW state (steps, moments; weight decay 0.1 not applied) bitwise still
+        assert before[other].keys() == after[other].keys()
+        assert all(torch.equal(before[other][k], after[other][k]) for k in before[other])
+        assert any(not torch.equal(before[expert][k], after[expert][k]) for k in before[expert])
+    # one checkpoint holds both; the final files are each expert's, as a run of it alone names them
+    ckpt = out / "checkpoints" / f"step-{STEPS:06d}"
+    assert (ckpt / "high_noise" / "adapter-state.safetensors").is_file()
+    assert (ckpt / "low_noise" / "adapter-state.safetensors").is_file()
+    assert all((out / f).is_file() for f in FILES) and not (out / "lora.safetensors").exists()
+
+
+def test_streamed_with_parking_is_bitwise_the_resident_run(fitted, a14b, clip, tmp_path, monkeypatch):
+    out, _ = fitted
+    monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)  # the conductor's CPU ring
+    step = Trainer.train_step
+    parked = []
+
+    def watched(self):
+        metrics = step(self)
+        h = self.offload.handles
+        parked.append((metrics["expert"], {n: x.parked for n, x in h.items()},
+                       {n: x.stats()["offloaded_bytes"] for n, x in h.items()}))
+        return metrics
+
+    monkeypatch.setattr(Trainer, "train_step", watched)
+    for f, fmt in ((1.0, "diffusers"), (0.5, "comfy")):
+        run = tmp_path / f"f{f}"
+        parked.clear()
+        Trainer(_config(a14b, clip, run, offload={"transformer": f}, output={"lora_format": fmt})).fit()
+        assert losses(run) == losses(out) and _experts(run) == _experts(out)
+        for name in FILES:  # comfy at 0.5: the same weights in ComfyUI's layout
+            a, b = _lora(out / name), _lora(run / name)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        if fmt == "comfy":
+            assert all(k.startswith("diffusion_model.") for k in load_file(str(run / FILES[1])))
+        for expert, is_parked, offloaded in parked:  # only the running expert holds a ring
+            assert is_parked == {n: n != expert for n in is_parked}
+            assert all(v > 0 for v in offloaded.values())  # blocks stream at either fraction (6 blocks)
+
+
+def test_resume_is_bitwise_the_uninterrupted_run(fitted, a14b, clip, tmp_path):
+    import shutil
+
+    out, _ = fitted
+    run = Path(shutil.copytree(out, tmp_path / "out"))
+    cfg = _config(a14b, clip, run)
+    Trainer(cfg, resume=str(run / "checkpoints" / f"step-{STEPS // 2:06d}")).fit()
+    assert losses(run) == losses(out) and _experts(run) == _experts(out)
+    for name in FILES:
+        a, b = load_file(str(out / name)), load_file(str(run / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_both_files_load_in_wan_pipeline_and_samples_are_its_pixels(fitted, a14b, tmp_path):
+    from diffusers import WanPipeline
+
+    out, _ = fitted
+    loras = [out / f for f in FILES]
+    pipe = WanPipeline.from_pretrained(str(a14b), torch_dtype=torch.float32, local_files_only=True)
+    pipe.load_lora_weights(str(loras[0]), adapter_name="high")
+    pipe.load_lora_weights(str(loras[1]), adapter_name="low", load_into_transformer_2=True)
+    assert pipe.get_list_adapters() == {"transformer": ["high"], "transformer_2": ["low"]}
+    cfg = _config(a14b, out, out)
+    want, ran = _pipeline_frames(cfg, loras, seed=3)
+    assert ran == ["transformer"] * 2 + ["transformer_2"] * 2
+    # sampled during the fit, at its last step (each expert with its LoRA as trained)
+    np.testing.assert_array_equal(pixels(out / "samples" / f"step-{STEPS:06d}-0.png"), np.asarray(frame_sheet(want)))
+    # `dittrain sample` with both files (model.expert: both samples as every config of the family does)
+    _, sheet = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[str(p) for p in loras],
+                                             out=tmp_path / "s"))
+    np.testing.assert_array_equal(pixels(sheet), np.asarray(frame_sheet(want)))
+
+
+def test_i2v_a14b_trains_both_experts_and_samples_as_its_pipeline(tmp_path):
+    """Wan 2.2 I2V A14B (the first frame conditions both experts; boundary 0.9): a `both` fit, its in-fit sample
+    and `dittrain sample --image` with both LoRAs are WanImageToVideoPipeline's pixels."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+    from PIL import Image
+
+    from trainer.models._diffusers import own_aligned_memory
+    from trainer.models.tiny import make_tiny_models
+
+    family = "wan2.2-a14b-i2v"
+    (model,) = make_tiny_models(tmp_path / "m", [family])
+    data = tmp_path / "data"
+    data.mkdir()
+    frames = [f.resize((32, 32)) for f in _frames(9)]
+    write_video(frames, data / "clip.mp4", 16)
+    (data / "clip.txt").write_text(PROMPT)
+    frames[0].save(tmp_path / "first.png")
+    out = tmp_path / "out"
+    cfg = _config(model, data, out, model={"family": family}, train={"steps": 4, "checkpoint_every": 0},
+                  sample={"every": 4, "image": str(tmp_path / "first.png")})
+    Trainer(cfg).fit()
+    assert set(_experts(out)) <= {"high_noise", "low_noise"} and len(_experts(out)) == 4
+    loras = [out / f for f in FILES]
+    pipe = WanImageToVideoPipeline.from_pretrained(str(model), torch_dtype=torch.float32, local_files_only=True)
+    for tr in (pipe.transformer, pipe.transformer_2):
+        own_aligned_memory(tr)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(loras[0]))
+    pipe.load_lora_weights(str(loras[1]), load_into_transformer_2=True)
+    s = cfg.sample
+    with torch.no_grad():  # as tests/test_wan_i2v.py encodes the prompt for this pipeline
+        pe, npe = (WanPipeline._get_t5_prompt_embeds(pipe, prompt=p, max_sequence_length=512) for p in (PROMPT, ""))
+    image = Image.open(tmp_path / "first.png").convert("RGB")
+    want = pipe(image=image, prompt_embeds=pe, negative_prompt_embeds=npe, height=s.height, width=s.width,
+                num_frames=s.frames, num_inference_steps=s.steps, guidance_scale=s.guidance,
+                generator=torch.Generator().manual_seed(3), output_type="pil").frames[0]
+    np.testing.assert_array_equal(pixels(out / "samples" / "step-000004-0.png"), np.asarray(frame_sheet(want)))
+    _, sheet = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[str(p) for p in loras],
+                                             out=tmp_path / "s"))
+    np.testing.assert_array_equal(pixels(sheet), np.asarray(frame_sheet(want)))
