@@ -15,8 +15,8 @@ same classes and wiring, small vocabularies whose ids all exist in the full-size
 subprocesses of the family's `lora-<card>gb` preset with DITTRAIN_VRAM_CAP_GB = card - 1, and the table prints per
 phase: peak reserved VRAM (from DITTRAIN_PHASE_LOG, trainer/phase_log.py), peak anonymous RSS (this process
 polls the child's RssAnon every 0.1 s and takes the maximum inside each phase's time window), and the median
-training-step time. `--gpus N` runs `fit` through torchrun on N GPUs (RSS summed over its processes, the node's
-/dev/shm beside it). The folder is deleted after each family (Qwen-Image is ~58 GB on disk: one family at a time)
+training-step time. `--gpus N` runs `fit` through torchrun on N GPUs (anonymous PSS summed over its processes, the
+node's /dev/shm beside it). The folder is deleted after each family (Qwen-Image is ~58 GB on disk: one family at a time)
 unless --keep, which also reuses a folder left by an earlier run. Several `--card` sizes run one after another on
 the same folder; `--set section.key=value` overrides a preset setting and `--tag` names the variant, so variants
 can be compared on one written folder (each run has its own cache, output and logs under <family>/<card>gb[-tag]).
@@ -568,9 +568,12 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _anon(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
+def _anon(pid: int, proportional: bool = False) -> int:
+    """pid's RssAnon, or with `proportional` its Pss_Anon: pages it shares copy-on-write with other processes (a
+    process pool's forked workers) counted as a share each, so a sum over processes counts each page once."""
+    path, key = (f"/proc/{pid}/smaps_rollup", "Pss_Anon:") if proportional else (f"/proc/{pid}/status", "RssAnon:")
+    for line in Path(path).read_text().splitlines():
+        if line.startswith(key):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -583,9 +586,10 @@ def _node_shmem() -> int:
 
 
 class AnonPoller:
-    """Samples a child's RssAnon every `every` seconds: [(time, bytes)]. `tree`: the sum over the child and every
-    process below it (a torchrun launch's workers), sampled every second, with the node's shared memory beside
-    (`shmem`: [(time, bytes)], the host's /dev/shm arena)."""
+    """Samples a child's RssAnon every `every` seconds: [(time, bytes)]. `tree`: the sum of Pss_Anon over the child
+    and every process below it (a torchrun launch's workers and their compile workers), sampled every second, with
+    the node's shared memory beside (`shmem`: [(time, bytes)], the host's /dev/shm arena). (A sum of RssAnon
+    counted a pool's copy-on-write pages once per worker: 57 GB for a 4-GPU fit whose workers held 2.3 GB each.)"""
 
     def __init__(self, pid: int, every: float = 0.1, tree: bool = False) -> None:
         self.pid, self.tree, self.samples, self.shmem = pid, tree, [], []
@@ -600,7 +604,7 @@ class AnonPoller:
             total = 0
             for pid in _tree(self.pid) if self.tree else [self.pid]:
                 try:
-                    total += _anon(pid)
+                    total += _anon(pid, proportional=self.tree)
                 except OSError:
                     pass
             if total:
@@ -853,7 +857,7 @@ def report(rows: list[dict]) -> list[str]:
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         gpus = r.get("gpus", 1)
-        what = "(process)" if gpus == 1 else (f"({gpus} processes: anon RSS summed; node shmem peak "
+        what = "(process)" if gpus == 1 else (f"({gpus} processes: anon PSS summed; node shmem peak "
                                               f"{r['shmem_peak'] / 1e9:.1f} GB)")
         lines.append(f"| {r['label']} | {r['command']} | {r['rc']} | {what} | | | {r['anon_peak'] / 1e9:.1f} | "
                      f"{r['wall_s']:.0f} |")
@@ -915,8 +919,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="override a preset setting (dotted key, YAML value), e.g. --set sample.guidance=1")
     ap.add_argument("--tag", default="", help="a name for this variant (its run folder and table rows)")
     ap.add_argument("--gpus", type=int, default=1, help="`fit` on this many GPUs of the host (torchrun "
-                    "--nproc_per_node; cache and sample run as one process): the fit row's RSS is summed over the "
-                    "processes, the node's shared memory (the /dev/shm arena) beside it, VRAM is the largest GPU's")
+                    "--nproc_per_node; cache and sample run as one process): the fit row's anonymous PSS is summed "
+                    "over the processes, the node's shared memory (the /dev/shm arena) beside it, VRAM is the largest GPU's")
     ap.add_argument("--commands", default="cache,fit,sample", help="which commands to run, in order (fit alone "
                     "caches too)")
     args = ap.parse_args(argv)
