@@ -367,7 +367,7 @@ def test_flex_mask_processor_in_inductor_compiled_blocks_on_cuda():
 
 def test_auto_trains_with_flex_on_cuda_and_the_masked_sdpa_elsewhere(tmp_path, monkeypatch):
     """`train.attention: auto` for Chroma: flex attention where training runs on CUDA of compute capability 8.0
-    and up (the fastest whole step on the GPU: bench/RESULTS.md 2026-11-26), diffusers' masked SDPA on older
+    and up (the fastest whole step on the GPU: bench/history/2026-11-26.md 2026-11-26), diffusers' masked SDPA on older
     CUDA devices and on the CPU (no flex backward there), with a line naming the form; the explicit choices set
     their own processors, and the SDPA backends set none."""
     from diffusers.models.transformers.transformer_flux import FluxAttnProcessor

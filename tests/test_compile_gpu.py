@@ -18,7 +18,7 @@ so an element whose tiny gradient changes sign by one rounding moves by up to 2 
 H100 runs of 2026-11-26 found max |dW| 0.0009-0.002 (a third of the whole update) between runs whose first-step
 gradients differ in rounding only. The relative norms below say how much of the update moved.
 
-Measured on an H100 (bench/RESULTS.md, 2026-11-26 02:10): eager bf16 bitwise at every fraction in every process;
+Measured on an H100 (bench/history/2026-11-26.md, 2026-11-26 02:10): eager bf16 bitwise at every fraction in every process;
 compiled, the resident runs differ from each other as much as offloaded ones differ from them, and which pair
 differs changes per process (with TORCHINDUCTOR_DETERMINISTIC=1 the first, freshly compiled run of a process
 differed from the later, cache-loaded ones): each compile may pick other kernel configurations, so another
@@ -44,7 +44,7 @@ torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention fails in backward
 SIZE = dict(layers=2, singles=4, dim_head=64, heads=4)
 SIDE, TEXT, STEPS, LR = 32, 64, 6, 1e-3  # 1024 image + 64 text tokens: flash splits the keys into several tiles
 #: an offloaded run may differ from the resident one by this much of each measure (relative; the H100's largest
-#: resident-vs-resident differences were 2.4e-5, 5e-4 and 6.2e-3: bench/RESULTS.md 2026-11-26 02:30) ...
+#: resident-vs-resident differences were 2.4e-5, 5e-4 and 6.2e-3: bench/history/2026-11-26.md 2026-11-26 02:30) ...
 REL_TOL = {"loss": 1e-4, "grad": 2e-3, "weights": 2e-2}
 #: ... or by this multiple of the resident runs' own difference
 SPREAD_X = 1.5

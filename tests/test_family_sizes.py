@@ -100,7 +100,7 @@ def test_text_caching_of_a_folder_is_the_presets_prediction(tmp_path, family, la
     encoder its folder's config builds. Both must be the same numbers for the published model, and for the bench's
     folder that stores only the layers the loader reads. Before the planner built the folder's encoder, it applied
     the full-size shares to the folder's bytes: 17.4 GB in the run against 21.5 GB in the 24 GB preset's header
-    for the bench's 31-layer Mistral-3, measured 20.6-21.2 GB (bench/RESULTS.md, 2026-11-25 21:40)."""
+    for the bench's 31-layer Mistral-3, measured 20.6-21.2 GB (bench/history/2026-11-25.md, 2026-11-25 21:40)."""
     from trainer.planner.meta import text_encoder_sizes
     from trainer.planner.phases import _text_vram
 

@@ -211,7 +211,7 @@ def test_sampling_copies_hide_behind_compute_when_the_link_allows(sizes, fractio
     2.4 x a single's bytes; the link moves 286 MB in one block's compute (55 GB/s). With the streamed bytes
     spread by position the copies hide (the step stays within 3 % of the compute); spread by bytes, 11 of
     the 19 double blocks streamed and the double blocks' stretch was copy-bound: 1.12 x replayed, 1.11 x
-    measured (bench/RESULTS.md run 3)."""
+    measured (bench/history/2026-11-22.md run 3)."""
     from trainer.offload.plan import plan_for
 
     cap = capacity_for(sizes, fraction)

@@ -238,7 +238,7 @@ def test_planner_predicts_every_phase_and_fits_text_encoders_to_the_budget():
 def test_planner_leaves_out_what_qwen_drops_of_its_text_encoder_and_counts_its_embedding():
     """Qwen2.5-VL: the head and vision tower never reach the GPU for text-to-image (slim_text_encoder), and its
     embedding (6.6 %, not the 3 % of T5) stays beside the streamed layers. Measured on the GPU: the 3 % share put
-    text caching at 10.5 GB where it needed 11.4 (bench/RESULTS.md, 2026-11-23 evening)."""
+    text caching at 10.5 GB where it needed 11.4 (bench/history/2026-11-23.md, 2026-11-23 evening)."""
     import dataclasses
 
     from trainer.config import load_config

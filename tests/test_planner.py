@@ -409,7 +409,7 @@ def test_plan_vram_of_the_card_picks_the_presets_fraction(preset):
 
 def test_fp8_base_is_planned_with_the_loaders_quantized_layout(flux_full_size):
     """model.quantize: fp8 packs the blocks as the loader quantizes them (8-bit Linear weights + fp32 scales,
-    modulation and norms in bf16): the same 15.08 GB the fp8 bench measured for Flux (bench/RESULTS.md, issue 15),
+    modulation and norms in bf16): the same 15.08 GB the fp8 bench measured for Flux (bench/history/2026-11-23.md, issue 15),
     so pinned RAM, the ring and the chosen fraction all shrink."""
     cfg, facts = flux_full_size
     q = planner.analyze(cfg.model_copy(update={"model": cfg.model.model_copy(update={"quantize": "fp8"})}))

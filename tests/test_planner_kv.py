@@ -1,7 +1,7 @@
 """The planner's sampling phase and Qwen-Image 2.1's KV cache: the pipeline keeps every block's prompt keys and
 values from its first denoising step to its return (`use_kv_cache`, on by default). Eager blocks store copies of
 the prompt's part; compiled blocks (inductor) store views of the whole first-step keys and values, 2.15 GB at
-1024 px (the 16 GB preset's sampling measured 14.11 GB against 12.39 predicted on an H100: bench/RESULTS.md,
+1024 px (the 16 GB preset's sampling measured 14.11 GB against 12.39 predicted on an H100: bench/history/2026-11-25.md,
 2026-11-25 21:40), which the family's `sampling_hooks` copy down to the prompt's rows."""
 
 from __future__ import annotations

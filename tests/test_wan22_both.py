@@ -172,7 +172,7 @@ def test_each_step_trains_the_expert_that_owns_its_timesteps_and_leaves_the_othe
     out, seen = fitted
     experts = [e for e, *_ in seen]
     assert experts == _experts(out) and set(experts) == {"high_noise", "low_noise"}
-    assert len({(a, b) for a, b in zip(experts, experts[1:])}) > 1  # the experts take turns as drawn
+    assert len({(a, b) for a, b in zip(experts, experts[1:], strict=False)}) > 1  # the experts take turns as drawn
     for expert, side, t, before, after in seen:
         assert len(t) == 2 and side == (expert == "high_noise")
         assert bool((t * 1000.0 >= 875.0).all()) == side and bool((t * 1000.0 >= 875.0).any()) == side

@@ -25,7 +25,7 @@ Own cache. A phase that runs between training steps with other tensor sizes (sam
 `own_cache=True`: CUDA's caching allocator is emptied at entry (before the peak reset) and at exit. The free
 blocks the training step left cached are cut to its own sizes; without this the phase reserves new segments
 beside them, and the training step after it beside the phase's, so both peaks rise (SD3.5-large's sampling
-during training reserved 0.79 GB more than its training step, bench/RESULTS.md). Emptying costs a few
+during training reserved 0.79 GB more than its training step, bench/history/2026-11-23.md). Emptying costs a few
 cudaMalloc calls in the next step; these phases are rare.
 
 Fail with one line. `torch.OutOfMemoryError` (the CUDA allocator) or `MemoryError` (host) raised inside the

@@ -26,7 +26,7 @@ How each piece mirrors diffusers' ChromaPipeline (0.42):
   because one error in it reaches every block's scale, shift and gate at once, while quantizing it would save
   0.28 GB of VRAM (bf16 to 8 bits) and no pinned RAM. `model.quantize_modulation` therefore changes nothing for Chroma.
 
-Attention with the mask, and its speed (bench/RESULTS.md, "Chroma at offload 0"). Every block attends with the
+Attention with the mask, and its speed (bench/history/2026-11-25.md, "Chroma at offload 0"). Every block attends with the
 (B, 1, S, S) float mask, so torch's SDPA cannot use flash attention (it takes no mask) and runs the
 memory-efficient kernel, whose backward is the slow part on an H100. The pipeline does this in all 57 blocks and so
 does training here; diffusers' own checkpointed forward passes no mask to the 38 single blocks (they run flash
@@ -44,7 +44,7 @@ compiled: inside a compiled block (train.compile) it compiles with the block, ou
 one block's attention forward + backward at 1024 px on an H100 takes 2.80 ms by flex, 6.37 ms by the flash form,
 7.90 ms by masked SDPA and 3.24 ms by SDPA without any mask (bench/attn_mask_speed.py,
 bench/logs/2026-11-25i-attn-mask-speed.md). In a whole training step (1024 px, LoRA r16, bf16, compiled, H100,
-bench/RESULTS.md "2026-11-26"): 0.442 s by flex, 0.638 s by the flash form, 0.703 s by masked SDPA at offload 0,
+bench/history/2026-11-26.md "2026-11-26"): 0.442 s by flex, 0.638 s by the flash form, 0.703 s by masked SDPA at offload 0,
 and 0.94 against 1.08-1.43 s at the 8 GB preset (offload 0.9). So `auto` trains with flex on CUDA devices of
 compute capability 8.0 and up (`flex_by_default`: torch tunes flex's kernels for those; consumer cards, sm86 / sm89,
 are not measured: `train.attention: efficient` keeps the masked SDPA call there). Torch has no flex backward on the
@@ -121,7 +121,7 @@ class ChromaAdapter(DiffusersAdapter):
     default_scheduler = FluxAdapter.default_scheduler
     max_sequence_length = 512  # ChromaPipeline's default (and its maximum)
     full_name, example_path = "Chroma1-HD", "/path/to/Chroma1-HD"
-    # the whole `fit` under a 7 GB cap, full-size random weights (bench/bench_program.py; bench/RESULTS.md,
+    # the whole `fit` under a 7 GB cap, full-size random weights (bench/bench_program.py; bench/history/2026-11-25.md,
     # 2026-11-25 15:36 UTC): the largest phase and the steady step
     measured_presets = {("lora", 8): "measured on an H100: fits, 6.0 GB reserved, 1.08 s a step"}
     full_config = {  # ChromaTransformer2DModel defaults = Chroma1-HD (8.9 B)

@@ -133,7 +133,7 @@ class FluxAdapter(DiffusersAdapter):
     vae_params = 83_819_683  # diffusers AutoencoderKL, 16 latent channels
     sampling_uses_negative = False
     # Presets run on a GPU with full-size random weights under a VRAM cap of card - 1 GB (bench/bench_plan.py;
-    # numbers and command in bench/RESULTS.md, 2026-11-22 02:27 UTC, the planner with the 1.35 allocator factor).
+    # numbers and command in bench/history/2026-11-22.md, 2026-11-22 02:27 UTC, the planner with the 1.35 allocator factor).
     measured_presets = {
         ("lora", 8): "measured on an H200: fits, 6.3 GB reserved, 1.08 s a step",
         ("lora", 16): "measured on an H200: fits, 14.5 GB reserved, 0.95 s a step",

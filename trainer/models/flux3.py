@@ -139,7 +139,7 @@ class Flux3Adapter(DiffusersAdapter):
     max_sequence_length = 8192  # the text-encoder step's default (longer prompts are cut)
     full_name, example_path = "Flux.3", "/path/to/FLUX.3"
     # the whole `fit` and `sample` under a 7 GB cap, full-size random weights (bench/bench_program.py;
-    # bench/RESULTS.md, 2026-11-25 19:20 UTC): the largest phase (text caching) and the one steady step
+    # bench/history/2026-11-25.md, 2026-11-25 19:20 UTC): the largest phase (text caching) and the one steady step
     measured_presets = {("lora", 8): "measured on an H100: fits, 6.1 GB reserved, 0.44 s a step"}
     full_config = {  # Flux3Transformer2DModel defaults (5.54 B parameters)
         "in_channels": 128, "cond_in_channels": 128, "num_layers": 5, "num_single_layers": 28,

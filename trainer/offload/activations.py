@@ -124,7 +124,7 @@ class ActivationOffloader:
             return
         # From the side stream's pool, not compute's: memory compute freed may still be in use by its queued
         # kernels, so a fetch into it would have to wait for all of them (it did: 1.054 vs 0.968 s a Flux step,
-        # bench/RESULTS.md 2026-11-26). The side stream's blocks come back to it only once the compute stream,
+        # bench/history/2026-11-26.md 2026-11-26). The side stream's blocks come back to it only once the compute stream,
         # which `record_stream` names in `_unpack`, has passed their last use.
         with torch.cuda.stream(self.stream):
             gpu = torch.empty(s.shape, dtype=s.dtype, device=self.device)

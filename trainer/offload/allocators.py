@@ -154,7 +154,7 @@ def pinned_exact(shape, dtype: torch.dtype) -> torch.Tensor:
     """A page-locked CPU tensor of exactly its size, for buffers made one at a time (trainer/optim StateOffload):
     allocated pageable and registered with cudaHostRegister, unregistered when the tensor object dies. torch's
     `pin_memory=True` goes through the caching host allocator, which rounds every request up to a power of two
-    (measured: 52 GB of an owned AdamW state's 171.7 GB, bench/RESULTS.md 2026-11-27 13:40); it is the fallback
+    (measured: 52 GB of an owned AdamW state's 171.7 GB, bench/history/2026-11-27.md 2026-11-27 13:40); it is the fallback
     where registration is refused. Keep this very tensor object alive as long as its memory is used."""
     import weakref
 

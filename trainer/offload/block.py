@@ -31,7 +31,7 @@ contributions to shared inputs such as temb: same sums, same bits).
 
 Why only non-tensor keyword arguments are kept by the recompute closure. Checkpoint hands the tensor arguments
 back to it (through activation offloading's hooks when on), and a reference to them here would keep every block's
-inputs on the GPU, whatever the offloader copied out (bench/RESULTS.md, 02:48 UTC).
+inputs on the GPU, whatever the offloader copied out (bench/history/2026-11-22.md, 02:48 UTC).
 
 Left out: torch.compile of `StreamedBlock.forward` itself (it talks to the conductor eagerly): only `_compute`
 is compiled.

@@ -23,7 +23,7 @@ only the rest through a two-block window: about f W bytes a step. Which part sta
 copies hide behind compute: the streamed blocks are spread evenly by position (`spread_fixed`), so the
 copies arrive at an even rate per block computed (Flux-12B at f=0.5 on an H200: the cycle moved 23.7 GB,
 1.44x the resident forward; spreading by bytes 13.7 GB, 1.10x; by position the same bytes, 1.02-1.03x,
-bench/RESULTS.md run 5).
+bench/history/2026-11-22.md run 5).
 
 Left out: choosing which blocks stay resident by measured cost (training always keeps the next blocks in
 execution order; sampling assumes every block computes for about as long), and any timing model

@@ -11,7 +11,7 @@ meta device from its own config.json exactly as the loader builds it (the family
 a folder, the family's declared shares of its full-size encoder say the same (`shared_sizes`). Applying the
 full-size shares to a folder's own bytes was wrong where the folder already lacks a part the shares remove: the
 bench's Flux.2-dev folder has 31 of Mistral-3's 40 layers, and the shares took the 9 unloaded layers off a second
-time, 3.2 GB under the measured text-caching peak at offload.text_encoders 0.45 (bench/RESULTS.md, 2026-11-25).
+time, 3.2 GB under the measured text-caching peak at offload.text_encoders 0.45 (bench/history/2026-11-25.md, 2026-11-25).
 """
 
 from __future__ import annotations

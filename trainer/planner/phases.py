@@ -62,7 +62,7 @@ class PhasePrediction:
 #: T5's eager attention holds batch x heads x tokens^2 scores several times over: the bf16 scores, an fp32 copy
 #: for the softmax, its fp32 result and the bf16 cast (12 bytes an entry; T5-XXL has 64 heads). An upper bound
 #: for the encoders that use fused attention. Without it the Flux 8 GB preset (predicted 6.9 GB) ran out of
-#: memory at its 7.0 GB cap while caching captions (bench/RESULTS.md, 2026-11-23).
+#: memory at its 7.0 GB cap while caching captions (bench/history/2026-11-23.md, 2026-11-23).
 TEXT_ATTN_HEADS = 64
 TEXT_ATTN_BYTES = 2 + 4 + 4 + 2
 

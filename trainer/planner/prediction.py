@@ -95,12 +95,12 @@ from .vae import vae_config
 GB = 1e9
 MIB2 = 2 << 20
 # reserved / allocated for the activation peak: the caching allocator's rounding and fragmentation. Measured on an
-# H200 with full-size Flux LoRA (bench/RESULTS.md, 2026-11-22 01:13 UTC): 1.53-1.60 at 512 px, 1.24-1.36 at
+# H200 with full-size Flux LoRA (bench/history/2026-11-22.md, 2026-11-22 01:13 UTC): 1.53-1.60 at 512 px, 1.24-1.36 at
 # 1024 px; 1.35 puts all six measured peaks within 5 % (1.10, the first assumption, was 1.4-9.4 % under).
 ALLOCATOR_OVERHEAD = 1.35
 #: anonymous host memory of a training process besides the arena: torch and CUDA libraries, Python, the data
 #: caches' index. Measured: Flux LoRA at 0.9 on an H200, 25.3-25.9 GB anonymous RSS per phase beside a 23.7 GB
-#: arena (bench/RESULTS.md, 2026-11-23, issue 14)
+#: arena (bench/history/2026-11-23.md, 2026-11-23, issue 14)
 HOST_BASE = 2.5 * GB
 WORKSPACE = 0.25 * GB  # cuBLAS workspaces, attention scratch, small tensors
 GRID = [round(0.05 * i, 2) for i in range(21)]
@@ -547,7 +547,7 @@ def _sampling_peak(cfg, facts: Facts, fraction: float, res: int) -> float:
 
 
 #: share of the VRAM budget a chosen fraction's predicted peak leaves unused: the checkpointed training-step
-#: predictions read up to 2.4 % under the peaks the whole-`fit` preset runs measured (bench/RESULTS.md, issue 29's
+#: predictions read up to 2.4 % under the peaks the whole-`fit` preset runs measured (bench/history/2026-11-25.md, issue 29's
 #: planner section), so a fraction planned right at the budget could run out of memory there
 PREDICTION_MARGIN = 0.03
 

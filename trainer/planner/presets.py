@@ -105,7 +105,7 @@ def _config(
     # one at a time; its samples need a reference image
     ref_text = adapter_class(family).text_uses_reference
     # an fp8 base is chosen for RAM: the modulation Linears in the blocks (a quarter to a third of the block bytes,
-    # where a family has them) go to fp8 too (bench/RESULTS.md: loss curve unchanged on the bundled data)
+    # where a family has them) go to fp8 too (bench/history/2026-11-23.md: loss curve unchanged on the bundled data)
     mod = {"quantize_modulation": True} if adapter_class(family).modulation_linears else {}
     return {
         "model": {"family": family, "path": adapter_class(family).example_path, "dtype": "bf16", **expert,

@@ -15,7 +15,7 @@ block's keys and values (`Trace.block_kv`, at the planner's text length). Compil
 of their *whole* first-step keys and values (inductor drops the `.clone()` of a slice of a tensor that lives only
 inside the compiled block; shown on the CPU with inductor: a 5-token prefix kept the storage of all 261 tokens):
 2.15 GB at 1024 px, which is what Qwen-Image 2.1's 16 GB preset measured above its sampling prediction (predicted
-12.39 GB, measured 14.11 GB while denoising: bench/RESULTS.md, 2026-11-25 21:40). The family's `sampling_hooks`
+12.39 GB, measured 14.11 GB while denoising: bench/history/2026-11-25.md, 2026-11-25 21:40). The family's `sampling_hooks`
 copy each view down to the prompt's rows as its block returns (trainer/models/qwen_image_21.py), so compiled and
 eager sampling keep the same share.
 

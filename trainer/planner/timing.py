@@ -38,7 +38,7 @@ REF_STEP_S = 0.92  # Flux.1-dev LoRA r16, 1024x1024, batch 1, checkpointing: ker
 REF_FORWARD_S = 0.298  # Flux.1-dev resident forward (one sampling step), 1024x1024, batch 1 (run 5, 01:35 UTC)
 # A full fine-tune's optimizer steps (fused back pass, Adafactor with fp32 math and stochastic rounding to bf16, one
 # parameter at a time inside backward): the resident Flux-12B full fine-tune at 1024 px took 1.339 s on the H200
-# (bench/RESULTS.md, 02:39 UTC) where its kernels for forward and backward alone take the 1.146 s the FLOP model
+# (bench/history/2026-11-22.md, 02:39 UTC) where its kernels for forward and backward alone take the 1.146 s the FLOP model
 # gives: 0.193 s for 11.90 B parameters.
 REF_FULL_STEP_S_PER_PARAM = 0.193 / 11.90e9
 REF_H2D = 55.4e9
@@ -134,7 +134,7 @@ def reference_rates() -> Rates:
 
 
 # Several processes of one host streaming at once, measured on 4 x H200 with NV18 NVLink between every pair
-# (bench/RESULTS.md, 2026-11-27): pinned host-to-device copies ran 55 GB/s for one GPU alone, 48-53 GB/s each with
+# (bench/history/2026-11-27.md, 2026-11-27): pinned host-to-device copies ran 55 GB/s for one GPU alone, 48-53 GB/s each with
 # two copying and 42.5-45.3 GB/s each with four, about 175 GB/s for the host in all; NCCL all-gathers ran at 254-266
 # GB/s of bus bandwidth on 2 GPUs and 284-326 on 4.
 HOST_H2D_TOTAL = 175e9

@@ -64,7 +64,7 @@ def place_transformer(adapter, transformer: nn.Module, device: torch.device, fra
 def place_text_encoders(pipe, device: torch.device, fraction: float):
     """Put every loaded text encoder on `device` (streamed at `fraction` > 0) while prompts are encoded. The
     callers release the encoders right after, so their streamed blocks are not copied back out of the arena on
-    the way out (that copy put a second T5-XXL in RAM: bench/RESULTS.md, issue 14): the blocks are left empty."""
+    the way out (that copy put a second T5-XXL in RAM: bench/history/2026-11-23.md, issue 14): the blocks are left empty."""
     from .engine import text_encoder_names
 
     with ExitStack() as stack:
@@ -120,7 +120,7 @@ def decode_for_sample(vae: nn.Module, device: torch.device, height: int, width: 
     """`dittrain sample`, once the transformer is placed: decode untiled (the pipeline's own decode, so the image
     equals `pipe(...)`'s) when that fits in what the device has free with `DECODE_MARGIN` to spare, else tiled
     (`tile_decode`). Returns a note when it tiles, None otherwise. An untiled 1024 px decode next to a streaming
-    ring ran Qwen-Image 2.1's 16 GB preset out of memory (bench/RESULTS.md, 2026-11-25 21:40)."""
+    ring ran Qwen-Image 2.1's 16 GB preset out of memory (bench/history/2026-11-25.md, 2026-11-25 21:40)."""
     if device.type != "cuda" or height * width <= SAMPLE_TILE_PIXELS:
         return None
     need, have = height * width * UNTILED_DECODE_PER_PIXEL, cuda_headroom(device)
