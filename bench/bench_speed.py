@@ -148,7 +148,7 @@ def issue29_specs(family: str) -> list[dict]:
             {**streamed, "name": "dittrain offload 1.0 + act, fp8 base + modulation, fp8 matmul, compiled",
              "quant": "fp8", "modulation": True, "fp8mm": True},
             {**streamed, "name": "dittrain offload 1.0 + act, compiled"},
-            # the backward's copies wait on compute at prefetch distance one (RESULTS.md, 2026-11-26 timeline):
+            # the backward's copies wait on compute at prefetch distance one (history/2026-11-26.md, 2026-11-26 timeline):
             # a ring of more blocks loads further ahead
             {**streamed, "name": "dittrain offload 1.0 + act, ring 3 blocks, compiled", "ring": 3},
             {**streamed, "name": "dittrain offload 1.0, compiled", "act": False},  # block inputs stay on the GPU

@@ -32,7 +32,7 @@ are that block's recompute and backward. Per block: kernel busy, span, and the s
 (no kernel since the previous block's last): which blocks wait, and whether they are the double blocks (the
 table groups them by their weights' bytes); and the host's side, its time from mark to mark and the least time a
 kernel of the block queued between launch and start (near zero: the host paced the device). Run on the H100
-(bench/RESULTS.md, 2026-11-26 02:10). `idle_neighbours`: the long idle gaps grouped by the device events either
+(bench/history/2026-11-26.md, 2026-11-26 02:10). `idle_neighbours`: the long idle gaps grouped by the device events either
 side, which says what the device waited between.
 
 Left out: device-side user annotations (kineto's "gpu_user_annotation" events; their presence depends on
