@@ -1,22 +1,17 @@
-"""bench/bench_program.py for the video families (issue 39): the Wan families' full-size parts at their published
+"""bench/program/bench_program.py for the video families (issue 39): the Wan families' full-size parts at their published
 sizes (counted on the meta device), the folder estimates, tied embeddings written once, the clips and the config
 that trains them in one bucket of their own size. The CPU end-to-end run is tests/test_phases.py's."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench.program import bench_program as bp
+from bench.program import program_video as pv
 from trainer.models import adapter_class
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import bench_program as bp  # noqa: E402
-
-from bench import program_video as pv  # noqa: E402
 
 WAN = ("wan", "wan-i2v", "wan2.2-a14b", "wan2.2-a14b-i2v", "wan2.2-ti2v-5b", "wan2.2-ti2v-5b-i2v")
 

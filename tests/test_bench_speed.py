@@ -1,4 +1,4 @@
-"""bench/bench_speed.py --smoke: the GPU benchmark's script runs end to end on the CPU (measures nothing)."""
+"""bench/speed/bench_speed.py --smoke: the GPU benchmark's script runs end to end on the CPU (measures nothing)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_bench_speed_smoke_profile(tmp_path):
                                          "dittrain offload 0, eager"]
     text = (tmp_path / "profile_flux.txt").read_text()
     assert "'dittrain offload 0, eager' minus 'plain diffusers" in text and "Self CPU" in text
-    # the device timeline (bench/timeline.py): the CPU profiler records no kernels or copies, and says so
+    # the device timeline (bench/common/timeline.py): the CPU profiler records no kernels or copies, and says so
     assert text.count("timeline: no device events in this profile") == 2
     saved = json.loads((tmp_path / "speed_flux_profile.json").read_text())
     assert [r["timeline"]["steps"] for r in saved] == [1, 1] and saved[1]["timeline"]["device_events"] == 0

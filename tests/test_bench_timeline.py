@@ -1,4 +1,4 @@
-"""bench/timeline.py (issue 29): the interval arithmetic on synthetic intervals, and the per-step / per-part
+"""bench/common/timeline.py (issue 29): the interval arithmetic on synthetic intervals, and the per-step / per-part
 summary of the profiler's device events on fake kineto events (no GPU here)."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_kind_of(name, activity, kind):
 
 
 class _Fake:
-    """The `_KinetoEvent` methods bench/timeline.py reads; `activity=False`: an event without activity_type
+    """The `_KinetoEvent` methods bench/common/timeline.py reads; `activity=False`: an event without activity_type
     (the names decide, as on a torch without it)."""
 
     def __init__(self, name, dev, a, b, corr=0, stream=0, activity=None, md=""):

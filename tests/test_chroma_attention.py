@@ -152,7 +152,7 @@ def test_flash_mask_processor_matches_the_masked_attention(sdpa_masks, head, dty
 
 
 def test_attention_mask_bench_smoke(tmp_path):
-    """bench/attn_mask_speed.py (the GPU micro-benchmark of the forms above) runs on the CPU."""
+    """bench/speed/attn_mask_speed.py (the GPU micro-benchmark of the forms above) runs on the CPU."""
     from test_train_support import bench_module
 
     mod = bench_module("attn_mask_speed")

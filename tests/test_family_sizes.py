@@ -58,7 +58,7 @@ def test_unloaded_text_encoder_parts_are_declared_where_the_config_is_cut(family
 
 
 def _full_text_encoder(family: str):
-    """(class, full-size config) of the family's text encoder (as bench/bench_program.py builds them)."""
+    """(class, full-size config) of the family's text encoder (as bench/program/bench_program.py builds them)."""
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
 
     if family == "flux2-klein":  # Qwen3-4B

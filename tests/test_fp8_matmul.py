@@ -2,7 +2,7 @@
 routes fp8 Linears to it (counted), the output stays within e4m3 rounding of dequantize-then-matmul and the input
 gradient is that path's exactly, it falls back where no fp8 matmul applies, it composes with the packed ring (a
 streamed run is bitwise the resident one) and with torch.compile, and the loaders set it from the config. The
-CUDA numbers (speed, error on a full-width layer) are tests/test_quant_gpu.py's and bench/bench_speed.py's."""
+CUDA numbers (speed, error on a full-width layer) are tests/test_quant_gpu.py's and bench/speed/bench_speed.py's."""
 
 from __future__ import annotations
 

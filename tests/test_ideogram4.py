@@ -179,7 +179,7 @@ def test_full_size_is_the_released_9_3b_diffusers_default_and_the_shift_follows_
 
 
 def test_full_size_parts_for_the_bench_are_the_released_sizes(tiny_models):
-    """bench/bench_program.py's full-size folder: Flux.2's VAE and Qwen3-VL-8B as Qwen3VLModel (the planner's count),
+    """bench/program/bench_program.py's full-size folder: Flux.2's VAE and Qwen3-VL-8B as Qwen3VLModel (the planner's count),
     and the unconditional transformer written beside the trained one (a sampling component)."""
     from accelerate import init_empty_weights
     from test_train_support import bench_module

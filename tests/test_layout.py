@@ -498,3 +498,21 @@ def test_every_adapter_declares_the_spec_facts(family):
     assert len(mod) < len(names)
     for (method, card), note in cls.__dict__.get("measured_presets", {}).items():
         assert method in ("lora", "full") and card in cls.preset_cards and note.startswith("measured")
+
+
+def test_bench_is_a_package_without_path_edits():
+    """bench/ is one package run from the repository root (`python -m bench.<group>.<name>`): no module edits
+    sys.path, `bench.GROUPS` names exactly the modules of each group, and each imports as named."""
+    import importlib
+
+    import bench
+
+    root = Path(__file__).resolve().parents[1] / "bench"
+    on_disk = {g: sorted(p.stem for p in (root / g).glob("*.py") if p.stem != "__init__") for g in bench.GROUPS}
+    assert on_disk == {g: sorted(ns) for g, ns in bench.GROUPS.items()}
+    assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py"]  # every module sits in a group
+    for path in root.rglob("*.py"):
+        assert "sys.path" not in path.read_text(), f"{path} edits sys.path"
+    for g, names in bench.GROUPS.items():
+        for n in names:
+            assert importlib.import_module(f"bench.{g}.{n}") is bench.module(n)

@@ -4,9 +4,6 @@ path (from_single_file + quant.prepare_transformer), bf16 and scaled fp8, with a
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from _offload_util import add_lora
@@ -22,8 +19,7 @@ from trainer.offload import attach_offload
 
 def _bfl_flux_header(c: dict) -> dict[str, dict]:
     """The key names and shapes of BFL's flux1-dev.safetensors (bench_program writes such files on the GPU box)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import bench_program as bp
+    from bench.program import bench_program as bp
 
     return {k: {"dtype": "BF16", "shape": v} for k, v in bp.bfl_flux_header(c).items()}
 

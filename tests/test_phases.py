@@ -255,14 +255,12 @@ def test_planner_leaves_out_what_qwen_drops_of_its_text_encoder_and_counts_its_e
 
 
 def test_bench_writes_sharded_random_weights_that_diffusers_loads(tmp_path, monkeypatch):
-    """bench/bench_program.py writes full-size folders tensor by tensor from a meta model; here a small
+    """bench/program/bench_program.py writes full-size folders tensor by tensor from a meta model; here a small
     transformer goes through the same writer (several shards) and loads with from_pretrained."""
-    import sys
 
     from diffusers import FluxTransformer2DModel
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    import bench_program as bp
+    from bench.program import bench_program as bp
 
     monkeypatch.setattr(bp, "SHARD_BYTES", 20_000)  # force several shards
     cfg = {"patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
@@ -282,10 +280,8 @@ def test_bench_writes_sharded_random_weights_that_diffusers_loads(tmp_path, monk
 def test_bench_program_keeps_each_commands_measurement_lines():
     """What bench_program echoes and keeps in results.json of a command's log: its phase, step and offload lines
     (a GPU machine that returns only some of the log files still returns them)."""
-    import sys
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    import bench_program as bp
+    from bench.program import bench_program as bp
 
     log = ["loading...", "phase load: peak reserved VRAM 5.01 GB", "  step 2/3: loss 1.0, 0.77 s/step",
            "offload: 24.31 GB of blocks in CPU RAM", "100%|####| 3/3", "error: out of GPU memory sampling 1024x1024"]
@@ -293,19 +289,16 @@ def test_bench_program_keeps_each_commands_measurement_lines():
 
 
 def test_bench_writes_one_fp8_transformer_file_that_streams(tiny_models, tmp_path):
-    """bench/bench_program.py --transformer-file fp8: one safetensors file written tensor by tensor from a meta
+    """bench/program/bench_program.py --transformer-file fp8: one safetensors file written tensor by tensor from a meta
     model (block Linears float8_e4m3fn with a per-tensor scale_weight, the rest bf16) that safetensors reads, that
     stream_load takes in diffusers layout, and whose weights load as the file's fp8 values times the scale."""
     import shutil
-    import sys
 
     from safetensors import safe_open
 
+    from bench.program import bench_program as bp
     from trainer.config import ModelConfig
     from trainer.models import adapter_class, get_adapter, stream_load
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    import bench_program as bp
 
     model = tmp_path / "flux"
     shutil.copytree(tiny_models / "flux", model)
@@ -333,10 +326,8 @@ def test_bench_writes_one_fp8_transformer_file_that_streams(tiny_models, tmp_pat
 def _bench_program(argv: list[str], capsys) -> str:
     """bench_program's main in this process (its cache / fit / sample commands are its own subprocesses, as on a
     GPU: only the bench's own start-up, ~4 s of imports, is saved); asserts it returned 0; its printed output."""
-    import sys
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    import bench_program as bp
+    from bench.program import bench_program as bp
 
     rc = bp.main(argv)
     out = capsys.readouterr().out

@@ -1,6 +1,6 @@
 """The planner's memory prediction against a real GPU run, on a full-width Flux cut to 2 + 4 blocks (so it builds
 and trains in seconds): LoRA rank 16 at 512 px through the offload conductor, resident and half streamed.
-Run with `make test-gpu` (CI skips it); bench/bench_plan.py does the same at full size.
+Run with `make test-gpu` (CI skips it); bench/speed/bench_plan.py does the same at full size.
 
 The allocated peak is the planner's arithmetic (weights, ring, LoRA state, activations traced on the meta
 device); the reserved peak adds its allocator model. Tolerances: 10 % allocated; reserved at most 5 % under, 20 % over.
@@ -13,7 +13,7 @@ trainer.optim's FusedBackPass close over the offload handle, which holds the par
 that `gc` cannot collect; ~0.43 GB of such tensors on a CPU dry run of that module). That is the 0.49 GB the
 H200 run of 2026-11-22 01:06 UTC measured above the prediction (3.62 / 2.49 GB against 3.13 / 2.00 GB at
 f = 0 / 0.5), memory no training run holds; a meta-device emulation of this very step puts its peak at
-3.10 GB (bench/diag_planner_gap.py, which also prints every stage on a GPU).
+3.10 GB (bench/diag/diag_planner_gap.py, which also prints every stage on a GPU).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""bench/bench_quant.py --smoke runs on the CPU and reports every row (the GPU run is the coordinator's)."""
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+"""bench/speed/bench_quant.py --smoke runs on the CPU and reports every row (the GPU run is the coordinator's)."""
 
 
 def test_bench_quant_smoke(tmp_path):
-    import bench_quant
+    from bench.speed import bench_quant
 
     rows = {r["name"]: r for r in bench_quant.main(["--smoke", "--out", str(tmp_path)])}
     assert (tmp_path / "bench_quant.json").is_file()
@@ -20,9 +15,9 @@ def test_bench_quant_smoke(tmp_path):
 
 
 def test_quant_block_error_smoke(tmp_path):
-    """bench/quant_block_error.py --smoke: every block and variant, and quantizing the modulation Linears moves
+    """bench/diag/quant_block_error.py --smoke: every block and variant, and quantizing the modulation Linears moves
     only the modulation output (the bf16 and block-only variants leave it at the bf16 value)."""
-    import quant_block_error
+    from bench.diag import quant_block_error
 
     rows = quant_block_error.main(["--smoke", "--out", str(tmp_path)])
     assert (tmp_path / "quant_block_error.json").is_file()

@@ -1,4 +1,4 @@
-"""Issue 29: what dittrain's eager training step runs against the plain diffusers + peft script (bench/bench_speed.py
+"""Issue 29: what dittrain's eager training step runs against the plain diffusers + peft script (bench/speed/bench_speed.py
 `plain_setup` vs `ours_setup`) on Qwen-Image, with Flux beside it (bench/RESULTS.md, "Qwen-Image eager at
 offload 0"). Counts, not timings:
 

@@ -1,4 +1,4 @@
-"""bench/ring_bound.py: measured per-block times replayed through the conductor's plan (issue 29)."""
+"""bench/speed/ring_bound.py: measured per-block times replayed through the conductor's plan (issue 29)."""
 
 from __future__ import annotations
 

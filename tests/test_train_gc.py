@@ -1,5 +1,5 @@
 """The trainer freezes what setup built out of the garbage collector's reach for the run (a full collection inside
-a step cost 0.56-0.79 s on the H200 host: bench/bench_gc.py) and lets it go again when the run closes."""
+a step cost 0.56-0.79 s on the H200 host: bench/speed/bench_gc.py) and lets it go again when the run closes."""
 
 from __future__ import annotations
 

@@ -124,14 +124,10 @@ def lora_predictions(trainer, lora_path: Path):
 
 
 def bench_module(name: str):
-    """bench/<name>.py loaded as a module (bench/ is scripts, not a package): the tests call its `main`."""
-    import importlib.util
+    """The bench module named `name` (bench/<group>/<name>.py, e.g. "bench_speed"): the tests call its `main`."""
+    import bench
 
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench.module(name)
 
 
 def pixels(path: Path) -> np.ndarray:

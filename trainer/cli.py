@@ -181,7 +181,7 @@ def sample(
     from .phase_log import measured
     from .sample import SampleRequest, run_sample
 
-    run_sample = measured("sampling", run_sample)  # per-phase peaks (bench/bench_program.py); errors unchanged
+    run_sample = measured("sampling", run_sample)  # per-phase peaks (bench/program/bench_program.py); errors unchanged
     run_sample(
         cfg,
         SampleRequest(

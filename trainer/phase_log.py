@@ -226,7 +226,7 @@ def oom_line(name: str, error: BaseException, fix: str | None = None, device: to
 
 
 def _write_record(name: str, t0: float, vram: int, rss: int, error, allocated: int = 0) -> None:
-    """With DITTRAIN_PHASE_LOG=FILE, one JSON line per phase run (bench/bench_program.py reads them)."""
+    """With DITTRAIN_PHASE_LOG=FILE, one JSON line per phase run (bench/program/bench_program.py reads them)."""
     path = os.environ.get("DITTRAIN_PHASE_LOG")
     if not path:
         return

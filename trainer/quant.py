@@ -24,7 +24,7 @@ around it) stays in bf16. Where torch has no fp8 matmul for the input (a CUDA GP
 not bf16, widths not multiples of 16) the layer falls back to dequantize-then-matmul, so the switch never fails
 a run. The switch is per layer (`use_scaled_mm(module, on)`, set by the loaders from the config); env
 `DITTRAIN_SCALED_MM=1` / `set_scaled_mm(True)` is the process-wide default for layers the config did not set.
-Off by default until measured faster (bench/bench_speed.py).
+Off by default until measured faster (bench/speed/bench_speed.py).
 
 Which modules. Only Linears inside the family's blocks (`adapter.blocks`): attention projections, MLPs and the
 blocks' output projections, i.e. nearly all the bytes. Embedders, the final layer, norms and biases stay in the
@@ -35,7 +35,7 @@ Flux's 12 B parameters (27 % of its block bytes) and 6.8 B of Qwen-Image's 20 B,
 embedding to six (double block) or three (single block) model-width vectors. `modulation=True`
 (`model.quantize_modulation`) quantizes them like the rest, per output channel, which makes each of those vectors
 an fp8 / int8 rounding of itself: Flux's fp8 blocks go from 15.08 to 11.85 GB, Qwen-Image's from 27.2 to 20.4 GB.
-Measured on random full-width blocks on the CPU (bench/quant_block_error.py, bench/history/2026-11-23.md): the modulation
+Measured on random full-width blocks on the CPU (bench/diag/quant_block_error.py, bench/history/2026-11-23.md): the modulation
 output's error against fp32 goes from 0.3 % (bf16) to 2.6 % (fp8) / 0.9 % (int8), and the block update's error from
 about 4 % to about 5 % in fp8 (1.5 % to 1.9 % in int8); real weights, with their outlier channels, are not measured
 yet. Text encoders (`model.quantize_text_encoders`) quantize every Linear they have but the ones their family

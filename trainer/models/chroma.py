@@ -42,7 +42,7 @@ with a score_mod adding m_i m_j to each fp32 score in the kernel: the pipeline's
 compiled: inside a compiled block (train.compile) it compiles with the block, outside one a single module-level
 `torch.compile(flex_attention)` serves every call (the score_mod's tensor is an input, not a recompile). Alone,
 one block's attention forward + backward at 1024 px on an H100 takes 2.80 ms by flex, 6.37 ms by the flash form,
-7.90 ms by masked SDPA and 3.24 ms by SDPA without any mask (bench/attn_mask_speed.py,
+7.90 ms by masked SDPA and 3.24 ms by SDPA without any mask (bench/speed/attn_mask_speed.py,
 bench/logs/2026-11-25i-attn-mask-speed.md). In a whole training step (1024 px, LoRA r16, bf16, compiled, H100,
 bench/history/2026-11-26.md "2026-11-26"): 0.442 s by flex, 0.638 s by the flash form, 0.703 s by masked SDPA at offload 0,
 and 0.94 against 1.08-1.43 s at the 8 GB preset (offload 0.9). So `auto` trains with flex on CUDA devices of
@@ -121,7 +121,7 @@ class ChromaAdapter(DiffusersAdapter):
     default_scheduler = FluxAdapter.default_scheduler
     max_sequence_length = 512  # ChromaPipeline's default (and its maximum)
     full_name, example_path = "Chroma1-HD", "/path/to/Chroma1-HD"
-    # the whole `fit` under a 7 GB cap, full-size random weights (bench/bench_program.py; bench/history/2026-11-25.md,
+    # the whole `fit` under a 7 GB cap, full-size random weights (bench/program/bench_program.py; bench/history/2026-11-25.md,
     # 2026-11-25 15:36 UTC): the largest phase and the steady step
     measured_presets = {("lora", 8): "measured on an H100: fits, 6.0 GB reserved, 1.08 s a step"}
     full_config = {  # ChromaTransformer2DModel defaults = Chroma1-HD (8.9 B)

@@ -132,13 +132,13 @@ class FluxAdapter(DiffusersAdapter):
     modulation_linears = NORM_MODULATION
     vae_params = 83_819_683  # diffusers AutoencoderKL, 16 latent channels
     sampling_uses_negative = False
-    # Presets run on a GPU with full-size random weights under a VRAM cap of card - 1 GB (bench/bench_plan.py;
+    # Presets run on a GPU with full-size random weights under a VRAM cap of card - 1 GB (bench/speed/bench_plan.py;
     # numbers and command in bench/history/2026-11-22.md, 2026-11-22 02:27 UTC, the planner with the 1.35 allocator factor).
     measured_presets = {
         ("lora", 8): "measured on an H200: fits, 6.3 GB reserved, 1.08 s a step",
         ("lora", 16): "measured on an H200: fits, 14.5 GB reserved, 0.95 s a step",
         ("lora", 24): "measured on an H200: fits, 22.0 GB reserved, 0.95 s a step",
-        # bench/bench_fullft.py --fractions 0.9,0.75 --no-act (02:39 UTC): the fraction and settings of these
+        # bench/speed/bench_fullft.py --fractions 0.9,0.75 --no-act (02:39 UTC): the fraction and settings of these
         # presets, uncapped; same process as the resident full fine-tune (1.339 s, 28.2 GB)
         ("full", 8): "measured on an H200: 6.4 GB reserved, 1.62 s a step = 1.21x resident",
         ("full", 12): "measured on an H200: 9.5 GB reserved, 1.46 s a step = 1.09x resident",

@@ -138,7 +138,7 @@ class Flux3Adapter(DiffusersAdapter):
     default_scheduler = {"shift": 6.93}  # Flux3SetTimestepsStep's constant shift, when the folder has no scheduler
     max_sequence_length = 8192  # the text-encoder step's default (longer prompts are cut)
     full_name, example_path = "Flux.3", "/path/to/FLUX.3"
-    # the whole `fit` and `sample` under a 7 GB cap, full-size random weights (bench/bench_program.py;
+    # the whole `fit` and `sample` under a 7 GB cap, full-size random weights (bench/program/bench_program.py;
     # bench/history/2026-11-25.md, 2026-11-25 19:20 UTC): the largest phase (text caching) and the one steady step
     measured_presets = {("lora", 8): "measured on an H100: fits, 6.1 GB reserved, 0.44 s a step"}
     full_config = {  # Flux3Transformer2DModel defaults (5.54 B parameters)
@@ -168,7 +168,7 @@ class Flux3Adapter(DiffusersAdapter):
 
     @classmethod
     def full_size_parts(cls, folder):
-        """bench/bench_program.py's full-size random folders: Flux.2's VAE (built for real) and Qwen3-VL-4B whole (36
+        """bench/program/bench_program.py's full-size random folders: Flux.2's VAE (built for real) and Qwen3-VL-4B whole (36
         layers, vision tower included), its special token ids those of the folder's tiny tokenizer."""
         import transformers
         from diffusers import AutoencoderKLFlux2

@@ -248,7 +248,7 @@ class Ideogram4Adapter(DiffusersAdapter):
 
     @classmethod
     def full_size_parts(cls, folder):
-        """bench/bench_program.py's full-size random folders: Flux.2's VAE (built for real) and Qwen3-VL-8B as
+        """bench/program/bench_program.py's full-size random folders: Flux.2's VAE (built for real) and Qwen3-VL-8B as
         `Qwen3VLModel`, whole (36 layers, vision tower included), its special token ids those of the folder's tiny
         tokenizer."""
         import transformers

@@ -119,7 +119,7 @@ class Krea2Adapter(DiffusersAdapter):
 
     @classmethod
     def full_size_parts(cls, folder):
-        """bench/bench_program.py's full-size random folders: Qwen-Image's VAE (built for real) and Qwen3-VL-4B as
+        """bench/program/bench_program.py's full-size random folders: Qwen-Image's VAE (built for real) and Qwen3-VL-4B as
         `Qwen3VLModel`, whole (36 layers, vision tower included), with the tiny tokenizer's special token ids; the
         pipeline's `text_encoder_select_layers` set to the 12 the full transformer reads."""
         import transformers

@@ -75,7 +75,7 @@ CHAT_TEMPLATE = (
 
 def qwen3_vl_8b_config(num_hidden_layers: int = 36) -> dict[str, Any]:
     """Qwen3-VL-8B-Instruct's config (text 4096 wide, 36 layers; vision 27 blocks), for full-size random folders
-    (bench/bench_program.py) and the planner's parameter counts; `num_hidden_layers` may cut the text model."""
+    (bench/program/bench_program.py) and the planner's parameter counts; `num_hidden_layers` may cut the text model."""
     return {
         "text_config": {
             "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": num_hidden_layers,
@@ -245,7 +245,7 @@ class QwenImage21Adapter(DiffusersAdapter):
 
     @classmethod
     def full_size_parts(cls, folder: Path):
-        """bench/bench_program.py's full-size random folders: (the VAE, built for real: 0.34 B; [(sub-folder,
+        """bench/program/bench_program.py's full-size random folders: (the VAE, built for real: 0.34 B; [(sub-folder,
         encoder class, config)] built on meta). Qwen3-VL-8B whole (36 layers, vision tower included), its special
         token ids those of the folder's tiny tokenizer."""
         import transformers

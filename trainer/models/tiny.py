@@ -161,7 +161,7 @@ QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>
 
 
 #: a chat template that renders image items as Qwen-VL's does, for the tiny Qwen tokenizer (the real folders ship
-#: their own): `dittrain caption`'s tests and bench/bench_caption.py
+#: their own): `dittrain caption`'s tests and bench/program/bench_caption.py
 QWEN_VL_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
     "{{ message['content'] }}{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}"

@@ -170,7 +170,7 @@ class WanAdapter(DiffusersAdapter):
     frame_step = 4
     plan_frames = 81
 
-    #: bench/bench_program.py's other full sizes of this family's transformer (`--families wan-1.3b`):
+    #: bench/program/bench_program.py's other full sizes of this family's transformer (`--families wan-1.3b`):
     #: Wan2.1-T2V-1.3B (1.42 B: 12 heads, ffn_dim 8960, 30 layers)
     full_variants = {"1.3b": {**full_config, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}}
 
@@ -180,7 +180,7 @@ class WanAdapter(DiffusersAdapter):
 
     @classmethod
     def full_size_parts(cls, folder: Path):
-        """bench/bench_program.py's full-size random folders: (the VAE, AutoencoderKLWan's defaults = Wan 2.1's;
+        """bench/program/bench_program.py's full-size random folders: (the VAE, AutoencoderKLWan's defaults = Wan 2.1's;
         [(sub-folder, class, config, dtype of its matrices on disk)]): UMT5-XXL's encoder whole, its 2-D weights
         written in fp8 (5.7 GB on disk instead of 11.4; transformers casts them to the load dtype, so RAM and VRAM
         are bf16's)."""

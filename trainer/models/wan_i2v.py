@@ -111,7 +111,7 @@ class WanI2VAdapter(WanAdapter):
 
     @classmethod
     def full_size_parts(cls, folder: Path):
-        """bench/bench_program.py's full-size random folders: Wan's VAE and UMT5-XXL (WanAdapter.full_size_parts),
+        """bench/program/bench_program.py's full-size random folders: Wan's VAE and UMT5-XXL (WanAdapter.full_size_parts),
         and where the family has one the CLIP image encoder as the Wan 2.1 I2V folders hold it (open-clip ViT-H/14
         as a CLIPVisionModel: 0.63 B) with its image processor (CLIPImageProcessor's defaults: 224 px, OpenAI
         CLIP's mean and std), written over the tiny folder's."""

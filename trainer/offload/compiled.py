@@ -23,7 +23,7 @@ marked dynamic (`torch._dynamo.maybe_mark_dynamic`: every axis of a floating or 
 feature axis, and axes of size 1), so the first compile is already symbolic in the sequence lengths and later
 buckets reuse it: one compile per run, while the model widths stay static for the matmul kernels.
 `dynamic=True`: every dimension symbolic (torch's `dynamic=True`), widths included; measured 88 s of compile for
-a 2 % slower step on Qwen-Image (bench/RESULTS.md). bench/bench_speed.py measures them.
+a 2 % slower step on Qwen-Image (bench/RESULTS.md). bench/speed/bench_speed.py measures them.
 
 Compile cache (`use_cache(folder)`, `train.compile_cache`). Inductor keeps what it compiled on disk, keyed by the
 graph, the inputs' properties and the torch / triton versions: the FX graph cache (each generated kernel module),

@@ -7,7 +7,7 @@ the card minus `HEADROOM_GB` (CUDA context and other processes; `choose_fraction
 with it, then 512 px without / with. Within a setting it takes the smallest offload fraction that fits
 (`choose_fraction`). A combination where nothing fits gets no file; `configs/README.md` lists them with
 the reason. The header of each file carries the planner's predictions (VRAM, RAM, speed relative to the same
-training without offloading); they are predictions until bench/bench_plan.py measures them.
+training without offloading); they are predictions until bench/speed/bench_plan.py measures them.
 
 A video family's (`video`) ladder is the clip instead of the side (`VIDEO_CLIPS`): 720p x 81 frames, 480p x 81,
 then fewer frames at 480p (49, 33), each without checkpointing, with it, then with activation offloading; the

@@ -25,7 +25,7 @@ decode keeps every decoded tile until all are blended, then holds the blended ro
 clamped copy at once (`_tiled_decode_peak`: 0.93 and 2.08 GB at 832x480 and 1280x720, 81 frames, where running
 every tile on meta gave 0.92 and 2.09); a tiled encode keeps only latent tiles, so its peak is one tile's.
 
-Measured (bench/diag_vae_peak.py on an H100, torch 2.11, diffusers 0.42.1, random bf16 weights, 2026-11-27): the
+Measured (bench/diag/diag_vae_peak.py on an H100, torch 2.11, diffusers 0.42.1, random bf16 weights, 2026-11-27): the
 GPU's `max_memory_allocated` over the weights and input was 1.00-1.16x the count (cuDNN's convolution workspaces
 are not in it), `max_memory_reserved` 1.50-1.73x for untiled encodes and decodes of 9 and 81 frames at 832x480,
 1280x720 and TI2V-5B's 1280x704, 1.21-1.67x tiled: the caching allocator keeps the segments of the chunks' growing

@@ -42,7 +42,7 @@ gradients, so each process ends the backward pass with the mean gradient of its 
 - EMA (train.ema): each process keeps the EMA of its own shards; the checkpoint's ema.safetensors and the final
   -ema weights are what one process writes (trainer/train/sharded_ema.py).
 - Compile (train.compile): each block is compiled with `torch.compile` before it is sharded (not yet measured on
-  a GPU: bench/bench_fsdp.py's rows are eager).
+  a GPU: bench/multi_gpu/bench_fsdp.py's rows are eager).
 - Checkpoints: the trainable weights are gathered to rank 0 one at a time (a LoRA's frozen base is not) and
   written as today (a full fine-tune's folder file by file, `save_transformer`, so rank 0 never holds the
   model): the LoRA file or transformer folder in a checkpoint is the one a one-process run writes, and the final

@@ -355,7 +355,7 @@ class Trainer(Saving):
                                    wandb=cfg.output.wandb)
         # The collector's full (generation-2) pass walks every tracked Python object: ~0.9 M with a full-size Flux,
         # its LoRA and the libraries, 0.56-0.79 s on the H200 host whenever it fell inside a step (the slow steps of
-        # bench/bench_gc.py, bench/history/2026-11-27.md 2026-11-27). What setup built lives as long as the run: frozen, no
+        # bench/speed/bench_gc.py, bench/history/2026-11-27.md 2026-11-27). What setup built lives as long as the run: frozen, no
         # collection walks it again, and the steps' collections take milliseconds. `close` unfreezes.
         gc.collect()
         gc.freeze()

@@ -18,8 +18,8 @@ Rows, each in its own process (one GPU, `torch.cuda.set_per_process_memory_fract
 Per row: images/s over the generate calls (load time apart), the load time, peak reserved VRAM, peak RSS (VmHWM) and
 anonymous RSS at the end. Writes caption.json and caption.md under --out.
 
-    python bench/bench_caption.py --out $OUT/caption
-    python bench/bench_caption.py --small --images 2 --px 64 --tokens 4 --caps 0 --rows ours,resident --out /tmp/bc   # CPU smoke
+    python -m bench.program.bench_caption --out $OUT/caption
+    python -m bench.program.bench_caption --small --images 2 --px 64 --tokens 4 --caps 0 --rows ours,resident --out /tmp/bc   # CPU smoke
 """
 
 from __future__ import annotations
@@ -34,9 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+ROOT = Path(__file__).resolve().parents[2]  # the repository: `python -m bench...` runs from it
 
 #: Qwen2.5-VL-7B's released sizes (its config.json); `--small` keeps the shapes' kinds at a CPU's size
 FULL = {"text": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
@@ -50,7 +48,6 @@ SMALL = {"text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layer
 def write_model(folder: Path, small: bool) -> int:
     """The model folder (module docstring); returns the bytes of weights written."""
     import torch
-    from bench_program import write_random
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -59,6 +56,7 @@ def write_model(folder: Path, small: bool) -> int:
     )
     from transformers.video_processing_utils import BaseVideoProcessor
 
+    from bench.program.bench_program import write_random
     from trainer.captioning import vlm
     from trainer.models.tiny import QWEN_SPECIAL, QWEN_VL_CHAT_TEMPLATE, qwen_tokenizer
 
@@ -239,12 +237,12 @@ def main() -> None:
         plan += [(kind, c) for c in caps]
     rows = []
     for kind, cap in plan:
-        cmd = [sys.executable, __file__, "--row", kind, "--cap", str(cap), "--work", str(args.work),
+        cmd = [sys.executable, "-m", "bench.program.bench_caption", "--row", kind, "--cap", str(cap), "--work", str(args.work),
                "--batch", str(args.batch), "--tokens", str(args.tokens)]
         t = time.perf_counter()
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout,
-                               env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                               env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, cwd=ROOT)
         except subprocess.TimeoutExpired as e:
             r = subprocess.CompletedProcess(cmd, -9, _text(e.stdout), _text(e.stderr) + f"\ntimed out after "
                                             f"{args.row_timeout:g} s")

@@ -2,9 +2,9 @@
 """How much an 8-bit base moves one full-width transformer block's output, with and without the modulation Linears
 quantized (`model.quantize_modulation`), on the CPU. Prints one table; writes quant_block_error.json under --out.
 
-    python bench/quant_block_error.py --out /tmp/qbe                 # Flux double + single, Qwen-Image block
-    python bench/quant_block_error.py --out /tmp/qbe --families flux  # Flux only
-    python bench/quant_block_error.py --smoke --out /tmp/qbe          # tiny widths, seconds (tests)
+    python -m bench.diag.quant_block_error --out /tmp/qbe                 # Flux double + single, Qwen-Image block
+    python -m bench.diag.quant_block_error --out /tmp/qbe --families flux  # Flux only
+    python -m bench.diag.quant_block_error --smoke --out /tmp/qbe          # tiny widths, seconds (tests)
 
 What. The family's transformer at its real widths with one block of each kind (Flux: 1 double + 1 single; Qwen-Image:
 1 block), every weight N(0, 0.02) and every bias N(0, 0.02) (norm weights 1), in bf16; one forward on a 256-token
@@ -25,16 +25,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trainer import quant  # noqa: E402
-from trainer.models import adapter_class  # noqa: E402
+from trainer import quant
+from trainer.models import adapter_class
 
 VARIANTS = (("bf16", "none", False), ("fp8", "fp8", False), ("fp8+mod", "fp8", True), ("int8", "int8", False),
             ("int8+mod", "int8", True))

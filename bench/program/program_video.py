@@ -1,4 +1,4 @@
-"""The video half of bench/bench_program.py: the clips a video family (an adapter with `video`: Wan) trains on in
+"""The video half of bench/program/bench_program.py: the clips a video family (an adapter with `video`: Wan) trains on in
 the whole-program benchmark, and the config lines that make a run train and sample them.
 
 Clips. `write_clips` writes a few H.264 mp4s (PyAV, trainer/data/video.py `write_video`) at the clip's exact size

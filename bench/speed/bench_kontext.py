@@ -8,8 +8,8 @@ prediction sliced to the target). Trained a few steps through the offload conduc
 value; for each it prints the planner's prediction (`planner.analyze` of a flux-kontext config, which traces the
 adapter's `dummy_inputs` with the doubled sequence) beside the measured peak reserved VRAM and median step time.
 
-    python bench/bench_kontext.py --out /tmp/bench_kontext                # GPU: fractions 0.5 and 0.9 (~3 min)
-    python bench/bench_kontext.py --smoke                                 # CPU: tiny model at 64 px, no timing
+    python -m bench.speed.bench_kontext --out /tmp/bench_kontext                # GPU: fractions 0.5 and 0.9 (~3 min)
+    python -m bench.speed.bench_kontext --smoke                                 # CPU: tiny model at 64 px, no timing
 
 Writes kontext.json and kontext.md (a markdown table for bench/RESULTS.md) under --out.
 """
@@ -27,14 +27,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common.timing import build_bf16
+from trainer import planner
+from trainer.config import Config
+from trainer.models.flux_kontext import FluxKontextAdapter
+from trainer.planner import timing as ptime
 
-from bench.timing import build_bf16  # noqa: E402
-from trainer import planner  # noqa: E402
-from trainer.config import Config  # noqa: E402
-from trainer.models.flux_kontext import FluxKontextAdapter  # noqa: E402
-from trainer.planner import timing as ptime  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 GB = 1e9
 TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,

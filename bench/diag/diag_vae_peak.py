@@ -1,7 +1,7 @@
 """The planner's count of a video VAE's clip encode and decode (trainer/planner/vae.py, on the meta device) against
 the GPU's own allocator, for the full-size VAE with random weights.
 
-    python bench/diag_vae_peak.py [--family wan] [--sizes 832x480x81 1280x720x81]
+    python -m bench.diag.diag_vae_peak [--family wan] [--sizes 832x480x81 1280x720x81]
 
 For each clip: the activation peak counted on meta (`clip_peak`), and on the GPU `max_memory_allocated` minus what
 was allocated before the call (the weights and the input), and `max_memory_reserved` over the same baseline; for the

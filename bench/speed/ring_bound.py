@@ -16,8 +16,8 @@ measured pinned H2D rate. Host launch times are taken as zero (the host is never
 bound in this model); `--span` uses each block's span instead of its kernel time (the idle gaps inside a block
 included), which bounds what removing them would save.
 
-    python bench/bench_speed.py --profile --rows issue29 ... --out $OUT/blk     # on the GPU
-    python bench/ring_bound.py --profile bench/logs/2026-11-26o-profile-flux-all-kernels.json --rate 55.3 --rings 2 3 4
+    python -m bench.speed.bench_speed --profile --rows issue29 ... --out $OUT/blk     # on the GPU
+    python -m bench.speed.ring_bound --profile bench/logs/2026-11-26o-profile-flux-all-kernels.json --rate 55.3 --rings 2 3 4
 
 Left out: the embedders, loss and optimizer outside the blocks (a few ms), activation offloading's copies (30 ms
 each way on the same engine), and the forward's per-block times (the forward is copy-bound: 163 ms of kernels
@@ -30,15 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from trainer.offload.plan import capacity_for, plan_for  # noqa: E402
-from trainer.planner.replay import BlockCost, simulate  # noqa: E402
+from trainer.offload.plan import capacity_for, plan_for
+from trainer.planner.replay import BlockCost, simulate
 
 
 def block_sizes(family: str) -> list[int]:

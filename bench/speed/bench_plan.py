@@ -18,8 +18,8 @@ Then the Flux LoRA presets (configs/flux/lora-{8,16,24}gb.yaml) run at their fra
 VRAM cap of the card size minus 1 GB (`torch.cuda.set_per_process_memory_fraction`, the headroom the presets
 assume for the CUDA context); an out-of-memory error is recorded as "does not fit", not raised.
 
-    python bench/bench_plan.py --out /tmp/bench_plan          # the whole run (about 5 minutes on an H100/H200)
-    python bench/bench_plan.py --quick --out /tmp/bp          # 1024 px at f=0.5 only, and one preset
+    python -m bench.speed.bench_plan --out /tmp/bench_plan          # the whole run (about 5 minutes on an H100/H200)
+    python -m bench.speed.bench_plan --quick --out /tmp/bp          # 1024 px at f=0.5 only, and one preset
 
 Writes plan.json and plan.md (a markdown table for bench/RESULTS.md) under --out. Stops starting new
 configurations after --budget-s seconds so the whole run stays under 8 minutes.
@@ -40,18 +40,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common.timing import build_bf16
+from bench.speed.bench_offload import inputs  # the same full-size Flux inputs as the offload benchmark
+from trainer import planner
+from trainer.config import Config, load_config
+from trainer.models.flux import FluxAdapter
+from trainer.planner import timing as ptime
+from trainer.planner import trace as ptrace
 
-from bench.timing import build_bf16  # noqa: E402
-from trainer import planner  # noqa: E402
-from trainer.config import Config, load_config  # noqa: E402
-from trainer.models.flux import FluxAdapter  # noqa: E402
-from trainer.planner import timing as ptime  # noqa: E402
-from trainer.planner import trace as ptrace  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_offload import inputs  # noqa: E402  (the same full-size Flux inputs as the offload benchmark)
+ROOT = Path(__file__).resolve().parents[2]
 
 GB = 1e9
 T0 = time.perf_counter()
@@ -385,7 +382,7 @@ def main() -> int:
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         device=torch.cuda.get_device_name(),
         torch=torch.__version__,
-        command="python bench/bench_plan.py " + " ".join(sys.argv[1:]),
+        command="python -m bench.speed.bench_plan " + " ".join(sys.argv[1:]),
         h2d_gbps=rates_gpu.h2d / GB if rates_gpu else None,
         gpu_flops=rates_gpu.by_res if rates_gpu else None,
         block_costs={

@@ -2,7 +2,7 @@
 
 Why. The streamed Flux steps ran 1.35-1.43 x their PCIe floor while the compute alone (offload 0) was below
 it, so neither copies nor kernels bound them: something serialises the two. Per-op tables cannot show that;
-the device timeline can. `bench/bench_speed.py --profile` calls `summarize_profile` on every profiled row.
+the device timeline can. `bench/speed/bench_speed.py --profile` calls `summarize_profile` on every profiled row.
 
 How. Every device event of torch.profiler's kineto results is a kernel, a memset or a memcpy (direction from
 its name, "Memcpy HtoD (Pinned -> Device)", "Memcpy DtoH (Device -> Pinned)"), with a start, an end, a
@@ -26,7 +26,7 @@ read where present. Without activity types the names decide: "Memcpy ..." and "M
 memsets, a device event named like a host event is a range's projection (record_function, compiled regions),
 anything else is a kernel; host calls named "cu..." are the launches.
 
-The backward by block (`block_stalls`): bench/speed_profile.py marks on the host where each block's recompute
+The backward by block (`block_stalls`): bench/speed/speed_profile.py marks on the host where each block's recompute
 starts (a `BLOCK` range around the conductor's `enter(BWD, i)`); the kernels launched from one mark to the next
 are that block's recompute and backward. Per block: kernel busy, span, and the stall before its first kernel
 (no kernel since the previous block's last): which blocks wait, and whether they are the double blocks (the
@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 STEP, PARTS = "bench.step", ("bench.forward", "bench.backward", "bench.optimizer")
 #: + the block's index: a host range around the conductor's `enter(BWD, i)`, where block i's recompute starts
-#: (bench/speed_profile.py puts it there)
+#: (bench/speed/speed_profile.py puts it there)
 BLOCK = "bench.block."
 LONG_GAP_NS = 100_000  # idle gaps at least this long are not launch gaps
 _BYTES = re.compile(r'"bytes"\s*:\s*(\d+)')

@@ -2,9 +2,9 @@
 """train.distributed: fsdp against ddp and one GPU, through `dittrain fit` under torchrun, on a full-size
 random-weight Flux.1-dev folder (bench_program.py writes it). Issue 31's measurements.
 
-    python bench/bench_fsdp.py --work /dev/shm/fsdp --out $OUT                     # 2+ GPUs
-    python bench/bench_fsdp.py --work /dev/shm/fsdp --out $OUT --runs lora-fsdp-2-f1 lora-ddp-2-f1
-    python bench/bench_fsdp.py --work /dev/shm/fsdp --out $OUT --runs lora-fsdp-2-f1 lora-fsdp-2-f1-act  # act. offload
+    python -m bench.multi_gpu.bench_fsdp --work /dev/shm/fsdp --out $OUT                     # 2+ GPUs
+    python -m bench.multi_gpu.bench_fsdp --work /dev/shm/fsdp --out $OUT --runs lora-fsdp-2-f1 lora-ddp-2-f1
+    python -m bench.multi_gpu.bench_fsdp --work /dev/shm/fsdp --out $OUT --runs lora-fsdp-2-f1 lora-fsdp-2-f1-act  # act. offload
 
 Each run is `torchrun --standalone --nproc_per_node N -m trainer fit cfg.yaml` (N = 1: plain `python -m trainer
 fit`) of configs/flux/lora-24gb.yaml (or the full fine-tune preset) with --set overrides: 1024 px, batch 1 per
@@ -29,9 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+ROOT = Path(__file__).resolve().parents[2]
 
 #: name -> (method, processes, distributed, offload fraction, offload.activations); "-act": activations offloaded
 RUNS = {
@@ -127,7 +125,7 @@ def h2d_gbps(gpus: int) -> list[float]:
 
 
 def run_one(name: str, model: Path, images: Path, work: Path, steps: int, smoke: bool = False) -> dict:
-    from bench_program import write_config
+    from bench.program.bench_program import write_config
 
     method, nproc, mode, f, act = RUNS[name]
     run_dir = work / name
@@ -178,7 +176,8 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="the tiny Flux on the CPU (gloo): the commands run")
     args = ap.parse_args()
     import torch
-    from bench_program import write_full_folder, write_jpegs
+
+    from bench.program.bench_program import write_full_folder, write_jpegs
 
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.work / "model"

@@ -4,7 +4,7 @@
 bf16 weights; at each fraction: wall and host-issue time of 4 steps, then one step under cProfile (top functions
 by own time and by cumulative time written to cprofile-<f>.txt).
 
-    python bench/diag_step_cpu.py --out /tmp/diag --res 512 --fractions 0 0.5 0.9
+    python -m bench.diag.diag_step_cpu --out /tmp/diag --res 512 --fractions 0 0.5 0.9
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ import io
 import json
 import pstats
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_offload import inputs  # noqa: E402
-from bench_plan import attach, blocks_of, build, detach, training_step  # noqa: E402
+from bench.speed.bench_offload import inputs
+from bench.speed.bench_plan import attach, blocks_of, build, detach, training_step
 
 
 def main():

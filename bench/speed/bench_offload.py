@@ -3,8 +3,8 @@
 training and sampling steps resident vs streamed by the offload conductor, and diffusers' group offloading,
 all in one process. Prints one table; writes bench.json and bench.md under --out.
 
-    python bench/bench_offload.py --out /tmp/bench            # the full run (a few minutes)
-    python bench/bench_offload.py --layers 2 --singles 4      # a quick smoke run
+    python -m bench.speed.bench_offload --out /tmp/bench            # the full run (a few minutes)
+    python -m bench.speed.bench_offload --layers 2 --singles 4      # a quick smoke run
 
 Timing: CUDA events around each step after warm-up, median of --steps. Memory: peak max_memory_reserved /
 max_memory_allocated from the moment the configuration is attached (empty_cache first, so earlier
@@ -18,20 +18,18 @@ import argparse
 import datetime
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import build_bf16, step_seconds  # noqa: E402
-from trainer.config import OptimizerConfig  # noqa: E402
-from trainer.models.flux import FluxAdapter  # noqa: E402
-from trainer.offload import attach_offload  # noqa: E402
-from trainer.offload.fused import bind_fused  # noqa: E402
-from trainer.optim import FusedBackPass, build_optimizer  # noqa: E402
+from bench.common.timing import build_bf16, step_seconds
+from trainer.config import OptimizerConfig
+from trainer.models.flux import FluxAdapter
+from trainer.offload import attach_offload
+from trainer.offload.fused import bind_fused
+from trainer.optim import FusedBackPass, build_optimizer
 
 LORA_TARGETS = [
     "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",

@@ -14,8 +14,8 @@ Each row: milliseconds per forward + backward (CUDA events, median of --steps af
 attention accepts its SDPA call (run once under `sdpa_kernel(FLASH_ATTENTION)` only), and the largest
 difference of its output and input gradients from the masked SDPA row.
 
-    python bench/attn_mask_speed.py --out $OUT/attn            # ~1 min on an H100
-    python bench/attn_mask_speed.py --smoke                    # CPU: checks the script
+    python -m bench.speed.attn_mask_speed --out $OUT/attn            # ~1 min on an H100
+    python -m bench.speed.attn_mask_speed --smoke                    # CPU: checks the script
 
 The step-level numbers come from bench_speed.py's Chroma rows (--rows issue29 --family chroma).
 """
@@ -25,15 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import step_seconds  # noqa: E402
-from trainer.models.chroma import attend_flex, attend_outer_mask  # noqa: E402
+from bench.common.timing import step_seconds
+from trainer.models.chroma import attend_flex, attend_outer_mask
 
 
 def sdpa(q, k, v, mask=None):

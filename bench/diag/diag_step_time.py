@@ -11,7 +11,7 @@ For full-size Flux LoRA r16 (random bf16 weights on the GPU) it measures, per co
 - the whole step at 512 / 1024 px and several fractions: wall time, CPU issue time and GPU time the same way,
   and from one profiled step the busy time of compute kernels and of host-to-device copies.
 
-    python bench/diag_step_time.py --out /tmp/diag
+    python -m bench.diag.diag_step_time --out /tmp/diag
 """
 
 from __future__ import annotations
@@ -19,22 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.speed.bench_offload import inputs
+from bench.speed.bench_plan import attach, blocks_of, build, detach, lora_cfg, training_step
+from trainer import planner
+from trainer.planner.measure import materialize
 
-from bench_offload import inputs  # noqa: E402
-from bench_plan import attach, blocks_of, build, detach, lora_cfg, training_step  # noqa: E402
-
-from trainer import planner  # noqa: E402
-from trainer.planner.measure import materialize  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 T0 = time.perf_counter()
 CYCLES_PER_S = None

@@ -13,9 +13,9 @@ planner's prediction (`planner.analyze` of a config whose data folder has `contr
 so `Facts.references` counts them through `reference_inputs`) beside the measured peak reserved VRAM and median
 step time. The 0-reference rows are the plain text-to-image baseline on the same model.
 
-    python bench/bench_flux2_pairs.py --out /tmp/bench_flux2_pairs          # GPU: klein, refs 0 1 2, fraction 0 (~3 min)
-    python bench/bench_flux2_pairs.py --family flux3 --fractions 0 0.5 --out /tmp/bench_flux3_pairs   # Flux.3
-    python bench/bench_flux2_pairs.py --smoke [--family flux3]             # CPU: tiny model at 64 px, no timing
+    python -m bench.speed.bench_flux2_pairs --out /tmp/bench_flux2_pairs          # GPU: klein, refs 0 1 2, fraction 0 (~3 min)
+    python -m bench.speed.bench_flux2_pairs --family flux3 --fractions 0 0.5 --out /tmp/bench_flux3_pairs   # Flux.3
+    python -m bench.speed.bench_flux2_pairs --smoke [--family flux3]             # CPU: tiny model at 64 px, no timing
 
 Writes flux2_pairs.json and flux2_pairs.md (a markdown table for bench/RESULTS.md) under --out.
 """
@@ -31,17 +31,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common.timing import build_bf16
+from bench.speed.bench_kontext import timed_steps
+from trainer import planner
+from trainer.config import CONTROL_DIR, Config
+from trainer.models import adapter_class
+from trainer.planner import timing as ptime
 
-from bench.timing import build_bf16  # noqa: E402
-from trainer import planner  # noqa: E402
-from trainer.config import CONTROL_DIR, Config  # noqa: E402
-from trainer.models import adapter_class  # noqa: E402
-from trainer.planner import timing as ptime  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "bench"))
-from bench_kontext import timed_steps  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 GB = 1e9
 TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,

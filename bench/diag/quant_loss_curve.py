@@ -3,7 +3,7 @@
 the CPU. Prints one table (step, loss bf16, loss fp8, loss fp8 with the modulation Linears quantized too, the
 differences to bf16) and the mean over the last quarter of steps.
 
-    python bench/quant_loss_curve.py --steps 40 --out /tmp/qlc
+    python -m bench.diag.quant_loss_curve --steps 40 --out /tmp/qlc
 
 Each run is the real trainer (`Trainer.fit`) on a config that differs only in `model.quantize` /
 `model.quantize_modulation`; the first step's loss differs by the fp8 rounding of the untrained base, later steps
@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 #: curve name -> (model.quantize, model.quantize_modulation)
 CURVES = {"bf16": ("none", False), "fp8": ("fp8", False), "fp8+mod": ("fp8", True)}
@@ -28,7 +24,7 @@ def run(models: Path, out: Path, name: str, steps: int) -> list[float]:
     from trainer.config import Config
     from trainer.train.trainer import Trainer
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     quantize, modulation = CURVES[name]
     cfg = Config.model_validate({
         "model": {"family": "flux", "path": str(models / "flux"), "dtype": "bf16", "quantize": quantize,

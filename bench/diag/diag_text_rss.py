@@ -4,20 +4,17 @@ for streaming. Writes a full-size random T5-XXL (9.5 GB) with bench_program's wr
 RssAnon after each step: from_pretrained, the conductor's arena filled, the arena page-locked, placed, one encode
 batch, closed.
 
-    python bench/diag_text_rss.py --work /tmp/diag [--fraction 0.55]
+    python -m bench.diag.diag_text_rss --work /tmp/diag [--fraction 0.55]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def anon() -> float:

@@ -12,8 +12,8 @@ Rows:
 - `linear ...`: one Flux MLP Linear (3072 -> 12288, 4096 + 512 tokens): bf16 F.linear, fp8 dequantize + F.linear,
   fp8 `_scaled_mm`, forward only.
 
-    python bench/bench_quant.py --out /tmp/bq             # the GPU run (the coordinator's; a few minutes)
-    python bench/bench_quant.py --smoke --out /tmp/bq     # CPU, a 1+1 block Flux of small width, seconds
+    python -m bench.speed.bench_quant --out /tmp/bq             # the GPU run (the coordinator's; a few minutes)
+    python -m bench.speed.bench_quant --smoke --out /tmp/bq     # CPU, a 1+1 block Flux of small width, seconds
 
 Timing: CUDA events (perf_counter on the CPU) around each step after --warmup, median of --steps. Memory: peak
 max_memory_allocated since the configuration was attached. Prediction to check: a streamed step on the fp8 base
@@ -29,17 +29,15 @@ import datetime
 import gc
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import build_bf16, step_seconds  # noqa: E402
-from trainer import quant  # noqa: E402
-from trainer.models import adapter_class  # noqa: E402
-from trainer.offload import attach_offload  # noqa: E402
+from bench.common.timing import build_bf16, step_seconds
+from trainer import quant
+from trainer.models import adapter_class
+from trainer.offload import attach_offload
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                 "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"]

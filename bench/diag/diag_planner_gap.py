@@ -2,7 +2,7 @@
 """Why tests/test_planner_gpu.py measured 0.49 GB more than the planner predicts (H200, 2026-11-22 01:06 UTC),
 stage by stage, in one GPU run.
 
-The diagnosis it checks: the planner's arithmetic is right (bench/bench_plan.py: full-size Flux within 0.08 GB;
+The diagnosis it checks: the planner's arithmetic is right (bench/speed/bench_plan.py: full-size Flux within 0.08 GB;
 a meta-device emulation of the same step, `--emulate`, puts the cut model's real dynamic peak at 0.45 GB
 against the planner's 0.49 GB), and the 0.49 GB is memory the *process* held before the test started:
 under `pytest -m gpu tests` the planner test runs after tests/test_offload_gpu.py, whose full fine-tune runs
@@ -16,12 +16,12 @@ Phases (each prints `torch.cuda.memory_allocated()` / `memory_reserved()` after 
   A  clean process: the test's set-up (build, LoRA, cast, blocks to CPU, attach, inputs, optimizer, 3 steps
      at f = 0 and 0.5) beside the planner's matching terms. Expect peak - baseline within ~0.05 GB of the
      planner's peak_allocated.
-  B  the leak: test_offload_gpu's full fine-tune runs (`_run(0.0, fp32/bf16, "full")`, `_run(0.5, ..)`, the
-     trainer.optim fused-pass test), then allocated before / after `gc.collect()`. Expect ~0.4-0.5 GB left.
-  C  the planner test's measurement again after B: raw peak minus prediction ~= what B left.
+  (B and C, which ran tests/test_offload_gpu.py's full fine-tunes in this process to show what they left allocated,
+  went when bench became a package: they imported the tests' own modules. The leak they showed is fixed; the
+  git history has them.)
 
-    python bench/diag_planner_gap.py                # A, B, C on a CUDA GPU (about a minute)
-    python bench/diag_planner_gap.py --emulate      # CPU only: the meta-device emulation of the step
+    python -m bench.diag.diag_planner_gap             # A on a CUDA GPU
+    python -m bench.diag.diag_planner_gap --emulate      # CPU only: the meta-device emulation of the step
 """
 
 from __future__ import annotations
@@ -39,15 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+from bench.common.timing import build_bf16
+from trainer import planner
+from trainer.config import Config
+from trainer.models.flux import FluxAdapter
+from trainer.planner import trace as ptrace
 
-from bench.timing import build_bf16  # noqa: E402
-from trainer import planner  # noqa: E402
-from trainer.config import Config  # noqa: E402
-from trainer.models.flux import FluxAdapter  # noqa: E402
-from trainer.planner import trace as ptrace  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 GB = 1e9
 CONFIG = dict(FluxAdapter.full_config, num_layers=2, num_single_layers=4)  # as tests/test_planner_gpu.py
@@ -167,34 +165,6 @@ def staged_measure(fraction: float, facts) -> float:
     return peak
 
 
-def leak() -> None:
-    """test_offload_gpu.py's full fine-tune runs, as pytest runs them before the planner test."""
-    import test_offload_gpu as T
-
-    before = torch.cuda.memory_allocated()
-    for args in ((0.0, torch.float32, "full"), (0.0, torch.bfloat16, "full"), (0.5, torch.float32, "full")):
-        T._run(*args)
-        torch.cuda.synchronize()
-        print(
-            f"    after _run{(args[0], str(args[1]), args[2])}: allocated "
-            f"{(torch.cuda.memory_allocated() - before) / GB:+.3f} GB"
-        )
-    T.test_trainer_optim_fused_back_pass_with_packed_state_is_identical(0.5)
-    torch.cuda.synchronize()
-    print(
-        f"    after the trainer.optim fused-pass test: {(torch.cuda.memory_allocated() - before) / GB:+.3f} GB"
-    )
-    gc.collect()
-    torch.cuda.empty_cache()
-    print(
-        f"    after gc.collect + empty_cache: {(torch.cuda.memory_allocated() - before) / GB:+.3f} GB still "
-        "allocated (uncollectable: hooks -> handle -> parameters)"
-    )
-
-
-# ------------------------------------------------------------------------------------ CPU emulation
-
-
 class _Live(TorchDispatchMode):
     """memory_allocated on the meta device: every storage an op creates counts (512 B rounded, as the CUDA
     caching allocator rounds) until its last reference dies."""
@@ -293,10 +263,6 @@ def main() -> int:
     for f in (0.0, 0.5):
         planner_terms(facts, f)
         staged_measure(f, facts)
-    print("B: test_offload_gpu.py's full fine-tune runs")
-    leak()
-    print("C: the planner test's set-up again, after B")
-    staged_measure(0.0, facts)
     return 0
 
 

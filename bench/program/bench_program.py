@@ -1,10 +1,10 @@
 """The whole program as a new user runs it, on full-size random-weight models, under a VRAM cap.
 
-    python bench/bench_program.py --families flux sd3 qwen_image --work /tmp/bench   # a GPU box
-    python bench/bench_program.py --smoke --work /tmp/smoke                            # CPU, tiny models
-    python bench/bench_program.py --families flux2 --transformer-file fp8 --card 16 --keep   # Flux.2-dev, 64 GB disk
-    python bench/bench_program.py --families wan --transformer-file fp8 --card 16 --frames 81 --resolution 480p
-    python bench/bench_program.py --estimate --families wan wan-1.3b wan-i2v wan2.2-a14b --transformer-file fp8
+    python -m bench.program.bench_program --families flux sd3 qwen_image --work /tmp/bench   # a GPU box
+    python -m bench.program.bench_program --smoke --work /tmp/smoke                            # CPU, tiny models
+    python -m bench.program.bench_program --families flux2 --transformer-file fp8 --card 16 --keep   # Flux.2-dev, 64 GB disk
+    python -m bench.program.bench_program --families wan --transformer-file fp8 --card 16 --frames 81 --resolution 480p
+    python -m bench.program.bench_program --estimate --families wan wan-1.3b wan-i2v wan2.2-a14b --transformer-file fp8
 
 For each family: write a diffusers folder with every component at full size (transformer from the adapter's
 `full_config`; VAE, CLIP-L / CLIP-G / T5-XXL / Qwen2.5-VL-7B / Qwen3-4B from their real configs, built here in
@@ -53,7 +53,7 @@ bf16 experts, 57 GB, would not fit a 64 GB disk beside the rest). Folders, with 
 wan 20.5 / 34.5 GB, wan-1.3b 7.4 / 8.8, wan-i2v 23.8 / 40.0, wan2.2-a14b(-i2v) 20.5 / 48.8, wan2.2-ti2v-5b
 12.2 / 17.1; every folder's size and its write time (at the rates the GPU box wrote earlier folders, WRITE_RATE)
 are printed before it is written, and `--estimate` prints only them. Data: `--images` mp4 clips instead of
-JPEGs (bench/program_video.py: moving content, `--frames` + 4 frames at 16 fps, at `--resolution` 480p = 832x480,
+JPEGs (bench/program/program_video.py: moving content, `--frames` + 4 frames at 16 fps, at `--resolution` 480p = 832x480,
 720p = 1280x720 or WxH, with captions), trained in one bucket of their own size (data.resolutions,
 data.bucket_step, data.fps, data.clip_frames) and sampled at that size with `--sample-frames` (9) frames, 2
 steps (image-to-video: from the first frame, `sample.image`). Config: the family's `lora-<card>gb` preset, else
@@ -78,8 +78,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 SHARD_BYTES = 4 * 2**30
 
@@ -708,7 +707,7 @@ def write_config(family: str, model: Path, images: Path, work: Path, res: int | 
     d["sample"] = {**d.get("sample", {}), "prompts": ["a photo of a cat"], "every": max(1, steps - 1), "steps": 2,
                    "width": res, "height": res}
     if clips is not None:
-        from bench.program_video import video_config
+        from bench.program.program_video import video_config
 
         video_config(d, ad, images, clips, image)
     if smoke:
@@ -769,7 +768,7 @@ def bench_family(name: str, work: Path, args) -> list[dict]:
         print(f"{name}: wrote {nbytes / 1e9:.1f} GB of random weights in {time.time() - t:.0f} s", flush=True)
     clips, image, res = None, None, None
     if getattr(ad, "video", False):
-        from bench.program_video import Clips, divisor, first_frame, video_size, write_clips
+        from bench.program.program_video import Clips, divisor, first_frame, video_size, write_clips
 
         size = video_size(args.resolution or ("96x64" if args.smoke else "480p"), divisor(ad))
         frames, sample_frames = (args.frames or 5, args.sample_frames or 5) if args.smoke else (

@@ -1,4 +1,4 @@
-"""`bench/bench_speed.py --profile`: where a dittrain eager step spends its time that the plain script's does not
+"""`bench/speed/bench_speed.py --profile`: where a dittrain eager step spends its time that the plain script's does not
 (issue 29: dittrain eager was 1.10 x plain on Qwen-Image but 0.93 x on Flux, never profiled).
 
 Two rows, both eager, resident, every block checkpointed, built as bench_speed builds them: the plain script (peft
@@ -9,32 +9,32 @@ and AdamW). After --warmup steps, torch.profiler records --steps steps of each (
 - per row, profiled: wall time per step, CUDA kernel time per step (the sum of every kernel's self time: where it
   is far below the wall time the GPU waits on the host's launches), kernel launches and `aten::_to_copy` calls
   (casts) per step;
-- per row: the device timeline of the profiled steps (bench/timeline.py, issue 29: why the streamed steps are
+- per row: the device timeline of the profiled steps (bench/common/timeline.py, issue 29: why the streamed steps are
   1.35-1.43 x their PCIe floor): compute, H2D and D2H busy time, how much of each copy runs under kernels, exposed
   copy time, idle time, bytes and GB/s, the streams the kernels and copies ran on, for the whole step and its
   forward / backward / optimizer parts (`record_function` ranges "bench.step", "bench.forward"... around each
   step's parts), the longest idle gaps grouped by the device events either side of them, and the backward block
   by block (a "bench.block.<i>" range where each recompute starts: the stall before each block's kernels, its
   kernel time and span, the host's time per block and how long its kernels queued, by block size; the JSON keeps
-  every block, which bench/ring_bound.py replays); no table without device events (the CPU profiler), a line
+  every block, which bench/speed/ring_bound.py replays); no table without device events (the CPU profiler), a line
   that says so;
 - per row: the top operators by self CUDA time and by self CPU time (`key_averages().table`);
 - the operators whose self CUDA time differs most between the two rows, per step (the answer to "why").
 
-    python bench/bench_speed.py --profile --family qwen_image --out $OUT/prof    # ~3 min on an H100
-    python bench/bench_speed.py --profile --smoke --out /tmp/p                    # CPU: checks the script
+    python -m bench.speed.bench_speed --profile --family qwen_image --out $OUT/prof    # ~3 min on an H100
+    python -m bench.speed.bench_speed --profile --smoke --out /tmp/p                    # CPU: checks the script
 
 With `--only` (and `--rows`), the rows it names are profiled instead, compiled ones included, in bench_speed's
 order; every row is compared to the first:
 
-    python bench/bench_speed.py --profile --rows issue29 --family chroma --only "=plain + compile_repeated_blocks;=dittrain offload 0, compiled, checkpointing auto" --warmup 2 --steps 2 --out $OUT/prof
+    python -m bench.speed.bench_speed --profile --rows issue29 --family chroma --only "=plain + compile_repeated_blocks;=dittrain offload 0, compiled, checkpointing auto" --warmup 2 --steps 2 --out $OUT/prof
 
 `--interleave` first builds every row's model at once and times their steps in turn (`--steps` rounds), so that
 drift of the machine falls on every row alike (two full Qwen-Images need an H200, or `--layers 30`); `--layers N`
 builds N blocks per model; `--no-mask` drops the text mask (Qwen-Image: the all-ones mask the pipeline and the
 trainer drop at batch 1, where SDPA then may use flash attention):
 
-    python bench/bench_speed.py --profile --interleave --layers 30 --family qwen_image --warmup 2 --steps 6 --out $OUT/prof
+    python -m bench.speed.bench_speed --profile --interleave --layers 30 --family qwen_image --warmup 2 --steps 6 --out $OUT/prof
 
 Writes profile_<family>.txt under --out, and speed_<family>_profile.json (each row's numbers, its timeline per
 step and their mean).
@@ -51,8 +51,8 @@ import torch
 from torch.profiler import ProfilerActivity, record_function
 from torch.profiler import profile as torch_profile
 
-from bench import timeline
-from bench.timing import step_seconds
+from bench.common import timeline
+from bench.common.timing import step_seconds
 
 ROWS = [
     dict(name="plain diffusers + peft, bf16 LoRA, eager, resident", kind="plain", compile=False),
@@ -69,7 +69,7 @@ def _self_device_us(e) -> float:
 
 
 def _gist(r: dict) -> str:
-    """The row's device timeline in one clause (bench/timeline.py; nothing without device events)."""
+    """The row's device timeline in one clause (bench/common/timeline.py; nothing without device events)."""
     m = (r["timeline"].get("mean") or {}).get("all") or {}
     floor = "" if r["pcie_floor_s"] is None else f"; PCIe floor {r['pcie_floor_s'] * 1e3:.0f} ms"
     if not m.get("events"):
@@ -95,7 +95,7 @@ def _setup(spec, args, dev):
     opt = (torch.optim.AdamW(params, lr=1e-5) if plain
            else bs.build_optimizer(params, bs.OptimizerConfig(name="adamw", lr=1e-5)))
 
-    def step():  # the ranges name the step and its parts on the profile's host timeline (bench/timeline.py)
+    def step():  # the ranges name the step and its parts on the profile's host timeline (bench/common/timeline.py)
         with record_function(timeline.STEP):
             with record_function("bench.forward"):
                 loss = m(**kw)[0].float().square().mean()
@@ -110,7 +110,7 @@ def _setup(spec, args, dev):
 
 def _mark_recomputes(conductor) -> None:
     """A host range `timeline.BLOCK + i` around the conductor's `enter(BWD, i)`, where block i's recompute starts
-    in the backward: bench/timeline.py splits the backward's kernels by block at these marks."""
+    in the backward: bench/common/timeline.py splits the backward's kernels by block at these marks."""
     from trainer.offload.plan import BWD
 
     enter = conductor.enter

@@ -24,9 +24,9 @@ model from its own arena with the optimizer state packed beside the weights, gra
 ddp path) and "owned steps" (trainer/train/owners.py: the sharded stream from the host's one arena, each process
 stepping 1/N of the weights and keeping their state in pinned RAM).
 
-    python bench/bench_sharded.py --gpus 4 --out $OUT/sharded
-    python bench/bench_sharded.py --full --gpus 4 --worlds 1,4 --out $OUT/sharded-full
-    python bench/bench_sharded.py --gpus 2 --layers 1 --singles 2 --res 64 --text 16 --steps 2 --warmup 1   # smoke
+    python -m bench.multi_gpu.bench_sharded --gpus 4 --out $OUT/sharded
+    python -m bench.multi_gpu.bench_sharded --full --gpus 4 --worlds 1,4 --out $OUT/sharded-full
+    python -m bench.multi_gpu.bench_sharded --gpus 2 --layers 1 --singles 2 --res 64 --text 16 --steps 2 --warmup 1   # smoke
 """
 
 from __future__ import annotations
@@ -43,15 +43,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ddp import _port, _sync  # noqa: E402
-from bench_offload import add_lora, block_list, build, inputs  # noqa: E402
-
-from trainer.offload import attach_offload  # noqa: E402
-from trainer.offload.allocators import SharedArena  # noqa: E402
-from trainer.offload.gather import SliceGather  # noqa: E402
-from trainer.train.distributed import BucketedAllReduce  # noqa: E402
+from bench.multi_gpu.bench_ddp import _port, _sync
+from bench.speed.bench_offload import add_lora, block_list, build, inputs
+from trainer.offload import attach_offload
+from trainer.offload.allocators import SharedArena
+from trainer.offload.gather import SliceGather
+from trainer.train.distributed import BucketedAllReduce
 
 
 def _barrier(world, dev) -> None:

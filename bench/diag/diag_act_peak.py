@@ -5,25 +5,21 @@ the planner is ~1 GB low at f=1.0 + activation offloading). Full-size Flux LoRA 
 weights. At every block entry of one step (forward and backward) it records the allocator's allocated bytes and
 the peak since the previous entry, then prints the planner's per-block model beside it.
 
-    python bench/diag_act_peak.py --out /tmp/diag_act
+    python -m bench.diag.diag_act_peak --out /tmp/diag_act
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_offload import inputs  # noqa: E402
-from bench_plan import attach, blocks_of, build, detach, lora_cfg  # noqa: E402
-
-from trainer import planner  # noqa: E402
+from bench.speed.bench_offload import inputs
+from bench.speed.bench_plan import attach, blocks_of, build, detach, lora_cfg
+from trainer import planner
 
 GB = 1e9
 

@@ -3,18 +3,18 @@
 on the family's default targets, AdamW, gradient checkpointing), every row a ratio to the reference row
 'plain diffusers + peft, bf16 LoRA, eager, resident' measured in the same process.
 
-    python bench/bench_speed.py --out /tmp/speed                       # Flux, all rows (budget-limited)
-    python bench/bench_speed.py --family qwen_image --out /tmp/speed_q # offload-0 rows
-    python bench/bench_speed.py --family sd3 --out /tmp/speed_s
-    python bench/bench_speed.py --family z-image --out /tmp/speed_z    # (and --family chroma) offload-0 rows
-    python bench/bench_speed.py --family qwen-image-2.1 --out /tmp/speed_q21    # also krea2, flux3
-    python bench/bench_speed.py --family wan --size 832x480 --frames 81 --out /tmp/speed_w  # a 480p clip (--variant 1.3b)
-    python bench/bench_speed.py --smoke --out /tmp/s                   # CPU, tiny widths: checks the script
-    python bench/bench_speed.py --rows issue29 --out /tmp/s29          # issue 29's table (Flux; or --family)
-    python bench/bench_speed.py --profile --family qwen_image --out /tmp/p  # profiler: dittrain vs plain, eager
-    python bench/bench_speed.py --profile --interleave --layers 30 --family qwen_image --out /tmp/p  # + steps in turn
-    python bench/bench_speed.py --profile --rows issue29 --family chroma --only "=plain + compile_repeated_blocks;=dittrain offload 0, compiled, checkpointing auto" --out /tmp/p
-    python bench/bench_speed.py --profile --rows issue29 --only "=dittrain offload 0, compiled;=dittrain offload 1.0 + act, compiled" --out /tmp/p  # + each row's device timeline (bench/timeline.py)
+    python -m bench.speed.bench_speed --out /tmp/speed                       # Flux, all rows (budget-limited)
+    python -m bench.speed.bench_speed --family qwen_image --out /tmp/speed_q # offload-0 rows
+    python -m bench.speed.bench_speed --family sd3 --out /tmp/speed_s
+    python -m bench.speed.bench_speed --family z-image --out /tmp/speed_z    # (and --family chroma) offload-0 rows
+    python -m bench.speed.bench_speed --family qwen-image-2.1 --out /tmp/speed_q21    # also krea2, flux3
+    python -m bench.speed.bench_speed --family wan --size 832x480 --frames 81 --out /tmp/speed_w  # a 480p clip (--variant 1.3b)
+    python -m bench.speed.bench_speed --smoke --out /tmp/s                   # CPU, tiny widths: checks the script
+    python -m bench.speed.bench_speed --rows issue29 --out /tmp/s29          # issue 29's table (Flux; or --family)
+    python -m bench.speed.bench_speed --profile --family qwen_image --out /tmp/p  # profiler: dittrain vs plain, eager
+    python -m bench.speed.bench_speed --profile --interleave --layers 30 --family qwen_image --out /tmp/p  # + steps in turn
+    python -m bench.speed.bench_speed --profile --rows issue29 --family chroma --only "=plain + compile_repeated_blocks;=dittrain offload 0, compiled, checkpointing auto" --out /tmp/p
+    python -m bench.speed.bench_speed --profile --rows issue29 --only "=dittrain offload 0, compiled;=dittrain offload 1.0 + act, compiled" --out /tmp/p  # + each row's device timeline (bench/common/timeline.py)
 
 Issue 29 (`--rows issue29`): every ratio is also given to the row 'plain + compile_repeated_blocks' (the compiled
 plain script a user writes in one line), and streamed rows get their PCIe floor (H2D bytes per step over the
@@ -63,21 +63,19 @@ import datetime
 import gc
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import build_bf16, step_seconds  # noqa: E402
-from trainer import quant  # noqa: E402
-from trainer.config import LoraConfig, OptimizerConfig  # noqa: E402
-from trainer.models import adapter_class  # noqa: E402
-from trainer.offload import CompileOptions, attach_offload, compiled, move_outside_blocks  # noqa: E402
-from trainer.optim import build_optimizer  # noqa: E402
-from trainer.train.model import add_lora  # noqa: E402
+from bench.common.timing import build_bf16, step_seconds
+from trainer import quant
+from trainer.config import LoraConfig, OptimizerConfig
+from trainer.models import adapter_class
+from trainer.offload import CompileOptions, attach_offload, compiled, move_outside_blocks
+from trainer.optim import build_optimizer
+from trainer.train.model import add_lora
 
 SMOKE = {  # tiny widths per family for --smoke (CPU)
     "flux": dict(num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
@@ -511,9 +509,9 @@ def main(argv=None) -> list[dict]:
                     "(and the reference)")
     ap.add_argument("--rows", default="all", choices=("all", "issue29"), help="which row set (module docstring)")
     ap.add_argument("--profile", action="store_true",
-                    help="profile plain vs dittrain, eager, resident (bench/speed_profile.py) instead of the rows")
+                    help="profile plain vs dittrain, eager, resident (bench/speed/speed_profile.py) instead of the rows")
     ap.add_argument("--interleave", action="store_true", help="with --profile: also time the rows' steps "
-                    "alternately in one process, every model built at once (bench/speed_profile.py)")
+                    "alternately in one process, every model built at once (bench/speed/speed_profile.py)")
     ap.add_argument("--layers", type=int, default=None, help="with --profile: blocks per model (num_layers)")
     ap.add_argument("--no-mask", action="store_true", help="with --profile: drop the text mask (Qwen: as the "
                     "pipeline and the trainer at batch 1)")

@@ -12,7 +12,7 @@ and its generation; --steps steps with the collector as Python leaves it, then `
 does after setup: every object alive then moves to a permanent generation no collection walks) and --steps more.
 Per step: seconds, and the seconds spent in generation-2 collections inside it. Writes gc.json and gc.md under --out.
 
-    python bench/bench_gc.py --out $OUT/gc
+    python -m bench.speed.bench_gc --out $OUT/gc
 """
 
 from __future__ import annotations
@@ -28,11 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_offload import add_lora, block_list, build, inputs  # noqa: E402
-
-from trainer.offload import attach_offload  # noqa: E402
+from bench.speed.bench_offload import add_lora, block_list, build, inputs
+from trainer.offload import attach_offload
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ every block streamed by the offload conductor, its factored Adafactor state pack
 (`attach_offload(..., trainable=True, optimizer_state=fused.state_layout)` + `bind_fused`). 1024x1024,
 batch 1, per-block checkpointing, activation offloading on. Issue 5's target "full fine-tune of Flux-12B
 with the fused back pass in <= 24 GB reserved" had only been measured on a 2.56 B cut with AdamW
-(bench/bench_offload.py --ft-layers/--ft-singles): AdamW state at full depth does not fit the machine's RAM,
+(bench/speed/bench_offload.py --ft-layers/--ft-singles): AdamW state at full depth does not fit the machine's RAM,
 Adafactor's does (weights 23.7 GB bf16 + a few hundred MB of row/column moments).
 
 Configurations, in this order (the first one is the one the target needs):
@@ -33,14 +33,14 @@ Run on the GPU machine (diffusers and pydantic come from the carried `.whl`, see
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
       && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 \
-      && python3 bench/bench_fullft.py --out $OUT 2>&1 | tee $OUT/fullft.log
+      && python -m bench.speed.bench_fullft --out $OUT 2>&1 | tee $OUT/fullft.log
 
 (with the `run` tool: carry [".whl"]; `.whl` is made by ../shared/tools/gpu-wheels.sh). `--budget-s` (200)
 skips a configuration whose estimated end lies past it; --fractions / --state / --no-resident choose them.
 
 On the CPU (no GPU; tiny Flux, bf16, wall-clock timing, no memory stats) to check the script itself:
 
-    python bench/bench_fullft.py --smoke --out /tmp/fullft-smoke
+    python -m bench.speed.bench_fullft --smoke --out /tmp/fullft-smoke
 
 Loss check: the trainer checks the loss before backward (fused: backward IS the optimizer step); here it is
 read after each step's end event instead, so no extra host-device sync sits between forward and backward.
@@ -62,15 +62,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_offload import block_list, h2d_rate  # noqa: E402
-from bench_offload import inputs as _flux_inputs  # noqa: E402
-
-from bench.timing import build_bf16  # noqa: E402
-from trainer.config import OptimizerConfig  # noqa: E402
-from trainer.offload import attach_offload, bind_fused  # noqa: E402
-from trainer.optim import FusedBackPass, StateOffload, build_optimizer  # noqa: E402
+from bench.common.timing import build_bf16
+from bench.speed.bench_offload import block_list, h2d_rate
+from bench.speed.bench_offload import inputs as _flux_inputs
+from trainer.config import OptimizerConfig
+from trainer.offload import attach_offload, bind_fused
+from trainer.optim import FusedBackPass, StateOffload, build_optimizer
 
 T0 = time.perf_counter()
 

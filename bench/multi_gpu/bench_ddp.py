@@ -3,9 +3,9 @@
 LoRA rank 16 at 1024x1024, batch 1 per GPU, half of the block bytes streamed from CPU RAM (offload fraction 0.5).
 Issue 8's target: 2-GPU samples/s >= 1.8 x 1-GPU samples/s. Writes ddp.json and ddp.md under --out.
 
-    python bench/bench_ddp.py --out /tmp/bench-ddp                       # needs 2 GPUs and ~2 x 12 GB pinned RAM
-    python bench/bench_ddp.py --layers 2 --singles 4 --out /tmp/smoke    # a quick smoke run
-    python bench/bench_ddp.py --layers 1 --singles 1 --res 64 --text 16 --steps 2 --warmup 1   # CPU/gloo smoke
+    python -m bench.multi_gpu.bench_ddp --out /tmp/bench-ddp                       # needs 2 GPUs and ~2 x 12 GB pinned RAM
+    python -m bench.multi_gpu.bench_ddp --layers 2 --singles 4 --out /tmp/smoke    # a quick smoke run
+    python -m bench.multi_gpu.bench_ddp --layers 1 --singles 1 --res 64 --text 16 --steps 2 --warmup 1   # CPU/gloo smoke
 
 What runs. For each world size (1, then 2) a fresh set of processes (torch.multiprocessing spawn; NCCL, one GPU
 each) builds the model on its GPU, adds the LoRA, attaches the offload conductor (checkpointed blocks, fraction
@@ -33,12 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_offload import add_lora, block_list, build, inputs  # noqa: E402
-
-from trainer.offload import attach_offload  # noqa: E402
-from trainer.train.distributed import BucketedAllReduce  # noqa: E402
+from bench.speed.bench_offload import add_lora, block_list, build, inputs
+from trainer.offload import attach_offload
+from trainer.train.distributed import BucketedAllReduce
 
 
 def _port() -> int:
