@@ -33,7 +33,7 @@ tiny: env
 DEMO_MODEL := models/tiny/flux-demo
 DEMO := configs/tiny/flux-demo.yaml
 
-$(DEMO_MODEL)/model_index.json: trainer/models/demo.py | $(STAMP)
+$(DEMO_MODEL)/model_index.json: trainer/models/demo_model.py | $(STAMP)
 	$(BIN)/python -m trainer.demo model $(DEMO_MODEL)
 
 # One torch thread: the tiny model's steps are thread hand-offs more than arithmetic, and with other programs busy

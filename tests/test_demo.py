@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from trainer.demo import comparison, loss_plot, write_report
-from trainer.models.demo import exact_vae, make_demo_model
+from trainer.models.demo_model import exact_vae, make_demo_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

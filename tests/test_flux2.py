@@ -149,7 +149,7 @@ def test_lora_streamed_training_is_bitwise_resident(lora_resident, fraction):
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 def test_full_finetune_streamed_with_the_fused_back_pass_is_bitwise_resident(fraction):
     from trainer.config import OptimizerConfig
-    from trainer.offload.fused import bind_fused
+    from trainer.offload.fused_state import bind_fused
     from trainer.optim import FusedBackPass, build_optimizer
 
     cfg = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1, max_grad_norm=None)

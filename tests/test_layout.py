@@ -392,7 +392,7 @@ LAYERS = (
     {"planner", "data"},
     {"sampling", "captioning"},
     {"train"},
-    {"sample", "merge", "demo", "presets"},
+    {"sample", "merge", "demo", "preset_files"},
     {"cli"},
     {"__main__"},
 )

@@ -236,7 +236,7 @@ def test_full_finetune_with_trainer_optim_fused_back_pass_equals_unfused_adamw()
     """trainer/optim's FusedBackPass with its state packed in the streamed blocks (bind_fused) against a
     plain optimizer.step() after backward on a resident model: bitwise in fp32 on the CPU."""
     from trainer.config import OptimizerConfig
-    from trainer.offload.fused import bind_fused
+    from trainer.offload.fused_state import bind_fused
     from trainer.optim import FusedBackPass, build_optimizer
 
     cfg = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1, max_grad_norm=None)

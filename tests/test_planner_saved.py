@@ -23,7 +23,7 @@ import torch
 from trainer import planner
 from trainer.config import Config
 from trainer.offload import CompileOptions, attach_offload, compiled
-from trainer.planner import compiled as pcompiled
+from trainer.planner import compiled_saves as pcompiled
 from trainer.planner import trace as ptrace
 
 FAMILIES = ("flux", "qwen-image")

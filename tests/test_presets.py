@@ -8,7 +8,7 @@ import pytest
 
 from trainer.config import load_config
 from trainer.models import ADAPTERS, adapter_class
-from trainer.presets import find_presets, print_presets
+from trainer.preset_files import find_presets, print_presets
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -176,7 +176,7 @@ def test_presets_filter_by_family_and_card_and_the_whole_list_stays(capsys):
     from typer.testing import CliRunner
 
     from trainer.cli import app
-    from trainer.presets import find_presets, pick
+    from trainer.preset_files import find_presets, pick
 
     root = Path(__file__).resolve().parents[1] / "configs"
     every = find_presets(root)

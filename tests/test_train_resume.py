@@ -196,7 +196,7 @@ def test_streamed_text_encoders_give_the_same_cache_and_samples(tiny_models, ima
 def test_streamed_full_fine_tune_packs_the_optimizer_state_with_its_block(
     optimizer, tiny_models, images, tmp_path, monkeypatch
 ):
-    """fit packs each streamed weight's optimizer state beside it in the block (trainer/offload/fused.py), so
+    """fit packs each streamed weight's optimizer state beside it in the block (trainer/offload/fused_state.py), so
     between steps it lives in the host arena, and trains bitwise like the state-in-RAM wiring (trainer/optim
     StateOffload) that 8-bit AdamW falls back to."""
     from dataclasses import replace

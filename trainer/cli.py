@@ -329,7 +329,7 @@ def presets(
     configs_dir: Path = typer.Option(Path("configs"), "--dir", help="Folder of presets."),
 ) -> None:
     """List the shipped presets per model family and GPU size (all of them unless FAMILY or --vram narrow it)."""
-    from .presets import print_presets
+    from .preset_files import print_presets
 
     print_presets(configs_dir, family=family, vram_gb=vram)
 

@@ -1,6 +1,6 @@
 """`make demo`'s picture and plot: what the untrained and the trained model make, and the loss curve.
 
-The demo model (trainer/models/demo.py) decodes any latent to the picture it depicts, so a LoRA that learns to
+The demo model (trainer/models/demo_model.py) decodes any latent to the picture it depicts, so a LoRA that learns to
 denoise its latents learns to paint the bundled shapes, while the untrained transformer (the LoRA at zero, the
 same seeds) paints colour noise. `write_report` puts the samples of both beside the training image of each prompt,
 and draws the loss curve from metrics.jsonl, with PIL alone (matplotlib is not a dependency).
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
-from .models.demo import make_demo_model
+from .models.demo_model import make_demo_model
 
 SCALE = 3  # 64 px samples are drawn 192 px wide: nearest-neighbour, so each latent pixel stays a crisp block
 

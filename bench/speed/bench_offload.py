@@ -28,7 +28,7 @@ from bench.common.timing import build_bf16, step_seconds
 from trainer.config import OptimizerConfig
 from trainer.models.flux import FluxAdapter
 from trainer.offload import attach_offload
-from trainer.offload.fused import bind_fused
+from trainer.offload.fused_state import bind_fused
 from trainer.optim import FusedBackPass, build_optimizer
 
 LORA_TARGETS = [

@@ -10,6 +10,6 @@ Modules: files.py (which files, what the model sees of each, the caption file), 
 processor, streaming its layers, one batched `generate`), run.py (the run and its progress, Ctrl-C and summary).
 """
 
-from .run import STYLES, CaptionRequest, CaptionSummary, caption_sources, run_caption
+from .captioner import STYLES, CaptionRequest, CaptionSummary, caption_sources, run_caption
 
 __all__ = ["STYLES", "CaptionRequest", "CaptionSummary", "caption_sources", "run_caption"]

@@ -15,7 +15,7 @@ like the target, keyed like any image), so its loss is the loss the model is tra
 
 Batches. Entries are grouped by (resolution, bucket) in a fixed order and cut into batches of train.batch_size;
 `ValidationData.batches()` yields them with each sample's entry index, which seeds its fixed noise
-(trainer/train/validation.py). Nothing here draws random numbers.
+(trainer/train/validation_loss.py). Nothing here draws random numbers.
 """
 
 from __future__ import annotations

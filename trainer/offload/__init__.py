@@ -44,7 +44,7 @@ Public interface (everything else in this package is internal):
     handle.share_activations(other) -> use `other`'s activation offloader (one pinned buffer for models run in turn)
 
     bind_fused(handle, fused)  -> trainer.optim FusedBackPass steps streamed weights with their packed state
-                                  (from trainer.offload.fused; pre/post/synchronize hooks of its protocol,
+                                  (from trainer.offload.fused_state; pre/post/synchronize hooks of its protocol,
                                   through the handle's public methods)
 
 Each block becomes a `StreamedBlock` (trainer/offload/block.py): its class is swapped for a subclass whose
@@ -78,7 +78,7 @@ from torch import nn
 from . import block, compiled
 from .compiled import CompileOptions
 from .conductor import Conductor
-from .fused import bind_fused
+from .fused_state import bind_fused
 
 __all__ = ["CompileOptions", "OffloadHandle", "attach_offload", "bind_fused", "move_outside_blocks"]
 

@@ -17,7 +17,7 @@ plan never loads). The number kept is the largest whose predicted peak fits the 
 grows with every block kept, so a bisection finds it). The budget is offload.vram_budget_gb, or on a GPU without
 one the card's memory less a margin for the CUDA context and fragmentation the prediction does not see.
 What a kept block holds is counted as it runs: under train.compile (auto: on for CUDA) the partition AOTAutograd
-makes of the compiled block (trainer/planner/compiled.py), else the eager block's saved tensors. Issue 29 measured
+makes of the compiled block (trainer/planner/compiled_saves.py), else the eager block's saved tensors. Issue 29 measured
 what happens otherwise: the planner counted eager blocks with peft's fp32 LoRA input copies (0.89 GB per Qwen-Image
 block at 1024 px; the compiled block with bf16 LoRA math keeps 0.46 GB), predicted 117 GB without checkpointing
 against 66.9 GiB measured, and auto kept 26 of 60 blocks where all 60 fit.

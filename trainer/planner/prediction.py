@@ -24,7 +24,7 @@ How. Everything is derived from the model's own code and the conductor's own ari
 - per-block checkpointing (`predict(..., kept=...)`, train.gradient_checkpointing: auto): a kept block holds its
   saved tensors from its forward to its backward instead of only its inputs, and its backward skips the recompute
   (trainer/planner/checkpointing.py chooses which blocks). Where blocks may keep their activations and
-  train.compile is on, the saved tensors are counted as the compiled blocks keep them (trainer/planner/compiled.py:
+  train.compile is on, the saved tensors are counted as the compiled blocks keep them (trainer/planner/compiled_saves.py:
   AOTAutograd's partitioner recomputes casts and pointwise work that eager blocks keep);
 - LoRA: fp32 weights, fp32 gradients and the optimizer state, all resident. Full fine-tune: every block's
   weights train and stream (written back after their step); the embedders train resident;
@@ -79,7 +79,7 @@ from ..models import adapter_class, stream_load
 from ..models.base import BOTH_EXPERTS
 from ..offload.allocators import BlockPacking
 from ..offload.plan import Plan, PlanError, capacity_for, make_plan
-from . import compiled as pcompiled
+from . import compiled_saves as pcompiled
 from . import timing as ptime
 from . import trace as ptrace
 from .meta import (
@@ -149,7 +149,7 @@ class Facts:
     #: reference is optional (Flux.2, Flux.3), the data's references per image (`DataConfig.references`), else 0;
     #: `blocks` and the LoRA targets are the adapter's for that count (Flux.3's reference-mode blocks)
     references: int = 0
-    #: count the blocks' saved tensors as compiled blocks keep them (planner/compiled.py): train.compile on (auto
+    #: count the blocks' saved tensors as compiled blocks keep them (planner/compiled_saves.py): train.compile on (auto
     #: is on for CUDA) and some block may keep its activations (gradient_checkpointing false or auto)
     compiled: bool = False
     #: the text encoders as built from the folder (planner/meta.py `text_encoder_sizes`); None: no folder, the
@@ -245,7 +245,7 @@ def analyze(cfg) -> Facts:
         model.requires_grad_(True)
         trainable = sum(p.numel() for p in model.parameters())
         # As the trainer wires a streamed full fine-tune (trainer/train/method.py): the conductor packs each
-        # weight's optimizer state beside it (trainer/offload/fused.py), so the state crosses PCIe with its block
+        # weight's optimizer state beside it (trainer/offload/fused_state.py), so the state crosses PCIe with its block
         # and sits in the pinned arena between steps; 8-bit AdamW's state (layout unknown before a step) lives in
         # pinned RAM instead (trainer/optim StateOffload) and visits the GPU while its parameter steps. The
         # state of non-block modules stays on the GPU.

@@ -206,9 +206,9 @@ class Trace:
     storages: dict[int, int] = field(default_factory=dict, repr=False)
     #: per block class name: the index and (args, kwargs) of its first call, meta tensors (for GPU timing)
     calls: dict[str, tuple[int, tuple, dict]] = field(default_factory=dict, repr=False)
-    #: how block_saved / block_largest were counted: the eager blocks, or compiled ones (planner/compiled.py)
+    #: how block_saved / block_largest were counted: the eager blocks, or compiled ones (planner/compiled_saves.py)
     saved_by: str = "eager blocks"
-    #: the same for its last call: a block inside the stack, whose inputs carry gradients (planner/compiled.py)
+    #: the same for its last call: a block inside the stack, whose inputs carry gradients (planner/compiled_saves.py)
     last_calls: dict[str, tuple[int, tuple, dict]] = field(default_factory=dict, repr=False)
     #: per block: bytes of the keys and values its attention calls take (what a sampling KV cache can keep)
     block_kv: list[int] = field(default_factory=list)

@@ -28,7 +28,7 @@ weights, after checking every module and shape against the model.
 Full: every transformer weight trains; several processes start identical because they load the same files. With
 blocks streamed the weights stream as trainable, each stepped by the fused back pass while its block is on the
 GPU, and the optimizer state goes with it: AdamW's moments and Adafactor's factors are packed beside each weight
-and cross PCIe with it (trainer/offload/fused.py `bind_fused`); 8-bit AdamW's, whose layout is unknown before a
+and cross PCIe with it (trainer/offload/fused_state.py `bind_fused`); 8-bit AdamW's, whose layout is unknown before a
 step, waits in pinned RAM and visits the GPU while its parameter steps (trainer/optim `StateOffload`). Weights: a
 diffusers `transformer/` folder.
 """
@@ -42,7 +42,7 @@ import torch
 from .. import quant
 from ..config import Config
 from ..lora_format.kinds import LORA_KINDS
-from ..offload import fused as packed
+from ..offload import fused_state as packed
 from ..optim.specs import optimizer_spec
 from . import checkpoint as ck
 from .model import add_lora, count, full_params

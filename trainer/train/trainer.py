@@ -56,7 +56,7 @@ from .objective import FlowMatching
 from .optimizer import optimizer_for
 from .saving import Saving
 from .sharded_ema import ShardedEMA
-from .validation import Validator
+from .validation_loss import Validator
 
 
 def pick_device(choice: str) -> torch.device:
