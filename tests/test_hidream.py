@@ -100,13 +100,31 @@ def test_predict_is_the_pipelines_transformer_call_in_eval_and_in_training_mode(
     torch.testing.assert_close(trained, got, rtol=1e-5, atol=1e-6)
 
 
-def test_a_non_square_bucket_over_the_padding_is_one_line(parts):
-    from trainer.errors import UserError
+def test_a_non_square_bucket_over_the_padding_runs_unpadded(parts):
+    """A non-square bucket of more tokens than the transformer pads to (its max_resolution; 1024 px buckets of aspect
+    1.5 and more at full size) runs on its own tokens, as a square image does: the same in eval and training mode,
+    and a square image through the same unpadded arguments is diffusers' own call, bitwise."""
+    from trainer.models.hidream import unpadded_tokens
 
     adapter, comps, _ = parts
+    tr = comps.transformer
     text = adapter.encode_prompts(comps, [PROMPT])
-    with pytest.raises(UserError, match="pads a non-square image to 64 tokens"):
-        adapter.predict(comps.transformer, torch.zeros(1, 4, 32, 18), torch.tensor([0.5]), text)
+    lat = torch.randn(1, 4, 20, 16, generator=torch.Generator().manual_seed(2))
+    assert 10 * 8 > tr.max_seq
+    with torch.no_grad():
+        got = adapter.predict(tr, lat, torch.tensor([0.5]), text)
+        tr.train()
+        try:
+            trained = adapter.predict(tr, lat, torch.tensor([0.5]), text)
+        finally:
+            tr.eval()
+        square = torch.randn(1, 4, 8, 8)
+        kw = dict(timesteps=torch.tensor([500.0]), encoder_hidden_states_t5=text["t5"],
+                  encoder_hidden_states_llama3=text["llama"].transpose(0, 1), pooled_embeds=text["pooled"],
+                  return_dict=False)
+        assert torch.equal(tr(hidden_states=square, **kw)[0], tr(**unpadded_tokens(square, 2), **kw)[0])
+    assert got.shape == lat.shape and torch.isfinite(got).all()
+    torch.testing.assert_close(trained, got, rtol=1e-5, atol=1e-6)
 
 
 def test_the_moe_runs_on_meta_and_real_tensors_take_diffusers_path(parts):

@@ -15,9 +15,12 @@ How each piece mirrors diffusers' HiDreamImagePipeline (0.42):
 - predict: the pipeline's timestep convention (t x 1000, 1000 is noise); the transformer predicts x0 - noise (the
   pipeline negates it before its scheduler step), so `predict` returns the negation. In training mode diffusers'
   transformer hands its output back un-patchified another way, (B, C, tokens, 4) instead of (B, C, H, W), which
-  `predict` lays out as an image. A non-square image is padded to `max_resolution`'s token count (128 x 128 patches:
-  4096 tokens, a 1024 x 1024 image) with the padding's keys zeroed, as the pipeline runs it: a non-square bucket
-  costs a square 1 MP image's tokens, and one of more tokens than that is refused.
+  `predict` lays out as an image. diffusers' transformer pads a non-square image to `max_resolution`'s token count
+  (4096: a 1024 x 1024 image's) with the padding's keys zeroed, which still take part in attention (a zero logit,
+  their values): that is how the pipeline runs every non-square size, so a non-square bucket costs a square 1 MP
+  image's tokens, and `predict` runs it so. A non-square bucket of more tokens (the 1024 px buckets of aspect 1.5 and
+  more: 832 x 1280 has 4160) has no padding to make, and diffusers' patchify fails on it; `predict` hands it the
+  image's tokens unpadded, as a square image of any size runs (`unpadded_tokens`).
 - mixture of experts: diffusers' router (`MoEGate`, a bare weight (4, 2560) per block) picks 2 of the 4 routed
   experts per image token by softmax score; in training mode the tokens go through their experts in a loop over
   boolean masks (a host sync per expert and block), in eval mode through `moe_infer` (no gradients). The experts and
@@ -264,26 +267,24 @@ class HiDreamAdapter(DiffusersAdapter):
         return self._kl_encode(vae, pixels)
 
     def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:  # noqa: ARG002
-        b, _, h, w = noisy_latents.shape
+        b, c, h, w = noisy_latents.shape
         p = transformer.config.patch_size
         gh, gw = h // p, w // p
-        if h != w and gh * gw > transformer.max_seq:
-            from ..errors import UserError
-
-            raise UserError(f"hidream: a {w * 8} x {h * 8} px bucket has {gh * gw} image tokens; HiDream pads a "
-                            f"non-square image to {transformer.max_seq} tokens (max_resolution) and takes no more: "
-                            f"use smaller buckets (data.resolution) or square images")
+        tokens = {}
+        if h != w and gh * gw > transformer.max_seq:  # no padding to make: the image's tokens alone (module essay)
+            tokens = unpadded_tokens(noisy_latents, p)
         out = transformer(
-            hidden_states=noisy_latents,
+            hidden_states=tokens.pop("hidden_states", noisy_latents),
             timesteps=t * 1000.0,
             encoder_hidden_states_t5=text["t5"],
             encoder_hidden_states_llama3=text["llama"].transpose(0, 1),
             pooled_embeds=text["pooled"],
             return_dict=False,
+            **tokens,
         )[0]
         if out.shape[-2:] != (h, w):  # training mode's (B, C, tokens, p * p): the image tokens laid out as (h, w)
             out = out[:, :, : gh * gw].unflatten(2, (gh, gw)).unflatten(-1, (p, p))
-            out = out.permute(0, 1, 2, 4, 3, 5).reshape(b, -1, h, w)
+            out = out.permute(0, 1, 2, 4, 3, 5).reshape(b, c, h, w)
         return -out  # the model's x0 - noise, as (noise - x0)
 
     @classmethod
@@ -313,6 +314,21 @@ class HiDreamAdapter(DiffusersAdapter):
     @classmethod
     def pipeline_size(cls, pipe, width: int, height: int) -> dict[str, Any]:  # noqa: ARG003 - the protocol
         return {"area": int(width) * int(height)}
+
+
+def unpadded_tokens(latents: torch.Tensor, p: int) -> dict[str, torch.Tensor]:
+    """The transformer's pre-patchified arguments for (B, C, h, w) latents without padding: its `patchify` (tokens
+    with features (row, column, channel) of each p x p patch, positions (0, row, column)) as it lays out a square
+    image, with a mask of ones, for a non-square image of more tokens than its padding holds."""
+    b, c, h, w = latents.shape
+    gh, gw = h // p, w // p
+    x = latents.reshape(b, c, gh, p, gw, p).permute(0, 2, 4, 3, 5, 1).reshape(b, gh * gw, p * p * c)
+    ids = torch.zeros(gh, gw, 3, device=latents.device)
+    ids[..., 1] += torch.arange(gh, device=latents.device)[:, None]
+    ids[..., 2] += torch.arange(gw, device=latents.device)[None, :]
+    sizes = torch.tensor([gh, gw], dtype=torch.int64, device=latents.device).expand(b, 2)
+    return {"hidden_states": x, "img_ids": ids.reshape(1, gh * gw, 3).expand(b, -1, -1), "img_sizes": sizes,
+            "hidden_states_masks": latents.new_ones(b, gh * gw)}
 
 
 # ---------------------------------------------------------------------------------------------- tiny model
