@@ -1,7 +1,7 @@
 """HiDream-I1 (HiDream.ai, 17.1 B): HiDreamImageTransformer2DModel, 16 double-stream and 32 single-stream blocks 2560
 wide whose image feed-forwards are mixtures of experts (a shared SwiGLU expert plus 4 routed ones, 2 per token), four
 text encoders (CLIP-L and CLIP-G pooled, T5-XXL, Llama-3.1-8B-Instruct's every hidden state) and Flux's 16-channel
-VAE. The trained model is HiDream-I1-Full (the Dev and Fast releases are its distilled versions, same transformer).
+VAE. The trained model is HiDream-I1-Full (the Dev and Fast releases are its distilled versions, the same architecture).
 
 How each piece mirrors diffusers' HiDreamImagePipeline (0.42):
 
@@ -22,7 +22,7 @@ How each piece mirrors diffusers' HiDreamImagePipeline (0.42):
   more: 832 x 1280 has 4160) has no padding to make, and diffusers' patchify fails on it; `predict` hands it the
   image's tokens unpadded, as a square image of any size runs (`unpadded_tokens`).
 - mixture of experts: diffusers' router (`MoEGate`, a bare weight (4, 2560) per block) picks 2 of the 4 routed
-  experts per image token by softmax score; in training mode the tokens go through their experts in a loop over
+  experts per token (the single blocks' text tokens too) by softmax score; in training mode the tokens go through their experts in a loop over
   boolean masks (a host sync per expert and block), in eval mode through `moe_infer` (no gradients). The experts and
   the router are block weights: they stream with their block, in an 8-bit base they are quantized with the other
   block Linears (the router's weight is no Linear and stays in the model dtype). Under LoRA the router is frozen:
@@ -34,8 +34,9 @@ How each piece mirrors diffusers' HiDreamImagePipeline (0.42):
   transformer class (`HiDreamImageTransformer2DModel` here: diffusers' class, same name, config and weights) gives
   each routed expert an equal share of the token-expert pairs on the meta device (balanced routing) and runs
   diffusers' forward on real tensors, bitwise.
-- shift: the scheduler's own, fixed: HiDream-I1-Full ships UniPCMultistepScheduler with flow sigmas and
-  `flow_shift` 3.0 (Dev: FlowMatchEulerDiscreteScheduler at shift 6.0); training uses the same shift.
+- shift: the scheduler's own, fixed (the class the folder's scheduler config names): HiDream-I1-Full's is, as
+  recalled and not checked offline, UniPCMultistepScheduler with flow sigmas and `flow_shift` 3.0; training uses
+  the same shift.
 - sampling (`HiDreamImageAreaPipeline`): the pipeline rescales every request to its default area (1024 x 1024
   pixels) and keeps the aspect; the face tells it the area asked for, so an image is the size asked, and for sizes of
   about 1 MP (the ones the model was trained at) it is what the plain pipeline makes. Guidance above 1 runs the
