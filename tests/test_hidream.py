@@ -194,6 +194,20 @@ def test_streamed_at_half_equals_resident(tiny_models, images, tmp_path, monkeyp
     checks.streamed_training_equals_resident(FAMILY, tiny_models, images, tmp_path, monkeypatch, method, fraction)
 
 
+def test_nano_batches_chunk_the_moe_feed_forward(tiny_models, images, tmp_path):
+    """offload.nano_batches: 2 runs each block's MoE feed-forward (`token_wise`) on token chunks, which are not
+    contiguous: the losses of the unchunked run."""
+    from trainer.train.trainer import Trainer
+
+    runs = {}
+    for n in (1, 2):
+        cfg = make_config(tiny_models, images, tmp_path / f"n{n}", tmp_path / "cache", FAMILY,
+                          train={"steps": 2, "device": "cpu"}, offload={"nano_batches": n})
+        Trainer(cfg).fit()
+        runs[n] = losses(tmp_path / f"n{n}")
+    torch.testing.assert_close(torch.tensor(runs[2]), torch.tensor(runs[1]), rtol=1e-5, atol=1e-6)
+
+
 def test_full_fine_tune_trains_the_router(tiny_models, images, tmp_path):
     from trainer.train.trainer import Trainer
 

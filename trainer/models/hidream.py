@@ -92,11 +92,13 @@ HIDREAM_LORA_KEYS = LoraKeyMap((
 
 
 class _MoEFeedForward(MOEFeedForwardSwiGLU):
-    """diffusers' MoE feed-forward; on the meta device (the planner's trace) a stand-in of the same shapes."""
+    """diffusers' MoE feed-forward; on the meta device (the planner's trace) a stand-in of the same shapes. It takes
+    a token chunk that is not contiguous (`offload.nano_batches` slices the tokens), which diffusers' `view`s refuse:
+    made contiguous first (no copy for a contiguous input)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "meta":
-            return super().forward(x)
+            return super().forward(x.contiguous())
         return self._balanced(x)
 
     def _balanced(self, x: torch.Tensor) -> torch.Tensor:
