@@ -77,11 +77,18 @@ _SMALL_FILE = 1 << 20  # config / tokenizer files up to this size are hashed by 
 def model_identity(model_cfg, adapter, part: str) -> str:
     """Short hash naming the encoder that produced a cache entry ("vae" or "text")."""
     root = Path(model_cfg.path)
-    dirs = adapter.cache_dirs(part)
+    if hasattr(adapter, "cache_dirs"):  # a ModelAdapter's (base.py); duck-typed adapters name the usual folders
+        dirs = adapter.cache_dirs(part)
+    elif part == "vae":
+        dirs = ["vae"]
+    else:
+        te = list(adapter.text_encoder_dirs or ("text_encoder",))
+        dirs = te + [d.replace("text_encoder", "tokenizer") for d in te] + list(adapter.extra_text_dirs)
     # The adapter's own encoding settings count too (a longer T5 sequence gives different embeddings; LTX-2's
     # entries with sound).
     seq = adapter.max_sequence_length
-    extra = f"{seq if part == 'text' and seq is not None else ''}{adapter.cache_variant(part)}"
+    variant = adapter.cache_variant(part) if hasattr(adapter, "cache_variant") else ""
+    extra = f"{seq if part == 'text' and seq is not None else ''}{variant}"
     # `cache_family`: the name the family had when its caches were first written (a renamed family keeps it)
     h = hashlib.sha256(f"{CACHE_VERSION}|{part}|{adapter.cache_family()}|{model_cfg.dtype}|{extra}".encode())
     for d in dirs:
