@@ -24,7 +24,7 @@ reason (the scan's "left out" line); one shorter than a clip is left out by the 
 `read_audio` decodes the stretch of it under a clip, `frames / fps` seconds from the clip's first frame (times from
 each stream's start), resampled to stereo at the rate the family's audio encoder takes (FFmpeg's resampler, through
 PyAV); a track that ends before the clip is padded with silence, as Lightricks' trainer pads it. `write_video`
-muxes a sample's sound (`Clip.audio`) into the mp4 as AAC.
+muxes a sample's sound (trainer/models/base.py `Clip.audio`) into the mp4 as AAC.
 
 Left out: rotation metadata (phone videos stored sideways are read as stored), variable-size streams (the first
 frame's size is the video's), colour-space conversions beyond FFmpeg's default RGB.
@@ -242,18 +242,10 @@ def read_audio(path: str | Path, fps: float, start: int, frames: int, rate: int)
     return torch.from_numpy(out)
 
 
-class Clip(list):
-    """A sampled video: its frames (PIL), and its sound where the family makes one (`audio`: (channels, samples)
-    float in [-1, 1] at `sample_rate` Hz), which `write_video` muxes into the mp4."""
-
-    def __init__(self, frames, audio: torch.Tensor | None = None, sample_rate: int | None = None):
-        super().__init__(frames)
-        self.audio, self.sample_rate = audio, sample_rate
-
-
 def write_video(frames: list[Image.Image], path: str | Path, fps: float = 16.0) -> Path:
     """Write RGB frames as an H.264 mp4 (yuv420p: what players and browsers show; sides are padded to even
-    pixels by repeating the edge) with PyAV, and a `Clip`'s sound as an AAC stream beside them. Returns the path."""
+    pixels by repeating the edge) with PyAV, and the sound of frames that carry one (`audio`, `sample_rate`:
+    trainer/models/base.py `Clip`) as an AAC stream beside them. Returns the path."""
     import av
 
     path = Path(path)

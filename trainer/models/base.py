@@ -61,6 +61,15 @@ class Components:
     extras: dict[str, nn.Module] = field(default_factory=dict)
 
 
+class Clip(list):
+    """A sampled video: its frames (PIL), and its sound where the family makes one (`audio`: (channels, samples)
+    float in [-1, 1] at `sample_rate` Hz), which trainer/data/video.py `write_video` muxes into the mp4."""
+
+    def __init__(self, frames, audio: torch.Tensor | None = None, sample_rate: int | None = None):
+        super().__init__(frames)
+        self.audio, self.sample_rate = audio, sample_rate
+
+
 def text_encoder_blocks(encoder: nn.Module) -> list[nn.Module]:
     """A text encoder's streamed units: its largest ModuleList by parameter count (T5's `encoder.block`, CLIP's
     `encoder.layers`, a decoder's `layers`). Text encoders have no adapter-declared block list; the sampling

@@ -81,7 +81,7 @@ from torch import nn
 
 from . import ltx2_audio
 from ._diffusers import DiffusersAdapter
-from .base import Components
+from .base import Clip, Components
 from .lora_keys import KeyRule, LoraKeyMap, identity_rules
 
 #: the pipeline's default `frame_rate`: the clips' positions are in seconds at this rate (train with data.fps: 24)
@@ -468,7 +468,5 @@ class LTX2Adapter(DiffusersAdapter):
     def pipeline_result(cls, out, pipe=None):
         """The frames with the sound the pipeline made (`Clip`: `write_video` muxes it into the mp4), at the
         vocoder's `output_sampling_rate`."""
-        from ..data.video import Clip
-
         rate = pipe.vocoder.config.output_sampling_rate if pipe is not None else None
         return Clip(out.frames[0], out.audio[0].float().cpu(), rate) if rate else out.frames[0]

@@ -111,7 +111,3 @@ def encode_sound(audio_vae: nn.Module, wave: torch.Tensor, frames: int, fps: flo
     mean, std = audio_vae.latents_mean.to(tokens), audio_vae.latents_std.to(tokens)
     return (tokens - mean) / std
 
-
-def coords(transformer: nn.Module, batch: int, n: int, device) -> torch.Tensor:
-    """The audio tokens' positions in seconds, as the transformer makes them from `audio_num_frames`."""
-    return transformer.audio_rope.prepare_audio_coords(batch, n, device)
