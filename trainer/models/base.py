@@ -250,6 +250,14 @@ class ModelAdapter(ABC):
         return int(config.z_dim), int(config.scale_factor_spatial), int(config.scale_factor_temporal)
 
     @classmethod
+    def vae_tiles(cls, vae: Any) -> tuple[int, int, int, int]:
+        """The VAE's spatial tiles in pixels, (tile height, tile width, stride height, stride width), as its tiled
+        encode and decode step over a frame (the planner's tiled model, trainer/planner/vae.py):
+        AutoencoderKLWan's `tile_sample_min_*` and `tile_sample_stride_*` by default."""
+        return (int(vae.tile_sample_min_height), int(vae.tile_sample_min_width),
+                int(vae.tile_sample_stride_height), int(vae.tile_sample_stride_width))
+
+    @classmethod
     def comfy_diffusers_lora_note(cls) -> str:
         """What ComfyUI does with this family's diffusers-layout LoRA files, in a clause for the fit's log and its
         refusals (from `comfy_reads_diffusers_lora` / `comfy_diffusers_lora_since`)."""
