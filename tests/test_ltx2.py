@@ -157,7 +157,8 @@ def fitted(models, videos, tmp_path_factory):
 
 def test_fit_trains_a_video_lora_that_the_pipeline_loads(fitted):
     """Three finite losses, the step-3 sample sheet (9 frames), latents cached through the LTX-2 VAE at (C, 2, 2, 2)
-    for the clip, and a file `LTX2Pipeline.load_lora_weights` loads into the video stream only."""
+    for the clip, and a file `LTX2Pipeline.load_lora_weights` loads into both streams and the attention between them
+    (the default targets while model.audio is on; these clips have no sound, tests/test_ltx2_audio.py trains it)."""
     from diffusers import LTX2Pipeline
 
     cfg, out = fitted
@@ -174,8 +175,9 @@ def test_fit_trains_a_video_lora_that_the_pipeline_loads(fitted):
     pipe.load_lora_weights(str(out / "lora.safetensors"))
     names = {k.split(".lora_A.")[0] for k in pipe.transformer.state_dict() if ".lora_A." in k}
     block = {n.split(".", 2)[-1] for n in names if n.startswith("transformer_blocks.1.")}
-    assert block == {f"{a}.{m}" for a in ("attn1", "attn2") for m in ("to_q", "to_k", "to_v", "to_out.0")} | {
-        "ff.net.0.proj", "ff.net.2"}
+    attns = ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
+    assert block == {f"{a}.{m}" for a in attns for m in ("to_q", "to_k", "to_v", "to_out.0")} | {
+        "ff.net.0.proj", "ff.net.2", "audio_ff.net.0.proj", "audio_ff.net.2"}
 
 
 def _pipeline_frames(cfg: Config, lora: Path, weight: float, seed: int) -> list[Image.Image]:
@@ -323,7 +325,7 @@ def test_comfy_layout_names_are_the_originals_diffusers_converter_reads(fitted, 
         pipe.load_lora_weights(str(f), adapter_name="x")
         tr = pipe.transformer
         got.append({n: m.get_delta_weight("x") for n, m in tr.named_modules() if hasattr(m, "get_delta_weight")})
-    assert got[0].keys() == got[1].keys() == got[2].keys() and len(got[0]) == 2 * 10
+    assert got[0].keys() == got[1].keys() == got[2].keys() and len(got[0]) == 2 * 28
     for n in got[0]:
         torch.testing.assert_close(got[1][n], got[0][n], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(got[2][n], got[0][n], rtol=0, atol=0)

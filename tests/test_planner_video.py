@@ -159,3 +159,19 @@ def test_the_phases_count_the_clip_and_the_sampled_frames(tiny):
     lines, _ = report(cfg, facts=facts)
     text = "\n".join(lines)
     assert f"{facts.tokens(72)}+{facts.text_tokens}" in text and "72 px (64x80x9)" in text
+
+
+def test_hunyuan_video15_tiles_by_its_overlap_factor():
+    """AutoencoderKLHunyuanVideo15 has no `tile_sample_stride_*`: its tiles step by `tile_overlap_factor`; the family's
+    `vae_tiles` gives the steps its `tiled_decode` takes (192 px: 12 latent pixels of 16), and the planner's tiled
+    decode runs on them (it read `tile_sample_stride_*` before, which this VAE lacks)."""
+    import json
+
+    cls = adapter_class("hunyuan-video-1.5")
+    vae = _meta_vae("hunyuan-video-1.5", json.dumps(cls.full_vae_config, sort_keys=True), torch.bfloat16)
+    assert not hasattr(vae, "tile_sample_stride_height") and vae.tile_overlap_factor == 0.25
+    th, tw, sh, sw = cls.vae_tiles(vae)
+    assert (th, tw) == (256, 256) and sh == sw == int(vae.tile_latent_min_height * (1 - vae.tile_overlap_factor)) * 16
+    assert (sh, sw) == (192, 192)
+    key = json.dumps(cls.full_vae_config, sort_keys=True)
+    assert _tiled_decode_peak("hunyuan-video-1.5", key, torch.bfloat16, 480, 320, 5) > 0

@@ -92,6 +92,13 @@ class ModelConfig(_Section):
         "expert's blocks on the GPU (LoRA; trainer/train/experts.py). Sampling loads every expert either way. null "
         "for families of one transformer.",
     )
+    audio: bool = Field(
+        default=True,
+        description="Families whose transformer makes sound with the picture (LTX-2): clips of videos with an audio "
+        "track train the audio branch too (the joint audio-video call, a second loss: train.audio_loss_weight; "
+        "their sound cached beside the latents), clips without one train the picture alone (batched apart). false: "
+        "every clip trains the picture alone. Ignored by other families.",
+    )
     guidance: float = Field(
         default=1.0,
         description="Guidance value fed to a guidance-distilled transformer (Flux dev) while training. "
@@ -223,6 +230,11 @@ class TrainConfig(_Section):
     )
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field(
         default="none", description="Per-timestep loss weighting."
+    )
+    audio_loss_weight: float = Field(
+        default=1.0, ge=0,
+        description="Families that train sound with the picture (LTX-2, model.audio): the weight of the sound's "
+        "flow-matching loss, added per clip to the picture's (same timestep; Lightricks' trainer sums the two: 1).",
     )
     checkpoint_every: int = Field(default=0, ge=0, description="Save a resumable checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = Field(default=2, ge=1, description="How many step checkpoints to keep.")

@@ -79,11 +79,15 @@ class Entry:
     box: tuple[int, int]  # (left, top) of the crop inside the covering resize
     frames: int = 1  #: frames of the clip (1: an image)
     start: int = 0  #: first frame of the clip at data.fps
+    #: the clip trains its sound too (a family that trains sound, `ModelAdapter.trains_sound`, on a video with an
+    #: audio track): batched apart from clips without, whose batches train the picture alone
+    audio: bool = False
 
     @property
     def group(self) -> tuple[int, ...]:
-        """What a batch shares: the bucket (w, h), and for a clip its frames (w, h, frames)."""
-        return self.bucket if self.frames == 1 else (*self.bucket, self.frames)
+        """What a batch shares: the bucket (w, h), and for a clip its frames (w, h, frames), with sound (w, h,
+        frames, 1)."""
+        return self.bucket if self.frames == 1 else (*self.bucket, self.frames, *((1,) if self.audio else ()))
 
 
 def assign_buckets(

@@ -65,7 +65,7 @@ from ..phase_log import LOG, Phase
 from ..progress import bar as progress_bar
 from ..words import count
 from .images import BadImage, load_mask, load_pixels
-from .video import is_video, load_clip
+from .video import is_video, load_clip, read_audio
 
 CACHE_VERSION = "1"
 _SMALL_FILE = 1 << 20  # config / tokenizer files up to this size are hashed by content, weights by name + size
@@ -77,14 +77,18 @@ _SMALL_FILE = 1 << 20  # config / tokenizer files up to this size are hashed by 
 def model_identity(model_cfg, adapter, part: str) -> str:
     """Short hash naming the encoder that produced a cache entry ("vae" or "text")."""
     root = Path(model_cfg.path)
-    if part == "vae":
+    if hasattr(adapter, "cache_dirs"):  # a ModelAdapter's (base.py); duck-typed adapters name the usual folders
+        dirs = adapter.cache_dirs(part)
+    elif part == "vae":
         dirs = ["vae"]
     else:
         te = list(adapter.text_encoder_dirs or ("text_encoder",))
         dirs = te + [d.replace("text_encoder", "tokenizer") for d in te] + list(adapter.extra_text_dirs)
-    # The adapter's own encoding settings count too (a longer T5 sequence gives different embeddings).
+    # The adapter's own encoding settings count too (a longer T5 sequence gives different embeddings; LTX-2's
+    # entries with sound).
     seq = adapter.max_sequence_length
-    extra = seq if part == "text" and seq is not None else ""
+    variant = adapter.cache_variant(part) if hasattr(adapter, "cache_variant") else ""
+    extra = f"{seq if part == 'text' and seq is not None else ''}{variant}"
     # `cache_family`: the name the family had when its caches were first written (a renamed family keeps it)
     h = hashlib.sha256(f"{CACHE_VERSION}|{part}|{adapter.cache_family()}|{model_cfg.dtype}|{extra}".encode())
     for d in dirs:
@@ -194,6 +198,7 @@ class LatentJob:
     frames: int = 1
     start: int = 0
     fps: float | None = None
+    audio: bool = False  #: the clip's sound is encoded too (`Entry.audio`)
 
 
 @dataclass(frozen=True)
@@ -320,7 +325,7 @@ def _encode_stages(adapter, stages, latent_store, text_store, unique_jobs, todo_
             with _bar(len(todo_lat), "encoding latents", "img", progress) as bar, Phase("latent caching"), \
                     stages.vae() as vae:
                 _encode_latents(adapter, vae, latent_store, [j for j in unique_jobs if j.key in todo_lat],
-                                batch_size, bar, res)
+                                batch_size, bar, res, getattr(stages, "extras", {}).get("sound_encoder"))
                 del vae
     finally:
         stages.close()
@@ -337,24 +342,28 @@ def _device_dtype(module) -> tuple[torch.device, torch.dtype]:
     return (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
 
 
-def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int, bar, res) -> None:
+def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int, bar, res, sound=None) -> None:
+    """`sound`: the family's sound encoder (loaded with the VAE where it trains sound), for the clips whose sound
+    trains (`LatentJob.audio`)."""
     if vae is None:
         raise RuntimeError("load_encoders() returned Components without a vae")
     device, dtype = _device_dtype(vae)
     video = bool(getattr(adapter, "video", False))
-    by_bucket: dict[tuple[int, int, int], list[LatentJob]] = {}
-    for j in jobs:  # a batch stacks one shape: one bucket, one clip length
-        by_bucket.setdefault((*j.bucket, j.frames), []).append(j)
+    by_bucket: dict[tuple, list[LatentJob]] = {}
+    for j in jobs:  # a batch stacks one shape: one bucket, one clip length, with or without sound
+        by_bucket.setdefault((*j.bucket, j.frames, j.audio), []).append(j)
     chunks = [g[i : i + batch_size] for g in by_bucket.values() for i in range(0, len(g), batch_size)]
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # decoding releases the GIL
         for chunk in chunks:
-            pixels, masks, ok = [], [], []
-            for j, px in zip(chunk, pool.map(_pixels_or_reason, chunk), strict=True):
+            pixels, masks, waves, ok = [], [], [], []
+            got = pool.map(lambda j: _with_sound(j, adapter, sound), chunk)
+            for j, px in zip(chunk, got, strict=True):
                 if isinstance(px, str):
                     res.bad_latents[j.key] = px
                 else:
                     pixels.append(px[0])
                     masks.append(px[1])
+                    waves.append(px[2])
                     ok.append(j)
             if ok:
                 vae_memory_mode(vae, chunk[0].bucket[0] * chunk[0].bucket[1])
@@ -367,6 +376,11 @@ def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int,
                     # image-to-video families: the first frame's conditioning, cached beside the latent
                     conds = {k: v.float().cpu() for k, v in adapter.encode_conditions(vae, batch).items()} \
                         if getattr(adapter, "first_frame_conditions", False) else {}
+                    if waves[0] is not None:  # the clips' sound (a chunk is all with or all without)
+                        j0 = ok[0]
+                        wave = torch.stack(waves).to(_device_dtype(sound)[0])
+                        conds |= {k: v.float().cpu() for k, v in
+                                  adapter.encode_sound(sound, wave, j0.frames, j0.fps).items()}
                 for i, (j, x, m) in enumerate(zip(ok, lat, masks, strict=True)):
                     t = {"latent": x.clone(), **{k: v[i].clone() for k, v in conds.items()}}
                     if m is not None:  # pixel mask -> latent cells: the share of each cell it covers
@@ -380,6 +394,20 @@ def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int,
                                          "crop": f"{j.box[0]},{j.box[1]}", "version": CACHE_VERSION})
                     res.latents_new += 1
             bar.update(len(chunk))
+
+
+def _with_sound(job: LatentJob, adapter, sound) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | str:
+    """`_pixels_or_reason`, and the clip's stretch of the audio track where its sound trains (`job.audio`): (2,
+    samples) at the sound encoder's rate (video.py `read_audio`), else None."""
+    px = _pixels_or_reason(job)
+    if isinstance(px, str) or not job.audio:
+        return px if isinstance(px, str) else (*px, None)
+    if sound is None:
+        raise RuntimeError("a clip's sound is to be encoded but the VAE stage loaded no sound encoder")
+    try:
+        return (*px, read_audio(job.file, job.fps, job.start, job.frames, adapter.sound_rate(sound)))
+    except BadImage as e:
+        return f"{e} (changed since the scan?)"
 
 
 def _pixels_or_reason(job: LatentJob) -> tuple[torch.Tensor, torch.Tensor | None] | str:
@@ -473,6 +501,8 @@ class EncoderStages:
 
     def __init__(self) -> None:
         self.handles: list = []
+        #: what the VAE stage loaded beside the VAE (`Components.extras`: LTX-2's sound encoder), while it runs
+        self.extras: dict = {}
 
     def _load_text(self):
         raise NotImplementedError
@@ -497,6 +527,7 @@ class EncoderStages:
             yield vae
         finally:
             del vae
+            self.extras = {}
             self._end_stage()
 
     def _end_stage(self) -> None:
@@ -528,6 +559,7 @@ class _AllAtOnce(EncoderStages):
 
     @contextmanager
     def vae(self):
+        self.extras = getattr(self._get(), "extras", {})
         yield self._get().vae
 
     def close(self) -> None:
@@ -572,7 +604,9 @@ class StagedLoader(EncoderStages):
         return comps
 
     def _load_vae(self):
-        return self.adapter.load(self.cfg.model, parts={"vae"}, dtype=self.dtype, device=self.device).vae
+        comps = self.adapter.load(self.cfg.model, parts={"vae"}, dtype=self.dtype, device=self.device)
+        self.extras = comps.extras  # a family's sound encoder (ModelAdapter.trains_sound)
+        return comps.vae
 
 
 # ---------------------------------------------------------------------------------------------- command

@@ -114,7 +114,7 @@ class DataPlan:
     def latent_jobs(self) -> list[LatentJob]:
         """Training entries (and their references), then the validation set's (encoded in the same pass)."""
         jobs = [LatentJob(self.latent_key(e), self.items[e.item].file, e.bucket, e.box, self.items[e.item].mask,
-                          e.frames, e.start, self.cfg.data.fps)
+                          e.frames, e.start, self.cfg.data.fps, e.audio)
                 for e in self.entries]
         jobs += [j for e in self.entries for j in self.control_jobs(e)]
         return jobs + (self.validation.latent_jobs() if self.validation else [])
@@ -229,6 +229,8 @@ def plan_data(cfg, adapter, *, force_disk: bool = False, progress: bool = True) 
         clips=(lambda it: (d.clip_frames, clip_starts(it.frames, d.clip_frames, d.clips, d.clips_per_video)))
         if videos else None,
     )
+    if videos and getattr(adapter, "trains_sound", False):  # clips of videos with a track train their sound too
+        entries = [replace(e, audio=True) if e.frames > 1 and report.items[e.item].audio else e for e in entries]
     refs = max((len(it.references) for it in report.items), default=0)
     if refs > 1 and refs > adapter.max_references:  # (one reference: every edit family takes it)
         raise UserError(f"data.sources: the images have {refs} reference images each ({refs - 1} more in control2/ ... "

@@ -47,7 +47,7 @@ from ..errors import UserError
 from ..progress import bar as progress_bar
 from ..words import count
 from .images import IMAGE_SUFFIXES, BadImage, open_image
-from .video import VIDEO_SUFFIXES, is_video, probe_video
+from .video import VIDEO_SUFFIXES, has_audio, is_video, probe_video
 
 INDEX_NAME = "scan-index.json"
 MASK_DIR = "masks"
@@ -76,6 +76,8 @@ class Item:
     more_controls: tuple[tuple[str, str, tuple[int, int]], ...] = ()
     #: a video (video families): its frames at data.fps; 0 for an image
     frames: int = 0
+    #: a video with an audio track (video.py `has_audio`)
+    audio: bool = False
 
     @property
     def references(self) -> tuple[tuple[str, str, tuple[int, int]], ...]:
@@ -347,7 +349,7 @@ def scan_sources(sources, index_dir: Path | None = None, progress: bool = True, 
             caps = tuple(join_caption(sources[i].caption_prefix, c) for c in caps)
             report.items.append(Item(str(path), caps[0], i, rec["w"], rec["h"], rec["sha"], caps if len(caps) > 1 else (),
                                      str(mask) if mask is not None else "", mask_sha, *first, tuple(refs[1:]),
-                                     rec.get("frames", 0)))
+                                     rec.get("frames", 0), bool(rec.get("audio", False))))
     bar.close()
     _same_reference_count(report)
     if index_file is not None and any(index.get(k) != v for k, v in new_index.items()):
@@ -381,11 +383,12 @@ def _probe(path: Path, index: dict[str, dict], fps: float | None = None) -> tupl
         key = str(path.resolve()) + (f"|fps={fps}" if video else "")
         hit = index.get(key)
         if hit and hit.get("size") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
-            return key, hit
+            # a video indexed before the index said whether it has sound: its header tells (no decoding)
+            return key, hit if not video or "audio" in hit else {**hit, "audio": has_audio(path)}
         if video:
             w, h, n = probe_video(path, fps)
             return key, {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "w": w, "h": h, "sha": _sha256(path),
-                         "frames": n}
+                         "frames": n, "audio": has_audio(path)}
         w, h = open_image(path).size
         return key, {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "w": w, "h": h, "sha": _sha256(path)}
     except BadImage as e:

@@ -20,8 +20,14 @@ same run is a 1-frame clip.
 **Bad files.** A file PyAV cannot open or decode, one with no video stream or no frames, is a `BadImage` with the
 reason (the scan's "left out" line); one shorter than a clip is left out by the data plan with its frame count.
 
-Left out: rotation metadata (phone videos stored sideways are read as stored), audio, variable-size streams
-(the first frame's size is the video's), colour-space conversions beyond FFmpeg's default RGB.
+**Sound** (families that train it: LTX-2). `has_audio` says whether a file has an audio stream (its header only);
+`read_audio` decodes the stretch of it under a clip, `frames / fps` seconds from the clip's first frame (times from
+each stream's start), resampled to stereo at the rate the family's audio encoder takes (FFmpeg's resampler, through
+PyAV); a track that ends before the clip is padded with silence, as Lightricks' trainer pads it. `write_video`
+muxes a sample's sound (trainer/models/base.py `Clip.audio`) into the mp4 as AAC.
+
+Left out: rotation metadata (phone videos stored sideways are read as stored), variable-size streams (the first
+frame's size is the video's), colour-space conversions beyond FFmpeg's default RGB.
 """
 
 from __future__ import annotations
@@ -187,9 +193,59 @@ def load_clip(path: str | Path, bucket: tuple[int, int], box: tuple[int, int], f
     return torch.from_numpy(arr).permute(3, 0, 1, 2).float().div_(127.5).sub_(1.0)
 
 
+def has_audio(path: str | Path) -> bool:
+    """Whether the file has an audio stream (reads its header only)."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            return bool(container.streams.audio)
+    except (av.FFmpegError, OSError):
+        return False
+
+
+def _start(stream) -> float:
+    """The stream's first timestamp in seconds (0 where the container gives none)."""
+    return float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
+
+
+def read_audio(path: str | Path, fps: float, start: int, frames: int, rate: int) -> torch.Tensor:
+    """The sound under the clip of `frames` frames from frame `start` at `fps`: (2, int(frames / fps * rate))
+    float32 samples in [-1, 1] at `rate` Hz, stereo (a mono track on both sides, FFmpeg's downmix of more
+    channels), silence where the track has none. Raises `BadImage` where the audio does not decode."""
+    import av
+
+    first = start / fps
+    n = int(frames / fps * rate)
+    out = np.zeros((2, n), dtype=np.float32)
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.audio:
+                raise BadImage("no audio stream")
+            vstart = _start(container.streams.video[0]) if container.streams.video else 0.0
+            stream = container.streams.audio[0]
+            resampler = av.AudioResampler(format="fltp", layout="stereo", rate=rate)
+            chunks = []
+            for frame in container.decode(stream):
+                chunks += [f.to_ndarray() for f in resampler.resample(frame)]
+            chunks += [f.to_ndarray() for f in resampler.resample(None)]
+            offset = _start(stream) - vstart  # the track's first sample, in seconds of the video
+    except av.FFmpegError as e:
+        raise BadImage(f"its audio does not decode ({_reason(e)})") from None
+    if not chunks:
+        return torch.from_numpy(out)
+    wave = np.concatenate(chunks, axis=1)
+    a = int(round((first - offset) * rate))  # the clip's first sample in the track (negative: before it starts)
+    src, dst = max(a, 0), max(-a, 0)
+    take = max(0, min(n - dst, wave.shape[1] - src))
+    out[:, dst : dst + take] = wave[:, src : src + take]
+    return torch.from_numpy(out)
+
+
 def write_video(frames: list[Image.Image], path: str | Path, fps: float = 16.0) -> Path:
     """Write RGB frames as an H.264 mp4 (yuv420p: what players and browsers show; sides are padded to even
-    pixels by repeating the edge) with PyAV. Returns the path."""
+    pixels by repeating the edge) with PyAV, and the sound of frames that carry one (`audio`, `sample_rate`:
+    trainer/models/base.py `Clip`) as an AAC stream beside them. Returns the path."""
     import av
 
     path = Path(path)
@@ -202,6 +258,8 @@ def write_video(frames: list[Image.Image], path: str | Path, fps: float = 16.0) 
         stream = out.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height, stream.pix_fmt = ew, eh, "yuv420p"
         stream.options = {"crf": "18"}
+        sound = getattr(frames, "audio", None)
+        sound = None if sound is None else _audio_stream(out, sound, int(frames.sample_rate))
         for im in frames:
             a = np.asarray(im.convert("RGB"), dtype=np.uint8)
             if (ew, eh) != (w, h):
@@ -210,4 +268,22 @@ def write_video(frames: list[Image.Image], path: str | Path, fps: float = 16.0) 
                 out.mux(packet)
         for packet in stream.encode():
             out.mux(packet)
+        if sound is not None:
+            stream, frame = sound
+            for packet in (*stream.encode(frame), *stream.encode(None)):
+                out.mux(packet)
     return path
+
+
+def _audio_stream(out, audio: torch.Tensor, rate: int):
+    """An AAC stream (FFmpeg's encoder, 192 kb/s) for (channels, samples) float audio, added before anything is
+    muxed, and the one frame that holds the sound (the encoder cuts it into its own frames)."""
+    import av
+
+    wave = np.ascontiguousarray(audio.detach().float().clamp(-1, 1).cpu().numpy().astype(np.float32))
+    layout = "stereo" if wave.shape[0] == 2 else "mono"
+    stream = out.add_stream("aac", rate=rate, layout=layout)
+    stream.bit_rate = 192_000
+    frame = av.AudioFrame.from_ndarray(wave, format="fltp", layout=layout)
+    frame.sample_rate = rate
+    return stream, frame

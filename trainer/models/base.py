@@ -61,6 +61,15 @@ class Components:
     extras: dict[str, nn.Module] = field(default_factory=dict)
 
 
+class Clip(list):
+    """A sampled video: its frames (PIL), and its sound where the family makes one (`audio`: (channels, samples)
+    float in [-1, 1] at `sample_rate` Hz), which trainer/data/video.py `write_video` muxes into the mp4."""
+
+    def __init__(self, frames, audio: torch.Tensor | None = None, sample_rate: int | None = None):
+        super().__init__(frames)
+        self.audio, self.sample_rate = audio, sample_rate
+
+
 def text_encoder_blocks(encoder: nn.Module) -> list[nn.Module]:
     """A text encoder's streamed units: its largest ModuleList by parameter count (T5's `encoder.block`, CLIP's
     `encoder.layers`, a decoder's `layers`). Text encoders have no adapter-declared block list; the sampling
@@ -241,6 +250,14 @@ class ModelAdapter(ABC):
         return int(config.z_dim), int(config.scale_factor_spatial), int(config.scale_factor_temporal)
 
     @classmethod
+    def vae_tiles(cls, vae: Any) -> tuple[int, int, int, int]:
+        """The VAE's spatial tiles in pixels, (tile height, tile width, stride height, stride width), as its tiled
+        encode and decode step over a frame (the planner's tiled model, trainer/planner/vae.py):
+        AutoencoderKLWan's `tile_sample_min_*` and `tile_sample_stride_*` by default."""
+        return (int(vae.tile_sample_min_height), int(vae.tile_sample_min_width),
+                int(vae.tile_sample_stride_height), int(vae.tile_sample_stride_width))
+
+    @classmethod
     def comfy_diffusers_lora_note(cls) -> str:
         """What ComfyUI does with this family's diffusers-layout LoRA files, in a clause for the fit's log and its
         refusals (from `comfy_reads_diffusers_lora` / `comfy_diffusers_lora_since`)."""
@@ -274,9 +291,9 @@ class ModelAdapter(ABC):
         return {"num_frames": int(frames)} if cls.video else {}
 
     @classmethod
-    def pipeline_result(cls, out: Any) -> Any:
+    def pipeline_result(cls, out: Any, pipe: Any = None) -> Any:  # noqa: ARG003 - the protocol
         """The one sample of a pipeline call's output: a PIL image (image families: `out.images[0]`), or a list of
-        PIL frames (video families: `out.frames[0]`)."""
+        PIL frames (video families: `out.frames[0]`; a family with sound: a `Clip` of them with its sound)."""
         return out.frames[0] if cls.video else out.images[0]
 
     #: image-to-video: the clip's first frame conditions every step as the pipeline's `image` does (Wan I2V: its
@@ -303,6 +320,48 @@ class ModelAdapter(ABC):
         w = torch.ones(latent_frames)
         w[0] = 0.0
         return w
+
+    # ------------------------------------------------------------------------------------------ sound
+
+    # A family whose transformer denoises sound beside the picture (LTX-2: one model, an audio stream in every block)
+    # trains it on clips with an audio track (`trains_sound`): the cache reads the clip's stretch of the track
+    # (trainer/data/video.py `read_audio`, at `sound_rate`) and stores `encode_sound`'s output beside the clip's
+    # latent; clips with sound batch apart from those without (`Entry.audio`); the batch carries the clean sound
+    # latents in its text dict under `noised_streams`, which the objective noises with the picture's t and scores
+    # with a second loss (trainer/train/objective.py), and `predict` returns (picture, {key: prediction}).
+
+    #: the transformer makes sound too (LTX-2); `trains_sound` says whether this run trains it (model.audio)
+    sound: ClassVar[bool] = False
+    #: keys of the batch's text dict holding clean latents of another modality, noised with the latents' t and
+    #: scored by their own loss (LTX-2: "audio_latents"); `predict` returns (prediction, {key: prediction}) when
+    #: the text dict holds any of them
+    noised_streams: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def trains_sound(self) -> bool:
+        """Clips with an audio track train the sound too: a family with `sound`, unless model.audio is false."""
+        return self.sound and bool(getattr(self.cfg, "audio", True))
+
+    def sound_rate(self, encoder: nn.Module) -> int:
+        """The sample rate the sound encoder takes (the cache reads audio tracks at it)."""
+        raise NotImplementedError(f"{self.family} makes no sound")
+
+    def encode_sound(self, encoder: nn.Module, wave: torch.Tensor, frames: int, fps: float) -> dict[str, torch.Tensor]:
+        """(B, 2, samples) stereo at `sound_rate` under clips of `frames` frames at `fps` -> per-clip tensors cached
+        beside the clip's latent (batched, keys of `noised_streams`)."""
+        raise NotImplementedError(f"{self.family} makes no sound")
+
+    def cache_dirs(self, part: str) -> tuple[str, ...]:
+        """The folders whose files name the cache's entries of `part` ("vae": latents, "text": captions): the VAE's,
+        or the text encoders', their tokenizers' and `extra_text_dirs`."""
+        if part == "vae":
+            return ("vae",)
+        te = tuple(self.text_encoder_dirs or ("text_encoder",))
+        return te + tuple(d.replace("text_encoder", "tokenizer") for d in te) + tuple(self.extra_text_dirs)
+
+    def cache_variant(self, part: str) -> str:  # noqa: ARG002 - the protocol
+        """What else names the entries of `part` (LTX-2 with sound: its entries hold the sound too); "": nothing."""
+        return ""
 
     # ------------------------------------------------------------------------------------------ experts
 

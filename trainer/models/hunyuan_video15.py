@@ -203,6 +203,9 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
     modulation_linears = NORM_MODULATION
     latent_scale, token_patch = 16, 1
     vae_params = 1_260_634_115  # AutoencoderKLHunyuanVideo15 (diffusers' defaults: the released VAE)
+    full_vae_config = {}  # diffusers' defaults are the released VAE: the planner builds it on meta
+    #: presets: the pipeline's 121 frames at 720p and 480p, then shorter 480p clips
+    preset_clips = (("720p", 121), ("480p", 121), ("480p", 81), ("480p", 49), ("480p", 33))
     sampling_uses_negative = True
     sample_defaults = {"guidance": GUIDANCE, "steps": 50}  # the pipeline's 50 steps, the T2V guider's 6.0
 
@@ -214,6 +217,21 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
     @classmethod
     def tiny_builders(cls):
         return {"hunyuan-video-1.5": tiny_pipeline}
+
+    @classmethod
+    def vae_latent_geometry(cls, config) -> tuple[int, int, int]:
+        """AutoencoderKLHunyuanVideo15's config names."""
+        return (int(config.latent_channels), int(config.spatial_compression_ratio),
+                int(config.temporal_compression_ratio))
+
+    @classmethod
+    def vae_tiles(cls, vae) -> tuple[int, int, int, int]:
+        """AutoencoderKLHunyuanVideo15 tiles by an overlap factor (`tile_overlap_factor`, 0.25): 256 px tiles every
+        int(256 x 0.75) = 192 px when it encodes, every int(16 x 0.75) = 12 latent pixels (192 px) when it
+        decodes (its `tiled_encode` / `tiled_decode`); no `tile_sample_stride_*`."""
+        f, r = vae.tile_overlap_factor, int(vae.config.spatial_compression_ratio)
+        th, tw = int(vae.tile_sample_min_height), int(vae.tile_sample_min_width)
+        return th, tw, int(th // r * (1 - f)) * r, int(tw // r * (1 - f)) * r
 
     @classmethod
     def comfy_diffusers_lora_note(cls) -> str:

@@ -24,15 +24,29 @@ How it mirrors diffusers' LTX2Pipeline (0.42):
   `width` and the frame rate, from which the transformer makes its positions (in seconds: `FRAME_RATE`, the
   pipeline's 24 fps default); the timestep is t * 1000 (the scheduler's timesteps, sigma * 1000), passed as
   `timestep` and `sigma` as the pipeline passes it.
-- audio (video-only training): a clip trains the video stream alone. The transformer runs with
+- sound (`model.audio`, default true: `trains_sound`): a clip of a video with an audio track trains both streams
+  as the pipeline runs them, in the joint call (`isolate_modalities=False`): its sound, read under the clip and
+  encoded by the audio VAE when the clip's latent is cached (trainer/models/ltx2_audio.py says how, and where each
+  mel setting comes from), is the audio stream's input, noised at the video's t (the pipeline steps both with
+  one schedule; Lightricks' trainer draws one sigma for both), with the connectors' audio prompt embeddings, the
+  prompt mask for both streams, `audio_timestep` and `sigma` the step's t * 1000 and `audio_num_frames` the
+  tokens, from which the transformer makes their positions in seconds; its flow-matching loss is added to the
+  video's (`train.audio_loss_weight`, 1: Lightricks' trainer sums them). `predict` then returns (video,
+  {"audio_latents": audio}).
+- video alone (a clip without sound, a still, or every clip with `model.audio: false`): the transformer runs with
   `isolate_modalities=True` (no audio-to-video or video-to-audio cross-attention, as the pipeline's modality
   guidance pass runs it), so the video prediction does not depend on the audio stream at all, and the audio stream
   gets one zero token and a one-token zero prompt (it must run: the blocks take both streams; one token costs
-  nothing). This is how Lightricks' own trainer (ltx-trainer) trains without audio: the audio modality left out,
-  the cross-modal attention with it. Feeding made-up sound instead (silence, or noise at the video's noise level)
-  would train the cross-attention on a false pairing, "this scene sounds like silence". The default LoRA targets
-  are the video stream's attention and feed-forward (`attn1`, `attn2`, `ff`), which a video-only loss reaches.
-  Sampling runs the pipeline as it is: both streams, joined, the audio generated and dropped.
+  nothing). This is how Lightricks' own trainer trains without audio: the audio modality left out, the
+  cross-modal attention with it. Feeding made-up sound instead (silence, or noise at the video's noise level)
+  would train the cross-attention on a false pairing, "this scene sounds like silence". A call is joint or
+  isolated for the whole batch, so clips with sound batch apart from those without (`Entry.audio`).
+- LoRA targets: the attention of both streams and between them (`attn1`, `attn2`, `audio_attn1`, `audio_attn2`,
+  `audio_to_video_attn`, `video_to_audio_attn`; Lightricks' audio-video LoRA configs target every `to_q` / `to_k`
+  / `to_v` / `to_out.0`) and both feed-forwards; with `model.audio: false` the video stream's (`attn1`, `attn2`,
+  `ff`), which a video-only loss reaches.
+- sampling: the pipeline as it is, both streams joined; the sound it generates is written into the mp4 (AAC, at
+  the vocoder's `output_sampling_rate`; `Clip.audio` holds the pipeline's waveform).
 - shift: the folder's scheduler (FlowMatchEulerDiscreteScheduler with dynamic shifting, base 0.95 at 1024 tokens
   to 2.05 at 4096); the pipeline computes mu from the video tokens, so training takes the shift of a clip of
   `plan_frames` (121) frames at the bucket's size.
@@ -51,8 +65,8 @@ per-modality connectors) loads from its folder's configs; its full size is not d
 Image-to-video (`LTX2ImageToVideoPipeline`: the first latent frame is the image's) is `ltx2-i2v`
 (trainer/models/ltx2_i2v.py).
 
-Left out: training the audio stream (clips with a sound track, audio latents through AutoencoderKLLTX2Audio, the
-sound written into the mp4).
+Left out: audio-only clips (a sound file with no picture), the planner's count of the audio tokens (about 2 % of
+the video's at 480p x 121) and of the audio VAE while latents are cached.
 """
 
 from __future__ import annotations
@@ -65,8 +79,9 @@ import torch
 from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
 from torch import nn
 
+from . import ltx2_audio
 from ._diffusers import DiffusersAdapter
-from .base import Components
+from .base import Clip, Components
 from .lora_keys import KeyRule, LoraKeyMap, identity_rules
 
 #: the pipeline's default `frame_rate`: the clips' positions are in seconds at this rate (train with data.fps: 24)
@@ -183,10 +198,13 @@ def tiny_pipeline() -> LTX2Pipeline:
         vae.latents_mean.copy_(torch.tensor([0.1, -0.2, 0.05, 0.0]))
         vae.latents_std.copy_(torch.tensor([1.5, 2.0, 1.2, 1.8]))
     torch.manual_seed(65)
-    audio_vae = AutoencoderKLLTX2Audio(
-        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
+    audio_vae = AutoencoderKLLTX2Audio(  # three levels: 4x in time and mel, as the pipeline assumes (2 x 2 = 4 features)
+        base_channels=4, output_channels=2, ch_mult=(1, 1, 1), num_res_blocks=1, attn_resolutions=None, in_channels=2,
         resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
         mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8)
+    with torch.no_grad():  # per packed feature, not the identity
+        audio_vae.latents_mean.copy_(torch.tensor([0.2, -0.1, 0.0, 0.3]))
+        audio_vae.latents_std.copy_(torch.tensor([1.3, 0.7, 1.1, 2.0]))
     torch.manual_seed(66)
     vocoder = LTX2Vocoder(
         in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
@@ -201,12 +219,14 @@ class LTX2Adapter(DiffusersAdapter):
     family = "ltx2"
     transformer_cls = LTX2VideoTransformer3DModel
     pipeline_cls = LTX2Pipeline
-    #: the video stream's self-attention, prompt cross-attention and feed-forward (module essay: what a video-only
-    #: loss reaches); ".attn1" etc. do not match the audio stream's `audio_attn1`, `audio_ff`
+    #: both streams' attention, the attention between them and both feed-forwards (module essay); `lora_targets`
+    #: keeps the video stream's with model.audio false (".attn1" does not match `audio_attn1`, "ff." not `audio_ff`)
     default_lora_targets = (
-        *(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v", "to_out.0")),
-        "ff.net.0.proj", "ff.net.2",
+        *(f"{a}.{p}" for a in _ATTNS for p in ("to_q", "to_k", "to_v", "to_out.0")),
+        "ff.net.0.proj", "ff.net.2", "audio_ff.net.0.proj", "audio_ff.net.2",
     )
+    sound = True
+    noised_streams = ("audio_latents",)
     lora_key_map = LTX2_LORA_KEYS
     text_encoder_dirs = ("text_encoder",)
     text_encoder_classes = ("Gemma3ForConditionalGeneration",)
@@ -265,6 +285,20 @@ class LTX2Adapter(DiffusersAdapter):
     def latent_channels(self) -> int:
         return int(self.vae_config.get("latent_channels", 128))
 
+    def lora_targets(self) -> tuple[str, ...]:
+        """Both streams' (module essay); the video stream's alone when this run trains no sound."""
+        if self.trains_sound:
+            return tuple(self.default_lora_targets)
+        return tuple(t for t in self.default_lora_targets if t.split(".")[0] in ("attn1", "attn2", "ff"))
+
+    def cache_dirs(self, part: str) -> tuple[str, ...]:
+        """With sound, latents are named by the audio VAE's files too (their entries hold the sound)."""
+        return super().cache_dirs(part) + (("audio_vae",) if part == "vae" and self.trains_sound else ())
+
+    def cache_variant(self, part: str) -> str:
+        """With sound the caption entries hold the connectors' audio embeddings too, the latents the sound."""
+        return "|sound" if self.trains_sound else ""
+
     def shift_seq_len(self, height: int, width: int) -> int:
         """The pipeline's mu counts the video tokens: those of a `plan_frames` clip at this size (module essay)."""
         return self.latent_frames(self.plan_frames) * self.image_seq_len(height, width)
@@ -273,8 +307,16 @@ class LTX2Adapter(DiffusersAdapter):
 
     def load(self, cfg, *, parts, dtype, device="cpu") -> Components:
         """As every family loads, and with the text encoder its connectors (`extras["connectors"]`), kept in CPU RAM:
-        they visit the device of Gemma's states for each call (`_visits_its_input`)."""
+        they visit the device of Gemma's states for each call (`_visits_its_input`); with the VAE, where this run
+        trains sound, the audio VAE (`extras["sound_encoder"]`, fp32 on `device`: Lightricks' trainer encodes
+        sound in fp32 "for quality")."""
         out = super().load(cfg, parts=parts, dtype=dtype, device=device)
+        if "vae" in parts and self.trains_sound:
+            import diffusers
+
+            out.extras["sound_encoder"] = diffusers.AutoencoderKLLTX2Audio.from_pretrained(
+                str(cfg.path), subfolder="audio_vae", torch_dtype=torch.float32, local_files_only=True,
+            ).to(device).eval().requires_grad_(False)
         if "text" in parts:
             from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
@@ -326,8 +368,18 @@ class LTX2Adapter(DiffusersAdapter):
         host = SimpleNamespace(tokenizer=tok, text_encoder=enc.model)
         states, mask = LTX2Pipeline._get_gemma_prompt_embeds(host, list(prompts), max_sequence_length=MAX_SEQUENCE_LENGTH,
                                                              device=dev, dtype=enc.dtype)
-        video, _audio, video_mask = conn(states, mask, padding_side=tok.padding_side)  # on `dev` for this call
-        return {"prompt_embeds": video.to(enc.dtype), "prompt_attention_mask": video_mask}
+        video, audio, video_mask = conn(states, mask, padding_side=tok.padding_side)  # on `dev` for this call
+        out = {"prompt_embeds": video.to(enc.dtype), "prompt_attention_mask": video_mask}
+        if self.trains_sound:  # the audio stream's prompt (the pipeline's `connector_audio_prompt_embeds`)
+            out["audio_prompt_embeds"] = audio.to(enc.dtype)
+        return out
+
+    def sound_rate(self, encoder: nn.Module) -> int:
+        return int(encoder.config.sample_rate)
+
+    def encode_sound(self, encoder, wave, frames, fps) -> dict[str, torch.Tensor]:
+        """The clips' sound as the audio tokens the pipeline denoises (trainer/models/ltx2_audio.py)."""
+        return {"audio_latents": ltx2_audio.encode_sound(encoder, wave, frames, fps)}
 
     def encode_videos(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         lat = vae.encode(pixels.to(vae.dtype)).latent_dist.mode()
@@ -337,33 +389,43 @@ class LTX2Adapter(DiffusersAdapter):
         """An image is a 1-frame clip: (B, 3, H, W) -> (B, C, 1, h, w)."""
         return self.encode_videos(vae, pixels.unsqueeze(2))
 
-    def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:
+    def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0):
+        """The video prediction; with the clips' noisy sound in `text` ("audio_latents"), the joint call's (video,
+        {"audio_latents": audio}) (module essay)."""
         x = noisy_latents
         f, h, w = x.shape[2:]
-        video, _ = transformer(**self._inputs(transformer, pack(x), t * 1000.0, text["prompt_embeds"],
-                                              text["prompt_attention_mask"], (f, h, w)), return_dict=False)
-        return unpack(video, (f, h, w))
+        return self._call(transformer, pack(x), t * 1000.0, text, (f, h, w))
+
+    def _call(self, transformer, tokens, timestep, text, grid, sigma=None):
+        """The transformer on video tokens (and the sound where `text` has it), unpacked as `predict` returns it."""
+        video, audio = transformer(**self._inputs(transformer, tokens, timestep, text, grid, sigma),
+                                   return_dict=False)
+        video = unpack(video, grid)
+        return (video, {"audio_latents": audio}) if "audio_latents" in text else video
 
     @staticmethod
-    def _inputs(transformer, tokens, timestep, embeds, mask, grid: tuple[int, int, int],
+    def _inputs(transformer, tokens, timestep, text, grid: tuple[int, int, int],
                 sigma: torch.Tensor | None = None) -> dict[str, Any]:
-        """The transformer's video-only call (module essay): the video tokens of a (frames, height, width) latent
-        grid at `timestep` ((B,), or (B, tokens) for image-to-video; `sigma`: the step's (B,), else `timestep`, which
-        the audio stream gets too), the cross-modal attention off, the audio stream one zero token with a one-token
-        zero prompt."""
+        """The transformer's call (module essay) on the video tokens of a (frames, height, width) latent grid at
+        `timestep` ((B,), or (B, tokens) for image-to-video; `sigma`: the step's (B,), else `timestep`, which the
+        audio stream gets too). With `text["audio_latents"]` (the noisy audio tokens) the joint call, as the pipeline
+        makes it; without, the video-only one: the cross-modal attention off, the audio stream one zero token with a
+        one-token zero prompt."""
         c, b = transformer.config, tokens.shape[0]
         f, h, w = grid
         step = timestep if sigma is None else sigma
-        return dict(
-            hidden_states=tokens,
-            audio_hidden_states=tokens.new_zeros(b, 1, c.audio_in_channels),
-            encoder_hidden_states=embeds,
-            audio_encoder_hidden_states=embeds.new_zeros(b, 1, c.caption_channels),
-            timestep=timestep, sigma=step, audio_timestep=step,
-            encoder_attention_mask=mask,
-            num_frames=f, height=h, width=w, fps=FRAME_RATE, audio_num_frames=1,
-            isolate_modalities=True,
-        )
+        embeds, mask = text["prompt_embeds"], text["prompt_attention_mask"]
+        common = dict(hidden_states=tokens, encoder_hidden_states=embeds, timestep=timestep, sigma=step,
+                      audio_timestep=step, encoder_attention_mask=mask, num_frames=f, height=h, width=w,
+                      fps=FRAME_RATE)
+        sound = text.get("audio_latents")
+        if sound is not None:
+            return dict(common, audio_hidden_states=sound.to(tokens.dtype),
+                        audio_encoder_hidden_states=text["audio_prompt_embeds"], audio_encoder_attention_mask=mask,
+                        audio_num_frames=sound.shape[1], isolate_modalities=False)
+        return dict(common, audio_hidden_states=tokens.new_zeros(b, 1, c.audio_in_channels),
+                    audio_encoder_hidden_states=embeds.new_zeros(b, 1, c.caption_channels), audio_num_frames=1,
+                    isolate_modalities=True)
 
     @classmethod
     def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta",
@@ -373,9 +435,9 @@ class LTX2Adapter(DiffusersAdapter):
         rnd = {"device": dev, "dtype": dtype}
         grid = (cls.latent_frames(frames or cls.plan_frames), height // cls.latent_scale, width // cls.latent_scale)
         tokens = torch.randn(batch, grid[0] * grid[1] * grid[2], c.in_channels, **rnd)
-        embeds = torch.randn(batch, text_tokens, c.caption_channels, **rnd)
-        mask = torch.ones(batch, text_tokens, device=dev, dtype=torch.long)
-        return cls._inputs(transformer, tokens, torch.ones(batch, **rnd), embeds, mask, grid)
+        text = {"prompt_embeds": torch.randn(batch, text_tokens, c.caption_channels, **rnd),
+                "prompt_attention_mask": torch.ones(batch, text_tokens, device=dev, dtype=torch.long)}
+        return cls._inputs(transformer, tokens, torch.ones(batch, **rnd), text, grid)
 
     # ------------------------------------------------------------------------------------------ sampling
 
@@ -401,3 +463,10 @@ class LTX2Adapter(DiffusersAdapter):
     @classmethod
     def pipeline_frames(cls, pipe, frames: int) -> dict[str, Any]:
         return {"num_frames": int(frames), "frame_rate": FRAME_RATE}
+
+    @classmethod
+    def pipeline_result(cls, out, pipe=None):
+        """The frames with the sound the pipeline made (`Clip`: `write_video` muxes it into the mp4), at the
+        vocoder's `output_sampling_rate`."""
+        rate = pipe.vocoder.config.output_sampling_rate if pipe is not None else None
+        return Clip(out.frames[0], out.audio[0].float().cpu(), rate) if rate else out.frames[0]

@@ -11,8 +11,9 @@ How diffusers' LTX2ImageToVideoPipeline (0.42) conditions, and what training doe
 
 Training takes the clip's own first frame (already a video frame: no re-compression), encodes it alone when the
 clip's latent is cached (`encode_conditions`), puts it in place of the first noisy latent frame with timestep 0 and
-leaves that frame out of the loss (`frame_loss_weights`: the loss is the mean with that frame at zero). The audio
-stream is left out as in `ltx2` (the module essay there). `dittrain sample --image first.png` (`sample.image` in a
+leaves that frame out of the loss (`frame_loss_weights`: the loss is the mean with that frame at zero). The sound
+trains as in `ltx2` (the module essay there): the pipeline gives the audio stream the step's timestep, not the
+per-token one. `dittrain sample --image first.png` (`sample.image` in a
 fit) hands the picture, cut to the sample's size, to the pipeline.
 """
 
@@ -24,7 +25,7 @@ import torch
 from diffusers import LTX2ImageToVideoPipeline
 
 from .base import Components
-from .ltx2 import LTX2Adapter, pack, tiny_pipeline, unpack
+from .ltx2 import LTX2Adapter, pack, tiny_pipeline
 
 
 class LTX2I2VAdapter(LTX2Adapter):
@@ -52,10 +53,7 @@ class LTX2I2VAdapter(LTX2Adapter):
         first = torch.zeros(f, h, w, device=x.device, dtype=step.dtype)
         first[0] = 1.0  # the pipeline's conditioning mask, packed as the tokens are
         timestep = step[:, None] * (1 - first.flatten())[None]
-        video, _ = transformer(**self._inputs(transformer, pack(x), timestep, text["prompt_embeds"],
-                                              text["prompt_attention_mask"], (f, h, w), sigma=step),
-                               return_dict=False)
-        return unpack(video, (f, h, w))
+        return self._call(transformer, pack(x), timestep, text, (f, h, w), sigma=step)
 
     @classmethod
     def pipeline_image(cls, pipe, image) -> dict[str, Any]:

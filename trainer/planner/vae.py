@@ -142,10 +142,11 @@ def _tiled_decode_peak(family: str, config: str, dtype: torch.dtype, width: int,
     (one tile's untiled peak, scaled by the tile's area), then every tile with the blended rows, their
     concatenation and its clamped copy (module essay)."""
     vae = _meta_vae(family, config, dtype)
-    r = adapter_class(family).vae_latent_geometry(vae.config)[1]
-    th, tw = vae.tile_sample_min_height, vae.tile_sample_min_width
-    rows = _spans(height // r, th // r, vae.tile_sample_stride_height // r)
-    cols = _spans(width // r, tw // r, vae.tile_sample_stride_width // r)
+    cls = adapter_class(family)
+    r = cls.vae_latent_geometry(vae.config)[1]
+    th, tw, sh, sw = cls.vae_tiles(vae)  # the family's tiling (HunyuanVideo 1.5: by an overlap factor)
+    rows = _spans(height // r, th // r, sh // r)
+    cols = _spans(width // r, tw // r, sw // r)
     per_px = frames * 3 * dtype.itemsize  # one pixel of the decoded clip, every frame
     one = _untiled_peak(family, config, dtype, "decode", tw, th, frames)
     done = peak = 0.0
@@ -166,8 +167,7 @@ def clip_peak(family: str, config: dict, dtype: torch.dtype, kind: str, width: i
         return float(_untiled_peak(family, key, dtype, kind, width, height, frames))
     if kind == "decode":
         return _tiled_decode_peak(family, key, dtype, width, height, frames)
-    vae = _meta_vae(family, key, dtype)
-    th, tw = vae.tile_sample_min_height, vae.tile_sample_min_width
+    th, tw, _, _ = adapter_class(family).vae_tiles(_meta_vae(family, key, dtype))
     return float(_untiled_peak(family, key, dtype, "encode", min(tw, width), min(th, height), frames))
 
 

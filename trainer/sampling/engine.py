@@ -234,7 +234,7 @@ def generate(
                     generator=generator,
                     output_type=output_type,
                 )
-                images.append(adapter.pipeline_result(out))  # video families: a list of frames
+                images.append(adapter.pipeline_result(out, pipe))  # video families: a list of frames
         return images
     finally:
         pipe_logger.removeFilter(quiet)

@@ -168,10 +168,11 @@ class Dist:
 
     # ------------------------------------------------------------------------------------ randomness
 
-    def noise(self, objective, latents: torch.Tensor, dtype: torch.dtype, position: int, seed: int):
-        """`objective.noise(latents, dtype)` drawn as one process would draw it for global batch `position`."""
+    def noise(self, objective, latents: torch.Tensor, dtype: torch.dtype, position: int, seed: int, streams=None):
+        """`objective.noise(latents, dtype, streams, position)` drawn as one process would draw it for global batch
+        `position` (a second modality's noise is the position's own: objective.py)."""
         if not self.active:
-            return objective.noise(latents, dtype)
+            return objective.noise(latents, dtype, streams, position)
         # LoRA dropout draws from torch's global generator: a different stream per global batch.
         digest = hashlib.sha256(f"{seed}/{position}".encode()).digest()
         torch.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
@@ -181,7 +182,7 @@ class Dist:
         mine = None
         for r, s in enumerate(torch.stack(shapes).tolist()):  # one host-device sync
             if r == self.rank:
-                mine = objective.noise(latents, dtype)
+                mine = objective.noise(latents, dtype, streams, position)
             else:  # advance the generator past rank r's draws (CPU, small; the result is dropped)
                 objective.noise(torch.zeros(s), torch.float32)
         return mine

@@ -22,6 +22,14 @@ draw of the step (the rest of the batch, the other micro-batches) is drawn again
 distribution, and all of it comes from this generator, so it is fixed by the seed and resumes bitwise.
 `start_step` opens a step; `side` says the expert it drew (True: t at or above the split, the high-noise one).
 
+A second modality (LTX-2's sound: `ModelAdapter.noised_streams`). Its clean latents ride in the batch's text dict;
+`noise(..., streams=)` mixes each with its own Gaussian noise at the picture's t (one t for both, as Lightricks'
+trainer draws it and as the pipeline steps both with one schedule), and `loss` adds its mean squared error per
+sample, times `train.audio_loss_weight`, to the picture's before the timestep weighting (Lightricks' trainer: the
+sum, weight 1). Its noise comes from a generator seeded by (seed, batch position, key), not from this object's:
+the picture's draws stay what they are without it, several processes need no shapes of each other's sound, and a
+resumed run draws the same noise.
+
 Left out. Per-family input packing and positions are the adapter's (`predict`); so is Flux's guidance
 embedding (the guidance value is passed through). Min-SNR or debiased weightings of epsilon-prediction models
 do not apply to a velocity target and are not offered.
@@ -29,8 +37,9 @@ do not apply to a velocity target and are not offered.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,6 +76,8 @@ class Noised:
     t: torch.Tensor  #: (B,) fp32 flow time (after the shift), on the latents' device
     target: torch.Tensor  #: eps - x0 in fp32
     weight: torch.Tensor  #: (B,) fp32 loss weights
+    #: a second modality's latents (module essay), by its key in the text dict, noised at the same t
+    streams: dict[str, Noised] = field(default_factory=dict)
 
 
 class FlowMatching:
@@ -85,8 +96,9 @@ class FlowMatching:
         self.side: bool | None = None  # with `split`: the step's expert (True: t at or above it), once drawn
         self._shift_fn = shift_fn
         self._vae_scale = vae_scale
+        self.seed = cfg.seed if seed is None else seed
         self.generator = torch.Generator("cpu")
-        self.generator.manual_seed(cfg.seed if seed is None else seed)
+        self.generator.manual_seed(self.seed)
 
     # -- state (saved in checkpoints as a uint8 tensor) ------------------------------------------------------
 
@@ -120,9 +132,11 @@ class FlowMatching:
             raise ValueError(c.timestep_sampling)
         return u.clamp(0.0, 1.0)
 
-    def noise(self, x0: torch.Tensor, dtype: torch.dtype | None = None) -> Noised:
+    def noise(self, x0: torch.Tensor, dtype: torch.dtype | None = None,
+              streams: dict[str, torch.Tensor] | None = None, position: int = 0) -> Noised:
         """Draw t and eps for a batch of clean latents (B, C, h, w) and build x_t (cast to `dtype`, default the
-        latents' dtype) and the fp32 target."""
+        latents' dtype) and the fp32 target; `streams`: a second modality's clean latents by key, noised at the same
+        t with noise of the batch `position` (module essay)."""
         b = x0.shape[0]
         t = shift_timesteps(self.sample_t(b), self.shift_for(x0))
         if self.split is not None:
@@ -138,12 +152,25 @@ class FlowMatching:
         x0f = x0.float()
         tb = t.view(-1, *([1] * (x0.ndim - 1)))
         noisy = (1.0 - tb) * x0f + tb * eps
-        return Noised(
+        out = Noised(
             noisy=noisy.to(dtype or x0.dtype),
             t=t,
             target=eps - x0f,
             weight=loss_weights(t, self.cfg.loss_weighting),
         )
+        for key, clean in sorted((streams or {}).items()):
+            out.streams[key] = self._stream(key, clean, out, dtype, position)
+        return out
+
+    def _stream(self, key: str, clean: torch.Tensor, main: Noised, dtype, position: int) -> Noised:
+        """`clean` noised at `main`'s t with its own noise (module essay), weighted by train.audio_loss_weight."""
+        digest = hashlib.sha256(f"{self.seed}|{position}|{key}".encode()).digest()
+        g = torch.Generator("cpu").manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        eps = torch.randn(clean.shape, generator=g, dtype=torch.float32).to(clean.device)  # host-to-device, small
+        x0 = clean.float()
+        tb = main.t.view(-1, *([1] * (x0.ndim - 1)))
+        return Noised(noisy=((1.0 - tb) * x0 + tb * eps).to(dtype or clean.dtype), t=main.t, target=eps - x0,
+                      weight=main.weight * float(self.cfg.audio_loss_weight))
 
     def start_step(self) -> None:
         """A new optimizer step: its first draw picks the side of `split` (the expert) again."""
@@ -178,9 +205,16 @@ class FlowMatching:
         error is multiplied by it before the mean, not renormalised by its sum: a cell keeps the weight it has
         without a mask, and an image with a small mask contributes less (a weight of 1 everywhere is exactly the
         unmasked loss). Predictions are in the (B, C, h, w) latent layout for every family (the adapters unpack
-        Flux's and Qwen-Image's 2x2 tokens in `predict`), so the mask needs no packing."""
+        Flux's and Qwen-Image's 2x2 tokens in `predict`), so the mask needs no packing.
+
+        `pred` may be (prediction, {key: a second modality's prediction}) (`Noised.streams`): each adds its own
+        per-sample mean squared error at its weight (module essay)."""
+        pred, more = pred if isinstance(pred, tuple) else (pred, {})
         err = (pred.float() - noised.target).pow(2)
         if mask is not None:
             err = err * mask.to(err.device, torch.float32, non_blocking=True)  # host-to-device copy, latent-sized / C
-        per_sample = err.flatten(1).mean(1)
-        return (per_sample * noised.weight).mean()
+        total = err.flatten(1).mean(1) * noised.weight
+        for key, p in more.items():
+            s = noised.streams[key]
+            total = total + (p.float() - s.target).pow(2).flatten(1).mean(1) * s.weight
+        return total.mean()

@@ -420,8 +420,11 @@ class Trainer(Saving):
         for _ in range(c.grad_accum):
             batch = self.data.next_batch()
             latents = batch.latents.to(self.device, non_blocking=True)
-            text = {k: _to(v, self.device, self.dtype) for k, v in batch.text.items()}
-            noised = self.dist.noise(self.objective, latents, self.dtype, batch.position, c.seed)
+            # a second modality's clean latents (LTX-2's sound) stay fp32 until noised, as the picture's
+            more = {k: v.to(self.device) for k, v in batch.text.items() if k in self.adapter.noised_streams}
+            text = {k: _to(v, self.device, self.dtype) for k, v in batch.text.items() if k not in more}
+            noised = self.dist.noise(self.objective, latents, self.dtype, batch.position, c.seed, more)
+            text |= {k: n.noisy for k, n in noised.streams.items()}
             pred = self.adapter.predict(self.transformer, noised.noisy, noised.t, text, guidance=cfg.model.guidance)
             loss = self.objective.loss(pred, noised, mask=batch.mask)
             # Host-device sync, needed anyway: the check must come before backward, which may step the weights

@@ -69,8 +69,10 @@ class Validator:
         counts: dict[float, int] = defaultdict(int)
         for b in self.data.batches():
             x0 = b.latents.to(self.device, torch.float32)
+            # the picture's loss only: a second modality's latents (LTX-2's sound) are left out of the call
             text = {k: (v.to(self.device, dtype=self.dtype if v.is_floating_point() else v.dtype)
-                        if isinstance(v, torch.Tensor) else v) for k, v in b.text.items()}
+                        if isinstance(v, torch.Tensor) else v) for k, v in b.text.items()
+                    if k not in getattr(self.adapter, "noised_streams", ())}
             noises = [_noise(tuple(x0.shape[1:]), self.seed, i, len(self.timesteps)) for i in b.index]
             for j, t_val in enumerate(self.timesteps):
                 eps = torch.stack([n[j] for n in noises]).to(self.device)  # host-to-device, latent-sized
