@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.speed.bench_offload import add_lora, block_list, build, inputs
+from bench.speed.bench_offload import add_flux_args, add_lora, block_list, build, inputs
 from trainer.offload import attach_offload
 from trainer.train.distributed import BucketedAllReduce
 
@@ -165,11 +165,7 @@ def _worker(rank: int, world: int, args, port: int, out: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=19)
-    ap.add_argument("--singles", type=int, default=38)
-    ap.add_argument("--res", type=int, default=1024)
-    ap.add_argument("--text", type=int, default=512)
-    ap.add_argument("--rank", type=int, default=16)
+    add_flux_args(ap)
     ap.add_argument("--batch", type=int, default=1, help="per process")
     ap.add_argument("--fraction", type=float, default=0.5)
     ap.add_argument("--gpus", type=int, default=2)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.multi_gpu.bench_ddp import _port, _sync
-from bench.speed.bench_offload import add_lora, block_list, build, inputs
+from bench.speed.bench_offload import add_flux_args, add_lora, block_list, build, inputs
 from trainer.offload import attach_offload
 from trainer.offload.allocators import SharedArena
 from trainer.offload.gather import SliceGather
@@ -270,11 +270,7 @@ def _worker(rank: int, world: int, args, port: int, out: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=19)
-    ap.add_argument("--singles", type=int, default=38)
-    ap.add_argument("--res", type=int, default=1024)
-    ap.add_argument("--text", type=int, default=512)
-    ap.add_argument("--rank", type=int, default=16)
+    add_flux_args(ap)
     ap.add_argument("--fraction", type=float, default=1.0)
     ap.add_argument("--no-activations", dest="activations", action="store_false")
     ap.add_argument("--no-resident", dest="resident", action="store_false")

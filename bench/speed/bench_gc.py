@@ -28,16 +28,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.speed.bench_offload import add_lora, block_list, build, inputs
+from bench.speed.bench_offload import add_flux_args, add_lora, block_list, build, inputs
 from trainer.offload import attach_offload
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=19)
-    ap.add_argument("--singles", type=int, default=38)
-    ap.add_argument("--res", type=int, default=1024)
-    ap.add_argument("--text", type=int, default=512)
+    add_flux_args(ap, rank=False)
     ap.add_argument("--fraction", type=float, default=0.0)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--warmup", type=int, default=3)

@@ -52,6 +52,17 @@ def h2d_rate(dev, nbytes=1 << 30, reps=6) -> float:
     return nbytes / (statistics.median(ts[1:]) * 1e6)
 
 
+def add_flux_args(ap, text: bool = True, rank: bool = True) -> None:
+    """The full-size Flux.1-dev step's arguments the Flux benches share (`build`, `inputs`, `add_lora` read them)."""
+    ap.add_argument("--layers", type=int, default=19, help="double blocks")
+    ap.add_argument("--singles", type=int, default=38, help="single blocks")
+    ap.add_argument("--res", type=int, default=1024, help="image side, px")
+    if text:
+        ap.add_argument("--text", type=int, default=512, help="text tokens")
+    if rank:
+        ap.add_argument("--rank", type=int, default=16, help="LoRA rank")
+
+
 def build(args, dev):
     from diffusers import FluxTransformer2DModel
 
@@ -243,10 +254,7 @@ def run_config(
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=19)
-    ap.add_argument("--singles", type=int, default=38)
-    ap.add_argument("--res", type=int, default=1024)
-    ap.add_argument("--rank", type=int, default=16)
+    add_flux_args(ap, text=False)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path("bench_out"))

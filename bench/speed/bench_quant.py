@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common.timing import build_bf16, step_seconds
+from bench.speed.bench_offload import add_flux_args
 from trainer import quant
 from trainer.models import adapter_class
 from trainer.offload import attach_offload
@@ -174,11 +175,7 @@ def reference_row(args, dev):
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny widths: checks the script, measures nothing")
-    ap.add_argument("--layers", type=int, default=19)
-    ap.add_argument("--singles", type=int, default=38)
-    ap.add_argument("--res", type=int, default=1024)
-    ap.add_argument("--text", type=int, default=512)
-    ap.add_argument("--rank", type=int, default=16)
+    add_flux_args(ap)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
