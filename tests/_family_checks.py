@@ -119,3 +119,26 @@ def streamed_fit_equals_the_fit(path: Path, out: Path, monkeypatch) -> None:
     assert torch.equal(ours, theirs)
     assert (theirs - untrained).abs().max() > 1e-4
 
+
+
+def compiled_fit_with_ema_and_validation_equals_eager(family: str, tiny_models: Path, images: Path, tmp_path: Path,
+                                                      monkeypatch) -> None:
+    """train.compile (aot_eager on the CPU) with EMA and a held-out validation set: the eager run's losses; each run
+    writes its validation losses and its EMA weights."""
+    import json
+
+    from trainer.train.trainer import Trainer
+
+    monkeypatch.setenv("DITTRAIN_COMPILE_BACKEND", "aot_eager")
+    runs = {}
+    for name, extra in (("eager", {}), ("compiled", {"compile": True})):
+        d = make_config(tiny_models, images, tmp_path / name, tmp_path / "cache", family,
+                        train={"steps": 2, "device": "cpu", "ema": {"decay": 0.9}, **extra},
+                        offload={"transformer": 0.0}).model_dump(mode="json", exclude_unset=True)
+        d["data"]["validation"], d["train"]["validate_every"] = {"fraction": 0.25, "timesteps": [0.5]}, 2
+        Trainer(Config.model_validate(d)).fit()
+        lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = [x["loss"] for x in lines if "loss" in x]
+        assert any(np.isfinite(x.get("val_loss", np.nan)) for x in lines)
+        assert (tmp_path / name / "lora-ema.safetensors").is_file()
+    torch.testing.assert_close(torch.tensor(runs["compiled"]), torch.tensor(runs["eager"]), rtol=1e-5, atol=1e-6)

@@ -261,25 +261,12 @@ def test_a_lokr_on_an_fp8_base_streams_and_a_dora_streams_like_resident(tiny_mod
 def test_compiled_training_with_ema_and_validation_matches_eager(tiny_models, images, tmp_path, monkeypatch):
     """train.compile (aot_eager on the CPU: the block class compiled), with EMA and a held-out validation set: the
     eager run's losses; the EMA weights and the validation losses are written."""
-    from test_train_support import make_config
+    from _family_checks import compiled_fit_with_ema_and_validation_equals_eager
 
     from trainer.offload import compiled
-    from trainer.train.trainer import Trainer
 
-    monkeypatch.setenv("DITTRAIN_COMPILE_BACKEND", "aot_eager")
-    runs = {}
-    for name, extra in (("eager", {}), ("compiled", {"compile": True})):
-        d = make_config(tiny_models, images, tmp_path / name, tmp_path / "cache", FAMILY,
-                        train={"steps": 2, "device": "cpu", "ema": {"decay": 0.9}, **extra},
-                        offload={"transformer": 0.0}).model_dump(mode="json", exclude_unset=True)
-        d["data"]["validation"], d["train"]["validate_every"] = {"fraction": 0.25, "timesteps": [0.5]}, 2
-        Trainer(Config.model_validate(d)).fit()
-        lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        runs[name] = [x["loss"] for x in lines if "loss" in x]
-        assert any(np.isfinite(x.get("val_loss", np.nan)) for x in lines)
-        assert (tmp_path / name / "lora-ema.safetensors").is_file()
+    compiled_fit_with_ema_and_validation_equals_eager(FAMILY, tiny_models, images, tmp_path, monkeypatch)
     assert compiled.stats()["graphs"] >= 1
-    torch.testing.assert_close(torch.tensor(runs["compiled"]), torch.tensor(runs["eager"]), rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------- sampling
