@@ -54,19 +54,24 @@ def videos(tmp_path_factory) -> Path:
     return write_clip_and_still(tmp_path_factory.mktemp("ltx2-data"), 9, 24, PROMPT)
 
 
-def _config(models: Path, data: Path, tmp: Path) -> Config:
-    return Config.model_validate({
-        "model": {"family": FAMILY, "path": str(models / FAMILY), "dtype": "fp32"},
-        "train": {"method": "lora", "steps": 3, "batch_size": 1, "seed": 0, "checkpoint_every": 0, "device": "cpu",
+def config_dict(model: Path, data: Path, tmp: Path, steps: int = 3, sample_every: int = 3, **model_extra) -> dict:
+    """A tiny LTX-2 LoRA run on the clips in `data` (also tests/test_ltx2_audio.py's)."""
+    return {
+        "model": {"family": FAMILY, "path": str(model), "dtype": "fp32", **model_extra},
+        "train": {"method": "lora", "steps": steps, "batch_size": 1, "seed": 0, "checkpoint_every": 0, "device": "cpu",
                   "timestep_sampling": "uniform"},
         "lora": {"rank": 4, "alpha": 4},
         "optimizer": {"lr": 5e-2},
         "data": {"sources": [{"path": str(data)}], "resolutions": [64], "cache_dir": str(tmp / "cache"),
                  "clip_frames": 9, "clips": "first"},
         "sample": {"prompts": [PROMPT], "steps": 2, "width": 64, "height": 64, "frames": 9, "guidance": 3.0,
-                   "seed": 3, "every": 3},
+                   "seed": 3, "every": sample_every},
         "output": {"dir": str(tmp / "out"), "tensorboard": False},
-    })
+    }
+
+
+def _config(models: Path, data: Path, tmp: Path) -> Config:
+    return Config.model_validate(config_dict(models / FAMILY, data, tmp))
 
 
 # ---------------------------------------------------------------------------------------------- mirrors the pipeline

@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from test_ltx2 import PROMPT, config_dict
 from test_wan import _frames
 from typer.testing import CliRunner
 
@@ -31,7 +32,6 @@ from trainer.models import ltx2_audio
 from trainer.sample import SampleRequest, run_sample
 
 FAMILY = "ltx2"
-PROMPT = "a green square moving right"
 RATE = 16000
 
 
@@ -84,18 +84,7 @@ def data(tmp_path_factory) -> Path:
 
 
 def _config(model: Path, data: Path, tmp: Path, **model_extra) -> dict:
-    return {
-        "model": {"family": FAMILY, "path": str(model), "dtype": "fp32", **model_extra},
-        "train": {"method": "lora", "steps": 6, "batch_size": 1, "seed": 0, "checkpoint_every": 0, "device": "cpu",
-                  "timestep_sampling": "uniform"},
-        "lora": {"rank": 4, "alpha": 4},
-        "optimizer": {"lr": 5e-2},
-        "data": {"sources": [{"path": str(data)}], "resolutions": [64], "cache_dir": str(tmp / "cache"),
-                 "clip_frames": 9, "clips": "first"},
-        "sample": {"prompts": [PROMPT], "steps": 2, "width": 64, "height": 64, "frames": 9, "guidance": 3.0,
-                   "seed": 3, "every": 0},
-        "output": {"dir": str(tmp / "out"), "tensorboard": False},
-    }
+    return config_dict(model, data, tmp, steps=6, sample_every=0, **model_extra)
 
 
 # ---------------------------------------------------------------------------------------------- the sound's latents
