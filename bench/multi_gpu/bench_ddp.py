@@ -75,7 +75,8 @@ def _measure(step, dev, world, args) -> dict:
     }
 
 
-def _worker(rank: int, world: int, args, port: int, out: str) -> None:
+def _join(rank: int, world: int, port: int) -> torch.device:
+    """This process's device (GPU `rank`, or the CPU), and with several processes the job's group (NCCL / gloo)."""
     import torch.distributed as tdist
 
     cuda = torch.cuda.is_available()
@@ -84,14 +85,17 @@ def _worker(rank: int, world: int, args, port: int, out: str) -> None:
         torch.cuda.set_device(dev)
         torch.backends.cuda.enable_cudnn_sdp(False)  # fails in backward for some shapes (GPU.md)
     if world > 1:
-        tdist.init_process_group(
-            "nccl" if cuda else "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(minutes=10),
-            device_id=dev if cuda else None,
-        )
+        tdist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                 world_size=world, timeout=datetime.timedelta(minutes=10),
+                                 device_id=dev if cuda else None)
+    return dev
+
+
+def _worker(rank: int, world: int, args, port: int, out: str) -> None:
+    import torch.distributed as tdist
+
+    dev = _join(rank, world, port)
+    cuda = dev.type == "cuda"
     model = build(args, dev)
     params = add_lora(model, args.rank)
     model.train()

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.multi_gpu.bench_ddp import _port, _sync
+from bench.multi_gpu.bench_ddp import _join, _port, _sync
 from bench.speed.bench_offload import add_flux_args, add_lora, block_list, build, inputs
 from trainer.offload import attach_offload
 from trainer.offload.allocators import SharedArena
@@ -181,16 +181,10 @@ def _full_rows(rank, world, args, dev, gather, arena, row) -> list[dict]:
 def _worker(rank: int, world: int, args, port: int, out: str) -> None:
     import torch.distributed as tdist
 
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(dev)
-        torch.backends.cuda.enable_cudnn_sdp(False)  # fails in backward for some shapes (GPU.md)
+    dev = _join(rank, world, port)
+    cuda = dev.type == "cuda"
     group = gather = share = None
     if world > 1:
-        tdist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                 world_size=world, timeout=datetime.timedelta(minutes=10),
-                                 device_id=dev if cuda else None)
         group = tdist.new_group(list(range(world)))
         gather = SliceGather(group, rank, world)
         share = SharedArena(Path("/dev/shm") / f"dittrain-bench-{port}", owner=rank == 0,
