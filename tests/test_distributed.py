@@ -154,12 +154,11 @@ def _worker(rank: int, store: str, jobs: list[dict], result: str, backend: str, 
 
 def _run_two(jobs: list[dict], tmp: Path, timeout: float = 300, backend: str = "gloo",
              world: int = WORLD) -> list[list[dict]]:
-    import torch.multiprocessing as mp
+    from _ranks import start
 
     result = tmp / f"results-{time.monotonic_ns()}"
     result.mkdir()
-    ctx = mp.start_processes(_worker, args=(str(result / "store"), jobs, str(result), backend, world), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = start(_worker, (str(result / "store"), jobs, str(result), backend, world), world)
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
