@@ -154,7 +154,7 @@ def place_non_blocks(model, blocks, device) -> None:
 
 
 def _rank_main(rank: int, world: int, store: str, result: str, body, *args) -> None:
-    """One spawned rank of `run_ranks`: a gloo group over the file `store`, `body`'s dict (or its traceback as
+    """One rank of `run_ranks`: a gloo group over the file `store`, `body`'s dict (or its traceback as
     "error") written to `result`/rank<r>.json."""
     import datetime
     import json
@@ -177,7 +177,7 @@ def _rank_main(rank: int, world: int, store: str, result: str, body, *args) -> N
 
 
 def run_ranks(body, world: int, tmp, *args, timeout: float = 240) -> list[dict]:
-    """`body(rank, world, store, result, *args) -> dict` in `world` spawned processes, each a rank of one gloo group
+    """`body(rank, world, store, result, *args) -> dict` in `world` processes (tests/_ranks.py), each a rank of one gloo group
     (one thread each; `result` a folder they share); returns each rank's dict, its "error" a traceback or None. A run
     past `timeout` seconds fails."""
     import json
@@ -185,12 +185,11 @@ def run_ranks(body, world: int, tmp, *args, timeout: float = 240) -> list[dict]:
     from pathlib import Path
 
     import pytest
-    import torch.multiprocessing as mp
+    from _ranks import start
 
     result = Path(tmp) / f"results-{world}-{time.monotonic_ns()}"
     result.mkdir()
-    ctx = mp.start_processes(_rank_main, args=(world, str(result / "store"), str(result), body, *args),
-                             nprocs=world, join=False, start_method="spawn")
+    ctx = start(_rank_main, (world, str(result / "store"), str(result), body, *args), world)
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:

@@ -154,12 +154,11 @@ def _worker(rank: int, store: str, jobs: list[dict], result: str, backend: str, 
 
 def _run_two(jobs: list[dict], tmp: Path, timeout: float = 300, backend: str = "gloo",
              world: int = WORLD) -> list[list[dict]]:
-    import torch.multiprocessing as mp
+    from _ranks import start
 
     result = tmp / f"results-{time.monotonic_ns()}"
     result.mkdir()
-    ctx = mp.start_processes(_worker, args=(str(result / "store"), jobs, str(result), backend, world), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = start(_worker, (str(result / "store"), jobs, str(result), backend, world), world)
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -366,10 +365,10 @@ def test_stop_and_nonfinite_loss_are_agreed_across_ranks(launched):
     assert r0[1]["step"] == r1[1]["step"] == 1
 
 
-def test_accelerate_launch_trains_like_one_process(tiny_models, images, tmp_path, one_thread):
+def test_accelerate_launch_trains_like_one_process(launched, tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2 -m trainer.cli fit` (on a machine without GPUs: two CPU
     processes over gloo) sets the environment torchrun sets and trains the same LoRA as one process at the same
-    global batch."""
+    global batch (the launch's 1-process LoRA reference: the same config, its data cache copied here)."""
     import shutil
     import socket
     import subprocess
@@ -380,9 +379,10 @@ def test_accelerate_launch_trains_like_one_process(tiny_models, images, tmp_path
     accelerate = Path(sys.executable).with_name("accelerate")
     if not accelerate.exists() and shutil.which("accelerate") is None:
         pytest.skip("accelerate is not installed")
-    cache = tmp_path / "cache"
-    ref = tmp_path / "ref"
-    Trainer(_cfg(tiny_models, images, ref, cache)).fit()  # 1 process, grad_accum 2; fills the cache
+    tmp = launched["lora"][0]
+    tiny_models, images = launched["models"], launched["images"]  # those of the launch's references
+    cache, ref = tmp_path / "cache", tmp / "ref"  # 1 process, grad_accum 2
+    shutil.copytree(tmp / "cache", cache)
     two = tmp_path / "two"
     path = tmp_path / "two.yaml"
     path.write_text(yaml.safe_dump(_cfg(tiny_models, images, two, cache, world=2).model_dump(mode="json")))

@@ -24,8 +24,12 @@ AOT = CompileOptions(backend="aot_eager", shapes=4)
 WAN = adapter_class("wan")
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _fresh_compile_cache():
+    """Compiled graphs kept for the module, not per test: the streamed-compiled cases run the graphs the compiled
+    (resident) cases traced for the same block classes and nano-batch splits (~15 s of aot_eager each on 2 cores),
+    as a streamed run after a resident one does (dynamo's guards compile anew what the ring's views would need;
+    tests/test_compile.py counts that nothing does). A case run alone compiles its own."""
     compiled.reset()
     yield
     compiled.reset()

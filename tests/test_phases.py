@@ -323,12 +323,26 @@ def test_bench_writes_one_fp8_transformer_file_that_streams(tiny_models, tmp_pat
     assert torch.equal(q.weight.view(torch.uint8), w.view(torch.uint8)) and torch.all(q.weight_scale == s)
 
 
-def _bench_program(argv: list[str], capsys) -> str:
-    """bench_program's main in this process (its cache / fit / sample commands are its own subprocesses, as on a
-    GPU: only the bench's own start-up, ~4 s of imports, is saved); asserts it returned 0; its printed output."""
+def _bench_program(argv: list[str], capsys, monkeypatch) -> str:
+    """bench_program's main in this process; asserts it returned 0; its printed output. Its cache / fit / sample
+    commands (`python -m trainer ...`) are each a process of their own, as on a GPU, forked from tests/_ranks.py's
+    server, which imported torch, diffusers and the trainer once, instead of a fresh interpreter importing them
+    (~7 s of one core a command); the bench's own start-up (~4 s of imports) is saved too."""
+    import subprocess
+    import sys
+
+    from _ranks import Command
 
     from bench.program import bench_program as bp
 
+    popen = subprocess.Popen
+
+    def fork_trainer(cmd, *, env, stdout, stderr, cwd, **kw):
+        if cmd[:3] != [sys.executable, "-m", "trainer"] or stderr != subprocess.STDOUT or kw:
+            return popen(cmd, env=env, stdout=stdout, stderr=stderr, cwd=cwd, **kw)
+        return Command("trainer", cmd[3:], env, cwd, stdout.name)
+
+    monkeypatch.setattr(subprocess, "Popen", fork_trainer)
     rc = bp.main(argv)
     out = capsys.readouterr().out
     assert rc == 0, out[-4000:]
@@ -337,16 +351,17 @@ def _bench_program(argv: list[str], capsys) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transformer_file", [None, "fp8"])
-def test_bench_program_smoke_runs_cache_fit_sample_and_reports_phases(tmp_path, transformer_file, capsys):
+def test_bench_program_smoke_runs_cache_fit_sample_and_reports_phases(tmp_path, transformer_file, capsys,
+                                                                      monkeypatch):
     extra = ["--transformer-file", transformer_file] if transformer_file else []
-    out = _bench_program(["--smoke", "--families", "flux", "--work", str(tmp_path), *extra], capsys)
+    out = _bench_program(["--smoke", "--families", "flux", "--work", str(tmp_path), *extra], capsys, monkeypatch)
     for phase in ("text caching", "latent caching", "load", "training step", "sampling", "checkpoint save"):
         assert f"| {phase} |" in out
     assert (tmp_path / "flux" / "8gb" / "out" / "lora.safetensors").exists()
 
 
 @pytest.mark.slow
-def test_bench_program_smoke_trains_and_samples_video_families(tmp_path, capsys):
+def test_bench_program_smoke_trains_and_samples_video_families(tmp_path, capsys, monkeypatch):
     """bench_program --smoke on Wan 2.1 text-to-video and Wan 2.1 image-to-video: tiny models, mp4 clips at a
     size of their own (one bucket of 96x64 x 5 frames, uncropped), fit (caching, training, sampling during it)
     under the phase log; the samples are videos, the image-to-video one's from the first frame. (`dittrain sample`
@@ -354,7 +369,7 @@ def test_bench_program_smoke_trains_and_samples_video_families(tmp_path, capsys)
     import yaml
 
     out = _bench_program(["--smoke", "--families", "wan", "wan-i2v", "--commands", "fit", "--work", str(tmp_path)],
-                         capsys)
+                         capsys, monkeypatch)
     for phase in ("text caching", "latent caching", "load", "training step", "sampling"):
         assert f"| {phase} |" in out
     for family in ("wan", "wan-i2v"):
