@@ -129,7 +129,7 @@ def row(kind: str, cap_gb: float, folder: Path, images: Path, batch: int, tokens
     """One row in this process (see the module docstring)."""
     import torch
 
-    from trainer.captioning import run as crun
+    from trainer.captioning import captioner as crun
     from trainer.captioning import vlm
 
     _cap(cap_gb)
