@@ -511,8 +511,11 @@ def test_bench_is_a_package_without_path_edits():
     on_disk = {g: sorted(p.stem for p in (root / g).glob("*.py") if p.stem != "__init__") for g in bench.GROUPS}
     assert on_disk == {g: sorted(ns) for g, ns in bench.GROUPS.items()}
     assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py"]  # every module sits in a group
-    for path in root.rglob("*.py"):
-        assert "sys.path" not in path.read_text(), f"{path} edits sys.path"
+    for path in [*root.rglob("*.py"), *Path(__file__).parent.glob("*.py")]:
+        text = path.read_text()
+        assert path.parent.name == "tests" or "sys.path" not in text, f"{path} edits sys.path"
+        for group in re.findall(r"(?:from|import) bench\.(\w+)", text):  # imports inside functions too
+            assert group in bench.GROUPS, f"{path} imports bench.{group}: not a group of bench.GROUPS"
     for g, names in bench.GROUPS.items():
         for n in names:
             assert importlib.import_module(f"bench.{g}.{n}") is bench.module(n)

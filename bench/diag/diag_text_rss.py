@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import T5EncoderModel
 
-    from bench.bench_program import _meta, _save, _t5_cfg
+    from bench.program.bench_program import _meta, _save, _t5_cfg
     from trainer.data.cache import place_encoder
     from trainer.models.tiny import make_tiny_models
     from trainer.offload import conductor

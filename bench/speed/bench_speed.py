@@ -538,7 +538,7 @@ def main(argv=None) -> list[dict]:
 
         specs = [specs[0]] + [s for s in specs[1:] if first_key(s) is not None]
     if args.profile:
-        from bench.speed_profile import profile
+        from bench.speed.speed_profile import profile
 
         # --only picks the rows to profile (compiled ones too), in the order it names them (the first is the one
         # the others are compared to; each row is written as soon as it is done, so put the one that matters

@@ -80,7 +80,7 @@ def _gist(r: dict) -> str:
 
 def _setup(spec, args, dev):
     """The row's model, optimizer and one-step function, built as bench_speed builds them; (step, handle)."""
-    import bench.bench_speed as bs
+    import bench.speed.bench_speed as bs
 
     adapter, m = bs.build(args.family, dev, args.smoke, getattr(args, "layers", None), getattr(args, "variant", None))
     kw = bs.model_inputs(adapter, m, dev, args.res, getattr(args, "size", None), getattr(args, "frames", None))
@@ -128,14 +128,14 @@ def _timed_step(step, dev) -> float:
     """Seconds of one step: CUDA events on a GPU (the device's time), else the wall clock. (The host's issue time
     says nothing here: with ~10^4 kernels a step the launch queue fills and the host waits on the GPU anyway; the
     profiled kernel time against the wall time is what tells a GPU waiting on the host.)"""
-    import bench.bench_speed as bs
+    import bench.speed.bench_speed as bs
 
     bs.sync(dev)
     return step_seconds(step, 1, dev.type == "cuda")[0]
 
 
 def _record(spec, args, dev):
-    import bench.bench_speed as bs
+    import bench.speed.bench_speed as bs
 
     bs.compiled.reset()
     step, handle = _setup(spec, args, dev)
@@ -166,7 +166,7 @@ def _record(spec, args, dev):
 def interleaved(args, dev, specs: list[dict]) -> list[dict]:
     """Every row's model at once (`--layers` to fit them), warmed up, then their steps in turn, `--steps`
     rounds: drift of the machine over a run (clocks, heat, the host's other work) falls on every row alike."""
-    import bench.bench_speed as bs
+    import bench.speed.bench_speed as bs
 
     bs.compiled.reset()
     made = [_setup(s, args, dev) for s in specs]
@@ -189,7 +189,7 @@ def interleaved(args, dev, specs: list[dict]) -> list[dict]:
 
 
 def profile(args, dev, specs: list[dict] | None = None) -> list[dict]:
-    import bench.bench_speed as bs
+    import bench.speed.bench_speed as bs
 
     specs = specs or ROWS
     sort_dev = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
