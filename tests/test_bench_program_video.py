@@ -117,7 +117,8 @@ def test_config_trains_the_clips_at_their_size_and_samples_a_short_video(family,
     assert cfg.data.resolutions == [632] and cfg.data.bucket_step == 16 and cfg.data.clip_frames == 81
     assert (cfg.sample.width, cfg.sample.height, cfg.sample.frames) == (832, 480, 9) and cfg.sample.image == image
     assert cfg.model.quantize == "fp8" and cfg.model.transformer_file.name == bp.FILES["fp8"]
-    assert cfg.model.expert == ("high_noise" if family != "wan" else None) and cfg.offload.activations
+    # a family of experts keeps its preset's `model.expert` (the Wan 2.2 A14B LoRA presets train both experts)
+    assert cfg.model.expert == ("both" if family != "wan" else None) and cfg.offload.activations
 
 
 def test_a_family_without_presets_gets_a_streaming_config_and_another_card_the_nearest_preset():
