@@ -186,6 +186,31 @@ def test_sample_decodes_untiled_where_it_fits_else_tiled(tiny_models, monkeypatc
     assert note.startswith("note: the VAE decodes in 512 px tiles") and "4.1 GiB" in note and "4.0 GiB is free" in note
 
 
+def test_sample_decodes_a_clip_untiled_only_where_the_planners_count_fits(monkeypatch):
+    """A video family's `dittrain sample` decode is judged by the planner's count of its VAE on the clip, not the
+    image figure per pixel: Wan 2.2 TI2V-5B's 8 GB preset decoded 832x480 x 9 frames untiled next to its ring and ran
+    out of memory on an H200 capped at 7 GB (about 4 GB live in the decode, its weights 1.4 GB, the ring 1 GB)."""
+    import json
+
+    from trainer.models import adapter_class
+    from trainer.planner.vae import RESERVED_PER_COUNTED, _meta_vae, clip_peak
+    from trainer.sampling import placement
+
+    family = "wan2.2-ti2v-5b"
+    config = dict(adapter_class(family).full_vae_config)
+    vae = _meta_vae(family, json.dumps(config, sort_keys=True), torch.bfloat16)  # full size, on meta
+    need = placement.untiled_decode_bytes(vae, 480, 832, 9, family)
+    assert need == RESERVED_PER_COUNTED * clip_peak(family, config, torch.bfloat16, "decode", 832, 480, 9)
+    assert need > 5 * 2**30 > 2 * 2**30 > 480 * 832 * placement.UNTILED_DECODE_PER_PIXEL  # the image figure let it
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(placement, "cuda_headroom", lambda device: need + placement.DECODE_MARGIN)
+    assert placement.decode_for_sample(vae, cuda, 480, 832, 9, family) is None and not vae.use_tiling
+    monkeypatch.setattr(placement, "cuda_headroom", lambda device: need + placement.DECODE_MARGIN - 2**20)
+    note = placement.decode_for_sample(vae, cuda, 480, 832, 9, family)
+    assert vae.use_tiling and note.startswith("note: the VAE decodes in tiles (an untiled 832x480 decode needs")
+    vae.disable_tiling()  # the meta VAE is the planner's cached one
+
+
 def test_training_step_out_of_memory_keeps_its_advice_and_names_the_phase(tiny_models, tmp_path, monkeypatch):
     from trainer.train.trainer import Trainer
 

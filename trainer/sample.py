@@ -207,7 +207,8 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
             placed.enter_context(place_transformer(
                 adapter, tr, plan.device, plan.offload, compile_options(cfg, plan.device) or False,
                 fill=main and loader and loader.fill, keep_weights=False))  # the pipeline is dropped after the images
-        tiled = decode_for_sample(pipe.vae, plan.device, plan.settings.height, plan.settings.width)
+        tiled = decode_for_sample(pipe.vae, plan.device, plan.settings.height, plan.settings.width,
+                                  plan.settings.frames, adapter.family)
         if tiled:
             tqdm.write(tiled, file=sys.stderr)
         for job in progress_bar(plan.jobs, desc="images", unit="img", enabled=len(plan.jobs) > 1):

@@ -116,16 +116,35 @@ def process_fraction(device: torch.device) -> float:
     return torch.cuda.get_per_process_memory_fraction(index)
 
 
-def decode_for_sample(vae: nn.Module, device: torch.device, height: int, width: int) -> str | None:
+def decode_for_sample(vae: nn.Module, device: torch.device, height: int, width: int, frames: int = 1,
+                      family: str | None = None) -> str | None:
     """`dittrain sample`, once the transformer is placed: decode untiled (the pipeline's own decode, so the image
     equals `pipe(...)`'s) when that fits in what the device has free with `DECODE_MARGIN` to spare, else tiled
     (`tile_decode`). Returns a note when it tiles, None otherwise. An untiled 1024 px decode next to a streaming
-    ring ran Qwen-Image 2.1's 16 GB preset out of memory (bench/history/2026-11-25.md, 2026-11-25 21:40)."""
+    ring ran Qwen-Image 2.1's 16 GB preset out of memory (bench/history/2026-11-25.md, 2026-11-25 21:40); a video
+    family's decode (`family` declares a `full_vae_config`) is what the planner counts for a clip of `frames`
+    frames (planner/vae.py), not a figure per pixel of one image: Wan 2.2 TI2V-5B's 8 GB preset ran out of memory
+    decoding 832x480 untiled (bench/history/2026-11-27.md, 19:35)."""
     if device.type != "cuda" or height * width <= SAMPLE_TILE_PIXELS:
         return None
-    need, have = height * width * UNTILED_DECODE_PER_PIXEL, cuda_headroom(device)
+    need, have = untiled_decode_bytes(vae, height, width, frames, family), cuda_headroom(device)
     if need + DECODE_MARGIN <= have or not tile_decode(vae, height, width):
         return None
-    return (f"note: the VAE decodes in 512 px tiles (an untiled {width}x{height} decode needs about "
+    tiles = "512 px tiles" if hasattr(vae, "tile_sample_min_size") else "tiles"
+    return (f"note: the VAE decodes in {tiles} (an untiled {width}x{height} decode needs about "
             f"{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB is free): tile seams differ from the pipeline's "
             "untiled decode by a few levels")
+
+
+def untiled_decode_bytes(vae: nn.Module, height: int, width: int, frames: int = 1, family: str | None = None) -> float:
+    """Reserved bytes an untiled decode of one image (or a clip of `frames` frames of a video family) needs at its
+    peak, as the planner counts it."""
+    from ..models import adapter_class
+
+    if family is None or adapter_class(family).full_vae_config is None:
+        return height * width * UNTILED_DECODE_PER_PIXEL
+    from ..planner.vae import RESERVED_PER_COUNTED, clip_peak
+
+    config = {k: v for k, v in vae.config.items() if not k.startswith("_")}
+    dtype = next(vae.parameters()).dtype
+    return RESERVED_PER_COUNTED * clip_peak(family, config, dtype, "decode", width, height, frames)
