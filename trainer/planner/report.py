@@ -152,7 +152,9 @@ def _block_rows(cfg, facts: Facts, fraction: float) -> list[tuple]:
     # the parameters); the LoRA's own parameters sit inside the blocks and are counted on their row
     frozen = [p for b in facts.blocks for p in b.parameters() if not (facts.method == "lora" and p.requires_grad)]
     nparams = sum(p.numel() for p in frozen)
-    stored = sorted({_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in frozen}, key=lambda n: n != cfg.model.quantize)
+    # the quantized dtype first, then by name (a set's order changes with each process's string hashes)
+    stored = sorted({_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in frozen},
+                    key=lambda n: (n != cfg.model.quantize, n))
     if fraction > 0:
         copies = "every block" if pinned >= total_blocks else f"{_gb(pinned)} GB of blocks"
         note = f"f={fraction:.2f}: ring {_gb(ring)} GB; host copies of {copies}; {_gb(h2d)} GB H2D per step"
