@@ -169,12 +169,7 @@ class Conductor:
         self._h2d_log: list = []  # (start event, end event, bytes) of the last step's copies
         self._host_state: dict[int, dict[str, torch.Tensor]] = {}  # host_state_of's views, built once
 
-        self.packs = [
-            BlockPacking.of(b, include_trainable=trainable, state_layout=optimizer_state) for b in self.blocks
-        ]
-        for pk in self.packs:  # LoRA and other trainable params outside the packed region stay resident
-            for p in pk.resident:
-                p.data = p.data.to(self.device)
+        self.packs = self._pack_blocks(trainable, optimizer_state)
         self.pinning_note: str | None = None  # one line when the arena could not be pinned (or shared)
         self.staging = None
         self.shared = False  # the arena is one /dev/shm file for the processes of this host
@@ -184,18 +179,35 @@ class Conductor:
             raise ValueError("offload: the sharded stream packs no optimizer state beside the weights (each "
                              "process keeps its own parameters' state: trainer/train/owners.py)")
         if not self.streaming:
-            for i, (b, pk) in enumerate(zip(self.blocks, self.packs, strict=True)):
-                if fill is not None:  # straight onto the device, one tensor at a time
-                    views = [torch.empty(e.shape, dtype=e.dtype, device=self.device) for e in pk.entries]
-                    fill(i, pk.entries, views)
-                    pk.point_at(views)
-                b.to(self.device)
-            self.plan = None
-            self.ring = self.arena = None
+            self._place_resident(fill)
         else:
             self._setup_streaming(min_ring_blocks, fill, pinned_budget, share)
 
     # ------------------------------------------------------------------------------------------ setup
+    def _pack_blocks(self, trainable: bool, optimizer_state) -> list[BlockPacking]:
+        """Each block's packing (allocators.BlockPacking: its frozen parameters and buffers laid out in one byte
+        range; with `trainable`, its trainable weights too, with `optimizer_state` packed beside them); the
+        trainable parameters left out of it (a LoRA's) are moved to the device, where they stay."""
+        packs = [
+            BlockPacking.of(b, include_trainable=trainable, state_layout=optimizer_state) for b in self.blocks
+        ]
+        for pk in packs:  # LoRA and other trainable params outside the packed region stay resident
+            for p in pk.resident:
+                p.data = p.data.to(self.device)
+        return packs
+
+    def _place_resident(self, fill) -> None:
+        """Nothing streams: every block on the device (with `fill`, its tensors written straight onto the device
+        one at a time), and no plan, ring or arena."""
+        for i, (b, pk) in enumerate(zip(self.blocks, self.packs, strict=True)):
+            if fill is not None:  # straight onto the device, one tensor at a time
+                views = [torch.empty(e.shape, dtype=e.dtype, device=self.device) for e in pk.entries]
+                fill(i, pk.entries, views)
+                pk.point_at(views)
+            b.to(self.device)
+        self.plan = None
+        self.ring = self.arena = None
+
     def _make_arena(self, total: int, pinned_budget: int | None, buf, defer: bool = False) -> None:
         self.arena = HostArena(total, pin=self.cuda, budget=pinned_budget, pageable=True, buf=buf, defer=defer)
         if not defer:
@@ -212,67 +224,19 @@ class Conductor:
                                  f"buffers (slower; set offload.pinned_budget_gb to choose)")
 
     def _setup_streaming(self, min_ring_blocks: int, fill, pinned_budget: int | None, share) -> None:
-        sizes = [pk.nbytes for pk in self.packs]
-        if self.gather is not None:  # N equal slices per block (the padding is never read as weights)
-            sizes = [self.gather.padded(n) for n in sizes]
-        cap = capacity_for(sizes, self.fraction, min_blocks=min_ring_blocks)
-        self.plan: Plan = plan_for(sizes, cap, self.mode, min_ring_blocks)
-        streamed = self.plan.streamed
-        kept = [b for b in streamed if not self.checkpointed[b]]
-        if self.mode == "train" and kept:  # the same reason as in __init__, block by block
-            raise ValueError(f"offloading blocks in training needs per-block checkpointing: blocks {kept} stream at "
-                             f"fraction {self.fraction:g} but are not checkpointed")
-        self.host_off: dict[int, int] = {}
-        total = 0
-        for b in streamed:
-            self.host_off[b] = total
-            total += sizes[b]
-        use = None  # the SharedArena in use (issue 20), if sharing was asked for and this host can
-        if share is not None:
-            if any(pk.states or (self.gather is None and any(e.tensor().requires_grad for e in pk.entries))
-                   for pk in self.packs):
-                raise ValueError("offload: a shared arena holds frozen weights, or trainable ones under the sharded "
-                                 "stream (each process writes back its own slice); never optimizer state")
-            why = share.fits(total)
-            share.barrier()  # every process has looked at /dev/shm before the owner writes to it
-            if why is None:
-                use = share
-            else:
-                self.pinning_note = f"offload: every process keeps its own arena: {why}"
+        """The plan, the ring, the host arena and the copy streams. Host RAM order (issue 14): the blocks that
+        are never streamed go to the ring first and their CPU originals are dropped, then the arena is filled and
+        pinned, each streamed block's original dropped as soon as it is packed, so a model loaded whole into RAM
+        peaks at its streamed bytes twice, not whole + arena."""
+        sizes = self._plan_ring(min_ring_blocks)
+        total = self._arena_layout(sizes)
+        use = self._usable_share(share, total)  # the SharedArena in use (issue 20), if asked for and possible
         self.shared = use is not None
-        self.ring = Ring(cap, self.device)
+        self.ring = Ring(self.plan.capacity, self.device)
         #: block -> ring offset its packed bytes are loaded (or being loaded) at; None: not in the ring
         self.ring_offset: dict[int, int | None] = {b: None for b in range(len(self.blocks))}
-        # Host RAM order (issue 14): the blocks that are never streamed go to the ring first and their CPU
-        # originals are dropped, then the arena is pinned and each streamed block's original is dropped as soon
-        # as it is packed, so a model loaded whole into RAM peaks at its streamed bytes twice, not whole + arena.
-        for b, off in self.plan.initial.items():
-            if b in self.host_off:
-                continue  # filled from the arena below
-            dst = self.ring.region(off, sizes[b])
-            if fill is not None:
-                self.packs[b].write_into(dst, fill, b)  # tensor by tensor from the files into the ring
-            else:
-                tmp = torch.empty(sizes[b], dtype=torch.uint8)
-                self.packs[b].write_into(tmp)
-                dst.copy_(tmp)
-                self._drop_originals(b)
-            self.ring_offset[b] = off
-        # host copies of streamed blocks (read from the files straight into the arena with `fill`)
-        if use is None or use.owner:
-            self._make_arena(total, pinned_budget, use.create(total) if use is not None else None, defer=True)
-            with _every_core(use is not None):
-                for b in streamed:
-                    self.packs[b].write_into(self.arena.region(self.host_off[b], sizes[b]), fill, b)
-                    self._drop_originals(b)
-            self._pin_arena()  # after packing: RAM grows as the originals go
-        if share is not None:  # as many barriers on every host, whatever it decided
-            share.barrier()  # the owners have filled their files; the others map them
-            if use is not None and not use.owner:
-                self._make_arena(total, pinned_budget, use.map(total))
-            share.barrier()
-            if use is not None and use.owner:
-                use.unlink()  # the mappings stay; nothing is left in /dev/shm when the processes end
+        self._fill_ring_unstreamed(sizes, fill)
+        self._fill_arena(sizes, total, fill, pinned_budget, share, use)
         for b, off in self.plan.initial.items():  # streamed blocks that start in the ring
             if b in self.host_off:
                 self.ring.region(off, sizes[b]).copy_(self.arena.region(self.host_off[b], sizes[b]))
@@ -284,6 +248,88 @@ class Conductor:
                 self._point(b)
             else:
                 self._drop_originals(b)
+        self._start_streams()
+
+    def _plan_ring(self, min_ring_blocks: int) -> list[int]:
+        """The plan (plan.py `plan_for`) of the blocks' packed sizes at this fraction, refused in training where
+        a streamed block is not checkpointed; returns those sizes (under the sharded stream, padded to N equal
+        slices per block: the padding is never read as weights)."""
+        sizes = [pk.nbytes for pk in self.packs]
+        if self.gather is not None:
+            sizes = [self.gather.padded(n) for n in sizes]
+        cap = capacity_for(sizes, self.fraction, min_blocks=min_ring_blocks)
+        self.plan: Plan = plan_for(sizes, cap, self.mode, min_ring_blocks)
+        kept = [b for b in self.plan.streamed if not self.checkpointed[b]]
+        if self.mode == "train" and kept:  # the same reason as in __init__, block by block
+            raise ValueError(f"offloading blocks in training needs per-block checkpointing: blocks {kept} stream at "
+                             f"fraction {self.fraction:g} but are not checkpointed")
+        return sizes
+
+    def _arena_layout(self, sizes: list[int]) -> int:
+        """Each streamed block's offset in the host arena (`host_off`), one after the other in block order;
+        returns the arena's bytes."""
+        self.host_off: dict[int, int] = {}
+        total = 0
+        for b in self.plan.streamed:
+            self.host_off[b] = total
+            total += sizes[b]
+        return total
+
+    def _usable_share(self, share, total: int):
+        """`share` where this host can hold the arena as one /dev/shm file, else None (`pinning_note` says why);
+        every process looks before the owner writes. Refused where the arena would hold optimizer state, or
+        trainable weights outside the sharded stream."""
+        if share is None:
+            return None
+        if any(pk.states or (self.gather is None and any(e.tensor().requires_grad for e in pk.entries))
+               for pk in self.packs):
+            raise ValueError("offload: a shared arena holds frozen weights, or trainable ones under the sharded "
+                             "stream (each process writes back its own slice); never optimizer state")
+        why = share.fits(total)
+        share.barrier()  # every process has looked at /dev/shm before the owner writes to it
+        if why is None:
+            return share
+        self.pinning_note = f"offload: every process keeps its own arena: {why}"
+        return None
+
+    def _fill_ring_unstreamed(self, sizes: list[int], fill) -> None:
+        """The blocks the plan starts in the ring that never stream, packed into their ring regions (with
+        `fill`, tensor by tensor from the files; else from the blocks, whose CPU originals are then dropped)."""
+        for b, off in self.plan.initial.items():
+            if b in self.host_off:
+                continue  # filled from the arena
+            dst = self.ring.region(off, sizes[b])
+            if fill is not None:
+                self.packs[b].write_into(dst, fill, b)  # tensor by tensor from the files into the ring
+            else:
+                tmp = torch.empty(sizes[b], dtype=torch.uint8)
+                self.packs[b].write_into(tmp)
+                dst.copy_(tmp)
+                self._drop_originals(b)
+            self.ring_offset[b] = off
+
+    def _fill_arena(self, sizes: list[int], total: int, fill, pinned_budget: int | None, share, use) -> None:
+        """The host copies of the streamed blocks (read from the files straight into the arena with `fill`),
+        packed and then pinned; with a shared arena its owner fills the /dev/shm file and the host's other
+        processes map it, with as many barriers on every process whatever it decided."""
+        if use is None or use.owner:
+            self._make_arena(total, pinned_budget, use.create(total) if use is not None else None, defer=True)
+            with _every_core(use is not None):
+                for b in self.plan.streamed:
+                    self.packs[b].write_into(self.arena.region(self.host_off[b], sizes[b]), fill, b)
+                    self._drop_originals(b)
+            self._pin_arena()  # after packing: RAM grows as the originals go
+        if share is not None:  # as many barriers on every host, whatever it decided
+            share.barrier()  # the owners have filled their files; the others map them
+            if use is not None and not use.owner:
+                self._make_arena(total, pinned_budget, use.map(total))
+            share.barrier()
+            if use is not None and use.owner:
+                use.unlink()  # the mappings stay; nothing is left in /dev/shm when the processes end
+
+    def _start_streams(self) -> None:
+        """The copy streams (host to device; device to host for trainable blocks' write-back) after a sync, and
+        the first step's tables: the conductor is at the start of step 0."""
         self.loaded_event: dict[int, object] = {}
         self.dirty: set[int] = set()
         if self.cuda:

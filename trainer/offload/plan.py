@@ -175,102 +175,19 @@ def make_plan(
 ) -> Plan:
     """Simulate the ring until its state at a step boundary repeats; see the module docstring.
 
-    `fixed` blocks sit at the start of the ring for good; the others stream through the rest of it."""
+    `fixed` blocks sit at the start of the ring for good; the others stream through the rest of it. The ring
+    starts filled (`_Ring.fill`), runs whole steps until a step starts as an earlier one did (`_Ring.run`), and
+    its loads are then grouped by the step their release point falls in (`_loads_per_step`)."""
     sizes = tuple(int(s) for s in sizes)
-    n = len(sizes)
-    if n == 0:
+    if not sizes:
         raise ValueError("no blocks")
     if max(sizes) > capacity:
         raise PlanError(f"ring of {capacity} bytes is smaller than the largest block ({max(sizes)} bytes)")
-    seq = sequence_for(mode, n)
-    L = len(seq)
-
-    # Initial state: fixed blocks first, then the others in first-use order, packed upwards while they fit.
-    base = 0
-    initial: dict[int, int] = {}
-    for b in sorted(fixed):
-        initial[b] = base
-        base += sizes[b]
-    if any(sizes[b] > capacity - base for b in range(n) if b not in fixed):
-        raise PlanError(f"ring of {capacity} bytes leaves too little room beside the {base} fixed bytes")
-    res: dict[int, tuple[int, int]] = {}  # streamed block -> (offset, loaded_for position)
-    ptr = base
-    for _, b in seq:
-        if b in res or b in fixed:
-            continue
-        if ptr + sizes[b] > capacity:
-            break
-        res[b] = (ptr, 0)
-        ptr += sizes[b]
-    initial.update({b: off for b, (off, _) in res.items()})
-
-    last_use: dict[int, int] = {}
-    last_after = -1
-    loads: list[Load] = []
-    seen: dict[tuple, int] = {}
-    states: list[dict[int, int]] = []
-    t = 0
-    loop = None
-    nsteps = extra = 0
-    for step in range(max_steps + 3):
-        key = (
-            ptr,
-            last_after - step * L if last_after >= 0 else None,
-            tuple(
-                sorted(
-                    (b, off, last_use.get(b, -1) >= lf, last_use.get(b, -(10**9)) - step * L)
-                    for b, (off, lf) in res.items()
-                )
-            ),
-        )
-        if loop is None and key in seen:
-            # Plan two more steps so that loads released in the last step but used in the next are known.
-            loop, nsteps, extra = seen[key], step, 2
-        if loop is not None:
-            if extra == 0:
-                break
-            extra -= 1
-        else:
-            seen[key] = step
-            states.append({**{b: initial[b] for b in fixed}, **{b: off for b, (off, _) in res.items()}})
-        for _ in range(L):
-            pas, b = seq[t % L]
-            if b not in res and b not in fixed:
-                direction = 1 if pas == FWD else -1
-                start, new_ptr = _place(ptr, sizes[b], direction, capacity, base)
-                end = start + sizes[b]
-                claimed = [x for x, (off, _) in res.items() if off < end and start < off + sizes[x]]
-                after = last_after
-                for x in claimed:
-                    off_x, loaded_for = res[x]
-                    if loaded_for >= t or x not in last_use or last_use[x] < loaded_for:
-                        raise PlanError(
-                            f"ring of {capacity} bytes too small: loading block {b} would evict block {x} "
-                            "before it is used"
-                        )
-                    after = max(after, last_use[x])
-                for x in claimed:
-                    del res[x]
-                res[b] = (start, t)
-                ptr = new_ptr
-                loads.append(Load(b, start, after, t, tuple(sorted(claimed))))
-                last_after = after
-            last_use[b] = t
-            t += 1
-    if loop is None:
-        raise PlanError(f"schedule did not become periodic within {max_steps} steps")
-
-    # Group loads by the step their release point falls in; positions relative to that step.
-    per_step: list[list[Load]] = [[] for _ in range(nsteps)]
-    for ld in loads:
-        if ld.after < 0:
-            continue
-        s = ld.after // L
-        if s >= nsteps:
-            continue
-        per_step[s].append(Load(ld.block, ld.offset, ld.after - s * L, ld.use - s * L, ld.claims))
-    # Loads with after == -1 fit in free space at the start: they join the initial state.
-    for ld in loads:
+    seq = sequence_for(mode, len(sizes))
+    ring = _Ring(sizes, capacity, seq, fixed)
+    initial = ring.fill()
+    loop, nsteps = ring.run(max_steps)
+    for ld in ring.loads:  # loads with after == -1 fit in free space at the start: they join the initial state
         if ld.after < 0:
             initial[ld.block] = ld.offset
     return Plan(
@@ -279,10 +196,128 @@ def make_plan(
         capacity=capacity,
         sequence=seq,
         initial=initial,
-        steps=tuple(tuple(s) for s in per_step),
+        steps=_loads_per_step(ring.loads, nsteps, len(seq)),
         loop=loop,
-        states=tuple(states[:nsteps]),
+        states=tuple(ring.states[:nsteps]),
     )
+
+
+class _Ring:
+    """The ring while `make_plan` simulates it: where each block sits, the moving pointer, each block's last use
+    and the loads issued so far. Positions count executions from the first step on (`t`)."""
+
+    def __init__(self, sizes: tuple[int, ...], capacity: int, seq: tuple[tuple[str, int], ...],
+                 fixed: frozenset[int] | set[int]):
+        self.sizes, self.capacity, self.seq, self.fixed = sizes, capacity, seq, fixed
+        self.fixed_at: dict[int, int] = {}  # fixed block -> ring offset
+        self.base = 0  # end of the fixed blocks: the streamed ones wrap inside [base, capacity)
+        self.res: dict[int, tuple[int, int]] = {}  # streamed block -> (offset, loaded_for position)
+        self.ptr = 0
+        self.last_use: dict[int, int] = {}
+        self.last_after = -1  # the latest release point a load waited for: loads are issued in order
+        self.loads: list[Load] = []
+        self.states: list[dict[int, int]] = []  # residency at the start of each step before the repeat
+        self.t = 0  # the position: executions since the start of the first step
+
+    def fill(self) -> dict[int, int]:
+        """The state before the first step, {block: offset}: the fixed blocks first, then the others in
+        first-use order, packed upwards while they fit."""
+        for b in sorted(self.fixed):
+            self.fixed_at[b] = self.base
+            self.base += self.sizes[b]
+        streamed = [b for b in range(len(self.sizes)) if b not in self.fixed]
+        if any(self.sizes[b] > self.capacity - self.base for b in streamed):
+            raise PlanError(
+                f"ring of {self.capacity} bytes leaves too little room beside the {self.base} fixed bytes"
+            )
+        self.ptr = self.base
+        for _, b in self.seq:
+            if b in self.res or b in self.fixed:
+                continue
+            if self.ptr + self.sizes[b] > self.capacity:
+                break
+            self.res[b] = (self.ptr, 0)
+            self.ptr += self.sizes[b]
+        return {**self.fixed_at, **{b: off for b, (off, _) in self.res.items()}}
+
+    def run(self, max_steps: int) -> tuple[int, int]:
+        """Run whole steps until one starts in the state an earlier one started in, then two more so that loads
+        released in the last step but used in the next are known; returns (the earlier step: where the loop
+        starts, the step that repeats it). At most max_steps + 3 steps are simulated, the two after the repeat
+        counted (a repeat found at the last one runs only one more)."""
+        limit = max_steps + 3
+        seen: dict[tuple, int] = {}
+        for step in range(limit):
+            key = self._key(step)
+            if key in seen:
+                for _ in range(min(2, limit - step)):
+                    self._step()
+                return seen[key], step
+            seen[key] = step
+            self.states.append({**{b: self.fixed_at[b] for b in self.fixed},
+                                **{b: off for b, (off, _) in self.res.items()}})
+            self._step()
+        raise PlanError(f"schedule did not become periodic within {max_steps} steps")
+
+    def _key(self, step: int) -> tuple:
+        """The state at the start of `step`, positions relative to it: the pointer, the last release point, and
+        each resident block's offset, whether it has been used since it was loaded and its last use."""
+        L = len(self.seq)
+        return (
+            self.ptr,
+            self.last_after - step * L if self.last_after >= 0 else None,
+            tuple(
+                sorted(
+                    (b, off, self.last_use.get(b, -1) >= lf, self.last_use.get(b, -(10**9)) - step * L)
+                    for b, (off, lf) in self.res.items()
+                )
+            ),
+        )
+
+    def _step(self) -> None:
+        """One step of the sequence: each block that is needed but not resident is loaded (`_load`)."""
+        for _ in range(len(self.seq)):
+            pas, b = self.seq[self.t % len(self.seq)]
+            if b not in self.res and b not in self.fixed:
+                self._load(pas, b)
+            self.last_use[b] = self.t
+            self.t += 1
+
+    def _load(self, pas: str, b: int) -> None:
+        """Place block `b` at the pointer (upwards in forward, downwards in backward, wrapping); it claims the
+        blocks it overlaps, and its copy waits until each has passed its last use."""
+        start, new_ptr = _place(self.ptr, self.sizes[b], 1 if pas == FWD else -1, self.capacity, self.base)
+        end = start + self.sizes[b]
+        claimed = [x for x, (off, _) in self.res.items() if off < end and start < off + self.sizes[x]]
+        after = self.last_after
+        for x in claimed:
+            _, loaded_for = self.res[x]
+            if loaded_for >= self.t or x not in self.last_use or self.last_use[x] < loaded_for:
+                raise PlanError(
+                    f"ring of {self.capacity} bytes too small: loading block {b} would evict block {x} "
+                    "before it is used"
+                )
+            after = max(after, self.last_use[x])
+        for x in claimed:
+            del self.res[x]
+        self.res[b] = (start, self.t)
+        self.ptr = new_ptr
+        self.loads.append(Load(b, start, after, self.t, tuple(sorted(claimed))))
+        self.last_after = after
+
+
+def _loads_per_step(loads: list[Load], nsteps: int, L: int) -> tuple[tuple[Load, ...], ...]:
+    """The loads of the first `nsteps` steps, each in the step its release point falls in, with positions
+    relative to that step; loads before the first step (after == -1) are left to the initial state."""
+    per_step: list[list[Load]] = [[] for _ in range(nsteps)]
+    for ld in loads:
+        if ld.after < 0:
+            continue
+        s = ld.after // L
+        if s >= nsteps:
+            continue
+        per_step[s].append(Load(ld.block, ld.offset, ld.after - s * L, ld.use - s * L, ld.claims))
+    return tuple(tuple(s) for s in per_step)
 
 
 def plan_for(sizes: list[int] | tuple[int, ...], capacity: int, mode: str, min_blocks: int = 2) -> Plan:

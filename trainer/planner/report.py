@@ -47,145 +47,164 @@ def report(
 ) -> tuple[list[str], float | None]:
     """The lines `dittrain plan` prints, and the chosen fraction (None when no budget was given); with `width`,
     fitted to that many columns (trainer/planner/text.py); `gpus` > 1: also the step of each of that many
-    processes of one host (`_several`)."""
+    processes of one host (`_several`).
+
+    The sections, in order: what is trained; with a budget, `auto`'s choice of fraction (and of the blocks that
+    keep their activations); the components at the fraction shown (the chosen one, else the config's, else 0);
+    activations per bucket; the table per fraction; with `gpus`, the processes of one host; sampling; the phases
+    of `fit`; with `ram_gb`, the RAM verdict; the assumptions."""
     facts = facts or analyze(cfg)
     rates = rates or ptime.reference_rates()
     act = cfg.offload.activations
     big = max(facts.resolutions)
-    video = facts.adapter.video
-    lines = [
-        f"dittrain plan: {facts.family} {facts.method}"
-        + (
-            f" rank {cfg.lora.rank}"
-            if facts.method == "lora"
-            else f" ({facts.optimizer}, fused back pass)"
-            if facts.fused
-            else f" ({facts.optimizer})"
-        )
-        + f", batch {facts.batch}, buckets {', '.join(map(str, facts.resolutions))} px"
-        + (f", clips of {facts.frames} frames" if video else ""),
-        quant.describe(cfg.model.quantize, cfg.model.quantize_modulation, cfg.model.dtype, cfg.model.fp8_matmul)
+    budget = vram_gb if vram_gb is not None else cfg.offload.vram_budget_gb
+    lines = _title(cfg, facts)
+    choice, chosen = _choice(cfg, facts, budget)
+    lines += choice
+    shown = chosen if chosen is not None else (_fraction_of(cfg) or 0.0)
+    if cfg.train.gradient_checkpointing == "auto":
+        lines += _checkpointing(cfg, facts, shown, budget)
+    lines += _components(cfg, facts, shown, width)
+    lines += _activations(facts, width)
+    fractions = _table_fractions(cfg, facts, chosen)
+    lines += _per_fraction(cfg, facts, fractions, chosen, rates, width)
+    if gpus > 1:
+        several = _several if facts.method == "lora" else _several_full
+        lines += several(facts, [f for f in fractions if f > 0], big, act, rates, gpus, width)
+    s = cfg.sample  # a video family samples the config's clip (`dittrain sample`'s default); images the bucket
+    clip = (s.width, s.height, s.frames) if facts.adapter.video else None
+    lines += _sampling(facts, fractions, big, rates, cfg_batch(facts.family, s.guidance), width, clip)
+    lines += _phases(cfg, facts, shown, budget, width)
+    if ram_gb is not None:
+        lines.append(_ram_line(facts, shown, ram_gb, act, rates)[0])
+    lines += _assumptions(facts, rates)
+    return wrap(lines, width), chosen
+
+
+def _title(cfg, facts: Facts) -> list[str]:
+    """What is trained (family, method, batch, buckets, clip length), the weights' storage and the model's
+    source, then a blank line."""
+    if facts.method == "lora":
+        method = f" rank {cfg.lora.rank}"
+    elif facts.fused:
+        method = f" ({facts.optimizer}, fused back pass)"
+    else:
+        method = f" ({facts.optimizer})"
+    m = cfg.model
+    return [
+        f"dittrain plan: {facts.family} {facts.method}{method}, batch {facts.batch}, "
+        f"buckets {', '.join(map(str, facts.resolutions))} px"
+        + (f", clips of {facts.frames} frames" if facts.adapter.video else ""),
+        quant.describe(m.quantize, m.quantize_modulation, m.dtype, m.fp8_matmul)
         + ("; LoRA fp32" if facts.method == "lora" else ""),
         f"model: {facts.source}",
         "",
     ]
-    total_blocks = sum(facts.packed)
-    rows = [("component", "params (B)", "dtype", "GB", "on GPU GB", "pinned host GB", "note")]
-    frac = _fraction_of(cfg)
-    budget = vram_gb if vram_gb is not None else cfg.offload.vram_budget_gb
-    chosen = None
-    if budget is not None:
-        chosen = choose_fraction(cfg, budget, facts=facts, log=lambda s: lines.append(s))
-        lines.append("")
-    f_show = chosen if chosen is not None else (frac or 0.0)
-    if cfg.train.gradient_checkpointing == "auto":  # which blocks keep their activations, and the cost
-        from .checkpointing import choose_checkpointing
 
-        choose_checkpointing(cfg, f_show, budget * GB if budget is not None else None, facts=facts,
-                             log=lambda s: lines.append(s))
-        lines.append("")
-    ring, pinned, h2d = streaming(facts.packed, f_show)
-    # Parameters counted, not bytes divided by the model dtype's size (an 8-bit base has half the bytes, not half
-    # the parameters); the LoRA's own parameters sit inside the blocks and are counted on their row
-    frozen = [p for b in facts.blocks for p in b.parameters() if not (facts.method == "lora" and p.requires_grad)]
-    nparams = sum(p.numel() for p in frozen)
-    stored = sorted({_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in frozen}, key=lambda n: n != cfg.model.quantize)
-    if f_show > 0:
-        copies = "every block" if pinned >= total_blocks else f"{_gb(pinned)} GB of blocks"
-        note = f"f={f_show:.2f}: ring {_gb(ring)} GB; host copies of {copies}; {_gb(h2d)} GB H2D per step"
-    else:
-        note = "f=0: resident"
-    rows.append(
-        (
-            f"transformer blocks ({len(facts.blocks)})",
-            f"{nparams / 1e9:.2f}",
-            "+".join(stored),
-            _gb(total_blocks),
-            _gb(ring),
-            _gb(pinned),
-            note,
-        )
-    )
-    rows.append(
-        (
-            "transformer non-block",
-            f"{facts.nonblock_params / 1e9:.2f}",
-            cfg.model.dtype,
-            _gb(facts.nonblock_bytes),
-            _gb(facts.nonblock_bytes),
-            "0.00",
-            "embedders, final norm and projection",
-        )
-    )
-    if facts.method == "lora":
-        rows.append(
-            (
-                f"LoRA (fp32 + {facts.optimizer})",
-                f"{facts.trainable_params / 1e9:.3f}",
-                "fp32",
-                _gb(facts.trainable_params * 4),
-                _gb(predict(facts, 0.0, big, act).trainable),
-                "0.00",
-                "weights, gradients and optimizer state",
-            )
-        )
-    else:
-        p_show = predict(facts, f_show, big, act)
-        state_host = p_show.pinned - pinned
-        rows.append(
-            (
-                f"optimizer state ({facts.optimizer}, fp32) + gradients",
-                "-",
-                "fp32",
-                _gb(sum(facts.block_states) + facts.state_gpu),
-                _gb(p_show.trainable),
-                _gb(state_host),
-                "streamed blocks' state in pinned RAM, on the GPU while its parameter steps"
-                if state_host
-                else "all on the GPU",
-            )
-        )
-    f_te = cfg.offload.text_encoders
-    for size in text_sizes(facts):  # as the loader builds and slims it; the ring holds whole blocks
-        gpu = size.on_gpu(f_te)
-        rows.append(
-            (
-                f"text encoder {size.name}",
-                "-",
-                cfg.model.dtype if cfg.model.quantize_text_encoders == "none" else cfg.model.quantize_text_encoders,
-                _gb(size.gpu),
-                _gb(gpu),
-                _gb(size.gpu - gpu),
-                f"f={f_te:.2f} (offload.text_encoders)",
-            )
-        )
-    lines += _table(rows, note=True, width=width)
+
+def _choice(cfg, facts: Facts, budget: float | None) -> tuple[list[str], float | None]:
+    """With a VRAM budget (GB): the fraction `auto` picks for it and the planner's reasoning lines, then a
+    blank line; without one, no lines and None."""
+    if budget is None:
+        return [], None
+    lines: list[str] = []
+    chosen = choose_fraction(cfg, budget, facts=facts, log=lines.append)
+    return [*lines, ""], chosen
+
+
+def _checkpointing(cfg, facts: Facts, fraction: float, budget: float | None) -> list[str]:
+    """train.gradient_checkpointing: auto: which blocks keep their activations at `fraction`, and the cost
+    (trainer/planner/checkpointing.py), then a blank line."""
+    from .checkpointing import choose_checkpointing
+
+    lines: list[str] = []
+    budget_bytes = budget * GB if budget is not None else None
+    choose_checkpointing(cfg, fraction, budget_bytes, facts=facts, log=lines.append)
+    return [*lines, ""]
+
+
+def _components(cfg, facts: Facts, fraction: float, width: int | None) -> list[str]:
+    """The table of what takes memory at `fraction` (blocks, the rest of the transformer, the trainable part,
+    the text encoders; total, on the GPU, in pinned host RAM) and whether the text encoders run during
+    training."""
+    rows = [("component", "params (B)", "dtype", "GB", "on GPU GB", "pinned host GB", "note")]
+    rows += _block_rows(cfg, facts, fraction)
+    rows += _text_encoder_rows(cfg, facts)
     cached = cfg.data is None or cfg.data.cache
-    lines.append(
+    return [
+        *_table(rows, note=True, width=width),
         "text encoders run "
         + (
             "in `dittrain cache` only (data.cache: true): not in the training peak"
             if cached
             else "during training (data.cache: false): add their resident GB"
-        )
-    )
-    lines += [
-        "",
+        ),
+    ]
+
+
+def _block_rows(cfg, facts: Facts, fraction: float) -> list[tuple]:
+    """The components table's rows of the transformer: its blocks (ring, host copies and copies per step at
+    `fraction`), the rest of it, and the trainable part (a LoRA with its optimizer, or a full fine-tune's
+    optimizer state and gradients)."""
+    total_blocks = sum(facts.packed)
+    ring, pinned, h2d = streaming(facts.packed, fraction)
+    # Parameters counted, not bytes divided by the model dtype's size (an 8-bit base has half the bytes, not half
+    # the parameters); the LoRA's own parameters sit inside the blocks and are counted on their row
+    frozen = [p for b in facts.blocks for p in b.parameters() if not (facts.method == "lora" and p.requires_grad)]
+    nparams = sum(p.numel() for p in frozen)
+    # the quantized dtype first, then by name (a set's order changes with each process's string hashes)
+    stored = sorted({_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in frozen},
+                    key=lambda n: (n != cfg.model.quantize, n))
+    if fraction > 0:
+        copies = "every block" if pinned >= total_blocks else f"{_gb(pinned)} GB of blocks"
+        note = f"f={fraction:.2f}: ring {_gb(ring)} GB; host copies of {copies}; {_gb(h2d)} GB H2D per step"
+    else:
+        note = "f=0: resident"
+    rows = [
+        (f"transformer blocks ({len(facts.blocks)})", f"{nparams / 1e9:.2f}", "+".join(stored),
+         _gb(total_blocks), _gb(ring), _gb(pinned), note),
+        ("transformer non-block", f"{facts.nonblock_params / 1e9:.2f}", cfg.model.dtype,
+         _gb(facts.nonblock_bytes), _gb(facts.nonblock_bytes), "0.00", "embedders, final norm and projection"),
+    ]
+    big, act = max(facts.resolutions), cfg.offload.activations
+    if facts.method == "lora":
+        rows.append((f"LoRA (fp32 + {facts.optimizer})", f"{facts.trainable_params / 1e9:.3f}", "fp32",
+                     _gb(facts.trainable_params * 4), _gb(predict(facts, 0.0, big, act).trainable), "0.00",
+                     "weights, gradients and optimizer state"))
+    else:
+        p = predict(facts, fraction, big, act)
+        state_host = p.pinned - pinned
+        rows.append((f"optimizer state ({facts.optimizer}, fp32) + gradients", "-", "fp32",
+                     _gb(sum(facts.block_states) + facts.state_gpu), _gb(p.trainable), _gb(state_host),
+                     "streamed blocks' state in pinned RAM, on the GPU while its parameter steps"
+                     if state_host else "all on the GPU"))
+    return rows
+
+
+def _text_encoder_rows(cfg, facts: Facts) -> list[tuple]:
+    """The components table's rows of the text encoders, as the loader builds and slims them, at
+    offload.text_encoders (the ring holds whole blocks)."""
+    f_te = cfg.offload.text_encoders
+    dtype = cfg.model.dtype if cfg.model.quantize_text_encoders == "none" else cfg.model.quantize_text_encoders
+    rows = []
+    for size in text_sizes(facts):
+        gpu = size.on_gpu(f_te)
+        rows.append((f"text encoder {size.name}", "-", dtype, _gb(size.gpu), _gb(gpu), _gb(size.gpu - gpu),
+                     f"f={f_te:.2f} (offload.text_encoders)"))
+    return rows
+
+
+def _activations(facts: Facts, width: int | None) -> list[str]:
+    """Activations per bucket, resident: the checkpointed block inputs, one block's backward working set and the
+    rest; and with activation offloading, what stays on the GPU and what goes to the host."""
+    video = facts.adapter.video
+    title = (
         "Activations per bucket (GB; checkpoint inputs of all blocks, one block's backward working set"
         + (f", its token-wise sub-layers in {facts.nano_batches} token chunks: offload.nano_batches"
-           if facts.nano_batches > 1 else "") + "):",
-    ]
-    rows = [
-        (
-            "bucket",
-            "clip+text tokens" if video else "image+text tokens",
-            "ckpt inputs",
-            "block working set",
-            "other",
-            "with act. offload: GPU",
-            "host",
-        )
-    ]
+           if facts.nano_batches > 1 else "") + "):"
+    )
+    rows = [("bucket", "clip+text tokens" if video else "image+text tokens", "ckpt inputs", "block working set",
+             "other", "with act. offload: GPU", "host")]
     for res in facts.resolutions:
         p0, p1 = predict(facts, 0.0, res, False), predict(facts, 0.0, res, True)
         n_img = facts.tokens(res) * (1 + facts.references)  # + references
@@ -201,37 +220,33 @@ def report(
                 _gb(p1.act_checkpoint_host),
             )
         )
-    lines += _table(rows, width=width)
-    fr = sorted(
+    return ["", title, *_table(rows, width=width)]
+
+
+def _table_fractions(cfg, facts: Facts, chosen: float | None) -> list[float]:
+    """The fractions the per-fraction and sampling tables show: the usual ones (`TABLE_FRACTIONS`), the chosen
+    one and the config's; only 0 where blocks cannot stream (no gradient checkpointing, or a full fine-tune
+    without the fused back pass)."""
+    if not facts.checkpointing or (facts.method == "full" and not facts.fused):
+        return [0.0]
+    frac = _fraction_of(cfg)
+    return sorted(
         set(TABLE_FRACTIONS)
         | ({chosen} if chosen is not None else set())
         | ({frac} if frac is not None else set())
     )
-    if not facts.checkpointing or (facts.method == "full" and not facts.fused):
-        fr = [0.0]
+
+
+def _per_fraction(cfg, facts: Facts, fractions: list[float], chosen: float | None, rates,
+                  width: int | None) -> list[str]:
+    """The table per offload fraction at the largest bucket: memory (ring, trainable, activations, peaks, RAM)
+    and the step's time (GPU, host, PCIe alone, and the replayed step against the resident one); the chosen
+    fraction, else the config's, marked."""
+    act, big, frac = cfg.offload.activations, max(facts.resolutions), _fraction_of(cfg)
     base = predict(facts, 0.0, big, False, rates)
-    lines += [
-        "",
-        f"Per fraction at the largest bucket ({big} px), activation offloading {'on' if act else 'off'} (GB, s):",
-    ]
-    rows = [
-        (
-            "fraction",
-            "ring",
-            "trainable",
-            "activations",
-            "peak alloc",
-            "peak reserved",
-            "pinned RAM",
-            "peak RAM",
-            "GPU",
-            "host",
-            "PCIe",
-            "step",
-            "vs resident",
-        )
-    ]
-    for f in fr:
+    rows = [("fraction", "ring", "trainable", "activations", "peak alloc", "peak reserved", "pinned RAM", "peak RAM",
+             "GPU", "host", "PCIe", "step", "vs resident")]
+    for f in fractions:
         p = predict(facts, f, big, act, rates)
         mark = (
             " <- chosen"
@@ -255,18 +270,18 @@ def report(
                 f"{p.step_s / base.step_s:.2f}x",
             )
         )
-    lines += _table(rows, width=width)
-    if gpus > 1 and facts.method == "lora":
-        lines += _several(facts, [f for f in fr if f > 0], big, act, rates, gpus, width)
-    elif gpus > 1:
-        lines += _several_full(facts, [f for f in fr if f > 0], big, act, rates, gpus, width)
-    s = cfg.sample  # a video family samples the config's clip (`dittrain sample`'s default); images the bucket
-    clip = (s.width, s.height, s.frames) if video else None
-    lines += _sampling(facts, fr, big, rates, cfg_batch(facts.family, s.guidance), width, clip)
-    lines += _phases(cfg, facts, f_show, budget, width)
-    if ram_gb is not None:
-        lines.append(_ram_line(facts, f_show, ram_gb, act, rates)[0])
-    lines += [
+    return [
+        "",
+        f"Per fraction at the largest bucket ({big} px), activation offloading {'on' if act else 'off'} (GB, s):",
+        *_table(rows, width=width),
+    ]
+
+
+def _assumptions(facts: Facts, rates) -> list[str]:
+    """The closing list of what the predictions assume: the rates, the reserved-memory and working-set models,
+    the tokens and clips, the step's replay."""
+    video = facts.adapter.video
+    return [
         "",
         "Assumptions (predictions, not measurements):",
         f"- rates: {rates.source}",
@@ -282,7 +297,6 @@ def report(
         "over the offload plan (GPU = kernels alone, host = launches alone, PCIe = copies alone); without a GPU "
         "measurement, GPU time scales the reference by FLOPs and host time by traced operations",
     ]
-    return wrap(lines, width), chosen
 
 
 def _ram_line(facts: Facts, fraction: float, ram_gb: float, act: bool, rates) -> tuple[str, bool]:

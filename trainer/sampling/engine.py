@@ -24,11 +24,12 @@ its batch), negative prompts for Flux's "true CFG". VAE tiling is the callers' (
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -182,6 +183,24 @@ def generate(
     if len(prompts) != len(seeds):
         raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds")
     pipe = _as_pipeline(pipe_or_components, adapter)
+    with _ready_to_denoise(pipe, adapter, transformer, progress) as model:
+        ref_image = settings.reference()
+        encoded = _encode_texts(pipe, adapter, prompts, settings, ref_image)
+        device = pipe._execution_device
+        reference = _reference_kwargs(pipe, adapter, ref_image)
+        images = []
+        with adapter.sampling_hooks(model):  # the family's (Qwen-Image 2.1: its KV cache kept compact)
+            for prompt, seed in zip(prompts, seeds, strict=True):
+                embeds = next(encoded) if isinstance(prompt, str) else prompt
+                images.append(_denoise(pipe, adapter, embeds, seed, settings, device, reference, output_type))
+        return images
+
+
+@contextlib.contextmanager
+def _ready_to_denoise(pipe, adapter: Any, transformer: torch.nn.Module | None, progress: bool):
+    """The pipeline made ready for `generate` and given back as it was: `transformer` (when given) swapped into
+    the family's slot by reference, the model denoising in eval mode, the progress bar set, Qwen-Image's mask
+    notice filtered (`_DropMaskNotice`). Yields the model that denoises."""
     slot = getattr(adapter, "transformer_dir", "transformer")  # a family of experts: the trained expert's component
     old = getattr(pipe, slot)
     model = transformer if transformer is not None else old
@@ -193,54 +212,55 @@ def generate(
     pipe_logger, quiet = logging.getLogger(type(pipe).__module__), _DropMaskNotice()
     pipe_logger.addFilter(quiet)
     try:
-        texts = [p for p in prompts if isinstance(p, str)]
-        ref_image = settings.reference()
-        encoded = (
-            iter(
-                encode_prompts(
-                    pipe,
-                    adapter.family,
-                    texts,
-                    guidance=settings.guidance,
-                    negative_prompt=settings.negative_prompt,
-                    image=ref_image,
-                )
-            )
-            if texts
-            else iter(())
-        )
-        device = pipe._execution_device
-        reference = adapter.pipeline_image(pipe, ref_image)
-        # the negative prompt travels as embeddings; pipelines that take a text one too must not re-encode it
-        # (Flux.2's take none)
-        if "negative_prompt" in inspect.signature(pipe.__call__).parameters:
-            reference = {**reference, "negative_prompt": None}
-        images = []
-        with adapter.sampling_hooks(model):  # the family's (Qwen-Image 2.1: its KV cache kept compact)
-            for prompt, seed in zip(prompts, seeds, strict=True):
-                embeds = next(encoded) if isinstance(prompt, str) else prompt
-                generator = torch.Generator("cpu").manual_seed(int(seed))
-                out = pipe(
-                    **_to(embeds, device),
-                    **adapter.pipeline_guidance(pipe, settings.guidance),
-                    # a family of two experts: the low-noise steps' own guidance (sample.guidance_2)
-                    **({"guidance_scale_2": settings.guidance_2} if settings.guidance_2 is not None else {}),
-                    **reference,
-                    **adapter.pipeline_size(pipe, settings.width, settings.height),
-                    **adapter.pipeline_frames(pipe, settings.frames),
-                    height=settings.height,
-                    width=settings.width,
-                    num_inference_steps=settings.steps,
-                    generator=generator,
-                    output_type=output_type,
-                )
-                images.append(adapter.pipeline_result(out, pipe))  # video families: a list of frames
-        return images
+        yield model
     finally:
         pipe_logger.removeFilter(quiet)
         model.train(was_training)
         if transformer is not None:
             setattr(pipe, slot, old)
+
+
+def _encode_texts(pipe, adapter: Any, prompts: Sequence[str | Embeds], settings: SampleSettings,
+                  ref_image) -> Iterator[Embeds]:
+    """The embeddings of the prompts given as text, in their order, all encoded now (the text encoders must be
+    loaded; identical prompts are encoded once); prompts given as embeddings are skipped."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    if not texts:
+        return iter(())
+    return iter(encode_prompts(pipe, adapter.family, texts, guidance=settings.guidance,
+                               negative_prompt=settings.negative_prompt, image=ref_image))
+
+
+def _reference_kwargs(pipe, adapter: Any, ref_image) -> dict[str, Any]:
+    """The pipeline arguments of the reference image (the family's `pipeline_image`; none without one), and
+    `negative_prompt=None` where the pipeline takes a text negative prompt: the negative prompt travels as
+    embeddings and must not be encoded again (Flux.2's pipelines take none)."""
+    reference = adapter.pipeline_image(pipe, ref_image)
+    if "negative_prompt" in inspect.signature(pipe.__call__).parameters:
+        reference = {**reference, "negative_prompt": None}
+    return reference
+
+
+def _denoise(pipe, adapter: Any, embeds: Embeds, seed: int, settings: SampleSettings, device: torch.device,
+             reference: dict[str, Any], output_type: str):
+    """One pipeline call: one prompt's embeddings with the family's guidance, size and frame arguments, its noise
+    drawn from a CPU generator seeded with `seed`. Returns the family's result: an image, or a video's frames."""
+    generator = torch.Generator("cpu").manual_seed(int(seed))
+    out = pipe(
+        **_to(embeds, device),
+        **adapter.pipeline_guidance(pipe, settings.guidance),
+        # a family of two experts: the low-noise steps' own guidance (sample.guidance_2)
+        **({"guidance_scale_2": settings.guidance_2} if settings.guidance_2 is not None else {}),
+        **reference,
+        **adapter.pipeline_size(pipe, settings.width, settings.height),
+        **adapter.pipeline_frames(pipe, settings.frames),
+        height=settings.height,
+        width=settings.width,
+        num_inference_steps=settings.steps,
+        generator=generator,
+        output_type=output_type,
+    )
+    return adapter.pipeline_result(out, pipe)
 
 
 def _as_pipeline(pipe_or_components: Any, adapter: Any):

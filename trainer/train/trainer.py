@@ -195,20 +195,55 @@ class Trainer(Saving):
     # ------------------------------------------------------------------------------------------------ setup
 
     def setup(self) -> None:
-        cfg, c = self.cfg, self.cfg.train
+        """Everything `fit` needs before step 1, in this order: --resume's checkpoint found and checked,
+        output.dir checked and claimed, the process group joined, the device and the family's adapter, the data
+        caches (the VAE and text encoders loaded and freed there), the offload fraction, the transformer with its
+        trainable parameters, then its blocks sharded (fsdp) or checkpointed and streamed beside the one
+        optimizer, and a checkpoint's state restored (`_finish_setup`). A family of experts trained together takes
+        over after the fraction (experts.setup)."""
         # What is alive now (the libraries, ~0.5 M objects) lives as long as the run: frozen before the collections
         # setup makes (the cache's, the loaders' release_host_memory: about six a fit), each of which walked them
         # all (0.3-0.6 s a call on a 2-core CPU). `close` unfreezes.
         gc.freeze()
         self._frozen = True
-        if cfg.data is None:
+        if self.cfg.data is None:
             raise UserError("the config has no data: section; `dittrain fit` needs data.sources")
-        resume_dir = runs.resolve_resume(self.out, self.resume, self.resume_other_run) if self.resume else None
+        resume_dir = self._checked_resume()
+        self._claim_output(resume_dir)
+        self._join_processes()
+        self._pick_device_and_family()
+        self._prepare_data()
+        streamed = self._resolve_fraction()
+        if experts.trains_both(self.cfg):  # every expert of a family of experts, each loaded and streamed in turn
+            return experts.setup(self, resume_dir, streamed)
+        blocks = self._build_transformer(resume_dir, streamed)
+        if self.sharded:  # train.distributed: fsdp; config.py refused what it does not do (EMA, conductor, ...)
+            self._shard(blocks, streamed)
+        else:
+            self._place_blocks(blocks, streamed)
+        self.objective = FlowMatching(self.cfg.train, self.adapter.timestep_shift,
+                                      vae_scale=self.adapter.latent_scale, t_range=self.t_range)
+        self._finish_setup(resume_dir)
+
+    def _checked_resume(self) -> Path | None:
+        """--resume's checkpoint folder (None for a fresh run), checked before anything loads: a checkpoint with
+        nothing left to train, or a config that changes the trained weights' shapes (lora.rank 16 -> 8), is one
+        line (run.py)."""
+        if not self.resume:
+            return None
+        resume_dir = runs.resolve_resume(self.out, self.resume, self.resume_other_run)
         if resume_dir is not None:
             state = json.loads((resume_dir / "state.json").read_text())
-            runs.check_target(state, c.steps, resume_dir, self.out)
-            runs.check_shapes(state, cfg.model_dump(mode="json"), resume_dir)  # lora.rank 16 -> 8: one line
-        runs.check_writable(self.out, "output.dir")  # before anything loads; every process, so all stop together
+            runs.check_target(state, self.cfg.train.steps, resume_dir, self.out)
+            runs.check_shapes(state, self.cfg.model_dump(mode="json"), resume_dir)
+        return resume_dir
+
+    def _claim_output(self, resume_dir: Path | None) -> None:
+        """Before anything loads, on every process so that all stop together: output.dir and data.cache_dir
+        writable, the wandb package present (output.wandb); then output.dir locked for this fit (lock.py,
+        rank 0, held to close) and claimed by this run (run.py: another run's outputs are never touched)."""
+        cfg = self.cfg
+        runs.check_writable(self.out, "output.dir")
         if cfg.data.cache:
             runs.check_writable(cfg.data.cache_dir, "data.cache_dir")
         if cfg.output.wandb is not None and runs.is_main_process():
@@ -219,44 +254,66 @@ class Trainer(Saving):
             self._lock = RunLock(self.out).acquire(say)
         # The folder belongs to this run from here (or the run stops: another run's outputs are never touched).
         self.run = runs.claim(self.out, resume_dir, self.overwrite, self.resume_other_run, write=runs.is_main_process())
-        self.dist = distributed.setup(c.device, c.distributed)  # several processes: process group, cuda:LOCAL_RANK
+
+    def _join_processes(self) -> None:
+        """Several processes (torchrun): the process group and cuda:LOCAL_RANK; rank 0 then removes what an
+        interrupted checkpoint write left in output.dir."""
+        self.dist = distributed.setup(self.cfg.train.device, self.cfg.train.distributed)
         if self.dist.is_main:
             ck.remove_partial(ck.checkpoint_root(self.out))
 
+    def _pick_device_and_family(self) -> None:
+        """The device, dtype and attention backend (said in one line), and the family's adapter, bound to the
+        data's reference images per target (a family may stream and train more blocks with them); a family of
+        experts trained together is checked here, before the data."""
+        cfg, c = self.cfg, self.cfg.train
         self.device = self.dist.device or pick_device(c.device)
         self.dtype = DTYPES[cfg.model.dtype]
         say(f"device {self.device}; {self.method.storage()}; attention {choose_attention(self.device, c.attention)}")
-
-        # bound to the data's reference images per target: a family may stream and train more blocks with them
         self.adapter = get_adapter(cfg.model, references=cfg.data.references() if cfg.data is not None else 0)
         check_attention(self.adapter, c.attention, self.device)
         self.t_range = self.adapter.train_timesteps()  # a family of experts: the chosen one's (refused without one)
         if experts.trains_both(cfg):
             experts.check(cfg, self.dist)
-        # Data first: building the caches loads (and frees) the VAE and text encoders, so the transformer is not
-        # in memory at the same time, and a bad image fails the run before the big load.
-        self.data = self.dist.main_first(lambda: prepare_data(  # rank 0 fills the cache, the others read it
+
+    def _prepare_data(self) -> None:
+        """The data caches, before the transformer: building them loads (and frees) the VAE and text encoders,
+        so the transformer is not in memory at the same time, and a bad image fails the run before the big load.
+        Rank 0 fills the cache, the others read it; rank 0 also holds the held-out set (data.validation) and the
+        sample prompts' embeddings (sample.every)."""
+        cfg = self.cfg
+        self.data = self.dist.main_first(lambda: prepare_data(
             cfg, self.adapter, self.device, self.dtype, rank=self.dist.rank, world_size=self.dist.world))
         self.validator = Validator.build(cfg, self.data, self.adapter, self.device, self.dtype) \
-            if self.dist.is_main else None  # the held-out set (data.validation), scored by rank 0
+            if self.dist.is_main else None
         self.sampler = None
         if cfg.sample.every and cfg.sample.prompts and self.dist.is_main:
             with self._phase("text caching", "raise offload.text_encoders (the text encoders stream from CPU RAM), "
                              "or set sample.every: 0"):  # the sample prompts, encoded once
                 self.sampler = TrainingSampler(cfg, self.adapter, self.device, self.dtype)  # frees the encoders
 
-        if c.compile_cache and streaming.compiles(cfg, self.device):  # before anything compiles
+    def _resolve_fraction(self) -> bool:
+        """offload.transformer resolved once (auto: the planner's pick, rank 0's on every process) and whether
+        blocks stream; also the compile cache, the sharding mode (fsdp) and the host pages the encoders left.
+        Returns whether any block streams from CPU RAM."""
+        cfg = self.cfg
+        if cfg.train.compile_cache and streaming.compiles(cfg, self.device):  # before anything compiles
             say(f"compile cache: {compiled.use_cache(Path(cfg.data.cache_dir) / 'torch-compile')}")
         self.fraction = streaming.transformer_fraction(cfg, self._can_stream())  # resolved once: auto -> a float
         # Rank 0's choice everywhere: `auto` may time the GPU, and a shared arena needs one layout on every process
         self.fraction = float(self.dist.broadcast_text(repr(self.fraction)))
-        streamed = self.fraction > 0  # on the CPU, or at 0, the model stays resident
         stream_load.release_host_memory()  # the VAE and text encoders are gone: give their pages back
         self._loader = None  # reads streamed blocks from the files into the conductor's arena (stream_load.py)
-        self.sharded = self.dist.active and c.distributed == "fsdp"  # sharded.py: FSDP2 units, no conductor
+        # train.distributed: fsdp with several processes: FSDP2 units (sharded.py), no conductor
+        self.sharded = self.dist.active and cfg.train.distributed == "fsdp"
         self.lockstep = self.sharded
-        if experts.trains_both(cfg):  # every expert of a family of experts: each loaded and streamed in turn
-            return experts.setup(self, resume_dir, streamed)
+        return self.fraction > 0  # on the CPU, or at 0, the model stays resident
+
+    def _build_transformer(self, resume_dir: Path | None, streamed: bool) -> list:
+        """The transformer in training mode with its trainable parameters (the LoRA drawn from train.seed, or a
+        checkpoint's weights), the same on every process; returns its blocks. Streamed blocks (and fsdp's) are
+        placeholders the loader fills later."""
+        cfg, c = self.cfg, self.cfg.train
         if self.sharded and not stream_load.loads_whole(cfg, resume_dir is not None):
             # blocks read one at a time in sharded.shard; the rest to the CPU, sharded from there
             self.transformer, self._loader = stream_load.load(self.adapter, cfg.model, self.dtype, torch.device("cpu"),
@@ -277,20 +334,30 @@ class Trainer(Saving):
         say(f"{self.method.describe(self.params)}, "
             f"{len(blocks)} blocks{_checkpointed(c.gradient_checkpointing)}"
             f"{f', {self.fraction:g} of block bytes streamed from CPU RAM' if streamed else ''}")
-        if self.sharded:  # train.distributed: fsdp; config.py refused what it does not do (EMA, conductor, ...)
-            self._activations = sharded.shard(
-                self.transformer, blocks, self.device, offload=streamed, loader=self._loader,
-                checkpointed=streaming.checkpoint_policy(cfg, self.device, self.fraction),
-                compile=streaming.compiles(cfg, self.device), master=self._master_dtype(),
-                activations=cfg.offload.activations and self._can_stream(),  # as one process: only on a GPU
-                nano_batches=cfg.offload.nano_batches, nano_mlps=self.adapter.token_wise_of)
-            self._loader = None
-            self.params = sharded.trainable(self.transformer)  # FSDP2's DTensor parameters replaced the originals
-            self.optim = optimizer_for(cfg, self.params, self.dist, sharded=self.transformer)
-            self.ema = ShardedEMA.build(cfg, self.transformer, self.params)  # train.ema: the EMA of each shard
-            self.objective = FlowMatching(c, self.adapter.timestep_shift, vae_scale=self.adapter.latent_scale,
-                                          t_range=self.t_range)
-            return self._finish_setup(resume_dir)
+        return blocks
+
+    def _shard(self, blocks: list, streamed: bool) -> None:
+        """train.distributed: fsdp: the blocks sharded across the processes (sharded.py: FSDP2 units, offloaded
+        shards when they stream, checkpointing and compilation per block), then the optimizer and EMA of the
+        shards."""
+        cfg = self.cfg
+        self._activations = sharded.shard(
+            self.transformer, blocks, self.device, offload=streamed, loader=self._loader,
+            checkpointed=streaming.checkpoint_policy(cfg, self.device, self.fraction),
+            compile=streaming.compiles(cfg, self.device), master=self._master_dtype(),
+            activations=cfg.offload.activations and self._can_stream(),  # as one process: only on a GPU
+            nano_batches=cfg.offload.nano_batches, nano_mlps=self.adapter.token_wise_of)
+        self._loader = None
+        self.params = sharded.trainable(self.transformer)  # FSDP2's DTensor parameters replaced the originals
+        self.optim = optimizer_for(cfg, self.params, self.dist, sharded=self.transformer)
+        self.ema = ShardedEMA.build(cfg, self.transformer, self.params)  # train.ema: the EMA of each shard
+
+    def _place_blocks(self, blocks: list, streamed: bool) -> None:
+        """Without fsdp: the one optimizer first (a streamed full fine-tune packs each weight's optimizer state
+        beside it, in the layout the optimizer reports) and the EMA, then the blocks checkpointed and, where the
+        conductor runs (a fraction above 0 on a GPU), streamed (streaming.py); several processes stream through a
+        shared arena or the sharded stream."""
+        cfg = self.cfg
         conduct = streaming.conducts(cfg, self.fraction, self._can_stream(), self.device)
         gather = streaming.slice_gather(cfg, self.dist, self.method, conduct and streamed, self.device)
         share = streaming.shared_arena(cfg, self.dist, self.method, conduct and streamed, gather)  # several processes
@@ -299,8 +366,6 @@ class Trainer(Saving):
         self.optim = optimizer_for(cfg, self.params, self.dist, model=self.transformer,
                                    owners=gather is not None and self.method.streams_trainable)
         self.ema = EMA.build(cfg, self.transformer, self.params, self.optim)  # train.ema; before blocks stream
-        # The optimizer before the conductor: a streamed full fine-tune packs each weight's optimizer state beside
-        # it, in the layout the optimizer reports. Checkpointing and streaming of the blocks: streaming.py.
         shapes = len({e.bucket for e in getattr(self.data, "entries", ())}) or 8  # train.compile: one per shape
         self.lockstep = gather is not None  # every load is a collective: rank-0 passes are joined (_joins)
         self.offload = streaming.place_blocks(self.transformer, blocks, cfg, self.device, self.fraction, conduct,
@@ -309,9 +374,6 @@ class Trainer(Saving):
         if self._loader is not None:
             self._loader.close()
             self._loader = None
-        self.objective = FlowMatching(c, self.adapter.timestep_shift, vae_scale=self.adapter.latent_scale,
-                                          t_range=self.t_range)
-        self._finish_setup(resume_dir)
 
     def _load_transformer(self, cfg: Config, adapter, streamed: bool, resuming: bool):
         """(transformer, loader) of `cfg.model` (an expert's, for model.expert: both): streamed blocks as
