@@ -356,6 +356,7 @@ def write_full_folder(family: str, folder: Path, transformer_file: str | None = 
     transformer). Prints the bytes and the write time estimated at WRITE_RATE first; `write` False: only that
     (the tiny folder is left in `folder`)."""
     import torch
+    from diffusers import ModelMixin
 
     from trainer.models import adapter_class
     from trainer.models.tiny import make_tiny_models
@@ -395,11 +396,17 @@ def write_full_folder(family: str, folder: Path, transformer_file: str | None = 
         else:
             parts.append((d, plan_bytes(disk_plan(tr, bf16, fp8)), "shards",
                           lambda d=d, i=i: _save(folder / d, tr, tr, "diffusion_pytorch_model", bf16, 2 + i, fp8)))
-    parts.append(("vae", sum(p.numel() * 2 for p in vae.parameters()), "shards", lambda: _write_vae(folder, vae)))
+    parts.append(("vae", sum(p.numel() * 2 for p in vae.parameters()), "shards",
+                  lambda: _write_built(folder / "vae", vae)))
     # Flux.2-dev's Mistral-3 (19 B after the cut below) in bf16 would not fit the GPU box's 64 GB disk beside the
     # 32 GB fp8 transformer: its matrices are written in fp8 (loaded as bf16, so RAM and VRAM are bf16's); a
     # family's `full_size_parts` says so for its own encoders (a fourth entry: the matrices' dtype on disk)
     for i, (name, cls, cfg, *disk) in enumerate(encs):
+        if issubclass(cls, ModelMixin):  # a diffusers model (LTX-2's connectors, Anima's LLM adapter): as the VAE
+            model = _meta(lambda cls=cls, cfg=cfg: cls.from_config(cfg))
+            parts.append((name, sum(p.numel() * 2 for p in model.parameters()), "shards",
+                          lambda name=name, model=model: _write_built(folder / name, model)))
+            continue
         matrices = disk[0] if disk else fp8 if family == "flux2" else None
         enc = _meta(lambda cls=cls, cfg=cfg: cls(cfg))
         parts.append((name, plan_bytes(disk_plan(enc, bf16, matrices)), "shards",
@@ -423,14 +430,17 @@ def _config_only(folder: Path, transformer) -> int:
     return 0
 
 
-def _write_vae(folder: Path, meta_vae) -> int:
-    """The VAE is small (84-705 M): built for real from the meta one's config and saved in bf16."""
+def _write_built(folder: Path, meta_model) -> int:
+    """A diffusers model of the folder built for real from the meta one's config, with its own initialisation, and
+    saved in bf16: the VAE (84 M - 1.2 B) and the diffusers parts a family lists beside its text encoders (LTX-2's
+    text connectors, 1.4 B, audio VAE and vocoder; Anima's LLM adapter), whose buffers (an audio VAE's latent
+    statistics) random values would make meaningless."""
     import torch
 
-    vae = type(meta_vae).from_config(meta_vae.config).to(torch.bfloat16)
-    shutil.rmtree(folder / "vae", ignore_errors=True)
-    vae.save_pretrained(folder / "vae", safe_serialization=True)
-    return sum(p.numel() * 2 for p in vae.parameters())
+    model = type(meta_model).from_config(meta_model.config).to(torch.bfloat16)
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    return sum(p.numel() * 2 for p in model.parameters())
 
 
 def _full_parts(family: str, folder: Path, ad):
