@@ -8,9 +8,10 @@
 
 For each family: write a diffusers folder with every component at full size (transformer from the adapter's
 `full_config`; VAE, CLIP-L / CLIP-G / T5-XXL / Qwen2.5-VL-7B / Qwen3-4B from their real configs, built here in
-code) and random bf16 weights, written tensor by tensor into safetensors shards from a meta-device model (the whole
-model is never built in RAM); tokenizers, scheduler and model_index.json come from the tiny models (trainer/models/tiny.py:
-same classes and wiring, small vocabularies whose ids all exist in the full-size embeddings). A few JPEGs. Then
+code, or by the family's `full_size_parts`) and random bf16 weights, written tensor by tensor into safetensors
+shards from a meta-device model (the whole model is never built in RAM); tokenizers, scheduler and
+model_index.json come from the tiny models (trainer/models/tiny.py: same classes and wiring, small vocabularies
+whose ids all exist in the full-size embeddings). A few JPEGs. Then
 `dittrain cache`, `dittrain fit` (a few steps, sampling during training on) and `dittrain sample` run as
 subprocesses of the family's `lora-<card>gb` preset with DITTRAIN_VRAM_CAP_GB = card - 1, and the table prints per
 phase: peak reserved VRAM (from DITTRAIN_PHASE_LOG, trainer/phase_log.py), peak anonymous RSS (this process
@@ -53,16 +54,30 @@ bf16 experts, 57 GB, would not fit a 64 GB disk beside the rest). Folders, with 
 wan 20.5 / 34.5 GB, wan-1.3b 7.4 / 8.8, wan-i2v 23.8 / 40.0, wan2.2-a14b(-i2v) 20.5 / 48.8, wan2.2-ti2v-5b
 12.2 / 17.1; every folder's size and its write time (at the rates the GPU box wrote earlier folders, WRITE_RATE)
 are printed before it is written, and `--estimate` prints only them. Data: `--images` mp4 clips instead of
-JPEGs (bench/program/program_video.py: moving content, `--frames` + 4 frames at 16 fps, at `--resolution` 480p = 832x480,
-720p = 1280x720 or WxH, with captions), trained in one bucket of their own size (data.resolutions,
-data.bucket_step, data.fps, data.clip_frames) and sampled at that size with `--sample-frames` (9) frames, 2
+JPEGs (bench/program/program_video.py: moving content, `--frames` + 4 frames at the family's rate, Wan's 16 fps,
+at `--resolution` 480p = 832x480, 720p = 1280x720 or WxH, with captions), trained in one bucket of their own size
+(data.resolutions, data.bucket_step, data.fps, data.clip_frames) and sampled at that size with `--sample-frames` (9) frames, 2
 steps (image-to-video: from the first frame, `sample.image`). Config: the family's `lora-<card>gb` preset, else
 the preset of the nearest card, else one built here that streams everything (offload.transformer 1.0,
 offload.activations, offload.text_encoders 1.0; `--set` for what to measure); the line `config from ...` says which.
 
+Families that declare their parts in their own file (`full_size_parts`; built on the meta device like the rest):
+HiDream-I1 (hidream.py: Flux's VAE; CLIP-L and CLIP-G with projections at 248 positions, T5-XXL's encoder and
+Llama-3.1-8B-Instruct whole, T5's and Llama's matrices in fp8 on disk: the pipeline reads all 32 of Llama's hidden
+states, so no layer is cut, and its unused head stays as the release has it), Lumina-Image 2.0 (Flux's VAE,
+Gemma-2-2B whole), ERNIE-Image (Flux.2's VAE, Ministral-3-3B whole with its Pixtral tower), Anima (Qwen-Image's
+VAE, Qwen3-0.6B whole, the LLM adapter in text_conditioner/), LTX-2 and its image-to-video face (the video VAE,
+Gemma 3 12B whole with its vision tower, matrices in fp8: every hidden state is read; the text connectors, the
+audio VAE and the vocoder). A diffusers model listed beside the text encoders (the connectors, audio VAE, vocoder,
+LLM adapter) is built for real and saved as the VAE is (`_write_built`): its own initialisation, not random
+buffers. Folders, without / with --transformer-file fp8: hidream 48.8 / 32.3 GB, lumina2 10.6 / 8.0, ernie-image
+23.9 / 16.1, anima 5.6 / 3.7, ltx2 (and ltx2-i2v) 55.5 / 36.9. LTX-2's clips are written at its 24 fps (its
+positions are in seconds: another data.fps is refused) with 8k + 1 frames and a stereo tone as their audio track
+(program_video.py), so its audio stream trains as on real clips with sound.
+
 --smoke: the tiny models on the CPU, no cap, 2 steps (tests/test_phases.py-style check that the whole path runs;
 tests/test_phases.py runs it, also with --transformer-file fp8, which rewrites the tiny transformer the same way,
-and for wan and wan-i2v on 96x64 clips of 5 frames).
+and for wan and wan-i2v on 96x64 clips of 5 frames; LTX-2's are 9 frames, with sound).
 """
 
 from __future__ import annotations
@@ -781,16 +796,17 @@ def bench_family(name: str, work: Path, args) -> list[dict]:
         from bench.program.program_video import Clips, divisor, first_frame, video_size, write_clips
 
         size = video_size(args.resolution or ("96x64" if args.smoke else "480p"), divisor(ad))
-        frames, sample_frames = (args.frames or 5, args.sample_frames or 5) if args.smoke else (
+        shortest = ad.frame_step + 1  # the smoke's clips and samples: Wan 5 frames, LTX-2 9
+        frames, sample_frames = (args.frames or shortest, args.sample_frames or shortest) if args.smoke else (
             args.frames or 81, args.sample_frames or 9)
         if not (ad.valid_frames(frames) and ad.valid_frames(sample_frames)):
             raise SystemExit(f"--frames {frames} / --sample-frames {sample_frames}: {family} takes "
                              f"{ad.frame_step}k + 1 frames")
-        clips = Clips(*size, frames, sample_frames)
+        clips = Clips(*size, frames, sample_frames, fps=ad.default_fps, sound=ad.sound)
         t = time.time()
         data = write_clips(fam_dir / "clips", args.images, clips)
-        print(f"{name}: wrote {args.images} clips of {frames + 4} frames at {size[0]}x{size[1]} in "
-              f"{time.time() - t:.0f} s", flush=True)
+        print(f"{name}: wrote {args.images} clips of {frames + 4} frames at {size[0]}x{size[1]}, {clips.fps:g} fps"
+              f"{' with sound' if clips.sound else ''} in {time.time() - t:.0f} s", flush=True)
         if getattr(ad, "first_frame_conditions", False):
             image = first_frame(fam_dir / "first-frame.png", clips)
     else:
@@ -909,10 +925,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resolution", default=None,
                     help="train and sample at this size instead of each preset's own (data.resolutions); video "
                     "families: 480p (832x480, the default), 720p (1280x720) or WxH, the clips' size")
-    ap.add_argument("--frames", type=int, default=None, help="video families: frames per training clip at 16 fps "
-                    "(4k + 1; default 81, smoke 5)")
+    ap.add_argument("--frames", type=int, default=None, help="video families: frames per training clip at the "
+                    "family's rate (Wan: 4k + 1 at 16 fps, LTX-2: 8k + 1 at 24; default 81, smoke 5 / 9)")
     ap.add_argument("--sample-frames", type=int, default=None, help="video families: frames per sample (during "
-                    "the fit and `dittrain sample`; default 9, smoke 5)")
+                    "the fit and `dittrain sample`; default 9, smoke 5 / 9)")
     ap.add_argument("--estimate", action="store_true", help="print each family's folder size on disk and its "
                     "estimated write time; write and run nothing")
     ap.add_argument("--steps", type=int, default=4)
