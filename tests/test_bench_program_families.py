@@ -152,3 +152,18 @@ def test_ltx2_config_reads_the_clips_at_its_rate(tmp_path):
     cfg = load_config(str(path), [])
     assert cfg.data.fps == 24.0 and cfg.data.bucket_step == 32 and cfg.data.clip_frames == 81
     assert (cfg.sample.width, cfg.sample.height, cfg.sample.frames) == (832, 480, 9) and cfg.model.quantize == "fp8"
+
+
+def test_an_audio_vae_is_built_for_real_and_loads_as_the_adapter_loads_it(tmp_path):
+    """A diffusers part beside the text encoders (LTX-2's audio VAE; here at the full one's layout with 4 base
+    channels: the full 53 M takes ~10 s to initialise on 2 CPU cores) is written by `_write_built`: its own
+    initialisation, so its latent statistics are a usable normalisation (random shards would give a zero std),
+    loaded from the folder as trainer/models/ltx2.py loads it."""
+    from diffusers import AutoencoderKLLTX2Audio
+
+    meta = bp._meta(lambda: AutoencoderKLLTX2Audio.from_config({"base_channels": 4}))
+    total = bp._write_built(tmp_path / "audio_vae", meta)
+    assert total == 2 * _params(meta)
+    vae = AutoencoderKLLTX2Audio.from_pretrained(str(tmp_path), subfolder="audio_vae", torch_dtype=torch.float32,
+                                                 local_files_only=True)
+    assert torch.all(vae.latents_std > 0) and vae.config.sample_rate == 16000 and vae.config.mel_bins == 64
