@@ -5,6 +5,8 @@
     python -m bench.program.bench_program --families flux2 --transformer-file fp8 --card 16 --keep   # Flux.2-dev, 64 GB disk
     python -m bench.program.bench_program --families wan --transformer-file fp8 --card 16 --frames 81 --resolution 480p
     python -m bench.program.bench_program --estimate --families wan wan-1.3b wan-i2v wan2.2-a14b --transformer-file fp8
+    python -m bench.program.bench_program --families hidream lumina2 ernie-image anima --transformer-file fp8 --card 8 16
+    python -m bench.program.bench_program --families ltx2 ltx2-i2v --transformer-file fp8 --card 8 16 --frames 121
 
 For each family: write a diffusers folder with every component at full size (transformer from the adapter's
 `full_config`; VAE, CLIP-L / CLIP-G / T5-XXL / Qwen2.5-VL-7B / Qwen3-4B from their real configs, built here in
