@@ -76,6 +76,16 @@ def test_text_and_predict_as_the_modular_blocks_do(tiny_models):
     torch.testing.assert_close(got, out[:, :, 0], rtol=0, atol=1e-6)
 
 
+def test_prompts_encode_without_the_transformer_as_the_training_sampler_loads_the_pipeline(tiny_models):
+    """The training sampler builds the pipeline from the VAE, text and scheduler and encodes its prompts before the
+    fit's transformer joins it: the same embeddings as with the transformer (`fit` with sampling on failed there,
+    reading the absent transformer's dtype: bench_program --smoke --families anima)."""
+    adapter, comps = _components(tiny_models)
+    whole = adapter.pipeline(comps).encode_prompt(PROMPT, "cpu")
+    comps.transformer = None
+    torch.testing.assert_close(adapter.pipeline(comps).encode_prompt(PROMPT, "cpu"), whole, rtol=0, atol=0)
+
+
 def test_full_size_is_cosmos_predict2_2b():
     cls = adapter_class(FAMILY)
     with torch.device("meta"):

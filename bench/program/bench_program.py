@@ -5,12 +5,15 @@
     python -m bench.program.bench_program --families flux2 --transformer-file fp8 --card 16 --keep   # Flux.2-dev, 64 GB disk
     python -m bench.program.bench_program --families wan --transformer-file fp8 --card 16 --frames 81 --resolution 480p
     python -m bench.program.bench_program --estimate --families wan wan-1.3b wan-i2v wan2.2-a14b --transformer-file fp8
+    python -m bench.program.bench_program --families hidream lumina2 ernie-image anima --transformer-file fp8 --card 8 16
+    python -m bench.program.bench_program --families ltx2 ltx2-i2v --transformer-file fp8 --card 8 16 --frames 121
 
 For each family: write a diffusers folder with every component at full size (transformer from the adapter's
 `full_config`; VAE, CLIP-L / CLIP-G / T5-XXL / Qwen2.5-VL-7B / Qwen3-4B from their real configs, built here in
-code) and random bf16 weights, written tensor by tensor into safetensors shards from a meta-device model (the whole
-model is never built in RAM); tokenizers, scheduler and model_index.json come from the tiny models (trainer/models/tiny.py:
-same classes and wiring, small vocabularies whose ids all exist in the full-size embeddings). A few JPEGs. Then
+code, or by the family's `full_size_parts`) and random bf16 weights, written tensor by tensor into safetensors
+shards from a meta-device model (the whole model is never built in RAM); tokenizers, scheduler and
+model_index.json come from the tiny models (trainer/models/tiny.py: same classes and wiring, small vocabularies
+whose ids all exist in the full-size embeddings). A few JPEGs. Then
 `dittrain cache`, `dittrain fit` (a few steps, sampling during training on) and `dittrain sample` run as
 subprocesses of the family's `lora-<card>gb` preset with DITTRAIN_VRAM_CAP_GB = card - 1, and the table prints per
 phase: peak reserved VRAM (from DITTRAIN_PHASE_LOG, trainer/phase_log.py), peak anonymous RSS (this process
@@ -53,16 +56,30 @@ bf16 experts, 57 GB, would not fit a 64 GB disk beside the rest). Folders, with 
 wan 20.5 / 34.5 GB, wan-1.3b 7.4 / 8.8, wan-i2v 23.8 / 40.0, wan2.2-a14b(-i2v) 20.5 / 48.8, wan2.2-ti2v-5b
 12.2 / 17.1; every folder's size and its write time (at the rates the GPU box wrote earlier folders, WRITE_RATE)
 are printed before it is written, and `--estimate` prints only them. Data: `--images` mp4 clips instead of
-JPEGs (bench/program/program_video.py: moving content, `--frames` + 4 frames at 16 fps, at `--resolution` 480p = 832x480,
-720p = 1280x720 or WxH, with captions), trained in one bucket of their own size (data.resolutions,
-data.bucket_step, data.fps, data.clip_frames) and sampled at that size with `--sample-frames` (9) frames, 2
+JPEGs (bench/program/program_video.py: moving content, `--frames` + 4 frames at the family's rate, Wan's 16 fps,
+at `--resolution` 480p = 832x480, 720p = 1280x720 or WxH, with captions), trained in one bucket of their own size
+(data.resolutions, data.bucket_step, data.fps, data.clip_frames) and sampled at that size with `--sample-frames` (9) frames, 2
 steps (image-to-video: from the first frame, `sample.image`). Config: the family's `lora-<card>gb` preset, else
 the preset of the nearest card, else one built here that streams everything (offload.transformer 1.0,
 offload.activations, offload.text_encoders 1.0; `--set` for what to measure); the line `config from ...` says which.
 
+Families that declare their parts in their own file (`full_size_parts`; built on the meta device like the rest):
+HiDream-I1 (hidream.py: Flux's VAE; CLIP-L and CLIP-G with projections at 248 positions, T5-XXL's encoder and
+Llama-3.1-8B-Instruct whole, T5's and Llama's matrices in fp8 on disk: the pipeline reads all 32 of Llama's hidden
+states, so no layer is cut, and its unused head stays as the release has it), Lumina-Image 2.0 (Flux's VAE,
+Gemma-2-2B whole), ERNIE-Image (Flux.2's VAE, Ministral-3-3B whole with its Pixtral tower), Anima (Qwen-Image's
+VAE, Qwen3-0.6B whole, the LLM adapter in text_conditioner/), LTX-2 and its image-to-video face (the video VAE,
+Gemma 3 12B whole with its vision tower, matrices in fp8: every hidden state is read; the text connectors, the
+audio VAE and the vocoder). A diffusers model listed beside the text encoders (the connectors, audio VAE, vocoder,
+LLM adapter) is built for real and saved as the VAE is (`_write_built`): its own initialisation, not random
+buffers. Folders, without / with --transformer-file fp8: hidream 48.8 / 32.3 GB, lumina2 10.6 / 8.0, ernie-image
+23.9 / 16.1, anima 5.6 / 3.7, ltx2 (and ltx2-i2v) 55.5 / 36.9. LTX-2's clips are written at its 24 fps (its
+positions are in seconds: another data.fps is refused) with 8k + 1 frames and a stereo tone as their audio track
+(program_video.py), so its audio stream trains as on real clips with sound.
+
 --smoke: the tiny models on the CPU, no cap, 2 steps (tests/test_phases.py-style check that the whole path runs;
 tests/test_phases.py runs it, also with --transformer-file fp8, which rewrites the tiny transformer the same way,
-and for wan and wan-i2v on 96x64 clips of 5 frames).
+and for wan and wan-i2v on 96x64 clips of 5 frames; LTX-2's are 9 frames, with sound).
 """
 
 from __future__ import annotations
@@ -356,6 +373,7 @@ def write_full_folder(family: str, folder: Path, transformer_file: str | None = 
     transformer). Prints the bytes and the write time estimated at WRITE_RATE first; `write` False: only that
     (the tiny folder is left in `folder`)."""
     import torch
+    from diffusers import ModelMixin
 
     from trainer.models import adapter_class
     from trainer.models.tiny import make_tiny_models
@@ -395,11 +413,17 @@ def write_full_folder(family: str, folder: Path, transformer_file: str | None = 
         else:
             parts.append((d, plan_bytes(disk_plan(tr, bf16, fp8)), "shards",
                           lambda d=d, i=i: _save(folder / d, tr, tr, "diffusion_pytorch_model", bf16, 2 + i, fp8)))
-    parts.append(("vae", sum(p.numel() * 2 for p in vae.parameters()), "shards", lambda: _write_vae(folder, vae)))
+    parts.append(("vae", sum(p.numel() * 2 for p in vae.parameters()), "shards",
+                  lambda: _write_built(folder / "vae", vae)))
     # Flux.2-dev's Mistral-3 (19 B after the cut below) in bf16 would not fit the GPU box's 64 GB disk beside the
     # 32 GB fp8 transformer: its matrices are written in fp8 (loaded as bf16, so RAM and VRAM are bf16's); a
     # family's `full_size_parts` says so for its own encoders (a fourth entry: the matrices' dtype on disk)
     for i, (name, cls, cfg, *disk) in enumerate(encs):
+        if issubclass(cls, ModelMixin):  # a diffusers model (LTX-2's connectors, Anima's LLM adapter): as the VAE
+            model = _meta(lambda cls=cls, cfg=cfg: cls.from_config(cfg))
+            parts.append((name, sum(p.numel() * 2 for p in model.parameters()), "shards",
+                          lambda name=name, model=model: _write_built(folder / name, model)))
+            continue
         matrices = disk[0] if disk else fp8 if family == "flux2" else None
         enc = _meta(lambda cls=cls, cfg=cfg: cls(cfg))
         parts.append((name, plan_bytes(disk_plan(enc, bf16, matrices)), "shards",
@@ -423,14 +447,17 @@ def _config_only(folder: Path, transformer) -> int:
     return 0
 
 
-def _write_vae(folder: Path, meta_vae) -> int:
-    """The VAE is small (84-705 M): built for real from the meta one's config and saved in bf16."""
+def _write_built(folder: Path, meta_model) -> int:
+    """A diffusers model of the folder built for real from the meta one's config, with its own initialisation, and
+    saved in bf16: the VAE (84 M - 1.2 B) and the diffusers parts a family lists beside its text encoders (LTX-2's
+    text connectors, 1.4 B, audio VAE and vocoder; Anima's LLM adapter), whose buffers (an audio VAE's latent
+    statistics) random values would make meaningless."""
     import torch
 
-    vae = type(meta_vae).from_config(meta_vae.config).to(torch.bfloat16)
-    shutil.rmtree(folder / "vae", ignore_errors=True)
-    vae.save_pretrained(folder / "vae", safe_serialization=True)
-    return sum(p.numel() * 2 for p in vae.parameters())
+    model = type(meta_model).from_config(meta_model.config).to(torch.bfloat16)
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    return sum(p.numel() * 2 for p in model.parameters())
 
 
 def _full_parts(family: str, folder: Path, ad):
@@ -771,16 +798,17 @@ def bench_family(name: str, work: Path, args) -> list[dict]:
         from bench.program.program_video import Clips, divisor, first_frame, video_size, write_clips
 
         size = video_size(args.resolution or ("96x64" if args.smoke else "480p"), divisor(ad))
-        frames, sample_frames = (args.frames or 5, args.sample_frames or 5) if args.smoke else (
+        shortest = ad.frame_step + 1  # the smoke's clips and samples: Wan 5 frames, LTX-2 9
+        frames, sample_frames = (args.frames or shortest, args.sample_frames or shortest) if args.smoke else (
             args.frames or 81, args.sample_frames or 9)
         if not (ad.valid_frames(frames) and ad.valid_frames(sample_frames)):
             raise SystemExit(f"--frames {frames} / --sample-frames {sample_frames}: {family} takes "
                              f"{ad.frame_step}k + 1 frames")
-        clips = Clips(*size, frames, sample_frames)
+        clips = Clips(*size, frames, sample_frames, fps=ad.default_fps, sound=ad.sound)
         t = time.time()
         data = write_clips(fam_dir / "clips", args.images, clips)
-        print(f"{name}: wrote {args.images} clips of {frames + 4} frames at {size[0]}x{size[1]} in "
-              f"{time.time() - t:.0f} s", flush=True)
+        print(f"{name}: wrote {args.images} clips of {frames + 4} frames at {size[0]}x{size[1]}, {clips.fps:g} fps"
+              f"{' with sound' if clips.sound else ''} in {time.time() - t:.0f} s", flush=True)
         if getattr(ad, "first_frame_conditions", False):
             image = first_frame(fam_dir / "first-frame.png", clips)
     else:
@@ -899,10 +927,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resolution", default=None,
                     help="train and sample at this size instead of each preset's own (data.resolutions); video "
                     "families: 480p (832x480, the default), 720p (1280x720) or WxH, the clips' size")
-    ap.add_argument("--frames", type=int, default=None, help="video families: frames per training clip at 16 fps "
-                    "(4k + 1; default 81, smoke 5)")
+    ap.add_argument("--frames", type=int, default=None, help="video families: frames per training clip at the "
+                    "family's rate (Wan: 4k + 1 at 16 fps, LTX-2: 8k + 1 at 24; default 81, smoke 5 / 9)")
     ap.add_argument("--sample-frames", type=int, default=None, help="video families: frames per sample (during "
-                    "the fit and `dittrain sample`; default 9, smoke 5)")
+                    "the fit and `dittrain sample`; default 9, smoke 5 / 9)")
     ap.add_argument("--estimate", action="store_true", help="print each family's folder size on disk and its "
                     "estimated write time; write and run nothing")
     ap.add_argument("--steps", type=int, default=4)

@@ -383,3 +383,26 @@ def collate_masked_text(items: list[dict[str, torch.Tensor]]) -> dict[str, torch
             mask[i, :n] = 1
         out["prompt_embeds_mask"] = mask
     return out
+
+
+# ---------------------------------------------------------------------------------------------- full-size parts
+
+
+def tiny_token_ids(folder: Path, sub: str = "text_encoder", keys=("bos_token_id", "eos_token_id", "pad_token_id")):
+    """The special token ids of `folder`'s tiny encoder `sub` (its config.json, or its `text_config`), for the
+    full-size config that goes with the tiny tokenizer in bench/program/bench_program.py's folders (every tiny id
+    exists in the full vocabularies)."""
+    tiny = json.loads((Path(folder) / sub / "config.json").read_text())
+    tiny = {**tiny, **tiny.get("text_config", {})}
+    return {k: tiny[k] for k in keys if tiny.get(k) is not None}
+
+
+def flux_vae():
+    """Flux.1's VAE at full size (FLUX.1-dev's vae/config.json: 16 channels, 8x, scaling 0.3611, shift 0.1159;
+    83.8 M), as HiDream-I1 and Lumina-Image 2.0 ship it: bench_program's full-size folders."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                         layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611,
+                         shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False, force_upcast=True)

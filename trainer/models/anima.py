@@ -40,7 +40,7 @@ from diffusers import AnimaTextConditioner, CosmosTransformer3DModel
 from torch import nn
 
 from ..errors import UserError
-from ._diffusers import NORM_MODULATION, DiffusersAdapter
+from ._diffusers import NORM_MODULATION, DiffusersAdapter, tiny_token_ids
 from .anima_pipeline import AnimaPipeline, conditioned_embeds, recipe
 from .base import Components
 from .lora_keys import KeyRule, LoraKeyMap
@@ -115,6 +115,22 @@ class AnimaAdapter(DiffusersAdapter):
     @classmethod
     def tiny_builders(cls):
         return {"anima": tiny_pipeline}
+
+    @classmethod
+    def full_size_parts(cls, folder):
+        """bench/program/bench_program.py's full-size random folders: Qwen-Image's VAE (AutoencoderKLQwenImage's
+        defaults), Qwen3-0.6B as Qwen3Model whole (28 layers 1024 wide, tied embedding; bf16, 1.2 GB) with the tiny
+        tokenizer's special ids, and the LLM adapter (`text_conditioner/`: AnimaTextConditioner's defaults, 6 blocks,
+        queries over T5's 32128 tokens; a diffusers model, which the bench builds for real as it does the VAE)."""
+        from diffusers import AutoencoderKLQwenImage
+        from transformers import Qwen3Config, Qwen3Model
+
+        qwen = Qwen3Config(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                           rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                           tie_word_embeddings=True, **tiny_token_ids(folder))
+        return AutoencoderKLQwenImage(), [("text_encoder", Qwen3Model, qwen),
+                                          ("text_conditioner", AnimaTextConditioner, {})]
 
     @property
     def patch_size(self) -> int:

@@ -104,10 +104,13 @@ class AnimaPipeline(DiffusionPipeline, AnimaLoraLoaderMixin):
 
     @torch.no_grad()
     def encode_prompt(self, prompt: str, device=None) -> torch.Tensor:
-        """One prompt's conditioned `prompt_embeds` (1, L, D), as the modular text steps make them."""
+        """One prompt's conditioned `prompt_embeds` (1, L, D), as the modular text steps make them, in the
+        transformer's dtype; without a transformer (the training sampler encodes its prompts before the fit's
+        transformer joins) in the LLM adapter's, which the loader gave the run's dtype as it gives the transformer."""
         device = device if device is not None else self._execution_device
+        dtype = self.transformer.dtype if self.transformer is not None else None
         return conditioned_embeds(self.text_encoder, self.tokenizer, self.t5_tokenizer, self.text_conditioner,
-                                  prompt, device, self.transformer.dtype)
+                                  prompt, device, dtype)
 
     @torch.no_grad()
     def __call__(self, prompt_embeds: torch.Tensor, negative_prompt_embeds: torch.Tensor | None = None,

@@ -37,7 +37,7 @@ import torch
 from diffusers import ErnieImagePipeline, ErnieImageTransformer2DModel
 from torch import nn
 
-from ._diffusers import DiffusersAdapter, collate_masked_text
+from ._diffusers import DiffusersAdapter, collate_masked_text, tiny_token_ids
 from .base import Components
 from .lora_keys import LoraKeyMap, identity_rules
 
@@ -137,6 +137,28 @@ class ErnieImageAdapter(DiffusersAdapter):
     @classmethod
     def tiny_builders(cls):
         return {"ernie-image": tiny_pipeline}
+
+    @classmethod
+    def full_size_parts(cls, folder):
+        """bench/program/bench_program.py's full-size random folders: Flux.2's VAE (AutoencoderKLFlux2's defaults)
+        and Ministral-3-3B as Mistral3Model whole, bf16 (7.7 GB): its language model 26 layers 3072 wide (128k
+        tokens, 32 heads of 128, 8 key-value heads), the Pixtral tower at transformers' defaults and a projector
+        without biases over 2x2 merged patches (the sizes `MINISTRAL_LM`, `PIXTRAL_VISION` and
+        `MINISTRAL_PROJECTOR` count; the loader drops the last two: `slim_text_encoder`). The pipeline reads the
+        second to last hidden state: no layer is cut. The text model is written as the tiny one is (`mistral`
+        layers; the release's `ministral3` has the same weights), with the tiny tokenizer's special ids."""
+        from diffusers import AutoencoderKLFlux2
+        from transformers import Mistral3Config, Mistral3Model
+
+        cfg = Mistral3Config(
+            text_config={"model_type": "mistral", "vocab_size": 131_072, "hidden_size": 3072,
+                         "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 32,
+                         "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 262_144,
+                         "sliding_window": None, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                         **tiny_token_ids(folder)},
+            multimodal_projector_bias=False, spatial_merge_size=2,
+            **tiny_token_ids(folder, keys=("image_token_index",)))
+        return AutoencoderKLFlux2(), [("text_encoder", Mistral3Model, cfg)]
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.layers)

@@ -62,7 +62,7 @@ from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwa
 from diffusers.pipelines.hidream_image.pipeline_hidream_image import calculate_shift
 from torch import nn
 
-from ._diffusers import T5_KEEP, DiffusersAdapter
+from ._diffusers import T5_KEEP, DiffusersAdapter, flux_vae, tiny_token_ids
 from .base import Components
 from .lora_keys import KeyRule, LoraKeyMap, identity_rules
 
@@ -72,6 +72,9 @@ TEXT_TOKENS = 128
 LLAMA_EMBED = 128_256 * 4096
 #: HiDream-I1's routed experts per MoE feed-forward (the released config)
 ROUTED_EXPERTS = 4
+#: positions of the released CLIP-L / CLIP-G (Long-CLIP's 248, as recalled: not checked offline; the pipeline pads
+#: to 128 tokens, so any count from 128 runs it): bench_program's full-size folders
+CLIP_POSITIONS = 248
 
 _BLOCK = ("block.attn1.to_q", "block.attn1.to_k", "block.attn1.to_v", "block.attn1.to_out",
           *(f"block.ff_i.shared_experts.w{n}" for n in (1, 2, 3)),
@@ -200,6 +203,46 @@ class HiDreamAdapter(DiffusersAdapter):
     @classmethod
     def tiny_builders(cls):
         return {"hidream": tiny_pipeline}
+
+    @classmethod
+    def full_size_parts(cls, folder: Path):
+        """bench/program/bench_program.py's full-size random folders: (Flux's VAE; [(sub-folder, class, config[,
+        dtype of its matrices on disk])]): CLIP-L and CLIP-G with their projections (`CLIP_POSITIONS` positions),
+        T5-XXL's encoder and Llama-3.1-8B-Instruct (LlamaForCausalLM) whole, with the special ids of the folder's
+        tiny tokenizers. Nothing is cut: the pipeline reads every one of Llama's 32 hidden states (`llama_layers`),
+        and its head stays as the release holds it (the loader drops it: `slim_text_encoder`). T5's and Llama's 2-D
+        weights are written in fp8 (4.8 + 8.0 GB on disk instead of 9.5 + 16.1; transformers casts them to the
+        load dtype, so RAM and VRAM are bf16's): in bf16 the folder (61 GB) would not fit a 64 GB disk."""
+        from transformers import (
+            CLIPTextConfig,
+            CLIPTextModelWithProjection,
+            LlamaConfig,
+            LlamaForCausalLM,
+            T5Config,
+            T5EncoderModel,
+        )
+
+        def clip(sub, hidden, inter, layers, heads, act):
+            return CLIPTextConfig(vocab_size=49408, hidden_size=hidden, intermediate_size=inter,
+                                  num_hidden_layers=layers, num_attention_heads=heads, projection_dim=hidden,
+                                  max_position_embeddings=CLIP_POSITIONS, hidden_act=act,
+                                  **tiny_token_ids(folder, sub))
+
+        t5 = T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                      relative_attention_num_buckets=32, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+                      use_cache=False, tie_word_embeddings=False, decoder_start_token_id=0,
+                      **tiny_token_ids(folder, "text_encoder_3", ("eos_token_id", "pad_token_id")))
+        llama = LlamaConfig(vocab_size=128_256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                            rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                            tie_word_embeddings=False, bos_token_id=None,
+                            **tiny_token_ids(folder, "text_encoder_4", ("eos_token_id", "pad_token_id")))
+        fp8 = torch.float8_e4m3fn
+        return flux_vae(), [
+            ("text_encoder", CLIPTextModelWithProjection, clip("text_encoder", 768, 3072, 12, 12, "quick_gelu")),
+            ("text_encoder_2", CLIPTextModelWithProjection, clip("text_encoder_2", 1280, 5120, 32, 20, "gelu")),
+            ("text_encoder_3", T5EncoderModel, t5, fp8),
+            ("text_encoder_4", LlamaForCausalLM, llama, fp8)]
 
     # ------------------------------------------------------------------------------------------ folder and loading
 

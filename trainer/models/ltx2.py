@@ -80,7 +80,7 @@ from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
 from torch import nn
 
 from . import ltx2_audio
-from ._diffusers import DiffusersAdapter
+from ._diffusers import DiffusersAdapter, tiny_token_ids
 from .base import Clip, Components
 from .lora_keys import KeyRule, LoraKeyMap, identity_rules
 
@@ -268,6 +268,35 @@ class LTX2Adapter(DiffusersAdapter):
     @classmethod
     def tiny_builders(cls):
         return {"ltx2": tiny_pipeline}
+
+    @classmethod
+    def full_size_parts(cls, folder: Path):
+        """bench/program/bench_program.py's full-size random folders: (the video VAE, `VAE_CONFIG`; [(sub-folder,
+        class, config[, dtype of its matrices on disk])]): Gemma 3 12B as Gemma3ForConditionalGeneration whole (48
+        layers 3840 wide, 262k tokens, the SigLIP tower and projector the loader drops: `slim_text_encoder`), its
+        2-D weights written in fp8 (12.2 GB on disk instead of 24.4; transformers casts them to the load dtype, so
+        RAM and VRAM are bf16's), with the tiny tokenizer's special ids. Nothing is cut: the pipeline stacks every
+        hidden state. Then three diffusers models the bench builds for real, as it does the VAE: the text
+        connectors (LTX2TextConnectors' defaults, 1.43 B, with the transformer's "split" RoPE), the audio VAE and
+        the vocoder (their defaults: the release's, trainer/models/ltx2_audio.py)."""
+        from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
+        from diffusers.pipelines.ltx2 import LTX2TextConnectors
+        from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+        from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+        gemma = Gemma3Config(
+            text_config={"vocab_size": 262_208, "hidden_size": 3840, "intermediate_size": 15360,
+                         "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8,
+                         "head_dim": 256, "sliding_window": 1024, "query_pre_attn_scalar": 256,
+                         "max_position_embeddings": 131_072, **tiny_token_ids(folder)},
+            vision_config={"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+                           "num_attention_heads": 16, "patch_size": 14, "image_size": 896, "vision_use_head": False},
+            mm_tokens_per_image=256, image_token_index=262_144)
+        return AutoencoderKLLTX2Video(**VAE_CONFIG), [
+            ("text_encoder", Gemma3ForConditionalGeneration, gemma, torch.float8_e4m3fn),
+            ("connectors", LTX2TextConnectors, {"rope_type": "split"}),
+            ("audio_vae", AutoencoderKLLTX2Audio, {}),
+            ("vocoder", LTX2Vocoder, {})]
 
     @classmethod
     def vae_latent_geometry(cls, config) -> tuple[int, int, int]:

@@ -36,7 +36,7 @@ import torch
 from diffusers import Lumina2Pipeline, Lumina2Transformer2DModel
 from torch import nn
 
-from ._diffusers import DiffusersAdapter, collate_masked_text
+from ._diffusers import DiffusersAdapter, collate_masked_text, flux_vae, tiny_token_ids
 from .base import Components
 from .lora_keys import KeyRule, LoraKeyMap
 
@@ -158,6 +158,19 @@ class Lumina2Adapter(DiffusersAdapter):
     @classmethod
     def tiny_builders(cls):
         return {"lumina2": tiny_pipeline}
+
+    @classmethod
+    def full_size_parts(cls, folder):
+        """bench/program/bench_program.py's full-size random folders: Flux's VAE and Gemma-2-2B as Gemma2Model
+        whole (26 layers; the pipeline reads the second to last hidden state, so the last layer must stay for that
+        state to be the one the release gives), bf16 (5.2 GB), with the folder's tiny tokenizer's special ids."""
+        from transformers import Gemma2Config, Gemma2Model
+
+        return flux_vae(), [("text_encoder", Gemma2Model, Gemma2Config(
+            vocab_size=256_000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=256, max_position_embeddings=8192, sliding_window=4096,
+            query_pre_attn_scalar=256, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+            **tiny_token_ids(folder)))]
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         # execution order of Lumina2Transformer2DModel.forward: caption refiners, image refiners, the main layers
