@@ -258,6 +258,12 @@ class ModelAdapter(ABC):
                 int(vae.tile_sample_stride_height), int(vae.tile_sample_stride_width))
 
     @classmethod
+    def vae_time_chunks(cls, vae: Any) -> contextlib.AbstractContextManager:
+        """A context in which the VAE encodes and decodes as the family runs it (the planner's meta clip runs in it,
+        trainer/planner/vae.py): HunyuanVideo 1.5's in causal time chunks; diffusers' own by default."""
+        return contextlib.nullcontext()
+
+    @classmethod
     def comfy_diffusers_lora_note(cls) -> str:
         """What ComfyUI does with this family's diffusers-layout LoRA files, in a clause for the fit's log and its
         refusals (from `comfy_reads_diffusers_lora` / `comfy_diffusers_lora_since`)."""

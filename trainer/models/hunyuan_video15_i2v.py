@@ -37,6 +37,7 @@ from torch import nn
 from ..errors import UserError
 from .base import Components, to_pil
 from .hunyuan_video15 import HunyuanVideo15Adapter, tiny_pipeline
+from .hunyuan_video15_vae import time_chunks
 
 
 class HunyuanVideo15ImageToVideoPipeline(diffusers.HunyuanVideo15ImageToVideoPipeline, HunyuanVideoLoraLoaderMixin):
@@ -45,7 +46,8 @@ class HunyuanVideo15ImageToVideoPipeline(diffusers.HunyuanVideo15ImageToVideoPip
     `pipeline_image` has checked they are the size the pipeline picks for the image."""
 
     def __call__(self, image, *args, height: int | None = None, width: int | None = None, **kwargs):
-        return super().__call__(image, *args, **kwargs)
+        with time_chunks(self.vae):  # the VAE in causal time chunks, as text-to-video's pipeline runs it
+            return super().__call__(image, *args, **kwargs)
 
 
 #: the attribute of the VAE module that holds (image encoder, its processor)
