@@ -20,8 +20,7 @@ kept beside it as `vae.hunyuan_image_encoder` (not a registered submodule), as W
 Sampling takes `--image` (`sample.image` during a fit). The pipeline has no height / width arguments: the sample is
 the size it picks for the image (`pipeline_image` refuses another size in one line naming it).
 
-Left out: the step-distilled I2V models' settings (their folders load; sample them at their guider's scale), SigLIP's
-size in the planner's latent-caching phase.
+Left out: the step-distilled I2V models' settings (their folders load; sample them at their guider's scale).
 """
 
 from __future__ import annotations
@@ -81,6 +80,9 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
     full_config = {**HunyuanVideo15Adapter.full_config, "task_type": "i2v"}
     first_frame_conditions = True
     image_encoder_dir, image_processor_dir = "image_encoder", "feature_extractor"
+    #: SigLIP so400m-patch14-384's vision model (27 layers of 1152, its pooling head too, as `SiglipVisionModel`
+    #: builds it) beside the VAE while latents are cached (the planner's latent-caching phase)
+    cache_encoder_params = 428_225_600
 
     @classmethod
     def tiny_builders(cls):
