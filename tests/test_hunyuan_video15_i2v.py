@@ -149,3 +149,20 @@ def test_siglip_so400m_is_counted_beside_the_vae_while_latents_are_cached():
     with torch.device("meta"):
         n = sum(p.numel() for p in SiglipVisionModel(config).parameters())
     assert adapter_class("hunyuan-video-1.5-i2v").cache_encoder_params == n
+
+
+def test_latent_caching_adds_siglip_and_no_copy_of_the_clip():
+    """`encode_conditions` runs the first frame alone (no [first frame, zeros] clip as Wan's I2V makes): the
+    image-to-video latent-caching phase is text-to-video's plus SigLIP's bf16 weights, nothing else."""
+    from types import SimpleNamespace
+
+    from trainer.planner.phases import _latent_caching
+
+    def phase(family: str):
+        cls = adapter_class(family)
+        facts = SimpleNamespace(adapter=cls, family=family, vae_config=dict(cls.full_vae_config),
+                                dtype=torch.bfloat16, size=lambda res: (832, 480, 33))
+        return _latent_caching(facts, 632, 0.0, 4)
+
+    t2v, i2v = phase("hunyuan-video-1.5"), phase("hunyuan-video-1.5-i2v")
+    assert i2v.vram - t2v.vram == 428_225_600 * 2 and "832x480x33 clips" in i2v.note

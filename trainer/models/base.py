@@ -306,6 +306,9 @@ class ModelAdapter(ABC):
     #: latents, and a CLIP embedding, beside the noisy ones). `encode_conditions` caches it with the clip's latent,
     #: the batch carries it in the text dict to `predict`, and sampling needs `--image` (`sample.image` in a fit)
     first_frame_conditions: ClassVar[bool] = False
+    #: those conditions hold a second clip-sized tensor on the GPU while latents are cached (Wan's [first frame,
+    #: zeros] clip through the VAE), which the planner's latent-caching phase counts; False: the first frame alone
+    conditions_copy_clip: ClassVar[bool] = True
 
     def encode_conditions(self, vae: nn.Module, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-clip conditioning computed from the clip's pixels (B, 3, F, H, W) when its latent is cached, stored

@@ -79,6 +79,7 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
     #: the converter's 480p_i2v config: text-to-video's but task_type (which the forward never reads)
     full_config = {**HunyuanVideo15Adapter.full_config, "task_type": "i2v"}
     first_frame_conditions = True
+    conditions_copy_clip = False  # the first frame alone through the VAE and SigLIP (`encode_conditions`)
     image_encoder_dir, image_processor_dir = "image_encoder", "feature_extractor"
     #: SigLIP so400m-patch14-384's vision model (27 layers of 1152, its pooling head too, as `SiglipVisionModel`
     #: builds it) beside the VAE while latents are cached (the planner's latent-caching phase)
