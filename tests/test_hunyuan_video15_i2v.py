@@ -23,6 +23,7 @@ from trainer.cli import app
 from trainer.config import Config
 from trainer.data.video import write_video
 from trainer.errors import UserError
+from trainer.models import adapter_class
 from trainer.models.hunyuan_video15_attention import use_prefix_attention
 from trainer.sample import SampleRequest, run_sample
 from trainer.sampling.output import frame_sheet
@@ -136,3 +137,32 @@ def test_fit_and_sample_with_image_are_pixel_identical_to_the_pipeline(model, cl
     with pytest.raises(UserError, match="is image-to-video: pass --image"):
         run_sample(cfg.model_copy(update={"sample": cfg.sample.model_copy(update={"image": None})}),
                    SampleRequest(prompts=[PROMPT], out=tmp_path / "none"))
+
+
+def test_siglip_so400m_is_counted_beside_the_vae_while_latents_are_cached():
+    """`cache_encoder_params` is SigLIP so400m-patch14-384's vision model as transformers builds it (on meta), which the
+    planner's latent-caching phase puts beside the VAE."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    config = SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                num_attention_heads=16, image_size=384, patch_size=14)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in SiglipVisionModel(config).parameters())
+    assert adapter_class("hunyuan-video-1.5-i2v").cache_encoder_params == n
+
+
+def test_latent_caching_adds_siglip_and_no_copy_of_the_clip():
+    """`encode_conditions` runs the first frame alone (no [first frame, zeros] clip as Wan's I2V makes): the
+    image-to-video latent-caching phase is text-to-video's plus SigLIP's bf16 weights, nothing else."""
+    from types import SimpleNamespace
+
+    from trainer.planner.phases import _latent_caching
+
+    def phase(family: str):
+        cls = adapter_class(family)
+        facts = SimpleNamespace(adapter=cls, family=family, vae_config=dict(cls.full_vae_config),
+                                dtype=torch.bfloat16, size=lambda res: (832, 480, 33))
+        return _latent_caching(facts, 632, 0.0, 4)
+
+    t2v, i2v = phase("hunyuan-video-1.5"), phase("hunyuan-video-1.5-i2v")
+    assert i2v.vram - t2v.vram == 428_225_600 * 2 and "832x480x33 clips" in i2v.note

@@ -258,6 +258,12 @@ class ModelAdapter(ABC):
                 int(vae.tile_sample_stride_height), int(vae.tile_sample_stride_width))
 
     @classmethod
+    def vae_time_chunks(cls, vae: Any) -> contextlib.AbstractContextManager:
+        """A context in which the VAE encodes and decodes as the family runs it (the planner's meta clip runs in it,
+        trainer/planner/vae.py): HunyuanVideo 1.5's in causal time chunks; diffusers' own by default."""
+        return contextlib.nullcontext()
+
+    @classmethod
     def comfy_diffusers_lora_note(cls) -> str:
         """What ComfyUI does with this family's diffusers-layout LoRA files, in a clause for the fit's log and its
         refusals (from `comfy_reads_diffusers_lora` / `comfy_diffusers_lora_since`)."""
@@ -300,6 +306,9 @@ class ModelAdapter(ABC):
     #: latents, and a CLIP embedding, beside the noisy ones). `encode_conditions` caches it with the clip's latent,
     #: the batch carries it in the text dict to `predict`, and sampling needs `--image` (`sample.image` in a fit)
     first_frame_conditions: ClassVar[bool] = False
+    #: those conditions hold a second clip-sized tensor on the GPU while latents are cached (Wan's [first frame,
+    #: zeros] clip through the VAE), which the planner's latent-caching phase counts; False: the first frame alone
+    conditions_copy_clip: ClassVar[bool] = True
 
     def encode_conditions(self, vae: nn.Module, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-clip conditioning computed from the clip's pixels (B, 3, F, H, W) when its latent is cached, stored

@@ -15,7 +15,10 @@ How it mirrors diffusers' HunyuanVideo15Pipeline (0.42):
   prompt without quotes gets zeros and an all-zero mask (`_get_byt5_prompt_embeds`, called as is).
 - latents: the VAE's mean (`latent_dist.mode()`, the I2V pipeline's `retrieve_latents(..., "argmax")`) times
   `scaling_factor` (1.03682), the inverse of the pipeline's decode (`latents / scaling_factor`); no shift. The
-  VAE takes (B, 3, F, H, W) with F = 4k + 1 in one pass (causal in time inside), an image is F = 1.
+  VAE takes (B, 3, F, H, W) with F = 4k + 1, an image is F = 1; diffusers runs every frame at once (44.5 GB at
+  480p x 33), so the adapter's encode and the pipeline's decode run it in causal time chunks, the first frame then
+  one latent frame at a time, which the planner counts (`vae_time_chunks`, trainer/models/hunyuan_video15_vae.py:
+  the same latents within a few fp32 ulps, often bitwise).
 - predict: the transformer takes [noisy latents, zero condition latents, zero mask] along the channels (32 + 32 + 1 =
   65 in_channels; the image-to-video model puts the first frame there), `image_embeds` of zeros (B, 729, 1152) (no
   image: the transformer then masks those 729 tokens out), both texts with their masks, and the timestep t * 1000
@@ -66,11 +69,17 @@ from ._diffusers import NORM_MODULATION, T5_KEEP, DiffusersAdapter
 from .base import Components
 from .flux3_pipeline import _quiet_modular_notes
 from .hunyuan_video15_attention import HunyuanVideo15Transformer3DModel
+from .hunyuan_video15_vae import time_chunks
 
 
 class HunyuanVideo15Pipeline(diffusers.HunyuanVideo15Pipeline, HunyuanVideoLoraLoaderMixin):
     """diffusers' HunyuanVideo15Pipeline with the LoRA loader of diffusers' HunyuanVideo 1.5 modular pipeline
-    (`HunyuanVideoLoraLoaderMixin`: `load_lora_weights`, `set_adapters`); everything else is diffusers' own."""
+    (`HunyuanVideoLoraLoaderMixin`: `load_lora_weights`, `set_adapters`), whose VAE decodes in causal time chunks
+    (trainer/models/hunyuan_video15_vae.py); everything else is diffusers' own."""
+
+    def __call__(self, *args, **kwargs):
+        with time_chunks(self.vae):
+            return super().__call__(*args, **kwargs)
 
 
 #: the pipeline's prompt settings (set in `HunyuanVideo15Pipeline.__init__`; tests/test_hunyuan_video15.py checks them
@@ -301,8 +310,14 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         out = {"prompt_embeds": pe, "prompt_embeds_mask": mask, "prompt_embeds_2": pe2, "prompt_embeds_mask_2": mask2}
         return {k: v.to(device=dev, dtype=enc.dtype) for k, v in out.items()}
 
+    @classmethod
+    def vae_time_chunks(cls, vae: nn.Module):
+        """The VAE's encoder and decoder run in causal time chunks (module essay)."""
+        return time_chunks(vae)
+
     def encode_videos(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        return vae.encode(pixels.to(vae.dtype)).latent_dist.mode() * vae.config.scaling_factor
+        with time_chunks(vae):
+            return vae.encode(pixels.to(vae.dtype)).latent_dist.mode() * vae.config.scaling_factor
 
     def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         """An image is a 1-frame clip: (B, 3, H, W) -> (B, C, 1, h, w)."""

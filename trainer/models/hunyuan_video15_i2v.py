@@ -20,8 +20,7 @@ kept beside it as `vae.hunyuan_image_encoder` (not a registered submodule), as W
 Sampling takes `--image` (`sample.image` during a fit). The pipeline has no height / width arguments: the sample is
 the size it picks for the image (`pipeline_image` refuses another size in one line naming it).
 
-Left out: the step-distilled I2V models' settings (their folders load; sample them at their guider's scale), SigLIP's
-size in the planner's latent-caching phase.
+Left out: the step-distilled I2V models' settings (their folders load; sample them at their guider's scale).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from torch import nn
 from ..errors import UserError
 from .base import Components, to_pil
 from .hunyuan_video15 import HunyuanVideo15Adapter, tiny_pipeline
+from .hunyuan_video15_vae import time_chunks
 
 
 class HunyuanVideo15ImageToVideoPipeline(diffusers.HunyuanVideo15ImageToVideoPipeline, HunyuanVideoLoraLoaderMixin):
@@ -45,7 +45,8 @@ class HunyuanVideo15ImageToVideoPipeline(diffusers.HunyuanVideo15ImageToVideoPip
     `pipeline_image` has checked they are the size the pipeline picks for the image."""
 
     def __call__(self, image, *args, height: int | None = None, width: int | None = None, **kwargs):
-        return super().__call__(image, *args, **kwargs)
+        with time_chunks(self.vae):  # the VAE in causal time chunks, as text-to-video's pipeline runs it
+            return super().__call__(image, *args, **kwargs)
 
 
 #: the attribute of the VAE module that holds (image encoder, its processor)
@@ -78,7 +79,11 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
     #: the converter's 480p_i2v config: text-to-video's but task_type (which the forward never reads)
     full_config = {**HunyuanVideo15Adapter.full_config, "task_type": "i2v"}
     first_frame_conditions = True
+    conditions_copy_clip = False  # the first frame alone through the VAE and SigLIP (`encode_conditions`)
     image_encoder_dir, image_processor_dir = "image_encoder", "feature_extractor"
+    #: SigLIP so400m-patch14-384's vision model (27 layers of 1152, its pooling head too, as `SiglipVisionModel`
+    #: builds it) beside the VAE while latents are cached (the planner's latent-caching phase)
+    cache_encoder_params = 428_225_600
 
     @classmethod
     def tiny_builders(cls):

@@ -154,8 +154,10 @@ def _latent_caching(facts: Facts, res: int, vae: float, encode_batch: int) -> Ph
     w, h, frames = facts.size(res)
     tiled = w * h > CACHE_TILE_PIXELS
     enc_act = clip_peak(facts.family, facts.vae_config, facts.dtype, "encode", w, h, frames, tiled=tiled)
-    # the batch of clips on the GPU (image-to-video: and its [first frame, zeros] copy); each clip encodes alone
-    clips = encode_batch * clip_bytes(w, h, frames, facts.dtype) * (2 if cls.first_frame_conditions else 1)
+    # the batch of clips on the GPU (image-to-video: and its [first frame, zeros] copy, where the family makes one);
+    # each clip encodes alone
+    copy = cls.first_frame_conditions and cls.conditions_copy_clip
+    clips = encode_batch * clip_bytes(w, h, frames, facts.dtype) * (2 if copy else 1)
     encoder = cls.cache_encoder_params * facts.dtype.itemsize
     return PhasePrediction("latent caching", vae + encoder + clips + RESERVED_PER_COUNTED * enc_act + WORKSPACE,
                            vae + encoder + encode_batch * frames * w * h * 12,
