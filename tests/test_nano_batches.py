@@ -171,6 +171,7 @@ def test_plan_of_the_14b_preset_at_480p_x_81_counts_the_chunks():
     raw["data"]["clip_frames"] = 81
     raw["offload"]["transformer"] = 1.0
     raw["train"]["compile"] = False  # eager blocks: the compiled count is test_compiled_chunks_* below
+    raw["offload"]["nano_batches"] = 1  # without chunks first (the preset may turn them on)
     facts = analyze(Config.model_validate(raw))
     off = predict(facts, 1.0, 632, activation_offload=True)
     tr = facts.trace(632)
