@@ -158,7 +158,7 @@ def test_planner_counts_what_a_chunked_block_saves_at_480p_x_81():
 
 
 def test_plan_of_the_14b_preset_at_480p_x_81_counts_the_chunks():
-    """`dittrain plan` of configs/wan/lora-16gb.yaml at 480p x 81, every block streamed: with 8 chunks the block
+    """`dittrain plan` of configs/wan/lora-16gb.yaml at 480p x 81, every block streamed, eager blocks: with 8 chunks the block
     working set is the chunked trace's (saved + 2 x largest + 2 x inputs, prediction.py), the feed-forward's
     13,824-wide hidden (two 0.91 GB bf16 tensors) no longer the largest; the step costs the sub-layers' matmuls
     once more."""
@@ -170,6 +170,8 @@ def test_plan_of_the_14b_preset_at_480p_x_81_counts_the_chunks():
     raw = yaml.safe_load(open("configs/wan/lora-16gb.yaml"))
     raw["data"]["clip_frames"] = 81
     raw["offload"]["transformer"] = 1.0
+    raw["train"]["compile"] = False  # eager blocks: the compiled count is test_compiled_chunks_* below
+    raw["offload"]["nano_batches"] = 1  # without chunks first (the preset may turn them on)
     facts = analyze(Config.model_validate(raw))
     off = predict(facts, 1.0, 632, activation_offload=True)
     tr = facts.trace(632)
@@ -184,3 +186,71 @@ def test_plan_of_the_14b_preset_at_480p_x_81_counts_the_chunks():
     assert 2.9e9 < saved < 3.0e9, saved  # of 10.99 GB
     assert on.peak_reserved < off.peak_reserved - 3.9e9
     assert on.step_s > off.step_s
+
+
+def _kept(block, args, kwargs, compile=None) -> tuple[int, int, list[tuple[int, ...]]]:
+    """(bytes, largest, shapes) of what `block`'s forward keeps for backward on real tensors, weights and its own
+    inputs left out: its class's forward compiled as the trainer compiles it, with `compile`'s backend."""
+    weights = {ptrace._storage(p)[0] for p in block.parameters()}
+    inputs = {ptrace._storage(a)[0] for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+    kept: dict[int, tuple[int, tuple[int, ...]]] = {}
+    alive = []
+
+    def pack(t):
+        alive.append(t)
+        sid, nbytes = ptrace._storage(t)
+        if sid not in weights and sid not in inputs:
+            kept[sid] = (nbytes, tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compiled.forward_of(type(block), compile)(block, *args, **kwargs)
+    return sum(n for n, _ in kept.values()), max(n for n, _ in kept.values()), [s for _, s in kept.values()]
+
+
+def test_compiled_chunks_keep_nothing_of_the_sub_layers_and_the_planner_counts_it():
+    """Compiled, each chunk is an activation-checkpoint region that the partitioner recomputes whole: a Wan block
+    with its attn2 and ffn split keeps, for backward, none of the feed-forward's 64-wide hidden, none of attn2's
+    per-token tensors and none of their weights, whatever the number of chunks (but for a random generator's state per
+    chunk). The planner's count
+    (compiled_saves.py `chunk_saving`, on the meta device) is what the real block keeps, run on the CPU with the
+    trainer's compiled forward and `split_mlps`, and `chunk_mlps` turns it into the block's recompute: its saved bytes
+    less what the split block stops keeping, plus one chunk's hidden and the sub-layers' other tensors (the chunk
+    being recomputed in backward)."""
+    from trainer.planner import compiled_saves as pcompiled
+
+    opts = CompileOptions(backend=pcompiled.BACKEND, shapes=4)
+    m = _wan_lora()
+    x = dict(hidden_states=torch.randn(1, 4, 3, 8, 8), encoder_hidden_states=torch.randn(1, 8, 32),
+             timestep=torch.ones(1))
+    blocks = list(m.blocks)
+    tr = ptrace.trace_forward(m, blocks, x, kernels="cpu", mlps=[WAN.token_wise_of(b) for b in blocks])
+    i, args, kwargs = tr.last_calls[type(blocks[0]).__name__]
+    blk = blocks[i]
+    whole = _kept(blk, args, kwargs, opts)
+    kept = {}
+    for n in (2, 4):
+        split_mlps(blk, n, WAN.token_wise_of(blk))
+        kept[n] = _kept(blk, args, kwargs, opts)
+        for mod in WAN.token_wise_of(blk):
+            mod.__class__ = mod._plain_class
+        compiled.reset()
+    # the forward keeps nothing of any chunk but, where a chunk runs a random op (attention), the generator state
+    # the partitioner saves to replay it (the CPU's is 5,056 bytes; CUDA's 16)
+    assert kept[4][0] - kept[2][0] == 2 * torch.get_rng_state().numel() and kept[2][1] == kept[4][1]
+    assert not any(64 in s for s in kept[2][2]) and any(64 in s for s in whole[2])  # the ffn's hidden
+    assert whole[0] - kept[2][0] > tr.block_mlp_saved[i]  # more than the eager count's hidden goes
+    meta = _wan(device="meta")
+    from peft import LoraConfig
+
+    meta.requires_grad_(False)
+    meta.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=list(WAN.default_lora_targets)))
+    xm = {k: v.to("meta") for k, v in x.items()}
+    mblocks = list(meta.blocks)
+    mtr = ptrace.trace_forward(meta, mblocks, xm, kernels="cpu", mlps=[WAN.token_wise_of(b) for b in mblocks])
+    counted = pcompiled.chunk_saving(meta, mblocks, mtr, WAN.token_wise_of, kernels="cpu")
+    assert counted[i] == (whole[0] - kept[2][0], kept[2][1])
+    planned = ptrace.chunk_mlps(tr, 4, counted)
+    s, m_, o = tr.block_saved[i], tr.block_mlp_saved[i], tr.block_mlp_other[i]
+    assert planned.block_saved[i] == s - counted[i][0] + -(-m_ // 4) + o
+    assert planned.block_largest[i] == max(kept[2][1], -(-tr.block_mlp_largest[i] // 4))

@@ -17,15 +17,19 @@ whose forward splits and then calls the MLP's own forward per chunk; `block.remo
 Which modules: the family's declaration (trainer/models/base.py `token_wise`, handed to `attach_offload` as
 `nano_mlps`), else every diffusers `FeedForward` in the block. The planner counts the saving
 (trainer/planner/trace.py `chunk_mlps`): the block's recompute no longer saves the sub-layers' hidden activations
-for the whole sequence, only their inputs; backward recomputes one chunk's at a time. In Wan 2.1 14B at 480p x 81
+for the whole sequence; backward recomputes one chunk's at a time. In Wan 2.1 14B at 480p x 81
 (32,760 tokens, fp8 base) a block's recompute saves 8.5 GB, of which the feed-forward's hidden is 1.8 GB (the
 GELU's bf16 input and output, 13,824 wide: the two largest tensors) and the cross-attention's per-token tensors
 (q, output, their projections' inputs) 1.0 GB.
 
 Under train.compile the block's compiled forward (trainer/offload/compiled.py) traces the chunks and their
 checkpoints as torch.compile's activation-checkpoint regions, and AOTAutograd recomputes each chunk in the compiled
-backward: the same numbers as eager (aot_eager on the CPU, tests/test_nano_batches.py). That inductor's backward
-holds one chunk's hidden at a time, as eager does, is what the planner assumes, not yet measured.
+backward: the same numbers as eager (aot_eager on the CPU, tests/test_nano_batches.py). The compiled block saves less
+than the eager one with chunks: nothing made inside a chunk (the sub-layers' dequantized weights and the text's keys
+and values included) and none of the inputs the sub-layers can make again cheaply (the norms' outputs); counted on
+meta for the 14B block at 480p x 81, its saved bytes fall from 7.16 to 3.26 GB with the split (with 2 chunks or 16
+alike), where the eager count drops 2.65 GB. On an H200 (bench/history/2026-11-27.md, 12:05) 16 chunks took the
+step from 14.96 to 10.88 GB allocated; the planner counts it so (trainer/planner/compiled_saves.py `chunk_saving`).
 
 Left out: MLPs written inline in a block's forward (Flux's single blocks) are not split.
 """

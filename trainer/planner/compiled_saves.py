@@ -22,12 +22,25 @@ Cost: one dynamo trace and partition per block class and bucket (2-6 s of one CP
 where a block may keep its activations (train.gradient_checkpointing false or auto) with compile on. If dynamo
 cannot trace a family's block on meta, the eager count stays and the trace says so (`Trace.saved_by`).
 
+Token chunks (offload.nano_batches, trainer/offload/nano.py). Compiled, each chunk of a split sub-layer is one of
+torch.compile's activation-checkpoint regions, which the partitioner recomputes whole in backward: the block's
+forward keeps nothing made inside a chunk, not even what eager chunks would keep of the sub-layer (its dequantized
+weights, the text's keys and values), nor the sub-layers' inputs where they are cheap to make again (a norm's output).
+`chunk_saving` counts what the compiled block stops keeping: its saved bytes with and without the split, the split
+compiled with `PROBE_CHUNKS` chunks (the forward keeps nothing of any chunk, so the count does not depend on their
+number; one chunk's recompute in backward is the planner's to add, trace.py `chunk_mlps`), and the largest tensor
+the split block saves, which sizes backward's transients (the eager count's largest is then a float32 copy of a norm's
+input that the compiled block never makes: inductor upcasts inside the norm's kernel). This is what a block
+recomputed in backward (gradient checkpointing) holds too when it runs compiled: its recompute is the compiled
+forward (trainer/offload/block.py `_compute`).
+
 Left out: the first block of each list, whose inputs carry no gradient in LoRA training, is counted as the others
 (it saves a little less); the small tensors the partitioner saves as Python numbers (symbolic sizes, seeds).
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -57,6 +70,41 @@ def _attention(kernels: str):
             dropout_p, is_causal, scale=scale)[0]
 
     return sdpa
+
+
+#: chunks the split block is compiled with by `chunk_saving` (see the module essay)
+PROBE_CHUNKS = 2
+
+
+@contextlib.contextmanager
+def _rng_state_on_meta():
+    """Inside an activation-checkpoint region the partitioner wraps a random op (flash attention returns a seed) in
+    `run_and_save_rng_state`, which has no meta implementation: while counting on meta, meta takes the CPU's (the
+    state it saves is never read; the count is of shapes)."""
+    from torch._prims import rng_prims
+
+    real = rng_prims.get_device
+    rng_prims.get_device = lambda args, kwargs: "cpu" if real(args, kwargs) == "meta" else real(args, kwargs)
+    try:
+        yield
+    finally:
+        rng_prims.get_device = real
+
+
+@contextlib.contextmanager
+def _split(block: nn.Module, mlps: list[nn.Module], n: int):
+    """`block` with its token-wise sub-layers `mlps` split in `n` chunks as the trainer splits them
+    (offload/nano.py `split_mlps`), restored after."""
+    from ..offload.block import restore_class
+    from ..offload.nano import split_mlps
+
+    split_mlps(block, n, mlps)
+    try:
+        yield
+    finally:
+        for m in mlps:
+            restore_class(m)
+            del m._nano_batches
 
 
 def _private_forward(cls: type):
@@ -147,6 +195,33 @@ def compiled_saved(transformer: nn.Module, blocks: list[nn.Module], tr: Trace,
     finally:
         F.scaled_dot_product_attention = plain
     return out
+
+
+def chunk_saving(transformer: nn.Module, blocks: list[nn.Module], tr: Trace, token_wise_of,
+                 kernels: str = "cuda") -> list[tuple[int, int]]:
+    """Per block: (the bytes its compiled forward stops saving for backward when its token-wise sub-layers
+    (`token_wise_of(block)`) run in token chunks, the largest tensor it saves then), at the shapes of `tr`; see the
+    module essay."""
+    weights = {_storage(p)[0] for p in transformer.parameters()} | {
+        _storage(b)[0] for b in transformer.buffers()
+    }
+    F = torch.nn.functional
+    plain = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _attention(kernels)  # not thread-safe: the planner runs before training
+    per_class = {}
+    try:
+        for name, (i, args, kwargs) in tr.last_calls.items():
+            key = (kernels, _signature(blocks[i]), _signature(args), _signature(kwargs))
+            if key not in _CACHE:
+                _CACHE[key] = _saved_by_one(blocks[i], args, kwargs, weights)
+            skey = (*key, "chunks")
+            if skey not in _CACHE:
+                with _split(blocks[i], token_wise_of(blocks[i]), PROBE_CHUNKS), _rng_state_on_meta():
+                    _CACHE[skey] = _saved_by_one(blocks[i], args, kwargs, weights)
+            per_class[name] = (_CACHE[key][0] - _CACHE[skey][0], _CACHE[skey][1])
+    finally:
+        F.scaled_dot_product_attention = plain
+    return [per_class[type(b).__name__] for b in blocks]
 
 
 def apply_compiled(transformer: nn.Module, blocks: list[nn.Module], tr: Trace, kernels: str = "cuda") -> Trace:

@@ -10,9 +10,14 @@ the reason. The header of each file carries the planner's predictions (VRAM, RAM
 training without offloading); they are predictions until bench/speed/bench_plan.py measures them.
 
 A video family's (`video`) ladder is the clip instead of the side (`VIDEO_CLIPS`): 720p x 81 frames, 480p x 81,
-then fewer frames at 480p (49, 33), each without checkpointing, with it, then with activation offloading; the
-preset names its size as `data.resolutions: [480p]` (trainer/config.py `video_resolution`), samples that frame at
-the clip's length, and its header says which rung it took. A family of experts (Wan 2.2 A14B) trains the
+then fewer frames at 480p (49, 33), each without checkpointing, with it, then with activation offloading; then the
+clip one rung longer than the longest that fits (the shortest where none does) with the blocks' token-wise sub-layers
+in `NANO_BATCHES` token chunks too (offload.nano_batches), taken where it fits: a card pays the chunks' extra step
+time only for a longer clip. One rung only, a choice: each rung has 1.4-2.3 x the tokens of the one below, while the
+chunks took 32 % off the measured peak (Wan 2.1 14B at 480p x 81), and each clip tried costs the planner two compiles
+of the block on meta (planner/compiled_saves.py `chunk_saving`). The preset names its size as
+`data.resolutions: [480p]` (trainer/config.py `video_resolution`), samples that frame at the clip's length, and its
+header says which rung it took (and, with chunks, that without them the clip is predicted not to fit). A family of experts (Wan 2.2 A14B) trains the
 `model.expert` its presets name (`EXPERT`: both experts in one run for a LoRA, trainer/train/experts.py; one for a
 full fine-tune, the other the same size) with sampling during training off: a sample needs every expert, which the
 planner does not count. So does a family whose samples run further transformers (`sampling_components`:
@@ -42,10 +47,14 @@ SETTINGS = (
     (512, False, True),
     (512, True, True),
 )
+#: token chunks a video preset may turn on (trainer/offload/nano.py): the measured setting, Wan 2.1 14B at
+#: 480p x 81 on an H200, 12.92 GB reserved against 19.10 without, +6.4 % step (bench/history/2026-11-27.md 12:05)
+NANO_BATCHES = 16
 # A video family's clips (video height as `<N>p`, frames), most preferred first, each tried with the three
 # (activation offloading, gradient checkpointing) settings of 1024 px above: Wan's 720p and 480p at its 81 frames
 # (5 s at 16 fps), then shorter 480p clips where nothing longer fits.
 VIDEO_CLIPS = (("720p", 81), ("480p", 81), ("480p", 49), ("480p", 33))
+# (activation offloading, gradient checkpointing) at each clip, most preferred first; then `NANO_BATCHES` (_first_fit)
 VIDEO_SETTINGS = ((False, False), (False, True), (True, True))
 # the expert(s) a family of experts' presets train, per method: LoRA both in one run (model.expert: both); a full
 # fine-tune one per run (the other is the same size)
@@ -58,14 +67,15 @@ FP8_CARDS = (8, 12, 16)
 SMALL_RAM_GB = 32
 
 
-def _settings(family: str) -> list[tuple[int | str, int, bool, bool]]:
-    """(resolution, frames, activation offloading, gradient checkpointing) in order of preference: SETTINGS for an
-    image family (frames 1), its clips (`preset_clips`, else VIDEO_CLIPS) x VIDEO_SETTINGS for a video family."""
+def _settings(family: str) -> list[tuple[int | str, int, bool, bool, int]]:
+    """(resolution, frames, activation offloading, gradient checkpointing, token chunks) in order of preference:
+    SETTINGS for an image family (frames 1), its clips (`preset_clips`, else VIDEO_CLIPS) x VIDEO_SETTINGS for a
+    video family, without chunks (`_first_fit` tries them)."""
     cls = adapter_class(family)
     if not cls.video:
-        return [(res, 1, act, ckpt) for res, act, ckpt in SETTINGS]
+        return [(res, 1, act, ckpt, 1) for res, act, ckpt in SETTINGS]
     clips = cls.preset_clips or VIDEO_CLIPS  # the family's own ladder (LTX-2's 121 frames), else Wan's
-    return [(name, frames, act, ckpt) for name, frames in clips for act, ckpt in VIDEO_SETTINGS]
+    return [(name, frames, act, ckpt, 1) for name, frames in clips for act, ckpt in VIDEO_SETTINGS]
 
 
 def _size(d: dict) -> tuple[int, int]:
@@ -96,6 +106,7 @@ def _config(
     te: float = 0.0,
     quantize: str = "none",
     frames: int = 1,
+    nano: int = 1,
 ) -> dict:
     full = method == "full"
     cls = adapter_class(family)
@@ -132,7 +143,8 @@ def _config(
             "cache_dir": f"cache/{family}-{res}" + (f"-{frames}f" if cls.video else ""),
             **({"encode_batch_size": 1} if ref_text else {}),
         },
-        "offload": {"transformer": fraction, "text_encoders": te, "activations": act},
+        "offload": {"transformer": fraction, "text_encoders": te, "activations": act,
+                    **({"nano_batches": nano} if nano > 1 else {})},
         "sample": {
             "prompts": ["a cat walks along a wooden fence in the afternoon sun" if cls.video
                         else "a photo of a cat sitting on a wooden table"],
@@ -178,53 +190,73 @@ def _yaml(d: dict, indent: int = 0) -> list[str]:
 
 
 def _first_fit(family, method, card, opt, cache, quantize="none", ram_gb=None):
-    budget = card - HEADROOM_GB
+    """The first setting of `_settings` that fits (see `_fit`); for a video family, then its clip one rung longer
+    with `NANO_BATCHES` token chunks where they make it fit (the rung above the longest clip that fits without them,
+    or the shortest where none does: only there can the chunks lift the card, whose step they make slower)."""
     last = ""
+    fit = None
+    for name, frames, act, ckpt, nano in _settings(family):
+        r = _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, ckpt, nano)
+        if not isinstance(r, str):
+            fit = r, (name, frames)
+            break
+        last = r
+    cls = adapter_class(family)
+    if cls.video:
+        clips = list(cls.preset_clips or VIDEO_CLIPS)
+        k = clips.index(fit[1]) if fit is not None else len(clips)
+        if k > 0:
+            r = _fit(family, method, card, opt, cache, quantize, ram_gb, *clips[k - 1], True, True, NANO_BATCHES)
+            if not isinstance(r, str):
+                return r
+    return fit[0] if fit is not None else last or "does not fit"
+
+
+def _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, ckpt, nano):
+    """(config dict, prediction, step seconds without offloading, phases) of one setting at the smallest fraction
+    that fits the card, or why it does not."""
+    budget = card - HEADROOM_GB
     # a family of experts, or one whose samples run other transformers too: sampling off (module essay)
     cls = adapter_class(family)
     sample_off = bool(cls.experts or cls.sampling_components)
-    for name, frames, act, ckpt in _settings(family):
-        d0 = _config(family, method, name, act, 0.0, ckpt, opt, quantize=quantize, frames=frames)
-        d0["sample"]["every"] = 0  # the fraction for training; sampling is checked below (off if it does not fit)
-        cfg = Config.model_validate(d0)
-        res = cfg.data.resolutions[0]  # a video height (480p) as the side it names (632)
-        key = (family, method, opt, quantize)
-        if key not in cache:
-            cache[key] = analyze(cfg)
-        facts = cache[key]
-        # as analyze(cfg) sets them for this setting (compile auto: kept activations counted as compiled blocks')
-        facts.resolutions, facts.checkpointing, facts.compiled = [res], ckpt, not ckpt
-        facts.frames = cfg.data.clip_frames if adapter_class(family).video else 1
-        try:
-            f = choose_fraction(cfg, budget, facts=facts, activation_offload=act, log=lambda s: None)
-        except UserError as e:
-            last = str(e).split(";")[0]
-            continue
-        p = predict(facts, f, res, act)
-        ram = ram_gb or RAM_GB[card]
-        if p.ram_peak / 1e9 > ram:
-            last = (
-                f"needs {p.ram_peak / 1e9:.0f} GB of CPU RAM at fraction {f:.2f} ({_where(name, frames)}), more than the "
-                f"{ram} GB assumed beside a {card} GB card"
-            )
-            continue
-        facts.checkpointing, facts.compiled = True, False
-        base = predict(facts, 0.0, res, False)  # the same training without offloading (checkpointed)
-        facts.checkpointing, facts.compiled = ckpt, not ckpt
-        te = fit_text_fraction(facts, budget)
-        d = _config(family, method, name, act, f, ckpt, opt, te, quantize, frames)
-        dcfg = Config.model_validate(d)
-        phases = predict_phases(dcfg, f, facts, te)
-        if sample_off or any(ph.name == "sampling" and ph.vram > budget * 1e9 for ph in phases):
-            # off where it would not fit beside the ring, and for a family of experts (module essay)
-            d["sample"]["every"] = 0
-            phases = predict_phases(Config.model_validate(d), f, facts, te)
-        if max(ph.vram for ph in phases) > budget * 1e9:
-            last = f"a phase does not fit at {_where(name, frames)}: " + ", ".join(
-                f"{ph.name} {ph.vram / 1e9:.1f} GB" for ph in phases if ph.vram > budget * 1e9)
-            continue
-        return d, p, min(base.step_s, p.step_s), phases
-    return last or "does not fit"
+    d0 = _config(family, method, name, act, 0.0, ckpt, opt, quantize=quantize, frames=frames, nano=nano)
+    d0["sample"]["every"] = 0  # the fraction for training; sampling is checked below (off if it does not fit)
+    cfg = Config.model_validate(d0)
+    res = cfg.data.resolutions[0]  # a video height (480p) as the side it names (632)
+    key = (family, method, opt, quantize)
+    if key not in cache:
+        cache[key] = analyze(cfg)
+    facts = cache[key]
+    # as analyze(cfg) sets them for this setting (compile auto: kept activations counted as compiled blocks')
+    facts.resolutions, facts.checkpointing, facts.compiled = [res], ckpt, not ckpt
+    facts.frames = cfg.data.clip_frames if cls.video else 1
+    facts.nano_batches = nano
+    try:
+        f = choose_fraction(cfg, budget, facts=facts, activation_offload=act, log=lambda s: None)
+    except UserError as e:
+        return str(e).split(";")[0]
+    p = predict(facts, f, res, act)
+    ram = ram_gb or RAM_GB[card]
+    if p.ram_peak / 1e9 > ram:
+        return (
+            f"needs {p.ram_peak / 1e9:.0f} GB of CPU RAM at fraction {f:.2f} ({_where(name, frames)}), more than the "
+            f"{ram} GB assumed beside a {card} GB card"
+        )
+    facts.checkpointing, facts.compiled, facts.nano_batches = True, False, 1
+    base = predict(facts, 0.0, res, False)  # the same training without offloading (checkpointed, no chunks)
+    facts.checkpointing, facts.compiled, facts.nano_batches = ckpt, not ckpt, nano
+    te = fit_text_fraction(facts, budget)
+    d = _config(family, method, name, act, f, ckpt, opt, te, quantize, frames, nano)
+    dcfg = Config.model_validate(d)
+    phases = predict_phases(dcfg, f, facts, te)
+    if sample_off or any(ph.name == "sampling" and ph.vram > budget * 1e9 for ph in phases):
+        # off where it would not fit beside the ring, and for a family of experts (module essay)
+        d["sample"]["every"] = 0
+        phases = predict_phases(Config.model_validate(d), f, facts, te)
+    if max(ph.vram for ph in phases) > budget * 1e9:
+        return f"a phase does not fit at {_where(name, frames)}: " + ", ".join(
+            f"{ph.name} {ph.vram / 1e9:.1f} GB" for ph in phases if ph.vram > budget * 1e9)
+    return d, p, min(base.step_s, p.step_s), phases
 
 
 def _where(res: int | str, frames: int) -> str:
@@ -282,7 +314,9 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
         else f"full fine-tune ({opt}, fused back pass, bf16 + stochastic rounding)"
     )
     ckpt = d["train"]["gradient_checkpointing"]
+    nano = d["offload"].get("nano_batches", 1)
     how = f"transformer fraction {f:.2f}" + (" + activation offloading" if act else "")
+    how += f" + {nano} token chunks" if nano > 1 else ""
     how += "" if ckpt else ", no gradient checkpointing"
     speed = p.step_s / base_s
     big = max(phases, key=lambda ph: ph.vram)
@@ -314,6 +348,11 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
                    f"other aspect buckets of its area, {_size(d)[0]}^2 pixels a frame)")
         ladder = ", ".join(f"{n} x {k}" for n, k in cls.preset_clips or VIDEO_CLIPS)
         rung = [f"# Clip: {size}, the largest of the presets' ladder ({ladder} frames) predicted to fit this card."]
+        if nano > 1:
+            subs = " and ".join(cls.token_wise) if cls.token_wise else "feed-forwards"
+            rung.append(f"# Token chunks: offload.nano_batches: {nano} runs each block's {subs} in {nano} token chunks, "
+                        "each recomputed in backward; without them this clip is predicted not to fit this card (measured "
+                        "for Wan 2.1 14B at 480p x 81 on an H200: 12.9 GB reserved against 19.1 GB, +6 % step time).")
     else:
         size, buckets, rung = f"{res} px", f"{res}x{res} buckets", []
     expert = d["model"].get("expert")

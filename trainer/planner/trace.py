@@ -224,20 +224,30 @@ class Trace:
     block_mlp_linear_flops: list[int] = field(default_factory=list)
 
 
-def chunk_mlps(tr: Trace, n: int) -> Trace:
+def chunk_mlps(tr: Trace, n: int, compiled: list[tuple[int, int]] | None = None) -> Trace:
     """`tr` as blocks whose token-wise MLPs run in `n` checkpointed token chunks (offload.nano_batches,
-    trainer/offload/nano.py) save it: the recompute keeps each MLP's input but not its hidden activations, and
-    backward recomputes one chunk's hidden at a time, so 1/n of them (and of their largest tensor) is what the
-    block's working set holds of the MLP; what they save that is not per token (`block_mlp_other`) stays counted
-    once, as one chunk's recompute holds it. The chunk's share rounds up (chunks of whole tokens)."""
+    trainer/offload/nano.py) save it. Eager blocks (`removed` None): the recompute keeps each MLP's input but not its
+    hidden activations, and backward recomputes one chunk's hidden at a time, so 1/n of them (and of their largest
+    tensor) is what the block's working set holds of the MLP; what they save that is not per token
+    (`block_mlp_other`) stays counted once, as one chunk's recompute holds it. Compiled blocks (`compiled`: per
+    block, planner/compiled_saves.py `chunk_saving`): what the compiled forward stops saving with the split goes
+    (every chunk is an activation-checkpoint region, so the sub-layers' dequantized weights and the inputs they can
+    make again go too) and one chunk's recompute (its hidden and `block_mlp_other`) comes back; the largest tensor
+    is the split compiled block's or one chunk's. The chunk's share rounds up (chunks of whole tokens)."""
     if n <= 1 or not tr.block_mlp_saved:
         return tr
+    if compiled is None:  # eager: the hidden activations go; block_mlp_other stays in block_saved
+        removed, again, outside = tr.block_mlp_saved, [0] * len(tr.block_saved), tr.block_largest_outside_mlp
+        how = ""
+    else:
+        removed, outside = [r for r, _ in compiled], [big for _, big in compiled]
+        again, how = tr.block_mlp_other, " as compiled chunks keep them"
     return replace(
         tr,
-        block_saved=[s - m + -(-m // n) for s, m in zip(tr.block_saved, tr.block_mlp_saved, strict=True)],
-        block_largest=[max(o, -(-b // n)) for o, b in zip(tr.block_largest_outside_mlp, tr.block_mlp_largest,
-                                                           strict=True)],
-        saved_by=f"{tr.saved_by}, token-wise MLPs in {n} chunks",
+        block_saved=[s - r + -(-m // n) + o for s, r, m, o in zip(tr.block_saved, removed, tr.block_mlp_saved, again,
+                                                                   strict=True)],
+        block_largest=[max(o, -(-b // n)) for o, b in zip(outside, tr.block_mlp_largest, strict=True)],
+        saved_by=f"{tr.saved_by}, token-wise MLPs in {n} chunks{how}",
     )
 
 
