@@ -175,26 +175,40 @@ def _signature(obj) -> tuple:
 _CACHE: dict[tuple, tuple[int, int]] = {}
 
 
-def compiled_saved(transformer: nn.Module, blocks: list[nn.Module], tr: Trace,
-                   kernels: str = "cuda") -> dict[str, tuple[int, int]]:
-    """Per block class name: (bytes a compiled block of it saves for backward, its largest saved tensor), at the
-    shapes of `tr` (trace.py `trace_forward` of the same model); see the module essay."""
+@contextlib.contextmanager
+def _counting(transformer: nn.Module, kernels: str):
+    """While blocks of `transformer` are counted: the storages of its weights (which a block's saves do not count)
+    and the attention of `kernels` in place of torch's."""
     weights = {_storage(p)[0] for p in transformer.parameters()} | {
         _storage(b)[0] for b in transformer.buffers()
     }
     F = torch.nn.functional
     plain = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = _attention(kernels)  # not thread-safe: the planner runs before training
-    out = {}
     try:
-        for name, (i, args, kwargs) in tr.last_calls.items():
-            key = (kernels, _signature(blocks[i]), _signature(args), _signature(kwargs))
-            if key not in _CACHE:
-                _CACHE[key] = _saved_by_one(blocks[i], args, kwargs, weights)
-            out[name] = _CACHE[key]
+        yield weights
     finally:
         F.scaled_dot_product_attention = plain
-    return out
+
+
+def _saved(block: nn.Module, args, kwargs, weights, kernels: str, token_wise=None) -> tuple[int, int]:
+    """`_saved_by_one` of `block` at these arguments, counted once per process: whole, or with `token_wise` (its
+    token-wise sub-layers) in PROBE_CHUNKS chunks."""
+    key = (kernels, _signature(block), _signature(args), _signature(kwargs)) + (("chunks",) if token_wise else ())
+    if key not in _CACHE:
+        with (_split(block, token_wise, PROBE_CHUNKS) if token_wise else contextlib.nullcontext()), \
+                (_rng_state_on_meta() if token_wise else contextlib.nullcontext()):
+            _CACHE[key] = _saved_by_one(block, args, kwargs, weights)
+    return _CACHE[key]
+
+
+def compiled_saved(transformer: nn.Module, blocks: list[nn.Module], tr: Trace,
+                   kernels: str = "cuda") -> dict[str, tuple[int, int]]:
+    """Per block class name: (bytes a compiled block of it saves for backward, its largest saved tensor), at the
+    shapes of `tr` (trace.py `trace_forward` of the same model); see the module essay."""
+    with _counting(transformer, kernels) as weights:
+        return {name: _saved(blocks[i], args, kwargs, weights, kernels)
+                for name, (i, args, kwargs) in tr.last_calls.items()}
 
 
 def chunk_saving(transformer: nn.Module, blocks: list[nn.Module], tr: Trace, token_wise_of,
@@ -202,25 +216,12 @@ def chunk_saving(transformer: nn.Module, blocks: list[nn.Module], tr: Trace, tok
     """Per block: (the bytes its compiled forward stops saving for backward when its token-wise sub-layers
     (`token_wise_of(block)`) run in token chunks, the largest tensor it saves then), at the shapes of `tr`; see the
     module essay."""
-    weights = {_storage(p)[0] for p in transformer.parameters()} | {
-        _storage(b)[0] for b in transformer.buffers()
-    }
-    F = torch.nn.functional
-    plain = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _attention(kernels)  # not thread-safe: the planner runs before training
     per_class = {}
-    try:
+    with _counting(transformer, kernels) as weights:
         for name, (i, args, kwargs) in tr.last_calls.items():
-            key = (kernels, _signature(blocks[i]), _signature(args), _signature(kwargs))
-            if key not in _CACHE:
-                _CACHE[key] = _saved_by_one(blocks[i], args, kwargs, weights)
-            skey = (*key, "chunks")
-            if skey not in _CACHE:
-                with _split(blocks[i], token_wise_of(blocks[i]), PROBE_CHUNKS), _rng_state_on_meta():
-                    _CACHE[skey] = _saved_by_one(blocks[i], args, kwargs, weights)
-            per_class[name] = (_CACHE[key][0] - _CACHE[skey][0], _CACHE[skey][1])
-    finally:
-        F.scaled_dot_product_attention = plain
+            whole = _saved(blocks[i], args, kwargs, weights, kernels)
+            split = _saved(blocks[i], args, kwargs, weights, kernels, token_wise_of(blocks[i]))
+            per_class[name] = (whole[0] - split[0], split[1])
     return [per_class[type(b).__name__] for b in blocks]
 
 
