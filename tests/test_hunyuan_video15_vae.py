@@ -65,7 +65,8 @@ def test_chunked_encode_and_decode_equal_the_whole_clip(vae, dtype):
 
 
 def test_the_context_restores_diffusers_forwards_and_spatial_tiles_run_in_chunks(vae):
-    """On exit no module keeps a patched `forward`; inside, diffusers' spatial tiling (`enable_tiling`) runs each tile
+    """Inside, the layers run time-chunked functions through a swapped class (no instance gets a `forward`); on exit
+    every module is diffusers' own class again with nothing of the chunks left; inside, diffusers' spatial tiling (`enable_tiling`) runs each tile
     in time chunks: the same latents as its whole-clip tiled encode."""
     x = _clip(9, 64, 48, torch.float32)
     # 32 px tiles every 16 px: every tile's sides divide by 16 at 64x48 (diffusers' tiles must)
@@ -75,13 +76,17 @@ def test_the_context_restores_diffusers_forwards_and_spatial_tiles_run_in_chunks
         with torch.no_grad():
             whole = vae.encode(x).latent_dist.mode()
             with time_chunks(vae):
-                assert sum("forward" in vars(m) for m in vae.modules()) > 10
+                chunked_layers = [m for m in vae.modules() if "_time_chunk_fn" in vars(m)]
+                assert len(chunked_layers) > 10
+                assert all(type(m).__name__.startswith("TimeChunked") for m in chunked_layers)
+                assert not any("forward" in vars(m) for m in vae.modules())
                 chunked = vae.encode(x).latent_dist.mode()
     finally:
         vae.disable_tiling()
         vae.enable_tiling(256, 256, 16, 16, 0.25)  # diffusers' defaults back (tiling stays off)
         vae.disable_tiling()
-    assert not any("forward" in vars(m) for m in vae.modules())
+    assert not any("forward" in vars(m) or "_time_chunk_fn" in vars(m) for m in vae.modules())
+    assert not any(type(m).__name__.startswith("TimeChunked") for m in vae.modules())
     assert whole.shape == chunked.shape and (whole - chunked).abs().max().item() <= 2e-6
 
 

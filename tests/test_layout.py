@@ -78,7 +78,7 @@ def test_offload_imports_neither_planner_config_nor_models():
     assert not bad
 
 
-ALLOWED = ("trainer.offload.plan", "trainer.offload.allocators", "trainer.optim.specs", "trainer.lora_format.kinds",
+ALLOWED = ("trainer.offload.plan", "trainer.offload.allocators", "trainer.offload.nano", "trainer.optim.specs", "trainer.lora_format.kinds",
            "trainer.models", "trainer.config", "trainer.errors", "trainer.dtypes", "trainer.planner", "trainer.quant")
 
 

@@ -180,14 +180,11 @@ def install(blocks: list[nn.Module], conductor, nano_batches: int = 1,
 
 def remove(blocks: list[nn.Module]) -> None:
     """Undo `install`: plain classes, no conductor reference."""
-    from .nano import NanoBatched
+    from .nano import join_mlps
 
     for b in blocks:
         if not isinstance(b, StreamedBlock):
             continue
-        for m in b.modules():
-            if isinstance(m, NanoBatched):
-                restore_class(m)
-                del m._nano_batches
+        join_mlps(list(b.modules()))
         restore_class(b)
         del b._offload_conductor, b._offload_index, b._offload_compile

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .block import swap_class
+from .block import restore_class, swap_class
 
 
 def _is_token_mlp(m: nn.Module) -> bool:
@@ -72,3 +72,11 @@ def split_mlps(block: nn.Module, n: int, mlps: list[nn.Module] | None = None) ->
     for m in (mlps if mlps is not None else [m for m in block.modules() if _is_token_mlp(m)]):
         swap_class(m, NanoBatched, "NanoBatched")
         m._nano_batches = n
+
+
+def join_mlps(mlps) -> None:
+    """Undo `split_mlps` on the split ones of `mlps`: their plain classes again, whole-width."""
+    for m in mlps:
+        if isinstance(m, NanoBatched):
+            restore_class(m)
+            del m._nano_batches

@@ -95,16 +95,13 @@ def _rng_state_on_meta():
 def _split(block: nn.Module, mlps: list[nn.Module], n: int):
     """`block` with its token-wise sub-layers `mlps` split in `n` chunks as the trainer splits them
     (offload/nano.py `split_mlps`), restored after."""
-    from ..offload.block import restore_class
-    from ..offload.nano import split_mlps
+    from ..offload.nano import join_mlps, split_mlps
 
     split_mlps(block, n, mlps)
     try:
         yield
     finally:
-        for m in mlps:
-            restore_class(m)
-            del m._nano_batches
+        join_mlps(mlps)
 
 
 def _private_forward(cls: type):
