@@ -316,13 +316,12 @@ def _clip_cfg(tok_dir: Path, hidden, inter, layers, heads, proj, act):
 
 
 def _t5_cfg(tok_dir: Path):
-    from transformers import AutoTokenizer, T5Config
+    from transformers import AutoTokenizer
+
+    from trainer.models._diffusers import t5_xxl_config
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    return T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-                    relative_attention_num_buckets=32, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
-                    use_cache=False, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
-                    eos_token_id=tok.eos_token_id, decoder_start_token_id=0)
+    return t5_xxl_config(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
 
 
 def _qwen3_4b_cfg(tiny_dir: Path):
@@ -335,15 +334,6 @@ def _qwen3_4b_cfg(tiny_dir: Path):
                        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
                        tie_word_embeddings=True,
                        **{k: tiny[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in tiny})
-
-
-def _kl_vae(scale: float, shift: float):
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
-                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                         layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=scale,
-                         shift_factor=shift, use_quant_conv=False, use_post_quant_conv=False, force_upcast=True)
 
 
 def _save(folder: Path, model, config_owner, prefix: str, dtype, seed: int, matrix_dtype=None) -> int:
@@ -473,18 +463,20 @@ def _full_parts(family: str, folder: Path, ad):
         T5EncoderModel,
     )
 
+    from trainer.models._diffusers import flux_vae
+
     if hasattr(ad, "full_size_parts"):  # families that declare their full-size VAE and text encoders themselves
         return ad.full_size_parts(folder)
     if family == "flux":
-        return _kl_vae(0.3611, 0.1159), [
+        return flux_vae(), [
             ("text_encoder", CLIPTextModel, _clip_cfg(folder / "tokenizer", 768, 3072, 12, 12, 768, "quick_gelu")),
             ("text_encoder_2", T5EncoderModel, _t5_cfg(folder / "tokenizer_2"))]
     if family == "chroma":  # Flux's VAE, T5-XXL alone
-        return _kl_vae(0.3611, 0.1159), [("text_encoder", T5EncoderModel, _t5_cfg(folder / "tokenizer"))]
+        return flux_vae(), [("text_encoder", T5EncoderModel, _t5_cfg(folder / "tokenizer"))]
     if family == "z-image":  # Flux's VAE, Qwen3-4B (the base model without its tied head, as the pipeline loads it)
-        return _kl_vae(0.3611, 0.1159), [("text_encoder", Qwen3Model, _qwen3_4b_cfg(folder / "text_encoder"))]
+        return flux_vae(), [("text_encoder", Qwen3Model, _qwen3_4b_cfg(folder / "text_encoder"))]
     if family == "sd3":
-        return _kl_vae(1.5305, 0.0609), [
+        return flux_vae(1.5305, 0.0609), [
             ("text_encoder", CLIPTextModelWithProjection,
              _clip_cfg(folder / "tokenizer", 768, 3072, 12, 12, 768, "quick_gelu")),
             ("text_encoder_2", CLIPTextModelWithProjection,

@@ -397,12 +397,23 @@ def tiny_token_ids(folder: Path, sub: str = "text_encoder", keys=("bos_token_id"
     return {k: tiny[k] for k in keys if tiny.get(k) is not None}
 
 
-def flux_vae():
+def flux_vae(scaling_factor: float = 0.3611, shift_factor: float = 0.1159):
     """Flux.1's VAE at full size (FLUX.1-dev's vae/config.json: 16 channels, 8x, scaling 0.3611, shift 0.1159;
-    83.8 M), as HiDream-I1 and Lumina-Image 2.0 ship it: bench_program's full-size folders."""
+    83.8 M), as HiDream-I1, Lumina-Image 2.0, Chroma and Z-Image ship it; SD3's is the same network with its own
+    scaling and shift: bench_program's full-size folders."""
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
                          down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                         layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611,
-                         shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False, force_upcast=True)
+                         layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=scaling_factor,
+                         shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False, force_upcast=True)
+
+
+def t5_xxl_config(**ids):
+    """T5-XXL's encoder config (T5 v1.1 XXL: 24 layers 4096 wide, gated GELU) with the special token `ids` given
+    (a tiny tokenizer's: bench_program's full-size folders)."""
+    from transformers import T5Config
+
+    return T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                    relative_attention_num_buckets=32, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+                    use_cache=False, tie_word_embeddings=False, decoder_start_token_id=0, **ids)

@@ -62,7 +62,7 @@ from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwa
 from diffusers.pipelines.hidream_image.pipeline_hidream_image import calculate_shift
 from torch import nn
 
-from ._diffusers import T5_KEEP, DiffusersAdapter, flux_vae, tiny_token_ids
+from ._diffusers import T5_KEEP, DiffusersAdapter, flux_vae, t5_xxl_config, tiny_token_ids
 from .base import Components
 from .lora_keys import KeyRule, LoraKeyMap, identity_rules
 
@@ -218,7 +218,6 @@ class HiDreamAdapter(DiffusersAdapter):
             CLIPTextModelWithProjection,
             LlamaConfig,
             LlamaForCausalLM,
-            T5Config,
             T5EncoderModel,
         )
 
@@ -228,10 +227,7 @@ class HiDreamAdapter(DiffusersAdapter):
                                   max_position_embeddings=CLIP_POSITIONS, hidden_act=act,
                                   **tiny_token_ids(folder, sub))
 
-        t5 = T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-                      relative_attention_num_buckets=32, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
-                      use_cache=False, tie_word_embeddings=False, decoder_start_token_id=0,
-                      **tiny_token_ids(folder, "text_encoder_3", ("eos_token_id", "pad_token_id")))
+        t5 = t5_xxl_config(**tiny_token_ids(folder, "text_encoder_3", ("eos_token_id", "pad_token_id")))
         llama = LlamaConfig(vocab_size=128_256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
                             rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},

@@ -223,7 +223,6 @@ class Facts:
             self.traces[key] = tr
         return self.traces[key]
 
-
     def _chunk_saving(self, tr: ptrace.Trace) -> list[tuple[int, int]] | None:
         """What compiled blocks stop saving with their token-wise sub-layers in chunks, and the largest tensor they
         save then (compiled_saves.py `chunk_saving`); None (the eager count) for

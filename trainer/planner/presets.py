@@ -17,7 +17,8 @@ time only for a longer clip. One rung only, a choice: each rung has 1.4-2.3 x th
 chunks took 32 % off the measured peak (Wan 2.1 14B at 480p x 81), and each clip tried costs the planner two compiles
 of the block on meta (planner/compiled_saves.py `chunk_saving`). The preset names its size as
 `data.resolutions: [480p]` (trainer/config.py `video_resolution`), samples that frame at the clip's length, and its
-header says which rung it took (and, with chunks, that without them the clip is predicted not to fit). A family of experts (Wan 2.2 A14B) trains the
+header says which rung it took (and, with chunks, that without them the clip is predicted not to fit). A family of
+experts (Wan 2.2 A14B) trains the
 `model.expert` its presets name (`EXPERT`: both experts in one run for a LoRA, trainer/train/experts.py; one for a
 full fine-tune, the other the same size) with sampling during training off: a sample needs every expert, which the
 planner does not count. So does a family whose samples run further transformers (`sampling_components`:
@@ -67,15 +68,15 @@ FP8_CARDS = (8, 12, 16)
 SMALL_RAM_GB = 32
 
 
-def _settings(family: str) -> list[tuple[int | str, int, bool, bool, int]]:
-    """(resolution, frames, activation offloading, gradient checkpointing, token chunks) in order of preference:
+def _settings(family: str) -> list[tuple[int | str, int, bool, bool]]:
+    """(resolution, frames, activation offloading, gradient checkpointing) in order of preference:
     SETTINGS for an image family (frames 1), its clips (`preset_clips`, else VIDEO_CLIPS) x VIDEO_SETTINGS for a
     video family, without chunks (`_first_fit` tries them)."""
     cls = adapter_class(family)
     if not cls.video:
-        return [(res, 1, act, ckpt, 1) for res, act, ckpt in SETTINGS]
+        return [(res, 1, act, ckpt) for res, act, ckpt in SETTINGS]
     clips = cls.preset_clips or VIDEO_CLIPS  # the family's own ladder (LTX-2's 121 frames), else Wan's
-    return [(name, frames, act, ckpt, 1) for name, frames in clips for act, ckpt in VIDEO_SETTINGS]
+    return [(name, frames, act, ckpt) for name, frames in clips for act, ckpt in VIDEO_SETTINGS]
 
 
 def _size(d: dict) -> tuple[int, int]:
@@ -195,8 +196,8 @@ def _first_fit(family, method, card, opt, cache, quantize="none", ram_gb=None):
     or the shortest where none does: only there can the chunks lift the card, whose step they make slower)."""
     last = ""
     fit = None
-    for name, frames, act, ckpt, nano in _settings(family):
-        r = _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, ckpt, nano)
+    for name, frames, act, ckpt in _settings(family):
+        r = _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, ckpt, 1)
         if not isinstance(r, str):
             fit = r, (name, frames)
             break

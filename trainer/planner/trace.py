@@ -226,7 +226,7 @@ class Trace:
 
 def chunk_mlps(tr: Trace, n: int, compiled: list[tuple[int, int]] | None = None) -> Trace:
     """`tr` as blocks whose token-wise MLPs run in `n` checkpointed token chunks (offload.nano_batches,
-    trainer/offload/nano.py) save it. Eager blocks (`removed` None): the recompute keeps each MLP's input but not its
+    trainer/offload/nano.py) save it. Eager blocks (`compiled` None): the recompute keeps each MLP's input but not its
     hidden activations, and backward recomputes one chunk's hidden at a time, so 1/n of them (and of their largest
     tensor) is what the block's working set holds of the MLP; what they save that is not per token
     (`block_mlp_other`) stays counted once, as one chunk's recompute holds it. Compiled blocks (`compiled`: per
