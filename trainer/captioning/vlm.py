@@ -21,15 +21,16 @@ bus once per generated token, and `--batch` images share that pass: the batch is
 8-bit decoder layers (`--quantize fp8|int8`). Every `nn.Linear` of the decoder layers becomes trainer/quant.py's
 `QuantizedLinear`, as `model.quantize_text_encoders` makes a family's text encoder (Qwen-Image's Qwen2.5-VL): a
 frozen float8_e4m3fn / int8 weight with one fp32 scale per output channel, dequantized to the model dtype one Linear
-at a time to multiply (a temporary of that layer's size). The conductor packs those bytes as they are, so the pinned
-arena, each copy over the bus and the ring hold half the bf16 bytes: at fraction 1 each new token streams half as
-much, and `auto` counts the 8-bit sizes, so under the same cap more layers stay resident. Everything outside the
-layers (the vision tower, the embedding, the head, the norms) keeps the model dtype.
+at a time to multiply (two temporaries of that layer's size: the up-cast and the scaled weight). The conductor packs
+those bytes as they are, so the pinned arena, each copy over the bus and the ring hold half the bf16 bytes: at
+fraction 1 each new token streams half as much, and `auto` counts the 8-bit sizes, so under the same cap more layers
+stay resident. Everything outside the layers (the vision tower, the embedding, the head, the norms) keeps the model
+dtype.
 
 Auto fraction (`--offload auto`, on a GPU): the smallest fraction on the planner's 0.05 grid whose estimate
 `ring + everything outside the layers + KV cache + the prefill's activations` fits the budget (the card less 1 GB,
 as `dittrain sample`), with the image at `files.IMAGE_PIXELS` and the batch that will run (`--batch`, or fewer
-where fewer files are left): the KV cache and the activations grow with it, so a larger batch streams more. The
+where fewer files are left): the KV cache and the activations grow with it, so a larger batch may stream more. The
 activation term is coarse (the MLP's intermediate and the attention's scores of one layer over the batch's prompt,
 plus workspace and, with `--quantize`, one dequantized Linear); compared with one GPU run (Qwen2.5-VL-7B, batch
 4: estimated 13.5 GB at the 0.45 it picked under a 15 GB cap, 12.8 GB reserved; bench/history/2026-11-27.md 14:05).
@@ -54,10 +55,10 @@ from ..models.base import text_encoder_blocks
 from ..offload import attach_offload, move_outside_blocks
 from ..progress import shown
 
-#: the chat template some image-text-to-text folders lack (Florence-2 reads task tokens such as
-#: <MORE_DETAILED_CAPTION>, not a chat)
 #: `--quantize`: trainer/quant.py's modes, as `model.quantize_text_encoders` names them
 QUANTIZE = quant.MODES
+#: the chat template some image-text-to-text folders lack (Florence-2 reads task tokens such as
+#: <MORE_DETAILED_CAPTION>, not a chat)
 NO_TEMPLATE = ("its processor has no chat template (Florence-2 and other task-token models are not chat models): "
                "dittrain caption needs a chat model such as Qwen2.5-VL or Qwen3-VL Instruct")
 
@@ -192,9 +193,9 @@ def auto_fraction(model: nn.Module, blocks: list[nn.Module], budget: float, batc
     kv = batch * tokens * len(blocks) * 2 * heads * head_dim * elem
     act = batch * tokens * (3 * getattr(text, "intermediate_size", 4 * text.hidden_size) * elem
                             + text.num_attention_heads * tokens * 4)
-    # --quantize: one Linear's weight dequantized to the model dtype at a time
-    deq = max((m.weight.numel() * elem for b in blocks for m in b.modules() if isinstance(m, quant.QuantizedLinear)),
-              default=0)
+    # --quantize: one Linear dequantized at a time, its up-cast and its scaled copy in the model dtype
+    deq = 2 * max((m.weight.numel() * elem for b in blocks for m in b.modules()
+                   if isinstance(m, quant.QuantizedLinear)), default=0)
     limit = budget * (1 - PREDICTION_MARGIN)
 
     def need(f: float) -> float:
