@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError, UserError
 from .lora_format.kinds import LORA_KIND_NAMES, LORA_KINDS
@@ -646,8 +654,11 @@ class Config(_Section):
     output: OutputConfig
 
     @model_validator(mode="after")
-    def _combinations(self) -> Config:
+    def _combinations(self, info: ValidationInfo) -> Config:
         o, t, opt = self.offload, self.train, self.optimizer
+        # the checks below that read the family adapter's facts import its module (torch, diffusers): skipped for
+        # a reader of a config a command has validated (load_config's family_checks=False)
+        family = (info.context or {}).get("family_checks", True)
         if o.transformer == "auto" and o.vram_budget_gb is None:
             raise ValueError("offload.transformer: auto needs offload.vram_budget_gb (the VRAM to fit in, in GB)")
         streams = o.transformer == "auto" or o.transformer > 0
@@ -689,7 +700,7 @@ class Config(_Section):
         if self.model.quantize != "none" and self.lora.dora:
             raise ValueError(f"lora.dora needs the full-precision base weight for its norm; set model.quantize: none "
                              f"(or lora.dora: false with model.quantize: {self.model.quantize})")
-        if t.method == "lora" and self.lora.init_from is None:  # a LoKr the layout cannot hold: said before caching
+        if family and t.method == "lora" and self.lora.init_from is None:  # a LoKr the layout cannot hold: said before caching
             from .lora_format import check_targets
             from .models import adapter_class
 
@@ -704,13 +715,13 @@ class Config(_Section):
             )
         if opt.stochastic_rounding and t.method != "full":
             raise ValueError("optimizer.stochastic_rounding applies to full fine-tuning only (train.method: full)")
-        if self.data is not None and "bucket_step" not in self.data.model_fields_set:  # the family's, unless set
+        if family and self.data is not None and "bucket_step" not in self.data.model_fields_set:  # the family's, unless set
             from .models import adapter_class
 
             step = adapter_class(self.model.family).bucket_step
             if step != self.data.bucket_step:
                 self.data.bucket_step = step
-        if self.data is not None:  # the family's frame rate, unless set; the only one where the family's is fixed
+        if family and self.data is not None:  # the family's frame rate, unless set; the only one where the family's is fixed
             from .models import adapter_class
 
             fam = adapter_class(self.model.family)
@@ -891,8 +902,12 @@ def _libraries_loading():
         gc.enable()
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read, override and validate a config. Raises `ConfigError` with one line per problem."""
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, family_checks: bool = True) -> Config:
+    """Read, override and validate a config. Raises `ConfigError` with one line per problem.
+
+    `family_checks=False` leaves out the checks that read the family adapter's facts (the LoRA targets' layout,
+    data.bucket_step and data.fps set to the family's), and so the import of torch and diffusers they need: for a
+    reader of a config that a command has validated and that uses none of those (the demo's report)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found (presets are listed by `dittrain presets`)")
@@ -915,7 +930,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         from_set[tuple(keys)] = item
     try:
         with _libraries_loading():
-            return Config.model_validate(data)
+            return Config.model_validate(data, context={"family_checks": family_checks})
     except ValidationError as e:
         msgs = []
         for err in e.errors():
