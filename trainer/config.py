@@ -700,7 +700,8 @@ class Config(_Section):
         if self.model.quantize != "none" and self.lora.dora:
             raise ValueError(f"lora.dora needs the full-precision base weight for its norm; set model.quantize: none "
                              f"(or lora.dora: false with model.quantize: {self.model.quantize})")
-        if family and t.method == "lora" and self.lora.init_from is None:  # a LoKr the layout cannot hold: said before caching
+        # a LoKr the layout cannot hold: said before caching
+        if family and t.method == "lora" and self.lora.init_from is None:
             from .lora_format import check_targets
             from .models import adapter_class
 
@@ -715,13 +716,15 @@ class Config(_Section):
             )
         if opt.stochastic_rounding and t.method != "full":
             raise ValueError("optimizer.stochastic_rounding applies to full fine-tuning only (train.method: full)")
-        if family and self.data is not None and "bucket_step" not in self.data.model_fields_set:  # the family's, unless set
+        # the family's bucket step, unless set
+        if family and self.data is not None and "bucket_step" not in self.data.model_fields_set:
             from .models import adapter_class
 
             step = adapter_class(self.model.family).bucket_step
             if step != self.data.bucket_step:
                 self.data.bucket_step = step
-        if family and self.data is not None:  # the family's frame rate, unless set; the only one where the family's is fixed
+        # the family's frame rate, unless set; the only one where the family's is fixed
+        if family and self.data is not None:
             from .models import adapter_class
 
             fam = adapter_class(self.model.family)
@@ -884,13 +887,13 @@ def _describe(err: dict, lines: dict[tuple, int], source: str) -> str:
 @contextmanager
 def _libraries_loading():
     """The first validation in a process imports torch, diffusers, transformers and peft (the checks read the
-    family adapter's facts, and its module imports them): ~0.7 M objects, during which the cyclic collector ran
-    about 1,100 times, seven of them full passes over everything imported so far (2.0-2.7 s of a 14-19 s import on
-    2 busy cores; `dittrain plan`, `sample` and `fit` all start here). Paused meanwhile, and what the imports built
-    then frozen: the libraries live as long as the process, so no later collection walks them again (the
-    trainer's, the sampler's and the one at interpreter exit each walked them all). The imports' cyclic garbage
-    (~10 k objects, ~2 MB measured) is frozen with them. A no-op once torch is imported (a second load, the tests)
-    or when the caller has the collector off."""
+    family adapter's facts, and its module imports them): ~0.7 M objects, during which the cyclic collector
+    ran about 1,100 times, seven of them full passes over everything imported so far (2.7-3.0 s in all of an
+    18.7-19.7 s import at load 8 on 2 cores; `dittrain plan`, `sample` and `fit` all start here). Paused
+    meanwhile, and what the imports built then frozen: the libraries live as long as the process, so no later
+    collection walks them again (the trainer's, the sampler's and the one at interpreter exit each walked them
+    all). The imports' cyclic garbage (~10 k objects, RSS within 2 MB measured) is frozen with them. A no-op
+    once torch is imported (a second load, the tests) or when the caller has the collector off."""
     if "torch" in sys.modules or not gc.isenabled():
         yield
         return
@@ -902,7 +905,9 @@ def _libraries_loading():
         gc.enable()
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, family_checks: bool = True) -> Config:
+def load_config(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, family_checks: bool = True
+) -> Config:
     """Read, override and validate a config. Raises `ConfigError` with one line per problem.
 
     `family_checks=False` leaves out the checks that read the family adapter's facts (the LoRA targets' layout,
