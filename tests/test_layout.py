@@ -407,7 +407,7 @@ MAY_IMPORT = {
     "data": {"models", "offload", "config", *SHARED},
     "optim": {"errors"},
     "sampling": {"models", "data", "offload", "lora_format", "planner", *SHARED},
-    "captioning": {"data", "models", "offload", "planner", *SHARED},
+    "captioning": {"data", "models", "offload", "planner", "quant", *SHARED},
 }
 #: the only modules outside the planner that import it (a name stands for the modules under it too)
 PLANNER_IMPORTERS = ("trainer.train", "trainer.sample", "trainer.cli", "trainer.sampling.placement",

@@ -46,6 +46,7 @@ class CaptionRequest:
     overwrite: bool = False
     offload: float | str = "auto"  # a fraction, or "auto"
     batch: int = 4
+    quantize: str = "none"  # the decoder layers' Linears: none, fp8 or int8 (vlm.py)
     max_new_tokens: int = 256
     frames: int = 4  # per video
     device: str | None = None  # None: cuda if there is one, else cpu
@@ -73,19 +74,28 @@ def _prompt(req: CaptionRequest, path: Path, pictures: int) -> str:
     return VIDEO_PREFIX.format(n=pictures) + text if pictures > 1 or files.is_video(path) else text
 
 
-def _fraction(req: CaptionRequest, model, blocks, device: torch.device, tokens: int) -> float:
-    if req.offload != "auto":
-        return float(req.offload)
+def _budget(device: torch.device) -> float | None:
+    """The bytes `--offload auto` plans in: the card (as far as this process may use it) less the planner's
+    headroom; None on the CPU."""
     if device.type != "cuda":
-        _say("offload: auto -> 0 on the CPU (there is no second memory to save)")
-        return 0.0
+        return None
     from ..planner import GB
     from ..planner.presets import HEADROOM_GB
 
     card = torch.cuda.get_device_properties(device).total_memory
     index = device.index if device.index is not None else torch.cuda.current_device()
-    budget = card * torch.cuda.get_per_process_memory_fraction(index) - HEADROOM_GB * GB
-    return vlm.auto_fraction(model, blocks, budget, req.batch, tokens, _say)
+    return card * torch.cuda.get_per_process_memory_fraction(index) - HEADROOM_GB * GB
+
+
+def _fraction(req: CaptionRequest, model, blocks, device: torch.device, tokens: int, batch: int) -> float:
+    """`--offload` as a fraction; auto's for `batch` rows per `generate` (the KV cache and activations grow with it)."""
+    if req.offload != "auto":
+        return float(req.offload)
+    budget = _budget(device)
+    if budget is None:
+        _say("offload: auto -> 0 on the CPU (there is no second memory to save)")
+        return 0.0
+    return vlm.auto_fraction(model, blocks, budget, batch, tokens, _say)
 
 
 def _tokens_per_row(processor, req: CaptionRequest) -> int:
@@ -133,18 +143,18 @@ def _read(paths: list[Path], frames: int, summary: CaptionSummary) -> list[tuple
     return out
 
 
-def _caption_batch(model, processor, gc, device, req: CaptionRequest, rows, summary: CaptionSummary) -> None:
+def _caption_batch(model, processor, gc, device, dtype, req: CaptionRequest, rows, summary: CaptionSummary) -> None:
     """Generate and write one batch; where the processor refuses the batch, each row alone (naming the bad one)."""
     prompts = [_prompt(req, p, len(pics)) for p, pics in rows]
     try:
-        inputs = vlm.prepare(processor, device, model.dtype, [pics for _, pics in rows], prompts)
+        inputs = vlm.prepare(processor, device, dtype, [pics for _, pics in rows], prompts)
     except (ValueError, TypeError) as e:  # the processor refused some image (too small, extreme aspect ratio)
         if len(rows) == 1:
             _say(f"skipped {rows[0][0]}: the model's processor refused it ({e})")
             summary.failed.append((rows[0][0], str(e)))
             return
         for row in rows:
-            _caption_batch(model, processor, gc, device, req, [row], summary)
+            _caption_batch(model, processor, gc, device, dtype, req, [row], summary)
         return
     texts = vlm.generate(model, processor, gc, inputs)
     for (path, _), text in zip(rows, texts, strict=True):
@@ -169,6 +179,10 @@ def run_caption(req: CaptionRequest) -> CaptionSummary:
         raise UserError(f"{req.data_dir}: no such folder")
     if req.style not in STYLES:
         raise UserError(f"--style {req.style}: one of {', '.join(STYLES)}")
+    if req.quantize not in vlm.QUANTIZE:
+        raise UserError(f"--quantize {req.quantize}: one of {', '.join(vlm.QUANTIZE)}")
+    if req.batch < 1:
+        raise UserError(f"--batch {req.batch}: at least 1")
     vlm.check_model_folder(req.model)
     todo, skipped = files.find_items(req.data_dir, req.overwrite, req.recursive)
     summary = CaptionSummary(skipped=skipped)
@@ -176,10 +190,16 @@ def run_caption(req: CaptionRequest) -> CaptionSummary:
         _say(f"nothing to caption in {req.data_dir}: {count(skipped, 'file')} already captioned")
         return summary
     device = _device(req)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     processor = vlm.load_processor(req.model)
-    model = vlm.load_model(req.model, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = vlm.load_model(req.model, dtype)
     blocks = vlm.decoder_blocks(model)
-    summary.fraction = _fraction(req, model, blocks, device, _tokens_per_row(processor, req))
+    if n := vlm.quantize_decoder(blocks, req.quantize):
+        fmt = "fp8 e4m3" if req.quantize == "fp8" else "int8"
+        _say(f"--quantize {req.quantize}: the {count(n, 'Linear')} of the {len(blocks)} decoder layers held as {fmt} "
+             f"with per-channel fp32 scales, computed in {str(dtype).removeprefix('torch.')}")
+    batch = min(req.batch, len(todo))  # a batch is never larger than what is left to caption
+    summary.fraction = _fraction(req, model, blocks, device, _tokens_per_row(processor, req), batch)
     handle = vlm.place(model, blocks, device, summary.fraction)
     gc = vlm.greedy_config(model, processor, req.max_new_tokens)
     progress = _Progress(len(todo))
@@ -188,7 +208,7 @@ def run_caption(req: CaptionRequest) -> CaptionSummary:
             rows = _read(paths, req.frames, summary)
             if rows:
                 try:
-                    _caption_batch(model, processor, gc, device, req, rows, summary)
+                    _caption_batch(model, processor, gc, device, dtype, req, rows, summary)
                 except torch.OutOfMemoryError:
                     raise UserError(f"out of memory captioning a batch of {len(rows)} at --offload "
                                     f"{summary.fraction:g}: lower --batch or raise --offload") from None

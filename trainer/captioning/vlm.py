@@ -18,11 +18,22 @@ conductor has pointed that layer's weights at its ring region. So the streamed s
 bus once per generated token, and `--batch` images share that pass: the batch is what amortises the streaming
 (tests/test_caption_command.py: the same captions at every fraction, every layer run once per token).
 
+8-bit decoder layers (`--quantize fp8|int8`). Every `nn.Linear` of the decoder layers becomes trainer/quant.py's
+`QuantizedLinear`, as `model.quantize_text_encoders` makes a family's text encoder (Qwen-Image's Qwen2.5-VL): a
+frozen float8_e4m3fn / int8 weight with one fp32 scale per output channel, dequantized to the model dtype one Linear
+at a time to multiply (two temporaries of that layer's size: the up-cast and the scaled weight). The conductor packs
+those bytes as they are, so the pinned arena, each copy over the bus and the ring hold half the bf16 bytes: at
+fraction 1 each new token streams half as much, and `auto` counts the 8-bit sizes, so under the same cap more layers
+stay resident. Everything outside the layers (the vision tower, the embedding, the head, the norms) keeps the model
+dtype.
+
 Auto fraction (`--offload auto`, on a GPU): the smallest fraction on the planner's 0.05 grid whose estimate
 `ring + everything outside the layers + KV cache + the prefill's activations` fits the budget (the card less 1 GB,
-as `dittrain sample`), with the image at `files.IMAGE_PIXELS`. The activation term is coarse (the MLP's
-intermediate and the attention's scores of one layer over the batch's prompt, plus workspace) and not yet
-checked against a measured GPU run.
+as `dittrain sample`), with the image at `files.IMAGE_PIXELS` and the batch that will run (`--batch`, or fewer
+where fewer files are left): the KV cache and the activations grow with it, so a larger batch may stream more. The
+activation term is coarse (the MLP's intermediate and the attention's scores of one layer over the batch's prompt,
+plus workspace and, with `--quantize`, one dequantized Linear); compared with one GPU run (Qwen2.5-VL-7B, batch
+4: estimated 13.5 GB at the 0.45 it picked under a 15 GB cap, 12.8 GB reserved; bench/history/2026-11-27.md 14:05).
 
 Decoding is greedy (`do_sample=False`, the model's own repetition penalty kept): captions are then a function of
 the image, the prompt and the weights, equal with and without streaming.
@@ -38,11 +49,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import quant
 from ..errors import UserError
 from ..models.base import text_encoder_blocks
 from ..offload import attach_offload, move_outside_blocks
 from ..progress import shown
 
+#: `--quantize`: trainer/quant.py's modes, as `model.quantize_text_encoders` names them
+QUANTIZE = quant.MODES
 #: the chat template some image-text-to-text folders lack (Florence-2 reads task tokens such as
 #: <MORE_DETAILED_CAPTION>, not a chat)
 NO_TEMPLATE = ("its processor has no chat template (Florence-2 and other task-token models are not chat models): "
@@ -150,6 +164,12 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return text_encoder_blocks(decoder)
 
 
+def quantize_decoder(blocks: list[nn.Module], mode: str) -> int:
+    """`--quantize` (see the module essay): every Linear of the decoder layers held as 8 bits, in place; returns
+    how many ("none": 0). Before `auto_fraction` and `place`, so that both count and pack the 8-bit bytes."""
+    return quant.quantize_blocks(blocks, mode, modulation=False, pattern="")
+
+
 def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -157,8 +177,9 @@ def _bytes(tensors) -> int:
 def auto_fraction(model: nn.Module, blocks: list[nn.Module], budget: float, batch: int, tokens: int,
                   say: Callable[[str], None]) -> float:
     """`--offload auto` on a GPU (see the module essay): the smallest grid fraction whose estimate fits `budget`
-    bytes with the planner's margin; 1.0 with a warning where none does. `tokens`: a prompt's length, new
-    tokens included."""
+    bytes with the planner's margin; 1.0 with a warning where none does. `batch`: the rows of one `generate`;
+    `tokens`: a prompt's length, new tokens included. The layers' bytes as they are held (8-bit after
+    `quantize_decoder`)."""
     from ..offload.plan import capacity_for
     from ..planner.prediction import ALLOCATOR_OVERHEAD, GB, PREDICTION_MARGIN, WORKSPACE, first_fit
 
@@ -166,16 +187,19 @@ def auto_fraction(model: nn.Module, blocks: list[nn.Module], budget: float, batc
     inside = {id(t) for b in blocks for t in (*b.parameters(), *b.buffers())}
     outside = _bytes(t for t in (*model.parameters(), *model.buffers()) if id(t) not in inside)
     text = model.config.get_text_config()
-    elem = next(model.parameters()).element_size()
+    elem = model.get_input_embeddings().weight.element_size()  # the model dtype: the KV cache's and activations'
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv = batch * tokens * len(blocks) * 2 * heads * head_dim * elem
     act = batch * tokens * (3 * getattr(text, "intermediate_size", 4 * text.hidden_size) * elem
                             + text.num_attention_heads * tokens * 4)
+    # --quantize: one Linear dequantized at a time, its up-cast and its scaled copy in the model dtype
+    deq = 2 * max((m.weight.numel() * elem for b in blocks for m in b.modules()
+                   if isinstance(m, quant.QuantizedLinear)), default=0)
     limit = budget * (1 - PREDICTION_MARGIN)
 
     def need(f: float) -> float:
-        return capacity_for(sizes, f) + outside + kv + ALLOCATOR_OVERHEAD * act + WORKSPACE
+        return capacity_for(sizes, f) + outside + kv + ALLOCATOR_OVERHEAD * act + deq + WORKSPACE
 
     fit = first_fit(lambda f: need(f) <= limit)
     if fit is None:

@@ -146,7 +146,7 @@ class Flux2Adapter(DiffusersAdapter):
     )
     lora_key_map = FLUX2_LORA_KEYS
     comfy_reads_diffusers_lora = True  # comfy/lora.py model_lora_keys_unet, in recent releases only:
-    comfy_diffusers_lora_since = "its January 2026 releases"  # (not checked against that release's code here)
+    comfy_diffusers_lora_since = "v0.11.0 (January 2026)"  # run in ComfyUI v0.10.0 / v0.11.0 (docs/lora-files.md)
     text_encoder_dirs = ("text_encoder",)
     text_encoder_classes = ("Mistral3ForConditionalGeneration",)
     tokenizer_dirs = ("tokenizer",)

@@ -92,7 +92,7 @@ class Krea2Adapter(DiffusersAdapter):
         "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_gate", "attn.to_out.0", "ff.gate", "ff.up", "ff.down"))
     lora_key_map = KREA2_LORA_KEYS
     comfy_reads_diffusers_lora = True  # comfy/lora.py model_lora_keys_unet, in recent releases only:
-    comfy_diffusers_lora_since = "its June 2026 releases"  # (not checked against that release's code here)
+    comfy_diffusers_lora_since = "its June 2026 releases"  # its key-map branch run on tiny files (docs/lora-files.md)
     text_encoder_dirs = ("text_encoder",)
     text_encoder_classes = ("Qwen3VLModel",)
     tokenizer_dirs = ("tokenizer",)

@@ -203,7 +203,7 @@ class QwenImage21Adapter(DiffusersAdapter):
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out")
     lora_key_map = QWEN_IMAGE_21_LORA_KEYS
     comfy_reads_diffusers_lora = True  # comfy/lora.py model_lora_keys_unet, in recent releases only:
-    comfy_diffusers_lora_since = "v0.37"  # (not checked against that release's code here)
+    comfy_diffusers_lora_since = "v0.37"  # its key-map branch run on tiny files (docs/lora-files.md)
     text_encoder_dirs = ("text_encoder",)
     text_encoder_classes = ("Qwen3VLForConditionalGeneration",)
     tokenizer_dirs = ()

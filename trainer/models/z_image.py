@@ -105,6 +105,7 @@ class ZImageAdapter(DiffusersAdapter):
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
     lora_key_map = Z_IMAGE_LORA_KEYS
     comfy_reads_diffusers_lora = True  # comfy/lora.py model_lora_keys_unet (Lumina2: z_image_to_diffusers)
+    comfy_diffusers_lora_since = "v0.4.0 (December 2025)"  # run in ComfyUI v0.3.75 / v0.4.0 (docs/lora-files.md)
     text_encoder_dirs = ("text_encoder",)
     text_encoder_classes = ("Qwen3Model",)
     tokenizer_dirs = ("tokenizer",)

@@ -50,8 +50,14 @@ def add_lora(transformer: nn.Module, cfg: Config, default_targets: tuple[str, ..
     transformer.requires_grad_(False)
     try:
         transformer.add_adapter(peft_config(lc, targets))
-    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
-        raise UserError(f"lora.targets {targets}: {e}") from None
+    except (ValueError, TypeError) as e:  # peft: "Target modules {...} not found in the base model", or a name
+        # that ends on a container: "Target module ModuleList(...) is not supported" (ValueError or TypeError by path)
+        msg = str(e)
+        if "is not supported" in msg:
+            kind = msg.removeprefix("Target module ").split("(", 1)[0]
+            raise UserError(f"lora.targets {targets}: a name matches a {kind}, not a layer peft can adapt; name "
+                            "the Linears inside it (e.g. attn.to_out.0 instead of attn.to_out)") from None
+        raise UserError(f"lora.targets {targets}: {msg.splitlines()[0]}") from None
     params = [p for p in transformer.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
