@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: env demo test test-gpu lint tiny clean
+.PHONY: env demo test test-gpu lint tiny clean docs
 
 env: $(STAMP)
 
@@ -60,4 +60,10 @@ lint: env
 	$(BIN)/ruff check trainer tests bench
 
 clean:
-	rm -rf out models/tiny .pytest_cache
+	rm -rf out models/tiny .pytest_cache site
+
+# The guides of docs/ as a static site: site/index.html (MkDocs, mkdocs.yml; --strict there: a broken link between
+# guides fails). Needs the docs extra, installed here on first use.
+docs: $(STAMP)
+	$(BIN)/python -m pip install -q --no-compile -e ".[docs]"
+	$(BIN)/python -m mkdocs build

@@ -106,3 +106,17 @@ def test_docs_have_links():
 def test_relative_link_points_at_a_file(doc, target):
     path = (ROOT / doc).parent / target.split("#")[0]
     assert path.exists(), f"{doc} links to {target}, which does not exist"
+
+
+def test_the_site_holds_every_guide_in_the_index_order():
+    """mkdocs.yml (`make docs`) builds docs/ with docs/README.md as the front page: its nav is that page and then
+    the guides in the order of its table, and the table names every guide of docs/, so a new guide is not left
+    out of the site or the index."""
+    import yaml
+
+    site = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    assert site["docs_dir"] == "docs" and site["strict"] is True
+    index = (ROOT / "docs" / "README.md").read_text()
+    table = re.findall(r"^\| \[([\w.-]+\.md)\]\(\1\) \|", index, re.M)
+    assert site["nav"] == ["README.md", *table]
+    assert sorted(table) == sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md")

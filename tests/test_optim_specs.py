@@ -85,3 +85,21 @@ def test_the_config_and_the_planner_read_the_registry():
         with pytest.raises(ValueError, match=f"optimizer.name: {name} replaces the decay schedule"):
             Config.model_validate({**base, "train": {"method": "lora"},
                                    "optimizer": {"name": name, "scheduler": "cosine"}})
+
+
+def test_both_experts_take_the_optimizers_whose_steps_are_owned():
+    """model.expert: both steps two experts' weights with one optimizer: it takes an optimizer whose spec says each
+    weight's step reads nothing of the others (`owned_steps`), and refuses the rest in one line naming them."""
+    from types import SimpleNamespace
+
+    from trainer.errors import UserError
+    from trainer.train import experts
+
+    single = SimpleNamespace(active=False)
+    for name, spec in OPTIMIZERS.items():
+        cfg = SimpleNamespace(train=SimpleNamespace(method="lora", ema=None), optimizer=SimpleNamespace(name=name))
+        if spec.owned_steps:
+            experts.check(cfg, single)
+        else:
+            with pytest.raises(UserError, match=f"own state \\({', '.join(names_where('owned_steps'))}\\): {name}"):
+                experts.check(cfg, single)

@@ -13,7 +13,7 @@ Forward is dequantize-then-matmul: `weight.to(x.dtype) * weight_scale[:, None]` 
 of the product), then `F.linear`. The dequantized matrix is a temporary of the compute dtype, one Linear at a
 time: it costs one layer's bf16 weight in activation memory, never the block's.
 
-fp8 matmuls (W8A8, `model.fp8_matmul`, issue 29). With the switch an fp8 Linear multiplies in fp8: the weight as
+fp8 matmuls (W8A8, `model.fp8_matmul`). With the switch an fp8 Linear multiplies in fp8: the weight as
 it is stored (e4m3fn, its per-output-channel scale as the row-wise `scale_b`), the bf16 activations quantized per
 row on the fly (absmax / 448, `scale_a`), `torch._scaled_mm` with a bf16 output, the bias added apart. Hopper's
 fp8 tensor cores run twice the bf16 rate; the cost is the activations' rounding to e4m3 (relative error <= 2^-4

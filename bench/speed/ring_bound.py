@@ -17,7 +17,10 @@ bound in this model); `--span` uses each block's span instead of its kernel time
 included), which bounds what removing them would save.
 
     python -m bench.speed.bench_speed --profile --rows issue29 ... --out $OUT/blk     # on the GPU
-    python -m bench.speed.ring_bound --profile bench/logs/2026-11-26o-profile-flux-all-kernels.json --rate 55.3 --rings 2 3 4
+    python -m bench.speed.ring_bound --profile $OUT/blk/speed_flux.json --rate 55.3 --rings 2 3 4
+
+(2026-11-26's Flux profile, bench/history/2026-11-26.md 02:10, is in git:
+`git show d9b4303:bench/logs/2026-11-26o-profile-flux-all-kernels.json`.)
 
 Left out: the embedders, loss and optimizer outside the blocks (a few ms), activation offloading's copies (30 ms
 each way on the same engine), and the forward's per-block times (the forward is copy-bound: 163 ms of kernels

@@ -43,7 +43,7 @@ compiled: inside a compiled block (train.compile) it compiles with the block, ou
 `torch.compile(flex_attention)` serves every call (the score_mod's tensor is an input, not a recompile). Alone,
 one block's attention forward + backward at 1024 px on an H100 takes 2.80 ms by flex, 6.37 ms by the flash form,
 7.90 ms by masked SDPA and 3.24 ms by SDPA without any mask (bench/speed/attn_mask_speed.py,
-bench/logs/2026-11-25i-attn-mask-speed.md). In a whole training step (1024 px, LoRA r16, bf16, compiled, H100,
+bench/history/2026-11-25.md "Chroma's masked attention alone"). In a whole training step (1024 px, LoRA r16, bf16, compiled, H100,
 bench/history/2026-11-26.md "2026-11-26"): 0.442 s by flex, 0.638 s by the flash form, 0.703 s by masked SDPA at offload 0,
 and 0.94 against 1.08-1.43 s at the 8 GB preset (offload 0.9). So `auto` trains with flex on CUDA devices of
 compute capability 8.0 and up (`flex_by_default`: torch tunes flex's kernels for those; consumer cards, sm86 / sm89,

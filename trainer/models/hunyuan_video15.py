@@ -1,6 +1,6 @@
 """HunyuanVideo 1.5 text-to-video: HunyuanVideo15Transformer3DModel (8.3 B, 54 dual-stream blocks), Qwen2.5-VL-7B's
 text model and a ByT5 glyph encoder, AutoencoderKLHunyuanVideo15 (16x in space, 4x in time, 32 channels),
-`HunyuanVideo15Pipeline` (issue 45).
+`HunyuanVideo15Pipeline`.
 
 How it mirrors diffusers' HunyuanVideo15Pipeline (0.42):
 

@@ -1,4 +1,4 @@
-"""HunyuanVideo 1.5's joint attention without the (B, 1, S, S) mask (issue 45).
+"""HunyuanVideo 1.5's joint attention without the (B, 1, S, S) mask.
 
 What diffusers does (0.42, `HunyuanVideo15AttnProcessor2_0`). Each of the 54 dual-stream blocks joins the video
 tokens and the 1985 text tokens (729 image, 256 ByT5, 1000 Qwen), S = video + 1985, pads the (B, 1985) text mask

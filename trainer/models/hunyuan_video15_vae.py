@@ -1,5 +1,5 @@
 """HunyuanVideo 1.5's VAE in causal time chunks: a clip's encode and decode hold one chunk's activations, not the
-clip's (issue 45).
+clip's.
 
 Why. diffusers' `AutoencoderKLHunyuanVideo15` (0.42.1) runs its encoder and decoder over every frame of a clip at
 once: its first encoder level holds 128 channels x every full-size frame per tensor (3.4 GB at 832x480 x 33 in bf16,

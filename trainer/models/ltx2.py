@@ -1,5 +1,5 @@
 """LTX-2 text-to-video: LTX2VideoTransformer3DModel (18.9 B, 48 joint audio-video blocks), Gemma 3 12B with LTX-2's
-text connectors, AutoencoderKLLTX2Video (32x in space, 8x in time, 128 channels), `LTX2Pipeline` (issue 45).
+text connectors, AutoencoderKLLTX2Video (32x in space, 8x in time, 128 channels), `LTX2Pipeline`.
 
 LTX-2 is one transformer for sound and picture: every block runs a video stream (4096 wide) and an audio stream
 (2048 wide), each with self-attention, cross-attention to the prompt and a feed-forward, joined by audio-to-video

@@ -1,8 +1,8 @@
 """Loading the transformer without ever holding a copy of it in ordinary RAM.
 
 Why. diffusers' `from_pretrained` materialises the whole model in CPU RAM; the offload conductor then copies the
-streamed blocks into its pinned arena, so a streamed run used to peak at about twice the model (issue #14: 48.8 GB
-host RSS for a 23.7 GB arena). Here every weight is read once, from the safetensors files, straight to where it
+streamed blocks into its pinned arena, so a streamed run would peak at about twice the model (the whole
+model in RAM beside its arena). Here every weight is read once, from the safetensors files, straight to where it
 will live: the conductor's arena region (streamed blocks), the GPU ring (blocks resident from the start), or the
 device (non-block weights, and every weight at fraction 0).
 

@@ -236,7 +236,7 @@ class HostArena:
 
 @dataclass
 class SharedArena:
-    """The streamed frozen weights once per host for the processes on it (issue 20): the arena is a file under
+    """The streamed frozen weights once per host for the processes on it: the arena is a file under
     /dev/shm that the `owner` (local rank 0) creates and fills while the others wait at `barrier`, then every
     process maps it (and pins its mapping with cudaHostRegister, as any arena), and the owner unlinks the name
     after a second barrier (the mappings stay). Never for optimizer state; trainable weights only under the sharded

@@ -18,7 +18,7 @@ So per block class and bucket shape there are at most two variants per grad mode
 blocks. Dynamo's per-function recompile limit (8 by default) is raised to fit `shapes` bucket shapes.
 
 Shapes. `dynamic=False` (default): one compile per bucket shape, the fastest kernels, compile time growing with
-the number of buckets. `dynamic="tokens"` (issue 29): before every call the token axes of the block's inputs are
+the number of buckets. `dynamic="tokens"`: before every call the token axes of the block's inputs are
 marked dynamic (`torch._dynamo.maybe_mark_dynamic`: every axis of a floating or complex input but its last, the
 feature axis, and axes of size 1), so the first compile is already symbolic in the sequence lengths and later
 buckets reuse it: one compile per run, while the model widths stay static for the matmul kernels.

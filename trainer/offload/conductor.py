@@ -224,13 +224,13 @@ class Conductor:
                                  f"buffers (slower; set offload.pinned_budget_gb to choose)")
 
     def _setup_streaming(self, min_ring_blocks: int, fill, pinned_budget: int | None, share) -> None:
-        """The plan, the ring, the host arena and the copy streams. Host RAM order (issue 14): the blocks that
+        """The plan, the ring, the host arena and the copy streams. Host RAM order: the blocks that
         are never streamed go to the ring first and their CPU originals are dropped, then the arena is filled and
         pinned, each streamed block's original dropped as soon as it is packed, so a model loaded whole into RAM
         peaks at its streamed bytes twice, not whole + arena."""
         sizes = self._plan_ring(min_ring_blocks)
         total = self._arena_layout(sizes)
-        use = self._usable_share(share, total)  # the SharedArena in use (issue 20), if asked for and possible
+        use = self._usable_share(share, total)  # the SharedArena in use, if asked for and possible
         self.shared = use is not None
         self.ring = Ring(self.plan.capacity, self.device)
         #: block -> ring offset its packed bytes are loaded (or being loaded) at; None: not in the ring

@@ -61,7 +61,8 @@ class OptimizerSpec:
     fine-tune packs the state beside each weight (train/method.py); else it stays in pinned RAM between steps."""
     owned_steps: bool = False
     """A weight's step reads nothing of the other weights, so each process may step its own weights
-    (trainer/train/owners.py: the sharded stream of a full fine-tune). Prodigy's step size sums over all of them."""
+    (trainer/train/owners.py: the sharded stream of a full fine-tune), and one optimizer may step two experts'
+    weights (model.expert: both, train/experts.py). Prodigy's step size sums over all of them."""
     sharded: bool = False
     """train.distributed: fsdp trains and resumes it exactly on DTensor shards (tests/test_fsdp.py)."""
     whole_step: bool = False

@@ -10,7 +10,7 @@ imports it. Modules:
   trainer's entry points `resolve_fraction`, `expected`, `check_line`;
 - meta.py: the transformer on the meta device, text-encoder and optimizer-state bytes;
 - trace.py: activation bytes and FLOPs from one forward on meta tensors;
-- compiled.py: what a compiled block keeps for backward (AOTAutograd's partition of it, on meta tensors);
+- compiled_saves.py: what a compiled block keeps for backward (AOTAutograd's partition of it, on meta tensors);
 - timing.py, replay.py: step-time costs, and the step replayed block by block over the conductor's plan;
 - measure.py: a short measurement on the user's GPU (`dittrain plan` with a GPU);
 - sampling.py: the same for the denoising loop of `dittrain sample`;

@@ -5,8 +5,8 @@ block's joint forward + backward graph with its min-cut partitioner, which keeps
 recompute cheaply and recomputes the rest inside backward (dtype casts, the modulation and norm arithmetic, the
 pointwise tails of the MLP and of rotary embeddings). A compiled block that keeps its activations therefore holds
 fewer bytes than the same block run eagerly, which is what trace.py counts: on an H100 a compiled Qwen-Image step
-without checkpointing peaked at 66.9 GiB where the eager count said 117 GB (issue 29; part of that gap was the
-planner's LoRA in fp32, see meta.py `add_meta_lora`). Eager blocks keep the eager count.
+without checkpointing peaked at 66.9 GiB where the eager count said 117 GB (part of that gap was an fp32 copy of
+each LoRA input that the trainer does not make, see meta.py `add_meta_lora`). Eager blocks keep the eager count.
 
 How. For each block class, the class's own forward (as the trainer compiles it: `cls.forward` with the block as
 first argument) is compiled with torch's `aot_eager_decomp_partition` backend, which runs inductor's

@@ -34,8 +34,8 @@ How. Everything is derived from the model's own code and the conductor's own ari
   the caching allocator reuses their segments whole), + `ALLOCATOR_OVERHEAD` x the rest of the activation peak
   (the caching allocator's rounding and fragmentation for the tensors that come and go: checkpoint inputs,
   recomputed blocks, backward's transients, gradients) + `WORKSPACE` (cuBLAS and attention workspaces). The
-  CUDA context (0.5-1 GB, never in `max_memory_reserved`) is on top of that. Measured on an H100 (issue 29,
-  compiled, 1024 px LoRA, offload 0): without checkpointing Flux peaked at 44.7 GiB reserved (48.0 GB; predicted
+  CUDA context (0.5-1 GB, never in `max_memory_reserved`) is on top of that. Measured on an H100 (compiled,
+  1024 px LoRA, offload 0; bench/history/2026-11-25.md 15:30 and the planner's over-count after it): without checkpointing Flux peaked at 44.7 GiB reserved (48.0 GB; predicted
   49.9 GB) and Qwen-Image at 66.9 GiB (71.8 GB; predicted 72.8 GB); with the overhead on the kept tensors too the
   predictions were 57.8 / 82.6 GB;
 - two experts in one run (model.expert: both, trainer/train/experts.py): the experts are the same size and run in
@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -107,7 +107,7 @@ MIB2 = 2 << 20
 ALLOCATOR_OVERHEAD = 1.35
 #: anonymous host memory of a training process besides the arena: torch and CUDA libraries, Python, the data
 #: caches' index. Measured: Flux LoRA at 0.9 on an H200, 25.3-25.9 GB anonymous RSS per phase beside a 23.7 GB
-#: arena (bench/history/2026-11-23.md, 2026-11-23, issue 14)
+#: arena (bench/history/2026-11-23.md 18:45)
 HOST_BASE = 2.5 * GB
 WORKSPACE = 0.25 * GB  # cuBLAS workspaces, attention scratch, small tensors
 GRID = [round(0.05 * i, 2) for i in range(21)]
@@ -253,40 +253,10 @@ def analyze(cfg) -> Facts:
     nonblock_bytes = sum(p.numel() * p.element_size() for p in nonblock)
     block_param_bytes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
     if method == "lora":
-        model.requires_grad_(False)
-        targets = tuple(cfg.lora.targets) if cfg.lora.targets else ptrace.default_lora_targets(family, refs)
-        # lora.compute_dtype auto runs plain LoRA's branch in the model dtype (DoRA, LoKr, LoHa: peft's forward)
-        lc = cfg.lora
-        in_dtype = lc.compute_dtype == "auto" and LORA_KINDS[lc.type].compute_dtype_forward and not lc.dora
-        trainable = ptrace.add_meta_lora(model, targets, lc.rank, lc.alpha, in_dtype, kind=lc.type, dora=lc.dora)
-        packed = [BlockPacking.of(b, include_trainable=False).nbytes for b in blocks]
-        lora = [p for p in model.parameters() if p.requires_grad]
-        largest = max((p.numel() for p in lora), default=0)
-        state_gpu = optimizer_state_bytes(cfg.optimizer.name, lora)
-        block_states = [0] * len(blocks)
-        largest_state = 0
-        state_packed = False
+        trained = _lora_facts(cfg, model, blocks, refs)
     else:
-        model.requires_grad_(True)
-        trainable = sum(p.numel() for p in model.parameters())
-        # As the trainer wires a streamed full fine-tune (trainer/train/method.py): the conductor packs each
-        # weight's optimizer state beside it (trainer/offload/fused_state.py), so the state crosses PCIe with its block
-        # and sits in the pinned arena between steps; 8-bit AdamW's state (layout unknown before a step) lives in
-        # pinned RAM instead (trainer/optim StateOffload) and visits the GPU while its parameter steps. The
-        # state of non-block modules stays on the GPU.
-        layout = packed_state_layout(cfg.optimizer.name)
-        state_packed = layout is not None
-        packed = [BlockPacking.of(b, include_trainable=True, state_layout=layout or ()).nbytes for b in blocks]
-        biggest = max(model.parameters(), key=lambda p: p.numel())
-        largest, largest_state = biggest.numel(), optimizer_state_bytes(cfg.optimizer.name, [biggest])
-        block_states = [optimizer_state_bytes(cfg.optimizer.name, list(b.parameters())) for b in blocks]
-        state_gpu = optimizer_state_bytes(cfg.optimizer.name, nonblock)
-    fused = cfg.optimizer.fused_back_pass
-    gsize = 4 if method == "lora" else torch.tensor([], dtype=dtype).element_size()  # LoRA grads are fp32
-    block_grads = [
-        0 if fused else sum(p.numel() * gsize for p in b.parameters() if p.requires_grad) for b in blocks
-    ]
-    nonblock_grads = 0 if fused else sum(p.numel() * gsize for p in nonblock if p.requires_grad)
+        trained = _full_facts(cfg, model, blocks, nonblock)
+    block_grads, nonblock_grads = _gradient_bytes(cfg, dtype, blocks, nonblock)
     res = sorted(set(cfg.data.resolutions)) if cfg.data is not None else [cfg.sample.width]
     frames = (cfg.data.clip_frames if cfg.data is not None else cls.plan_frames) if cls.video else 1
     return Facts(
@@ -301,18 +271,12 @@ def analyze(cfg) -> Facts:
         optimizer=cfg.optimizer.name,
         model=model,
         blocks=blocks,
-        packed=packed,
         block_param_bytes=block_param_bytes,
         nonblock_bytes=nonblock_bytes,
         nonblock_params=sum(p.numel() for p in nonblock),
-        trainable_params=trainable,
         block_grads=block_grads,
         nonblock_grads=nonblock_grads,
-        state_gpu=state_gpu,
-        block_states=block_states,
-        largest_state=largest_state,
-        state_packed=state_packed,
-        largest_param=largest,
+        **trained,
         text_tokens=cls.text_tokens,
         text_encoders=text_encoder_bytes(cfg),
         text_sizes=text_encoder_sizes(cfg),
@@ -327,6 +291,63 @@ def analyze(cfg) -> Facts:
         compile_blocks=cfg.train.compile is not False,
         experts=len(cls.experts) if getattr(cfg.model, "expert", None) == BOTH_EXPERTS else 1,
     )
+
+
+def _lora_facts(cfg, model: torch.nn.Module, blocks: list, refs: int) -> dict:
+    """LoRA's trained part of `Facts`: the meta model gets its LoRA layers (peft, as the trainer injects them), the
+    blocks pack their frozen weights alone, and the LoRA weights and their optimizer state stay on the GPU."""
+    model.requires_grad_(False)
+    family = cfg.model.family
+    targets = tuple(cfg.lora.targets) if cfg.lora.targets else ptrace.default_lora_targets(family, refs)
+    # lora.compute_dtype auto runs plain LoRA's branch in the model dtype (DoRA, LoKr, LoHa: peft's forward)
+    lc = cfg.lora
+    in_dtype = lc.compute_dtype == "auto" and LORA_KINDS[lc.type].compute_dtype_forward and not lc.dora
+    trainable = ptrace.add_meta_lora(model, targets, lc.rank, lc.alpha, in_dtype, kind=lc.type, dora=lc.dora)
+    packed = [BlockPacking.of(b, include_trainable=False).nbytes for b in blocks]
+    lora = [p for p in model.parameters() if p.requires_grad]
+    return dict(
+        trainable_params=trainable,
+        packed=packed,
+        largest_param=max((p.numel() for p in lora), default=0),
+        state_gpu=optimizer_state_bytes(cfg.optimizer.name, lora),
+        block_states=[0] * len(blocks),
+        largest_state=0,
+        state_packed=False,
+    )
+
+
+def _full_facts(cfg, model: torch.nn.Module, blocks: list, nonblock: list) -> dict:
+    """A full fine-tune's trained part of `Facts`, as the trainer wires a streamed one (trainer/train/method.py):
+    the conductor packs each weight's optimizer state beside it (trainer/offload/fused_state.py), so the state
+    crosses PCIe with its block and sits in the pinned arena between steps; 8-bit AdamW's state (layout unknown
+    before a step) lives in pinned RAM instead (trainer/optim StateOffload) and visits the GPU while its parameter
+    steps. The state of non-block modules stays on the GPU."""
+    model.requires_grad_(True)
+    trainable = sum(p.numel() for p in model.parameters())
+    layout = packed_state_layout(cfg.optimizer.name)
+    packed = [BlockPacking.of(b, include_trainable=True, state_layout=layout or ()).nbytes for b in blocks]
+    biggest = max(model.parameters(), key=lambda p: p.numel())
+    return dict(
+        trainable_params=trainable,
+        packed=packed,
+        largest_param=biggest.numel(),
+        state_gpu=optimizer_state_bytes(cfg.optimizer.name, nonblock),
+        block_states=[optimizer_state_bytes(cfg.optimizer.name, list(b.parameters())) for b in blocks],
+        largest_state=optimizer_state_bytes(cfg.optimizer.name, [biggest]),
+        state_packed=layout is not None,
+    )
+
+
+def _gradient_bytes(cfg, dtype: torch.dtype, blocks: list, nonblock: list) -> tuple[list[int], int]:
+    """(per block, the non-block parameters): the bytes of the gradients that accumulate in backward: LoRA's in
+    fp32, a full fine-tune's in the model dtype, none under the fused back pass (each is stepped and freed)."""
+    fused = cfg.optimizer.fused_back_pass
+    gsize = 4 if cfg.train.method == "lora" else torch.tensor([], dtype=dtype).element_size()  # LoRA grads are fp32
+    block_grads = [
+        0 if fused else sum(p.numel() * gsize for p in b.parameters() if p.requires_grad) for b in blocks
+    ]
+    nonblock_grads = 0 if fused else sum(p.numel() * gsize for p in nonblock if p.requires_grad)
+    return block_grads, nonblock_grads
 
 
 # ------------------------------------------------------------------------------------- pure arithmetic
@@ -386,6 +407,33 @@ class Prediction:
     step_s: float  #: the three together, block by block (trainer/planner/replay.py)
 
 
+@dataclass
+class _Placement:
+    """Where one step's weights and trainable state sit at an offload fraction, and what the conductor copies."""
+
+    ring: int  #: GPU bytes of blocks (the ring, or every block when nothing streams)
+    pinned: int  #: pinned host bytes: the arena (and a StateOffload's streamed state, parked experts' blocks)
+    h2d: int  #: host-to-device bytes per step
+    d2h: int  #: device-to-host bytes per step
+    trainable: int  #: on the GPU before any gradient: LoRA weights and optimizer state (full FT: state)
+    one_grad: int  #: the fused back pass's one gradient and the fp32 copies it steps (0 without it)
+    state_moved: int  #: StateOffload: streamed blocks' state bytes sent to the GPU and back every step
+    parked: int  #: host bytes of the parked experts' resident parts (model.expert: both)
+
+
+@dataclass
+class _Peak:
+    """The step's activation-and-gradient peak: backward's worst moment or the optimizer step, as reserved."""
+
+    recomputed: list[bool]  #: per block: its activations are recomputed in backward (not kept)
+    dynamic: float  #: activations + gradients at the peak, before ALLOCATOR_OVERHEAD
+    grads: float  #: the gradients among them
+    checkpoint_gpu: int  #: checkpoint inputs (and kept blocks' saved tensors) on the GPU at the peak
+    checkpoint_host: int  #: checkpoint inputs in pinned host RAM (activation offloading)
+    other: int  #: saved outside the blocks (embedders, final layers)
+    long_lived: float  #: kept blocks' saved tensors at the peak (reserved as they are, no overhead)
+
+
 def predict(
     facts: Facts,
     fraction: float,
@@ -394,110 +442,193 @@ def predict(
     rates: ptime.Rates | None = None,
     kept: frozenset[int] = frozenset(),
 ) -> Prediction:
-    """`kept`: blocks that keep their activations for backward instead of being recomputed, in a checkpointed
-    run (train.gradient_checkpointing: auto, trainer/planner/checkpointing.py)."""
+    """The step's GPU and host memory and its time at an offload fraction and bucket (see the module essay).
+    `kept`: blocks that keep their activations for backward instead of being recomputed, in a checkpointed run
+    (train.gradient_checkpointing: auto, trainer/planner/checkpointing.py)."""
     rates = rates or ptime.reference_rates()
     tr = facts.trace(res)
+    place = _with_parked_experts(facts, _placement(facts, fraction))
+    peak = _activation_peak(facts, tr, kept, activation_offload, place.one_grad)
+    h2d, d2h = place.h2d, place.d2h
+    if activation_offload:  # the checkpoint inputs go to the host in forward and come back in backward
+        h2d += peak.checkpoint_host
+        d2h += peak.checkpoint_host
+    trainable = place.trainable + peak.grads
+    static = _round2m(place.ring) + _round2m(facts.nonblock_bytes) + _round2m(trainable - peak.grads)
+    act = peak.dynamic - peak.grads
+    compute_s, host_s, step_s = _step_seconds(facts, tr, rates, fraction, res, peak.recomputed, place.state_moved)
+    transfer_s = ptime.transfer_seconds(h2d, d2h, rates)
+    return Prediction(
+        fraction=fraction,
+        resolution=res,
+        activation_offload=activation_offload,
+        ring=place.ring,
+        nonblock=facts.nonblock_bytes,
+        trainable=trainable,
+        act_checkpoint_gpu=peak.checkpoint_gpu,
+        act_checkpoint_host=peak.checkpoint_host,
+        act_block=act - peak.checkpoint_gpu - peak.other,
+        act_other=peak.other,
+        pinned=place.pinned,
+        h2d=h2d,
+        d2h=d2h,
+        peak_allocated=place.ring + facts.nonblock_bytes + trainable + act,
+        peak_reserved=static + _reserved_part(peak.dynamic, peak.long_lived) + WORKSPACE,
+        static=static,
+        dynamic=peak.dynamic,
+        ram_peak=_ram_peak(facts, place, peak.checkpoint_host),
+        compute_s=compute_s,
+        transfer_s=transfer_s,
+        host_s=host_s,
+        # activation offloading's copies and full fine-tuning's write-backs are not replayed: a floor
+        step_s=max(step_s, transfer_s),
+    )
+
+
+def _placement(facts: Facts, fraction: float) -> _Placement:
+    """Ring, pinned arena, copies per step and the trainable state on the GPU, for LoRA or a full fine-tune: LoRA
+    keeps its fp32 weights and their state resident; a full fine-tune's block state sits where its optimizer puts
+    it (every block's on the GPU when nothing streams, in each block's pack, or StateOffload's pinned copy)."""
     ring, pinned, h2d = streaming(facts.packed, fraction)
-    full = facts.method == "full"
-    esize = torch.tensor([], dtype=facts.dtype).element_size()
     state_moved = 0
-    if full:
-        _, streamed, _ = _streaming(tuple(facts.packed), fraction)
-        if fraction <= 0.0:  # nothing streams: plain modules, the optimizer keeps every state on the GPU
-            ring = sum(facts.block_param_bytes)
-            trainable = facts.state_gpu + sum(facts.block_states)
-        elif facts.state_packed:  # each block's state is in its pack: in the ring, or in the pinned arena
-            trainable = facts.state_gpu
-        else:  # StateOffload: resident blocks' state on the GPU, one streamed parameter's while it steps
-            on_gpu = [s for b, s in enumerate(facts.block_states) if b not in streamed]
-            trainable = facts.state_gpu + sum(on_gpu) + (facts.largest_state if streamed else 0)
-            pinned += sum(facts.block_states[b] for b in streamed)
-            state_moved = sum(facts.block_states[b] for b in streamed)  # to the GPU and back, every step
-        d2h = h2d  # every streamed block is written back before its region is reused
-        # fused back pass: one gradient in the model dtype + the fp32 copies of weight and gradient it steps
-        one_grad = facts.largest_param * (esize + 8) if facts.fused else 0
-    else:  # LoRA: fp32 weights and the optimizer state, resident
+    if facts.method != "full":  # LoRA: fp32 weights and the optimizer state, resident
         trainable = facts.trainable_params * 4 + facts.state_gpu
-        d2h = 0
         one_grad = facts.largest_param * 4 if facts.fused else 0
-    parked = 0  # host bytes of the parked experts' resident parts (model.expert: both)
-    if facts.experts > 1:  # experts trained in turn, the others parked (offload/conductor.py, train/experts.py)
-        pinned = facts.experts * sum(facts.packed)  # each expert's blocks: arena + parking buffer, all of them
-        parked = (facts.experts - 1) * (facts.nonblock_bytes + trainable)  # non-block weights, LoRA and state
-        # a change of expert loads the incoming expert's ring and resident part (and sends the other's resident part
-        # back); the expert changes on 2 p (1 - p) <= 1/2 of the steps
-        h2d += (ring + facts.nonblock_bytes + trainable) // 2
-        d2h += (facts.nonblock_bytes + trainable) // 2
-    nonblock = facts.nonblock_bytes
-    # Backward runs blocks last to first. While block i is differentiated, the checkpoint inputs of blocks
-    # 0..i are still held, block i's working set exists, and the gradients of blocks i..n-1 (none under the
-    # fused back pass, which frees each at once) have accumulated. The optimizer step after backward holds
-    # every gradient but no activations. The peak is the larger of the two.
+        return _Placement(ring, pinned, h2d, 0, trainable, one_grad, state_moved, 0)
+    _, streamed, _ = _streaming(tuple(facts.packed), fraction)
+    if fraction <= 0.0:  # nothing streams: plain modules, the optimizer keeps every state on the GPU
+        ring = sum(facts.block_param_bytes)
+        trainable = facts.state_gpu + sum(facts.block_states)
+    elif facts.state_packed:  # each block's state is in its pack: in the ring, or in the pinned arena
+        trainable = facts.state_gpu
+    else:  # StateOffload: resident blocks' state on the GPU, one streamed parameter's while it steps
+        on_gpu = [s for b, s in enumerate(facts.block_states) if b not in streamed]
+        trainable = facts.state_gpu + sum(on_gpu) + (facts.largest_state if streamed else 0)
+        pinned += sum(facts.block_states[b] for b in streamed)
+        state_moved = sum(facts.block_states[b] for b in streamed)  # to the GPU and back, every step
+    # fused back pass: one gradient in the model dtype + the fp32 copies of weight and gradient it steps
+    esize = torch.tensor([], dtype=facts.dtype).element_size()
+    one_grad = facts.largest_param * (esize + 8) if facts.fused else 0
+    # d2h = h2d: every streamed block is written back before its region is reused
+    return _Placement(ring, pinned, h2d, h2d, trainable, one_grad, state_moved, 0)
+
+
+def _with_parked_experts(facts: Facts, place: _Placement) -> _Placement:
+    """`place` with two experts trained in turn, the other parked (offload/conductor.py, train/experts.py): every
+    expert's blocks in RAM (arena + parking buffer), the parked ones' non-block weights, LoRA and state beside
+    them, and half a change of expert's copies per step (the incoming ring and resident part in, the other's
+    resident part out; the expert changes on 2 p (1 - p) <= 1/2 of the steps)."""
+    if facts.experts <= 1:
+        return place
+    resident = facts.nonblock_bytes + place.trainable
+    return replace(
+        place,
+        pinned=facts.experts * sum(facts.packed),
+        parked=(facts.experts - 1) * resident,
+        h2d=place.h2d + (place.ring + facts.nonblock_bytes + place.trainable) // 2,
+        d2h=place.d2h + resident // 2,
+    )
+
+
+def _reserved_part(dyn: float, long_lived: float) -> float:
+    """The dynamic part as the caching allocator reserves it: kept blocks' saved tensors as they are (allocated in
+    the same order every step, their segments reused whole), the rest times ALLOCATOR_OVERHEAD."""
+    return long_lived + ALLOCATOR_OVERHEAD * (dyn - long_lived)
+
+
+def _activation_peak(facts: Facts, tr: ptrace.Trace, kept: frozenset[int], activation_offload: bool,
+                     one_grad: int) -> _Peak:
+    """The larger (as reserved) of backward's worst moment and the optimizer step. Backward runs blocks last to
+    first: while block i is differentiated the checkpoint inputs of blocks 0..i (and the saved tensors of the kept
+    ones) are held, block i's working set exists, and the gradients of blocks i..n-1 (none under the fused back
+    pass, which frees each at once) have accumulated. The optimizer step holds every gradient, no activations."""
     n = len(tr.block_inputs)
     ck = [facts.checkpointing and i not in kept for i in range(n)]  # per block: recomputed in backward
-    ws = [
-        s + 2 * big + 2 * inp
-        for s, big, inp in zip(tr.block_saved, tr.block_largest, tr.block_inputs, strict=True)
-    ]
-    if activation_offload and facts.checkpointing:
+    offloaded = activation_offload and facts.checkpointing
+    if offloaded:  # the GPU keeps the first block's inputs and two blocks' in flight
         ck_gpu = tr.block_inputs[0] + 2 * max(tr.block_inputs[1:] or [0])
         ck_host = tr.checkpoint_inputs - tr.block_inputs[0] - sum(tr.block_inputs[i] for i in kept if i > 0)
     else:
         ck_gpu, ck_host = tr.checkpoint_inputs, 0
-    held = kept_gpu = long = 0  # activations kept for backward by blocks 0..i (by the kept ones among them)
+    held, kept_gpu, long_lived = _held_before_backward(facts, tr, ck)
+    grads_after = [sum(facts.block_grads[i:]) for i in range(n)]
+    peaks = [
+        (ck_gpu + kept_gpu[i] if offloaded else held[i]) + _working_set(tr, i, ck[i]) + grads_after[i]
+        for i in range(n)
+    ]
+    i_peak = max(range(n), key=lambda i: _reserved_part(peaks[i], long_lived[i]))
+    bwd = peaks[i_peak] + tr.outside_saved + one_grad
+    step = sum(facts.block_grads) + facts.nonblock_grads + one_grad
+    if _reserved_part(bwd, long_lived[i_peak]) >= _reserved_part(step, 0):  # the peak is inside backward
+        shown = ck_gpu + kept_gpu[i_peak] if offloaded else held[i_peak]
+        return _Peak(ck, bwd, grads_after[i_peak] + one_grad, shown, ck_host, tr.outside_saved, long_lived[i_peak])
+    return _Peak(ck, step, step, 0, ck_host, 0, 0)  # the optimizer step: gradients only
+
+
+def _held_before_backward(facts: Facts, tr: ptrace.Trace, ck: list[bool]) -> tuple[list, list, list]:
+    """Per block i, what blocks 0..i hold for backward: their checkpoint inputs and the kept blocks' saved
+    tensors; of that, what kept blocks hold on the GPU (both, under checkpointing); and the kept saved tensors
+    alone (long-lived, reserved without overhead)."""
+    held = kept_gpu = long = 0
     prefix, kept_prefix, long_prefix = [], [], []
-    for i in range(n):
+    for i in range(len(ck)):
         held += tr.block_inputs[i] + (0 if ck[i] else tr.block_saved[i])
         kept_gpu += 0 if ck[i] or not facts.checkpointing else tr.block_inputs[i] + tr.block_saved[i]
         long += 0 if ck[i] else tr.block_saved[i]
         prefix.append(held)
         kept_prefix.append(kept_gpu)
         long_prefix.append(long)
-    grads_after = [sum(facts.block_grads[i:]) for i in range(n)]
-    peaks = []
-    for i in range(n):
-        held_i = ck_gpu + kept_prefix[i] if activation_offload and facts.checkpointing else prefix[i]
-        work = ws[i] if ck[i] else ws[i] - tr.block_saved[i]
-        peaks.append(held_i + work + grads_after[i])
+    return prefix, kept_prefix, long_prefix
 
-    def reserved_part(dyn: float, long_lived: float) -> float:  # the dynamic part as the allocator reserves it
-        return long_lived + ALLOCATOR_OVERHEAD * (dyn - long_lived)
 
-    i_peak = max(range(n), key=lambda i: reserved_part(peaks[i], long_prefix[i]))
-    bwd = peaks[i_peak] + tr.outside_saved + one_grad
-    step = sum(facts.block_grads) + facts.nonblock_grads + one_grad
-    if reserved_part(bwd, long_prefix[i_peak]) >= reserved_part(step, 0):  # the peak is inside backward
-        dynamic, grads_at_peak = bwd, grads_after[i_peak] + one_grad
-        ck_gpu_shown = ck_gpu + kept_prefix[i_peak] if activation_offload and facts.checkpointing else prefix[i_peak]
-        other = tr.outside_saved
-        long_lived = long_prefix[i_peak]
-    else:  # the optimizer step: gradients only
-        dynamic, grads_at_peak, ck_gpu_shown, other, long_lived = step, step, 0, 0, 0
-    act = dynamic - grads_at_peak
-    act_block = act - ck_gpu_shown - other
-    if activation_offload:
-        h2d += ck_host
-        d2h += ck_host
-    trainable += grads_at_peak
-    static = _round2m(ring) + _round2m(nonblock) + _round2m(trainable - grads_at_peak)
-    allocated = ring + nonblock + trainable + act
-    reserved = static + reserved_part(dynamic, long_lived) + WORKSPACE
-    # RAM: the pinned arena and activation buffers, the process's own (HOST_BASE), and, where the transformer is
-    # read whole before packing (facts.loads_whole), a pageable copy of it beside the arena.
+def _working_set(tr: ptrace.Trace, i: int, recomputed: bool) -> int:
+    """Block i's working set while it is differentiated: its saved tensors (when recomputed; a kept block's are
+    counted as held) + twice its largest saved tensor (the gradient of that tensor and of its producer's input
+    coexist) + twice its input bytes (gradient in, gradient out)."""
+    ws = tr.block_saved[i] + 2 * tr.block_largest[i] + 2 * tr.block_inputs[i]
+    return ws if recomputed else ws - tr.block_saved[i]
+
+
+def _ram_peak(facts: Facts, place: _Placement, ck_host: int) -> float:
+    """RAM: the pinned arena and activation buffers, the process's own (HOST_BASE), the parked experts, and, where
+    the transformer is read whole before packing (facts.loads_whole), a pageable copy of it beside the arena."""
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
-    ram = (model_bytes if facts.loads_whole else 0) + pinned + ck_host + HOST_BASE + parked
+    return (model_bytes if facts.loads_whole else 0) + place.pinned + ck_host + HOST_BASE + place.parked
+
+
+def _step_seconds(facts: Facts, tr: ptrace.Trace, rates: ptime.Rates, fraction: float, res: int, ck: list[bool],
+                  state_moved: int) -> tuple[float, float, float]:
+    """(GPU kernel time, host launch time, step time before the copies' floor): the blocks replayed over the
+    training plan (trainer/planner/replay.py), plus the embedders' and final layers' GPU time and, in a full
+    fine-tune, their optimizer steps."""
+    n = len(ck)
+    full = facts.method == "full"
     ck_flops = ptime.block_train_flops(tr, n, facts.checkpointing, full)
     kept_flops = ptime.block_train_flops(tr, n, False, full)  # no recompute
     flops = ptime.train_flops(
         tr.linear_flops, tr.attn_flops, checkpointing=facts.checkpointing, weights_train=full
     ) - sum(ck_flops[i] - kept_flops[i] for i in range(n) if not ck[i])
+    plan = _train_plan(tuple(facts.packed), fraction)
+    costs = _block_costs(facts, tr, rates, res, ck, plan, state_moved)
+    sim = simulate(costs, plan, rates.h2d)
+    block_flops = sum(ck_flops[i] if ck[i] else kept_flops[i] for i in range(n))
+    opt_step = ptime.REF_FULL_STEP_S_PER_PARAM if full else 0.0  # a full fine-tune's optimizer steps
+    outside_s = max(0.0, flops - block_flops) / rates.rate(res) + facts.nonblock_params * opt_step
+    return sim.gpu_s + outside_s, sim.host_s, sim.step_s + outside_s
+
+
+def _block_costs(facts: Facts, tr: ptrace.Trace, rates: ptime.Rates, res: int, ck: list[bool], plan: Plan | None,
+                 state_moved: int) -> list:
+    """Each block's host, GPU and copy costs (trainer/planner/timing.py), without the recompute where the block
+    keeps its activations, and with what its backward adds: a full fine-tune's optimizer step of its weights,
+    StateOffload's state copies (on the compute stream) and nano-batching's second MLP forward."""
+    full = facts.method == "full"
+    esize = torch.tensor([], dtype=facts.dtype).element_size()
     costs = ptime.block_costs(facts.blocks, tr, rates, res, full, facts.checkpointing)
     costs = [c if ck[b] or not facts.checkpointing else c.without_recompute() for b, c in enumerate(costs)]
-    plan = _train_plan(tuple(facts.packed), fraction)
     streamed_blocks = set(plan.streamed) if plan is not None else set()
-    opt_step = ptime.REF_FULL_STEP_S_PER_PARAM if full else 0.0  # a full fine-tune's optimizer steps
-    costs = [
+    opt_step = ptime.REF_FULL_STEP_S_PER_PARAM if full else 0.0
+    return [
         c.scaled(
             extra_gpu_bwd=facts.block_param_bytes[b] / esize * opt_step
             # StateOffload's state copies run on the compute stream, in the block's backward
@@ -508,36 +639,6 @@ def predict(
         )
         for b, c in enumerate(costs)
     ]
-    sim = simulate(costs, plan, rates.h2d)
-    block_flops = sum(ck_flops[i] if ck[i] else kept_flops[i] for i in range(n))
-    # embedders and final layers: GPU time (and their optimizer steps in a full fine-tune)
-    outside_s = max(0.0, flops - block_flops) / rates.rate(res) + facts.nonblock_params * opt_step
-    transfer_s = ptime.transfer_seconds(h2d, d2h, rates)
-    return Prediction(
-        fraction=fraction,
-        resolution=res,
-        activation_offload=activation_offload,
-        ring=ring,
-        nonblock=nonblock,
-        trainable=trainable,
-        act_checkpoint_gpu=ck_gpu_shown,
-        act_checkpoint_host=ck_host,
-        act_block=act_block,
-        act_other=other,
-        pinned=pinned,
-        h2d=h2d,
-        d2h=d2h,
-        peak_allocated=allocated,
-        peak_reserved=reserved,
-        static=static,
-        dynamic=dynamic,
-        ram_peak=ram,
-        compute_s=sim.gpu_s + outside_s,
-        transfer_s=transfer_s,
-        host_s=sim.host_s,
-        # activation offloading's copies and full fine-tuning's write-backs are not replayed: a floor
-        step_s=max(sim.step_s + outside_s, transfer_s),
-    )
 
 
 def _fraction_of(cfg) -> float | None:
@@ -573,8 +674,8 @@ def _sampling_peak(cfg, facts: Facts, fraction: float, res: int) -> float:
 
 
 #: share of the VRAM budget a chosen fraction's predicted peak leaves unused: the checkpointed training-step
-#: predictions read up to 2.4 % under the peaks the whole-`fit` preset runs measured (bench/history/2026-11-25.md, issue 29's
-#: planner section), so a fraction planned right at the budget could run out of memory there
+#: predictions read up to 2.4 % under the peaks the whole-`fit` preset runs measured (bench/history/2026-11-25.md, the
+#: planner's over-count section), so a fraction planned right at the budget could run out of memory there
 PREDICTION_MARGIN = 0.03
 
 

@@ -2,8 +2,8 @@
 
 Why not max(compute, transfer). At 1024 px a Flux block keeps the GPU busy for longer than the host needs to
 launch it, so a step is the sum of kernel time and copies hide behind it unless they outweigh it. At 512 px
-it is the other way round: the H200 run of 2026-11-22 (bench/history/2026-11-22.md, issue 7) found 0.30 s of kernels in a
-resident step that took 0.54-0.81 s. The host, launching about 10,000 tensor operations through Python,
+it is the other way round: on an H200 (bench/history/2026-11-22.md, 02:10) a resident step held 0.30 s of kernels
+and took that took 0.54-0.81 s. The host, launching about 10,000 tensor operations through Python,
 autograd, checkpointing and peft, is the bottleneck, and how much of that run-to-run spread one sees depends
 on the host, not the GPU. Predicting that needs the host's time beside the GPU's, and predicting how copies
 overlap needs the order in which the conductor issues them.

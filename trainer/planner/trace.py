@@ -30,10 +30,9 @@ host's launch time (trainer/planner/replay.py).
 
 Left out: the transient tensors of backward (gradients of intermediates, kernel workspaces) are not traced;
 the planner adds a stated estimate for them. LoRA is injected into the meta model with peft as the trainer does,
-its branch in the activations' dtype under `lora.compute_dtype: auto` (meta.py `add_meta_lora`; before issue 29
-the planner counted peft's fp32 copy of every LoRA layer's input, which the trainer stopped making in issue 16).
-What is counted here is what *eager* blocks save; compiled blocks save less (compiled.py, used where a block keeps
-its activations).
+its branch in the activations' dtype under `lora.compute_dtype: auto` (meta.py `add_meta_lora`: the trainer makes
+no fp32 copy of a LoRA layer's input, so none is counted). What is counted here is what *eager* blocks save;
+compiled blocks save less (compiled_saves.py, used where a block keeps its activations).
 """
 
 from __future__ import annotations
@@ -273,156 +272,184 @@ def trace_forward(
     """Run `transformer(**inputs)` (meta or CPU tensors) with hooks on `blocks`; see the module essay. `mlps`:
     per block, its token-wise MLPs (the family's `token_wise_of`), whose saved hidden activations are counted
     apart (`Trace.block_mlp_saved`, for `chunk_mlps`)."""
-    weights = {_storage(p)[0] for p in transformer.parameters()} | {
-        _storage(b)[0] for b in transformer.buffers()
-    }
-    seen: dict[int, int] = {}  # storages already counted as checkpoint inputs
-    outside: dict[int, int] = {}
-    b_inputs: list[int] = [0] * len(blocks)
-    b_saved: list[int] = [0] * len(blocks)
-    b_largest: list[int] = [0] * len(blocks)
-    current: list[int] = []  # index of the block being run (a stack of one)
-    b_kv: list[int] = [0] * len(blocks)
-    inside: dict[int, int] = {}
-    # Every tensor counted is kept alive until the trace ends: storages are told apart by address, and a freed
-    # storage's address can be reused by a later tensor (which would then pass for one already counted).
-    alive: list[torch.Tensor] = []
+    tracer = _Tracer(transformer, blocks, kernels)
+    handles = tracer.hook(transformer, blocks, mlps or [])
+    try:
+        tracer.run(transformer, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return tracer.trace(with_mlps=bool(mlps))
 
-    in_mlp: dict[int, int] = {}  # storage -> bytes saved inside the token-wise MLP now running
-    mlp_inputs: set[int] = set()
-    outside_mlp: dict[int, int] = {}  # storage -> bytes saved in the block outside its MLPs (or not per token)
-    mlp_other: dict[int, int] = {}  # storage -> bytes saved inside the MLPs, not per token
-    mlp_on: list[int] = [0, 0]  # while a token-wise MLP runs: its input's tokens S and B x S
 
-    def pack(t: torch.Tensor):
-        alive.append(t)
+class _Tracer:
+    """What one `trace_forward` counts, and the hooks that count it: storages are told apart by address, each
+    counted once (a checkpoint input first, saved inside a block next, saved outside any block last)."""
+
+    def __init__(self, transformer: nn.Module, blocks: list[nn.Module], kernels: str):
+        n = len(blocks)
+        self.weights = {_storage(p)[0] for p in transformer.parameters()} | {
+            _storage(b)[0] for b in transformer.buffers()
+        }
+        self.index = {id(b): i for i, b in enumerate(blocks)}
+        self.seen: dict[int, int] = {}  # storages already counted as checkpoint inputs
+        self.outside: dict[int, int] = {}  # storage -> bytes saved outside any block
+        self.current: list[int] = []  # index of the block being run (a stack of one)
+        # Every tensor counted is kept alive until the trace ends: storages are told apart by address, and a freed
+        # storage's address can be reused by a later tensor (which would then pass for one already counted).
+        self.alive: list[torch.Tensor] = []
+        # per block: input bytes, saved bytes, largest saved tensor, attention keys and values, linear FLOPs, ops
+        self.b_inputs, self.b_saved, self.b_largest, self.b_kv, self.b_linear, self.b_ops = ([0] * n for _ in range(6))
+        # per block, of its token-wise MLPs: hidden bytes, largest hidden tensor, the block's largest outside them,
+        # what they save that is not per token, their linear FLOPs
+        self.b_mlp, self.b_mlp_big, self.b_big_out, self.b_mlp_other, self.b_mlp_linear = (
+            [0] * n for _ in range(5))
+        self.linear_flops = 0
+        self.calls: dict[str, tuple[int, tuple, dict]] = {}
+        self.last_calls: dict[str, tuple[int, tuple, dict]] = {}
+        # the block now running
+        self.inside: dict[int, int] = {}  # storage -> bytes saved inside it
+        self.in_mlp: dict[int, int] = {}  # storage -> bytes saved inside the token-wise MLP now running
+        self.mlp_inputs: set[int] = set()
+        self.outside_mlp: dict[int, int] = {}  # storage -> bytes saved in the block outside its MLPs (or not per token)
+        self.mlp_other: dict[int, int] = {}  # storage -> bytes saved inside the MLPs, not per token
+        self.mlp_on = [0, 0]  # while a token-wise MLP runs: its input's tokens S and B x S
+        self.mode = _KernelModel(kernels) if kernels != "real" else contextlib.nullcontext(_KernelModel(kernels))
+
+    def hook(self, transformer: nn.Module, blocks: list[nn.Module], mlps: list[list[nn.Module]]) -> list:
+        """Hooks on the blocks (their calls), the token-wise MLPs (while one runs) and every nn.Linear (its FLOPs:
+        every matmul of these models is an nn.Linear, LoRA's too; attention is counted by the kernel model)."""
+        handles = [b.register_forward_pre_hook(self.block_pre, with_kwargs=True) for b in blocks]
+        handles += [b.register_forward_hook(self.block_post, with_kwargs=True) for b in blocks]
+        for m in (m for ms in mlps for m in ms):
+            handles += [m.register_forward_pre_hook(self.mlp_pre, with_kwargs=True),
+                        m.register_forward_hook(self.mlp_post, with_kwargs=True)]
+        handles += [
+            m.register_forward_pre_hook(self.count_linear) for m in transformer.modules() if isinstance(m, nn.Linear)
+        ]
+        return handles
+
+    def run(self, transformer: nn.Module, inputs: dict) -> None:
+        """The forward, with autograd's saved tensors packed through `pack`, the kernel model swapped in, the ops
+        each block dispatches counted and autocast left off on meta."""
+        with (torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t), _HostLayoutOnMeta(), self.mode,
+              _OpCounter(self.current, self.b_ops), _autocast_off_meta()):
+            transformer(**inputs, return_dict=False)
+
+    def pack(self, t: torch.Tensor):
+        """A tensor autograd saves: inside the running block (sorted into its token-wise MLPs' per-token tensors
+        and the rest), or outside any block; weights and checkpoint inputs are not activations saved here."""
+        self.alive.append(t)
         sid, nbytes = _storage(t)
-        if sid in weights:
+        if sid in self.weights:
             return t
-        if current:
-            if sid not in seen:
-                inside[sid] = nbytes
+        if self.current:
+            if sid not in self.seen:
+                self.inside[sid] = nbytes
                 # the MLP's per-token tensors (an axis of its input's tokens S, or B x S flattened): not the
                 # weights it dequantizes, nor a cross-attention's keys and values
-                token_wise = bool(mlp_on[0]) and any(d in mlp_on for d in t.shape[:-1])
-                (in_mlp if token_wise else outside_mlp)[sid] = nbytes
-                if mlp_on[0] and not token_wise:
-                    mlp_other[sid] = nbytes
-        elif sid not in seen:
-            outside[sid] = nbytes
+                token_wise = bool(self.mlp_on[0]) and any(d in self.mlp_on for d in t.shape[:-1])
+                (self.in_mlp if token_wise else self.outside_mlp)[sid] = nbytes
+                if self.mlp_on[0] and not token_wise:
+                    self.mlp_other[sid] = nbytes
+        elif sid not in self.seen:
+            self.outside[sid] = nbytes
         return t
 
-    calls: dict[str, tuple[int, tuple, dict]] = {}
-    last_calls: dict[str, tuple[int, tuple, dict]] = {}
-
-    def pre(mod, args, kwargs):
-        i = index[id(mod)]
-        calls.setdefault(type(mod).__name__, (i, args, dict(kwargs)))
-        last_calls[type(mod).__name__] = (i, args, dict(kwargs))
+    def block_pre(self, mod, args, kwargs):
+        """A block starts: its first and last call are kept, its new input storages counted as its checkpoint
+        inputs, and the per-block counters cleared."""
+        i = self.index[id(mod)]
+        self.calls.setdefault(type(mod).__name__, (i, args, dict(kwargs)))
+        self.last_calls[type(mod).__name__] = (i, args, dict(kwargs))
         new = 0
         # Only direct tensor arguments: tensors nested in tuples (rotary embeddings) are shared by all blocks
         # and reach checkpoint as one Python object; they are counted once, with the outside tensors.
         direct = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         for t in _tensors(args) + _tensors(kwargs):
-            alive.append(t)
+            self.alive.append(t)
             if not any(t is d for d in direct):
                 sid, nbytes = _storage(t)
-                if sid not in weights:
-                    outside[sid] = nbytes
+                if sid not in self.weights:
+                    self.outside[sid] = nbytes
                 continue
             if not t.is_floating_point() and not t.is_complex():
                 continue
             sid, nbytes = _storage(t)
-            if sid not in seen and sid not in weights:
-                seen[sid] = nbytes
-                outside.pop(sid, None)  # a block input saved outside too (e.g. temb) is counted once, here
+            if sid not in self.seen and sid not in self.weights:
+                self.seen[sid] = nbytes
+                self.outside.pop(sid, None)  # a block input saved outside too (e.g. temb) is counted once, here
                 new += nbytes
-        b_inputs[i] = new
-        getattr(mode, "kv", {}).clear()
-        current.append(i)
-        inside.clear()
-        in_mlp.clear()
-        mlp_inputs.clear()
-        outside_mlp.clear()
-        mlp_other.clear()
+        self.b_inputs[i] = new
+        getattr(self.mode, "kv", {}).clear()
+        self.current.append(i)
+        self.inside.clear()
+        self.in_mlp.clear()
+        self.mlp_inputs.clear()
+        self.outside_mlp.clear()
+        self.mlp_other.clear()
 
-    def post(mod, args, kwargs, out):
-        i = current.pop()
-        saved = {s: n for s, n in inside.items() if s not in seen}
-        b_saved[i] = sum(saved.values())
-        b_largest[i] = max(saved.values(), default=0)
-        b_kv[i] = sum(getattr(mode, "kv", {}).values())
+    def block_post(self, mod, args, kwargs, out):
+        """A block ends: what it saved (not its inputs), its largest saved tensor, its attention's keys and values,
+        and its token-wise MLPs' share."""
+        i = self.current.pop()
+        saved = {s: n for s, n in self.inside.items() if s not in self.seen}
+        self.b_saved[i] = sum(saved.values())
+        self.b_largest[i] = max(saved.values(), default=0)
+        self.b_kv[i] = sum(getattr(self.mode, "kv", {}).values())
         # the MLPs' hidden activations: saved inside them, neither their inputs nor saved elsewhere in the block
-        hidden = {s: n for s, n in in_mlp.items()
-                  if s not in seen and s not in mlp_inputs and s not in outside_mlp}
-        b_mlp[i] = sum(hidden.values())
-        b_mlp_big[i] = max(hidden.values(), default=0)
-        b_big_out[i] = max((n for s, n in saved.items() if s not in hidden), default=0)
-        b_mlp_other[i] = sum(n for s, n in mlp_other.items() if s in saved and s not in mlp_inputs)
+        hidden = {s: n for s, n in self.in_mlp.items()
+                  if s not in self.seen and s not in self.mlp_inputs and s not in self.outside_mlp}
+        self.b_mlp[i] = sum(hidden.values())
+        self.b_mlp_big[i] = max(hidden.values(), default=0)
+        self.b_big_out[i] = max((n for s, n in saved.items() if s not in hidden), default=0)
+        self.b_mlp_other[i] = sum(n for s, n in self.mlp_other.items() if s in saved and s not in self.mlp_inputs)
 
-    def mlp_pre(mod, args, kwargs):
+    def mlp_pre(self, mod, args, kwargs):
+        """A token-wise MLP starts: its input's token counts (S and B x S) and its input storages."""
         x = (_tensors(args) + _tensors(kwargs) or [None])[0]
         # (B, S, D) only: nano.NanoBatched leaves anything else whole, and so is it counted
-        mlp_on[:] = [x.shape[1], x.shape[:-1].numel()] if x is not None and x.dim() >= 3 else [0, 0]
-        mlp_inputs.update(_storage(t)[0] for t in _tensors(args) + _tensors(kwargs))
+        self.mlp_on[:] = [x.shape[1], x.shape[:-1].numel()] if x is not None and x.dim() >= 3 else [0, 0]
+        self.mlp_inputs.update(_storage(t)[0] for t in _tensors(args) + _tensors(kwargs))
 
-    def mlp_post(mod, args, kwargs, out):
-        mlp_on[:] = [0, 0]
+    def mlp_post(self, mod, args, kwargs, out):
+        """A token-wise MLP ends."""
+        self.mlp_on[:] = [0, 0]
 
-    index = {id(b): i for i, b in enumerate(blocks)}
-    handles = [b.register_forward_pre_hook(pre, with_kwargs=True) for b in blocks]
-    handles += [b.register_forward_hook(post, with_kwargs=True) for b in blocks]
-    b_mlp, b_mlp_big, b_big_out, b_mlp_other, b_mlp_linear = ([0] * len(blocks) for _ in range(5))
-    for m in (m for ms in (mlps or []) for m in ms):
-        handles += [m.register_forward_pre_hook(mlp_pre, with_kwargs=True),
-                    m.register_forward_hook(mlp_post, with_kwargs=True)]
-    linear_flops = [0]
-    b_linear = [0] * len(blocks)
-
-    def count_linear(mod, args):
+    def count_linear(self, mod, args):
+        """An nn.Linear's forward FLOPs, to the whole model, the running block and its running MLP."""
         x = args[0]
         f = 2 * (x.numel() // mod.in_features) * mod.in_features * mod.out_features
-        linear_flops[0] += f
-        if current:
-            b_linear[current[-1]] += f
-            if mlp_on[0]:
-                b_mlp_linear[current[-1]] += f
+        self.linear_flops += f
+        if self.current:
+            self.b_linear[self.current[-1]] += f
+            if self.mlp_on[0]:
+                self.b_mlp_linear[self.current[-1]] += f
 
-    # Every matmul of these models is an nn.Linear (LoRA's too); attention is counted by the kernel model.
-    handles += [
-        m.register_forward_pre_hook(count_linear) for m in transformer.modules() if isinstance(m, nn.Linear)
-    ]
-    mode = _KernelModel(kernels) if kernels != "real" else contextlib.nullcontext(_KernelModel(kernels))
-    b_ops = [0] * len(blocks)
-    try:
-        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _HostLayoutOnMeta(), mode,
-              _OpCounter(current, b_ops), _autocast_off_meta()):
-            transformer(**inputs, return_dict=False)
-    finally:
-        for h in handles:
-            h.remove()
-    for s in seen:
-        outside.pop(s, None)
-    return Trace(
-        checkpoint_inputs=sum(seen.values()),
-        block_inputs=b_inputs,
-        block_saved=b_saved,
-        block_largest=b_largest,
-        outside_saved=sum(outside.values()),
-        linear_flops=int(linear_flops[0]),
-        block_linear_flops=b_linear,
-        block_ops=b_ops,
-        attn_flops=int(getattr(mode, "attn_flops", 0)),
-        storages=dict(seen),
-        calls=calls,
-        last_calls=last_calls,
-        block_kv=b_kv,
-        block_mlp_saved=b_mlp if mlps else [],
-        block_mlp_largest=b_mlp_big if mlps else [],
-        block_largest_outside_mlp=b_big_out if mlps else [],
-        block_mlp_other=b_mlp_other if mlps else [],
-        block_mlp_linear_flops=b_mlp_linear if mlps else [],
-    )
+    def trace(self, with_mlps: bool) -> Trace:
+        """The counts as a Trace; a storage that was a checkpoint input is not also counted outside the blocks."""
+        for s in self.seen:
+            self.outside.pop(s, None)
+        return Trace(
+            checkpoint_inputs=sum(self.seen.values()),
+            block_inputs=self.b_inputs,
+            block_saved=self.b_saved,
+            block_largest=self.b_largest,
+            outside_saved=sum(self.outside.values()),
+            linear_flops=int(self.linear_flops),
+            block_linear_flops=self.b_linear,
+            block_ops=self.b_ops,
+            attn_flops=int(getattr(self.mode, "attn_flops", 0)),
+            storages=dict(self.seen),
+            calls=self.calls,
+            last_calls=self.last_calls,
+            block_kv=self.b_kv,
+            block_mlp_saved=self.b_mlp if with_mlps else [],
+            block_mlp_largest=self.b_mlp_big if with_mlps else [],
+            block_largest_outside_mlp=self.b_big_out if with_mlps else [],
+            block_mlp_other=self.b_mlp_other if with_mlps else [],
+            block_mlp_linear_flops=self.b_mlp_linear if with_mlps else [],
+        )
 
 
 def forward_inputs(

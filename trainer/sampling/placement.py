@@ -64,7 +64,7 @@ def place_transformer(adapter, transformer: nn.Module, device: torch.device, fra
 def place_text_encoders(pipe, device: torch.device, fraction: float):
     """Put every loaded text encoder on `device` (streamed at `fraction` > 0) while prompts are encoded. The
     callers release the encoders right after, so their streamed blocks are not copied back out of the arena on
-    the way out (that copy put a second T5-XXL in RAM: bench/history/2026-11-23.md, issue 14): the blocks are left empty."""
+    the way out (that copy would put a second T5-XXL in RAM): the blocks are left empty."""
     from .engine import text_encoder_names
 
     with ExitStack() as stack:

@@ -55,14 +55,12 @@ from ..config import Config
 from ..errors import UserError
 from ..models.base import BOTH_EXPERTS
 from ..offload import move_outside_blocks
+from ..optim.specs import names_where, optimizer_spec
 from . import streaming
 from .method import method_for as one_method_for
 from .monitor import say
 from .objective import FlowMatching
 from .optimizer import optimizer_for
-
-#: optimizers that step each parameter from its own state alone, skipping one without a gradient (module essay)
-PER_PARAMETER_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
 
 
 def trains_both(cfg: Config) -> bool:
@@ -88,8 +86,8 @@ def check(cfg: Config, dist) -> None:
     why = None
     if cfg.train.method != "lora":
         why = "trains LoRAs only (train.method: lora); a full fine-tune trains one expert per run"
-    elif cfg.optimizer.name not in PER_PARAMETER_OPTIMIZERS:
-        why = (f"needs an optimizer that steps each weight from its own state ({', '.join(PER_PARAMETER_OPTIMIZERS)}): "
+    elif not optimizer_spec(cfg.optimizer.name).owned_steps:  # each weight stepped from its own state alone
+        why = (f"needs an optimizer that steps each weight from its own state ({', '.join(names_where('owned_steps'))}): "
                f"{cfg.optimizer.name} keeps numbers shared by both experts' weights")
     elif cfg.train.ema is not None:
         why = "has no EMA yet (train.ema: null), or train each expert in its own run"

@@ -1,8 +1,9 @@
 """A run owns its output folder: run ids, claiming a folder, this run's checkpoints, pruning, resume checks.
 
-Why. Two `dittrain fit` commands into one `output.dir` used to share it silently: the second run's pruning (which
-kept the highest step numbers) deleted its own checkpoints, its final save crashed, `metrics.jsonl` and the final
-LoRA mixed both runs, and `--resume latest` picked up the other run. Here a folder belongs to one run at a time.
+Why. Two `dittrain fit` commands sharing one `output.dir` silently would break each other: the second run's pruning
+(which keeps the highest step numbers) would delete its own checkpoints, its final save would crash, `metrics.jsonl`
+and the final LoRA would mix both runs, and `--resume latest` would pick up the other run. Here a folder belongs to
+one run at a time.
 
 How.
 - A fresh run gets an id (`20250101-120000-3fa9c2`: start time and 6 random hex digits) and writes it to

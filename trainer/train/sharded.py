@@ -73,7 +73,7 @@ would save those collectives by keeping every unit's whole gradient until the la
 full-size gradient per process, what sharding is for removing). Sampling and validation during training run on
 rank 0 as under ddp, the other ranks joining each of its transformer calls (`Lockstep`).
 
-Measured (bench/history/2026-11-25.md, issue 31, 2 x H100, Flux.1-dev LoRA): slower than ddp, resident (1.13 vs 0.87 s, for
+Measured (bench/history/2026-11-25.md 17:05, 2 x H100, Flux.1-dev LoRA): slower than ddp, resident (1.13 vs 0.87 s, for
 10 GB less VRAM per GPU) and streamed (FSDP2's CPU offload 1.64 s vs the conductor's 1.11 s). It is for what does
 not fit one process's share, not for speed.
 """

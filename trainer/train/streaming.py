@@ -147,7 +147,7 @@ def owned_steps(cfg: Config, method) -> bool:
 
 
 def shared_arena(cfg: Config, dist, method, streamed: bool, gather: SliceGather | None = None):
-    """The SharedArena for this process when several processes train (issue 20): LoRA (nothing trainable in the
+    """The SharedArena for this process when several processes train: LoRA (nothing trainable in the
     arena), or a full fine-tune over the sharded stream (`gather`: each process writes back its own slice), with
     blocks streamed and offload.shared_arena on; the name is rank 0's, the owner each host's local rank 0. None
     otherwise."""
