@@ -14,13 +14,19 @@ env: $(STAMP)
 # your CUDA version. pip's own configuration (find-links, other indexes) still applies.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH := $(shell sed -n 's/^ *"\(torch==[^"]*\)".*/\1/p' pyproject.toml)
+# TORCH_INDEX only where its host resolves: pip retries an index it cannot reach five times, with back-off, for
+# torch and for each of its ~10 dependencies (~2 min of waiting measured on a machine without that network, whose
+# pip configuration has the CPU wheel; the packages installed are the same without it). Run by the recipe only.
+TORCH_INDEX_ARG = $(if $(TORCH_INDEX),$(shell $(PY) -c 'import socket, sys, urllib.parse as u; \
+	h = u.urlsplit(sys.argv[1]).hostname; h and socket.getaddrinfo(h, None); print("--extra-index-url", sys.argv[1])' \
+	"$(TORCH_INDEX)" 2>/dev/null || echo "TORCH_INDEX $(TORCH_INDEX) does not resolve: pip's own indexes" >&2))
 
 # --no-compile: pip would byte-compile all ~13k .py files of the environment (~70 s of one core measured); Python
 # compiles the ~3k modules a run imports on first import instead, once (the .pyc files are written then).
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --no-compile --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(BIN)/python -m pip install -q --no-compile "$(TORCH)" $(TORCH_INDEX_ARG)
 	$(BIN)/python -m pip install -q --no-compile -e ".[dev]"  # dev: pytest, ruff and wandb (its offline test)
 	touch $(STAMP)
 
@@ -49,8 +55,9 @@ demo: env $(DEMO_MODEL)/model_index.json
 
 # One pytest worker per core, each with one torch thread: on 2 cores this is ~3x faster than one process with two
 # threads (tiny models are dominated by thread hand-offs), and the pinned golden losses are the same.
+# --durations: every run's log (CI's too) ends with its 30 slowest set-ups and tests, to rank what to speed up.
 test: env
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not gpu" -n auto
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not gpu" -n auto --durations=30
 
 # On a machine with a CUDA GPU: exactness tests of the offload conductor.
 test-gpu: env
