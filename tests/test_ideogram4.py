@@ -325,6 +325,57 @@ def test_the_sampling_face_projects_the_text_once_and_gives_the_same_image(parts
     np.testing.assert_array_equal(ours, image())
 
 
+def test_sampling_during_training_loads_the_unconditional_transformer_per_call_and_frees_it(parts, tmp_path,
+                                                                                             monkeypatch):
+    """The training sampler keeps no unconditional transformer between calls (it held one whole in RAM for the
+    whole fit: 32 GB anonymous RSS in the 16 GB preset's sampling, bench/history/2026-11-27.md, 21:58): each call
+    reads it from its folder through the stream loader (placeholder blocks, filled by the conductor) and frees it
+    after; the image is `dittrain sample`'s, which loads it whole, pixel for pixel. The text encoder is not kept
+    alive by the cached text step either."""
+    import gc
+    import weakref
+
+    from trainer.sampling.training import TrainingSampler
+
+    adapter, _ = parts
+    cfg = Config.model_validate({
+        "model": {"family": FAMILY, "path": str(adapter.cfg.path), "dtype": "fp32"},
+        "sample": {"steps": 2, "width": 32, "height": 48, "guidance": 4.0, "prompts": [PROMPT], "seed": 1,
+                   "every": 1},
+        "train": {"device": "cpu"},
+        "output": {"dir": str(tmp_path)},
+    })
+    (expected,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, out=tmp_path / "plain"))
+    loaded, encoders = [], []
+    real_load = type(adapter).load
+
+    def load(self, mc, *, parts, dtype, device="cpu"):
+        out = real_load(self, mc, parts=parts, dtype=dtype, device=device)
+        encoders.extend(weakref.ref(e) for e in out.text_encoders)
+        assert UNCOND not in out.experts, "the sampler must not load the unconditional transformer whole"
+        return out
+
+    def load_component(self, mc, name, dtype, device):
+        module, loader = real_component(self, mc, name, dtype, device)
+        loaded.append(weakref.ref(module))
+        return module, loader
+
+    real_component = type(adapter).load_component
+    monkeypatch.setattr(type(adapter), "load", load)
+    monkeypatch.setattr(type(adapter), "load_component", load_component)
+    sampler = TrainingSampler(cfg, get_adapter(cfg.model), "cpu", torch.float32)
+    gc.collect()
+    assert encoders and all(r() is None for r in encoders), "the text encoder must be freed after the prompts"
+    assert sampler.pipe.unconditional_transformer is None
+    model = _fresh_transformer(adapter)
+    for _ in range(2):
+        (image,) = sampler(model)
+        np.testing.assert_array_equal(np.asarray(image.convert("RGB")), pixels(expected))
+        assert sampler.pipe.unconditional_transformer is None
+    gc.collect()
+    assert len(loaded) == 2 and all(r() is None for r in loaded), "each call's unconditional transformer is freed"
+
+
 # ---------------------------------------------------------------------------------------------- LoRA layouts
 
 

@@ -465,11 +465,18 @@ class ModelAdapter(ABC):
     #: block-internal tensor): `sampling_hooks` copies them down to the prompt's rows
     sampling_kv_cache: ClassVar[bool] = False
     #: pipeline components beyond the trained transformer that every sample runs (Ideogram 4's text-free
-    #: `unconditional_transformer`): loaded whole into CPU RAM with part "experts" and placed beside the trained one
-    #: while sampling (`pipeline_transformers`). The planner's sampling prediction places them at the trained one's
-    #: fraction (trainer/planner/sampling.py); their CPU RAM is not counted, so the presets sample nothing during
-    #: training (trainer/planner/presets.py)
+    #: `unconditional_transformer`), placed beside the trained one while sampling (`pipeline_transformers`):
+    #: `dittrain sample` loads them whole into CPU RAM with part "experts"; sampling during training loads each for
+    #: the call only, its blocks read from the files into the conductor's arena (`load_component`), and frees it
+    #: after. The planner's sampling prediction places them at the trained one's fraction (trainer/planner/
+    #: sampling.py), and the fit's sampling phase counts their pinned blocks in RAM (trainer/planner/phases.py)
     sampling_components: ClassVar[tuple[str, ...]] = ()
+
+    def load_component(self, cfg, name: str, dtype: torch.dtype, device: torch.device | str) -> tuple[nn.Module, Any]:
+        """One of `sampling_components` as trainer/models/stream_load.py loads a transformer: non-block weights on
+        `device`, blocks as placeholders the conductor fills from the files (`place_transformer(fill=loader.fill)`),
+        frozen. Returns (module, loader)."""
+        raise NotImplementedError(f"{self.family} declares no sampling components")
 
     # ------------------------------------------------------------------------------------------ presets
 

@@ -32,9 +32,11 @@ ideogram4_pipeline.py), a face on the modular blocks. How each piece here mirror
   `sample.guidance` is w at every step (the pipeline's default is a schedule, 7 for 45 steps then 3 for the last 3:
   the presets sample 48 steps at a constant 7). LoRA goes into `transformer` only (Ideogram4LoraLoaderMixin's
   single loadable module): the unconditional transformer stays the base model, as diffusers' loader leaves it.
-  Sampling loads it whole into CPU RAM (part "experts" of `load`) and places it as the conductor places the trained
-  one (`sampling_components`: the planner's sampling prediction counts it at the same fraction; its RAM is not
-  counted, so the presets sample nothing during training).
+  `dittrain sample` loads it whole into CPU RAM (part "experts" of `load`) and places it as the conductor places
+  the trained one; sampling during training reads it for each call from its folder straight into the conductor's
+  arena (`load_component`, 9.3 GB pinned in fp8) and frees it after, so a fit does not hold it between samples
+  (it did: 32 GB anonymous RSS in the 16 GB preset's sampling, bench/history/2026-11-27.md, 21:58). The planner
+  counts it in the sampling phase's VRAM and RAM (`sampling_components`).
 - modulation and quantization: each block's `adaln_modulation` (scale and tanh gate from the 512-wide time
   conditioning) stays in the model dtype in an 8-bit base, as the other families' modulation Linears.
 
@@ -274,6 +276,17 @@ class Ideogram4Adapter(DiffusersAdapter):
             other._load_dir = UNCONDITIONAL
             out.experts[UNCONDITIONAL] = other.load(mc, parts={"transformer"}, dtype=dtype, device=device).transformer
         return out
+
+    def load_component(self, cfg, name: str, dtype: torch.dtype, device: torch.device | str):
+        """The unconditional transformer with placeholder blocks, read from its own folder as the trained one would
+        be (quantized alike; never from model.transformer_file): sampling during training loads it per call."""
+        from . import stream_load
+
+        mc = cfg.model_copy(update={"transformer_file": None})
+        other = type(self)(mc, self.references)
+        other._load_dir = name
+        tr, loader = stream_load.load(other, mc, dtype, torch.device(device), True)
+        return tr.requires_grad_(False), loader
 
     @classmethod
     def pipeline_transformers(cls, pipe) -> list:
