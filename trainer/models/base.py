@@ -471,6 +471,13 @@ class ModelAdapter(ABC):
     #: after. The planner's sampling prediction places them at the trained one's fraction (trainer/planner/
     #: sampling.py), and the fit's sampling phase counts their pinned blocks in RAM (trainer/planner/phases.py)
     sampling_components: ClassVar[tuple[str, ...]] = ()
+    #: the pipeline's prompt inputs on the device during one sample, (bytes held through the call, bytes its own
+    #: preparation of them adds once before the loop), at the family's full size: Ideogram 4's fp32 text features over
+    #: its 2048-token window and their projection (`sampling_prompt_bytes`); (0, 0): small beside the forward
+    sampling_prompt: ClassVar[tuple[int, int]] = (0, 0)
+    #: activation bytes per image pixel at the peak of the VAE's encode of one image (the planner's latent caching,
+    #: trainer/planner/phases.py); None: the planner's figure for Flux's AutoencoderKL (`VAE_ACT_ENCODE`)
+    vae_encode_bytes_per_pixel: ClassVar[int | None] = None
 
     def load_component(self, cfg, name: str, dtype: torch.dtype, device: torch.device | str) -> tuple[nn.Module, Any]:
         """One of `sampling_components` as trainer/models/stream_load.py loads a transformer: non-block weights on

@@ -238,6 +238,11 @@ class Ideogram4Adapter(DiffusersAdapter):
     vae_params = 84_046_115  # AutoencoderKLFlux2 defaults (Flux.2's VAE)
     sampling_uses_negative = False  # guidance runs the unconditional transformer, not a negative prompt
     sampling_components = (UNCONDITIONAL,)
+    #: the sampling face's prompt features on the device (`Ideogram4EmbedsPipeline._projected_once`): fp32 over the
+    #: 2048-token window, 53248 wide (0.44 GB), held through the call; before the loop their projection makes a
+    #: bf16 copy, the masked copy and the text RMSNorm's fp32 copy and square (2 + 2 + 4 + 4 bytes a value, 1.31 GB)
+    sampling_prompt = (4 * recipe()["max_sequence_length"] * full_config["llm_features_dim"],
+                       12 * recipe()["max_sequence_length"] * full_config["llm_features_dim"])
     #: the pipeline's 48 steps at its main guidance weight (constant here: module essay)
     sample_defaults: ClassVar[dict[str, Any]] = {"steps": recipe()["steps"], "guidance": 7.0}
     latent_scale, token_patch = 8, 2
