@@ -459,3 +459,38 @@ def test_planner_on_the_presets(monkeypatch):
     one = predict_sampling(facts, 0.5, 1024)
     assert both.others > 1e9 and both.peak_reserved == pytest.approx(one.peak_reserved + both.others)
     assert both.compute_s == pytest.approx(2 * one.compute_s) and one.others == 0
+
+
+def test_the_fits_sampling_phase_counts_the_unconditional_transformer_and_the_prompt_features(monkeypatch):
+    """Sampling during training, as bench_program turns it on for the 16 GB LoRA preset with the fp8 base: in RAM the
+    unconditional transformer's blocks (read for the call into a pinned arena of all of them: their packed bytes,
+    9.3 GB in fp8), which the planner left out (12.0 GB predicted where 32.0 was measured,
+    bench/history/2026-11-27.md 21:58); in VRAM its ring and non-block weights at 1.0, and the sampling face's
+    prompt features over the 2048-token window (fp32, held through the call) with their projection's copies before
+    the loop, which outweigh the denoising forward's activations."""
+    from trainer.config import load_config
+    from trainer.planner import analyze
+    from trainer.planner.phases import component_ram, predict_phases
+    from trainer.planner.prediction import ALLOCATOR_OVERHEAD
+    from trainer.planner.sampling import predict_sampling
+
+    cfg = load_config(Path("configs") / FAMILY / "lora-16gb.yaml",
+                      ["model.quantize=fp8", "sample.every=2", "sample.steps=2"])
+    facts = analyze(cfg)
+    by = {p.name: p for p in predict_phases(cfg, 0.55, facts)}
+    cls = adapter_class(FAMILY)
+    assert component_ram(facts) == sum(facts.packed) and 9e9 < sum(facts.packed) < 9.6e9  # 34 blocks in fp8
+    assert by["sampling"].ram == pytest.approx(by["training step"].ram + cls.vae_params * 2 + sum(facts.packed))
+    held, prep = 4 * 2048 * 53248, 12 * 2048 * 53248  # fp32 features; bf16, masked, fp32 and squared copies
+    assert cls.sampling_prompt == (held, prep)
+    tr = facts.trace_at(1024, 1024)
+    act = 2 * max(tr.block_inputs) + 2 * max(tr.block_largest) + tr.outside_saved
+    assert act < prep
+    samp = predict_sampling(facts, 1.0, 1024)
+    monkeypatch.setattr(cls, "sampling_prompt", (0, 0))
+    bare = predict_sampling(facts, 1.0, 1024)
+    (plain,) = [p for p in predict_phases(cfg, 0.55, facts) if p.name == "sampling"]
+    assert samp.prompt == held and bare.prompt == 0 and samp.others == bare.others > 1e9
+    assert samp.peak_reserved - bare.peak_reserved == pytest.approx(held + ALLOCATOR_OVERHEAD * (prep - act))
+    assert samp.decode_reserved - bare.decode_reserved == pytest.approx(held)
+    assert by["sampling"].vram > plain.vram + held  # the fit's phase: held, and the projection over the decode
