@@ -330,8 +330,9 @@ def test_sampling_during_training_loads_the_unconditional_transformer_per_call_a
     """The training sampler keeps no unconditional transformer between calls (it held one whole in RAM for the
     whole fit: 32 GB anonymous RSS in the 16 GB preset's sampling, bench/history/2026-11-27.md, 21:58): each call
     reads it from its folder through the stream loader (placeholder blocks, filled by the conductor) and frees it
-    after; the image is `dittrain sample`'s, which loads it whole, pixel for pixel. The text encoder is not kept
-    alive by the cached text step either."""
+    after; `dittrain sample` reads it so too (never whole), and the images are the same pixel for pixel (the test
+    above checks `dittrain sample`'s against the modular pipeline). The text encoder is not kept alive by the
+    cached text step either."""
     import gc
     import weakref
 
@@ -345,7 +346,6 @@ def test_sampling_during_training_loads_the_unconditional_transformer_per_call_a
         "train": {"device": "cpu"},
         "output": {"dir": str(tmp_path)},
     })
-    (expected,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, out=tmp_path / "plain"))
     loaded, encoders = [], []
     real_load = type(adapter).load
 
@@ -363,6 +363,8 @@ def test_sampling_during_training_loads_the_unconditional_transformer_per_call_a
     real_component = type(adapter).load_component
     monkeypatch.setattr(type(adapter), "load", load)
     monkeypatch.setattr(type(adapter), "load_component", load_component)
+    (expected,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, out=tmp_path / "plain"))
+    assert len(loaded) == 1
     sampler = TrainingSampler(cfg, get_adapter(cfg.model), "cpu", torch.float32)
     gc.collect()
     assert encoders and all(r() is None for r in encoders), "the text encoder must be freed after the prompts"
@@ -373,7 +375,7 @@ def test_sampling_during_training_loads_the_unconditional_transformer_per_call_a
         np.testing.assert_array_equal(np.asarray(image.convert("RGB")), pixels(expected))
         assert sampler.pipe.unconditional_transformer is None
     gc.collect()
-    assert len(loaded) == 2 and all(r() is None for r in loaded), "each call's unconditional transformer is freed"
+    assert len(loaded) == 3 and all(r() is None for r in loaded), "each call's unconditional transformer is freed"
 
 
 # ---------------------------------------------------------------------------------------------- LoRA layouts
