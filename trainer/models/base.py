@@ -465,10 +465,9 @@ class ModelAdapter(ABC):
     #: block-internal tensor): `sampling_hooks` copies them down to the prompt's rows
     sampling_kv_cache: ClassVar[bool] = False
     #: pipeline components beyond the trained transformer that every sample runs (Ideogram 4's text-free
-    #: `unconditional_transformer`), placed beside the trained one while sampling (`pipeline_transformers`):
-    #: `dittrain sample` loads them whole into CPU RAM with part "experts"; sampling during training loads each for
-    #: the call only, its blocks read from the files into the conductor's arena (`load_component`), and frees it
-    #: after. The planner's sampling prediction places them at the trained one's fraction (trainer/planner/
+    #: `unconditional_transformer`), placed beside the trained one while sampling (`pipeline_transformers`), each
+    #: read block by block from its folder into the conductor's arena (`load_component`): by `dittrain sample` as it
+    #: reads the trained one, and by sampling during training for each call, freed after. The planner's sampling prediction places them at the trained one's fraction (trainer/planner/
     #: sampling.py), and the fit's sampling phase counts their pinned blocks in RAM (trainer/planner/phases.py)
     sampling_components: ClassVar[tuple[str, ...]] = ()
     #: the pipeline's prompt inputs on the device during one sample, (bytes held through the call, bytes its own

@@ -32,9 +32,9 @@ ideogram4_pipeline.py), a face on the modular blocks. How each piece here mirror
   `sample.guidance` is w at every step (the pipeline's default is a schedule, 7 for 45 steps then 3 for the last 3:
   the presets sample 48 steps at a constant 7). LoRA goes into `transformer` only (Ideogram4LoraLoaderMixin's
   single loadable module): the unconditional transformer stays the base model, as diffusers' loader leaves it.
-  `dittrain sample` loads it whole into CPU RAM (part "experts" of `load`) and places it as the conductor places
-  the trained one; sampling during training reads it for each call from its folder straight into the conductor's
-  arena (`load_component`, 9.3 GB pinned in fp8) and frees it after, so a fit does not hold it between samples
+  `dittrain sample` reads it from its folder block by block as it reads the trained one (`load_component`) and
+  places it as the conductor places the trained one; sampling during training reads it so for each call (9.3 GB
+  pinned in fp8 at its fraction 1.0) and frees it after, so a fit does not hold it between samples
   (it did: 32 GB anonymous RSS in the 16 GB preset's sampling, bench/history/2026-11-27.md, 21:58). The planner
   counts it in the sampling phase's VRAM and RAM (`sampling_components`).
 - modulation and quantization: each block's `adaln_modulation` (scale and tanh gate from the 512-wide time
@@ -271,7 +271,8 @@ class Ideogram4Adapter(DiffusersAdapter):
         return self._load_dir
 
     def load(self, cfg, *, parts, dtype, device="cpu") -> Components:
-        """As every diffusers family's, and with part "experts" the unconditional transformer (for sampling), loaded
+        """As every diffusers family's, and with part "experts" the unconditional transformer whole (the tests'
+        reference; sampling reads it block by block: `load_component`), loaded
         from its own folder as the trained one would be (quantized alike; never from model.transformer_file)."""
         parts = set(parts)
         out = super().load(cfg, parts=parts - {"experts"}, dtype=dtype, device=device)
