@@ -325,6 +325,59 @@ def test_the_sampling_face_projects_the_text_once_and_gives_the_same_image(parts
     np.testing.assert_array_equal(ours, image())
 
 
+def test_sampling_during_training_loads_the_unconditional_transformer_per_call_and_frees_it(parts, tmp_path,
+                                                                                             monkeypatch):
+    """The training sampler keeps no unconditional transformer between calls (it held one whole in RAM for the
+    whole fit: 32 GB anonymous RSS in the 16 GB preset's sampling, bench/history/2026-11-27.md, 21:58): each call
+    reads it from its folder through the stream loader (placeholder blocks, filled by the conductor) and frees it
+    after; `dittrain sample` reads it so too (never whole), and the images are the same pixel for pixel (the test
+    above checks `dittrain sample`'s against the modular pipeline). The text encoder is not kept alive by the
+    cached text step either."""
+    import gc
+    import weakref
+
+    from trainer.sampling.training import TrainingSampler
+
+    adapter, _ = parts
+    cfg = Config.model_validate({
+        "model": {"family": FAMILY, "path": str(adapter.cfg.path), "dtype": "fp32"},
+        "sample": {"steps": 2, "width": 32, "height": 48, "guidance": 4.0, "prompts": [PROMPT], "seed": 1,
+                   "every": 1},
+        "train": {"device": "cpu"},
+        "output": {"dir": str(tmp_path)},
+    })
+    loaded, encoders = [], []
+    real_load = type(adapter).load
+
+    def load(self, mc, *, parts, dtype, device="cpu"):
+        out = real_load(self, mc, parts=parts, dtype=dtype, device=device)
+        encoders.extend(weakref.ref(e) for e in out.text_encoders)
+        assert UNCOND not in out.experts, "the sampler must not load the unconditional transformer whole"
+        return out
+
+    def load_component(self, mc, name, dtype, device):
+        module, loader = real_component(self, mc, name, dtype, device)
+        loaded.append(weakref.ref(module))
+        return module, loader
+
+    real_component = type(adapter).load_component
+    monkeypatch.setattr(type(adapter), "load", load)
+    monkeypatch.setattr(type(adapter), "load_component", load_component)
+    (expected,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=1, out=tmp_path / "plain"))
+    assert len(loaded) == 1
+    sampler = TrainingSampler(cfg, get_adapter(cfg.model), "cpu", torch.float32)
+    gc.collect()
+    assert encoders and all(r() is None for r in encoders), "the text encoder must be freed after the prompts"
+    assert sampler.pipe.unconditional_transformer is None
+    model = _fresh_transformer(adapter)
+    for _ in range(2):
+        (image,) = sampler(model)
+        np.testing.assert_array_equal(np.asarray(image.convert("RGB")), pixels(expected))
+        assert sampler.pipe.unconditional_transformer is None
+    gc.collect()
+    assert len(loaded) == 3 and all(r() is None for r in loaded), "each call's unconditional transformer is freed"
+
+
 # ---------------------------------------------------------------------------------------------- LoRA layouts
 
 
@@ -408,3 +461,38 @@ def test_planner_on_the_presets(monkeypatch):
     one = predict_sampling(facts, 0.5, 1024)
     assert both.others > 1e9 and both.peak_reserved == pytest.approx(one.peak_reserved + both.others)
     assert both.compute_s == pytest.approx(2 * one.compute_s) and one.others == 0
+
+
+def test_the_fits_sampling_phase_counts_the_unconditional_transformer_and_the_prompt_features(monkeypatch):
+    """Sampling during training, as bench_program turns it on for the 16 GB LoRA preset with the fp8 base: in RAM the
+    unconditional transformer's blocks (read for the call into a pinned arena of all of them: their packed bytes,
+    9.3 GB in fp8), which the planner left out (12.0 GB predicted where 32.0 was measured,
+    bench/history/2026-11-27.md 21:58); in VRAM its ring and non-block weights at 1.0, and the sampling face's
+    prompt features over the 2048-token window (fp32, held through the call) with their projection's copies before
+    the loop, which outweigh the denoising forward's activations."""
+    from trainer.config import load_config
+    from trainer.planner import analyze
+    from trainer.planner.phases import component_ram, predict_phases
+    from trainer.planner.prediction import ALLOCATOR_OVERHEAD
+    from trainer.planner.sampling import predict_sampling
+
+    cfg = load_config(Path("configs") / FAMILY / "lora-16gb.yaml",
+                      ["model.quantize=fp8", "sample.every=2", "sample.steps=2"])
+    facts = analyze(cfg)
+    by = {p.name: p for p in predict_phases(cfg, 0.55, facts)}
+    cls = adapter_class(FAMILY)
+    assert component_ram(facts) == sum(facts.packed) and 9e9 < sum(facts.packed) < 9.6e9  # 34 blocks in fp8
+    assert by["sampling"].ram == pytest.approx(by["training step"].ram + cls.vae_params * 2 + sum(facts.packed))
+    held, prep = 4 * 2048 * 53248, 12 * 2048 * 53248  # fp32 features; bf16, masked, fp32 and squared copies
+    assert cls.sampling_prompt == (held, prep)
+    tr = facts.trace_at(1024, 1024)
+    act = 2 * max(tr.block_inputs) + 2 * max(tr.block_largest) + tr.outside_saved
+    assert act < prep
+    samp = predict_sampling(facts, 1.0, 1024)
+    monkeypatch.setattr(cls, "sampling_prompt", (0, 0))
+    bare = predict_sampling(facts, 1.0, 1024)
+    (plain,) = [p for p in predict_phases(cfg, 0.55, facts) if p.name == "sampling"]
+    assert samp.prompt == held and bare.prompt == 0 and samp.others == bare.others > 1e9
+    assert samp.peak_reserved - bare.peak_reserved == pytest.approx(held + ALLOCATOR_OVERHEAD * (prep - act))
+    assert samp.decode_reserved - bare.decode_reserved == pytest.approx(held)
+    assert by["sampling"].vram > plain.vram + held  # the fit's phase: held, and the projection over the decode

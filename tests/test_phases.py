@@ -488,3 +488,30 @@ def test_text_encoders_are_not_copied_back_out_of_the_arena_when_their_stage_end
     assert all(torch.equal(got[k], want[k]) for k in want)
     frozen = [p for enc in encoders for b in text_encoder_blocks(enc) for p in b.parameters()]
     assert frozen and all(p.device.type == "meta" for p in frozen)
+
+
+def test_latent_caching_counts_the_qwen_image_vaes_own_encode():
+    """Every family on AutoencoderKLQwenImage (Qwen-Image, Anima, Krea 2) caches latents at the VAE's own bytes per
+    pixel, not Flux's: at 1024 px the planner said 2.68 GB where Anima's 8 GB preset reserved 3.62
+    (bench/logs/2026-11-27-night/anima_card8.log; Qwen-Image's and Krea 2's presets the same). Flux's VAE keeps its
+    figure."""
+    from trainer.config import load_config
+    from trainer.models import adapter_class
+    from trainer.models.qwen_image import QWEN_VAE_ENCODE_PER_PIXEL
+    from trainer.planner import analyze
+    from trainer.planner.phases import CACHE_TILE_PIXELS, VAE_ACT_ENCODE, predict_phases
+    from trainer.planner.prediction import ALLOCATOR_OVERHEAD, WORKSPACE
+
+    for family in ("anima", "qwen-image", "krea2"):
+        assert adapter_class(family).vae_encode_bytes_per_pixel == QWEN_VAE_ENCODE_PER_PIXEL
+    assert adapter_class("flux").vae_encode_bytes_per_pixel is None
+    cfg = load_config("configs/anima/lora-8gb.yaml", ["sample.every=0"])
+    facts = analyze(cfg)
+    res = max(facts.resolutions)
+    assert res == 1024
+    (lat,) = [p for p in predict_phases(cfg, 0.0, facts) if p.name == "latent caching"]
+    vae = facts.adapter.vae_params * 2
+    assert lat.vram == pytest.approx(vae + ALLOCATOR_OVERHEAD * CACHE_TILE_PIXELS * QWEN_VAE_ENCODE_PER_PIXEL
+                                     + WORKSPACE)
+    flux_figure = vae + ALLOCATOR_OVERHEAD * CACHE_TILE_PIXELS * VAE_ACT_ENCODE + WORKSPACE
+    assert flux_figure < 3.62e9 <= lat.vram  # the old figure was under the measured reserve; this one is not

@@ -192,7 +192,7 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
         tqdm.write(f"note: --offload {plan.offload:g} on the CPU streams the blocks within RAM, which saves no memory "
                    "(it pays only with a GPU)", file=sys.stderr)
     trained = trained_transformer(cfg, req.base)
-    pipe, adapters, loader = _build_pipeline(cfg, adapter, plan, trained)
+    pipe, adapters, loaders = _build_pipeline(cfg, adapter, plan, trained)
     tqdm.write(f"sampling with {'the fine-tuned transformer ' + str(trained) if trained else 'the base transformer'}"
                f" ({cfg.model.path}{' + ' + count(len(adapters), 'LoRA') if adapters else ''})", file=sys.stderr)
     embeds = _encode_and_release(pipe, adapter, plan, cfg.offload.text_encoders)
@@ -203,10 +203,10 @@ def run_sample(cfg: Config, req: SampleRequest) -> list[Path]:
     oom = f"out of GPU memory sampling {plan.settings.width}x{plan.settings.height} at --offload {plan.offload}: {fix}"
     with _oom_as_user_error(oom), ExitStack() as placed:
         for tr in adapter.pipeline_transformers(pipe):  # a family of experts places each (streamed: while it runs)
-            main = tr is getattr(pipe, adapter.transformer_dir)  # the one whose blocks are placeholders (loader)
+            loader = loaders.get(id(tr))  # a transformer whose blocks are placeholders, read from its files
             placed.enter_context(place_transformer(
                 adapter, tr, plan.device, plan.offload, compile_options(cfg, plan.device) or False,
-                fill=main and loader and loader.fill, keep_weights=False))  # the pipeline is dropped after the images
+                fill=loader and loader.fill, keep_weights=False))  # the pipeline is dropped after the images
         tiled = decode_for_sample(pipe.vae, plan.device, plan.settings.height, plan.settings.width,
                                   plan.settings.frames, adapter.family)
         if tiled:
@@ -267,17 +267,25 @@ def _build_pipeline(cfg: Config, adapter, plan: SamplePlan, trained: Path | None
     """Every part on the CPU (the transformer's blocks as placeholders, read from the files straight into the
     arena, or at --offload 0 onto the device, once the text encoders are gone: never a whole copy in RAM), the
     fine-tuned weights (`trained`) loaded into the transformer, the LoRAs applied by diffusers, the transformer
-    frozen. Returns (pipe, adapter names, the loader that fills the placeholders or None)."""
+    frozen. The family's other sampling transformers (`sampling_components`: Ideogram 4's unconditional one) are
+    read the same way, from their own folders (`load_component`). Returns (pipe, adapter names, {id(transformer):
+    the loader that fills its placeholders})."""
     dtype = DTYPES[cfg.model.dtype]
     stream = (trained is None and stream_load.supported(cfg.model)
               and not any(is_dora_file(s.path) for s in plan.loras))
-    comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler", "experts"} | (set() if stream else {"transformer"}),
-                         dtype=dtype, device="cpu")  # experts: a family of experts' others, whole in RAM
-    loader = None
+    experts = {"experts"} if adapter.experts else set()  # a family of experts' others, whole in RAM
+    comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler"} | experts | (set() if stream else {"transformer"}),
+                         dtype=dtype, device="cpu")
+    loaders = {}
     if stream:
         comps.transformer, loader = stream_load.load(adapter, cfg.model, dtype, torch.device("cpu"), True)
+        loaders[id(comps.transformer)] = loader
     pipe = adapter.pipeline(comps)
     del comps  # the pipeline holds the only references from here, so releasing the encoders frees them
+    for name in adapter.sampling_components:  # never adapted by a LoRA: loaded block by block like the main one
+        module, loader = adapter.load_component(cfg.model, name, dtype, "cpu")
+        loaders[id(module)] = loader
+        setattr(pipe, name, module)
     if trained is not None:
         from .train.checkpoint import load_transformer_weights
 
@@ -287,7 +295,7 @@ def _build_pipeline(cfg: Config, adapter, plan: SamplePlan, trained: Path | None
     # all of it is packed and streamed; a parameter that requires grad would be kept resident on the device.
     for tr in adapter.pipeline_transformers(pipe):
         tr.requires_grad_(False)
-    return pipe, names, loader
+    return pipe, names, loaders
 
 
 

@@ -108,6 +108,7 @@ class AnimaAdapter(DiffusersAdapter):
     text_encoder_nonblock_params = (QWEN3_06B_EMBED + ANIMA_ADAPTER,)
     text_encoder_layers = (28,)
     vae_params = QwenImageAdapter.vae_params
+    vae_encode_bytes_per_pixel = QwenImageAdapter.vae_encode_bytes_per_pixel
     sampling_uses_negative = True
     #: the modular blocks' defaults (`anima_pipeline.recipe`)
     sample_defaults: ClassVar[dict[str, Any]] = {"steps": 50, "guidance": 4.0}

@@ -465,11 +465,24 @@ class ModelAdapter(ABC):
     #: block-internal tensor): `sampling_hooks` copies them down to the prompt's rows
     sampling_kv_cache: ClassVar[bool] = False
     #: pipeline components beyond the trained transformer that every sample runs (Ideogram 4's text-free
-    #: `unconditional_transformer`): loaded whole into CPU RAM with part "experts" and placed beside the trained one
-    #: while sampling (`pipeline_transformers`). The planner's sampling prediction places them at the trained one's
-    #: fraction (trainer/planner/sampling.py); their CPU RAM is not counted, so the presets sample nothing during
-    #: training (trainer/planner/presets.py)
+    #: `unconditional_transformer`), placed beside the trained one while sampling (`pipeline_transformers`), each
+    #: read block by block from its folder into the conductor's arena (`load_component`): by `dittrain sample` as it
+    #: reads the trained one, and by sampling during training for each call, freed after. The planner's sampling prediction places them at the trained one's fraction (trainer/planner/
+    #: sampling.py), and the fit's sampling phase counts their pinned blocks in RAM (trainer/planner/phases.py)
     sampling_components: ClassVar[tuple[str, ...]] = ()
+    #: the pipeline's prompt inputs on the device during one sample, (bytes held through the call, bytes its own
+    #: preparation of them adds once before the loop), at the family's full size: Ideogram 4's fp32 text features over
+    #: its 2048-token window and their projection (`sampling_prompt_bytes`); (0, 0): small beside the forward
+    sampling_prompt: ClassVar[tuple[int, int]] = (0, 0)
+    #: activation bytes per image pixel at the peak of the VAE's encode of one image (the planner's latent caching,
+    #: trainer/planner/phases.py); None: the planner's figure for Flux's AutoencoderKL (`VAE_ACT_ENCODE`)
+    vae_encode_bytes_per_pixel: ClassVar[int | None] = None
+
+    def load_component(self, cfg, name: str, dtype: torch.dtype, device: torch.device | str) -> tuple[nn.Module, Any]:
+        """One of `sampling_components` as trainer/models/stream_load.py loads a transformer: non-block weights on
+        `device`, blocks as placeholders the conductor fills from the files (`place_transformer(fill=loader.fill)`),
+        frozen. Returns (module, loader)."""
+        raise NotImplementedError(f"{self.family} declares no sampling components")
 
     # ------------------------------------------------------------------------------------------ presets
 

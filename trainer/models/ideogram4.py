@@ -32,9 +32,11 @@ ideogram4_pipeline.py), a face on the modular blocks. How each piece here mirror
   `sample.guidance` is w at every step (the pipeline's default is a schedule, 7 for 45 steps then 3 for the last 3:
   the presets sample 48 steps at a constant 7). LoRA goes into `transformer` only (Ideogram4LoraLoaderMixin's
   single loadable module): the unconditional transformer stays the base model, as diffusers' loader leaves it.
-  Sampling loads it whole into CPU RAM (part "experts" of `load`) and places it as the conductor places the trained
-  one (`sampling_components`: the planner's sampling prediction counts it at the same fraction; its RAM is not
-  counted, so the presets sample nothing during training).
+  `dittrain sample` reads it from its folder block by block as it reads the trained one (`load_component`) and
+  places it as the conductor places the trained one; sampling during training reads it so for each call (9.3 GB
+  pinned in fp8 at its fraction 1.0) and frees it after, so a fit does not hold it between samples
+  (it did: 32 GB anonymous RSS in the 16 GB preset's sampling, bench/history/2026-11-27.md, 21:58). The planner
+  counts it in the sampling phase's VRAM and RAM (`sampling_components`).
 - modulation and quantization: each block's `adaln_modulation` (scale and tanh gate from the 512-wide time
   conditioning) stays in the model dtype in an 8-bit base, as the other families' modulation Linears.
 
@@ -236,6 +238,11 @@ class Ideogram4Adapter(DiffusersAdapter):
     vae_params = 84_046_115  # AutoencoderKLFlux2 defaults (Flux.2's VAE)
     sampling_uses_negative = False  # guidance runs the unconditional transformer, not a negative prompt
     sampling_components = (UNCONDITIONAL,)
+    #: the sampling face's prompt features on the device (`Ideogram4EmbedsPipeline._projected_once`): fp32 over the
+    #: 2048-token window, 53248 wide (0.44 GB), held through the call; before the loop their projection makes a
+    #: bf16 copy, the masked copy and the text RMSNorm's fp32 copy and square (2 + 2 + 4 + 4 bytes a value, 1.31 GB)
+    sampling_prompt = (4 * recipe()["max_sequence_length"] * full_config["llm_features_dim"],
+                       12 * recipe()["max_sequence_length"] * full_config["llm_features_dim"])
     #: the pipeline's 48 steps at its main guidance weight (constant here: module essay)
     sample_defaults: ClassVar[dict[str, Any]] = {"steps": recipe()["steps"], "guidance": 7.0}
     latent_scale, token_patch = 8, 2
@@ -264,7 +271,8 @@ class Ideogram4Adapter(DiffusersAdapter):
         return self._load_dir
 
     def load(self, cfg, *, parts, dtype, device="cpu") -> Components:
-        """As every diffusers family's, and with part "experts" the unconditional transformer (for sampling), loaded
+        """As every diffusers family's, and with part "experts" the unconditional transformer whole (the tests'
+        reference; sampling reads it block by block: `load_component`), loaded
         from its own folder as the trained one would be (quantized alike; never from model.transformer_file)."""
         parts = set(parts)
         out = super().load(cfg, parts=parts - {"experts"}, dtype=dtype, device=device)
@@ -274,6 +282,17 @@ class Ideogram4Adapter(DiffusersAdapter):
             other._load_dir = UNCONDITIONAL
             out.experts[UNCONDITIONAL] = other.load(mc, parts={"transformer"}, dtype=dtype, device=device).transformer
         return out
+
+    def load_component(self, cfg, name: str, dtype: torch.dtype, device: torch.device | str):
+        """The unconditional transformer with placeholder blocks, read from its own folder as the trained one would
+        be (quantized alike; never from model.transformer_file): sampling during training loads it per call."""
+        from . import stream_load
+
+        mc = cfg.model_copy(update={"transformer_file": None})
+        other = type(self)(mc, self.references)
+        other._load_dir = name
+        tr, loader = stream_load.load(other, mc, dtype, torch.device(device), True)
+        return tr.requires_grad_(False), loader
 
     @classmethod
     def pipeline_transformers(cls, pipe) -> list:

@@ -24,6 +24,7 @@ training side mirrors the same blocks).
 from __future__ import annotations
 
 import functools
+import logging
 from contextlib import ExitStack
 from typing import Any
 
@@ -64,6 +65,24 @@ def _text_step():
         return Ideogram4TextEncoderStep().init_pipeline()
 
 
+class _DropNoneNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "to None (spec unchanged)" not in record.getMessage()
+
+
+def _let_go(mp, *names: str) -> None:
+    """A modular pipeline kept between calls lets go of its components `names`, so that what the caller drops
+    after a call is freed: the text encoder after `text_features` (its embeddings on the GPU, 1.2 GB for
+    Qwen3-VL-8B, stayed through the latent cache and training: bench/history/2026-11-27.md, 21:58), and the
+    transformers and VAE after a sample (the training sampler loads the unconditional transformer for each call)."""
+    log, note = logging.getLogger("diffusers.modular_pipelines.modular_pipeline"), _DropNoneNote()
+    log.addFilter(note)
+    try:
+        mp.update_components(**dict.fromkeys(names))
+    finally:
+        log.removeFilter(note)
+
+
 @torch.no_grad()
 def text_features(encoder, tokenizer, prompt: str, window: int | None = None) -> tuple[torch.Tensor, int]:
     """(features (1, window, 13 x hidden) in fp32, padding rows zero; the prompt's token count): the text-encoder
@@ -77,7 +96,11 @@ def text_features(encoder, tokenizer, prompt: str, window: int | None = None) ->
     mp = _text_step()
     with _quiet_modular_notes():
         mp.update_components(text_encoder=encoder, tokenizer=tokenizer)
-    feats, lengths = mp(prompt=prompt, max_sequence_length=window, output=["text_features", "text_lengths"]).values()
+    try:
+        feats, lengths = mp(prompt=prompt, max_sequence_length=window,
+                            output=["text_features", "text_lengths"]).values()
+    finally:  # the cached step must not keep the encoder alive: its GPU parts (1.2 GB of embeddings) would stay
+        _let_go(mp, "text_encoder", "tokenizer")
     assert lengths == [n], (lengths, n)  # the step counted as `prompt_tokens`: the layout below relies on it
     return feats, n
 
@@ -130,6 +153,7 @@ class Ideogram4EmbedsPipeline(DiffusionPipeline, Ideogram4LoraLoaderMixin):
         _progress_config(mp._blocks, getattr(self, "_progress_bar_config", {}))
         lengths = [int(n) for n in prompt_lengths.tolist()]
         with ExitStack() as stack:
+            stack.callback(_let_go, mp, "transformer", "unconditional_transformer", "vae", "scheduler")
             prompt_embeds = self._projected_once(prompt_embeds, lengths, stack)
             images = mp(text_features=prompt_embeds, text_lengths=lengths, height=height, width=width,
                         num_inference_steps=steps, guidance_schedule=schedule, generator=generator,

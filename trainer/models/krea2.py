@@ -39,7 +39,7 @@ from ..errors import UserError
 from ._diffusers import DiffusersAdapter, pack_2x2, unpack_2x2
 from .base import Components
 from .lora_keys import KeyRule, LoraKeyMap
-from .qwen_image import QwenImageAdapter
+from .qwen_image import QWEN_VAE_ENCODE_PER_PIXEL, QwenImageAdapter
 from .qwen_image_21 import qwen3_vl_8b_config
 
 #: Krea's original layout (ComfyUI's model; diffusers' `convert_krea2_transformer_checkpoint_to_diffusers`): renames
@@ -113,6 +113,7 @@ class Krea2Adapter(DiffusersAdapter):
     text_encoder_unused_params = (QWEN3_VL_4B_VISUAL,)  # the vision tower (`slim_text_encoder`)
     text_encoder_nonblock_params = (QWEN3_VL_4B_EMBED,)
     vae_params = 126_892_531  # Qwen-Image's VAE
+    vae_encode_bytes_per_pixel = QWEN_VAE_ENCODE_PER_PIXEL
     sampling_uses_negative = True
     sample_defaults = {"steps": 28, "guidance": 4.5}  # the base checkpoint's; turbo: steps 8, guidance 0
     latent_scale, token_patch = 8, 2

@@ -102,6 +102,14 @@ def tiny_parts() -> dict:
     return {"scheduler": sched, "vae": vae, "text_encoder": text_encoder, "tokenizer": tok, "transformer": transformer}
 
 
+#: activation bytes per pixel at the peak of AutoencoderKLQwenImage's encode of one image in bf16: about twelve live
+#: full-resolution tensors of its 96 channels (its causal 3-D convolutions pad and cache each frame). Sized to what
+#: the latent caching of every family on this VAE measured at 1024 px, 3.62 GB reserved (Qwen-Image 8 and 24 GB
+#: presets, bench/logs/2026-11-23e/f; Krea 2 16 GB, 2026-11-25i; Anima 8 GB, 2026-11-27-night), which Flux's
+#: figure (6 x 128 x 2, trainer/planner/phases.py) put at 2.68 GB; this one gives 3.77 GB
+QWEN_VAE_ENCODE_PER_PIXEL = 12 * 96 * 2
+
+
 class NoLogits(nn.Module):
     """Stands in for a language-model head whose logits nobody reads: returns an empty last dimension."""
 
@@ -153,6 +161,7 @@ class QwenImageAdapter(DiffusersAdapter):
     #: `img_mod.1`, `txt_mod.1`: the per-sample scale / shift / gate of both streams
     modulation_linears = r"(^|\.)[^.]*_mod\."
     vae_params = 126_892_531  # AutoencoderKLQwenImage (a 3-D video VAE used on single frames)
+    vae_encode_bytes_per_pixel = QWEN_VAE_ENCODE_PER_PIXEL
     sampling_uses_negative = True
 
     @classmethod

@@ -17,8 +17,8 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   and the rest are those of the encoder as the loader builds and slims it from the folder's config, or, without a
   folder, the family's shares of its full-size encoder (trainer/planner/meta.py `text_encoder_sizes`).
 - latent caching: the VAE's weights (the family's `vae_params`) plus its encode activations of one image (batches
-  are sliced), about `VAE_ACT_ENCODE` bytes per pixel (tiled above 1 MP, trainer/data/cache.py, so at most 1 MP
-  counts). A video family's: the VAE's encode of one clip of the training bucket (`Facts.size`), counted on the
+  are sliced), about `VAE_ACT_ENCODE` bytes per pixel, or the family's `vae_encode_bytes_per_pixel` (Qwen-Image's
+  VAE: more) (tiled above 1 MP, trainer/data/cache.py, so at most 1 MP counts). A video family's: the VAE's encode of one clip of the training bucket (`Facts.size`), counted on the
   meta device (vae.py: a causal chunk's working set and caches, not the clip's; reserved as measured on an H100,
   `RESERVED_PER_COUNTED`), plus the batch of clips
   (data.encode_batch_size) on the GPU (twice for image-to-video, which encodes [first frame, zeros] too) and an
@@ -28,7 +28,9 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   where it keeps one (sampling.py `kv_cache_bytes`: Qwen-Image 2.1) + the larger of the denoising forward's
   activations (sampling.py; doubled under classifier-free guidance) and the tiled decode's (512-pixel tiles above
   512x512). A video family's forward is its sample's clip (sample.width x height x frames) and its decode the
-  video VAE's, tiled as diffusers tiles it above 512x512 (vae.py).
+  video VAE's, tiled as diffusers tiles it above 512x512 (vae.py). A family's other sampling transformers
+  (`sampling_components`: Ideogram 4's unconditional one) are placed at 1.0 beside the training ring (their ring
+  and non-block weights) and, in RAM, their blocks' pinned arena for the call (`component_ram`).
 - checkpoint save: on the GPU what the training step reserved (the caching allocator keeps it; the save adds
   little); in RAM the training peak plus a host copy of the trained weights and optimizer state (safetensors
   writes from CPU tensors).
@@ -117,7 +119,7 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
         samp = predict_sampling(facts, 0.0, int(sp**0.5), **kw)
         # the pipeline's KV cache (if any) lasts through the denoising loop and the decode
         sample_act = (samp.peak_reserved - sum(facts.packed) - facts.nonblock_bytes - WORKSPACE - samp.kv_cache
-                      - samp.others)
+                      - samp.others - samp.prompt)
         # the family's other sampling transformers: the training sampler streams them at 1.0 (sampling/training.py)
         others = predict_sampling(facts, 1.0, int(sp**0.5), **kw).others if samp.others else 0.0
         if clip:
@@ -126,14 +128,22 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
         else:
             dec = min(sp, SAMPLE_TILE_PIXELS) * VAE_ACT_DECODE * ALLOCATOR_OVERHEAD
         size = f"{s.width}x{s.height}" + (f"x{s.frames}" if clip and s.frames > 1 else "")
-        out.append(PhasePrediction("sampling", train.static + vae + samp.kv_cache + others + max(sample_act, dec)
-                                   + WORKSPACE,
-                                   train.ram_peak + vae, f"every {s.every} steps, {size}"))
+        out.append(PhasePrediction("sampling", train.static + vae + samp.kv_cache + others + samp.prompt
+                                   + max(sample_act, dec) + WORKSPACE,
+                                   train.ram_peak + vae + component_ram(facts), f"every {s.every} steps, {size}"))
     state = (facts.trainable_params * 4 + facts.state_gpu) if facts.method == "lora" else model_bytes + sum(
         facts.block_states)
     out.append(PhasePrediction("checkpoint save", train.peak_reserved, train.ram_peak + state,
                                "trained weights + state; the step's reserved VRAM kept"))
     return out
+
+
+def component_ram(facts: Facts) -> float:
+    """Host bytes the family's other sampling transformers (`sampling_components`: Ideogram 4's unconditional one,
+    the trained one's size) hold while a sample during training runs: each is read for the call into a pinned
+    arena of all its blocks (streamed at 1.0; trainer/sampling/training.py) and freed after."""
+    blocks = facts.packed if facts.method == "lora" else facts.block_param_bytes  # weights only, no optimizer state
+    return len(facts.adapter.sampling_components) * float(sum(blocks))
 
 
 def _bucket(facts: Facts, res: int) -> str:
@@ -148,7 +158,7 @@ def _latent_caching(facts: Facts, res: int, vae: float, encode_batch: int) -> Ph
     cls = facts.adapter
     if facts.vae_config is None:  # an image: bytes per pixel
         px = res * res
-        enc_act = min(px, CACHE_TILE_PIXELS) * VAE_ACT_ENCODE
+        enc_act = min(px, CACHE_TILE_PIXELS) * (cls.vae_encode_bytes_per_pixel or VAE_ACT_ENCODE)
         return PhasePrediction("latent caching", vae + ALLOCATOR_OVERHEAD * enc_act + WORKSPACE, vae + px * 12,
                                "tiled" if px > CACHE_TILE_PIXELS else "untiled")
     w, h, frames = facts.size(res)

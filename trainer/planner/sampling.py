@@ -23,12 +23,17 @@ The VAE decode at the end has its own peak (`decode_reserved`: the placed transf
 decode's activations), which can exceed the denoising loop's at large sizes; `dittrain sample` decodes in 512 px
 tiles where that does not fit (trainer/sampling/placement.py). A video family's sample is its clip (`size`: width x
 height x sample.frames, the tokens of every latent frame), and its decode is the video VAE's own, counted on the meta
-device (trainer/planner/vae.py). Left out: the text encoders (they run first and are released, trainer/sample.py).
+device (trainer/planner/vae.py). A family whose pipeline keeps large prompt inputs on the device declares them
+(`sampling_prompt`: Ideogram 4's fp32 text features, 53248 wide over its 2048-token window, held through the call,
+and their projection's bf16 and fp32 copies made once before the loop): held in both peaks, the preparation in
+place of the forward's activations where larger. Left out: the text encoders (they run first and are released,
+trainer/sample.py).
 
 A family whose samples also run other transformers (`sampling_components`: Ideogram 4's unconditional one, the
 trained one's size) has each placed at the same fraction by `dittrain sample`: their rings and non-block weights
 sit beside the trained one's and each step runs and streams them too (`others`; counted at the trained one's size
-and tokens). The training sampler streams them at 1.0 (trainer/planner/phases.py). Their CPU RAM is not counted.
+and tokens). The training sampler streams them at 1.0, each read for the call into a pinned arena of all its
+blocks (trainer/planner/phases.py counts that RAM in the fit's sampling phase).
 
 `choose_sampling_fraction` is `offload.transformer: auto` (or `--offload auto`) for `dittrain sample`: the smallest
 fraction on choose_fraction's grid (the same search, prediction.first_fit) whose denoising peak (`peak_reserved`)
@@ -69,6 +74,9 @@ class SamplePrediction:
     #: bytes of the family's other sampling transformers (`sampling_components`) placed at this fraction (in both
     #: peaks above)
     others: float = 0.0
+    #: bytes of the pipeline's prompt inputs held on the device through the call (the family's `sampling_prompt`;
+    #: in both peaks above)
+    prompt: float = 0.0
 
 
 def kv_cache_bytes(facts, tr, res: int, batch: int = 1) -> float:
@@ -108,16 +116,20 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
     placed = 1 + len(facts.adapter.sampling_components)
     others = (placed - 1) * (_round2m(ring) + _round2m(facts.nonblock_bytes))
     weights = _round2m(ring) + _round2m(facts.nonblock_bytes) + others
-    reserved = weights + kv + ALLOCATOR_OVERHEAD * act + WORKSPACE
+    # the pipeline's prompt inputs: held through the call, and their preparation's transients before the loop,
+    # when no block runs (`sampling_prompt`: Ideogram 4's fp32 features over its 2048-token window and their
+    # projection, 0.44 + 1.31 GB at full size)
+    held, prep = facts.adapter.sampling_prompt
+    reserved = weights + kv + held + ALLOCATOR_OVERHEAD * max(act, prep) + WORKSPACE
     compute = placed * batch * (tr.linear_flops + tr.attn_flops) / ptime.forward_rate(rates, res)
     transfer = placed * moved / rates.h2d
     if facts.vae_config is None:  # an image: bytes per pixel
         dec_act = ALLOCATOR_OVERHEAD * res * res * VAE_ACT_DECODE
     else:  # a clip: the video VAE's own decode, counted on the meta device (planner/vae.py)
         dec_act = RESERVED_PER_COUNTED * clip_peak(facts.family, facts.vae_config, facts.dtype, "decode", w, h, frames)
-    decode = weights + facts.adapter.vae_params * 2 + kv + dec_act + WORKSPACE
+    decode = weights + facts.adapter.vae_params * 2 + kv + held + dec_act + WORKSPACE
     return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer, decode, kv,
-                            others)
+                            others, held)
 
 
 def choose_sampling_fraction(facts, budget_gb: float, width: int, height: int, batch: int = 1, log=print,

@@ -30,6 +30,7 @@ from contextlib import ExitStack
 import torch
 from PIL import Image
 
+from ..models.stream_load import release_host_memory
 from .engine import encode_prompts, generate, release_text_encoders, to_device
 from .output import frame_sheet
 from .placement import place_text_encoders, place_transformer, tile_decode
@@ -54,8 +55,10 @@ class TrainingSampler:
         if isinstance(s.image, list) or adapter.first_frame_conditions:
             check_image(s.image, adapter)
         # experts: a family of experts' others than the one training (their base weights, in CPU RAM); none when
-        # the run trains every expert (model.expert: both: each call gets them all, `by_component`)
-        others = {"experts"} if len(adapter.trained_experts) < 2 else set()
+        # the run trains every expert (model.expert: both: each call gets them all, `by_component`). A family's
+        # other sampling transformers (`sampling_components`) are not kept: each call loads them (`_components`)
+        others = {"experts"} if adapter.experts and len(adapter.trained_experts) < 2 else set()
+        self.model_cfg, self.dtype = cfg.model, dtype
         comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler"} | others, dtype=dtype, device="cpu")
         self.pipe = adapter.pipeline(comps)
         del comps  # the pipeline holds the only references: releasing the encoders frees them
@@ -103,11 +106,12 @@ class TrainingSampler:
         mine = transformer
         others = [m for m in self.adapter.pipeline_transformers(self.pipe)
                   if m is not None and m is not mine and all(m is not s[1] for s in slots.values())]
+        stream = 1.0 if self.device.type == "cuda" else 0.0
         try:
             with ExitStack() as placed:  # the other experts: streamed from CPU RAM on a GPU, only for the call
                 for m in others:
-                    placed.enter_context(place_transformer(self.adapter, m, self.device,
-                                                           1.0 if self.device.type == "cuda" else 0.0))
+                    placed.enter_context(place_transformer(self.adapter, m, self.device, stream))
+                self._components(placed, stream)
                 out = generate(
                     self.pipe,
                     self.adapter,
@@ -125,6 +129,25 @@ class TrainingSampler:
             for name, (old, m, was_training) in slots.items():
                 setattr(self.pipe, name, old)
                 m.train(was_training)
+            for name in self.adapter.sampling_components:
+                setattr(self.pipe, name, None)  # dropped: its arena and device weights are freed
             if hook is not None:
                 hook.remove()
             vae.to("cpu")
+            if self.adapter.sampling_components:
+                release_host_memory()
+
+    def _components(self, placed: ExitStack, fraction: float) -> None:
+        """The family's other sampling transformers (`sampling_components`, Ideogram 4's unconditional one) into
+        their pipeline slots for this call: read from the files block by block into the conductor's arena
+        (`load_component`, non-block weights straight to the device), streamed at `fraction`, and dropped when
+        `placed` closes (the caller empties the slots). Holding one between calls kept 9.3 GB of RAM for the whole
+        fit, and placing a copy loaded whole into RAM put a second one beside it (bench/history/2026-11-27.md,
+        21:58: 32 GB anonymous RSS in Ideogram 4's sampling)."""
+        for name in self.adapter.sampling_components:
+            module, loader = self.adapter.load_component(self.model_cfg, name, self.dtype, self.device)
+            placed.callback(loader.close)
+            placed.enter_context(place_transformer(self.adapter, module, self.device, fraction, fill=loader.fill,
+                                                   keep_weights=False))
+            setattr(self.pipe, name, module)
+            del module
