@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from trainer import quant
 from trainer.captioning import CaptionRequest, captioner, run_caption, vlm
 from trainer.cli import app
-from trainer.planner.prediction import PREDICTION_MARGIN, WORKSPACE
+from trainer.planner.prediction import ALLOCATOR_OVERHEAD, PREDICTION_MARGIN, WORKSPACE
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,8 @@ def test_auto_counts_the_batch(models, kind):
     model = vlm.load_model(models[kind], torch.float32)
     blocks = vlm.decoder_blocks(model)
     whole = sum(p.numel() * 4 for p in model.parameters())
-    base = WORKSPACE / (1 - PREDICTION_MARGIN)
+    # from the fixed part of a batch of 1's estimate (its image's vision tower included) up
+    base = (WORKSPACE + ALLOCATOR_OVERHEAD * vlm.activation_bytes(model, 1, 200)) / (1 - PREDICTION_MARGIN)
     budgets = [base + whole * k / 100 for k in range(0, 400, 2)]
     one = [vlm.auto_fraction(model, blocks, b, 1, 200, say) for b in budgets]
     many = [vlm.auto_fraction(model, blocks, b, 16, 200, say) for b in budgets]

@@ -260,7 +260,6 @@ def estimate(family: str, quantize: list[str], batches: list[int], caps: list[fl
 
     import torch
 
-    from trainer import quant
     from trainer.captioning import captioner as crun
     from trainer.captioning import vlm
     from trainer.planner import GB
@@ -273,7 +272,8 @@ def estimate(family: str, quantize: list[str], batches: list[int], caps: list[fl
         with torch.device("meta"):
             model = model_class(family)(model_config(family, small=False)).to(torch.bfloat16)
         blocks = vlm.decoder_blocks(model)
-        quant.quantize_blocks(blocks, q, modulation=False, pattern="")
+        vlm.quantize_decoder(blocks, q)
+        vlm.quantize_outside(model, q)  # as run_caption: the vision tower's and the head's Linears too
         layers = sum(t.numel() * t.element_size() for b in blocks for t in (*b.parameters(), *b.buffers()))
         per_row = crun._tokens_per_row(processor, crun.CaptionRequest(data_dir=Path("."), model=Path("."),
                                                                       max_new_tokens=tokens))

@@ -46,7 +46,7 @@ class CaptionRequest:
     overwrite: bool = False
     offload: float | str = "auto"  # a fraction, or "auto"
     batch: int = 4
-    quantize: str = "none"  # the decoder layers' Linears: none, fp8 or int8 (vlm.py)
+    quantize: str = "none"  # every Linear (decoder layers, vision tower, head): none, fp8 or int8 (vlm.py)
     max_new_tokens: int = 256
     frames: int = 4  # per video
     device: str | None = None  # None: cuda if there is one, else cpu
@@ -195,9 +195,11 @@ def run_caption(req: CaptionRequest) -> CaptionSummary:
     model = vlm.load_model(req.model, dtype)
     blocks = vlm.decoder_blocks(model)
     if n := vlm.quantize_decoder(blocks, req.quantize):
+        rest = vlm.quantize_outside(model, req.quantize)
         fmt = "fp8 e4m3" if req.quantize == "fp8" else "int8"
-        _say(f"--quantize {req.quantize}: the {count(n, 'Linear')} of the {len(blocks)} decoder layers held as {fmt} "
-             f"with per-channel fp32 scales, computed in {str(dtype).removeprefix('torch.')}")
+        _say(f"--quantize {req.quantize}: the {count(n, 'Linear')} of the {len(blocks)} decoder layers and the "
+             f"{count(rest, 'Linear')} outside them (vision tower, head) held as {fmt} with per-channel fp32 scales, "
+             f"computed in {str(dtype).removeprefix('torch.')}")
     batch = min(req.batch, len(todo))  # a batch is never larger than what is left to caption
     summary.fraction = _fraction(req, model, blocks, device, _tokens_per_row(processor, req), batch)
     handle = vlm.place(model, blocks, device, summary.fraction)
