@@ -350,10 +350,11 @@ def caption(
                                 "CPU."),
     batch: int = typer.Option(4, "--batch", min=1, help="Files per generate call (one pass of the weights per token "
                               "serves them all)."),
-    quantize: str = typer.Option("none", "--quantize", metavar="none|fp8|int8", help="Hold the decoder layers' "
-                                 "Linear weights as 8 bits (float8 e4m3 or int8, per-channel scales) in RAM, over "
-                                 "PCIe and on the GPU, as model.quantize_text_encoders does a text encoder's: half "
-                                 "the bytes streamed per token, dequantized per layer to compute."),
+    quantize: str = typer.Option("none", "--quantize", metavar="none|fp8|int8", help="Hold every Linear weight "
+                                 "(decoder layers, vision tower, head) as 8 bits (float8 e4m3 or int8, per-channel "
+                                 "scales) in RAM, over PCIe and on the GPU, as model.quantize_text_encoders does a "
+                                 "text encoder's: half the bytes streamed per token, dequantized per layer to "
+                                 "compute."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Longest caption, in tokens."),
     frames: int = typer.Option(4, "--frames", min=1, help="Frames per video, spread from first to last."),
 ) -> None:

@@ -9,31 +9,51 @@ for any processor class: its tokenizer, the PIL variant of its image processor, 
 goes through it: a video's frames are given as images) and the folder's processor settings and chat template.
 
 Streaming. The decoder layers (the largest `nn.ModuleList` of `model.get_decoder()`, e.g. Qwen2.5-VL's 28 layers)
-are the conductor's blocks, attached in "sample" mode; everything else (the vision tower, the embedding, the head:
-about 1.8 B parameters of Qwen2.5-VL-7B) stays on the device. The sampling plan is cyclic forward, and that is
-exactly what `generate` runs: the prefill is one forward of every layer in order, and so is each new token. The KV
-cache needs no special handling: it holds activations (each layer's keys and values), not weights; transformers'
-`DynamicCache` keeps them on the device beside the ring and each layer reads and extends its own entry while the
-conductor has pointed that layer's weights at its ring region. So the streamed share of the weights crosses the
-bus once per generated token, and `--batch` images share that pass: the batch is what amortises the streaming
-(tests/test_caption_command.py: the same captions at every fraction, every layer run once per token).
+are the conductor's blocks, attached in "sample" mode; the vision tower, the head and the norms stay on the device,
+the input embedding in CPU RAM (`cpu_embedding`: a lookup of a few rows per token, looked up there and the rows
+copied over; Qwen2.5-VL-7B's is 1.1 GB; on the device where the head shares its weight). The sampling plan is
+cyclic forward, and that is exactly what `generate` runs: the prefill is one forward of every layer in order, and
+so is each new token. The KV cache needs no special handling: it holds activations (each layer's keys and values),
+not weights; transformers' `DynamicCache` keeps them on the device beside the ring and each layer reads and extends
+its own entry while the conductor has pointed that layer's weights at its ring region. So the streamed share of the
+weights crosses the bus once per generated token, and `--batch` images share that pass: the batch is what amortises
+the streaming (tests/test_caption_command.py: the same captions at every fraction, every layer run once per token).
 
-8-bit decoder layers (`--quantize fp8|int8`). Every `nn.Linear` of the decoder layers becomes trainer/quant.py's
+Bounded prefill (`bound_prefill`, at every fraction). A batch's prefill is the largest allocation of a run: the
+vision tower over every image of the batch at once (Qwen2.5-VL: 5,476 patches of a 1024 px image, each carrying
+its qkv, fp32 rotary copies and MLP intermediates) and each decoder layer's MLP over batch x ~1,500 tokens (three
+temporaries of 18,944 wide). Both are per image / per token, so they run in pieces: the tower one image (one
+`grid_thw` row: a picture or a video frame) at a time, the outputs joined in order (Qwen-VL towers attend within an
+image: windows and full-attention layers bounded per image); each layer's MLP `MLP_ROWS` tokens at a time. The same
+values in exact arithmetic; on a CPU in fp32 the tower's features agree to float32's resolution and the captions
+byte for byte (tests/test_caption_prefill.py). `generate` keeps the logits of the last position only
+(transformers' `logits_to_keep=1`).
+
+8-bit weights (`--quantize fp8|int8`). Every `nn.Linear` of the decoder layers becomes trainer/quant.py's
 `QuantizedLinear`, as `model.quantize_text_encoders` makes a family's text encoder (Qwen-Image's Qwen2.5-VL): a
 frozen float8_e4m3fn / int8 weight with one fp32 scale per output channel, dequantized to the model dtype one Linear
 at a time to multiply (two temporaries of that layer's size: the up-cast and the scaled weight). The conductor packs
 those bytes as they are, so the pinned arena, each copy over the bus and the ring hold half the bf16 bytes: at
 fraction 1 each new token streams half as much, and `auto` counts the 8-bit sizes, so under the same cap more layers
-stay resident. Everything outside the layers (the vision tower, the embedding, the head, the norms) keeps the model
-dtype.
+stay resident. The Linears outside the layers are held so too (`quantize_outside`: the vision tower's, its
+merger's, the head's; Qwen2.5-VL-7B: 2.4 GB in bf16, half of it in 8 bits), the head dequantized `HEAD_ROWS` output
+rows at a time (its whole 152k x 3584 weight would be two 1.1 GB temporaries). The embedding, the norms and the
+patch convolution keep the model dtype.
 
-Auto fraction (`--offload auto`, on a GPU): the smallest fraction on the planner's 0.05 grid whose estimate
-`ring + everything outside the layers + KV cache + the prefill's activations` fits the budget (the card less 1 GB,
-as `dittrain sample`), with the image at `files.IMAGE_PIXELS` and the batch that will run (`--batch`, or fewer
-where fewer files are left): the KV cache and the activations grow with it, so a larger batch may stream more. The
-activation term is coarse (the MLP's intermediate and the attention's scores of one layer over the batch's prompt,
-plus workspace and, with `--quantize`, one dequantized Linear); compared with one GPU run (Qwen2.5-VL-7B, batch
-4: estimated 13.5 GB at the 0.45 it picked under a 15 GB cap, 12.8 GB reserved; bench/history/2026-11-27.md 14:05).
+Auto fraction (`--offload auto`, on a GPU): the smallest fraction on the planner's 0.05 grid whose `estimate`
+`ring + the weights outside the layers on the device + KV cache + 1.35 x the prefill's activations + one 8-bit
+Linear's dequantized temporaries + workspace` fits the budget (the card less 1 GB, as `dittrain sample`) less the
+planner's 3 % margin, with the image at `files.IMAGE_PIXELS` and the batch that will run (`--batch`, or fewer where
+fewer files are left): the KV cache and the activations grow with it. `activation_bytes` counts what transformers'
+default attention (sdpa) allocates: no attention scores (flash / memory-efficient kernels), the batch x tokens x
+tokens mask, keys and values repeated to every head; the larger of one image's pass through the vision tower and
+one decoder layer's attention or MLP phase over the batch. Against the three measured runs of Qwen2.5-VL-7B at
+batch 4 (before the bounded prefill, the CPU embedding and the 8-bit head / tower: `estimate(bounded=False)`),
+reserved vs estimated: bf16 at fraction 1 under 7 GB 6.74 vs 6.93 GB, fp8 at 1 under 7 GB 6.27 vs 6.73, bf16 at
+0.45 under 15 GB 12.80 vs 12.99 (tests/test_caption_prefill.py keeps each estimate at or up to 10 % above its
+measurement; bench/logs/2026-11-27-caption-fp8/, bench/history/2026-11-27.md). The estimate as it is now for the
+same model (bench_caption --estimate): fp8 under 7 GB, 0.55 for a batch of 4 and 0.65 for a batch of 8, not yet
+measured on a GPU.
 
 Decoding is greedy (`do_sample=False`, the model's own repetition penalty kept): captions are then a function of
 the image, the prompt and the weights, equal with and without streaming.
