@@ -76,7 +76,8 @@ def test_auto_streams_less_with_an_8bit_decoder(models, kind):
     assert vlm.quantize_decoder(vlm.decoder_blocks(fp8), "fp8") > 0
     assert _block_bytes(vlm.decoder_blocks(fp8)) < _block_bytes(vlm.decoder_blocks(plain))
     whole = sum(p.numel() * 2 for p in plain.parameters())
-    base = WORKSPACE / (1 - PREDICTION_MARGIN)
+    # from the fixed part of the estimate (the batch's pixels and activations) up
+    base = (WORKSPACE + ALLOCATOR_OVERHEAD * vlm.activation_bytes(plain, 2, 50)) / (1 - PREDICTION_MARGIN)
     budgets = [base + whole * k / 100 for k in range(0, 300, 2)]
     picked = {name: [vlm.auto_fraction(m, vlm.decoder_blocks(m), b, 2, 50, say) for b in budgets]
               for name, m in (("bf16", plain), ("fp8", fp8))}

@@ -46,11 +46,11 @@ Linear's dequantized temporaries + workspace` fits the budget (the card less 1 G
 planner's 3 % margin, with the image at `files.IMAGE_PIXELS` and the batch that will run (`--batch`, or fewer where
 fewer files are left): the KV cache and the activations grow with it. `activation_bytes` counts what transformers'
 default attention (sdpa) allocates: no attention scores (flash / memory-efficient kernels), the batch x tokens x
-tokens mask, keys and values repeated to every head; the larger of one image's pass through the vision tower and
-one decoder layer's attention or MLP phase over the batch. Against the three measured runs of Qwen2.5-VL-7B at
+tokens mask, keys and values repeated to every head; the batch's pixels and image features, plus the larger of one
+image's pass through the vision tower and one decoder layer's attention or MLP phase over the batch. Against the three measured runs of Qwen2.5-VL-7B at
 batch 4 (before the bounded prefill, the CPU embedding and the 8-bit head / tower: `estimate(bounded=False)`),
-reserved vs estimated: bf16 at fraction 1 under 7 GB 6.74 vs 6.93 GB, fp8 at 1 under 7 GB 6.27 vs 6.73, bf16 at
-0.45 under 15 GB 12.80 vs 12.99 (tests/test_caption_prefill.py keeps each estimate at or up to 10 % above its
+reserved vs estimated: bf16 at fraction 1 under 7 GB 6.74 vs 7.06 GB, fp8 at 1 under 7 GB 6.27 vs 6.87, bf16 at
+0.45 under 15 GB 12.80 vs 13.12 (tests/test_caption_prefill.py keeps each estimate at or up to 10 % above its
 measurement; bench/logs/2026-11-27-caption-fp8/, bench/history/2026-11-27.md). The estimate as it is now for the
 same model (bench_caption --estimate): fp8 under 7 GB, 0.55 for a batch of 4 and 0.65 for a batch of 8, not yet
 measured on a GPU.
@@ -295,7 +295,8 @@ def _bytes(tensors) -> int:
 
 def activation_bytes(model: nn.Module, batch: int, tokens: int, *, mlp_rows: int | None = MLP_ROWS,
                      vision_images: int = 1) -> int:
-    """The prefill's largest live activations, allocated bytes (before the allocator's overhead): the larger of the
+    """The prefill's largest live activations, allocated bytes (before the allocator's overhead): the inputs held
+    through it (the batch's pixels and image features, at most every token an image token), plus the larger of the
     vision tower's (`vision_images` images at once: 1 with `bound_prefill`) and one decoder layer's over `batch` x
     `tokens` rows (its MLP `mlp_rows` tokens at a time; None: all at once). Attention is transformers' default
     sdpa: no scores are materialized, the mask is batch x tokens x tokens; keys and values are counted repeated to
@@ -315,13 +316,16 @@ def activation_bytes(model: nn.Module, batch: int, tokens: int, *, mlp_rows: int
     attention = rows * (3 * text.hidden_size + 4 * heads * head_dim) * elem + batch * tokens * tokens * elem
     inter = getattr(text, "intermediate_size", 4 * text.hidden_size)
     mlp = 3 * rows * text.hidden_size * elem + 3 * min(rows, mlp_rows or rows) * inter * elem
-    vision = 0
+    vision = inputs = 0
     vc = getattr(model.config, "vision_config", None)
     if vc is not None:
-        patches = tokens * getattr(vc, "spatial_merge_size", 2) ** 2 * vision_images
+        merge = getattr(vc, "spatial_merge_size", 2) ** 2
+        patches = tokens * merge * vision_images
         width, vinter = vc.hidden_size, getattr(vc, "intermediate_size", 4 * vc.hidden_size)
         vision = patches * ((6 * width + 3 * vinter) * elem + 4 * width * 4)
-    return max(vision, attention, mlp)
+        pixel = vc.in_channels * getattr(vc, "temporal_patch_size", 1) * vc.patch_size ** 2
+        inputs = rows * (merge * pixel + text.hidden_size) * elem
+    return inputs + max(vision, attention, mlp)
 
 
 def dequantized_bytes(model: nn.Module) -> int:
