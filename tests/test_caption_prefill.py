@@ -192,3 +192,18 @@ def test_estimate_is_above_the_measured_runs_and_close():
         vlm.quantize_decoder(blocks, mode)  # the decoder only, as then
         est = vlm.estimate(model, blocks, 4, tokens, bounded=False)(fraction) / 1e9
         assert reserved <= est <= 1.10 * reserved, (mode, fraction, est, reserved)
+
+
+def test_default_batch_is_8(monkeypatch, tmp_path, models):
+    """`dittrain caption` without --batch (and `CaptionRequest`, as `caption_with` builds it) runs 8 files per
+    generate (vlm.py's essay, Default batch)."""
+    from typer.testing import CliRunner
+
+    import trainer.captioning as captioning
+    from trainer.cli import app
+
+    got = []
+    monkeypatch.setattr(captioning, "run_caption", got.append)
+    res = CliRunner().invoke(app, ["caption", str(tmp_path), "--model", str(models["qwen3-vl"])])
+    assert res.exit_code == 0, res.output
+    assert got[0].batch == 8 and CaptionRequest(data_dir=tmp_path, model=tmp_path).batch == 8

@@ -45,7 +45,7 @@ class CaptionRequest:
     prompt: str | None = None
     overwrite: bool = False
     offload: float | str = "auto"  # a fraction, or "auto"
-    batch: int = 4
+    batch: int = 8  # per token, 8 rows share one pass of the streamed layers: see vlm.py's essay, Default batch
     quantize: str = "none"  # every Linear (decoder layers, vision tower, head): none, fp8 or int8 (vlm.py)
     max_new_tokens: int = 256
     frames: int = 4  # per video

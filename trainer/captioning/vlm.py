@@ -55,6 +55,15 @@ measurement; bench/logs/2026-11-27-caption-fp8/, bench/history/2026-11-27.md). T
 same model (bench_caption --estimate): fp8 under 7 GB, 0.55 for a batch of 4 and 0.65 for a batch of 8, not yet
 measured on a GPU.
 
+Default batch (`--batch 8`). Streamed, a token step's cost is the streamed bytes, shared by the batch's rows. By
+the estimate for Qwen2.5-VL-7B (28 layers of 0.47 GB bf16, 0.23 GB 8-bit) a batch of 8 keeps a few layers fewer
+resident than a batch of 4 (its KV cache and prefill are larger) but streams 37-46 % fewer bytes per image and
+token: fp8 under 7 GB, 0.65 (19 layers, 4.4 GB, 0.55 GB an image) against 0.55 (16, 3.7 GB, 0.93); bf16 under 7 GB
+0.9 (26, 12.1 GB, 1.51) against 0.85 (24, 11.2 GB, 2.80); bf16 under 15 GB 0.3 (9, 4.2 GB, 0.52) against 0.25 (7,
+3.3 GB, 0.82). Resident, a larger batch is faster too (1.25 images/s at 4, 1.82 at 16 on an H200,
+bench/logs/2026-11-27-caption-fp8/). Batch 16 under 7 GB would need more than fraction 1 leaves (fp8 estimate 5.9
+GB of the 6.0 GB budget): 8 is the largest power of two that the estimate fits there.
+
 Decoding is greedy (`do_sample=False`, the model's own repetition penalty kept): captions are then a function of
 the image, the prompt and the weights, equal with and without streaming.
 """
