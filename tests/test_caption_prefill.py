@@ -13,7 +13,8 @@ from test_caption_command import BUILDERS, _captions, _data, _save_model
 
 from bench.program import bench_caption as bc
 from trainer import quant
-from trainer.captioning import CaptionRequest, run_caption, vlm
+from trainer.captioning import CaptionRequest, captioner, run_caption, vlm
+from trainer.planner.prediction import PREDICTION_MARGIN
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +131,10 @@ def test_vision_tower_per_image_equals_the_batch(models, kind):
     with torch.no_grad():
         whole = visual(x["pixel_values"], grid_thw=x["image_grid_thw"])
         vlm.bound_prefill(model, vlm.decoder_blocks(model))
-        once = visual.forward
-        vlm.bound_prefill(model, vlm.decoder_blocks(model))  # idempotent: one wrapper
+        once = type(visual)
+        vlm.bound_prefill(model, vlm.decoder_blocks(model))  # idempotent: one mixin
         split = visual(x["pixel_values"], grid_thw=x["image_grid_thw"])
-    assert visual.forward is once and once.per_image
+    assert type(visual) is once and issubclass(once, vlm._PerImage) and once.__mro__.count(vlm._PerImage) == 1
     pairs = [(whole.pooler_output, split.pooler_output)]
     if kind == "qwen3-vl":
         assert len(whole.deepstack_features) == len(split.deepstack_features) > 0
@@ -195,8 +196,8 @@ def test_estimate_is_above_the_measured_runs_and_close():
 
 
 def test_default_batch_is_8(monkeypatch, tmp_path, models):
-    """`dittrain caption` without --batch (and `CaptionRequest`, as `caption_with` builds it) runs 8 files per
-    generate (vlm.py's essay, Default batch)."""
+    """`dittrain caption` without --batch (and `CaptionRequest`, as `caption_with` builds it) leaves the batch to
+    run_caption: 8 files per generate (vlm.py's essay, Default batch)."""
     from typer.testing import CliRunner
 
     import trainer.captioning as captioning
@@ -206,4 +207,36 @@ def test_default_batch_is_8(monkeypatch, tmp_path, models):
     monkeypatch.setattr(captioning, "run_caption", got.append)
     res = CliRunner().invoke(app, ["caption", str(tmp_path), "--model", str(models["qwen3-vl"])])
     assert res.exit_code == 0, res.output
-    assert got[0].batch == 8 and CaptionRequest(data_dir=tmp_path, model=tmp_path).batch == 8
+    assert got[0].batch is None and CaptionRequest(data_dir=tmp_path, model=tmp_path).batch is None
+    assert captioner.DEFAULT_BATCH == 8
+
+
+@pytest.mark.parametrize("given", [None, 5])
+def test_without_batch_auto_halves_a_batch_that_does_not_fit(models, tmp_path, monkeypatch, capsys, given):
+    """Without --batch, on a budget (a GPU's, given here on the CPU) where auto's estimate fits a batch of 2 with
+    every layer streamed but not the 5 files left: batches of 2 (at whatever fraction fits them), said in one line.
+    With --batch 5 it is kept (every layer streamed, and auto warns that it may not fit)."""
+    folder = models["qwen2.5-vl"]
+    req = CaptionRequest(data_dir=tmp_path, model=folder, max_new_tokens=3)
+    tokens = captioner._tokens_per_row(vlm.load_processor(folder), req)
+    model = vlm.load_model(folder, torch.float32)
+    need = {b: vlm.estimate(model, vlm.decoder_blocks(model), b, tokens)(1.0) for b in (2, 5)}
+    assert need[2] < need[5]
+    budget = (need[2] + need[5]) / 2 / (1 - PREDICTION_MARGIN)
+    monkeypatch.setattr(captioner, "_budget", lambda device: budget)
+    rows, generate = [], vlm.generate
+
+    def spy(model, processor, gc, inputs):
+        rows.append(inputs["input_ids"].shape[0])
+        return generate(model, processor, gc, inputs)
+
+    monkeypatch.setattr(vlm, "generate", spy)
+    data = _data(tmp_path / "data")
+    summary = run_caption(CaptionRequest(data_dir=data, model=folder, max_new_tokens=3, batch=given))
+    assert len(summary.written) == 4
+    err = capsys.readouterr().err
+    if given is None:
+        assert max(rows) == 2 and "batch: 5 -> 2 files per generate" in err
+    else:
+        assert max(rows) == 4 and "batch:" not in err and "may run out of memory" in err  # 5 files, one broken
+        assert summary.fraction == 1.0

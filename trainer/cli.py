@@ -348,8 +348,9 @@ def caption(
     offload: str = typer.Option("auto", "--offload", metavar="F|auto", help="Share of the decoder layers' bytes "
                                 "kept in CPU RAM and streamed, 0 to 1; auto: the smallest that fits the GPU, 0 on a "
                                 "CPU."),
-    batch: int = typer.Option(8, "--batch", min=1, help="Files per generate call (one pass of the weights per token "
-                              "serves them all)."),
+    batch: int | None = typer.Option(None, "--batch", min=1, help="Files per generate call (one pass of the weights "
+                                     "per token serves them all); default 8, halved while --offload auto's estimate "
+                                     "does not fit it.", show_default=False),
     quantize: str = typer.Option("none", "--quantize", metavar="none|fp8|int8", help="Hold every Linear weight "
                                  "(decoder layers, vision tower, head) as 8 bits (float8 e4m3 or int8, per-channel "
                                  "scales) in RAM, over PCIe and on the GPU, as model.quantize_text_encoders does a "

@@ -55,14 +55,16 @@ measurement; bench/logs/2026-11-27-caption-fp8/, bench/history/2026-11-27.md). T
 same model (bench_caption --estimate): fp8 under 7 GB, 0.55 for a batch of 4 and 0.65 for a batch of 8, not yet
 measured on a GPU.
 
-Default batch (`--batch 8`). Streamed, a token step's cost is the streamed bytes, shared by the batch's rows. By
+Default batch (8 without `--batch`, halved while auto's estimate does not fit it even with every layer streamed:
+captioner.py `_default_batch`). Streamed, a token step's cost is the streamed bytes, shared by the batch's rows. By
 the estimate for Qwen2.5-VL-7B (28 layers of 0.47 GB bf16, 0.23 GB 8-bit) a batch of 8 keeps a few layers fewer
 resident than a batch of 4 (its KV cache and prefill are larger) but streams 37-46 % fewer bytes per image and
 token: fp8 under 7 GB, 0.65 (19 layers, 4.4 GB, 0.55 GB an image) against 0.55 (16, 3.7 GB, 0.93); bf16 under 7 GB
 0.9 (26, 12.1 GB, 1.51) against 0.85 (24, 11.2 GB, 2.80); bf16 under 15 GB 0.3 (9, 4.2 GB, 0.52) against 0.25 (7,
 3.3 GB, 0.82). Resident, a larger batch is faster too (1.25 images/s at 4, 1.82 at 16 on an H200,
 bench/logs/2026-11-27-caption-fp8/). Batch 16 under 7 GB would need more than fraction 1 leaves (fp8 estimate 5.9
-GB of the 6.0 GB budget): 8 is the largest power of two that the estimate fits there.
+GB of the 6.0 GB budget): 8 is the largest power of two that the estimate fits there. Qwen3-VL-8B in bf16 under
+7 GB does not fit 8 (estimate 5.9 GB against the 5.8 the margin leaves): there the default halves to 4 (0.9).
 
 Decoding is greedy (`do_sample=False`, the model's own repetition penalty kept): captions are then a function of
 the image, the prompt and the weights, equal with and without streaming.
@@ -241,21 +243,18 @@ def _visual(model: nn.Module) -> nn.Module | None:
     return getattr(inner, "visual", None)
 
 
-def _per_image(forward: Callable) -> Callable:
-    """The vision tower's forward run one image (one `grid_thw` row) at a time, the outputs concatenated in order.
-    Exact in exact arithmetic: Qwen-VL towers attend within an image (its windows, its full-attention layers
-    bounded by `cu_seqlens` per image) and everything else is per patch; its peak is then one image's."""
+class _PerImage:
+    """Mixed into the vision tower's class (`bound_prefill`): its forward run one image (one `grid_thw` row) at a
+    time, the outputs concatenated in order. Exact in exact arithmetic: Qwen-VL towers attend within an image (its
+    windows, its full-attention layers bounded by `cu_seqlens` per image) and everything else is per patch; its
+    peak is then one image's."""
 
-    def run(hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs):
+    def forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs):
         if grid_thw.shape[0] <= 1:
-            return forward(hidden_states, grid_thw=grid_thw, **kwargs)
+            return super().forward(hidden_states, grid_thw=grid_thw, **kwargs)
         sizes = grid_thw.prod(-1).tolist()
-        outs = [forward(h, grid_thw=grid_thw[i:i + 1], **kwargs)
-                for i, h in enumerate(torch.split(hidden_states, sizes))]
-        return _concat(outs)
-
-    run.per_image = True
-    return run
+        return _concat([super(_PerImage, self).forward(h, grid_thw=grid_thw[i:i + 1], **kwargs)
+                        for i, h in enumerate(torch.split(hidden_states, sizes))])
 
 
 def _concat(outs: list):
@@ -271,31 +270,42 @@ def _concat(outs: list):
     return first
 
 
-def _chunked_rows(forward: Callable) -> Callable:
-    """A decoder layer's MLP over at most `MLP_ROWS` tokens at a time (the prefill's batch x prompt would
-    otherwise hold three batch x tokens x intermediate_size temporaries): the MLP is per token, so the rows are
-    the same values."""
+class _ChunkedRows:
+    """Mixed into a decoder layer's MLP class (`bound_prefill`): at most `MLP_ROWS` tokens at a time (the prefill's
+    batch x prompt would otherwise hold three batch x tokens x intermediate_size temporaries); the MLP is per
+    token, so the rows are the same values."""
 
-    def run(x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= MLP_ROWS:
-            return forward(x)
-        return torch.cat([forward(r) for r in torch.split(rows, MLP_ROWS)]).view(*x.shape[:-1], -1)
+            return super().forward(x)
+        return torch.cat([super(_ChunkedRows, self).forward(r) for r in torch.split(rows, MLP_ROWS)]) \
+            .view(*x.shape[:-1], -1)
 
-    run.chunked = True
-    return run
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def _mix(module: nn.Module, mixin: type) -> None:
+    """`module`'s class becomes `mixin` over it (as trainer/quant.py swaps a Linear's class), once."""
+    cls = type(module)
+    if issubclass(cls, mixin):
+        return
+    if (cls, mixin) not in _MIXED:
+        _MIXED[cls, mixin] = type(cls.__name__, (mixin, cls), {})
+    module.__class__ = _MIXED[cls, mixin]
 
 
 def bound_prefill(model: nn.Module, blocks: list[nn.Module]) -> None:
     """What a batch's prefill allocates, bounded (module essay): the vision tower one image at a time, each
     decoder layer's MLP `MLP_ROWS` tokens at a time. Idempotent."""
     visual = _visual(model)
-    if visual is not None and not getattr(visual.forward, "per_image", False):
-        visual.forward = _per_image(visual.forward)
+    if visual is not None:
+        _mix(visual, _PerImage)
     for b in blocks:
         mlp = getattr(b, "mlp", None)
-        if mlp is not None and not getattr(mlp.forward, "chunked", False):
-            mlp.forward = _chunked_rows(mlp.forward)
+        if mlp is not None:
+            _mix(mlp, _ChunkedRows)
 
 
 def _bytes(tensors) -> int:
