@@ -69,3 +69,5 @@ def test_cpu_smoke_runs_every_row(family, tmp_path):
     assert rows["ours", "fp8"]["fraction"] == 0.0  # auto on the CPU
     assert "--quantize fp8: the 28 Linears of the 4 decoder layers" in (out / "ours-cap0-b2-fp8.log").read_text()
     assert (out / "caption.md").read_text().count("\n| ") == 5  # the header, its rule and three rows
+    assert "| peak reserved GB | auto's estimate GB |" in (out / "caption.md").read_text()
+    assert "estimate_gb" in rows["ours", "fp8"]  # None here: auto is 0 on the CPU without an estimate

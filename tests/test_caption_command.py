@@ -265,7 +265,7 @@ def test_auto_fraction_estimate_picks_the_least_streaming_that_fits(models, kind
     """--offload auto's estimate (used on a GPU only; its figures are not yet checked against a GPU run): the more
     budget, the less streams; from every layer streamed (1.0) through partial fractions to all resident (0.0), and
     1.0 with a warning where nothing fits."""
-    from trainer.planner.prediction import PREDICTION_MARGIN, WORKSPACE
+    from trainer.planner.prediction import ALLOCATOR_OVERHEAD, PREDICTION_MARGIN, WORKSPACE
 
     model = vlm.load_model(models[kind], torch.float32)
     blocks = vlm.decoder_blocks(model)
@@ -273,7 +273,8 @@ def test_auto_fraction_estimate_picks_the_least_streaming_that_fits(models, kind
     assert vlm.auto_fraction(model, blocks, 1e6, 1, 50, lines.append) == 1.0
     assert "may run out of memory" in lines[-1]
     whole = sum(p.numel() * 4 for p in model.parameters())
-    base = WORKSPACE / (1 - PREDICTION_MARGIN)
+    # from the fixed part of the estimate (the prefill's pixels and activations) up
+    base = (WORKSPACE + ALLOCATOR_OVERHEAD * vlm.activation_bytes(model, 1, 50)) / (1 - PREDICTION_MARGIN)
     picked = [vlm.auto_fraction(model, blocks, base + whole * k / 100, 1, 50, lines.append) for k in range(0, 300, 3)]
     assert picked == sorted(picked, reverse=True) and picked[-1] == 0.0
     assert any(0.0 < f < 1.0 for f in picked)

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from trainer import quant
 from trainer.captioning import CaptionRequest, captioner, run_caption, vlm
 from trainer.cli import app
-from trainer.planner.prediction import PREDICTION_MARGIN, WORKSPACE
+from trainer.planner.prediction import ALLOCATOR_OVERHEAD, PREDICTION_MARGIN, WORKSPACE
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,8 @@ def test_auto_streams_less_with_an_8bit_decoder(models, kind):
     assert vlm.quantize_decoder(vlm.decoder_blocks(fp8), "fp8") > 0
     assert _block_bytes(vlm.decoder_blocks(fp8)) < _block_bytes(vlm.decoder_blocks(plain))
     whole = sum(p.numel() * 2 for p in plain.parameters())
-    base = WORKSPACE / (1 - PREDICTION_MARGIN)
+    # from the fixed part of the estimate (the batch's pixels and activations) up
+    base = (WORKSPACE + ALLOCATOR_OVERHEAD * vlm.activation_bytes(plain, 2, 50)) / (1 - PREDICTION_MARGIN)
     budgets = [base + whole * k / 100 for k in range(0, 300, 2)]
     picked = {name: [vlm.auto_fraction(m, vlm.decoder_blocks(m), b, 2, 50, say) for b in budgets]
               for name, m in (("bf16", plain), ("fp8", fp8))}
@@ -92,7 +93,8 @@ def test_auto_counts_the_batch(models, kind):
     model = vlm.load_model(models[kind], torch.float32)
     blocks = vlm.decoder_blocks(model)
     whole = sum(p.numel() * 4 for p in model.parameters())
-    base = WORKSPACE / (1 - PREDICTION_MARGIN)
+    # from the fixed part of a batch of 1's estimate (its image's vision tower included) up
+    base = (WORKSPACE + ALLOCATOR_OVERHEAD * vlm.activation_bytes(model, 1, 200)) / (1 - PREDICTION_MARGIN)
     budgets = [base + whole * k / 100 for k in range(0, 400, 2)]
     one = [vlm.auto_fraction(model, blocks, b, 1, 200, say) for b in budgets]
     many = [vlm.auto_fraction(model, blocks, b, 16, 200, say) for b in budgets]

@@ -349,12 +349,14 @@ def caption(
     offload: str = typer.Option("auto", "--offload", metavar="F|auto", help="Share of the decoder layers' bytes "
                                 "kept in CPU RAM and streamed, 0 to 1; auto: the smallest that fits the GPU, 0 on a "
                                 "CPU."),
-    batch: int = typer.Option(4, "--batch", min=1, help="Files per generate call (one pass of the weights per token "
-                              "serves them all)."),
-    quantize: str = typer.Option("none", "--quantize", metavar="none|fp8|int8", help="Hold the decoder layers' "
-                                 "Linear weights as 8 bits (float8 e4m3 or int8, per-channel scales) in RAM, over "
-                                 "PCIe and on the GPU, as model.quantize_text_encoders does a text encoder's: half "
-                                 "the bytes streamed per token, dequantized per layer to compute."),
+    batch: int | None = typer.Option(None, "--batch", min=1, help="Files per generate call (one pass of the weights "
+                                     "per token serves them all); default 8, halved while --offload auto's estimate "
+                                     "does not fit it.", show_default=False),
+    quantize: str = typer.Option("none", "--quantize", metavar="none|fp8|int8", help="Hold every Linear weight "
+                                 "(decoder layers, vision tower, head) as 8 bits (float8 e4m3 or int8, per-channel "
+                                 "scales) in RAM, over PCIe and on the GPU, as model.quantize_text_encoders does a "
+                                 "text encoder's: half the bytes streamed per token, dequantized per layer to "
+                                 "compute."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Longest caption, in tokens."),
     frames: int = typer.Option(4, "--frames", min=1, help="Frames per video, spread from first to last."),
 ) -> None:

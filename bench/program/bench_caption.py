@@ -20,8 +20,9 @@ tokenizer does not have: `ours` then writes few or none).
 Rows, each in its own process (one GPU, `torch.cuda.set_per_process_memory_fraction` = the cap), for each batch
 size of `--batches`:
 - `ours`: trainer/captioning `run_caption` (what `dittrain caption DIR --model F --offload auto --batch B
-  --quantize Q` runs), once per `--quantize` mode: the decoder layers (8-bit with fp8 / int8) streamed through the
-  conductor at the fraction `auto` picks for the cap;
+  --quantize Q` runs), once per `--quantize` mode: the decoder layers (every Linear 8-bit with fp8 / int8, the
+  vision tower's and the head's too) streamed through the conductor at the fraction `auto` picks for the cap, with
+  auto's estimate there (`estimate_gb`, beside the peak reserved);
 - `auto`: `AutoModelForImageTextToText.from_pretrained(F, device_map="auto", max_memory={0: cap - 2 GB, "cpu": ...})`
   (accelerate keeps what fits on the GPU and moves the rest in per layer, per call), bf16, the same inputs, greedy;
 - `resident`: the whole model on the GPU in bf16, no cap.
@@ -192,7 +193,7 @@ def row(kind: str, cap_gb: float, folder: Path, images: Path, batch: int, tokens
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     timed = {"seconds": 0.0, "images": 0}
-    inner_generate, inner_greedy = vlm.generate, vlm.greedy_config
+    inner_generate, inner_greedy, inner_auto = vlm.generate, vlm.greedy_config, vlm.auto_fraction
 
     def generate(model, processor, gc, inputs):
         if cuda:
@@ -210,7 +211,12 @@ def row(kind: str, cap_gb: float, folder: Path, images: Path, batch: int, tokens
         gc.min_new_tokens = max_new_tokens  # random weights: every row generates the same number of tokens
         return gc
 
-    vlm.generate, vlm.greedy_config = generate, greedy
+    def auto(model, blocks, budget, batch, tokens, say):  # the estimate at auto's pick, beside the reserved peak
+        f = inner_auto(model, blocks, budget, batch, tokens, say)
+        timed["estimate_gb"] = vlm.estimate(model, blocks, batch, tokens)(f) / 1e9
+        return f
+
+    vlm.generate, vlm.greedy_config, vlm.auto_fraction = generate, greedy, auto
     t0 = time.perf_counter()
     out = {"kind": kind, "cap_gb": cap_gb, "batch": batch, "quantize": quantize if kind == "ours" else "none"}
     if kind == "ours":
@@ -220,6 +226,7 @@ def row(kind: str, cap_gb: float, folder: Path, images: Path, batch: int, tokens
         summary = crun.run_caption(crun.CaptionRequest(data_dir=data, model=folder, offload="auto", batch=batch,
                                                        max_new_tokens=tokens, overwrite=True, quantize=quantize))
         out["fraction"] = summary.fraction
+        out["estimate_gb"] = timed.get("estimate_gb")
         out["written"] = len(summary.written)
     else:
         from transformers import AutoModelForImageTextToText
@@ -260,7 +267,6 @@ def estimate(family: str, quantize: list[str], batches: list[int], caps: list[fl
 
     import torch
 
-    from trainer import quant
     from trainer.captioning import captioner as crun
     from trainer.captioning import vlm
     from trainer.planner import GB
@@ -273,7 +279,8 @@ def estimate(family: str, quantize: list[str], batches: list[int], caps: list[fl
         with torch.device("meta"):
             model = model_class(family)(model_config(family, small=False)).to(torch.bfloat16)
         blocks = vlm.decoder_blocks(model)
-        quant.quantize_blocks(blocks, q, modulation=False, pattern="")
+        vlm.quantize_decoder(blocks, q)
+        vlm.quantize_outside(model, q)  # as run_caption: the vision tower's and the head's Linears too
         layers = sum(t.numel() * t.element_size() for b in blocks for t in (*b.parameters(), *b.buffers()))
         per_row = crun._tokens_per_row(processor, crun.CaptionRequest(data_dir=Path("."), model=Path("."),
                                                                       max_new_tokens=tokens))
@@ -390,16 +397,17 @@ def main(argv: list[str] | None = None) -> None:
              f"{args.images} images of {args.px} px, {args.tokens} new tokens each, "
              f"{result['device']}, torch {result['torch']}, {result['date']}", "",
              "| row | quantize | batch | cap GB | images/s | generate s | load + rest s | streamed fraction | "
-             "peak reserved GB | peak RSS GB | anon RSS at end GB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "peak reserved GB | auto's estimate GB | peak RSS GB | anon RSS at end GB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         head = f"| {r['kind']} | {r['quantize']} | {r['batch']} | {r['cap_gb']:g} |"
         if r.get("error"):
-            lines.append(f"{head} failed: {r['error'][-160:]!r} | | | | | | |")
+            lines.append(f"{head} failed: {r['error'][-160:]!r} | | | | | | | |")
             continue
         f = lambda x: "" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)  # noqa: E731
         lines.append(f"{head} {f(r['images_per_s'])} | {f(r['generate_s'])} | {f(r['load_and_rest_s'])} | "
-                     f"{f(r.get('fraction'))} | {f(r['peak_reserved_gb'])} | {f(r.get('VmHWM'))} | "
+                     f"{f(r.get('fraction'))} | {f(r['peak_reserved_gb'])} | {f(r.get('estimate_gb'))} | "
+                     f"{f(r.get('VmHWM'))} | "
                      f"{f(r.get('RssAnon'))} |")
     (args.out / "caption.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

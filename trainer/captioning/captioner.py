@@ -32,6 +32,8 @@ STYLES = {
                 "setting, composition, lighting, colours and style. Output only the description.",
 }
 VIDEO_PREFIX = "These {n} images are frames of one video, in order; caption the video. "
+#: files per generate without --batch: 8 rows share each pass of the streamed layers (vlm.py's essay, Default batch)
+DEFAULT_BATCH = 8
 #: without a terminal, one progress line at most this often (seconds)
 LOG_EVERY = 30.0
 
@@ -45,8 +47,8 @@ class CaptionRequest:
     prompt: str | None = None
     overwrite: bool = False
     offload: float | str = "auto"  # a fraction, or "auto"
-    batch: int = 4
-    quantize: str = "none"  # the decoder layers' Linears: none, fp8 or int8 (vlm.py)
+    batch: int | None = None  # None: DEFAULT_BATCH, halved while auto's estimate does not fit it (`_default_batch`)
+    quantize: str = "none"  # every Linear (decoder layers, vision tower, head): none, fp8 or int8 (vlm.py)
     max_new_tokens: int = 256
     frames: int = 4  # per video
     device: str | None = None  # None: cuda if there is one, else cpu
@@ -96,6 +98,22 @@ def _fraction(req: CaptionRequest, model, blocks, device: torch.device, tokens: 
         _say("offload: auto -> 0 on the CPU (there is no second memory to save)")
         return 0.0
     return vlm.auto_fraction(model, blocks, budget, batch, tokens, _say)
+
+
+def _default_batch(req: CaptionRequest, model, blocks, device: torch.device, tokens: int, batch: int) -> int:
+    """Without --batch, under --offload auto on a GPU: `batch` halved while auto's estimate does not fit the
+    budget even with every layer streamed (a larger batch that does not fit would run out of memory)."""
+    if req.batch is not None or req.offload != "auto" or (budget := _budget(device)) is None:
+        return batch
+    from ..planner.prediction import PREDICTION_MARGIN
+
+    start = batch
+    while batch > 1 and vlm.estimate(model, blocks, batch, tokens)(1.0) > budget * (1 - PREDICTION_MARGIN):
+        batch //= 2
+    if batch < start:
+        _say(f"batch: {start} -> {batch} files per generate (a batch of {start} does not fit the GPU even with every "
+             "layer streamed; --batch chooses)")
+    return batch
 
 
 def _tokens_per_row(processor, req: CaptionRequest) -> int:
@@ -181,7 +199,7 @@ def run_caption(req: CaptionRequest) -> CaptionSummary:
         raise UserError(f"--style {req.style}: one of {', '.join(STYLES)}")
     if req.quantize not in vlm.QUANTIZE:
         raise UserError(f"--quantize {req.quantize}: one of {', '.join(vlm.QUANTIZE)}")
-    if req.batch < 1:
+    if req.batch is not None and req.batch < 1:
         raise UserError(f"--batch {req.batch}: at least 1")
     vlm.check_model_folder(req.model)
     todo, skipped = files.find_items(req.data_dir, req.overwrite, req.recursive)
@@ -195,16 +213,20 @@ def run_caption(req: CaptionRequest) -> CaptionSummary:
     model = vlm.load_model(req.model, dtype)
     blocks = vlm.decoder_blocks(model)
     if n := vlm.quantize_decoder(blocks, req.quantize):
+        rest = vlm.quantize_outside(model, req.quantize)
         fmt = "fp8 e4m3" if req.quantize == "fp8" else "int8"
-        _say(f"--quantize {req.quantize}: the {count(n, 'Linear')} of the {len(blocks)} decoder layers held as {fmt} "
-             f"with per-channel fp32 scales, computed in {str(dtype).removeprefix('torch.')}")
-    batch = min(req.batch, len(todo))  # a batch is never larger than what is left to caption
-    summary.fraction = _fraction(req, model, blocks, device, _tokens_per_row(processor, req), batch)
+        _say(f"--quantize {req.quantize}: the {count(n, 'Linear')} of the {len(blocks)} decoder layers and the "
+             f"{count(rest, 'Linear')} outside them (vision tower, head) held as {fmt} with per-channel fp32 scales, "
+             f"computed in {str(dtype).removeprefix('torch.')}")
+    batch = min(req.batch or DEFAULT_BATCH, len(todo))  # a batch is never larger than what is left to caption
+    tokens = _tokens_per_row(processor, req)
+    batch = _default_batch(req, model, blocks, device, tokens, batch)
+    summary.fraction = _fraction(req, model, blocks, device, tokens, batch)
     handle = vlm.place(model, blocks, device, summary.fraction)
     gc = vlm.greedy_config(model, processor, req.max_new_tokens)
     progress = _Progress(len(todo))
     try:
-        for paths in _batches(todo, req.batch):
+        for paths in _batches(todo, batch):
             rows = _read(paths, req.frames, summary)
             if rows:
                 try:

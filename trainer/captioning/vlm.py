@@ -9,31 +9,62 @@ for any processor class: its tokenizer, the PIL variant of its image processor, 
 goes through it: a video's frames are given as images) and the folder's processor settings and chat template.
 
 Streaming. The decoder layers (the largest `nn.ModuleList` of `model.get_decoder()`, e.g. Qwen2.5-VL's 28 layers)
-are the conductor's blocks, attached in "sample" mode; everything else (the vision tower, the embedding, the head:
-about 1.8 B parameters of Qwen2.5-VL-7B) stays on the device. The sampling plan is cyclic forward, and that is
-exactly what `generate` runs: the prefill is one forward of every layer in order, and so is each new token. The KV
-cache needs no special handling: it holds activations (each layer's keys and values), not weights; transformers'
-`DynamicCache` keeps them on the device beside the ring and each layer reads and extends its own entry while the
-conductor has pointed that layer's weights at its ring region. So the streamed share of the weights crosses the
-bus once per generated token, and `--batch` images share that pass: the batch is what amortises the streaming
-(tests/test_caption_command.py: the same captions at every fraction, every layer run once per token).
+are the conductor's blocks, attached in "sample" mode; the vision tower, the head and the norms stay on the device,
+the input embedding in CPU RAM (`cpu_embedding`: a lookup of a few rows per token, looked up there and the rows
+copied over; Qwen2.5-VL-7B's is 1.1 GB; on the device where the head shares its weight). The sampling plan is
+cyclic forward, and that is exactly what `generate` runs: the prefill is one forward of every layer in order, and
+so is each new token. The KV cache needs no special handling: it holds activations (each layer's keys and values),
+not weights; transformers' `DynamicCache` keeps them on the device beside the ring and each layer reads and extends
+its own entry while the conductor has pointed that layer's weights at its ring region. So the streamed share of the
+weights crosses the bus once per generated token, and `--batch` images share that pass: the batch is what amortises
+the streaming (tests/test_caption_command.py: the same captions at every fraction, every layer run once per token).
 
-8-bit decoder layers (`--quantize fp8|int8`). Every `nn.Linear` of the decoder layers becomes trainer/quant.py's
+Bounded prefill (`bound_prefill`, at every fraction). A batch's prefill is the largest allocation of a run: the
+vision tower over every image of the batch at once (Qwen2.5-VL: 5,476 patches of a 1024 px image, each carrying
+its qkv, fp32 rotary copies and MLP intermediates) and each decoder layer's MLP over batch x ~1,500 tokens (three
+temporaries of 18,944 wide). Both are per image / per token, so they run in pieces: the tower one image (one
+`grid_thw` row: a picture or a video frame) at a time, the outputs joined in order (Qwen-VL towers attend within an
+image: windows and full-attention layers bounded per image); each layer's MLP `MLP_ROWS` tokens at a time. The same
+values in exact arithmetic; on a CPU in fp32 the tower's features agree to float32's resolution and the captions
+byte for byte (tests/test_caption_prefill.py). `generate` keeps the logits of the last position only
+(transformers' `logits_to_keep=1`).
+
+8-bit weights (`--quantize fp8|int8`). Every `nn.Linear` of the decoder layers becomes trainer/quant.py's
 `QuantizedLinear`, as `model.quantize_text_encoders` makes a family's text encoder (Qwen-Image's Qwen2.5-VL): a
 frozen float8_e4m3fn / int8 weight with one fp32 scale per output channel, dequantized to the model dtype one Linear
 at a time to multiply (two temporaries of that layer's size: the up-cast and the scaled weight). The conductor packs
 those bytes as they are, so the pinned arena, each copy over the bus and the ring hold half the bf16 bytes: at
 fraction 1 each new token streams half as much, and `auto` counts the 8-bit sizes, so under the same cap more layers
-stay resident. Everything outside the layers (the vision tower, the embedding, the head, the norms) keeps the model
-dtype.
+stay resident. The Linears outside the layers are held so too (`quantize_outside`: the vision tower's, its
+merger's, the head's; Qwen2.5-VL-7B: 2.4 GB in bf16, half of it in 8 bits), the head dequantized `HEAD_ROWS` output
+rows at a time (its whole 152k x 3584 weight would be two 1.1 GB temporaries). The embedding, the norms and the
+patch convolution keep the model dtype.
 
-Auto fraction (`--offload auto`, on a GPU): the smallest fraction on the planner's 0.05 grid whose estimate
-`ring + everything outside the layers + KV cache + the prefill's activations` fits the budget (the card less 1 GB,
-as `dittrain sample`), with the image at `files.IMAGE_PIXELS` and the batch that will run (`--batch`, or fewer
-where fewer files are left): the KV cache and the activations grow with it, so a larger batch may stream more. The
-activation term is coarse (the MLP's intermediate and the attention's scores of one layer over the batch's prompt,
-plus workspace and, with `--quantize`, one dequantized Linear); compared with one GPU run (Qwen2.5-VL-7B, batch
-4: estimated 13.5 GB at the 0.45 it picked under a 15 GB cap, 12.8 GB reserved; bench/history/2026-11-27.md 14:05).
+Auto fraction (`--offload auto`, on a GPU): the smallest fraction on the planner's 0.05 grid whose `estimate`
+`ring + the weights outside the layers on the device + KV cache + 1.35 x the prefill's activations + one 8-bit
+Linear's dequantized temporaries + workspace` fits the budget (the card less 1 GB, as `dittrain sample`) less the
+planner's 3 % margin, with the image at `files.IMAGE_PIXELS` and the batch that will run (`--batch`, or fewer where
+fewer files are left): the KV cache and the activations grow with it. `activation_bytes` counts what transformers'
+default attention (sdpa) allocates: no attention scores (flash / memory-efficient kernels), the batch x tokens x
+tokens mask, keys and values repeated to every head; the batch's pixels and image features, plus the larger of one
+image's pass through the vision tower and one decoder layer's attention or MLP phase over the batch. Against the three measured runs of Qwen2.5-VL-7B at
+batch 4 (before the bounded prefill, the CPU embedding and the 8-bit head / tower: `estimate(bounded=False)`),
+reserved vs estimated: bf16 at fraction 1 under 7 GB 6.74 vs 7.06 GB, fp8 at 1 under 7 GB 6.27 vs 6.87, bf16 at
+0.45 under 15 GB 12.80 vs 13.12 (tests/test_caption_prefill.py keeps each estimate at or up to 10 % above its
+measurement; bench/logs/2026-11-27-caption-fp8/, bench/history/2026-11-27.md). The estimate as it is now for the
+same model (bench_caption --estimate): fp8 under 7 GB, 0.55 for a batch of 4 and 0.65 for a batch of 8, not yet
+measured on a GPU.
+
+Default batch (8 without `--batch`, halved while auto's estimate does not fit it even with every layer streamed:
+captioner.py `_default_batch`). Streamed, a token step's cost is the streamed bytes, shared by the batch's rows. By
+the estimate for Qwen2.5-VL-7B (28 layers of 0.47 GB bf16, 0.23 GB 8-bit) a batch of 8 keeps a few layers fewer
+resident than a batch of 4 (its KV cache and prefill are larger) but streams 37-46 % fewer bytes per image and
+token: fp8 under 7 GB, 0.65 (19 layers, 4.4 GB, 0.55 GB an image) against 0.55 (16, 3.7 GB, 0.93); bf16 under 7 GB
+0.9 (26, 12.1 GB, 1.51) against 0.85 (24, 11.2 GB, 2.80); bf16 under 15 GB 0.3 (9, 4.2 GB, 0.52) against 0.25 (7,
+3.3 GB, 0.82). Resident, a larger batch is faster too (1.25 images/s at 4, 1.82 at 16 on an H200,
+bench/logs/2026-11-27-caption-fp8/). Batch 16 under 7 GB would need more than fraction 1 leaves (fp8 estimate 5.9
+GB of the 6.0 GB budget): 8 is the largest power of two that the estimate fits there. Qwen3-VL-8B in bf16 under
+7 GB does not fit 8 (estimate 5.9 GB against the 5.8 the margin leaves): there the default halves to 4 (0.9).
 
 Decoding is greedy (`do_sample=False`, the model's own repetition penalty kept): captions are then a function of
 the image, the prompt and the weights, equal with and without streaming.
@@ -59,6 +90,11 @@ from ..progress import shown
 QUANTIZE = quant.MODES
 #: the chat template some image-text-to-text folders lack (Florence-2 reads task tokens such as
 #: <MORE_DETAILED_CAPTION>, not a chat)
+#: prefill tokens of one decoder layer's MLP at a time (`bound_prefill`): its temporaries stay about
+#: 3 x MLP_ROWS x intermediate_size whatever the batch (Qwen2.5-VL-7B: 0.23 GB in bf16)
+MLP_ROWS = 2048
+#: output rows of the 8-bit head dequantized at a time (`RowChunkedQuantizedLinear`; 3584 wide: 0.12 GB in bf16)
+HEAD_ROWS = 16384
 NO_TEMPLATE = ("its processor has no chat template (Florence-2 and other task-token models are not chat models): "
                "dittrain caption needs a chat model such as Qwen2.5-VL or Qwen3-VL Instruct")
 
@@ -170,37 +206,199 @@ def quantize_decoder(blocks: list[nn.Module], mode: str) -> int:
     return quant.quantize_blocks(blocks, mode, modulation=False, pattern="")
 
 
+class RowChunkedQuantizedLinear(quant.QuantizedLinear):
+    """The 8-bit head: dequantized `HEAD_ROWS` output rows at a time, so its temporaries are those of a slice, not
+    of the 152k-row vocabulary (2 x 1.1 GB for Qwen2.5-VL-7B). Each output column is its own dot product: the
+    same values as the whole weight dequantized at once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.shape[0] <= HEAD_ROWS:
+            return super().forward(x)
+        out = []
+        for i in range(0, self.weight.shape[0], HEAD_ROWS):
+            w = quant.dequantize(self.weight[i:i + HEAD_ROWS], self.weight_scale[i:i + HEAD_ROWS], x.dtype)
+            out.append(torch.nn.functional.linear(x, w, None if self.bias is None else self.bias[i:i + HEAD_ROWS]))
+            del w
+        return torch.cat(out, dim=-1)
+
+
+def quantize_outside(model: nn.Module, mode: str) -> int:
+    """`--quantize` outside the decoder layers (after `quantize_decoder`): every remaining Linear, i.e. the vision
+    tower's, its merger's and the head's, held as 8 bits, in place; returns how many ("none": 0). The head
+    dequantizes in slices (`RowChunkedQuantizedLinear`). The embedding is a lookup, not a Linear: it stays in the
+    model dtype (and in CPU RAM while streaming, `place`). A head tied to the embedding gets its own 8-bit copy."""
+    if mode == "none":
+        return 0
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    for lin in linears:
+        quant.quantize_linear(lin, mode)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, quant.QuantizedLinear):
+        head.__class__ = RowChunkedQuantizedLinear
+    return len(linears)
+
+
+def _visual(model: nn.Module) -> nn.Module | None:
+    inner = getattr(model, "model", model)
+    return getattr(inner, "visual", None)
+
+
+class _PerImage:
+    """Mixed into the vision tower's class (`bound_prefill`): its forward run one image (one `grid_thw` row) at a
+    time, the outputs concatenated in order. Exact in exact arithmetic: Qwen-VL towers attend within an image (its
+    windows, its full-attention layers bounded by `cu_seqlens` per image) and everything else is per patch; its
+    peak is then one image's."""
+
+    def forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs):
+        if grid_thw.shape[0] <= 1:
+            return super().forward(hidden_states, grid_thw=grid_thw, **kwargs)
+        sizes = grid_thw.prod(-1).tolist()
+        return _concat([super(_PerImage, self).forward(h, grid_thw=grid_thw[i:i + 1], **kwargs)
+                        for i, h in enumerate(torch.split(hidden_states, sizes))])
+
+
+def _concat(outs: list):
+    """Per-image outputs of a vision tower joined: tensors along rows, lists / tuples element by element, model
+    outputs field by field."""
+    first = outs[0]
+    if torch.is_tensor(first):
+        return torch.cat(outs, dim=0)
+    if isinstance(first, dict):  # transformers' ModelOutput
+        return type(first)(**{k: _concat([o[k] for o in outs]) for k in first.keys()})
+    if isinstance(first, (list, tuple)):
+        return type(first)(_concat([o[i] for o in outs]) for i in range(len(first)))
+    return first
+
+
+class _ChunkedRows:
+    """Mixed into a decoder layer's MLP class (`bound_prefill`): at most `MLP_ROWS` tokens at a time (the prefill's
+    batch x prompt would otherwise hold three batch x tokens x intermediate_size temporaries); the MLP is per
+    token, so the rows are the same values."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= MLP_ROWS:
+            return super().forward(x)
+        return torch.cat([super(_ChunkedRows, self).forward(r) for r in torch.split(rows, MLP_ROWS)]) \
+            .view(*x.shape[:-1], -1)
+
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def _mix(module: nn.Module, mixin: type) -> None:
+    """`module`'s class becomes `mixin` over it (as trainer/quant.py swaps a Linear's class), once."""
+    cls = type(module)
+    if issubclass(cls, mixin):
+        return
+    if (cls, mixin) not in _MIXED:
+        _MIXED[cls, mixin] = type(cls.__name__, (mixin, cls), {})
+    module.__class__ = _MIXED[cls, mixin]
+
+
+def bound_prefill(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """What a batch's prefill allocates, bounded (module essay): the vision tower one image at a time, each
+    decoder layer's MLP `MLP_ROWS` tokens at a time. Idempotent."""
+    visual = _visual(model)
+    if visual is not None:
+        _mix(visual, _PerImage)
+    for b in blocks:
+        mlp = getattr(b, "mlp", None)
+        if mlp is not None:
+            _mix(mlp, _ChunkedRows)
+
+
 def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def auto_fraction(model: nn.Module, blocks: list[nn.Module], budget: float, batch: int, tokens: int,
-                  say: Callable[[str], None]) -> float:
-    """`--offload auto` on a GPU (see the module essay): the smallest grid fraction whose estimate fits `budget`
-    bytes with the planner's margin; 1.0 with a warning where none does. `batch`: the rows of one `generate`;
-    `tokens`: a prompt's length, new tokens included. The layers' bytes as they are held (8-bit after
-    `quantize_decoder`)."""
+def activation_bytes(model: nn.Module, batch: int, tokens: int, *, mlp_rows: int | None = MLP_ROWS,
+                     vision_images: int = 1) -> int:
+    """The prefill's largest live activations, allocated bytes (before the allocator's overhead): the inputs held
+    through it (the batch's pixels and image features, at most every token an image token), plus the larger of the
+    vision tower's (`vision_images` images at once: 1 with `bound_prefill`) and one decoder layer's over `batch` x
+    `tokens` rows (its MLP `mlp_rows` tokens at a time; None: all at once). Attention is transformers' default
+    sdpa: no scores are materialized, the mask is batch x tokens x tokens; keys and values are counted repeated to
+    every head (sdpa's GQA path without `enable_gqa`). Terms per phase:
+    - vision, per patch of an image of at most `tokens` x merge^2 patches (a row's tokens all image tokens): its qkv and output (4 x width), q and k rotated in
+      fp32 (2 x width x 4 B, twice: the product and the rotated half), the MLP's three intermediates, the residual
+      and the normed input;
+    - decoder attention: the residual, the normed input, q, k and v repeated, the attention output and o_proj's
+      (3 x hidden + 4 x heads x head_dim per token) and the mask;
+    - decoder MLP: the residual, the normed input and the joined output (3 x hidden per token), and three
+      intermediates of `mlp_rows` tokens."""
+    text = model.config.get_text_config()
+    elem = model.get_input_embeddings().weight.element_size()  # the model dtype
+    rows = batch * tokens
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    attention = rows * (3 * text.hidden_size + 4 * heads * head_dim) * elem + batch * tokens * tokens * elem
+    inter = getattr(text, "intermediate_size", 4 * text.hidden_size)
+    mlp = 3 * rows * text.hidden_size * elem + 3 * min(rows, mlp_rows or rows) * inter * elem
+    vision = inputs = 0
+    vc = getattr(model.config, "vision_config", None)
+    if vc is not None:
+        merge = getattr(vc, "spatial_merge_size", 2) ** 2
+        patches = tokens * merge * vision_images
+        width, vinter = vc.hidden_size, getattr(vc, "intermediate_size", 4 * vc.hidden_size)
+        vision = patches * ((6 * width + 3 * vinter) * elem + 4 * width * 4)
+        pixel = vc.in_channels * getattr(vc, "temporal_patch_size", 1) * vc.patch_size ** 2
+        inputs = rows * (merge * pixel + text.hidden_size) * elem
+    return inputs + max(vision, attention, mlp)
+
+
+def dequantized_bytes(model: nn.Module) -> int:
+    """--quantize: the largest dequantized temporaries of one 8-bit Linear (its up-cast and its scaled copy, in the
+    model dtype; the head's `HEAD_ROWS` slice); 0 without."""
+    elem = model.get_input_embeddings().weight.element_size()
+    sizes = [min(m.weight.shape[0], HEAD_ROWS if isinstance(m, RowChunkedQuantizedLinear) else m.weight.shape[0])
+             * m.weight.shape[1] for m in model.modules() if isinstance(m, quant.QuantizedLinear)]
+    return 2 * max(sizes, default=0) * elem
+
+
+def kv_bytes(model: nn.Module, layers: int, batch: int, tokens: int) -> int:
+    text = model.config.get_text_config()
+    elem = model.get_input_embeddings().weight.element_size()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return batch * tokens * layers * 2 * heads * head_dim * elem
+
+
+def estimate(model: nn.Module, blocks: list[nn.Module], batch: int, tokens: int,
+             bounded: bool = True) -> Callable[[float], float]:
+    """Reserved bytes `--offload auto` expects at a fraction (module essay): the ring (`capacity_for`), the
+    weights outside the layers on the device (without the embedding when streaming: `cpu_embedding`), the KV
+    cache, the allocator's overhead on `activation_bytes`, the dequantized temporaries and the workspace.
+    `bounded=False`: as runs before `bound_prefill` and the CPU embedding (the vision tower over the batch at
+    once, the MLP over every token, the embedding on the device), to compare with those runs' measurements."""
     from ..offload.plan import capacity_for
-    from ..planner.prediction import ALLOCATOR_OVERHEAD, GB, PREDICTION_MARGIN, WORKSPACE, first_fit
+    from ..planner.prediction import ALLOCATOR_OVERHEAD, WORKSPACE
 
     sizes = [_bytes(b.parameters()) + _bytes(b.buffers()) for b in blocks]
     inside = {id(t) for b in blocks for t in (*b.parameters(), *b.buffers())}
-    outside = _bytes(t for t in (*model.parameters(), *model.buffers()) if id(t) not in inside)
-    text = model.config.get_text_config()
-    elem = model.get_input_embeddings().weight.element_size()  # the model dtype: the KV cache's and activations'
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv = batch * tokens * len(blocks) * 2 * heads * head_dim * elem
-    act = batch * tokens * (3 * getattr(text, "intermediate_size", 4 * text.hidden_size) * elem
-                            + text.num_attention_heads * tokens * 4)
-    # --quantize: one Linear dequantized at a time, its up-cast and its scaled copy in the model dtype
-    deq = 2 * max((m.weight.numel() * elem for b in blocks for m in b.modules()
-                   if isinstance(m, quant.QuantizedLinear)), default=0)
-    limit = budget * (1 - PREDICTION_MARGIN)
+    outside = _bytes({id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) not in inside}.values())
+    emb = cpu_embedding(model) if bounded else None
+    on_cpu = _bytes(emb.parameters()) if emb is not None else 0
+    act = activation_bytes(model, batch, tokens) if bounded else \
+        activation_bytes(model, batch, tokens, mlp_rows=None, vision_images=batch)
+    rest = kv_bytes(model, len(blocks), batch, tokens) + ALLOCATOR_OVERHEAD * act + dequantized_bytes(model) + WORKSPACE
 
     def need(f: float) -> float:
-        return capacity_for(sizes, f) + outside + kv + ALLOCATOR_OVERHEAD * act + deq + WORKSPACE
+        return capacity_for(sizes, f) + outside - (on_cpu if f > 0 else 0) + rest
 
+    return need
+
+
+def auto_fraction(model: nn.Module, blocks: list[nn.Module], budget: float, batch: int, tokens: int,
+                  say: Callable[[str], None]) -> float:
+    """`--offload auto` on a GPU (see the module essay): the smallest grid fraction whose `estimate` fits `budget`
+    bytes with the planner's margin; 1.0 with a warning where none does. `batch`: the rows of one `generate`;
+    `tokens`: a prompt's length, new tokens included. The bytes as they are held (8-bit after `quantize_decoder`
+    and `quantize_outside`)."""
+    from ..planner.prediction import GB, PREDICTION_MARGIN, first_fit
+
+    need = estimate(model, blocks, batch, tokens)
+    limit = budget * (1 - PREDICTION_MARGIN)
     fit = first_fit(lambda f: need(f) <= limit)
     if fit is None:
         say(f"offload: auto -> 1.0, but the estimate ({need(1.0) / GB:.1f} GB) exceeds the {budget / GB:.1f} GB "
@@ -211,12 +409,33 @@ def auto_fraction(model: nn.Module, blocks: list[nn.Module], budget: float, batc
     return fit
 
 
+def cpu_embedding(model: nn.Module) -> nn.Module | None:
+    """The embedding `place` keeps in CPU RAM while streaming: the model's input embedding unless the head shares
+    its weight (then it must be on the device for the head anyway)."""
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(emb, nn.Embedding) or (head is not None and head.weight is emb.weight):
+        return None
+    return emb
+
+
+def _lookup_on_cpu(emb: nn.Embedding, device: torch.device) -> None:
+    """The ids go to the CPU, the looked-up rows come back to `device`: a copy of rows, the same values."""
+    emb.register_forward_pre_hook(lambda m, args: (args[0].to("cpu"), *args[1:]))
+    emb.register_forward_hook(lambda m, args, out: out.to(device))
+
+
 def place(model: nn.Module, blocks: list[nn.Module], device: torch.device, fraction: float):
-    """Resident at fraction 0 (returns None), else the layers streamed: returns the handle to close."""
+    """Resident at fraction 0 (returns None), else the layers streamed: returns the handle to close. Streamed,
+    the input embedding stays in CPU RAM (`cpu_embedding`). Either way the prefill is bounded (`bound_prefill`)."""
+    bound_prefill(model, blocks)
     if fraction <= 0:
         model.to(device)
         return None
-    move_outside_blocks(model, blocks, device)
+    emb = cpu_embedding(model)
+    move_outside_blocks(model, [*blocks, emb] if emb is not None else blocks, device)
+    if emb is not None:
+        _lookup_on_cpu(emb, torch.device(device))
     return attach_offload(blocks, device, fraction, mode="sample")
 
 
