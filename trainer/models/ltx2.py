@@ -15,8 +15,11 @@ How it mirrors diffusers' LTX2Pipeline (0.42):
   of the 1024 rows is valid afterwards) -> `prompt_embeds` (B, 1024, 3840) for the video stream and its mask.
   The connectors are frozen: they load with the text encoder (`Components.extras`), stay in CPU RAM and visit the
   device of Gemma's states for each call; the cache holds their output, 7.9 MB a caption in bf16, not Gemma's
-  385 MB of stacked states. The planner counts them with Gemma's non-block weights where it has no folder to build
-  Gemma from, and not at all where it has one.
+  385 MB of stacked states. They run one prompt at a time (`OnePromptConnectors`, in captions' caching and in the
+  pipeline's call alike): their masked per-layer norm makes a bf16 and two fp32 copies of its whole input at once,
+  5 x 385 MB a prompt, which for the encode batch of 4 was the peak that ran the 16 GB preset out of its 15 GB
+  (bench/logs/2026-11-27-night/ltx2_text_caching_oom_trace.txt). What captions' caching and a sample's prompts
+  hold on the GPU beside the weights (`text_encode_peaks`, `sampling_prompt_bytes`) is what the planner counts.
 - latents: the VAE's mean (`latent_dist.mode()`, the image-to-video pipeline's `retrieve_latents(..., "argmax")`)
   normalised per channel, (z - latents_mean) * scaling_factor / latents_std, the inverse of the pipeline's
   `_denormalize_latents`. Clips have 8k + 1 frames (an image is one); sides divide by 32.
@@ -77,6 +80,7 @@ from typing import Any
 
 import torch
 from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from torch import nn
 
 from . import ltx2_audio
@@ -108,6 +112,17 @@ GEMMA3_VISION = 416_866_032 + 4_424_832
 #: Gemma 3 12B (Gemma3ForConditionalGeneration) outside its 48 decoder layers, as slimmed: the 262k-token embedding
 #: (tied to the head) and the final norm
 GEMMA3_NONBLOCK = 12_187_325_040 - 10_759_151_616 - GEMMA3_VISION
+#: LTX2TextConnectors' parameters at the release's config (its defaults with the "split" RoPE): 2.86 GB in bf16
+CONNECTORS_PARAMS = 1_431_475_200
+#: the audio VAE's and the vocoder's parameters at the release's config (their defaults): the pipeline decodes the
+#: sound with them, on the sampling device from the prompts' encoding on (`pipeline_embeds`)
+SOUND_DECODER_PARAMS = 53_248_146 + 55_592_802
+#: per token, the values of Gemma 3 12B's hidden states the pipeline stacks: the embeddings' and the 48 layers'
+#: outputs, 3840 wide (`_get_gemma_prompt_embeds`): 385 MB a 1024-token prompt in bf16
+GEMMA3_STACKED = 49 * 3840
+#: per token, Gemma 3 12B's largest live activations inside one decoder layer: the MLP's gate, up and product
+#: (15360 wide) and a few 3840-wide tensors (q / k / v / residual), 126 MB a 1024-token prompt in bf16
+GEMMA3_LAYER_ACT = 3 * 15360 + 4 * 3840
 
 
 #: LTX-2's original layout (Lightricks' checkpoints, ComfyUI's `diffusion_model.*`, kohya `lora_unet_*`): the blocks'
@@ -139,6 +154,34 @@ def unpack(tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
     return tokens.reshape(b, *grid, c).permute(0, 4, 1, 2, 3)
 
 
+class OnePromptConnectors(LTX2TextConnectors):
+    """LTX2TextConnectors that run one prompt (a row of the batch) at a time and join the rows: the same
+    embeddings, since every step of theirs is the prompt's own (the masked per-layer norm's mean and range over its
+    tokens, the projection, the registers in its padding's place, attention among its tokens; bitwise on the CPU:
+    tests/test_ltx2.py), without the whole batch's temporaries: diffusers' `per_layer_masked_mean_norm` holds a
+    masked bf16 copy and two fp32 copies of its (B, 1024, 3840, 49) input at once. `load` builds the folder's
+    connectors as this class, so captions' caching and the pipeline's own call (its [negative, prompt] batch of
+    two) both run them so."""
+
+    def forward(self, text_encoder_hidden_states, attention_mask, padding_side="left", scale_factor=8):
+        rows = [super(OnePromptConnectors, self).forward(text_encoder_hidden_states[i : i + 1],
+                                                         attention_mask[i : i + 1], padding_side=padding_side,
+                                                         scale_factor=scale_factor)
+                for i in range(text_encoder_hidden_states.shape[0])]
+        return tuple(torch.cat(parts) for parts in zip(*rows, strict=True))
+
+
+def _stacked_bytes(prompts: int, itemsize: int) -> int:
+    """Gemma's stacked hidden states of `prompts` prompts (the pipeline's `_get_gemma_prompt_embeds`)."""
+    return prompts * MAX_SEQUENCE_LENGTH * GEMMA3_STACKED * itemsize
+
+
+def _norm_bytes(itemsize: int) -> int:
+    """What the connectors' masked per-layer norm of one prompt adds to its input at its peak: the masked copy in
+    the model dtype and two fp32 copies (`(x - mean) / range`, then `* 8`, then the mask: two live at a time)."""
+    return _stacked_bytes(1, itemsize) + 2 * _stacked_bytes(1, 4)
+
+
 def _visits_its_input(module: nn.Module) -> nn.Module:
     """Hooks that move `module` to its first input's device for each call and back where it was after it. The
     pipeline runs its text connectors (1.43 B parameters, 2.9 GB in bf16) on the prompt embeddings in every call,
@@ -161,7 +204,6 @@ def tiny_pipeline() -> LTX2Pipeline:
     Gemma tokenizer, connectors with 8 registers, two joint blocks, the video VAE at the real geometry (32x, 8x,
     4 latent channels), a tiny audio VAE and vocoder (the pipeline decodes sound on every call), LTX-2's scheduler."""
     from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler
-    from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
@@ -244,9 +286,11 @@ class LTX2Adapter(DiffusersAdapter):
     full_name, example_path = "LTX-2 (19B)", "/path/to/LTX-2-Diffusers"
     full_config = {"rope_type": "split"}  # diffusers' defaults otherwise (module essay)
     text_tokens = MAX_SEQUENCE_LENGTH  # always 1024 rows: the registers fill the padding
-    text_encoder_params = (("Gemma 3 12B (with LTX-2's text connectors)", 12_187_325_040 + 1_431_475_200),)
-    text_encoder_nonblock_params = (GEMMA3_NONBLOCK + 1_431_475_200,)
-    text_encoder_unused_params = (GEMMA3_VISION,)
+    text_encoder_params = (("Gemma 3 12B (with LTX-2's text connectors)", 12_187_325_040 + CONNECTORS_PARAMS),)
+    text_encoder_nonblock_params = (GEMMA3_NONBLOCK,)
+    #: the vision tower the loader drops, and the connectors: loaded with Gemma (its RAM) but never placed with it;
+    #: they visit the GPU for their own call, which `text_encode_peaks` counts
+    text_encoder_unused_params = (GEMMA3_VISION + CONNECTORS_PARAMS,)
     text_encoder_layers = (48,)
     #: the blocks' scale / shift / gate are Parameters (`scale_shift_table`, ...) plus the time embeddings outside
     #: the blocks: no block Linear is a modulation Linear
@@ -280,7 +324,6 @@ class LTX2Adapter(DiffusersAdapter):
         connectors (LTX2TextConnectors' defaults, 1.43 B, with the transformer's "split" RoPE), the audio VAE and
         the vocoder (their defaults: the release's, trainer/models/ltx2_audio.py)."""
         from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
-        from diffusers.pipelines.ltx2 import LTX2TextConnectors
         from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
         from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
@@ -335,8 +378,9 @@ class LTX2Adapter(DiffusersAdapter):
     # ------------------------------------------------------------------------------------------ loading
 
     def load(self, cfg, *, parts, dtype, device="cpu") -> Components:
-        """As every family loads, and with the text encoder its connectors (`extras["connectors"]`), kept in CPU RAM:
-        they visit the device of Gemma's states for each call (`_visits_its_input`); with the VAE, where this run
+        """As every family loads, and with the text encoder its connectors (`extras["connectors"]`, one prompt at a
+        time: `OnePromptConnectors`), kept in CPU RAM: they visit the device of Gemma's states for each call
+        (`_visits_its_input`); with the VAE, where this run
         trains sound, the audio VAE (`extras["sound_encoder"]`, fp32 on `device`: Lightricks' trainer encodes
         sound in fp32 "for quality")."""
         out = super().load(cfg, parts=parts, dtype=dtype, device=device)
@@ -347,16 +391,14 @@ class LTX2Adapter(DiffusersAdapter):
                 str(cfg.path), subfolder="audio_vae", torch_dtype=torch.float32, local_files_only=True,
             ).to(device).eval().requires_grad_(False)
         if "text" in parts:
-            from diffusers.pipelines.ltx2 import LTX2TextConnectors
-
             from ..errors import UserError
 
             root = Path(cfg.path)
             if not (root / "connectors" / "config.json").is_file():
                 raise UserError(f"{root / 'connectors'} not found: expected LTX-2's text connectors of a "
                                 f"diffusers-format {self.family} folder ({self._expected()}, connectors/)")
-            conn = LTX2TextConnectors.from_pretrained(str(root), subfolder="connectors", torch_dtype=dtype,
-                                                      local_files_only=True)
+            conn = OnePromptConnectors.from_pretrained(str(root), subfolder="connectors", torch_dtype=dtype,
+                                                       local_files_only=True)
             out.extras["connectors"] = _visits_its_input(conn.eval().requires_grad_(False))
         return out
 
@@ -391,7 +433,9 @@ class LTX2Adapter(DiffusersAdapter):
     @torch.no_grad()
     def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Gemma's stacked states through the pipeline's own `_get_gemma_prompt_embeds` (on the encoder's language
-        model: the logits over 262k tokens are never read), then the connectors' video embeddings and mask."""
+        model: the logits over 262k tokens are never read), then the connectors' video embeddings and mask, one
+        prompt at a time (`OnePromptConnectors`). Gemma runs the batch at once: one pass of its streamed layers per
+        batch, its stacked states `data.encode_batch_size` x 385 MB (`text_encode_peaks`)."""
         (enc,), (tok,), conn = components.text_encoders, components.tokenizers, components.extras["connectors"]
         dev = enc.get_input_embeddings().weight.device
         host = SimpleNamespace(tokenizer=tok, text_encoder=enc.model)
@@ -402,6 +446,34 @@ class LTX2Adapter(DiffusersAdapter):
         if self.trains_sound:  # the audio stream's prompt (the pipeline's `connector_audio_prompt_embeds`)
             out["audio_prompt_embeds"] = audio.to(enc.dtype)
         return out
+
+    @classmethod
+    def text_encode_peaks(cls, batch: int, itemsize: int, stage: str = "cache") -> list[tuple[int, int]]:
+        """(weights, activations) on the GPU beside Gemma's placed weights (its ring and its embedding) at each peak
+        of encoding `batch` prompts in the model dtype's `itemsize` (the planner's text phases take the largest,
+        the activations with its allocator overhead). Gemma's pass: the model's tuple of hidden states and the
+        pipeline's stack of it (both live until `_get_gemma_prompt_embeds` returns) and one layer's activations.
+        Then, in captions' caching (`stage` "cache": `encode_prompts`; a sample's prompts, "sample", stop at
+        Gemma's states: the pipeline's call runs the connectors, `sampling_prompt_bytes`), the connectors' weights
+        visiting, the batch's stacked states and one prompt's norm (`OnePromptConnectors`). For 4 prompts in bf16:
+        3.6 GB, then 2.86 + 3.47 GB. Checked against the trace of the batch's norm before it ran one prompt at a
+        time (bench/logs/2026-11-27-night/ltx2_text_caching_oom_trace.txt): at the OOM 2.863 GB of connectors,
+        1.541 of stacked states and 1.541 of the norm's masked copy were live beside Gemma's 6.05 GB, as this count
+        has them (tests/test_ltx2.py)."""
+        gemma = (0, 2 * _stacked_bytes(batch, itemsize) + batch * MAX_SEQUENCE_LENGTH * GEMMA3_LAYER_ACT * itemsize)
+        if stage == "sample":
+            return [gemma]
+        return [gemma, (CONNECTORS_PARAMS * itemsize, _stacked_bytes(batch, itemsize) + _norm_bytes(itemsize))]
+
+    @classmethod
+    def sampling_prompt_bytes(cls, batch: int, itemsize: int) -> tuple[int, int, int]:
+        """What a sample's pipeline call holds on the GPU for its prompt beside the transformer and the video VAE,
+        for a denoising batch of `batch` (2: the negative prompt's pass): (held, weights, activations). Held for
+        the whole call: the prompts' stacked Gemma states as `pipeline_embeds` gives them, the pipeline's
+        concatenation of the two (its local `prompt_embeds`), and the audio VAE and vocoder. Before the first
+        step, while the connectors run (one prompt at a time): their weights and one prompt's norm."""
+        held = _stacked_bytes(batch, itemsize) * (2 if batch > 1 else 1) + SOUND_DECODER_PARAMS * itemsize
+        return held, CONNECTORS_PARAMS * itemsize, _norm_bytes(itemsize)
 
     def sound_rate(self, encoder: nn.Module) -> int:
         return int(encoder.config.sample_rate)
