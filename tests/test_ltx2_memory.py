@@ -112,3 +112,20 @@ def test_text_caching_phase_uses_the_familys_count():
     facts = SimpleNamespace(adapter=cls, family=FAMILY, dtype=torch.bfloat16, text_sizes=[gemma], text_tokens=1024)
     w, a = cls.text_encode_peaks(4, 2)[1]
     assert _text_vram(facts, 0.8, 4) == pytest.approx(gemma.on_gpu(0.8) + w + ALLOCATOR_OVERHEAD * a + WORKSPACE)
+
+
+def test_sampling_counts_the_prompts_the_pipeline_call_holds():
+    """`dittrain sample` and sampling during training: the call holds the prompt's and the negative prompt's
+    stacked states, their concatenation and the sound decoders from start to end, and before the first step the
+    connectors visit with one prompt's norm; a family that counts nothing of its own adds nothing."""
+    from types import SimpleNamespace
+
+    from trainer.models.ltx2 import SOUND_DECODER_PARAMS, _norm_bytes
+    from trainer.planner.prediction import ALLOCATOR_OVERHEAD
+    from trainer.planner.sampling import _prompt_bytes
+
+    facts = SimpleNamespace(adapter=adapter_class(FAMILY), dtype=torch.bfloat16)
+    held, visit = _prompt_bytes(facts, 2)
+    assert held == 4 * _stacked_bytes(1, 2) + SOUND_DECODER_PARAMS * 2
+    assert visit == CONNECTORS_PARAMS * 2 + ALLOCATOR_OVERHEAD * _norm_bytes(2)
+    assert _prompt_bytes(SimpleNamespace(adapter=adapter_class("flux"), dtype=torch.bfloat16), 2) == (0.0, 0.0)

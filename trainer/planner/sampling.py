@@ -24,6 +24,9 @@ decode's activations), which can exceed the denoising loop's at large sizes; `di
 tiles where that does not fit (trainer/sampling/placement.py). A video family's sample is its clip (`size`: width x
 height x sample.frames, the tokens of every latent frame), and its decode is the video VAE's own, counted on the meta
 device (trainer/planner/vae.py). Left out: the text encoders (they run first and are released, trainer/sample.py).
+What the call holds for its prompts is counted where the family says (`sampling_prompt_bytes`): LTX-2's pipeline
+keeps the prompts' stacked Gemma states (385 MB each in bf16) and their concatenation through the call, and runs
+its text connectors (2.86 GB, visiting) on them before the first step.
 
 A family whose samples also run other transformers (`sampling_components`: Ideogram 4's unconditional one, the
 trained one's size) has each placed at the same fraction by `dittrain sample`: their rings and non-block weights
@@ -69,6 +72,8 @@ class SamplePrediction:
     #: bytes of the family's other sampling transformers (`sampling_components`) placed at this fraction (in both
     #: peaks above)
     others: float = 0.0
+    #: bytes the call holds for its prompts from start to end (`sampling_prompt_bytes`; in both peaks above)
+    prompts: float = 0.0
 
 
 def kv_cache_bytes(facts, tr, res: int, batch: int = 1) -> float:
@@ -108,16 +113,29 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
     placed = 1 + len(facts.adapter.sampling_components)
     others = (placed - 1) * (_round2m(ring) + _round2m(facts.nonblock_bytes))
     weights = _round2m(ring) + _round2m(facts.nonblock_bytes) + others
-    reserved = weights + kv + ALLOCATOR_OVERHEAD * act + WORKSPACE
+    held, visit = _prompt_bytes(facts, batch)
+    reserved = weights + kv + held + max(ALLOCATOR_OVERHEAD * act, visit) + WORKSPACE
     compute = placed * batch * (tr.linear_flops + tr.attn_flops) / ptime.forward_rate(rates, res)
     transfer = placed * moved / rates.h2d
     if facts.vae_config is None:  # an image: bytes per pixel
         dec_act = ALLOCATOR_OVERHEAD * res * res * VAE_ACT_DECODE
     else:  # a clip: the video VAE's own decode, counted on the meta device (planner/vae.py)
         dec_act = RESERVED_PER_COUNTED * clip_peak(facts.family, facts.vae_config, facts.dtype, "decode", w, h, frames)
-    decode = weights + facts.adapter.vae_params * 2 + kv + dec_act + WORKSPACE
+    decode = weights + facts.adapter.vae_params * 2 + kv + held + dec_act + WORKSPACE
     return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer, decode, kv,
-                            others)
+                            others, held)
+
+
+def _prompt_bytes(facts, batch: int) -> tuple[float, float]:
+    """(held, visit): what the pipeline's call holds for its prompts from start to end, and what its prompt
+    processing adds before the first step (weights + activations with the allocator's overhead), where the family
+    counts them (`sampling_prompt_bytes`: LTX-2's stacked Gemma states, its text connectors visiting); (0, 0)
+    elsewhere: the prompts' embeddings are small beside the denoising activations."""
+    count = getattr(facts.adapter, "sampling_prompt_bytes", None)  # trainer/models/ltx2.py
+    if count is None:
+        return 0.0, 0.0
+    held, weights, act = count(batch, facts.dtype.itemsize)
+    return float(held), weights + ALLOCATOR_OVERHEAD * act
 
 
 def choose_sampling_fraction(facts, budget_gb: float, width: int, height: int, batch: int = 1, log=print,
