@@ -1,8 +1,9 @@
 """LTX-2's text connectors one prompt at a time (issue 45: the 16 GB preset ran out of its 15 GB cap caching
 captions, bench/logs/2026-11-27-night/ltx2_text_caching_oom_trace.txt): the same embeddings as diffusers' batched
 call, bitwise on the CPU; the masked per-layer norm never sees more than one prompt, in captions' caching and in
-the pipeline's own call; and the planner's count of what encoding holds, checked against the allocations that trace
-recorded for the batch of four before the change."""
+the pipeline's own call, and a sample's prompts go through it when they are encoded, not in the pipeline's call
+(the same latents and sound); the planner's count of what encoding holds, checked against the allocations that
+trace recorded for the batch of four before the change."""
 
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ def test_connectors_load_one_prompt_at_a_time_and_equal_the_batched_call(loaded)
         assert torch.equal(text["prompt_attention_mask"], batched[2])
         for ours, theirs in zip(conn(pe, pm, padding_side="left"), batched, strict=True):
             assert torch.equal(ours, theirs)
+        # packed by `connect`, the outputs come back out of `forward` as they went in (the sample's path)
+        for ours, theirs in zip(conn(conn.connect(pe, pm), pm), batched, strict=True):
+            assert torch.equal(ours, theirs) and ours.dtype == theirs.dtype
         half = OnePromptConnectors.from_config(conn.config)
         half.load_state_dict(conn.state_dict())
         half = half.to(torch.bfloat16)
@@ -67,16 +71,27 @@ def test_connectors_load_one_prompt_at_a_time_and_equal_the_batched_call(loaded)
 
 
 def test_the_norm_never_sees_more_than_one_prompt(loaded, norm_batches):
-    """Captions' caching (a batch of three) and the pipeline's own call (its [negative, prompt] batch of two under
-    guidance) run the connectors' norm on one prompt's stacked states at a time."""
+    """Captions' caching (a batch of three) and the pipeline's own call from a prompt (its [negative, prompt]
+    batch of two under guidance) run the connectors' norm on one prompt's stacked states at a time; a sample's
+    prompts (`pipeline_embeds`) run it when they are encoded, and the pipeline's call from those embeddings not
+    at all, with the same result as its call from the prompt."""
     adapter, comps, pipe = loaded
     with torch.no_grad():
         adapter.encode_prompts(comps, PROMPTS)
     assert norm_batches == [1, 1, 1]
     norm_batches.clear()
-    pipe(prompt=PROMPTS[0], height=64, width=64, num_frames=9, num_inference_steps=1, output_type="latent",
-         generator=torch.Generator().manual_seed(0))
+    call = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 2, "output_type": "latent"}
+    want = pipe(prompt=PROMPTS[0], generator=torch.Generator().manual_seed(0), **call)
     assert norm_batches == [1, 1]
+    norm_batches.clear()
+    with torch.no_grad():
+        embeds = adapter.pipeline_embeds(pipe, PROMPTS[0], "", "cpu")
+    assert norm_batches == [1, 1]
+    got = pipe(**embeds, generator=torch.Generator().manual_seed(0), **call)
+    assert norm_batches == [1, 1]  # none in the call
+    assert embeds["prompt_embeds"].shape == (1, 1024, 32 + 32 + 1)
+    assert not want.frames.isnan().any() and not want.audio.isnan().any()
+    assert torch.equal(got.frames, want.frames) and torch.equal(got.audio, want.audio)
 
 
 def test_planner_counts_what_the_oom_trace_measured():
@@ -115,17 +130,18 @@ def test_text_caching_phase_uses_the_familys_count():
 
 
 def test_sampling_counts_the_prompts_the_pipeline_call_holds():
-    """`dittrain sample` and sampling during training: the call holds the prompt's and the negative prompt's
-    stacked states, their concatenation and the sound decoders from start to end, and before the first step the
-    connectors visit with one prompt's norm; a family that counts nothing of its own adds nothing."""
+    """`dittrain sample` and sampling during training: the call holds the connectors' packed outputs for the prompt
+    and the negative prompt, their concatenation and the sound decoders from start to end (the connectors ran
+    with the text encoder); a family that counts nothing of its own adds nothing."""
     from types import SimpleNamespace
 
-    from trainer.models.ltx2 import SOUND_DECODER_PARAMS, _norm_bytes
-    from trainer.planner.prediction import ALLOCATOR_OVERHEAD
+    from trainer.models.ltx2 import SOUND_DECODER_PARAMS
     from trainer.planner.sampling import _prompt_bytes
 
     facts = SimpleNamespace(adapter=adapter_class(FAMILY), dtype=torch.bfloat16)
-    held, visit = _prompt_bytes(facts, 2)
-    assert held == 4 * _stacked_bytes(1, 2) + SOUND_DECODER_PARAMS * 2
-    assert visit == CONNECTORS_PARAMS * 2 + ALLOCATOR_OVERHEAD * _norm_bytes(2)
-    assert _prompt_bytes(SimpleNamespace(adapter=adapter_class("flux"), dtype=torch.bfloat16), 2) == (0.0, 0.0)
+    assert _prompt_bytes(facts, 2) == 4 * 1024 * (3840 + 3840 + 1) * 2 + SOUND_DECODER_PARAMS * 2
+    assert _prompt_bytes(SimpleNamespace(adapter=adapter_class("flux"), dtype=torch.bfloat16), 2) == 0.0
+    cls = adapter_class(FAMILY)  # a sample's prompt and negative: Gemma alone for each, then connected in turn
+    assert cls.text_encode_peaks(1, 2, "sample")[1] == (CONNECTORS_PARAMS * 2,
+                                                        2 * _stacked_bytes(1, 2) + cls.text_encode_peaks(1, 2)[1][1]
+                                                        - _stacked_bytes(1, 2))

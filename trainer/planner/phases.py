@@ -28,9 +28,9 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
 - training step: `predict` (prediction.py).
 - sampling: the training step's static part (ring, non-block, LoRA state) + the VAE + the pipeline's KV cache
   where it keeps one (sampling.py `kv_cache_bytes`: Qwen-Image 2.1) + what the call holds for its prompts where
-  the family counts it (sampling.py: LTX-2's stacked Gemma states) + the larger of the denoising forward's
-  activations (sampling.py; doubled under classifier-free guidance; LTX-2: or its text connectors' visit before
-  the first step) and the tiled decode's (512-pixel tiles above 512x512). A video family's forward is its sample's clip (sample.width x height x frames) and its decode the
+  the family counts it (sampling.py: LTX-2's sound decoders) + the larger of the denoising forward's
+  activations (sampling.py; doubled under classifier-free guidance) and the tiled decode's (512-pixel tiles above
+  512x512). A video family's forward is its sample's clip (sample.width x height x frames) and its decode the
   video VAE's, tiled as diffusers tiles it above 512x512 (vae.py).
 - checkpoint save: on the GPU what the training step reserved (the caching allocator keeps it; the save adds
   little); in RAM the training peak plus a host copy of the trained weights and optimizer state (safetensors
@@ -112,7 +112,7 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     encode_batch = cfg.data.encode_batch_size if cfg.data else 4
     text_vram = _text_vram(facts, te, encode_batch)
     s = cfg.sample
-    # encoded before the transformer, one prompt at a time through the pipeline's `encode_prompt`
+    # encoded before the transformer, one prompt (and its negative) at a time, as the sampler's `pipeline_embeds`
     prompts_at_load = _text_vram(facts, te, 1, "sample") if s.every and s.prompts else 0.0
     out = [
         PhasePrediction("text caching", text_vram, text_bytes, f"offload.text_encoders {te:g}"),

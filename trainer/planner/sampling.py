@@ -24,9 +24,8 @@ decode's activations), which can exceed the denoising loop's at large sizes; `di
 tiles where that does not fit (trainer/sampling/placement.py). A video family's sample is its clip (`size`: width x
 height x sample.frames, the tokens of every latent frame), and its decode is the video VAE's own, counted on the meta
 device (trainer/planner/vae.py). Left out: the text encoders (they run first and are released, trainer/sample.py).
-What the call holds for its prompts is counted where the family says (`sampling_prompt_bytes`): LTX-2's pipeline
-keeps the prompts' stacked Gemma states (385 MB each in bf16) and their concatenation through the call, and runs
-its text connectors (2.86 GB, visiting) on them before the first step.
+What the call holds for its prompts is counted where the family says (`sampling_prompt_bytes`: LTX-2's sound
+decoders and its text connectors' outputs, computed with the text encoder).
 
 A family whose samples also run other transformers (`sampling_components`: Ideogram 4's unconditional one, the
 trained one's size) has each placed at the same fraction by `dittrain sample`: their rings and non-block weights
@@ -113,8 +112,8 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
     placed = 1 + len(facts.adapter.sampling_components)
     others = (placed - 1) * (_round2m(ring) + _round2m(facts.nonblock_bytes))
     weights = _round2m(ring) + _round2m(facts.nonblock_bytes) + others
-    held, visit = _prompt_bytes(facts, batch)
-    reserved = weights + kv + held + max(ALLOCATOR_OVERHEAD * act, visit) + WORKSPACE
+    held = _prompt_bytes(facts, batch)
+    reserved = weights + kv + held + ALLOCATOR_OVERHEAD * act + WORKSPACE
     compute = placed * batch * (tr.linear_flops + tr.attn_flops) / ptime.forward_rate(rates, res)
     transfer = placed * moved / rates.h2d
     if facts.vae_config is None:  # an image: bytes per pixel
@@ -126,16 +125,12 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
                             others, held)
 
 
-def _prompt_bytes(facts, batch: int) -> tuple[float, float]:
-    """(held, visit): what the pipeline's call holds for its prompts from start to end, and what its prompt
-    processing adds before the first step (weights + activations with the allocator's overhead), where the family
-    counts them (`sampling_prompt_bytes`: LTX-2's stacked Gemma states, its text connectors visiting); (0, 0)
-    elsewhere: the prompts' embeddings are small beside the denoising activations."""
+def _prompt_bytes(facts, batch: int) -> float:
+    """What the pipeline's call holds for its prompts from start to end where the family counts it
+    (`sampling_prompt_bytes`: LTX-2's packed connector outputs and its sound decoders); 0 elsewhere: the prompts'
+    embeddings are small beside the denoising activations."""
     count = getattr(facts.adapter, "sampling_prompt_bytes", None)  # trainer/models/ltx2.py
-    if count is None:
-        return 0.0, 0.0
-    held, weights, act = count(batch, facts.dtype.itemsize)
-    return float(held), weights + ALLOCATOR_OVERHEAD * act
+    return 0.0 if count is None else float(count(batch, facts.dtype.itemsize))
 
 
 def choose_sampling_fraction(facts, budget_gb: float, width: int, height: int, batch: int = 1, log=print,
