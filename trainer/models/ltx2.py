@@ -15,8 +15,13 @@ How it mirrors diffusers' LTX2Pipeline (0.42):
   of the 1024 rows is valid afterwards) -> `prompt_embeds` (B, 1024, 3840) for the video stream and its mask.
   The connectors are frozen: they load with the text encoder (`Components.extras`), stay in CPU RAM and visit the
   device of Gemma's states for each call; the cache holds their output, 7.9 MB a caption in bf16, not Gemma's
-  385 MB of stacked states. The planner counts them with Gemma's non-block weights where it has no folder to build
-  Gemma from, and not at all where it has one.
+  385 MB of stacked states. They run one prompt at a time (`OnePromptConnectors`): their masked per-layer norm
+  makes a masked copy and two fp32 copies of its whole input at once, 5 x 385 MB a prompt, which for the encode
+  batch of 4 was the peak that ran the 16 GB preset out of its 15 GB
+  (bench/logs/2026-11-27-night/ltx2_text_caching_oom_trace.txt). A sample's prompts go through them when they
+  are encoded, beside the text encoder, not in the pipeline's call beside the transformer (`pipeline_embeds`).
+  What captions' caching and a sample's prompts hold on the GPU beside the weights (`text_encode_peaks`,
+  `sampling_prompt_bytes`) is what the planner counts.
 - latents: the VAE's mean (`latent_dist.mode()`, the image-to-video pipeline's `retrieve_latents(..., "argmax")`)
   normalised per channel, (z - latents_mean) * scaling_factor / latents_std, the inverse of the pipeline's
   `_denormalize_latents`. Clips have 8k + 1 frames (an image is one); sides divide by 32.
@@ -50,7 +55,9 @@ How it mirrors diffusers' LTX2Pipeline (0.42):
 - shift: the folder's scheduler (FlowMatchEulerDiscreteScheduler with dynamic shifting, base 0.95 at 1024 tokens
   to 2.05 at 4096); the pipeline computes mu from the video tokens, so training takes the shift of a clip of
   `plan_frames` (121) frames at the bucket's size.
-- sampling: `LTX2Pipeline` with the Gemma embeddings and mask of the prompt and of the negative prompt: its audio
+- sampling: `LTX2Pipeline` with the Gemma embeddings and mask of the prompt and of the negative prompt, already
+  through the connectors (`pipeline_embeds`, `OnePromptConnectors.connect`: the call's own connectors hand them
+  back unchanged, so the call computes what it would from the prompt): its audio
   guidance (`audio_guidance_scale` 7) runs classifier-free guidance at any video `guidance_scale`, so the negative
   pass always runs (`runs_cfg`). Everything else at the pipeline's defaults (its spatio-temporal guidance at block
   28, modality guidance 3, guidance rescale 0.7); `frame_rate` is `FRAME_RATE`.
@@ -77,6 +84,7 @@ from typing import Any
 
 import torch
 from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from torch import nn
 
 from . import ltx2_audio
@@ -108,6 +116,17 @@ GEMMA3_VISION = 416_866_032 + 4_424_832
 #: Gemma 3 12B (Gemma3ForConditionalGeneration) outside its 48 decoder layers, as slimmed: the 262k-token embedding
 #: (tied to the head) and the final norm
 GEMMA3_NONBLOCK = 12_187_325_040 - 10_759_151_616 - GEMMA3_VISION
+#: LTX2TextConnectors' parameters at the release's config (its defaults with the "split" RoPE): 2.86 GB in bf16
+CONNECTORS_PARAMS = 1_431_475_200
+#: the audio VAE's and the vocoder's parameters at the release's config (their defaults): the pipeline decodes the
+#: sound with them, on the sampling device from the prompts' encoding on (`pipeline_embeds`)
+SOUND_DECODER_PARAMS = 53_248_146 + 55_592_802
+#: per token, the values of Gemma 3 12B's hidden states the pipeline stacks: the embeddings' and the 48 layers'
+#: outputs, 3840 wide (`_get_gemma_prompt_embeds`): 385 MB a 1024-token prompt in bf16
+GEMMA3_STACKED = 49 * 3840
+#: per token, Gemma 3 12B's largest live activations inside one decoder layer: the MLP's gate, up and product
+#: (15360 wide) and a few 3840-wide tensors (q / k / v / residual), 126 MB a 1024-token prompt in bf16
+GEMMA3_LAYER_ACT = 3 * 15360 + 4 * 3840
 
 
 #: LTX-2's original layout (Lightricks' checkpoints, ComfyUI's `diffusion_model.*`, kohya `lora_unet_*`): the blocks'
@@ -139,21 +158,62 @@ def unpack(tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
     return tokens.reshape(b, *grid, c).permute(0, 4, 1, 2, 3)
 
 
-def _visits_its_input(module: nn.Module) -> nn.Module:
-    """Hooks that move `module` to its first input's device for each call and back where it was after it. The
-    pipeline runs its text connectors (1.43 B parameters, 2.9 GB in bf16) on the prompt embeddings in every call,
-    long after the text encoder is gone: kept on the GPU they would sit beside the training ring for the whole fit."""
-    home = next(module.parameters()).device
+class OnePromptConnectors(LTX2TextConnectors):
+    """LTX2TextConnectors (frozen, kept in CPU RAM) that visit the device of their input for a call, run one prompt
+    (a row of the batch) at a time, and take their own outputs back as input.
 
-    def arrive(m, args, kwargs):
-        m.to((args[0] if args else next(iter(kwargs.values()))).device)
+    - One prompt at a time: the same embeddings, since every step of theirs is the prompt's own (the masked
+      per-layer norm's mean and range over its tokens, the projection, the registers in its padding's place,
+      attention among its tokens; bitwise on the CPU: tests/test_ltx2_memory.py), without the whole batch's
+      temporaries: diffusers' `per_layer_masked_mean_norm` holds a masked copy and two fp32 copies of its
+      (B, 1024, 3840 x 49) input at once.
+    - Visiting: moved to the input's device for the call and back after (1.43 B parameters, 2.9 GB in bf16: kept
+      on the GPU they would sit beside the training ring for the whole fit).
+    - Their outputs as input: `connect` (a sample's prompts, `pipeline_embeds`) runs them while the text encoder
+      is placed and packs their three outputs into one tensor (video embeddings, audio embeddings, mask as 0 / 1,
+      along the features), which the pipeline's call passes back in as its `prompt_embeds` ([negative, prompt]
+      concatenated); `forward` hands such a tensor back as the three outputs, without moving or computing. So a
+      sample's call holds 15.7 MB a prompt instead of Gemma's 385 MB of stacked states (and their concatenation),
+      and the connectors never visit beside the placed transformer. `load` builds the folder's connectors as
+      this class."""
 
-    def leave(m, args, kwargs, out):
-        m.to(home)
+    def _widths(self) -> tuple[int, int]:
+        """The video and audio embeddings' widths (the connector transformers' heads x head size)."""
+        c = self.config
+        return (c.video_connector_num_attention_heads * c.video_connector_attention_head_dim,
+                c.audio_connector_num_attention_heads * c.audio_connector_attention_head_dim)
 
-    module.register_forward_pre_hook(arrive, with_kwargs=True)
-    module.register_forward_hook(leave, with_kwargs=True)
-    return module
+    def connect(self, states: torch.Tensor, mask: torch.Tensor, padding_side: str = "left") -> torch.Tensor:
+        """The connectors' outputs for Gemma's stacked `states`, packed as `forward` takes them back."""
+        video, audio, binary = self(states, mask, padding_side=padding_side)
+        assert (video.shape[-1], audio.shape[-1]) == self._widths() and sum(self._widths()) + 1 != states.shape[-1]
+        return torch.cat([video, audio, binary[..., None].to(video.dtype)], dim=-1)
+
+    def forward(self, text_encoder_hidden_states, attention_mask, padding_side="left", scale_factor=8):
+        x = text_encoder_hidden_states
+        v, a = self._widths()
+        if x.shape[-1] == v + a + 1:  # `connect`'s packed outputs (Gemma's states are 3840 x 49 wide)
+            return x[..., :v].contiguous(), x[..., v : v + a].contiguous(), x[..., -1].to(torch.int64)
+        home = next(self.parameters()).device
+        self.to(x.device)  # host-to-device copy of 2.9 GB (full size) per call; back below
+        try:
+            rows = [super(OnePromptConnectors, self).forward(x[i : i + 1], attention_mask[i : i + 1],
+                                                             padding_side=padding_side, scale_factor=scale_factor)
+                    for i in range(x.shape[0])]
+        finally:
+            self.to(home)
+        return tuple(torch.cat(parts) for parts in zip(*rows, strict=True))
+
+
+def _stacked_bytes(prompts: int, itemsize: int) -> int:
+    """Gemma's stacked hidden states of `prompts` prompts (the pipeline's `_get_gemma_prompt_embeds`)."""
+    return prompts * MAX_SEQUENCE_LENGTH * GEMMA3_STACKED * itemsize
+
+
+def _norm_bytes(itemsize: int) -> int:
+    """What the connectors' masked per-layer norm of one prompt adds to its input at its peak: the masked copy in
+    the model dtype and two fp32 copies (`(x - mean) / range`, then `* 8`, then the mask: two live at a time)."""
+    return _stacked_bytes(1, itemsize) + 2 * _stacked_bytes(1, 4)
 
 
 def tiny_pipeline() -> LTX2Pipeline:
@@ -161,7 +221,6 @@ def tiny_pipeline() -> LTX2Pipeline:
     Gemma tokenizer, connectors with 8 registers, two joint blocks, the video VAE at the real geometry (32x, 8x,
     4 latent channels), a tiny audio VAE and vocoder (the pipeline decodes sound on every call), LTX-2's scheduler."""
     from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler
-    from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
@@ -244,9 +303,11 @@ class LTX2Adapter(DiffusersAdapter):
     full_name, example_path = "LTX-2 (19B)", "/path/to/LTX-2-Diffusers"
     full_config = {"rope_type": "split"}  # diffusers' defaults otherwise (module essay)
     text_tokens = MAX_SEQUENCE_LENGTH  # always 1024 rows: the registers fill the padding
-    text_encoder_params = (("Gemma 3 12B (with LTX-2's text connectors)", 12_187_325_040 + 1_431_475_200),)
-    text_encoder_nonblock_params = (GEMMA3_NONBLOCK + 1_431_475_200,)
-    text_encoder_unused_params = (GEMMA3_VISION,)
+    text_encoder_params = (("Gemma 3 12B (with LTX-2's text connectors)", 12_187_325_040 + CONNECTORS_PARAMS),)
+    text_encoder_nonblock_params = (GEMMA3_NONBLOCK,)
+    #: the vision tower the loader drops, and the connectors: loaded with Gemma (its RAM) but never placed with it;
+    #: they visit the GPU for their own call, which `text_encode_peaks` counts
+    text_encoder_unused_params = (GEMMA3_VISION + CONNECTORS_PARAMS,)
     text_encoder_layers = (48,)
     #: the blocks' scale / shift / gate are Parameters (`scale_shift_table`, ...) plus the time embeddings outside
     #: the blocks: no block Linear is a modulation Linear
@@ -280,7 +341,6 @@ class LTX2Adapter(DiffusersAdapter):
         connectors (LTX2TextConnectors' defaults, 1.43 B, with the transformer's "split" RoPE), the audio VAE and
         the vocoder (their defaults: the release's, trainer/models/ltx2_audio.py)."""
         from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
-        from diffusers.pipelines.ltx2 import LTX2TextConnectors
         from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
         from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
@@ -335,8 +395,9 @@ class LTX2Adapter(DiffusersAdapter):
     # ------------------------------------------------------------------------------------------ loading
 
     def load(self, cfg, *, parts, dtype, device="cpu") -> Components:
-        """As every family loads, and with the text encoder its connectors (`extras["connectors"]`), kept in CPU RAM:
-        they visit the device of Gemma's states for each call (`_visits_its_input`); with the VAE, where this run
+        """As every family loads, and with the text encoder its connectors (`extras["connectors"]`,
+        `OnePromptConnectors`), kept in CPU RAM: they visit the device of Gemma's states for each call, one prompt
+        at a time; with the VAE, where this run
         trains sound, the audio VAE (`extras["sound_encoder"]`, fp32 on `device`: Lightricks' trainer encodes
         sound in fp32 "for quality")."""
         out = super().load(cfg, parts=parts, dtype=dtype, device=device)
@@ -347,17 +408,15 @@ class LTX2Adapter(DiffusersAdapter):
                 str(cfg.path), subfolder="audio_vae", torch_dtype=torch.float32, local_files_only=True,
             ).to(device).eval().requires_grad_(False)
         if "text" in parts:
-            from diffusers.pipelines.ltx2 import LTX2TextConnectors
-
             from ..errors import UserError
 
             root = Path(cfg.path)
             if not (root / "connectors" / "config.json").is_file():
                 raise UserError(f"{root / 'connectors'} not found: expected LTX-2's text connectors of a "
                                 f"diffusers-format {self.family} folder ({self._expected()}, connectors/)")
-            conn = LTX2TextConnectors.from_pretrained(str(root), subfolder="connectors", torch_dtype=dtype,
-                                                      local_files_only=True)
-            out.extras["connectors"] = _visits_its_input(conn.eval().requires_grad_(False))
+            conn = OnePromptConnectors.from_pretrained(str(root), subfolder="connectors", torch_dtype=dtype,
+                                                       local_files_only=True)
+            out.extras["connectors"] = conn.eval().requires_grad_(False)
         return out
 
     def slim_text_encoder(self, encoder: nn.Module) -> nn.Module:
@@ -391,7 +450,9 @@ class LTX2Adapter(DiffusersAdapter):
     @torch.no_grad()
     def encode_prompts(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Gemma's stacked states through the pipeline's own `_get_gemma_prompt_embeds` (on the encoder's language
-        model: the logits over 262k tokens are never read), then the connectors' video embeddings and mask."""
+        model: the logits over 262k tokens are never read), then the connectors' video embeddings and mask, one
+        prompt at a time (`OnePromptConnectors`). Gemma runs the batch at once: one pass of its streamed layers per
+        batch, its stacked states `data.encode_batch_size` x 385 MB (`text_encode_peaks`)."""
         (enc,), (tok,), conn = components.text_encoders, components.tokenizers, components.extras["connectors"]
         dev = enc.get_input_embeddings().weight.device
         host = SimpleNamespace(tokenizer=tok, text_encoder=enc.model)
@@ -402,6 +463,39 @@ class LTX2Adapter(DiffusersAdapter):
         if self.trains_sound:  # the audio stream's prompt (the pipeline's `connector_audio_prompt_embeds`)
             out["audio_prompt_embeds"] = audio.to(enc.dtype)
         return out
+
+    @classmethod
+    def text_encode_peaks(cls, batch: int, itemsize: int, stage: str = "cache") -> list[tuple[int, int]]:
+        """(weights, activations) on the GPU beside Gemma's placed weights (its ring and its embedding) at each peak
+        of encoding prompts in the model dtype's `itemsize` (the planner's text phases take the largest, the
+        activations with its allocator overhead). `stage` "cache": captions' caching (`encode_prompts`), `batch`
+        captions through Gemma at once: the model's tuple of hidden states and the pipeline's stack of it (both
+        live until `_get_gemma_prompt_embeds` returns) and one layer's activations; then the connectors' weights
+        visiting, the batch's stacked states and one prompt's norm (`OnePromptConnectors`). For 4 captions in bf16:
+        3.6 GB, then 2.86 + 3.47 GB. "sample": a sample's prompt and negative prompt (`pipeline_embeds`), each
+        through Gemma alone (the prompt's states held during the negative's pass), then connected one at a time
+        with both states held. Checked against the trace of the batch of 4 before the connectors ran one prompt at
+        a time (bench/logs/2026-11-27-night/ltx2_text_caching_oom_trace.txt): at the OOM 2.863 GB of connectors,
+        1.541 of stacked states and 1.541 of the norm's masked copy were live beside Gemma's 6.05 GB, as this count
+        has them (tests/test_ltx2_memory.py)."""
+        one = MAX_SEQUENCE_LENGTH * GEMMA3_LAYER_ACT * itemsize
+        weights = CONNECTORS_PARAMS * itemsize
+        if stage == "sample":
+            return [(0, 3 * _stacked_bytes(1, itemsize) + one), (weights, 2 * _stacked_bytes(1, itemsize)
+                                                                  + _norm_bytes(itemsize))]
+        return [(0, 2 * _stacked_bytes(batch, itemsize) + batch * one),
+                (weights, _stacked_bytes(batch, itemsize) + _norm_bytes(itemsize))]
+
+    @classmethod
+    def sampling_prompt_bytes(cls, batch: int, itemsize: int) -> int:
+        """What a sample's pipeline call holds on the GPU for its prompts beside the transformer and the video VAE,
+        for a denoising batch of `batch` (2: the negative prompt's pass), from start to end: the connectors'
+        packed outputs `pipeline_embeds` gives it and the pipeline's concatenation of them (its local
+        `prompt_embeds`; 15.7 MB a prompt in bf16), and the audio VAE and vocoder (moved there with the prompts'
+        encoding). The connectors ran with the text encoder, before the transformer was placed."""
+        widths = 2 * 3840 + 1  # the release's video and audio embeddings (30 heads of 128 each) and the mask
+        packed = batch * MAX_SEQUENCE_LENGTH * widths * itemsize
+        return packed * (2 if batch > 1 else 1) + SOUND_DECODER_PARAMS * itemsize
 
     def sound_rate(self, encoder: nn.Module) -> int:
         return int(encoder.config.sample_rate)
@@ -477,16 +571,20 @@ class LTX2Adapter(DiffusersAdapter):
 
     @classmethod
     def pipeline_embeds(cls, pipe, prompt, negative, device) -> dict[str, torch.Tensor]:
-        """The prompt's (and the negative prompt's) Gemma states and masks from the pipeline's `encode_prompt`; the
-        audio VAE and vocoder, which decode the sound after every call, go to `device` (0.11 B parameters at full
-        size; the connectors visit it per call instead: `_visits_its_input`)."""
+        """The prompt's (and the negative prompt's) Gemma states and masks from the pipeline's `encode_prompt`, put
+        through the connectors now, while the text encoder is placed, and passed as `prompt_embeds` packed
+        (`OnePromptConnectors.connect`: the pipeline's call hands them back to itself unchanged, so its
+        embeddings are those it would compute); the audio VAE and vocoder, which decode the sound after every
+        call, go to `device` (0.11 B parameters at full size)."""
         for name in ("audio_vae", "vocoder"):
             getattr(pipe, name).to(device)
         pe, pm, npe, npm = pipe.encode_prompt(prompt=prompt, negative_prompt=negative,
                                               do_classifier_free_guidance=negative is not None, device=device)
-        out = {"prompt_embeds": pe, "prompt_attention_mask": pm}
+        side = getattr(pipe.tokenizer, "padding_side", "left")  # as the pipeline's call reads it
+        out = {"prompt_embeds": pipe.connectors.connect(pe, pm, side), "prompt_attention_mask": pm}
         if negative is not None:
-            out |= {"negative_prompt_embeds": npe, "negative_prompt_attention_mask": npm}
+            out |= {"negative_prompt_embeds": pipe.connectors.connect(npe, npm, side),
+                    "negative_prompt_attention_mask": npm}
         return out
 
     @classmethod

@@ -13,7 +13,9 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   sampling during training has prompts, the text encoders encoding them before that (as in text caching).
 - text caching: every text encoder on the GPU at once, its non-block bytes and the ring of its block bytes at
   f = offload.text_encoders (`capacity_for`: whole blocks), plus the encode batch's activations (T5's attention
-  scores in fp32 are most of them) and workspace; RAM: the encoders in CPU RAM as loaded. The encoders' blocks
+  scores in fp32 are most of them; a family that counts its own, `text_encode_peaks`, the larger of its peaks:
+  LTX-2's stacked Gemma states, then its text connectors visiting with one prompt's norm) and workspace; RAM:
+  the encoders in CPU RAM as loaded. The encoders' blocks
   and the rest are those of the encoder as the loader builds and slims it from the folder's config, or, without a
   folder, the family's shares of its full-size encoder (trainer/planner/meta.py `text_encoder_sizes`).
 - latent caching: the VAE's weights (the family's `vae_params`) plus its encode activations of one image (batches
@@ -25,7 +27,8 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   image encoder that sits beside the VAE (`cache_encoder_params`: Wan 2.1 I2V's CLIP); RAM: the batch's frames.
 - training step: `predict` (prediction.py).
 - sampling: the training step's static part (ring, non-block, LoRA state) + the VAE + the pipeline's KV cache
-  where it keeps one (sampling.py `kv_cache_bytes`: Qwen-Image 2.1) + the larger of the denoising forward's
+  where it keeps one (sampling.py `kv_cache_bytes`: Qwen-Image 2.1) + what the call holds for its prompts where
+  the family counts it (sampling.py: LTX-2's sound decoders) + the larger of the denoising forward's
   activations (sampling.py; doubled under classifier-free guidance) and the tiled decode's (512-pixel tiles above
   512x512). A video family's forward is its sample's clip (sample.width x height x frames) and its decode the
   video VAE's, tiled as diffusers tiles it above 512x512 (vae.py). A family's other sampling transformers
@@ -76,10 +79,18 @@ def text_sizes(facts: Facts) -> list[TextEncoderSize]:
     return list(sizes) if sizes is not None else shared_sizes(facts.family, facts.text_encoders)
 
 
-def _text_vram(facts: Facts, te_fraction: float, encode_batch: int) -> float:
+def _text_vram(facts: Facts, te_fraction: float, encode_batch: int, stage: str = "cache") -> float:
+    """The text encoders placed at `te_fraction` and what encoding `encode_batch` prompts holds beside them:
+    captions' caching (`stage` "cache") or a sample's prompts ("sample"). A family that counts its own encoding
+    (`text_encode_peaks`: LTX-2's stacked Gemma states and the text connectors visiting) gives each peak's
+    (weights, activations); otherwise a generic estimate of the activations."""
     total = 0.0
     for s in text_sizes(facts):
         total += s.on_gpu(te_fraction)
+    peaks = getattr(facts.adapter, "text_encode_peaks", None)  # trainer/models/ltx2.py
+    if peaks is not None:
+        esize = facts.dtype.itemsize
+        return total + max(w + ALLOCATOR_OVERHEAD * a for w, a in peaks(encode_batch, esize, stage)) + WORKSPACE
     # activations: encode_batch x tokens x 4096 wide x a few tensors and the FFN's widening; attention scores
     t = facts.text_tokens
     act = encode_batch * t * 4096 * 2 * 8 + encode_batch * TEXT_ATTN_HEADS * t * t * TEXT_ATTN_BYTES
@@ -103,7 +114,8 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     encode_batch = cfg.data.encode_batch_size if cfg.data else 4
     text_vram = _text_vram(facts, te, encode_batch)
     s = cfg.sample
-    prompts_at_load = _text_vram(facts, te, 1) if s.every and s.prompts else 0.0  # encoded before the transformer
+    # encoded before the transformer, one prompt (and its negative) at a time, as the sampler's `pipeline_embeds`
+    prompts_at_load = _text_vram(facts, te, 1, "sample") if s.every and s.prompts else 0.0
     out = [
         PhasePrediction("text caching", text_vram, text_bytes, f"offload.text_encoders {te:g}"),
         _latent_caching(facts, res, vae, encode_batch),
@@ -118,6 +130,7 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
         kw = {"batch": cfg_batch(facts.family, s.guidance), "size": (s.width, s.height, s.frames) if clip else None}
         samp = predict_sampling(facts, 0.0, int(sp**0.5), **kw)
         # the pipeline's KV cache (if any) lasts through the denoising loop and the decode
+        # (the prompts' bytes the call holds too: `samp.prompt`, outside both)
         sample_act = (samp.peak_reserved - sum(facts.packed) - facts.nonblock_bytes - WORKSPACE - samp.kv_cache
                       - samp.others - samp.prompt)
         # the family's other sampling transformers: the training sampler streams them at 1.0 (sampling/training.py)

@@ -26,8 +26,9 @@ height x sample.frames, the tokens of every latent frame), and its decode is the
 device (trainer/planner/vae.py). A family whose pipeline keeps large prompt inputs on the device declares them
 (`sampling_prompt`: Ideogram 4's fp32 text features, 53248 wide over its 2048-token window, held through the call,
 and their projection's bf16 and fp32 copies made once before the loop): held in both peaks, the preparation in
-place of the forward's activations where larger. Left out: the text encoders (they run first and are released,
-trainer/sample.py).
+place of the forward's activations where larger; what the call holds for its prompts where the family counts it
+(`sampling_prompt_bytes`: LTX-2's sound decoders and its text connectors' outputs, computed with the text
+encoder). Left out: the text encoders (they run first and are released, trainer/sample.py).
 
 A family whose samples also run other transformers (`sampling_components`: Ideogram 4's unconditional one, the
 trained one's size) has each placed at the same fraction by `dittrain sample`: their rings and non-block weights
@@ -74,8 +75,8 @@ class SamplePrediction:
     #: bytes of the family's other sampling transformers (`sampling_components`) placed at this fraction (in both
     #: peaks above)
     others: float = 0.0
-    #: bytes of the pipeline's prompt inputs held on the device through the call (the family's `sampling_prompt`;
-    #: in both peaks above)
+    #: bytes of the pipeline's prompt inputs held on the device through the call (the family's `sampling_prompt`
+    #: and `sampling_prompt_bytes`; in both peaks above)
     prompt: float = 0.0
 
 
@@ -120,6 +121,7 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
     # when no block runs (`sampling_prompt`: Ideogram 4's fp32 features over its 2048-token window and their
     # projection, 0.44 + 1.31 GB at full size)
     held, prep = facts.adapter.sampling_prompt
+    held += _prompt_bytes(facts, batch)  # LTX-2's packed connector outputs and sound decoders
     reserved = weights + kv + held + ALLOCATOR_OVERHEAD * max(act, prep) + WORKSPACE
     compute = placed * batch * (tr.linear_flops + tr.attn_flops) / ptime.forward_rate(rates, res)
     transfer = placed * moved / rates.h2d
@@ -130,6 +132,14 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
     decode = weights + facts.adapter.vae_params * 2 + kv + held + dec_act + WORKSPACE
     return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer, decode, kv,
                             others, held)
+
+
+def _prompt_bytes(facts, batch: int) -> float:
+    """What the pipeline's call holds for its prompts from start to end where the family counts it
+    (`sampling_prompt_bytes`: LTX-2's packed connector outputs and its sound decoders); 0 elsewhere: the prompts'
+    embeddings are small beside the denoising activations."""
+    count = getattr(facts.adapter, "sampling_prompt_bytes", None)  # trainer/models/ltx2.py
+    return 0.0 if count is None else float(count(batch, facts.dtype.itemsize))
 
 
 def choose_sampling_fraction(facts, budget_gb: float, width: int, height: int, batch: int = 1, log=print,
