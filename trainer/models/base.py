@@ -474,6 +474,21 @@ class ModelAdapter(ABC):
     #: preparation of them adds once before the loop), at the family's full size: Ideogram 4's fp32 text features over
     #: its 2048-token window and their projection (`sampling_prompt_bytes`); (0, 0): small beside the forward
     sampling_prompt: ClassVar[tuple[int, int]] = (0, 0)
+
+    @classmethod
+    def sampling_prompt_bytes(cls, batch: int, itemsize: int) -> int:
+        """What a sample's pipeline call holds on the device for its prompts from start to end, for a denoising batch
+        of `batch`, in the model dtype's `itemsize` (trainer/planner/sampling.py); 0: small beside the forward
+        (LTX-2: its text connectors' packed outputs and its sound decoders)."""
+        return 0
+
+    @classmethod
+    def text_encode_peaks(cls, batch: int, itemsize: int, stage: str = "cache") -> list[tuple[int, int]] | None:
+        """(weights, activations) beside the placed text encoders at each peak of encoding `batch` prompts (`stage`
+        "cache": captions' caching; "sample": a sample's prompt and negative), for the planner's text phases
+        (trainer/planner/phases.py); None: the planner's generic estimate (LTX-2 counts its Gemma states and
+        connectors)."""
+        return None
     #: activation bytes per image pixel at the peak of the VAE's encode of one image (the planner's latent caching,
     #: trainer/planner/phases.py); None: the planner's figure for Flux's AutoencoderKL (`VAE_ACT_ENCODE`)
     vae_encode_bytes_per_pixel: ClassVar[int | None] = None

@@ -87,10 +87,9 @@ def _text_vram(facts: Facts, te_fraction: float, encode_batch: int, stage: str =
     total = 0.0
     for s in text_sizes(facts):
         total += s.on_gpu(te_fraction)
-    peaks = getattr(facts.adapter, "text_encode_peaks", None)  # trainer/models/ltx2.py
+    peaks = facts.adapter.text_encode_peaks(encode_batch, facts.dtype.itemsize, stage)
     if peaks is not None:
-        esize = facts.dtype.itemsize
-        return total + max(w + ALLOCATOR_OVERHEAD * a for w, a in peaks(encode_batch, esize, stage)) + WORKSPACE
+        return total + max(w + ALLOCATOR_OVERHEAD * a for w, a in peaks) + WORKSPACE
     # activations: encode_batch x tokens x 4096 wide x a few tensors and the FFN's widening; attention scores
     t = facts.text_tokens
     act = encode_batch * t * 4096 * 2 * 8 + encode_batch * TEXT_ATTN_HEADS * t * t * TEXT_ATTN_BYTES

@@ -138,8 +138,7 @@ def _prompt_bytes(facts, batch: int) -> float:
     """What the pipeline's call holds for its prompts from start to end where the family counts it
     (`sampling_prompt_bytes`: LTX-2's packed connector outputs and its sound decoders); 0 elsewhere: the prompts'
     embeddings are small beside the denoising activations."""
-    count = getattr(facts.adapter, "sampling_prompt_bytes", None)  # trainer/models/ltx2.py
-    return 0.0 if count is None else float(count(batch, facts.dtype.itemsize))
+    return float(facts.adapter.sampling_prompt_bytes(batch, facts.dtype.itemsize))
 
 
 def choose_sampling_fraction(facts, budget_gb: float, width: int, height: int, batch: int = 1, log=print,
