@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_train_support import bench_module
 
 
@@ -147,3 +148,56 @@ def test_bench_speed_smoke_profile_interleaved_qwen(tmp_path):
     assert "interleaved (1 rounds, every model built at once, 3 blocks each)" in text and "no text mask" in text
     adapter, m = mod.build("qwen_image", mod.torch.device("cpu"), True, layers=3)
     assert len(adapter.blocks(m)) == 3
+
+
+@pytest.mark.parametrize("family", ["lumina2", "anima", "ernie-image", "ideogram4", "hidream"])
+def test_bench_speed_smoke_issue42_families(tmp_path, family):
+    """Issue 42's image families (CPU smoke): the offload-0 compiled step beside plain diffusers + peft compiled,
+    resident, in one process, through the generic path (the family's config at SMOKE's widths, its dummy inputs,
+    its default LoRA targets); the table holds the offload-0 row to 0.85 x plain compiled."""
+    mod = bench_module("bench_speed")
+    rows = mod.main(["--smoke", "--backend", "eager", "--rows", "issue29", "--family", family, "--only",
+                     "=plain + compile_repeated_blocks;=dittrain offload 0, compiled", "--out", str(tmp_path)])
+    assert [r["name"] for r in rows] == ["plain diffusers + peft, bf16 LoRA, eager, resident",
+                                         "plain + compile_repeated_blocks", "dittrain offload 0, compiled"]
+    assert all(r["step_s"] > 0 for r in rows) and rows[2]["graphs"] >= 1
+    md = (tmp_path / f"speed_{family}_issue29.md").read_text()
+    assert "| dittrain offload 0, compiled |" in md and "<= 0.85 x plain compiled" in md
+
+
+def test_bench_speed_ideogram4_plain_inputs():
+    """Ideogram 4's plain rows take the text features over the whole sequence (zero on the image rows), as diffusers'
+    forward does; the family's class gives the same output from the text rows alone (dittrain's rows)."""
+    mod = bench_module("bench_speed")
+    torch = mod.torch
+    adapter, m = mod.build("ideogram4", torch.device("cpu"), True)
+    kw = mod.model_inputs(adapter, m, "cpu", 64)
+    full = mod.plain_inputs("ideogram4", kw)
+    s, n = kw["hidden_states"].shape[1], kw["encoder_hidden_states"].shape[1]
+    assert full["encoder_hidden_states"].shape[1] == s > n and not full["encoder_hidden_states"][:, n:].any()
+    assert mod.plain_inputs("lumina2", kw) is kw
+    with torch.no_grad():
+        torch.testing.assert_close(m(**full)[0], m(**kw)[0])
+
+
+def test_bench_speed_inputs_on_the_device(monkeypatch):
+    """Every input of a step is on the step's device, as the trainer's batches are (Lumina 2's `dummy_inputs` gives
+    its text mask on the CPU, for the planner's meta trace, which a GPU step's attention cannot take); a meta
+    trace's inputs keep their devices."""
+    mod = bench_module("bench_speed")
+    torch = mod.torch
+    adapter, m = mod.build("lumina2", torch.device("meta"), True)
+    kw = mod.model_inputs(adapter, m, torch.device("meta"), 64)
+    assert kw["encoder_attention_mask"].device.type == "cpu" and kw["hidden_states"].device.type == "meta"
+    # on the CPU (the one device here), every tensor of the step is handed to `.to(the step's device)`
+    moved, real_to = [], torch.Tensor.to
+
+    def to(self, *a, **k):
+        moved.append((tuple(self.shape), a[0] if a else k.get("device")))
+        return real_to(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    kw = mod.model_inputs(adapter, m, torch.device("cpu"), 64)
+    monkeypatch.undo()
+    assert (tuple(kw["encoder_attention_mask"].shape), torch.device("cpu")) in moved
+    assert all(v.device.type == "cpu" for v in kw.values() if isinstance(v, torch.Tensor))
