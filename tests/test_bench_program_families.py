@@ -1,5 +1,5 @@
 """bench/program/bench_program.py's full-size folders of the families issues 42 and 45 ask measured (HiDream-I1,
-Lumina-Image 2.0, ERNIE-Image, Anima, LTX-2 and its image-to-video face): each family's `full_size_parts` at the
+Lumina-Image 2.0, ERNIE-Image, Anima, LTX-2 and its image-to-video face, HunyuanVideo 1.5 T2V and I2V): each family's `full_size_parts` at the
 released sizes, counted on the meta device, and the folder `write_full_folder` plans without writing (every tensor
 of every part, in the dtype it goes to disk in, and the folder's size): the CPU-side proof that the GPU run gets
 past its first minute. The fp8 matrices of the two new encoder classes written so load as bf16. LTX-2's clips
@@ -167,6 +167,24 @@ def test_fp8_matrices_of_the_new_encoders_load_as_bf16(kind, tmp_path):
     head, embed = enc.get_output_embeddings().weight, enc.get_input_embeddings().weight
     assert (head is embed) == (kind == "gemma3")
     assert 0.01 < enc.get_input_embeddings().weight.float().std() < 0.03  # the written values, not a fresh init
+
+
+def test_fp8_matrices_of_qwen25_vl_text_model_load_as_bf16(tmp_path):
+    """HunyuanVideo 1.5's text encoder as its folder holds it (Qwen2.5-VL's language model alone, no head), small,
+    written with fp8 matrices: it loads as the adapter's class with every weight, in bf16 (the written values)."""
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    cfg = Qwen2_5_VLTextConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1,
+                               rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                "rope_theta": 1000000.0})
+    meta = bp._meta(lambda: Qwen2_5_VLTextModel(cfg))
+    total = bp._save(tmp_path / "qwen", meta, meta.config, "model", BF16, 1, FP8)
+    assert total == bp.plan_bytes(bp.disk_plan(meta, BF16, FP8))
+    enc = Qwen2_5_VLTextModel.from_pretrained(tmp_path / "qwen", dtype=BF16)
+    assert {p.dtype for p in enc.parameters()} == {BF16} and not any(p.is_meta for p in enc.parameters())
+    assert 0.01 < enc.get_input_embeddings().weight.float().std() < 0.03
+    assert 0.01 < enc.layers[1].mlp.down_proj.weight.float().std() < 0.03
 
 
 def test_ltx2_clips_have_the_frames_and_the_sound_it_trains_on(tmp_path):
