@@ -1,5 +1,5 @@
 """bench/program/bench_program.py's full-size folders of the families issues 42 and 45 ask measured (HiDream-I1,
-Lumina-Image 2.0, ERNIE-Image, Anima, LTX-2 and its image-to-video face): each family's `full_size_parts` at the
+Lumina-Image 2.0, ERNIE-Image, Anima, LTX-2 and its image-to-video face, HunyuanVideo 1.5 T2V and I2V): each family's `full_size_parts` at the
 released sizes, counted on the meta device, and the folder `write_full_folder` plans without writing (every tensor
 of every part, in the dtype it goes to disk in, and the folder's size): the CPU-side proof that the GPU run gets
 past its first minute. The fp8 matrices of the two new encoder classes written so load as bf16. LTX-2's clips
@@ -17,6 +17,7 @@ from diffusers import ModelMixin
 from bench.program import bench_program as bp
 from bench.program import program_video as pv
 from trainer.models import adapter_class
+from trainer.models import hunyuan_video15 as hv15
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 #: family -> (folder bytes on disk without / with --transformer-file fp8, {sub-folder: (parameters, dtype of its
@@ -32,7 +33,15 @@ FAMILIES = {
     "ltx2": ((55e9, 56e9), (36.5e9, 37.5e9), {
         "text_encoder": (12_187_325_040, FP8), "connectors": (1_431_475_200, BF16),
         "audio_vae": (53_248_146, BF16), "vocoder": (55_592_802, BF16)}),
+    # Qwen2.5-VL-7B's language model (fp8 on disk), the Glyph ByT5 encoder (byt5-small's), for I2V SigLIP
+    "hunyuan-video-1.5": ((26e9, 27.5e9), (18e9, 19e9), {
+        "text_encoder": (7_070_619_136, FP8), "text_encoder_2": (217_657_472, BF16)}),
+    "hunyuan-video-1.5-i2v": ((27e9, 28e9), (19e9, 20e9), {
+        "text_encoder": (7_070_619_136, FP8), "text_encoder_2": (217_657_472, BF16),
+        "image_encoder": (428_225_600, BF16)}),
 }
+#: parts beside the text encoders that `text_encoder_params` does not count (an image encoder: `cache_encoder_params`)
+NOT_TEXT = ("audio_vae", "vocoder", "image_encoder")
 
 
 def _params(module: torch.nn.Module) -> int:
@@ -77,6 +86,15 @@ def test_full_size_parts_are_the_released_sizes_and_the_folder_plans_every_tenso
         assert set(plan) <= set(enc.state_dict()) and sum(torch.Size(s).numel() for s, _ in plan.values()) >= params
         assert {dt for s, dt in plan.values() if len(s) == 2} == {matrices}
         assert {dt for s, dt in plan.values() if len(s) != 2 and dt.is_floating_point} == {BF16}
+        if name == "image_encoder":  # HunyuanVideo 1.5 I2V's SigLIP: the 729 tokens of a 384 px image, its processor's
+            from transformers import SiglipImageProcessor
+
+            assert params == cls.cache_encoder_params
+            side = enc.config.image_size // enc.config.patch_size
+            assert side * side == 729 == hv15.RECIPE["vision_num_semantic_tokens"]
+            proc = SiglipImageProcessor.from_pretrained(folder / cls.image_processor_dir)
+            assert (proc.size["height"], proc.size["width"]) == (enc.config.image_size,) * 2
+            continue
         text = enc.config.get_text_config()
         tok_dir = folder / name.replace("text_encoder", "tokenizer")
         if tok_dir.is_dir():  # the tiny tokenizer's ids all exist in the full embedding
@@ -84,9 +102,38 @@ def test_full_size_parts_are_the_released_sizes_and_the_folder_plans_every_tenso
             assert len(tok) <= text.vocab_size and text.pad_token_id in (tok.pad_token_id, tok.eos_token_id)
     # the declared text-encoder sizes are those the folder holds (HiDream's CLIPs: SD3's 77 positions)
     declared = sum(n for _, n in cls.text_encoder_params)
-    written = sum(p for name, (p, _) in expected.items() if name not in ("audio_vae", "vocoder"))
+    written = sum(p for name, (p, _) in expected.items() if name not in NOT_TEXT)
     assert written - declared == (171 * (768 + 1280) if family == "hidream" else 0)
     assert family in bp.writable()
+
+
+def test_hunyuan_video15_folders_hold_what_the_released_pipelines_load(planned, capsys):
+    """Both HunyuanVideo 1.5 families are `--families` choices and `--estimate` prints their folders; their text
+    encoders are the classes the adapter loads (Qwen2.5-VL's language model without head, a T5 encoder) with the
+    layers it counts; image-to-video adds SigLIP in its image encoder folder, text-to-video has none."""
+    for family in ("hunyuan-video-1.5", "hunyuan-video-1.5-i2v"):
+        assert family in bp.writable()
+        cls = adapter_class(family)
+        folder, shards, single = planned[family]
+        with torch.device("meta"):
+            _, parts = cls.full_size_parts(folder)
+        names = [p[0] for p in parts]
+        assert tuple(names[:2]) == cls.text_encoder_dirs
+        assert tuple(p[1].__name__ for p in parts[:2]) == cls.text_encoder_classes
+        assert (parts[0][2].num_hidden_layers, parts[1][2].num_layers) == cls.text_encoder_layers
+        assert ("image_encoder" in names) == family.endswith("-i2v")
+        capsys.readouterr()
+        assert bp.main(["--estimate", "--families", family, "--work", str(folder.parent / "estimate")]) == 0
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        assert line.startswith(f"{family}: folder ~{shards / 1e9:.1f} GB on disk (transformer 16.65 GB"), line
+        # the 720p model: the same shapes, the target size its image-to-video pipeline picks 1280x720 at
+        assert f"{family}-720p" in bp.writable() and bp.split_variant(f"{family}-720p") == (family, "720p")
+        assert {k: v for k, v in cls.full_variants["720p"].items() if cls.full_config[k] != v} == {"target_size": 960}
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    pick = HunyuanVideo15ImageProcessor(vae_scale_factor=16).calculate_default_height_width
+    assert pick(720, 1280, 960) == (720, 1280) and pick(480, 816, 640) == (480, 816)
+    assert pick(480, 832, 640) != (480, 832)  # 480p I2V rows train and sample at 816x480 (bench/program's essay)
 
 
 def test_ltx2_image_to_video_writes_the_ltx2_folder():
@@ -120,6 +167,24 @@ def test_fp8_matrices_of_the_new_encoders_load_as_bf16(kind, tmp_path):
     head, embed = enc.get_output_embeddings().weight, enc.get_input_embeddings().weight
     assert (head is embed) == (kind == "gemma3")
     assert 0.01 < enc.get_input_embeddings().weight.float().std() < 0.03  # the written values, not a fresh init
+
+
+def test_fp8_matrices_of_qwen25_vl_text_model_load_as_bf16(tmp_path):
+    """HunyuanVideo 1.5's text encoder as its folder holds it (Qwen2.5-VL's language model alone, no head), small,
+    written with fp8 matrices: it loads as the adapter's class with every weight, in bf16 (the written values)."""
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    cfg = Qwen2_5_VLTextConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1,
+                               rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                "rope_theta": 1000000.0})
+    meta = bp._meta(lambda: Qwen2_5_VLTextModel(cfg))
+    total = bp._save(tmp_path / "qwen", meta, meta.config, "model", BF16, 1, FP8)
+    assert total == bp.plan_bytes(bp.disk_plan(meta, BF16, FP8))
+    enc = Qwen2_5_VLTextModel.from_pretrained(tmp_path / "qwen", dtype=BF16)
+    assert {p.dtype for p in enc.parameters()} == {BF16} and not any(p.is_meta for p in enc.parameters())
+    assert 0.01 < enc.get_input_embeddings().weight.float().std() < 0.03
+    assert 0.01 < enc.layers[1].mlp.down_proj.weight.float().std() < 0.03
 
 
 def test_ltx2_clips_have_the_frames_and_the_sound_it_trains_on(tmp_path):

@@ -7,6 +7,9 @@
     python -m bench.program.bench_program --estimate --families wan wan-1.3b wan-i2v wan2.2-a14b --transformer-file fp8
     python -m bench.program.bench_program --families hidream lumina2 ernie-image anima --transformer-file fp8 --card 8 16
     python -m bench.program.bench_program --families ltx2 ltx2-i2v --transformer-file fp8 --card 8 16 --frames 121
+    python -m bench.program.bench_program --families hunyuan-video-1.5 --transformer-file fp8 --card 16 24 --frames 121
+    python -m bench.program.bench_program --families hunyuan-video-1.5-i2v-720p --transformer-file fp8 --card 48 80 \
+        --frames 121 --resolution 720p
 
 For each family: write a diffusers folder with every component at full size (transformer from the adapter's
 `full_config`; VAE, CLIP-L / CLIP-G / T5-XXL / Qwen2.5-VL-7B / Qwen3-4B from their real configs, built here in
@@ -75,7 +78,13 @@ LLM adapter) is built for real and saved as the VAE is (`_write_built`): its own
 buffers. Folders, without / with --transformer-file fp8: hidream 48.8 / 32.3 GB, lumina2 10.6 / 8.0, ernie-image
 23.9 / 16.1, anima 5.6 / 3.7, ltx2 (and ltx2-i2v) 55.5 / 36.9. LTX-2's clips are written at its 24 fps (its
 positions are in seconds: another data.fps is refused) with 8k + 1 frames and a stereo tone as their audio track
-(program_video.py), so its audio stream trains as on real clips with sound.
+(program_video.py), so its audio stream trains as on real clips with sound. HunyuanVideo 1.5 and its
+image-to-video face (hunyuan_video15.py / _i2v.py: the released VAE, 1.26 B; Qwen2.5-VL-7B's language model
+whole, matrices in fp8; the Glyph ByT5 encoder at byt5-small's config; for I2V SigLIP so400m-patch14-384 and a
+384 px processor): 26.7 / 18.5 GB, I2V 27.5 / 19.4. `-720p` (hunyuan-video-1.5-720p, -i2v-720p) writes the 720p
+transformer (the same shapes, target_size 960). The I2V pipeline samples at the size it picks for the image
+(`pipeline_image`): 480p runs take `--resolution 816x480` (832x480 is refused), 720p ones the -720p folder, the
+smoke `--resolution 64x48` (the tiny model's target size is 64).
 
 --smoke: the tiny models on the CPU, no cap, 2 steps (tests/test_phases.py-style check that the whole path runs;
 tests/test_phases.py runs it, also with --transformer-file fp8, which rewrites the tiny transformer the same way,

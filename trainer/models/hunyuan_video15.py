@@ -65,7 +65,7 @@ from diffusers import ClassifierFreeGuidance
 from diffusers.loaders import HunyuanVideoLoraLoaderMixin
 from torch import nn
 
-from ._diffusers import NORM_MODULATION, T5_KEEP, DiffusersAdapter
+from ._diffusers import NORM_MODULATION, T5_KEEP, DiffusersAdapter, tiny_token_ids
 from .base import Components
 from .flux3_pipeline import _quiet_modular_notes
 from .hunyuan_video15_attention import HunyuanVideo15Transformer3DModel
@@ -201,6 +201,11 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         "task_type": "t2v",
         "use_meanflow": False,
     }
+    #: the released 720p transformer: the same weights' shapes, `target_size` 960 (the size the pipelines pick by
+    #: default, and the one the image-to-video pipeline picks for an image: 1280x720 at 960, 848x480 / 816x480 at
+    #: 640), for bench_program's `--families hunyuan-video-1.5-720p` (its scheduler stays the tiny folder's 480p
+    #: shift: sizes and times are the 480p model's)
+    full_variants = {"720p": {**full_config, "target_size": 960}}
     #: Qwen tokens per caption, always padded to 1000 (`dummy_inputs` adds the 256 ByT5 and 729 image tokens the
     #: transformer always gets)
     text_tokens = RECIPE["tokenizer_max_length"]
@@ -248,6 +253,36 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         return (f"dittrain does not map {cls.family} LoRAs to ComfyUI's names yet (no comfy / kohya key map, so "
                 "convert-lora --to comfy refuses them), and whether ComfyUI reads its diffusers keys (transformer.*) "
                 "is unchecked; diffusers loads the file")
+
+    @classmethod
+    def full_size_parts(cls, folder: Path):
+        """bench/program/bench_program.py's full-size random folders: (AutoencoderKLHunyuanVideo15 at
+        `full_vae_config`, diffusers' defaults = the released VAE, 1.26 B; [(sub-folder, class, config[, dtype of
+        its matrices on disk])]) as the converter (diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py)
+        saves the pipeline: `text_encoder` Qwen2.5-VL-7B-Instruct's language model alone (`Qwen2_5_VLTextModel`,
+        28 layers of 3584, 152064 tokens, no head: 7.07 B), its 2-D weights written in fp8 (7.1 GB on disk
+        instead of 14.1; transformers casts them to the load dtype, so RAM and VRAM are bf16's), nothing cut (the
+        pipeline reads the third hidden state from the end, and the loader keeps every layer); `text_encoder_2`
+        the Glyph-SDXL-v2 ByT5 encoder at google/byt5-small's encoder config (12 layers of 1472, 6 heads of 64,
+        gated-GELU 3584, 384 byte tokens: 0.22 B, bf16). Both with the tiny tokenizers' special ids. The released
+        ByT5 also has Glyph's added color / font tokens (`add_special_token` in the converter resizes the
+        embedding): not counted here, as `text_encoder_params` does not count them (a few MB)."""
+        from diffusers import AutoencoderKLHunyuanVideo15
+        from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+        qwen = Qwen2_5_VLTextConfig(
+            vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+            num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1000000.0},
+            **tiny_token_ids(folder))
+        byt5 = T5Config(
+            vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
+            relative_attention_num_buckets=32, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+            use_cache=False, tie_word_embeddings=False, decoder_start_token_id=0,
+            **tiny_token_ids(folder, "text_encoder_2", ("pad_token_id", "eos_token_id")))
+        return AutoencoderKLHunyuanVideo15(**cls.full_vae_config), [
+            ("text_encoder", Qwen2_5_VLTextModel, qwen, torch.float8_e4m3fn),
+            ("text_encoder_2", T5EncoderModel, byt5)]
 
     # ------------------------------------------------------------------------------------------ folder facts
 

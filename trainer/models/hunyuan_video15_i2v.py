@@ -78,6 +78,7 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
     full_name, example_path = "HunyuanVideo-1.5 (480p I2V)", "/path/to/HunyuanVideo-1.5-Diffusers-480p_i2v"
     #: the converter's 480p_i2v config: text-to-video's but task_type (which the forward never reads)
     full_config = {**HunyuanVideo15Adapter.full_config, "task_type": "i2v"}
+    full_variants = {"720p": {**full_config, "target_size": 960}}  # 720p_i2v: as text-to-video's 720p
     first_frame_conditions = True
     conditions_copy_clip = False  # the first frame alone through the VAE and SigLIP (`encode_conditions`)
     image_encoder_dir, image_processor_dir = "image_encoder", "feature_extractor"
@@ -88,6 +89,22 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
     @classmethod
     def tiny_builders(cls):
         return {"hunyuan-video-1.5-i2v": tiny_pipeline_i2v}
+
+    @classmethod
+    def full_size_parts(cls, folder: Path):
+        """bench/program/bench_program.py's full-size random folders: text-to-video's VAE and text encoders
+        (HunyuanVideo15Adapter.full_size_parts), and SigLIP so400m-patch14-384's vision model as the I2V folders
+        hold it (`SiglipVisionModel`, 27 layers of 1152, 384 px in 14 px patches = 729 tokens, its pooling head:
+        0.43 B, `cache_encoder_params`; bf16) with a 384 px SiglipImageProcessor (its defaults otherwise: mean and
+        std 0.5), written over the tiny folder's 32 px one."""
+        from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+        vae, parts = super().full_size_parts(folder)
+        SiglipImageProcessor(size={"height": 384, "width": 384}).save_pretrained(Path(folder) / cls.image_processor_dir)
+        parts.append((cls.image_encoder_dir, SiglipVisionModel, SiglipVisionConfig(
+            hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, image_size=384,
+            patch_size=14)))
+        return vae, parts
 
     def _check(self, cfg, parts) -> None:
         super()._check(cfg, parts)
