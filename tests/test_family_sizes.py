@@ -113,9 +113,9 @@ def test_text_caching_of_a_folder_is_the_presets_prediction(tmp_path, family, la
     sizes = text_encoder_sizes(run)
     assert sizes is not None
     name, params = cls.text_encoder_params[0]
-    header = SimpleNamespace(family=family, text_encoders=[(name, 2 * params)], text_tokens=cls.text_tokens,
-                             text_sizes=None)
-    in_run = SimpleNamespace(family=family, text_encoders=[], text_sizes=sizes, text_tokens=cls.text_tokens)
+    facts = {"family": family, "adapter": cls, "dtype": torch.bfloat16, "text_tokens": cls.text_tokens}
+    header = SimpleNamespace(**facts, text_encoders=[(name, 2 * params)], text_sizes=None)
+    in_run = SimpleNamespace(**facts, text_encoders=[], text_sizes=sizes)
     for f in (0.0, 0.25, 0.45, 0.65, 1.0):
         for batch in (1, 4):
             assert _text_vram(in_run, f, batch) == pytest.approx(_text_vram(header, f, batch), rel=1e-5), (f, batch)
