@@ -47,13 +47,13 @@ planner's 3 % margin, with the image at `files.IMAGE_PIXELS` and the batch that 
 fewer files are left): the KV cache and the activations grow with it. `activation_bytes` counts what transformers'
 default attention (sdpa) allocates: no attention scores (flash / memory-efficient kernels), the batch x tokens x
 tokens mask, keys and values repeated to every head; the batch's pixels and image features, plus the larger of one
-image's pass through the vision tower and one decoder layer's attention or MLP phase over the batch. Against the three measured runs of Qwen2.5-VL-7B at
-batch 4 (before the bounded prefill, the CPU embedding and the 8-bit head / tower: `estimate(bounded=False)`),
+image's pass through the vision tower and one decoder layer's attention or MLP phase over the batch. Against the
+three measured runs of Qwen2.5-VL-7B at batch 4 (before the bounded prefill, the CPU embedding and the 8-bit head / tower: `estimate(bounded=False)`),
 reserved vs estimated: bf16 at fraction 1 under 7 GB 6.74 vs 7.06 GB, fp8 at 1 under 7 GB 6.27 vs 6.87, bf16 at
 0.45 under 15 GB 12.80 vs 13.12 (tests/test_caption_prefill.py keeps each estimate at or up to 10 % above its
-measurement; bench/logs/2026-11-27-caption-fp8/, bench/history/2026-11-27.md). The estimate as it is now for the
-same model (bench_caption --estimate): fp8 under 7 GB, 0.55 for a batch of 4 and 0.65 for a batch of 8, not yet
-measured on a GPU.
+measurement; bench/logs/2026-11-27-caption-fp8/, bench/history/2026-11-27.md). The estimate as it is now, for the
+same model with fp8 under 7 GB: 0.55 for a batch of 4 and 0.65 for a batch of 8, estimated 5.53 and 5.70 GB against
+5.46 and 5.13 GB reserved on an H100 (bench/history/2026-11-27.md 23:14).
 
 Default batch (8 without `--batch`, halved while auto's estimate does not fit it even with every layer streamed:
 captioner.py `_default_batch`). Streamed, a token step's cost is the streamed bytes, shared by the batch's rows. By
@@ -62,7 +62,8 @@ resident than a batch of 4 (its KV cache and prefill are larger) but streams 37-
 token: fp8 under 7 GB, 0.65 (19 layers, 4.4 GB, 0.55 GB an image) against 0.55 (16, 3.7 GB, 0.93); bf16 under 7 GB
 0.9 (26, 12.1 GB, 1.51) against 0.85 (24, 11.2 GB, 2.80); bf16 under 15 GB 0.3 (9, 4.2 GB, 0.52) against 0.25 (7,
 3.3 GB, 0.82). Resident, a larger batch is faster too (1.25 images/s at 4, 1.82 at 16 on an H200,
-bench/logs/2026-11-27-caption-fp8/). Batch 16 under 7 GB would need more than fraction 1 leaves (fp8 estimate 5.9
+bench/logs/2026-11-27-caption-fp8/); streamed, fp8 under 7 GB on an H100: 0.739 images/s at 8 against 0.493 at 4
+(bench/history/2026-11-27.md 23:14). Batch 16 under 7 GB would need more than fraction 1 leaves (fp8 estimate 5.9
 GB of the 6.0 GB budget): 8 is the largest power of two that the estimate fits there. Qwen3-VL-8B in bf16 under
 7 GB does not fit 8 (estimate 5.9 GB against the 5.8 the margin leaves): there the default halves to 4 (0.9).
 
