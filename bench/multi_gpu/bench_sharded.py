@@ -6,7 +6,9 @@ GPU, every block streamed (--fraction 1.0) with activations offloaded, eager (or
 /dev/shm arena shared by the host's processes (as the trainer does with several processes). For each world size a
 fresh set of processes (spawn, NCCL):
 
-- world 1: the same model resident (fraction 0, every block recomputed, eager) and then streamed;
+- world 1: the reference a user would run instead, plain diffusers + peft (bf16 LoRA, diffusers' gradient
+  checkpointing, torch AdamW, resident), eager and with `compile_repeated_blocks` (`--no-plain` leaves them out);
+  then the same model under our conductor resident (fraction 0, every block recomputed) and then streamed;
 - world N > 1: one conductor, two ways to fill its ring, switched between measurements at a step boundary on every
   process (the arena holds whole blocks either way): "whole copies" (each GPU copies every block over PCIe, what
   ddp did before) and "sharded stream" (each GPU copies 1/N of every block, NCCL all-gathers the rest);
@@ -44,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.multi_gpu.bench_ddp import _join, _port, _sync
-from bench.speed.bench_offload import add_flux_args, add_lora, block_list, build, inputs
+from bench.speed.bench_offload import LORA_TARGETS, add_flux_args, add_lora, block_list, build, inputs
 from trainer.offload import attach_offload
 from trainer.offload.allocators import SharedArena
 from trainer.offload.gather import SliceGather
@@ -178,6 +180,35 @@ def _full_rows(rank, world, args, dev, gather, arena, row) -> list[dict]:
     return rows
 
 
+def _plain_row(args, dev, compile_blocks: bool, row) -> dict:
+    """One reference row: plain diffusers + peft, bf16 LoRA (peft's own dtype), diffusers' gradient checkpointing,
+    torch AdamW, resident; `compile_blocks`: diffusers' `compile_repeated_blocks()`. The model goes with this frame."""
+    from peft import LoraConfig
+
+    model = build(args, dev)
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=LORA_TARGETS,
+                                 init_lora_weights="gaussian"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.enable_gradient_checkpointing()
+    if compile_blocks:
+        model.compile_repeated_blocks(fullgraph=False)
+    model.train()
+    kw, target = inputs(dev, args.res, text=args.text)
+    opt = torch.optim.AdamW(params, lr=1e-5)
+
+    def step():
+        loss = F.mse_loss(model(**kw)[0].float(), target)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    name = "plain diffusers + peft, resident" + (", compile_repeated_blocks" if compile_blocks else ", eager")
+    return row(name, None, step)
+
+
 def _worker(rank: int, world: int, args, port: int, out: str) -> None:
     import torch.distributed as tdist
 
@@ -204,11 +235,22 @@ def _worker(rank: int, world: int, args, port: int, out: str) -> None:
     def row(name, handle, step) -> dict:
         reset_peak()
         r = {"name": name, "world": world, "rank": rank, **_measure(step, dev, world, args)}
-        st = handle.stats()
+        st = handle.stats() if handle is not None else {"h2d_bytes_per_step": 0, "offloaded_bytes": 0}
         r.update(peak_reserved_gb=torch.cuda.max_memory_reserved(dev) / 1e9 if cuda else None,
                  h2d_gbps_loads=st.get("h2d_gbps"), h2d_bytes_per_step=st["h2d_bytes_per_step"],
                  offloaded_gb=st["offloaded_bytes"] / 1e9, **_memory())
         return r
+
+    plain = []
+    if world == 1 and args.plain and not args.full:
+        import gc
+
+        for compile_blocks in (False, True):
+            plain.append(_plain_row(args, dev, compile_blocks, row))
+            gc.collect()
+            torch._dynamo.reset()  # the compiled block graphs hold the model
+            gc.collect()
+            reset_peak()
 
     if args.full:
         rows = _full_rows(rank, world, args, dev, gather, arena, row)
@@ -236,10 +278,17 @@ def _worker(rank: int, world: int, args, port: int, out: str) -> None:
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    rows = []
+    rows = plain
     if world == 1 and args.resident:
         h = attach_offload(block_list(model), dev, 0.0, mode="train", checkpointing=True, compile=args.compile)
         rows.append(row("1 GPU resident (every block recomputed)", h, step))
+        h.close()
+        h = attach_offload(block_list(model), dev, 0.0, mode="train", checkpointing=False, compile=args.compile)
+        try:  # the bound of a step that recomputes nothing (activations kept on the GPU)
+            rows.append(row("1 GPU resident (nothing recomputed)", h, step))
+        except torch.cuda.OutOfMemoryError:
+            print("1 GPU resident (nothing recomputed): out of memory, row left out", flush=True)
+            opt.zero_grad(set_to_none=True)
         h.close()
     h = attach_offload(block_list(model), dev, args.fraction, mode="train", activations=args.activations and cuda,
                        share=share, gather=gather, compile=args.compile, min_ring_blocks=args.ring)
@@ -268,6 +317,8 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=1.0)
     ap.add_argument("--no-activations", dest="activations", action="store_false")
     ap.add_argument("--no-resident", dest="resident", action="store_false")
+    ap.add_argument("--no-plain", dest="plain", action="store_false",
+                    help="world 1 without the plain diffusers + peft rows (eager and compile_repeated_blocks)")
     ap.add_argument("--compile", action="store_true", help="each block class compiled (the trainer's train.compile)")
     ap.add_argument("--ring", type=int, default=2, help="min_ring_blocks of the streamed runs")
     ap.add_argument("--full", action="store_true", help="a full fine-tune: whole copies against owned steps")
