@@ -95,9 +95,10 @@ def row_sections(results: str, history: Path) -> list[tuple[str, str, list[str]]
     out = []
     for row in _table_rows(results):
         cell = row["date (section)"]
-        for day in re.findall(r"\(history/([^)]+\.md)\)", cell):
+        # "[day](history/day.md) 07:45, 18:50; [day2](history/day2.md) 01:05": each day's keys follow its link
+        parts = re.split(r"\[[^\]]*\]\(history/([^)]+\.md)\)", cell)
+        for day, rest in zip(parts[1::2], parts[2::2]):
             notebook = (history / day).read_text()
-            rest = re.sub(r"\[[^\]]*\]\([^)]*\)", "", cell)
             keys = re.findall(r"\b\d\d:\d\d\b", rest) + re.findall(r"\"([^\"]+)\"", rest)
             for key in keys or [None]:
                 out.append((day, key or "", _section(notebook, key)))
