@@ -346,3 +346,28 @@ def test_clips_are_read_at_the_rate_the_model_is_told(models, videos, tmp_path):
         with pytest.raises(ValueError, match="ltx2 is told 24 fps"):
             Config.model_validate({**base, "data": {**base["data"], "fps": fps}})
     assert Config.model_validate({**base, "data": {**base["data"], "fps": 24}}).data.fps == 24.0
+
+
+def test_tiled_decode_leaves_no_one_row_tile(models):
+    """`fit`'s sampling at the 16 GB preset (832x480, tiled) failed in diffusers' tiled decode: 15 latent rows in
+    tiles of 16 every 14 leave a one-row tile that the VAE's reflect-padded convs refuse (bench/history/2026-11-28.md).
+    `tile_decode` keeps one tile where a dimension fits one, and fixes the strides afresh for each size."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    from trainer.sampling.placement import tile_decode
+
+    vae = AutoencoderKLLTX2Video.from_pretrained(models / FAMILY, subfolder="vae").eval()
+    z = torch.randn(1, vae.config.latent_channels, 2, 15, 26, generator=torch.Generator().manual_seed(0))
+    vae.enable_tiling()
+    with pytest.raises(RuntimeError, match="Padding size"):  # diffusers' own tiles
+        vae.decode(z, return_dict=False)
+    assert tile_decode(vae, 480, 832)
+    assert vae.tile_sample_stride_height == vae.tile_sample_min_height  # 15 rows: one tile
+    assert vae.tile_sample_stride_width == 448  # 26 columns: diffusers' tiles, the last one 12 wide
+    with torch.no_grad():
+        video = vae.decode(z, return_dict=False)[0]
+    assert video.shape[-2:] == (480, 832) and torch.isfinite(video).all()
+    assert tile_decode(vae, 32 * 29, 832)  # 29 rows: tiles at 0, 14, 28 would leave one row; the stride shrinks
+    n, stride = 29, vae.tile_sample_stride_height // 32
+    assert stride < 14 and n - (n - 1) // stride * stride >= 2
+    assert tile_decode(vae, 32 * 40, 832) and vae.tile_sample_stride_height == 448  # from diffusers' strides again

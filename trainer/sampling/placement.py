@@ -97,7 +97,37 @@ def tile_decode(vae: nn.Module, height: int, width: int, tile: int = 512) -> boo
     if hasattr(vae, "tile_sample_min_size"):  # AutoencoderKL
         down = 2 ** (len(vae.config.block_out_channels) - 1)
         vae.tile_sample_min_size, vae.tile_latent_min_size = tile, tile // down
+    no_sliver_tiles(vae, height, width)
     return True
+
+
+#: the fewest latent rows (or columns) a tile of a video VAE's tiled decode may have: its convs reflect-pad by one
+MIN_TILE_LATENTS = 2
+
+
+def no_sliver_tiles(vae: nn.Module, height: int, width: int) -> None:
+    """diffusers' video VAEs (LTX-2's, Wan's, HunyuanVideo's) start a tile every `tile_sample_stride_*` pixels while
+    rows are left, so the last tile can be a sliver: LTX-2 at 832x480 has 15 latent rows, tiles of 16 every 14, and
+    a second tile of one row, which its reflect-padded convs refuse ("Padding size should be less than the
+    corresponding input dimension": `fit`'s sampling at the 16 GB preset, bench/history/2026-11-28.md). A dimension
+    that fits one tile gets one tile (stride = tile); a longer one keeps diffusers' tiles and shrinks the stride a
+    latent at a time (more overlap, blended as diffusers blends) until the last tile has MIN_TILE_LATENTS."""
+    down = getattr(vae, "spatial_compression_ratio", None)
+    if not down:
+        return
+    if not hasattr(vae, "_diffusers_tile_strides"):  # each call starts from diffusers' strides, not the last call's
+        vae._diffusers_tile_strides = {d: getattr(vae, f"tile_sample_stride_{d}", None) for d in ("height", "width")}
+    for dim, size in (("height", height), ("width", width)):
+        low, step = f"tile_sample_min_{dim}", f"tile_sample_stride_{dim}"
+        if not (hasattr(vae, low) and hasattr(vae, step)):
+            continue
+        n, tile, stride = -(-size // down), getattr(vae, low) // down, vae._diffusers_tile_strides[dim] // down
+        if n <= tile:
+            setattr(vae, step, getattr(vae, low))
+            continue
+        while stride > 1 and n - (n - 1) // stride * stride < MIN_TILE_LATENTS:
+            stride -= 1
+        setattr(vae, step, stride * down)
 
 
 def cuda_headroom(device: torch.device) -> int:
