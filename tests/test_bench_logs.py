@@ -97,7 +97,7 @@ def row_sections(results: str, history: Path) -> list[tuple[str, str, list[str]]
         cell = row["date (section)"]
         # "[day](history/day.md) 07:45, 18:50; [day2](history/day2.md) 01:05": each day's keys follow its link
         parts = re.split(r"\[[^\]]*\]\(history/([^)]+\.md)\)", cell)
-        for day, rest in zip(parts[1::2], parts[2::2]):
+        for day, rest in zip(parts[1::2], parts[2::2], strict=True):
             notebook = (history / day).read_text()
             keys = re.findall(r"\b\d\d:\d\d\b", rest) + re.findall(r"\"([^\"]+)\"", rest)
             for key in keys or [None]:
