@@ -309,8 +309,9 @@ def test_bench_program_keeps_each_commands_measurement_lines():
     from bench.program import bench_program as bp
 
     log = ["loading...", "phase load: peak reserved VRAM 5.01 GB", "  step 2/3: loss 1.0, 0.77 s/step",
-           "offload: 24.31 GB of blocks in CPU RAM", "100%|####| 3/3", "error: out of GPU memory sampling 1024x1024"]
-    assert bp.key_lines(log) == [log[1], log[2].strip(), log[3], log[5]]
+           "offload: 24.31 GB of blocks in CPU RAM", "100%|####| 3/3", "error: out of GPU memory sampling 1024x1024",
+           "threads: torchrun set OMP_NUM_THREADS=1; each of this host's 4 processes uses 16 CPU threads"]
+    assert bp.key_lines(log) == [log[1], log[2].strip(), log[3], log[5], log[6]]
 
 
 def test_bench_writes_one_fp8_transformer_file_that_streams(tiny_models, tmp_path):

@@ -858,7 +858,8 @@ def run_commands(family: str, card: int, cfg: Path, run_dir: Path, args) -> list
 
 #: the lines of a command's log that carry its measurements and decisions, echoed to the bench's own output and
 #: kept in results.json: a GPU machine that returns only some files still returns these
-KEY_PREFIXES = ("phase ", "step ", "offload:", "compile:", "note:", "error:", "warning:", "lora:", "device ", "wrote ")
+KEY_PREFIXES = ("phase ", "step ", "offload:", "compile:", "note:", "error:", "warning:", "lora:", "device ", "wrote ",
+                "threads:")
 
 
 def key_lines(lines: list[str]) -> list[str]:

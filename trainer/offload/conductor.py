@@ -90,7 +90,6 @@ def _per_block(checkpointing, default: bool, n: int) -> list[bool]:
     return flags
 
 
-
 class Conductor:
     def __init__(
         self,
