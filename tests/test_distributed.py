@@ -423,3 +423,50 @@ def test_four_processes_share_one_arena_and_train_like_one(tiny_models, images, 
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
+
+
+def test_torchrun_threads_split_the_cores_when_torchrun_chose_one_thread(monkeypatch, capsys):
+    """torchrun sets OMP_NUM_THREADS=1 in every worker when the user set none: each process then read, copied and
+    cast the whole load on one core (issue 40). Only that default is replaced, by cores / local processes."""
+    from trainer.train import distributed
+
+    run = {"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "none", "LOCAL_WORLD_SIZE": "4", "RANK": "0"}
+    assert distributed.torchrun_threads(run, cores=64, launcher_env={"PATH": "/bin"}) == 16
+    assert distributed.torchrun_threads(run, cores=2, launcher_env={}) == 1
+    assert distributed.torchrun_threads(run, cores=64, launcher_env={"OMP_NUM_THREADS": "1"}) is None  # the user's
+    assert distributed.torchrun_threads({**run, "OMP_NUM_THREADS": "8"}, cores=64, launcher_env={}) is None
+    assert distributed.torchrun_threads({k: v for k, v in run.items() if k != "TORCHELASTIC_RUN_ID"}, cores=64,
+                                        launcher_env={}) is None  # not torchrun: someone else's 1
+    assert distributed.torchrun_threads({**run, "LOCAL_WORLD_SIZE": "1"}, cores=64, launcher_env={}) is None
+
+    # what setup does with it: torch's threads, and the line that says what was chosen
+    for k, v in run.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(distributed, "_initial_environ", lambda pid: {"PATH": "/bin"})
+    monkeypatch.setattr(distributed.os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    before = torch.get_num_threads()
+    try:
+        distributed._use_torchrun_threads(4)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    assert "each of this host's 4 processes uses 3 CPU threads" in capsys.readouterr().err
+
+
+def test_initial_environ_reads_the_environment_a_process_started_with():
+    """torchrun's own environment as it started (it sets OMP_NUM_THREADS only in its os.environ afterwards)."""
+    import subprocess
+    import sys
+
+    from trainer.train import distributed
+
+    p = subprocess.Popen([sys.executable, "-c", "import os, time; os.environ['LATE'] = '1'; time.sleep(30)"],
+                         env={**os.environ, "EARLY": "x"})
+    try:
+        time.sleep(0.5)
+        env = distributed._initial_environ(p.pid)
+    finally:
+        p.kill()
+        p.wait()
+    if env is not None:  # None where /proc is not there to read
+        assert env.get("EARLY") == "x" and "LATE" not in env

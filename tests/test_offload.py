@@ -524,6 +524,70 @@ def test_shared_arena_owner_and_reader_see_one_file_and_train_like_a_private_are
     owner.close(), reader.close()
 
 
+def test_shared_arena_parts_are_runs_of_blocks_of_about_equal_bytes():
+    from trainer.offload.allocators import SharedArena
+
+    sizes = [10, 10, 40, 10, 10, 10, 10]
+    blocks = [0, 1, 2, 3, 4, 5, 6]
+    parts = [SharedArena(None, r == 0, lambda: None, part=(r, 3)).mine(blocks, sizes) for r in range(3)]
+    assert parts == [{0, 1}, {2, 3}, {4, 5, 6}]  # by where each block's middle byte falls: 0-33, 33-67, 67-100
+    assert [SharedArena(None, r == 0, lambda: None, part=(r, 2)).mine([2, 5], sizes) for r in range(2)] == [{2}, {5}]
+    assert SharedArena(None, True, lambda: None).mine(blocks, sizes) == set(blocks)  # no parts: the owner fills all
+    assert SharedArena(None, False, lambda: None).mine(blocks, sizes) == set()
+
+
+def _fill_part_worker(rank: int, world: int, store: str, result: str) -> dict:
+    import hashlib
+    from pathlib import Path
+
+    import torch.distributed as tdist
+
+    from trainer.offload.allocators import SharedArena
+
+    def digest(h):  # every streamed tensor's bytes in the arena (the alignment gaps are never written)
+        c, d = h._c, hashlib.sha256()
+        for b in c.plan.streamed:
+            for v in c.packs[b].views(c.arena.region(c.host_off[b], c.packs[b].nbytes)):
+                d.update(v.contiguous().view(torch.uint8).numpy().tobytes())
+        return d.hexdigest()
+
+    ref = attach_offload(blocks_of(add_lora(tiny_flux(0))), "cpu", 1.0)  # one process's private arena
+    want = digest(ref)
+    ref.close()
+    filled = []
+
+    def fill(block, entries, views):  # what stream_load's fill does, from the blocks' own tensors
+        filled.append(block)
+        for e, v in zip(entries, views, strict=True):
+            v.copy_(e.tensor())
+
+    path = Path(store).with_name("dittrain-arena-test")
+    m = add_lora(tiny_flux(0))
+    h = attach_offload(blocks_of(m), "cpu", 1.0, fill=fill,
+                       share=SharedArena(path, rank == 0, tdist.barrier, part=(rank, world)))
+    out = {"shared": h.stats()["arena_shared"], "filled": filled, "streamed": list(h._c.plan.streamed),
+           "same": digest(h) == want, "unlinked": not path.exists(), "loss": train_steps(m, 1).tolist()}
+    h.close()
+    return out
+
+
+def test_each_process_fills_its_part_of_the_shared_arena_and_the_bytes_are_one_processs(tmp_path):
+    """Issue 40: the owner filled the whole /dev/shm arena while the host's other processes waited (the 4-GPU
+    load). Now each process writes its own run of blocks, at the same time; the arena every process maps holds
+    exactly the bytes of one process's private arena, and trains like it."""
+    from _offload_util import run_ranks
+
+    rs = run_ranks(_fill_part_worker, 2, tmp_path)
+    for r in rs:
+        assert r["error"] is None, r["error"]
+    for r in rs:
+        assert r["shared"] and r["same"] and r["unlinked"] and r["filled"]
+    filled = [set(r["filled"]) for r in rs]
+    assert not filled[0] & filled[1] and filled[0] | filled[1] == set(rs[0]["streamed"])
+    assert sorted(rs[0]["filled"] + rs[1]["filled"]) == sorted(rs[0]["streamed"])  # each block read once
+    assert rs[0]["loss"] == rs[1]["loss"]
+
+
 def test_shared_arena_falls_back_to_a_private_one_when_dev_shm_is_too_small(tmp_path, monkeypatch):
     from trainer.offload.allocators import SharedArena
 

@@ -858,7 +858,8 @@ def run_commands(family: str, card: int, cfg: Path, run_dir: Path, args) -> list
 
 #: the lines of a command's log that carry its measurements and decisions, echoed to the bench's own output and
 #: kept in results.json: a GPU machine that returns only some files still returns these
-KEY_PREFIXES = ("phase ", "step ", "offload:", "compile:", "note:", "error:", "warning:", "lora:", "device ", "wrote ")
+KEY_PREFIXES = ("phase ", "step ", "offload:", "compile:", "note:", "error:", "warning:", "lora:", "device ", "wrote ",
+                "threads:")
 
 
 def key_lines(lines: list[str]) -> list[str]:
@@ -870,14 +871,27 @@ def _records(path: Path) -> list[dict]:
 
 
 def _per_phase(recs: list[dict], poll: AnonPoller) -> dict:
+    """Per phase: peaks over every process, and `times` per rank ({rank: [seconds of each record]}). A torchrun
+    launch writes each phase once per process, all at the same time: their sum (what this table showed before,
+    "load 88.6 s" for four processes that each loaded in ~22 s) is no time anyone waited."""
     out: dict[str, dict] = {}
     for r in recs:
-        p = out.setdefault(r["phase"], {"vram": 0, "alloc": 0, "anon": 0, "times": []})
+        p = out.setdefault(r["phase"], {"vram": 0, "alloc": 0, "anon": 0, "times": {}})
         p["vram"] = max(p["vram"], r["vram_reserved"])
         p["alloc"] = max(p["alloc"], r.get("vram_allocated", 0))
         p["anon"] = max(p["anon"], poll.peak(r["start"], r["end"]), r["anon_rss"])
-        p["times"].append(r["end"] - r["start"])
+        p["times"].setdefault(int(r.get("rank", 0)), []).append(r["end"] - r["start"])
     return out
+
+
+def phase_time(name: str, times: dict[int, list[float]]) -> str:
+    """The `time s` cell of phase `name`: for training steps, the median over every process's steps after its
+    first; otherwise the slowest process's total (the processes run their phases side by side)."""
+    if name == "training step":
+        steps = [t for ts in times.values() for t in ts[1:]]
+        if steps:
+            return f"median {statistics.median(steps):.2f} of {sum(len(ts) for ts in times.values())}"
+    return f"{max(sum(ts) for ts in times.values()):.1f}"
 
 
 def report(rows: list[dict]) -> list[str]:
@@ -886,13 +900,11 @@ def report(rows: list[dict]) -> list[str]:
     for r in rows:
         gpus = r.get("gpus", 1)
         what = "(process)" if gpus == 1 else (f"({gpus} processes: anon PSS summed; node shmem peak "
-                                              f"{r['shmem_peak'] / 1e9:.1f} GB)")
+                                              f"{r['shmem_peak'] / 1e9:.1f} GB; phase times: the slowest process's)")
         lines.append(f"| {r['label']} | {r['command']} | {r['rc']} | {what} | | | {r['anon_peak'] / 1e9:.1f} | "
                      f"{r['wall_s']:.0f} |")
         for name, p in r["phases"].items():
-            t = p["times"]
-            shown = (f"median {statistics.median(t[1:]):.2f} of {len(t)}" if name == "training step" and len(t) > 1
-                     else f"{sum(t):.1f}")
+            shown = phase_time(name, p["times"])
             lines.append(f"| | | | {name} | {p['vram'] / 1e9:.2f} | {p['alloc'] / 1e9:.2f} | {p['anon'] / 1e9:.1f} | "
                          f"{shown} |")
         if r["rc"]:

@@ -237,15 +237,36 @@ class HostArena:
 @dataclass
 class SharedArena:
     """The streamed frozen weights once per host for the processes on it: the arena is a file under
-    /dev/shm that the `owner` (local rank 0) creates and fills while the others wait at `barrier`, then every
-    process maps it (and pins its mapping with cudaHostRegister, as any arena), and the owner unlinks the name
-    after a second barrier (the mappings stay). Never for optimizer state; trainable weights only under the sharded
-    stream, where each process writes back its own slice (trainer/train/owners.py); otherwise every process reads
-    the same bytes and none writes them. `barrier` is a collective of every process of the job."""
+    /dev/shm that the `owner` (local rank 0) creates; after a `barrier` every process maps it and writes its
+    `part` of the streamed blocks into it, all at once; after a second barrier the owner unlinks the name (the
+    mappings stay) and every process pins its mapping with cudaHostRegister, as any arena. Never for optimizer
+    state; trainable weights only under the sharded stream, where each process writes back its own slice
+    (trainer/train/owners.py); otherwise every process reads the same bytes and none writes them. `barrier` is a
+    collective of every process of the job.
+
+    `part` (i, n): this process fills the i-th of n runs of consecutive blocks of about equal bytes (`mine`);
+    None: the owner fills every block and the others none. Filling by parts splits the reads, the casts and the
+    first touch of the file's pages (4 KB tmpfs pages, faulted in by whoever writes them) over the host's
+    processes; with the owner filling alone, the others waited through all of it (issue 40)."""
 
     path: Path
     owner: bool
     barrier: Callable[[], None]
+    part: tuple[int, int] | None = None
+
+    def mine(self, blocks: list[int], sizes: list[int]) -> set[int]:
+        """Of `blocks` (in arena order; `sizes` by block index), those this process fills: the ones whose middle
+        byte falls in its n-th of the arena (every block is in exactly one process's set)."""
+        if self.part is None:
+            return set(blocks) if self.owner else set()
+        i, n = self.part
+        total = sum(sizes[b] for b in blocks)
+        out, at = set(), 0
+        for b in blocks:
+            if min(n - 1, (2 * at + sizes[b]) * n // max(1, 2 * total)) == i:
+                out.add(b)
+            at += sizes[b]
+        return out
 
     def fits(self, nbytes: int) -> str | None:
         """None, or why this host's /dev/shm cannot hold `nbytes` (Docker gives containers 64 MB by default;

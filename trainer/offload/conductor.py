@@ -66,8 +66,6 @@ several GPUs per process, and blocks that appear twice in one pass.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Callable
 
 import torch
@@ -91,21 +89,6 @@ def _per_block(checkpointing, default: bool, n: int) -> list[bool]:
         raise ValueError(f"checkpointing: {len(flags)} flags for {n} blocks")
     return flags
 
-
-
-@contextlib.contextmanager
-def _every_core(on: bool):
-    """Inside: torch's CPU ops on every core this process may run on, if `on`. The owner of a shared arena fills it
-    (reading, casting and quantizing the streamed blocks) while the host's other processes wait at a barrier, and
-    torchrun starts each process with OMP_NUM_THREADS=1: one core would do the whole model's casts alone."""
-    before = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if on and cores > before:
-        torch.set_num_threads(cores)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 class Conductor:
     def __init__(
@@ -310,22 +293,27 @@ class Conductor:
 
     def _fill_arena(self, sizes: list[int], total: int, fill, pinned_budget: int | None, share, use) -> None:
         """The host copies of the streamed blocks (read from the files straight into the arena with `fill`),
-        packed and then pinned; with a shared arena its owner fills the /dev/shm file and the host's other
-        processes map it, with as many barriers on every process whatever it decided."""
-        if use is None or use.owner:
-            self._make_arena(total, pinned_budget, use.create(total) if use is not None else None, defer=True)
-            with _every_core(use is not None):
-                for b in self.plan.streamed:
-                    self.packs[b].write_into(self.arena.region(self.host_off[b], sizes[b]), fill, b)
-                    self._drop_originals(b)
-            self._pin_arena()  # after packing: RAM grows as the originals go
-        if share is not None:  # as many barriers on every host, whatever it decided
-            share.barrier()  # the owners have filled their files; the others map them
-            if use is not None and not use.owner:
-                self._make_arena(total, pinned_budget, use.map(total))
+        packed and then pinned. With a shared arena the owner creates the /dev/shm file, every process maps it and
+        fills its part of the blocks (`SharedArena.mine`) at the same time, and all pin their mappings after the
+        last one has filled; as many barriers on every process whatever it decided."""
+        buf = None
+        if use is not None:
+            buf = use.create(total) if use.owner else None
+            use.barrier()  # the file exists: every process maps it
+            buf = buf if use.owner else use.map(total)
+        elif share is not None:
             share.barrier()
+        self._make_arena(total, pinned_budget, buf, defer=True)
+        mine = set(self.plan.streamed) if use is None else use.mine(self.plan.streamed, sizes)
+        for b in self.plan.streamed:
+            if b in mine:
+                self.packs[b].write_into(self.arena.region(self.host_off[b], sizes[b]), fill, b)
+            self._drop_originals(b)
+        if share is not None:
+            share.barrier()  # every process has mapped the file and filled its part
             if use is not None and use.owner:
                 use.unlink()  # the mappings stay; nothing is left in /dev/shm when the processes end
+        self._pin_arena()  # after packing: RAM grows as the originals go; the host's processes pin side by side
 
     def _start_streams(self) -> None:
         """The copy streams (host to device; device to host for trainable blocks' write-back) after a sync, and

@@ -44,6 +44,12 @@ Ctrl-C under torchrun: the workers run in their own sessions, so only torchrun s
 forwards one SIGINT to every worker (the first signal: finish the step, save, exit 130) and kills them after
 `--shutdown-timeout` seconds (30 by default: raise it for a full fine-tune's checkpoint).
 
+CPU threads. torchrun sets OMP_NUM_THREADS=1 in every worker when the user set none (its warning at start), so
+each process's CPU ops ran on one core: the load's safetensors reads and copies into the host arena, the casts,
+the caches. Where torchrun chose it, `setup` gives each process the host's cores divided by its processes
+(`torchrun_threads`: as many threads in all as one process would use) and says so in one line; a value the user
+set, 1 included, is kept.
+
 Sharded weights and optimizer state: train.distributed: fsdp (trainer/train/sharded.py) uses the same process
 group, data order and noise; only the model and optimizer differ.
 
@@ -75,6 +81,44 @@ def _env_int(name: str, default: int) -> int:
         return int(os.environ.get(name, default))
     except ValueError:
         raise UserError(f"environment variable {name}={os.environ[name]!r} is not an integer (set by torchrun)") from None
+
+
+def torchrun_threads(env=None, cores: int | None = None, launcher_env: dict | None = None) -> int | None:
+    """torch's CPU threads for this process when torchrun, not the user, set OMP_NUM_THREADS=1 (see the module
+    essay): this host's cores (`cores`; default: those this process may run on) divided by LOCAL_WORLD_SIZE,
+    at least 1; None to leave torch's choice alone. torchrun sets the variable in its own environment after it
+    started, so the environment it was started with (`launcher_env`; default: its /proc/PID/environ, torchrun
+    being this worker's parent) tells whether the user set it; where that cannot be read, 1 under torchrun is
+    taken as torchrun's."""
+    env = os.environ if env is None else env
+    local_world = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if env.get("OMP_NUM_THREADS") != "1" or "TORCHELASTIC_RUN_ID" not in env or local_world <= 1:
+        return None
+    if launcher_env is None:
+        launcher_env = _initial_environ(os.getppid())
+    if launcher_env is not None and "OMP_NUM_THREADS" in launcher_env:
+        return None  # the user's (or their launcher's) choice
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // local_world)
+
+
+def _initial_environ(pid: int) -> dict | None:
+    """The environment process `pid` was started with (Linux /proc), or None where it cannot be read."""
+    try:
+        raw = open(f"/proc/{pid}/environ", "rb").read()
+    except OSError:
+        return None
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
+def _use_torchrun_threads(local_world: int) -> None:
+    n = torchrun_threads()
+    if n is None or n == torch.get_num_threads():
+        return
+    torch.set_num_threads(n)  # intra-op threads; OMP_NUM_THREADS stays 1 for any child process
+    say(f"threads: torchrun set OMP_NUM_THREADS=1; each of this host's {local_world} processes uses {n} CPU "
+        f"threads (the cores it may run on / {local_world}; set OMP_NUM_THREADS to choose)")
 
 
 class Dist:
@@ -216,6 +260,7 @@ def setup(device_choice: str, mode: str = "ddp") -> Dist:
     if world <= 1:
         return Dist()
     rank, local, local_world = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
+    _use_torchrun_threads(local_world)
     cuda = torch.cuda.is_available() and device_choice in ("auto", "cuda")
     if device_choice == "cuda" and not torch.cuda.is_available():
         raise UserError("train.device: cuda, but torch sees no CUDA device (set train.device: cpu or auto)")

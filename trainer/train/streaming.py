@@ -149,8 +149,8 @@ def owned_steps(cfg: Config, method) -> bool:
 def shared_arena(cfg: Config, dist, method, streamed: bool, gather: SliceGather | None = None):
     """The SharedArena for this process when several processes train: LoRA (nothing trainable in the
     arena), or a full fine-tune over the sharded stream (`gather`: each process writes back its own slice), with
-    blocks streamed and offload.shared_arena on; the name is rank 0's, the owner each host's local rank 0. None
-    otherwise."""
+    blocks streamed and offload.shared_arena on; the name is rank 0's, the owner each host's local rank 0, and each
+    of the host's processes fills its part of the blocks. None otherwise."""
     frozen = not method.streams_trainable or gather is not None
     if not (dist.active and streamed and cfg.offload.shared_arena and frozen):
         return None
@@ -160,7 +160,8 @@ def shared_arena(cfg: Config, dist, method, streamed: bool, gather: SliceGather 
     name = dist.broadcast_text(f"{ARENA_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
     if dist.local_rank == 0:
         remove_stale_arenas(shm)
-    return SharedArena(shm / name, owner=dist.local_rank == 0, barrier=dist.barrier)
+    return SharedArena(shm / name, owner=dist.local_rank == 0, barrier=dist.barrier,
+                       part=(dist.local_rank, dist.local_world))
 
 
 ARENA_PREFIX = "dittrain-arena-"
