@@ -179,8 +179,93 @@ def load_processor(folder: Path):
     return processor
 
 
-def load_model(folder: Path, dtype: torch.dtype) -> nn.Module:
-    """The model in CPU RAM, frozen (the conductor packs only weights that need no gradient), in eval mode."""
+#: the attribute of a model `load_model` left with placeholder decoder layers: the loader `place` fills them with
+LOADER = "_caption_loader"
+_INDEX = "model.safetensors.index.json"
+
+
+def load_model(folder: Path, dtype: torch.dtype, quantize: str = "none") -> nn.Module:
+    """The model in CPU RAM, frozen (the conductor packs only weights that need no gradient), in eval mode, its
+    Linears 8-bit with `quantize` (`quantize_decoder`, `quantize_outside`). With `quantize`, read layer by layer
+    from the safetensors files and quantized as read (`load_quantized`: the decoder layers stay placeholders until
+    `place`); where that cannot map the folder's keys, transformers' `from_pretrained`, then quantized."""
+    if quantize != "none" and (model := load_quantized(folder, dtype, quantize)) is not None:
+        return model
+    model = _from_pretrained(folder, dtype)
+    quantize_decoder(decoder_blocks(model), quantize)
+    quantize_outside(model, quantize)
+    return model
+
+
+def _file_keys(folder: Path) -> dict[str, Path]:
+    """Each tensor key of the folder's safetensors files -> its file (sharded with index.json or not)."""
+    index = folder / _INDEX
+    if index.is_file():
+        return {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    return {k: f for f in sorted(folder.glob("*.safetensors")) for k in quant._header(f)}
+
+
+def file_names(model: nn.Module, folder: Path) -> dict[str, tuple[Path, str]] | None:
+    """Each parameter key of `model` (built on `meta`, before `--quantize`) -> its file and the file's key, the
+    keys renamed as transformers' `from_pretrained` renames them (the model's conversion mapping: its renamings,
+    the base model prefix added or stripped); a tied weight -> the key of the weight it shares. None where a key
+    needs more than a renaming (a converter that merges or splits tensors) or is in no file: `from_pretrained`
+    loads those folders."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    meta = model.state_dict()
+    where: dict[str, tuple[Path, str]] = {}
+    for key, f in _file_keys(folder).items():
+        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if converted is not None:
+            return None
+        where.setdefault(name, (f, key))
+    first: dict[int, str] = {}
+    for key, p in model.named_parameters(remove_duplicate=False):
+        if key not in where and id(p) in first and first[id(p)] in where:
+            where[key] = where[first[id(p)]]  # tied (a head sharing the embedding's weight)
+        first.setdefault(id(p), key)
+        if key not in where:
+            return None
+    return where
+
+
+def load_quantized(folder: Path, dtype: torch.dtype, mode: str) -> nn.Module | None:
+    """`--quantize` without the model dtype's copy in RAM (module essay, Loading): the model built on `meta`,
+    its Linears made 8-bit there (shapes and dtypes), its weights placeholders (trainer/models/stream_load.py);
+    then every weight outside the decoder layers read from the files, cast to `dtype` and quantized one tensor
+    at a time (trainer/models/stream_load.py's `TransformerLoader`: the values `from_pretrained` + `quantize_*`
+    give, bitwise), the layers left to `place` (straight into the conductor's arena, or onto the device). None
+    where `file_names` cannot map the folder."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
+
+    from ..models.stream_load import TransformerLoader, _Files, with_placeholders
+
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    with init_empty_weights():  # parameters on meta, buffers real (the rotary tables)
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    names = file_names(model, folder)
+    if names is None:
+        return None
+    blocks = decoder_blocks(model)
+    quantize_decoder(blocks, mode)
+    quantize_outside(model, mode)
+    with_placeholders(model.eval().requires_grad_(False))
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    loader = TransformerLoader(model, None, dtype, _Files.renamed(folder, names))
+    loader.place(model, torch.device("cpu"), skip=blocks)
+    model.__dict__[LOADER] = loader
+    return model
+
+
+def _from_pretrained(folder: Path, dtype: torch.dtype) -> nn.Module:
+    """transformers' `from_pretrained`: the whole model in the model dtype in CPU RAM."""
     from transformers import AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
@@ -221,6 +306,12 @@ class RowChunkedQuantizedLinear(quant.QuantizedLinear):
             out.append(torch.nn.functional.linear(x, w, None if self.bias is None else self.bias[i:i + HEAD_ROWS]))
             del w
         return torch.cat(out, dim=-1)
+
+
+def quantized_linears(model: nn.Module, blocks: list[nn.Module]) -> tuple[int, int]:
+    """How many Linears are 8-bit inside the decoder layers and outside them."""
+    inside = sum(isinstance(m, quant.QuantizedLinear) for b in blocks for m in b.modules())
+    return inside, sum(isinstance(m, quant.QuantizedLinear) for m in model.modules()) - inside
 
 
 def quantize_outside(model: nn.Module, mode: str) -> int:
@@ -430,14 +521,23 @@ def place(model: nn.Module, blocks: list[nn.Module], device: torch.device, fract
     """Resident at fraction 0 (returns None), else the layers streamed: returns the handle to close. Streamed,
     the input embedding stays in CPU RAM (`cpu_embedding`). Either way the prefill is bounded (`bound_prefill`)."""
     bound_prefill(model, blocks)
+    loader = model.__dict__.pop(LOADER, None)  # `load_quantized`: the layers are placeholders, read from the files
     if fraction <= 0:
+        if loader is not None:
+            for b in blocks:  # straight onto the device, one tensor at a time
+                loader.place(b, torch.device(device))
+            loader.close()
         model.to(device)
         return None
     emb = cpu_embedding(model)
     move_outside_blocks(model, [*blocks, emb] if emb is not None else blocks, device)
     if emb is not None:
         _lookup_on_cpu(emb, torch.device(device))
-    return attach_offload(blocks, device, fraction, mode="sample")
+    try:  # with a loader the conductor lays out arena and ring from the shapes and `fill` writes each layer
+        return attach_offload(blocks, device, fraction, mode="sample", fill=None if loader is None else loader.fill)
+    finally:
+        if loader is not None:
+            loader.close()
 
 
 def greedy_config(model: nn.Module, processor, max_new_tokens: int):

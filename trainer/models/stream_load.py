@@ -199,14 +199,20 @@ def empty_transformer(adapter, cfg, dtype: torch.dtype, files: _Files | None = N
                               adapter.modulation_linears)
     if getattr(cfg, "fp8_matmul", False):  # model.fp8_matmul: W8A8 matmuls (a layer attribute)
         quant.use_scaled_mm(tr, True)
-    for mod in tr.modules():
+    return with_placeholders(tr)
+
+
+def with_placeholders(module: nn.Module) -> nn.Module:
+    """`module` with every `meta` parameter and buffer (quantize's weight_scale) replaced by a placeholder of its
+    shape and dtype (see the module essay); returns it."""
+    for mod in module.modules():
         for name, p in mod._parameters.items():
             if p is not None and p.is_meta:
                 mod._parameters[name] = nn.Parameter(placeholder(p.shape, p.dtype), requires_grad=p.requires_grad)
         for name, b in mod._buffers.items():
-            if b is not None and b.is_meta:  # quantize's weight_scale
+            if b is not None and b.is_meta:
                 mod._buffers[name] = placeholder(b.shape, b.dtype)
-    return tr
+    return module
 
 
 def _adopt_on_meta(block: nn.Module, prefix: str, files: _Files, dtype: torch.dtype, modulation: bool,
@@ -263,8 +269,21 @@ class _Files:
                 with safe_open(str(f), framework="pt") as h:
                     self.where.update(dict.fromkeys(h.keys(), f))
         self.fp8 = any(v.get("dtype") == "F8_E4M3" for v in self.header.values())
+        self.names: dict[str, str] = {}  # model key -> the file's key where they differ (`renamed`)
         self._path: Path | None = None
         self._handle = None
+
+    @classmethod
+    def renamed(cls, folder: Path, where: dict[str, tuple[Path, str]]) -> _Files:
+        """The safetensors files of a folder whose keys are not the model's state-dict keys (a transformers
+        checkpoint, renamed on load: trainer/captioning/vlm.py `file_names`): `where` maps each model key to its
+        file and the file's key (one file key may serve several model keys: a tied head)."""
+        files = cls.__new__(cls)
+        files.label, files.prefix, files.header, files.scales, files.adopted, files.runs = folder, "", {}, {}, set(), None
+        files.where = {k: f for k, (f, _) in where.items()}
+        files.names = {k: n for k, (_, n) in where.items() if n != k}
+        files.fp8, files._path, files._handle = False, None, None
+        return files
 
     def _source(self, key: str) -> str:
         """The file's (unprefixed) key that holds diffusers `key`, or its first row range's (original layout)."""
@@ -297,7 +316,7 @@ class _Files:
             self.close()  # unmaps the previous shard: its file-backed pages leave this process
             self._handle, self._path = safe_open(str(f), framework="pt"), f
         if self.runs is None:
-            return self._handle.get_tensor(self.prefix + key)  # allocation: this one tensor
+            return self._handle.get_tensor(self.prefix + self.names.get(key, key))  # allocation: this one tensor
         # original layout: only the rows this tensor is made of (get_slice reads just those bytes)
         parts = [self._rows(o, a, b) for o, a, b in self.runs[key]]
         return parts[0] if len(parts) == 1 else torch.cat(parts)  # allocation: this one tensor (and its parts)
