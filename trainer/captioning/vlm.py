@@ -534,10 +534,23 @@ def place(model: nn.Module, blocks: list[nn.Module], device: torch.device, fract
     if emb is not None:
         _lookup_on_cpu(emb, torch.device(device))
     try:  # with a loader the conductor lays out arena and ring from the shapes and `fill` writes each layer
-        return attach_offload(blocks, device, fraction, mode="sample", fill=None if loader is None else loader.fill)
+        return attach_offload(blocks, device, fraction, mode="sample", fill=None if loader is None else _trimmed(loader.fill))
     finally:
         if loader is not None:
             loader.close()
+
+
+def _trimmed(fill):
+    """`fill`, then the freed heap handed back (`release_host_memory`): a layer's read and quantize temporaries
+    below glibc's mmap threshold (up to 32 MB: each Linear's model-dtype and fp32 copies, on a mid-size model)
+    come from the heap, and freed between the 8-bit tensors kept they would stay in RSS, layer after layer."""
+    from ..models.stream_load import release_host_memory
+
+    def fill_layer(block, entries, views):
+        fill(block, entries, views)
+        release_host_memory()
+
+    return fill_layer
 
 
 def greedy_config(model: nn.Module, processor, max_new_tokens: int):

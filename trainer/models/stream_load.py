@@ -270,6 +270,7 @@ class _Files:
                     self.where.update(dict.fromkeys(h.keys(), f))
         self.fp8 = any(v.get("dtype") == "F8_E4M3" for v in self.header.values())
         self.names: dict[str, str] = {}  # model key -> the file's key where they differ (`renamed`)
+        self.plain = False  # read with plain reads, not mmap (`_read_plain`)
         self._path: Path | None = None
         self._handle = None
 
@@ -283,6 +284,7 @@ class _Files:
         files.where = {k: f for k, (f, _) in where.items()}
         files.names = {k: n for k, (_, n) in where.items() if n != k}
         files.fp8, files._path, files._handle = False, None, None
+        files.plain = True
         return files
 
     def _source(self, key: str) -> str:
@@ -314,7 +316,10 @@ class _Files:
             raise KeyError(key)
         if f != self._path:
             self.close()  # unmaps the previous shard: its file-backed pages leave this process
-            self._handle, self._path = safe_open(str(f), framework="pt"), f
+            self._handle = _PlainFile(f) if self.plain else safe_open(str(f), framework="pt")
+            self._path = f
+        if self.plain:
+            return self._handle.read(self.names.get(key, key))  # allocation: this one tensor
         if self.runs is None:
             return self._handle.get_tensor(self.prefix + self.names.get(key, key))  # allocation: this one tensor
         # original layout: only the rows this tensor is made of (get_slice reads just those bytes)
@@ -328,7 +333,41 @@ class _Files:
         return self._handle.get_slice(self.prefix + key)[start:stop]
 
     def close(self) -> None:
+        if isinstance(self._handle, _PlainFile):
+            self._handle.file.close()
         self._handle = self._path = None
+
+
+#: safetensors' dtype names
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I8": torch.int8, "U8": torch.uint8,
+           "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+
+
+class _PlainFile:
+    """One safetensors file read tensor by tensor with ordinary reads into a fresh tensor, not mmap: the file's
+    pages stay in the page cache, out of this process's RSS (mmap'd, every page read counts in its RSS until the
+    file is unmapped: a whole shard, up to a model's size with one file)."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by _Files.close
+        (n,) = struct.unpack("<Q", self.file.read(8))
+        self.header = json.loads(self.file.read(n))
+        self.base = 8 + n
+
+    def read(self, key: str) -> torch.Tensor:
+        meta = self.header[key]
+        start, stop = meta["data_offsets"]
+        t = torch.empty(meta["shape"], dtype=_DTYPES[meta["dtype"]])
+        buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        self.file.seek(self.base + start)
+        got = 0
+        while got < stop - start:
+            n = self.file.readinto(buf[got:])
+            if not n:
+                raise ValueError(f"{self.file.name}: truncated at {key!r}")
+            got += n
+        return t
 
 
 def open_files(cfg, subfolder: str = "transformer") -> _Files:
