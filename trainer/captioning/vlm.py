@@ -8,6 +8,26 @@ processor is assembled as the family text encoders' are (trainer/models/qwen_ima
 for any processor class: its tokenizer, the PIL variant of its image processor, a plain video processor (no video
 goes through it: a video's frames are given as images) and the folder's processor settings and chat template.
 
+Loading with `--quantize` (`load_quantized`): not through `from_pretrained`, which holds the whole model in the
+model dtype in RAM before anything is quantized (Qwen2.5-VL-7B, fp8 on an H100: peak RSS 28.6 GB, 1.72 x its
+16.6 GB, the bf16 model, its 8-bit copies and the arena together; bench/history/2026-11-27.md 23:14). The model is
+built on `meta`, its Linears made 8-bit there (shapes and dtypes), its weights placeholders
+(trainer/models/stream_load.py); each tensor outside the decoder layers is then read from the safetensors files,
+cast to the model dtype and quantized one at a time (stream_load's `TransformerLoader`), and the layers are read
+only when `place` puts them: at a fraction above 0 by the conductor's `fill`, straight into the arena and ring, at 0
+onto the device. The files are read with plain reads, not mmap (their pages stay in the page cache, out of RSS:
+mmap'd, a whole shard would count), and the heap is trimmed after each layer (glibc keeps freed temporaries under
+its mmap threshold, up to 32 MB, in the heap otherwise). Keys are renamed as `from_pretrained` renames them
+(`file_names`: the renamings of transformers' conversion mapping, the base-model prefix; Qwen2.5-VL folders keep
+the original `model.layers.` names, Qwen3-VL ones the module's); a tied head reads the embedding's key; a folder
+that needs more than renaming (a converter that merges or splits tensors) loads through `from_pretrained`, then is
+quantized, as before. The weights are bitwise those of `from_pretrained` + `quantize_decoder` + `quantize_outside`
+and the captions the same (tests/test_caption_load.py). Host RAM is then the 8-bit layers (the arena), the parts
+outside them until they move to the device, and one tensor's temporaries: on the CPU, a random Qwen2.5-VL 1024
+wide with 8 layers (0.22 GB bf16 on disk) raises the peak RSS by 0.65 x its bytes to load and place at fraction 1
+(from_pretrained: 3.0 x, the fp32 model and more), tests/test_caption_load.py. Without `--quantize`,
+`from_pretrained` as before (1.09 x measured, 14:05).
+
 Streaming. The decoder layers (the largest `nn.ModuleList` of `model.get_decoder()`, e.g. Qwen2.5-VL's 28 layers)
 are the conductor's blocks, attached in "sample" mode; the vision tower, the head and the norms stay on the device,
 the input embedding in CPU RAM (`cpu_embedding`: a lookup of a few rows per token, looked up there and the rows
