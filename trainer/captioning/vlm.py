@@ -13,7 +13,8 @@ model dtype in RAM before anything is quantized (Qwen2.5-VL-7B, fp8 on an H100: 
 16.6 GB, the bf16 model, its 8-bit copies and the arena together; bench/history/2026-11-27.md 23:14). The model is
 built on `meta`, its Linears made 8-bit there (shapes and dtypes), its weights placeholders
 (trainer/models/stream_load.py); each tensor outside the decoder layers is then read from the safetensors files,
-cast to the model dtype and quantized one at a time (stream_load's `TransformerLoader`), and the layers are read
+cast to the model dtype and quantized one at a time, 4,096 rows at a time (stream_load's `TransformerLoader`,
+`quant.quantize_rows`: the 152k-row head's fp32 temporaries would be 3 x 2.2 GB at once), and the layers are read
 only when `place` puts them: at a fraction above 0 by the conductor's `fill`, straight into the arena and ring, at 0
 onto the device. The files are read with plain reads, not mmap (their pages stay in the page cache, out of RSS:
 mmap'd, a whole shard would count), and the heap is trimmed after each layer (glibc keeps freed temporaries under
