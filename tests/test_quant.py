@@ -21,6 +21,21 @@ def _weight(seed=0, out=64, inp=96):
     return w
 
 
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_gives_quantize_bitwise(mode, dtype):
+    """`quantize_rows` (stream_load's loader: a weight read from bf16 files, cast and quantized a slice of rows at a
+    time) gives exactly `quantize` of the whole weight cast to the model dtype, also where the slices do not
+    divide the rows; a zero row keeps scale 1."""
+    torch.manual_seed(0)
+    w = (torch.randn(11, 7) * torch.logspace(-3, 2, 11)[:, None]).to(torch.bfloat16)
+    w[4] = 0
+    q, s = quant.quantize_rows(w, mode, dtype, rows=3)
+    want_q, want_s = quant.quantize(w.to(dtype), mode)
+    assert q.dtype == want_q.dtype and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s, want_s) and s[4] == 1
+
+
 def test_int8_error_is_at_most_half_a_step():
     w = _weight()
     q, s = quant.quantize(w, "int8")

@@ -210,10 +210,10 @@ def run_caption(req: CaptionRequest) -> CaptionSummary:
     device = _device(req)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     processor = vlm.load_processor(req.model)
-    model = vlm.load_model(req.model, dtype)
+    model = vlm.load_model(req.model, dtype, req.quantize)
     blocks = vlm.decoder_blocks(model)
-    if n := vlm.quantize_decoder(blocks, req.quantize):
-        rest = vlm.quantize_outside(model, req.quantize)
+    if req.quantize != "none":
+        n, rest = vlm.quantized_linears(model, blocks)
         fmt = "fp8 e4m3" if req.quantize == "fp8" else "int8"
         _say(f"--quantize {req.quantize}: the {count(n, 'Linear')} of the {len(blocks)} decoder layers and the "
              f"{count(rest, 'Linear')} outside them (vision tower, head) held as {fmt} with per-channel fp32 scales, "

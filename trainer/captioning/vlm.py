@@ -8,6 +8,27 @@ processor is assembled as the family text encoders' are (trainer/models/qwen_ima
 for any processor class: its tokenizer, the PIL variant of its image processor, a plain video processor (no video
 goes through it: a video's frames are given as images) and the folder's processor settings and chat template.
 
+Loading with `--quantize` (`load_quantized`): not through `from_pretrained`, which holds the whole model in the
+model dtype in RAM before anything is quantized (Qwen2.5-VL-7B, fp8 on an H100: peak RSS 28.6 GB, 1.72 x its
+16.6 GB, the bf16 model, its 8-bit copies and the arena together; bench/history/2026-11-27.md 23:14). The model is
+built on `meta`, its Linears made 8-bit there (shapes and dtypes), its weights placeholders
+(trainer/models/stream_load.py); each tensor outside the decoder layers is then read from the safetensors files,
+cast to the model dtype and quantized one at a time, 4,096 rows at a time (stream_load's `TransformerLoader`,
+`quant.quantize_rows`: the 152k-row head's fp32 temporaries would be 3 x 2.2 GB at once), and the layers are read
+only when `place` puts them: at a fraction above 0 by the conductor's `fill`, straight into the arena and ring, at 0
+onto the device. The files are read with plain reads, not mmap (their pages stay in the page cache, out of RSS:
+mmap'd, a whole shard would count), and the heap is trimmed after each layer (glibc keeps freed temporaries under
+its mmap threshold, up to 32 MB, in the heap otherwise). Keys are renamed as `from_pretrained` renames them
+(`file_names`: the renamings of transformers' conversion mapping, the base-model prefix; Qwen2.5-VL folders keep
+the original `model.layers.` names, Qwen3-VL ones the module's); a tied head reads the embedding's key; a folder
+that needs more than renaming (a converter that merges or splits tensors) loads through `from_pretrained`, then is
+quantized, as before. The weights are bitwise those of `from_pretrained` + `quantize_decoder` + `quantize_outside`
+and the captions the same (tests/test_caption_load.py). Host RAM is then the 8-bit layers (the arena), the parts
+outside them until they move to the device, and one tensor's temporaries: on the CPU, a random Qwen2.5-VL 1024
+wide with 8 layers (0.22 GB bf16 on disk) raises the peak RSS by 0.65 x its bytes to load and place at fraction 1
+(from_pretrained: 3.0 x, the fp32 model and more), tests/test_caption_load.py. Without `--quantize`,
+`from_pretrained` as before (1.09 x measured, 14:05).
+
 Streaming. The decoder layers (the largest `nn.ModuleList` of `model.get_decoder()`, e.g. Qwen2.5-VL's 28 layers)
 are the conductor's blocks, attached in "sample" mode; the vision tower, the head and the norms stay on the device,
 the input embedding in CPU RAM (`cpu_embedding`: a lookup of a few rows per token, looked up there and the rows
@@ -179,8 +200,93 @@ def load_processor(folder: Path):
     return processor
 
 
-def load_model(folder: Path, dtype: torch.dtype) -> nn.Module:
-    """The model in CPU RAM, frozen (the conductor packs only weights that need no gradient), in eval mode."""
+#: the attribute of a model `load_model` left with placeholder decoder layers: the loader `place` fills them with
+LOADER = "_caption_loader"
+_INDEX = "model.safetensors.index.json"
+
+
+def load_model(folder: Path, dtype: torch.dtype, quantize: str = "none") -> nn.Module:
+    """The model in CPU RAM, frozen (the conductor packs only weights that need no gradient), in eval mode, its
+    Linears 8-bit with `quantize` (`quantize_decoder`, `quantize_outside`). With `quantize`, read layer by layer
+    from the safetensors files and quantized as read (`load_quantized`: the decoder layers stay placeholders until
+    `place`); where that cannot map the folder's keys, transformers' `from_pretrained`, then quantized."""
+    if quantize != "none" and (model := load_quantized(folder, dtype, quantize)) is not None:
+        return model
+    model = _from_pretrained(folder, dtype)
+    quantize_decoder(decoder_blocks(model), quantize)
+    quantize_outside(model, quantize)
+    return model
+
+
+def _file_keys(folder: Path) -> dict[str, Path]:
+    """Each tensor key of the folder's safetensors files -> its file (sharded with index.json or not)."""
+    index = folder / _INDEX
+    if index.is_file():
+        return {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    return {k: f for f in sorted(folder.glob("*.safetensors")) for k in quant._header(f)}
+
+
+def file_names(model: nn.Module, folder: Path) -> dict[str, tuple[Path, str]] | None:
+    """Each parameter key of `model` (built on `meta`, before `--quantize`) -> its file and the file's key, the
+    keys renamed as transformers' `from_pretrained` renames them (the model's conversion mapping: its renamings,
+    the base model prefix added or stripped); a tied weight -> the key of the weight it shares. None where a key
+    needs more than a renaming (a converter that merges or splits tensors) or is in no file: `from_pretrained`
+    loads those folders."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    meta = model.state_dict()
+    where: dict[str, tuple[Path, str]] = {}
+    for key, f in _file_keys(folder).items():
+        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if converted is not None:
+            return None
+        where.setdefault(name, (f, key))
+    first: dict[int, str] = {}
+    for key, p in model.named_parameters(remove_duplicate=False):
+        if key not in where and id(p) in first and first[id(p)] in where:
+            where[key] = where[first[id(p)]]  # tied (a head sharing the embedding's weight)
+        first.setdefault(id(p), key)
+        if key not in where:
+            return None
+    return where
+
+
+def load_quantized(folder: Path, dtype: torch.dtype, mode: str) -> nn.Module | None:
+    """`--quantize` without the model dtype's copy in RAM (module essay, Loading): the model built on `meta`,
+    its Linears made 8-bit there (shapes and dtypes), its weights placeholders (trainer/models/stream_load.py);
+    then every weight outside the decoder layers read from the files, cast to `dtype` and quantized one tensor
+    at a time (trainer/models/stream_load.py's `TransformerLoader`: the values `from_pretrained` + `quantize_*`
+    give, bitwise), the layers left to `place` (straight into the conductor's arena, or onto the device). None
+    where `file_names` cannot map the folder."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
+
+    from ..models.stream_load import TransformerLoader, _Files, with_placeholders
+
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    with init_empty_weights():  # parameters on meta, buffers real (the rotary tables)
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    names = file_names(model, folder)
+    if names is None:
+        return None
+    blocks = decoder_blocks(model)
+    quantize_decoder(blocks, mode)
+    quantize_outside(model, mode)
+    with_placeholders(model.eval().requires_grad_(False))
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    loader = TransformerLoader(model, None, dtype, _Files.renamed(folder, names))
+    loader.place(model, torch.device("cpu"), skip=blocks)
+    model.__dict__[LOADER] = loader
+    return model
+
+
+def _from_pretrained(folder: Path, dtype: torch.dtype) -> nn.Module:
+    """transformers' `from_pretrained`: the whole model in the model dtype in CPU RAM."""
     from transformers import AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
@@ -221,6 +327,12 @@ class RowChunkedQuantizedLinear(quant.QuantizedLinear):
             out.append(torch.nn.functional.linear(x, w, None if self.bias is None else self.bias[i:i + HEAD_ROWS]))
             del w
         return torch.cat(out, dim=-1)
+
+
+def quantized_linears(model: nn.Module, blocks: list[nn.Module]) -> tuple[int, int]:
+    """How many Linears are 8-bit inside the decoder layers and outside them."""
+    inside = sum(isinstance(m, quant.QuantizedLinear) for b in blocks for m in b.modules())
+    return inside, sum(isinstance(m, quant.QuantizedLinear) for m in model.modules()) - inside
 
 
 def quantize_outside(model: nn.Module, mode: str) -> int:
@@ -430,14 +542,36 @@ def place(model: nn.Module, blocks: list[nn.Module], device: torch.device, fract
     """Resident at fraction 0 (returns None), else the layers streamed: returns the handle to close. Streamed,
     the input embedding stays in CPU RAM (`cpu_embedding`). Either way the prefill is bounded (`bound_prefill`)."""
     bound_prefill(model, blocks)
+    loader = model.__dict__.pop(LOADER, None)  # `load_quantized`: the layers are placeholders, read from the files
     if fraction <= 0:
+        if loader is not None:
+            for b in blocks:  # straight onto the device, one tensor at a time
+                loader.place(b, torch.device(device))
+            loader.close()
         model.to(device)
         return None
     emb = cpu_embedding(model)
     move_outside_blocks(model, [*blocks, emb] if emb is not None else blocks, device)
     if emb is not None:
         _lookup_on_cpu(emb, torch.device(device))
-    return attach_offload(blocks, device, fraction, mode="sample")
+    try:  # with a loader the conductor lays out arena and ring from the shapes and `fill` writes each layer
+        return attach_offload(blocks, device, fraction, mode="sample", fill=None if loader is None else _trimmed(loader.fill))
+    finally:
+        if loader is not None:
+            loader.close()
+
+
+def _trimmed(fill):
+    """`fill`, then the freed heap handed back (`release_host_memory`): a layer's read and quantize temporaries
+    below glibc's mmap threshold (up to 32 MB: each Linear's model-dtype and fp32 copies, on a mid-size model)
+    come from the heap, and freed between the 8-bit tensors kept they would stay in RSS, layer after layer."""
+    from ..models.stream_load import release_host_memory
+
+    def fill_layer(block, entries, views):
+        fill(block, entries, views)
+        release_host_memory()
+
+    return fill_layer
 
 
 def greedy_config(model: nn.Module, processor, max_new_tokens: int):

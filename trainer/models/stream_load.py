@@ -199,14 +199,20 @@ def empty_transformer(adapter, cfg, dtype: torch.dtype, files: _Files | None = N
                               adapter.modulation_linears)
     if getattr(cfg, "fp8_matmul", False):  # model.fp8_matmul: W8A8 matmuls (a layer attribute)
         quant.use_scaled_mm(tr, True)
-    for mod in tr.modules():
+    return with_placeholders(tr)
+
+
+def with_placeholders(module: nn.Module) -> nn.Module:
+    """`module` with every `meta` parameter and buffer (quantize's weight_scale) replaced by a placeholder of its
+    shape and dtype (see the module essay); returns it."""
+    for mod in module.modules():
         for name, p in mod._parameters.items():
             if p is not None and p.is_meta:
                 mod._parameters[name] = nn.Parameter(placeholder(p.shape, p.dtype), requires_grad=p.requires_grad)
         for name, b in mod._buffers.items():
-            if b is not None and b.is_meta:  # quantize's weight_scale
+            if b is not None and b.is_meta:
                 mod._buffers[name] = placeholder(b.shape, b.dtype)
-    return tr
+    return module
 
 
 def _adopt_on_meta(block: nn.Module, prefix: str, files: _Files, dtype: torch.dtype, modulation: bool,
@@ -263,8 +269,23 @@ class _Files:
                 with safe_open(str(f), framework="pt") as h:
                     self.where.update(dict.fromkeys(h.keys(), f))
         self.fp8 = any(v.get("dtype") == "F8_E4M3" for v in self.header.values())
+        self.names: dict[str, str] = {}  # model key -> the file's key where they differ (`renamed`)
+        self.plain = False  # read with plain reads, not mmap (`_read_plain`)
         self._path: Path | None = None
         self._handle = None
+
+    @classmethod
+    def renamed(cls, folder: Path, where: dict[str, tuple[Path, str]]) -> _Files:
+        """The safetensors files of a folder whose keys are not the model's state-dict keys (a transformers
+        checkpoint, renamed on load: trainer/captioning/vlm.py `file_names`): `where` maps each model key to its
+        file and the file's key (one file key may serve several model keys: a tied head)."""
+        files = cls.__new__(cls)
+        files.label, files.prefix, files.header, files.scales, files.adopted, files.runs = folder, "", {}, {}, set(), None
+        files.where = {k: f for k, (f, _) in where.items()}
+        files.names = {k: n for k, (_, n) in where.items() if n != k}
+        files.fp8, files._path, files._handle = False, None, None
+        files.plain = True
+        return files
 
     def _source(self, key: str) -> str:
         """The file's (unprefixed) key that holds diffusers `key`, or its first row range's (original layout)."""
@@ -295,9 +316,12 @@ class _Files:
             raise KeyError(key)
         if f != self._path:
             self.close()  # unmaps the previous shard: its file-backed pages leave this process
-            self._handle, self._path = safe_open(str(f), framework="pt"), f
+            self._handle = _PlainFile(f) if self.plain else safe_open(str(f), framework="pt")
+            self._path = f
+        if self.plain:
+            return self._handle.read(self.names.get(key, key))  # allocation: this one tensor
         if self.runs is None:
-            return self._handle.get_tensor(self.prefix + key)  # allocation: this one tensor
+            return self._handle.get_tensor(self.prefix + self.names.get(key, key))  # allocation: this one tensor
         # original layout: only the rows this tensor is made of (get_slice reads just those bytes)
         parts = [self._rows(o, a, b) for o, a, b in self.runs[key]]
         return parts[0] if len(parts) == 1 else torch.cat(parts)  # allocation: this one tensor (and its parts)
@@ -309,7 +333,41 @@ class _Files:
         return self._handle.get_slice(self.prefix + key)[start:stop]
 
     def close(self) -> None:
+        if isinstance(self._handle, _PlainFile):
+            self._handle.file.close()
         self._handle = self._path = None
+
+
+#: safetensors' dtype names
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I8": torch.int8, "U8": torch.uint8,
+           "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+
+
+class _PlainFile:
+    """One safetensors file read tensor by tensor with ordinary reads into a fresh tensor, not mmap: the file's
+    pages stay in the page cache, out of this process's RSS (mmap'd, every page read counts in its RSS until the
+    file is unmapped: a whole shard, up to a model's size with one file)."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by _Files.close
+        (n,) = struct.unpack("<Q", self.file.read(8))
+        self.header = json.loads(self.file.read(n))
+        self.base = 8 + n
+
+    def read(self, key: str) -> torch.Tensor:
+        meta = self.header[key]
+        start, stop = meta["data_offsets"]
+        t = torch.empty(meta["shape"], dtype=_DTYPES[meta["dtype"]])
+        buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        self.file.seek(self.base + start)
+        got = 0
+        while got < stop - start:
+            n = self.file.readinto(buf[got:])
+            if not n:
+                raise ValueError(f"{self.file.name}: truncated at {key!r}")
+            got += n
+        return t
 
 
 def open_files(cfg, subfolder: str = "transformer") -> _Files:
@@ -365,8 +423,8 @@ class TransformerLoader:
             if name == "weight_scale" and id(module) in self._scales:
                 return self._scales.pop(id(module))
             mode = "fp8" if module.weight.dtype == torch.float8_e4m3fn else "int8"
-            w = self._read(key, module.compute_dtype)
-            q, scale = quant.quantize(w, mode)  # as the old path: quantize the model-dtype weight
+            # as the old path: quantize the model-dtype weight (row slices of it: the same values, smaller temporaries)
+            q, scale = quant.quantize_rows(self.files.read(key), mode, module.compute_dtype)
             if name == "weight":
                 self._scales[id(module)] = scale
                 return q
