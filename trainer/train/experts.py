@@ -57,7 +57,6 @@ Left out: full fine-tuning of both (LoRA only), several processes, the EMA.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -277,7 +276,7 @@ def park_on_disk(cfg: Config, fill, block_bytes: int, experts: int) -> tuple[boo
     """Whether the idle expert waits on disk (offload.park; see the module essay), and the line that says why.
     `fill`: the loader's (None where the transformer was loaded whole: nothing to read the blocks back from);
     `block_bytes`: one expert's packed blocks (the first handle's measured `block_bytes`)."""
-    from ..planner.prediction import GB, HOST_BASE
+    from ..planner.prediction import GB, HOST_BASE, parks_on_disk, physical_ram
 
     mode = cfg.offload.park
     if mode == "ram":
@@ -290,13 +289,13 @@ def park_on_disk(cfg: Config, fill, block_bytes: int, experts: int) -> tuple[boo
         return False, "experts: offload.park: auto -> ram (the transformer loads whole: no files to read back from)"
     if mode == "disk":
         return True, "experts: offload.park: disk (the idle expert's blocks read back from its files at a switch)"
-    budget = (cfg.offload.host_ram_gb * GB if cfg.offload.host_ram_gb is not None
-              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    given = cfg.offload.host_ram_gb
+    budget = given * GB if given is not None else physical_ram()
     need = experts * block_bytes + HOST_BASE
-    disk = need > budget
+    disk = parks_on_disk(mode, block_bytes, experts, budget)  # the planner's rule, on the measured block bytes
     return disk, (f"experts: offload.park: auto -> {'disk' if disk else 'ram'} (both experts' blocks + the process "
                   f"{need / GB:.1f} GB {'>' if disk else '<='} {budget / GB:.1f} GB host RAM"
-                  f"{'' if cfg.offload.host_ram_gb is None else ' (offload.host_ram_gb)'})")
+                  f"{'' if given is None else ' (offload.host_ram_gb)'})")
 
 
 def setup(tr, resume_dir: Path | None, streamed: bool) -> None:
