@@ -21,7 +21,9 @@ header says which rung it took (and, with chunks, that without them the clip is 
 experts (Wan 2.2 A14B) trains the
 `model.expert` its presets name (`EXPERT`: both experts in one run for a LoRA, trainer/train/experts.py; one for a
 full fine-tune, the other the same size) with sampling during training off: a sample needs every expert, which the
-planner does not count. So does a family whose samples run further transformers (`sampling_components`:
+planner does not count. Both experts' blocks are counted in RAM (offload.park: ram); where that exceeds the RAM
+assumed beside the card and one expert's does not, the preset parks the idle expert on disk (`offload.park: disk`:
+its blocks read back from its files at each change of expert, the switch's seconds in the header). So does a family whose samples run further transformers (`sampling_components`:
 Ideogram 4's unconditional one).
 """
 
@@ -232,12 +234,21 @@ def _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, 
     facts.resolutions, facts.checkpointing, facts.compiled = [res], ckpt, not ckpt
     facts.frames = cfg.data.clip_frames if cls.video else 1
     facts.nano_batches = nano
+    facts.park = "ram"  # the generating machine's RAM never decides: ram, or disk below where it must (`park`)
     try:
         f = choose_fraction(cfg, budget, facts=facts, activation_offload=act, log=lambda s: None)
     except UserError as e:
         return str(e).split(";")[0]
     p = predict(facts, f, res, act)
     ram = ram_gb or RAM_GB[card]
+    park = None
+    if p.ram_peak / 1e9 > ram and facts.experts > 1 and not facts.loads_whole:  # the idle expert on disk instead
+        facts.park = "disk"
+        q = predict(facts, f, res, act)
+        if q.ram_peak / 1e9 <= ram:
+            p, park = q, "disk"
+        else:
+            facts.park = "ram"
     if p.ram_peak / 1e9 > ram:
         return (
             f"needs {p.ram_peak / 1e9:.0f} GB of CPU RAM at fraction {f:.2f} ({_where(name, frames)}), more than the "
@@ -248,6 +259,8 @@ def _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, 
     facts.checkpointing, facts.compiled, facts.nano_batches = ckpt, not ckpt, nano
     te = fit_text_fraction(facts, budget)
     d = _config(family, method, name, act, f, ckpt, opt, te, quantize, frames, nano)
+    if park is not None:  # the RAM assumed beside this card holds one expert's blocks, not both
+        d["offload"]["park"] = park
     dcfg = Config.model_validate(d)
     phases = predict_phases(dcfg, f, facts, te)
     if sample_off or any(ph.name == "sampling" and ph.vram > budget * 1e9 for ph in phases):
@@ -357,9 +370,13 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
     else:
         size, buckets, rung = f"{res} px", f"{res}x{res} buckets", []
     expert = d["model"].get("expert")
+    disk = d["offload"].get("park") == "disk"
+    where = ("the running one's in pinned RAM, the other's read back from its files at each change of expert "
+             f"(offload.park: disk, {p.switch_s:.0f} s a switch predicted: both in RAM would exceed the RAM "
+             "assumed beside this card)" if disk else "every expert's in pinned RAM")
     experts = [f"# {cls.full_name}: this file trains model.expert: {expert} (its experts {', '.join(cls.experts)} in one "
-               "run: each step the one that owns its timestep, only its blocks on the GPU, every expert's in pinned "
-               f"RAM), writing lora-{'.safetensors, lora-'.join(cls.experts)}.safetensors."] if expert == "both" else [
+               f"run: each step the one that owns its timestep, only its blocks on the GPU, {where}), writing "
+               f"lora-{'.safetensors, lora-'.join(cls.experts)}.safetensors."] if expert == "both" else [
                f"# {cls.full_name} trains one expert per run: this file trains model.expert: {expert} "
                f"({cls.experts[expert]}/); for the other expert, copy it with {next(e for e in cls.experts if e != expert)} "
                "as model.expert and its own output.dir (the same size: the same figures)."] if expert else []
