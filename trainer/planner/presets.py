@@ -38,7 +38,7 @@ from ..errors import UserError
 from ..models import ADAPTERS, adapter_class, canonical_family
 from ..optim.specs import OPTIMIZERS
 from .phases import fit_text_fraction, predict_phases
-from .prediction import PREDICTION_MARGIN, Prediction, analyze, choose_fraction, predict
+from .prediction import DISK_READ, PREDICTION_MARGIN, Prediction, analyze, choose_fraction, predict
 
 HEADROOM_GB = 1.0
 # (resolution, activation offloading, gradient checkpointing), most preferred first. Without checkpointing a
@@ -254,9 +254,10 @@ def _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, 
             f"needs {p.ram_peak / 1e9:.0f} GB of CPU RAM at fraction {f:.2f} ({_where(name, frames)}), more than the "
             f"{ram} GB assumed beside a {card} GB card"
         )
-    facts.checkpointing, facts.compiled, facts.nano_batches = True, False, 1
-    base = predict(facts, 0.0, res, False)  # the same training without offloading (checkpointed, no chunks)
-    facts.checkpointing, facts.compiled, facts.nano_batches = ckpt, not ckpt, nano
+    facts.checkpointing, facts.compiled, facts.nano_batches, park_now = True, False, 1, facts.park
+    facts.park = "ram"  # the same training without offloading (checkpointed, no chunks, both experts in RAM)
+    base = predict(facts, 0.0, res, False)
+    facts.checkpointing, facts.compiled, facts.nano_batches, facts.park = ckpt, not ckpt, nano, park_now
     te = fit_text_fraction(facts, budget)
     d = _config(family, method, name, act, f, ckpt, opt, te, quantize, frames, nano)
     if park is not None:  # the RAM assumed beside this card holds one expert's blocks, not both
@@ -397,7 +398,8 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
         + adapter_class(family).measured(method, card)
         + ")",
         f"# Predicted step {p.step_s:.2f} s on an H200-class GPU (GPU {p.compute_s:.2f} s, host {p.host_s:.2f} s, "
-        f"PCIe {p.transfer_s:.2f} s).",
+        f"PCIe {p.transfer_s:.2f} s" + ("; with half a change of expert's read of its blocks from the files, at "
+                                        f"{DISK_READ / 1e9:.0f} GB/s assumed)." if p.park == "disk" else ")."),
         "# VRAM is what torch reserves; the CUDA context (0.5-1 GB) comes on top, and "
         f"{HEADROOM_GB:g} GB of the card is left for it, and {PREDICTION_MARGIN:.0%} of the rest for prediction error.",
         "# phases (predicted peak VRAM): " + ", ".join(f"{ph.name} {ph.vram / 1e9:.1f} GB" for ph in phases) + ".",
