@@ -44,7 +44,9 @@ How. Everything is derived from the model's own code and the conductor's own ari
   resident part; and per step half a switch more copies (the incoming ring and resident part: the expert changes
   on 2 p (1 - p) <= 1/2 of the steps). With offload.park: disk (auto: `parks_on_disk`) the parked expert holds no
   block bytes: RAM holds one expert's arena, and a switch also reads the incoming expert's blocks from its files
-  into a fresh arena at `DISK_READ` (an assumption, not yet measured), which the step time carries half of;
+  (their bytes there: a bf16 folder's under quantize fp8, an fp8 file's as packed) into a fresh arena at
+  `DISK_READ` (an assumption, not yet measured; quantizing on the way is not counted), which the step time carries
+  half of;
   `switch_s` is one switch's seconds either way;
 - step time: the host's launches, the GPU's kernels and the conductor's copies replayed block by block over
   the training plan (trainer/planner/replay.py; costs in trainer/planner/timing.py).
@@ -190,6 +192,8 @@ class Facts:
     park: str = "auto"
     #: offload.host_ram_gb in bytes: the RAM park: auto plans for (None: this machine's physical RAM)
     host_ram: float | None = None
+    #: the blocks' bytes in the model's files, read at a switch of experts parked on disk (None: the packed bytes)
+    block_file_bytes: int | None = None
     traces: dict = field(default_factory=dict)
 
     @property
@@ -262,6 +266,7 @@ def analyze(cfg) -> Facts:
     model = ptrace.meta_transformer(family, config, dtype)
     refs = cfg.data.references() if cls.reference_optional and cfg.data is not None else 0
     blocks = ptrace.blocks_of(family, model, refs)
+    read = _block_file_bytes(cfg, blocks)  # before the quantization below
     if cfg.model.quantize != "none":  # the loader's own quantization (meta tensors): 8-bit weights, fp32 scales
         quant.quantize_blocks(blocks, cfg.model.quantize, cfg.model.quantize_modulation,
                               cls.modulation_linears)
@@ -308,8 +313,23 @@ def analyze(cfg) -> Facts:
         compile_blocks=cfg.train.compile is not False,
         experts=len(cls.experts) if getattr(cfg.model, "expert", None) == BOTH_EXPERTS else 1,
         park=cfg.offload.park,
+        block_file_bytes=read,
         host_ram=cfg.offload.host_ram_gb * GB if cfg.offload.host_ram_gb is not None else None,
     )
+
+
+def _block_file_bytes(cfg, blocks: list) -> int | None:
+    """The bytes of the blocks' weights in the model's files (what a switch of experts parked on disk reads): an fp8
+    `model.transformer_file` under quantize fp8 (its bytes adopted as they are) holds them in fp8 (None: the packed
+    bytes); otherwise the blocks at model.dtype (a diffusers folder's bf16, quantized as it is read)."""
+    f = cfg.model.transformer_file
+    if f is not None and cfg.model.quantize == "fp8":
+        try:
+            if quant.is_fp8_file(f):
+                return None
+        except (OSError, ValueError):
+            pass
+    return sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())
 
 
 def physical_ram() -> float:
@@ -576,7 +596,7 @@ def _with_parked_experts(facts: Facts, place: _Placement) -> _Placement:
         d2h=place.d2h + resident // 2,
         switch_in=incoming,
         switch_out=resident,
-        switch_read=sum(facts.packed) if disk else 0,
+        switch_read=(facts.block_file_bytes or sum(facts.packed)) if disk else 0,
     )
 
 
