@@ -597,3 +597,56 @@ def test_shared_arena_falls_back_to_a_private_one_when_dev_shm_is_too_small(tmp_
     assert not h.stats()["arena_shared"] and "keeps its own arena" in h.pinning_note
     assert not (tmp_path / "a").exists()
     h.close()
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_parked_on_disk_holds_no_host_bytes_and_unparks_bitwise(fraction):
+    """`park(disk=True)` (trainer/train/experts.py's offload.park: disk): the arena freed and every block tensor
+    hollow (NaN over one scalar: no bytes), no parking buffer; `unpark` reads every block again through `fill` (here
+    from a copy of the model's tensors, as the loader reads the files) and the training is bitwise one parked in RAM
+    (which keeps every block's bytes on the host); a close while parked on disk gives back the weights."""
+    import torch.nn.functional as F
+
+    def run(disk: bool):
+        m = add_lora(tiny_flux(0))
+        blocks = blocks_of(m)
+        source = {(id(mod), n): t.detach().clone() for b in blocks for mod in b.modules()
+                  for n, t in [*mod._parameters.items(), *mod._buffers.items()] if t is not None}
+        frozen = {n: t.detach().clone() for n, t in m.named_parameters() if not t.requires_grad}
+        reads = []
+
+        def fill(block, entries, views):  # what TransformerLoader.fill does from the files
+            reads.append(block)
+            for e, v in zip(entries, views, strict=True):
+                v.copy_(source[(id(e.module), e.name)])
+
+        h = attach_offload(blocks, "cpu", fraction, parkable=True, fill=fill)
+        params = [p for p in m.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        losses, idle = [], []
+        for s in range(STEPS):
+            kw, target = batch(100 + s)
+            loss = F.mse_loss(m(**kw)[0].float(), target.float())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+            reads.clear()
+            h.park(disk=disk)  # as at a change of expert
+            st = h.stats()
+            idle.append(st["host_bytes"])
+            assert h.parked and st["parked_on"] == ("disk" if disk else "ram")
+            if disk:
+                assert all(torch.isnan(p).all() for b in blocks for p in b.parameters() if not p.requires_grad)
+            h.unpark()
+            assert sorted(set(reads)) == (list(range(len(blocks))) if disk else [])  # every block read back
+            assert h.stats()["host_bytes"] == (st["offloaded_bytes"] if disk else st["block_bytes"])
+        h.park(disk=disk)
+        h.close()
+        back = {n: t for n, t in m.named_parameters() if not t.requires_grad}
+        assert _same(back, frozen)
+        return torch.stack(losses), trainable_state(m), idle
+
+    ram, disk = run(False), run(True)
+    assert torch.equal(ram[0], disk[0]) and _same(ram[1], disk[1])
+    assert all(n == 0 for n in disk[2]) and all(n > 0 for n in ram[2])

@@ -175,3 +175,60 @@ def test_hunyuan_video15_tiles_by_its_overlap_factor():
     assert (sh, sw) == (192, 192)
     key = json.dumps(cls.full_vae_config, sort_keys=True)
     assert _tiled_decode_peak("hunyuan-video-1.5", key, torch.bfloat16, 480, 320, 5) > 0
+
+
+def test_experts_parked_on_disk_count_one_experts_blocks_in_ram_and_a_read_per_switch(tmp_path):
+    """model.expert: both (Wan 2.2 A14B, fp8 base, 720p x 81, every block streamed): offload.park: ram pins both
+    experts' blocks; disk one expert's arena, the idle one's blocks read back from its files at each switch
+    (`DISK_READ`), half a switch per step; auto picks disk only where both experts' blocks and the process exceed
+    the host RAM it plans for (offload.host_ram_gb)."""
+    from dataclasses import replace
+
+    from trainer.planner.prediction import DISK_READ, HOST_BASE, predict
+
+    cfg = Config.model_validate({
+        "model": {"family": "wan2.2-a14b", "path": "/nonexistent", "dtype": "bf16", "expert": "both",
+                  "quantize": "fp8"},
+        "train": {"method": "lora", "gradient_checkpointing": True},
+        "data": {"sources": [{"path": "/tmp"}], "resolutions": ["720p"], "clip_frames": 81},
+        "offload": {"transformer": 1.0, "activations": True, "park": "ram"},
+        "output": {"dir": "/tmp/out"},
+    })
+    facts = analyze(cfg)
+    assert facts.experts == 2 and facts.park == "ram"
+    blocks = sum(facts.packed)
+    ram = predict(facts, 1.0, 960, True)
+    disk = predict(replace(facts, park="disk"), 1.0, 960, True)
+    assert (ram.park, disk.park) == ("ram", "disk")
+    assert ram.pinned == 2 * blocks and disk.pinned == blocks  # every block streams: the arena is one expert's
+    assert ram.ram_peak - disk.ram_peak == pytest.approx(blocks)
+    # a switch reads the blocks as the files hold them: a bf16 folder's (quantized to fp8 as read), twice the packed
+    read = facts.block_file_bytes
+    assert read == pytest.approx(2 * blocks, rel=0.05)
+    assert disk.switch_s - ram.switch_s == pytest.approx(read / DISK_READ)
+    assert disk.step_s - ram.step_s == pytest.approx(read / DISK_READ / 2)
+    # an fp8 single file under quantize fp8 is read as it is packed (its bytes adopted)
+    from safetensors.torch import save_file
+
+    from trainer.planner.prediction import _block_file_bytes
+
+    fp8 = tmp_path / "fp8.safetensors"
+    save_file({"w": torch.zeros(4, 4).to(torch.float8_e4m3fn)}, str(fp8))
+    with_file = cfg.model_copy(update={"model": cfg.model.model_copy(update={"transformer_file": fp8})})
+    assert _block_file_bytes(with_file, facts.blocks) is None
+    assert predict(replace(facts, park="disk", block_file_bytes=None), 1.0, 960, True).switch_s == pytest.approx(
+        ram.switch_s + blocks / DISK_READ)
+    # auto: disk over the host RAM planned for, ram under it
+    over = replace(facts, park="auto", host_ram=2 * blocks + HOST_BASE - 1)
+    under = replace(facts, park="auto", host_ram=2 * blocks + HOST_BASE)
+    assert predict(over, 1.0, 960, True).park == "disk" and predict(under, 1.0, 960, True).park == "ram"
+    assert not replace(over, loads_whole=True).parks_on_disk  # nothing to read the blocks back from
+    assert cfg.offload.host_ram_gb is None and analyze(cfg.model_copy(update={"offload": cfg.offload.model_copy(
+        update={"host_ram_gb": 40.0, "park": "auto"})})).host_ram == 40e9
+    # `dittrain plan` says both modes' RAM and switch, and which one auto takes
+    from trainer.planner.report import _experts
+    from trainer.planner.timing import reference_rates
+
+    (line,) = [x for x in _experts(over, 1.0, True, reference_rates()) if x]
+    assert "offload.park: auto -> disk" in line and f"ram: RAM peak {ram.ram_peak / 1e9:.1f} GB" in line
+    assert f"disk: RAM peak {disk.ram_peak / 1e9:.1f} GB, a switch {disk.switch_s:.1f} s" in line

@@ -217,6 +217,71 @@ def test_streamed_with_parking_is_bitwise_the_resident_run(fitted, a14b, clip, t
             assert all(v > 0 for v in offloaded.values())  # blocks stream at either fraction (6 blocks)
 
 
+def test_parked_on_disk_is_bitwise_parked_in_ram_and_the_idle_expert_holds_no_host_bytes(a14b, clip, tmp_path,
+                                                                                           monkeypatch):
+    """offload.park: disk (trainer/train/experts.py, the conductor's `park(disk=True)`): the idle expert's arena is
+    freed and its blocks hollow, and each switch reads them again from its safetensors files; the losses, the experts
+    drawn and both LoRA files are bitwise those of park: ram over steps that change expert several times, and the
+    idle expert holds 0 host bytes (its arena and parking buffer) where in RAM it holds its blocks."""
+    monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)  # the conductor's CPU ring
+    step = Trainer.train_step
+    seen = []
+
+    def watched(self):
+        metrics = step(self)
+        h = self.offload.handles
+        seen.append((metrics["expert"], {n: x.stats() for n, x in h.items()}, self.offload.stats()))
+        return metrics
+
+    monkeypatch.setattr(Trainer, "train_step", watched)
+    runs = {}
+    for f in (0.5, 0.0):  # 0: every block in the ring, none in an arena (the parking buffer's case)
+        for park in ("ram", "disk"):
+            run = tmp_path / f"{park}-{f}"
+            seen.clear()
+            Trainer(_config(a14b, clip, run, offload={"transformer": f, "park": park},
+                            sample={"every": 0})).fit()
+            runs[park] = run
+            experts = [e for e, *_ in seen]
+            assert sum(a != b for a, b in zip(experts, experts[1:], strict=False)) >= 2  # several switches
+            for i, (expert, per, both) in enumerate(seen):
+                idle = [s for n, s in per.items() if n != expert]
+                assert per[expert]["parked_on"] is None and all(s["parked_on"] == park for s in idle)
+                if park == "disk":
+                    assert all(s["host_bytes"] == 0 for s in idle)
+                    assert both["host_bytes"] == per[expert]["host_bytes"]  # one expert's blocks on the host
+                else:  # the idle expert keeps every block on the host (arena + parking buffer)
+                    assert all(s["host_bytes"] == s["block_bytes"] for s in idle)
+                # every change of expert so far counted (and logged: the first ones and every 100th)
+                assert both["park"] == park and both["switches"] == sum(
+                    a != b for a, b in zip(experts[: i + 1], experts[1 : i + 1], strict=False))
+        assert losses(runs["disk"]) == losses(runs["ram"]) and _experts(runs["disk"]) == _experts(runs["ram"])
+        for name in FILES:
+            a, b = load_file(str(runs["ram"] / name)), load_file(str(runs["disk"] / name))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_park_auto_takes_disk_only_over_the_host_ram_budget(a14b, clip, tmp_path, monkeypatch):
+    """offload.park: auto: ram while both experts' blocks and the process fit offload.host_ram_gb, disk over it;
+    the line says which and why."""
+    from trainer.train import experts
+
+    lines = []
+    monkeypatch.setattr(experts, "say", lines.append)
+    cfg = _config(a14b, clip, tmp_path / "o", offload={"host_ram_gb": 4.0})
+    gb = 1e9
+    assert experts.park_on_disk(cfg, lambda *a: None, int(0.5 * gb), 2) == (False, experts.park_on_disk(
+        cfg, lambda *a: None, int(0.5 * gb), 2)[1])
+    disk, why = experts.park_on_disk(cfg, lambda *a: None, int(1.0 * gb), 2)  # 2 + 2.5 GB > 4 GB
+    assert disk and "auto -> disk" in why and "4.0 GB" in why
+    assert experts.park_on_disk(cfg, None, int(1.0 * gb), 2)[0] is False  # loaded whole: nothing to read back
+    ram = cfg.model_copy(update={"offload": cfg.offload.model_copy(update={"park": "ram"})})
+    assert experts.park_on_disk(ram, lambda *a: None, int(10 * gb), 2)[0] is False
+    disk_cfg = cfg.model_copy(update={"offload": cfg.offload.model_copy(update={"park": "disk"})})
+    with pytest.raises(UserError, match="loads whole"):
+        experts.park_on_disk(disk_cfg, None, 1, 2)
+
+
 def test_resume_is_bitwise_the_uninterrupted_run(fitted, a14b, clip, tmp_path):
     import shutil
 

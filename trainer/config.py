@@ -552,6 +552,18 @@ class OffloadConfig(_Section):
         description="With several training processes on one host (torchrun), LoRA: the streamed frozen blocks "
         "live once in a /dev/shm file that every process maps and pins, instead of once per process.",
     )
+    park: Literal["ram", "disk", "auto"] = Field(
+        default="auto",
+        description="model.expert: both (Wan 2.2 A14B): where the expert not running waits. ram: its blocks stay in "
+        "CPU RAM (pinned), a switch copies one ring; disk: its blocks hold no RAM and are read again from its "
+        "safetensors files (the page cache, or the disk) at a switch, so RAM holds one expert's blocks; auto: disk "
+        "where both experts' blocks and the process would exceed offload.host_ram_gb (else this machine's RAM), "
+        "else ram. Bitwise the same training either way; each switch logs what it did and its seconds.",
+    )
+    host_ram_gb: float | None = Field(
+        default=None, gt=0,
+        description="Host RAM (GB) offload.park: auto plans for (null: this machine's physical RAM).",
+    )
     sharded_stream: bool | Literal["auto"] = Field(
         default="auto",
         description="With several training processes on one host and blocks streamed: each process copies "

@@ -41,6 +41,8 @@ Public interface (everything else in this package is internal):
     handle.close(keep_weights=False) -> the same, streamed blocks left with meta tensors (the model is discarded)
     handle.park() / handle.unpark() -> (parkable) the ring given back, the blocks on their host bytes / the ring
                            taken again with the plan's initial blocks; one handle runs at a time
+    handle.park(disk=True) -> (parkable, frozen, attached with `fill`) the arena freed too: no host bytes; `unpark`
+                           reads the blocks from the files again (bitwise the same bytes)
     handle.share_activations(other) -> use `other`'s activation offloader (one pinned buffer for models run in turn)
 
     bind_fused(handle, fused)  -> trainer.optim FusedBackPass steps streamed weights with their packed state
@@ -127,9 +129,10 @@ class OffloadHandle:
         """Wait for the device; point every block parameter at current values (ring or host copy)."""
         self._c.expose_current_weights()
 
-    def park(self) -> None:
-        """A parkable handle gives its ring back; its blocks read their host bytes until `unpark` (a sync)."""
-        self._c.park()
+    def park(self, disk: bool = False) -> None:
+        """A parkable handle gives its ring back; its blocks read their host bytes until `unpark` (a sync), or with
+        `disk` (frozen blocks attached with `fill`) hold no host bytes and are read from the files at `unpark`."""
+        self._c.park(disk)
 
     def unpark(self) -> None:
         """The ring taken again, the plan's initial blocks copied in; the next pass starts a step."""

@@ -60,6 +60,16 @@ ring again (the caching allocator hands back the bytes the other model's park ju
 blocks), copies in the plan's initial blocks, and starts a fresh step of the plan, as a new conductor would. So only
 the running model's blocks are on the GPU, and a switch moves one ring's bytes.
 
+Parking on disk (`park(disk=True)`, frozen blocks built with `fill` only). The parked model then holds no host bytes
+at all: after the same sync its arena is unregistered and freed (`HostArena.close`), no parking buffer is made, and
+every block tensor becomes a *hollow* one (its shape and dtype over one shared NaN scalar: nothing to free, NaN if
+anything reads it). `unpark` reads the blocks again from the model's files with the same `fill` that built them:
+the streamed ones into a fresh arena (allocated, filled, then pinned, as at construction), the never-streamed ones
+of the plan's start straight into their ring regions. `fill` is deterministic (the same file bytes, the same casts
+and quantization), so the refilled bytes are bitwise the first ones and a run parked on disk is bitwise one parked
+in RAM. A switch then costs reading one model's blocks (the page cache, or the disk) and pinning its arena, instead
+of one ring's copy; the host holds one model's blocks instead of all of them.
+
 Left out: torch.compile of the block wrapper (it is called eagerly; compiling inside blocks still works),
 several GPUs per process, and blocks that appear twice in one pass.
 """
@@ -78,6 +88,20 @@ from .plan import BWD, FWD, Plan, capacity_for, plan_for
 
 def _nothing() -> None:
     pass
+
+
+_NAN: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _hollow(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of `shape` and `dtype` over one shared scalar (NaN where the dtype has one): a parked-on-disk
+    block's tensor costs no memory, and anything that reads it gets NaN, never plausible numbers. Made with `set_`
+    (not `expand`) so that each one has its own autograd version counter."""
+    ref = _NAN.get(dtype)
+    if ref is None:
+        ref = _NAN[dtype] = (torch.full((), float("nan")).to(dtype) if dtype.is_floating_point
+                             else torch.zeros((), dtype=dtype))
+    return torch.empty(0, dtype=dtype).set_(ref.untyped_storage(), 0, tuple(shape), (0,) * len(shape))
 
 
 def _per_block(checkpointing, default: bool, n: int) -> list[bool]:
@@ -134,6 +158,9 @@ class Conductor:
         #: the plan and ring run (blocks streamed, or a parkable model's resident blocks held in the ring)
         self.streaming = self.fraction > 0.0 or parkable
         self.parkable, self.parked = parkable, False
+        self.parked_on_disk = False  # parked with `park(disk=True)`: no host bytes, refilled from the files by `fill`
+        self._fill = fill if parkable else None  # kept for a disk park's refill (reads the files again)
+        self._pinned_budget = pinned_budget
         self._park_buf: HostArena | None = None  # a parked model's never-streamed blocks (`park`)
         self._park_off: dict[int, int] = {}
         self._step0 = 0  # the step the plan's step 0 is (a new conductor, or the last `unpark`)
@@ -200,7 +227,7 @@ class Conductor:
         """Page-lock the arena; where that is refused, copies go through two pinned one-block buffers."""
         self.arena.pin()
         sizes, streamed = [pk.nbytes for pk in self.packs], self.plan.streamed
-        if self.arena.refused is not None:  # copies go through two pinned one-block buffers
+        if self.arena.refused is not None and self.staging is None:  # copies go through two pinned one-block buffers
             self.staging = Staging(max(sizes[b] for b in streamed), self.device)
             self.pinning_note = (f"offload: {self.arena.refused}; the host arena stays pageable and copies are "
                                  f"staged through two pinned {max(sizes[b] for b in streamed) / 2**20:.0f} MB "
@@ -546,6 +573,10 @@ class Conductor:
         if self.streaming:
             out["fraction_in_ram"] = 1.0 - self.plan.capacity / max(1, out["block_bytes"])
             out["parking_pinned_bytes"] = self._park_buf.pinned_bytes if self._park_buf is not None else 0
+            # host bytes this conductor's blocks hold (arena + parking buffer), pinned or not: 0 parked on disk
+            out["host_bytes"] = (self.arena.buf.numel() if self.arena.nbytes > 0 else 0) + (
+                self._park_buf.buf.numel() if self._park_buf is not None else 0)
+            out["parked_on"] = ("disk" if self.parked_on_disk else "ram") if self.parked else None
         if self.cuda and self._h2d_log:
             self._h2d_log[-1][1].synchronize()  # host-device sync
             ms = sum(a.elapsed_time(b) for a, b, _ in self._h2d_log)
@@ -567,7 +598,7 @@ class Conductor:
                 if b in self.host_off and self.ring_offset[b] is not None:
                     self._write_back(b, compute)  # host copies (weights and packed state) become current
         self.wait_for_device()
-        if not self.streaming:
+        if not self.streaming or self.parked_on_disk:  # parked on disk: frozen blocks, hollow until `unpark`
             return
         self._slices_written()
         for b, pk in enumerate(self.packs):
@@ -584,16 +615,30 @@ class Conductor:
         return self._park_buf.region(self._park_off[b], self.plan.sizes[b])
 
     # ------------------------------------------------------------------------------------------ parking
-    def park(self) -> None:
-        """Give the ring back (see the module essay); the blocks read their host bytes until `unpark`.
+    def park(self, disk: bool = False) -> None:
+        """Give the ring back (see the module essay); the blocks read their host bytes until `unpark`, or with
+        `disk` hold none (hollow tensors; the arena freed) and are read from the files again at `unpark`.
         Host-device sync, once per park."""
         if not self.parkable or self.parked:
             return
+        if disk and (self._fill is None or self.trainable):
+            raise ValueError("offload: parking on disk needs frozen blocks read from the model's files (`fill`)")
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         for b in list(self.dirty):
             if b in self.host_off and self.ring_offset[b] is not None:
                 self._write_back(b, compute)  # trainable streamed blocks: their host copies become current
         self.wait_for_device()  # every kernel reading the ring, every load into it, every write-back has run
+        if disk:
+            self._park_hollow()
+        else:
+            self._park_in_ram()
+        self.loaded_event.clear()
+        self._h2d_log = self._h2d_log_step = []
+        self.ring = None  # freed to the caching allocator: the next model's `unpark` takes the same bytes
+        self.parked, self.parked_on_disk = True, disk
+
+    def _park_in_ram(self) -> None:
+        """The never-streamed blocks copied to the parking buffer; every block points at its host bytes."""
         sizes = self.plan.sizes
         kept = [b for b in range(len(self.blocks)) if b not in self.host_off]  # no arena copy: the ring's only
         if self._park_buf is None and kept:
@@ -613,33 +658,48 @@ class Conductor:
         for b, pk in enumerate(self.packs):
             pk.point_at(pk.views(self._host_region(b)))
             self.ring_offset[b] = self.params_at[b] = None
-        self.loaded_event.clear()
-        self._h2d_log = self._h2d_log_step = []
-        self.ring = None  # freed to the caching allocator: the next model's `unpark` takes the same bytes
-        self.parked = True
+
+    def _park_hollow(self) -> None:
+        """Every block tensor hollow (no bytes), the arena unregistered and freed: the model holds no host RAM."""
+        for pk in self.packs:
+            pk.point_at([_hollow(e.shape, e.dtype) for e in pk.entries])
+        for b in range(len(self.blocks)):
+            self.ring_offset[b] = self.params_at[b] = None
+        self._host_state.clear()
+        self.arena.close()  # unregistered, its buffer freed (nothing views it any more)
 
     def unpark(self) -> None:
-        """Take a ring again, copy in the plan's initial blocks, and start the plan's step 0 (as at construction)."""
+        """Take a ring again, copy in the plan's initial blocks, and start the plan's step 0 (as at construction);
+        parked on disk, the arena and the never-streamed initial blocks are first read again from the files."""
         if not self.parked:
             return
-        self.ring = Ring(self.plan.capacity, self.device)
         sizes = self.plan.sizes
+        if self.parked_on_disk and self.host_off:  # a fresh arena, filled from the files, then pinned
+            self._make_arena(self.arena.nbytes, self._pinned_budget, None, defer=True)
+            for b in self.plan.streamed:
+                self.packs[b].write_into(self.arena.region(self.host_off[b], sizes[b]), self._fill, b)
+            self._pin_arena()
+        self.ring = Ring(self.plan.capacity, self.device)
+        from_files = [b for b in self.plan.initial if self.parked_on_disk and b not in self.host_off]
+        for b in from_files:  # tensor by tensor from the files into the ring (synchronous on the compute stream)
+            self.packs[b].write_into(self.ring.region(self.plan.initial[b], sizes[b]), self._fill, b)
+        copied = [b for b in self.plan.initial if b not in from_files]
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda:  # on the transfer stream, after the ring's allocation; compute waits for all of it
             ev = compute.record_event()
             with torch.cuda.stream(self.h2d):
                 self.h2d.wait_event(ev)
-                for b, off in self.plan.initial.items():
-                    self._load(self.ring.region(off, sizes[b]), self._host_region(b))
+                for b in copied:
+                    self._load(self.ring.region(self.plan.initial[b], sizes[b]), self._host_region(b))
                 done = self.h2d.record_event()
             compute.wait_event(done)
         else:
-            for b, off in self.plan.initial.items():
-                self._load(self.ring.region(off, sizes[b]), self._host_region(b))
+            for b in copied:
+                self._load(self.ring.region(self.plan.initial[b], sizes[b]), self._host_region(b))
         for b, off in self.plan.initial.items():
             self.ring_offset[b] = off
             self._point(b)
-        self.parked = False
+        self.parked = self.parked_on_disk = False
         self.step += 1  # a release callback of an earlier step stays a no-op
         self._step0 = self.step
         self.cursor = 0
@@ -657,6 +717,11 @@ class Conductor:
                 if self.ring_offset[b] is not None:
                     self._point(b)
                     src_views = self.ring.views(b, self.ring_offset[b], pk)
+                elif self.parked_on_disk:  # no host copy: read from the files (only if the weights are kept)
+                    tmp = torch.empty(self.plan.sizes[b] if keep_weights else 0, dtype=torch.uint8)
+                    if keep_weights:
+                        pk.write_into(tmp, self._fill, b)
+                    src_views = pk.views(tmp) if keep_weights else [_hollow(e.shape, e.dtype) for e in pk.entries]
                 else:
                     src_views = pk.views(self._host_region(b))
                 for e, v in zip(pk.entries, src_views, strict=True):

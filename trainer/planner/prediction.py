@@ -42,7 +42,12 @@ How. Everything is derived from the model's own code and the conductor's own ari
   turn, the one not running parked (its ring freed, its non-block weights, LoRA and LoRA state in CPU RAM): the
   GPU holds one expert as a one-expert run does; RAM every block of both (arena + parking buffer) and the parked
   resident part; and per step half a switch more copies (the incoming ring and resident part: the expert changes
-  on 2 p (1 - p) <= 1/2 of the steps);
+  on 2 p (1 - p) <= 1/2 of the steps). With offload.park: disk (auto: `parks_on_disk`) the parked expert holds no
+  block bytes: RAM holds one expert's arena, and a switch also reads the incoming expert's blocks from its files
+  (their bytes there: a bf16 folder's under quantize fp8, an fp8 file's as packed) into a fresh arena at
+  `DISK_READ` (an assumption, not yet measured; quantizing on the way is not counted), which the step time carries
+  half of;
+  `switch_s` is one switch's seconds either way;
 - step time: the host's launches, the GPU's kernels and the conductor's copies replayed block by block over
   the training plan (trainer/planner/replay.py; costs in trainer/planner/timing.py).
 
@@ -74,6 +79,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -110,6 +116,9 @@ ALLOCATOR_OVERHEAD = 1.35
 #: arena (bench/history/2026-11-23.md 18:45)
 HOST_BASE = 2.5 * GB
 WORKSPACE = 0.25 * GB  # cuBLAS workspaces, attention scratch, small tensors
+#: bytes/s a switch of experts parked on disk reads (and page-locks) the incoming expert's blocks at: an assumption
+#: (a PCIe 4 NVMe's sequential read; from the page cache it is faster), not measured yet
+DISK_READ = 2.0 * GB
 GRID = [round(0.05 * i, 2) for i in range(21)]
 TABLE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -179,7 +188,19 @@ class Facts:
     #: transformers the run trains in turn (model.expert: both: each expert of the family, trainer/train/experts.py):
     #: one ring on the GPU at a time, every expert's blocks pinned, its non-block weights and LoRA resident
     experts: int = 1
+    #: offload.park: where the expert not running waits ("ram", "disk" or "auto": `parks_on_disk`)
+    park: str = "auto"
+    #: offload.host_ram_gb in bytes: the RAM park: auto plans for (None: this machine's physical RAM)
+    host_ram: float | None = None
+    #: the blocks' bytes in the model's files, read at a switch of experts parked on disk (None: the packed bytes)
+    block_file_bytes: int | None = None
     traces: dict = field(default_factory=dict)
+
+    @property
+    def parks_on_disk(self) -> bool:
+        """Whether the run's idle expert waits on disk (`parks_on_disk` of the packed blocks)."""
+        return self.experts > 1 and parks_on_disk(self.park, sum(self.packed), self.experts, self.host_ram,
+                                                  self.loads_whole)
 
     def size(self, res: int) -> tuple[int, int, int]:
         """(width, height, frames) the planner traces for bucket `res`. An image family: the res x res square (the
@@ -245,6 +266,7 @@ def analyze(cfg) -> Facts:
     model = ptrace.meta_transformer(family, config, dtype)
     refs = cfg.data.references() if cls.reference_optional and cfg.data is not None else 0
     blocks = ptrace.blocks_of(family, model, refs)
+    read = _block_file_bytes(cfg, blocks)  # before the quantization below
     if cfg.model.quantize != "none":  # the loader's own quantization (meta tensors): 8-bit weights, fp32 scales
         quant.quantize_blocks(blocks, cfg.model.quantize, cfg.model.quantize_modulation,
                               cls.modulation_linears)
@@ -290,7 +312,40 @@ def analyze(cfg) -> Facts:
         nano_batches=cfg.offload.nano_batches,
         compile_blocks=cfg.train.compile is not False,
         experts=len(cls.experts) if getattr(cfg.model, "expert", None) == BOTH_EXPERTS else 1,
+        park=cfg.offload.park,
+        block_file_bytes=read,
+        host_ram=cfg.offload.host_ram_gb * GB if cfg.offload.host_ram_gb is not None else None,
     )
+
+
+def _block_file_bytes(cfg, blocks: list) -> int | None:
+    """The bytes of the blocks' weights in the model's files (what a switch of experts parked on disk reads): an fp8
+    `model.transformer_file` under quantize fp8 (its bytes adopted as they are) holds them in fp8 (None: the packed
+    bytes); otherwise the blocks at model.dtype (a diffusers folder's bf16, quantized as it is read)."""
+    f = cfg.model.transformer_file
+    if f is not None and cfg.model.quantize == "fp8":
+        try:
+            if quant.is_fp8_file(f):
+                return None
+        except (OSError, ValueError):
+            pass
+    return sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())
+
+
+def physical_ram() -> float:
+    """This machine's RAM in bytes."""
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def parks_on_disk(park: str, block_bytes: int, experts: int, host_ram: float | None,
+                  loads_whole: bool = False) -> bool:
+    """offload.park's rule (the trainer's, trainer/train/experts.py, and the planner's): "disk" and "ram" as said;
+    "auto": disk where every expert's blocks (`block_bytes` each) and the process (HOST_BASE) exceed `host_ram`
+    (None: this machine's RAM), unless the transformer loads whole (no files to read its blocks back from)."""
+    if park != "auto":
+        return park == "disk"
+    budget = host_ram if host_ram is not None else physical_ram()
+    return not loads_whole and experts * block_bytes + HOST_BASE > budget
 
 
 def _lora_facts(cfg, model: torch.nn.Module, blocks: list, refs: int) -> dict:
@@ -405,6 +460,9 @@ class Prediction:
     transfer_s: float  #: the copies alone (host-to-device and back, at the PCIe rates)
     host_s: float  #: the host's launch time alone
     step_s: float  #: the three together, block by block (trainer/planner/replay.py)
+    #: model.expert: both: where the idle expert waits ("ram" / "disk"; "" for one model) and one switch's seconds
+    park: str = ""
+    switch_s: float = 0.0
 
 
 @dataclass
@@ -419,6 +477,9 @@ class _Placement:
     one_grad: int  #: the fused back pass's one gradient and the fp32 copies it steps (0 without it)
     state_moved: int  #: StateOffload: streamed blocks' state bytes sent to the GPU and back every step
     parked: int  #: host bytes of the parked experts' resident parts (model.expert: both)
+    switch_in: int = 0  #: one switch of experts: bytes to the GPU (the incoming ring and resident part)
+    switch_out: int = 0  #: and to the host (the outgoing resident part)
+    switch_read: int = 0  #: and read from the files (parked on disk: the incoming expert's blocks)
 
 
 @dataclass
@@ -458,6 +519,8 @@ def predict(
     act = peak.dynamic - peak.grads
     compute_s, host_s, step_s = _step_seconds(facts, tr, rates, fraction, res, peak.recomputed, place.state_moved)
     transfer_s = ptime.transfer_seconds(h2d, d2h, rates)
+    read_s = place.switch_read / DISK_READ  # synchronous, on half the steps at most (parked on disk)
+    switch_s = ptime.transfer_seconds(place.switch_in, place.switch_out, rates) + read_s
     return Prediction(
         fraction=fraction,
         resolution=res,
@@ -481,7 +544,9 @@ def predict(
         transfer_s=transfer_s,
         host_s=host_s,
         # activation offloading's copies and full fine-tuning's write-backs are not replayed: a floor
-        step_s=max(step_s, transfer_s),
+        step_s=max(step_s, transfer_s) + read_s / 2,
+        park=("disk" if facts.parks_on_disk else "ram") if facts.experts > 1 else "",
+        switch_s=switch_s if facts.experts > 1 else 0.0,
     )
 
 
@@ -521,12 +586,17 @@ def _with_parked_experts(facts: Facts, place: _Placement) -> _Placement:
     if facts.experts <= 1:
         return place
     resident = facts.nonblock_bytes + place.trainable
+    incoming = place.ring + facts.nonblock_bytes + place.trainable
+    disk = facts.parks_on_disk  # the parked experts hold no block bytes: one arena, refilled at a switch
     return replace(
         place,
-        pinned=facts.experts * sum(facts.packed),
+        pinned=place.pinned if disk else facts.experts * sum(facts.packed),
         parked=(facts.experts - 1) * resident,
-        h2d=place.h2d + (place.ring + facts.nonblock_bytes + place.trainable) // 2,
+        h2d=place.h2d + incoming // 2,
         d2h=place.d2h + resident // 2,
+        switch_in=incoming,
+        switch_out=resident,
+        switch_read=(facts.block_file_bytes or sum(facts.packed)) if disk else 0,
     )
 
 

@@ -21,7 +21,9 @@ header says which rung it took (and, with chunks, that without them the clip is 
 experts (Wan 2.2 A14B) trains the
 `model.expert` its presets name (`EXPERT`: both experts in one run for a LoRA, trainer/train/experts.py; one for a
 full fine-tune, the other the same size) with sampling during training off: a sample needs every expert, which the
-planner does not count. So does a family whose samples run further transformers (`sampling_components`:
+planner does not count. Both experts' blocks are counted in RAM (offload.park: ram); where that exceeds the RAM
+assumed beside the card and one expert's does not, the preset parks the idle expert on disk (`offload.park: disk`:
+its blocks read back from its files at each change of expert, the switch's seconds in the header). So does a family whose samples run further transformers (`sampling_components`:
 Ideogram 4's unconditional one).
 """
 
@@ -36,7 +38,7 @@ from ..errors import UserError
 from ..models import ADAPTERS, adapter_class, canonical_family
 from ..optim.specs import OPTIMIZERS
 from .phases import fit_text_fraction, predict_phases
-from .prediction import PREDICTION_MARGIN, Prediction, analyze, choose_fraction, predict
+from .prediction import DISK_READ, PREDICTION_MARGIN, Prediction, analyze, choose_fraction, predict
 
 HEADROOM_GB = 1.0
 # (resolution, activation offloading, gradient checkpointing), most preferred first. Without checkpointing a
@@ -232,22 +234,34 @@ def _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, 
     facts.resolutions, facts.checkpointing, facts.compiled = [res], ckpt, not ckpt
     facts.frames = cfg.data.clip_frames if cls.video else 1
     facts.nano_batches = nano
+    facts.park = "ram"  # the generating machine's RAM never decides: ram, or disk below where it must (`park`)
     try:
         f = choose_fraction(cfg, budget, facts=facts, activation_offload=act, log=lambda s: None)
     except UserError as e:
         return str(e).split(";")[0]
     p = predict(facts, f, res, act)
     ram = ram_gb or RAM_GB[card]
+    park = None
+    if p.ram_peak / 1e9 > ram and facts.experts > 1 and not facts.loads_whole:  # the idle expert on disk instead
+        facts.park = "disk"
+        q = predict(facts, f, res, act)
+        if q.ram_peak / 1e9 <= ram:
+            p, park = q, "disk"
+        else:
+            facts.park = "ram"
     if p.ram_peak / 1e9 > ram:
         return (
             f"needs {p.ram_peak / 1e9:.0f} GB of CPU RAM at fraction {f:.2f} ({_where(name, frames)}), more than the "
             f"{ram} GB assumed beside a {card} GB card"
         )
-    facts.checkpointing, facts.compiled, facts.nano_batches = True, False, 1
-    base = predict(facts, 0.0, res, False)  # the same training without offloading (checkpointed, no chunks)
-    facts.checkpointing, facts.compiled, facts.nano_batches = ckpt, not ckpt, nano
+    facts.checkpointing, facts.compiled, facts.nano_batches, park_now = True, False, 1, facts.park
+    facts.park = "ram"  # the same training without offloading (checkpointed, no chunks, both experts in RAM)
+    base = predict(facts, 0.0, res, False)
+    facts.checkpointing, facts.compiled, facts.nano_batches, facts.park = ckpt, not ckpt, nano, park_now
     te = fit_text_fraction(facts, budget)
     d = _config(family, method, name, act, f, ckpt, opt, te, quantize, frames, nano)
+    if park is not None:  # the RAM assumed beside this card holds one expert's blocks, not both
+        d["offload"]["park"] = park
     dcfg = Config.model_validate(d)
     phases = predict_phases(dcfg, f, facts, te)
     if sample_off or any(ph.name == "sampling" and ph.vram > budget * 1e9 for ph in phases):
@@ -357,9 +371,13 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
     else:
         size, buckets, rung = f"{res} px", f"{res}x{res} buckets", []
     expert = d["model"].get("expert")
+    disk = d["offload"].get("park") == "disk"
+    where = ("the running one's in pinned RAM, the other's read back from its files at each change of expert "
+             f"(offload.park: disk, {p.switch_s:.0f} s a switch predicted: both in RAM would exceed the RAM "
+             "assumed beside this card)" if disk else "every expert's in pinned RAM")
     experts = [f"# {cls.full_name}: this file trains model.expert: {expert} (its experts {', '.join(cls.experts)} in one "
-               "run: each step the one that owns its timestep, only its blocks on the GPU, every expert's in pinned "
-               f"RAM), writing lora-{'.safetensors, lora-'.join(cls.experts)}.safetensors."] if expert == "both" else [
+               f"run: each step the one that owns its timestep, only its blocks on the GPU, {where}), writing "
+               f"lora-{'.safetensors, lora-'.join(cls.experts)}.safetensors."] if expert == "both" else [
                f"# {cls.full_name} trains one expert per run: this file trains model.expert: {expert} "
                f"({cls.experts[expert]}/); for the other expert, copy it with {next(e for e in cls.experts if e != expert)} "
                "as model.expert and its own output.dir (the same size: the same figures)."] if expert else []
@@ -380,7 +398,8 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
         + adapter_class(family).measured(method, card)
         + ")",
         f"# Predicted step {p.step_s:.2f} s on an H200-class GPU (GPU {p.compute_s:.2f} s, host {p.host_s:.2f} s, "
-        f"PCIe {p.transfer_s:.2f} s).",
+        f"PCIe {p.transfer_s:.2f} s" + ("; with half a change of expert's read of its blocks from the files, at "
+                                        f"{DISK_READ / 1e9:.0f} GB/s assumed)." if p.park == "disk" else ")."),
         "# VRAM is what torch reserves; the CUDA context (0.5-1 GB) comes on top, and "
         f"{HEADROOM_GB:g} GB of the card is left for it, and {PREDICTION_MARGIN:.0%} of the rest for prediction error.",
         "# phases (predicted peak VRAM): " + ", ".join(f"{ph.name} {ph.vram / 1e9:.1f} GB" for ph in phases) + ".",

@@ -4,6 +4,8 @@ also use to choose a fraction."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .. import quant
@@ -14,6 +16,7 @@ from .phases import fit_text_fraction, predict_phases, text_sizes
 from .phases import table as phase_table
 from .prediction import (
     ALLOCATOR_OVERHEAD,
+    DISK_READ,
     GB,
     TABLE_FRACTIONS,
     WORKSPACE,
@@ -54,6 +57,8 @@ def report(
     activations per bucket; the table per fraction; with `gpus`, the processes of one host; sampling; the phases
     of `fit`; with `ram_gb`, the RAM verdict; the assumptions."""
     facts = facts or analyze(cfg)
+    if ram_gb is not None and facts.host_ram is None:  # offload.park: auto plans for the RAM `--ram` names
+        facts = replace(facts, host_ram=ram_gb * GB)
     rates = rates or ptime.reference_rates()
     act = cfg.offload.activations
     big = max(facts.resolutions)
@@ -75,6 +80,7 @@ def report(
     clip = (s.width, s.height, s.frames) if facts.adapter.video else None
     lines += _sampling(facts, fractions, big, rates, cfg_batch(facts.family, s.guidance), width, clip)
     lines += _phases(cfg, facts, shown, budget, width)
+    lines += _experts(facts, shown, act, rates)
     if ram_gb is not None:
         lines.append(_ram_line(facts, shown, ram_gb, act, rates)[0])
     lines += _assumptions(facts, rates)
@@ -297,6 +303,20 @@ def _assumptions(facts: Facts, rates) -> list[str]:
         "over the offload plan (GPU = kernels alone, host = launches alone, PCIe = copies alone); without a GPU "
         "measurement, GPU time scales the reference by FLOPs and host time by traced operations",
     ]
+
+
+def _experts(facts: Facts, fraction: float, act: bool, rates) -> list[str]:
+    """model.expert: both: where the idle expert waits (offload.park, resolved) and, for ram and disk, the RAM peak
+    and one switch's seconds (the disk read at DISK_READ, assumed)."""
+    if facts.experts <= 1:
+        return []
+    res = max(facts.resolutions)
+    both = {m: predict(replace(facts, park=m), fraction, res, act, rates) for m in ("ram", "disk")}
+    chosen = "disk" if facts.parks_on_disk else "ram"
+    return ["", f"Experts ({facts.experts} in one run, model.expert: both): offload.park: {facts.park}"
+            + (f" -> {chosen}" if facts.park == "auto" else "") + "; "
+            + "; ".join(f"{m}: RAM peak {p.ram_peak / GB:.1f} GB, a switch {p.switch_s:.1f} s" for m, p in both.items())
+            + f" (disk: the incoming expert's blocks read at {DISK_READ / GB:.0f} GB/s, assumed; half a switch a step)"]
 
 
 def _ram_line(facts: Facts, fraction: float, ram_gb: float, act: bool, rates) -> tuple[str, bool]:

@@ -33,6 +33,17 @@ LoRA, and both experts' host bytes. A switch moves the incoming expert's ring (i
 part, once per change of expert; consecutive steps of one expert move nothing extra. The activation offloader's pinned
 buffers are shared by the two handles.
 
+Where the idle expert waits (offload.park, `park_on_disk`): `ram` keeps its blocks in the pinned arena (and a
+parking buffer for the blocks never streamed), so RAM holds both experts' blocks (Wan 2.2 A14B fp8 at 720p x 81:
+64.0 GB RSS measured, bench/history/2026-11-27.md 18:50); `disk` frees them (the conductor's `park(disk=True)`:
+the arena unregistered and freed, the block tensors hollow) and the switch reads the incoming expert's blocks again
+from its safetensors files with the loader that built them, bitwise the same bytes, so RAM holds one expert's
+blocks and the page cache the files; `auto` takes disk where both experts' blocks plus the process (planner
+HOST_BASE) exceed offload.host_ram_gb, else this machine's physical RAM. The resident part (LoRA, its AdamW
+moments, the non-block weights) stays in CPU RAM either way (a few hundred MB). Each switch is timed (one
+host-device sync) and logged, the first few and then every 100th: which expert came in, where the other went, the
+seconds.
+
 Files. A checkpoint holds both: `<step>/high_noise/adapter-state.safetensors` and `<step>/low_noise/...` beside
 the one optimizer, data and generator state, so a resumed run is bitwise the uninterrupted one. The final LoRAs
 are each expert's own, named as a run of that expert alone names them: `lora-high_noise.safetensors` and
@@ -46,6 +57,7 @@ Left out: full fine-tuning of both (LoRA only), several processes, the EMA.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -177,11 +189,13 @@ class ExpertHandles:
     (`optimizer()`: the run's, or None before it exists), so the GPU holds one expert's bytes."""
 
     def __init__(self, handles: dict[str, object], models: dict[str, nn.Module], blocks: dict[str, list],
-                 params: dict[str, list], parks: bool, device: torch.device, optimizer=lambda: None):
+                 params: dict[str, list], parks: bool, device: torch.device, optimizer=lambda: None,
+                 disk: bool = False):
         self.handles, self.models, self.blocks, self.params, self.parks = handles, models, blocks, params, parks
-        self.device, self._optimizer = device, optimizer
+        self.device, self._optimizer, self.disk = device, optimizer, disk
         self.active: str | None = None
         self.switches = 0  # changes of expert (each moves the incoming expert's ring and resident part)
+        self.switch_seconds = 0.0  # their wall time, in total (each ends with a host-device sync)
         first = next(iter(handles.values()))
         for h in list(handles.values())[1:]:
             h.share_activations(first)  # one pinned activation buffer: the experts run in turn
@@ -190,13 +204,25 @@ class ExpertHandles:
     def activate(self, name: str) -> None:
         if not self.parks or self.active == name:
             return
+        t0 = time.perf_counter()
         for n, h in self.handles.items():
             if n != name and not h.parked:
-                h.park()  # host-device sync; the ring freed for the next one
+                h.park(self.disk)  # host-device sync; the ring freed for the next one (and the arena, on disk)
                 self.place_resident(n, torch.device("cpu"))
         self.place_resident(name, self.device)
-        self.handles[name].unpark()
-        self.switches += self.active is not None
+        self.handles[name].unpark()  # parked on disk: its blocks read from its files first
+        if self.active is None:
+            self.active = name
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # host-device sync, once per switch: the seconds logged are real
+        dt = time.perf_counter() - t0
+        self.switches += 1
+        self.switch_seconds += dt
+        if self.switches <= 3 or self.switches % 100 == 0:
+            where = "parked on disk (its arena freed), this one's blocks read from its files" if self.disk else \
+                "parked in RAM"
+            say(f"experts: switch {self.switches}: {name} in, {self.active} {where}: {dt:.2f} s")
         self.active = name
 
     def place_resident(self, name: str, device: torch.device) -> None:
@@ -216,8 +242,10 @@ class ExpertHandles:
         """The running expert's handle's stats (the GPU holds only its ring), with every handle's pinned bytes."""
         every = [h.stats() for h in self.handles.values()]
         out = dict(every[0] if self.active is None else self.handles[self.active].stats())
-        for k in ("pinned_bytes", "parking_pinned_bytes", "offloaded_bytes"):
+        for k in ("pinned_bytes", "parking_pinned_bytes", "offloaded_bytes", "host_bytes"):
             out[k] = sum(s.get(k, 0) for s in every)
+        out["park"] = "disk" if self.disk else "ram"
+        out["switches"], out["switch_s"] = self.switches, self.switch_seconds / max(1, self.switches)
         return out
 
     def sync(self) -> None:
@@ -244,6 +272,32 @@ def place_resident(model: nn.Module, blocks: list, params: list, device: torch.d
                 state[p][k] = v.to(device)  # AdamW's 0-dim step count stays where torch keeps it
 
 
+def park_on_disk(cfg: Config, fill, block_bytes: int, experts: int) -> tuple[bool, str]:
+    """Whether the idle expert waits on disk (offload.park; see the module essay), and the line that says why.
+    `fill`: the loader's (None where the transformer was loaded whole: nothing to read the blocks back from);
+    `block_bytes`: one expert's packed blocks (the first handle's measured `block_bytes`)."""
+    from ..planner.prediction import GB, HOST_BASE, parks_on_disk, physical_ram
+
+    mode = cfg.offload.park
+    if mode == "ram":
+        return False, "experts: offload.park: ram (both experts' blocks in CPU RAM)"
+    if fill is None:
+        if mode == "disk":
+            raise UserError("offload.park: disk reads the idle expert's blocks back from its safetensors files, but "
+                            "this transformer loads whole into RAM (stream_load.loads_whole: a single file whose "
+                            "keys do not map, or DoRA): use offload.park: ram")
+        return False, "experts: offload.park: auto -> ram (the transformer loads whole: no files to read back from)"
+    if mode == "disk":
+        return True, "experts: offload.park: disk (the idle expert's blocks read back from its files at a switch)"
+    given = cfg.offload.host_ram_gb
+    budget = given * GB if given is not None else physical_ram()
+    need = experts * block_bytes + HOST_BASE
+    disk = parks_on_disk(mode, block_bytes, experts, budget)  # the planner's rule, on the measured block bytes
+    return disk, (f"experts: offload.park: auto -> {'disk' if disk else 'ram'} (both experts' blocks + the process "
+                  f"{need / GB:.1f} GB {'>' if disk else '<='} {budget / GB:.1f} GB host RAM"
+                  f"{'' if given is None else ' (offload.host_ram_gb)'})")
+
+
 def setup(tr, resume_dir: Path | None, streamed: bool) -> None:
     """The part of `Trainer.setup` from the transformer on, for model.expert: both: each expert loaded, adapted
     (its LoRA drawn from the training seed, as a run of it alone draws it) and streamed in turn, then the router,
@@ -256,6 +310,7 @@ def setup(tr, resume_dir: Path | None, streamed: bool) -> None:
     parks = conduct and tr._can_stream()  # a second memory to park in (a GPU; tests: the conductor's CPU ring)
     shapes = len({e.bucket for e in getattr(tr.data, "entries", ())}) or 8
     models, params, handles, by_expert, block_lists = {}, [], {}, {}, {}
+    disk = None  # decided once the first expert's blocks are packed (park_on_disk)
     for name, m in method.by_expert.items():
         adapter = tr.adapter.for_expert(name)
         # parked or streamed: blocks read from the files into the ring and arena, never whole on the device
@@ -279,7 +334,12 @@ def setup(tr, resume_dir: Path | None, streamed: bool) -> None:
         models[name], handles[name], by_expert[name], block_lists[name] = model, h, p, blocks
         params += p
         if h is not None and parks:  # the next expert's ring takes these bytes; the first step unparks the one it trains
-            h.park()
+            if disk is None:
+                disk, why = park_on_disk(cfg, loader and loader.fill, h.stats()["block_bytes"], len(method.by_expert))
+                say(why)
+            if disk and loader is None:  # this expert loaded whole: it cannot be read back (the first one could)
+                raise UserError(f"offload.park: disk: the {name} expert loads whole into RAM; use offload.park: ram")
+            h.park(disk)  # on disk: its arena freed before the next expert's is filled
             place_resident(model, blocks, p, torch.device("cpu"), {})
     tr.transformer = ExpertRouter(tr.adapter, models)
     method.transformer = tr.transformer
@@ -287,7 +347,7 @@ def setup(tr, resume_dir: Path | None, streamed: bool) -> None:
     tr.optim = optimizer_for(cfg, params, tr.dist, model=tr.transformer)
     tr.ema = None
     tr.offload = ExpertHandles(handles, models, block_lists, by_expert, parks, tr.device,
-                               lambda: tr.optim.optimizer) if conduct else None
+                               lambda: tr.optim.optimizer, disk=bool(disk)) if conduct else None
     tr.objective = FlowMatching(c, tr.adapter.timestep_shift, vae_scale=tr.adapter.latent_scale,
                                 split=tr.adapter.boundary_ratio)
     tr._finish_setup(resume_dir)
