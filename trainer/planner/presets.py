@@ -374,7 +374,8 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
     disk = d["offload"].get("park") == "disk"
     where = ("the running one's in pinned RAM, the other's read back from its files at each change of expert "
              f"(offload.park: disk, {p.switch_s:.0f} s a switch predicted: both in RAM would exceed the RAM "
-             "assumed beside this card)" if disk else "every expert's in pinned RAM")
+             "assumed beside this card; with more RAM, offload.park set to ram keeps both pinned and reads nothing at a "
+             "switch)" if disk else "every expert's in pinned RAM")
     experts = [f"# {cls.full_name}: this file trains model.expert: {expert} (its experts {', '.join(cls.experts)} in one "
                f"run: each step the one that owns its timestep, only its blocks on the GPU, {where}), writing "
                f"lora-{'.safetensors, lora-'.join(cls.experts)}.safetensors."] if expert == "both" else [
