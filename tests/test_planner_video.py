@@ -126,7 +126,7 @@ def test_the_count_runs_each_op_once_per_layout_and_counts_what_running_every_op
     off), and the later chunks of a 13-frame clip reuse ops. HunyuanVideo 1.5's chunked VAE and Wan's, tiny."""
     import json
 
-    from trainer.planner import vae as pvae
+    from trainer.planner import meta_ops
 
     for family, config in (("hunyuan-video-1.5", {"latent_channels": 4, "block_out_channels": [8, 8, 16, 16, 16],
                                                   "layers_per_block": 1}),
@@ -148,9 +148,9 @@ def test_the_count_runs_each_op_once_per_layout_and_counts_what_running_every_op
             if cached:
                 assert mode.reused > 0, family
         assert peaks[0] == peaks[1] > 0, (family, peaks)
-    assert pvae._key([torch.empty(2, 3, device="meta"), 1]) == ("list", ("T", (2, 3), (3, 1), torch.float32, 0), 1)
-    with pytest.raises(pvae._Uncached):  # a real tensor is never a key: the cache is for meta tensors only
-        pvae._key(torch.empty(2))
+    assert meta_ops._key([torch.empty(2, 3, device="meta"), 1]) == ("list", ("T", (2, 3), (3, 1), torch.float32, 0), 1)
+    with pytest.raises(meta_ops._Uncached):  # a real tensor is never a key: the cache is for meta tensors only
+        meta_ops._key(torch.empty(2))
 
 
 def test_the_tiled_decode_model_is_diffusers_tiling(tiny):

@@ -50,48 +50,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..models import adapter_class
+from .meta_ops import MetaOps
 
 #: reserved VRAM per counted byte of a video VAE's encode or decode: the most the H100 measurement gave (module essay)
 RESERVED_PER_COUNTED = 1.75
-
-
-def _key(x):
-    """A hashable description of one argument of an op on meta tensors: a tensor by its layout (a meta tensor has
-    nothing else), lists as tuples; `_Uncached` where something cannot be a key."""
-    if isinstance(x, torch.Tensor):
-        if not x.is_meta:
-            raise _Uncached
-        return ("T", tuple(x.shape), x.stride(), x.dtype, x.storage_offset())
-    if isinstance(x, (list, tuple)):
-        return (type(x).__name__, *map(_key, x))
-    if isinstance(x, dict):
-        return ("D", *((k, _key(v)) for k, v in sorted(x.items())))
-    if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
-                                   torch.memory_format)):
-        return x
-    raise _Uncached
-
-
-class _Uncached(Exception):
-    pass
 
 
 class _LiveBytes(TorchDispatchMode):
     """Bytes of the storages the ops return while they live (a storage counted once however many views share it):
     `peak` is the most alive at once.
 
-    On meta tensors an op that makes new tensors (no view, nothing written in place) is run once per layout of its
-    arguments: later calls get fresh meta tensors of the layouts it gave (`reused` counts them). The chunks of a
-    clip repeat the same ops on the same shapes, and torch runs most meta kernels in Python (~1-4 ms an op): the
-    full-size HunyuanVideo 1.5 encode of 121 frames is ~10k ops."""
+    On meta tensors an op that makes new tensors is run once per layout of its arguments (`MetaOps`; `reused`
+    counts the calls it answered): the chunks of a clip repeat the same ops on the same shapes (the full-size
+    HunyuanVideo 1.5 encode of 121 frames is ~10k ops)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.now = self.peak = 0
-        self.reused = 0
+        self._ops = MetaOps()
         self._bytes: dict[int, int] = {}  # storage -> its bytes, while some tensor on it lives
         self._refs: dict[int, int] = {}  # storage -> live tensors on it
-        self._made: dict[tuple, list | None] = {}  # (op, its arguments' layouts) -> its outputs' layouts (None: run it)
 
     def _gone(self, sid: int) -> None:
         self._refs[sid] -= 1
@@ -99,23 +77,12 @@ class _LiveBytes(TorchDispatchMode):
             del self._refs[sid]
             self.now -= self._bytes.pop(sid)
 
+    @property
+    def reused(self) -> int:
+        return self._ops.reused
+
     def _run(self, func, args, kwargs):
-        """`func`'s outputs: made from the layouts an earlier call on the same meta layouts gave, else computed."""
-        schema = func._schema
-        if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
-            return func(*args, **kwargs)
-        try:
-            key = (func, _key(args), _key(kwargs))
-        except _Uncached:
-            return func(*args, **kwargs)
-        if (made := self._made.get(key)) is not None:
-            self.reused += 1
-            outs = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in made]
-            return outs[0] if len(outs) == 1 and not isinstance(made, tuple) else tuple(outs)
-        out = func(*args, **kwargs)
-        if key not in self._made:
-            self._made[key] = _layouts(out)
-        return out
+        return self._ops.run(func, args, kwargs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = self._run(func, args, kwargs or {})
@@ -135,24 +102,6 @@ class _LiveBytes(TorchDispatchMode):
             self._refs[sid] += 1
             weakref.finalize(t, self._gone, sid)
         return out
-
-
-def _layouts(out) -> list | tuple | None:
-    """The (shape, stride, dtype) of each of an op's outputs, a list for one tensor and a tuple for a tuple of them,
-    where `empty_strided` remakes them exactly: meta tensors, each on a storage of its own that starts at its first
-    element and holds just its elements (else None: the op is run each time)."""
-    outs = out if isinstance(out, tuple) else (out,)
-    if not outs or not all(isinstance(t, torch.Tensor) and t.is_meta for t in outs):
-        return None
-    if len({t.untyped_storage()._cdata for t in outs}) < len(outs):
-        return None
-    made = []
-    for t in outs:
-        like = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-        if t.storage_offset() or like.untyped_storage().nbytes() != t.untyped_storage().nbytes():
-            return None
-        made.append((tuple(t.shape), t.stride(), t.dtype))
-    return tuple(made) if isinstance(out, tuple) else made
 
 
 def vae_config(cfg) -> dict | None:
