@@ -119,6 +119,40 @@ def test_the_vae_encode_peak_is_a_chunks_not_the_clips(tiny):
     assert 0 < nine < long < 1.2 * nine
 
 
+@pytest.mark.parametrize("kind", ["encode", "decode"])
+def test_the_count_runs_each_op_once_per_layout_and_counts_what_running_every_op_counts(kind):
+    """`_LiveBytes` on meta tensors runs an op that makes new tensors once per layout of its arguments and remakes
+    its outputs after (the chunks repeat their ops): the peak is the one it counts running every op (the cache
+    off), and the later chunks of a 13-frame clip reuse ops. HunyuanVideo 1.5's chunked VAE and Wan's, tiny."""
+    import json
+
+    from trainer.planner import meta_ops
+
+    for family, config in (("hunyuan-video-1.5", {"latent_channels": 4, "block_out_channels": [8, 8, 16, 16, 16],
+                                                  "layers_per_block": 1}),
+                           ("wan", {"base_dim": 8, "z_dim": 4, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1,
+                                    "temperal_downsample": [False, True, True]})):
+        vae = _meta_vae(family, json.dumps(config, sort_keys=True), torch.float32)
+        z, s, t = adapter_class(family).vae_latent_geometry(vae.config)
+        x = (torch.empty(1, 3, 13, 32, 32, device="meta") if kind == "encode"
+             else torch.empty(1, z, 12 // t + 1, 32 // s, 32 // s, device="meta"))
+        peaks = []
+        for cached in (True, False):
+            mode = _LiveBytes()
+            if not cached:
+                mode._run = lambda func, args, kwargs: func(*args, **kwargs)
+            with torch.no_grad(), adapter_class(family).vae_time_chunks(vae), mode:
+                out = vae.encode(x).latent_dist.mode() if kind == "encode" else vae.decode(x).sample
+                del out
+            peaks.append(mode.peak)
+            if cached:
+                assert mode.reused > 0, family
+        assert peaks[0] == peaks[1] > 0, (family, peaks)
+    assert meta_ops._key([torch.empty(2, 3, device="meta"), 1]) == ("list", ("T", (2, 3), (3, 1), torch.float32, 0), 1)
+    with pytest.raises(meta_ops._Uncached):  # a real tensor is never a key: the cache is for meta tensors only
+        meta_ops._key(torch.empty(2))
+
+
 def test_the_tiled_decode_model_is_diffusers_tiling(tiny):
     """Sampling during training decodes frames above 512x512 tiled: the planner counts one tile and adds the tiles'
     outputs as AutoencoderKLWan.tiled_decode keeps them; running every tile on meta gives the same peak (within 5 %:

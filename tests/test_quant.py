@@ -69,6 +69,32 @@ def test_dequantize_to_bf16_is_exact_upcast_then_one_rounding():
         assert ((got.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-30).all()
 
 
+def test_quantize_on_the_meta_device_gives_the_real_shapes_and_dtypes_without_arithmetic():
+    """A meta weight (the planner's model, the streamed loader's skeleton) gets what a real one gets: the 8-bit weight
+    and the fp32 scales, same shapes, dtypes and strides; only the two outputs are made (torch's meta kernels of
+    the arithmetic run in Python: ~10 ms a Linear)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    for dtype in (torch.bfloat16, torch.float32):
+        w = _weight(2).to(dtype)
+        for mode in ("fp8", "int8"):
+            real, on_meta = quant.quantize(w, mode), w.to("meta")
+            with Ops() as seen:
+                meta = quant.quantize(on_meta, mode)
+            assert all(op is torch.ops.aten.empty.memory_format for op in seen.ops) and len(seen.ops) == 2
+            for r, m in zip(real, meta, strict=True):
+                assert m.is_meta and (m.shape, m.dtype, m.stride()) == (r.shape, r.dtype, r.stride())
+
+
 @pytest.mark.parametrize("mode,tol", [("fp8", 0.08), ("int8", 0.02)])
 def test_quantized_block_matches_the_fp32_block(mode, tol):
     """A tiny Flux's quantized blocks vs the same blocks in fp32: max |diff| / max |ref| below `tol` (fp8 rounds

@@ -52,6 +52,7 @@ from .meta import (  # noqa: F401 - re-exported: the planner's one entry point f
     meta_transformer,
     transformer_class,
 )
+from .meta_ops import MetaOpCache
 
 # ------------------------------------------------------------------------------------------- kernel model
 
@@ -332,8 +333,8 @@ class _Tracer:
     def run(self, transformer: nn.Module, inputs: dict) -> None:
         """The forward, with autograd's saved tensors packed through `pack`, the kernel model swapped in, the ops
         each block dispatches counted and autocast left off on meta."""
-        with (torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t), _HostLayoutOnMeta(), self.mode,
-              _OpCounter(self.current, self.b_ops), _autocast_off_meta()):
+        with (torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t), MetaOpCache(), _HostLayoutOnMeta(),
+              self.mode, _OpCounter(self.current, self.b_ops), _autocast_off_meta()):
             transformer(**inputs, return_dict=False)
 
     def pack(self, t: torch.Tensor):

@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..models import adapter_class
+from .meta_ops import MetaOps
 
 #: reserved VRAM per counted byte of a video VAE's encode or decode: the most the H100 measurement gave (module essay)
 RESERVED_PER_COUNTED = 1.75
@@ -57,11 +58,16 @@ RESERVED_PER_COUNTED = 1.75
 
 class _LiveBytes(TorchDispatchMode):
     """Bytes of the storages the ops return while they live (a storage counted once however many views share it):
-    `peak` is the most alive at once."""
+    `peak` is the most alive at once.
+
+    On meta tensors an op that makes new tensors is run once per layout of its arguments (`MetaOps`; `reused`
+    counts the calls it answered): the chunks of a clip repeat the same ops on the same shapes (the full-size
+    HunyuanVideo 1.5 encode of 121 frames is ~10k ops)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.now = self.peak = 0
+        self._ops = MetaOps()
         self._bytes: dict[int, int] = {}  # storage -> its bytes, while some tensor on it lives
         self._refs: dict[int, int] = {}  # storage -> live tensors on it
 
@@ -71,8 +77,15 @@ class _LiveBytes(TorchDispatchMode):
             del self._refs[sid]
             self.now -= self._bytes.pop(sid)
 
+    @property
+    def reused(self) -> int:
+        return self._ops.reused
+
+    def _run(self, func, args, kwargs):
+        return self._ops.run(func, args, kwargs)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = self._run(func, args, kwargs or {})
         # a view of an input (or the input itself, in place) is no new storage: counted only if the mode made it
         given = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
