@@ -22,11 +22,16 @@ PROMPTS = ["a green square moving right", "  a dog runs along the beach at night
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory) -> tuple:
+def root(tmp_path_factory):
     from trainer.models.tiny import make_tiny_models
 
     root = tmp_path_factory.mktemp("tiny-ltx2-memory")
     make_tiny_models(root, [FAMILY])
+    return root
+
+
+@pytest.fixture(scope="module")
+def loaded(root) -> tuple:
     return checks.tiny_pipeline(FAMILY, root / FAMILY)
 
 
@@ -145,3 +150,22 @@ def test_sampling_counts_the_prompts_the_pipeline_call_holds():
     assert cls.text_encode_peaks(1, 2, "sample")[1] == (CONNECTORS_PARAMS * 2,
                                                         2 * _stacked_bytes(1, 2) + cls.text_encode_peaks(1, 2)[1][1]
                                                         - _stacked_bytes(1, 2))
+
+
+
+def test_text_ram_of_a_folder_counts_the_connectors_loaded_with_gemma(root, loaded):
+    """Text caching held 27.9 GB of RSS at full size against 24.4 predicted (bench/history/2026-11-28.md 01:27): the
+    folder's Gemma was counted, not the connectors loaded beside it (2.86 GB). From a folder the planner now adds
+    `extra_text_dirs`' parameters in the model dtype, as `load` holds them in CPU RAM with the text encoder."""
+    from types import SimpleNamespace
+
+    from trainer.planner.meta import _built_size, text_encoder_sizes
+    from trainer.planner.phases import _text_ram
+
+    cfg = SimpleNamespace(model=SimpleNamespace(family=FAMILY, path=str(root / FAMILY), dtype="bf16"))
+    (gemma,) = text_encoder_sizes(cfg)
+    alone = _built_size(cfg, 0, root / FAMILY / "text_encoder")
+    connectors = sum(p.numel() for p in loaded[1].extras["connectors"].parameters())
+    assert connectors > 0 and gemma.loaded == alone.loaded + connectors * 2
+    assert (gemma.outside, gemma.blocks) == (alone.outside, alone.blocks)  # never placed with Gemma
+    assert _text_ram(SimpleNamespace(text_sizes=[gemma])) == gemma.loaded

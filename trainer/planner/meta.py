@@ -260,4 +260,25 @@ def text_encoder_sizes(cfg) -> list[TextEncoderSize] | None:
     if not dirs or not all((root / d).is_dir() for d in dirs):
         return None
     sizes = [_built_size(cfg, i, root / d) for i, d in enumerate(dirs)]
-    return None if any(s is None for s in sizes) else sizes
+    if any(s is None for s in sizes):
+        return None
+    extra = _extra_text_bytes(cfg, root)  # loaded with the first encoder (LTX-2's connectors): its RAM, not its blocks
+    if extra:
+        first = sizes[0]
+        sizes[0] = TextEncoderSize(first.name, first.loaded + extra, first.outside, first.blocks)
+    return sizes
+
+
+def _extra_text_bytes(cfg, root: Path) -> int:
+    """Bytes of the family's `extra_text_dirs` (modules the loader builds beside the text encoders and keeps in CPU
+    RAM with them: LTX-2's text connectors, 2.86 GB at full size) in the model dtype, counted from their safetensors
+    headers; 0 where the folder has none. The shares' path counts them in `text_encoder_params`."""
+    from safetensors import safe_open
+
+    esize = torch.tensor([], dtype=DTYPES[cfg.model.dtype]).element_size()
+    n = 0
+    for d in adapter_class(cfg.model.family).extra_text_dirs:
+        for f in sorted((root / d).glob("*.safetensors")):
+            with safe_open(f, "pt") as h:
+                n += sum(math.prod(h.get_slice(k).get_shape()) for k in h.keys())
+    return n * esize
