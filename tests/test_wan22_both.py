@@ -188,20 +188,26 @@ def test_each_step_trains_the_expert_that_owns_its_timesteps_and_leaves_the_othe
     assert all((out / f).is_file() for f in FILES) and not (out / "lora.safetensors").exists()
 
 
-def test_streamed_with_parking_is_bitwise_the_resident_run(fitted, a14b, clip, tmp_path, monkeypatch):
-    out, _ = fitted
-    monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)  # the conductor's CPU ring
-    step = Trainer.train_step
-    parked = []
+def _watch_steps(monkeypatch, record) -> list:
+    """Stream on the CPU (the conductor's CPU ring) and append `record(trainer.offload, metrics)` after every
+    training step to the returned list."""
+    monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
+    step, seen = Trainer.train_step, []
 
     def watched(self):
         metrics = step(self)
-        h = self.offload.handles
-        parked.append((metrics["expert"], {n: x.parked for n, x in h.items()},
-                       {n: x.stats()["offloaded_bytes"] for n, x in h.items()}))
+        seen.append(record(self.offload, metrics))
         return metrics
 
     monkeypatch.setattr(Trainer, "train_step", watched)
+    return seen
+
+
+def test_streamed_with_parking_is_bitwise_the_resident_run(fitted, a14b, clip, tmp_path, monkeypatch):
+    out, _ = fitted
+    parked = _watch_steps(monkeypatch, lambda h, metrics: (
+        metrics["expert"], {n: x.parked for n, x in h.handles.items()},
+        {n: x.stats()["offloaded_bytes"] for n, x in h.handles.items()}))
     for f, fmt in ((1.0, "diffusers"), (0.5, "comfy")):
         run = tmp_path / f"f{f}"
         parked.clear()
@@ -223,17 +229,8 @@ def test_parked_on_disk_is_bitwise_parked_in_ram_and_the_idle_expert_holds_no_ho
     freed and its blocks hollow, and each switch reads them again from its safetensors files; the losses, the experts
     drawn and both LoRA files are bitwise those of park: ram over steps that change expert several times, and the
     idle expert holds 0 host bytes (its arena and parking buffer) where in RAM it holds its blocks."""
-    monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)  # the conductor's CPU ring
-    step = Trainer.train_step
-    seen = []
-
-    def watched(self):
-        metrics = step(self)
-        h = self.offload.handles
-        seen.append((metrics["expert"], {n: x.stats() for n, x in h.items()}, self.offload.stats()))
-        return metrics
-
-    monkeypatch.setattr(Trainer, "train_step", watched)
+    seen = _watch_steps(monkeypatch, lambda h, metrics: (
+        metrics["expert"], {n: x.stats() for n, x in h.handles.items()}, h.stats()))
     runs = {}
     for f in (0.5, 0.0):  # 0: every block in the ring, none in an arena (the parking buffer's case)
         for park in ("ram", "disk"):
