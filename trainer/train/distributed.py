@@ -65,6 +65,7 @@ import hashlib
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as tdist
@@ -106,7 +107,7 @@ def torchrun_threads(env=None, cores: int | None = None, launcher_env: dict | No
 def _initial_environ(pid: int) -> dict | None:
     """The environment process `pid` was started with (Linux /proc), or None where it cannot be read."""
     try:
-        raw = open(f"/proc/{pid}/environ", "rb").read()
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return None
     return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
