@@ -565,6 +565,7 @@ def _fill_part_worker(rank: int, world: int, store: str, result: str) -> dict:
     m = add_lora(tiny_flux(0))
     h = attach_offload(blocks_of(m), "cpu", 1.0, fill=fill,
                        share=SharedArena(path, rank == 0, tdist.barrier, part=(rank, world)))
+    tdist.barrier()  # the owner unlinks the name after the last barrier of the fill: look once it has run
     out = {"shared": h.stats()["arena_shared"], "filled": filled, "streamed": list(h._c.plan.streamed),
            "same": digest(h) == want, "unlinked": not path.exists(), "loss": train_steps(m, 1).tolist()}
     h.close()
