@@ -39,13 +39,11 @@ from safetensors import safe_open
 
 from .errors import UserError
 from .progress import bar as progress_bar
+from .quant import SAFETENSORS_DTYPES
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
 SINGLE = "diffusion_pytorch_model.safetensors"
 _PREFIX = "transformer."
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
 
 
 # ---------------------------------------------------------------------------------------------- LoRA deltas
@@ -108,7 +106,7 @@ class _Writer:
         header: dict = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
         for name, dtype, shape in specs:
-            n = _DTYPES[dtype].itemsize
+            n = SAFETENSORS_DTYPES[dtype].itemsize
             for s in shape:
                 n *= s
             header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}

@@ -284,6 +284,13 @@ def quantize_blocks(blocks: list[nn.Module], mode: str, modulation: bool, patter
 # ---------------------------------------------------------------------------------------------- fp8 files
 
 
+#: a safetensors header's dtype names (its "dtype" field), as torch dtypes
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I8": torch.int8, "U8": torch.uint8,
+    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+
+
 def _header(path: str | Path) -> dict[str, dict]:
     """Tensor name -> {"dtype": "F8_E4M3" | "BF16" | ..., "shape": [...]} from the safetensors header alone."""
     with open(path, "rb") as f:

@@ -338,12 +338,6 @@ class _Files:
         self._handle = self._path = None
 
 
-#: safetensors' dtype names
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I8": torch.int8, "U8": torch.uint8,
-           "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
-
-
 class _PlainFile:
     """One safetensors file read tensor by tensor with ordinary reads into a fresh tensor, not mmap: the file's
     pages stay in the page cache, out of this process's RSS (mmap'd, every page read counts in its RSS until the
@@ -358,7 +352,7 @@ class _PlainFile:
     def read(self, key: str) -> torch.Tensor:
         meta = self.header[key]
         start, stop = meta["data_offsets"]
-        t = torch.empty(meta["shape"], dtype=_DTYPES[meta["dtype"]])
+        t = torch.empty(meta["shape"], dtype=quant.SAFETENSORS_DTYPES[meta["dtype"]])
         buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         self.file.seek(self.base + start)
         got = 0
