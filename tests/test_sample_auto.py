@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -89,7 +90,7 @@ def test_auto_streams_everything_when_the_planner_cannot_run(tiny_models, tmp_pa
     assert "auto could not plan sampling (RuntimeError: no trace for this model)" in capsys.readouterr().err
 
 
-def test_budget_is_the_config_or_the_card_less_headroom(tiny_models, tmp_path, monkeypatch):
+def test_budget_is_the_config_or_the_card_less_headroom_or_the_cap(tiny_models, tmp_path, monkeypatch):
     from trainer.planner.presets import HEADROOM_GB
 
     cfg = _cfg(tiny_models, tmp_path)
@@ -110,10 +111,20 @@ def test_budget_is_the_config_or_the_card_less_headroom(tiny_models, tmp_path, m
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", get_fraction)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert sample.vram_budget_gb(cfg, torch.device("cuda")) == 16 - HEADROOM_GB
-    # DITTRAIN_VRAM_CAP_GB=12: the CLI caps the process at 12 of the 16 GB (apply_vram_cap)
+    # DITTRAIN_VRAM_CAP_GB=12: the CLI caps the process at 12 of the 16 GB (apply_vram_cap); the cap stands for the
+    # card less its context (the benchmarks' card - 1 GB), so the budget is the cap itself
     fraction[0] = 12 / 16
-    assert sample.vram_budget_gb(cfg, torch.device("cuda")) == 12 - HEADROOM_GB
-    assert sample.vram_budget_gb(cfg, torch.device("cuda", 0)) == 12 - HEADROOM_GB
+    assert sample.vram_budget_gb(cfg, torch.device("cuda")) == pytest.approx(12)
+    assert sample.vram_budget_gb(cfg, torch.device("cuda", 0)) == pytest.approx(12)
+    # a cap above the card less its context leaves that
+    fraction[0] = 15.5 / 16
+    assert sample.vram_budget_gb(cfg, torch.device("cuda")) == 16 - HEADROOM_GB
+    # `dittrain caption --offload auto` plans in the same budget
+    from trainer.captioning import captioner
+
+    fraction[0] = 7 / 16
+    assert captioner._budget(torch.device("cuda")) == pytest.approx(7 * GB)
+    assert captioner._budget(torch.device("cpu")) is None
 
 
 def test_cli_offload_accepts_auto_and_rejects_nonsense(tiny_models, tmp_path, monkeypatch):

@@ -270,8 +270,6 @@ def estimate(family: str, quantize: list[str], batches: list[int], caps: list[fl
     from trainer.captioning import captioner as crun
     from trainer.captioning import vlm
     from trainer.planner import GB
-    from trainer.planner.presets import HEADROOM_GB
-
     patch, merge = PATCH[family]
     processor = types.SimpleNamespace(image_processor=types.SimpleNamespace(patch_size=patch, merge_size=merge))
     out = []
@@ -287,7 +285,8 @@ def estimate(family: str, quantize: list[str], batches: list[int], caps: list[fl
         for batch in batches:
             for cap in caps:
                 said: list[str] = []
-                f = vlm.auto_fraction(model, blocks, cap * GB - HEADROOM_GB * GB, batch, per_row, said.append)
+                # the budget under a cap is the cap (placement.vram_budget_bytes: the cap is the card less its context)
+                f = vlm.auto_fraction(model, blocks, cap * GB, batch, per_row, said.append)
                 out.append({"quantize": q, "batch": batch, "cap_gb": cap, "fraction": f, "layers_gb": layers / GB,
                             "tokens_per_row": per_row, "line": said[-1]})
                 print(f"{family} quantize {q} batch {batch} cap {cap:g} GB: decoder layers {layers / GB:.2f} GB, "

@@ -77,16 +77,12 @@ def _prompt(req: CaptionRequest, path: Path, pictures: int) -> str:
 
 
 def _budget(device: torch.device) -> float | None:
-    """The bytes `--offload auto` plans in: the card (as far as this process may use it) less the planner's
-    headroom; None on the CPU."""
+    """The bytes `--offload auto` plans in (`placement.vram_budget_bytes`, as `dittrain sample`'s); None on the CPU."""
     if device.type != "cuda":
         return None
-    from ..planner import GB
-    from ..planner.presets import HEADROOM_GB
+    from ..sampling.placement import vram_budget_bytes
 
-    card = torch.cuda.get_device_properties(device).total_memory
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return card * torch.cuda.get_per_process_memory_fraction(index) - HEADROOM_GB * GB
+    return vram_budget_bytes(device)
 
 
 def _fraction(req: CaptionRequest, model, blocks, device: torch.device, tokens: int, batch: int) -> float:
