@@ -170,7 +170,7 @@ def test_auto_streams_less_than_everything_at_7gb_with_fp8(family):
 
 #: peak reserved GB of `run_caption` on an H200, Qwen2.5-VL-7B full size, batch 4, 1024 px images, 64 new tokens,
 #: before `bound_prefill`, the CPU embedding and the 8-bit vision tower / head: (quantize, fraction auto picked,
-#: reserved). bench/logs/2026-11-27-caption-fp8/caption.md (7 GB cap) and bench/history/2026-11-27.md (15 GB cap)
+#: reserved). bench/history/2026-11-27.md 22:25 (7 GB cap) and 14:05 (15 GB cap)
 MEASURED = [("none", 1.0, 6.740), ("fp8", 1.0, 6.275), ("none", 0.45, 12.80)]
 
 

@@ -73,21 +73,20 @@ image's pass through the vision tower and one decoder layer's attention or MLP p
 three measured runs of Qwen2.5-VL-7B at batch 4 (before the bounded prefill, the CPU embedding and the 8-bit head / tower: `estimate(bounded=False)`),
 reserved vs estimated: bf16 at fraction 1 under 7 GB 6.74 vs 7.06 GB, fp8 at 1 under 7 GB 6.27 vs 6.87, bf16 at
 0.45 under 15 GB 12.80 vs 13.12 (tests/test_caption_prefill.py keeps each estimate at or up to 10 % above its
-measurement; bench/logs/2026-11-27-caption-fp8/, bench/history/2026-11-27.md). The estimate as it is now, for the
-same model with fp8 under 7 GB: 0.55 for a batch of 4 and 0.65 for a batch of 8, estimated 5.53 and 5.70 GB against
-5.46 and 5.13 GB reserved on an H100 (bench/history/2026-11-27.md 23:14).
+measurement; bench/history/2026-11-27.md 22:25 and 14:05). The estimate as it is now, for the same model with fp8
+under a 7 GB cap (the budget is the cap): 0.4 for a batch of 4 and 0.55 for a batch of 8, estimated 6.46 and 6.40 GB
+against 6.39 and 5.83 GB reserved on an H200 (bench/history/2026-11-28.md 04:04).
 
 Default batch (8 without `--batch`, halved while auto's estimate does not fit it even with every layer streamed:
 captioner.py `_default_batch`). Streamed, a token step's cost is the streamed bytes, shared by the batch's rows. By
 the estimate for Qwen2.5-VL-7B (28 layers of 0.47 GB bf16, 0.23 GB 8-bit) a batch of 8 keeps a few layers fewer
-resident than a batch of 4 (its KV cache and prefill are larger) but streams 37-46 % fewer bytes per image and
-token: fp8 under 7 GB, 0.65 (19 layers, 4.4 GB, 0.55 GB an image) against 0.55 (16, 3.7 GB, 0.93); bf16 under 7 GB
-0.9 (26, 12.1 GB, 1.51) against 0.85 (24, 11.2 GB, 2.80); bf16 under 15 GB 0.3 (9, 4.2 GB, 0.52) against 0.25 (7,
-3.3 GB, 0.82). Resident, a larger batch is faster too (1.25 images/s at 4, 1.82 at 16 on an H200,
-bench/logs/2026-11-27-caption-fp8/); streamed, fp8 under 7 GB on an H100: 0.739 images/s at 8 against 0.493 at 4
-(bench/history/2026-11-27.md 23:14). Batch 16 under 7 GB would need more than fraction 1 leaves (fp8 estimate 5.9
-GB of the 6.0 GB budget): 8 is the largest power of two that the estimate fits there. Qwen3-VL-8B in bf16 under
-7 GB does not fit 8 (estimate 5.9 GB against the 5.8 the margin leaves): there the default halves to 4 (0.9).
+resident than a batch of 4 (its KV cache and prefill are larger) but streams fewer bytes per image and token (the
+fraction over the batch; `python -m bench.program.bench_caption --estimate` prints them): fp8 under 7 GB 0.55 against
+0.4 (31 % fewer), bf16 under 7 GB 0.85 against 0.8 (47 %), bf16 under 15 GB 0.25 against 0.15 (17 %). Resident, a
+larger batch is faster too (1.25 images/s at 4, 1.82 at 16 on an H200, bench/history/2026-11-27.md 22:25);
+streamed, fp8 under 7 GB on an H200: 0.981 images/s at 8 against 0.642 at 4 (bench/history/2026-11-28.md 04:04).
+Under 7 GB the fp8 model would fit a batch of 16 as well (0.8), bf16 would not (7.3 GB at 1.0); a default above 8 is
+not measured. Qwen3-VL-8B under 7 GB fits 8 in bf16 (0.9) and fp8 (0.65), 16 in neither.
 
 Decoding is greedy (`do_sample=False`, the model's own repetition penalty kept): captions are then a function of
 the image, the prompt and the weights, equal with and without streaming.
