@@ -473,3 +473,24 @@ def test_key_map_places_rows_where_diffusers_single_file_converter_takes_them(fa
         assert layout.runs[f"{name}.weight"] == [(f"{place.original}.weight", start, start + m.out_features)], name
         checked += 1
     assert checked
+
+
+def test_krea2_every_linear_has_an_original_name_diffusers_converter_maps_back():
+    """Krea 2 renames without fusing: every Linear of the full-size model (the text fusion's `projector` too, which a
+    LoRA on all Linears adapts) has an original name, and diffusers' own converter of original-layout Krea 2 LoRAs
+    (the ComfyUI / ai-toolkit layout) maps each back to the same module."""
+    from accelerate import init_empty_weights
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_krea2_lora_to_diffusers
+
+    cls = adapter_class("krea2")
+    with init_empty_weights():
+        model = cls.transformer_cls.from_config(dict(cls.full_config))
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert "text_fusion.projector" in names
+    original = {}
+    for name in names:
+        place = cls.lora_key_map.place(name)
+        assert place is not None, name
+        original[f"diffusion_model.{place.original}.lora_A.weight"] = name
+    back = _convert_non_diffusers_krea2_lora_to_diffusers({k: torch.zeros(1) for k in original})
+    assert sorted(back) == sorted(f"transformer.{n}.lora_A.weight" for n in names)

@@ -54,7 +54,8 @@ KREA2_LORA_KEYS = LoraKeyMap((
     *(KeyRule(o, (d,)) for o, d in (("first", "img_in"), ("tmlp.0", "time_embed.linear_1"),
                                     ("tmlp.2", "time_embed.linear_2"), ("tproj.1", "time_mod_proj"),
                                     ("txtmlp.1", "txt_in.linear_1"), ("txtmlp.3", "txt_in.linear_2"),
-                                    ("last.linear", "final_layer.linear"))),
+                                    ("last.linear", "final_layer.linear"),
+                                    ("txtfusion.projector", "text_fusion.projector"))),
 ))
 
 PREFIX = (
