@@ -214,8 +214,8 @@ def test_hunyuan_video15_tiles_by_its_overlap_factor():
 def test_experts_parked_on_disk_count_one_experts_blocks_in_ram_and_a_read_per_switch(tmp_path):
     """model.expert: both (Wan 2.2 A14B, fp8 base, 720p x 81, every block streamed): offload.park: ram pins both
     experts' blocks; disk one expert's arena, the idle one's blocks read back from its files at each switch
-    (`DISK_READ`), half a switch per step; auto picks disk only where both experts' blocks and the process exceed
-    the host RAM it plans for (offload.host_ram_gb)."""
+    (`DISK_READ`), half a switch per step; auto picks disk exactly where the whole run's predicted RAM peak with
+    the idle expert in RAM exceeds the host RAM it plans for (offload.host_ram_gb) and the peak on disk does not."""
     from dataclasses import replace
 
     from trainer.planner.prediction import DISK_READ, HOST_BASE, predict
@@ -252,17 +252,30 @@ def test_experts_parked_on_disk_count_one_experts_blocks_in_ram_and_a_read_per_s
     assert _block_file_bytes(with_file, facts.blocks) is None
     assert predict(replace(facts, park="disk", block_file_bytes=None), 1.0, 960, True).switch_s == pytest.approx(
         ram.switch_s + blocks / DISK_READ)
-    # auto: disk over the host RAM planned for, ram under it
-    over = replace(facts, park="auto", host_ram=2 * blocks + HOST_BASE - 1)
-    under = replace(facts, park="auto", host_ram=2 * blocks + HOST_BASE)
+    # auto: disk exactly where the whole run's RAM peak (its largest phase, the offloaded activations included)
+    # with the idle expert in RAM exceeds the host RAM planned for and the peak with it on disk does not
+    from trainer.planner.phases import predict_phases, run_ram_peaks
+
+    peaks = run_ram_peaks(cfg, 1.0, facts)
+    assert peaks == {m: max(ph.ram for ph in predict_phases(cfg, 1.0, replace(facts, park=m))) for m in peaks}
+    assert peaks["ram"] >= ram.ram_peak and peaks["disk"] >= disk.ram_peak and peaks["disk"] < peaks["ram"]
+    assert ram.act_checkpoint_host > 10e9  # 720p x 81: the activations weigh as much as the blocks
+    over = replace(facts, park="auto", host_ram=peaks["ram"] - 1)
+    under = replace(facts, park="auto", host_ram=peaks["ram"])
+    neither = replace(facts, park="auto", host_ram=peaks["disk"] - 1)  # disk would not fit either: ram
     assert predict(over, 1.0, 960, True).park == "disk" and predict(under, 1.0, 960, True).park == "ram"
-    assert not replace(over, loads_whole=True).parks_on_disk  # nothing to read the blocks back from
+    assert predict(neither, 1.0, 960, True).park == "ram"
+    # both experts' blocks and the process fit this RAM (the rule before: ram), the run with its activations not
+    blocks_fit = replace(facts, park="auto", host_ram=peaks["disk"])
+    assert 2 * blocks + HOST_BASE < blocks_fit.host_ram < peaks["ram"] and blocks_fit.parks_on_disk_at(1.0)
+    assert not replace(over, loads_whole=True).parks_on_disk_at(1.0)  # nothing to read the blocks back from
     assert cfg.offload.host_ram_gb is None and analyze(cfg.model_copy(update={"offload": cfg.offload.model_copy(
         update={"host_ram_gb": 40.0, "park": "auto"})})).host_ram == 40e9
     # `dittrain plan` says both modes' RAM and switch, and which one auto takes
     from trainer.planner.report import _experts
     from trainer.planner.timing import reference_rates
 
-    (line,) = [x for x in _experts(over, 1.0, True, reference_rates()) if x]
-    assert "offload.park: auto -> disk" in line and f"ram: RAM peak {ram.ram_peak / 1e9:.1f} GB" in line
-    assert f"disk: RAM peak {disk.ram_peak / 1e9:.1f} GB, a switch {disk.switch_s:.1f} s" in line
+    (line,) = [x for x in _experts(cfg, over, 1.0, True, reference_rates()) if x]
+    assert f"offload.park: auto -> disk (the {over.host_ram / 1e9:.1f} GB of offload.host_ram_gb)" in line
+    assert f"ram: RAM peak {peaks['ram'] / 1e9:.1f} GB (largest phase)" in line
+    assert f"disk: RAM peak {peaks['disk'] / 1e9:.1f} GB (largest phase), a switch {disk.switch_s:.1f} s" in line

@@ -258,25 +258,50 @@ def test_parked_on_disk_is_bitwise_parked_in_ram_and_the_idle_expert_holds_no_ho
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_park_auto_takes_disk_only_over_the_host_ram_budget(a14b, clip, tmp_path, monkeypatch):
-    """offload.park: auto: ram while both experts' blocks and the process fit offload.host_ram_gb, disk over it;
-    the line says which and why."""
+def test_park_auto_takes_disk_exactly_where_the_runs_ram_peak_in_ram_does_not_fit_and_on_disk_does(a14b, clip,
+                                                                                                  tmp_path,
+                                                                                                  monkeypatch):
+    """offload.park: auto decides by the planner's whole-run host-RAM peak with either park (planner/phases.py
+    `run_ram_peaks`: the largest phase of `fit`, offloaded activations included) against offload.host_ram_gb: disk
+    exactly where ram's peak exceeds it and disk's does not; the line says which, both peaks and the budget; the
+    trainer's choice is the planner's own prediction's (`parks_on_disk_at`)."""
+    from dataclasses import replace
+
+    from trainer.planner import analyze
+    from trainer.planner.phases import run_ram_peaks
     from trainer.train import experts
 
     lines = []
     monkeypatch.setattr(experts, "say", lines.append)
-    cfg = _config(a14b, clip, tmp_path / "o", offload={"host_ram_gb": 4.0})
     gb = 1e9
-    assert experts.park_on_disk(cfg, lambda *a: None, int(0.5 * gb), 2) == (False, experts.park_on_disk(
-        cfg, lambda *a: None, int(0.5 * gb), 2)[1])
-    disk, why = experts.park_on_disk(cfg, lambda *a: None, int(1.0 * gb), 2)  # 2 + 2.5 GB > 4 GB
-    assert disk and "auto -> disk" in why and "4.0 GB" in why
-    assert experts.park_on_disk(cfg, None, int(1.0 * gb), 2)[0] is False  # loaded whole: nothing to read back
-    ram = cfg.model_copy(update={"offload": cfg.offload.model_copy(update={"park": "ram"})})
-    assert experts.park_on_disk(ram, lambda *a: None, int(10 * gb), 2)[0] is False
-    disk_cfg = cfg.model_copy(update={"offload": cfg.offload.model_copy(update={"park": "disk"})})
+    fill = lambda *a: None  # noqa: E731 - the loader's, present: blocks can be read back
+
+    def at(host_gb, park="auto", **offload):
+        return _config(a14b, clip, tmp_path / "o", offload={"transformer": 1.0, "activations": True,
+                                                             "host_ram_gb": host_gb, "park": park, **offload})
+
+    cfg = at(4.0)
+    peaks = run_ram_peaks(cfg, 1.0, analyze(cfg))
+    assert 0 < peaks["disk"] < peaks["ram"]
+    between = (peaks["disk"] + peaks["ram"]) / 2 / gb
+    for host_gb, want in ((peaks["ram"] / gb, False), (between, True), (peaks["disk"] / gb * 0.99, False)):
+        c = at(host_gb)
+        disk, why = experts.park_on_disk(c, fill, 1.0, 1, 2)  # the planner's numbers, not the blocks given
+        assert disk is want and f"auto -> {'disk' if want else 'ram'}" in why and f"{host_gb:.1f} GB" in why
+        assert f"{peaks['ram'] / gb:.1f} GB with the idle expert in RAM, {peaks['disk'] / gb:.1f} GB on disk" in why
+        assert analyze(c).parks_on_disk_at(1.0) is want  # the planner's prediction says the same
+    # given peaks decide alone: over the budget in RAM and within it on disk
+    c = at(10.0)
+    assert experts.park_on_disk(c, fill, 1.0, 1, 2, {"ram": 11 * gb, "disk": 9 * gb})[0] is True
+    assert experts.park_on_disk(c, fill, 1.0, 1, 2, {"ram": 10 * gb, "disk": 9 * gb})[0] is False
+    assert experts.park_on_disk(c, fill, 1.0, 1, 2, {"ram": 12 * gb, "disk": 11 * gb})[0] is False
+    # the activations count: the same blocks at a larger clip need more RAM in either mode
+    big = replace(analyze(cfg), frames=9)
+    assert run_ram_peaks(cfg, 1.0, big)["ram"] > peaks["ram"]
+    assert experts.park_on_disk(cfg, None, 1.0, 1, 2)[0] is False  # loaded whole: nothing to read back
+    assert experts.park_on_disk(at(4.0, "ram"), fill, 1.0, int(10 * gb), 2)[0] is False
     with pytest.raises(UserError, match="loads whole"):
-        experts.park_on_disk(disk_cfg, None, 1, 2)
+        experts.park_on_disk(at(4.0, "disk"), None, 1.0, 1, 2)
 
 
 def test_resume_is_bitwise_the_uninterrupted_run(fitted, a14b, clip, tmp_path):

@@ -41,7 +41,7 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .meta import TextEncoderSize, shared_sizes
 from .prediction import ALLOCATOR_OVERHEAD, GB, WORKSPACE, Facts, predict
@@ -148,6 +148,14 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     out.append(PhasePrediction("checkpoint save", train.peak_reserved, train.ram_peak + state,
                                "trained weights + state; the step's reserved VRAM kept"))
     return out
+
+
+def run_ram_peaks(cfg, fraction: float, facts: Facts) -> dict[str, float]:
+    """model.expert: both: the whole run's predicted host-RAM peak (bytes; the largest phase of `dittrain fit`,
+    the offloaded activations included) with the idle expert parked in RAM ("ram") and on disk ("disk"), at
+    transformer fraction `fraction`: what offload.park: auto decides by (prediction.py `auto_parks_on_disk`)."""
+    return {mode: max(p.ram for p in predict_phases(cfg, fraction, replace(facts, park=mode)))
+            for mode in ("ram", "disk")}
 
 
 def component_ram(facts: Facts) -> float:

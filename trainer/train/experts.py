@@ -38,8 +38,10 @@ parking buffer for the blocks never streamed), so RAM holds both experts' blocks
 64.0 GB RSS measured, bench/history/2026-11-27.md 18:50); `disk` frees them (the conductor's `park(disk=True)`:
 the arena unregistered and freed, the block tensors hollow) and the switch reads the incoming expert's blocks again
 from its safetensors files with the loader that built them, bitwise the same bytes, so RAM holds one expert's
-blocks and the page cache the files; `auto` takes disk where both experts' blocks plus the process (planner
-HOST_BASE) exceed offload.host_ram_gb, else this machine's physical RAM. The resident part (LoRA, its AdamW
+blocks and the page cache the files; `auto` takes disk exactly where the planner's whole-run host-RAM peak
+(the largest phase of `fit`, offloaded activations included) with the idle expert in RAM exceeds
+offload.host_ram_gb (else this machine's physical RAM) and the peak with it on disk does not (`park_on_disk`:
+the planner's own rule and numbers). The resident part (LoRA, its AdamW
 moments, the non-block weights) stays in CPU RAM either way (a few hundred MB). Each switch is timed (one
 host-device sync) and logged, the first few and then every 100th: which expert came in, where the other went, the
 seconds.
@@ -272,11 +274,15 @@ def place_resident(model: nn.Module, blocks: list, params: list, device: torch.d
                 state[p][k] = v.to(device)  # AdamW's 0-dim step count stays where torch keeps it
 
 
-def park_on_disk(cfg: Config, fill, block_bytes: int, experts: int) -> tuple[bool, str]:
+def park_on_disk(cfg: Config, fill, fraction: float, block_bytes: int, experts: int,
+                 peaks: dict[str, float] | None = None) -> tuple[bool, str]:
     """Whether the idle expert waits on disk (offload.park; see the module essay), and the line that says why.
     `fill`: the loader's (None where the transformer was loaded whole: nothing to read the blocks back from);
-    `block_bytes`: one expert's packed blocks (the first handle's measured `block_bytes`)."""
-    from ..planner.prediction import GB, HOST_BASE, parks_on_disk, physical_ram
+    auto decides by the planner's whole-run host-RAM peak with either park at transformer fraction `fraction`
+    (`peaks`, bytes, {"ram": .., "disk": ..}; None: planner/phases.py `run_ram_peaks` of `cfg`), the rule the
+    planner's own prediction uses (`auto_parks_on_disk`). Where no prediction can be made, the fallback is disk
+    where both experts' blocks (`block_bytes` each, measured) and the process (HOST_BASE) exceed the RAM."""
+    from ..planner.prediction import GB, HOST_BASE, auto_parks_on_disk, physical_ram
 
     mode = cfg.offload.park
     if mode == "ram":
@@ -291,11 +297,23 @@ def park_on_disk(cfg: Config, fill, block_bytes: int, experts: int) -> tuple[boo
         return True, "experts: offload.park: disk (the idle expert's blocks read back from its files at a switch)"
     given = cfg.offload.host_ram_gb
     budget = given * GB if given is not None else physical_ram()
-    need = experts * block_bytes + HOST_BASE
-    disk = parks_on_disk(mode, block_bytes, experts, budget)  # the planner's rule, on the measured block bytes
-    return disk, (f"experts: offload.park: auto -> {'disk' if disk else 'ram'} (both experts' blocks + the process "
-                  f"{need / GB:.1f} GB {'>' if disk else '<='} {budget / GB:.1f} GB host RAM"
-                  f"{'' if given is None else ' (offload.host_ram_gb)'})")
+    where = f"{budget / GB:.1f} GB host RAM{'' if given is None else ' (offload.host_ram_gb)'}"
+    if peaks is None:
+        try:
+            from ..planner import analyze
+            from ..planner.phases import run_ram_peaks
+
+            peaks = run_ram_peaks(cfg, fraction, analyze(cfg))
+        except Exception as e:  # noqa: BLE001 - a prediction that cannot be made must never stop training
+            need = experts * block_bytes + HOST_BASE
+            disk = need > budget
+            return disk, (f"experts: offload.park: auto -> {'disk' if disk else 'ram'} (no planner prediction: "
+                          f"{type(e).__name__}; both experts' blocks + the process {need / GB:.1f} GB "
+                          f"{'>' if disk else '<='} {where})")
+    disk = auto_parks_on_disk(peaks, budget)
+    return disk, (f"experts: offload.park: auto -> {'disk' if disk else 'ram'} (the run's predicted RAM peak "
+                  f"{peaks['ram'] / GB:.1f} GB with the idle expert in RAM, {peaks['disk'] / GB:.1f} GB on disk; "
+                  f"{where})")
 
 
 def setup(tr, resume_dir: Path | None, streamed: bool) -> None:
@@ -335,7 +353,8 @@ def setup(tr, resume_dir: Path | None, streamed: bool) -> None:
         params += p
         if h is not None and parks:  # the next expert's ring takes these bytes; the first step unparks the one it trains
             if disk is None:
-                disk, why = park_on_disk(cfg, loader and loader.fill, h.stats()["block_bytes"], len(method.by_expert))
+                disk, why = park_on_disk(cfg, loader and loader.fill, tr.fraction, h.stats()["block_bytes"],
+                                         len(method.by_expert))
                 say(why)
             if disk and loader is None:  # this expert loaded whole: it cannot be read back (the first one could)
                 raise UserError(f"offload.park: disk: the {name} expert loads whole into RAM; use offload.park: ram")
