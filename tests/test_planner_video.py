@@ -218,6 +218,7 @@ def test_experts_parked_on_disk_count_one_experts_blocks_in_ram_and_a_read_per_s
     the idle expert in RAM exceeds the host RAM it plans for (offload.host_ram_gb) and the peak on disk does not."""
     from dataclasses import replace
 
+    from trainer.planner.phases import predict_phases, run_ram_peaks
     from trainer.planner.prediction import DISK_READ, HOST_BASE, predict
 
     cfg = Config.model_validate({
@@ -252,10 +253,15 @@ def test_experts_parked_on_disk_count_one_experts_blocks_in_ram_and_a_read_per_s
     assert _block_file_bytes(with_file, facts.blocks) is None
     assert predict(replace(facts, park="disk", block_file_bytes=None), 1.0, 960, True).switch_s == pytest.approx(
         ram.switch_s + blocks / DISK_READ)
+    # outside the training step (load, sampling, checkpoint save) no offloaded activations are held: the trainer
+    # gives their buffers back before sampling and saving (trainer/offload/activations.py `release`)
+    phases = {ph.name: ph.ram for ph in predict_phases(cfg, 1.0, replace(facts, park="disk"))}
+    between = disk.ram_peak - disk.act_checkpoint_host
+    assert phases["training step"] == disk.ram_peak and phases["load"] == between
+    assert phases["checkpoint save"] == pytest.approx(between + facts.trainable_params * 4 + facts.state_gpu)
+    assert max(phases.values()) == disk.ram_peak  # at 720p x 81 the step is the run's RAM peak
     # auto: disk exactly where the whole run's RAM peak (its largest phase, the offloaded activations included)
     # with the idle expert in RAM exceeds the host RAM planned for and the peak with it on disk does not
-    from trainer.planner.phases import predict_phases, run_ram_peaks
-
     peaks = run_ram_peaks(cfg, 1.0, facts)
     assert peaks == {m: max(ph.ram for ph in predict_phases(cfg, 1.0, replace(facts, park=m))) for m in peaks}
     assert peaks["ram"] >= ram.ram_peak and peaks["disk"] >= disk.ram_peak and peaks["disk"] < peaks["ram"]

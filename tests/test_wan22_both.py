@@ -377,3 +377,98 @@ def test_i2v_a14b_trains_both_experts_and_samples_as_its_pipeline(tmp_path):
     _, sheet = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[str(p) for p in loras],
                                              out=tmp_path / "s"))
     np.testing.assert_array_equal(pixels(sheet), np.asarray(frame_sheet(want)))
+
+
+def test_the_last_two_recomputed_blocks_keep_their_inputs_on_the_device_bitwise_and_counted(a14b, clip, tmp_path):
+    """Activation offloading leaves the checkpoint inputs of the last two recomputed blocks on the device
+    (offload/plan.py `inputs_on_device`: backward needs them first and holds two blocks' inputs there anyway). On the
+    tiny Wan 2.2 expert (6 blocks, every block streamed, LoRA, AdamW), training with it gives bitwise the losses and
+    LoRA of offloading every block; the host holds exactly those two blocks' inputs fewer; and the planner's host
+    count for the clip (`act_checkpoint_host`, what `fit`'s RAM peak adds) is the bytes that went to the host."""
+    from diffusers import WanTransformer3DModel
+    from peft import LoraConfig
+
+    from trainer.offload import attach_offload
+    from trainer.offload.plan import INPUTS_ON_DEVICE, inputs_on_device
+    from trainer.planner import analyze, predict
+    from trainer.planner.trace import forward_inputs
+
+    cfg = _config(a14b, clip, tmp_path / "o", offload={"transformer": 1.0, "activations": True})
+    facts = analyze(cfg)
+    res = max(facts.resolutions)
+    width, height, frames = facts.size(res)
+
+    def run(keep: int):
+        model = WanTransformer3DModel.from_pretrained(str(a14b / "transformer"))  # fp32, as cfg's model.dtype
+        model.requires_grad_(False)
+        torch.manual_seed(0)
+        model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                                     init_lora_weights=False))
+        blocks = list(model.blocks)
+        inputs = []  # per block call: its hidden states' bytes (fp32)
+
+        def remember(module, args, kwargs):
+            inputs.append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).numel() * 4)
+
+        for b in blocks:
+            b.register_forward_pre_hook(remember, with_kwargs=True)
+        h = attach_offload(blocks, "cpu", 1.0, activations=True, activation_min_bytes=0, inputs_on_device=keep)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        losses, offloaded, went = [], [], []
+        for step in range(4):
+            torch.manual_seed(100 + step)
+            kw = forward_inputs(FAMILY, model, 1, height, width, facts.text_tokens, torch.float32, "cpu",
+                                frames=frames)
+            out = model(**kw, return_dict=False)[0]
+            loss = torch.nn.functional.mse_loss(out, torch.randn_like(out))
+            went.append(sorted(h._c.activations._by_block))
+            offloaded.append(h._c.activations.offloaded_bytes)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        h.close()
+        return torch.stack(losses), lora, offloaded, went, inputs[: len(blocks)]
+
+    l0, lora0, off0, went0, sizes = run(0)
+    l2, lora2, off2, went2, _ = run(INPUTS_ON_DEVICE)
+    assert INPUTS_ON_DEVICE == 2 and inputs_on_device([True] * 6) == {4, 5}
+    assert torch.equal(l0, l2) and lora0.keys() == lora2.keys() and all(torch.equal(lora0[k], lora2[k]) for k in lora0)
+    assert went0 == [[1, 2, 3, 4, 5]] * 4 and went2 == [[1, 2, 3]] * 4  # block 0's input needs no grad
+    assert all(a - b == sizes[4] + sizes[5] > 0 for a, b in zip(off0, off2, strict=True))
+    assert off2 == [sum(sizes[1:4])] * 4
+    assert predict(facts, 1.0, res, activation_offload=True).act_checkpoint_host == off2[0]
+
+
+def test_the_activation_buffers_are_given_back_before_each_sample_and_checkpoint_save(a14b, clip, tmp_path,
+                                                                                      monkeypatch):
+    """The trainer gives the activation offloader's pinned buffers back (`release_activations`, every expert's
+    handle) before each sampling pass and each checkpoint save, the phases the planner counts without them."""
+    from trainer.sampling.training import TrainingSampler
+    from trainer.train import experts
+
+    events = []
+    _watch_steps(monkeypatch, lambda h, metrics: events.append("step"))
+    release, save, sample = experts.ExpertHandles.release_activations, Trainer._save, TrainingSampler.__call__
+
+    def released(self):
+        events.append("release")
+        return release(self)
+
+    def saved(self, final):
+        events.append("save")
+        return save(self, final)
+
+    def sampled(self, *a, **k):
+        events.append("sample")
+        return sample(self, *a, **k)
+
+    monkeypatch.setattr(experts.ExpertHandles, "release_activations", released)
+    monkeypatch.setattr(Trainer, "_save", saved)
+    monkeypatch.setattr(TrainingSampler, "__call__", sampled)
+    Trainer(_config(a14b, clip, tmp_path / "o", offload={"transformer": 1.0, "activations": True})).fit()
+    # a checkpoint at step 4, a sample at 8, the final save (step 8's checkpoint)
+    assert events.count("step") == STEPS and events.count("save") == 2 and events.count("sample") == 1
+    assert all(events[i - 1] == "release" for i, e in enumerate(events) if e in ("save", "sample"))

@@ -16,7 +16,9 @@ How. Everything is derived from the model's own code and the conductor's own ari
   differentiated is taken as its saved tensors + twice its largest saved tensor (the gradient of that tensor
   and of its producer's input coexist) + twice its input bytes (gradient in, gradient out);
 - with activation offloading the checkpoint inputs live in pinned host RAM; the GPU keeps the first block's
-  inputs (they need no grad, so the offloader leaves them) and two blocks' worth in flight;
+  inputs (they need no grad, so the offloader leaves them) and two blocks' worth in flight; those two are, for the
+  last two recomputed blocks, their own inputs, which never leave the GPU (offload/plan.py `inputs_on_device`), so
+  the host holds every recomputed block's inputs but the first's and those two's;
 - the peak: backward runs blocks last to first; while block i is differentiated the checkpoint inputs of
   blocks 0..i are held, block i's working set exists and the gradients of blocks i..n-1 have accumulated
   (none under the fused back pass, which frees each at once). The optimizer step afterwards holds every
@@ -94,7 +96,7 @@ from ..lora_format.kinds import LORA_KINDS
 from ..models import adapter_class, stream_load
 from ..models.base import BOTH_EXPERTS
 from ..offload.allocators import BlockPacking
-from ..offload.plan import Plan, PlanError, capacity_for, make_plan
+from ..offload.plan import INPUTS_ON_DEVICE, Plan, PlanError, capacity_for, inputs_on_device, make_plan
 from . import compiled_saves as pcompiled
 from . import timing as ptime
 from . import trace as ptrace
@@ -633,7 +635,10 @@ def _activation_peak(facts: Facts, tr: ptrace.Trace, kept: frozenset[int], activ
     offloaded = activation_offload and facts.checkpointing
     if offloaded:  # the GPU keeps the first block's inputs and two blocks' in flight
         ck_gpu = tr.block_inputs[0] + 2 * max(tr.block_inputs[1:] or [0])
-        ck_host = tr.checkpoint_inputs - tr.block_inputs[0] - sum(tr.block_inputs[i] for i in kept if i > 0)
+        # the last recomputed blocks' inputs stay on the GPU: backward's two in flight when it reaches them
+        stay = inputs_on_device(ck, INPUTS_ON_DEVICE)
+        ck_host = tr.checkpoint_inputs - tr.block_inputs[0] - sum(
+            tr.block_inputs[i] for i in range(1, n) if i in kept or i in stay)
     else:
         ck_gpu, ck_host = tr.checkpoint_inputs, 0
     held, kept_gpu, long_lived = _held_before_backward(facts, tr, ck)

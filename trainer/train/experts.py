@@ -254,6 +254,10 @@ class ExpertHandles:
         for h in self.handles.values():
             h.sync()
 
+    def release_activations(self) -> None:
+        for h in self.handles.values():  # one shared offloader: the second call finds nothing to give back
+            h.release_activations()
+
     def close(self, keep_weights: bool = True) -> None:
         for hook in self._hooks:
             hook.remove()
