@@ -220,6 +220,7 @@ def test_experts_parked_on_disk_count_one_experts_blocks_in_ram_and_a_read_per_s
 
     from trainer.planner.phases import predict_phases, run_ram_peaks
     from trainer.planner.prediction import DISK_READ, HOST_BASE, predict
+    from trainer.planner.timing import reference_rates, transfer_seconds
 
     cfg = Config.model_validate({
         "model": {"family": "wan2.2-a14b", "path": "/nonexistent", "dtype": "bf16", "expert": "both",
@@ -236,12 +237,20 @@ def test_experts_parked_on_disk_count_one_experts_blocks_in_ram_and_a_read_per_s
     disk = predict(replace(facts, park="disk"), 1.0, 960, True)
     assert (ram.park, disk.park) == ("ram", "disk")
     assert ram.pinned == 2 * blocks and disk.pinned == blocks  # every block streams: the arena is one expert's
-    assert ram.ram_peak - disk.ram_peak == pytest.approx(blocks)
-    # a switch reads the blocks as the files hold them: a bf16 folder's (quantized to fp8 as read), twice the packed
+    # on disk the idle expert holds neither its blocks nor its frozen embedders (read back at a switch)
+    assert ram.ram_peak - disk.ram_peak == pytest.approx(blocks + facts.nonblock_bytes)
+    # a switch reads the blocks as the files hold them: a bf16 folder's (quantized to fp8 as read), twice the packed,
+    # and the embedders; it copies the incoming ring and resident part in, the outgoing LoRA and state out
     read = facts.block_file_bytes
     assert read == pytest.approx(2 * blocks, rel=0.05)
-    assert disk.switch_s - ram.switch_s == pytest.approx(read / DISK_READ)
-    assert disk.step_s - ram.step_s == pytest.approx(read / DISK_READ / 2)
+    rates = reference_rates()
+    lora = facts.trainable_params * 4 + facts.state_gpu  # the LoRA's fp32 weights and AdamW state
+    incoming = ram.ring + facts.nonblock_bytes + lora
+    assert ram.switch_s == pytest.approx(transfer_seconds(incoming, incoming - ram.ring, rates))
+    assert disk.switch_s == pytest.approx(transfer_seconds(incoming, incoming - ram.ring - facts.nonblock_bytes, rates)
+                                          + (read + facts.nonblock_bytes) / DISK_READ)
+    assert lora > 0 and disk.step_s - ram.step_s == pytest.approx((read + facts.nonblock_bytes) / DISK_READ / 2,
+                                                                   rel=1e-3)
     # an fp8 single file under quantize fp8 is read as it is packed (its bytes adopted)
     from safetensors.torch import save_file
 
@@ -252,7 +261,7 @@ def test_experts_parked_on_disk_count_one_experts_blocks_in_ram_and_a_read_per_s
     with_file = cfg.model_copy(update={"model": cfg.model.model_copy(update={"transformer_file": fp8})})
     assert _block_file_bytes(with_file, facts.blocks) is None
     assert predict(replace(facts, park="disk", block_file_bytes=None), 1.0, 960, True).switch_s == pytest.approx(
-        ram.switch_s + blocks / DISK_READ)
+        disk.switch_s - (read - blocks) / DISK_READ)
     # outside the training step (load, sampling, checkpoint save) no offloaded activations are held: the trainer
     # gives their buffers back before sampling and saving (trainer/offload/activations.py `release`)
     phases = {ph.name: ph.ram for ph in predict_phases(cfg, 1.0, replace(facts, park="disk"))}
@@ -279,7 +288,6 @@ def test_experts_parked_on_disk_count_one_experts_blocks_in_ram_and_a_read_per_s
         update={"host_ram_gb": 40.0, "park": "auto"})})).host_ram == 40e9
     # `dittrain plan` says both modes' RAM and switch, and which one auto takes
     from trainer.planner.report import _experts
-    from trainer.planner.timing import reference_rates
 
     (line,) = [x for x in _experts(cfg, over, 1.0, True, reference_rates()) if x]
     assert f"offload.park: auto -> disk (the {over.host_ram / 1e9:.1f} GB of offload.host_ram_gb)" in line

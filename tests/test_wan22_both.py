@@ -228,9 +228,18 @@ def test_parked_on_disk_is_bitwise_parked_in_ram_and_the_idle_expert_holds_no_ho
     """offload.park: disk (trainer/train/experts.py, the conductor's `park(disk=True)`): the idle expert's arena is
     freed and its blocks hollow, and each switch reads them again from its safetensors files; the losses, the experts
     drawn and both LoRA files are bitwise those of park: ram over steps that change expert several times, and the
-    idle expert holds 0 host bytes (its arena and parking buffer) where in RAM it holds its blocks."""
+    idle expert holds 0 host bytes (its arena and parking buffer) where in RAM it holds its blocks, and no bytes of
+    its frozen non-block weights (placeholders, read back from its files at a switch) where in RAM it holds them."""
+    from trainer.models.stream_load import is_placeholder
+
+    def frozen_outside(h, name):  # bytes of the expert's frozen non-block weights (embedders) that hold memory
+        inside = {id(p) for b in h.blocks[name] for p in b.parameters()}
+        return sum(p.numel() * p.element_size() for p in h.models[name].parameters()
+                   if id(p) not in inside and not p.requires_grad and not is_placeholder(p))
+
     seen = _watch_steps(monkeypatch, lambda h, metrics: (
-        metrics["expert"], {n: x.stats() for n, x in h.handles.items()}, h.stats()))
+        metrics["expert"], {n: {**x.stats(), "outside": frozen_outside(h, n)} for n, x in h.handles.items()},
+        h.stats()))
     runs = {}
     for f in (0.5, 0.0):  # 0: every block in the ring, none in an arena (the parking buffer's case)
         for park in ("ram", "disk"):
@@ -244,6 +253,8 @@ def test_parked_on_disk_is_bitwise_parked_in_ram_and_the_idle_expert_holds_no_ho
             for i, (expert, per, both) in enumerate(seen):
                 idle = [s for n, s in per.items() if n != expert]
                 assert per[expert]["parked_on"] is None and all(s["parked_on"] == park for s in idle)
+                assert per[expert]["outside"] > 0 and all(s["outside"] == (0 if park == "disk" else
+                                                                           per[expert]["outside"]) for s in idle)
                 if park == "disk":
                     assert all(s["host_bytes"] == 0 for s in idle)
                     assert both["host_bytes"] == per[expert]["host_bytes"]  # one expert's blocks on the host

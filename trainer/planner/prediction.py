@@ -45,7 +45,8 @@ How. Everything is derived from the model's own code and the conductor's own ari
   GPU holds one expert as a one-expert run does; RAM every block of both (arena + parking buffer) and the parked
   resident part; and per step half a switch more copies (the incoming ring and resident part: the expert changes
   on 2 p (1 - p) <= 1/2 of the steps). With offload.park: disk the parked expert holds no
-  block bytes: RAM holds one expert's arena, and a switch also reads the incoming expert's blocks from its files
+  block bytes and no frozen non-block bytes (its LoRA and LoRA state stay): RAM holds one expert's arena, and a
+  switch also reads the incoming expert's blocks (and embedders) from its files
   (their bytes there: a bf16 folder's under quantize fp8, an fp8 file's as packed) into a fresh arena at
   `DISK_READ` (an assumption, not yet measured; quantizing on the way is not counted), which the step time carries
   half of;
@@ -599,21 +600,24 @@ def _with_parked_experts(facts: Facts, place: _Placement, fraction: float) -> _P
     """`place` with two experts trained in turn, the other parked (offload/conductor.py, train/experts.py): every
     expert's blocks in RAM (arena + parking buffer), the parked ones' non-block weights, LoRA and state beside
     them, and half a change of expert's copies per step (the incoming ring and resident part in, the other's
-    resident part out; the expert changes on 2 p (1 - p) <= 1/2 of the steps)."""
+    resident part out; the expert changes on 2 p (1 - p) <= 1/2 of the steps). Parked on disk: no block bytes
+    (one arena, refilled at a switch) and no frozen non-block bytes (read back from the files with the blocks):
+    the parked ones hold their LoRA and its state alone."""
     if facts.experts <= 1:
         return place
+    disk = facts.parks_on_disk_at(fraction)
     resident = facts.nonblock_bytes + place.trainable
+    held = place.trainable if disk else resident  # what a parked expert keeps in CPU RAM
     incoming = place.ring + facts.nonblock_bytes + place.trainable
-    disk = facts.parks_on_disk_at(fraction)  # the parked experts hold no block bytes: one arena, refilled at a switch
     return replace(
         place,
         pinned=place.pinned if disk else facts.experts * sum(facts.packed),
-        parked=(facts.experts - 1) * resident,
+        parked=(facts.experts - 1) * held,
         h2d=place.h2d + incoming // 2,
-        d2h=place.d2h + resident // 2,
+        d2h=place.d2h + held // 2,
         switch_in=incoming,
-        switch_out=resident,
-        switch_read=(facts.block_file_bytes or sum(facts.packed)) if disk else 0,
+        switch_out=held,
+        switch_read=(facts.block_file_bytes or sum(facts.packed)) + facts.nonblock_bytes if disk else 0,
         on_disk=disk,
     )
 
