@@ -94,6 +94,74 @@ def test_activation_offloading_gives_equal_gradients():
     assert c.activations.offloaded_bytes > 0 and len(c.activations._by_block) == len(c.blocks) - 1
 
 
+def test_the_inputs_kept_on_the_device_are_the_last_recomputed_blocks_and_stay_there_bitwise():
+    """offload/plan.py `inputs_on_device`: the last n blocks recomputed in backward (not the ones that keep their
+    activations); with `inputs_on_device` the offloader leaves their checkpoint inputs on the device (their storages
+    live on after the forward, as without offloading), the others go to the host, and the gradients are bitwise
+    those of offloading every block."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from trainer.offload.plan import inputs_on_device
+
+    assert inputs_on_device([True] * 5, 2) == {3, 4} and inputs_on_device([True] * 5, 0) == set()
+    assert inputs_on_device([True, True, True, False, True, False], 2) == {2, 4}
+    assert inputs_on_device([False, True], 2) == {1}
+
+    def grads(keep):
+        m = add_lora(tiny_flux(0))
+        blocks = blocks_of(m)
+        h = attach_offload(blocks, "cpu", 0.5, activations=True, activation_min_bytes=0, inputs_on_device=keep)
+        storages = []
+        for b in blocks:
+            b.register_forward_pre_hook(
+                lambda mod, args, kwargs: storages.append(StorageWeakRef(kwargs["hidden_states"].untyped_storage())),
+                with_kwargs=True)
+        kw, target = batch(3)
+        loss = torch.nn.functional.mse_loss(m(**kw)[0], target)
+        alive = [not s.expired() for s in storages]
+        went = sorted(h._c.activations._by_block)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}, alive, went, len(blocks)
+
+    g0, alive0, went0, n = grads(0)
+    g2, alive2, went2, _ = grads(2)
+    assert _same(g0, g2)
+    assert went0 == list(range(1, n)) and went2 == list(range(1, n - 2))
+    assert alive0 == [True] + [False] * (n - 1) and alive2 == [True] + [False] * (n - 3) + [True, True]
+
+
+def test_released_activation_buffers_hold_no_host_bytes_and_the_next_steps_train_bitwise():
+    """`release_activations` between steps (the trainer's, before sampling and a checkpoint save) gives every
+    activation buffer back (0 host bytes); the next step takes one buffer of the most bytes a pass has used, and
+    the losses and LoRA are bitwise those of a run that never released."""
+
+    def run(release):
+        m = add_lora(tiny_flux(0))
+        h = attach_offload(blocks_of(m), "cpu", 0.5, activations=True, activation_min_bytes=0)
+        arena = h._c.activations.arena
+        params = [p for p in m.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        losses, held = [], []
+        for s in range(4):
+            kw, target = batch(100 + s)
+            loss = torch.nn.functional.mse_loss(m(**kw)[0], target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+            held.append((len(arena.chunks), sum(c.nbytes for c in arena.chunks)))
+            if release and s % 2 == 0:
+                h.release_activations()
+                assert arena.chunks == [] and h._c.activations.pinned_bytes == 0
+        return torch.stack(losses), trainable_state(m), held, arena.high_water, arena.chunk
+
+    l0, w0, held0, high, chunk = run(False)
+    l1, w1, held1, _, _ = run(True)
+    assert torch.equal(l0, l1) and _same(w0, w1)
+    # the first step grew one chunk (this tiny model's inputs fit it); after a release, one buffer of exactly them
+    assert 0 < high < chunk and held0 == [(1, chunk)] * 4 and held1 == [(1, chunk)] + [(1, high)] * 3
+
+
 @pytest.mark.parametrize("activations", [False, True])
 def test_activation_offloading_frees_the_block_inputs_after_forward(activations):
     """After the forward, a block's input storage lives on only while its checkpoint needs it: every one without

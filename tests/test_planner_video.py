@@ -214,11 +214,13 @@ def test_hunyuan_video15_tiles_by_its_overlap_factor():
 def test_experts_parked_on_disk_count_one_experts_blocks_in_ram_and_a_read_per_switch(tmp_path):
     """model.expert: both (Wan 2.2 A14B, fp8 base, 720p x 81, every block streamed): offload.park: ram pins both
     experts' blocks; disk one expert's arena, the idle one's blocks read back from its files at each switch
-    (`DISK_READ`), half a switch per step; auto picks disk only where both experts' blocks and the process exceed
-    the host RAM it plans for (offload.host_ram_gb)."""
+    (`DISK_READ`), half a switch per step; auto picks disk exactly where the whole run's predicted RAM peak with
+    the idle expert in RAM exceeds the host RAM it plans for (offload.host_ram_gb) and the peak on disk does not."""
     from dataclasses import replace
 
+    from trainer.planner.phases import predict_phases, run_ram_peaks
     from trainer.planner.prediction import DISK_READ, HOST_BASE, predict
+    from trainer.planner.timing import reference_rates, transfer_seconds
 
     cfg = Config.model_validate({
         "model": {"family": "wan2.2-a14b", "path": "/nonexistent", "dtype": "bf16", "expert": "both",
@@ -235,12 +237,20 @@ def test_experts_parked_on_disk_count_one_experts_blocks_in_ram_and_a_read_per_s
     disk = predict(replace(facts, park="disk"), 1.0, 960, True)
     assert (ram.park, disk.park) == ("ram", "disk")
     assert ram.pinned == 2 * blocks and disk.pinned == blocks  # every block streams: the arena is one expert's
-    assert ram.ram_peak - disk.ram_peak == pytest.approx(blocks)
-    # a switch reads the blocks as the files hold them: a bf16 folder's (quantized to fp8 as read), twice the packed
+    # on disk the idle expert holds neither its blocks nor its frozen embedders (read back at a switch)
+    assert ram.ram_peak - disk.ram_peak == pytest.approx(blocks + facts.nonblock_bytes)
+    # a switch reads the blocks as the files hold them: a bf16 folder's (quantized to fp8 as read), twice the packed,
+    # and the embedders; it copies the incoming ring and resident part in, the outgoing LoRA and state out
     read = facts.block_file_bytes
     assert read == pytest.approx(2 * blocks, rel=0.05)
-    assert disk.switch_s - ram.switch_s == pytest.approx(read / DISK_READ)
-    assert disk.step_s - ram.step_s == pytest.approx(read / DISK_READ / 2)
+    rates = reference_rates()
+    lora = facts.trainable_params * 4 + facts.state_gpu  # the LoRA's fp32 weights and AdamW state
+    incoming = ram.ring + facts.nonblock_bytes + lora
+    assert ram.switch_s == pytest.approx(transfer_seconds(incoming, incoming - ram.ring, rates))
+    assert disk.switch_s == pytest.approx(transfer_seconds(incoming, incoming - ram.ring - facts.nonblock_bytes, rates)
+                                          + (read + facts.nonblock_bytes) / DISK_READ)
+    assert lora > 0 and disk.step_s - ram.step_s == pytest.approx((read + facts.nonblock_bytes) / DISK_READ / 2,
+                                                                   rel=1e-3)
     # an fp8 single file under quantize fp8 is read as it is packed (its bytes adopted)
     from safetensors.torch import save_file
 
@@ -251,18 +261,35 @@ def test_experts_parked_on_disk_count_one_experts_blocks_in_ram_and_a_read_per_s
     with_file = cfg.model_copy(update={"model": cfg.model.model_copy(update={"transformer_file": fp8})})
     assert _block_file_bytes(with_file, facts.blocks) is None
     assert predict(replace(facts, park="disk", block_file_bytes=None), 1.0, 960, True).switch_s == pytest.approx(
-        ram.switch_s + blocks / DISK_READ)
-    # auto: disk over the host RAM planned for, ram under it
-    over = replace(facts, park="auto", host_ram=2 * blocks + HOST_BASE - 1)
-    under = replace(facts, park="auto", host_ram=2 * blocks + HOST_BASE)
+        disk.switch_s - (read - blocks) / DISK_READ)
+    # outside the training step (load, sampling, checkpoint save) no offloaded activations are held: the trainer
+    # gives their buffers back before sampling and saving (trainer/offload/activations.py `release`)
+    phases = {ph.name: ph.ram for ph in predict_phases(cfg, 1.0, replace(facts, park="disk"))}
+    between = disk.ram_peak - disk.act_checkpoint_host
+    assert phases["training step"] == disk.ram_peak and phases["load"] == between
+    assert phases["checkpoint save"] == pytest.approx(between + facts.trainable_params * 4 + facts.state_gpu)
+    assert max(phases.values()) == disk.ram_peak  # at 720p x 81 the step is the run's RAM peak
+    # auto: disk exactly where the whole run's RAM peak (its largest phase, the offloaded activations included)
+    # with the idle expert in RAM exceeds the host RAM planned for and the peak with it on disk does not
+    peaks = run_ram_peaks(cfg, 1.0, facts)
+    assert peaks == {m: max(ph.ram for ph in predict_phases(cfg, 1.0, replace(facts, park=m))) for m in peaks}
+    assert peaks["ram"] >= ram.ram_peak and peaks["disk"] >= disk.ram_peak and peaks["disk"] < peaks["ram"]
+    assert ram.act_checkpoint_host > 10e9  # 720p x 81: the activations weigh as much as the blocks
+    over = replace(facts, park="auto", host_ram=peaks["ram"] - 1)
+    under = replace(facts, park="auto", host_ram=peaks["ram"])
+    neither = replace(facts, park="auto", host_ram=peaks["disk"] - 1)  # disk would not fit either: ram
     assert predict(over, 1.0, 960, True).park == "disk" and predict(under, 1.0, 960, True).park == "ram"
-    assert not replace(over, loads_whole=True).parks_on_disk  # nothing to read the blocks back from
+    assert predict(neither, 1.0, 960, True).park == "ram"
+    # both experts' blocks and the process fit this RAM (the rule before: ram), the run with its activations not
+    blocks_fit = replace(facts, park="auto", host_ram=peaks["disk"])
+    assert 2 * blocks + HOST_BASE < blocks_fit.host_ram < peaks["ram"] and blocks_fit.parks_on_disk_at(1.0)
+    assert not replace(over, loads_whole=True).parks_on_disk_at(1.0)  # nothing to read the blocks back from
     assert cfg.offload.host_ram_gb is None and analyze(cfg.model_copy(update={"offload": cfg.offload.model_copy(
         update={"host_ram_gb": 40.0, "park": "auto"})})).host_ram == 40e9
     # `dittrain plan` says both modes' RAM and switch, and which one auto takes
     from trainer.planner.report import _experts
-    from trainer.planner.timing import reference_rates
 
-    (line,) = [x for x in _experts(over, 1.0, True, reference_rates()) if x]
-    assert "offload.park: auto -> disk" in line and f"ram: RAM peak {ram.ram_peak / 1e9:.1f} GB" in line
-    assert f"disk: RAM peak {disk.ram_peak / 1e9:.1f} GB, a switch {disk.switch_s:.1f} s" in line
+    (line,) = [x for x in _experts(cfg, over, 1.0, True, reference_rates()) if x]
+    assert f"offload.park: auto -> disk (the {over.host_ram / 1e9:.1f} GB of offload.host_ram_gb)" in line
+    assert f"ram: RAM peak {peaks['ram'] / 1e9:.1f} GB (largest phase)" in line
+    assert f"disk: RAM peak {peaks['disk'] / 1e9:.1f} GB (largest phase), a switch {disk.switch_s:.1f} s" in line

@@ -228,9 +228,18 @@ def test_parked_on_disk_is_bitwise_parked_in_ram_and_the_idle_expert_holds_no_ho
     """offload.park: disk (trainer/train/experts.py, the conductor's `park(disk=True)`): the idle expert's arena is
     freed and its blocks hollow, and each switch reads them again from its safetensors files; the losses, the experts
     drawn and both LoRA files are bitwise those of park: ram over steps that change expert several times, and the
-    idle expert holds 0 host bytes (its arena and parking buffer) where in RAM it holds its blocks."""
+    idle expert holds 0 host bytes (its arena and parking buffer) where in RAM it holds its blocks, and no bytes of
+    its frozen non-block weights (placeholders, read back from its files at a switch) where in RAM it holds them."""
+    from trainer.models.stream_load import is_placeholder
+
+    def frozen_outside(h, name):  # bytes of the expert's frozen non-block weights (embedders) that hold memory
+        inside = {id(p) for b in h.blocks[name] for p in b.parameters()}
+        return sum(p.numel() * p.element_size() for p in h.models[name].parameters()
+                   if id(p) not in inside and not p.requires_grad and not is_placeholder(p))
+
     seen = _watch_steps(monkeypatch, lambda h, metrics: (
-        metrics["expert"], {n: x.stats() for n, x in h.handles.items()}, h.stats()))
+        metrics["expert"], {n: {**x.stats(), "outside": frozen_outside(h, n)} for n, x in h.handles.items()},
+        h.stats()))
     runs = {}
     for f in (0.5, 0.0):  # 0: every block in the ring, none in an arena (the parking buffer's case)
         for park in ("ram", "disk"):
@@ -244,6 +253,8 @@ def test_parked_on_disk_is_bitwise_parked_in_ram_and_the_idle_expert_holds_no_ho
             for i, (expert, per, both) in enumerate(seen):
                 idle = [s for n, s in per.items() if n != expert]
                 assert per[expert]["parked_on"] is None and all(s["parked_on"] == park for s in idle)
+                assert per[expert]["outside"] > 0 and all(s["outside"] == (0 if park == "disk" else
+                                                                           per[expert]["outside"]) for s in idle)
                 if park == "disk":
                     assert all(s["host_bytes"] == 0 for s in idle)
                     assert both["host_bytes"] == per[expert]["host_bytes"]  # one expert's blocks on the host
@@ -258,25 +269,50 @@ def test_parked_on_disk_is_bitwise_parked_in_ram_and_the_idle_expert_holds_no_ho
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_park_auto_takes_disk_only_over_the_host_ram_budget(a14b, clip, tmp_path, monkeypatch):
-    """offload.park: auto: ram while both experts' blocks and the process fit offload.host_ram_gb, disk over it;
-    the line says which and why."""
+def test_park_auto_takes_disk_exactly_where_the_runs_ram_peak_in_ram_does_not_fit_and_on_disk_does(a14b, clip,
+                                                                                                  tmp_path,
+                                                                                                  monkeypatch):
+    """offload.park: auto decides by the planner's whole-run host-RAM peak with either park (planner/phases.py
+    `run_ram_peaks`: the largest phase of `fit`, offloaded activations included) against offload.host_ram_gb: disk
+    exactly where ram's peak exceeds it and disk's does not; the line says which, both peaks and the budget; the
+    trainer's choice is the planner's own prediction's (`parks_on_disk_at`)."""
+    from dataclasses import replace
+
+    from trainer.planner import analyze
+    from trainer.planner.phases import run_ram_peaks
     from trainer.train import experts
 
     lines = []
     monkeypatch.setattr(experts, "say", lines.append)
-    cfg = _config(a14b, clip, tmp_path / "o", offload={"host_ram_gb": 4.0})
     gb = 1e9
-    assert experts.park_on_disk(cfg, lambda *a: None, int(0.5 * gb), 2) == (False, experts.park_on_disk(
-        cfg, lambda *a: None, int(0.5 * gb), 2)[1])
-    disk, why = experts.park_on_disk(cfg, lambda *a: None, int(1.0 * gb), 2)  # 2 + 2.5 GB > 4 GB
-    assert disk and "auto -> disk" in why and "4.0 GB" in why
-    assert experts.park_on_disk(cfg, None, int(1.0 * gb), 2)[0] is False  # loaded whole: nothing to read back
-    ram = cfg.model_copy(update={"offload": cfg.offload.model_copy(update={"park": "ram"})})
-    assert experts.park_on_disk(ram, lambda *a: None, int(10 * gb), 2)[0] is False
-    disk_cfg = cfg.model_copy(update={"offload": cfg.offload.model_copy(update={"park": "disk"})})
+    fill = lambda *a: None  # noqa: E731 - the loader's, present: blocks can be read back
+
+    def at(host_gb, park="auto", **offload):
+        return _config(a14b, clip, tmp_path / "o", offload={"transformer": 1.0, "activations": True,
+                                                             "host_ram_gb": host_gb, "park": park, **offload})
+
+    cfg = at(4.0)
+    peaks = run_ram_peaks(cfg, 1.0, analyze(cfg))
+    assert 0 < peaks["disk"] < peaks["ram"]
+    between = (peaks["disk"] + peaks["ram"]) / 2 / gb
+    for host_gb, want in ((peaks["ram"] / gb, False), (between, True), (peaks["disk"] / gb * 0.99, False)):
+        c = at(host_gb)
+        disk, why = experts.park_on_disk(c, fill, 1.0, 1, 2)  # the planner's numbers, not the blocks given
+        assert disk is want and f"auto -> {'disk' if want else 'ram'}" in why and f"{host_gb:.1f} GB" in why
+        assert f"{peaks['ram'] / gb:.1f} GB with the idle expert in RAM, {peaks['disk'] / gb:.1f} GB on disk" in why
+        assert analyze(c).parks_on_disk_at(1.0) is want  # the planner's prediction says the same
+    # given peaks decide alone: over the budget in RAM and within it on disk
+    c = at(10.0)
+    assert experts.park_on_disk(c, fill, 1.0, 1, 2, {"ram": 11 * gb, "disk": 9 * gb})[0] is True
+    assert experts.park_on_disk(c, fill, 1.0, 1, 2, {"ram": 10 * gb, "disk": 9 * gb})[0] is False
+    assert experts.park_on_disk(c, fill, 1.0, 1, 2, {"ram": 12 * gb, "disk": 11 * gb})[0] is False
+    # the activations count: the same blocks at a larger clip need more RAM in either mode
+    big = replace(analyze(cfg), frames=9)
+    assert run_ram_peaks(cfg, 1.0, big)["ram"] > peaks["ram"]
+    assert experts.park_on_disk(cfg, None, 1.0, 1, 2)[0] is False  # loaded whole: nothing to read back
+    assert experts.park_on_disk(at(4.0, "ram"), fill, 1.0, int(10 * gb), 2)[0] is False
     with pytest.raises(UserError, match="loads whole"):
-        experts.park_on_disk(disk_cfg, None, 1, 2)
+        experts.park_on_disk(at(4.0, "disk"), None, 1.0, 1, 2)
 
 
 def test_resume_is_bitwise_the_uninterrupted_run(fitted, a14b, clip, tmp_path):
@@ -352,3 +388,98 @@ def test_i2v_a14b_trains_both_experts_and_samples_as_its_pipeline(tmp_path):
     _, sheet = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=3, loras=[str(p) for p in loras],
                                              out=tmp_path / "s"))
     np.testing.assert_array_equal(pixels(sheet), np.asarray(frame_sheet(want)))
+
+
+def test_the_last_two_recomputed_blocks_keep_their_inputs_on_the_device_bitwise_and_counted(a14b, clip, tmp_path):
+    """Activation offloading leaves the checkpoint inputs of the last two recomputed blocks on the device
+    (offload/plan.py `inputs_on_device`: backward needs them first and holds two blocks' inputs there anyway). On the
+    tiny Wan 2.2 expert (6 blocks, every block streamed, LoRA, AdamW), training with it gives bitwise the losses and
+    LoRA of offloading every block; the host holds exactly those two blocks' inputs fewer; and the planner's host
+    count for the clip (`act_checkpoint_host`, what `fit`'s RAM peak adds) is the bytes that went to the host."""
+    from diffusers import WanTransformer3DModel
+    from peft import LoraConfig
+
+    from trainer.offload import attach_offload
+    from trainer.offload.plan import INPUTS_ON_DEVICE, inputs_on_device
+    from trainer.planner import analyze, predict
+    from trainer.planner.trace import forward_inputs
+
+    cfg = _config(a14b, clip, tmp_path / "o", offload={"transformer": 1.0, "activations": True})
+    facts = analyze(cfg)
+    res = max(facts.resolutions)
+    width, height, frames = facts.size(res)
+
+    def run(keep: int):
+        model = WanTransformer3DModel.from_pretrained(str(a14b / "transformer"))  # fp32, as cfg's model.dtype
+        model.requires_grad_(False)
+        torch.manual_seed(0)
+        model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                                     init_lora_weights=False))
+        blocks = list(model.blocks)
+        inputs = []  # per block call: its hidden states' bytes (fp32)
+
+        def remember(module, args, kwargs):
+            inputs.append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).numel() * 4)
+
+        for b in blocks:
+            b.register_forward_pre_hook(remember, with_kwargs=True)
+        h = attach_offload(blocks, "cpu", 1.0, activations=True, activation_min_bytes=0, inputs_on_device=keep)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        losses, offloaded, went = [], [], []
+        for step in range(4):
+            torch.manual_seed(100 + step)
+            kw = forward_inputs(FAMILY, model, 1, height, width, facts.text_tokens, torch.float32, "cpu",
+                                frames=frames)
+            out = model(**kw, return_dict=False)[0]
+            loss = torch.nn.functional.mse_loss(out, torch.randn_like(out))
+            went.append(sorted(h._c.activations._by_block))
+            offloaded.append(h._c.activations.offloaded_bytes)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        h.close()
+        return torch.stack(losses), lora, offloaded, went, inputs[: len(blocks)]
+
+    l0, lora0, off0, went0, sizes = run(0)
+    l2, lora2, off2, went2, _ = run(INPUTS_ON_DEVICE)
+    assert INPUTS_ON_DEVICE == 2 and inputs_on_device([True] * 6) == {4, 5}
+    assert torch.equal(l0, l2) and lora0.keys() == lora2.keys() and all(torch.equal(lora0[k], lora2[k]) for k in lora0)
+    assert went0 == [[1, 2, 3, 4, 5]] * 4 and went2 == [[1, 2, 3]] * 4  # block 0's input needs no grad
+    assert all(a - b == sizes[4] + sizes[5] > 0 for a, b in zip(off0, off2, strict=True))
+    assert off2 == [sum(sizes[1:4])] * 4
+    assert predict(facts, 1.0, res, activation_offload=True).act_checkpoint_host == off2[0]
+
+
+def test_the_activation_buffers_are_given_back_before_each_sample_and_checkpoint_save(a14b, clip, tmp_path,
+                                                                                      monkeypatch):
+    """The trainer gives the activation offloader's pinned buffers back (`release_activations`, every expert's
+    handle) before each sampling pass and each checkpoint save, the phases the planner counts without them."""
+    from trainer.sampling.training import TrainingSampler
+    from trainer.train import experts
+
+    events = []
+    _watch_steps(monkeypatch, lambda h, metrics: events.append("step"))
+    release, save, sample = experts.ExpertHandles.release_activations, Trainer._save, TrainingSampler.__call__
+
+    def released(self):
+        events.append("release")
+        return release(self)
+
+    def saved(self, final):
+        events.append("save")
+        return save(self, final)
+
+    def sampled(self, *a, **k):
+        events.append("sample")
+        return sample(self, *a, **k)
+
+    monkeypatch.setattr(experts.ExpertHandles, "release_activations", released)
+    monkeypatch.setattr(Trainer, "_save", saved)
+    monkeypatch.setattr(TrainingSampler, "__call__", sampled)
+    Trainer(_config(a14b, clip, tmp_path / "o", offload={"transformer": 1.0, "activations": True})).fit()
+    # a checkpoint at step 4, a sample at 8, the final save (step 8's checkpoint)
+    assert events.count("step") == STEPS and events.count("save") == 2 and events.count("sample") == 1
+    assert all(events[i - 1] == "release" for i, e in enumerate(events) if e in ("save", "sample"))

@@ -557,8 +557,10 @@ class OffloadConfig(_Section):
         description="model.expert: both (Wan 2.2 A14B): where the expert not running waits. ram: its blocks stay in "
         "CPU RAM (pinned), a switch copies one ring; disk: its blocks hold no RAM and are read again from its "
         "safetensors files (the page cache, or the disk) at a switch, so RAM holds one expert's blocks; auto: disk "
-        "where both experts' blocks and the process would exceed offload.host_ram_gb (else this machine's RAM), "
-        "else ram. Bitwise the same training either way; each switch logs what it did and its seconds.",
+        "exactly where the planner's predicted RAM peak of the whole run (activations included; `dittrain plan` "
+        "prints both) with the idle expert in RAM exceeds offload.host_ram_gb (else this machine's RAM) and the peak "
+        "with it on disk does not, else ram. Bitwise the same training either way; each switch logs what it did and "
+        "its seconds.",
     )
     host_ram_gb: float | None = Field(
         default=None, gt=0,

@@ -466,6 +466,28 @@ class TransformerLoader:
             visit(module)
         self.files.close()
 
+    def release(self, module: nn.Module, skip: list[nn.Module] = ()) -> int:
+        """The inverse of `place` for what does not train: every frozen parameter of `module` outside the `skip`
+        modules that the files hold becomes a placeholder again (no bytes; `place` reads it back, the same values).
+        Returns the bytes given back."""
+        skipped = {id(m) for m in skip}
+        freed = 0
+
+        def visit(m: nn.Module) -> None:
+            nonlocal freed
+            if id(m) in skipped:
+                return
+            for name, p in m._parameters.items():
+                if p is not None and not p.requires_grad and not is_placeholder(p) \
+                        and self._prefix(m) + name in self.files.where:
+                    freed += p.numel() * p.element_size()
+                    p.data = placeholder(p.shape, p.dtype)
+            for child in m.children():
+                visit(child)
+
+        visit(module)
+        return freed
+
     def close(self) -> None:
         self.files.close()
         self._scales.clear()

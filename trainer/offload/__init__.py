@@ -17,6 +17,8 @@ Public interface (everything else in this package is internal):
                                 #   (p -> {name: (shape, dtype)}) or names of fp32 weight-shaped tensors
         race_detector=False,    # fill released ring regions with NaN at once (tests)
         activation_min_bytes=1 << 20,  # smaller checkpoint inputs stay on the device
+        inputs_on_device=0,     # the last this many recomputed blocks keep their checkpoint inputs on the device
+                                #   (plan.py `inputs_on_device`; the trainer: plan.INPUTS_ON_DEVICE, 2)
         compile=False,          # True / CompileOptions(backend, dynamic, shapes): each block class's forward
                                 #   compiled once (regional compilation; trainer/offload/compiled.py)
         fill=None,              # blocks hold placeholders: fill(block, entries, views) writes their weights
@@ -44,6 +46,8 @@ Public interface (everything else in this package is internal):
     handle.park(disk=True) -> (parkable, frozen, attached with `fill`) the arena freed too: no host bytes; `unpark`
                            reads the blocks from the files again (bitwise the same bytes)
     handle.share_activations(other) -> use `other`'s activation offloader (one pinned buffer for models run in turn)
+    handle.release_activations() -> between steps: the activation offloader's pinned buffers given back (the next
+                           training forward takes one again)
 
     bind_fused(handle, fused)  -> trainer.optim FusedBackPass steps streamed weights with their packed state
                                   (from trainer.offload.fused_state; pre/post/synchronize hooks of its protocol,
@@ -142,6 +146,12 @@ class OffloadHandle:
     def parked(self) -> bool:
         return self._c.parked
 
+    def release_activations(self) -> None:
+        """Between steps: the activation offloader's pinned buffers given back (ActivationOffloader.release);
+        nothing without activation offloading."""
+        if self._c.activations is not None:
+            self._c.activations.release()
+
     def share_activations(self, other: OffloadHandle) -> None:
         """Offload checkpoint inputs into `other`'s buffers (models that run in turn need one pinned region)."""
         if self._c.activations is not None and other._c.activations is not None:
@@ -191,6 +201,7 @@ def attach_offload(
     optimizer_state=(),
     race_detector: bool = False,
     activation_min_bytes: int = 1 << 20,
+    inputs_on_device: int = 0,
     training: bool | None = None,
     compile: bool | CompileOptions = False,
     _release_at_recompute: bool = False,
@@ -205,7 +216,9 @@ def attach_offload(
     `_release_at_recompute` reproduces the OneTrainer race (tests prove the race detector catches it);
     `min_ring_blocks`: the ring holds at least this many of the largest block (2: one computing, one arriving;
     more loads further ahead and keeps more blocks across the turn, at that many blocks' VRAM); `nano_mlps`: a
-    function of a block giving its token-wise MLPs to split into `nano_batches` (None: every FeedForward)."""
+    function of a block giving its token-wise MLPs to split into `nano_batches` (None: every FeedForward);
+    `inputs_on_device`: with `activations`, the last this many recomputed blocks keep their checkpoint inputs on the
+    device (plan.py `inputs_on_device`: the trainer passes INPUTS_ON_DEVICE)."""
     if training is not None:
         mode = "train" if training else "sample"
     blocks = list(blocks)
@@ -217,6 +230,7 @@ def attach_offload(
         optimizer_state=optimizer_state,
         race_detector=race_detector,
         activation_min_bytes=activation_min_bytes,
+        inputs_on_device=inputs_on_device,
         release_at_recompute=_release_at_recompute,
         pinned_budget=pinned_budget,
         min_ring_blocks=min_ring_blocks,

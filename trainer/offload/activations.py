@@ -12,10 +12,18 @@ pool of the caching allocator, so a fetch waits for nothing on the compute strea
 
 Why those tensors. Inputs that do not require grad (the first block's, the rotary tables and `temb` shared
 by every block) are small or shared; copying them once per block would cost more than it saves.
+The inputs of the blocks in `on_device` (the conductor's: plan.py `inputs_on_device`, the last two recomputed
+blocks, whose backward comes first) stay on the GPU too: backward would fetch them back at once, and holds two
+blocks' inputs there anyway, so keeping them costs no GPU memory at backward's peak and saves their pinned bytes.
 
 Throttle. A CPU that runs ahead would enqueue many D2H copies whose source tensors stay allocated until the
 copies run, erasing the saving (OneTrainer PR #1649). `max_inflight` bounds the copies in flight; beyond it
 `pack` waits on the oldest event (a host-device sync, marked below).
+
+Between steps. Nothing waits in the buffers once a step's backward has unpacked everything, so before a phase
+that trains no step (sampling, validation, a checkpoint save) the trainer gives them back (`release`): that
+phase's host-RAM peak is then the rest of the run's, not the rest plus every offloaded activation (Wan 14B at
+720p x 81: 28.6 GB). The next step takes them again, once.
 
 Left out: offloading activations of non-checkpointed code, a device-side bump allocator for the prefetched
 tensors (they come from the caching allocator, whose blocks are reused step after step), and fetching two blocks
@@ -42,8 +50,10 @@ class _Saved:
 
 
 class ActivationOffloader:
-    def __init__(self, device: torch.device, min_bytes: int = 1 << 20, max_inflight: int = 4):
+    def __init__(self, device: torch.device, min_bytes: int = 1 << 20, max_inflight: int = 4,
+                 on_device: frozenset[int] = frozenset()):
         self.device = device
+        self.on_device = on_device  # blocks whose checkpoint inputs stay where they are (see the module essay)
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.arena = BumpArena(pin=self.cuda)
@@ -68,6 +78,16 @@ class ActivationOffloader:
         self.arena.reset()
         self.offloaded_bytes = 0
 
+    def release(self) -> None:
+        """Between steps (before sampling, validation or a checkpoint save, which save nothing for backward): the
+        pinned buffers given back to the OS; the next training forward takes one buffer of the most bytes a pass
+        has used again (a fresh allocation and page-lock: seconds for tens of GB)."""
+        self._drain(block=True)
+        if self.cuda:
+            self.stream.synchronize()  # host-device sync: no copy reads or writes the buffers any more
+        self._by_block.clear()
+        self.arena.release()
+
     def close(self) -> None:
         self._drain(block=True)
         if self.cuda:
@@ -82,7 +102,8 @@ class ActivationOffloader:
     # ------------------------------------------------------------------------------------------ hooks
     def _pack(self, t: torch.Tensor):
         n = t.numel() * t.element_size()
-        if not (t.requires_grad and n >= self.min_bytes and t.device == self.device and t.is_contiguous()):
+        if not (t.requires_grad and n >= self.min_bytes and t.device == self.device and t.is_contiguous()) \
+                or self._block in self.on_device:
             return t
         host = self.arena.alloc(n)
         src = t.detach().reshape(-1).view(torch.uint8)

@@ -381,11 +381,20 @@ class BumpArena:
 
     def reset(self) -> None:
         """Start of a forward pass. Several chunks from last time become one buffer of exactly the most bytes a
-        pass has used (the chunks' sum would keep each chunk's unused tail: 0.27 GB for Flux at 1024 px)."""
+        pass has used (the chunks' sum would keep each chunk's unused tail: 0.27 GB for Flux at 1024 px); after
+        `release`, that one buffer is taken again."""
         if len(self.chunks) > 1:
             for c in self.chunks:
                 c.close()
-            self.chunks = [HostArena(self.high_water, self.pin)]
+            self.chunks = []
+        if not self.chunks and self.high_water > 0:
+            self.chunks = [HostArena(self.high_water, self.pin)]  # allocation: growth steps and after `release`
+        self._i = self._off = self.used = 0
+
+    def release(self) -> None:
+        """Give every chunk back (nothing in them is needed any more); the next `reset` takes one buffer of the
+        most bytes a pass has used."""
+        self.close()
         self._i = self._off = self.used = 0
 
     def alloc(self, nbytes: int) -> torch.Tensor:

@@ -84,6 +84,7 @@ from torch import nn
 from .activations import ActivationOffloader
 from .allocators import BlockPacking, HostArena, Ring, Staging
 from .plan import BWD, FWD, Plan, capacity_for, plan_for
+from .plan import inputs_on_device as plan_inputs_on_device
 
 
 def _nothing() -> None:
@@ -128,6 +129,7 @@ class Conductor:
         race_detector: bool = False,
         min_ring_blocks: int = 2,
         activation_min_bytes: int = 1 << 20,
+        inputs_on_device: int = 0,
         release_at_recompute: bool = False,  # reproduces the known race; tests use it to prove the detector
         fill=None,
         pinned_budget: int | None = None,
@@ -142,7 +144,8 @@ class Conductor:
         `gather` (gather.SliceGather): the processes of a host fill their rings together, each copying 1/N of a
         block over PCIe and all-gathering the rest (frozen blocks only; every process runs the same plan).
         `parkable`: `park()` may give the ring back (see the module essay); the ring then holds every block that is
-        not streamed, at fraction 0 too."""
+        not streamed, at fraction 0 too. `inputs_on_device`: with `activations`, the checkpoint inputs of this many
+        of the last recomputed blocks stay on the GPU (plan.py `inputs_on_device`; the trainer's INPUTS_ON_DEVICE)."""
         self.blocks = list(blocks)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -173,7 +176,9 @@ class Conductor:
         self.cuda = self.device.type == "cuda"
         #: checkpoint inputs to pinned RAM (None: off); StreamedBlock wraps each checkpoint in its hooks
         self.activations = (
-            ActivationOffloader(self.device, min_bytes=activation_min_bytes) if activations else None
+            ActivationOffloader(self.device, min_bytes=activation_min_bytes,
+                                on_device=plan_inputs_on_device(self.checkpointed, inputs_on_device))
+            if activations else None
         )
         self.shared_activations = False  # the offloader is another conductor's (OffloadHandle.share_activations)
         self._h2d_log: list = []  # (start event, end event, bytes) of the last step's copies

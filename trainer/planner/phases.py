@@ -37,11 +37,14 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
 - checkpoint save: on the GPU what the training step reserved (the caching allocator keeps it; the save adds
   little); in RAM the training peak plus a host copy of the trained weights and optimizer state (safetensors
   writes from CPU tensors).
+RAM outside the training step (load, sampling, checkpoint save) holds no offloaded activations: none exist before
+the first step, and the trainer gives their pinned buffers back before sampling and a checkpoint save
+(trainer/offload/activations.py `release`), so those phases count the step's RAM peak less them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .meta import TextEncoderSize, shared_sizes
 from .prediction import ALLOCATOR_OVERHEAD, GB, WORKSPACE, Facts, predict
@@ -115,10 +118,13 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     s = cfg.sample
     # encoded before the transformer, one prompt (and its negative) at a time, as the sampler's `pipeline_embeds`
     prompts_at_load = _text_vram(facts, te, 1, "sample") if s.every and s.prompts else 0.0
+    # RAM outside a training step: no offloaded activations (none before the first step; the trainer gives their
+    # buffers back before sampling and a checkpoint save, trainer/offload/activations.py `release`)
+    between_steps = train.ram_peak - train.act_checkpoint_host
     out = [
         PhasePrediction("text caching", text_vram, text_bytes, f"offload.text_encoders {te:g}"),
         _latent_caching(facts, res, vae, encode_batch),
-        PhasePrediction("load", max(train.static, prompts_at_load), train.ram_peak,
+        PhasePrediction("load", max(train.static, prompts_at_load), between_steps,
                         f"offload.transformer {fraction:g}" + (", sample prompts encoded" if prompts_at_load else "")),
         PhasePrediction("training step", train.peak_reserved, train.ram_peak, _bucket(facts, res)),
     ]
@@ -142,12 +148,20 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
         size = f"{s.width}x{s.height}" + (f"x{s.frames}" if clip and s.frames > 1 else "")
         out.append(PhasePrediction("sampling", train.static + vae + samp.kv_cache + others + samp.prompt
                                    + max(sample_act, dec) + WORKSPACE,
-                                   train.ram_peak + vae + component_ram(facts), f"every {s.every} steps, {size}"))
+                                   between_steps + vae + component_ram(facts), f"every {s.every} steps, {size}"))
     state = (facts.trainable_params * 4 + facts.state_gpu) if facts.method == "lora" else model_bytes + sum(
         facts.block_states)
-    out.append(PhasePrediction("checkpoint save", train.peak_reserved, train.ram_peak + state,
+    out.append(PhasePrediction("checkpoint save", train.peak_reserved, between_steps + state,
                                "trained weights + state; the step's reserved VRAM kept"))
     return out
+
+
+def run_ram_peaks(cfg, fraction: float, facts: Facts) -> dict[str, float]:
+    """model.expert: both: the whole run's predicted host-RAM peak (bytes; the largest phase of `dittrain fit`,
+    the offloaded activations included) with the idle expert parked in RAM ("ram") and on disk ("disk"), at
+    transformer fraction `fraction`: what offload.park: auto decides by (prediction.py `auto_parks_on_disk`)."""
+    return {mode: max(p.ram for p in predict_phases(cfg, fraction, replace(facts, park=mode)))
+            for mode in ("ram", "disk")}
 
 
 def component_ram(facts: Facts) -> float:

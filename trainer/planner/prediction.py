@@ -16,7 +16,9 @@ How. Everything is derived from the model's own code and the conductor's own ari
   differentiated is taken as its saved tensors + twice its largest saved tensor (the gradient of that tensor
   and of its producer's input coexist) + twice its input bytes (gradient in, gradient out);
 - with activation offloading the checkpoint inputs live in pinned host RAM; the GPU keeps the first block's
-  inputs (they need no grad, so the offloader leaves them) and two blocks' worth in flight;
+  inputs (they need no grad, so the offloader leaves them) and two blocks' worth in flight; those two are, for the
+  last two recomputed blocks, their own inputs, which never leave the GPU (offload/plan.py `inputs_on_device`), so
+  the host holds every recomputed block's inputs but the first's and those two's;
 - the peak: backward runs blocks last to first; while block i is differentiated the checkpoint inputs of
   blocks 0..i are held, block i's working set exists and the gradients of blocks i..n-1 have accumulated
   (none under the fused back pass, which frees each at once). The optimizer step afterwards holds every
@@ -42,12 +44,16 @@ How. Everything is derived from the model's own code and the conductor's own ari
   turn, the one not running parked (its ring freed, its non-block weights, LoRA and LoRA state in CPU RAM): the
   GPU holds one expert as a one-expert run does; RAM every block of both (arena + parking buffer) and the parked
   resident part; and per step half a switch more copies (the incoming ring and resident part: the expert changes
-  on 2 p (1 - p) <= 1/2 of the steps). With offload.park: disk (auto: `parks_on_disk`) the parked expert holds no
-  block bytes: RAM holds one expert's arena, and a switch also reads the incoming expert's blocks from its files
+  on 2 p (1 - p) <= 1/2 of the steps). With offload.park: disk the parked expert holds no
+  block bytes and no frozen non-block bytes (its LoRA and LoRA state stay): RAM holds one expert's arena, and a
+  switch also reads the incoming expert's blocks (and embedders) from its files
   (their bytes there: a bf16 folder's under quantize fp8, an fp8 file's as packed) into a fresh arena at
   `DISK_READ` (an assumption, not yet measured; quantizing on the way is not counted), which the step time carries
   half of;
-  `switch_s` is one switch's seconds either way;
+  `switch_s` is one switch's seconds either way. offload.park: auto takes disk exactly where the whole run's
+  predicted host-RAM peak (its largest phase, activations included: phases.py `run_ram_peaks`) with the idle expert
+  in RAM exceeds offload.host_ram_gb (else this machine's RAM) and the peak with it on disk does not
+  (`auto_parks_on_disk`, `Facts.parks_on_disk_at`; the trainer decides by the same two numbers);
 - step time: the host's launches, the GPU's kernels and the conductor's copies replayed block by block over
   the training plan (trainer/planner/replay.py; costs in trainer/planner/timing.py).
 
@@ -91,7 +97,7 @@ from ..lora_format.kinds import LORA_KINDS
 from ..models import adapter_class, stream_load
 from ..models.base import BOTH_EXPERTS
 from ..offload.allocators import BlockPacking
-from ..offload.plan import Plan, PlanError, capacity_for, make_plan
+from ..offload.plan import INPUTS_ON_DEVICE, Plan, PlanError, capacity_for, inputs_on_device, make_plan
 from . import compiled_saves as pcompiled
 from . import timing as ptime
 from . import trace as ptrace
@@ -188,7 +194,7 @@ class Facts:
     #: transformers the run trains in turn (model.expert: both: each expert of the family, trainer/train/experts.py):
     #: one ring on the GPU at a time, every expert's blocks pinned, its non-block weights and LoRA resident
     experts: int = 1
-    #: offload.park: where the expert not running waits ("ram", "disk" or "auto": `parks_on_disk`)
+    #: offload.park: where the expert not running waits ("ram", "disk" or "auto": `parks_on_disk_at`)
     park: str = "auto"
     #: offload.host_ram_gb in bytes: the RAM park: auto plans for (None: this machine's physical RAM)
     host_ram: float | None = None
@@ -196,11 +202,23 @@ class Facts:
     block_file_bytes: int | None = None
     traces: dict = field(default_factory=dict)
 
-    @property
-    def parks_on_disk(self) -> bool:
-        """Whether the run's idle expert waits on disk (`parks_on_disk` of the packed blocks)."""
-        return self.experts > 1 and parks_on_disk(self.park, sum(self.packed), self.experts, self.host_ram,
-                                                  self.loads_whole)
+    #: the Config this was analyzed from (`analyze`): offload.park: auto reads the whole run's phases from it
+    run_cfg: object = None
+
+    def parks_on_disk_at(self, fraction: float) -> bool:
+        """Whether the run's idle expert waits on disk at transformer fraction `fraction`: offload.park ram / disk as
+        said; auto: `auto_parks_on_disk` of the whole run's predicted host-RAM peak with either park (the largest
+        phase of `dittrain fit`, planner/phases.py `run_ram_peaks`), unless the transformer loads whole (nothing to
+        read its blocks back from)."""
+        if self.experts <= 1:
+            return False
+        if self.park != "auto":
+            return self.park == "disk"
+        if self.loads_whole:
+            return False
+        from .phases import run_ram_peaks  # prediction <-> phases: the cycle choose_fraction already makes
+
+        return auto_parks_on_disk(run_ram_peaks(self.run_cfg, fraction, self), self.host_ram)
 
     def size(self, res: int) -> tuple[int, int, int]:
         """(width, height, frames) the planner traces for bucket `res`. An image family: the res x res square (the
@@ -315,6 +333,7 @@ def analyze(cfg) -> Facts:
         park=cfg.offload.park,
         block_file_bytes=read,
         host_ram=cfg.offload.host_ram_gb * GB if cfg.offload.host_ram_gb is not None else None,
+        run_cfg=cfg,
     )
 
 
@@ -337,15 +356,13 @@ def physical_ram() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def parks_on_disk(park: str, block_bytes: int, experts: int, host_ram: float | None,
-                  loads_whole: bool = False) -> bool:
-    """offload.park's rule (the trainer's, trainer/train/experts.py, and the planner's): "disk" and "ram" as said;
-    "auto": disk where every expert's blocks (`block_bytes` each) and the process (HOST_BASE) exceed `host_ram`
-    (None: this machine's RAM), unless the transformer loads whole (no files to read its blocks back from)."""
-    if park != "auto":
-        return park == "disk"
+def auto_parks_on_disk(peaks: dict[str, float], host_ram: float | None) -> bool:
+    """offload.park: auto's rule (the trainer's, trainer/train/experts.py, and the planner's): disk exactly where
+    the run's predicted host-RAM peak with the idle expert in RAM (`peaks["ram"]`, bytes) exceeds `host_ram`
+    (offload.host_ram_gb; None: this machine's physical RAM) and the peak with it on disk (`peaks["disk"]`) does
+    not."""
     budget = host_ram if host_ram is not None else physical_ram()
-    return not loads_whole and experts * block_bytes + HOST_BASE > budget
+    return peaks["ram"] > budget and peaks["disk"] <= budget
 
 
 def _lora_facts(cfg, model: torch.nn.Module, blocks: list, refs: int) -> dict:
@@ -480,6 +497,7 @@ class _Placement:
     switch_in: int = 0  #: one switch of experts: bytes to the GPU (the incoming ring and resident part)
     switch_out: int = 0  #: and to the host (the outgoing resident part)
     switch_read: int = 0  #: and read from the files (parked on disk: the incoming expert's blocks)
+    on_disk: bool = False  #: the idle experts wait on disk (offload.park resolved; `Facts.parks_on_disk_at`)
 
 
 @dataclass
@@ -508,7 +526,7 @@ def predict(
     (train.gradient_checkpointing: auto, trainer/planner/checkpointing.py)."""
     rates = rates or ptime.reference_rates()
     tr = facts.trace(res)
-    place = _with_parked_experts(facts, _placement(facts, fraction))
+    place = _with_parked_experts(facts, _placement(facts, fraction), fraction)
     peak = _activation_peak(facts, tr, kept, activation_offload, place.one_grad)
     h2d, d2h = place.h2d, place.d2h
     if activation_offload:  # the checkpoint inputs go to the host in forward and come back in backward
@@ -545,7 +563,7 @@ def predict(
         host_s=host_s,
         # activation offloading's copies and full fine-tuning's write-backs are not replayed: a floor
         step_s=max(step_s, transfer_s) + read_s / 2,
-        park=("disk" if facts.parks_on_disk else "ram") if facts.experts > 1 else "",
+        park=("disk" if place.on_disk else "ram") if facts.experts > 1 else "",
         switch_s=switch_s if facts.experts > 1 else 0.0,
     )
 
@@ -578,25 +596,29 @@ def _placement(facts: Facts, fraction: float) -> _Placement:
     return _Placement(ring, pinned, h2d, h2d, trainable, one_grad, state_moved, 0)
 
 
-def _with_parked_experts(facts: Facts, place: _Placement) -> _Placement:
+def _with_parked_experts(facts: Facts, place: _Placement, fraction: float) -> _Placement:
     """`place` with two experts trained in turn, the other parked (offload/conductor.py, train/experts.py): every
     expert's blocks in RAM (arena + parking buffer), the parked ones' non-block weights, LoRA and state beside
     them, and half a change of expert's copies per step (the incoming ring and resident part in, the other's
-    resident part out; the expert changes on 2 p (1 - p) <= 1/2 of the steps)."""
+    resident part out; the expert changes on 2 p (1 - p) <= 1/2 of the steps). Parked on disk: no block bytes
+    (one arena, refilled at a switch) and no frozen non-block bytes (read back from the files with the blocks):
+    the parked ones hold their LoRA and its state alone."""
     if facts.experts <= 1:
         return place
+    disk = facts.parks_on_disk_at(fraction)
     resident = facts.nonblock_bytes + place.trainable
+    held = place.trainable if disk else resident  # what a parked expert keeps in CPU RAM
     incoming = place.ring + facts.nonblock_bytes + place.trainable
-    disk = facts.parks_on_disk  # the parked experts hold no block bytes: one arena, refilled at a switch
     return replace(
         place,
         pinned=place.pinned if disk else facts.experts * sum(facts.packed),
-        parked=(facts.experts - 1) * resident,
+        parked=(facts.experts - 1) * held,
         h2d=place.h2d + incoming // 2,
-        d2h=place.d2h + resident // 2,
+        d2h=place.d2h + held // 2,
         switch_in=incoming,
-        switch_out=resident,
-        switch_read=(facts.block_file_bytes or sum(facts.packed)) if disk else 0,
+        switch_out=held,
+        switch_read=(facts.block_file_bytes or sum(facts.packed)) + facts.nonblock_bytes if disk else 0,
+        on_disk=disk,
     )
 
 
@@ -617,7 +639,10 @@ def _activation_peak(facts: Facts, tr: ptrace.Trace, kept: frozenset[int], activ
     offloaded = activation_offload and facts.checkpointing
     if offloaded:  # the GPU keeps the first block's inputs and two blocks' in flight
         ck_gpu = tr.block_inputs[0] + 2 * max(tr.block_inputs[1:] or [0])
-        ck_host = tr.checkpoint_inputs - tr.block_inputs[0] - sum(tr.block_inputs[i] for i in kept if i > 0)
+        # the last recomputed blocks' inputs stay on the GPU: backward's two in flight when it reaches them
+        stay = inputs_on_device(ck, INPUTS_ON_DEVICE)
+        ck_host = tr.checkpoint_inputs - tr.block_inputs[0] - sum(
+            tr.block_inputs[i] for i in range(1, n) if i in kept or i in stay)
     else:
         ck_gpu, ck_host = tr.checkpoint_inputs, 0
     held, kept_gpu, long_lived = _held_before_backward(facts, tr, ck)

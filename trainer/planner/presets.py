@@ -21,8 +21,10 @@ header says which rung it took (and, with chunks, that without them the clip is 
 experts (Wan 2.2 A14B) trains the
 `model.expert` its presets name (`EXPERT`: both experts in one run for a LoRA, trainer/train/experts.py; one for a
 full fine-tune, the other the same size) with sampling during training off: a sample needs every expert, which the
-planner does not count. Both experts' blocks are counted in RAM (offload.park: ram); where that exceeds the RAM
-assumed beside the card and one expert's does not, the preset parks the idle expert on disk (`offload.park: disk`:
+planner does not count. Both experts' blocks are counted in RAM (offload.park: ram); where the whole run's predicted
+RAM peak (its largest phase, activations included) with them exceeds the RAM assumed beside the card and with one
+expert's does not (offload.park: auto's rule, prediction.py `auto_parks_on_disk`), the preset parks the idle expert
+on disk (`offload.park: disk`:
 its blocks read back from its files at each change of expert, the switch's seconds in the header). So does a family whose samples run further transformers (`sampling_components`:
 Ideogram 4's unconditional one).
 """
@@ -37,8 +39,16 @@ from ..config import Config, video_frame, video_resolution
 from ..errors import UserError
 from ..models import ADAPTERS, adapter_class, canonical_family
 from ..optim.specs import OPTIMIZERS
-from .phases import fit_text_fraction, predict_phases
-from .prediction import DISK_READ, PREDICTION_MARGIN, Prediction, analyze, choose_fraction, predict
+from .phases import fit_text_fraction, predict_phases, run_ram_peaks
+from .prediction import (
+    DISK_READ,
+    PREDICTION_MARGIN,
+    Prediction,
+    analyze,
+    auto_parks_on_disk,
+    choose_fraction,
+    predict,
+)
 
 HEADROOM_GB = 1.0
 # (resolution, activation offloading, gradient checkpointing), most preferred first. Without checkpointing a
@@ -242,13 +252,11 @@ def _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, 
     p = predict(facts, f, res, act)
     ram = ram_gb or RAM_GB[card]
     park = None
-    if p.ram_peak / 1e9 > ram and facts.experts > 1 and not facts.loads_whole:  # the idle expert on disk instead
-        facts.park = "disk"
-        q = predict(facts, f, res, act)
-        if q.ram_peak / 1e9 <= ram:
-            p, park = q, "disk"
-        else:
-            facts.park = "ram"
+    # the idle expert on disk where offload.park: auto would take it on a machine of the RAM assumed: the whole
+    # run's peak (its largest phase) with both experts' blocks in RAM over it, with one expert's within it
+    if facts.experts > 1 and not facts.loads_whole and auto_parks_on_disk(run_ram_peaks(cfg, f, facts), ram * 1e9):
+        facts.park = park = "disk"
+        p = predict(facts, f, res, act)
     if p.ram_peak / 1e9 > ram:
         return (
             f"needs {p.ram_peak / 1e9:.0f} GB of CPU RAM at fraction {f:.2f} ({_where(name, frames)}), more than the "

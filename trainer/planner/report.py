@@ -12,7 +12,7 @@ from .. import quant
 from ..dtypes import DTYPES
 from ..errors import UserError
 from . import timing as ptime
-from .phases import fit_text_fraction, predict_phases, text_sizes
+from .phases import fit_text_fraction, predict_phases, run_ram_peaks, text_sizes
 from .phases import table as phase_table
 from .prediction import (
     ALLOCATOR_OVERHEAD,
@@ -25,6 +25,7 @@ from .prediction import (
     analyze,
     choose_fraction,
     node_ram_of_processes,
+    physical_ram,
     predict,
     streaming,
 )
@@ -80,7 +81,7 @@ def report(
     clip = (s.width, s.height, s.frames) if facts.adapter.video else None
     lines += _sampling(facts, fractions, big, rates, cfg_batch(facts.family, s.guidance), width, clip)
     lines += _phases(cfg, facts, shown, budget, width)
-    lines += _experts(facts, shown, act, rates)
+    lines += _experts(cfg, facts, shown, act, rates)
     if ram_gb is not None:
         lines.append(_ram_line(facts, shown, ram_gb, act, rates)[0])
     lines += _assumptions(facts, rates)
@@ -305,17 +306,24 @@ def _assumptions(facts: Facts, rates) -> list[str]:
     ]
 
 
-def _experts(facts: Facts, fraction: float, act: bool, rates) -> list[str]:
-    """model.expert: both: where the idle expert waits (offload.park, resolved) and, for ram and disk, the RAM peak
-    and one switch's seconds (the disk read at DISK_READ, assumed)."""
+def _experts(cfg, facts: Facts, fraction: float, act: bool, rates) -> list[str]:
+    """model.expert: both: where the idle expert waits (offload.park, resolved: auto by the whole run's RAM peak
+    with either park against offload.host_ram_gb or this machine's RAM) and, for ram and disk, that peak (the
+    largest phase of `fit`) and one switch's seconds (the disk read at DISK_READ, assumed)."""
     if facts.experts <= 1:
         return []
     res = max(facts.resolutions)
     both = {m: predict(replace(facts, park=m), fraction, res, act, rates) for m in ("ram", "disk")}
-    chosen = "disk" if facts.parks_on_disk else "ram"
-    return ["", f"Experts ({facts.experts} in one run, model.expert: both): offload.park: {facts.park}"
-            + (f" -> {chosen}" if facts.park == "auto" else "") + "; "
-            + "; ".join(f"{m}: RAM peak {p.ram_peak / GB:.1f} GB, a switch {p.switch_s:.1f} s" for m, p in both.items())
+    peaks = run_ram_peaks(cfg, fraction, facts)
+    chosen = "disk" if facts.parks_on_disk_at(fraction) else "ram"
+    why = ""
+    if facts.park == "auto":
+        budget = facts.host_ram if facts.host_ram is not None else physical_ram()
+        where = "offload.host_ram_gb" if facts.host_ram is not None else "this machine's RAM"
+        why = f" -> {chosen} (the {budget / GB:.1f} GB of {where})"
+    return ["", f"Experts ({facts.experts} in one run, model.expert: both): offload.park: {facts.park}{why}; "
+            + "; ".join(f"{m}: RAM peak {peaks[m] / GB:.1f} GB (largest phase), a switch {p.switch_s:.1f} s"
+                        for m, p in both.items())
             + f" (disk: the incoming expert's blocks read at {DISK_READ / GB:.0f} GB/s, assumed; half a switch a step)"]
 
 

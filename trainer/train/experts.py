@@ -38,9 +38,12 @@ parking buffer for the blocks never streamed), so RAM holds both experts' blocks
 64.0 GB RSS measured, bench/history/2026-11-27.md 18:50); `disk` frees them (the conductor's `park(disk=True)`:
 the arena unregistered and freed, the block tensors hollow) and the switch reads the incoming expert's blocks again
 from its safetensors files with the loader that built them, bitwise the same bytes, so RAM holds one expert's
-blocks and the page cache the files; `auto` takes disk where both experts' blocks plus the process (planner
-HOST_BASE) exceed offload.host_ram_gb, else this machine's physical RAM. The resident part (LoRA, its AdamW
-moments, the non-block weights) stays in CPU RAM either way (a few hundred MB). Each switch is timed (one
+blocks and the page cache the files; `auto` takes disk exactly where the planner's whole-run host-RAM peak
+(the largest phase of `fit`, offloaded activations included) with the idle expert in RAM exceeds
+offload.host_ram_gb (else this machine's physical RAM) and the peak with it on disk does not (`park_on_disk`:
+the planner's own rule and numbers). The parked expert's LoRA and its AdamW moments stay in CPU RAM either way
+(Wan 14B rank 16: 0.93 GB); its frozen non-block weights (embedders, 0.52 GB) too with ram, and with disk none:
+they become placeholders and the switch reads them back from the files with the blocks. Each switch is timed (one
 host-device sync) and logged, the first few and then every 100th: which expert came in, where the other went, the
 seconds.
 
@@ -186,13 +189,16 @@ class ExpertHandles:
     """The experts' offload handles as the loop's one handle (sync, close, stats, checkpointed), and the switch: a
     forward pre-hook on each expert parks the others and unparks it (`parks`: handles built parkable). A parked
     expert's resident part goes to CPU RAM too: its non-block weights, its LoRA and that LoRA's optimizer state
-    (`optimizer()`: the run's, or None before it exists), so the GPU holds one expert's bytes."""
+    (`optimizer()`: the run's, or None before it exists), so the GPU holds one expert's bytes. Parked on disk
+    (`disk`, with each expert's `loaders`), its frozen non-block weights hold no bytes either (`park_resident`):
+    the switch reads them back from its files with the loader that built them, as it reads its blocks."""
 
     def __init__(self, handles: dict[str, object], models: dict[str, nn.Module], blocks: dict[str, list],
                  params: dict[str, list], parks: bool, device: torch.device, optimizer=lambda: None,
-                 disk: bool = False):
+                 disk: bool = False, loaders: dict[str, object] | None = None):
         self.handles, self.models, self.blocks, self.params, self.parks = handles, models, blocks, params, parks
         self.device, self._optimizer, self.disk = device, optimizer, disk
+        self.loaders = loaders or {}
         self.active: str | None = None
         self.switches = 0  # changes of expert (each moves the incoming expert's ring and resident part)
         self.switch_seconds = 0.0  # their wall time, in total (each ends with a host-device sync)
@@ -208,7 +214,7 @@ class ExpertHandles:
         for n, h in self.handles.items():
             if n != name and not h.parked:
                 h.park(self.disk)  # host-device sync; the ring freed for the next one (and the arena, on disk)
-                self.place_resident(n, torch.device("cpu"))
+                self.place_resident(n, torch.device("cpu"), parked=True)
         self.place_resident(name, self.device)
         self.handles[name].unpark()  # parked on disk: its blocks read from its files first
         if self.active is None:
@@ -225,10 +231,11 @@ class ExpertHandles:
             say(f"experts: switch {self.switches}: {name} in, {self.active} {where}: {dt:.2f} s")
         self.active = name
 
-    def place_resident(self, name: str, device: torch.device) -> None:
+    def place_resident(self, name: str, device: torch.device, parked: bool = False) -> None:
         opt = self._optimizer()
+        loader = self.loaders.get(name) if self.disk else None
         place_resident(self.models[name], self.blocks[name], self.params[name], device,
-                       getattr(opt, "state", {}) if opt is not None else {})
+                       getattr(opt, "state", {}) if opt is not None else {}, loader, parked)
 
     @property
     def plan(self):
@@ -252,17 +259,32 @@ class ExpertHandles:
         for h in self.handles.values():
             h.sync()
 
+    def release_activations(self) -> None:
+        for h in self.handles.values():  # one shared offloader: the second call finds nothing to give back
+            h.release_activations()
+
     def close(self, keep_weights: bool = True) -> None:
         for hook in self._hooks:
             hook.remove()
+        if keep_weights:  # a parked-on-disk expert's frozen non-block weights: read back (the model is kept)
+            for n, loader in self.loaders.items():
+                if self.disk and loader is not None:
+                    loader.place(self.models[n], torch.device("cpu"), skip=self.blocks[n])
         for h in reversed(list(self.handles.values())):  # the first last: the others share its activation buffers
             h.close(keep_weights)
 
 
-def place_resident(model: nn.Module, blocks: list, params: list, device: torch.device, state: dict) -> None:
+def place_resident(model: nn.Module, blocks: list, params: list, device: torch.device, state: dict,
+                   loader=None, parked: bool = False) -> None:
     """An expert's non-block weights, its LoRA (`params`) and that LoRA's optimizer `state` to `device`, the
     Parameter objects kept (the optimizer's keys hold). Copies of a few hundred MB per switch (Wan 14B: the time
-    and text embedders, a rank-16 LoRA and its AdamW moments)."""
+    and text embedders, a rank-16 LoRA and its AdamW moments). With `loader` (stream_load.TransformerLoader, the
+    expert parked on disk): `parked`, its frozen non-block weights become placeholders instead (no bytes: Wan
+    14B's 0.52 GB); else they are read from its files first (the same values it loaded)."""
+    if loader is not None and parked:
+        loader.release(model, skip=blocks)  # frees them where they are (the GPU): nothing copied to the CPU
+    elif loader is not None:
+        loader.place(model, device, skip=blocks)  # placeholders read from the files; the rest moved as below
     move_outside_blocks(model, blocks, device)
     for p in params:
         if p.device != device:
@@ -272,11 +294,15 @@ def place_resident(model: nn.Module, blocks: list, params: list, device: torch.d
                 state[p][k] = v.to(device)  # AdamW's 0-dim step count stays where torch keeps it
 
 
-def park_on_disk(cfg: Config, fill, block_bytes: int, experts: int) -> tuple[bool, str]:
+def park_on_disk(cfg: Config, fill, fraction: float, block_bytes: int, experts: int,
+                 peaks: dict[str, float] | None = None) -> tuple[bool, str]:
     """Whether the idle expert waits on disk (offload.park; see the module essay), and the line that says why.
     `fill`: the loader's (None where the transformer was loaded whole: nothing to read the blocks back from);
-    `block_bytes`: one expert's packed blocks (the first handle's measured `block_bytes`)."""
-    from ..planner.prediction import GB, HOST_BASE, parks_on_disk, physical_ram
+    auto decides by the planner's whole-run host-RAM peak with either park at transformer fraction `fraction`
+    (`peaks`, bytes, {"ram": .., "disk": ..}; None: planner/phases.py `run_ram_peaks` of `cfg`), the rule the
+    planner's own prediction uses (`auto_parks_on_disk`). Where no prediction can be made, the fallback is disk
+    where both experts' blocks (`block_bytes` each, measured) and the process (HOST_BASE) exceed the RAM."""
+    from ..planner.prediction import GB, HOST_BASE, auto_parks_on_disk, physical_ram
 
     mode = cfg.offload.park
     if mode == "ram":
@@ -291,11 +317,23 @@ def park_on_disk(cfg: Config, fill, block_bytes: int, experts: int) -> tuple[boo
         return True, "experts: offload.park: disk (the idle expert's blocks read back from its files at a switch)"
     given = cfg.offload.host_ram_gb
     budget = given * GB if given is not None else physical_ram()
-    need = experts * block_bytes + HOST_BASE
-    disk = parks_on_disk(mode, block_bytes, experts, budget)  # the planner's rule, on the measured block bytes
-    return disk, (f"experts: offload.park: auto -> {'disk' if disk else 'ram'} (both experts' blocks + the process "
-                  f"{need / GB:.1f} GB {'>' if disk else '<='} {budget / GB:.1f} GB host RAM"
-                  f"{'' if given is None else ' (offload.host_ram_gb)'})")
+    where = f"{budget / GB:.1f} GB host RAM{'' if given is None else ' (offload.host_ram_gb)'}"
+    if peaks is None:
+        try:
+            from ..planner import analyze
+            from ..planner.phases import run_ram_peaks
+
+            peaks = run_ram_peaks(cfg, fraction, analyze(cfg))
+        except Exception as e:  # noqa: BLE001 - a prediction that cannot be made must never stop training
+            need = experts * block_bytes + HOST_BASE
+            disk = need > budget
+            return disk, (f"experts: offload.park: auto -> {'disk' if disk else 'ram'} (no planner prediction: "
+                          f"{type(e).__name__}; both experts' blocks + the process {need / GB:.1f} GB "
+                          f"{'>' if disk else '<='} {where})")
+    disk = auto_parks_on_disk(peaks, budget)
+    return disk, (f"experts: offload.park: auto -> {'disk' if disk else 'ram'} (the run's predicted RAM peak "
+                  f"{peaks['ram'] / GB:.1f} GB with the idle expert in RAM, {peaks['disk'] / GB:.1f} GB on disk; "
+                  f"{where})")
 
 
 def setup(tr, resume_dir: Path | None, streamed: bool) -> None:
@@ -309,7 +347,7 @@ def setup(tr, resume_dir: Path | None, streamed: bool) -> None:
     conduct = streaming.conducts(cfg, tr.fraction, tr._can_stream(), tr.device)
     parks = conduct and tr._can_stream()  # a second memory to park in (a GPU; tests: the conductor's CPU ring)
     shapes = len({e.bucket for e in getattr(tr.data, "entries", ())}) or 8
-    models, params, handles, by_expert, block_lists = {}, [], {}, {}, {}
+    models, params, handles, by_expert, block_lists, loaders = {}, [], {}, {}, {}, {}
     disk = None  # decided once the first expert's blocks are packed (park_on_disk)
     for name, m in method.by_expert.items():
         adapter = tr.adapter.for_expert(name)
@@ -332,22 +370,24 @@ def setup(tr, resume_dir: Path | None, streamed: bool) -> None:
         if loader is not None:
             loader.close()
         models[name], handles[name], by_expert[name], block_lists[name] = model, h, p, blocks
+        loaders[name] = loader  # its files read again at a switch when parked on disk (closed until then)
         params += p
         if h is not None and parks:  # the next expert's ring takes these bytes; the first step unparks the one it trains
             if disk is None:
-                disk, why = park_on_disk(cfg, loader and loader.fill, h.stats()["block_bytes"], len(method.by_expert))
+                disk, why = park_on_disk(cfg, loader and loader.fill, tr.fraction, h.stats()["block_bytes"],
+                                         len(method.by_expert))
                 say(why)
             if disk and loader is None:  # this expert loaded whole: it cannot be read back (the first one could)
                 raise UserError(f"offload.park: disk: the {name} expert loads whole into RAM; use offload.park: ram")
             h.park(disk)  # on disk: its arena freed before the next expert's is filled
-            place_resident(model, blocks, p, torch.device("cpu"), {})
+            place_resident(model, blocks, p, torch.device("cpu"), {}, loader if disk else None, parked=True)
     tr.transformer = ExpertRouter(tr.adapter, models)
     method.transformer = tr.transformer
     tr.params = params
     tr.optim = optimizer_for(cfg, params, tr.dist, model=tr.transformer)
     tr.ema = None
     tr.offload = ExpertHandles(handles, models, block_lists, by_expert, parks, tr.device,
-                               lambda: tr.optim.optimizer, disk=bool(disk)) if conduct else None
+                               lambda: tr.optim.optimizer, disk=bool(disk), loaders=loaders) if conduct else None
     tr.objective = FlowMatching(c, tr.adapter.timestep_shift, vae_scale=tr.adapter.latent_scale,
                                 split=tr.adapter.boundary_ratio)
     tr._finish_setup(resume_dir)

@@ -73,6 +73,7 @@ class Saving:
     def save(self, final: bool = False) -> Path:
         """A complete resumable checkpoint; with `final`, also the weights in output.dir. Returns the checkpoint
         folder, or the final weights' path. (A schedule-free optimizer's averaged weights are what is saved.)"""
+        self.release_activations()  # the activation offloader's buffers: nothing waits in them between steps
         with self._phase("checkpoint save"), eval_weights(self.optim.optimizer if getattr(self, "optim", None)
                                                           else None):
             return self._save(final)

@@ -102,6 +102,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import UserError
 from ..offload.activations import ActivationOffloader
 from ..offload.nano import split_mlps
+from ..offload.plan import inputs_on_device
 from .checkpoint import first_nonfinite
 from .monitor import say
 
@@ -153,7 +154,8 @@ def shard(transformer: nn.Module, blocks: list[nn.Module], device: torch.device,
     compute = next(p.dtype for p in transformer.parameters() if p.is_floating_point())
     mixed = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master) if master else MixedPrecisionPolicy()
     per_block = checkpointed if isinstance(checkpointed, list) else [checkpointed] * len(blocks)
-    offloader = ActivationOffloader(device, min_bytes=ACTIVATION_MIN_BYTES) if activations else None
+    offloader = ActivationOffloader(device, min_bytes=ACTIVATION_MIN_BYTES,
+                                    on_device=inputs_on_device(per_block)) if activations else None
     with torch.no_grad():
         for i, (b, ckpt) in enumerate(zip(blocks, per_block, strict=True)):
             if loader is not None:

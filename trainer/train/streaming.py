@@ -29,6 +29,7 @@ import torch
 from ..config import Config
 from ..models import adapter_class
 from ..offload import CompileOptions, attach_offload, move_outside_blocks
+from ..offload import plan as offload_plan
 from ..offload.allocators import SharedArena
 from ..offload.gather import SliceGather
 from ..optim.specs import names_where, optimizer_spec
@@ -115,6 +116,7 @@ def place_blocks(transformer, blocks, cfg: Config, device: torch.device, fractio
         return None
     handle = attach_offload(
         blocks, device, fraction, mode="train", activations=cfg.offload.activations and device.type == "cuda",
+        inputs_on_device=offload_plan.INPUTS_ON_DEVICE,  # read at the call: tests turn it off
         nano_batches=cfg.offload.nano_batches, nano_mlps=adapter_class(cfg.model.family).token_wise_of,
         trainable=method.streams_trainable,
         checkpointing=checkpoint_policy(cfg, device, fraction), optimizer_state=method.optimizer_state_layout(optim),

@@ -528,11 +528,22 @@ class Trainer(Saving):
 
     # ------------------------------------------------------------------------------------------------ sample
 
+    def release_activations(self) -> None:
+        """Before a phase that trains no step (a checkpoint save, sampling): the activation offloader's pinned
+        buffers are given back (trainer/offload/activations.py `release`; nothing waits in them between steps), so
+        the phase's host-RAM peak is the run's without every offloaded activation beside it; the next step takes
+        one buffer again. Nothing without activation offloading."""
+        if getattr(self, "offload", None) is not None:  # the conductor's (per expert: one shared)
+            self.offload.release_activations()
+        if getattr(self, "_activations", None) is not None:  # fsdp's
+            self._activations.release()
+
     def sample(self, before_decode=None) -> list:
         """Images for sample.prompts with the model being trained, into output.dir/samples and TensorBoard.
         `before_decode()` is called once, when the VAE starts decoding (the phase marks its denoising peak).
 
         Runs under `fork_rng` so that nothing it does can move the training generators."""
+        self.release_activations()
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
                 eval_weights(self.optim.optimizer):
             images = self.sampler(self.transformer, before_decode=before_decode)
