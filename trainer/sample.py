@@ -47,7 +47,7 @@ from .progress import bar as progress_bar
 from .sampling.engine import encode_prompts, generate, release_text_encoders
 from .sampling.lora import load_loras
 from .sampling.output import contact_sheet, frame_sheet, image_metadata, save_png, video_fps
-from .sampling.placement import decode_for_sample, place_text_encoders, place_transformer, vram_budget_bytes
+from .sampling.placement import decode_for_sample, place_text_encoders, place_transformer
 from .sampling.request import (
     Job,
     LoraSpec,
@@ -144,14 +144,15 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
 
 
 def vram_budget_gb(cfg: Config, device: torch.device) -> float:
-    """The VRAM auto plans sampling for: offload.vram_budget_gb, else `placement.vram_budget_bytes` (the card less the
-    CUDA context's HEADROOM_GB, as the presets and `dittrain plan --vram` count it, or this process's cap where
+    """The VRAM auto plans sampling for: offload.vram_budget_gb, else `presets.device_budget_bytes` (the card less
+    the CUDA context's HEADROOM_GB, as the presets and `dittrain plan --vram` count it, or this process's cap where
     `DITTRAIN_VRAM_CAP_GB` set one below that)."""
     if cfg.offload.vram_budget_gb is not None:
         return cfg.offload.vram_budget_gb
     from .planner import GB
+    from .planner.presets import device_budget_bytes
 
-    return vram_budget_bytes(device) / GB
+    return device_budget_bytes(device) / GB
 
 
 def _auto_fraction(cfg: Config, family: str, settings: SampleSettings, device: torch.device) -> float:

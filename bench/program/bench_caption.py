@@ -285,7 +285,7 @@ def estimate(family: str, quantize: list[str], batches: list[int], caps: list[fl
         for batch in batches:
             for cap in caps:
                 said: list[str] = []
-                # the budget under a cap is the cap (placement.vram_budget_bytes: the cap is the card less its context)
+                # the budget under a cap is the cap (presets.device_budget_bytes: the cap is the card less its context)
                 f = vlm.auto_fraction(model, blocks, cap * GB, batch, per_row, said.append)
                 out.append({"quantize": q, "batch": batch, "cap_gb": cap, "fraction": f, "layers_gb": layers / GB,
                             "tokens_per_row": per_row, "line": said[-1]})

@@ -77,12 +77,12 @@ def _prompt(req: CaptionRequest, path: Path, pictures: int) -> str:
 
 
 def _budget(device: torch.device) -> float | None:
-    """The bytes `--offload auto` plans in (`placement.vram_budget_bytes`, as `dittrain sample`'s); None on the CPU."""
+    """The bytes `--offload auto` plans in (`presets.device_budget_bytes`, as `dittrain sample`'s); None on the CPU."""
     if device.type != "cuda":
         return None
-    from ..sampling.placement import vram_budget_bytes
+    from ..planner.presets import device_budget_bytes
 
-    return vram_budget_bytes(device)
+    return device_budget_bytes(device)
 
 
 def _fraction(req: CaptionRequest, model, blocks, device: torch.device, tokens: int, batch: int) -> float:

@@ -64,7 +64,7 @@ patch convolution keep the model dtype.
 Auto fraction (`--offload auto`, on a GPU): the smallest fraction on the planner's 0.05 grid whose `estimate`
 `ring + the weights outside the layers on the device + KV cache + 1.35 x the prefill's activations + one 8-bit
 Linear's dequantized temporaries + workspace` fits the budget (the card less 1 GB or the process's cap:
-`placement.vram_budget_bytes`, as `dittrain sample`) less the planner's 3 % margin, with the image at
+`presets.device_budget_bytes`, as `dittrain sample`) less the planner's 3 % margin, with the image at
 `files.IMAGE_PIXELS` and the batch that will run (`--batch`, or fewer where fewer files are left):
 the KV cache and the activations grow with it. `activation_bytes` counts what transformers'
 default attention (sdpa) allocates: no attention scores (flash / memory-efficient kernels), the batch x tokens x

@@ -51,6 +51,21 @@ from .prediction import (
 )
 
 HEADROOM_GB = 1.0
+
+
+def device_budget_bytes(device) -> float:
+    """The bytes an `auto` placement plans in on CUDA `device` (`dittrain sample`, `dittrain caption`): the card less
+    `HEADROOM_GB` (the CUDA context and whatever else outside the caching allocator), or this process's cap where one
+    is set below that (`set_per_process_memory_fraction`, as `DITTRAIN_VRAM_CAP_GB` sets): a cap already stands for the
+    card less its context, as the benchmarks set it (card - 1 GB), and the allocator can use all of it. On a real 8 GB
+    card and under a 7 GB cap on a larger one the budget is then the same 7 GB."""
+    import torch
+
+    from . import GB
+
+    index = device.index if device.index is not None else torch.cuda.current_device()  # the getter wants an index
+    total = torch.cuda.get_device_properties(device).total_memory
+    return min(total - HEADROOM_GB * GB, total * torch.cuda.get_per_process_memory_fraction(index))
 # (resolution, activation offloading, gradient checkpointing), most preferred first. Without checkpointing a
 # step is ~1.4x faster (DESIGN.md: 0.545 s vs 0.775 s) but every block's activations stay: big cards only.
 SETTINGS = (

@@ -130,19 +130,6 @@ def no_sliver_tiles(vae: nn.Module, height: int, width: int) -> None:
         setattr(vae, step, stride * down)
 
 
-def vram_budget_bytes(device: torch.device) -> float:
-    """The bytes an `auto` placement plans in on `device`: the card less `HEADROOM_GB` (the CUDA context and
-    whatever else outside the caching allocator), or this process's cap where one is set below that
-    (`set_per_process_memory_fraction`, as `DITTRAIN_VRAM_CAP_GB` sets): a cap already stands for the card less its
-    context, as the benchmarks set it (card - 1 GB), and the allocator can use all of it. On a real 8 GB card and
-    under a 7 GB cap on a larger one the budget is then the same 7 GB."""
-    from ..planner import GB
-    from ..planner.presets import HEADROOM_GB
-
-    total = torch.cuda.get_device_properties(device).total_memory
-    return min(total - HEADROOM_GB * GB, total * process_fraction(device))
-
-
 def cuda_headroom(device: torch.device) -> int:
     """Bytes this process can still allocate on `device`: what the card has free plus what the caching allocator
     holds unused, within the per-process cap (`set_per_process_memory_fraction`, as `DITTRAIN_VRAM_CAP_GB` sets)."""
