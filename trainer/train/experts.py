@@ -268,7 +268,7 @@ class ExpertHandles:
             hook.remove()
         if keep_weights:  # a parked-on-disk expert's frozen non-block weights: read back (the model is kept)
             for n, loader in self.loaders.items():
-                if self.disk and loader is not None:
+                if self.disk and loader is not None and self.handles[n].parked:
                     loader.place(self.models[n], torch.device("cpu"), skip=self.blocks[n])
         for h in reversed(list(self.handles.values())):  # the first last: the others share its activation buffers
             h.close(keep_weights)
