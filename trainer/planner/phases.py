@@ -25,6 +25,9 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   `RESERVED_PER_COUNTED`), plus the batch of clips
   (data.encode_batch_size) on the GPU (twice for image-to-video, which encodes [first frame, zeros] too) and an
   image encoder that sits beside the VAE (`cache_encoder_params`: Wan 2.1 I2V's CLIP); RAM: the batch's frames.
+  Clips encode tiled above 1 MP, and where the untiled encode would not fit the card (`budget`; the cache asks the
+  device the same question, `encode_tiles`): HunyuanVideo 1.5 at 720p x 121, whose encode reserves 18.4 GB untiled,
+  1.1 GB in 256 px tiles (bf16).
 - training step: `predict` (prediction.py).
 - sampling: the training step's static part (ring, non-block, LoRA state) + the VAE + the pipeline's KV cache
   where it keeps one (sampling.py `kv_cache_bytes`: Qwen-Image 2.1) + what the call holds for its prompts where
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..models import adapter_class
 from .meta import TextEncoderSize, shared_sizes
 from .prediction import ALLOCATOR_OVERHEAD, GB, WORKSPACE, Facts, predict
 from .sampling import VAE_ACT_DECODE, cfg_batch, predict_sampling
@@ -104,8 +108,11 @@ def _text_ram(facts: Facts) -> float:
     return sum(s.loaded for s in text_sizes(facts))
 
 
-def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None = None) -> list[PhasePrediction]:
-    """Predicted peaks of every phase of `dittrain fit` for `cfg` at transformer fraction `fraction`."""
+def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None = None,
+                   budget: float | None = None) -> list[PhasePrediction]:
+    """Predicted peaks of every phase of `dittrain fit` for `cfg` at transformer fraction `fraction`; `budget`
+    (bytes, the card's): a video family's clips that would not encode untiled within it are counted tiled, as the
+    cache encodes them on that card."""
     te = float(cfg.offload.text_encoders) if te_fraction is None else te_fraction
     res = max(facts.resolutions)
     train = predict(facts, fraction, res, cfg.offload.activations)
@@ -123,7 +130,7 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     between_steps = train.ram_peak - train.act_checkpoint_host
     out = [
         PhasePrediction("text caching", text_vram, text_bytes, f"offload.text_encoders {te:g}"),
-        _latent_caching(facts, res, vae, encode_batch),
+        _latent_caching(facts, res, vae, encode_batch, budget),
         PhasePrediction("load", max(train.static, prompts_at_load), between_steps,
                         f"offload.transformer {fraction:g}" + (", sample prompts encoded" if prompts_at_load else "")),
         PhasePrediction("training step", train.peak_reserved, train.ram_peak, _bucket(facts, res)),
@@ -178,9 +185,11 @@ def _bucket(facts: Facts, res: int) -> str:
     return f"{res} px" + (f": {w}x{h}x{frames} clips" if facts.adapter.video else "")
 
 
-def _latent_caching(facts: Facts, res: int, vae: float, encode_batch: int) -> PhasePrediction:
+def _latent_caching(facts: Facts, res: int, vae: float, encode_batch: int,
+                    budget: float | None = None) -> PhasePrediction:
     """`dittrain cache`'s latent stage at bucket `res`: the VAE (and an image encoder beside it) and one item's
-    encode (module essay)."""
+    encode (module essay). A video family's clips encode tiled above `CACHE_TILE_PIXELS`, and where the untiled
+    encode would not fit `budget` (bytes; the cache asks the device, `encode_tiles`)."""
     cls = facts.adapter
     if facts.vae_config is None:  # an image: bytes per pixel
         px = res * res
@@ -188,16 +197,42 @@ def _latent_caching(facts: Facts, res: int, vae: float, encode_batch: int) -> Ph
         return PhasePrediction("latent caching", vae + ALLOCATOR_OVERHEAD * enc_act + WORKSPACE, vae + px * 12,
                                "tiled" if px > CACHE_TILE_PIXELS else "untiled")
     w, h, frames = facts.size(res)
-    tiled = w * h > CACHE_TILE_PIXELS
-    enc_act = clip_peak(facts.family, facts.vae_config, facts.dtype, "encode", w, h, frames, tiled=tiled)
-    # the batch of clips on the GPU (image-to-video: and its [first frame, zeros] copy, where the family makes one);
-    # each clip encodes alone
-    copy = cls.first_frame_conditions and cls.conditions_copy_clip
-    clips = encode_batch * clip_bytes(w, h, frames, facts.dtype) * (2 if copy else 1)
     encoder = cls.cache_encoder_params * facts.dtype.itemsize
-    return PhasePrediction("latent caching", vae + encoder + clips + RESERVED_PER_COUNTED * enc_act + WORKSPACE,
-                           vae + encoder + encode_batch * frames * w * h * 12,
-                           f"{w}x{h}x{frames} clips, {'tiled' if tiled else 'untiled'}")
+    ram = vae + encoder + encode_batch * frames * w * h * 12
+
+    def vram(tiled: bool) -> float:
+        return vae + encoder + encode_need(facts.family, facts.vae_config, facts.dtype, w, h, frames, encode_batch,
+                                           tiled)
+
+    tiled = w * h > CACHE_TILE_PIXELS
+    note = f"{w}x{h}x{frames} clips, " + ("tiled" if tiled else "untiled")
+    if not tiled and budget is not None and vram(False) > budget:
+        tiled, note = True, f"{w}x{h}x{frames} clips, tiled (untiled {vram(False) / GB:.1f} GB)"
+    return PhasePrediction("latent caching", vram(tiled), ram, note)
+
+
+def encode_need(family: str, vae_config: dict, dtype, width: int, height: int, frames: int, batch: int,
+                tiled: bool) -> float:
+    """Reserved bytes the latent cache's encode of a batch of `batch` clips needs beside the VAE's weights: the
+    clips on the GPU (twice for an image-to-video family that encodes [first frame, zeros] too), the encode of one
+    clip (batches are sliced) counted on the meta device, untiled or `tiled` (vae.py), as reserved
+    (`RESERVED_PER_COUNTED`), and `WORKSPACE`."""
+    cls = adapter_class(family)
+    copy = cls.first_frame_conditions and cls.conditions_copy_clip
+    clips = batch * clip_bytes(width, height, frames, dtype) * (2 if copy else 1)
+    act = clip_peak(family, vae_config, dtype, "encode", width, height, frames, tiled=tiled)
+    return clips + RESERVED_PER_COUNTED * act + WORKSPACE
+
+
+def encode_tiles(family: str, vae_config: dict, dtype, width: int, height: int, frames: int, batch: int,
+                 room: float) -> bool:
+    """Whether the latent cache encodes these clips of a video family tiled: above `CACHE_TILE_PIXELS` always, else
+    where the untiled encode's `encode_need` is over `room`, the bytes the device has beside the VAE's weights
+    (trainer/sampling/placement.py `encode_tiles` asks it; the latent-caching phase predicts the same against the
+    budget)."""
+    if width * height > CACHE_TILE_PIXELS:
+        return True
+    return encode_need(family, vae_config, dtype, width, height, frames, batch, False) > room
 
 
 #: headroom kept under the budget when choosing offload.text_encoders: the encoders' activations are the
@@ -215,9 +250,9 @@ def fit_text_fraction(facts: Facts, budget_gb: float, encode_batch: int = 4) -> 
     return 1.0
 
 
-def predicted_map(cfg, fraction: float, facts: Facts) -> dict[str, tuple[float, float]]:
-    """{phase: (VRAM, RAM)} for the trainer's log."""
-    return {p.name: (p.vram, p.ram) for p in predict_phases(cfg, fraction, facts)}
+def predicted_map(cfg, fraction: float, facts: Facts, budget: float | None = None) -> dict[str, tuple[float, float]]:
+    """{phase: (VRAM, RAM)} for the trainer's log (`budget`: the device's cap in bytes, `predict_phases`)."""
+    return {p.name: (p.vram, p.ram) for p in predict_phases(cfg, fraction, facts, budget=budget)}
 
 
 def table(preds: list[PhasePrediction], budget_gb: float | None = None, width: int | None = None) -> list[str]:

@@ -352,7 +352,8 @@ def _phases(cfg, facts: Facts, fraction: float, budget: float | None, width: int
             out.append(f"text caching needs offload.text_encoders >= {need:.2f} for {budget:g} GB (config: {te:g}); "
                        "the table uses it")
             te = need
-    table = phase_table(predict_phases(cfg, fraction, facts, te), budget, width)
+    table = phase_table(predict_phases(cfg, fraction, facts, te, None if budget is None else budget * GB), budget,
+                        width)
     return table[:2] + out + table[2:]
 
 

@@ -179,6 +179,31 @@ def decode_for_sample(vae: nn.Module, device: torch.device, height: int, width: 
             "untiled decode by a few levels")
 
 
+def encode_tiles(family: str, device: torch.device | str):
+    """The latent cache's `tile_vae` for `family` on `device` (trainer/data/cache.py `EncoderStages.tile_vae`): on a
+    GPU, a video family whose VAE the planner counts on the meta device (`full_vae_config`) encodes a batch of clips
+    in the VAE's spatial tiles (diffusers' `enable_tiling`; HunyuanVideo 1.5's tiles run in its time chunks) where the
+    untiled encode, as the planner counts it (planner/phases.py `encode_tiles`), is over what the device has left
+    beside the VAE (`cuda_headroom`); None elsewhere (tiled above 1024x1024 pixels, `vae_memory_mode`). The
+    latent-caching phase predicts the same choice against the card's budget."""
+    from ..models import adapter_class
+
+    if device == "auto":  # train.device's default, as the cache's StagedLoader resolves it
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type != "cuda" or adapter_class(family).full_vae_config is None:
+        return None
+
+    def tile(vae: nn.Module, width: int, height: int, frames: int, batch: int) -> bool:
+        from ..planner.phases import encode_tiles as needs_tiles
+
+        config = {k: v for k, v in vae.config.items() if not k.startswith("_")}
+        dtype = next(vae.parameters()).dtype
+        return needs_tiles(family, config, dtype, width, height, frames, batch, cuda_headroom(device))
+
+    return tile
+
+
 def untiled_decode_bytes(vae: nn.Module, height: int, width: int, frames: int = 1, family: str | None = None) -> float:
     """Reserved bytes an untiled decode of one image (or a clip of `frames` frames of a video family) needs at its
     peak, as the planner counts it."""
