@@ -10,12 +10,15 @@ The trainer logs each phase's measured peak beside these (trainer/phase_log.py).
 How each is estimated (bf16 sizes; activations of the encoders are coarse, the bench measures them):
 - load: the transformer is read into pageable RAM, its blocks packed into the pinned arena; on the GPU the
   ring, the non-block modules and the trained weights' state (the training step's static part), or, when
-  sampling during training has prompts, the text encoders encoding them before that (as in text caching).
+  sampling during training has prompts, the text encoders encoding them before that (as in text caching). RAM:
+  the training step's, or where a sample's prompts are encoded there, the text caching phase's if larger (the
+  encoders are loaded into CPU RAM within the load phase: LTX-2's 16 GB preset measured 27.9 GB there against
+  21.1 predicted, bench/history/2026-11-28.md 01:27).
 - text caching: every text encoder on the GPU at once, its non-block bytes and the ring of its block bytes at
   f = offload.text_encoders (`capacity_for`: whole blocks), plus the encode batch's activations (T5's attention
   scores in fp32 are most of them; a family that counts its own, `text_encode_peaks`, the larger of its peaks:
   LTX-2's stacked Gemma states, then its text connectors visiting with one prompt's norm) and workspace; RAM:
-  the encoders in CPU RAM as loaded. The encoders' blocks
+  the process's own (`HOST_BASE`, as in training) and the encoders in CPU RAM as loaded. The encoders' blocks
   and the rest are those of the encoder as the loader builds and slims it from the folder's config, or, without a
   folder, the family's shares of its full-size encoder (trainer/planner/meta.py `text_encoder_sizes`).
 - latent caching: the VAE's weights (the family's `vae_params`) plus its encode activations of one image (batches
@@ -24,7 +27,10 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   meta device (vae.py: a causal chunk's working set and caches, not the clip's; reserved as measured on an H100,
   `RESERVED_PER_COUNTED`), plus the batch of clips
   (data.encode_batch_size) on the GPU (twice for image-to-video, which encodes [first frame, zeros] too) and an
-  image encoder that sits beside the VAE (`cache_encoder_params`: Wan 2.1 I2V's CLIP); RAM: the batch's frames.
+  image encoder that sits beside the VAE (`cache_encoder_params`: Wan 2.1 I2V's CLIP); RAM: the process's own
+  (`HOST_BASE`), the VAE as read, and the batch's frames as read and stacked (`CLIP_RAM_PER_PIXEL`; LTX-2's 16 GB
+  preset measured 9.2 GB against 4.8 predicted without these two terms: 9.6 GB with them for a batch of 4
+  clips, 8.4 for the 3 clips that run encoded).
   Clips encode tiled above 1 MP, and where the untiled encode would not fit the card (`budget`; the cache asks the
   device the same question, `encode_tiles`): HunyuanVideo 1.5 at 720p x 121, whose encode reserves 18.4 GB untiled,
   1.1 GB in 256 px tiles (bf16).
@@ -51,7 +57,7 @@ from dataclasses import dataclass, replace
 
 from ..models import adapter_class
 from .meta import TextEncoderSize, shared_sizes
-from .prediction import ALLOCATOR_OVERHEAD, GB, WORKSPACE, Facts, predict
+from .prediction import ALLOCATOR_OVERHEAD, GB, HOST_BASE, WORKSPACE, Facts, predict
 from .sampling import VAE_ACT_DECODE, cfg_batch, predict_sampling
 from .text import table as text_table
 from .vae import RESERVED_PER_COUNTED, clip_bytes, clip_peak
@@ -60,6 +66,10 @@ from .vae import RESERVED_PER_COUNTED, clip_bytes, clip_peak
 #: tensors; the decode: sampling.py VAE_ACT_DECODE): coarse, from diffusers' figures for 1024 px
 VAE_ACT_ENCODE = 6 * 128 * 2
 CACHE_TILE_PIXELS = 1024 * 1024  # trainer/data/cache.py VAE_TILE_PIXELS
+#: host bytes per pixel of every frame of the latent cache's batch of clips: each clip as read (fp32 (3, F, H, W):
+#: 12 bytes a pixel, trainer/data/video.py `load_clip`) and their `torch.stack` into the batch (12 more), both alive
+#: until the batch moves to the GPU (trainer/data/cache.py `_encode_latents`)
+CLIP_RAM_PER_PIXEL = 2 * 3 * 4
 SAMPLE_TILE_PIXELS = 512 * 512  # trainer/sampling/placement.py
 
 
@@ -118,7 +128,7 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     train = predict(facts, fraction, res, cfg.offload.activations)
     esize = 2 if facts.dtype.itemsize == 2 else facts.dtype.itemsize
     vae = facts.adapter.vae_params * esize  # the full-size VAE's parameters
-    text_bytes = _text_ram(facts)
+    text_bytes = HOST_BASE + _text_ram(facts)  # the process's own and the encoders as loaded
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
     encode_batch = cfg.data.encode_batch_size if cfg.data else 4
     text_vram = _text_vram(facts, te, encode_batch)
@@ -131,7 +141,9 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     out = [
         PhasePrediction("text caching", text_vram, text_bytes, f"offload.text_encoders {te:g}"),
         _latent_caching(facts, res, vae, encode_batch, budget),
-        PhasePrediction("load", max(train.static, prompts_at_load), between_steps,
+        # RAM: the text encoders are loaded in the load phase too where a sample's prompts are encoded there
+        PhasePrediction("load", max(train.static, prompts_at_load), max(between_steps, text_bytes if prompts_at_load
+                                                                         else 0.0),
                         f"offload.transformer {fraction:g}" + (", sample prompts encoded" if prompts_at_load else "")),
         PhasePrediction("training step", train.peak_reserved, train.ram_peak, _bucket(facts, res)),
     ]
@@ -194,11 +206,11 @@ def _latent_caching(facts: Facts, res: int, vae: float, encode_batch: int,
     if facts.vae_config is None:  # an image: bytes per pixel
         px = res * res
         enc_act = min(px, CACHE_TILE_PIXELS) * (cls.vae_encode_bytes_per_pixel or VAE_ACT_ENCODE)
-        return PhasePrediction("latent caching", vae + ALLOCATOR_OVERHEAD * enc_act + WORKSPACE, vae + px * 12,
+        return PhasePrediction("latent caching", vae + ALLOCATOR_OVERHEAD * enc_act + WORKSPACE, HOST_BASE + vae + px * 12,
                                "tiled" if px > CACHE_TILE_PIXELS else "untiled")
     w, h, frames = facts.size(res)
     encoder = cls.cache_encoder_params * facts.dtype.itemsize
-    ram = vae + encoder + encode_batch * frames * w * h * 12
+    ram = HOST_BASE + vae + encoder + encode_batch * frames * w * h * CLIP_RAM_PER_PIXEL
 
     def vram(tiled: bool) -> float:
         return vae + encoder + encode_need(facts.family, facts.vae_config, facts.dtype, w, h, frames, encode_batch,
