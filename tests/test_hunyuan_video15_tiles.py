@@ -154,6 +154,7 @@ def test_the_planner_counts_the_tiled_peak_as_running_every_tile(kind):
     assert counted < clip_peak(FAMILY, TINY_VAE, torch.float32, kind, width, height, frames)
 
 
+@pytest.mark.slow
 def test_720p_clips_encode_tiled_where_the_card_needs_it():
     """1280x720 x 121 (below the 1 MP that tiles by itself): the full-size untiled encode needs 18 GB reserved
     beside the VAE, tiled about 1.1 GB plus the clips; the cache's choice (`encode_tiles`, given the room the
@@ -168,9 +169,11 @@ def test_720p_clips_encode_tiled_where_the_card_needs_it():
     assert encode_tiles(FAMILY, full, torch.bfloat16, 1920, 1088, 5, 1, 1e12)  # above 1 MP: always
 
 
+@pytest.mark.slow
 def test_the_latent_caching_phase_counts_the_tiled_encode_under_a_small_budget():
     """The 48 GB preset's 720p x 121 (untiled there) under the budget of a 24 GB card: the latent-caching phase
-    counts the tiled encode and says so; without a budget (or with room) the untiled one."""
+    counts the tiled encode and says so; without a budget (or with room) the untiled one. `dittrain plan`'s sampling
+    table gives the tiled decode beside the untiled one."""
     from trainer.config import load_config
     from trainer.planner import analyze
 
@@ -189,3 +192,11 @@ def test_the_latent_caching_phase_counts_the_tiled_encode_under_a_small_budget()
     saved = [clip_peak(FAMILY, full, torch.bfloat16, "encode", w, h, frames, tiled=t) for t in (False, True)]
     assert plain.vram - small.vram == pytest.approx(1.75 * (saved[0] - saved[1]))  # RESERVED_PER_COUNTED
     assert small.ram == plain.ram  # the batch's frames in RAM either way
+    # `dittrain sample` at the preset's 1280x720 x 121 decodes tiled where the untiled decode does not fit: both counted
+    from trainer.planner.sampling import predict_sampling
+
+    s = cfg.sample
+    samp = predict_sampling(facts, 1.0, 960, size=(s.width, s.height, s.frames))
+    dec = [clip_peak(FAMILY, full, torch.bfloat16, "decode", s.width, s.height, s.frames, tiled=t) for t in (False, True)]
+    assert samp.decode_reserved - samp.decode_tiled == pytest.approx(1.75 * (dec[0] - dec[1]))
+    assert dec[1] == pytest.approx(2.44e9, rel=0.01)  # every tile run on meta: 2,439,917,568 bytes (planner/vae.py)

@@ -58,7 +58,7 @@ from dataclasses import dataclass, replace
 from ..models import adapter_class
 from .meta import TextEncoderSize, shared_sizes
 from .prediction import ALLOCATOR_OVERHEAD, GB, HOST_BASE, WORKSPACE, Facts, predict
-from .sampling import VAE_ACT_DECODE, cfg_batch, predict_sampling
+from .sampling import SAMPLE_TILE_PIXELS, VAE_ACT_DECODE, cfg_batch, predict_sampling
 from .text import table as text_table
 from .vae import RESERVED_PER_COUNTED, clip_bytes, clip_peak
 
@@ -70,7 +70,6 @@ CACHE_TILE_PIXELS = 1024 * 1024  # trainer/data/cache.py VAE_TILE_PIXELS
 #: 12 bytes a pixel, trainer/data/video.py `load_clip`) and their `torch.stack` into the batch (12 more), both alive
 #: until the batch moves to the GPU (trainer/data/cache.py `_encode_latents`)
 CLIP_RAM_PER_PIXEL = 2 * 3 * 4
-SAMPLE_TILE_PIXELS = 512 * 512  # trainer/sampling/placement.py
 
 
 @dataclass

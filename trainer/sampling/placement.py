@@ -29,7 +29,7 @@ from torch import nn
 from ..data.cache import place_encoder
 from ..offload import move_outside_blocks
 from ..planner.prediction import ALLOCATOR_OVERHEAD
-from ..planner.sampling import VAE_ACT_DECODE
+from ..planner.sampling import SAMPLE_TILE_PIXELS, VAE_ACT_DECODE
 
 
 def _attach(blocks: list[nn.Module], device: torch.device, fraction: float, compile=False, fill=None):
@@ -75,8 +75,6 @@ def place_text_encoders(pipe, device: torch.device, fraction: float):
         yield
 
 
-#: images with more pixels than this decode tiled while sampling during training (see trainer/sampling/training.py)
-SAMPLE_TILE_PIXELS = 512 * 512
 #: bytes per image pixel an untiled bf16 VAE decode reserves at its peak, as the planner counts it (~4.3 GB at
 #: 1024 x 1024)
 UNTILED_DECODE_PER_PIXEL = VAE_ACT_DECODE * ALLOCATOR_OVERHEAD
