@@ -200,3 +200,17 @@ def test_the_latent_caching_phase_counts_the_tiled_encode_under_a_small_budget()
     dec = [clip_peak(FAMILY, full, torch.bfloat16, "decode", s.width, s.height, s.frames, tiled=t) for t in (False, True)]
     assert samp.decode_reserved - samp.decode_tiled == pytest.approx(1.75 * (dec[0] - dec[1]))
     assert dec[1] == pytest.approx(2.44e9, rel=0.01)  # every tile run on meta: 2,439,917,568 bytes (planner/vae.py)
+
+
+def test_the_runtime_hook_asks_the_planner_against_the_devices_room(vae, monkeypatch):
+    """`placement.encode_tiles` (what fit and `dittrain cache` give the cache): on a GPU, tiles where the planner's
+    untiled `encode_need` for this VAE's config and dtype is over the room the device has (`cuda_headroom`, here
+    given); none on the CPU or for an image family (the pixel rule then)."""
+    from trainer.sampling import placement
+
+    assert placement.encode_tiles(FAMILY, "cpu") is None and placement.encode_tiles("flux", "cuda") is None
+    hook = placement.encode_tiles(FAMILY, "cuda")
+    need = encode_need(FAMILY, TINY_VAE, torch.float32, WIDTH, HEIGHT, FRAMES, 2, False)
+    for room, tiled in ((need - 1, True), (need, False)):
+        monkeypatch.setattr(placement, "cuda_headroom", lambda device, room=room: room)
+        assert hook(vae, WIDTH, HEIGHT, FRAMES, 2) is tiled

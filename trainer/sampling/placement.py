@@ -197,7 +197,10 @@ def encode_tiles(family: str, device: torch.device | str):
 
         config = {k: v for k, v in vae.config.items() if not k.startswith("_")}
         dtype = next(vae.parameters()).dtype
-        return needs_tiles(family, config, dtype, width, height, frames, batch, cuda_headroom(device))
+        tiled = needs_tiles(family, config, dtype, width, height, frames, batch, cuda_headroom(device))
+        if tiled:  # the strides diffusers' tiled encode steps by, without a sliver of a last tile (as the decode's)
+            no_sliver_tiles(vae, height, width)
+        return tiled
 
     return tile
 
