@@ -12,13 +12,14 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   ring, the non-block modules and the trained weights' state (the training step's static part), or, when
   sampling during training has prompts, the text encoders encoding them before that (as in text caching). RAM:
   the training step's, or where a sample's prompts are encoded there, the text caching phase's if larger (the
-  encoders are loaded into CPU RAM within the load phase: LTX-2's 16 GB preset measured 27.9 GB there against
-  21.1 predicted, bench/history/2026-11-28.md 01:27).
+  encoders are loaded into CPU RAM within the load phase: LTX-2's 16 GB preset measured 27.9 and 28.5 GB there
+  against 21.1 predicted, bench/history/2026-11-28.md 01:27 and 03:50; with the process counted, 29.7).
 - text caching: every text encoder on the GPU at once, its non-block bytes and the ring of its block bytes at
   f = offload.text_encoders (`capacity_for`: whole blocks), plus the encode batch's activations (T5's attention
   scores in fp32 are most of them; a family that counts its own, `text_encode_peaks`, the larger of its peaks:
   LTX-2's stacked Gemma states, then its text connectors visiting with one prompt's norm) and workspace; RAM:
-  the process's own (`HOST_BASE`, as in training) and the encoders in CPU RAM as loaded. The encoders' blocks
+  the process's own (`HOST_BASE`, as in training) and the encoders in CPU RAM as loaded (LTX-2's 16 GB preset:
+  28.5 GB measured, 27.2 predicted without the process, 29.7 with it). The encoders' blocks
   and the rest are those of the encoder as the loader builds and slims it from the folder's config, or, without a
   folder, the family's shares of its full-size encoder (trainer/planner/meta.py `text_encoder_sizes`).
 - latent caching: the VAE's weights (the family's `vae_params`) plus its encode activations of one image (batches
@@ -29,8 +30,8 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   (data.encode_batch_size) on the GPU (twice for image-to-video, which encodes [first frame, zeros] too) and an
   image encoder that sits beside the VAE (`cache_encoder_params`: Wan 2.1 I2V's CLIP); RAM: the process's own
   (`HOST_BASE`), the VAE as read, and the batch's frames as read and stacked (`CLIP_RAM_PER_PIXEL`; LTX-2's 16 GB
-  preset measured 9.2 GB against 4.8 predicted without these two terms: 9.6 GB with them for a batch of 4
-  clips, 8.4 for the 3 clips that run encoded).
+  preset measured 9.2 and 9.4 GB against 4.8 predicted without these two terms: 9.6 GB with them for a batch of 4
+  clips, 8.4 for the 3 clips those runs encoded).
   Clips encode tiled above 1 MP, and where the untiled encode would not fit the card (`budget`; the cache asks the
   device the same question, `encode_tiles`): HunyuanVideo 1.5 at 720p x 121, whose encode reserves 18.4 GB untiled,
   1.1 GB in 256 px tiles (bf16).
