@@ -169,3 +169,76 @@ def test_text_ram_of_a_folder_counts_the_connectors_loaded_with_gemma(root, load
     assert connectors > 0 and gemma.loaded == alone.loaded + connectors * 2
     assert (gemma.outside, gemma.blocks) == (alone.outside, alone.blocks)  # never placed with Gemma
     assert _text_ram(SimpleNamespace(text_sizes=[gemma])) == gemma.loaded
+
+
+def _ltx2_cfg(root, every: int = 10):
+    from trainer.config import Config
+
+    return Config.model_validate({
+        "model": {"family": FAMILY, "path": str(root / FAMILY), "dtype": "bf16"},
+        "train": {"method": "lora", "gradient_checkpointing": True},
+        "data": {"sources": [{"path": "/tmp"}], "resolutions": [64], "clip_frames": 9, "fps": 24.0},
+        "offload": {"transformer": 1.0},
+        "sample": {"prompts": ["a cat"], "every": every, "width": 64, "height": 64, "frames": 9},
+        "output": {"dir": "/tmp/out"},
+    })
+
+
+def test_host_ram_of_the_caching_and_load_phases_names_every_term(root):
+    """LTX-2's 16 GB preset on an H200 (bench/history/2026-11-28.md 01:27 and 03:50) held 27.9-28.5 GB of anonymous
+    RSS in text caching and load against 24.4-27.2 / 21.1 predicted, 9.2-9.4 GB in latent caching against 4.8. On the tiny folder, each
+    phase's RAM is the sum of its named terms: text caching the process (`HOST_BASE`) and the encoders as loaded
+    (Gemma and the connectors beside it); latent caching the process, the VAE as read and the batch of clips as
+    read and as stacked (`CLIP_RAM_PER_PIXEL`, 24 bytes a pixel of every frame); load the training step's, or the
+    text caching's where a sample's prompts are encoded in it."""
+    from trainer.planner import analyze
+    from trainer.planner.phases import CLIP_RAM_PER_PIXEL, _text_ram, predict_phases
+    from trainer.planner.prediction import HOST_BASE, predict
+
+    cfg = _ltx2_cfg(root)
+    facts = analyze(cfg)
+    by = {p.name: p for p in predict_phases(cfg, 1.0, facts)}
+    gemma_and_connectors = _text_ram(facts)
+    assert gemma_and_connectors == sum(s.loaded for s in facts.text_sizes) > 0
+    assert by["text caching"].ram == HOST_BASE + gemma_and_connectors
+    w, h, frames = facts.size(64)
+    batch = cfg.data.encode_batch_size
+    assert CLIP_RAM_PER_PIXEL == 2 * 3 * 4  # fp32 RGB, twice
+    assert by["latent caching"].ram == HOST_BASE + adapter_class(FAMILY).vae_params * 2 + batch * frames * w * h * 24
+    step = predict(facts, 1.0, 64, False)
+    assert by["training step"].ram == step.ram_peak
+    between = step.ram_peak - step.act_checkpoint_host  # no offloaded activations before the first step
+    assert by["load"].ram == max(between, by["text caching"].ram)  # the prompts' encoders load in the load phase
+    quiet = {p.name: p for p in predict_phases(_ltx2_cfg(root, every=0), 1.0, facts)}
+    assert quiet["load"].ram == between  # no sample prompts: the transformer's load alone
+
+
+def test_the_latent_cache_holds_each_batch_as_read_and_as_stacked(root, loaded, monkeypatch):
+    """What `CLIP_RAM_PER_PIXEL` counts, on the tiny LTX-2: when `_encode_latents` stacks a batch of clips, the clips
+    as read (fp32, 12 bytes a pixel of every frame) and the stacked batch (12 more) are alive at once."""
+    from trainer.data import cache as dcache
+    from trainer.planner.phases import CLIP_RAM_PER_PIXEL
+
+    cls = adapter_class(FAMILY)
+    adapter = cls.__new__(cls)
+    frames, h, w = 9, 64, 96
+    clips = {f"k{i}": torch.rand(3, frames, h, w) * 2 - 1 for i in range(3)}
+    monkeypatch.setattr(dcache, "_pixels_or_reason", lambda job: (clips[job.key].clone(), None))
+    seen = []
+    real_stack = torch.stack
+
+    def stack(tensors, *a, **kw):
+        out = real_stack(tensors, *a, **kw)
+        seen.append(sum(t.nbytes for t in tensors) + out.nbytes)
+        return out
+
+    monkeypatch.setattr(dcache.torch, "stack", stack)
+    monkeypatch.setattr(cls, "encode_videos", lambda self, vae, px: px[:, :4, ::8, ::32, ::32].clone())
+
+    class Bar:
+        def update(self, n):
+            pass
+
+    jobs = [dcache.LatentJob(key=k, file=f"{k}.mp4", bucket=(w, h), box=(0, 0), frames=frames) for k in clips]
+    dcache._encode_latents(adapter, loaded[1].vae, dcache.MemoryStore(), jobs, 3, Bar(), dcache.EncodeResult())
+    assert seen == [3 * frames * h * w * CLIP_RAM_PER_PIXEL]

@@ -15,7 +15,7 @@ from trainer.models import ADAPTERS, adapter_class, get_adapter
 from trainer.planner import analyze, report
 from trainer.planner import trace as ptrace
 from trainer.planner.phases import predict_phases
-from trainer.planner.vae import _LiveBytes, _meta_vae, _tiled_decode_peak, clip_peak, vae_config
+from trainer.planner.vae import _LiveBytes, _meta_vae, _tiled_peak, clip_peak, vae_config
 
 #: family -> its tiny folder: Wan 2.1's VAE (8x in space) and Wan 2.2 TI2V-5B's (16x, 2x2 patchify)
 TINY = {"wan": "wan", "wan2.2-ti2v-5b": "wan22-ti2v"}
@@ -172,7 +172,7 @@ def test_the_tiled_decode_model_is_diffusers_tiling(tiny):
             del out
     finally:
         vae.disable_tiling()
-    model = _tiled_decode_peak("wan", key, torch.bfloat16, width, height, frames)
+    model = _tiled_peak("wan", key, torch.bfloat16, "decode", width, height, frames)
     assert model == pytest.approx(mode.peak, rel=0.05)
     assert clip_peak("wan", config, torch.bfloat16, "decode", width, height, frames, tiled=True) == model
 
@@ -208,7 +208,7 @@ def test_hunyuan_video15_tiles_by_its_overlap_factor():
     assert (th, tw) == (256, 256) and sh == sw == int(vae.tile_latent_min_height * (1 - vae.tile_overlap_factor)) * 16
     assert (sh, sw) == (192, 192)
     key = json.dumps(cls.full_vae_config, sort_keys=True)
-    assert _tiled_decode_peak("hunyuan-video-1.5", key, torch.bfloat16, 480, 320, 5) > 0
+    assert _tiled_peak("hunyuan-video-1.5", key, torch.bfloat16, "decode", 480, 320, 5) > 0
 
 
 def test_experts_parked_on_disk_count_one_experts_blocks_in_ram_and_a_read_per_switch(tmp_path):

@@ -313,6 +313,16 @@ def test_park_auto_takes_disk_exactly_where_the_runs_ram_peak_in_ram_does_not_fi
     facts = analyze(cfg)
     step = predict(replace(facts, park="ram"), 1.0, max(facts.resolutions), True)
     assert step.act_checkpoint_host > 0 and peaks["ram"] >= step.ram_peak
+    # and the same blocks at a larger clip need more RAM in either mode (in the training step;
+    # the tiny model's whole-run peak is its text caching, the process and the encoders, which no clip changes)
+    big = replace(analyze(cfg), frames=9)
+    from trainer.planner.phases import predict_phases
+
+    def step_ram(facts, park):
+        return next(p.ram for p in predict_phases(cfg, 1.0, replace(facts, park=park)) if p.name == "training step")
+
+    assert all(step_ram(big, m) > step_ram(analyze(cfg), m) for m in ("ram", "disk"))
+    assert run_ram_peaks(cfg, 1.0, big)["ram"] >= peaks["ram"]
     assert experts.park_on_disk(cfg, None, 1.0, 1, 2)[0] is False  # loaded whole: nothing to read back
     assert experts.park_on_disk(at(4.0, "ram"), fill, 1.0, int(10 * gb), 2)[0] is False
     with pytest.raises(UserError, match="loads whole"):

@@ -250,6 +250,7 @@ def cache(config: Path = CONFIG_ARG, overrides: list[str] = SET_OPT) -> None:
     its own entries."""
     cfg = _load(config, overrides)
     from .data.cache import run_cache
+    from .sampling.placement import encode_tiles
     from .train.faults import StopFlag
 
     stop = StopFlag()
@@ -259,7 +260,7 @@ def cache(config: Path = CONFIG_ARG, overrides: list[str] = SET_OPT) -> None:
             from .captioning import caption_sources
 
             caption_sources(cfg.data)  # data.sources[].caption_with: the missing captions first
-        run_cache(cfg)
+        run_cache(cfg, tile_vae=encode_tiles(cfg.model.family, cfg.train.device))  # the device StagedLoader takes
     finally:
         stop.restore()
 

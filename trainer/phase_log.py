@@ -59,7 +59,7 @@ FIXES = {
     "load": "raise offload.transformer (more of the model stays in CPU RAM), or free host RAM for the pinned "
             "blocks",
     "latent caching": "lower data.resolutions or data.encode_batch_size (the VAE encodes tiled above "
-                      "1024x1024 pixels)",
+                      "1024x1024 pixels, and a video's clips where their untiled encode does not fit the GPU)",
     "text caching": "raise offload.text_encoders (the text encoder streams from CPU RAM), or lower "
                     "data.encode_batch_size",
     "training step": "raise offload.transformer, or set offload.activations: true, or lower train.batch_size or "

@@ -325,7 +325,8 @@ def _encode_stages(adapter, stages, latent_store, text_store, unique_jobs, todo_
             with _bar(len(todo_lat), "encoding latents", "img", progress) as bar, Phase("latent caching"), \
                     stages.vae() as vae:
                 _encode_latents(adapter, vae, latent_store, [j for j in unique_jobs if j.key in todo_lat],
-                                batch_size, bar, res, getattr(stages, "extras", {}).get("sound_encoder"))
+                                batch_size, bar, res, getattr(stages, "extras", {}).get("sound_encoder"),
+                                getattr(stages, "tile_vae", None))
                 del vae
     finally:
         stages.close()
@@ -342,9 +343,10 @@ def _device_dtype(module) -> tuple[torch.device, torch.dtype]:
     return (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
 
 
-def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int, bar, res, sound=None) -> None:
+def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int, bar, res, sound=None,
+                    tile_vae=None) -> None:
     """`sound`: the family's sound encoder (loaded with the VAE where it trains sound), for the clips whose sound
-    trains (`LatentJob.audio`)."""
+    trains (`LatentJob.audio`). `tile_vae`: `EncoderStages.tile_vae`."""
     if vae is None:
         raise RuntimeError("load_encoders() returned Components without a vae")
     device, dtype = _device_dtype(vae)
@@ -366,7 +368,8 @@ def _encode_latents(adapter, vae, store, jobs: list[LatentJob], batch_size: int,
                     waves.append(px[2])
                     ok.append(j)
             if ok:
-                vae_memory_mode(vae, chunk[0].bucket[0] * chunk[0].bucket[1])
+                (w, h), frames = chunk[0].bucket, chunk[0].frames
+                vae_memory_mode(vae, w * h, tile=tile_vae(vae, w, h, frames, len(ok)) if tile_vae else None)
                 # video families: (B, 3, F, H, W), an image as one frame; the VAE chunks time itself (its adapter)
                 batch = torch.stack([p if p.ndim == 4 or not video else p.unsqueeze(1) for p in pixels])
                 batch = batch.to(device=device, dtype=dtype)
@@ -480,13 +483,14 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def vae_memory_mode(vae, pixels: int, threshold: int = VAE_TILE_PIXELS) -> bool:
+def vae_memory_mode(vae, pixels: int, threshold: int = VAE_TILE_PIXELS, tile: bool | None = None) -> bool:
     """Slice batches always (one image at a time through the VAE: same latents, lower peak); tile images of more
-    than `threshold` pixels. Returns whether tiling is on. Modules without the diffusers switches are left as
+    than `threshold` pixels, or as `tile` says where given (`EncoderStages.tile_vae`: a clip whose untiled encode
+    does not fit the device). Returns whether tiling is on. Modules without the diffusers switches are left as
     they are."""
     if hasattr(vae, "enable_slicing"):
         vae.enable_slicing()
-    tile = pixels > threshold and hasattr(vae, "enable_tiling")
+    tile = (pixels > threshold if tile is None else tile) and hasattr(vae, "enable_tiling")
     if tile:
         vae.enable_tiling()
     elif hasattr(vae, "disable_tiling"):
@@ -503,6 +507,10 @@ class EncoderStages:
         self.handles: list = []
         #: what the VAE stage loaded beside the VAE (`Components.extras`: LTX-2's sound encoder), while it runs
         self.extras: dict = {}
+        #: (vae, width, height, frames, batch) -> whether a batch of clips encodes tiled (trainer/sampling/placement.py
+        #: `encode_tiles`: a video family's untiled encode that does not fit the GPU); None: tiled above
+        #: VAE_TILE_PIXELS (`vae_memory_mode`)
+        self.tile_vae = None
 
     def _load_text(self):
         raise NotImplementedError
@@ -623,8 +631,9 @@ def encoder_loader(cfg, adapter, device: torch.device | str | None = None) -> Ca
     return load
 
 
-def run_cache(cfg) -> None:
-    """`dittrain cache`: scan, then encode every missing latent and caption into data.cache_dir."""
+def run_cache(cfg, tile_vae=None) -> None:
+    """`dittrain cache`: scan, then encode every missing latent and caption into data.cache_dir (`tile_vae`:
+    `EncoderStages.tile_vae`)."""
     from ..models import get_adapter
     from .pipeline import drop_encoding_failures, plan_data
 
@@ -638,7 +647,7 @@ def run_cache(cfg) -> None:
                    file=sys.stderr)
     try:
         res = ensure_encoded(
-            adapter, cache_stages(cfg, adapter), plan.latent_store, plan.text_store, plan.latent_jobs(),
+            adapter, cache_stages(cfg, adapter, tile_vae=tile_vae), plan.latent_store, plan.text_store, plan.latent_jobs(),
             plan.captions(), batch_size=cfg.data.encode_batch_size, verify_latents=True, verify_texts=True,
         )
     except CachingInterrupted as e:
@@ -652,10 +661,13 @@ def run_cache(cfg) -> None:
             tqdm.write(line, file=sys.stderr)
 
 
-def cache_stages(cfg, adapter, device=None, dtype=None, fraction: float | None = None) -> StagedLoader:
+def cache_stages(cfg, adapter, device=None, dtype=None, fraction: float | None = None,
+                 tile_vae=None) -> StagedLoader:
     """The two-stage loader of `dittrain cache` and `fit`: text encoders streamed at `fraction` (default
-    offload.text_encoders on a GPU, 0 on the CPU; `place_encoder`), then the VAE."""
+    offload.text_encoders on a GPU, 0 on the CPU; `place_encoder`), then the VAE (`tile_vae`:
+    `EncoderStages.tile_vae`)."""
     loader = StagedLoader(cfg, adapter, device, dtype)
+    loader.tile_vae = tile_vae
     if fraction is None:
         fraction = float(cfg.offload.text_encoders) if loader.device.type == "cuda" else 0.0
     f = fraction

@@ -232,6 +232,10 @@ class ModelAdapter(ABC):
     #: planner builds on the meta device and runs on one clip to find the VAE's peak while it encodes or decodes a
     #: clip (trainer/planner/vae.py); None: the per-pixel estimates of one image (trainer/planner/phases.py)
     full_vae_config: ClassVar[dict[str, Any] | None] = None
+    #: output-sized tensors a tiled decode of the family's video VAE holds at its end beside its decoded tiles (the
+    #: planner's tiled count, trainer/planner/vae.py `_tiled_peak`): AutoencoderKLWan's three (the blended rows, their
+    #: concatenation, `decode`'s clamped copy)
+    vae_tiled_decode_copies: ClassVar[int] = 3
     #: parameters of an image encoder that sits beside the VAE while latents are cached (Wan 2.1 I2V's CLIP ViT-H:
     #: `encode_conditions` moves it to the VAE's device), counted in the planner's latent-caching phase
     cache_encoder_params: ClassVar[int] = 0

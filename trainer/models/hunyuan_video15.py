@@ -218,6 +218,8 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
     latent_scale, token_patch = 16, 1
     vae_params = 1_260_634_115  # AutoencoderKLHunyuanVideo15 (diffusers' defaults: the released VAE)
     full_vae_config = {}  # diffusers' defaults are the released VAE: the planner builds it on meta
+    #: its `tiled_decode` holds the blended rows and their concatenation beside the tiles (its `decode` clamps nothing)
+    vae_tiled_decode_copies = 2
     #: presets: the pipeline's 121 frames at 720p and 480p, then shorter 480p clips
     preset_clips = (("720p", 121), ("480p", 121), ("480p", 81), ("480p", 49), ("480p", 33))
     sampling_uses_negative = True

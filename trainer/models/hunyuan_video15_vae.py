@@ -28,7 +28,9 @@ the past carried over (`_State`):
 While `time_chunks(vae)` is open, the encoder, the decoder and the layers above run the chunked functions through a
 swapped class (`_time_chunked`: a subclass whose forward calls the instance's `_time_chunk_fn`; no instance gets a
 `forward` of its own), their own classes back on exit (the VAE's own code otherwise: `encode`, `latent_dist.mode()`,
-its spatial tiling, which then runs each tile in chunks), so the adapter's `encode_videos`, the pipelines' decode and the planner's meta count all run the same code.
+its spatial tiling, which then runs each tile in chunks: the latent cache turns it on where a clip's chunked encode
+does not fit the GPU, trainer/sampling/placement.py `encode_tiles`, and the sampler's decode above 512x512 pixels), so the
+adapter's `encode_videos`, the pipelines' decode and the planner's meta count all run the same code.
 
 Exactness (tests/test_hunyuan_video15_vae.py, the tiny VAE on the CPU): the same convolutions, per-pixel ops and
 attention rows on the same numbers; only the down- and upsamplers' shortcut `mean` over a group of channels runs

@@ -10,12 +10,16 @@ The trainer logs each phase's measured peak beside these (trainer/phase_log.py).
 How each is estimated (bf16 sizes; activations of the encoders are coarse, the bench measures them):
 - load: the transformer is read into pageable RAM, its blocks packed into the pinned arena; on the GPU the
   ring, the non-block modules and the trained weights' state (the training step's static part), or, when
-  sampling during training has prompts, the text encoders encoding them before that (as in text caching).
+  sampling during training has prompts, the text encoders encoding them before that (as in text caching). RAM:
+  the training step's, or where a sample's prompts are encoded there, the text caching phase's if larger (the
+  encoders are loaded into CPU RAM within the load phase: LTX-2's 16 GB preset measured 27.9 and 28.5 GB there
+  against 21.1 predicted, bench/history/2026-11-28.md 01:27 and 03:50; with the process counted, 29.7).
 - text caching: every text encoder on the GPU at once, its non-block bytes and the ring of its block bytes at
   f = offload.text_encoders (`capacity_for`: whole blocks), plus the encode batch's activations (T5's attention
   scores in fp32 are most of them; a family that counts its own, `text_encode_peaks`, the larger of its peaks:
   LTX-2's stacked Gemma states, then its text connectors visiting with one prompt's norm) and workspace; RAM:
-  the encoders in CPU RAM as loaded. The encoders' blocks
+  the process's own (`HOST_BASE`, as in training) and the encoders in CPU RAM as loaded (LTX-2's 16 GB preset:
+  28.5 GB measured, 27.2 predicted without the process, 29.7 with it). The encoders' blocks
   and the rest are those of the encoder as the loader builds and slims it from the folder's config, or, without a
   folder, the family's shares of its full-size encoder (trainer/planner/meta.py `text_encoder_sizes`).
 - latent caching: the VAE's weights (the family's `vae_params`) plus its encode activations of one image (batches
@@ -24,7 +28,13 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   meta device (vae.py: a causal chunk's working set and caches, not the clip's; reserved as measured on an H100,
   `RESERVED_PER_COUNTED`), plus the batch of clips
   (data.encode_batch_size) on the GPU (twice for image-to-video, which encodes [first frame, zeros] too) and an
-  image encoder that sits beside the VAE (`cache_encoder_params`: Wan 2.1 I2V's CLIP); RAM: the batch's frames.
+  image encoder that sits beside the VAE (`cache_encoder_params`: Wan 2.1 I2V's CLIP); RAM: the process's own
+  (`HOST_BASE`), the VAE as read, and the batch's frames as read and stacked (`CLIP_RAM_PER_PIXEL`; LTX-2's 16 GB
+  preset measured 9.2 and 9.4 GB against 4.8 predicted without these two terms: 9.6 GB with them for a batch of 4
+  clips, 8.4 for the 3 clips those runs encoded).
+  Clips encode tiled above 1 MP, and where the untiled encode would not fit the card (`budget`; the cache asks the
+  device the same question, `encode_tiles`): HunyuanVideo 1.5 at 720p x 121, whose encode reserves 18.4 GB untiled,
+  1.1 GB in 256 px tiles (bf16).
 - training step: `predict` (prediction.py).
 - sampling: the training step's static part (ring, non-block, LoRA state) + the VAE + the pipeline's KV cache
   where it keeps one (sampling.py `kv_cache_bytes`: Qwen-Image 2.1) + what the call holds for its prompts where
@@ -46,9 +56,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..models import adapter_class
 from .meta import TextEncoderSize, shared_sizes
-from .prediction import ALLOCATOR_OVERHEAD, GB, WORKSPACE, Facts, predict
-from .sampling import VAE_ACT_DECODE, cfg_batch, predict_sampling
+from .prediction import ALLOCATOR_OVERHEAD, GB, HOST_BASE, WORKSPACE, Facts, predict
+from .sampling import SAMPLE_TILE_PIXELS, VAE_ACT_DECODE, cfg_batch, predict_sampling
 from .text import table as text_table
 from .vae import RESERVED_PER_COUNTED, clip_bytes, clip_peak
 
@@ -56,7 +67,10 @@ from .vae import RESERVED_PER_COUNTED, clip_bytes, clip_peak
 #: tensors; the decode: sampling.py VAE_ACT_DECODE): coarse, from diffusers' figures for 1024 px
 VAE_ACT_ENCODE = 6 * 128 * 2
 CACHE_TILE_PIXELS = 1024 * 1024  # trainer/data/cache.py VAE_TILE_PIXELS
-SAMPLE_TILE_PIXELS = 512 * 512  # trainer/sampling/placement.py
+#: host bytes per pixel of every frame of the latent cache's batch of clips: each clip as read (fp32 (3, F, H, W):
+#: 12 bytes a pixel, trainer/data/video.py `load_clip`) and their `torch.stack` into the batch (12 more), both alive
+#: until the batch moves to the GPU (trainer/data/cache.py `_encode_latents`)
+CLIP_RAM_PER_PIXEL = 2 * 3 * 4
 
 
 @dataclass
@@ -104,14 +118,17 @@ def _text_ram(facts: Facts) -> float:
     return sum(s.loaded for s in text_sizes(facts))
 
 
-def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None = None) -> list[PhasePrediction]:
-    """Predicted peaks of every phase of `dittrain fit` for `cfg` at transformer fraction `fraction`."""
+def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None = None,
+                   budget: float | None = None) -> list[PhasePrediction]:
+    """Predicted peaks of every phase of `dittrain fit` for `cfg` at transformer fraction `fraction`; `budget`
+    (bytes, the card's): a video family's clips that would not encode untiled within it are counted tiled, as the
+    cache encodes them on that card."""
     te = float(cfg.offload.text_encoders) if te_fraction is None else te_fraction
     res = max(facts.resolutions)
     train = predict(facts, fraction, res, cfg.offload.activations)
     esize = 2 if facts.dtype.itemsize == 2 else facts.dtype.itemsize
     vae = facts.adapter.vae_params * esize  # the full-size VAE's parameters
-    text_bytes = _text_ram(facts)
+    text_bytes = HOST_BASE + _text_ram(facts)  # the process's own and the encoders as loaded
     model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
     encode_batch = cfg.data.encode_batch_size if cfg.data else 4
     text_vram = _text_vram(facts, te, encode_batch)
@@ -123,8 +140,10 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     between_steps = train.ram_peak - train.act_checkpoint_host
     out = [
         PhasePrediction("text caching", text_vram, text_bytes, f"offload.text_encoders {te:g}"),
-        _latent_caching(facts, res, vae, encode_batch),
-        PhasePrediction("load", max(train.static, prompts_at_load), between_steps,
+        _latent_caching(facts, res, vae, encode_batch, budget),
+        # RAM: the text encoders are loaded in the load phase too where a sample's prompts are encoded there
+        PhasePrediction("load", max(train.static, prompts_at_load), max(between_steps, text_bytes if prompts_at_load
+                                                                         else 0.0),
                         f"offload.transformer {fraction:g}" + (", sample prompts encoded" if prompts_at_load else "")),
         PhasePrediction("training step", train.peak_reserved, train.ram_peak, _bucket(facts, res)),
     ]
@@ -178,26 +197,54 @@ def _bucket(facts: Facts, res: int) -> str:
     return f"{res} px" + (f": {w}x{h}x{frames} clips" if facts.adapter.video else "")
 
 
-def _latent_caching(facts: Facts, res: int, vae: float, encode_batch: int) -> PhasePrediction:
+def _latent_caching(facts: Facts, res: int, vae: float, encode_batch: int,
+                    budget: float | None = None) -> PhasePrediction:
     """`dittrain cache`'s latent stage at bucket `res`: the VAE (and an image encoder beside it) and one item's
-    encode (module essay)."""
+    encode (module essay). A video family's clips encode tiled above `CACHE_TILE_PIXELS`, and where the untiled
+    encode would not fit `budget` (bytes; the cache asks the device, `encode_tiles`)."""
     cls = facts.adapter
     if facts.vae_config is None:  # an image: bytes per pixel
         px = res * res
         enc_act = min(px, CACHE_TILE_PIXELS) * (cls.vae_encode_bytes_per_pixel or VAE_ACT_ENCODE)
-        return PhasePrediction("latent caching", vae + ALLOCATOR_OVERHEAD * enc_act + WORKSPACE, vae + px * 12,
+        return PhasePrediction("latent caching", vae + ALLOCATOR_OVERHEAD * enc_act + WORKSPACE, HOST_BASE + vae + px * 12,
                                "tiled" if px > CACHE_TILE_PIXELS else "untiled")
     w, h, frames = facts.size(res)
-    tiled = w * h > CACHE_TILE_PIXELS
-    enc_act = clip_peak(facts.family, facts.vae_config, facts.dtype, "encode", w, h, frames, tiled=tiled)
-    # the batch of clips on the GPU (image-to-video: and its [first frame, zeros] copy, where the family makes one);
-    # each clip encodes alone
-    copy = cls.first_frame_conditions and cls.conditions_copy_clip
-    clips = encode_batch * clip_bytes(w, h, frames, facts.dtype) * (2 if copy else 1)
     encoder = cls.cache_encoder_params * facts.dtype.itemsize
-    return PhasePrediction("latent caching", vae + encoder + clips + RESERVED_PER_COUNTED * enc_act + WORKSPACE,
-                           vae + encoder + encode_batch * frames * w * h * 12,
-                           f"{w}x{h}x{frames} clips, {'tiled' if tiled else 'untiled'}")
+    ram = HOST_BASE + vae + encoder + encode_batch * frames * w * h * CLIP_RAM_PER_PIXEL
+
+    def vram(tiled: bool) -> float:
+        return vae + encoder + encode_need(facts.family, facts.vae_config, facts.dtype, w, h, frames, encode_batch,
+                                           tiled)
+
+    tiled = w * h > CACHE_TILE_PIXELS
+    note = f"{w}x{h}x{frames} clips, " + ("tiled" if tiled else "untiled")
+    if not tiled and budget is not None and vram(False) > budget:
+        tiled, note = True, f"{w}x{h}x{frames} clips, tiled (untiled {vram(False) / GB:.1f} GB)"
+    return PhasePrediction("latent caching", vram(tiled), ram, note)
+
+
+def encode_need(family: str, vae_config: dict, dtype, width: int, height: int, frames: int, batch: int,
+                tiled: bool) -> float:
+    """Reserved bytes the latent cache's encode of a batch of `batch` clips needs beside the VAE's weights: the
+    clips on the GPU (twice for an image-to-video family that encodes [first frame, zeros] too), the encode of one
+    clip (batches are sliced) counted on the meta device, untiled or `tiled` (vae.py), as reserved
+    (`RESERVED_PER_COUNTED`), and `WORKSPACE`."""
+    cls = adapter_class(family)
+    copy = cls.first_frame_conditions and cls.conditions_copy_clip
+    clips = batch * clip_bytes(width, height, frames, dtype) * (2 if copy else 1)
+    act = clip_peak(family, vae_config, dtype, "encode", width, height, frames, tiled=tiled)
+    return clips + RESERVED_PER_COUNTED * act + WORKSPACE
+
+
+def encode_tiles(family: str, vae_config: dict, dtype, width: int, height: int, frames: int, batch: int,
+                 room: float) -> bool:
+    """Whether the latent cache encodes these clips of a video family tiled: above `CACHE_TILE_PIXELS` always, else
+    where the untiled encode's `encode_need` is over `room`, the bytes the device has beside the VAE's weights
+    (trainer/sampling/placement.py `encode_tiles` asks it; the latent-caching phase predicts the same against the
+    budget)."""
+    if width * height > CACHE_TILE_PIXELS:
+        return True
+    return encode_need(family, vae_config, dtype, width, height, frames, batch, False) > room
 
 
 #: headroom kept under the budget when choosing offload.text_encoders: the encoders' activations are the
@@ -215,9 +262,9 @@ def fit_text_fraction(facts: Facts, budget_gb: float, encode_batch: int = 4) -> 
     return 1.0
 
 
-def predicted_map(cfg, fraction: float, facts: Facts) -> dict[str, tuple[float, float]]:
-    """{phase: (VRAM, RAM)} for the trainer's log."""
-    return {p.name: (p.vram, p.ram) for p in predict_phases(cfg, fraction, facts)}
+def predicted_map(cfg, fraction: float, facts: Facts, budget: float | None = None) -> dict[str, tuple[float, float]]:
+    """{phase: (VRAM, RAM)} for the trainer's log (`budget`: the device's cap in bytes, `predict_phases`)."""
+    return {p.name: (p.vram, p.ram) for p in predict_phases(cfg, fraction, facts, budget=budget)}
 
 
 def table(preds: list[PhasePrediction], budget_gb: float | None = None, width: int | None = None) -> list[str]:

@@ -286,11 +286,11 @@ def _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, 
     if park is not None:  # the RAM assumed beside this card holds one expert's blocks, not both
         d["offload"]["park"] = park
     dcfg = Config.model_validate(d)
-    phases = predict_phases(dcfg, f, facts, te)
+    phases = predict_phases(dcfg, f, facts, te, budget * 1e9)  # clips tiled where the card needs it
     if sample_off or any(ph.name == "sampling" and ph.vram > budget * 1e9 for ph in phases):
         # off where it would not fit beside the ring, and for a family of experts (module essay)
         d["sample"]["every"] = 0
-        phases = predict_phases(Config.model_validate(d), f, facts, te)
+        phases = predict_phases(Config.model_validate(d), f, facts, te, budget * 1e9)
     if max(ph.vram for ph in phases) > budget * 1e9:
         return f"a phase does not fit at {_where(name, frames)}: " + ", ".join(
             f"{ph.name} {ph.vram / 1e9:.1f} GB" for ph in phases if ph.vram > budget * 1e9)

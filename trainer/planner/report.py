@@ -352,7 +352,8 @@ def _phases(cfg, facts: Facts, fraction: float, budget: float | None, width: int
             out.append(f"text caching needs offload.text_encoders >= {need:.2f} for {budget:g} GB (config: {te:g}); "
                        "the table uses it")
             te = need
-    table = phase_table(predict_phases(cfg, fraction, facts, te), budget, width)
+    table = phase_table(predict_phases(cfg, fraction, facts, te, None if budget is None else budget * GB), budget,
+                        width)
     return table[:2] + out + table[2:]
 
 
@@ -398,7 +399,8 @@ def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1, width: i
     """`dittrain sample --offload F`: the denoising loop alone (trainer/planner/sampling.py), at `res` px or, for a
     video family, at `clip` (width, height, frames)."""
     base = predict_sampling(facts, 0.0, res, rates, batch, size=clip)
-    rows = [("fraction", "ring", "peak reserved", "untiled decode", "compute", "transfer", "s / step", "vs resident")]
+    rows = [("fraction", "ring", "peak reserved", "untiled decode", "tiled decode", "compute", "transfer", "s / step",
+             "vs resident")]
     for f in sorted(set(fractions) | {1.0}):
         p = predict_sampling(facts, f, res, rates, batch, size=clip)
         rows.append(
@@ -407,6 +409,7 @@ def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1, width: i
                 _gb(p.ring),
                 _gb(p.peak_reserved),
                 _gb(p.decode_reserved),
+                _gb(p.decode_tiled),
                 f"{p.compute_s:.2f}",
                 f"{p.transfer_s:.2f}",
                 f"{p.step_s:.2f}",
@@ -418,8 +421,8 @@ def _sampling(facts: Facts, fractions, res: int, rates, batch: int = 1, width: i
         "",
         f"Sampling at {where}, batch {batch}{' (classifier-free guidance)' if batch > 1 else ''}, denoising steps (GB, s; "
         "streamed blocks are reloaded every step, part of the model stays resident; text encoders not included). The VAE decode after them reserves "
-        "'untiled decode' where it decodes as the pipeline does; `dittrain sample` decodes in 512 px tiles where that "
-        "does not fit the card:",
+        "'untiled decode' where it decodes as the pipeline does; `dittrain sample` decodes tiled where that does not "
+        "fit the card ('tiled decode': 512 px tiles, or a video VAE's own):",
         *_table(rows, width=width),
     ]
 

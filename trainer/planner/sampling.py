@@ -56,6 +56,9 @@ from .vae import RESERVED_PER_COUNTED, clip_peak
 #: activation bytes per image pixel at the peak of a bf16 VAE decode (128 channels at full resolution, several live
 #: tensors in the up blocks): coarse, from diffusers' figures for 1024 px; phases.py's sampling phase uses it too
 VAE_ACT_DECODE = 12 * 128 * 2
+#: frames above this many pixels decode tiled where the untiled decode does not fit, and always while sampling during
+#: training (trainer/sampling/placement.py, which reads it)
+SAMPLE_TILE_PIXELS = 512 * 512
 
 
 @dataclass
@@ -78,6 +81,10 @@ class SamplePrediction:
     #: bytes of the pipeline's prompt inputs held on the device through the call (the family's `sampling_prompt`
     #: and `sampling_prompt_bytes`; in both peaks above)
     prompt: float = 0.0
+    #: peak reserved while the VAE decodes tiled instead (trainer/sampling/placement.py `tile_decode`: 512 px tiles
+    #: for an image, a video VAE's own tiles, HunyuanVideo 1.5's in its time chunks) above 512x512 pixels; the
+    #: untiled figure at or below
+    decode_tiled: float = 0.0
 
 
 def kv_cache_bytes(facts, tr, res: int, batch: int = 1) -> float:
@@ -125,13 +132,16 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
     reserved = weights + kv + held + ALLOCATOR_OVERHEAD * max(act, prep) + WORKSPACE
     compute = placed * batch * (tr.linear_flops + tr.attn_flops) / ptime.forward_rate(rates, res)
     transfer = placed * moved / rates.h2d
+    tiles = w * h > SAMPLE_TILE_PIXELS
     if facts.vae_config is None:  # an image: bytes per pixel
-        dec_act = ALLOCATOR_OVERHEAD * res * res * VAE_ACT_DECODE
-    else:  # a clip: the video VAE's own decode, counted on the meta device (planner/vae.py)
-        dec_act = RESERVED_PER_COUNTED * clip_peak(facts.family, facts.vae_config, facts.dtype, "decode", w, h, frames)
-    decode = weights + facts.adapter.vae_params * 2 + kv + held + dec_act + WORKSPACE
-    return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer, decode, kv,
-                            others, held)
+        dec_act = ALLOCATOR_OVERHEAD * w * h * VAE_ACT_DECODE
+        tiled_act = ALLOCATOR_OVERHEAD * min(w * h, SAMPLE_TILE_PIXELS) * VAE_ACT_DECODE
+    else:  # a clip: the video VAE's own decode, counted on the meta device (planner/vae.py), untiled and tiled
+        dec_act, tiled_act = (RESERVED_PER_COUNTED * clip_peak(facts.family, facts.vae_config, facts.dtype, "decode",
+                                                               w, h, frames, tiled=t) for t in (False, tiles))
+    beside = weights + facts.adapter.vae_params * 2 + kv + held + WORKSPACE
+    return SamplePrediction(fraction, res, ring, reserved, max(compute, transfer), compute, transfer, beside + dec_act,
+                            kv, others, held, beside + tiled_act)
 
 
 def _prompt_bytes(facts, batch: int) -> float:

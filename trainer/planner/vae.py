@@ -22,13 +22,17 @@ outside the mode, such as a chunk sliced from the input clip, makes nothing); th
 peak. Weights and the input clip are made outside the mode and are not in it: callers add the weights, the batch of
 clips on the GPU and `WORKSPACE`, and turn the count into reserved bytes with `RESERVED_PER_COUNTED`.
 
-Tiled modes (the latent cache tiles frames above 1024x1024 pixels, trainer/data/cache.py; sampling during training
-decodes frames above 512x512 pixels tiled, trainer/sampling/placement.py): running the tiles on meta takes minutes
-(15 tiles of 81 frames at 832x480), so one full tile (the VAE's `tile_sample_min_height` x `_width`, 256 px for Wan)
-is counted over the whole clip and the tiles' outputs are added from diffusers' own tiling arithmetic: a tiled
-decode keeps every decoded tile until all are blended, then holds the blended rows, their concatenation and its
-clamped copy at once (`_tiled_decode_peak`: 0.93 and 2.08 GB at 832x480 and 1280x720, 81 frames, where running
-every tile on meta gave 0.92 and 2.09); a tiled encode keeps only latent tiles, so its peak is one tile's.
+Tiled modes (the latent cache tiles frames above 1024x1024 pixels, and a clip whose untiled encode does not fit
+the card, trainer/data/cache.py and trainer/sampling/placement.py `encode_tiles`; sampling during training decodes
+frames above 512x512 pixels tiled, trainer/sampling/placement.py): running the tiles on meta takes minutes (15 tiles
+of 81 frames at 832x480; HunyuanVideo 1.5 at 1280x720 x 121, 28 tiles: 85 s to encode, 195 s to decode), so one
+full tile (the VAE's `tile_sample_min_height` x `_width`, 256 px for Wan and HunyuanVideo 1.5) is counted over the
+whole clip and the tiles' outputs are added from diffusers' own tiling arithmetic (`_tiled_peak`): a tiled decode
+keeps every decoded tile until all are blended, then holds the blended rows and their concatenation (and Wan's
+decode its clamped copy: the family's `vae_tiled_decode_copies`) at once (Wan: 0.93 and 2.08 GB at 832x480 and
+1280x720, 81 frames, where running every tile on meta gave 0.92 and 2.09; HunyuanVideo 1.5 at 1280x720 x 121 in
+bf16: 2.440 GB, running every tile 2.440); a tiled encode keeps only latent tiles beside the one it runs
+(HunyuanVideo 1.5 there: 0.625 GB counted and run, against 10.49 GB untiled).
 
 Measured (bench/diag/diag_vae_peak.py on an H100, torch 2.11, diffusers 0.42.1, random bf16 weights, 2026-11-27): the
 GPU's `max_memory_allocated` over the weights and input was 1.00-1.16x the count (cuDNN's convolution workspaces
@@ -155,25 +159,34 @@ def _spans(size: int, tile: int, stride: int) -> list[int]:
     return [min(tile, size - i) for i in range(0, size, stride)]
 
 
-def _tiled_decode_peak(family: str, config: str, dtype: torch.dtype, width: int, height: int, frames: int) -> float:
-    """AutoencoderKLWan.tiled_decode's peak: each tile decoded over the whole clip beside the tiles decoded before it
-    (one tile's untiled peak, scaled by the tile's area), then every tile with the blended rows, their
-    concatenation and its clamped copy (module essay)."""
+def _tiled_peak(family: str, config: str, dtype: torch.dtype, kind: str, width: int, height: int,
+                frames: int) -> float:
+    """diffusers' `tiled_encode` / `tiled_decode` (AutoencoderKLWan's, AutoencoderKLHunyuanVideo15's: the same
+    loops): each tile runs over the whole clip beside the outputs of the tiles before it (one full tile's untiled
+    peak, scaled by the tile's area), then every tile's output with the blended rows and their concatenation
+    (module essay). A tile's output: its decoded pixels, or its encoded moments (2 x the latent channels); at the
+    end of a decode the family's `vae_tiled_decode_copies` output-sized tensors beside the tiles, of an encode two
+    (the rows, their concatenation) and the latent distribution's clamped log-variance, std and var (half the
+    moments each: diffusers' DiagonalGaussianDistribution)."""
     vae = _meta_vae(family, config, dtype)
     cls = adapter_class(family)
-    r = cls.vae_latent_geometry(vae.config)[1]
+    z, r, t = cls.vae_latent_geometry(vae.config)
     th, tw, sh, sw = cls.vae_tiles(vae)  # the family's tiling (HunyuanVideo 1.5: by an overlap factor)
+    th, tw = min(th, height), min(tw, width)  # a frame smaller than a tile is one tile along that side
     rows = _spans(height // r, th // r, sh // r)
     cols = _spans(width // r, tw // r, sw // r)
-    per_px = frames * 3 * dtype.itemsize  # one pixel of the decoded clip, every frame
-    one = _untiled_peak(family, config, dtype, "decode", tw, th, frames)
+    if kind == "decode":
+        per_px, end = frames * 3 * dtype.itemsize, cls.vae_tiled_decode_copies  # a decoded pixel, every frame
+    else:  # a tile's moments per pixel of its input: 2z channels at 1 / r^2 of the pixels, every latent frame
+        per_px, end = 2 * z * ((frames - 1) // t + 1) * dtype.itemsize / (r * r), 2 + 1.5
+    one = _untiled_peak(family, config, dtype, kind, tw, th, frames)
     done = peak = 0.0
     for h in rows:
         for w in cols:
             area = h * w * r * r
             peak = max(peak, done + one * area / (th * tw))
             done += area * per_px
-    return max(peak, done + 3 * width * height * per_px)
+    return max(peak, done + end * width * height * per_px)
 
 
 def clip_peak(family: str, config: dict, dtype: torch.dtype, kind: str, width: int, height: int, frames: int,
@@ -183,10 +196,7 @@ def clip_peak(family: str, config: dict, dtype: torch.dtype, kind: str, width: i
     key = json.dumps(config, sort_keys=True)
     if not tiled:
         return float(_untiled_peak(family, key, dtype, kind, width, height, frames))
-    if kind == "decode":
-        return _tiled_decode_peak(family, key, dtype, width, height, frames)
-    th, tw, _, _ = adapter_class(family).vae_tiles(_meta_vae(family, key, dtype))
-    return float(_untiled_peak(family, key, dtype, "encode", min(tw, width), min(th, height), frames))
+    return _tiled_peak(family, key, dtype, kind, width, height, frames)
 
 
 def clip_bytes(width: int, height: int, frames: int, dtype: torch.dtype) -> int:

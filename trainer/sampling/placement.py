@@ -29,7 +29,7 @@ from torch import nn
 from ..data.cache import place_encoder
 from ..offload import move_outside_blocks
 from ..planner.prediction import ALLOCATOR_OVERHEAD
-from ..planner.sampling import VAE_ACT_DECODE
+from ..planner.sampling import SAMPLE_TILE_PIXELS, VAE_ACT_DECODE
 
 
 def _attach(blocks: list[nn.Module], device: torch.device, fraction: float, compile=False, fill=None):
@@ -75,8 +75,6 @@ def place_text_encoders(pipe, device: torch.device, fraction: float):
         yield
 
 
-#: images with more pixels than this decode tiled while sampling during training (see trainer/sampling/training.py)
-SAMPLE_TILE_PIXELS = 512 * 512
 #: bytes per image pixel an untiled bf16 VAE decode reserves at its peak, as the planner counts it (~4.3 GB at
 #: 1024 x 1024)
 UNTILED_DECODE_PER_PIXEL = VAE_ACT_DECODE * ALLOCATOR_OVERHEAD
@@ -164,6 +162,34 @@ def decode_for_sample(vae: nn.Module, device: torch.device, height: int, width: 
     return (f"note: the VAE decodes in {tiles} (an untiled {width}x{height} decode needs about "
             f"{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB is free): tile seams differ from the pipeline's "
             "untiled decode by a few levels")
+
+
+def encode_tiles(family: str, device: torch.device | str):
+    """The latent cache's `tile_vae` for `family` on `device` (trainer/data/cache.py `EncoderStages.tile_vae`): on a
+    GPU, a video family whose VAE the planner counts on the meta device (`full_vae_config`) encodes a batch of clips
+    in the VAE's spatial tiles (diffusers' `enable_tiling`; HunyuanVideo 1.5's tiles run in its time chunks) where the
+    untiled encode, as the planner counts it (planner/phases.py `encode_tiles`), is over what the device has left
+    beside the VAE (`cuda_headroom`); None elsewhere (tiled above 1024x1024 pixels, `vae_memory_mode`). The
+    latent-caching phase predicts the same choice against the card's budget."""
+    from ..models import adapter_class
+
+    if device == "auto":  # train.device's default, as the cache's StagedLoader resolves it
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type != "cuda" or adapter_class(family).full_vae_config is None:
+        return None
+
+    def tile(vae: nn.Module, width: int, height: int, frames: int, batch: int) -> bool:
+        from ..planner.phases import encode_tiles as needs_tiles
+
+        config = {k: v for k, v in vae.config.items() if not k.startswith("_")}
+        dtype = next(vae.parameters()).dtype
+        tiled = needs_tiles(family, config, dtype, width, height, frames, batch, cuda_headroom(device))
+        if tiled:  # the strides diffusers' tiled encode steps by, without a sliver of a last tile (as the decode's)
+            no_sliver_tiles(vae, height, width)
+        return tiled
+
+    return tile
 
 
 def untiled_decode_bytes(vae: nn.Module, height: int, width: int, frames: int = 1, family: str | None = None) -> float:

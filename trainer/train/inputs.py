@@ -17,6 +17,7 @@ from ..captioning import caption_sources
 from ..config import Config
 from ..data.cache import cache_stages
 from ..data.pipeline import prepare_data as _prepare
+from ..sampling.placement import encode_tiles
 from .distributed import global_data_state, local_data_state
 
 
@@ -28,10 +29,12 @@ def _text_fraction(cfg: Config, device: torch.device) -> float:
 def prepare_data(cfg: Config, adapter, device: torch.device, dtype: torch.dtype, rank: int = 0, world_size: int = 1):
     """TrainData with complete caches; the encoders it loaded are freed before this returns. The text encoders
     (streamed at offload.text_encoders on a GPU) encode first and are freed, then the VAE (trainer/data/cache.py
-    `cache_stages`): never two model groups on the device at once. Before that, sources with `caption_with` get
+    `cache_stages`): never two model groups on the device at once; a video family's clips encode in the VAE's
+    spatial tiles where the untiled encode does not fit the GPU (`encode_tiles`). Before that, sources with `caption_with` get
     their missing captions (trainer/captioning; rank 0 first, so the others find them written)."""
     caption_sources(cfg.data, device)
-    stages = cache_stages(cfg, adapter, device, dtype, fraction=_text_fraction(cfg, torch.device(device)))
+    stages = cache_stages(cfg, adapter, device, dtype, fraction=_text_fraction(cfg, torch.device(device)),
+                          tile_vae=encode_tiles(cfg.model.family, device))
     return _prepare(cfg, adapter, stages, rank=rank, world_size=world_size,
                     progress=rank == 0)
 

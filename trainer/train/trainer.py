@@ -448,11 +448,14 @@ class Trainer(Saving):
         try:
             from ..planner import analyze
             from ..planner.phases import predicted_map
+            from ..sampling.placement import process_fraction
 
             # Keyed by the fraction: text caching logs before setup has resolved offload.transformer (auto).
             pred = self.__dict__.setdefault("_phase_pred", {})
             if self.fraction not in pred:
-                pred[self.fraction] = predicted_map(self.cfg, self.fraction or 0.0, analyze(self.cfg))
+                # the card's cap: clips whose untiled encode would not fit it were cached tiled (placement.encode_tiles)
+                cap = process_fraction(self.device) * torch.cuda.get_device_properties(self.device).total_memory
+                pred[self.fraction] = predicted_map(self.cfg, self.fraction or 0.0, analyze(self.cfg), budget=cap)
             if name in pred[self.fraction]:
                 v, r = pred[self.fraction][name]
                 line += f" (planner: {v / 1e9:.2f} GB VRAM, {r / 1e9:.1f} GB RAM)"
