@@ -45,6 +45,37 @@ def _freeze_what_lives() -> None:
     gc.freeze()
 
 
+_UNFROZEN = [False]  # a gc.unfreeze() ran since the last look (`_note_unfreezes`)
+
+
+def _note_unfreezes() -> None:
+    """Wrap `gc.unfreeze` to note that it ran. `gc.get_freeze_count()` is no flag: it counts the permanent
+    generation's objects one by one (CPython walks the list: ~80 ms a call with the suite's ~0.5 M frozen objects,
+    ~200 CPU-s over the suite when it was asked after every test), so it is asked only after an unfreeze."""
+    import gc
+
+    real = gc.unfreeze
+
+    def unfreeze():
+        _UNFROZEN[0] = True
+        real()
+
+    gc.unfreeze = unfreeze
+
+
+_note_unfreezes()
+
+
+def _freeze_again_if_unfrozen() -> None:
+    """Freeze what lives again if the permanent generation was emptied (an unfreeze, not frozen again since)."""
+    import gc
+
+    if _UNFROZEN[0]:
+        _UNFROZEN[0] = False
+        if gc.get_freeze_count() == 0:
+            _freeze_what_lives()
+
+
 def pytest_collection_finish(session):
     """Everything imported by now (torch, dynamo, diffusers, transformers, every test module: ~0.5 M objects in a
     worker that collected the whole suite) lives to the end of the session: move it into the garbage collector's
@@ -62,7 +93,6 @@ def _freeze_again_after_a_trainer_closes(request, monkeypatch):
     cache's: ~2-6 per fit): here a close is followed by one collection and the freeze again. Only when and where
     to collect changes, not what the trainer does; tests/test_train_gc.py, which checks the trainer's own freeze
     and unfreeze, sets TRAINER_GC_AS_IT_IS and runs without this."""
-    import gc
     import sys
 
     mod = sys.modules.get("trainer.train.trainer")
@@ -73,8 +103,7 @@ def _freeze_again_after_a_trainer_closes(request, monkeypatch):
 
     def close(self):
         real(self)
-        if gc.get_freeze_count() == 0:
-            _freeze_what_lives()
+        _freeze_again_if_unfrozen()
 
     monkeypatch.setattr(mod.Trainer, "close", close)
     yield
@@ -83,10 +112,7 @@ def _freeze_again_after_a_trainer_closes(request, monkeypatch):
 def pytest_runtest_logfinish(nodeid, location):
     """After a test that left the permanent generation empty (test_train_gc's closed trainer, any other unfreeze),
     freeze what still lives again."""
-    import gc
-
-    if gc.get_freeze_count() == 0:
-        _freeze_what_lives()
+    _freeze_again_if_unfrozen()
 
 
 def pytest_unconfigure(config):

@@ -201,3 +201,17 @@ def test_bench_speed_inputs_on_the_device(monkeypatch):
     monkeypatch.undo()
     assert (tuple(kw["encoder_attention_mask"].shape), torch.device("cpu")) in moved
     assert all(v.device.type == "cpu" for v in kw.values() if isinstance(v, torch.Tensor))
+
+
+def test_smoke_checkpointing_auto_leaves_no_folder_behind(tmp_path, monkeypatch):
+    """A smoke row's `checkpointing auto` plans the smoke widths from a config folder it makes in the temp folder;
+    the folder is removed after (one per row was left in /tmp)."""
+    import tempfile
+    from types import SimpleNamespace
+
+    mod = bench_module("bench_speed")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    spec = next(s for s in mod.issue29_specs("flux") if s["name"] == "dittrain offload 0, compiled, checkpointing auto")
+    args = SimpleNamespace(family="flux", res=64, rank=4, smoke=True)
+    got = mod.checkpointing(spec, args, mod.torch.device("cpu"))
+    assert got is not None and list(tmp_path.iterdir()) == []

@@ -123,3 +123,22 @@ def test_every_command_has_help(cmd):
     result = CliRunner().invoke(app, [cmd, "--help"])
     assert result.exit_code == 0
     assert len(result.output.splitlines()) > 5
+
+
+def test_one_parse_gives_safe_loads_data_and_every_keys_line():
+    """load_config parses a file once (libyaml's parser where PyYAML has it): the data is `yaml.safe_load`'s, and
+    the line of each key and list item is where it stands (the error messages' `file:line`)."""
+    import yaml
+
+    from trainer.config import _read_yaml
+
+    text = "model:\n  family: flux\n  path: /m\ndata:\n  sources:\n    - path: a\n      repeats: 2\n    - {path: b}\n" \
+           "train:\n  lr: 1e-4\n  steps: 0x10\n  when: 2026-01-01\n"
+    data, lines = _read_yaml(text)
+    assert data == yaml.safe_load(text)
+    assert lines == {("model",): 1, ("model", "family"): 2, ("model", "path"): 3, ("data",): 4,
+                     ("data", "sources"): 5, ("data", "sources", 0): 6, ("data", "sources", 0, "path"): 6,
+                     ("data", "sources", 0, "repeats"): 7, ("data", "sources", 1): 8,
+                     ("data", "sources", 1, "path"): 8, ("train",): 9, ("train", "lr"): 10, ("train", "steps"): 11,
+                     ("train", "when"): 12}
+    assert _read_yaml("") == (None, {}) and _read_yaml("# only a comment\n") == (None, {})

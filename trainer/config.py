@@ -760,11 +760,12 @@ class Config(_Section):
 # ---------------------------------------------------------------------------------------------- loading
 
 
-class _MarkedLoader(yaml.SafeLoader):
-    """SafeLoader that remembers the line of every mapping key, by dotted path."""
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser where PyYAML has it: ~5x faster
 
 
-def _compose_lines(text: str) -> dict[tuple, int]:
+def _read_yaml(text: str) -> tuple[Any, dict[tuple, int]]:
+    """The document's data (what `yaml.safe_load` gives) and the line of every mapping key and list item, by path,
+    from one parse: the node tree is composed once (with marks) and constructed from."""
     lines: dict[tuple, int] = {}
 
     def walk(node: yaml.Node, path: tuple) -> None:
@@ -778,10 +779,15 @@ def _compose_lines(text: str) -> dict[tuple, int]:
                 lines[(*path, i)] = v.start_mark.line + 1
                 walk(v, (*path, i))
 
-    root = yaml.compose(text, Loader=_MarkedLoader)
-    if root is not None:
+    loader = _LOADER(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None, lines
         walk(root, ())
-    return lines
+        return loader.construct_document(root), lines
+    finally:
+        loader.dispose()
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -932,8 +938,7 @@ def load_config(
         raise ConfigError(f"{path}: config file not found (presets are listed by `dittrain presets`)")
     text = path.read_text()
     try:
-        data = yaml.safe_load(text)
-        lines = _compose_lines(text)
+        data, lines = _read_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f":{mark.line + 1}" if mark else ""

@@ -404,17 +404,20 @@ def checkpointing(spec, args, dev):
 
     d = _config(args.family, "lora", args.res, spec["act"], spec["fraction"], ckpt="auto", quantize=spec["quant"])
     d["lora"]["rank"] = d["lora"]["alpha"] = args.rank
-    if args.smoke:  # the planner reads the model's width from <path>/transformer/config.json: the smoke widths
-        import tempfile
+    budget = CARD_SHARE * torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 1e15
+    if not args.smoke:
+        return choose_checkpointing(Config.model_validate(d), spec["fraction"], budget).checkpointed
+    import tempfile
 
-        folder = Path(tempfile.mkdtemp(prefix="bench-speed-"))
+    # the planner reads the model's width from <path>/transformer/config.json: the smoke widths, in a folder
+    # removed after (one was left in the temp folder per row before)
+    with tempfile.TemporaryDirectory(prefix="bench-speed-") as tmp:
+        folder = Path(tmp)
         (folder / "transformer").mkdir()
         conf = {**adapter_class(args.family).full_config, **SMOKE[args.family]}
         (folder / "transformer" / "config.json").write_text(json.dumps(conf))
         d["model"]["path"] = str(folder)
-    budget = CARD_SHARE * torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 1e15
-    choice = choose_checkpointing(Config.model_validate(d), spec["fraction"], budget)
-    return choice.checkpointed
+        return choose_checkpointing(Config.model_validate(d), spec["fraction"], budget).checkpointed
 
 
 def pcie_rate(dev) -> float | None:
