@@ -590,16 +590,21 @@ def place_encoder(encoder, device: torch.device, fraction: float):
     return attach_offload(blocks, device, fraction, mode="sample")
 
 
+def resolve_device(device: torch.device | str) -> torch.device | str:
+    """train.device's `auto` as the encoders take it: CUDA where there is one, else the CPU; anything else as given."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 class StagedLoader(EncoderStages):
     """The adapter's own loader for the two stages on `device` (default train.device), text encoders streamed
     by `place_text(encoder, device)` when given (it returns a handle to close, or None)."""
 
     def __init__(self, cfg, adapter, device=None, dtype=None, place_text=None) -> None:
         super().__init__()
-        dev = device if device is not None else cfg.train.device
-        if dev == "auto":
-            dev = "cuda" if torch.cuda.is_available() else "cpu"
-        self.cfg, self.adapter, self.device = cfg, adapter, torch.device(dev)
+        self.cfg, self.adapter = cfg, adapter
+        self.device = torch.device(resolve_device(device if device is not None else cfg.train.device))
         self.dtype = dtype or DTYPES[cfg.model.dtype]
         self.place_text = place_text
 
@@ -623,9 +628,7 @@ def encoder_loader(cfg, adapter, device: torch.device | str | None = None) -> Ca
     """The default `load_encoders`: VAE + text encoders of `cfg.model` on `device` (default: train.device)."""
 
     def load():
-        dev = device if device is not None else cfg.train.device
-        if dev == "auto":
-            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = resolve_device(device if device is not None else cfg.train.device)
         return adapter.load(cfg.model, parts={"vae", "text"}, dtype=DTYPES[cfg.model.dtype], device=dev)
 
     return load

@@ -26,7 +26,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
-from ..data.cache import place_encoder
+from ..data.cache import place_encoder, resolve_device
 from ..offload import move_outside_blocks
 from ..planner.prediction import ALLOCATOR_OVERHEAD
 from ..planner.sampling import SAMPLE_TILE_PIXELS, VAE_ACT_DECODE
@@ -173,9 +173,7 @@ def encode_tiles(family: str, device: torch.device | str):
     latent-caching phase predicts the same choice against the card's budget."""
     from ..models import adapter_class
 
-    if device == "auto":  # train.device's default, as the cache's StagedLoader resolves it
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = torch.device(resolve_device(device))  # train.device's auto, as the cache's StagedLoader takes it
     if device.type != "cuda" or adapter_class(family).full_vae_config is None:
         return None
 
