@@ -216,10 +216,12 @@ def _latent_caching(facts: Facts, res: int, vae: float, encode_batch: int,
         return vae + encoder + encode_need(facts.family, facts.vae_config, facts.dtype, w, h, frames, encode_batch,
                                            tiled)
 
-    tiled = w * h > CACHE_TILE_PIXELS
+    # the cache's own rule (`encode_tiles`), with the room the card's budget leaves beside the VAE
+    tiled = w * h > CACHE_TILE_PIXELS if budget is None else \
+        encode_tiles(facts.family, facts.vae_config, facts.dtype, w, h, frames, encode_batch, budget - vae - encoder)
     note = f"{w}x{h}x{frames} clips, " + ("tiled" if tiled else "untiled")
-    if not tiled and budget is not None and vram(False) > budget:
-        tiled, note = True, f"{w}x{h}x{frames} clips, tiled (untiled {vram(False) / GB:.1f} GB)"
+    if tiled and w * h <= CACHE_TILE_PIXELS:  # tiled for the budget alone
+        note += f" (untiled {vram(False) / GB:.1f} GB)"
     return PhasePrediction("latent caching", vram(tiled), ram, note)
 
 
