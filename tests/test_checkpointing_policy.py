@@ -3,10 +3,13 @@
 
 Equivalence (fp32, CPU): keeping a block's activations instead of recomputing it gives bitwise the same losses and
 LoRA weights, at fraction 0 for all, none or some blocks, and at fraction 0.5 for the blocks that never leave the
-ring. A streamed block without checkpointing is refused (its weights would be refilled under saved views)."""
+ring, and at fractions 0.25-1 for streamed blocks too (their saved weight views resolve to the region they are
+loaded into for backward). A trainable streamed block without checkpointing is refused (it is stepped and written
+back in its backward)."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -17,10 +20,10 @@ from trainer.offload import attach_offload
 from trainer.offload.block import StreamedBlock
 
 
-def _run(fraction, checkpointing, steps=2, layers=2, singles=2):
+def _run(fraction, checkpointing, steps=2, layers=2, singles=2, race_detector=False):
     m = add_lora(tiny_flux(0, layers=layers, singles=singles))
     blocks = blocks_of(m)
-    h = attach_offload(blocks, "cpu", fraction, checkpointing=checkpointing)
+    h = attach_offload(blocks, "cpu", fraction, checkpointing=checkpointing, race_detector=race_detector)
     recomputed = []
     for i, b in enumerate(blocks):  # recomputes: a block's submodules called under backward
         for sub in b.children():
@@ -47,7 +50,7 @@ def test_keeping_activations_is_bitwise_recomputing_at_offload_0(policy):
     assert got[2] == want  # only the checkpointed blocks ran again
 
 
-def test_streamed_blocks_stay_checkpointed_and_resident_ones_may_keep_activations():
+def test_resident_blocks_of_a_streamed_run_may_keep_activations():
     six = dict(layers=0, singles=6)  # equal blocks: at 0.25 the training plan leaves the middle ones resident
     ref = _run(0.25, True, **six)
     streamed = set(ref[3].streamed)
@@ -56,10 +59,40 @@ def test_streamed_blocks_stay_checkpointed_and_resident_ones_may_keep_activation
     got = _run(0.25, policy, **six)
     _same(got, ref)
     assert got[2] == sorted(streamed)
-    with pytest.raises(ValueError, match=r"blocks \[\d.*\] stream at fraction 0.25 but are not checkpointed"):
-        _run(0.25, [not c for c in policy], **six)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
+@pytest.mark.parametrize("policy", ["none", "streamed kept"])
+def test_streamed_blocks_may_keep_activations_and_train_bitwise(fraction, policy):
+    """A streamed block that is not recomputed: autograd's saved views of its weights resolve to the region the
+    block is loaded into for its backward (conductor `saved_weights`), under the race detector (a released region
+    is NaN at once), bitwise the recomputed run."""
+    six = dict(layers=1, singles=4)
+    ref = _run(fraction, True, **six)
+    streamed = set(ref[3].streamed)
+    assert streamed
+    checkpointing = False if policy == "none" else [i not in streamed for i in range(5)]
+    got = _run(fraction, checkpointing, race_detector=True, **six)
+    _same(got, ref)
+    assert got[2] == ([] if policy == "none" else sorted(set(range(5)) - streamed))  # nothing streamed recomputes
+
+
+def test_a_kept_streamed_block_without_the_saved_weight_hooks_reads_refilled_weights(monkeypatch):
+    """Negative control: without `saved_weights`, backward reads the ring views autograd saved in forward after
+    their regions were refilled (NaN under the race detector)."""
+    import contextlib
+
+    from trainer.offload.conductor import Conductor
+
+    monkeypatch.setattr(Conductor, "saved_weights", lambda self, i: contextlib.nullcontext())
+    losses, state, _, _ = _run(1.0, False, race_detector=True, layers=1, singles=4)
+    assert not all(torch.isfinite(v).all() for v in state.values())
+
+
+def test_trainable_streamed_blocks_must_be_recomputed():
+    m = tiny_flux(0, layers=0, singles=4)
     with pytest.raises(ValueError, match="needs per-block checkpointing"):
-        _run(0.25, False, **six)
+        attach_offload(blocks_of(m), "cpu", 0.5, trainable=True, checkpointing=False)
 
 
 def test_wrong_length_is_refused_and_close_restores_the_blocks():
@@ -107,7 +140,7 @@ def test_auto_keeps_the_blocks_the_budget_allows_and_says_what_it_costs(tiny_mod
         <= (all_ck + none_ck) / 2
 
 
-def test_auto_never_keeps_a_streamed_block(tiny_models, tmp_path):
+def test_auto_keeps_streamed_lora_blocks_but_recomputes_streamed_trainable_ones(tiny_models, tmp_path):
     from trainer.planner import analyze
     from trainer.planner.checkpointing import choose_checkpointing
     from trainer.planner.prediction import _train_plan
@@ -115,7 +148,11 @@ def test_auto_never_keeps_a_streamed_block(tiny_models, tmp_path):
     cfg = _cfg(tiny_models, tmp_path, gradient_checkpointing="auto")
     facts = analyze(cfg)
     streamed = set(_train_plan(tuple(facts.packed), 0.5).streamed)
+    assert streamed
     got = choose_checkpointing(cfg, 0.5, budget_bytes=1e15, facts=facts, log=lambda s: None)
+    assert got.checkpointed == [False] * len(facts.blocks)  # a LoRA's streamed blocks may keep too
+    full = dataclasses.replace(facts, method="full")
+    got = choose_checkpointing(cfg, 0.5, budget_bytes=1e15, facts=full, log=lambda s: None)
     assert [i for i, c in enumerate(got.checkpointed) if c] == sorted(streamed)
 
 

@@ -83,7 +83,8 @@ def test_out_of_range_fraction(tmp_path):
         ("offload:\n  transformer: auto\n", "vram_budget_gb"),
         ("optimizer:\n  fused_back_pass: true\n", "max_grad_norm: null"),
         ("optimizer:\n  fused_back_pass: true\n  max_grad_norm: null\ntrain:\n  grad_accum: 2\n", "grad_accum must be 1"),
-        ("train:\n  gradient_checkpointing: false\noffload:\n  transformer: 0.5\n", "gradient_checkpointing: true"),
+        ("train:\n  method: full\n  gradient_checkpointing: false\noffload:\n  transformer: 0.5\noptimizer:\n"
+         "  fused_back_pass: true\n  max_grad_norm: null\n", "gradient_checkpointing: true"),
     ],
 )
 def test_impossible_combinations_name_the_fix(tmp_path, extra, fix):
@@ -91,6 +92,12 @@ def test_impossible_combinations_name_the_fix(tmp_path, extra, fix):
     with pytest.raises(ConfigError) as e:
         load_config(_write(tmp_path, text))
     assert fix in str(e.value)
+
+
+def test_a_streamed_lora_may_keep_every_blocks_activations(tmp_path):
+    text = BASE.replace("train:\n  steps: 5\n", "") + "train:\n  gradient_checkpointing: false\noffload:\n  transformer: 0.5\n"
+    cfg = load_config(_write(tmp_path, text))
+    assert cfg.train.gradient_checkpointing is False and cfg.offload.transformer == 0.5
 
 
 def test_set_overrides_are_typed_and_validated(tmp_path):

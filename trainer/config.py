@@ -226,8 +226,9 @@ class TrainConfig(_Section):
         default=True,
         description="Recompute each block in backward instead of storing its activations (true), store them all "
         "(false), or auto: the planner keeps the activations of as many blocks as the VRAM budget "
-        "(offload.vram_budget_gb, else the GPU's memory) allows, and recomputes the rest; streamed blocks are "
-        "always recomputed. The log and `dittrain plan` say what it chose and what it costs.",
+        "(offload.vram_budget_gb, else the GPU's memory) allows, and recomputes the rest (a LoRA's streamed blocks "
+        "may keep theirs too; a full fine-tune's streamed blocks are always recomputed). The log and "
+        "`dittrain plan` say what it chose and what it costs.",
     )
     timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
         default="logit_normal", description="How training timesteps t in (0, 1) are drawn."
@@ -683,10 +684,10 @@ class Config(_Section):
                 "offload.transformer > 0 in full fine-tuning needs optimizer.fused_back_pass: true "
                 "(each block's weights are stepped while the block is on the GPU)"
             )
-        if streams and not t.gradient_checkpointing:
+        if streams and not t.gradient_checkpointing and t.method == "full":
             raise ValueError(
-                "offload.transformer > 0 needs train.gradient_checkpointing: true "
-                "(an offloaded block is reloaded and recomputed in backward)"
+                "offload.transformer > 0 in full fine-tuning needs train.gradient_checkpointing: true or auto "
+                "(a streamed trainable block is reloaded, recomputed and stepped in its backward)"
             )
         if o.activations and not t.gradient_checkpointing:
             raise ValueError("offload.activations needs train.gradient_checkpointing: true")

@@ -12,6 +12,9 @@ fresh set of processes (spawn, NCCL):
 - world N > 1: one conductor, two ways to fill its ring, switched between measurements at a step boundary on every
   process (the arena holds whole blocks either way): "whole copies" (each GPU copies every block over PCIe, what
   ddp did before) and "sharded stream" (each GPU copies 1/N of every block, NCCL all-gathers the rest);
+- with --keep, one more row on the same handle: every streamed block keeps its activations on the GPU instead of
+  being recomputed (the conductor resolves its saved weight views where the block is loaded for backward), sharded
+  at N > 1;
 - the host's links in the same processes: pinned host-to-device GB/s per GPU with all N copying at once, and the
   all-gather bus bandwidth of the gather group (256 MiB a rank).
 
@@ -27,6 +30,7 @@ ddp path) and "owned steps" (trainer/train/owners.py: the sharded stream from th
 stepping 1/N of the weights and keeping their state in pinned RAM).
 
     python -m bench.multi_gpu.bench_sharded --gpus 4 --out $OUT/sharded
+    python -m bench.multi_gpu.bench_sharded --gpus 4 --compile --ring 3 --keep --out $OUT/sharded-keep
     python -m bench.multi_gpu.bench_sharded --full --gpus 4 --worlds 1,4 --out $OUT/sharded-full
     python -m bench.multi_gpu.bench_sharded --gpus 2 --layers 1 --singles 2 --res 64 --text 16 --steps 2 --warmup 1   # smoke
 """
@@ -301,6 +305,16 @@ def _worker(rank: int, world: int, args, port: int, out: str) -> None:
             _barrier(world, dev)
             c.gather = g  # every process switches at the same step boundary
             rows.append(row(f"{world} GPUs, {name}", h, step))
+    if args.keep:  # the same ring and stream, every block keeping its activations (conductor `saved_weights`)
+        _sync(dev)
+        _barrier(world, dev)
+        c.checkpointed = [False] * len(c.checkpointed)
+        name = "1 GPU streamed" if world == 1 else f"{world} GPUs, sharded stream"
+        try:
+            rows.append(row(f"{name}, nothing recomputed", h, step))
+        except torch.cuda.OutOfMemoryError:
+            print(f"{name}, nothing recomputed: out of memory, row left out", flush=True)
+            opt.zero_grad(set_to_none=True)
     links = _links(dev, world, group, args)
     for r in rows:
         r.update(links)
@@ -321,6 +335,8 @@ def main() -> None:
                     help="world 1 without the plain diffusers + peft rows (eager and compile_repeated_blocks)")
     ap.add_argument("--compile", action="store_true", help="each block class compiled (the trainer's train.compile)")
     ap.add_argument("--ring", type=int, default=2, help="min_ring_blocks of the streamed runs")
+    ap.add_argument("--keep", action="store_true",
+                    help="also a row where the streamed blocks keep their activations (nothing recomputed)")
     ap.add_argument("--full", action="store_true", help="a full fine-tune: whole copies against owned steps")
     ap.add_argument("--optimizer", default="adafactor", help="--full: adamw, adamw8bit or adafactor")
     ap.add_argument("--full-modes", default="whole,owned", help="--full with several GPUs: rows to run")

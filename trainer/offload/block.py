@@ -43,6 +43,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from . import compiled
@@ -76,6 +77,35 @@ class _ReleaseAfterBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.callback()
         return (None, *grads)
+
+
+class _EnterBeforeBackward(torch.autograd.Function):
+    """Identity on a kept streamed block's outputs whose backward is the block's `enter(BWD, i)`: it runs before
+    any backward kernel of the block (they all need these outputs' gradients), so the block is loaded and its
+    saved weight views resolve to where it is now (conductor `saved_weights`)."""
+
+    @staticmethod
+    def forward(ctx, enter, *xs):
+        ctx.enter = enter
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.enter()
+        return (None, *grads)
+
+
+def _enter_before_backward(c, i: int, out):
+    """`out` (a block's output: a tensor or a structure of them) with its grad-carrying tensors passed through
+    `_EnterBeforeBackward`."""
+    flat, spec = tree_flatten(out)
+    idx = [j for j, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not idx:
+        return out
+    outs = _EnterBeforeBackward.apply(lambda: c.enter(BWD, i), *[flat[j] for j in idx])
+    for j, o in zip(idx, outs, strict=True):
+        flat[j] = o
+    return tree_unflatten(flat, spec)
 
 
 def _in_backward() -> bool:
@@ -115,7 +145,10 @@ class StreamedBlock:
         kw = dict(kwargs)
         kw.update(zip(keys, flat[len(args):], strict=True))
         c.enter(FWD, i)
-        out = self._compute(*flat[:len(args)], **kw)
+        with c.saved_weights(i):  # a streamed block: saved weight views resolve to its region in backward
+            out = self._compute(*flat[:len(args)], **kw)
+        if c.refills(i):
+            out = _enter_before_backward(c, i, out)
         c.leave_forward(i)
         return out
 

@@ -76,7 +76,9 @@ several GPUs per process, and blocks that appear twice in one pass.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -89,6 +91,17 @@ from .plan import inputs_on_device as plan_inputs_on_device
 
 def _nothing() -> None:
     pass
+
+
+class _RingView(NamedTuple):
+    """A saved tensor that lay in block `block`'s ring region: its byte offset in the region, shape, strides and
+    dtype (conductor `saved_weights`)."""
+
+    block: int
+    offset: int
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
 
 
 _NAN: dict[torch.dtype, torch.Tensor] = {}
@@ -167,11 +180,11 @@ class Conductor:
         self._park_buf: HostArena | None = None  # a parked model's never-streamed blocks (`park`)
         self._park_off: dict[int, int] = {}
         self._step0 = 0  # the step the plan's step 0 is (a new conductor, or the last `unpark`)
-        if self.fraction > 0.0 and mode == "train" and not self.checkpointing:
-            # Without recompute, backward reads weights autograd saved in forward, long after their ring
-            # region was refilled: streaming in training is only correct with per-block checkpointing.
+        if self.fraction > 0.0 and mode == "train" and trainable and not self.checkpointing:
+            # A trainable streamed block is stepped and written back in its backward: only a recomputed one
+            # (frozen blocks may keep their activations: `saved_weights`)
             raise ValueError(
-                "offloading blocks in training needs per-block checkpointing (checkpointing=True)"
+                "offloading trainable blocks in training needs per-block checkpointing (checkpointing=True)"
             )
         self.cuda = self.device.type == "cuda"
         #: checkpoint inputs to pinned RAM (None: off); StreamedBlock wraps each checkpoint in its hooks
@@ -275,9 +288,9 @@ class Conductor:
         cap = capacity_for(sizes, self.fraction, min_blocks=min_ring_blocks)
         self.plan: Plan = plan_for(sizes, cap, self.mode, min_ring_blocks)
         kept = [b for b in self.plan.streamed if not self.checkpointed[b]]
-        if self.mode == "train" and kept:  # the same reason as in __init__, block by block
-            raise ValueError(f"offloading blocks in training needs per-block checkpointing: blocks {kept} stream at "
-                             f"fraction {self.fraction:g} but are not checkpointed")
+        if self.mode == "train" and self.trainable and kept:  # the same reason as in __init__, block by block
+            raise ValueError(f"offloading trainable blocks in training needs per-block checkpointing: blocks "
+                             f"{kept} stream at fraction {self.fraction:g} but are not checkpointed")
         return sizes
 
     def _arena_layout(self, sizes: list[int]) -> int:
@@ -400,6 +413,39 @@ class Conductor:
             torch.cuda.current_stream(self.device).wait_event(ev)
         if self.params_at[i] != off:
             self._point(i)
+
+    def refills(self, i: int) -> bool:
+        """Block `i` may be loaded again between its forward and its backward (it streams, in training): a kept
+        one then saves its weights through `saved_weights` and enters its backward through its outputs."""
+        return self.streaming and self.mode == "train" and i in self.host_off
+
+    def saved_weights(self, i: int):
+        """The saved-tensor hooks of a kept (not recomputed) block `i`'s forward when it `refills`: a tensor
+        autograd saves that lies in the ring (one of the block's weights, or a view of one) is saved as where it
+        lies in the block's region, and unpacked in backward as the same view of the region the block occupies
+        then (`enter(BWD, i)` has loaded it: the block's output identity runs before its backward kernels).
+        Everything else is saved as is. A null context for any other block."""
+        if not self.refills(i):
+            return contextlib.nullcontext()
+        buf = self.ring.buf
+        ptr, base = buf.untyped_storage().data_ptr(), self.params_at[i]
+
+        def pack(t: torch.Tensor):
+            if t.device != buf.device or t.untyped_storage().data_ptr() != ptr:
+                return t
+            return _RingView(i, t.storage_offset() * t.element_size() - base, tuple(t.shape), t.stride(), t.dtype)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack_saved)
+
+    def _unpack_saved(self, x):
+        if not isinstance(x, _RingView):
+            return x
+        off = self.params_at[x.block]
+        if off is None or self.parked:
+            raise RuntimeError(f"offload: block {x.block}'s backward read its weights before the block was loaded")
+        size = torch.empty(0, dtype=x.dtype).element_size()
+        return torch.empty(0, dtype=x.dtype, device=self.ring.buf.device).set_(
+            self.ring.buf.untyped_storage(), (off + x.offset) // size, x.shape, x.stride)
 
     def leave_forward(self, i: int) -> None:
         """Block `i`'s forward is enqueued: its forward position is released (the plan may refill its region)."""

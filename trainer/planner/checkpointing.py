@@ -6,9 +6,12 @@ a second forward of the block inside backward: about a third of a LoRA step's FL
 faster without. It is all or nothing only on a card that holds every block's activations; between the two, each
 block kept saves its recompute and costs its saved tensors.
 
-Which blocks may keep. Only a block that never leaves the GPU ring (all of them at offload 0): a streamed block
-is reloaded into a region whose bytes were refilled since its forward, so autograd's saved views of its weights
-would read another block's weights (the version-counter pitfall in DESIGN.md); the conductor refuses it.
+Which blocks may keep. Any block of a LoRA (frozen blocks): a streamed one is reloaded for its backward into a
+region whose bytes were refilled since its forward, and the conductor saves its weights as places in its region,
+resolved where the block is when backward reads them (conductor `saved_weights`; without that, autograd's saved
+views would read another block's weights: the version-counter pitfall in DESIGN.md). A kept streamed block still
+streams twice a step; it saves its recompute, not its copies. In a full fine-tune only the blocks that never leave
+the ring: a streamed trainable block is stepped and written back inside its backward (the conductor refuses it).
 
 How. The planner's own prediction (prediction.py `predict(..., kept=...)`) gives the peak reserved VRAM and the
 step time with a set of blocks kept. Candidates are taken from the last block backwards (the tail is
@@ -49,8 +52,9 @@ class Choice:
 
 
 def candidates(facts: Facts, fraction: float) -> list[int]:
-    """Blocks that may keep their activations at `fraction` (never streamed), last first."""
-    plan = _train_plan(tuple(facts.packed), fraction)
+    """Blocks that may keep their activations at `fraction` (every block of a LoRA; in a full fine-tune those
+    never streamed), last first."""
+    plan = _train_plan(tuple(facts.packed), fraction) if facts.method == "full" else None
     streamed = set(plan.streamed) if plan is not None else set()
     return [b for b in reversed(range(len(facts.blocks))) if b not in streamed]
 
