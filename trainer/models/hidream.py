@@ -58,7 +58,7 @@ from typing import Any, ClassVar
 import diffusers
 import torch
 from diffusers import HiDreamImagePipeline
-from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
+from diffusers.models.transformers.transformer_hidream_image import HiDreamBlock, MOEFeedForwardSwiGLU
 from diffusers.pipelines.hidream_image.pipeline_hidream_image import calculate_shift
 from torch import nn
 
@@ -104,6 +104,28 @@ class _MoEFeedForward(MOEFeedForwardSwiGLU):
             return super().forward(x.contiguous())
         return self._balanced(x)
 
+    @torch.no_grad()
+    def moe_infer(self, x, flat_expert_indices, flat_expert_weights):
+        """diffusers' `moe_infer` (eval mode); compiled, the same ops with the experts' counts as unbacked sizes
+        (`.tolist()` instead of its numpy loop, which dynamo cannot unroll): every expert runs, an empty one on no
+        rows (diffusers skips it: its scatter adds nothing)."""
+        if not torch.compiler.is_compiling():
+            return super().moe_infer(x, flat_expert_indices, flat_expert_weights)
+        expert_cache = torch.zeros_like(x)
+        idxs = flat_expert_indices.argsort()
+        experts = torch.arange(len(self.experts), device=x.device)
+        ends = (flat_expert_indices[:, None] == experts).sum(0).cumsum(0).tolist()  # bincount: a static shape
+        token_idxs = idxs // self.num_activated_experts
+        start = 0
+        for expert, end in zip(self.experts, ends, strict=True):
+            exp_token_idx = token_idxs[start:end]
+            expert_out = expert(x[exp_token_idx])
+            expert_out.mul_(flat_expert_weights[idxs[start:end]])
+            expert_cache = expert_cache.to(expert_out.dtype)
+            expert_cache.scatter_reduce_(0, exp_token_idx.view(-1, 1).repeat(1, x.shape[-1]), expert_out, reduce="sum")
+            start = end
+        return expert_cache
+
     def _balanced(self, x: torch.Tensor) -> torch.Tensor:
         """The training path with every routed expert taking an equal share of the (token, expert) pairs: the same
         tensors (the repeated tokens, each expert's gathered input and hidden states, the weighted sum) and
@@ -122,6 +144,15 @@ class _MoEFeedForward(MOEFeedForwardSwiGLU):
         return y + self.shared_experts(x)
 
 
+class _HiDreamBlock(HiDreamBlock):
+    """diffusers' HiDreamBlock whose compiled forward (trainer/offload/compiled.py: `dynamo_config`) traces the
+    experts' data-dependent sizes (the training path's boolean masks, eval's counts) instead of breaking the graph
+    there and compiling again for every routing (module essay)."""
+
+    dynamo_config: ClassVar[dict[str, bool]] = {"capture_dynamic_output_shape_ops": True,
+                                                "capture_scalar_outputs": True}
+
+
 class HiDreamImageTransformer2DModel(diffusers.HiDreamImageTransformer2DModel):
     """diffusers' HiDreamImageTransformer2DModel (same name, config and weights) whose MoE feed-forwards also run on
     the meta device (module essay); on real tensors every call is diffusers' own."""
@@ -132,6 +163,8 @@ class HiDreamImageTransformer2DModel(diffusers.HiDreamImageTransformer2DModel):
         for m in self.modules():
             if type(m) is MOEFeedForwardSwiGLU:
                 m.__class__ = _MoEFeedForward
+            elif type(m) is HiDreamBlock:
+                m.__class__ = _HiDreamBlock
 
 
 class HiDreamImageAreaPipeline(HiDreamImagePipeline):

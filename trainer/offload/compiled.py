@@ -47,6 +47,7 @@ Backend: inductor; `DITTRAIN_COMPILE_BACKEND` (e.g. `aot_eager`, `eager`) overri
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -119,6 +120,7 @@ def forward_of(cls: type, opts: CompileOptions):
     if fn is None:
         _raise_limit(opts)
         tokens = opts.dynamic == "tokens"
+        dynamo = dict(getattr(cls, "dynamo_config", {}))  # the class's own tracing settings (see the essay)
         # "tokens": torch's default (None: static first, automatic dynamic after) plus the marks made below
         compiled = torch.compile(cls.forward, backend=opts.backend, dynamic=None if tokens else bool(opts.dynamic),
                                  mode=opts.mode)
@@ -129,7 +131,8 @@ def forward_of(cls: type, opts: CompileOptions):
                 mark_token_axes(kwargs)
             before = _graphs()
             t0 = time.perf_counter()
-            out = compiled(*args, **kwargs)
+            with torch._dynamo.config.patch(**dynamo) if dynamo else contextlib.nullcontext():
+                out = compiled(*args, **kwargs)
             if _graphs() != before:  # a new graph was traced and compiled in this call
                 _STATS["graphs"] += _graphs() - before
                 _STATS["seconds"] += time.perf_counter() - t0
