@@ -30,6 +30,20 @@ How each piece mirrors diffusers' HiDreamImagePipeline (0.42):
   hidden states the trained layers change) while the LoRA of every expert, shared and routed, trains; a full
   fine-tune trains it with the rest, through the top-2 weights (diffusers' auxiliary load-balancing loss is computed
   and dropped, as in its own training path).
+- compiled (`train.compile`, trainer/offload/compiled.py): the masks' sizes are data, and dynamo by default breaks
+  the graph there (`aten.nonzero`), skips the MoE's frame (a break inside its loop) and compiles each expert's
+  forward as its own frame for the token count it got; with static shapes every new count is a new graph, so each
+  step's routing compiled again until torch's recompile limit, then the experts ran eager (measured on a tiny
+  model of two blocks with 8 buckets' limit: 16, 21, 24, 26 graphs after each of 4 steps). The blocks are
+  `_HiDreamBlock`s (diffusers' class, same forward) whose `dynamo_config` has dynamo trace those sizes as unbacked
+  symbols (`capture_dynamic_output_shape_ops`, `capture_scalar_outputs`): one graph per block variant and bucket
+  whatever the routing, the experts' matmuls and their LoRA inside it, diffusers' own training code traced, so the
+  same ops (aot_eager: eager's loss and gradients bitwise; inductor on the CPU: losses within 3e-8). The host
+  syncs stay (each mask's size). Eval mode's `moe_infer` (numpy counts, a loop dynamo cannot unroll) is, compiled
+  only, the same ops with the counts as `.tolist()` and every expert run, an empty one on no rows; eager it is
+  diffusers'.
+  Chosen over a static-shape rewrite (every routed expert on every token: twice the routed FLOPs; grouped matmuls:
+  no per-expert LoRA Linears) and over leaving the experts eager outside the graph (the bulk of the block's FLOPs).
 - the planner: its meta-device trace cannot run the experts' boolean masks (their sizes are data), so the family's
   transformer class (`HiDreamImageTransformer2DModel` here: diffusers' class, same name, config and weights) gives
   each routed expert an equal share of the token-expert pairs on the meta device (balanced routing) and runs

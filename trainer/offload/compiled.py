@@ -17,6 +17,10 @@ frozen embedders), and in sampling Flux's first single block gets a contiguous i
 So per block class and bucket shape there are at most two variants per grad mode, whatever the number of
 blocks. Dynamo's per-function recompile limit (8 by default) is raised to fit `shapes` bucket shapes.
 
+A block class may carry `dynamo_config` (a dict of `torch._dynamo.config` settings): they hold while its compiled
+forward is traced and run. HiDream's (trainer/models/hidream.py) has dynamo capture the sizes of its experts'
+token masks, which would otherwise break the graph and compile each expert again for every routing.
+
 Shapes. `dynamic=False` (default): one compile per bucket shape, the fastest kernels, compile time growing with
 the number of buckets. `dynamic="tokens"`: before every call the token axes of the block's inputs are
 marked dynamic (`torch._dynamo.maybe_mark_dynamic`: every axis of a floating or complex input but its last, the
