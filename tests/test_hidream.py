@@ -253,6 +253,87 @@ def test_compiled_training_with_ema_and_validation_matches_eager(tiny_models, im
     compiled_fit_with_ema_and_validation_equals_eager(FAMILY, tiny_models, images, tmp_path, monkeypatch)
 
 
+@pytest.mark.slow
+def test_compiled_blocks_trace_every_routing_in_one_graph_as_eager(parts):
+    """Regional compilation (aot_eager) over steps that route differently: dynamo traces the MoE's data-dependent
+    sizes (`_HiDreamBlock.dynamo_config`) instead of breaking the graph at each expert's token mask and compiling the
+    expert again for every new token count (up to the recompile limit, then eager): one graph per block variant
+    (the double block's first call takes inputs without gradients, the single block's other shapes), none more for a
+    new routing, and eager's losses and gradients; eval mode (`moe_infer`, sampling) too, with eager's output."""
+    from peft import LoraConfig
+    from torch._dynamo.utils import counters
+
+    from trainer.offload import CompileOptions, attach_offload, compiled
+
+    adapter, comps, _ = parts
+    cls = adapter_class(FAMILY).transformer_cls
+    conf = {**comps.transformer.config, "num_layers": 1, "num_single_layers": 1, "llama_layers": [0, 3]}
+    torch.manual_seed(0)
+    base = cls.from_config(conf).state_dict()
+    opts = CompileOptions(backend="aot_eager", shapes=8)  # the trainer's limit for 8 buckets
+
+    def model():
+        m = cls.from_config(conf)
+        m.load_state_dict(base)
+        m.requires_grad_(False)
+        torch.manual_seed(1)
+        m.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=list(adapter.default_lora_targets),
+                                 init_lora_weights="gaussian"))
+        return m
+
+    def inputs(m, seed):
+        torch.manual_seed(seed)
+        kw = adapter.dummy_inputs(m, 1, 32, 32, 8, torch.float32, device="cpu")
+        return {**kw, "timesteps": torch.rand(1) * 1000, "return_dict": False}
+
+    def run(compile, train, seeds):
+        m = model().train(train)
+        blocks = adapter.blocks(m)
+        h = attach_offload(blocks, "cpu", 0.0, mode="train" if train else "sample", compile=compile)
+        routed, outs, graphs = [], [], []
+        hook = None if compile else blocks[0].block.ff_i.gate.register_forward_hook(
+            lambda _m, _a, out: routed.append(out[0].flatten().bincount(minlength=4).tolist()))
+        for s in seeds:
+            with torch.set_grad_enabled(train):
+                out = m(**inputs(m, s))[0]
+            if train:
+                out.pow(2).mean().backward()
+                outs.append((out.pow(2).mean().detach(), {n: p.grad.clone() for n, p in m.named_parameters()
+                                                          if p.grad is not None}))
+                m.zero_grad()
+            else:
+                outs.append(out)
+            graphs.append(compiled.stats()["graphs"])
+        if hook is not None:
+            hook.remove()
+        h.close()
+        return outs, routed, graphs
+
+    compiled.reset()
+    breaks = sum(counters["graph_break"].values())
+    try:
+        seeds = range(4)
+        eager, routed, _ = run(False, True, seeds)
+        assert len({tuple(r) for r in routed}) > 1  # the routings differ
+        got, _, graphs = run(opts, True, seeds)
+        assert graphs == [2] * len(seeds)  # the double block's (inputs without gradients) and the single block's
+        for (loss, grads), (want_loss, want_grads) in zip(got, eager, strict=True):
+            torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+            assert grads.keys() == want_grads.keys() and any(".experts.3." in k for k in grads)
+            for k in grads:
+                torch.testing.assert_close(grads[k], want_grads[k], rtol=1e-4, atol=1e-6)
+        compiled.reset()
+        eager, routed, _ = run(False, False, seeds)
+        assert len({tuple(r) for r in routed}) > 1
+        got, _, graphs = run(opts, False, seeds)
+        assert graphs == [2] * len(seeds)
+        for a, b in zip(got, eager, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert sum(counters["graph_break"].values()) == breaks  # none at the experts' masks or counts
+    finally:
+        compiled.reset()
+
+
 # ---------------------------------------------------------------------------------------------- sampling
 
 

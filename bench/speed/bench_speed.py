@@ -56,7 +56,8 @@ Issue 42's image families (lumina2, anima, ernie-image, ideogram4, hidream) go t
 family's full config, its `dummy_inputs` at 1024 px (`text_tokens` caption tokens: HiDream's T5 and Llama's 32 hidden
 states, 128 tokens each, CLIP's pooled features), its default LoRA targets; their offload-0 compiled rows
 are held to 0.85 x plain compiled (TARGETS42). HiDream's MoE feed-forwards run diffusers' training-mode forward
-in both rows (the routed experts as a loop over boolean masks: graph breaks under compile); Ideogram 4 builds
+in both rows (the routed experts as a loop over boolean masks): compile_repeated_blocks breaks the graph at each
+mask, dittrain's blocks trace the masks' sizes whole (`dynamo_config`, trainer/models/hidream.py); Ideogram 4 builds
 the trained (conditional) transformer alone, and its plain rows hand it the text features over the whole
 sequence, as diffusers' forward takes them (`plain_inputs`; dittrain's rows give the text rows alone).
 
@@ -119,8 +120,8 @@ SMOKE = {  # tiny widths per family for --smoke (CPU)
                       intermediate_size=64, adaln_dim=16, llm_features_dim=13 * 16, mrope_section=(4, 2, 2)),
     "hidream": dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                     caption_channels=[32, 16], text_emb_dim=40, axes_dims_rope=[8, 4, 4], max_resolution=[16, 16],
-                    llama_layers=[0, 1], num_routed_experts=2),  # 2 per token as the release; Dynamo breaks the
-                    # graph at each routed expert's token mask, so every expert is a few more compiled frames
+                    llama_layers=[0, 1], num_routed_experts=2),  # 2 per token as the release; plain compile
+                    # breaks the graph at each routed expert's token mask (dittrain's blocks trace it)
 }
 TARGETS29 = {  # issue 29: ratio to plain compiled ("compiled") or to the row's PCIe floor ("floor"), by row name
     "dittrain offload 0, compiled": ("compiled", 0.80),

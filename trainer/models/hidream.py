@@ -30,6 +30,20 @@ How each piece mirrors diffusers' HiDreamImagePipeline (0.42):
   hidden states the trained layers change) while the LoRA of every expert, shared and routed, trains; a full
   fine-tune trains it with the rest, through the top-2 weights (diffusers' auxiliary load-balancing loss is computed
   and dropped, as in its own training path).
+- compiled (`train.compile`, trainer/offload/compiled.py): the masks' sizes are data, and dynamo by default breaks
+  the graph there (`aten.nonzero`), skips the MoE's frame (a break inside its loop) and compiles each expert's
+  forward as its own frame for the token count it got; with static shapes every new count is a new graph, so each
+  step's routing compiled again until torch's recompile limit, then the experts ran eager (measured on a tiny
+  model of two blocks with 8 buckets' limit: 16, 21, 24, 26 graphs after each of 4 steps). The blocks are
+  `_HiDreamBlock`s (diffusers' class, same forward) whose `dynamo_config` has dynamo trace those sizes as unbacked
+  symbols (`capture_dynamic_output_shape_ops`, `capture_scalar_outputs`): one graph per block variant and bucket
+  whatever the routing, the experts' matmuls and their LoRA inside it, diffusers' own training code traced, so the
+  same ops (aot_eager: eager's loss and gradients bitwise; inductor on the CPU: losses within 3e-8). The host
+  syncs stay (each mask's size). Eval mode's `moe_infer` (numpy counts, a loop dynamo cannot unroll) is, compiled
+  only, the same ops with the counts as `.tolist()` and every expert run, an empty one on no rows; eager it is
+  diffusers'.
+  Chosen over a static-shape rewrite (every routed expert on every token: twice the routed FLOPs; grouped matmuls:
+  no per-expert LoRA Linears) and over leaving the experts eager outside the graph (the bulk of the block's FLOPs).
 - the planner: its meta-device trace cannot run the experts' boolean masks (their sizes are data), so the family's
   transformer class (`HiDreamImageTransformer2DModel` here: diffusers' class, same name, config and weights) gives
   each routed expert an equal share of the token-expert pairs on the meta device (balanced routing) and runs
@@ -58,7 +72,7 @@ from typing import Any, ClassVar
 import diffusers
 import torch
 from diffusers import HiDreamImagePipeline
-from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
+from diffusers.models.transformers.transformer_hidream_image import HiDreamBlock, MOEFeedForwardSwiGLU
 from diffusers.pipelines.hidream_image.pipeline_hidream_image import calculate_shift
 from torch import nn
 
@@ -104,6 +118,28 @@ class _MoEFeedForward(MOEFeedForwardSwiGLU):
             return super().forward(x.contiguous())
         return self._balanced(x)
 
+    @torch.no_grad()
+    def moe_infer(self, x, flat_expert_indices, flat_expert_weights):
+        """diffusers' `moe_infer` (eval mode); compiled, the same ops with the experts' counts as unbacked sizes
+        (`.tolist()` instead of its numpy loop, which dynamo cannot unroll): every expert runs, an empty one on no
+        rows (diffusers skips it: its scatter adds nothing)."""
+        if not torch.compiler.is_compiling():
+            return super().moe_infer(x, flat_expert_indices, flat_expert_weights)
+        expert_cache = torch.zeros_like(x)
+        idxs = flat_expert_indices.argsort()
+        experts = torch.arange(len(self.experts), device=x.device)
+        ends = (flat_expert_indices[:, None] == experts).sum(0).cumsum(0).tolist()  # bincount: a static shape
+        token_idxs = idxs // self.num_activated_experts
+        start = 0
+        for expert, end in zip(self.experts, ends, strict=True):
+            exp_token_idx = token_idxs[start:end]
+            expert_out = expert(x[exp_token_idx])
+            expert_out.mul_(flat_expert_weights[idxs[start:end]])
+            expert_cache = expert_cache.to(expert_out.dtype)
+            expert_cache.scatter_reduce_(0, exp_token_idx.view(-1, 1).repeat(1, x.shape[-1]), expert_out, reduce="sum")
+            start = end
+        return expert_cache
+
     def _balanced(self, x: torch.Tensor) -> torch.Tensor:
         """The training path with every routed expert taking an equal share of the (token, expert) pairs: the same
         tensors (the repeated tokens, each expert's gathered input and hidden states, the weighted sum) and
@@ -122,6 +158,15 @@ class _MoEFeedForward(MOEFeedForwardSwiGLU):
         return y + self.shared_experts(x)
 
 
+class _HiDreamBlock(HiDreamBlock):
+    """diffusers' HiDreamBlock whose compiled forward (trainer/offload/compiled.py: `dynamo_config`) traces the
+    experts' data-dependent sizes (the training path's boolean masks, eval's counts) instead of breaking the graph
+    there and compiling again for every routing (module essay)."""
+
+    dynamo_config: ClassVar[dict[str, bool]] = {"capture_dynamic_output_shape_ops": True,
+                                                "capture_scalar_outputs": True}
+
+
 class HiDreamImageTransformer2DModel(diffusers.HiDreamImageTransformer2DModel):
     """diffusers' HiDreamImageTransformer2DModel (same name, config and weights) whose MoE feed-forwards also run on
     the meta device (module essay); on real tensors every call is diffusers' own."""
@@ -132,6 +177,8 @@ class HiDreamImageTransformer2DModel(diffusers.HiDreamImageTransformer2DModel):
         for m in self.modules():
             if type(m) is MOEFeedForwardSwiGLU:
                 m.__class__ = _MoEFeedForward
+            elif type(m) is HiDreamBlock:
+                m.__class__ = _HiDreamBlock
 
 
 class HiDreamImageAreaPipeline(HiDreamImagePipeline):

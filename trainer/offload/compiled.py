@@ -17,6 +17,10 @@ frozen embedders), and in sampling Flux's first single block gets a contiguous i
 So per block class and bucket shape there are at most two variants per grad mode, whatever the number of
 blocks. Dynamo's per-function recompile limit (8 by default) is raised to fit `shapes` bucket shapes.
 
+A block class may carry `dynamo_config` (a dict of `torch._dynamo.config` settings): they hold while its compiled
+forward is traced and run. HiDream's (trainer/models/hidream.py) has dynamo capture the sizes of its experts'
+token masks, which would otherwise break the graph and compile each expert again for every routing.
+
 Shapes. `dynamic=False` (default): one compile per bucket shape, the fastest kernels, compile time growing with
 the number of buckets. `dynamic="tokens"`: before every call the token axes of the block's inputs are
 marked dynamic (`torch._dynamo.maybe_mark_dynamic`: every axis of a floating or complex input but its last, the
@@ -47,6 +51,7 @@ Backend: inductor; `DITTRAIN_COMPILE_BACKEND` (e.g. `aot_eager`, `eager`) overri
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -119,6 +124,7 @@ def forward_of(cls: type, opts: CompileOptions):
     if fn is None:
         _raise_limit(opts)
         tokens = opts.dynamic == "tokens"
+        dynamo = dict(getattr(cls, "dynamo_config", {}))  # the class's own tracing settings (see the essay)
         # "tokens": torch's default (None: static first, automatic dynamic after) plus the marks made below
         compiled = torch.compile(cls.forward, backend=opts.backend, dynamic=None if tokens else bool(opts.dynamic),
                                  mode=opts.mode)
@@ -129,7 +135,8 @@ def forward_of(cls: type, opts: CompileOptions):
                 mark_token_axes(kwargs)
             before = _graphs()
             t0 = time.perf_counter()
-            out = compiled(*args, **kwargs)
+            with torch._dynamo.config.patch(**dynamo) if dynamo else contextlib.nullcontext():
+                out = compiled(*args, **kwargs)
             if _graphs() != before:  # a new graph was traced and compiled in this call
                 _STATS["graphs"] += _graphs() - before
                 _STATS["seconds"] += time.perf_counter() - t0
