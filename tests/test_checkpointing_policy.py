@@ -192,3 +192,20 @@ def test_dittrain_plan_says_what_auto_chose(tiny_models, tmp_path):
     assert any(line.startswith("checkpointing: auto keeps the activations of") for line in lines)
     lines, _ = report(cfg)  # no budget: it says so
     assert any("auto has no VRAM budget" in line for line in lines)
+
+
+def test_auto_plans_in_the_processs_vram_cap_where_one_is_set(tiny_models, tmp_path, monkeypatch):
+    """Under `set_per_process_memory_fraction` (DITTRAIN_VRAM_CAP_GB) the auto policy's budget is the cap's share,
+    not the whole card's."""
+    from trainer.planner import checkpointing
+    from trainer.train import streaming
+
+    cfg = _cfg(tiny_models, tmp_path, gradient_checkpointing="auto")
+    seen = []
+    monkeypatch.setattr(checkpointing, "choose_checkpointing",
+                        lambda cfg, fraction, budget, log=None: seen.append(budget) or SimpleNamespace(checkpointed=[]))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80e9))
+    for frac in (1.0, 0.5):
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i, f=frac: f)
+        streaming.checkpoint_policy(cfg, torch.device("cuda", 0), 1.0)
+    assert seen == [checkpointing.CARD_SHARE * 80e9, checkpointing.CARD_SHARE * 40e9]

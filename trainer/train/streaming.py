@@ -68,8 +68,9 @@ def compile_options(cfg: Config, device: torch.device, shapes: int = 8) -> Compi
 
 def checkpoint_policy(cfg: Config, device: torch.device, fraction: float) -> bool | list[bool]:
     """The handle's `checkpointing`: train.gradient_checkpointing, or for `auto` the planner's per-block choice
-    (trainer/planner/checkpointing.py) for the budget: offload.vram_budget_gb, else the GPU's memory (on the CPU
-    there is none to plan for: every block checkpointed). Logged once."""
+    (trainer/planner/checkpointing.py) for the budget: offload.vram_budget_gb, else the GPU's memory, or the
+    process's cap on it where one is set (on the CPU there is none to plan for: every block checkpointed). Logged
+    once."""
     c = cfg.train.gradient_checkpointing
     if c != "auto":
         return bool(c)
@@ -79,8 +80,10 @@ def checkpoint_policy(cfg: Config, device: torch.device, fraction: float) -> boo
     budget = None
     if cfg.offload.vram_budget_gb is not None:
         budget = cfg.offload.vram_budget_gb * GB
-    elif device.type == "cuda":
-        budget = CARD_SHARE * torch.cuda.get_device_properties(device).total_memory
+    elif device.type == "cuda":  # the card, or this process's cap where one is set (DITTRAIN_VRAM_CAP_GB)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = CARD_SHARE * total * min(1.0, torch.cuda.get_per_process_memory_fraction(index))
     if budget is None:
         return True
     try:
