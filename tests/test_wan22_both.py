@@ -497,3 +497,119 @@ def test_the_activation_buffers_are_given_back_before_each_sample_and_checkpoint
     # a checkpoint at step 4, a sample at 8, the final save (step 8's checkpoint)
     assert events.count("step") == STEPS and events.count("save") == 2 and events.count("sample") == 1
     assert all(events[i - 1] == "release" for i, e in enumerate(events) if e in ("save", "sample"))
+
+
+@pytest.mark.parametrize("park", ["disk", "ram"])
+def test_the_sampling_pass_holds_one_experts_blocks_and_no_activation_buffer_as_the_planner_counts(a14b, clip,
+                                                                                                   tmp_path,
+                                                                                                   monkeypatch,
+                                                                                                   park):
+    """Sampling during training with activation offloading (forced on here: the trainer offloads them only on a GPU),
+    every block streamed and the idle expert parked: the sampling phase starts with the activation buffers already
+    given back (its measured RAM peak starts without them), no denoising forward takes them again, and the host
+    holds one expert's arena (park disk) or both (ram) beside the idle expert's LoRA and optimizer state (and, in
+    RAM, its frozen non-block weights). Those bytes, at their largest over each pass (both experts run in it), are
+    the planner's sampling-phase RAM less the process (`HOST_BASE`) and the VAE: the structures 04:24's GPU run
+    (bench/history/2026-11-28.md) found 30 GB above, which were the activation buffers taken back by the first
+    denoising forward. (The rotary tables, buffers of a few KB, are left out on both sides: the planner counts
+    parameters.)"""
+    from trainer.models.stream_load import is_placeholder
+    from trainer.offload.allocators import BumpArena
+    from trainer.planner import analyze
+    from trainer.planner.phases import component_ram, predict_phases
+    from trainer.planner.prediction import HOST_BASE
+    from trainer.sampling.training import TrainingSampler
+    from trainer.train import streaming
+
+    attach = streaming.attach_offload
+    monkeypatch.setattr(streaming, "attach_offload", lambda *a, **k: attach(
+        *a, **{**k, "activations": True, "activation_min_bytes": 0}))
+    _watch_steps(monkeypatch, lambda h, metrics: None)
+    trainer, at_entry, passes = {}, [], []
+
+    def held(t) -> dict[str, int]:
+        """Host bytes of each structure: arenas and parking buffers, the idle expert's resident part, activations."""
+        h, state = t.offload, t.optim.optimizer.state
+        out = {"activations": sum(c.nbytes for a in {x._c.activations for x in h.handles.values()}
+                                   for c in a.arena.chunks)}
+        for n, x in h.handles.items():
+            out[f"{n} blocks"] = x.stats()["host_bytes"]
+            if x.parked:
+                inside = {id(p) for b in h.blocks[n] for p in b.parameters()}
+                frozen = sum(p.numel() * p.element_size() for p in h.models[n].parameters()
+                             if id(p) not in inside and not p.requires_grad and not is_placeholder(p))
+                lora = sum(p.numel() * p.element_size() for p in h.params[n])
+                moments = sum(v.numel() * v.element_size() for p in h.params[n] for v in state[p].values()
+                              if isinstance(v, torch.Tensor) and v.dim() > 0)
+                out[f"{n} idle"] = frozen + lora + moments
+        return out
+
+    phase = Trainer._phase
+
+    def entered(self, name, *a, **k):
+        trainer["t"] = self
+        if name == "sampling":
+            at_entry.append(held(self)["activations"])
+        return phase(self, name, *a, **k)
+
+    call = TrainingSampler.__call__
+
+    def sampled(self, transformer, *a, **k):
+        seen = []
+        hooks = [m.register_forward_pre_hook(lambda _m, _a: seen.append(held(trainer["t"])))
+                 for m in transformer.experts.values()]  # after the experts' own pre-hook (the switch)
+        try:
+            return call(self, transformer, *a, **k)
+        finally:
+            for x in hooks:
+                x.remove()
+            passes.append(seen)
+
+    monkeypatch.setattr(Trainer, "_phase", entered)
+    monkeypatch.setattr(TrainingSampler, "__call__", sampled)
+    taken = []  # the activation buffers the training steps take (so that there is something to give back)
+    alloc = BumpArena.alloc
+    monkeypatch.setattr(BumpArena, "alloc", lambda self, n: taken.append(n) or alloc(self, n))
+    cfg = _config(a14b, clip, tmp_path / "o", train={"steps": 4, "checkpoint_every": 0},
+                  offload={"transformer": 1.0, "activations": True, "park": park}, sample={"every": 2})
+    Trainer(cfg).fit()
+    assert taken and len(passes) == 2 and at_entry == [0, 0]
+    facts = analyze(cfg)
+    predicted = next(p.ram for p in predict_phases(cfg, 1.0, facts) if p.name == "sampling")
+    vae = facts.adapter.vae_params * 4  # fp32 (the planner's full-size VAE: not the tiny one's)
+    blocks = sum(facts.packed)
+    for seen in passes:
+        # a conditional and an unconditional forward per denoising step (guidance 5), none with activation buffers
+        assert len(seen) == 2 * cfg.sample.steps and all(s["activations"] == 0 for s in seen)
+        assert {n for s in seen for n in s if n.endswith(" idle")} == {"high_noise idle", "low_noise idle"}
+        arenas = {sum(v for n, v in s.items() if n.endswith(" blocks")) for s in seen}
+        assert arenas == {blocks if park == "disk" else 2 * blocks}
+        assert max(sum(s.values()) for s in seen) == predicted - HOST_BASE - vae - component_ram(facts)
+
+
+def test_each_switch_of_experts_hands_the_freed_copies_heap_pages_back(a14b, clip, tmp_path, monkeypatch):
+    """A switch moves the outgoing expert's LoRA and optimizer moments to the CPU and frees the incoming one's CPU
+    copies: small tensors, in glibc's heap, whose freed pages stay resident unless trimmed (stream_load.py
+    `trim_heap`; 0.92 GB at Wan 14B rank 16, the planner counts one parked set). Every switch ends with a trim, once
+    the other expert is parked and this one's copies are gone."""
+    from trainer.train import experts
+
+    trims = []
+
+    def trim():
+        trims.append({n: x.parked for n, x in trainer["t"].offload.handles.items()})
+
+    trainer = {}
+    init = Trainer.__init__
+
+    def kept(self, *a, **k):
+        trainer["t"] = self
+        init(self, *a, **k)
+
+    monkeypatch.setattr(Trainer, "__init__", kept)
+    monkeypatch.setattr(experts, "trim_heap", trim)
+    seen = _watch_steps(monkeypatch, lambda h, metrics: (metrics["expert"], h.stats()["switches"]))
+    Trainer(_config(a14b, clip, tmp_path / "o", offload={"transformer": 1.0, "park": "disk"},
+                    sample={"every": 0})).fit()
+    assert seen[-1][1] >= 2 and len(trims) == seen[-1][1]  # one trim per switch, none at the first activation
+    assert all(sorted(parked.values()) == [False, True] for parked in trims)  # after the switch: the other parked

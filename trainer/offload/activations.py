@@ -20,10 +20,12 @@ Throttle. A CPU that runs ahead would enqueue many D2H copies whose source tenso
 copies run, erasing the saving (OneTrainer PR #1649). `max_inflight` bounds the copies in flight; beyond it
 `pack` waits on the oldest event (a host-device sync, marked below).
 
-Between steps. Nothing waits in the buffers once a step's backward has unpacked everything, so before a phase
-that trains no step (sampling, validation, a checkpoint save) the trainer gives them back (`release`): that
-phase's host-RAM peak is then the rest of the run's, not the rest plus every offloaded activation (Wan 14B at
-720p x 81: 28.6 GB). The next step takes them again, once.
+Between steps. Nothing waits in the buffers once a step's backward has unpacked everything, so before sampling
+and a checkpoint save the trainer gives them back (`release`, before the phase starts): that phase's host-RAM
+peak is then the rest of the run's, not the rest plus every offloaded activation (Wan 14B at 720p x 81: 28.6 GB).
+The next training step takes them again, once, at its first offloaded input (allocators.BumpArena `alloc`): a
+forward that offloads nothing (no grad: sampling's denoising, validation) starts a step (`new_step`) but takes no
+buffer, where it used to take the whole high-water buffer back at once and hold it through the sampling pass.
 
 Left out: offloading activations of non-checkpointed code, a device-side bump allocator for the prefetched
 tensors (they come from the caching allocator, whose blocks are reused step after step), and fetching two blocks
@@ -79,9 +81,9 @@ class ActivationOffloader:
         self.offloaded_bytes = 0
 
     def release(self) -> None:
-        """Between steps (before sampling, validation or a checkpoint save, which save nothing for backward): the
-        pinned buffers given back to the OS; the next training forward takes one buffer of the most bytes a pass
-        has used again (a fresh allocation and page-lock: seconds for tens of GB)."""
+        """Between steps (before sampling or a checkpoint save, which save nothing for backward): the pinned
+        buffers given back to the OS; the next training forward's first offloaded input takes one buffer of the most
+        bytes a pass has used again (a fresh allocation and page-lock: seconds for tens of GB)."""
         self._drain(block=True)
         if self.cuda:
             self.stream.synchronize()  # host-device sync: no copy reads or writes the buffers any more

@@ -380,25 +380,27 @@ class BumpArena:
         self.high_water = 0
 
     def reset(self) -> None:
-        """Start of a forward pass. Several chunks from last time become one buffer of exactly the most bytes a
-        pass has used (the chunks' sum would keep each chunk's unused tail: 0.27 GB for Flux at 1024 px); after
-        `release`, that one buffer is taken again."""
+        """Start of a forward pass. Several chunks from last time are given back, to become one buffer of exactly
+        the most bytes a pass has used (the chunks' sum would keep each chunk's unused tail: 0.27 GB for Flux at
+        1024 px). That buffer is taken by the pass's first `alloc`, not here: a forward that offloads nothing (a
+        no-grad one: sampling, validation) takes no buffer after `release` (taken here, it cost Wan 2.2 A14B at
+        720p x 81 its 28.6 GB of activation buffers through every sampling pass, bench/history/2026-11-28.md 04:24)."""
         if len(self.chunks) > 1:
             for c in self.chunks:
                 c.close()
             self.chunks = []
-        if not self.chunks and self.high_water > 0:
-            self.chunks = [HostArena(self.high_water, self.pin)]  # allocation: growth steps and after `release`
         self._i = self._off = self.used = 0
 
     def release(self) -> None:
-        """Give every chunk back (nothing in them is needed any more); the next `reset` takes one buffer of the
-        most bytes a pass has used."""
+        """Give every chunk back (nothing in them is needed any more); the next pass's first `alloc` takes one
+        buffer of the most bytes a pass has used."""
         self.close()
         self._i = self._off = self.used = 0
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         n = align(nbytes)
+        if not self.chunks and self.high_water > 0:
+            self.chunks = [HostArena(self.high_water, self.pin)]  # allocation: after growth steps and `release`
         while True:
             if self._i < len(self.chunks) and self._off + n <= self.chunks[self._i].nbytes:
                 out = self.chunks[self._i].region(self._off, nbytes)

@@ -43,7 +43,9 @@ blocks and the page cache the files; `auto` takes disk exactly where the planner
 offload.host_ram_gb (else this machine's physical RAM) and the peak with it on disk does not (`park_on_disk`:
 the planner's own rule and numbers). The parked expert's LoRA and its AdamW moments stay in CPU RAM either way
 (Wan 14B rank 16: 0.93 GB); its frozen non-block weights (embedders, 0.52 GB) too with ram, and with disk none:
-they become placeholders and the switch reads them back from the files with the blocks. Each switch is timed (one
+they become placeholders and the switch reads them back from the files with the blocks. A switch ends with a heap
+trim (stream_load.py `trim_heap`): the incoming expert's freed CPU copies, small tensors, would otherwise keep their
+pages, so that RAM held both experts' LoRA and moments where the planner counts one. Each switch is timed (one
 host-device sync) and logged, the first few and then every 100th: which expert came in, where the other went, the
 seconds.
 
@@ -69,6 +71,7 @@ from torch import nn
 from ..config import Config
 from ..errors import UserError
 from ..models.base import BOTH_EXPERTS
+from ..models.stream_load import trim_heap
 from ..offload import move_outside_blocks
 from ..optim.specs import names_where, optimizer_spec
 from . import streaming
@@ -220,6 +223,7 @@ class ExpertHandles:
         if self.active is None:
             self.active = name
             return
+        trim_heap()  # the incoming expert's CPU copies (LoRA, moments) freed: their heap pages back to the OS
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # host-device sync, once per switch: the seconds logged are real
         dt = time.perf_counter() - t0

@@ -160,6 +160,7 @@ class Trainer(Saving):
                     self.save()
                 s = self.cfg.sample
                 if s.every and s.prompts and self.step % s.every == 0 and self._joins(self.sampler):
+                    self.release_activations()  # before the phase: its RAM peak starts without them
                     with self._phase("sampling", own_cache=True) as phase, self._lockstep():
                         self.sample(before_decode=lambda: phase.mark("denoising"))
                 if c.validate_every and self.step % c.validate_every == 0 and self._joins(self.validator):
@@ -532,10 +533,11 @@ class Trainer(Saving):
     # ------------------------------------------------------------------------------------------------ sample
 
     def release_activations(self) -> None:
-        """Before a phase that trains no step (a checkpoint save, sampling): the activation offloader's pinned
-        buffers are given back (trainer/offload/activations.py `release`; nothing waits in them between steps), so
-        the phase's host-RAM peak is the run's without every offloaded activation beside it; the next step takes
-        one buffer again. Nothing without activation offloading."""
+        """Before a checkpoint save and a sampling pass, outside their phases so that each measured RAM peak starts
+        without them: the activation offloader's pinned buffers are given back (trainer/offload/activations.py
+        `release`; nothing waits in them between steps, and a no-grad forward takes none), so the phase's host-RAM
+        peak is the run's without every offloaded activation beside it (what the planner counts); the next step
+        takes one buffer again. Nothing without activation offloading."""
         if getattr(self, "offload", None) is not None:  # the conductor's (per expert: one shared)
             self.offload.release_activations()
         if getattr(self, "_activations", None) is not None:  # fsdp's
@@ -545,8 +547,8 @@ class Trainer(Saving):
         """Images for sample.prompts with the model being trained, into output.dir/samples and TensorBoard.
         `before_decode()` is called once, when the VAE starts decoding (the phase marks its denoising peak).
 
-        Runs under `fork_rng` so that nothing it does can move the training generators."""
-        self.release_activations()
+        Runs under `fork_rng` so that nothing it does can move the training generators. (`fit` gives the activation
+        buffers back before its phase: `release_activations`.)"""
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
                 eval_weights(self.optim.optimizer):
             images = self.sampler(self.transformer, before_decode=before_decode)
