@@ -12,7 +12,8 @@ Public interface (everything else in this package is internal):
         nano_mlps=None,         # block -> its token-wise MLPs (the family's `token_wise_of`; None: every FeedForward)
         trainable=False,        # True: block weights are trained (full fine-tune, needs a fused back pass)
         checkpointing=None,     # default: True in "train"; per-block torch.utils.checkpoint(use_reentrant=False);
-                                #   a list of bools: per block (a streamed block must be checkpointed)
+                                #   a list of bools: per block (a streamed trainable block must be checkpointed;
+                                #   a streamed frozen one may keep its activations: conductor `saved_weights`)
         optimizer_state=(),     # full fine-tune: state packed beside each weight: FusedBackPass.state_layout
                                 #   (p -> {name: (shape, dtype)}) or names of fp32 weight-shaped tensors
         race_detector=False,    # fill released ring regions with NaN at once (tests)

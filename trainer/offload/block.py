@@ -10,8 +10,11 @@ instance. `StreamedBlock.forward` runs a block's stages in one place, in this or
 1. checkpoint (training, under grad): a non-reentrant `torch.utils.checkpoint` around the block, wrapped in the
    activation offloader's saved-tensor hooks when `activations` is on (trainer/offload/activations.py). Per
    block (the conductor's `checkpointed`): a block that keeps its activations instead (train.gradient_checkpointing
-   auto / false: recompute only what must be) runs stages 2-4 without it; only a block that never leaves the ring
-   may (a streamed one would have its weights refilled under saved views: DESIGN.md, version counters);
+   auto / false: recompute only what must be) runs stages 2-4 without it. A kept block that streams would have its
+   weights refilled under autograd's saved views (DESIGN.md, version counters), so its forward runs under the
+   conductor's `saved_weights` hooks (saved weight views become places in its ring region, resolved where the block
+   is in backward) and its outputs pass `_EnterBeforeBackward`, whose backward is the block's `enter(BWD, i)`:
+   before any of its backward kernels, the block is loaded and its parameters point at it (frozen blocks only);
 2. release after backward (training): an identity autograd function on the block's grad-carrying inputs,
    `_ReleaseAfterBackward`, whose backward calls the conductor's `release_callback(i)`: the gradients of the
    block's inputs exist, so every backward kernel that reads the block's weights has been enqueued and its ring

@@ -7,9 +7,13 @@ initially resident ones into the ring. It does not touch the blocks' code: each 
 conductor keeps a cursor into the plan's execution sequence (forward F0..F(n-1), then backward B(n-1)..B0 in
 training):
 
-- `enter(phase, i)` runs when block i starts (its forward, or its recompute inside backward): it moves the
-  cursor, makes the compute stream wait for the block's load event, and points the block's parameters at their
-  ring views (`_point`);
+- `enter(phase, i)` runs when block i starts (its forward, or its recompute inside backward; for a streamed block
+  that keeps its activations, the backward of an identity on its outputs, before any of its backward kernels): it
+  moves the cursor, makes the compute stream wait for the block's load event, and points the block's parameters
+  at their ring views (`_point`). Such a kept block's weights, saved by autograd in forward, would be views of a
+  region refilled since: `saved_weights` saves them as places in the block's region instead and unpacks them from
+  wherever the block is in backward (DESIGN.md's version-counter pitfall, decided this way; frozen blocks only: a
+  trainable streamed block is stepped and written back in its backward and stays recomputed);
 - a block's *release point* is after its forward in forward and sampling (`leave_forward(i)`), and after its
   **backward** in training: the block's identity autograd function on its grad-carrying inputs calls
   `release_callback(i)`'s function once the gradients of those inputs exist, i.e. after every backward kernel
