@@ -209,3 +209,30 @@ def test_auto_plans_in_the_processs_vram_cap_where_one_is_set(tiny_models, tmp_p
         monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i, f=frac: f)
         streaming.checkpoint_policy(cfg, torch.device("cuda", 0), 1.0)
     assert seen == [checkpointing.CARD_SHARE * 80e9, checkpointing.CARD_SHARE * 40e9]
+
+
+def test_fit_streaming_a_lora_that_keeps_every_blocks_activations_trains_bitwise_like_recomputing(
+        tiny_models, tmp_path, monkeypatch):
+    """Through the trainer (config validation, the handle's checkpointing, the loop): `offload.transformer: 0.5` with
+    `gradient_checkpointing: false` (streamed blocks keep their activations) against `true`."""
+    from test_train_support import losses, make_config, write_images
+
+    from trainer.train import streaming
+    from trainer.train.trainer import Trainer
+
+    monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
+    handles, place = [], streaming.place_blocks
+    monkeypatch.setattr(streaming, "place_blocks", lambda *a, **k: handles.append(place(*a, **k)) or handles[-1])
+    images, runs = write_images(tmp_path / "img", n=2), {}
+    for ck in (True, False):
+        cfg = make_config(tiny_models, images, tmp_path / f"out-{ck}", tmp_path / "cache", "flux",
+                          train={"steps": 3, "gradient_checkpointing": ck}, offload={"transformer": 0.5})
+        t = Trainer(cfg)
+        t.fit()
+        h = handles[-1]
+        assert h.stats()["h2d_bytes_per_step"] > 0 and h.checkpointed == [ck] * len(h.checkpointed)
+        runs[ck] = losses(tmp_path / f"out-{ck}"), {k: v.detach().clone() for k, v in t.transformer.state_dict().items()
+                                                   if "lora" in k}
+    assert runs[False][0] == runs[True][0]
+    assert runs[False][1].keys() == runs[True][1].keys() and all(torch.equal(runs[False][1][k], runs[True][1][k])
+                                                                 for k in runs[True][1])

@@ -41,7 +41,7 @@ def _steps(model) -> torch.Tensor:
     return torch.cat([losses, train_steps(model, 1)])
 
 
-def _worker(rank: int, world: int, store: str, result: str, fraction: float) -> dict:
+def _worker(rank: int, world: int, store: str, result: str, fraction: float, checkpointing: bool = True) -> dict:
     import torch.distributed as tdist
 
     from trainer.offload.gather import SliceGather
@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, store: str, result: str, fraction: float) -> 
     group = tdist.new_group(list(range(world)))
     gather = SliceGather(group, tdist.get_rank(group), world)
     m = add_lora(tiny_flux(0))
-    h = attach_offload(blocks_of(m), "cpu", fraction, gather=gather)
+    h = attach_offload(blocks_of(m), "cpu", fraction, gather=gather, checkpointing=checkpointing)
     c = h._c
     _poison_all_but(c, gather.slice)
     losses = _steps(m)
@@ -73,9 +73,11 @@ def _worker(rank: int, world: int, store: str, result: str, fraction: float) -> 
     return out
 
 
-@pytest.mark.parametrize(("world", "fraction"), [(2, 1.0), (4, 0.5)])
-def test_each_process_copies_its_slice_and_the_gather_fills_the_ring(tmp_path, world, fraction):
-    rs = run_ranks(_worker, world, tmp_path, fraction)
+@pytest.mark.parametrize(("world", "fraction", "checkpointing"), [(2, 1.0, True), (4, 0.5, True), (2, 1.0, False)])
+def test_each_process_copies_its_slice_and_the_gather_fills_the_ring(tmp_path, world, fraction, checkpointing):
+    """`checkpointing=False`: the streamed blocks keep their activations, their saved weights resolved where each
+    block is gathered again for backward (conductor `saved_weights`)."""
+    rs = run_ranks(_worker, world, tmp_path, fraction, checkpointing)
     for r in rs:
         assert r["error"] is None, r["error"]
     ref = rs[0]["ref_losses"]
