@@ -254,3 +254,47 @@ def test_compiled_chunks_keep_nothing_of_the_sub_layers_and_the_planner_counts_i
     s, m_, o = tr.block_saved[i], tr.block_mlp_saved[i], tr.block_mlp_other[i]
     assert planned.block_saved[i] == s - counted[i][0] + -(-m_ // 4) + o
     assert planned.block_largest[i] == max(kept[2][1], -(-tr.block_mlp_largest[i] // 4))
+
+
+def _get_device_of_torch_2_11(args, kwargs):
+    """torch 2.11's `torch._prims.rng_prims.get_device` (the GPU hosts' torch, bench/history: 2.11.0+cu130), copied:
+    it names cuda, xpu, hpu or cpu tensors' device and None for any other, meta included (2.13's names meta)."""
+    if kwargs.get("device"):
+        device = kwargs.get("device")
+        return torch.device(device).type if isinstance(device, str) else device.type
+    devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
+    return next((d for d in ("cuda", "xpu", "hpu", "cpu") if d in devices), None)
+
+
+def test_the_compiled_chunk_count_holds_where_torch_names_no_device_for_meta(monkeypatch):
+    """The planner counts what a compiled block stops saving with its sub-layers in chunks by compiling the split
+    block on meta (compiled_saves.py `chunk_saving`); a chunk's attention is a random op, which the partitioner wraps
+    in `run_and_save_rng_state`, whose device `_rng_state_on_meta` turns from meta to the CPU's. torch 2.11's
+    `get_device` says None for meta tensors, not "meta": the count raised `AssertionError: Backend not supported for
+    None` there, `Facts.trace` fell back to the eager count, and the trainer's phase line on the GPU host said
+    31.52 GB for Wan 2.2 A14B at 720p x 81 with 16 chunks where the compiled count is 27.34 (bench/history/
+    2026-11-28.md 07:43). With 2.11's `get_device` the count is the same as with this torch's, GPU kernels (flash
+    attention) as the trainer's planner counts them."""
+    from peft import LoraConfig
+    from torch._prims import rng_prims
+
+    from trainer.planner import compiled_saves as pcompiled
+
+    meta = _wan(device="meta")
+    meta.requires_grad_(False)
+    meta.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=list(WAN.default_lora_targets)))
+    x = dict(hidden_states=torch.randn(1, 4, 3, 8, 8, device="meta"),
+             encoder_hidden_states=torch.randn(1, 8, 32, device="meta"), timestep=torch.ones(1, device="meta"))
+    blocks = list(meta.blocks)
+    tr = ptrace.trace_forward(meta, blocks, x, kernels="cuda", mlps=[WAN.token_wise_of(b) for b in blocks])
+    pcompiled._CACHE.clear()
+    here = pcompiled.chunk_saving(meta, blocks, tr, WAN.token_wise_of)
+    pcompiled._CACHE.clear()
+    monkeypatch.setattr(rng_prims, "get_device", _get_device_of_torch_2_11)
+    assert _get_device_of_torch_2_11((x["hidden_states"],), {}) is None
+    try:
+        on_2_11 = pcompiled.chunk_saving(meta, blocks, tr, WAN.token_wise_of)
+    finally:
+        pcompiled._CACHE.clear()
+    assert rng_prims.get_device is _get_device_of_torch_2_11  # restored after the count
+    assert on_2_11 == here and all(saving > 0 for saving, _ in here)

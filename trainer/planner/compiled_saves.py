@@ -80,11 +80,20 @@ PROBE_CHUNKS = 2
 def _rng_state_on_meta():
     """Inside an activation-checkpoint region the partitioner wraps a random op (flash attention returns a seed) in
     `run_and_save_rng_state`, which has no meta implementation: while counting on meta, meta takes the CPU's (the
-    state it saves is never read; the count is of shapes)."""
+    state it saves is never read; the count is of shapes). torch's `get_device` names meta tensors' device "meta"
+    (2.13) or None (2.11, the GPU hosts' torch: it looks for cuda, xpu, hpu or cpu tensors only), and either
+    would fail (`Backend not supported`): both take the CPU's. Before this took None too, every compiled count of
+    token chunks on a GPU host fell back to the eager one (Wan 2.2 A14B at 720p x 81, 16 chunks: 31.52 GB
+    predicted where the compiled count is 27.34; bench/history/2026-11-28.md 07:43)."""
     from torch._prims import rng_prims
 
     real = rng_prims.get_device
-    rng_prims.get_device = lambda args, kwargs: "cpu" if real(args, kwargs) == "meta" else real(args, kwargs)
+
+    def device(args, kwargs):
+        found = real(args, kwargs)
+        return "cpu" if found in ("meta", None) else found
+
+    rng_prims.get_device = device
     try:
         yield
     finally:
