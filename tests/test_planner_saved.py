@@ -126,3 +126,23 @@ def test_saved_bytes_per_block_match_autograd(tiny_models, family):
     _close(comp.block_saved, real)
     # the partitioner recomputes what eager keeps (casts, norm and modulation arithmetic): fewer bytes
     assert sum(comp.block_saved) < sum(eager_saved)
+
+
+def test_a_compiled_count_that_fails_is_said_beside_the_phase_lines(tiny_models, monkeypatch):
+    """Where compiling the block on meta fails, the eager count stands and `phases.fallbacks` gives the line the
+    trainer prints beside its phase lines (none when the count worked)."""
+    from trainer.planner import phases
+
+    cfg = _cfg(_folder(tiny_models, "flux"), "flux")
+    facts = planner.analyze(cfg)
+    facts.trace(max(facts.resolutions))
+    assert phases.fallbacks(facts) == []
+
+    def fail(*a, **k):
+        raise AssertionError("Backend not supported for None")
+
+    monkeypatch.setattr(pcompiled, "compiled_saved", fail)
+    facts = planner.analyze(cfg)
+    facts.trace(max(facts.resolutions))
+    lines = phases.fallbacks(facts)
+    assert len(lines) == 1 and "eager blocks (compiling the block on meta failed: AssertionError)" in lines[0]

@@ -287,6 +287,14 @@ def fit_text_fraction(facts: Facts, budget_gb: float, encode_batch: int = 4) -> 
     return 1.0
 
 
+def fallbacks(facts: Facts) -> list[str]:
+    """One line per way the traces so far fell back to the eager count of saved tensors (a compiled run saves
+    less, so the figures over-count it): printed beside the phase lines, so that a count that failed is seen (torch
+    2.11's meta device once made every GPU host's figures the eager ones, unnoticed)."""
+    return [f"planner: saved tensors counted as {why}; its figures over-count a compiled run"
+            for why in sorted({tr.saved_by for tr in facts.traces.values() if "failed" in tr.saved_by})]
+
+
 def predicted_map(cfg, fraction: float, facts: Facts, budget: float | None = None) -> dict[str, tuple[float, float]]:
     """{phase: (VRAM, RAM)} for the trainer's log (`budget`: the device's cap in bytes, `predict_phases`)."""
     return {p.name: (p.vram, p.ram) for p in predict_phases(cfg, fraction, facts, budget=budget)}

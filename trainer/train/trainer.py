@@ -448,7 +448,7 @@ class Trainer(Saving):
         line = f"phase {name}: peak reserved VRAM {peak.vram_reserved / 1e9:.2f} GB, {ram_words(peak)}"
         try:
             from ..planner import analyze
-            from ..planner.phases import predicted_map
+            from ..planner.phases import fallbacks, predicted_map
             from ..sampling.placement import process_fraction
 
             # Keyed by the fraction: text caching logs before setup has resolved offload.transformer (auto).
@@ -456,7 +456,10 @@ class Trainer(Saving):
             if self.fraction not in pred:
                 # the card's cap: clips whose untiled encode would not fit it were cached tiled (placement.encode_tiles)
                 cap = process_fraction(self.device) * torch.cuda.get_device_properties(self.device).total_memory
-                pred[self.fraction] = predicted_map(self.cfg, self.fraction or 0.0, analyze(self.cfg), budget=cap)
+                facts = analyze(self.cfg)
+                pred[self.fraction] = predicted_map(self.cfg, self.fraction or 0.0, facts, budget=cap)
+                for note in fallbacks(facts):
+                    say(note)
             if name in pred[self.fraction]:
                 v, r = pred[self.fraction][name]
                 line += f" (planner: {v / 1e9:.2f} GB VRAM, {r / 1e9:.1f} GB RAM)"
