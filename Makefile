@@ -55,9 +55,12 @@ demo: env $(DEMO_MODEL)/model_index.json
 
 # One pytest worker per core, each with one torch thread: on 2 cores this is ~3x faster than one process with two
 # threads (tiny models are dominated by thread hand-offs), and the pinned golden losses are the same.
+# --dist worksteal: each worker starts on one contiguous half of the suite and an idle one takes half of the other's
+# queue from its end, so a module's tests stay on one worker (its module-scoped fixtures built once, not once per
+# worker, as xdist's default `load` does with its ever smaller chunks) and no worker idles while the other has a queue.
 # --durations: every run's log (CI's too) ends with its 30 slowest set-ups and tests, to rank what to speed up.
 test: env
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not gpu" -n auto --durations=30
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not gpu" -n auto --dist worksteal --durations=30
 
 # On a machine with a CUDA GPU: exactness tests of the offload conductor.
 test-gpu: env
