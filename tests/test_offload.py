@@ -28,6 +28,15 @@ def lora_reference():
     return losses, trainable_state(m)
 
 
+def _step(m, opt, kw: dict, target: torch.Tensor) -> torch.Tensor:
+    """One optimizer step of `m` on (kw, target); the loss, detached."""
+    loss = torch.nn.functional.mse_loss(m(**kw)[0], target)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -143,12 +152,7 @@ def test_released_activation_buffers_hold_no_host_bytes_and_the_next_steps_train
         opt = torch.optim.AdamW(params, lr=1e-2)
         losses, held = [], []
         for s in range(4):
-            kw, target = batch(100 + s)
-            loss = torch.nn.functional.mse_loss(m(**kw)[0], target)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
+            losses.append(_step(m, opt, *batch(100 + s)))
             held.append((len(arena.chunks), sum(c.nbytes for c in arena.chunks)))
             if release and s % 2 == 0:
                 h.release_activations()
@@ -176,12 +180,7 @@ def test_a_no_grad_forward_after_release_takes_no_activation_buffer_and_the_next
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
         losses, took, held = [], [], []
         for s in range(4):
-            kw, target = batch(100 + s)
-            loss = torch.nn.functional.mse_loss(m(**kw)[0], target)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
+            losses.append(_step(m, opt, *batch(100 + s)))
             took.append([c.nbytes for c in arena.chunks])
             if sample:
                 h.release_activations()
@@ -442,12 +441,7 @@ def test_other_families_lora_offloaded_equals_resident(family):
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
         losses = []
         for s in range(3):
-            kw, target = inputs(s)
-            loss = torch.nn.functional.mse_loss(m(**kw)[0], target)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
+            losses.append(_step(m, opt, *inputs(s)))
         if fraction:
             assert h.plan.streamed
         h.close()
@@ -522,7 +516,7 @@ def _one_step_grads(fraction):
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        identities += type(fn).__name__ == "_ReleaseAfterBackwardBackward"
+        identities += type(fn).__name__ == "_CallInBackwardBackward"
         todo.extend(f for f, _ in fn.next_functions)
     loss.backward()
     g = {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}

@@ -13,10 +13,10 @@ instance. `StreamedBlock.forward` runs a block's stages in one place, in this or
    auto / false: recompute only what must be) runs stages 2-4 without it. A kept block that streams would have its
    weights refilled under autograd's saved views (DESIGN.md, version counters), so its forward runs under the
    conductor's `saved_weights` hooks (saved weight views become places in its ring region, resolved where the block
-   is in backward) and its outputs pass `_EnterBeforeBackward`, whose backward is the block's `enter(BWD, i)`:
+   is in backward) and its outputs pass another `_CallInBackward`, whose backward is the block's `enter(BWD, i)`:
    before any of its backward kernels, the block is loaded and its parameters point at it (frozen blocks only);
 2. release after backward (training): an identity autograd function on the block's grad-carrying inputs,
-   `_ReleaseAfterBackward`, whose backward calls the conductor's `release_callback(i)`: the gradients of the
+   `_CallInBackward`, whose backward calls the conductor's `release_callback(i)`: the gradients of the
    block's inputs exist, so every backward kernel that reads the block's weights has been enqueued and its ring
    region may be refilled. Releasing after the recompute instead is the OneTrainer race (issue #1306);
 3. streaming: `conductor.enter(phase, i)` before the block computes (in forward, and in its recompute inside
@@ -68,8 +68,12 @@ def restore_class(module: nn.Module) -> None:
     module.__class__ = module._plain_class
 
 
-class _ReleaseAfterBackward(torch.autograd.Function):
-    """Identity on a block's inputs whose backward is the block's release point in training."""
+class _CallInBackward(torch.autograd.Function):
+    """Identity on some tensors whose backward calls `callback` before passing their gradients on. On a block's
+    grad-carrying inputs it is the block's release point in training (`release_callback(i)`: every backward kernel
+    of the block is enqueued once these gradients exist); on a kept streamed block's outputs it is the block's
+    `enter(BWD, i)` (it runs before any backward kernel of the block, which all need these outputs' gradients, so
+    the block is loaded and its saved weight views resolve to where it is: conductor `saved_weights`)."""
 
     @staticmethod
     def forward(ctx, callback, *xs):
@@ -82,33 +86,20 @@ class _ReleaseAfterBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-class _EnterBeforeBackward(torch.autograd.Function):
-    """Identity on a kept streamed block's outputs whose backward is the block's `enter(BWD, i)`: it runs before
-    any backward kernel of the block (they all need these outputs' gradients), so the block is loaded and its
-    saved weight views resolve to where it is now (conductor `saved_weights`)."""
-
-    @staticmethod
-    def forward(ctx, enter, *xs):
-        ctx.enter = enter
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.enter()
-        return (None, *grads)
+def _call_in_backward(callback, flat: list) -> list:
+    """`flat` with its grad-carrying tensors passed through one `_CallInBackward` of `callback`."""
+    idx = [j for j, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if idx:
+        outs = _CallInBackward.apply(callback, *[flat[j] for j in idx])
+        for j, o in zip(idx, outs, strict=True):
+            flat[j] = o
+    return flat
 
 
 def _enter_before_backward(c, i: int, out):
-    """`out` (a block's output: a tensor or a structure of them) with its grad-carrying tensors passed through
-    `_EnterBeforeBackward`."""
+    """`out` (a block's output: a tensor or a structure of them) whose backward first enters block `i`."""
     flat, spec = tree_flatten(out)
-    idx = [j for j, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if not idx:
-        return out
-    outs = _EnterBeforeBackward.apply(lambda: c.enter(BWD, i), *[flat[j] for j in idx])
-    for j, o in zip(idx, outs, strict=True):
-        flat[j] = o
-    return tree_unflatten(flat, spec)
+    return tree_unflatten(_call_in_backward(lambda: c.enter(BWD, i), flat), spec)
 
 
 def _in_backward() -> bool:
@@ -159,11 +150,7 @@ class StreamedBlock:
     def _release_identity(c, i: int, flat: list) -> list:
         """Stage 2: the identity on the grad-carrying inputs whose backward releases block `i` (training)."""
         if c.mode == "train" and not c.release_at_recompute:
-            idx = [j for j, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-            if idx:
-                outs = _ReleaseAfterBackward.apply(c.release_callback(i), *[flat[j] for j in idx])
-                for j, o in zip(idx, outs, strict=True):
-                    flat[j] = o
+            return _call_in_backward(c.release_callback(i), flat)
         return flat
 
     def _compute(self, *args, **kwargs):
