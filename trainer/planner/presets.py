@@ -63,9 +63,17 @@ def device_budget_bytes(device) -> float:
 
     from . import GB
 
-    index = device.index if device.index is not None else torch.cuda.current_device()  # the getter wants an index
     total = torch.cuda.get_device_properties(device).total_memory
-    return min(total - HEADROOM_GB * GB, total * torch.cuda.get_per_process_memory_fraction(index))
+    return min(total - HEADROOM_GB * GB, total * process_fraction(device))
+
+
+def process_fraction(device) -> float:
+    """This process's cap on CUDA `device` as a fraction of the card (`set_per_process_memory_fraction`, 1.0 where
+    none is set); the getter wants an index, which a bare `torch.device("cuda")` lacks."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_per_process_memory_fraction(index)
 # (resolution, activation offloading, gradient checkpointing), most preferred first. Without checkpointing a
 # step is ~1.4x faster (DESIGN.md: 0.545 s vs 0.775 s) but every block's activations stay: big cards only.
 SETTINGS = (

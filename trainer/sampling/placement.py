@@ -29,6 +29,7 @@ from torch import nn
 from ..data.cache import place_encoder, resolve_device
 from ..offload import move_outside_blocks
 from ..planner.prediction import ALLOCATOR_OVERHEAD
+from ..planner.presets import process_fraction
 from ..planner.sampling import SAMPLE_TILE_PIXELS, VAE_ACT_DECODE
 
 
@@ -135,13 +136,6 @@ def cuda_headroom(device: torch.device) -> int:
     allocated = torch.cuda.memory_allocated(device)
     cached = torch.cuda.memory_reserved(device) - allocated
     return int(min(free + cached, process_fraction(device) * total - allocated))
-
-
-def process_fraction(device: torch.device) -> float:
-    """This process's cap on `device` as a fraction of the card (`set_per_process_memory_fraction`); the getter
-    wants an index, which a bare `torch.device("cuda")` lacks."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_per_process_memory_fraction(index)
 
 
 def decode_for_sample(vae: nn.Module, device: torch.device, height: int, width: int, frames: int = 1,

@@ -76,14 +76,14 @@ def checkpoint_policy(cfg: Config, device: torch.device, fraction: float) -> boo
         return bool(c)
     from ..planner import GB
     from ..planner.checkpointing import CARD_SHARE, choose_checkpointing
+    from ..planner.presets import process_fraction
 
     budget = None
     if cfg.offload.vram_budget_gb is not None:
         budget = cfg.offload.vram_budget_gb * GB
     elif device.type == "cuda":  # the card, or this process's cap where one is set (DITTRAIN_VRAM_CAP_GB)
-        index = device.index if device.index is not None else torch.cuda.current_device()
         total = torch.cuda.get_device_properties(device).total_memory
-        budget = CARD_SHARE * total * min(1.0, torch.cuda.get_per_process_memory_fraction(index))
+        budget = CARD_SHARE * total * min(1.0, process_fraction(device))
     if budget is None:
         return True
     try:

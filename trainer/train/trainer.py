@@ -449,7 +449,7 @@ class Trainer(Saving):
         try:
             from ..planner import analyze
             from ..planner.phases import fallbacks, predicted_map
-            from ..sampling.placement import process_fraction
+            from ..planner.presets import process_fraction
 
             # Keyed by the fraction: text caching logs before setup has resolved offload.transformer (auto).
             pred = self.__dict__.setdefault("_phase_pred", {})
