@@ -447,9 +447,8 @@ class Conductor:
         off = self.params_at[x.block]
         if off is None or self.parked:
             raise RuntimeError(f"offload: block {x.block}'s backward read its weights before the block was loaded")
-        size = torch.empty(0, dtype=x.dtype).element_size()
         return torch.empty(0, dtype=x.dtype, device=self.ring.buf.device).set_(
-            self.ring.buf.untyped_storage(), (off + x.offset) // size, x.shape, x.stride)
+            self.ring.buf.untyped_storage(), (off + x.offset) // x.dtype.itemsize, x.shape, x.stride)
 
     def leave_forward(self, i: int) -> None:
         """Block `i`'s forward is enqueued: its forward position is released (the plan may refill its region)."""
