@@ -756,3 +756,48 @@ def test_parked_on_disk_holds_no_host_bytes_and_unparks_bitwise(fraction):
     ram, disk = run(False), run(True)
     assert torch.equal(ram[0], disk[0]) and _same(ram[1], disk[1])
     assert all(n == 0 for n in disk[2]) and all(n > 0 for n in ram[2])
+
+
+def test_activation_offloading_takes_block_inputs_laid_out_in_another_dimension_order():
+    """A residual stream whose tokens are transposed in memory (a patch embedding's `flatten(2).transpose(1, 2)`:
+    HunyuanVideo 1.5's) goes to the host like a contiguous one and comes back with its own strides: the inputs' GPU
+    storages are freed after forward and the gradients are bitwise those without offloading. Before 2026-11-28 such
+    inputs stayed on the device (out of memory on the GPU at 480p x 121 frames)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from trainer.offload.activations import memory_order
+
+    t = torch.zeros(2, 6, 4).transpose(1, 2)
+    assert memory_order(t) == [0, 2, 1] and memory_order(t[:, :, ::2]) is None
+
+    def run(activations):
+        m = add_lora(tiny_flux(0))
+        blocks = blocks_of(m)
+        h = attach_offload(blocks, "cpu", 0.5, activations=activations, activation_min_bytes=0)
+        storages = []
+
+        def transposed(mod, args, kwargs):
+            x = kwargs["hidden_states"]
+            y = x.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, (B, D, S) in memory
+            storages.append(StorageWeakRef(y.untyped_storage()))
+            return args, {**kwargs, "hidden_states": y}
+
+        for b in blocks:
+            b.register_forward_pre_hook(transposed, with_kwargs=True)
+        kw, target = batch(3)
+        loss = torch.nn.functional.mse_loss(m(**kw)[0], target)
+        alive = [not s.expired() for s in storages]
+        went = sorted(h._c.activations._by_block) if activations else []
+        loss.backward()
+        if activations:  # one such tensor through the offloader's own pack and unpack: the same values and strides
+            y = torch.randn(2, 5, 3, requires_grad=True).transpose(1, 2)
+            with h._c.activations.hooks(1):
+                back = h._c.activations._unpack(h._c.activations._pack(y))
+            assert back.stride() == y.stride() and torch.equal(back, y)
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}, alive, went, len(blocks)
+
+    g0, alive0, _, n = run(False)
+    g1, alive1, went1, _ = run(True)
+    assert _same(g0, g1)
+    assert alive0 == [True] * n and alive1 == [True] + [False] * (n - 1)
+    assert went1 == list(range(1, n))

@@ -15,6 +15,10 @@ by every block) are small or shared; copying them once per block would cost more
 The inputs of the blocks in `on_device` (the conductor's: plan.py `inputs_on_device`, the last two recomputed
 blocks, whose backward comes first) stay on the GPU too: backward would fetch them back at once, and holds two
 blocks' inputs there anyway, so keeping them costs no GPU memory at backward's peak and saves their pinned bytes.
+A tensor laid out densely in another dimension order (`memory_order`: a patch embedding's transposed tokens) goes
+out byte for byte and comes back with its own strides. Until 2026-11-28 only contiguous ones went: HunyuanVideo
+1.5's residual stream is transposed, so none of its 54 blocks' inputs left the GPU (at 480p x 121 frames 53 x 198 MB
+held at the 54th block's forward: out of memory under a 15 GB cap, bench/logs/2026-11-28d-hv/).
 
 Throttle. A CPU that runs ahead would enqueue many D2H copies whose source tensors stay allocated until the
 copies run, erasing the saving (OneTrainer PR #1649). `max_inflight` bounds the copies in flight; beyond it
@@ -43,12 +47,26 @@ from .allocators import BumpArena
 
 
 class _Saved:
-    __slots__ = ("host", "shape", "dtype", "block", "gpu", "event")
+    """One offloaded tensor: its bytes on the host in memory order, the shape in that order (`shape`), and the
+    permutation that gives the tensor back its own dimension order and strides (`back`; None: contiguous)."""
 
-    def __init__(self, host, shape, dtype, block):
-        self.host, self.shape, self.dtype, self.block = host, shape, dtype, block
+    __slots__ = ("host", "shape", "dtype", "block", "back", "gpu", "event")
+
+    def __init__(self, host, shape, dtype, block, back):
+        self.host, self.shape, self.dtype, self.block, self.back = host, shape, dtype, block, back
         self.gpu = None
         self.event = None
+
+
+def memory_order(t: torch.Tensor) -> list[int] | None:
+    """The dimension order in which `t` is laid out densely (`t.permute(order)` is contiguous), or None where its
+    elements do not fill one dense block. A patch embedding's `conv(x).flatten(2).transpose(1, 2)` gives (B, S, D)
+    tokens with strides (S D, 1, S), and elementwise ops keep that layout: HunyuanVideo 1.5's residual stream is
+    such a tensor through every block."""
+    if t.is_contiguous():
+        return list(range(t.dim()))
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d)))
+    return order if t.permute(order).is_contiguous() else None
 
 
 class ActivationOffloader:
@@ -101,11 +119,15 @@ class ActivationOffloader:
     # ------------------------------------------------------------------------------------------ hooks
     def _pack(self, t: torch.Tensor):
         n = t.numel() * t.element_size()
-        if not (t.requires_grad and n >= self.min_bytes and t.device == self.device and t.is_contiguous()) \
-                or self._block in self.on_device:
+        if not (t.requires_grad and n >= self.min_bytes and t.device == self.device) or self._block in self.on_device:
             return t
+        order = memory_order(t)
+        if order is None:  # not one dense block of memory (a strided slice): rare, left on the device
+            return t
+        back = None if order == sorted(order) else sorted(range(t.dim()), key=order.__getitem__)
+        dense = t.detach().permute(order)  # a view: the same bytes, in memory order
         host = self.arena.alloc(n)
-        src = t.detach().reshape(-1).view(torch.uint8)
+        src = dense.reshape(-1).view(torch.uint8)
         if self.cuda:
             self._drain(block=False)
             while len(self._inflight) >= self.max_inflight:
@@ -117,7 +139,7 @@ class ActivationOffloader:
             self._inflight.append((ev, t))
         else:
             host.copy_(src)
-        s = _Saved(host, t.shape, t.dtype, self._block)
+        s = _Saved(host, dense.shape, t.dtype, self._block, back)
         self._by_block.setdefault(self._block, []).append(s)
         self.offloaded_bytes += n
         return s
@@ -135,7 +157,7 @@ class ActivationOffloader:
         for prev in self._by_block.get(s.block - 1, ()):  # one block ahead in backward
             if prev.gpu is None:
                 self._fetch(prev)
-        return t
+        return t if s.back is None else t.permute(s.back)  # the saved tensor's own strides again
 
     def _fetch(self, s: _Saved) -> None:
         if not self.cuda:
