@@ -20,8 +20,8 @@ from trainer.optim.state import load_optimizer_state, save_optimizer_state
 LR, WD = 1e-4, 0.01
 
 
-def _cfg(**kw) -> OptimizerConfig:
-    return OptimizerConfig(name="adamw", lr=LR, weight_decay=WD, max_grad_norm=None, **kw)
+def _cfg(name="adamw", **kw) -> OptimizerConfig:
+    return OptimizerConfig(name=name, lr=LR, weight_decay=WD, max_grad_norm=None, **kw)
 
 
 def _grads(step: int, params) -> list[torch.Tensor]:
@@ -43,18 +43,22 @@ def _run(opt, params, steps: int, first: int = 0) -> None:
         opt.step()
 
 
-def test_masters_accumulate_what_nearest_rounding_loses_and_are_the_fp32_run_bitwise():
-    """Given the same gradients, the masters are an fp32 AdamW run's weights bitwise at every step, and the bf16
-    weights are those rounded to nearest; without masters nearest rounding leaves the weights at 1.0."""
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_masters_accumulate_what_nearest_rounding_loses_and_are_the_fp32_run_bitwise(name):
+    """Given the same gradients, the masters are an fp32 run's weights bitwise at every step (the same optimizer on
+    fp32 weights), and the bf16 weights are those rounded to nearest; without masters nearest rounding leaves the
+    weights at 1.0."""
+    from trainer.optim.specs import optimizer_spec
+
     steps = 40
     plain = _weights()
-    _run(build_optimizer(plain, _cfg()), plain, steps)
+    _run(build_optimizer(plain, _cfg(name)), plain, steps)
     assert torch.equal(plain[0], torch.ones_like(plain[0]))  # every update lost
 
     params = _weights()
     ref = [torch.nn.Parameter(p.detach().float()) for p in params]
-    fp32 = torch.optim.AdamW(ref, lr=LR, weight_decay=WD)
-    opt = build_optimizer(params, _cfg(master_weights=True))
+    fp32 = optimizer_spec(name).make(_cfg(name), [{"params": ref}])
+    opt = build_optimizer(params, _cfg(name, master_weights=True))
     for s in range(steps):
         _run(opt, params, 1, first=s)
         for r, g in zip(ref, _grads(s, ref), strict=True):
@@ -278,3 +282,24 @@ def test_the_planner_counts_4_bytes_per_parameter_of_masters_where_the_state_is(
     off0, on0 = (predict(f, 0.0, max(f.resolutions), True) for f in (f0, f1))  # resident: every master in VRAM
     assert on0.trainable - off0.trainable == blocks + nonblock == 4 * f1.trainable_params
     assert on0.pinned == off0.pinned
+
+
+def test_resuming_a_checkpoint_without_masters_says_they_start_from_its_weights(tmp_path, capsys):
+    from trainer.train.distributed import Dist
+    from trainer.train.optimizer import optimizer_for
+
+    def optim(masters):
+        cfg = Config.model_validate({**BASE, "optimizer": {"master_weights": masters}}, context={"family_checks": False})
+        params = _weights()
+        return optimizer_for(cfg, params, Dist()), params
+
+    plain, params = optim(False)
+    _run(plain.optimizer, params, 1)
+    plain.scheduler.step()
+    plain.save(tmp_path)
+    resumed, _ = optim(True)
+    resumed.load(tmp_path, plain.scheduler.state_dict())
+    assert "has no fp32 master weights" in capsys.readouterr().err
+    again, _ = optim(False)
+    again.load(tmp_path, plain.scheduler.state_dict())
+    assert "master" not in capsys.readouterr().err  # said only where masters are on
