@@ -17,7 +17,8 @@ p.float() and p.grad.float() (allocations: one fp32 copy of p and of its gradien
 only), runs the inner torch optimizer on that one shadow (fp32 state, keyed by the shadow), rounds the result
 back into p and drops the fp32 copy. So the optimizer state is fp32 but, by default, no full fp32 master copy of
 the model is kept (that costs 4 bytes/param, 48 GB for Flux: the opt-in below). fp32 parameters in the same set
-are stepped in place. Parameters are stepped one at a time in the non-fused path too, so fused and unfused runs match bitwise.
+are stepped in place. Parameters are stepped one at a time in the non-fused path too, so fused and unfused runs
+match bitwise.
 
 fp32 master weights (`optimizer.master_weights`, `masters=True`). The shadow's fp32 values persist between
 steps as an entry of the weight's optimizer state, `state["master"]`: the first step fills it from p.float(), every
