@@ -194,8 +194,7 @@ class Fp32StepOptimizer:
             self._narrow(p)
             p.grad = None
             return
-        state = self.optimizer.state[k]
-        master = state.get(MASTER) if self.masters else None
+        master = self.optimizer.state[k].get(MASTER) if self.masters else None
         # allocation (no master yet, or none kept): fp32 copy of this weight only; with masters it becomes the master
         k.data = p.detach().to(torch.float32) if master is None else master
         k.grad = p.grad.to(torch.float32)  # allocation: fp32 copy of its gradient
@@ -204,7 +203,7 @@ class Fp32StepOptimizer:
         k.grad = None
         i = self._index[p]
         if self.masters:
-            state[MASTER] = k.data  # stepped in place: kept (after its first step, the optimizer's state dict)
+            self.optimizer.state[k][MASTER] = k.data  # stepped in place; kept (first step: the copy above)
             p.copy_(k.data)
         elif self.rounding == "stochastic" and p.dtype == torch.bfloat16:
             gen = self._generator(p.device)
