@@ -342,34 +342,37 @@ def test_blocks_are_checkpointed_once(lora_reference):
     assert not any(isinstance(b, StreamedBlock) for b in blocks)
 
 
-def test_full_finetune_with_trainer_optim_fused_back_pass_equals_unfused_adamw():
+@pytest.mark.parametrize("masters", [False, True])
+def test_full_finetune_with_trainer_optim_fused_back_pass_equals_unfused_adamw(masters):
     """trainer/optim's FusedBackPass with its state packed in the streamed blocks (bind_fused) against a
-    plain optimizer.step() after backward on a resident model: bitwise in fp32 on the CPU."""
+    plain optimizer.step() after backward on a resident model: bitwise in fp32 on the CPU, and in bf16 with fp32
+    master weights (optimizer.master_weights), whose masters are packed and written back with the rest."""
     from trainer.config import OptimizerConfig
     from trainer.offload.fused_state import bind_fused
     from trainer.optim import FusedBackPass, build_optimizer
 
-    cfg = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1, max_grad_norm=None)
+    cfg = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1, max_grad_norm=None, master_weights=masters)
+    dtype = torch.bfloat16 if masters else torch.float32
 
-    ref = tiny_flux(0)
+    ref = tiny_flux(0, dtype=dtype)
     attach_offload(blocks_of(ref), "cpu", 0.0, trainable=True)  # same graph, nothing streamed
     opt = build_optimizer(list(ref.parameters()), cfg)
     losses0 = []
     for s in range(STEPS):
-        kw, target = batch(100 + s)
+        kw, target = batch(100 + s, dtype=dtype)
         loss = torch.nn.functional.mse_loss(ref(**kw)[0], target)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses0.append(loss.detach())
 
-    m = tiny_flux(0)
+    m = tiny_flux(0, dtype=dtype)
     fb = FusedBackPass(build_optimizer(list(m.parameters()), cfg))
     h = attach_offload(blocks_of(m), "cpu", 0.5, trainable=True, optimizer_state=fb.state_layout)
     bind_fused(h, fb)
     losses1 = []
     for s in range(STEPS):
-        kw, target = batch(100 + s)
+        kw, target = batch(100 + s, dtype=dtype)
         loss = torch.nn.functional.mse_loss(m(**kw)[0], target)
         loss.backward()
         fb.finish_step()
@@ -377,7 +380,11 @@ def test_full_finetune_with_trainer_optim_fused_back_pass_equals_unfused_adamw()
     assert torch.equal(torch.stack(losses0), torch.stack(losses1))
     h.sync()  # state dicts now read the host arena, current after the write-back
     streamed = [p for b in h.plan.streamed for p in blocks_of(m)[b].parameters()]
-    assert streamed and all(fb.state_of(p)["exp_avg"] is h.host_state_of(p)["exp_avg"] for p in streamed)
+    names = ["exp_avg", "master"] if masters else ["exp_avg"]
+    assert streamed and all(fb.state_of(p)[k] is h.host_state_of(p)[k] for p in streamed for k in names)
+    if masters:  # the streamed masters (read from the host arena) are the resident run's
+        by_name = dict(zip(m.parameters(), ref.parameters(), strict=True))
+        assert all(torch.equal(fb.state_of(p)["master"], opt.state_of(by_name[p])["master"]) for p in streamed)
     h.close()
     assert _same(all_state(m), all_state(ref))
 

@@ -55,13 +55,17 @@ def test_the_spec_states_what_a_real_step_keeps(tiny_models, name):
         assert optimizer_state_bytes(name, params) == real > 0  # the planner's bytes (and StateOffload's in RAM)
 
 
+@pytest.mark.parametrize("masters", [False, True])
 @pytest.mark.parametrize("name", [n for n, s in OPTIMIZERS.items() if s.packed])
-def test_a_packed_spec_is_the_layout_the_fused_pass_reserves(tiny_models, name):
+def test_a_packed_spec_is_the_layout_the_fused_pass_reserves(tiny_models, name, masters):
     """What the conductor reserves beside a streamed weight (FusedBackPass.state_layout, found on a meta probe
-    before any step) is the spec's `state`, which is what the planner packs."""
-    params = list(_small_model(tiny_models).parameters())
-    fused = FusedBackPass(build_optimizer(params, OptimizerConfig(name=name)))
-    layout = packed_state_layout(name)
+    before any step) is the spec's `state`, and bf16 weights' fp32 masters (optimizer.master_weights), which is
+    what the planner packs."""
+    model = _small_model(tiny_models)
+    params = list((model.to(torch.bfloat16) if masters else model).parameters())
+    fused = FusedBackPass(build_optimizer(params, OptimizerConfig(name=name, master_weights=masters)))
+    layout = packed_state_layout(name, masters)
+    assert ("master" in layout(params[0])) == masters
     for p in params:
         assert {k: (tuple(s), d) for k, (s, d) in fused.state_layout(p).items()} == \
             {k: (tuple(s), d) for k, (s, d) in layout(p).items()}

@@ -147,16 +147,18 @@ def test_streamed_blocks_train_bitwise_like_resident(method, tiny_models, images
         assert all(torch.equal(w[k], w2[k]) for k in w2)
 
 
-def test_bf16_full_fine_tune_with_stochastic_rounding_resumes_bitwise(tiny_models, images, tmp_path, monkeypatch):
-    """bf16 weights, fp32 optimizer state and stochastic rounding (its generator lives in the optimizer state).
-    At 32 px (4 image tokens): this CPU's bf16 backward (no AVX-512 BF16) is what the step costs, and the image
-    size has nothing to do with what is resumed."""
+@pytest.mark.parametrize("precision", ["stochastic_rounding", "master_weights"])
+def test_bf16_full_fine_tune_with_stochastic_rounding_resumes_bitwise(precision, tiny_models, images, tmp_path,
+                                                                       monkeypatch):
+    """bf16 weights, fp32 optimizer state and stochastic rounding (its generator lives in the optimizer state), or
+    fp32 master weights (saved with the optimizer state). At 32 px (4 image tokens): this CPU's bf16 backward (no
+    AVX-512 BF16) is what the step costs, and the image size has nothing to do with what is resumed."""
 
     def cfg(out):
         c = _cfg(tiny_models, images, out, tmp_path / "cache", "full", steps=5)
         return c.model_copy(update={"model": c.model.model_copy(update={"dtype": "bf16"}),
                                     "data": c.data.model_copy(update={"resolutions": [32]}),
-                                    "optimizer": c.optimizer.model_copy(update={"stochastic_rounding": True})})
+                                    "optimizer": c.optimizer.model_copy(update={precision: True})})
 
     ref = Trainer(cfg(tmp_path / "ref"))
     ref.fit()
@@ -165,6 +167,11 @@ def test_bf16_full_fine_tune_with_stochastic_rounding_resumes_bitwise(tiny_model
         _stop_after(m, 2, "handler")
         with pytest.raises(TrainingInterrupted):
             Trainer(cfg(tmp_path / "run")).fit()
+    if precision == "master_weights":  # the checkpoint holds every bf16 weight's fp32 master
+        from trainer.optim.specs import MASTER
+
+        folder = next((tmp_path / "run" / "checkpoints").iterdir())
+        assert sum(MASTER in k for k in load_file(folder / "optimizer.safetensors")) == len(ref.params)
     t = Trainer(cfg(tmp_path / "run"), resume="latest")
     t.fit()
     assert losses(tmp_path / "run") == losses(tmp_path / "ref")

@@ -3,7 +3,8 @@
 `build_optimizer` returns a torch optimizer when every trainable parameter is fp32 (LoRA weights, fp32 full
 fine-tuning), and an `Fp32StepOptimizer` (trainer/optim/stochastic.py) when some are bf16/fp16 (full
 fine-tuning of bf16 weights): that one keeps fp32 optimizer state, computes each step in fp32 and writes the
-result back rounded to nearest, or stochastically with `optimizer.stochastic_rounding`. Both answer `step()`,
+result back rounded to nearest, or stochastically with `optimizer.stochastic_rounding`, or keeps an fp32 master
+copy of each such weight in its state with `optimizer.master_weights`. Both answer `step()`,
 `zero_grad()`, `param_groups`, `state_dict()` / `load_state_dict()`, and both are accepted by
 `build_scheduler`, `FusedBackPass` and the safetensors state helpers.
 
@@ -60,7 +61,7 @@ def build_optimizer(params: ParamsT, cfg: OptimizerConfig, *, seed: int = 0):
     """The optimizer named by `cfg` over `params` (tensors or param-group dicts).
 
     fp32 parameters -> a plain torch optimizer. Any bf16/fp16 parameter -> `Fp32StepOptimizer` (fp32 state and
-    math, nearest or stochastic rounding back; `seed` seeds the stochastic rounding).
+    math, nearest or stochastic rounding back, or fp32 masters; `seed` seeds the stochastic rounding).
     """
     from .stochastic import Fp32StepOptimizer
 
@@ -81,7 +82,7 @@ def build_optimizer(params: ParamsT, cfg: OptimizerConfig, *, seed: int = 0):
         raise UserError(f"optimizer.name: {cfg.name} needs fp32 trainable weights (LoRA, or model.dtype: fp32 "
                         "for full fine-tuning)")
     rounding = "stochastic" if cfg.stochastic_rounding else "nearest"
-    return Fp32StepOptimizer(groups, make, rounding=rounding, seed=seed)
+    return Fp32StepOptimizer(groups, make, rounding=rounding, seed=seed, masters=cfg.master_weights)
 
 
 # ---------------------------------------------------------------------------------------------- schedule

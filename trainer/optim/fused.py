@@ -57,6 +57,7 @@ import torch
 
 from .build import torch_optimizer
 from .single import NarrowStep
+from .specs import master_layout
 from .stochastic import Fp32StepOptimizer
 
 StepHook = Callable[[torch.Tensor, dict[str, Any]], None]
@@ -171,7 +172,8 @@ class FusedBackPass:
         """Name -> (shape, dtype) of the state tensors (dim > 0) the optimizer will keep for p, known before
         its first step, so an offloader can reserve room for them (Adafactor's are row/column vectors, not
         p-shaped). Found by stepping a throwaway copy of the optimizer on a meta tensor of p's shape (no
-        memory, no kernels); 0-dim entries (step counts, Adafactor's RMS) are left out: leave them in the dict."""
+        memory, no kernels); 0-dim entries (step counts, Adafactor's RMS) are left out: leave them in the dict.
+        With fp32 master weights (`Fp32StepOptimizer(masters=True)`) a bf16/fp16 p's `master` is one of them."""
         inner = torch_optimizer(self.optimizer)
         key = self._key_of(p)
         group = next(g for g in inner.param_groups if any(q is key for q in g["params"]))
@@ -190,6 +192,8 @@ class FusedBackPass:
                 if isinstance(v, torch.Tensor) and v.dim() > 0
             }
             self._layouts[cache_key] = layout
+        if isinstance(self.optimizer, Fp32StepOptimizer) and self.optimizer.masters and key is not p:
+            return {**layout, **master_layout(p)}
         return dict(layout)
 
     # ------------------------------------------------------------------------------------------ control

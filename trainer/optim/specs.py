@@ -191,10 +191,27 @@ def names_where(flag: str) -> list[str]:
     return [n for n, s in OPTIMIZERS.items() if getattr(s, flag)]
 
 
-def state_bytes(name: str, params) -> int:
-    """Bytes of optimizer `name`'s state for `params`, from its spec's `state` (pinned RAM holds the same: trainer/optim
-    StateOffload's buffers are exactly sized). Checked against a real step: tests/test_optim_specs.py."""
+#: the state entry holding a low-precision weight's fp32 master copy (`optimizer.master_weights`, stochastic.py)
+MASTER = "master"
+
+
+def master_layout(p: torch.Tensor) -> StateLayout:
+    """The master copy's entry in p's state, for a bf16/fp16 weight (fp32 weights are stepped in place: none)."""
+    import torch
+
+    return {} if p.dtype == torch.float32 else {MASTER: (p.shape, torch.float32)}
+
+
+def state_layout(name: str, p: torch.Tensor, masters: bool = False) -> StateLayout:
+    """What the trainer keeps for p beside it: optimizer `name`'s state, and the fp32 master copy with `masters`."""
+    return {**optimizer_spec(name).state(p), **(master_layout(p) if masters else {})}
+
+
+def state_bytes(name: str, params, masters: bool = False) -> int:
+    """Bytes of optimizer `name`'s state for `params`, from its spec's `state`, plus 4 per element of each bf16/fp16
+    weight with `masters` (pinned RAM holds the same: trainer/optim StateOffload's buffers are exactly sized). Checked
+    against a real step: tests/test_optim_specs.py."""
     import math
 
-    spec = optimizer_spec(name)
-    return sum(math.prod(shape) * dtype.itemsize for p in params for shape, dtype in spec.state(p).values())
+    return sum(math.prod(shape) * dtype.itemsize for p in params
+               for shape, dtype in state_layout(name, p, masters).values())

@@ -1,4 +1,4 @@
-"""fp32 optimizer steps for bf16 weights, written back with stochastic rounding.
+"""fp32 optimizer steps for bf16 weights, written back with stochastic rounding (or kept as fp32 masters).
 
 Why. A bf16 weight near 1.0 has a spacing of 2^-7 ~ 0.0078 between representable values; an Adam update of
 lr = 1e-5 is 1/800 of that, so rounding to nearest throws every such update away and full fine-tuning of bf16
@@ -15,9 +15,23 @@ Stepping in fp32 without a master copy. `Fp32StepOptimizer` keeps, per low-preci
 *shadow* `nn.Parameter` whose storage is empty between steps: to step weight p it fills the shadow with
 p.float() and p.grad.float() (allocations: one fp32 copy of p and of its gradient, live for one parameter
 only), runs the inner torch optimizer on that one shadow (fp32 state, keyed by the shadow), rounds the result
-back into p and drops the fp32 copy. So the optimizer state is fp32 but no full fp32 master copy of the model
-is kept (that would cost 4 bytes/param, 48 GB for Flux). fp32 parameters in the same set are stepped in
-place. Parameters are stepped one at a time in the non-fused path too, so fused and unfused runs match bitwise.
+back into p and drops the fp32 copy. So the optimizer state is fp32 but, by default, no full fp32 master copy of
+the model is kept (that costs 4 bytes/param, 48 GB for Flux: the opt-in below). fp32 parameters in the same set
+are stepped in place. Parameters are stepped one at a time in the non-fused path too, so fused and unfused runs
+match bitwise.
+
+fp32 master weights (`optimizer.master_weights`, `masters=True`). The shadow's fp32 values persist between
+steps as an entry of the weight's optimizer state, `state["master"]`: the first step fills it from p.float(), every
+later one steps it in place, and p gets it rounded to nearest. Being optimizer state, the master goes wherever that
+state goes with no code of its own: packed beside a streamed weight and written back to the pinned host arena with
+its block (trainer/offload/fused_state.py), in pinned RAM between steps under StateOffload, only on the owning
+process under owned steps (trainer/train/owners.py), on the device for resident weights; and into the checkpoint's
+safetensors files, so a resume continues from the exact fp32 values. Cost: 4 bytes per bf16 parameter (Flux.1-dev,
+11.9 B: 47.6 GB). What it buys over stochastic rounding: the weights follow the fp32 trajectory exactly, not in
+expectation, so many tiny updates add up the same whatever their order; stochastic rounding on top would only
+add noise to the bf16 copy (config.py refuses the pair). A state without masters (a checkpoint saved without them)
+starts them from the bf16 weights at the next step (`masters_from_weights` counts those after a load); without
+`masters`, a loaded master is dropped.
 
 The random bits of weight i at its n-th step come from a generator seeded with hash(seed, i, n): independent of
 the order parameters are stepped in (backward order in the fused pass, list order otherwise) and of the
@@ -35,6 +49,7 @@ from typing import Any, Literal
 import torch
 
 from .single import NarrowStep
+from .specs import MASTER
 
 _MASK64 = (1 << 64) - 1
 
@@ -92,6 +107,8 @@ class Fp32StepOptimizer:
 
     make_optimizer: builds the inner torch optimizer from param-group dicts (see build.py `_factory`).
     rounding: "stochastic" (bf16 weights only) or "nearest".
+    masters: keep each low-precision weight's fp32 master copy in its optimizer state (module docstring); rounds
+    to nearest.
     """
 
     def __init__(
@@ -101,10 +118,15 @@ class Fp32StepOptimizer:
         *,
         rounding: Literal["stochastic", "nearest"] = "stochastic",
         seed: int = 0,
+        masters: bool = False,
     ):
         if rounding not in ("stochastic", "nearest"):
             raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+        if masters and rounding != "nearest":
+            raise ValueError("fp32 master weights round to nearest (stochastic rounding would only add noise)")
         self.rounding = rounding
+        self.masters = masters
+        self.masters_from_weights = 0  # after a load: weights with state but no master (it starts from p)
         self.seed = seed
         self.params: list[torch.Tensor] = []
         self._key: dict[
@@ -172,13 +194,18 @@ class Fp32StepOptimizer:
             self._narrow(p)
             p.grad = None
             return
-        k.data = p.detach().to(torch.float32)  # allocation: fp32 copy of this weight only
+        master = self.optimizer.state[k].get(MASTER) if self.masters else None
+        # allocation (no master yet, or none kept): fp32 copy of this weight only; with masters it becomes the master
+        k.data = p.detach().to(torch.float32) if master is None else master
         k.grad = p.grad.to(torch.float32)  # allocation: fp32 copy of its gradient
         p.grad = None
         self._narrow(k)
         k.grad = None
         i = self._index[p]
-        if self.rounding == "stochastic" and p.dtype == torch.bfloat16:
+        if self.masters:
+            self.optimizer.state[k][MASTER] = k.data  # stepped in place; kept (first step: the copy above)
+            p.copy_(k.data)
+        elif self.rounding == "stochastic" and p.dtype == torch.bfloat16:
             gen = self._generator(p.device)
             gen.manual_seed(_mix(self.seed, i, self._counts[i]))  # no host-device sync, also on CUDA
             copy_stochastic_(p, k.data, gen, clobber_src=True)
@@ -209,9 +236,16 @@ class Fp32StepOptimizer:
             raise ValueError(f"state has {len(counts)} rounding counts for {len(self._counts)} parameters")
         self.optimizer.load_state_dict(sd)
         self._counts = [int(c) for c in counts] if counts is not None else [0] * len(self.params)
+        states = [self.optimizer.state[k] for k in self._key.values() if k in self.optimizer.state]
+        if self.masters:
+            self.masters_from_weights = sum(1 for st in states if st and MASTER not in st)
+        else:
+            for st in states:
+                st.pop(MASTER, None)  # saved with masters, resumed without: not carried along
 
     def __repr__(self) -> str:
-        return f"Fp32StepOptimizer(rounding={self.rounding}, {self.optimizer!r})"
+        masters = ", fp32 masters" if self.masters else ""
+        return f"Fp32StepOptimizer(rounding={self.rounding}{masters}, {self.optimizer!r})"
 
 
 def _empty_fp32(device: torch.device) -> torch.Tensor:

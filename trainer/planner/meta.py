@@ -16,6 +16,7 @@ time, 3.2 GB under the measured text-caching peak at offload.text_encoders 0.45 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from ..errors import UserError
 from ..lora_format.kinds import LORA_KINDS
 from ..models import adapter_class
 from ..offload.plan import capacity_for
-from ..optim.specs import optimizer_spec, state_bytes
+from ..optim.specs import optimizer_spec, state_bytes, state_layout
 
 
 def transformer_class(family: str) -> type:
@@ -120,19 +121,22 @@ def add_meta_lora(transformer: nn.Module, targets: tuple[str, ...], rank: int, a
     return n
 
 
-def optimizer_state_bytes(name: str, params) -> int:
+def optimizer_state_bytes(name: str, params, masters: bool = False) -> int:
     """Bytes of optimizer state for `params`, fp32 as trainer/optim keeps it: what the optimizer's spec says it keeps
-    per parameter (trainer/optim/specs.py `state`; checked against a real step there). The same in pinned RAM
-    (trainer/optim StateOffload's buffers are exactly sized: trainer/offload `pinned_exact`)."""
-    return state_bytes(name, params)
+    per parameter (trainer/optim/specs.py `state`; checked against a real step there), and with `masters`
+    (optimizer.master_weights) 4 bytes per bf16/fp16 parameter for its fp32 master, kept in the same state. The
+    same in pinned RAM (trainer/optim StateOffload's buffers are exactly sized: trainer/offload `pinned_exact`)."""
+    return state_bytes(name, params, masters)
 
 
-def packed_state_layout(name: str):
+def packed_state_layout(name: str, masters: bool = False):
     """p -> {state name: (shape, dtype)} of the optimizer state the trainer packs beside each streamed weight
-    (trainer/optim FusedBackPass.state_layout, the spec's `state`), or None when the trainer keeps that optimizer's
-    state in RAM instead (a spec that is not `packed`: 8-bit AdamW's layout is not known before a step)."""
-    spec = optimizer_spec(name)
-    return spec.state if spec.packed else None
+    (trainer/optim FusedBackPass.state_layout: the spec's `state`, and the fp32 master with `masters`), or None when
+    the trainer keeps that optimizer's state in RAM instead (a spec that is not `packed`: 8-bit AdamW's layout is not
+    known before a step)."""
+    if not optimizer_spec(name).packed:
+        return None
+    return functools.partial(state_layout, name, masters=masters)
 
 
 def transformer_config(cfg) -> tuple[dict, str]:

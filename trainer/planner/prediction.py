@@ -393,19 +393,22 @@ def _full_facts(cfg, model: torch.nn.Module, blocks: list, nonblock: list) -> di
     the conductor packs each weight's optimizer state beside it (trainer/offload/fused_state.py), so the state
     crosses PCIe with its block and sits in the pinned arena between steps; 8-bit AdamW's state (layout unknown
     before a step) lives in pinned RAM instead (trainer/optim StateOffload) and visits the GPU while its parameter
-    steps. The state of non-block modules stays on the GPU."""
+    steps. The state of non-block modules stays on the GPU. optimizer.master_weights adds each bf16/fp16 weight's
+    fp32 master to its state, wherever that is (4 bytes per parameter; with owned steps 1/N on each process, as the
+    rest of the state: `node_ram_of_processes`)."""
     model.requires_grad_(True)
     trainable = sum(p.numel() for p in model.parameters())
-    layout = packed_state_layout(cfg.optimizer.name)
+    name, masters = cfg.optimizer.name, cfg.optimizer.master_weights
+    layout = packed_state_layout(name, masters)
     packed = [BlockPacking.of(b, include_trainable=True, state_layout=layout or ()).nbytes for b in blocks]
     biggest = max(model.parameters(), key=lambda p: p.numel())
     return dict(
         trainable_params=trainable,
         packed=packed,
         largest_param=biggest.numel(),
-        state_gpu=optimizer_state_bytes(cfg.optimizer.name, nonblock),
-        block_states=[optimizer_state_bytes(cfg.optimizer.name, list(b.parameters())) for b in blocks],
-        largest_state=optimizer_state_bytes(cfg.optimizer.name, [biggest]),
+        state_gpu=optimizer_state_bytes(name, nonblock, masters),
+        block_states=[optimizer_state_bytes(name, list(b.parameters()), masters) for b in blocks],
+        largest_state=optimizer_state_bytes(name, [biggest], masters),
         state_packed=layout is not None,
     )
 

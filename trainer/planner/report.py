@@ -181,7 +181,8 @@ def _block_rows(cfg, facts: Facts, fraction: float) -> list[tuple]:
     else:
         p = predict(facts, fraction, big, act)
         state_host = p.pinned - pinned
-        rows.append((f"optimizer state ({facts.optimizer}, fp32) + gradients", "-", "fp32",
+        masters = " + master weights" if cfg.optimizer.master_weights else ""  # 4 bytes per parameter more
+        rows.append((f"optimizer state ({facts.optimizer}{masters}, fp32) + gradients", "-", "fp32",
                      _gb(sum(facts.block_states) + facts.state_gpu), _gb(p.trainable), _gb(state_host),
                      "streamed blocks' state in pinned RAM, on the GPU while its parameter steps"
                      if state_host else "all on the GPU"))

@@ -41,6 +41,7 @@ from ..optim.fused import FusedBackPass, StateOffload
 from ..optim.state import load_optimizer_shards, load_optimizer_state, save_optimizer_state
 from . import sharded
 from .distributed import BucketedAllReduce, Dist, FusedAllReduce, ShardNorm
+from .monitor import say
 from .owners import SHARD_GLOB, OwnedSteps
 
 
@@ -150,6 +151,9 @@ class Optim:
             sharded.load_optimizer(self.model, self.optimizer, folder / sharded.OPTIMIZER_DIR)
         else:
             load_optimizer_state(self.fused or self.optimizer, folder)
+        if getattr(self.optimizer, "masters_from_weights", 0):
+            say(f"--resume {folder}: its optimizer state has no fp32 master weights (saved without "
+                "optimizer.master_weights); they start from the checkpoint's weights")
         self.scheduler.load_state_dict(scheduler_state)
 
     def close(self) -> None:
