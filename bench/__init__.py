@@ -11,7 +11,8 @@ grouped by what they measure:
     bench/multi_gpu/  several GPUs of one host: ddp (bench_ddp), fsdp (bench_fsdp), the sharded stream and owned
                       steps (bench_sharded)
     bench/diag/       one-question diagnostics: where a planner gap, an activation peak, a step's time, text
-                      caching's RSS, a VAE's peak come from; what fp8 does to a block and to a loss curve
+                      caching's RSS, a VAE's peak come from; what fills the GPU at an out-of-memory
+                      (diag_oom_snapshot); what fp8 does to a block and to a loss curve
     bench/common/     timing (CUDA-event step times, bf16 model builds) and timeline (a profiled step's device
                       timeline), shared by the others
 
@@ -28,8 +29,8 @@ GROUPS = {
               "bench_fullft", "bench_gc", "attn_mask_speed", "ring_bound", "speed_profile"),
     "program": ("bench_program", "program_video", "bench_caption"),
     "multi_gpu": ("bench_ddp", "bench_fsdp", "bench_sharded"),
-    "diag": ("diag_act_peak", "diag_planner_gap", "diag_step_cpu", "diag_step_time", "diag_text_rss", "diag_vae_peak",
-             "quant_block_error", "quant_loss_curve"),
+    "diag": ("diag_act_peak", "diag_oom_snapshot", "diag_planner_gap", "diag_step_cpu", "diag_step_time",
+             "diag_text_rss", "diag_vae_peak", "quant_block_error", "quant_loss_curve"),
     "common": ("timing", "timeline"),
 }
 
