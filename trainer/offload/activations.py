@@ -15,10 +15,12 @@ by every block) are small or shared; copying them once per block would cost more
 The inputs of the blocks in `on_device` (the conductor's: plan.py `inputs_on_device`, the last two recomputed
 blocks, whose backward comes first) stay on the GPU too: backward would fetch them back at once, and holds two
 blocks' inputs there anyway, so keeping them costs no GPU memory at backward's peak and saves their pinned bytes.
-A tensor laid out densely in another dimension order (`memory_order`: a patch embedding's transposed tokens) goes
-out byte for byte and comes back with its own strides. Until 2026-11-28 only contiguous ones went: HunyuanVideo
-1.5's residual stream is transposed, so none of its 54 blocks' inputs left the GPU (at 480p x 121 frames 53 x 198 MB
-held at the 54th block's forward: out of memory under a 15 GB cap, bench/logs/2026-11-28d-hv/).
+Any layout goes (`memory_order`): a tensor dense in another dimension order (a patch embedding's transposed tokens)
+goes out byte for byte and comes back with its own strides; one with gaps (a slice of a batch's joint sequence)
+goes out as a dense copy and comes back dense in the same dimension order. Until 2026-11-28 only contiguous ones
+went: HunyuanVideo 1.5's residual stream is transposed, so none of its 54 blocks' inputs left the GPU (at 480p x 121
+frames 53 x 198 MB held at the 54th block's forward: out of memory under a 15 GB cap, bench/logs/2026-11-28d-hv/),
+and Flux's single blocks at batch 2 kept their text tokens (tests/test_families.py checks every family).
 
 Throttle. A CPU that runs ahead would enqueue many D2H copies whose source tensors stay allocated until the
 copies run, erasing the saving (OneTrainer PR #1649). `max_inflight` bounds the copies in flight; beyond it
@@ -58,15 +60,15 @@ class _Saved:
         self.event = None
 
 
-def memory_order(t: torch.Tensor) -> list[int] | None:
-    """The dimension order in which `t` is laid out densely (`t.permute(order)` is contiguous), or None where its
-    elements do not fill one dense block. A patch embedding's `conv(x).flatten(2).transpose(1, 2)` gives (B, S, D)
-    tokens with strides (S D, 1, S), and elementwise ops keep that layout: HunyuanVideo 1.5's residual stream is
-    such a tensor through every block."""
+def memory_order(t: torch.Tensor) -> list[int]:
+    """The order of `t`'s dimensions from the largest stride to the smallest: `t.permute(order)` is contiguous
+    where `t` fills one dense block of memory in any dimension order. A patch embedding's
+    `conv(x).flatten(2).transpose(1, 2)` gives (B, S, D) tokens with strides (S D, 1, S), and elementwise ops keep
+    that layout (HunyuanVideo 1.5's residual stream through every block); a slice `x[:, n:]` of a batch of more than
+    one sample (Flux's single blocks split their joint sequence so) leaves gaps, and `permute(order)` needs a copy."""
     if t.is_contiguous():
         return list(range(t.dim()))
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d)))
-    return order if t.permute(order).is_contiguous() else None
+    return sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d)))
 
 
 class ActivationOffloader:
@@ -122,10 +124,10 @@ class ActivationOffloader:
         if not (t.requires_grad and n >= self.min_bytes and t.device == self.device) or self._block in self.on_device:
             return t
         order = memory_order(t)
-        if order is None:  # not one dense block of memory (a strided slice): rare, left on the device
-            return t
         back = None if order == sorted(order) else sorted(range(t.dim()), key=order.__getitem__)
-        dense = t.detach().permute(order)  # a view: the same bytes, in memory order
+        # the same bytes in memory order: a view where t is dense, else a copy (a slice of a larger tensor; the
+        # copy lives until its transfer has passed, as t does)
+        dense = t.detach().permute(order).contiguous()
         host = self.arena.alloc(n)
         src = dense.reshape(-1).view(torch.uint8)
         if self.cuda:
@@ -136,7 +138,7 @@ class ActivationOffloader:
             with torch.cuda.stream(self.stream):
                 host.copy_(src, non_blocking=True)
                 ev = self.stream.record_event()
-            self._inflight.append((ev, t))
+            self._inflight.append((ev, dense))  # the source (t's storage, or its dense copy) lives until the copy ran
         else:
             host.copy_(src)
         s = _Saved(host, dense.shape, t.dtype, self._block, back)
@@ -157,7 +159,7 @@ class ActivationOffloader:
         for prev in self._by_block.get(s.block - 1, ()):  # one block ahead in backward
             if prev.gpu is None:
                 self._fetch(prev)
-        return t if s.back is None else t.permute(s.back)  # the saved tensor's own strides again
+        return t if s.back is None else t.permute(s.back)  # its own dimension order again (without gaps)
 
     def _fetch(self, s: _Saved) -> None:
         if not self.cuda:
