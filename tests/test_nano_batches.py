@@ -77,7 +77,9 @@ def _wan_steps(m, steps: int = 3) -> torch.Tensor:
 
 def _same_run(base, other) -> None:
     (base_l, base_w, _), (losses, w, _) = base, other
-    assert torch.equal(losses[0], base_l[0]), (losses, base_l)  # the first forward: bitwise
+    # the first forward: the same up to the matmul kernel the CPU picks for a chunk's rows (bitwise on AVX2 CPUs,
+    # not on this AVX-512 one for Flux's feed-forwards: a test must not depend on the CPU's code generation)
+    torch.testing.assert_close(losses[0], base_l[0], rtol=1e-6, atol=0)
     torch.testing.assert_close(losses, base_l, rtol=1e-5, atol=0)
     assert w.keys() == base_w.keys()
     for k in w:  # summation order of the split sub-layers' weight gradients: see the module docstring
