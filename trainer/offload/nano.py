@@ -48,7 +48,10 @@ def _is_token_mlp(m: nn.Module) -> bool:
 
 
 class NanoBatched:
-    """Mixin of a token-wise MLP's split class; `_nano_batches` is set by `split_mlps`."""
+    """Mixin of a token-wise sub-layer's split class; `_nano_batches` is set by `split_mlps`. The tokens' axis is
+    dim 1 of the first argument, and of the first `token_args` positional arguments where the sub-layer's class
+    sets that (a region that takes per-token rotary tables beside its tokens, trainer/models/hunyuan_video15_block.py);
+    a tuple of outputs is joined item by item."""
 
     _nano_batches: int
 
@@ -56,11 +59,15 @@ class NanoBatched:
         n, run = self._nano_batches, super().forward
         if hidden_states.dim() < 3 or hidden_states.shape[1] < n:
             return run(hidden_states, *args, **kwargs)
-        chunks = hidden_states.chunk(n, dim=1)
+        k = getattr(self, "token_args", 1) - 1
+        per_token = zip(*(t.chunk(n, dim=1) for t in (hidden_states, *args[:k])), strict=True)
+        rest = args[k:]
         if torch.is_grad_enabled():
-            outs = [checkpoint(run, c, *args, use_reentrant=False, **kwargs) for c in chunks]
+            outs = [checkpoint(run, *c, *rest, use_reentrant=False, **kwargs) for c in per_token]
         else:
-            outs = [run(c, *args, **kwargs) for c in chunks]
+            outs = [run(*c, *rest, **kwargs) for c in per_token]
+        if isinstance(outs[0], tuple):
+            return tuple(torch.cat(o, dim=1) for o in zip(*outs, strict=True))
         return torch.cat(outs, dim=1)
 
 
