@@ -15,7 +15,12 @@ becomes a `NanoBatched` subclass of its class (the same class swap, so module na
 whose forward splits and then calls the MLP's own forward per chunk; `block.remove` restores the class.
 
 Which modules: the family's declaration (trainer/models/base.py `token_wise`, handed to `attach_offload` as
-`nano_mlps`), else every diffusers `FeedForward` in the block. The planner counts the saving
+`nano_mlps`), else every diffusers `FeedForward` in the block. A family may declare parameterless regions of its
+block's own forward: HunyuanVideo 1.5's blocks are two of them around the attention kernel, the video tokens' work
+before it (norm, modulation, q / k / v, rotary) and after it (output projection through the feed-forward), so that
+all of a block but attention runs in chunks (trainer/models/hunyuan_video15_block.py). Such a region takes per-token
+tensors beside the tokens (the rotary tables), which are split with them (its class's `token_args`), and may return
+several (q, k, v), joined one by one. The planner counts the saving
 (trainer/planner/trace.py `chunk_mlps`): the block's recompute no longer saves the sub-layers' hidden activations
 for the whole sequence; backward recomputes one chunk's at a time. In Wan 2.1 14B at 480p x 81
 (32,760 tokens, fp8 base) a block's recompute saves 8.5 GB, of which the feed-forward's hidden is 1.8 GB (the
