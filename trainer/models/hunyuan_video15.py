@@ -27,7 +27,9 @@ How it mirrors diffusers' HunyuanVideo15Pipeline (0.42):
   Inside, the transformer moves each sample's valid text tokens first (image, glyph, Qwen) and the padding after
   them, and the joint attention masks the padding (a (B, 1, S, S) boolean mask per block, S = video tokens + 1985).
   The adapter's transformer (`transformer_cls`) attends over each sample's valid prefix instead, without the mask:
-  the same numbers within fp32 rounding (trainer/models/hunyuan_video15_attention.py).
+  the same numbers within fp32 rounding (trainer/models/hunyuan_video15_attention.py); its blocks compute the
+  token-wise work around attention as two regions that offload.nano_batches runs in token chunks
+  (trainer/models/hunyuan_video15_block.py).
 - shift: the folder's scheduler `shift` (FlowMatchEulerDiscreteScheduler, 5.0 for 480p, 9.0 for 720p), fixed.
 - sampling: `HunyuanVideo15Pipeline` with the embeddings and masks of both encoders (and the negative prompt's:
   the pipeline's guider runs classifier-free guidance for any scale other than 1). The pipeline takes no
@@ -68,7 +70,7 @@ from torch import nn
 from ._diffusers import NORM_MODULATION, T5_KEEP, DiffusersAdapter, tiny_token_ids
 from .base import Components
 from .flux3_pipeline import _quiet_modular_notes
-from .hunyuan_video15_attention import HunyuanVideo15Transformer3DModel
+from .hunyuan_video15_block import HunyuanVideo15Transformer3DModel
 from .hunyuan_video15_vae import time_chunks
 
 
@@ -215,6 +217,10 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
     text_encoder_layers = (28, 12)
     #: the blocks' AdaLayerNormZero Linears (`norm1.linear`, `norm1_context.linear`)
     modulation_linears = NORM_MODULATION
+    #: offload.nano_batches splits all of a block but its attention kernel: the video tokens' work before attention
+    #: (norm, modulation, q / k / v, q / k norms, rotary) and after it (output projection through the feed-forward's
+    #: residual), and the text's feed-forward (trainer/models/hunyuan_video15_block.py)
+    token_wise = ("token_pre", "token_post", "ff_context")
     latent_scale, token_patch = 16, 1
     vae_params = 1_260_634_115  # AutoencoderKLHunyuanVideo15 (diffusers' defaults: the released VAE)
     full_vae_config = {}  # diffusers' defaults are the released VAE: the planner builds it on meta

@@ -14,11 +14,15 @@ a prefix of n_b = video + valid text tokens. A query row i < n_b attends exactly
 *without* a mask on the first n_b tokens; a row i >= n_b attends nothing, and masked SDPA returns zeros for such a
 fully masked row. `PrefixAttnProcessor` computes q, k, v as diffusers' processor does, runs SDPA on each valid
 prefix (no mask, so flash attention is eligible, and no work on the padding) and writes zeros in the padded rows.
-Nothing downstream reads those rows anyway (their keys are masked out in every later block, and the transformer's
-output is the video tokens alone), but they equal the reference's, so a block's whole output matches.
+It takes the video queries and the valid text queries in two calls (the same keys: each query row is attended
+alone either way), so the video rows' output is the very tensor SDPA saves for backward and has a shape that does
+not depend on the caption, and only the text rows are padded: no second (B, S, H D) output is made, which a block
+recomputed in token chunks would keep beside SDPA's (trainer/models/hunyuan_video15_block.py). Nothing downstream reads those rows anyway (their keys
+are masked out in every later block, and the transformer's output is the video tokens alone), but they equal the
+reference's, so a block's whole output matches.
 
-Batches. Batch 1 (the usual video batch) or equal lengths: one SDPA call on the common prefix. Different lengths:
-one call per sample on its own prefix, each still mask-free and exact. A key-padding form in one call was the
+Batches. Batch 1 (the usual video batch) or equal lengths: one SDPA call pair on the common prefix. Different
+lengths: one pair per sample on its own prefix, each still mask-free and exact, joined (a copy of the output). A key-padding form in one call was the
 alternative: flex attention's BlockMask skips the padded blocks but is another kernel (other rounding), compiled
 only on CUDA and without a CPU backward; nested (jagged) tensors add a layout the LoRA and offload code never see
 elsewhere. Video batches are one or two clips, so a loop costs a launch or two.
@@ -37,20 +41,19 @@ pipeline, bitwise to it once its transformer attends this way (tests/test_hunyua
 On CUDA the reference's masked call runs the memory-efficient kernel and this one flash: two kernels, as any
 mask-free form would be.
 
-Where it is installed. `HunyuanVideo15Transformer3DModel` below is diffusers' class (same name: the folders'
-`_class_name` and the single-file loader's table name it) whose constructor sets the processor, so every path
-that builds the family's transformer through the adapter's `transformer_cls` gets it: the loader
+Where it is installed. The family's transformer class (trainer/models/hunyuan_video15_block.py
+`HunyuanVideo15Transformer3DModel`, diffusers' class under the same name) sets the processor in its constructor, so
+every path that builds the family's transformer through the adapter's `transformer_cls` gets it: the loader
 (`from_pretrained`, `from_single_file`, trainer/models/stream_load.py's `from_config`), hence training and
 `dittrain sample`, and the planner's meta model (trainer/planner/meta.py `meta_transformer`). diffusers' own
-pipeline loaded by its `from_pretrained` (the tests' reference) keeps the masked processor.
+pipeline loaded by its `from_pretrained` (the tests' reference) keeps the masked processor. Its blocks call the
+pieces below (`video_qkv`, `text_qkv`, `joint`) themselves, in token chunks under offload.nano_batches.
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 
-import diffusers
 import torch
 import torch.nn.functional as F
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -59,20 +62,51 @@ from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVid
 from torch import nn
 
 
-def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: list[int], backend=None,
-                  parallel_config=None) -> torch.Tensor:
-    """Sample b's first `valid[b]` tokens attend among themselves, without a mask; rows after them are zero.
-    q, k, v: (B, S, H, D) as diffusers' processors hold them; the result has their shape."""
+def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: list[int], video: int, backend=None,
+                  parallel_config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample b's first `valid[b]` tokens attend among themselves, without a mask; its rows after them are zero.
+    q, k, v: (B, S, H, D) as diffusers' processors hold them, the first `video` tokens the video's; the result is the
+    video rows (B, video, H, D) and the text rows (B, S - video, H, D), from one call each (module essay)."""
     s = q.shape[1]
 
-    def one(rows: slice, n: int) -> torch.Tensor:
-        o = dispatch_attention_fn(q[rows, :n], k[rows, :n], v[rows, :n], dropout_p=0.0, is_causal=False,
-                                  backend=backend, parallel_config=parallel_config)
-        return o if n == s else F.pad(o, (0, 0, 0, 0, 0, s - n))  # allocates the (B, S, H, D) output once
+    def one(batch: slice, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def rows(r: slice) -> torch.Tensor:
+            return dispatch_attention_fn(q[batch, r], k[batch, :n], v[batch, :n], dropout_p=0.0, is_causal=False,
+                                         backend=backend, parallel_config=parallel_config)
+
+        img = rows(slice(None, video))
+        if n == video:  # no valid text token: every text row is padding
+            return img, q.new_zeros(img.shape[0], s - video, *img.shape[2:])
+        return img, F.pad(rows(slice(video, n)), (0, 0, 0, 0, 0, s - n))
 
     if len(set(valid)) == 1:
         return one(slice(None), valid[0])
-    return torch.cat([one(slice(b, b + 1), n) for b, n in enumerate(valid)])
+    img, txt = zip(*(one(slice(b, b + 1), n) for b, n in enumerate(valid)), strict=True)
+    return torch.cat(img), torch.cat(txt)
+
+
+def video_qkv(attn: nn.Module, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None):
+    """The video tokens' q, k, v (B, S, H, D) as diffusers' processor computes them: projections, q / k norms,
+    rotary embedding (`rotary`: cos and sin, (S, D / H) each)."""
+    query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (
+        attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)))
+    query, key = attn.norm_q(query), attn.norm_k(key)
+    if rotary is not None:
+        query = apply_rotary_emb(query, rotary, sequence_dim=1)
+        key = apply_rotary_emb(key, rotary, sequence_dim=1)
+    return query, key, value
+
+
+def text_qkv(attn: nn.Module, encoder_hidden_states: torch.Tensor):
+    """The text tokens' q, k, v (B, T, H, D) as diffusers' processor computes them (no rotary embedding)."""
+    eq, ek, ev = (x.unflatten(2, (attn.heads, -1)) for x in (
+        attn.add_q_proj(encoder_hidden_states), attn.add_k_proj(encoder_hidden_states),
+        attn.add_v_proj(encoder_hidden_states)))
+    if attn.norm_added_q is not None:
+        eq = attn.norm_added_q(eq)
+    if attn.norm_added_k is not None:
+        ek = attn.norm_added_k(ek)
+    return eq, ek, ev
 
 
 class PrefixAttnProcessor(HunyuanVideo15AttnProcessor2_0):
@@ -89,6 +123,8 @@ class PrefixAttnProcessor(HunyuanVideo15AttnProcessor2_0):
         seen = self._seen
         if seen is not None and seen[0]() is mask and seen[1] == mask._version:
             return seen[2]
+        if mask.device.type == "meta":  # the planner's compiled count (planner/compiled_saves.py moves masks to meta)
+            return [mask.shape[1]] * mask.shape[0]  # counts every text token valid: shapes only, nothing to read
         m = mask.bool()
         n = m.sum(1)
         prefix = (m == (torch.arange(m.shape[1], device=m.device) < n[:, None])).all()
@@ -98,43 +134,32 @@ class PrefixAttnProcessor(HunyuanVideo15AttnProcessor2_0):
         return out
 
     @torch.compiler.disable  # the lengths vary per caption: eager, so no compiled code guards on them (essay)
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The joint attention of q, k, v (B, S, H, D), video tokens first, under the text mask (B, T): on the
-        valid prefixes (`attend_prefix`), or, for a mask whose kept tokens are not a prefix, as diffusers does."""
+    def joint(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              text: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The joint attention of q, k, v (B, S, H, D; the last `text` tokens the text's) under the text mask
+        (B, T), as (video rows, text rows), (B, S - text, H D) and (B, text, H D): on the valid prefixes
+        (`attend_prefix`), or, for a mask whose kept tokens are not a prefix, as diffusers does."""
         lengths = self._valid_lengths(mask)
-        s = q.shape[1]
+        s, video = q.shape[1], q.shape[1] - text
         if lengths is not None:
-            video = s - mask.shape[1]
-            return attend_prefix(q, k, v, [video + n for n in lengths], self._attention_backend,
-                                 self._parallel_config)
+            img, txt = attend_prefix(q, k, v, [video + n for n in lengths], video, self._attention_backend,
+                                     self._parallel_config)
+            return img.flatten(2, 3).to(q.dtype), txt.flatten(2, 3).to(q.dtype)
         m = F.pad(mask.bool(), (s - mask.shape[1], 0), value=True)  # diffusers' (B, 1, S, S) mask
-        return dispatch_attention_fn(q, k, v, attn_mask=m[:, None, None, :] & m[:, None, :, None], dropout_p=0.0,
-                                     is_causal=False, backend=self._attention_backend,
-                                     parallel_config=self._parallel_config)
+        out = dispatch_attention_fn(q, k, v, attn_mask=m[:, None, None, :] & m[:, None, :, None], dropout_p=0.0,
+                                    is_causal=False, backend=self._attention_backend,
+                                    parallel_config=self._parallel_config).flatten(2, 3).to(q.dtype)
+        return out[:, :video], out[:, video:]
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None) -> tuple[torch.Tensor, torch.Tensor]:
         if encoder_hidden_states is None:  # not how the dual-stream blocks call it
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         # q, k, v exactly as diffusers' processor computes them: video tokens, then text
-        query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (
-            attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)))
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        eq, ek, ev = (x.unflatten(2, (attn.heads, -1)) for x in (
-            attn.add_q_proj(encoder_hidden_states), attn.add_k_proj(encoder_hidden_states),
-            attn.add_v_proj(encoder_hidden_states)))
-        if attn.norm_added_q is not None:
-            eq = attn.norm_added_q(eq)
-        if attn.norm_added_k is not None:
-            ek = attn.norm_added_k(ek)
-        query, key, value = torch.cat([query, eq], dim=1), torch.cat([key, ek], dim=1), torch.cat([value, ev], dim=1)
-
-        out = self.attend(query, key, value, attention_mask).flatten(2, 3).to(query.dtype)
-        n = encoder_hidden_states.shape[1]
-        img, txt = out[:, :-n], out[:, -n:]
+        qkv = zip(video_qkv(attn, hidden_states, image_rotary_emb), text_qkv(attn, encoder_hidden_states),
+                  strict=True)
+        query, key, value = (torch.cat(pair, dim=1) for pair in qkv)
+        img, txt = self.joint(query, key, value, attention_mask, encoder_hidden_states.shape[1])
         if getattr(attn, "to_out", None) is not None:
             img = attn.to_out[1](attn.to_out[0](img))
         if getattr(attn, "to_add_out", None) is not None:
@@ -148,13 +173,3 @@ def use_prefix_attention(transformer: nn.Module, on: bool = True) -> None:
     proc = PrefixAttnProcessor() if on else None
     for b in transformer.transformer_blocks:
         b.attn.set_processor(proc if on else HunyuanVideo15AttnProcessor2_0())
-
-
-class HunyuanVideo15Transformer3DModel(diffusers.HunyuanVideo15Transformer3DModel):
-    """diffusers' HunyuanVideo15Transformer3DModel (same name, same config and weights) attending through
-    `PrefixAttnProcessor` from construction on (module essay)."""
-
-    @functools.wraps(diffusers.HunyuanVideo15Transformer3DModel.__init__)  # diffusers reads the config's keys there
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        use_prefix_attention(self)

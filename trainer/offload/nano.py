@@ -15,7 +15,12 @@ becomes a `NanoBatched` subclass of its class (the same class swap, so module na
 whose forward splits and then calls the MLP's own forward per chunk; `block.remove` restores the class.
 
 Which modules: the family's declaration (trainer/models/base.py `token_wise`, handed to `attach_offload` as
-`nano_mlps`), else every diffusers `FeedForward` in the block. The planner counts the saving
+`nano_mlps`), else every diffusers `FeedForward` in the block. A family may declare parameterless regions of its
+block's own forward: HunyuanVideo 1.5's blocks are two of them around the attention kernel, the video tokens' work
+before it (norm, modulation, q / k / v, rotary) and after it (output projection through the feed-forward), so that
+all of a block but attention runs in chunks (trainer/models/hunyuan_video15_block.py). Such a region takes per-token
+tensors beside the tokens (the rotary tables), which are split with them (its class's `token_args`), and may return
+several (q, k, v), joined one by one. The planner counts the saving
 (trainer/planner/trace.py `chunk_mlps`): the block's recompute no longer saves the sub-layers' hidden activations
 for the whole sequence; backward recomputes one chunk's at a time. In Wan 2.1 14B at 480p x 81
 (32,760 tokens, fp8 base) a block's recompute saves 8.5 GB, of which the feed-forward's hidden is 1.8 GB (the
@@ -48,7 +53,10 @@ def _is_token_mlp(m: nn.Module) -> bool:
 
 
 class NanoBatched:
-    """Mixin of a token-wise MLP's split class; `_nano_batches` is set by `split_mlps`."""
+    """Mixin of a token-wise sub-layer's split class; `_nano_batches` is set by `split_mlps`. The tokens' axis is
+    dim 1 of the first argument, and of the first `token_args` positional arguments where the sub-layer's class
+    sets that (a region that takes per-token rotary tables beside its tokens, trainer/models/hunyuan_video15_block.py);
+    a tuple of outputs is joined item by item."""
 
     _nano_batches: int
 
@@ -56,11 +64,15 @@ class NanoBatched:
         n, run = self._nano_batches, super().forward
         if hidden_states.dim() < 3 or hidden_states.shape[1] < n:
             return run(hidden_states, *args, **kwargs)
-        chunks = hidden_states.chunk(n, dim=1)
+        k = getattr(self, "token_args", 1) - 1
+        per_token = zip(*(t.chunk(n, dim=1) for t in (hidden_states, *args[:k])), strict=True)
+        rest = args[k:]
         if torch.is_grad_enabled():
-            outs = [checkpoint(run, c, *args, use_reentrant=False, **kwargs) for c in chunks]
+            outs = [checkpoint(run, *c, *rest, use_reentrant=False, **kwargs) for c in per_token]
         else:
-            outs = [run(c, *args, **kwargs) for c in chunks]
+            outs = [run(*c, *rest, **kwargs) for c in per_token]
+        if isinstance(outs[0], tuple):
+            return tuple(torch.cat(o, dim=1) for o in zip(*outs, strict=True))
         return torch.cat(outs, dim=1)
 
 
