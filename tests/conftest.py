@@ -61,9 +61,10 @@ def pytest_collection_finish(session):
 # worker's queue ends in short tests and no long one is left running alone at the end; the modules of many short
 # tests last, so the second half is mostly theirs and its worker soon steals into the long ones. The others keep
 # their file order between. A module's tests stay together and in their order (module-scoped fixtures built once).
-FIRST = ("test_fsdp", "test_distributed", "test_bench_speed", "test_planner_kv", "test_sharded_stream",
-         "test_chroma_attention", "test_more_families", "test_compile", "test_caption_bench", "test_hidream",
-         "test_nano_batches", "test_owners", "test_train_faults", "test_flux3", "test_flux3_pairs")
+FIRST = ("test_wan22_both", "test_ideogram4", "test_fsdp", "test_distributed", "test_bench_speed", "test_planner_kv",
+         "test_sharded_stream", "test_chroma_attention", "test_stream_load", "test_more_families", "test_compile",
+         "test_hunyuan_video15_tiles", "test_hidream", "test_validation", "test_nano_batches", "test_owners",
+         "test_train_faults", "test_flux3", "test_flux3_pairs")
 LAST = ("test_family_sizes", "test_lora_format", "test_layout", "test_docs", "test_presets")
 
 

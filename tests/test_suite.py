@@ -1,11 +1,13 @@
-"""The test session's garbage collector (conftest.py), in a test like any other: what lived before the test is
-frozen, the trainer's own freeze and unfreeze do nothing (its close would make the ~0.5 M frozen objects of the
-imports collectable again, and the next collection walk them all), and the run's objects are still collected."""
+"""The test session's own settings (conftest.py). Its garbage collector, in a test like any other: what lived before
+the test is frozen, the trainer's own freeze and unfreeze do nothing (its close would make the ~0.5 M frozen objects
+of the imports collectable again, and the next collection walk them all), and the run's objects are still
+collected. Its order: the modules it runs first and last are the suite's."""
 
 from __future__ import annotations
 
 import gc
 import weakref
+from pathlib import Path
 
 import conftest
 from test_train_support import make_config, write_images
@@ -28,3 +30,12 @@ def test_a_trainer_leaves_the_frozen_imports_frozen_and_its_own_objects_collecta
     del t
     gc.collect()
     assert model() is None  # the run's model was never frozen: collected
+
+
+def test_the_modules_run_first_and_last_exist():
+    """conftest.FIRST and LAST name test modules of the suite (a renamed module would silently fall back to the file
+    order), each once."""
+    names = list(conftest.FIRST + conftest.LAST)
+    assert len(set(names)) == len(names)
+    missing = [n for n in names if not (Path(__file__).parent / f"{n}.py").is_file()]
+    assert not missing, missing
