@@ -9,7 +9,8 @@ them after its own imports, and with nothing else of the test's process (no thre
 context; the server never runs torch). The server's environment is the one it started with, so each rank first
 takes the launching process's `os.environ` as it is at launch, as a spawned rank inherits it (only a variable a
 preloaded module reads at import, and that a test changed after the server started, differs). `Command` runs
-`python -m MODULE ARGS` the same way, for a test that starts CLI commands one after another (bench_program's)."""
+`python -m MODULE ARGS` the same way, for a test that starts CLI commands one after another (bench_program's,
+bench_caption's rows)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,11 @@ class Command:
         self._p.start()
         self.pid = self._p.pid
 
-    def wait(self) -> int:
-        self._p.join()
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit status; None if the process still runs after `timeout` seconds."""
+        self._p.join(timeout)
         return self._p.exitcode
+
+    def kill(self) -> None:
+        self._p.kill()
+        self._p.join()

@@ -45,37 +45,6 @@ def _freeze_what_lives() -> None:
     gc.freeze()
 
 
-_UNFROZEN = [False]  # a gc.unfreeze() ran since the last look (`_note_unfreezes`)
-
-
-def _note_unfreezes() -> None:
-    """Wrap `gc.unfreeze` to note that it ran. `gc.get_freeze_count()` is no flag: it counts the permanent
-    generation's objects one by one (CPython walks the list: ~80 ms a call with the suite's ~0.5 M frozen objects,
-    ~200 CPU-s over the suite when it was asked after every test), so it is asked only after an unfreeze."""
-    import gc
-
-    real = gc.unfreeze
-
-    def unfreeze():
-        _UNFROZEN[0] = True
-        real()
-
-    gc.unfreeze = unfreeze
-
-
-_note_unfreezes()
-
-
-def _freeze_again_if_unfrozen() -> None:
-    """Freeze what lives again if the permanent generation was emptied (an unfreeze, not frozen again since)."""
-    import gc
-
-    if _UNFROZEN[0]:
-        _UNFROZEN[0] = False
-        if gc.get_freeze_count() == 0:
-            _freeze_what_lives()
-
-
 def pytest_collection_finish(session):
     """Everything imported by now (torch, dynamo, diffusers, transformers, every test module: ~0.5 M objects in a
     worker that collected the whole suite) lives to the end of the session: move it into the garbage collector's
@@ -86,33 +55,62 @@ def pytest_collection_finish(session):
     _freeze_what_lives()
 
 
+# The order the suite runs in (`make test`: two xdist workers, --dist worksteal, each starting on one contiguous
+# half of it and stealing the back half of the other's queue when its own is empty). The longest modules first
+# (-n 0 wall seconds on the 2-core CPU, 2026-11-28, imports included: multi-process launches, compiles), so a
+# worker's queue ends in short tests and no long one is left running alone at the end; the modules of many short
+# tests last, so the second half is mostly theirs and its worker soon steals into the long ones. The others keep
+# their file order between. A module's tests stay together and in their order (module-scoped fixtures built once).
+FIRST = ("test_wan22_both", "test_ideogram4", "test_fsdp", "test_distributed", "test_bench_speed", "test_planner_kv",
+         "test_sharded_stream", "test_chroma_attention", "test_stream_load", "test_more_families", "test_compile",
+         "test_hunyuan_video15_tiles", "test_hidream", "test_validation", "test_nano_batches", "test_owners",
+         "test_train_faults", "test_flux3", "test_flux3_pairs")
+LAST = ("test_family_sizes", "test_lora_format", "test_layout", "test_docs", "test_presets")
+
+
+def _module_rank(item) -> int:
+    name = item.module.__name__ if getattr(item, "module", None) is not None else ""
+    if name in FIRST:
+        return FIRST.index(name)
+    return len(FIRST) + 1 + LAST.index(name) if name in LAST else len(FIRST)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=_module_rank)  # stable: the file order within each rank, each module's own order
+
+
+class _TrainerGc:
+    """The `gc` module as the trainer sees it in the tests: `freeze` and `unfreeze` do nothing, the rest is gc's."""
+
+    def __getattr__(self, name):
+        import gc
+
+        return getattr(gc, name)
+
+    def freeze(self):
+        pass
+
+    def unfreeze(self):
+        pass
+
+
 @pytest.fixture(autouse=True)
-def _freeze_again_after_a_trainer_closes(request, monkeypatch):
-    """`Trainer.close` unfreezes the whole permanent generation (what its setup froze, and the imports frozen above
-    with it), so a test's next trainer would pay full collections again (release_host_memory's and setup's, the
-    cache's: ~2-6 per fit): here a close is followed by one collection and the freeze again. Only when and where
-    to collect changes, not what the trainer does; tests/test_train_gc.py, which checks the trainer's own freeze
-    and unfreeze, sets TRAINER_GC_AS_IT_IS and runs without this."""
+def _freeze_before_each_test(request, monkeypatch):
+    """What lives when a test starts is frozen after one collection of what the tests made since the last freeze
+    (the previous test's garbage: milliseconds, not the ~0.5 M frozen objects), so each test's collections scan
+    only its own objects. The trainer's own freeze at setup and unfreeze at close do nothing here: its close
+    unfroze the whole permanent generation, and the full collection that had to follow walked the imports again
+    (~0.5 s a trainer on a busy 2-core CPU; test_train_fit 30.6 -> 23.3 CPU-s, -n 0). Only when and what the
+    collector scans changes, not what the trainer computes or frees (its run's objects are collected, never
+    frozen); tests/test_train_gc.py, which checks the trainer's own freeze and unfreeze, sets
+    TRAINER_GC_AS_IT_IS and keeps them."""
     import sys
 
+    _freeze_what_lives()
     mod = sys.modules.get("trainer.train.trainer")
-    if mod is None or getattr(request.module, "TRAINER_GC_AS_IT_IS", False):
-        yield
-        return
-    real = mod.Trainer.close
-
-    def close(self):
-        real(self)
-        _freeze_again_if_unfrozen()
-
-    monkeypatch.setattr(mod.Trainer, "close", close)
+    if mod is not None and not getattr(request.module, "TRAINER_GC_AS_IT_IS", False):
+        monkeypatch.setattr(mod, "gc", _TrainerGc())
     yield
-
-
-def pytest_runtest_logfinish(nodeid, location):
-    """After a test that left the permanent generation empty (test_train_gc's closed trainer, any other unfreeze),
-    freeze what still lives again."""
-    _freeze_again_if_unfrozen()
 
 
 def pytest_unconfigure(config):

@@ -67,10 +67,39 @@ def test_the_smoke_runs_every_family_and_every_row():
     assert {k for r in SMOKE_ROWS.values() for k in r} == {"ours", "auto", "resident"}
 
 
+def _rows_forked(monkeypatch, logs) -> None:
+    """bench_caption's rows (`python -m bench.program.bench_caption --row ...`, each a process of its own, as on a
+    GPU) forked from tests/_ranks.py's server, which imported torch, transformers and the trainer once, instead of
+    a fresh interpreter importing them (~7 s of one core a row): subprocess.run as the bench calls it, stdout and
+    stderr in one stream (what the bench writes to the row's log), the row's timeout kept."""
+    import subprocess
+    import sys
+
+    from _ranks import Command
+
+    run = subprocess.run
+    module = "bench.program.bench_caption"
+
+    def fork_row(cmd, *, capture_output, text, timeout, env, cwd, **kw):
+        if cmd[:3] != [sys.executable, "-m", module] or not (capture_output and text) or kw:
+            return run(cmd, capture_output=capture_output, text=text, timeout=timeout, env=env, cwd=cwd, **kw)
+        log = logs / f"row-{len(list(logs.iterdir()))}.log"
+        row = Command(module, cmd[3:], env, cwd, str(log))
+        rc = row.wait(timeout)
+        if rc is None:
+            row.kill()
+            raise subprocess.TimeoutExpired(cmd, timeout, log.read_text(), "")
+        return subprocess.CompletedProcess(cmd, rc, log.read_text(), "")
+
+    monkeypatch.setattr(subprocess, "run", fork_row)
+
+
 @pytest.mark.parametrize("family", bc.FAMILIES)
-def test_cpu_smoke_runs_every_row(family, tmp_path):
+def test_cpu_smoke_runs_every_row(family, tmp_path, monkeypatch):
     kinds = SMOKE_ROWS[family]
     out = tmp_path / "out"
+    (tmp_path / "rows").mkdir()
+    _rows_forked(monkeypatch, tmp_path / "rows")
     bc.main(["--small", "--model-family", family, "--images", "2", "--px", "64", "--tokens", "3", "--caps", "0",
              "--batches", "2", "--quantize", "fp8", "--rows", ",".join(kinds), "--work", str(tmp_path / "work"),
              "--out", str(out), "--row-timeout", "300"])

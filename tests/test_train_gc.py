@@ -9,7 +9,7 @@ from test_train_support import make_config, write_images
 
 from trainer.train.trainer import Trainer
 
-TRAINER_GC_AS_IT_IS = True  # conftest.py: no freeze again after close here
+TRAINER_GC_AS_IT_IS = True  # conftest.py: the trainer's own freeze and unfreeze here
 
 
 def test_setup_freezes_what_it_built_and_close_unfreezes(tiny_models, tmp_path):
@@ -40,23 +40,3 @@ def test_setups_collections_skip_what_was_alive_before(tiny_models, tmp_path, mo
     finally:
         t.close()
     assert seen and min(seen) > 10_000
-
-
-
-def test_the_suite_freezes_again_after_an_unfreeze_without_counting_each_time():
-    """conftest.py notes each gc.unfreeze() (a trainer's close) and freezes again after it; with nothing unfrozen it
-    does not ask gc.get_freeze_count(), which walks every frozen object (~80 ms a test)."""
-    import conftest
-
-    gc.unfreeze()
-    assert gc.get_freeze_count() == 0 and conftest._UNFROZEN[0]
-    conftest._freeze_again_if_unfrozen()
-    assert gc.get_freeze_count() > 10_000 and not conftest._UNFROZEN[0]
-    asked = []
-    real = gc.get_freeze_count
-    try:
-        gc.get_freeze_count = lambda: asked.append(1) or real()
-        conftest._freeze_again_if_unfrozen()
-    finally:
-        gc.get_freeze_count = real
-    assert asked == [] and real() > 10_000
