@@ -7,7 +7,7 @@ n chunks and checkpointing each chunk keeps only one chunk's intermediate alive 
 n for one more MLP forward per chunk. The same holds for any sub-layer whose output for a token depends on that
 token alone and which takes the tokens first, (B, S, D): a cross-attention whose queries are the tokens (Wan's
 attn2; its keys and values, the text's, are made again per chunk). The forward is the same up to the matmul
-kernel picked for the smaller shape (bitwise on the CPU); the sub-layers' weight gradients are sums over chunks,
+kernel picked for the smaller shape (bitwise on AVX2 CPUs, within 1e-6 on an AVX-512 one); the sub-layers' weight gradients are sums over chunks,
 so they differ by fp32 reassociation (tests/test_nano_batches.py).
 
 How. A stage of the block's StreamedBlock install (trainer/offload/block.py): every FeedForward inside the block

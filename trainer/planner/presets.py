@@ -338,6 +338,12 @@ def plan_preset(
                 q = _first_fit(family, method, card, "adamw", cache, "fp8")
                 if not isinstance(q, str) and q[1].ram_peak >= fits[0][1].ram_peak:
                     q = "no gain"
+            # bf16 within the same RAM, where it trains as large a clip or image as fp8 does (a video family's
+            # longest clip may outgrow the RAM in bf16 where a shorter one fits: HunyuanVideo 1.5's 16 GB LoRA
+            # at 480p x 121 in bf16, 29 GB, rather than fp8 at the same size)
+            b = _first_fit(family, method, card, "adamw", cache, "none", ram_gb=SMALL_RAM_GB)
+            if not isinstance(q, str) and not isinstance(b, str) and _size(b[0]) >= _size(q[0]):
+                return (*b, "")
             if not isinstance(q, str):  # else bf16 stays
                 over = q[1].ram_peak / 1e9 > SMALL_RAM_GB
                 return (*q, why + f"; with fp8 Linear weights it pins {q[1].pinned / 1e9:.0f} GB"
