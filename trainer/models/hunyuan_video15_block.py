@@ -6,7 +6,9 @@ video token, the norms' inputs and outputs, the modulated inputs of the q / k / 
 RMS norms and before the rotary embedding, the attention output, the gated residuals, the second norm's output and
 the feed-forward's 4 x hidden GELU: at 720p x 121 frames (111,600 video tokens, hidden 2048, bf16) 10.4 GB per block
 (the planner's meta trace, 2026-11-28), where splitting the feed-forwards alone (nano.py) left a working set of 9.7 GB
-in backward (16 chunks): a LoRA step at 720p x 121 ran out of memory on an H200 capped at 16 GB. Everything in the block except the
+in backward (16 chunks): a LoRA step at 720p x 121 was predicted at 18.3 GB with every block streamed, over a 16 GB
+card (the H200 run of it that day ran out of memory sooner, for another reason since fixed: activation offloading
+left every block's input on the GPU, bench/history/2026-11-28.md 10:10). Everything in the block except the
 attention kernel is token-wise: a token's q, k, v depend on that token alone (norm, modulation by the per-sample
 timestep, projections, q / k norms, its own rotary angle), and so does everything after attention (output
 projection, gate, residual, second norm, modulation, feed-forward, gate, residual) given the token's attention
