@@ -196,3 +196,25 @@ def test_sample_loads_comfy_and_kohya_files(tiny_models, tmp_path, family, fmt):
     want, got = outputs(t, mods), outputs(base, mods)
     for m in mods:
         torch.testing.assert_close(got[m], want[m], rtol=1e-5, atol=1e-5)
+
+
+def test_convert_lora_cli_writes_comfyuis_names(tiny_models, tmp_path):
+    """`dittrain convert-lora --to comfy / kohya` takes a HunyuanVideo 1.5 LoRA (once refused: no key map) and
+    writes ComfyUI's names, q/k/v fused with their ranks in the header."""
+    import json
+
+    from safetensors import safe_open
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    t, _, cfg = adapted(tiny_models, "hunyuan-video-1.5", "lora")
+    src = save_checkpoint_file(t, cfg, tmp_path / "ck.safetensors")
+    for fmt, key in (("comfy", "diffusion_model.double_blocks.1.txt_attn.qkv.lora_down.weight"),
+                     ("kohya", "lora_unet_txt_in_individual_token_refiner_blocks_0_self_attn_qkv.alpha")):
+        res = CliRunner().invoke(app, ["convert-lora", str(src), str(tmp_path / f"{fmt}.safetensors"), "--to", fmt])
+        assert res.exit_code == 0, res.output
+        with safe_open(str(tmp_path / f"{fmt}.safetensors"), framework="pt") as f:
+            assert key in f.keys()
+            assert f.metadata()[lfm.META_FORMAT] == fmt and f.metadata()["dittrain.family"] == "hunyuan-video-1.5"
+            assert json.loads(f.metadata()[lfm.META_FUSED])["double_blocks.0.img_attn.qkv"] == [4, 4, 4]
