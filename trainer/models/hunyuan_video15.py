@@ -52,13 +52,13 @@ condition channels) is `hunyuan-video-1.5-i2v` (trainer/models/hunyuan_video15_i
 LoRA key names (`lora_key_map`, output.lora_format comfy / kohya, convert-lora): ComfyUI's names for the layers
 (`HV15_LORA_KEYS` says where each comes from). Tencent's checkpoint splits the dual-stream blocks' q, k, v
 (`double_blocks.N.img_attn_q`, ...) and calls the MLPs `img_mlp.fc1` and the modulation `img_mod.linear` (diffusers'
-scripts/convert_hunyuan_video1_5_to_diffusers.py maps each to one diffusers layer); ComfyUI builds HunyuanVideo 1.5
-from its Flux-style HunyuanVideo model, which fuses q, k, v (`img_attn.qkv`) and names those `img_mlp.0` and
-`img_mod.lin`, and that is the layout of musubi-tuner's LoRA files converted for ComfyUI
+scripts/convert_hunyuan_video1_5_to_diffusers.py maps each to one diffusers layer); ComfyUI runs HunyuanVideo 1.5
+on its Flux-style HunyuanVideo model, which fuses q, k, v (`img_attn.qkv`) and names those `img_mlp.0` and
+`img_mod.lin`: the layout musubi-tuner's converter writes its LoRA files in for ComfyUI
 (networks/convert_hunyuan_video_1_5_lora_to_comfy.py). The files dittrain writes use ComfyUI's names; musubi-tuner's
-own files (Tencent's names under `lora_unet_`) are read too. diffusers-keyed files: ComfyUI's HunyuanVideo LoRA
-branch maps `transformer.*` keys in the original names only (comfy/lora.py, 2025-10), so for ComfyUI write comfy or
-kohya.
+own files (Tencent's names under `lora_unet_`) are read too. docs/lora-files.md says what each name was checked
+against. diffusers-keyed files: ComfyUI's HunyuanVideo LoRA branch maps `transformer.*` keys in the original names
+only (comfy/lora.py, 2025-10), so for ComfyUI write comfy or kohya.
 
 Left out: the step- and CFG-distilled variants' settings (their folders load as this family; sample them at
 `sample.guidance` 1, their guider's scale: the sample's scale replaces the folder's), the 1080p super-resolution
