@@ -45,9 +45,11 @@ def peft_merged(t) -> dict[str, torch.Tensor]:
 
 
 # one family per kind of fused layer the dora_scale rows are stacked into: Flux's q/k/v and linear1, SD3.5's joint
-# q/k/v, Z-Image's q/k/v, Qwen-Image 2.1's gate / up; and Qwen-Image, which fuses nothing
+# q/k/v, Z-Image's q/k/v, Qwen-Image 2.1's gate / up, HunyuanVideo 1.5's q/k/v of its blocks and its text refiner;
+# and Qwen-Image, which fuses nothing
 @pytest.mark.parametrize(("family", "fmt"), [("flux", "comfy"), ("flux", "kohya"), ("qwen-image", "comfy"),
-                                             ("sd3", "comfy"), ("z-image", "kohya"), ("qwen-image-2.1", "comfy")])
+                                             ("sd3", "comfy"), ("z-image", "kohya"), ("qwen-image-2.1", "comfy"),
+                                             ("hunyuan-video-1.5", "kohya")])
 def test_dora_in_the_original_layout_merges_in_comfyui_as_peft(tiny_models, tmp_path, family, fmt):
     """A DoRA written in the comfy / kohya layout (dora_scale from the model files' base weights), merged the way
     ComfyUI merges it, gives peft's merged weight, fused q/k/v (Flux) included, within 1e-5."""

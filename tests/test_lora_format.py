@@ -154,7 +154,8 @@ def test_diffusers_layout_loads_the_trained_update_everywhere(tiny_models, tmp_p
                                               ("qwen-image", "lora"), ("qwen-image", "lokr"), ("flux2", "lora"),
                                               ("z-image", "lora"), ("chroma", "lora"), ("chroma", "loha"),
                                               ("qwen-image-2.1", "lora"), ("qwen-image-2.1", "loha"),
-                                              ("krea2", "lora")])
+                                              ("krea2", "lora"), ("hunyuan-video-1.5", "lora"),
+                                              ("hunyuan-video-1.5-i2v", "loha")])
 @pytest.mark.parametrize("fmt", ["comfy", "kohya"])
 def test_original_layout_gives_the_diffusers_update(tiny_models, tmp_path, family, kind, fmt):
     """Each original-layout module, read as ComfyUI reads it (alpha tensor / rank), holds the trained updates of the
@@ -204,7 +205,8 @@ def test_diffusers_own_converter_reads_our_original_layout(tiny_models, tmp_path
 
 @pytest.mark.parametrize(("family", "kind"), [("flux", "lora"), ("flux", "loha"), ("sd3", "lora"),
                                               ("qwen-image", "lokr"), ("z-image", "lora"), ("chroma", "lora"),
-                                              ("qwen-image-2.1", "lora"), ("krea2", "loha")])
+                                              ("qwen-image-2.1", "lora"), ("krea2", "loha"),
+                                              ("hunyuan-video-1.5", "lora")])
 def test_round_trips_through_every_layout(tiny_models, tmp_path, family, kind):
     """diffusers -> comfy -> kohya -> diffusers keeps every module's update and the trained alpha; comfy <-> kohya is
     a rename."""

@@ -49,10 +49,22 @@ pipeline reads for its default size. 8,326,608,160 parameters, 8,157,072,384 of 
 Image-to-video (`HunyuanVideo15ImageToVideoPipeline`: SigLIP image embeddings and the first frame's latents in the
 condition channels) is `hunyuan-video-1.5-i2v` (trainer/models/hunyuan_video15_i2v.py).
 
+LoRA key names (`lora_key_map`, output.lora_format comfy / kohya, convert-lora): ComfyUI's names for the layers
+(`HV15_LORA_KEYS` says where each comes from). Tencent's checkpoint splits the dual-stream blocks' q, k, v
+(`double_blocks.N.img_attn_q`, ...) and calls the MLPs `img_mlp.fc1` and the modulation `img_mod.linear` (diffusers'
+scripts/convert_hunyuan_video1_5_to_diffusers.py maps each to one diffusers layer); ComfyUI runs HunyuanVideo 1.5
+on its Flux-style HunyuanVideo model, which fuses q, k, v (`img_attn.qkv`) and names those `img_mlp.0` and
+`img_mod.lin`: the layout musubi-tuner's converter writes its LoRA files in for ComfyUI
+(networks/convert_hunyuan_video_1_5_lora_to_comfy.py). The files dittrain writes use ComfyUI's names; musubi-tuner's
+own files (Tencent's names under `lora_unet_`) are read too. docs/lora-files.md says what each name was checked
+against. diffusers-keyed files: ComfyUI's HunyuanVideo LoRA branch maps `transformer.*` keys in the original names
+only (comfy/lora.py, 2025-10), so for ComfyUI write comfy or kohya.
+
 Left out: the step- and CFG-distilled variants' settings (their folders load as this family; sample them at
 `sample.guidance` 1, their guider's scale: the sample's scale replaces the folder's), the 1080p super-resolution
-model (`use_meanflow`), ComfyUI / kohya key names (the ComfyUI sources at hand predate HunyuanVideo 1.5, so its LoRA
-key names were not checked: `lora_key_map` is None and output.lora_format comfy / kohya are refused for this family).
+model (`use_meanflow`), a comfy / kohya name for the final layer's modulation (`norm_out.linear`: diffusers' converter
+swaps the halves of `final_layer.adaLN_modulation.1`, which a LoRA's rows would need too; writing one is refused,
+naming it).
 """
 
 from __future__ import annotations
@@ -72,6 +84,7 @@ from .base import Components
 from .flux3_pipeline import _quiet_modular_notes
 from .hunyuan_video15_block import HunyuanVideo15Transformer3DModel
 from .hunyuan_video15_vae import time_chunks
+from .lora_keys import KeyRule, LoraKeyMap
 
 
 class HunyuanVideo15Pipeline(diffusers.HunyuanVideo15Pipeline, HunyuanVideoLoraLoaderMixin):
@@ -112,6 +125,51 @@ SCHEDULER = {"shift": 5.0}
 GUIDANCE = 6.0
 #: Qwen2.5-VL-7B's text model outside its 28 layers (token embedding, final norm); ByT5's outside its 12 blocks
 QWEN_NONBLOCK, BYT5_NONBLOCK = 545_000_960, 566_720
+
+_D, _R = "transformer_blocks.{i}", "context_embedder.token_refiner.refiner_blocks.{i}"
+_DB, _RB = "double_blocks.{i}", "txt_in.individual_token_refiner.blocks.{i}"
+_QKV, _ADD_QKV = tuple(f"{_D}.attn.to_{p}" for p in "qkv"), tuple(f"{_D}.attn.add_{p}_proj" for p in "qkv")
+#: HunyuanVideo 1.5's layers in ComfyUI's names (`diffusion_model.*`, kohya `lora_unet_*`), each checked against the
+#: Tencent name diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py (`convert_hyvideo15_transformer_to_
+#: diffusers`, 2025-12) maps to that diffusers layer, turned into ComfyUI's by: the dual-stream blocks, musubi-tuner's
+#: converter to ComfyUI's layout (networks/convert_hunyuan_video_1_5_lora_to_comfy.py: q, k, v fused into `qkv`,
+#: `mlp_fc1` -> `mlp_0`, `mod_linear` -> `mod_lin`); the rest, ComfyUI's HunyuanVideo model (comfy/ldm/hunyuan_video,
+#: its `process_unet_state_dict`: `self_attn_qkv` -> `self_attn.qkv`, `mlp.fc1` -> `mlp.0`, the embedders' `mlp.0` /
+#: `linear_1` -> `in_layer`) and the SigLIP projection ComfyUI takes from Wan (`MLPProj`: `proj.1`, `proj.3`).
+#: Fused layers stack q, k, v in that order (ComfyUI's and Tencent's `qkv` both). After them, read only (`place`
+#: takes the first rule naming a module): musubi-tuner's own names, Tencent's, for its `lora_unet_*` files.
+HV15_LORA_KEYS = LoraKeyMap((
+    KeyRule(f"{_DB}.img_attn.qkv", _QKV, (1, 1, 1)),
+    KeyRule(f"{_DB}.img_attn.proj", (f"{_D}.attn.to_out.0",)),
+    KeyRule(f"{_DB}.txt_attn.qkv", _ADD_QKV, (1, 1, 1)),
+    KeyRule(f"{_DB}.txt_attn.proj", (f"{_D}.attn.to_add_out",)),
+    *(KeyRule(f"{_DB}.{s}_mlp.{o}", (f"{_D}.{ff}.net.{d}",))
+      for s, ff in (("img", "ff"), ("txt", "ff_context")) for o, d in (("0", "0.proj"), ("2", "2"))),
+    KeyRule(f"{_DB}.img_mod.lin", (f"{_D}.norm1.linear",)),
+    KeyRule(f"{_DB}.txt_mod.lin", (f"{_D}.norm1_context.linear",)),
+    KeyRule(f"{_RB}.self_attn.qkv", tuple(f"{_R}.attn.to_{p}" for p in "qkv"), (1, 1, 1)),
+    KeyRule(f"{_RB}.self_attn.proj", (f"{_R}.attn.to_out.0",)),
+    KeyRule(f"{_RB}.mlp.0", (f"{_R}.ff.net.0.proj",)),
+    KeyRule(f"{_RB}.mlp.2", (f"{_R}.ff.net.2",)),
+    KeyRule(f"{_RB}.adaLN_modulation.1", (f"{_R}.norm_out.linear",)),
+    KeyRule("txt_in.input_embedder", ("context_embedder.proj_in",)),
+    *(KeyRule(f"txt_in.{o}_embedder.{layer}", (f"context_embedder.time_text_embed.{d}_embedder.linear_{n}",))
+      for o, d in (("t", "timestep"), ("c", "text")) for layer, n in (("in_layer", 1), ("out_layer", 2))),
+    *(KeyRule(f"byt5_in.fc{n}", (f"context_embedder_2.linear_{n}",)) for n in (1, 2, 3)),
+    KeyRule("vision_in.proj.1", ("image_embedder.linear_1",)),
+    KeyRule("vision_in.proj.3", ("image_embedder.linear_2",)),
+    KeyRule("time_in.in_layer", ("time_embed.timestep_embedder.linear_1",)),
+    KeyRule("time_in.out_layer", ("time_embed.timestep_embedder.linear_2",)),
+    KeyRule("final_layer.linear", ("proj_out",)),
+    # musubi-tuner's names (read only)
+    *(KeyRule(f"{_DB}.{s}_attn_{p}", (n,))
+      for s, names in (("img", _QKV), ("txt", _ADD_QKV)) for p, n in zip("qkv", names, strict=True)),
+    *(KeyRule(f"{_DB}.{s}_attn_proj", (f"{_D}.attn.{d}",)) for s, d in (("img", "to_out.0"), ("txt", "to_add_out"))),
+    *(KeyRule(f"{_DB}.{s}_mlp.fc{o}", (f"{_D}.{ff}.net.{d}",))
+      for s, ff in (("img", "ff"), ("txt", "ff_context")) for o, d in (("1", "0.proj"), ("2", "2"))),
+    KeyRule(f"{_DB}.img_mod.linear", (f"{_D}.norm1.linear",)),
+    KeyRule(f"{_DB}.txt_mod.linear", (f"{_D}.norm1_context.linear",)),
+))
 
 
 def tiny_pipeline() -> diffusers.HunyuanVideo15Pipeline:
@@ -172,6 +230,7 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
         "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
     )
+    lora_key_map = HV15_LORA_KEYS  # ComfyUI's names (module essay); image-to-video's too (the same transformer)
     text_encoder_dirs = ("text_encoder", "text_encoder_2")
     text_encoder_classes = ("Qwen2_5_VLTextModel", "T5EncoderModel")
     tokenizer_dirs = ("tokenizer", "tokenizer_2")
@@ -256,13 +315,6 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
         f, r = vae.tile_overlap_factor, int(vae.config.spatial_compression_ratio)
         th, tw = int(vae.tile_sample_min_height), int(vae.tile_sample_min_width)
         return th, tw, int(th // r * (1 - f)) * r, int(tw // r * (1 - f)) * r
-
-    @classmethod
-    def comfy_diffusers_lora_note(cls) -> str:
-        """No key map (module essay): neither layout for ComfyUI can be promised."""
-        return (f"dittrain does not map {cls.family} LoRAs to ComfyUI's names yet (no comfy / kohya key map, so "
-                "convert-lora --to comfy refuses them), and whether ComfyUI reads its diffusers keys (transformer.*) "
-                "is unchecked; diffusers loads the file")
 
     @classmethod
     def full_size_parts(cls, folder: Path):

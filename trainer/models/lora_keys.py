@@ -9,7 +9,9 @@ Each family declares its map on its adapter class (`lora_key_map`) as a list of 
 pattern and the diffusers name pattern(s) it holds, in output order, with `{i}` standing for a block index. A fused
 rule also gives each part's output width as a multiple of the layer's input width, so a LoRA that adapts only
 some parts of a fused layer can be padded to the whole layer. The tensors are converted in `trainer/lora_format/`;
-this module only maps names, so it needs no model.
+this module only maps names, so it needs no model. A module named by several rules is written under the first
+(`place`); the later ones are names read only, for another tool's files (HunyuanVideo 1.5: musubi-tuner's own names
+beside ComfyUI's).
 
 Kohya names are the original name with every `.` as `_` under `lora_unet_` (sd-scripts, musubi-tuner). Going back
 is ambiguous in general (`img_attn` holds an underscore), so it is done by matching the map's original patterns.
