@@ -320,8 +320,8 @@ def _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, 
     facts.checkpointing, facts.compiled, facts.nano_batches, park_now = True, bool(kept), 1, facts.park
     facts.park = "ram"  # the same training without offloading (the same blocks kept, no chunks, experts in RAM)
     base = predict(facts, 0.0, res, False, kept=kept)
-    facts.checkpointing, facts.compiled, facts.nano_batches, facts.park = ckpt is not False, ckpt is not True, nano, \
-        park_now
+    facts.checkpointing, facts.compiled = ckpt is not False, ckpt is not True
+    facts.nano_batches, facts.park = nano, park_now
     te = fit_text_fraction(facts, budget)
     d = _config(family, method, name, act, f, ckpt, opt, te, quantize, frames, nano)
     if park is not None:  # the RAM assumed beside this card holds one expert's blocks, not both
@@ -337,9 +337,9 @@ def _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, 
     if max(ph.vram for ph in phases) > budget * 1e9:
         return f"a phase does not fit at {_where(name, frames)}: " + ", ".join(
             f"{ph.name} {ph.vram / 1e9:.1f} GB" for ph in phases if ph.vram > budget * 1e9)
-    if ckpt == "auto":
-        auto = Kept(len(facts.blocks), len(kept), streamed_of(facts, f, kept), auto_budget_gb(budget), rec[0][
-            "offload"]["transformer"], rec[1].step_s, max(ph.vram for ph in rec[3]))
+    if ckpt == "auto":  # what it keeps, and the recomputed setting `rec` it is compared with
+        auto = Kept(len(facts.blocks), len(kept), streamed_of(facts, f, kept), auto_budget_gb(budget),
+                    rec[0]["offload"]["transformer"], rec[1].step_s, max(ph.vram for ph in rec[3]))
     return d, p, min(base.step_s, p.step_s), phases, auto
 
 
