@@ -194,6 +194,28 @@ def test_dittrain_plan_says_what_auto_chose(tiny_models, tmp_path):
     assert any("auto has no VRAM budget" in line for line in lines)
 
 
+def test_dittrain_plan_of_a_config_with_its_own_fraction_shows_it_and_counts_the_kept_blocks(
+        tiny_models, tmp_path, monkeypatch):
+    """A preset with gradient_checkpointing: auto names its fraction and the offload.vram_budget_gb auto keeps blocks
+    in (planner/presets_auto.py): `dittrain plan` shows it at that fraction (no fraction of its own choosing, as for
+    offload.transformer: auto) and predicts the training step's phase with the blocks auto keeps there."""
+    import sys
+
+    from trainer.planner import analyze, report
+
+    cfg = _cfg(tiny_models, tmp_path, gradient_checkpointing="auto")
+    cfg = cfg.model_copy(update={"offload": cfg.offload.model_copy(update={"transformer": 0.5,
+                                                                           "vram_budget_gb": 1000.0})})
+    mod = sys.modules["trainer.planner.report"]
+    seen, real = [], mod.predict_phases
+    monkeypatch.setattr(mod, "predict_phases", lambda *a, **k: seen.append(a[1:2] + a[5:]) or real(*a, **k))
+    lines, chosen = report(cfg)
+    assert chosen is None and not any(line.startswith("offload: auto chose") for line in lines)
+    n = len(analyze(cfg).blocks)
+    assert any(line.startswith(f"checkpointing: auto keeps the activations of {n} of {n}") for line in lines)
+    assert seen == [(0.5, frozenset(range(n)))]
+
+
 def test_auto_plans_in_the_processs_vram_cap_where_one_is_set(tiny_models, tmp_path, monkeypatch):
     """Under `set_per_process_memory_fraction` (DITTRAIN_VRAM_CAP_GB) the auto policy's budget is the cap's share,
     not the whole card's."""

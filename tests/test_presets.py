@@ -107,6 +107,7 @@ def test_every_preset_header_agrees_with_its_body(path):
     else:
         assert "Sampling during training is off" in head
     assert "activation offloading" in head if cfg.offload.activations else "activation offloading" not in head
+    _auto_agrees(path, cfg, head)
     vram = float(re.search(r"expects: ([\d.]+) GB VRAM \(largest phase: ([a-z ]+)\)", head).group(1))
     assert vram <= card - HEADROOM_GB + 0.05, f"{path}: predicts {vram} GB on a {card} GB card"
     seg = head.split("phases (predicted peak VRAM):")[1].split(". Text caching")[0]
@@ -115,6 +116,37 @@ def test_every_preset_header_agrees_with_its_body(path):
     assert set(phases) >= {"text caching", "latent caching", "load", "training step", "checkpoint save"}, path
     assert max(phases.values()) == pytest.approx(vram, abs=0.051), f"{path}: {phases} vs {vram}"
     assert ("sampling" in phases) == bool(cfg.sample.every), path
+
+
+def _auto_agrees(path: Path, cfg, head: str) -> None:
+    """A preset with train.gradient_checkpointing: auto (planner/presets_auto.py) is a LoRA without activation
+    offloading whose header says how many blocks keep their activations within the offload.vram_budget_gb it sets,
+    and a predicted step faster than recomputing every block by AUTO_MIN_GAIN; no other preset mentions auto."""
+    import re
+
+    from trainer.planner.presets_auto import AUTO_MIN_GAIN
+
+    kept = re.search(r"keeps the activations of (\d+) of (\d+) blocks.*?recomputes (\d+), within "
+                     r"offload\.vram_budget_gb: ([\d.]+) .*?predicted step ([\d.]+) s at ([\d.]+) GB, against ([\d.]+) s "
+                     r"at ([\d.]+) GB recomputing every block", head)
+    if cfg.train.gradient_checkpointing != "auto":
+        assert not kept and "checkpointing auto" not in head, path
+        return
+    assert kept and cfg.train.method == "lora" and not cfg.offload.activations and cfg.offload.nano_batches == 1, path
+    k, n, rec, budget, step, vram, rec_step, rec_vram = (float(g) for g in kept.groups())
+    assert 0 < k <= n and k + rec == n and budget == cfg.offload.vram_budget_gb, path
+    assert step == float(re.search(r"Predicted step ([\d.]+) s", head).group(1)), path
+    assert vram == float(re.search(r"expects: ([\d.]+) GB VRAM", head).group(1)), path
+    assert step <= (1 - AUTO_MIN_GAIN) * rec_step + 0.005, f"{path}: {step} s is not faster than {rec_step} s"
+
+
+def test_full_fine_tunes_never_keep_the_activations_of_streamed_blocks():
+    """A streamed trainable block is stepped and written back in its backward: it must be recomputed, so no full
+    fine-tune preset streams with gradient checkpointing auto or off."""
+    for path in SIZED:
+        cfg = load_config(path)
+        if cfg.train.method == "full" and cfg.offload.transformer > 0:
+            assert cfg.train.gradient_checkpointing is True, path
 
 
 def _merge(a: dict, b: dict) -> dict:
@@ -211,7 +243,8 @@ def test_fp8_base_only_where_it_trains_a_larger_clip_than_bf16_within_the_small_
             self.ram_peak, self.pinned, self.step_s = ram * 1e9, ram * 1e9, 1.0
 
     def fit(res, ram, q):
-        return ({"model": {"quantize": q}, "data": {"resolutions": [res], "clip_frames": 121}}, Pred(ram), 1.0, [])
+        return ({"model": {"quantize": q}, "data": {"resolutions": [res], "clip_frames": 121}}, Pred(ram), 1.0, [],
+                None)
 
     def first_fit(family, method, card, opt, cache, quantize="none", ram_gb=None):
         if quantize == "fp8":
@@ -221,5 +254,77 @@ def test_fp8_base_only_where_it_trains_a_larger_clip_than_bf16_within_the_small_
     monkeypatch.setattr(P, "_first_fit", first_fit)
     fp8_clip = [""]  # what fp8 fits within the small RAM, per case
     for fp8_clip[0], want in (("480p", ("none", "480p", "")), ("720p", ("fp8", "720p", "with fp8 Linear weights"))):
-        d, _, _, _, why = P.plan_preset("hunyuan-video-1.5", "lora", 16, {})
+        d, _, _, _, _, why = P.plan_preset("hunyuan-video-1.5", "lora", 16, {})
         assert (d["model"]["quantize"], d["data"]["resolutions"][0]) == want[:2] and want[2] in why
+
+
+def test_a_lora_preset_takes_auto_at_its_own_size_only_where_it_is_faster(monkeypatch):
+    """`_first_fit` (planner/presets.py): where a LoRA's first fitting setting recomputes every block without
+    activation offloading, gradient checkpointing auto at the same size replaces it where it fits and its predicted
+    step is AUTO_MIN_GAIN faster; auto is never tried at another size, beside activation offloading, for a full
+    fine-tune, or on an 8-16 GB card (AUTO_CARDS)."""
+    from trainer.planner import presets as P
+    from trainer.planner.presets_auto import AUTO_MIN_GAIN
+
+    class Pred:
+        def __init__(self, step):
+            self.step_s = step
+
+    calls, case = [], {}
+
+    def fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, ckpt, nano, rec=None):
+        calls.append((method, name, act, ckpt, ram_gb))
+        if ckpt == "auto":
+            assert rec is not None and rec[1].step_s == 1.0
+            got = case["auto"]
+            return got if isinstance(got, str) else ({"train": {"gradient_checkpointing": "auto"}}, Pred(got), 1.0,
+                                                     [], "kept")
+        if (name, act, ckpt) in case["fits"]:
+            return {"train": {"gradient_checkpointing": ckpt}}, Pred(1.0), 1.0, [], None
+        return "does not fit"
+
+    monkeypatch.setattr(P, "_fit", fit)
+
+    def first_fit(fits, auto, method="lora", card=48):
+        calls.clear()
+        case.update(fits=fits, auto=auto)
+        r = P._first_fit("flux", method, card, "adamw", {})
+        return r[0]["train"]["gradient_checkpointing"], [c for c in calls if c[3] == "auto"]
+
+    fast, slow = 1.0 - 2 * AUTO_MIN_GAIN, 1.0 - AUTO_MIN_GAIN / 2
+    ck1024 = {(1024, False, True)}
+    assert first_fit(ck1024, fast) == ("auto", [("lora", 1024, False, "auto", None)])
+    assert first_fit(ck1024, slow)[0] is True  # not faster enough: every block recomputed, as before
+    assert first_fit(ck1024, "a phase does not fit")[0] is True
+    assert first_fit(ck1024, fast, method="full") == (True, [])  # a full fine-tune never tries it
+    assert first_fit({(1024, False, False)}, fast) == (False, [])  # nothing recomputed already
+    assert first_fit({(1024, True, True)}, fast) == (True, [])  # with activation offloading: left as it is
+    # 1024 px does not fit: auto at 512 px only, never a size traded for it
+    assert first_fit({(512, False, True)}, fast) == ("auto", [("lora", 512, False, "auto", None)])
+    assert [first_fit(ck1024, fast, card=c) for c in (8, 12, 16)] == [(True, [])] * 3  # small cards: as before
+    assert first_fit(ck1024, fast, card=24)[0] == "auto"
+
+
+
+def test_flux_48gb_lora_takes_auto_and_the_trainer_keeps_the_blocks_its_header_names():
+    """The generator with the planner's real functions (full-size Flux.1-dev on the meta device, 48 GB card): the
+    LoRA preset recomputing every block at offload 0 gives way to gradient checkpointing auto at a fraction where
+    every block keeps its activations, streamed ones included; every phase fits the card, the step beats the
+    recomputed one by AUTO_MIN_GAIN, and the trainer's auto for the written config (streaming.checkpoint_policy
+    with its offload.vram_budget_gb) keeps the blocks the header counts."""
+    import torch
+
+    from trainer.config import Config
+    from trainer.planner.presets import HEADROOM_GB, _first_fit
+    from trainer.planner.presets_auto import AUTO_MIN_GAIN
+    from trainer.train import streaming
+
+    d, p, _, phases, kept = _first_fit("flux", "lora", 48, "adamw", {})
+    assert d["train"]["gradient_checkpointing"] == "auto" and kept is not None
+    assert kept.kept == kept.blocks and kept.streamed > 0 and d["offload"]["transformer"] > kept.fraction
+    assert max(ph.vram for ph in phases) <= (48 - HEADROOM_GB) * 1e9
+    assert p.step_s <= (1 - AUTO_MIN_GAIN) * kept.step_s
+    cfg = Config.model_validate(d)
+    assert cfg.offload.vram_budget_gb == kept.budget_gb
+    policy = streaming.checkpoint_policy(cfg, torch.device("cpu"), cfg.offload.transformer)
+    assert policy.count(False) == kept.kept

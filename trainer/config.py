@@ -550,7 +550,11 @@ class OffloadConfig(_Section):
         "instead of 14.5), for one more forward of those sub-layers in backward. The same numbers up to fp32 "
         "summation order in their weight gradients.",
     )
-    vram_budget_gb: float | None = Field(default=None, gt=0, description="VRAM to plan for with transformer: auto.")
+    vram_budget_gb: float | None = Field(
+        default=None, gt=0,
+        description="VRAM (GB) to plan for with transformer: auto, and the budget train.gradient_checkpointing: auto "
+        "keeps activations in (else the GPU's memory).",
+    )
     pinned_budget_gb: float | None = Field(
         default=None, ge=0,
         description="Most host RAM (GB) the streamed blocks' arena may page-lock (null: all of it). A larger arena, "

@@ -123,13 +123,14 @@ def _text_ram(facts: Facts) -> float:
 
 
 def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None = None,
-                   budget: float | None = None) -> list[PhasePrediction]:
+                   budget: float | None = None, kept: frozenset[int] = frozenset()) -> list[PhasePrediction]:
     """Predicted peaks of every phase of `dittrain fit` for `cfg` at transformer fraction `fraction`; `budget`
     (bytes, the card's): a video family's clips that would not encode untiled within it are counted tiled, as the
-    cache encodes them on that card."""
+    cache encodes them on that card; `kept`: the blocks that keep their activations in the training step
+    (train.gradient_checkpointing: auto, planner/checkpointing.py; the checkpoint save keeps what it reserved)."""
     te = float(cfg.offload.text_encoders) if te_fraction is None else te_fraction
     res = max(facts.resolutions)
-    train = predict(facts, fraction, res, cfg.offload.activations)
+    train = predict(facts, fraction, res, cfg.offload.activations, kept=kept)
     esize = 2 if facts.dtype.itemsize == 2 else facts.dtype.itemsize
     vae = facts.adapter.vae_params * esize  # the full-size VAE's parameters
     text_bytes = HOST_BASE + _text_ram(facts)  # the process's own and the encoders as loaded
@@ -295,9 +296,11 @@ def fallbacks(facts: Facts) -> list[str]:
             for why in sorted({tr.saved_by for tr in facts.traces.values() if "failed" in tr.saved_by})]
 
 
-def predicted_map(cfg, fraction: float, facts: Facts, budget: float | None = None) -> dict[str, tuple[float, float]]:
-    """{phase: (VRAM, RAM)} for the trainer's log (`budget`: the device's cap in bytes, `predict_phases`)."""
-    return {p.name: (p.vram, p.ram) for p in predict_phases(cfg, fraction, facts, budget=budget)}
+def predicted_map(cfg, fraction: float, facts: Facts, budget: float | None = None,
+                  kept: frozenset[int] = frozenset()) -> dict[str, tuple[float, float]]:
+    """{phase: (VRAM, RAM)} for the trainer's log (`budget`: the device's cap in bytes, `kept`: the blocks that keep
+    their activations, `predict_phases`)."""
+    return {p.name: (p.vram, p.ram) for p in predict_phases(cfg, fraction, facts, budget=budget, kept=kept)}
 
 
 def table(preds: list[PhasePrediction], budget_gb: float | None = None, width: int | None = None) -> list[str]:

@@ -5,7 +5,11 @@
 For every family, method and card size the planner picks, in order of preference, the first setting that fits
 the card minus `HEADROOM_GB` (CUDA context and other processes; `choose_fraction` keeps its own margin): 1024 px without activation offloading, 1024 px
 with it, then 512 px without / with. Within a setting it takes the smallest offload fraction that fits
-(`choose_fraction`). A combination where nothing fits gets no file; `configs/README.md` lists them with
+(`choose_fraction`). A LoRA whose setting recomputes every block without activation offloading then tries
+`train.gradient_checkpointing: auto` at the same size (presets_auto.py): the fraction, that one or larger, whose
+kept activations give the fastest predicted step, taken where every phase fits and the step is at least
+`AUTO_MIN_GAIN` faster; its header says how many blocks it keeps, the predicted GB and step against recomputing
+every block. A combination where nothing fits gets no file; `configs/README.md` lists them with
 the reason. The header of each file carries the planner's predictions (VRAM, RAM, speed relative to the same
 training without offloading); they are predictions until bench/speed/bench_plan.py measures them.
 
@@ -49,6 +53,8 @@ from .prediction import (
     choose_fraction,
     predict,
 )
+from .presets_auto import AUTO_MIN_GAIN, Kept, auto_budget_gb, fastest_kept, streamed_of
+from .presets_auto import header_lines as auto_header_lines
 
 HEADROOM_GB = 1.0
 
@@ -101,6 +107,10 @@ RAM_GB = {8: 128, 12: 128, 16: 128, 24: 128, 48: 256, 80: 256}
 # card, or would need more host RAM than SMALL_RAM_GB: the 32 GB machine most users of 8-16 GB cards have.
 FP8_CARDS = (8, 12, 16)
 SMALL_RAM_GB = 32
+# LoRA presets for these cards may take train.gradient_checkpointing: auto (presets_auto.py). Not 8-16 GB cards:
+# their predicted gains are small (2-6 % for Flux.1 and Qwen-Image at 12 and 16 GB), and their margin for prediction
+# error (3 % of 7-15 GB) is less than one kept block's activations at 1024 px (0.6 GB for Flux.1)
+AUTO_CARDS = (24, 48, 80)
 
 
 def _settings(family: str) -> list[tuple[int | str, int, bool, bool]]:
@@ -226,14 +236,19 @@ def _yaml(d: dict, indent: int = 0) -> list[str]:
 
 
 def _first_fit(family, method, card, opt, cache, quantize="none", ram_gb=None):
-    """The first setting of `_settings` that fits (see `_fit`); for a video family, then its clip one rung longer
-    with `NANO_BATCHES` token chunks where they make it fit (the rung above the longest clip that fits without them,
-    or the shortest where none does: only there can the chunks lift the card, whose step they make slower)."""
+    """The first setting of `_settings` that fits (see `_fit`), for a LoRA that recomputes every block without
+    activation offloading then `auto` at the same size where it is faster (`_with_auto`); for a video family, then
+    its clip one rung longer with `NANO_BATCHES` token chunks where they make it fit (the rung above the longest clip
+    that fits without them, or the shortest where none does: only there can the chunks lift the card, whose step
+    they make slower). (config dict, prediction, step seconds without offloading, phases, `Kept` or None), or why
+    nothing fits."""
     last = ""
     fit = None
     for name, frames, act, ckpt in _settings(family):
         r = _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, ckpt, 1)
         if not isinstance(r, str):
+            if method == "lora" and ckpt is True and not act and card in AUTO_CARDS:
+                r = _with_auto(family, card, opt, cache, quantize, ram_gb, name, frames, r)
             fit = r, (name, frames)
             break
         last = r
@@ -248,9 +263,20 @@ def _first_fit(family, method, card, opt, cache, quantize="none", ram_gb=None):
     return fit[0] if fit is not None else last or "does not fit"
 
 
-def _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, ckpt, nano):
-    """(config dict, prediction, step seconds without offloading, phases) of one setting at the smallest fraction
-    that fits the card, or why it does not."""
+def _with_auto(family, card, opt, cache, quantize, ram_gb, name, frames, rec):
+    """`rec` (a LoRA fit recomputing every block, without activation offloading) or, where every phase fits and the
+    predicted step is at least AUTO_MIN_GAIN faster, the same size with train.gradient_checkpointing: auto
+    (presets_auto.py), within the RAM assumed beside the card."""
+    r = _fit(family, "lora", card, opt, cache, quantize, ram_gb, name, frames, False, "auto", 1, rec=rec)
+    if isinstance(r, str) or r[1].step_s > (1 - AUTO_MIN_GAIN) * rec[1].step_s:
+        return rec
+    return r
+
+
+def _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, ckpt, nano, rec=None):
+    """(config dict, prediction, step seconds without offloading, phases, `Kept` or None) of one setting at the
+    smallest fraction that fits the card, or why it does not. `ckpt` "auto" (a LoRA, `_with_auto`; `rec` the fit it
+    competes with): at the fraction, from that one up, of the fastest predicted step (presets_auto.py)."""
     budget = card - HEADROOM_GB
     # a family of experts, or one whose samples run other transformers too: sampling off (module essay)
     cls = adapter_class(family)
@@ -264,7 +290,7 @@ def _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, 
         cache[key] = analyze(cfg)
     facts = cache[key]
     # as analyze(cfg) sets them for this setting (compile auto: kept activations counted as compiled blocks')
-    facts.resolutions, facts.checkpointing, facts.compiled = [res], ckpt, not ckpt
+    facts.resolutions, facts.checkpointing, facts.compiled = [res], ckpt is not False, ckpt is not True
     facts.frames = cfg.data.clip_frames if cls.video else 1
     facts.nano_batches = nano
     facts.park = "ram"  # the generating machine's RAM never decides: ram, or disk below where it must (`park`)
@@ -272,37 +298,49 @@ def _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, 
         f = choose_fraction(cfg, budget, facts=facts, activation_offload=act, log=lambda s: None)
     except UserError as e:
         return str(e).split(";")[0]
-    p = predict(facts, f, res, act)
     ram = ram_gb or RAM_GB[card]
+    kept, auto = frozenset(), None
+    if ckpt == "auto":
+        best = fastest_kept(cfg, facts, f, res, auto_budget_gb(budget), ram * 1e9)
+        if best is None:
+            return f"auto keeps no block within {ram:g} GB of CPU RAM ({_where(name, frames)})"
+        f, kept, _ = best
+    p = predict(facts, f, res, act, kept=kept)
     park = None
     # the idle expert on disk where offload.park: auto would take it on a machine of the RAM assumed: the whole
     # run's peak (its largest phase) with both experts' blocks in RAM over it, with one expert's within it
     if facts.experts > 1 and not facts.loads_whole and auto_parks_on_disk(run_ram_peaks(cfg, f, facts), ram * 1e9):
         facts.park = park = "disk"
-        p = predict(facts, f, res, act)
+        p = predict(facts, f, res, act, kept=kept)
     if p.ram_peak / 1e9 > ram:
         return (
             f"needs {p.ram_peak / 1e9:.0f} GB of CPU RAM at fraction {f:.2f} ({_where(name, frames)}), more than the "
             f"{ram} GB assumed beside a {card} GB card"
         )
-    facts.checkpointing, facts.compiled, facts.nano_batches, park_now = True, False, 1, facts.park
-    facts.park = "ram"  # the same training without offloading (checkpointed, no chunks, both experts in RAM)
-    base = predict(facts, 0.0, res, False)
-    facts.checkpointing, facts.compiled, facts.nano_batches, facts.park = ckpt, not ckpt, nano, park_now
+    facts.checkpointing, facts.compiled, facts.nano_batches, park_now = True, bool(kept), 1, facts.park
+    facts.park = "ram"  # the same training without offloading (the same blocks kept, no chunks, experts in RAM)
+    base = predict(facts, 0.0, res, False, kept=kept)
+    facts.checkpointing, facts.compiled = ckpt is not False, ckpt is not True
+    facts.nano_batches, facts.park = nano, park_now
     te = fit_text_fraction(facts, budget)
     d = _config(family, method, name, act, f, ckpt, opt, te, quantize, frames, nano)
     if park is not None:  # the RAM assumed beside this card holds one expert's blocks, not both
         d["offload"]["park"] = park
+    if ckpt == "auto":  # the budget the trainer's auto keeps the same blocks in (presets_auto.py)
+        d["offload"]["vram_budget_gb"] = auto_budget_gb(budget)
     dcfg = Config.model_validate(d)
-    phases = predict_phases(dcfg, f, facts, te, budget * 1e9)  # clips tiled where the card needs it
+    phases = predict_phases(dcfg, f, facts, te, budget * 1e9, kept)  # clips tiled where the card needs it
     if sample_off or any(ph.name == "sampling" and ph.vram > budget * 1e9 for ph in phases):
         # off where it would not fit beside the ring, and for a family of experts (module essay)
         d["sample"]["every"] = 0
-        phases = predict_phases(Config.model_validate(d), f, facts, te, budget * 1e9)
+        phases = predict_phases(Config.model_validate(d), f, facts, te, budget * 1e9, kept)
     if max(ph.vram for ph in phases) > budget * 1e9:
         return f"a phase does not fit at {_where(name, frames)}: " + ", ".join(
             f"{ph.name} {ph.vram / 1e9:.1f} GB" for ph in phases if ph.vram > budget * 1e9)
-    return d, p, min(base.step_s, p.step_s), phases
+    if ckpt == "auto":  # what it keeps, and the recomputed setting `rec` it is compared with
+        auto = Kept(len(facts.blocks), len(kept), streamed_of(facts, f, kept), auto_budget_gb(budget),
+                    rec[0]["offload"]["transformer"], rec[1].step_s, max(ph.vram for ph in rec[3]))
+    return d, p, min(base.step_s, p.step_s), phases, auto
 
 
 def _where(res: int | str, frames: int) -> str:
@@ -312,9 +350,9 @@ def _where(res: int | str, frames: int) -> str:
 
 def plan_preset(
     family: str, method: str, card: int, cache: dict
-) -> tuple[dict, Prediction, float, list, str] | str:
-    """(config dict, prediction, step seconds without offloading, phase predictions) for the first setting whose
-    every phase fits (text caching at the offload.text_encoders chosen for the budget; sampling during training
+) -> tuple[dict, Prediction, float, list, Kept | None, str] | str:
+    """(config dict, prediction, step seconds without offloading, phase predictions, what `auto` keeps or None) for
+    the first setting whose every phase fits (text caching at the offload.text_encoders chosen for the budget; sampling during training
     is turned off where it would not fit), or why none does. Full fine-tunes try AdamW (moments stream with the weights: 10 bytes a parameter) and Adafactor
     (factored state stays on the GPU: 2 bytes a parameter stream) and keep the higher resolution, then the
     faster step. LoRA presets for FP8_CARDS use an fp8 base where bf16 does not fit the card or SMALL_RAM_GB of
@@ -356,7 +394,7 @@ def plan_preset(
 
 
 def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: float, phases: list,
-           why_fp8: str = "") -> list[str]:
+           why_fp8: str = "", kept: Kept | None = None) -> list[str]:
     name = adapter_class(family).full_name
     res, act, f = d["data"]["resolutions"][0], d["offload"]["activations"], d["offload"]["transformer"]
     opt = OPTIMIZERS[d["optimizer"]["name"]].label
@@ -370,6 +408,7 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
     how = f"transformer fraction {f:.2f}" + (" + activation offloading" if act else "")
     how += f" + {nano} token chunks" if nano > 1 else ""
     how += "" if ckpt else ", no gradient checkpointing"
+    how += ", gradient checkpointing auto" if ckpt == "auto" else ""
     speed = p.step_s / base_s
     big = max(phases, key=lambda ph: ph.vram)
     s = d["sample"]
@@ -422,9 +461,10 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
     return [
         f"# {name} {'LoRA' if method == 'lora' else 'full fine-tune'} for {card} GB cards ({how}, {size})",
         f"# trains: {what} on the transformer, {buckets}, batch 1, bf16"
-        + (", gradient checkpointing" if ckpt else "")
+        + (", gradient checkpointing" if ckpt is True else ", gradient checkpointing auto" if ckpt else "")
         + (", frozen base in fp8 (model.quantize: fp8)" if why_fp8 else ""),
         *rung,
+        *(auto_header_lines(kept, p, big.vram) if kept is not None else []),
         *experts,
         *([f"# fp8 base: {why_fp8} ("
            + ("modulation Linears too: model.quantize_modulation; " if adapter_class(family).modulation_linears
@@ -506,9 +546,9 @@ def main(argv: list[str] | None = None) -> int:
                     path.unlink(missing_ok=True)
                     print(f"absent  {path}: {r}")
                     continue
-                d, p, base, phases, why_fp8 = r
+                d, p, base, phases, kept, why_fp8 = r
                 path.parent.mkdir(parents=True, exist_ok=True)
-                head = header(family, method, card, d, p, base, phases, why_fp8)
+                head = header(family, method, card, d, p, base, phases, why_fp8, kept)
                 path.write_text("\n".join(head + _yaml(d) + optional_features(method, family)) + "\n")
                 print(f"wrote   {path}: {next(h for h in head if h.startswith('# expects'))[2:]}")
     print("\nabsent combinations (for configs/README.md):")

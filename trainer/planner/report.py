@@ -53,8 +53,9 @@ def report(
     fitted to that many columns (trainer/planner/text.py); `gpus` > 1: also the step of each of that many
     processes of one host (`_several`).
 
-    The sections, in order: what is trained; with a budget, `auto`'s choice of fraction (and of the blocks that
-    keep their activations); the components at the fraction shown (the chosen one, else the config's, else 0);
+    The sections, in order: what is trained; with --vram or offload.transformer: auto and a budget, `auto`'s choice
+    of fraction; with train.gradient_checkpointing: auto, the blocks that keep their activations (counted in the
+    training step's phase below); the components at the fraction shown (the chosen one, else the config's, else 0);
     activations per bucket; the table per fraction; with `gpus`, the processes of one host; sampling; the phases
     of `fit`; with `ram_gb`, the RAM verdict; the assumptions."""
     facts = facts or analyze(cfg)
@@ -65,11 +66,16 @@ def report(
     big = max(facts.resolutions)
     budget = vram_gb if vram_gb is not None else cfg.offload.vram_budget_gb
     lines = _title(cfg, facts)
-    choice, chosen = _choice(cfg, facts, budget)
+    # a fraction is chosen for --vram or offload.transformer: auto; a config that names its own (a preset whose
+    # train.gradient_checkpointing: auto plans in offload.vram_budget_gb) is shown at it
+    asks = vram_gb is not None or cfg.offload.transformer == "auto"
+    choice, chosen = _choice(cfg, facts, budget if asks else None)
     lines += choice
     shown = chosen if chosen is not None else (_fraction_of(cfg) or 0.0)
+    kept: frozenset[int] = frozenset()
     if cfg.train.gradient_checkpointing == "auto":
-        lines += _checkpointing(cfg, facts, shown, budget)
+        more, kept = _checkpointing(cfg, facts, shown, budget)
+        lines += more
     lines += _components(cfg, facts, shown, width)
     lines += _activations(facts, width)
     fractions = _table_fractions(cfg, facts, chosen)
@@ -80,7 +86,7 @@ def report(
     s = cfg.sample  # a video family samples the config's clip (`dittrain sample`'s default); images the bucket
     clip = (s.width, s.height, s.frames) if facts.adapter.video else None
     lines += _sampling(facts, fractions, big, rates, cfg_batch(facts.family, s.guidance), width, clip)
-    lines += _phases(cfg, facts, shown, budget, width)
+    lines += _phases(cfg, facts, shown, budget, width, kept)
     lines += _experts(cfg, facts, shown, act, rates)
     if ram_gb is not None:
         lines.append(_ram_line(facts, shown, ram_gb, act, rates)[0])
@@ -119,15 +125,15 @@ def _choice(cfg, facts: Facts, budget: float | None) -> tuple[list[str], float |
     return [*lines, ""], chosen
 
 
-def _checkpointing(cfg, facts: Facts, fraction: float, budget: float | None) -> list[str]:
+def _checkpointing(cfg, facts: Facts, fraction: float, budget: float | None) -> tuple[list[str], frozenset[int]]:
     """train.gradient_checkpointing: auto: which blocks keep their activations at `fraction`, and the cost
-    (trainer/planner/checkpointing.py), then a blank line."""
+    (trainer/planner/checkpointing.py), then a blank line; and those blocks."""
     from .checkpointing import choose_checkpointing
 
     lines: list[str] = []
     budget_bytes = budget * GB if budget is not None else None
-    choose_checkpointing(cfg, fraction, budget_bytes, facts=facts, log=lines.append)
-    return [*lines, ""]
+    choice = choose_checkpointing(cfg, fraction, budget_bytes, facts=facts, log=lines.append)
+    return [*lines, ""], frozenset(b for b, ck in enumerate(choice.checkpointed) if not ck)
 
 
 def _components(cfg, facts: Facts, fraction: float, width: int | None) -> list[str]:
@@ -343,8 +349,10 @@ class DoesNotFit(UserError):
     label = ""
 
 
-def _phases(cfg, facts: Facts, fraction: float, budget: float | None, width: int | None = None) -> list[str]:
-    """Every phase of `fit` (trainer/planner/phases.py); with a budget, the text-encoder share that fits it."""
+def _phases(cfg, facts: Facts, fraction: float, budget: float | None, width: int | None = None,
+            kept: frozenset[int] = frozenset()) -> list[str]:
+    """Every phase of `fit` (trainer/planner/phases.py), the training step with the blocks `kept` keeping their
+    activations; with a budget, the text-encoder share that fits it."""
     te = float(cfg.offload.text_encoders)
     out = []
     if budget is not None:
@@ -353,8 +361,8 @@ def _phases(cfg, facts: Facts, fraction: float, budget: float | None, width: int
             out.append(f"text caching needs offload.text_encoders >= {need:.2f} for {budget:g} GB (config: {te:g}); "
                        "the table uses it")
             te = need
-    table = phase_table(predict_phases(cfg, fraction, facts, te, None if budget is None else budget * GB), budget,
-                        width)
+    table = phase_table(predict_phases(cfg, fraction, facts, te, None if budget is None else budget * GB, kept),
+                        budget, width)
     return table[:2] + out + table[2:]
 
 

@@ -451,17 +451,21 @@ class Trainer(Saving):
             from ..planner.phases import fallbacks, predicted_map
             from ..planner.presets import process_fraction
 
-            # Keyed by the fraction: text caching logs before setup has resolved offload.transformer (auto).
+            # Keyed by the fraction and the blocks that keep their activations (train.gradient_checkpointing:
+            # auto): text caching logs before setup has resolved offload.transformer (auto) and placed the blocks.
             pred = self.__dict__.setdefault("_phase_pred", {})
-            if self.fraction not in pred:
+            handle = getattr(self, "offload", None)
+            ck = handle.checkpointed if handle is not None else []
+            key = self.fraction, frozenset(i for i, c in enumerate(ck) if not c)
+            if key not in pred:
                 # the card's cap: clips whose untiled encode would not fit it were cached tiled (placement.encode_tiles)
                 cap = process_fraction(self.device) * torch.cuda.get_device_properties(self.device).total_memory
-                facts = analyze(self.cfg)
-                pred[self.fraction] = predicted_map(self.cfg, self.fraction or 0.0, facts, budget=cap)
-                for note in fallbacks(facts):
+                facts, first = analyze(self.cfg), not pred
+                pred[key] = predicted_map(self.cfg, self.fraction or 0.0, facts, budget=cap, kept=key[1])
+                for note in fallbacks(facts) if first else []:  # said once a run
                     say(note)
-            if name in pred[self.fraction]:
-                v, r = pred[self.fraction][name]
+            if name in pred[key]:
+                v, r = pred[key][name]
                 line += f" (planner: {v / 1e9:.2f} GB VRAM, {r / 1e9:.1f} GB RAM)"
         except Exception as e:  # noqa: BLE001 - a prediction that cannot be made must never stop training
             line += f" (no planner prediction: {type(e).__name__})"
