@@ -109,8 +109,11 @@ FP8_CARDS = (8, 12, 16)
 SMALL_RAM_GB = 32
 # LoRA presets for these cards may take train.gradient_checkpointing: auto (presets_auto.py). Not 8-16 GB cards:
 # their predicted gains are small (2-6 % for Flux.1 and Qwen-Image at 12 and 16 GB), and their margin for prediction
-# error (3 % of 7-15 GB) is less than one kept block's activations at 1024 px (0.6 GB for Flux.1)
-AUTO_CARDS = (24, 48, 80)
+# error (3 % of 7-15 GB) is less than one kept block's activations at 1024 px (0.6 GB for Flux.1). Not yet 24 GB
+# cards, the most common: no streamed block that keeps its activations has run through `fit` on a GPU, and their
+# 0.7 GB margin is about one kept block (Flux.1's 24 GB preset, measured as it is, would go from fraction 0.25 to 0.7
+# keeping 34 of 57 blocks, 0.94 -> 0.78 s predicted); add 24 once a GPU run confirms the planner's kept-block VRAM.
+AUTO_CARDS = (48, 80)
 
 
 def _settings(family: str) -> list[tuple[int | str, int, bool, bool]]:
