@@ -454,8 +454,7 @@ class Trainer(Saving):
             # Keyed by the fraction and the blocks that keep their activations (train.gradient_checkpointing:
             # auto): text caching logs before setup has resolved offload.transformer (auto) and placed the blocks.
             pred = self.__dict__.setdefault("_phase_pred", {})
-            handle = getattr(self, "offload", None)
-            ck = handle.checkpointed if handle is not None else []
+            ck = getattr(getattr(self, "offload", None), "checkpointed", None) or []  # none kept without a handle
             key = self.fraction, frozenset(i for i, c in enumerate(ck) if not c)
             if key not in pred:
                 # the card's cap: clips whose untiled encode would not fit it were cached tiled (placement.encode_tiles)
