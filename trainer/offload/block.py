@@ -121,6 +121,8 @@ class StreamedBlock:
 
     def forward(self, *args, **kwargs):
         c, i = self._offload_conductor, self._offload_index
+        if i == 0:
+            c.begin_pass()  # before any path saves block 0's inputs (conductor `begin_pass`)
         if torch.is_grad_enabled() and c.checkpointed[i]:
             return self._checkpointed(c, i, args, kwargs)
         if torch.is_grad_enabled() and c.mode == "train":
@@ -181,8 +183,6 @@ class StreamedBlock:
 
         # early_stop=False only for the deliberate race: the recompute must run to its end to release there
         early = not c.release_at_recompute
-        if i == 0 and c.activations is not None:
-            c.begin_checkpointed_pass()  # before the checkpoint saves block 0's inputs (conductor essay)
         hooks = c.activations.hooks(i) if c.activations is not None else contextlib.nullcontext()
         with hooks:
             out = checkpoint(inner, *flat, use_reentrant=False, early_stop=early)

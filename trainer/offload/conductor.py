@@ -198,7 +198,6 @@ class Conductor:
             if activations else None
         )
         self.shared_activations = False  # the offloader is another conductor's (OffloadHandle.share_activations)
-        self._pass_begun = False  # `begin_checkpointed_pass` started this forward's activation buffers already
         self._h2d_log: list = []  # (start event, end event, bytes) of the last step's copies
         self._host_state: dict[int, dict[str, torch.Tensor]] = {}  # host_state_of's views, built once
 
@@ -389,24 +388,18 @@ class Conductor:
     # ------------------------------------------------------------------------------------------ block interface
     # What trainer/offload/block.py's StreamedBlock calls, in the order a training step calls it.
 
-    def begin_checkpointed_pass(self) -> None:
-        """Block 0 is checkpointed and its checkpoint is about to save its inputs: start the step's activation
-        buffers now, before that save (`enter(FWD, 0)` runs inside the checkpoint, after it, and then starts nothing).
-        Started in `enter`, the buffers were reset after block 0's inputs went out, and block 1's overwrote them: the
-        first block recomputed from another block's inputs in backward wherever they carry a gradient (a full
-        fine-tune, whose embedders train: wrong first-block gradients until 2026-11-28, tests/test_families.py)."""
+    def begin_pass(self) -> None:
+        """Block 0's forward is called (StreamedBlock.forward, before any of its paths): the step's activation buffers
+        start here, before a checkpoint saves block 0's inputs. Started in `enter(FWD, 0)`, which runs inside that
+        checkpoint after the save, the buffers were reset after block 0's inputs went out, and block 1's overwrote
+        them: the first block recomputed from another block's inputs in backward wherever they carry a gradient (a
+        full fine-tune, whose embedders train: wrong first-block gradients until 2026-11-28, tests/test_families.py)."""
         if self.activations is not None:
             self.activations.new_step()
-            self._pass_begun = True
 
     def enter(self, phase: str, i: int) -> None:
         """Block `i` starts its forward (`FWD`) or its recompute in backward (`BWD`): move the cursor to its plan
         position, wait for its load, point its parameters at the ring."""
-        if self.activations is not None and phase == FWD and i == 0:
-            if self._pass_begun:
-                self._pass_begun = False
-            else:
-                self.activations.new_step()
         if not self.streaming:
             return
         if self.parked:
