@@ -382,8 +382,9 @@ def plan_preset(
             # bf16 within the same RAM, where it trains as large a clip or image as fp8 does (a video family's
             # longest clip may outgrow the RAM in bf16 where a shorter one fits: HunyuanVideo 1.5's 16 GB LoRA
             # at 480p x 121 in bf16, 29 GB, rather than fp8 at the same size)
-            b = _first_fit(family, method, card, "adamw", cache, "none", ram_gb=SMALL_RAM_GB)
-            if not isinstance(q, str) and not isinstance(b, str) and _size(b[0]) >= _size(q[0]):
+            b = "not tried" if isinstance(q, str) else _first_fit(family, method, card, "adamw", cache, "none",
+                                                                    ram_gb=SMALL_RAM_GB)
+            if not isinstance(b, str) and _size(b[0]) >= _size(q[0]):
                 return (*b, "")
             if not isinstance(q, str):  # else bf16 stays
                 over = q[1].ram_peak / 1e9 > SMALL_RAM_GB
