@@ -215,3 +215,27 @@ def test_smoke_checkpointing_auto_leaves_no_folder_behind(tmp_path, monkeypatch)
     args = SimpleNamespace(family="flux", res=64, rank=4, smoke=True)
     got = mod.checkpointing(spec, args, mod.torch.device("cpu"))
     assert got is not None and list(tmp_path.iterdir()) == []
+
+
+def test_bench_speed_smoke_hunyuan_and_ltx2_rows(tmp_path):
+    """HunyuanVideo 1.5 and LTX-2 (issue 45): the plain rows build diffusers' own class (HunyuanVideo 1.5's trainer
+    class computes its block in token-wise regions), LTX-2's inputs are a clip with its sound (the joint call; the
+    loss takes both predictions, so the audio stream trains), and issue 29's rows add the streamed ones (CPU smoke)."""
+    mod = bench_module("bench_speed")
+    torch = mod.torch
+    adapter, m = mod.build("hunyuan-video-1.5", "meta", False, plain=True)
+    assert type(m).__module__.startswith("diffusers.") and type(m) is not type(mod.build("hunyuan-video-1.5", "meta",
+                                                                                           False)[1])
+    adapter, m = mod.build("ltx2", "meta", False)
+    kw = mod.model_inputs(adapter, m, torch.device("meta"), 1024, (1280, 704), 121)
+    assert tuple(kw["hidden_states"].shape) == (1, 16 * 22 * 40, 128) and kw["audio_num_frames"] == 126
+    assert tuple(kw["audio_hidden_states"].shape) == (1, 126, 128) and kw["isolate_modalities"] is False
+    a, b = torch.ones(2, 3), torch.full((4,), 2.0)
+    assert mod.loss((a, b)).item() == 5.0 and mod.loss(([a, a],)).item() == 1.0
+    names = [s["name"] for s in mod.issue29_specs("ltx2")]
+    assert "dittrain offload 1.0 + act, compiled" in names and "dittrain offload 1.0 + act, fp8 base, compiled" in names
+    rows = mod.main(["--smoke", "--backend", "eager", "--rows", "issue29", "--family", "ltx2", "--only",
+                     "=dittrain offload 1.0 + act, compiled", "--out", str(tmp_path)])
+    assert [r["name"] for r in rows] == ["plain diffusers + peft, bf16 LoRA, eager, resident",
+                                         "dittrain offload 1.0 + act, compiled"]
+    assert all(r["step_s"] for r in rows)

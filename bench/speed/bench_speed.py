@@ -9,6 +9,8 @@ on the family's default targets, AdamW, gradient checkpointing), every row a rat
     python -m bench.speed.bench_speed --family z-image --out /tmp/speed_z    # (and --family chroma) offload-0 rows
     python -m bench.speed.bench_speed --family qwen-image-2.1 --out /tmp/speed_q21    # also krea2, flux3
     python -m bench.speed.bench_speed --family wan --size 832x480 --frames 81 --out /tmp/speed_w  # a 480p clip (--variant 1.3b)
+    python -m bench.speed.bench_speed --rows issue29 --family ltx2 --size 1280x704 --frames 121 --out /tmp/s45  # with sound
+    python -m bench.speed.bench_speed --rows issue29 --family hunyuan-video-1.5 --size 832x480 --frames 121 --out /tmp/s45
     python -m bench.speed.bench_speed --smoke --out /tmp/s                   # CPU, tiny widths: checks the script
     python -m bench.speed.bench_speed --rows issue29 --family hidream --only "=plain + compile_repeated_blocks;=dittrain offload 0, compiled" --out /tmp/s42  # issue 42 (also lumina2, anima, ernie-image, ideogram4)
     python -m bench.speed.bench_speed --rows issue29 --out /tmp/s29          # issue 29's table (Flux; or --family)
@@ -47,8 +49,11 @@ Rows (in this order; `--budget-s` stops adding rows when the time is spent, the 
 - sampling forward (no grad): plain eager, dittrain resident compiled, dittrain streamed 1.0 compiled, and that
   with an fp8 base and with an fp8 base + modulation (bf16 vs fp8 streamed sampling in one process).
 
-Video families (Wan): `--size WxH` and `--frames` make the inputs one clip (832x480x81: latents (1, 16, 21, 60,
-104), 512 text tokens); their rows add the streamed ones (offload 1.0 + act, bf16 and fp8 base) after offload 0.
+Video families (Wan, HunyuanVideo 1.5, LTX-2): `--size WxH` and `--frames` make the inputs one clip (Wan at
+832x480x81: latents (1, 16, 21, 60, 104), 512 text tokens; LTX-2's with the clip's sound, the joint call, and its loss
+on both predictions); their rows add the streamed ones (offload 1.0 + act, bf16 and fp8 base) after offload 0. The
+plain rows build diffusers' own class where the family's subclasses it (HunyuanVideo 1.5's block in token-wise
+regions).
 Every model keeps its class's `_keep_in_fp32_modules` (Wan's norms) in fp32, as `from_pretrained(torch_dtype=bf16)`
 and the trainer load them.
 
@@ -122,6 +127,11 @@ SMOKE = {  # tiny widths per family for --smoke (CPU)
                     caption_channels=[32, 16], text_emb_dim=40, axes_dims_rope=[8, 4, 4], max_resolution=[16, 16],
                     llama_layers=[0, 1], num_routed_experts=2),  # 2 per token as the release; plain compile
                     # breaks the graph at each routed expert's token mask (dittrain's blocks trace it)
+    "hunyuan-video-1.5": dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, num_refiner_layers=1,
+                              mlp_ratio=2.0, text_embed_dim=32, text_embed_2_dim=32, image_embed_dim=16,
+                              rope_axes_dim=(4, 6, 6), target_size=64),
+    "ltx2": dict(num_attention_heads=2, attention_head_dim=16, cross_attention_dim=32, audio_num_attention_heads=2,
+                 audio_attention_head_dim=8, audio_cross_attention_dim=16, num_layers=2, caption_channels=32),
 }
 TARGETS29 = {  # issue 29: ratio to plain compiled ("compiled") or to the row's PCIe floor ("floor"), by row name
     "dittrain offload 0, compiled": ("compiled", 0.80),
@@ -181,6 +191,9 @@ def issue29_specs(family: str) -> list[dict]:
             {**streamed, "name": "dittrain offload 1.0 + act, fp8 base, fp8 matmul, ring 3 blocks, compiled",
              "quant": "fp8", "fp8mm": True, "ring": 3},
         ]
+    if adapter_class(family).video:  # issue 45: the streamed step against max(its PCIe floor, resident compute)
+        rows += [{**streamed, "name": "dittrain offload 1.0 + act, compiled"},
+                 {**streamed, "name": "dittrain offload 1.0 + act, fp8 base, compiled", "quant": "fp8"}]
     if family == "chroma":  # its attention mask (trainer/models/chroma.py: "Attention with the mask")
         plain_c = dict(kind="plain", compile=True)
         rows += [
@@ -255,15 +268,24 @@ def row_specs(family: str) -> list[dict]:
     return rows
 
 
-def build(family: str, dev, smoke: bool, layers: int | None = None, variant: str | None = None):
+def diffusers_class(cls: type) -> type:
+    """The diffusers class a family's transformer class is, or subclasses (HunyuanVideo 1.5's computes its block in
+    token-wise regions for `offload.nano_batches`): what a plain row builds, diffusers' own forward."""
+    return next(c for c in cls.__mro__ if c.__module__.startswith("diffusers."))
+
+
+def build(family: str, dev, smoke: bool, layers: int | None = None, variant: str | None = None,
+          plain: bool = False):
     """A random model of the family (full size, or SMOKE's widths), bf16, in training mode; `layers`: that many
     blocks (`num_layers`) instead of the config's (two models side by side in `--profile --interleave`);
-    `variant`: another full size of the family's transformer (`full_variants`: wan's 1.3b)."""
+    `variant`: another full size of the family's transformer (`full_variants`: wan's 1.3b); `plain`: diffusers'
+    class itself where the family subclasses it."""
     cls = adapter_class(family)
     conf = {**(cls.full_variants[variant] if variant else cls.full_config), **(SMOKE[family] if smoke else {})}
     if layers:
         conf["num_layers"] = layers
-    m = build_bf16(lambda: cls.transformer_cls.from_config(conf), dev)
+    model_cls = diffusers_class(cls.transformer_cls) if plain else cls.transformer_cls
+    m = build_bf16(lambda: model_cls.from_config(conf), dev)
     torch.nn.Module.to(m, torch.bfloat16)  # torch's: ModelMixin's warns that it casts the fp32 modules
     for n, p in m.named_parameters():  # those stay fp32, as `from_pretrained(torch_dtype=bf16)` and the trainer
         if any(k in n.split(".") for k in m._keep_in_fp32_modules or []):  # load them (Wan's norms, Krea 2's)
@@ -273,9 +295,12 @@ def build(family: str, dev, smoke: bool, layers: int | None = None, variant: str
 
 def model_inputs(adapter, m, dev, res: int, size: tuple[int, int] | None = None, frames: int | None = None):
     """The transformer's inputs for one sample of `res` x `res` (or `size`, (width, height)); a video family's of
-    a clip of `frames` frames (Wan at 832x480x81: latents (1, 16, 21, 60, 104))."""
+    a clip of `frames` frames (Wan at 832x480x81: latents (1, 16, 21, 60, 104)); LTX-2's with the clip's sound
+    (126 audio tokens for 121 frames)."""
     w, h = size or (res, res)
     video = {"frames": frames} if getattr(type(adapter), "video", False) else {}
+    if "audio_latents" in getattr(type(adapter), "noised_streams", ()):  # LTX-2: a clip with its sound, as `fit`
+        video["sound"] = True  # trains clips that have an audio track
     kw = type(adapter).dummy_inputs(m, 1, h, w, type(adapter).text_tokens if res > 64 else 8, torch.bfloat16, dev,
                                     **video)
     for k, v in kw.items():  # the image tokens never require grad (latents)
@@ -442,11 +467,11 @@ def pcie_rate(dev) -> float | None:
 
 def run_row(spec, args, dev) -> dict:
     compiled.reset()
-    adapter, m = build(args.family, dev, args.smoke, variant=args.variant)
+    plain = spec["kind"] in ("plain", "sample-plain")
+    adapter, m = build(args.family, dev, args.smoke, variant=args.variant, plain=plain)
     kw = model_inputs(adapter, m, dev, args.res, args.size, args.frames)
     if spec.get("nomask"):  # a diagnostic: what the attention mask costs (a different function)
         drop_mask(kw)
-    plain = spec["kind"] in ("plain", "sample-plain")
     if plain:
         kw = plain_inputs(args.family, kw)
     params, handle = plain_setup(adapter, m, args, spec) if plain else ours_setup(adapter, m, args, spec, dev)
@@ -461,10 +486,7 @@ def run_row(spec, args, dev) -> dict:
                else build_optimizer(params, OptimizerConfig(name="adamw", lr=1e-5)))
 
         def step():
-            out = m(**kw)[0]
-            if isinstance(out, list):  # Z-Image returns one tensor per sample
-                out = torch.stack(out)
-            out.float().square().mean().backward()
+            loss(m(**kw)).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -480,6 +502,13 @@ def run_row(spec, args, dev) -> dict:
     r["compile_s"] = s["seconds"] if s["graphs"] else None
     r["graphs"] = s["graphs"]
     return r  # the model and its optimizer go with this frame; `free` then returns their memory
+
+
+def loss(outs) -> torch.Tensor:
+    """Every output's mean square: LTX-2's audio prediction beside its video one (its audio stream trains as in
+    `fit`); Z-Image returns one tensor per sample."""
+    outs = [torch.stack(o) if isinstance(o, list) else o for o in outs]
+    return sum(o.float().square().mean() for o in outs if isinstance(o, torch.Tensor))
 
 
 def free(dev) -> None:

@@ -78,12 +78,13 @@ the video's at 480p x 121) and of the audio VAE while latents are cached.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+from diffusers import AutoencoderKLLTX2Audio, LTX2Pipeline, LTX2VideoTransformer3DModel
 from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from torch import nn
 
@@ -220,7 +221,7 @@ def tiny_pipeline() -> LTX2Pipeline:
     """A tiny random LTX-2: a two-layer Gemma 3 (with a one-layer SigLIP tower, as the real class has) on the tiny
     Gemma tokenizer, connectors with 8 registers, two joint blocks, the video VAE at the real geometry (32x, 8x,
     4 latent channels), a tiny audio VAE and vocoder (the pipeline decodes sound on every call), LTX-2's scheduler."""
-    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler
+    from diffusers import AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
@@ -552,14 +553,22 @@ class LTX2Adapter(DiffusersAdapter):
 
     @classmethod
     def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta",
-                     frames: int | None = None) -> dict:
-        """As `predict` builds them, for a clip of `frames` frames (default `plan_frames`: 121, 16 latent frames)."""
+                     frames: int | None = None, sound: bool = False) -> dict:
+        """As `predict` builds them, for a clip of `frames` frames (default `plan_frames`: 121, 16 latent frames);
+        `sound`: the joint call of a clip with an audio track, as long as the clip at the released audio VAE's
+        rate (diffusers' `AutoencoderKLLTX2Audio` defaults: 126 audio tokens for 121 frames), else video only."""
         c, dev = transformer.config, torch.device(device)
         rnd = {"device": dev, "dtype": dtype}
-        grid = (cls.latent_frames(frames or cls.plan_frames), height // cls.latent_scale, width // cls.latent_scale)
+        frames = frames or cls.plan_frames
+        grid = (cls.latent_frames(frames), height // cls.latent_scale, width // cls.latent_scale)
         tokens = torch.randn(batch, grid[0] * grid[1] * grid[2], c.in_channels, **rnd)
         text = {"prompt_embeds": torch.randn(batch, text_tokens, c.caption_channels, **rnd),
                 "prompt_attention_mask": torch.ones(batch, text_tokens, device=dev, dtype=torch.long)}
+        if sound:
+            vae = inspect.signature(AutoencoderKLLTX2Audio.__init__).parameters
+            n = ltx2_audio.latent_frames(frames, FRAME_RATE, vae["sample_rate"].default, vae["mel_hop_length"].default)
+            text |= {"audio_latents": torch.randn(batch, n, c.audio_in_channels, **rnd),
+                     "audio_prompt_embeds": torch.randn(batch, text_tokens, c.caption_channels, **rnd)}
         return cls._inputs(transformer, tokens, torch.ones(batch, **rnd), text, grid)
 
     # ------------------------------------------------------------------------------------------ sampling
