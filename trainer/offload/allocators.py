@@ -14,7 +14,8 @@ weight views that autograd saved (the "modified by an inplace operation" failure
 The events in the conductor, not version counters, are what keep a region from being overwritten too early.
 
 Activations (`BumpArena`): checkpoint inputs are appended to pinned host chunks during forward and reset every
-step; after a step that needed more than one chunk the chunks are replaced by one exact buffer.
+step (a large input gets a chunk of exactly its size); after a step that needed more than one chunk the chunks are
+replaced by one exact buffer.
 """
 
 from __future__ import annotations
@@ -368,51 +369,65 @@ class Ring:
 
 
 class BumpArena:
-    """Host memory for offloaded activations: bump allocation in pinned chunks, reset each step."""
+    """Host memory for offloaded activations: bump allocation in pinned chunks, reset each step.
 
-    def __init__(self, pin: bool, chunk: int = 256 << 20):
+    A pass that outgrows what the arena holds (the first training step, a larger bucket, the step after `release`)
+    grows it: a tensor that does not fit what is left of the current chunk gets a buffer of exactly its size if it
+    has at least `own` bytes, else a new shared chunk of `chunk` bytes to bump-allocate in. A grown pass so holds
+    its bytes, plus the last shared chunk's tail, plus under `own` bytes per earlier shared chunk: every grown byte
+    is page-locked, used or not, so an unused tail is host RAM the step holds for nothing. When every tensor that
+    did not fit took a chunk of at least `chunk` bytes, HunyuanVideo 1.5 at 720p x 121 frames (a block's 457 MB of
+    tokens, then its 8 MB of text tokens, which opened a 256 MB chunk that the next block's tokens did not fit) held
+    37.3 GB in its first step and 23.7 GB after (55.9 against 42.3 GB of RSS, bench/logs/2026-11-28e/).
+    `own` is glibc's largest mmap threshold: a buffer that large is its own mapping, so giving it back (`reset`)
+    returns its pages to the OS, where a smaller one could stay resident in the malloc heap."""
+
+    def __init__(self, pin: bool, chunk: int = 256 << 20, own: int = 32 << 20):
         self.pin = pin and torch.cuda.is_available()
         self.chunk = chunk
+        self.own = own
         self.chunks: list[HostArena] = []
-        self._i = 0  # current chunk
+        self._cur: HostArena | None = None  # the chunk bump-allocated in: the one buffer, or the last shared chunk
         self._off = 0  # offset inside it
         self.used = 0
         self.high_water = 0
 
     def reset(self) -> None:
         """Start of a forward pass. Several chunks from last time are given back, to become one buffer of exactly
-        the most bytes a pass has used (the chunks' sum would keep each chunk's unused tail: 0.27 GB for Flux at
-        1024 px). That buffer is taken by the pass's first `alloc`, not here: a forward that offloads nothing (a
+        the most bytes a pass has used (the chunks' sum would keep each shared chunk's unused tail: 0.27 GB for Flux
+        at 1024 px). That buffer is taken by the pass's first `alloc`, not here: a forward that offloads nothing (a
         no-grad one: sampling, validation) takes no buffer after `release` (taken here, it cost Wan 2.2 A14B at
         720p x 81 its 28.6 GB of activation buffers through every sampling pass, bench/history/2026-11-28.md 04:24)."""
         if len(self.chunks) > 1:
             for c in self.chunks:
                 c.close()
             self.chunks = []
-        self._i = self._off = self.used = 0
+        self._cur = self.chunks[0] if self.chunks else None
+        self._off = self.used = 0
 
     def release(self) -> None:
         """Give every chunk back (nothing in them is needed any more); the next pass's first `alloc` takes one
         buffer of the most bytes a pass has used."""
         self.close()
-        self._i = self._off = self.used = 0
+        self._off = self.used = 0
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         n = align(nbytes)
         if not self.chunks and self.high_water > 0:
-            self.chunks = [HostArena(self.high_water, self.pin)]  # allocation: after growth steps and `release`
-        while True:
-            if self._i < len(self.chunks) and self._off + n <= self.chunks[self._i].nbytes:
-                out = self.chunks[self._i].region(self._off, nbytes)
-                self._off += n
-                self.used += n
-                self.high_water = max(self.high_water, self.used)
-                return out
-            if self._i + 1 < len(self.chunks):
-                self._i, self._off = self._i + 1, 0
-                continue
-            self.chunks.append(HostArena(max(n, self.chunk), self.pin))  # growth: first steps only
-            self._i, self._off = len(self.chunks) - 1, 0
+            self._cur = HostArena(self.high_water, self.pin)  # allocation: after growth steps and `release`
+            self.chunks = [self._cur]
+        self.used += n
+        self.high_water = max(self.high_water, self.used)
+        if self._cur is not None and self._off + n <= self._cur.nbytes:
+            self._off += n
+            return self._cur.region(self._off - n, nbytes)
+        # growth (first steps only); a tensor of its own leaves the shared chunk's cursor where it is
+        if n >= self.own:
+            self.chunks.append(HostArena(n, self.pin))  # allocation: exactly this tensor
+            return self.chunks[-1].region(0, nbytes)
+        self._cur, self._off = HostArena(self.chunk, self.pin), n  # allocation: a shared chunk
+        self.chunks.append(self._cur)
+        return self._cur.region(0, nbytes)
 
     @property
     def pinned_bytes(self) -> int:
@@ -422,3 +437,4 @@ class BumpArena:
         for c in self.chunks:
             c.close()
         self.chunks = []
+        self._cur = None
