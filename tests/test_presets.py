@@ -84,6 +84,7 @@ def test_every_preset_header_agrees_with_its_body(path):
 
     cfg = load_config(path)
     head = _header(path)
+    assert "  " not in head, f"{path}: a word of the header is empty (LTX-2's one token-wise sub-layer once)"
     card = int(re.search(r"-(\d+)gb$", path.stem).group(1))
     quoted = re.findall(r"\b(model|train|data|offload|sample|optimizer|lora)\.(\w+): ([\w.]+)", head)
     assert any(s == "sample" and k == "every" for s, k, _ in quoted), f"{path}: header must say sample.every"

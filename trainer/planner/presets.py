@@ -447,7 +447,8 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
         ladder = ", ".join(f"{n} x {k}" for n, k in cls.preset_clips or VIDEO_CLIPS)
         rung = [f"# Clip: {size}, the largest of the presets' ladder ({ladder} frames) predicted to fit this card."]
         if nano > 1:
-            subs = (", ".join(cls.token_wise[:-1]) + " and " + cls.token_wise[-1]) if cls.token_wise else "feed-forwards"
+            tw = cls.token_wise or ("feed-forwards",)  # one sub-layer (LTX-2's ff) named alone
+            subs = ", ".join(tw[:-1]) + " and " + tw[-1] if len(tw) > 1 else tw[0]
             rung.append(f"# Token chunks: offload.nano_batches: {nano} runs each block's {subs} in {nano} token chunks, "
                         "each recomputed in backward; without them this clip is predicted not to fit this card (measured "
                         "for Wan 2.1 14B at 480p x 81 on an H200: 12.9 GB reserved against 19.1 GB, +6 % step time).")
