@@ -496,8 +496,8 @@ def test_every_adapter_declares_the_spec_facts(family):
     names = [n for b in cls().blocks(meta_model(cls)) for n, m in b.named_modules() if isinstance(m, torch.nn.Linear)]
     mod = [n for n in names if re.search(cls.modulation_linears, n + ".")] if cls.modulation_linears else []
     assert len(mod) < len(names)
-    for (method, card), note in cls.__dict__.get("measured_presets", {}).items():
-        assert method in ("lora", "full") and card in cls.preset_cards and note.startswith("measured")
+    for (method, card), m in cls.__dict__.get("measured_presets", {}).items():
+        assert method in ("lora", "full") and card in cls.preset_cards and m.note.startswith("measured")
 
 
 def test_bench_is_a_package_without_path_edits():

@@ -44,6 +44,22 @@ def to_pil(pixels: torch.Tensor):
     a = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
     return Image.fromarray(np.ascontiguousarray(a))
 
+@dataclass(frozen=True)
+class MeasuredPreset:
+    """What a GPU run of a preset as shipped measured, and the settings it ran with: the presets generator writes
+    `note` into the header only while the preset still sets `transformer` and `gradient_checkpointing`, so a
+    regenerated preset never carries figures of another setting (tests/test_presets.py holds every entry to its
+    shipped file)."""
+
+    transformer: float  #: offload.transformer of the measured run
+    checkpointing: bool | str  #: train.gradient_checkpointing of the measured run (True, False or "auto")
+    note: str  #: "measured on <GPU>: ...", as the header's `expects:` line quotes it
+
+    def describes(self, transformer: float, checkpointing: bool | str) -> bool:
+        """Whether a preset with these settings is the one measured."""
+        return abs(self.transformer - transformer) < 1e-9 and self.checkpointing == checkpointing
+
+
 @dataclass
 class Components:
     """What `ModelAdapter.load` returns. Parts not asked for are None / empty."""
@@ -513,9 +529,10 @@ class ModelAdapter(ABC):
     #: the presets' `sample:` settings where the family's pipeline samples otherwise than the generic 28 steps at
     #: `sample.guidance`'s default (e.g. Qwen-Image 2.1: 40 steps without guidance)
     sample_defaults: ClassVar[dict[str, Any]] = {}
-    #: {(method, card GB): "measured on ...: ..."}: what a GPU run of that preset measured, for its header
-    #: (declared on the class itself: a subclass family does not inherit another model's measurements)
-    measured_presets: ClassVar[dict[tuple[str, int], str]] = {}
+    #: {(method, card GB): MeasuredPreset}: what a GPU run of that preset measured, for its header while the preset
+    #: keeps the measured settings (declared on the class itself: a subclass family does not inherit another model's
+    #: measurements)
+    measured_presets: ClassVar[dict[tuple[str, int], MeasuredPreset]] = {}
 
     @classmethod
     def cache_family(cls) -> str:
@@ -523,9 +540,11 @@ class ModelAdapter(ABC):
         return cls.__dict__.get("cache_name") or cls.family
 
     @classmethod
-    def measured(cls, method: str, card: int) -> str:
-        """The measured note of the preset `method` x `card` GB of this family ("not yet measured": none)."""
-        return cls.__dict__.get("measured_presets", {}).get((method, card), "not yet measured")
+    def measured(cls, method: str, card: int, transformer: float, checkpointing: bool | str) -> str:
+        """The measured note of the preset `method` x `card` GB of this family with these settings ("not yet
+        measured": none, or one measured at other settings)."""
+        m = cls.__dict__.get("measured_presets", {}).get((method, card))
+        return m.note if m is not None and m.describes(transformer, checkpointing) else "not yet measured"
 
     @classmethod
     def full_image_tokens(cls, height: int, width: int) -> int:

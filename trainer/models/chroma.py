@@ -67,7 +67,7 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, _g
 from torch import nn
 
 from ._diffusers import T5_KEEP, DiffusersAdapter, pack_2x2, packed_inputs, unpack_2x2
-from .base import Components
+from .base import Components, MeasuredPreset
 from .flux import FLUX_LORA_KEYS, FluxAdapter, image_ids
 from .lora_keys import KeyRule, LoraKeyMap
 
@@ -123,7 +123,7 @@ class ChromaAdapter(DiffusersAdapter):
     full_name, example_path = "Chroma1-HD", "/path/to/Chroma1-HD"
     # the whole `fit` under a 7 GB cap, full-size random weights (bench/program/bench_program.py; bench/history/2026-11-25.md,
     # 2026-11-25 15:36 UTC): the largest phase and the steady step
-    measured_presets = {("lora", 8): "measured on an H100: fits, 6.0 GB reserved, 1.08 s a step"}
+    measured_presets = {("lora", 8): MeasuredPreset(0.9, True, "measured on an H100: fits, 6.0 GB reserved, 1.08 s a step")}
     full_config = {  # ChromaTransformer2DModel defaults = Chroma1-HD (8.9 B)
         "patch_size": 1,
         "in_channels": 64,

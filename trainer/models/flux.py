@@ -26,7 +26,7 @@ from diffusers import FluxPipeline, FluxTransformer2DModel
 from torch import nn
 
 from ._diffusers import NORM_MODULATION, T5_KEEP, DiffusersAdapter, pack_2x2, packed_inputs, unpack_2x2
-from .base import Components
+from .base import Components, MeasuredPreset
 from .lora_keys import KeyRule, LoraKeyMap
 
 _D, _S = "transformer_blocks.{i}", "single_transformer_blocks.{i}"
@@ -135,13 +135,18 @@ class FluxAdapter(DiffusersAdapter):
     # Presets run on a GPU with full-size random weights under a VRAM cap of card - 1 GB (bench/speed/bench_plan.py;
     # numbers and command in bench/history/2026-11-22.md, 2026-11-22 02:27 UTC, the planner with the 1.35 allocator factor).
     measured_presets = {
-        ("lora", 8): "measured on an H200: fits, 6.3 GB reserved, 1.08 s a step",
-        ("lora", 16): "measured on an H200: fits, 14.5 GB reserved, 0.95 s a step",
-        ("lora", 24): "measured on an H200: fits, 22.0 GB reserved, 0.95 s a step",
+        ("lora", 8): MeasuredPreset(0.9, True, "measured on an H200: fits, 6.3 GB reserved, 1.08 s a step"),
+        ("lora", 16): MeasuredPreset(0.55, True, "measured on an H200: fits, 14.5 GB reserved, 0.95 s a step"),
+        # bench/logs/2026-11-28e/flux-48gb-*.log: the preset as shipped under a 47 GB cap, 6 steps (median of the 4
+        # steady ones; 43.2 GB allocated, fit RSS 13.9 GB) against the same run recomputing every block at fraction 0
+        ("lora", 48): MeasuredPreset(0.2, "auto", "measured on an H200: fits, 44.1 GB reserved, 0.45 s a step "
+                                                  "against 0.73 s recomputing every block at fraction 0"),
         # bench/speed/bench_fullft.py --fractions 0.9,0.75 --no-act (02:39 UTC): the fraction and settings of these
         # presets, uncapped; same process as the resident full fine-tune (1.339 s, 28.2 GB)
-        ("full", 8): "measured on an H200: 6.4 GB reserved, 1.62 s a step = 1.21x resident",
-        ("full", 12): "measured on an H200: 9.5 GB reserved, 1.46 s a step = 1.09x resident",
+        ("full", 8): MeasuredPreset(
+            0.9, True, "measured on an H200: 6.4 GB reserved, 1.62 s a step = 1.21x resident"),
+        ("full", 12): MeasuredPreset(
+            0.75, True, "measured on an H200: 9.5 GB reserved, 1.46 s a step = 1.09x resident"),
     }
 
     @classmethod

@@ -76,7 +76,7 @@ from diffusers.modular_pipelines.flux3.prompt_upsampler import MAX_REFERENCES
 from torch import nn
 
 from ._diffusers import DiffusersAdapter, pack_2x2, packed_inputs, unpack_2x2
-from .base import Components
+from .base import Components, MeasuredPreset
 from .flux2 import CONTROL, Flux2Adapter, keep_layers
 from .flux3_pipeline import Flux3Pipeline, recipe, text_embeds
 from .lora_keys import KeyRule, LoraKeyMap
@@ -140,7 +140,7 @@ class Flux3Adapter(DiffusersAdapter):
     full_name, example_path = "Flux.3", "/path/to/FLUX.3"
     # the whole `fit` and `sample` under a 7 GB cap, full-size random weights (bench/program/bench_program.py;
     # bench/history/2026-11-25.md, 2026-11-25 19:20 UTC): the largest phase (text caching) and the one steady step
-    measured_presets = {("lora", 8): "measured on an H100: fits, 6.1 GB reserved, 0.44 s a step"}
+    measured_presets = {("lora", 8): MeasuredPreset(0.85, True, "measured on an H100: fits, 6.1 GB reserved, 0.44 s a step")}
     full_config = {  # Flux3Transformer2DModel defaults (5.54 B parameters)
         "in_channels": 128, "cond_in_channels": 128, "num_layers": 5, "num_single_layers": 28,
         "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 20480, "timestep_channels": 256,

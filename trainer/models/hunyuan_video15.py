@@ -80,7 +80,7 @@ from diffusers.loaders import HunyuanVideoLoraLoaderMixin
 from torch import nn
 
 from ._diffusers import NORM_MODULATION, T5_KEEP, DiffusersAdapter, tiny_token_ids
-from .base import Components
+from .base import Components, MeasuredPreset
 from .flux3_pipeline import _quiet_modular_notes
 from .hunyuan_video15_block import HunyuanVideo15Transformer3DModel
 from .hunyuan_video15_vae import time_chunks
@@ -243,7 +243,8 @@ class HunyuanVideo15Adapter(DiffusersAdapter):
     max_sequence_length = RECIPE["tokenizer_max_length"]
     full_name, example_path = "HunyuanVideo-1.5 (480p T2V)", "/path/to/HunyuanVideo-1.5-Diffusers-480p_t2v"
     # bench/history/2026-11-28.md 10:10 (before the token-region block of hunyuan_video15_block.py, sampling off)
-    measured_presets = {("lora", 16): "measured on an H200: fits, 14.0 GB reserved, 20.7 s a step"}
+    measured_presets = {
+        ("lora", 16): MeasuredPreset(0.85, True, "measured on an H200: fits, 14.0 GB reserved, 20.7 s a step")}
     full_config = {  # the module essay says where these come from
         "in_channels": 65,
         "out_channels": 32,

@@ -107,13 +107,15 @@ RAM_GB = {8: 128, 12: 128, 16: 128, 24: 128, 48: 256, 80: 256}
 # card, or would need more host RAM than SMALL_RAM_GB: the 32 GB machine most users of 8-16 GB cards have.
 FP8_CARDS = (8, 12, 16)
 SMALL_RAM_GB = 32
-# LoRA presets for these cards may take train.gradient_checkpointing: auto (presets_auto.py). Not 8-16 GB cards:
-# their predicted gains are small (2-6 % for Flux.1 and Qwen-Image at 12 and 16 GB), and their margin for prediction
-# error (3 % of 7-15 GB) is less than one kept block's activations at 1024 px (0.6 GB for Flux.1). Not yet 24 GB
-# cards, the most common: no streamed block that keeps its activations has run through `fit` on a GPU, and their
-# 0.7 GB margin is about one kept block (Flux.1's 24 GB preset, measured as it is, would go from fraction 0.25 to 0.7
-# keeping 34 of 57 blocks, 0.94 -> 0.78 s predicted); add 24 once a GPU run confirms the planner's kept-block VRAM.
-AUTO_CARDS = (48, 80)
+# LoRA presets for these cards may take train.gradient_checkpointing: auto (presets_auto.py). 24 GB cards since a
+# GPU run of Flux.1-dev's 48 GB preset through `fit` (57 blocks kept, 30 of them streamed) reserved 44.1 GB where the
+# planner predicted 45.1 GB: the kept-block count errs on the safe side by more than the 0.7 GB margin of a 24 GB
+# card, about one kept block at 1024 px (0.6 GB for Flux.1). Not yet 12-16 GB cards, though the generator predicts
+# 2-30 % faster steps there (Flux.1 2 and 5 %, Flux.2 klein 0.43 -> 0.30 s): their margin (3 % of 11-15 GB, 0.3-0.45
+# GB) is less than one kept block, the one run measured 57 kept blocks and not the 3-26 those presets would keep, and
+# Qwen-Image's (12 and 16 GB) and Qwen-Image-Edit-Plus's (16 GB) would keep streamed blocks on an fp8 base, which no
+# test runs.
+AUTO_CARDS = (24, 48, 80)
 
 
 def _settings(family: str) -> list[tuple[int | str, int, bool, bool]]:
@@ -415,6 +417,7 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
     how += ", gradient checkpointing auto" if ckpt == "auto" else ""
     speed = p.step_s / base_s
     big = max(phases, key=lambda ph: ph.vram)
+    measured = adapter_class(family).measured(method, card, f, ckpt)  # its note only for the settings measured
     s = d["sample"]
     te = d["offload"]["text_encoders"]
     cls = adapter_class(family)
@@ -444,7 +447,8 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
         ladder = ", ".join(f"{n} x {k}" for n, k in cls.preset_clips or VIDEO_CLIPS)
         rung = [f"# Clip: {size}, the largest of the presets' ladder ({ladder} frames) predicted to fit this card."]
         if nano > 1:
-            subs = (", ".join(cls.token_wise[:-1]) + " and " + cls.token_wise[-1]) if cls.token_wise else "feed-forwards"
+            tw = cls.token_wise or ("feed-forwards",)  # one sub-layer (LTX-2's ff) named alone
+            subs = ", ".join(tw[:-1]) + " and " + tw[-1] if len(tw) > 1 else tw[0]
             rung.append(f"# Token chunks: offload.nano_batches: {nano} runs each block's {subs} in {nano} token chunks, "
                         "each recomputed in backward; without them this clip is predicted not to fit this card (measured "
                         "for Wan 2.1 14B at 480p x 81 on an H200: 12.9 GB reserved against 19.1 GB, +6 % step time).")
@@ -468,7 +472,7 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
         + (", gradient checkpointing" if ckpt is True else ", gradient checkpointing auto" if ckpt else "")
         + (", frozen base in fp8 (model.quantize: fp8)" if why_fp8 else ""),
         *rung,
-        *(auto_header_lines(kept, p, big.vram) if kept is not None else []),
+        *(auto_header_lines(kept, p, big.vram, measured) if kept is not None else []),
         *experts,
         *([f"# fp8 base: {why_fp8} ("
            + ("modulation Linears too: model.quantize_modulation; " if adapter_class(family).modulation_linears
@@ -477,7 +481,7 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
           if why_fp8 else []),
         f"# expects: {big.vram / 1e9:.1f} GB VRAM (largest phase: {big.name}), {(p.pinned + p.act_checkpoint_host) / 1e9:.0f} GB pinned RAM "
         f"({p.ram_peak / 1e9:.0f} GB peak), {speed:.2f}x the step time without offloading (planner prediction; "
-        + adapter_class(family).measured(method, card)
+        + measured
         + ")",
         f"# Predicted step {p.step_s:.2f} s on an H200-class GPU (GPU {p.compute_s:.2f} s, host {p.host_s:.2f} s, "
         f"PCIe {p.transfer_s:.2f} s" + ("; with half a change of expert's read of its blocks from the files, at "
