@@ -442,3 +442,25 @@ def test_quantized_modulation_is_planned_smaller(flux_full_size):
     assert sum(mod.packed) / 1e9 == pytest.approx(11.85, abs=0.01)
     assert sum(fp8.packed) - sum(mod.packed) == pytest.approx(3.22e9, rel=0.01)
     assert planner.predict(mod, 1.0, 1024, True).pinned < planner.predict(fp8, 1.0, 1024, True).pinned
+
+
+def test_attention_backward_counts_the_calls_that_share_q_k_v_together():
+    """trace.py `attention_backward`: one flash-attention call's backward holds the gradients of its q, k and v
+    (the whole tensors a slice was read from) and a float32 dq; calls on the same tensors hold theirs together
+    until summed (HunyuanVideo 1.5's video and text queries on one joint k, v), calls on other tensors do not (a
+    self-attention and a cross-attention): the block's figure is its largest group. Calls inside token-wise MLPs
+    are counted apart (`chunk_mlps` divides them by the chunks)."""
+    mode = ptrace._KernelModel("cuda")
+    q, k, v = (torch.empty(1, 2, 100, 8, device="meta") for _ in range(3))
+    x, kt, vt = torch.empty(1, 2, 100, 8, device="meta"), *(torch.empty(1, 2, 7, 8, device="meta") for _ in range(2))
+    one = 3 * q.numel() * 4  # fp32 q, k, v
+    with mode:
+        torch.nn.functional.scaled_dot_product_attention(q[:, :, :90], k, v)  # video queries
+        torch.nn.functional.scaled_dot_product_attention(q[:, :, 90:], k, v)  # text queries, the same k, v
+        mode.in_mlp = lambda: True
+        torch.nn.functional.scaled_dot_product_attention(x, kt, vt)  # a cross-attention in a token-wise MLP
+    accum = 90 * 2 * 8 * 4
+    assert ptrace.attention_backward(mode.calls, in_mlp=False) == 2 * one + accum
+    assert ptrace.attention_backward(mode.calls, in_mlp=True) == x.numel() * 4 + 2 * kt.numel() * 4 + x.numel() * 4
+    mode.calls[1] = (frozenset({-1}), *mode.calls[1][1:])  # the text queries on tensors of their own
+    assert ptrace.attention_backward(mode.calls, in_mlp=False) == one + accum

@@ -27,9 +27,11 @@ the whole sequence, only q, k, v, the attention output and its log-sum-exp (what
 each region's inputs (the block's input, the attention output: saved already); backward recomputes one chunk of a
 region at a time. The planner counts it as it counts any token-wise sub-layer (trainer/planner/trace.py
 `chunk_mlps`, compiled: compiled_saves.py `chunk_saving`): at 720p x 121 with 16 chunks a block's recompute saves
-2.6 GB instead of 9.9 and its backward's working set is 4.4 GB instead of 14.5 (eager count; 6.2 compiled), the
-training step with every block streamed and activations offloaded 11.2 GB reserved (13.7 compiled) instead of 18.3
-with the feed-forwards alone split.
+2.6 GB instead of 9.9 and its backward's working set is 7.2 GB instead of 14.6 (eager and compiled alike; 3.7 GB of it
+the attention's backward, trace.py `attention_backward`: both calls' gradients of the joint q, k, v and flash
+attention's float32 dq), the training step with every block streamed and activations offloaded 15.0 GB reserved
+(14.9 compiled; measured on an H200: 14.87, 11.56 allocated against 11.29 predicted, docs/families.md) instead of
+18.3 with the feed-forwards alone split.
 
 Exactness. Unsplit, the same ops on the same tensors as diffusers' block with `PrefixAttnProcessor`: bitwise. Split,
 each token's rows are computed alone either way (bitwise forward on the CPU); the regions' weight gradients (the

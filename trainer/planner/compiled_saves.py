@@ -26,10 +26,10 @@ Token chunks (offload.nano_batches, trainer/offload/nano.py). Compiled, each chu
 torch.compile's activation-checkpoint regions, which the partitioner recomputes whole in backward: the block's
 forward keeps nothing made inside a chunk, not even what eager chunks would keep of the sub-layer (its dequantized
 weights, the text's keys and values), nor the sub-layers' inputs where they are cheap to make again (a norm's output).
-`chunk_saving` counts what the compiled block stops keeping: its saved bytes with and without the split, the split
-compiled with `PROBE_CHUNKS` chunks (the forward keeps nothing of any chunk, so the count does not depend on their
-number; one chunk's recompute in backward is the planner's to add, trace.py `chunk_mlps`), and the largest tensor
-the split block saves, which sizes backward's transients (the eager count's largest is then a float32 copy of a norm's
+`chunk_saving` counts what the split compiled block keeps: its saved bytes, the split compiled with `PROBE_CHUNKS`
+chunks (the forward keeps nothing of any chunk, so the count does not depend on their number; one chunk's recompute
+in backward is the planner's to add, trace.py `chunk_mlps`), and the largest tensor it saves, which sizes
+backward's transients (the eager count's largest is then a float32 copy of a norm's
 input that the compiled block never makes: inductor upcasts inside the norm's kernel). This is what a block
 recomputed in backward (gradient checkpointing) holds too when it runs compiled: its recompute is the compiled
 forward (trainer/offload/block.py `_compute`).
@@ -219,15 +219,13 @@ def compiled_saved(transformer: nn.Module, blocks: list[nn.Module], tr: Trace,
 
 def chunk_saving(transformer: nn.Module, blocks: list[nn.Module], tr: Trace, token_wise_of,
                  kernels: str = "cuda") -> list[tuple[int, int]]:
-    """Per block: (the bytes its compiled forward stops saving for backward when its token-wise sub-layers
+    """Per block: (the bytes its compiled forward saves for backward when its token-wise sub-layers
     (`token_wise_of(block)`) run in token chunks, the largest tensor it saves then), at the shapes of `tr`; see the
     module essay."""
     per_class = {}
     with _counting(transformer, kernels) as weights:
         for name, (i, args, kwargs) in tr.last_calls.items():
-            whole = _saved(blocks[i], args, kwargs, weights, kernels)
-            split = _saved(blocks[i], args, kwargs, weights, kernels, token_wise_of(blocks[i]))
-            per_class[name] = (whole[0] - split[0], split[1])
+            per_class[name] = _saved(blocks[i], args, kwargs, weights, kernels, token_wise_of(blocks[i]))
     return [per_class[type(b).__name__] for b in blocks]
 
 

@@ -14,7 +14,10 @@ How. Everything is derived from the model's own code and the conductor's own ari
   block's checkpoint inputs and what one block's recompute saves for backward (with the attention and RMS-norm kernels modelled
   as the GPU runs them). Backward's transients are an estimate: the working set of the block being
   differentiated is taken as its saved tensors + twice its largest saved tensor (the gradient of that tensor
-  and of its producer's input coexist) + twice its input bytes (gradient in, gradient out);
+  and of its producer's input coexist) + twice its input bytes (gradient in, gradient out); where its attention's
+  backward holds more than twice the largest tensor, that instead: the gradients of q, k and v of the calls that
+  share them, and flash attention's float32 dq accumulator (trace.py `attention_backward`; a block whose
+  feed-forward is split in token chunks has no larger transient);
 - with activation offloading the checkpoint inputs live in pinned host RAM; the GPU keeps the first block's
   inputs (they need no grad, so the offloader leaves them) and two blocks' worth in flight; those two are, for the
   last two recomputed blocks, their own inputs, which never leave the GPU (offload/plan.py `inputs_on_device`), so
@@ -66,15 +69,20 @@ and `check_line(pred, measured_reserved, measured_step)` to log the prediction a
 Nano-batching (offload.nano_batches: the family's token-wise MLPs in token chunks, trainer/offload/nano.py): a
 recomputed block no longer saves its MLPs' hidden activations, and backward's working set holds one chunk's
 (planner/trace.py `chunk_mlps`). HunyuanVideo 1.5 declares all of its block but the attention kernel as two such
-regions (trainer/models/hunyuan_video15_block.py): at 720p x 121, 16 chunks take its working set from 14.5 GB to 4.4
-(eager count; 6.2 compiled). Eager blocks keep the MLPs' inputs and what they make that is not per token; under
-train.compile (the recompute runs the compiled forward) what the block stops saving is counted by compiling it with
-and without the split (planner/compiled_saves.py `chunk_saving`): each chunk is an activation-checkpoint region
-that keeps nothing, and the split block saves no float32 copy of a norm's input either, so backward's transients are
-sized by its own largest tensor. Measured (H200, Wan 2.1 14B LoRA at 480p x 81, fp8 base, every block streamed,
-activations offloaded, compiled; bench/history/2026-11-27.md 12:05): 16 chunks took the step to 12.92 GB reserved,
-10.88 allocated; predicted 13.91 / 10.67 (the eager count said 15.72 / 12.01); without chunks 19.10 / 14.96,
-predicted 19.93 / 15.13. A compiled block that keeps its activations is counted unsplit.
+regions (trainer/models/hunyuan_video15_block.py): at 720p x 121, 16 chunks take its working set from 14.6 GB to 7.2
+(eager count; 7.2 compiled), of which 3.7 GB is its attention's backward (both of its calls' gradients of the joint
+q, k, v and the float32 dq). Eager blocks keep the MLPs' inputs and what they make that is not per token; under
+train.compile (the recompute runs the compiled forward) what the split block saves is counted by compiling it
+(planner/compiled_saves.py `chunk_saving`): each chunk is an activation-checkpoint region that keeps nothing, and the
+split block saves no float32 copy of a norm's input either, so backward's transients are sized by its own largest
+tensor or its attention's backward. Measured (H200, compiled, every block streamed, activations offloaded, 16
+chunks): Wan 2.1 14B LoRA at 480p x 81, fp8 base (bench/history/2026-11-27.md 12:05), 12.92 GB reserved, 10.88
+allocated, predicted 13.48 / 10.35 (13.91 / 10.67 before 2026-11-28's count, below; the eager count said 15.72 /
+12.01); without chunks 19.10 / 14.96, predicted 19.93 / 15.13. HunyuanVideo 1.5 LoRA at 720p x 121
+(bench/logs/2026-11-28e/hv720-16gb*): 14.87 GB reserved (15.00, the cap, at step 1), 11.56 allocated, predicted
+14.90 / 11.29; before 2026-11-28's count 13.66 / 10.37, which left out the attention's backward (3.7 GB, where twice
+the largest tensor said 0.93) and counted the split compiled block's saves from the eager ones (1.86 GB too many).
+A compiled block that keeps its activations is counted unsplit.
 The step time adds the MLPs' matmuls once more to each block's backward (their attention, a cross-attention's,
 is left out).
 
@@ -190,7 +198,7 @@ class Facts:
     #: offload.nano_batches: the blocks' token-wise MLPs run in this many token chunks (planner/trace.py
     #: `chunk_mlps`; recomputed blocks only: a block counted as keeping its compiled activations is counted unsplit)
     nano_batches: int = 1
-    #: train.compile: the blocks run compiled, their recompute in backward too (what the chunks stop saving is the
+    #: train.compile: the blocks run compiled, their recompute in backward too (what the split block saves is the
     #: compiled block's, planner/compiled_saves.py `chunk_saving`); `compiled` above is about kept activations
     compile_blocks: bool = False
     #: transformers the run trains in turn (model.expert: both: each expert of the family, trainer/train/experts.py):
@@ -265,8 +273,8 @@ class Facts:
         return self.traces[key]
 
     def _chunk_saving(self, tr: ptrace.Trace) -> list[tuple[int, int]] | None:
-        """What compiled blocks stop saving with their token-wise sub-layers in chunks, and the largest tensor they
-        save then (compiled_saves.py `chunk_saving`); None (the eager count) for
+        """What compiled blocks save with their token-wise sub-layers in chunks, and the largest tensor they save
+        then (compiled_saves.py `chunk_saving`); None (the eager count) for
         eager blocks, or where dynamo cannot trace the block on meta (`saved_by` says so)."""
         if not self.compile_blocks:
             return None
@@ -683,9 +691,12 @@ def _held_before_backward(facts: Facts, tr: ptrace.Trace, ck: list[bool]) -> tup
 
 def _working_set(tr: ptrace.Trace, i: int, recomputed: bool) -> int:
     """Block i's working set while it is differentiated: its saved tensors (when recomputed; a kept block's are
-    counted as held) + twice its largest saved tensor (the gradient of that tensor and of its producer's input
-    coexist) + twice its input bytes (gradient in, gradient out)."""
-    ws = tr.block_saved[i] + 2 * tr.block_largest[i] + 2 * tr.block_inputs[i]
+    counted as held) + twice its input bytes (gradient in, gradient out) + backward's transients: twice its largest
+    saved tensor (the gradient of that tensor and of its producer's input coexist), or, where more, what its
+    attention's backward holds at once (trace.py `attention_backward`: the gradients of q, k and v of the calls
+    that share them, and flash attention's float32 dq accumulator)."""
+    attn = tr.block_attn_bwd[i] if tr.block_attn_bwd else 0
+    ws = tr.block_saved[i] + max(2 * tr.block_largest[i], attn) + 2 * tr.block_inputs[i]
     return ws if recomputed else ws - tr.block_saved[i]
 
 

@@ -302,7 +302,8 @@ def _assumptions(facts: Facts, rates) -> list[str]:
         f"- peak reserved = static allocations (2 MiB rounded) + {ALLOCATOR_OVERHEAD:.2f} x the varying part (activations, gradients) + "
         f"{WORKSPACE / GB:.2f} GB workspaces; the CUDA context (0.5-1 GB) comes on top",
         "- block working set = saved tensors of one block's recompute (flash attention, fused RMS norm) "
-        "+ 2 x its largest saved tensor + 2 x its inputs (backward transients, estimated)",
+        "+ 2 x its inputs + 2 x its largest saved tensor or, where more, its attention's backward (q, k, v "
+        "gradients and flash attention's fp32 dq) (backward transients, estimated)",
         f"- text tokens per caption: {facts.text_tokens}; "
         + (f"clips of {facts.frames} frames ({facts.adapter.latent_frames(facts.frames)} latent "
            "frames) in the bucket of res nearest the square (data.bucket_step); the VAE's clip encode and decode "

@@ -106,6 +106,10 @@ class _KernelModel:
         #: storage -> bytes of the keys and values attention took since the last `clear()` (a KV cache keeps them:
         #: sampling.py); by storage, since a block's calls may take slices of one key tensor (Qwen-Image 2.1's prefix)
         self.kv: dict[int, int] = {}
+        #: the attention calls since the last `calls.clear()`, as `attention_backward` reads them: (storages of q, k
+        #: and v, their bytes, the float32 dq accumulator's bytes, whether a token-wise MLP made the call)
+        self.calls: list[tuple[frozenset[int], int, int, bool]] = []
+        self.in_mlp = lambda: False  # the tracer's: is a token-wise MLP running
 
     def _sdpa(self, query, key, value, attn_mask=None, *args, **kwargs):
         # QK^T and PV: 2 multiply-adds each per (query, key, channel)
@@ -113,6 +117,8 @@ class _KernelModel:
         for t in (key, value):
             sid, nbytes = _storage(t)
             self.kv[sid] = nbytes
+        qkv = dict(_storage(t) for t in (query, key, value))
+        self.calls.append((frozenset(qkv), sum(qkv.values()), 4 * query.numel(), self.in_mlp()))
         return _FlashAttn.apply(query, key, value, attn_mask if isinstance(attn_mask, torch.Tensor) else None)
 
     @staticmethod
@@ -131,6 +137,25 @@ class _KernelModel:
         F = torch.nn.functional
         F.scaled_dot_product_attention, F.rms_norm = self._saved
         return False
+
+
+def attention_backward(calls: list[tuple[frozenset[int], int, int, bool]], in_mlp: bool) -> int:
+    """Bytes flash attention's backward holds beside the block's saved tensors while it runs (`_KernelModel.calls`
+    of one block; those made inside token-wise MLPs, `in_mlp`, or outside them). The backward of one call makes the
+    gradients of q, k and v at once, and CUDA's flash attention (FlashAttention-2) accumulates dq in a float32
+    buffer beside them; a call that read slices of a tensor gets the whole tensor's gradient back (slicing's
+    backward pads it). Calls that read the same tensors (HunyuanVideo 1.5's video and text queries on one joint key
+    tensor, trainer/models/hunyuan_video15_attention.py) hold their gradients together until the last one is
+    summed, so they are counted as one group; the block's figure is its largest group."""
+    groups: list[tuple[set[int], int, int]] = []
+    for storages, grads, accum, inside in calls:
+        if inside != in_mlp:
+            continue
+        joined = [g for g in groups if g[0] & storages]
+        groups = [g for g in groups if not g[0] & storages]
+        groups.append((set(storages).union(*(g[0] for g in joined)), grads + sum(g[1] for g in joined),
+                       max([accum, *(g[2] for g in joined)])))
+    return max((grads + accum for _, grads, accum in groups), default=0)
 
 
 # ----------------------------------------------------------------------------------------------- tracing
@@ -222,6 +247,11 @@ class Trace:
     block_mlp_other: list[int] = field(default_factory=list)
     #: per block: the share of block_linear_flops inside its token-wise MLPs (chunked, they run once more)
     block_mlp_linear_flops: list[int] = field(default_factory=list)
+    #: per block: what flash attention's backward holds beside the saved tensors (`attention_backward`): the
+    #: larger of its calls' outside the token-wise MLPs and inside them; and each of the two (`chunk_mlps`)
+    block_attn_bwd: list[int] = field(default_factory=list)
+    block_attn_bwd_outside_mlp: list[int] = field(default_factory=list)
+    block_mlp_attn_bwd: list[int] = field(default_factory=list)
 
 
 def chunk_mlps(tr: Trace, n: int, compiled: list[tuple[int, int]] | None = None) -> Trace:
@@ -230,23 +260,29 @@ def chunk_mlps(tr: Trace, n: int, compiled: list[tuple[int, int]] | None = None)
     hidden activations, and backward recomputes one chunk's hidden at a time, so 1/n of them (and of their largest
     tensor) is what the block's working set holds of the MLP; what they save that is not per token
     (`block_mlp_other`) stays counted once, as one chunk's recompute holds it. Compiled blocks (`compiled`: per
-    block, planner/compiled_saves.py `chunk_saving`): what the compiled forward stops saving with the split goes
-    (every chunk is an activation-checkpoint region, so the sub-layers' dequantized weights and the inputs they can
-    make again go too) and one chunk's recompute (its hidden and `block_mlp_other`) comes back; the largest tensor
-    is the split compiled block's or one chunk's. The chunk's share rounds up (chunks of whole tokens)."""
+    block, planner/compiled_saves.py `chunk_saving`): the recompute is the compiled forward, so the block saves what
+    the split compiled block saves (every chunk is an activation-checkpoint region: nothing of the sub-layers, their
+    dequantized weights and the inputs they can make again included) and one chunk's recompute (its hidden and
+    `block_mlp_other`) comes back; the largest tensor is the split compiled block's or one chunk's. Attention inside
+    the MLPs runs on one chunk's queries (`block_attn_bwd`). The chunk's share rounds up (chunks of whole tokens).
+    Until 2026-11-28 the compiled count was the eager block's saves less what the split stops keeping, which left in
+    what the compiled block never keeps outside the chunks (1.86 GB per HunyuanVideo 1.5 block at 720p x 121)."""
     if n <= 1 or not tr.block_mlp_saved:
         return tr
+    attn = tr.block_attn_bwd
+    if tr.block_mlp_attn_bwd:  # attention inside the MLPs (Wan's cross-attention) runs on one chunk's queries
+        attn = [max(o, -(-m // n)) for o, m in zip(tr.block_attn_bwd_outside_mlp, tr.block_mlp_attn_bwd, strict=True)]
     if compiled is None:  # eager: the hidden activations go; block_mlp_other stays in block_saved
-        removed, again, outside = tr.block_mlp_saved, [0] * len(tr.block_saved), tr.block_largest_outside_mlp
-        how = ""
+        kept = [s - m for s, m in zip(tr.block_saved, tr.block_mlp_saved, strict=True)]
+        again, outside, how = [0] * len(tr.block_saved), tr.block_largest_outside_mlp, ""
     else:
-        removed, outside = [r for r, _ in compiled], [big for _, big in compiled]
+        kept, outside = [s for s, _ in compiled], [big for _, big in compiled]
         again, how = tr.block_mlp_other, " as compiled chunks keep them"
     return replace(
         tr,
-        block_saved=[s - r + -(-m // n) + o for s, r, m, o in zip(tr.block_saved, removed, tr.block_mlp_saved, again,
-                                                                   strict=True)],
+        block_saved=[k + -(-m // n) + o for k, m, o in zip(kept, tr.block_mlp_saved, again, strict=True)],
         block_largest=[max(o, -(-b // n)) for o, b in zip(outside, tr.block_mlp_largest, strict=True)],
+        block_attn_bwd=attn,
         saved_by=f"{tr.saved_by}, token-wise MLPs in {n} chunks{how}",
     )
 
@@ -305,6 +341,8 @@ class _Tracer:
         # what they save that is not per token, their linear FLOPs
         self.b_mlp, self.b_mlp_big, self.b_big_out, self.b_mlp_other, self.b_mlp_linear = (
             [0] * n for _ in range(5))
+        # per block: flash attention's backward outside its token-wise MLPs and inside them (`attention_backward`)
+        self.b_attn_out, self.b_attn_mlp = [0] * n, [0] * n
         self.linear_flops = 0
         self.calls: dict[str, tuple[int, tuple, dict]] = {}
         self.last_calls: dict[str, tuple[int, tuple, dict]] = {}
@@ -316,6 +354,8 @@ class _Tracer:
         self.mlp_other: dict[int, int] = {}  # storage -> bytes saved inside the MLPs, not per token
         self.mlp_on = [0, 0]  # while a token-wise MLP runs: its input's tokens S and B x S
         self.mode = _KernelModel(kernels) if kernels != "real" else contextlib.nullcontext(_KernelModel(kernels))
+        if isinstance(self.mode, _KernelModel):
+            self.mode.in_mlp = lambda: bool(self.mlp_on[0])
 
     def hook(self, transformer: nn.Module, blocks: list[nn.Module], mlps: list[list[nn.Module]]) -> list:
         """Hooks on the blocks (their calls), the token-wise MLPs (while one runs) and every nn.Linear (its FLOPs:
@@ -383,6 +423,7 @@ class _Tracer:
                 new += nbytes
         self.b_inputs[i] = new
         getattr(self.mode, "kv", {}).clear()
+        getattr(self.mode, "calls", []).clear()
         self.current.append(i)
         self.inside.clear()
         self.in_mlp.clear()
@@ -398,6 +439,8 @@ class _Tracer:
         self.b_saved[i] = sum(saved.values())
         self.b_largest[i] = max(saved.values(), default=0)
         self.b_kv[i] = sum(getattr(self.mode, "kv", {}).values())
+        calls = getattr(self.mode, "calls", [])
+        self.b_attn_out[i], self.b_attn_mlp[i] = attention_backward(calls, False), attention_backward(calls, True)
         # the MLPs' hidden activations: saved inside them, neither their inputs nor saved elsewhere in the block
         hidden = {s: n for s, n in self.in_mlp.items()
                   if s not in self.seen and s not in self.mlp_inputs and s not in self.outside_mlp}
@@ -450,6 +493,9 @@ class _Tracer:
             block_largest_outside_mlp=self.b_big_out if with_mlps else [],
             block_mlp_other=self.b_mlp_other if with_mlps else [],
             block_mlp_linear_flops=self.b_mlp_linear if with_mlps else [],
+            block_attn_bwd=[max(o, m) for o, m in zip(self.b_attn_out, self.b_attn_mlp, strict=True)],
+            block_attn_bwd_outside_mlp=self.b_attn_out if with_mlps else [],
+            block_mlp_attn_bwd=self.b_attn_mlp if with_mlps else [],
         )
 
 
