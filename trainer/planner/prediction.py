@@ -836,7 +836,8 @@ def choose_fraction(
             )
             raise UserError(
                 f"offload: {facts.family} {facts.method} at {res} px needs at least {need:.1f} GB even with every "
-                f"block streamed (budget {budget:g} GB); {hint}"
+                f"block streamed (budget {budget:g} GB, {limit / GB:.1f} GB after the planner's "
+                f"{PREDICTION_MARGIN:.0%} margin for prediction error); {hint}"
             )
         p = predict(facts, fit, res, act)
         log(
