@@ -44,6 +44,7 @@ def to_pil(pixels: torch.Tensor):
     a = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
     return Image.fromarray(np.ascontiguousarray(a))
 
+
 @dataclass(frozen=True)
 class MeasuredPreset:
     """What a GPU run of a preset as shipped measured, and the settings it ran with: the presets generator writes
