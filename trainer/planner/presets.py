@@ -1,6 +1,6 @@
 """Writes the sized presets `configs/<family>/<lora|full>-<N>gb.yaml` from the planner's predictions.
 
-    python -m trainer.planner.presets [--out configs] [--check]
+    python -m trainer.planner.presets [--out configs] [--families FAMILY ...]
 
 For every family, method and card size the planner picks, in order of preference, the first setting that fits
 the card minus `HEADROOM_GB` (CUDA context and other processes; `choose_fraction` keeps its own margin): 1024 px without activation offloading, 1024 px
