@@ -53,6 +53,12 @@ def inputs_on_device(checkpointed: list[bool], n: int = INPUTS_ON_DEVICE) -> fro
     return frozenset(recomputed[len(recomputed) - n:] if n > 0 else ())
 
 
+def kept_blocks(checkpointed: list[bool]) -> frozenset[int]:
+    """The blocks that keep their activations for backward (not recomputed: `checkpointed[i]` false), as
+    train.gradient_checkpointing: auto leaves them."""
+    return frozenset(i for i, c in enumerate(checkpointed) if not c)
+
+
 class PlanError(ValueError):
     """The ring cannot hold what the schedule needs at once (raise `capacity`)."""
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..offload.plan import kept_blocks as kept_of  # this module's kept_blocks plans them
 from .checkpointing import choose_checkpointing
 from .prediction import GB, GRID, PREDICTION_MARGIN, Facts, Prediction, _train_plan, predict
 
@@ -61,7 +62,7 @@ def kept_blocks(cfg, facts: Facts, fraction: float, res: int, budget_gb: float) 
     (streaming.py `checkpoint_policy` with offload.vram_budget_gb)."""
     choice = choose_checkpointing(cfg, fraction, budget_gb * GB, facts=facts, activation_offload=False,
                                   log=lambda s: None)
-    return frozenset(b for b, ck in enumerate(choice.checkpointed) if not ck)
+    return kept_of(choice.checkpointed)
 
 
 def fastest_kept(cfg, facts: Facts, first: float, res: int, budget_gb: float,

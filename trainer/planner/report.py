@@ -11,6 +11,7 @@ import torch
 from .. import quant
 from ..dtypes import DTYPES
 from ..errors import UserError
+from ..offload.plan import kept_blocks
 from . import timing as ptime
 from .phases import fit_text_fraction, predict_phases, run_ram_peaks, text_sizes
 from .phases import table as phase_table
@@ -133,7 +134,7 @@ def _checkpointing(cfg, facts: Facts, fraction: float, budget: float | None) -> 
     lines: list[str] = []
     budget_bytes = budget * GB if budget is not None else None
     choice = choose_checkpointing(cfg, fraction, budget_bytes, facts=facts, log=lines.append)
-    return [*lines, ""], frozenset(b for b, ck in enumerate(choice.checkpointed) if not ck)
+    return [*lines, ""], kept_blocks(choice.checkpointed)
 
 
 def _components(cfg, facts: Facts, fraction: float, width: int | None) -> list[str]:

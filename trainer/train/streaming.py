@@ -262,9 +262,7 @@ def check_plan(cfg: Config, fraction: float, device: torch.device, step_s: float
     median of `steps` steady-state steps (none of which compiled), each of train.grad_accum micro-batches.
     `handle`: its per-block checkpointing, and whether it runs the sharded stream, are what the prediction
     assumes; `processes`: this host's processes streaming at once."""
-    kept = frozenset()
-    if handle is not None:
-        kept = frozenset(i for i, c in enumerate(handle.checkpointed) if not c)
+    kept = offload_plan.kept_blocks(handle.checkpointed) if handle is not None else frozenset()
     try:
         sharded = handle is not None and handle.stats()["gathered_by"] > 1
         pred = expected(cfg, fraction, kept=kept, processes=processes if fraction > 0 else 1, sharded=sharded)

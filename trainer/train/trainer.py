@@ -40,6 +40,7 @@ from ..dtypes import DTYPES
 from ..errors import NonFiniteLossError, UserError
 from ..models import adapter_classes, get_adapter, stream_load
 from ..offload import compiled
+from ..offload.plan import kept_blocks
 from ..optim.build import eval_weights
 from ..phase_log import LOG, Phase, ram_words
 from ..sampling.output import image_metadata, save_png, video_fps
@@ -455,7 +456,7 @@ class Trainer(Saving):
             # auto): text caching logs before setup has resolved offload.transformer (auto) and placed the blocks.
             pred = self.__dict__.setdefault("_phase_pred", {})
             ck = getattr(getattr(self, "offload", None), "checkpointed", None) or []  # none kept without a handle
-            key = self.fraction, frozenset(i for i, c in enumerate(ck) if not c)
+            key = self.fraction, kept_blocks(ck)
             if key not in pred:
                 # the card's cap: clips whose untiled encode would not fit it were cached tiled (placement.encode_tiles)
                 cap = process_fraction(self.device) * torch.cuda.get_device_properties(self.device).total_memory
