@@ -166,3 +166,54 @@ def test_latent_caching_adds_siglip_and_no_copy_of_the_clip():
 
     t2v, i2v = phase("hunyuan-video-1.5"), phase("hunyuan-video-1.5-i2v")
     assert i2v.vram - t2v.vram == 428_225_600 * 2 and "832x480x33 clips" in i2v.note
+
+
+def test_siglip_runs_on_the_pipelines_device_and_goes_back_home(model, monkeypatch):
+    """SigLIP waits in CPU RAM beside the VAE; the pipeline encodes the image on its execution device, so the
+    encoder goes there for that pass and back after (on a GPU `dittrain sample --image` failed with "Input type
+    (CUDABFloat16Type) and weight type (CPUBFloat16Type)"; on the CPU both are the CPU, so the moves are recorded)."""
+    _, _, pipe = checks.tiny_pipeline(FAMILY, model)
+    enc, moves = pipe.image_encoder, []
+    to = enc.to
+
+    def recording_to(*args, **kwargs):
+        moves.append(torch.device(args[0]))
+        return to(*args, **kwargs)
+
+    monkeypatch.setattr(enc, "to", recording_to)
+    seen = []
+    enc.register_forward_pre_hook(lambda m, a: seen.append(moves[:]))
+    image = Image.fromarray((np.random.RandomState(1).rand(64, 64, 3) * 255).astype(np.uint8))
+    out = pipe.encode_image(image, 2, torch.device("cpu"), torch.float32)
+    assert out.shape[0] == 2 and seen == [[torch.device("cpu")]]  # on the pipeline's device while it runs
+    assert moves == [torch.device("cpu"), torch.device("cpu")]  # there, then back to where it waited
+
+
+def test_presets_sample_at_the_size_the_pipeline_picks():
+    """The pipeline has no size arguments: it picks the bucket of about 640^2 pixels closest to the image's aspect
+    ratio, so a preset asking 832x480 stopped at its first sampling pass (bench/history/2026-11-28.md, 15:22).
+    Every shipped preset asks the size the pipeline picks, from diffusers' own function."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    cls = adapter_class(FAMILY)
+    pick = HunyuanVideo15ImageProcessor(vae_scale_factor=16).calculate_default_height_width
+    assert cls.sample_frame(832, 480) == (816, 480) and cls.sample_frame(1280, 720) == (848, 480)
+    presets = sorted((Path(__file__).parents[1] / "configs" / FAMILY).glob("*.yaml"))
+    assert len(presets) >= 10
+    for p in presets:
+        s = yaml.safe_load(p.read_text())["sample"]
+        assert pick(s["height"], s["width"], 640) == (s["height"], s["width"]), p.name
+
+
+def test_fit_refuses_a_sample_size_the_pipeline_would_not_make_before_training(model, clip, tmp_path, monkeypatch):
+    """A `sample` size the pipeline would refuse stops the fit at setup, naming the size to set, not at the first
+    sampling pass hours later (which then turned sampling off)."""
+    from trainer.train.trainer import Trainer
+
+    cfg = _config(model, clip, tmp_path)
+    wide = cfg.model_copy(update={"sample": cfg.sample.model_copy(update={"width": 80, "height": 64})})
+    steps = []
+    monkeypatch.setattr(Trainer, "train_step", lambda self, *a, **k: steps.append(1))
+    with pytest.raises(UserError, match="64x64, not 80x64; set --width 64 --height 64"):
+        Trainer(wide).fit()
+    assert steps == []

@@ -707,6 +707,13 @@ class ModelAdapter(ABC):
         return {}
 
     @classmethod
+    def sample_frame(cls, width: int, height: int) -> tuple[int, int]:
+        """The (width, height) a sample asked at width x height comes out at, for the presets' `sample` size: the
+        same, unless the family's pipeline picks its own size (HunyuanVideo 1.5 I2V picks it from the image's
+        aspect ratio, and a preset asking another would stop at its first sampling pass)."""
+        return width, height
+
+    @classmethod
     def pipeline_size(cls, pipe: Any, width: int, height: int) -> dict[str, Any]:  # noqa: ARG003 - the protocol
         """Pipeline call kwargs beyond `width` / `height` that make the image exactly that size (a pipeline that
         rescales to an area of its own, as Kontext's does, is told the area asked for)."""

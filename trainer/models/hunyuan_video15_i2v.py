@@ -48,6 +48,17 @@ class HunyuanVideo15ImageToVideoPipeline(diffusers.HunyuanVideo15ImageToVideoPip
         with time_chunks(self.vae):  # the VAE in causal time chunks, as text-to-video's pipeline runs it
             return super().__call__(image, *args, **kwargs)
 
+    def encode_image(self, image, batch_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """SigLIP waits in CPU RAM beside the VAE (the module essay) and the pipeline hands the image to it on its
+        own device: on that device for this one pass, back home after (on a GPU it failed with "Input type
+        (CUDABFloat16Type) and weight type (CPUBFloat16Type)": bench/history/2026-11-28.md, 15:22)."""
+        home = next(self.image_encoder.parameters()).device
+        self.image_encoder.to(device)
+        try:
+            return super().encode_image(image, batch_size, device, dtype)
+        finally:
+            self.image_encoder.to(home)
+
 
 #: the attribute of the VAE module that holds (image encoder, its processor)
 _ATTR = "hunyuan_image_encoder"
@@ -176,6 +187,15 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
         kw = super().dummy_inputs(transformer, batch, height, width, text_tokens, dtype, device, frames)
         kw["image_embeds"] = torch.ones_like(kw["image_embeds"])
         return kw
+
+    @classmethod
+    def sample_frame(cls, width: int, height: int) -> tuple[int, int]:
+        """The size the pipeline picks for an image of width x height: of its buckets of about `target_size`^2
+        pixels (the released 480p I2V model's 640; the presets name it), the one closest in aspect ratio. 832x480
+        comes out 816x480."""
+        h, w = HunyuanVideo15ImageProcessor(vae_scale_factor=cls.latent_scale).calculate_default_height_width(
+            height=height, width=width, target_size=cls.full_config["target_size"])
+        return w, h
 
     @classmethod
     def pipeline_image(cls, pipe, image) -> dict:

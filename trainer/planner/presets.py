@@ -161,7 +161,7 @@ def _config(
 ) -> dict:
     full = method == "full"
     cls = adapter_class(family)
-    width, height = _frame(family, res)
+    width, height = cls.sample_frame(*_frame(family, res))
     expert = {"expert": EXPERT[method]} if cls.experts else {}
     # qwen-image-edit: its captions are encoded with their reference images (~1400 vision tokens at 1024 px), so
     # one at a time; its samples need a reference image
@@ -442,7 +442,8 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
     )
     if cls.video:  # the clip: the rung of the family's ladder (`preset_clips`, else VIDEO_CLIPS) it took
         size = f"{res} x {frames} frames"
-        buckets = (f"{res} clips of {frames} frames (data.clip_frames: {frames}; {s['width']}x{s['height']} and the "
+        cw, ch = _frame(family, res)  # the clip's frame (an I2V sample may come out at its pipeline's own size)
+        buckets = (f"{res} clips of {frames} frames (data.clip_frames: {frames}; {cw}x{ch} and the "
                    f"other aspect buckets of its area, {_size(d)[0]}^2 pixels a frame)")
         ladder = ", ".join(f"{n} x {k}" for n, k in cls.preset_clips or VIDEO_CLIPS)
         rung = [f"# Clip: {size}, the largest of the presets' ladder ({ladder} frames) predicted to fit this card."]

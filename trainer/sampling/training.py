@@ -62,6 +62,8 @@ class TrainingSampler:
         comps = adapter.load(cfg.model, parts={"vae", "text", "scheduler"} | others, dtype=dtype, device="cpu")
         self.pipe = adapter.pipeline(comps)
         del comps  # the pipeline holds the only references: releasing the encoders frees them
+        if self.prompts:  # a reference the family's pipeline refuses (its size), refused now, not at the first pass
+            adapter.pipeline_image(self.pipe, self.settings.reference())
         self.embeds = []
         if self.prompts:
             with place_text_encoders(self.pipe, self.device, cfg.offload.text_encoders):
