@@ -307,3 +307,30 @@ def test_dittrain_cache_stopped_says_what_is_kept_and_exits_130(tiny_models, ima
     assert r.output.strip().endswith(f"captions and 1 latent encoded so far are kept in {tmp_path / 'cache'} and "
                                      "reused; `dittrain cache` (or `dittrain fit`) with this config encodes the rest")
     assert signal.getsignal(signal.SIGINT) is before  # the command's handler is gone again
+
+
+def test_a_failing_sampling_pass_turns_sampling_off_and_training_goes_on(tiny_models, images, tmp_path, monkeypatch,
+                                                                         capsys):
+    """A sample that fails mid-run (here the pipeline raising, as HunyuanVideo 1.5 I2V's image encoder did on a GPU:
+    bench/history/2026-11-28.md 15:22) costs no trained steps: one line names the step and the reason, sampling stays
+    off, and the run ends with the same losses and LoRA as a run without sampling."""
+    from trainer.sampling.training import TrainingSampler
+
+    plain = _cfg(tiny_models, images, tmp_path / "plain", steps=4)
+    Trainer(plain).fit()
+    calls = []
+
+    def failing(self, transformer, progress=False, before_decode=None):
+        calls.append(1)
+        raise RuntimeError("Input type (CUDABFloat16Type) and weight type (CPUBFloat16Type) should be the same\nmore")
+
+    monkeypatch.setattr(TrainingSampler, "__call__", failing)
+    cfg = _cfg(tiny_models, images, tmp_path / "sampled", steps=4)
+    cfg = cfg.model_copy(update={"sample": cfg.sample.model_copy(update={
+        "prompts": ["a red square"], "every": 1, "steps": 1, "width": 64, "height": 64})})
+    path = Trainer(cfg).fit()
+    assert path.is_file() and calls == [1]  # the first pass failed; none after it
+    assert losses(tmp_path / "sampled" / "run") == losses(tmp_path / "plain" / "run")
+    out = capsys.readouterr()
+    line = next(x for x in (out.out + out.err).splitlines() if "sampling at step 1 failed" in x)
+    assert "training goes on (RuntimeError: Input type (CUDABFloat16Type)" in line and "more" not in line

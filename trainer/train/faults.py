@@ -18,6 +18,10 @@ without tripping the loss check. Every save first checks the trained weights (on
 refuses to write non-finite ones (`NonFiniteWeightsError`, exit code 3, naming the weight and the last good
 checkpoint); the next step's loss check would stop the run anyway, this keeps the bad weights off the disk.
 
+A failing sampling pass during training (trainer.py `_sampling_pass`) is not a fault of the run: one line, sampling
+off for the rest of it, training goes on (except under fsdp or a sharded stream, whose other ranks may be inside
+the failed call).
+
 Out of memory (GPU or host) becomes a one-line `UserError` naming the phase it happened in (trainer/
 phase_log.py: load, latent / text caching, training step, sampling, checkpoint save), what it needed against what
 was free, and the setting that fixes that phase; for the training step (`training_fix`) a higher offload

@@ -127,6 +127,7 @@ class Trainer(Saving):
         self.lockstep = False  # the other ranks join rank 0's transformer calls (fsdp, a sharded stream): setup
         self._smoothing: dict | None = None  # the checkpoint's smoothed loss (monitor.py), on resume
         self._ready = False
+        self._sampling_works = True  # until a sampling pass fails (`_sampling_pass`)
         self._lock: RunLock | None = None  # output.dir's lock (lock.py), from setup to close
 
     # ------------------------------------------------------------------------------------------------ run
@@ -160,10 +161,10 @@ class Trainer(Saving):
                 if runs.save_due(self.cfg, self.step):  # train.checkpoint_every, output.save_every
                     self.save()
                 s = self.cfg.sample
-                if s.every and s.prompts and self.step % s.every == 0 and self._joins(self.sampler):
+                if s.every and s.prompts and self.step % s.every == 0 and self._sampling_works \
+                        and self._joins(self.sampler):
                     self.release_activations()  # before the phase: its RAM peak starts without them
-                    with self._phase("sampling", own_cache=True) as phase, self._lockstep():
-                        self.sample(before_decode=lambda: phase.mark("denoising"))
+                    self._sampling_pass()
                 if c.validate_every and self.step % c.validate_every == 0 and self._joins(self.validator):
                     with self._phase("validation", "raise offload.transformer, or validate less data (data.validation)",
                                      own_cache=True), self._lockstep():
@@ -549,6 +550,27 @@ class Trainer(Saving):
             self.offload.release_activations()
         if getattr(self, "_activations", None) is not None:  # fsdp's
             self._activations.release()
+
+    def _sampling_pass(self) -> None:
+        """Sampling during training, in its phase. A pass that fails (a reference its pipeline refuses, out of
+        memory in a decode, a pipeline error) must not cost the steps trained since the last checkpoint: one line
+        says why, sampling stays off for the rest of the run and training goes on. Under fsdp or a sharded stream
+        the other ranks may be inside the failed transformer call, so there the run still ends."""
+        try:
+            with self._phase("sampling", own_cache=True) as phase, self._lockstep():
+                self.sample(before_decode=lambda: phase.mark("denoising"))
+        except Exception as e:  # noqa: BLE001 - any failure of a sample, reported in one line
+            if self.lockstep:
+                raise
+            self._sampling_works = False
+            why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            why = why if isinstance(e, UserError) else f"{type(e).__name__}: {why}"
+            say(f"warning: sampling at step {self.step} failed, so sampling is off for the rest of this run and "
+                f"training goes on ({why}); sample the saved LoRA with `dittrain sample` after fixing it")
+            del e
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def sample(self, before_decode=None) -> list:
         """Images for sample.prompts with the model being trained, into output.dir/samples and TensorBoard.
