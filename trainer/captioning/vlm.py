@@ -492,9 +492,10 @@ def estimate(model: nn.Module, blocks: list[nn.Module], batch: int, tokens: int,
     """Reserved bytes `--offload auto` expects at a fraction (module essay): the ring (`capacity_for`), the
     weights outside the layers on the device (when streaming: without the embedding, `cpu_embedding`, and with
     the vision tower's two-block ring instead of its blocks, `vision_blocks`), the KV cache, the allocator's
-    overhead on `activation_bytes`, the dequantized temporaries and the workspace. `bounded=False`: as runs before
-    `bound_prefill`, the CPU embedding and the streamed tower (the vision tower over the batch at once, the MLP
-    over every token, the embedding and the tower on the device), to compare with those runs' measurements."""
+    overhead on `activation_bytes`, the dequantized temporary and the workspace. `bounded=False`: as runs before
+    `bound_prefill`, the CPU embedding, the streamed tower and the in-place dequantize (the vision tower over the
+    batch at once, the MLP over every token, the embedding and the tower on the device, two dequantized
+    temporaries), to compare with those runs' measurements."""
     from ..offload.plan import capacity_for
     from ..planner.prediction import ALLOCATOR_OVERHEAD, WORKSPACE
 
@@ -507,7 +508,8 @@ def estimate(model: nn.Module, blocks: list[nn.Module], batch: int, tokens: int,
     off_device = on_cpu + sum(tower) - (capacity_for(tower, 1.0) if tower else 0)  # streamed: the tower's ring
     act = activation_bytes(model, batch, tokens) if bounded else \
         activation_bytes(model, batch, tokens, mlp_rows=None, vision_images=batch)
-    rest = kv_bytes(model, len(blocks), batch, tokens) + ALLOCATOR_OVERHEAD * act + dequantized_bytes(model) + WORKSPACE
+    deq = dequantized_bytes(model) * (1 if bounded else 2)  # those runs' dequantize: an up-cast and a product
+    rest = kv_bytes(model, len(blocks), batch, tokens) + ALLOCATOR_OVERHEAD * act + deq + WORKSPACE
 
     def need(f: float) -> float:
         return capacity_for(sizes, f) + outside - (off_device if f > 0 else 0) + rest
