@@ -126,8 +126,9 @@ def quantize_rows(w: torch.Tensor, mode: str, dtype: torch.dtype, rows: int = QU
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight in `dtype`: exact up-cast of the 8-bit values, then one rounding of the product."""
-    return q.to(dtype) * scale.to(dtype)[:, None]
+    """The weight in `dtype`: exact up-cast of the 8-bit values, then one rounding of the product, scaled in place
+    (allocation: one temporary of the weight's size, not an up-cast and a product)."""
+    return q.to(dtype, copy=True).mul_(scale.to(dtype)[:, None])
 
 
 class _ScaledMM(torch.autograd.Function):

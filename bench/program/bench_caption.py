@@ -31,7 +31,8 @@ anonymous RSS at the end. Writes caption.json and caption.md under --out. A batc
 one batch of `--images` (as `dittrain caption` does): give at least as many images as the largest batch.
 
 `--estimate`: no folder, no GPU: the full-size model built on the meta device, and the fraction `--offload auto`
-would pick for each `ours` row (quantize, batch, cap), with its estimate, printed. `--small`: a model of the same
+would pick for each `ours` row (quantize, batch, cap), with its estimate and the decoder bytes its plan streams per
+new token (`vlm.streamed_bytes`), printed. `--small`: a model of the same
 kind at a CPU's size, every row in seconds (the CPU smoke; tests/test_caption_bench.py runs it).
 
     python -m bench.program.bench_caption --model-family qwen3-vl --quantize none,fp8 --batches 4,16 --images 16 --out $OUT/caption
@@ -287,10 +288,11 @@ def estimate(family: str, quantize: list[str], batches: list[int], caps: list[fl
                 said: list[str] = []
                 # the budget under a cap is the cap (presets.device_budget_bytes: the cap is the card less its context)
                 f = vlm.auto_fraction(model, blocks, cap * GB, batch, per_row, said.append)
+                streamed = vlm.streamed_bytes(blocks, f) / GB
                 out.append({"quantize": q, "batch": batch, "cap_gb": cap, "fraction": f, "layers_gb": layers / GB,
-                            "tokens_per_row": per_row, "line": said[-1]})
+                            "streamed_gb_per_token": streamed, "tokens_per_row": per_row, "line": said[-1]})
                 print(f"{family} quantize {q} batch {batch} cap {cap:g} GB: decoder layers {layers / GB:.2f} GB, "
-                      f"{said[-1]}", flush=True)
+                      f"{said[-1]}; {streamed:.2f} GB streamed per token", flush=True)
     return out
 
 

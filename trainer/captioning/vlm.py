@@ -30,8 +30,12 @@ wide with 8 layers (0.22 GB bf16 on disk) raises the peak RSS by 0.65 x its byte
 `from_pretrained` as before (1.09 x measured, 14:05).
 
 Streaming. The decoder layers (the largest `nn.ModuleList` of `model.get_decoder()`, e.g. Qwen2.5-VL's 28 layers)
-are the conductor's blocks, attached in "sample" mode; the vision tower, the head and the norms stay on the device,
-the input embedding in CPU RAM (`cpu_embedding`: a lookup of a few rows per token, looked up there and the rows
+are the conductor's blocks, attached in "sample" mode; the head and the norms stay on the device, the vision
+tower's blocks stream through a second conductor's ring of two blocks (`vision_blocks`: they run in a batch's
+prefill only, one image at a time, so a batch copies them once per image, while every new token needs the decoder
+layers their VRAM now holds; Qwen3-VL-8B's 27 are 0.41 GB in 8 bits, two decoder layers, Qwen2.5-VL-7B's 32 are
+0.63 GB; by arithmetic, not measured, a 1024 px image's pass is 3.4 / 6.9 TFLOP of their matmuls against 8 / 13 ms
+of copy at 50 GB/s), the input embedding in CPU RAM (`cpu_embedding`: a lookup of a few rows per token, looked up there and the rows
 copied over; Qwen2.5-VL-7B's is 1.1 GB; on the device where the head shares its weight). The sampling plan is
 cyclic forward, and that is exactly what `generate` runs: the prefill is one forward of every layer in order, and
 so is each new token. The KV cache needs no special handling: it holds activations (each layer's keys and values),
@@ -53,17 +57,19 @@ byte for byte (tests/test_caption_prefill.py). `generate` keeps the logits of th
 8-bit weights (`--quantize fp8|int8`). Every `nn.Linear` of the decoder layers becomes trainer/quant.py's
 `QuantizedLinear`, as `model.quantize_text_encoders` makes a family's text encoder (Qwen-Image's Qwen2.5-VL): a
 frozen float8_e4m3fn / int8 weight with one fp32 scale per output channel, dequantized to the model dtype one Linear
-at a time to multiply (two temporaries of that layer's size: the up-cast and the scaled weight). The conductor packs
+at a time to multiply (one temporary of that layer's size: the up-cast, scaled in place). The conductor packs
 those bytes as they are, so the pinned arena, each copy over the bus and the ring hold half the bf16 bytes: at
 fraction 1 each new token streams half as much, and `auto` counts the 8-bit sizes, so under the same cap more layers
 stay resident. The Linears outside the layers are held so too (`quantize_outside`: the vision tower's, its
 merger's, the head's; Qwen2.5-VL-7B: 2.4 GB in bf16, half of it in 8 bits), the head dequantized `HEAD_ROWS` output
-rows at a time (its whole 152k x 3584 weight would be two 1.1 GB temporaries). The embedding, the norms and the
+rows at a time (its whole 152k x 3584 weight would be a 1.1 GB temporary). The embedding, the norms and the
 patch convolution keep the model dtype.
 
-Auto fraction (`--offload auto`, on a GPU): the smallest fraction on the planner's 0.05 grid whose `estimate`
-`ring + the weights outside the layers on the device + KV cache + 1.35 x the prefill's activations + one 8-bit
-Linear's dequantized temporaries + workspace` fits the budget (the card less 1 GB or the process's cap:
+Auto fraction (`--offload auto`, on a GPU): the smallest fraction of `block_grid` (one per count of resident
+layers, printed to 0.001; the planner's 0.05 grid would step over some: each of Qwen3-VL-8B's 36 layers is 2.8 %)
+whose `estimate` `ring + the weights outside the layers on the device (streaming: without the embedding, the
+tower's blocks as their two-block ring) + KV cache + 1.35 x the prefill's activations + one 8-bit Linear's
+dequantized temporary + workspace` fits the budget (the card less 1 GB or the process's cap:
 `presets.device_budget_bytes`, as `dittrain sample`) less the planner's 3 % margin, with the image at
 `files.IMAGE_PIXELS` and the batch that will run (`--batch`, or fewer where fewer files are left):
 the KV cache and the activations grow with it. `activation_bytes` counts what transformers'
@@ -73,20 +79,23 @@ image's pass through the vision tower and one decoder layer's attention or MLP p
 three measured runs of Qwen2.5-VL-7B at batch 4 (before the bounded prefill, the CPU embedding and the 8-bit head / tower: `estimate(bounded=False)`),
 reserved vs estimated: bf16 at fraction 1 under 7 GB 6.74 vs 7.06 GB, fp8 at 1 under 7 GB 6.27 vs 6.87, bf16 at
 0.45 under 15 GB 12.80 vs 13.12 (tests/test_caption_prefill.py keeps each estimate at or up to 10 % above its
-measurement; bench/history/2026-11-27.md 22:25 and 14:05). The estimate as it is now, for the same model with fp8
-under a 7 GB cap (the budget is the cap): 0.4 for a batch of 4 and 0.55 for a batch of 8, estimated 6.46 and 6.40 GB
-against 6.39 and 5.83 GB reserved on an H200 (bench/history/2026-11-28.md 04:04).
+measurement; bench/history/2026-11-27.md 22:25 and 14:05). For the same model with fp8 under a 7 GB cap (the budget
+is the cap), before the streamed tower, the one dequantized temporary and `block_grid`: 0.4 for a batch of 4 and
+0.55 for a batch of 8, estimated 6.46 and 6.40 GB against 6.39 and 5.83 GB reserved on an H200
+(bench/history/2026-11-28.md 04:04); with them 0.285 and 0.428 (estimated 6.7 and 6.6 GB; not yet measured).
+`streamed_bytes` is what a pass then copies over the bus (`bench_caption --estimate` prints it per row).
 
 Default batch (8 without `--batch`, halved while auto's estimate does not fit it even with every layer streamed:
 captioner.py `_default_batch`). Streamed, a token step's cost is the streamed bytes, shared by the batch's rows. By
 the estimate for Qwen2.5-VL-7B (28 layers of 0.47 GB bf16, 0.23 GB 8-bit) a batch of 8 keeps a few layers fewer
 resident than a batch of 4 (its KV cache and prefill are larger) but streams fewer bytes per image and token (the
-fraction over the batch; `python -m bench.program.bench_caption --estimate` prints them): fp8 under 7 GB 0.55 against
-0.4 (31 % fewer), bf16 under 7 GB 0.85 against 0.8 (47 %), bf16 under 15 GB 0.25 against 0.15 (17 %). Resident, a
+streamed bytes per token over the batch; `python -m bench.program.bench_caption --estimate` prints them): fp8
+under 7 GB 0.428 against 0.285 (3.27 against 2.33 GB per token: 30 % fewer per image), bf16 under 7 GB 0.75 against
+0.678 (45 %), bf16 under 15 GB 0.178 against 0.107 (30 %). Resident, a
 larger batch is faster too (1.25 images/s at 4, 1.82 at 16 on an H200, bench/history/2026-11-27.md 22:25);
 streamed, fp8 under 7 GB on an H200: 0.981 images/s at 8 against 0.642 at 4 (bench/history/2026-11-28.md 04:04).
-Under 7 GB the fp8 model would fit a batch of 16 as well (0.8), bf16 would not (7.3 GB at 1.0); a default above 8 is
-not measured. Qwen3-VL-8B under 7 GB fits 8 in bf16 (0.9) and fp8 (0.65), 16 in neither.
+Under 7 GB the fp8 model would fit a batch of 16 as well (0.714), bf16 too (0.892); a default above 8 is not
+measured. Qwen3-VL-8B under 7 GB fits 8 in bf16 (0.833) and fp8 (0.555), 16 in fp8 (0.916), not in bf16.
 
 Decoding is greedy (`do_sample=False`, the model's own repetition penalty kept): captions are then a function of
 the image, the prompt and the weights, equal with and without streaming.
@@ -96,6 +105,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -461,12 +471,12 @@ def activation_bytes(model: nn.Module, batch: int, tokens: int, *, mlp_rows: int
 
 
 def dequantized_bytes(model: nn.Module) -> int:
-    """--quantize: the largest dequantized temporaries of one 8-bit Linear (its up-cast and its scaled copy, in the
-    model dtype; the head's `HEAD_ROWS` slice); 0 without."""
+    """--quantize: the largest dequantized temporary of one 8-bit Linear (its weight in the model dtype, scaled in
+    place: `quant.dequantize`; the head's `HEAD_ROWS` slice); 0 without."""
     elem = model.get_input_embeddings().weight.element_size()
     sizes = [min(m.weight.shape[0], HEAD_ROWS if isinstance(m, RowChunkedQuantizedLinear) else m.weight.shape[0])
              * m.weight.shape[1] for m in model.modules() if isinstance(m, quant.QuantizedLinear)]
-    return 2 * max(sizes, default=0) * elem
+    return max(sizes, default=0) * elem
 
 
 def kv_bytes(model: nn.Module, layers: int, batch: int, tokens: int) -> int:
@@ -480,39 +490,44 @@ def kv_bytes(model: nn.Module, layers: int, batch: int, tokens: int) -> int:
 def estimate(model: nn.Module, blocks: list[nn.Module], batch: int, tokens: int,
              bounded: bool = True) -> Callable[[float], float]:
     """Reserved bytes `--offload auto` expects at a fraction (module essay): the ring (`capacity_for`), the
-    weights outside the layers on the device (without the embedding when streaming: `cpu_embedding`), the KV
-    cache, the allocator's overhead on `activation_bytes`, the dequantized temporaries and the workspace.
-    `bounded=False`: as runs before `bound_prefill` and the CPU embedding (the vision tower over the batch at
-    once, the MLP over every token, the embedding on the device), to compare with those runs' measurements."""
+    weights outside the layers on the device (when streaming: without the embedding, `cpu_embedding`, and with
+    the vision tower's two-block ring instead of its blocks, `vision_blocks`), the KV cache, the allocator's
+    overhead on `activation_bytes`, the dequantized temporary and the workspace. `bounded=False`: as runs before
+    `bound_prefill`, the CPU embedding, the streamed tower and the in-place dequantize (the vision tower over the
+    batch at once, the MLP over every token, the embedding and the tower on the device, two dequantized
+    temporaries), to compare with those runs' measurements."""
     from ..offload.plan import capacity_for
     from ..planner.prediction import ALLOCATOR_OVERHEAD, WORKSPACE
 
-    sizes = [_bytes(b.parameters()) + _bytes(b.buffers()) for b in blocks]
+    sizes = block_sizes(blocks)
     inside = {id(t) for b in blocks for t in (*b.parameters(), *b.buffers())}
     outside = _bytes({id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) not in inside}.values())
     emb = cpu_embedding(model) if bounded else None
     on_cpu = _bytes(emb.parameters()) if emb is not None else 0
+    tower = block_sizes(vision_blocks(model)) if bounded else []
+    off_device = on_cpu + sum(tower) - (capacity_for(tower, 1.0) if tower else 0)  # streamed: the tower's ring
     act = activation_bytes(model, batch, tokens) if bounded else \
         activation_bytes(model, batch, tokens, mlp_rows=None, vision_images=batch)
-    rest = kv_bytes(model, len(blocks), batch, tokens) + ALLOCATOR_OVERHEAD * act + dequantized_bytes(model) + WORKSPACE
+    deq = dequantized_bytes(model) * (1 if bounded else 2)  # those runs' dequantize: an up-cast and a product
+    rest = kv_bytes(model, len(blocks), batch, tokens) + ALLOCATOR_OVERHEAD * act + deq + WORKSPACE
 
     def need(f: float) -> float:
-        return capacity_for(sizes, f) + outside - (on_cpu if f > 0 else 0) + rest
+        return capacity_for(sizes, f) + outside - (off_device if f > 0 else 0) + rest
 
     return need
 
 
 def auto_fraction(model: nn.Module, blocks: list[nn.Module], budget: float, batch: int, tokens: int,
                   say: Callable[[str], None]) -> float:
-    """`--offload auto` on a GPU (see the module essay): the smallest grid fraction whose `estimate` fits `budget`
-    bytes with the planner's margin; 1.0 with a warning where none does. `batch`: the rows of one `generate`;
+    """`--offload auto` on a GPU (see the module essay): the smallest fraction of `block_grid` whose `estimate`
+    fits `budget` bytes with the planner's margin; 1.0 with a warning where none does. `batch`: the rows of one `generate`;
     `tokens`: a prompt's length, new tokens included. The bytes as they are held (8-bit after `quantize_decoder`
     and `quantize_outside`)."""
     from ..planner.prediction import GB, PREDICTION_MARGIN, first_fit
 
     need = estimate(model, blocks, batch, tokens)
     limit = budget * (1 - PREDICTION_MARGIN)
-    fit = first_fit(lambda f: need(f) <= limit)
+    fit = first_fit(lambda f: need(f) <= limit, block_grid(block_sizes(blocks)))
     if fit is None:
         say(f"offload: auto -> 1.0, but the estimate ({need(1.0) / GB:.1f} GB) exceeds the {budget / GB:.1f} GB "
             "budget: it may run out of memory (lower --batch)")
@@ -520,6 +535,33 @@ def auto_fraction(model: nn.Module, blocks: list[nn.Module], budget: float, batc
     say(f"offload: auto -> {fit:g} for a batch of {batch} (estimated {need(fit) / GB:.1f} GB of the "
         f"{budget / GB:.1f} GB budget)")
     return fit
+
+
+def block_sizes(blocks: list[nn.Module]) -> list[int]:
+    """Each block's bytes as it is held (its parameters and buffers: 8-bit after `quantize_decoder`)."""
+    return [_bytes(b.parameters()) + _bytes(b.buffers()) for b in blocks]
+
+
+def block_grid(sizes: list[int]) -> list[float]:
+    """`--offload auto`'s fractions, ascending: one per count of resident layers (the conductor keeps whole
+    layers: `capacity_for`), each rounded down to 0.001 so that `--offload` given that number keeps the same
+    layers. The planner's 0.05 grid would step over some counts (Qwen3-VL-8B's 36 layers: 2.8 % each)."""
+    total, acc, grid = sum(sizes), 0, {0.0, 1.0}
+    for s in sizes:
+        acc += s
+        grid.add(math.floor((1 - acc / total) * 1000) / 1000)
+    return sorted(grid)
+
+
+def streamed_bytes(blocks: list[nn.Module], fraction: float) -> int:
+    """Bytes the conductor copies over the bus per pass of the decoder (the prefill, then each new token) at
+    `fraction`: its sampling plan's (`plan_for`), from the blocks' bytes as held (the packing's alignment apart)."""
+    from ..offload.plan import capacity_for, plan_for
+
+    sizes = block_sizes(blocks)
+    if fraction <= 0:
+        return 0
+    return plan_for(sizes, capacity_for(sizes, fraction), "sample").bytes_per_step()
 
 
 def cpu_embedding(model: nn.Module) -> nn.Module | None:
@@ -539,8 +581,10 @@ def _lookup_on_cpu(emb: nn.Embedding, device: torch.device) -> None:
 
 
 def place(model: nn.Module, blocks: list[nn.Module], device: torch.device, fraction: float):
-    """Resident at fraction 0 (returns None), else the layers streamed: returns the handle to close. Streamed,
-    the input embedding stays in CPU RAM (`cpu_embedding`). Either way the prefill is bounded (`bound_prefill`)."""
+    """Resident at fraction 0 (returns None), else the layers streamed: returns the `Placement` to close.
+    Streamed, the input embedding stays in CPU RAM (`cpu_embedding`) and the vision tower's blocks stream through
+    a ring of two (`vision_blocks`: a batch's prefill is their only use). Either way the prefill is bounded
+    (`bound_prefill`)."""
     bound_prefill(model, blocks)
     loader = model.__dict__.pop(LOADER, None)  # `load_quantized`: the layers are placeholders, read from the files
     if fraction <= 0:
@@ -551,14 +595,41 @@ def place(model: nn.Module, blocks: list[nn.Module], device: torch.device, fract
         model.to(device)
         return None
     emb = cpu_embedding(model)
-    move_outside_blocks(model, [*blocks, emb] if emb is not None else blocks, device)
+    tower = vision_blocks(model)
+    move_outside_blocks(model, [*blocks, *tower, *([emb] if emb is not None else [])], device)
     if emb is not None:
         _lookup_on_cpu(emb, torch.device(device))
     try:  # with a loader the conductor lays out arena and ring from the shapes and `fill` writes each layer
-        return attach_offload(blocks, device, fraction, mode="sample", fill=None if loader is None else _trimmed(loader.fill))
+        decoder = attach_offload(blocks, device, fraction, mode="sample",
+                                 fill=None if loader is None else _trimmed(loader.fill))
     finally:
         if loader is not None:
             loader.close()
+    return Placement(decoder, attach_offload(tower, device, 1.0, mode="sample") if tower else None)
+
+
+def vision_blocks(model: nn.Module) -> list[nn.Module]:
+    """The vision tower's `blocks` (Qwen2.5-VL's 32, Qwen3-VL's 27; not the largest ModuleList: a small tower's
+    deepstack mergers may outweigh them), which `place` streams at fraction 1 beside the decoder layers; [] where
+    the tower has none."""
+    tower = getattr(_visual(model), "blocks", None)
+    return list(tower) if isinstance(tower, nn.ModuleList) else []
+
+
+class Placement:
+    """What `place` returns when streaming: the decoder layers' offload handle and the vision tower's (None
+    without a tower). `stats` are the decoder's; `close` closes both."""
+
+    def __init__(self, decoder, vision):
+        self.decoder, self.vision = decoder, vision
+
+    def stats(self) -> dict:
+        return self.decoder.stats()
+
+    def close(self, keep_weights: bool = True) -> None:
+        self.decoder.close(keep_weights)
+        if self.vision is not None:
+            self.vision.close(keep_weights)
 
 
 def _trimmed(fill):
