@@ -127,3 +127,16 @@ def test_a_family_without_presets_gets_a_streaming_config_and_another_card_the_n
                                                                 "activations": True}
     d, source = bp.base_config("flux", 20, False)
     assert "lora-16gb.yaml" in source and "nearest" in source and d["model"]["family"] == "flux"
+
+
+def test_method_full_starts_from_the_full_presets():
+    """`--method full` runs a family's full fine-tune presets (issue 40's Flux.1-dev full fine-tune with fp32
+    master weights through `fit`): the card's own, else the nearest card's; a family without any says so."""
+    d, source = bp.base_config("flux", 24, False, "full")
+    assert source.endswith("configs/flux/full-24gb.yaml") and d["train"]["method"] == "full"
+    d, source = bp.base_config("flux", 20, False, "full")
+    assert "full-16gb.yaml" in source and "nearest" in source and d["train"]["method"] == "full"
+    d, source = bp.base_config("flux", 24, True, "full")
+    assert source.endswith("configs/tiny/flux-full.yaml")
+    with pytest.raises(SystemExit, match="no-such-family has no full-"):
+        bp.base_config("no-such-family", 16, False, "full")

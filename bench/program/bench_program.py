@@ -18,14 +18,16 @@ shards from a meta-device model (the whole model is never built in RAM); tokeniz
 model_index.json come from the tiny models (trainer/models/tiny.py: same classes and wiring, small vocabularies
 whose ids all exist in the full-size embeddings). A few JPEGs. Then
 `dittrain cache`, `dittrain fit` (a few steps, sampling during training on) and `dittrain sample` run as
-subprocesses of the family's `lora-<card>gb` preset with DITTRAIN_VRAM_CAP_GB = card - 1, and the table prints per
+subprocesses of the family's `lora-<card>gb` preset (`--method full`: `full-<card>gb`) with DITTRAIN_VRAM_CAP_GB =
+card - 1, and the table prints per
 phase: peak reserved VRAM (from DITTRAIN_PHASE_LOG, trainer/phase_log.py), peak anonymous RSS (this process
 polls the child's RssAnon every 0.1 s and takes the maximum inside each phase's time window), and the median
 training-step time. `--gpus N` runs `fit` through torchrun on N GPUs (anonymous PSS summed over its processes, the
 node's /dev/shm beside it). The folder is deleted after each family (Qwen-Image is ~58 GB on disk: one family at a time)
 unless --keep, which also reuses a folder left by an earlier run. Several `--card` sizes run one after another on
 the same folder; `--set section.key=value` overrides a preset setting and `--tag` names the variant, so variants
-can be compared on one written folder (each run has its own cache, output and logs under <family>/<card>gb[-tag]).
+can be compared on one written folder (each run has its own cache, output and logs under
+<family>/<card>gb[-full][-tag]).
 
 --transformer-file fp8 (or fp8-original, Flux.1 only: BFL key names under ComfyUI's `model.diffusion_model.`, the
 layout trainer/models/original_layout.py streams): the transformer is written as ONE safetensors file the way users' fp8 checkpoints are
@@ -670,23 +672,30 @@ def _set(d: dict, assignment: str) -> None:
     d[last] = yaml.safe_load(value)
 
 
-def base_config(name: str, card: int, smoke: bool) -> tuple[dict, str]:
+def base_config(name: str, card: int, smoke: bool, method: str = "lora") -> tuple[dict, str]:
     """The config dict a run starts from and where it came from: the family's tiny config (--smoke) or its
-    `lora-<card>gb` preset; where that file is missing, the family's preset of the nearest card size, else
-    `fallback_config` (Wan's video presets came after this bench learned video)."""
+    `<method>-<card>gb` preset (`lora-24gb`, `full-24gb`); where that file is missing, the family's preset of the
+    nearest card size, else (LoRA) `fallback_config` (Wan's video presets came after this bench learned video)."""
     import yaml
 
     if smoke:
-        path = ROOT / "configs" / "tiny" / f"{name}-lora.yaml"
-        return (yaml.safe_load(path.read_text()), str(path)) if path.exists() else (
-            fallback_config(name, True), "built here (no tiny config)")
-    path = ROOT / "configs" / name / f"lora-{card}gb.yaml"
+        path = ROOT / "configs" / "tiny" / f"{name}-{method}.yaml"
+        if path.exists():
+            return yaml.safe_load(path.read_text()), str(path)
+        if method != "lora":
+            raise SystemExit(f"--method {method} --smoke: no {path}")
+        return fallback_config(name, True), "built here (no tiny config)"
+    path = ROOT / "configs" / name / f"{method}-{card}gb.yaml"
     if path.exists():
         return yaml.safe_load(path.read_text()), str(path)
-    sizes = sorted((abs(int(f.stem[5:-2]) - card), f) for f in (ROOT / "configs" / name).glob("lora-*gb.yaml")
-                   if f.stem[5:-2].isdigit())
+    cut = len(method) + 1
+    sizes = sorted((abs(int(f.stem[cut:-2]) - card), f) for f in (ROOT / "configs" / name).glob(f"{method}-*gb.yaml")
+                   if f.stem[cut:-2].isdigit())
     if sizes:
-        return yaml.safe_load(sizes[0][1].read_text()), f"{sizes[0][1]} (no lora-{card}gb preset: the nearest card's)"
+        return yaml.safe_load(sizes[0][1].read_text()), \
+            f"{sizes[0][1]} (no {method}-{card}gb preset: the nearest card's)"
+    if method != "lora":
+        raise SystemExit(f"--method {method}: {name} has no {method}-*gb preset")
     return fallback_config(name, False), "built here (no preset: override with --set)"
 
 
@@ -710,7 +719,7 @@ def fallback_config(name: str, smoke: bool) -> dict:
 
 def write_config(family: str, model: Path, images: Path, work: Path, res: int | None, steps: int, smoke: bool,
                  card: int, transformer_file: str | None = None, sets: list[str] | None = None, *,
-                 clips=None, image: Path | None = None) -> Path:
+                 clips=None, image: Path | None = None, method: str = "lora") -> Path:
     """The run's config: `base_config` pointed at the model, the data (`images`, or for a video family the clips
     in that folder: `clips`, a program_video.Clips, and `image`, an image-to-video family's sample image) and
     `work`, a few steps, sampling during training on, then `sets`."""
@@ -719,7 +728,7 @@ def write_config(family: str, model: Path, images: Path, work: Path, res: int | 
     from trainer.models import adapter_class
 
     name = {"qwen_image": "qwen-image"}.get(family, family)  # the registry key: configs/<key>/, tiny/<key>-lora
-    d, source = base_config(name, card, smoke)
+    d, source = base_config(name, card, smoke, method)
     print(f"{family} {card}gb: config from {source}", flush=True)
     d["model"]["path"] = str(model)
     ad = adapter_class(name)
@@ -817,9 +826,9 @@ def bench_family(name: str, work: Path, args) -> list[dict]:
         data = write_jpegs(fam_dir / "images", args.images, res or 1024)
     rows = []
     for card in args.card:
-        run_dir = fam_dir / (f"{card}gb" + (f"-{args.tag}" if args.tag else ""))
+        run_dir = fam_dir / (f"{card}gb" + ("-full" if args.method == "full" else "") + (f"-{args.tag}" if args.tag else ""))
         cfg = write_config(family, model, data, run_dir, res, args.steps, args.smoke, card, args.transformer_file,
-                           args.set, clips=clips, image=image)
+                           args.set, clips=clips, image=image, method=args.method)
         rows += run_commands(name, card, cfg, run_dir, args)
     if not args.keep:
         shutil.rmtree(model, ignore_errors=True)
@@ -839,7 +848,7 @@ def run_commands(family: str, card: int, cfg: Path, run_dir: Path, args) -> list
                                            str(args.gpus), "-m", "trainer"]) + ["fit", str(cfg)],
         "sample": py + ["sample", str(cfg), "--prompt", "a photo of a dog", "--steps", "2"],
     }
-    label = f"{family} {card}gb" + (f" {args.tag}" if args.tag else "")
+    label = f"{family} {card}gb" + (" full" if args.method == "full" else "") + (f" {args.tag}" if args.tag else "")
     rows = []
     for cmd_name in args.commands.split(","):
         log_file = run_dir / f"{cmd_name}.log"
@@ -937,6 +946,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/dittrain-bench-program"))
     ap.add_argument("--card", type=int, nargs="+", default=[8], help="preset card sizes in GB, run one after "
                     "another on the same folder; the VRAM cap is card - 1")
+    ap.add_argument("--method", default="lora", choices=("lora", "full"), help="which presets: lora-<card>gb (the "
+                    "default) or full-<card>gb (a full fine-tune; its run folder <card>gb-full)")
     ap.add_argument("--resolution", default=None,
                     help="train and sample at this size instead of each preset's own (data.resolutions); video "
                     "families: 480p (832x480, the default), 720p (1280x720) or WxH, the clips' size")
