@@ -27,7 +27,7 @@ import importlib
 GROUPS = {
     "speed": ("bench_speed", "bench_offload", "bench_plan", "bench_quant", "bench_kontext", "bench_flux2_pairs",
               "bench_fullft", "bench_gc", "attn_mask_speed", "ring_bound", "speed_profile"),
-    "program": ("bench_program", "program_video", "bench_caption"),
+    "program": ("bench_program", "program_video", "bench_caption", "bench_video_cache"),
     "multi_gpu": ("bench_ddp", "bench_fsdp", "bench_sharded"),
     "diag": ("diag_act_peak", "diag_oom_snapshot", "diag_planner_gap", "diag_step_cpu", "diag_step_time",
              "diag_text_rss", "diag_vae_peak", "quant_block_error", "quant_loss_curve"),
