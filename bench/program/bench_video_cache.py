@@ -16,7 +16,7 @@ RssAnon polled every 0.1 s, the phases' records from DITTRAIN_PHASE_LOG) and rep
     latent caching s     the phase's time (the VAE's load and every clip's encode)
     encode s / clip      the phase after its "VAE loaded" mark (trainer/data/cache.py), over N: what must be flat
     peak anon RSS GB     the phase's peak anonymous RSS (the VAE, a batch of decoded frames, the process)
-    anon RSS after GB    anonymous RSS when the phase ended, the VAE freed: what caching kept
+    anon RSS after GB    anonymous RSS when the phase ended, the VAE freed and the heap trimmed: what caching kept
     VRAM GB              the phase's peak reserved VRAM (0 on the CPU)
 
 and then, the largest N against the smallest: the ratio of encode seconds per clip, the ratio of peak anon RSS,
@@ -27,8 +27,10 @@ Cost (H200, estimated from bench_program's Wan runs: x264 writes a 480p clip of 
 encodes one 480p x 81 clip in ~1.4 s). The defaults, wan-1.3b at 480p x 17 frames, --clips 10,100: the folder
 (8.8 GB; 7.4 GB with --transformer-file fp8, which caching never reads) ~15 s, 100 clips ~40 s, then two `dittrain
 cache` runs of which each loads UMT5-XXL and encodes the captions (~30 s) and encodes 10 and 100 clips (~0.4 s a
-clip): ~3 minutes in all, ~9.5 GB of disk (the clips ~30 MB, the caches ~0.7 GB). --frames 81 makes the clips and
-their encode ~4x longer (~8 minutes). --keep keeps the model folder and the clips for a second run.
+clip): ~3-4 minutes in all, ~9.6 GB of disk (the clips ~80 MB, the caches ~0.7 GB). Wan has no 8 GB preset: its
+12 GB one is read (the line `config from ...` says so), under a 7 GB cap. --frames 81 makes the clips and their
+encode ~4x longer (~8 minutes). --keep keeps the model folder and the clips for a second run (the caches are always
+made anew).
 """
 
 from __future__ import annotations
