@@ -2,6 +2,7 @@
 
     python -m bench.program.bench_video_cache --families wan-1.3b --card 8 --clips 10,100 --work /tmp/vcache
     python -m bench.program.bench_video_cache --families wan-1.3b --card 8 --clips 10,100 --frames 81 --keep
+    MALLOC_MMAP_THRESHOLD_=1048576 python -m bench.program.bench_video_cache --families wan-1.3b --card 8 --keep
     python -m bench.program.bench_video_cache --smoke --clips 10,100,200 --work /tmp/vcache-smoke   # CPU, tiny
 
 Issue 39 asks that caching 100 clips take time proportional to the count (the same seconds per clip as 10) and
@@ -21,7 +22,9 @@ RssAnon polled every 0.1 s, the phases' records from DITTRAIN_PHASE_LOG) and rep
 
 and then, the largest N against the smallest: the ratio of encode seconds per clip, the ratio of peak anon RSS,
 and the RSS growth per extra clip (MB; the tiny runs' RSS is mostly the interpreter, so the growth is what tells).
-Table and JSON go to --out (default <work>/out): video_cache.md, video_cache.json.
+Table and JSON go to --out (default <work>/out): video_cache.md, video_cache.json. The environment passes to
+`dittrain cache`: the MALLOC_MMAP_THRESHOLD_ line compares glibc with its mmap threshold fixed (docs/video.md: on the
+CPU that made the peak flat in the clip count).
 
 Cost (H200, estimated from bench_program's Wan runs: x264 writes a 480p clip of 85 frames in ~1.5 s, Wan 2.1's VAE
 encodes one 480p x 81 clip in ~1.4 s). The defaults, wan-1.3b at 480p x 17 frames, --clips 10,100: the folder
