@@ -1,8 +1,9 @@
 """`dittrain cache` over N video clips, for several N on one model folder: is caching flat in the clip count?
 
-    python -m bench.program.bench_video_cache --families wan-1.3b --card 8 --clips 10,100 --work /tmp/vcache
-    python -m bench.program.bench_video_cache --families wan-1.3b --card 8 --clips 10,100 --frames 81 --keep
-    MALLOC_MMAP_THRESHOLD_=1048576 python -m bench.program.bench_video_cache --families wan-1.3b --card 8 --keep
+    python -m bench.program.bench_video_cache --families wan-1.3b --card 8 --clips 10,100 --work /tmp/vcache --keep
+    MALLOC_MMAP_THRESHOLD_=1048576 python -m bench.program.bench_video_cache --families wan-1.3b --card 8 \
+        --clips 10,100 --work /tmp/vcache --keep --out /tmp/vcache/out-mmap
+    python -m bench.program.bench_video_cache --families wan-1.3b --card 8 --clips 10,100 --frames 81 --resolution 480p
     python -m bench.program.bench_video_cache --smoke --clips 10,100,200 --work /tmp/vcache-smoke   # CPU, tiny
 
 Issue 39 asks that caching 100 clips take time proportional to the count (the same seconds per clip as 10) and
