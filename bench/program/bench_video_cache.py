@@ -135,7 +135,7 @@ def bench_family(name: str, args) -> dict:
     model = bp.model_folder(name, fam_dir, args)
     clips = bp.video_clips(ad, args)
     ns = args.clips
-    written = fam_dir / "clips"
+    written = fam_dir / f"clips-{clips.width}x{clips.height}x{clips.frames}"  # --keep reuses clips of this size only
     if not (args.keep and all((written / f"clip{i}.{e}").exists() for i in range(ns[-1]) for e in ("mp4", "txt"))):
         bp.write_clip_folder(name, written, ns[-1], clips)
     image = None
