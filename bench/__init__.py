@@ -7,7 +7,8 @@ grouped by what they measure:
                       fine-tune (bench_fullft), the garbage collector (bench_gc), attention with masks
                       (attn_mask_speed), the streamed step's bound and profile (ring_bound, speed_profile)
     bench/program/    the whole program as a user runs it on full-size random-weight folders (bench_program, its
-                      video clips: program_video), `dittrain caption` (bench_caption)
+                      video clips: program_video), `dittrain caption` (bench_caption), `dittrain cache` over 10 and
+                      100 video clips (bench_video_cache)
     bench/multi_gpu/  several GPUs of one host: ddp (bench_ddp), fsdp (bench_fsdp), the sharded stream and owned
                       steps (bench_sharded)
     bench/diag/       one-question diagnostics: where a planner gap, an activation peak, a step's time, text
@@ -27,7 +28,7 @@ import importlib
 GROUPS = {
     "speed": ("bench_speed", "bench_offload", "bench_plan", "bench_quant", "bench_kontext", "bench_flux2_pairs",
               "bench_fullft", "bench_gc", "attn_mask_speed", "ring_bound", "speed_profile"),
-    "program": ("bench_program", "program_video", "bench_caption"),
+    "program": ("bench_program", "program_video", "bench_caption", "bench_video_cache"),
     "multi_gpu": ("bench_ddp", "bench_fsdp", "bench_sharded"),
     "diag": ("diag_act_peak", "diag_oom_snapshot", "diag_planner_gap", "diag_step_cpu", "diag_step_time",
              "diag_text_rss", "diag_vae_peak", "quant_block_error", "quant_loss_curve"),

@@ -777,6 +777,37 @@ def bench_family(name: str, work: Path, args) -> list[dict]:
     family, variant = split_variant(name)
     ad = adapter_class({"qwen_image": "qwen-image"}.get(family, family))
     fam_dir = work / name
+    model = model_folder(name, fam_dir, args)
+    clips, image, res = None, None, None
+    if getattr(ad, "video", False):
+        from bench.program.program_video import first_frame
+
+        clips = video_clips(ad, args)
+        data = write_clip_folder(name, fam_dir / "clips", args.images, clips)
+        if getattr(ad, "first_frame_conditions", False):
+            image = first_frame(fam_dir / "first-frame.png", clips)
+    else:
+        res = 64 if args.smoke else None if args.resolution is None else int(args.resolution)
+        data = write_jpegs(fam_dir / "images", args.images, res or 1024)
+    rows = []
+    for card in args.card:
+        run_dir = fam_dir / (f"{card}gb" + ("-full" if args.method == "full" else "") + (f"-{args.tag}" if args.tag else ""))
+        cfg = write_config(family, model, data, run_dir, res, args.steps, args.smoke, card, args.transformer_file,
+                           args.set, clips=clips, image=image, method=args.method)
+        rows += run_commands(name, card, cfg, run_dir, args)
+    if not args.keep:
+        shutil.rmtree(model, ignore_errors=True)
+    return rows
+
+
+def model_folder(name: str, fam_dir: Path, args) -> Path:
+    """The model folder of `--families` entry `name` under `fam_dir`: the tiny one (`args.smoke`; with
+    `args.transformer_file` fp8 its transformer rewritten as the full-size one would be), the one an earlier run
+    left (`args.keep`: only a missing transformer file is added), else a full-size folder written here."""
+    from trainer.models import adapter_class
+
+    family, variant = split_variant(name)
+    ad = adapter_class({"qwen_image": "qwen-image"}.get(family, family))
     fam_dir.mkdir(parents=True, exist_ok=True)
     model = fam_dir / "model"
     if args.smoke:
@@ -803,36 +834,35 @@ def bench_family(name: str, work: Path, args) -> list[dict]:
         t = time.time()
         nbytes = write_full_folder(family, model, args.transformer_file, variant)
         print(f"{name}: wrote {nbytes / 1e9:.1f} GB of random weights in {time.time() - t:.0f} s", flush=True)
-    clips, image, res = None, None, None
-    if getattr(ad, "video", False):
-        from bench.program.program_video import Clips, divisor, first_frame, video_size, write_clips
+    return model
 
-        size = video_size(args.resolution or ("96x64" if args.smoke else "480p"), divisor(ad))
-        shortest = ad.frame_step + 1  # the smoke's clips and samples: Wan 5 frames, LTX-2 9
-        frames, sample_frames = (args.frames or shortest, args.sample_frames or shortest) if args.smoke else (
-            args.frames or 81, args.sample_frames or 9)
-        if not (ad.valid_frames(frames) and ad.valid_frames(sample_frames)):
-            raise SystemExit(f"--frames {frames} / --sample-frames {sample_frames}: {family} takes "
-                             f"{ad.frame_step}k + 1 frames")
-        clips = Clips(*size, frames, sample_frames, fps=ad.default_fps, sound=ad.sound)
-        t = time.time()
-        data = write_clips(fam_dir / "clips", args.images, clips)
-        print(f"{name}: wrote {args.images} clips of {frames + 4} frames at {size[0]}x{size[1]}, {clips.fps:g} fps"
-              f"{' with sound' if clips.sound else ''} in {time.time() - t:.0f} s", flush=True)
-        if getattr(ad, "first_frame_conditions", False):
-            image = first_frame(fam_dir / "first-frame.png", clips)
-    else:
-        res = 64 if args.smoke else None if args.resolution is None else int(args.resolution)
-        data = write_jpegs(fam_dir / "images", args.images, res or 1024)
-    rows = []
-    for card in args.card:
-        run_dir = fam_dir / (f"{card}gb" + ("-full" if args.method == "full" else "") + (f"-{args.tag}" if args.tag else ""))
-        cfg = write_config(family, model, data, run_dir, res, args.steps, args.smoke, card, args.transformer_file,
-                           args.set, clips=clips, image=image, method=args.method)
-        rows += run_commands(name, card, cfg, run_dir, args)
-    if not args.keep:
-        shutil.rmtree(model, ignore_errors=True)
-    return rows
+
+def video_clips(ad, args):
+    """The program_video.Clips a video family's runs train on: `args.resolution` (smoke 96x64, else 480p),
+    `args.frames` / `args.sample_frames` (smoke: the shortest the family takes, else 81 / 9), its frame rate and
+    sound."""
+    from bench.program.program_video import Clips, divisor, video_size
+
+    size = video_size(args.resolution or ("96x64" if args.smoke else "480p"), divisor(ad))
+    shortest = ad.frame_step + 1  # the smoke's clips and samples: Wan 5 frames, LTX-2 9
+    frames, sample_frames = (args.frames or shortest, args.sample_frames or shortest) if args.smoke else (
+        args.frames or 81, args.sample_frames or 9)
+    if not (ad.valid_frames(frames) and ad.valid_frames(sample_frames)):
+        raise SystemExit(f"--frames {frames} / --sample-frames {sample_frames}: {ad.family} takes "
+                         f"{ad.frame_step}k + 1 frames")
+    return Clips(*size, frames, sample_frames, fps=ad.default_fps, sound=ad.sound)
+
+
+def write_clip_folder(name: str, folder: Path, n: int, clips) -> Path:
+    """`n` clips (program_video.py `write_clips`) in `folder`, with a line saying what was written and how long it
+    took."""
+    from bench.program.program_video import write_clips
+
+    t = time.time()
+    data = write_clips(folder, n, clips)
+    print(f"{name}: wrote {n} clips of {clips.frames + 4} frames at {clips.width}x{clips.height}, {clips.fps:g} fps"
+          f"{' with sound' if clips.sound else ''} in {time.time() - t:.0f} s", flush=True)
+    return data
 
 
 def run_commands(family: str, card: int, cfg: Path, run_dir: Path, args) -> list[dict]:
