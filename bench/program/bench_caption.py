@@ -288,11 +288,16 @@ def estimate(family: str, quantize: list[str], batches: list[int], caps: list[fl
                 said: list[str] = []
                 # the budget under a cap is the cap (presets.device_budget_bytes: the cap is the card less its context)
                 f = vlm.auto_fraction(model, blocks, cap * GB, batch, per_row, said.append)
+                line = said[-1]
+                d = vlm.decode_fraction(model, blocks, cap * GB, batch, per_row, f, said.append)
                 streamed = vlm.streamed_bytes(blocks, f) / GB
+                decode = vlm.streamed_bytes(blocks, f, d) / GB
                 out.append({"quantize": q, "batch": batch, "cap_gb": cap, "fraction": f, "layers_gb": layers / GB,
-                            "streamed_gb_per_token": streamed, "tokens_per_row": per_row, "line": said[-1]})
+                            "streamed_gb_per_token": streamed, "decode_fraction": d,
+                            "decode_streamed_gb_per_token": decode, "tokens_per_row": per_row, "line": line,
+                            "decode_line": said[-1]})
                 print(f"{family} quantize {q} batch {batch} cap {cap:g} GB: decoder layers {layers / GB:.2f} GB, "
-                      f"{said[-1]}; {streamed:.2f} GB streamed per token", flush=True)
+                      f"{line}; {streamed:.2f} GB streamed per token; decode steps: {said[-1]}", flush=True)
     return out
 
 

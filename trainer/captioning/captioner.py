@@ -61,6 +61,7 @@ class CaptionSummary:
     skipped: int = 0  # a caption existed (no --overwrite)
     failed: list[tuple[Path, str]] = field(default_factory=list)
     fraction: float = 0.0
+    decode_fraction: float = 0.0  # the decode steps' (below `fraction` under --offload auto: vlm.py's essay)
 
     def line(self) -> str:
         return (f"captions: {len(self.written)} written, {self.skipped} skipped (caption exists), "
@@ -94,6 +95,16 @@ def _fraction(req: CaptionRequest, model, blocks, device: torch.device, tokens: 
         _say("offload: auto -> 0 on the CPU (there is no second memory to save)")
         return 0.0
     return vlm.auto_fraction(model, blocks, budget, batch, tokens, _say)
+
+
+def _decode_fraction(req: CaptionRequest, model, blocks, device: torch.device, tokens: int, batch: int,
+                     fraction: float) -> float:
+    """Under `--offload auto` on a GPU, the fraction of the decode steps (vlm.py's essay, Decode placement): at
+    most the prefill's; a given `--offload` keeps its one placement."""
+    budget = _budget(device)
+    if req.offload != "auto" or budget is None:
+        return fraction
+    return vlm.decode_fraction(model, blocks, budget, batch, tokens, fraction, _say)
 
 
 def _default_batch(req: CaptionRequest, model, blocks, device: torch.device, tokens: int, batch: int) -> int:
@@ -218,7 +229,10 @@ def run_caption(req: CaptionRequest) -> CaptionSummary:
     tokens = _tokens_per_row(processor, req)
     batch = _default_batch(req, model, blocks, device, tokens, batch)
     summary.fraction = _fraction(req, model, blocks, device, tokens, batch)
+    summary.decode_fraction = _decode_fraction(req, model, blocks, device, tokens, batch, summary.fraction)
     handle = vlm.place(model, blocks, device, summary.fraction)
+    if handle is not None and summary.decode_fraction < summary.fraction:
+        handle.decode_at(model, summary.decode_fraction, _say)
     gc = vlm.greedy_config(model, processor, req.max_new_tokens)
     progress = _Progress(len(todo))
     try:

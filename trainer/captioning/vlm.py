@@ -470,6 +470,26 @@ def activation_bytes(model: nn.Module, batch: int, tokens: int, *, mlp_rows: int
     return inputs + max(vision, attention, mlp)
 
 
+def decode_activation_bytes(model: nn.Module, batch: int, tokens: int) -> int:
+    """A decode step's largest live activations (one new token per row, `tokens` cached), allocated bytes: the
+    inputs `generate` holds through every step (the batch's pixels, as in `activation_bytes`), the keys and values
+    repeated to every head for sdpa and the batch x tokens mask, and one layer's cache grown by `torch.cat`
+    (DynamicCache: the old and the new keys and values at once). The rest (a row's hidden state, the last
+    position's logits) is a few MB: the workspace's."""
+    text = model.config.get_text_config()
+    elem = model.get_input_embeddings().weight.element_size()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    repeated = 2 * batch * heads * tokens * head_dim * elem + batch * tokens * elem
+    grown = 2 * kv_bytes(model, 1, batch, tokens)
+    pixels = 0
+    vc = getattr(model.config, "vision_config", None)
+    if vc is not None:
+        pixel = vc.in_channels * getattr(vc, "temporal_patch_size", 1) * vc.patch_size ** 2
+        pixels = batch * tokens * getattr(vc, "spatial_merge_size", 2) ** 2 * pixel * elem
+    return pixels + repeated + grown
+
+
 def dequantized_bytes(model: nn.Module) -> int:
     """--quantize: the largest dequantized temporary of one 8-bit Linear (its weight in the model dtype, scaled in
     place: `quant.dequantize`; the head's `HEAD_ROWS` slice); 0 without."""
@@ -488,14 +508,15 @@ def kv_bytes(model: nn.Module, layers: int, batch: int, tokens: int) -> int:
 
 
 def estimate(model: nn.Module, blocks: list[nn.Module], batch: int, tokens: int,
-             bounded: bool = True) -> Callable[[float], float]:
+             bounded: bool = True, decode: bool = False) -> Callable[[float], float]:
     """Reserved bytes `--offload auto` expects at a fraction (module essay): the ring (`capacity_for`), the
     weights outside the layers on the device (when streaming: without the embedding, `cpu_embedding`, and with
     the vision tower's two-block ring instead of its blocks, `vision_blocks`), the KV cache, the allocator's
     overhead on `activation_bytes`, the dequantized temporary and the workspace. `bounded=False`: as runs before
     `bound_prefill`, the CPU embedding, the streamed tower and the in-place dequantize (the vision tower over the
     batch at once, the MLP over every token, the embedding and the tower on the device, two dequantized
-    temporaries), to compare with those runs' measurements."""
+    temporaries), to compare with those runs' measurements. `decode`: the decode steps' bytes, at the fraction of
+    the layers they keep (`decode_fraction`): `decode_activation_bytes` instead of the prefill's."""
     from ..offload.plan import capacity_for
     from ..planner.prediction import ALLOCATOR_OVERHEAD, WORKSPACE
 
@@ -506,8 +527,8 @@ def estimate(model: nn.Module, blocks: list[nn.Module], batch: int, tokens: int,
     on_cpu = _bytes(emb.parameters()) if emb is not None else 0
     tower = block_sizes(vision_blocks(model)) if bounded else []
     off_device = on_cpu + sum(tower) - (capacity_for(tower, 1.0) if tower else 0)  # streamed: the tower's ring
-    act = activation_bytes(model, batch, tokens) if bounded else \
-        activation_bytes(model, batch, tokens, mlp_rows=None, vision_images=batch)
+    act = decode_activation_bytes(model, batch, tokens) if decode else activation_bytes(model, batch, tokens) \
+        if bounded else activation_bytes(model, batch, tokens, mlp_rows=None, vision_images=batch)
     deq = dequantized_bytes(model) * (1 if bounded else 2)  # those runs' dequantize: an up-cast and a product
     rest = kv_bytes(model, len(blocks), batch, tokens) + ALLOCATOR_OVERHEAD * act + deq + WORKSPACE
 
@@ -537,6 +558,25 @@ def auto_fraction(model: nn.Module, blocks: list[nn.Module], budget: float, batc
     return fit
 
 
+def decode_fraction(model: nn.Module, blocks: list[nn.Module], budget: float, batch: int, tokens: int,
+                    fraction: float, say: Callable[[str], None]) -> float:
+    """`--offload auto`'s placement for the decode steps (module essay, Decode placement): the smallest fraction
+    of `block_grid`, at most the prefill's `fraction`, whose decode `estimate` fits `budget` with the planner's
+    margin; `fraction` where none below it does (or it is 0)."""
+    from ..planner.prediction import GB, PREDICTION_MARGIN, first_fit
+
+    if fraction <= 0:
+        return fraction
+    need = estimate(model, blocks, batch, tokens, decode=True)
+    limit = budget * (1 - PREDICTION_MARGIN)
+    fit = first_fit(lambda f: need(f) <= limit, [f for f in block_grid(block_sizes(blocks)) if f <= fraction])
+    fit = fraction if fit is None else fit
+    say(f"offload: auto -> {fit:g} for the decode steps (estimated {need(fit) / GB:.1f} GB; "
+        f"{streamed_bytes(blocks, fraction, fit) / GB:.2f} GB streamed per new token, "
+        f"{streamed_bytes(blocks, fraction) / GB:.2f} at {fraction:g})")
+    return fit
+
+
 def block_sizes(blocks: list[nn.Module]) -> list[int]:
     """Each block's bytes as it is held (its parameters and buffers: 8-bit after `quantize_decoder`)."""
     return [_bytes(b.parameters()) + _bytes(b.buffers()) for b in blocks]
@@ -553,15 +593,19 @@ def block_grid(sizes: list[int]) -> list[float]:
     return sorted(grid)
 
 
-def streamed_bytes(blocks: list[nn.Module], fraction: float) -> int:
+def streamed_bytes(blocks: list[nn.Module], fraction: float, decode: float | None = None) -> int:
     """Bytes the conductor copies over the bus per pass of the decoder (the prefill, then each new token) at
-    `fraction`: its sampling plan's (`plan_for`), from the blocks' bytes as held (the packing's alignment apart)."""
-    from ..offload.plan import capacity_for, plan_for
+    `fraction`: its sampling plan's (`plan_for`), from the blocks' bytes as held (the packing's alignment apart);
+    with `decode` (a smaller fraction), a decode step's: the plan holding what `decode` keeps (`held_plan`)."""
+    from ..offload.plan import capacity_for, held_plan, plan_for
 
     sizes = block_sizes(blocks)
     if fraction <= 0:
         return 0
-    return plan_for(sizes, capacity_for(sizes, fraction), "sample").bytes_per_step()
+    plan = plan_for(sizes, capacity_for(sizes, fraction), "sample")
+    if decode is not None and decode < fraction:
+        plan = held_plan(plan, capacity_for(sizes, decode) - plan.capacity)
+    return plan.bytes_per_step()
 
 
 def cpu_embedding(model: nn.Module) -> nn.Module | None:
@@ -622,11 +666,31 @@ class Placement:
 
     def __init__(self, decoder, vision):
         self.decoder, self.vision = decoder, vision
+        self._hook = None
 
     def stats(self) -> dict:
         return self.decoder.stats()
 
+    def decode_at(self, model: nn.Module, fraction: float, say: Callable[[str], None]) -> None:
+        """The decode placement (module essay): each forward of `model` whose KV cache holds tokens already (a
+        decode step of `generate`) runs with the layers `fraction` keeps resident (the conductor's `hold`), every
+        other one (a batch's prefill, before its vision tower) with those of `place`'s fraction. Where the held
+        layers cannot be allocated, that batch decodes as it prefilled (said once)."""
+        warned = []
+
+        def switch(module, args, kwargs):
+            cache = kwargs.get("past_key_values")
+            decoding = cache is not None and cache.get_seq_length() > 0  # host-side length: no sync
+            if not self.decoder.hold(fraction if decoding else None) and not warned:
+                warned.append(1)
+                say(f"offload: the decode steps' layers at {fraction:g} could not be allocated: those batches "
+                    "decode with the prefill's")
+
+        self._hook = model.register_forward_pre_hook(switch, with_kwargs=True)
+
     def close(self, keep_weights: bool = True) -> None:
+        if self._hook is not None:
+            self._hook.remove()
         self.decoder.close(keep_weights)
         if self.vision is not None:
             self.vision.close(keep_weights)
