@@ -375,6 +375,7 @@ class Conductor:
         self.base_plan = self.plan  # the constructor's plan: `hold` switches to a variant of it and back
         #: block -> its copy on the device outside the ring, while the plan holds it (`hold`)
         self.held: dict[int, torch.Tensor] = {}
+        self._held_plans: dict[float | None, Plan] = {}  # `hold`'s plan per fraction
         if self.cuda:
             self.h2d = torch.cuda.Stream(self.device)
             self.d2h = torch.cuda.Stream(self.device) if self.trainable else None
@@ -699,11 +700,14 @@ class Conductor:
         them. A captioner holds more layers for the decode steps of `generate` than its prefill's activations
         leave room for (trainer/captioning/vlm.py). Allocations: one per newly held block; where one fails the
         plan stays as it is and False is returned (nothing is half held)."""
-        if not self.streaming or self.mode != "sample" or self.trainable or self.parkable:
-            raise ValueError("offload: hold needs a streamed sampling plan of frozen blocks (not parkable)")
-        base = self.base_plan
-        more = 0 if fraction is None else capacity_for(base.sizes, fraction) - base.capacity
-        plan = held_plan(base, more) if more > 0 else base
+        if not self.streaming or self.mode != "sample" or self.trainable or self.parkable or self.gather:
+            raise ValueError("offload: hold needs a streamed sampling plan of frozen blocks (not parkable, not "
+                             "sharded)")
+        plan = self._held_plans.get(fraction)
+        if plan is None:  # once per fraction: `held_plan` simulates the ring
+            base = self.base_plan
+            more = 0 if fraction is None else capacity_for(base.sizes, fraction) - base.capacity
+            plan = self._held_plans[fraction] = held_plan(base, more) if more > 0 else base
         if plan.held == self.plan.held:
             return True
         sizes = plan.sizes
