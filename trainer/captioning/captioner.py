@@ -192,6 +192,27 @@ def _caption_batch(model, processor, gc, device, dtype, req: CaptionRequest, row
         summary.written.append(path)
 
 
+def _caption_in_memory(model, processor, gc, device, dtype, req: CaptionRequest, rows, summary: CaptionSummary,
+                       handle) -> None:
+    """`_caption_batch`; out of memory with the decode placement on, the decode steps keep the prefill's layers
+    from then on (said once) and the rows not yet written run again (greedy: the same captions); out of memory
+    otherwise, one line that names the fix."""
+    for attempt in range(2):
+        try:
+            _caption_batch(model, processor, gc, device, dtype, req, rows, summary)
+            return
+        except torch.OutOfMemoryError:
+            pass  # handled below, outside the except clause: its traceback holds the batch's tensors
+        if attempt or handle is None or not handle.decode_off():
+            raise UserError(f"out of memory captioning a batch of {len(rows)} at --offload {summary.fraction:g}: "
+                            "lower --batch or raise --offload")
+        _say(f"offload: out of memory with the decode steps at {summary.decode_fraction:g}: they run at "
+             f"{summary.fraction:g} from now on (the prefill's layers)")
+        summary.decode_fraction = summary.fraction
+        done = set(summary.written) | {p for p, _ in summary.failed}
+        rows = [r for r in rows if r[0] not in done]
+
+
 def _device(req: CaptionRequest) -> torch.device:
     if req.device is not None:
         return torch.device(req.device)
@@ -239,11 +260,7 @@ def run_caption(req: CaptionRequest) -> CaptionSummary:
         for paths in _batches(todo, batch):
             rows = _read(paths, req.frames, summary)
             if rows:
-                try:
-                    _caption_batch(model, processor, gc, device, dtype, req, rows, summary)
-                except torch.OutOfMemoryError:
-                    raise UserError(f"out of memory captioning a batch of {len(rows)} at --offload "
-                                    f"{summary.fraction:g}: lower --batch or raise --offload") from None
+                _caption_in_memory(model, processor, gc, device, dtype, req, rows, summary, handle)
             progress.update(len(paths))
     except KeyboardInterrupt as e:
         progress.close()

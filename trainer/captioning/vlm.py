@@ -97,28 +97,30 @@ streamed, fp8 under 7 GB on an H200: 0.981 images/s at 8 against 0.642 at 4 (ben
 Under 7 GB the fp8 model would fit a batch of 16 as well (0.714), bf16 too (0.892); a default above 8 is not
 measured. Qwen3-VL-8B under 7 GB fits 8 in bf16 (0.833) and fp8 (0.555), 16 in fp8 (0.916), not in bf16.
 
-Decode placement (`--offload auto` on a GPU: `decode_fraction`, `Placement.decode_at`). The prefill's
-activations (the 1.35 x above, the tower's pass) are gone once it is done, and the decode steps that follow (one
-token a row, `max_new_tokens` of them) each copy the streamed layers again. So the decode steps get their own,
-smaller fraction: the smallest of `block_grid`, at most the prefill's, whose `estimate(decode=True)` fits the same
-budget (`decode_activation_bytes` instead of the prefill's: the batch's pixels `generate` holds throughout, the
-keys and values repeated to every head for sdpa, one layer's cache grown by `torch.cat`), printed as a second
-`offload: auto -> ...` line with the bytes per new token at both. A forward pre-hook on the model switches: a
-forward whose KV cache already holds tokens (a decode step) calls the conductor's `hold(decode fraction)`, any
-other (a batch's prefill, before its vision tower) `hold(None)`. `hold` keeps the ring, its fixed layers and their
-offsets, and holds as many of the streamed layers as the decode fraction's extra bytes take, each in its own
-allocation outside the ring, copied once from the arena (plan.py `held_plan`; one allocation per layer, not one
-block of all of them, fits memory the prefill left in pieces); `hold(None)` frees them (their host bytes are
-current: frozen) before the next prefill allocates. Each switch restarts the ring's plan at its step 0 (its first
-streamed layers copied again, as `unpark`): per batch, the held layers once plus about four layers, against the
-held layers' copies saved at each of the decode steps. Where a held layer cannot be allocated (an
-OutOfMemoryError: the allocator could not find the bytes among what the batch left), nothing is held and that
-batch decodes with the prefill's placement (said once). Greedy captions are the resident model's
-(tests/test_caption_decode.py: both families, bf16 and fp8, decode fractions 0.25 and 0, two batches; every decode
-step copies exactly one layer fewer at 0.25, none at 0). By the estimate, at a 7 GB cap with fp8, batch 8, 1024 px
-images and 64 new tokens: Qwen3-VL-8B prefills at 0.555 and decodes at 0.5 (4.25 -> 3.86 GB per new token),
-Qwen2.5-VL-7B 0.428 and 0.321 (3.27 -> 2.57 GB); predictions, not yet measured (the decode estimate counts the
-allocator's 1.35 on its activations; the KV cache's `torch.cat` growth is the part a GPU run has to confirm).
+Decode placement (`--offload auto` on a GPU: `decode_fraction`, `Placement.decode_at`). The prefill's activations
+(the 1.35 x above, the tower's pass) are gone once it is done, and the decode steps that follow (one token a row,
+`max_new_tokens` of them) each copy the streamed layers again. So the decode steps get their own, smaller fraction:
+the smallest of `block_grid`, at most the prefill's, whose `estimate(decode=True)` fits the same budget
+(`decode_activation_bytes` instead of the prefill's: the batch's pixels `generate` holds throughout, the keys and
+values repeated to every head for sdpa, one layer's cache grown by `torch.cat`), printed as a second `offload: auto
+-> ...` line with the bytes per new token at both. A forward pre-hook on the model switches: a forward whose KV
+cache already holds tokens (a decode step) calls the conductor's `hold(decode fraction)`, any other (a batch's
+prefill, before its vision tower) `hold(None)`. `hold` keeps the ring, its fixed layers and their offsets, and holds
+as many of the streamed layers as the decode fraction's extra bytes take, each in its own allocation outside the
+ring, copied once from the arena (plan.py `held_plan`; one allocation per layer, not one block of all of them, fits
+memory the prefill left in pieces); `hold(None)` frees them (their host bytes are current: frozen) before the next
+prefill allocates. Each switch restarts the ring's plan at its step 0 (its first streamed layers copied again, as
+`unpark`): per batch, the held layers once plus about four layers, against the held layers' copies saved at each of
+the decode steps. Where a held layer cannot be allocated (an OutOfMemoryError: the allocator could not find the
+bytes among what the batch left), nothing is held and that batch decodes with the prefill's placement (said once);
+out of memory later in a batch (a decode step's, as the KV cache grows by `torch.cat` in memory the prefill left in
+pieces) ends the decode placement for the run and that batch runs again (captioner.py `_caption_in_memory`: greedy,
+the same captions; one line). Greedy captions are the resident model's (tests/test_caption_decode.py: both families,
+bf16 and fp8, decode fractions 0.25 and 0, two batches; every decode step copies exactly one layer fewer at 0.25,
+none at 0; an out of memory in a decode step). By the estimate, at a 7 GB cap with fp8, batch 8, 1024 px images and
+64 new tokens: Qwen3-VL-8B prefills at 0.555 and decodes at 0.5 (4.25 -> 3.86 GB per new token), Qwen2.5-VL-7B 0.428
+and 0.321 (3.27 -> 2.57 GB); predictions, not yet measured (the decode estimate counts the allocator's 1.35 on its
+activations; the KV cache's `torch.cat` growth is the part a GPU run has to confirm).
 
 Decoding is greedy (`do_sample=False`, the model's own repetition penalty kept): captions are then a function of
 the image, the prompt and the weights, equal with and without streaming.
@@ -710,6 +712,16 @@ class Placement:
                     "decode with the prefill's")
 
         self._hook = model.register_forward_pre_hook(switch, with_kwargs=True)
+
+    def decode_off(self) -> bool:
+        """The decode placement ended (its layers given back, the decode steps at `place`'s fraction from now on);
+        False where there was none."""
+        if self._hook is None:
+            return False
+        self._hook.remove()
+        self._hook = None
+        self.decoder.hold(None)
+        return True
 
     def close(self, keep_weights: bool = True) -> None:
         if self._hook is not None:
