@@ -367,7 +367,8 @@ def held_plan(plan: Plan, held_bytes: int) -> Plan:
     as fit in them (in block order, each whole) held outside the ring, the rest streaming through the same ring
     beside the same fixed blocks at the same offsets. So the conductor switches to it and back without moving a
     fixed block (`Conductor.hold`): each held block is copied once from its host bytes, and each step then moves
-    that many bytes fewer. `plan` itself where nothing fits."""
+    that many bytes fewer. `plan` itself where nothing fits, or where the variant would load or move a block that
+    `plan` never streams (one without host bytes: a block a cyclic plan never evicts)."""
     if plan.mode != "sample":
         raise ValueError("held_plan: a sampling plan (cyclic forward) only")
     held, used = set(), 0
@@ -378,9 +379,12 @@ def held_plan(plan: Plan, held_bytes: int) -> Plan:
     if not held:
         return plan
     alt = make_plan(plan.sizes, plan.capacity, plan.mode, fixed=plan.fixed, held=held)
-    assert set(alt.streamed) <= set(plan.streamed) - held  # every block it loads has host bytes
-    assert all(alt.initial[b] == plan.initial[b] for b in plan.fixed)  # the fixed blocks stay where they are
+    streamed = set(plan.streamed)
+    if not set(alt.streamed) <= streamed or any(alt.initial.get(b) != off for b, off in plan.initial.items()
+                                                 if b not in streamed):
+        return plan
     return alt
+
 
 # ------------------------------------------------------------------------------------ diagrams (tests, docs)
 
