@@ -862,3 +862,42 @@ def test_activation_offloading_takes_block_inputs_laid_out_in_another_dimension_
     assert _same(g0, g1)
     assert alive0 == [True] * n and alive1 == [True] + [False] * (n - 1)
     assert went1 == list(range(1, n))
+
+
+def test_hold_keeps_more_blocks_between_passes_and_gives_them_back():
+    """`hold(f)` between sampling passes: beyond the ring, the streamed blocks `f` would keep are held on the
+    device (copied once), each pass then copies what the held plan's step loads (that many bytes fewer a step)
+    and gives the outputs of the resident model; `hold(None)` returns to the constructor's plan, again and again
+    (a captioner's prefill and decode, trainer/captioning/vlm.py)."""
+    from trainer.offload.conductor import Conductor
+
+    phases = [(None, 2), (0.25, 3), (None, 3), (0.25, 2)]
+    ref = tiny_flux(1, singles=6)
+    with torch.no_grad():
+        want = [ref(**batch(5 + i)[0])[0] for i in range(sum(n for _, n in phases))]
+    m = tiny_flux(1, singles=6).requires_grad_(False)  # frozen: packed and streamed
+    h = attach_offload(blocks_of(m), "cpu", 0.75, mode="sample")
+    base = h.plan
+    copied = [0]
+    load = Conductor._load
+
+    def spy(self, dst, src):
+        copied[0] += dst.numel()
+        return load(self, dst, src)
+
+    got = []
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setattr(Conductor, "_load", spy)
+        for f, passes in phases:
+            copied[0] = 0
+            assert h.hold(f)
+            held = h.stats()["held_bytes"]
+            assert (held > 0) == (f is not None) and copied[0] >= held  # the held blocks are copied once
+            plan = h.plan
+            assert (plan is base) == (f is None) and plan.bytes_per_step() == base.bytes_per_step() - held
+            for k in range(passes):
+                copied[0] = 0
+                got.append(m(**batch(5 + len(got))[0])[0])
+                assert copied[0] == sum(plan.sizes[ld.block] for ld in plan.step_loads(k))
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    h.close()

@@ -206,6 +206,29 @@ def test_sampling_is_identical():
     assert all(torch.equal(a, b) for a, b in zip(o0, o1, strict=True))
 
 
+def test_hold_switches_are_identical():
+    """The conductor's `hold` on the GPU (a captioner's decode placement): frozen blocks streamed at 0.75, passes
+    alternating between the constructor's plan and one holding what 0.25 keeps (the held blocks copied on the
+    transfer stream, compute waiting for them; freed and taken again), with the race detector: the outputs of the
+    resident model, bit for bit."""
+    ref = tiny_flux(1, **SIZE).to(DEV)
+    holds = [None, 0.25, 0.25, 0.25, None, 0.25, None, None, 0.25]
+    with torch.no_grad(), _kernel(torch.float32):
+        o0 = [ref(**batch(5 + i, device=DEV, side=SIDE, text=TEXT)[0])[0] for i in range(len(holds))]
+    m = tiny_flux(1, **SIZE).requires_grad_(False)  # frozen: every block is packed and streams
+    blocks = blocks_of(m)
+    place_non_blocks(m, blocks, DEV)
+    h = attach_offload(blocks, DEV, 0.75, mode="sample", race_detector=True)
+    o1 = []
+    with torch.no_grad(), _kernel(torch.float32):
+        for i, f in enumerate(holds):
+            assert h.hold(f)
+            assert (h.stats()["held_bytes"] > 0) == (f is not None)
+            o1.append(m(**batch(5 + i, device=DEV, side=SIDE, text=TEXT)[0])[0])
+    h.close()
+    assert all(torch.equal(a, b) for a, b in zip(o0, o1, strict=True))
+
+
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 def test_trainer_optim_fused_back_pass_with_packed_state_is_identical(fraction):
     """The real full fine-tune path: trainer.optim FusedBackPass, its AdamW state packed beside the streamed

@@ -7,7 +7,9 @@ from trainer.offload.plan import (
     allocation_diagram,
     capacity_for,
     execution_diagram,
+    held_plan,
     make_plan,
+    plan_for,
     residency_rows,
     spread_fixed,
 )
@@ -221,3 +223,21 @@ def test_sampling_copies_hide_behind_compute_when_the_link_allows(sizes, fractio
     assert plan.bytes_per_step() / rate < 0.95 * len(sizes)  # the link could hide it all
     step = _replayed_step(plan, [1.0] * len(sizes), rate)
     assert step <= 1.03 * len(sizes)
+
+
+@pytest.mark.parametrize("sizes", [[5] * 36, FLUX_LIKE])
+@pytest.mark.parametrize(("fraction", "held_at"), [(0.555, 0.444), (0.75, 0.25), (1.0, 0.5), (0.5, 0.0)])
+def test_held_plan_streams_the_rest_through_the_same_ring(sizes, fraction, held_at):
+    """`held_plan` (the conductor's `hold`): the blocks it holds are streamed ones of the plan, at most the extra
+    bytes; the fixed blocks keep their offsets; what it loads is what the plan streams less the held blocks, in
+    the same ring; each step moves at least the held bytes fewer than the plan's (exactly, once periodic)."""
+    plan = plan_for(sizes, capacity_for(sizes, fraction), "sample")
+    extra = capacity_for(sizes, held_at) - plan.capacity
+    alt = held_plan(plan, extra)
+    held = sum(sizes[b] for b in alt.held)
+    assert alt.capacity == plan.capacity and alt.fixed == plan.fixed and alt.held <= set(plan.streamed)
+    assert 0 < held <= extra and extra - held < max(sizes[b] for b in plan.streamed)  # as many as fit
+    assert set(alt.streamed) <= set(plan.streamed) - alt.held
+    assert all(alt.initial[b] == plan.initial[b] for b in plan.fixed) and not alt.held & set(alt.initial)
+    assert alt.bytes_per_step() <= plan.bytes_per_step() - held
+    assert held_plan(plan, min(sizes) - 1) is plan

@@ -32,8 +32,9 @@ one batch of `--images` (as `dittrain caption` does): give at least as many imag
 
 `--estimate`: no folder, no GPU: the full-size model built on the meta device, and the fraction `--offload auto`
 would pick for each `ours` row (quantize, batch, cap), with its estimate and the decoder bytes its plan streams per
-new token (`vlm.streamed_bytes`), printed. `--small`: a model of the same
-kind at a CPU's size, every row in seconds (the CPU smoke; tests/test_caption_bench.py runs it).
+new token (`vlm.streamed_bytes`), printed, and the same for its decode steps (`vlm.decode_fraction`).
+`--decode-placement off`: the ours rows decode at the prefill's fraction (as before the decode placement).
+`--small`: a model of the same kind at a CPU's size, every row in seconds (the CPU smoke; tests/test_caption_bench.py runs it).
 
     python -m bench.program.bench_caption --model-family qwen3-vl --quantize none,fp8 --batches 4,16 --images 16 --out $OUT/caption
     python -m bench.program.bench_caption --estimate --model-family qwen2.5-vl --quantize none,fp8 --batches 4,16 --caps 7,15
@@ -183,8 +184,10 @@ def _memory() -> dict:
     return out
 
 
-def row(kind: str, cap_gb: float, folder: Path, images: Path, batch: int, tokens: int, quantize: str = "none") -> dict:
-    """One row in this process (see the module docstring); `quantize` is the `ours` row's `--quantize`."""
+def row(kind: str, cap_gb: float, folder: Path, images: Path, batch: int, tokens: int, quantize: str = "none",
+        decode: bool = True) -> dict:
+    """One row in this process (see the module docstring); `quantize` is the `ours` row's `--quantize`, `decode`
+    its decode placement (False: the prefill's fraction for the decode steps too, as before it)."""
     import torch
 
     from trainer.captioning import captioner as crun
@@ -218,6 +221,8 @@ def row(kind: str, cap_gb: float, folder: Path, images: Path, batch: int, tokens
         return f
 
     vlm.generate, vlm.greedy_config, vlm.auto_fraction = generate, greedy, auto
+    if not decode:
+        crun._decode_fraction = lambda *a: a[-1]  # the prefill's fraction
     t0 = time.perf_counter()
     out = {"kind": kind, "cap_gb": cap_gb, "batch": batch, "quantize": quantize if kind == "ours" else "none"}
     if kind == "ours":
@@ -227,6 +232,7 @@ def row(kind: str, cap_gb: float, folder: Path, images: Path, batch: int, tokens
         summary = crun.run_caption(crun.CaptionRequest(data_dir=data, model=folder, offload="auto", batch=batch,
                                                        max_new_tokens=tokens, overwrite=True, quantize=quantize))
         out["fraction"] = summary.fraction
+        out["decode_fraction"] = summary.decode_fraction
         out["estimate_gb"] = timed.get("estimate_gb")
         out["written"] = len(summary.written)
     else:
@@ -288,11 +294,16 @@ def estimate(family: str, quantize: list[str], batches: list[int], caps: list[fl
                 said: list[str] = []
                 # the budget under a cap is the cap (presets.device_budget_bytes: the cap is the card less its context)
                 f = vlm.auto_fraction(model, blocks, cap * GB, batch, per_row, said.append)
+                line = said[-1]
+                d = vlm.decode_fraction(model, blocks, cap * GB, batch, per_row, f, said.append)
                 streamed = vlm.streamed_bytes(blocks, f) / GB
+                decode = vlm.streamed_bytes(blocks, f, d) / GB
                 out.append({"quantize": q, "batch": batch, "cap_gb": cap, "fraction": f, "layers_gb": layers / GB,
-                            "streamed_gb_per_token": streamed, "tokens_per_row": per_row, "line": said[-1]})
+                            "streamed_gb_per_token": streamed, "decode_fraction": d,
+                            "decode_streamed_gb_per_token": decode, "tokens_per_row": per_row, "line": line,
+                            "decode_line": said[-1]})
                 print(f"{family} quantize {q} batch {batch} cap {cap:g} GB: decoder layers {layers / GB:.2f} GB, "
-                      f"{said[-1]}; {streamed:.2f} GB streamed per token", flush=True)
+                      f"{line}; {streamed:.2f} GB streamed per token; decode steps: {said[-1]}", flush=True)
     return out
 
 
@@ -337,6 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--estimate", action="store_true", help="print auto's fraction per ours row; no GPU, no folder")
     ap.add_argument("--keep-model", action="store_true", help="reuse the model folder an earlier run wrote")
     ap.add_argument("--row-timeout", type=float, default=None, help="seconds a row may take (then it is failed)")
+    ap.add_argument("--decode-placement", choices=("on", "off"), default="on",
+                    help="ours rows: the decode steps' own fraction under auto (off: the prefill's, as before it)")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: run one row here
     ap.add_argument("--cap", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -356,8 +369,8 @@ def main(argv: list[str] | None = None) -> None:
     folder = args.work / (args.model_family + ("-small" if args.small else ""))
     images = args.work / "images"
     if args.row:
-        print("ROW " + json.dumps(row(args.row, args.cap, folder, images, batches[0], args.tokens, quantize[0])),
-              flush=True)
+        print("ROW " + json.dumps(row(args.row, args.cap, folder, images, batches[0], args.tokens, quantize[0],
+                                      args.decode_placement == "on")), flush=True)
         return
     import torch
 
@@ -374,7 +387,8 @@ def main(argv: list[str] | None = None) -> None:
     for kind, cap, batch, q in _plan(args.rows.split(","), quantize, batches, caps):
         cmd = [sys.executable, "-m", "bench.program.bench_caption", "--row", kind, "--cap", str(cap), "--work",
                str(args.work), "--batches", str(batch), "--tokens", str(args.tokens), "--quantize", q,
-               "--model-family", args.model_family] + (["--small"] if args.small else [])
+               "--model-family", args.model_family, "--decode-placement", args.decode_placement] + \
+            (["--small"] if args.small else [])
         t = time.perf_counter()
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout,
@@ -397,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"{name}{' (small)' if args.small else ''} random weights ({nbytes / 1e9:.1f} GB bf16), "
              f"{args.images} images of {args.px} px, {args.tokens} new tokens each, "
              f"{result['device']}, torch {result['torch']}, {result['date']}", "",
-             "| row | quantize | batch | cap GB | images/s | generate s | load + rest s | streamed fraction | "
+             "| row | quantize | batch | cap GB | images/s | generate s | load + rest s | streamed fraction (decode) | "
              "peak reserved GB | auto's estimate GB | peak RSS GB | anon RSS at end GB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -407,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         f = lambda x: "" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)  # noqa: E731
         lines.append(f"{head} {f(r['images_per_s'])} | {f(r['generate_s'])} | {f(r['load_and_rest_s'])} | "
-                     f"{f(r.get('fraction'))} | {f(r['peak_reserved_gb'])} | {f(r.get('estimate_gb'))} | "
+                     f"{f(r.get('fraction'))} ({f(r.get('decode_fraction'))}) | {f(r['peak_reserved_gb'])} | {f(r.get('estimate_gb'))} | "
                      f"{f(r.get('VmHWM'))} | "
                      f"{f(r.get('RssAnon'))} |")
     (args.out / "caption.md").write_text("\n".join(lines) + "\n")

@@ -61,6 +61,7 @@ class CaptionSummary:
     skipped: int = 0  # a caption existed (no --overwrite)
     failed: list[tuple[Path, str]] = field(default_factory=list)
     fraction: float = 0.0
+    decode_fraction: float = 0.0  # the decode steps' (below `fraction` under --offload auto: vlm.py's essay)
 
     def line(self) -> str:
         return (f"captions: {len(self.written)} written, {self.skipped} skipped (caption exists), "
@@ -94,6 +95,16 @@ def _fraction(req: CaptionRequest, model, blocks, device: torch.device, tokens: 
         _say("offload: auto -> 0 on the CPU (there is no second memory to save)")
         return 0.0
     return vlm.auto_fraction(model, blocks, budget, batch, tokens, _say)
+
+
+def _decode_fraction(req: CaptionRequest, model, blocks, device: torch.device, tokens: int, batch: int,
+                     fraction: float) -> float:
+    """Under `--offload auto` on a GPU, the fraction of the decode steps (vlm.py's essay, Decode placement): at
+    most the prefill's; a given `--offload` keeps its one placement."""
+    budget = _budget(device)
+    if req.offload != "auto" or budget is None:
+        return fraction
+    return vlm.decode_fraction(model, blocks, budget, batch, tokens, fraction, _say)
 
 
 def _default_batch(req: CaptionRequest, model, blocks, device: torch.device, tokens: int, batch: int) -> int:
@@ -181,6 +192,27 @@ def _caption_batch(model, processor, gc, device, dtype, req: CaptionRequest, row
         summary.written.append(path)
 
 
+def _caption_in_memory(model, processor, gc, device, dtype, req: CaptionRequest, rows, summary: CaptionSummary,
+                       handle) -> None:
+    """`_caption_batch`; out of memory with the decode placement on, the decode steps keep the prefill's layers
+    from then on (said once) and the rows not yet written run again (greedy: the same captions); out of memory
+    otherwise, one line that names the fix."""
+    for attempt in range(2):
+        try:
+            _caption_batch(model, processor, gc, device, dtype, req, rows, summary)
+            return
+        except torch.OutOfMemoryError:
+            pass  # handled below, outside the except clause: its traceback holds the batch's tensors
+        if attempt or handle is None or not handle.decode_off():
+            raise UserError(f"out of memory captioning a batch of {len(rows)} at --offload {summary.fraction:g}: "
+                            "lower --batch or raise --offload")
+        _say(f"offload: out of memory with the decode steps at {summary.decode_fraction:g}: they run at "
+             f"{summary.fraction:g} from now on (the prefill's layers)")
+        summary.decode_fraction = summary.fraction
+        done = set(summary.written) | {p for p, _ in summary.failed}
+        rows = [r for r in rows if r[0] not in done]
+
+
 def _device(req: CaptionRequest) -> torch.device:
     if req.device is not None:
         return torch.device(req.device)
@@ -218,18 +250,17 @@ def run_caption(req: CaptionRequest) -> CaptionSummary:
     tokens = _tokens_per_row(processor, req)
     batch = _default_batch(req, model, blocks, device, tokens, batch)
     summary.fraction = _fraction(req, model, blocks, device, tokens, batch)
+    summary.decode_fraction = _decode_fraction(req, model, blocks, device, tokens, batch, summary.fraction)
     handle = vlm.place(model, blocks, device, summary.fraction)
+    if handle is not None and summary.decode_fraction < summary.fraction:
+        handle.decode_at(model, summary.decode_fraction, _say)
     gc = vlm.greedy_config(model, processor, req.max_new_tokens)
     progress = _Progress(len(todo))
     try:
         for paths in _batches(todo, batch):
             rows = _read(paths, req.frames, summary)
             if rows:
-                try:
-                    _caption_batch(model, processor, gc, device, dtype, req, rows, summary)
-                except torch.OutOfMemoryError:
-                    raise UserError(f"out of memory captioning a batch of {len(rows)} at --offload "
-                                    f"{summary.fraction:g}: lower --batch or raise --offload") from None
+                _caption_in_memory(model, processor, gc, device, dtype, req, rows, summary, handle)
             progress.update(len(paths))
     except KeyboardInterrupt as e:
         progress.close()

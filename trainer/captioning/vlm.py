@@ -97,6 +97,31 @@ streamed, fp8 under 7 GB on an H200: 0.981 images/s at 8 against 0.642 at 4 (ben
 Under 7 GB the fp8 model would fit a batch of 16 as well (0.714), bf16 too (0.892); a default above 8 is not
 measured. Qwen3-VL-8B under 7 GB fits 8 in bf16 (0.833) and fp8 (0.555), 16 in fp8 (0.916), not in bf16.
 
+Decode placement (`--offload auto` on a GPU: `decode_fraction`, `Placement.decode_at`). The prefill's activations
+(the 1.35 x above, the tower's pass) are gone once it is done, and the decode steps that follow (one token a row,
+`max_new_tokens` of them) each copy the streamed layers again. So the decode steps get their own, smaller fraction:
+the smallest of `block_grid`, at most the prefill's, whose `estimate(decode=True)` fits the same budget
+(`decode_activation_bytes` instead of the prefill's: the batch's pixels `generate` holds throughout, the keys and
+values repeated to every head for sdpa, one layer's cache grown by `torch.cat`), printed as a second `offload: auto
+-> ...` line with the bytes per new token at both. A forward pre-hook on the model switches: a forward whose KV
+cache already holds tokens (a decode step) calls the conductor's `hold(decode fraction)`, any other (a batch's
+prefill, before its vision tower) `hold(None)`. `hold` keeps the ring, its fixed layers and their offsets, and holds
+as many of the streamed layers as the decode fraction's extra bytes take, each in its own allocation outside the
+ring, copied once from the arena (plan.py `held_plan`; one allocation per layer, not one block of all of them, fits
+memory the prefill left in pieces); `hold(None)` frees them (their host bytes are current: frozen) before the next
+prefill allocates. Each switch restarts the ring's plan at its step 0 (its first streamed layers copied again, as
+`unpark`): per batch, the held layers once plus about four layers, against the held layers' copies saved at each of
+the decode steps. Where a held layer cannot be allocated (an OutOfMemoryError: the allocator could not find the
+bytes among what the batch left), nothing is held and that batch decodes with the prefill's placement (said once);
+out of memory later in a batch (a decode step's, as the KV cache grows by `torch.cat` in memory the prefill left in
+pieces) ends the decode placement for the run and that batch runs again (captioner.py `_caption_in_memory`: greedy,
+the same captions; one line). Greedy captions are the resident model's (tests/test_caption_decode.py: both families,
+bf16 and fp8, decode fractions 0.25 and 0, two batches; every decode step copies exactly one layer fewer at 0.25,
+none at 0; an out of memory in a decode step). By the estimate, at a 7 GB cap with fp8, batch 8, 1024 px images and
+64 new tokens: Qwen3-VL-8B prefills at 0.555 and decodes at 0.5 (4.25 -> 3.86 GB per new token), Qwen2.5-VL-7B 0.428
+and 0.321 (3.27 -> 2.57 GB); predictions, not yet measured (the decode estimate counts the allocator's 1.35 on its
+activations; the KV cache's `torch.cat` growth is the part a GPU run has to confirm).
+
 Decoding is greedy (`do_sample=False`, the model's own repetition penalty kept): captions are then a function of
 the image, the prompt and the weights, equal with and without streaming.
 """
@@ -470,6 +495,26 @@ def activation_bytes(model: nn.Module, batch: int, tokens: int, *, mlp_rows: int
     return inputs + max(vision, attention, mlp)
 
 
+def decode_activation_bytes(model: nn.Module, batch: int, tokens: int) -> int:
+    """A decode step's largest live activations (one new token per row, `tokens` cached), allocated bytes: the
+    inputs `generate` holds through every step (the batch's pixels, as in `activation_bytes`), the keys and values
+    repeated to every head for sdpa and the batch x tokens mask, and one layer's cache grown by `torch.cat`
+    (DynamicCache: the old and the new keys and values at once). The rest (a row's hidden state, the last
+    position's logits) is a few MB: the workspace's."""
+    text = model.config.get_text_config()
+    elem = model.get_input_embeddings().weight.element_size()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    repeated = 2 * batch * heads * tokens * head_dim * elem + batch * tokens * elem
+    grown = 2 * kv_bytes(model, 1, batch, tokens)
+    pixels = 0
+    vc = getattr(model.config, "vision_config", None)
+    if vc is not None:
+        pixel = vc.in_channels * getattr(vc, "temporal_patch_size", 1) * vc.patch_size ** 2
+        pixels = batch * tokens * getattr(vc, "spatial_merge_size", 2) ** 2 * pixel * elem
+    return pixels + repeated + grown
+
+
 def dequantized_bytes(model: nn.Module) -> int:
     """--quantize: the largest dequantized temporary of one 8-bit Linear (its weight in the model dtype, scaled in
     place: `quant.dequantize`; the head's `HEAD_ROWS` slice); 0 without."""
@@ -488,14 +533,15 @@ def kv_bytes(model: nn.Module, layers: int, batch: int, tokens: int) -> int:
 
 
 def estimate(model: nn.Module, blocks: list[nn.Module], batch: int, tokens: int,
-             bounded: bool = True) -> Callable[[float], float]:
+             bounded: bool = True, decode: bool = False) -> Callable[[float], float]:
     """Reserved bytes `--offload auto` expects at a fraction (module essay): the ring (`capacity_for`), the
     weights outside the layers on the device (when streaming: without the embedding, `cpu_embedding`, and with
     the vision tower's two-block ring instead of its blocks, `vision_blocks`), the KV cache, the allocator's
     overhead on `activation_bytes`, the dequantized temporary and the workspace. `bounded=False`: as runs before
     `bound_prefill`, the CPU embedding, the streamed tower and the in-place dequantize (the vision tower over the
     batch at once, the MLP over every token, the embedding and the tower on the device, two dequantized
-    temporaries), to compare with those runs' measurements."""
+    temporaries), to compare with those runs' measurements. `decode`: the decode steps' bytes, at the fraction of
+    the layers they keep (`decode_fraction`): `decode_activation_bytes` instead of the prefill's."""
     from ..offload.plan import capacity_for
     from ..planner.prediction import ALLOCATOR_OVERHEAD, WORKSPACE
 
@@ -506,8 +552,8 @@ def estimate(model: nn.Module, blocks: list[nn.Module], batch: int, tokens: int,
     on_cpu = _bytes(emb.parameters()) if emb is not None else 0
     tower = block_sizes(vision_blocks(model)) if bounded else []
     off_device = on_cpu + sum(tower) - (capacity_for(tower, 1.0) if tower else 0)  # streamed: the tower's ring
-    act = activation_bytes(model, batch, tokens) if bounded else \
-        activation_bytes(model, batch, tokens, mlp_rows=None, vision_images=batch)
+    act = decode_activation_bytes(model, batch, tokens) if decode else activation_bytes(model, batch, tokens) \
+        if bounded else activation_bytes(model, batch, tokens, mlp_rows=None, vision_images=batch)
     deq = dequantized_bytes(model) * (1 if bounded else 2)  # those runs' dequantize: an up-cast and a product
     rest = kv_bytes(model, len(blocks), batch, tokens) + ALLOCATOR_OVERHEAD * act + deq + WORKSPACE
 
@@ -537,6 +583,25 @@ def auto_fraction(model: nn.Module, blocks: list[nn.Module], budget: float, batc
     return fit
 
 
+def decode_fraction(model: nn.Module, blocks: list[nn.Module], budget: float, batch: int, tokens: int,
+                    fraction: float, say: Callable[[str], None]) -> float:
+    """`--offload auto`'s placement for the decode steps (module essay, Decode placement): the smallest fraction
+    of `block_grid`, at most the prefill's `fraction`, whose decode `estimate` fits `budget` with the planner's
+    margin; `fraction` where none below it does (or it is 0)."""
+    from ..planner.prediction import GB, PREDICTION_MARGIN, first_fit
+
+    if fraction <= 0:
+        return fraction
+    need = estimate(model, blocks, batch, tokens, decode=True)
+    limit = budget * (1 - PREDICTION_MARGIN)
+    fit = first_fit(lambda f: need(f) <= limit, [f for f in block_grid(block_sizes(blocks)) if f <= fraction])
+    fit = fraction if fit is None else fit
+    say(f"offload: auto -> {fit:g} for the decode steps (estimated {need(fit) / GB:.1f} GB; "
+        f"{streamed_bytes(blocks, fraction, fit) / GB:.2f} GB streamed per new token, "
+        f"{streamed_bytes(blocks, fraction) / GB:.2f} at {fraction:g})")
+    return fit
+
+
 def block_sizes(blocks: list[nn.Module]) -> list[int]:
     """Each block's bytes as it is held (its parameters and buffers: 8-bit after `quantize_decoder`)."""
     return [_bytes(b.parameters()) + _bytes(b.buffers()) for b in blocks]
@@ -553,15 +618,19 @@ def block_grid(sizes: list[int]) -> list[float]:
     return sorted(grid)
 
 
-def streamed_bytes(blocks: list[nn.Module], fraction: float) -> int:
+def streamed_bytes(blocks: list[nn.Module], fraction: float, decode: float | None = None) -> int:
     """Bytes the conductor copies over the bus per pass of the decoder (the prefill, then each new token) at
-    `fraction`: its sampling plan's (`plan_for`), from the blocks' bytes as held (the packing's alignment apart)."""
-    from ..offload.plan import capacity_for, plan_for
+    `fraction`: its sampling plan's (`plan_for`), from the blocks' bytes as held (the packing's alignment apart);
+    with `decode` (a smaller fraction), a decode step's: the plan holding what `decode` keeps (`held_plan`)."""
+    from ..offload.plan import capacity_for, held_plan, plan_for
 
     sizes = block_sizes(blocks)
     if fraction <= 0:
         return 0
-    return plan_for(sizes, capacity_for(sizes, fraction), "sample").bytes_per_step()
+    plan = plan_for(sizes, capacity_for(sizes, fraction), "sample")
+    if decode is not None and decode < fraction:
+        plan = held_plan(plan, capacity_for(sizes, decode) - plan.capacity)
+    return plan.bytes_per_step()
 
 
 def cpu_embedding(model: nn.Module) -> nn.Module | None:
@@ -622,11 +691,41 @@ class Placement:
 
     def __init__(self, decoder, vision):
         self.decoder, self.vision = decoder, vision
+        self._hook = None
 
     def stats(self) -> dict:
         return self.decoder.stats()
 
+    def decode_at(self, model: nn.Module, fraction: float, say: Callable[[str], None]) -> None:
+        """The decode placement (module essay): each forward of `model` whose KV cache holds tokens already (a
+        decode step of `generate`) runs with the layers `fraction` keeps resident (the conductor's `hold`), every
+        other one (a batch's prefill, before its vision tower) with those of `place`'s fraction. Where the held
+        layers cannot be allocated, that batch decodes as it prefilled (said once)."""
+        warned = []
+
+        def switch(module, args, kwargs):
+            cache = kwargs.get("past_key_values")
+            decoding = cache is not None and cache.get_seq_length() > 0  # host-side length: no sync
+            if not self.decoder.hold(fraction if decoding else None) and not warned:
+                warned.append(1)
+                say(f"offload: the decode steps' layers at {fraction:g} could not be allocated: those batches "
+                    "decode with the prefill's")
+
+        self._hook = model.register_forward_pre_hook(switch, with_kwargs=True)
+
+    def decode_off(self) -> bool:
+        """The decode placement ended (its layers given back, the decode steps at `place`'s fraction from now on);
+        False where there was none."""
+        if self._hook is None:
+            return False
+        self._hook.remove()
+        self._hook = None
+        self.decoder.hold(None)
+        return True
+
     def close(self, keep_weights: bool = True) -> None:
+        if self._hook is not None:
+            self._hook.remove()
         self.decoder.close(keep_weights)
         if self.vision is not None:
             self.vision.close(keep_weights)

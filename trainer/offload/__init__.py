@@ -46,6 +46,9 @@ Public interface (everything else in this package is internal):
                            taken again with the plan's initial blocks; one handle runs at a time
     handle.park(disk=True) -> (parkable, frozen, attached with `fill`) the arena freed too: no host bytes; `unpark`
                            reads the blocks from the files again (bitwise the same bytes)
+    handle.hold(fraction) -> (sampling, frozen, not parkable) between passes: beyond the ring, the streamed blocks
+                           that `fraction` would keep stay on the device, each in its own allocation, until
+                           hold(None); False where that allocation failed (nothing changed)
     handle.share_activations(other) -> use `other`'s activation offloader (one pinned buffer for models run in turn)
     handle.release_activations() -> between steps: the activation offloader's pinned buffers given back (the next
                            training forward takes one again)
@@ -142,6 +145,12 @@ class OffloadHandle:
     def unpark(self) -> None:
         """The ring taken again, the plan's initial blocks copied in; the next pass starts a step."""
         self._c.unpark()
+
+    def hold(self, fraction: float | None) -> bool:
+        """Between passes of a sampling plan: keep on the device what `fraction` would, beyond the ring (each
+        held block in its own allocation, copied once), or (None) give those blocks back; False where an
+        allocation failed and nothing changed (conductor `hold`)."""
+        return self._c.hold(fraction)
 
     @property
     def parked(self) -> bool:

@@ -89,12 +89,15 @@ from torch import nn
 
 from .activations import ActivationOffloader
 from .allocators import BlockPacking, HostArena, Ring, Staging
-from .plan import BWD, FWD, Plan, capacity_for, plan_for
+from .plan import BWD, FWD, Plan, capacity_for, held_plan, plan_for
 from .plan import inputs_on_device as plan_inputs_on_device
 
 
 def _nothing() -> None:
     pass
+
+
+_HELD = -1  # `params_at` of a block whose parameters point at its held copy (`Conductor.hold`)
 
 
 class _RingView(NamedTuple):
@@ -369,6 +372,10 @@ class Conductor:
         the first step's tables: the conductor is at the start of step 0."""
         self.loaded_event: dict[int, object] = {}
         self.dirty: set[int] = set()
+        self.base_plan = self.plan  # the constructor's plan: `hold` switches to a variant of it and back
+        #: block -> its copy on the device outside the ring, while the plan holds it (`hold`)
+        self.held: dict[int, torch.Tensor] = {}
+        self._held_plans: dict[float | None, Plan] = {}  # `hold`'s plan per fraction
         if self.cuda:
             self.h2d = torch.cuda.Stream(self.device)
             self.d2h = torch.cuda.Stream(self.device) if self.trainable else None
@@ -416,6 +423,11 @@ class Conductor:
         self.cursor = target
         if phase == BWD and self.trainable:
             self.dirty.add(i)  # its fused optimizer step runs in this backward
+        if i in self.held:  # on the device outside the ring for this plan (`hold`): its copy is awaited there
+            if self.params_at[i] != _HELD:
+                self.packs[i].point_at(self.packs[i].views(self.held[i]))
+                self.params_at[i] = _HELD
+            return
         off = self.ring_offset[i]
         if off is None:
             raise RuntimeError(f"offload: block {i} is not resident at plan position {target} (plan bug)")
@@ -633,6 +645,7 @@ class Conductor:
         }
         if self.streaming:
             out["fraction_in_ram"] = 1.0 - self.plan.capacity / max(1, out["block_bytes"])
+            out["held_bytes"] = sum(t.numel() for t in self.held.values())  # outside the ring (`hold`)
             out["parking_pinned_bytes"] = self._park_buf.pinned_bytes if self._park_buf is not None else 0
             # host bytes this conductor's blocks hold (arena + parking buffer), pinned or not: 0 parked on disk
             out["host_bytes"] = (self.arena.buf.numel() if self.arena.nbytes > 0 else 0) + (
@@ -674,6 +687,66 @@ class Conductor:
         if b in self.host_off:
             return self.arena.region(self.host_off[b], self.plan.sizes[b])
         return self._park_buf.region(self._park_off[b], self.plan.sizes[b])
+
+    # ------------------------------------------------------------------------------------------ holding
+    def hold(self, fraction: float | None) -> bool:
+        """Between two passes of a sampling plan of frozen blocks: keep on the device what `fraction` would keep
+        (`capacity_for`) beyond this ring, as streamed blocks each held in its own allocation outside the ring
+        (plan.py `held_plan`: the same ring, the fixed blocks where they are), the rest streaming as before; None
+        (or a fraction not below the constructor's) gives them back and runs the constructor's plan again. The
+        new plan starts at its step 0: the blocks it holds and those its ring starts with that are not there
+        yet are copied from their host bytes on the transfer stream once the compute stream is past every
+        earlier kernel (as `unpark`: a load of the old plan still in flight lands first), and compute waits for
+        them. A captioner holds more layers for the decode steps of `generate` than its prefill's activations
+        leave room for (trainer/captioning/vlm.py). Allocations: one per newly held block; where one fails the
+        plan stays as it is and False is returned (nothing is half held)."""
+        if not self.streaming or self.mode != "sample" or self.trainable or self.parkable or self.gather:
+            raise ValueError("offload: hold needs a streamed sampling plan of frozen blocks (not parkable, not "
+                             "sharded)")
+        plan = self._held_plans.get(fraction)
+        if plan is None:  # once per fraction: `held_plan` simulates the ring
+            base = self.base_plan
+            more = 0 if fraction is None else capacity_for(base.sizes, fraction) - base.capacity
+            plan = self._held_plans[fraction] = held_plan(base, more) if more > 0 else base
+        if plan.held == self.plan.held:
+            return True
+        sizes = plan.sizes
+        try:  # one allocation per newly held block, on the compute stream (host order: before the copies)
+            fresh = {b: torch.empty(sizes[b], dtype=torch.uint8, device=self.device)
+                     for b in sorted(plan.held - set(self.held))}
+        except torch.OutOfMemoryError:
+            return False
+        for b in set(self.held) - plan.held:  # frozen: its host bytes are current; the device copy is freed
+            self.packs[b].point_at(self.packs[b].views(self._host_region(b)))
+            self.params_at[b] = None
+            del self.held[b]
+        starts = {b: off for b, off in plan.initial.items() if b not in plan.fixed}
+        for b in range(len(self.blocks)):  # a streamed block not where the new plan starts it may be overwritten
+            if b not in plan.fixed and self.ring_offset[b] is not None and starts.get(b) != self.ring_offset[b]:
+                self.ring_offset[b] = self.params_at[b] = None
+        copies = [(self.held.setdefault(b, t), b) for b, t in fresh.items()]
+        copies += [(self.ring.region(off, sizes[b]), b) for b, off in starts.items() if self.ring_offset[b] != off]
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        if self.cuda:
+            ev = compute.record_event()
+            with torch.cuda.stream(self.h2d):
+                self.h2d.wait_event(ev)
+                for dst, b in copies:
+                    self._load(dst, self._host_region(b))
+                done = self.h2d.record_event()
+            compute.wait_event(done)
+        else:
+            for dst, b in copies:
+                self._load(dst, self._host_region(b))
+        self.loaded_event.clear()  # compute has waited for every copy issued so far
+        for b, off in starts.items():
+            self.ring_offset[b] = off
+        self.plan = plan
+        self.step += 1  # as `unpark`: the new plan's step 0 starts at the next pass
+        self._step0 = self.step
+        self.cursor = 0
+        self._new_step_tables()
+        return True
 
     # ------------------------------------------------------------------------------------------ parking
     def park(self, disk: bool = False) -> None:
@@ -796,6 +869,7 @@ class Conductor:
                         e.tensor().data = t
                     else:
                         e.module._buffers[e.name] = t
+            self.held.clear()
             self.arena.close()
             if self._park_buf is not None:
                 self._park_buf.close()

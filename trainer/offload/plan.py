@@ -87,6 +87,8 @@ class Plan:
     steps: tuple[tuple[Load, ...], ...]  # loads issued during step i, in issue order
     loop: int  # steps[loop:] repeat for ever
     states: tuple[dict[int, int], ...] = field(default=(), repr=False)  # residency at each step start
+    fixed: frozenset[int] = frozenset()  # blocks at the start of the ring for good (`make_plan`'s)
+    held: frozenset[int] = frozenset()  # blocks on the device outside the ring: never loaded (`held_plan`)
 
     def step_loads(self, step: int) -> tuple[Load, ...]:
         return self.steps[self._index(step)]
@@ -193,10 +195,12 @@ def make_plan(
     mode: str,
     max_steps: int = 64,
     fixed: frozenset[int] | set[int] = frozenset(),
+    held: frozenset[int] | set[int] = frozenset(),
 ) -> Plan:
     """Simulate the ring until its state at a step boundary repeats; see the module docstring.
 
-    `fixed` blocks sit at the start of the ring for good; the others stream through the rest of it. The ring
+    `fixed` blocks sit at the start of the ring for good; `held` ones are on the device outside the ring (never
+    loaded, no ring bytes: `held_plan`); the others stream through the rest of it. The ring
     starts filled (`_Ring.fill`), runs whole steps until a step starts as an earlier one did (`_Ring.run`), and
     its loads are then grouped by the step their release point falls in (`_loads_per_step`)."""
     sizes = tuple(int(s) for s in sizes)
@@ -205,7 +209,7 @@ def make_plan(
     if max(sizes) > capacity:
         raise PlanError(f"ring of {capacity} bytes is smaller than the largest block ({max(sizes)} bytes)")
     seq = sequence_for(mode, len(sizes))
-    ring = _Ring(sizes, capacity, seq, fixed)
+    ring = _Ring(sizes, capacity, seq, frozenset(fixed), frozenset(held))
     initial = ring.fill()
     loop, nsteps = ring.run(max_steps)
     for ld in ring.loads:  # loads with after == -1 fit in free space at the start: they join the initial state
@@ -220,6 +224,8 @@ def make_plan(
         steps=_loads_per_step(ring.loads, nsteps, len(seq)),
         loop=loop,
         states=tuple(ring.states[:nsteps]),
+        fixed=frozenset(fixed),
+        held=frozenset(held),
     )
 
 
@@ -228,8 +234,9 @@ class _Ring:
     and the loads issued so far. Positions count executions from the first step on (`t`)."""
 
     def __init__(self, sizes: tuple[int, ...], capacity: int, seq: tuple[tuple[str, int], ...],
-                 fixed: frozenset[int] | set[int]):
-        self.sizes, self.capacity, self.seq, self.fixed = sizes, capacity, seq, fixed
+                 fixed: frozenset[int], held: frozenset[int] = frozenset()):
+        self.sizes, self.capacity, self.seq, self.fixed = sizes, capacity, seq, fixed | held
+        self.held = held  # in `fixed` for the walk (never loaded), but given no ring bytes
         self.fixed_at: dict[int, int] = {}  # fixed block -> ring offset
         self.base = 0  # end of the fixed blocks: the streamed ones wrap inside [base, capacity)
         self.res: dict[int, tuple[int, int]] = {}  # streamed block -> (offset, loaded_for position)
@@ -243,7 +250,7 @@ class _Ring:
     def fill(self) -> dict[int, int]:
         """The state before the first step, {block: offset}: the fixed blocks first, then the others in
         first-use order, packed upwards while they fit."""
-        for b in sorted(self.fixed):
+        for b in sorted(self.fixed - self.held):
             self.fixed_at[b] = self.base
             self.base += self.sizes[b]
         streamed = [b for b in range(len(self.sizes)) if b not in self.fixed]
@@ -275,7 +282,7 @@ class _Ring:
                     self._step()
                 return seen[key], step
             seen[key] = step
-            self.states.append({**{b: self.fixed_at[b] for b in self.fixed},
+            self.states.append({**self.fixed_at,
                                 **{b: off for b, (off, _) in self.res.items()}})
             self._step()
         raise PlanError(f"schedule did not become periodic within {max_steps} steps")
@@ -352,6 +359,31 @@ def plan_for(sizes: list[int] | tuple[int, ...], capacity: int, mode: str, min_b
             if alt.bytes_per_step() < plan.bytes_per_step():
                 plan = alt
     return plan
+
+
+
+def held_plan(plan: Plan, held_bytes: int) -> Plan:
+    """A sampling `plan` with up to `held_bytes` more of its blocks on the device: as many of its streamed blocks
+    as fit in them (in block order, each whole) held outside the ring, the rest streaming through the same ring
+    beside the same fixed blocks at the same offsets. So the conductor switches to it and back without moving a
+    fixed block (`Conductor.hold`): each held block is copied once from its host bytes, and each step then moves
+    that many bytes fewer. `plan` itself where nothing fits, or where the variant would load or move a block that
+    `plan` never streams (one without host bytes: a block a cyclic plan never evicts)."""
+    if plan.mode != "sample":
+        raise ValueError("held_plan: a sampling plan (cyclic forward) only")
+    held, used = set(), 0
+    for b in plan.streamed:
+        if used + plan.sizes[b] <= held_bytes:
+            held.add(b)
+            used += plan.sizes[b]
+    if not held:
+        return plan
+    alt = make_plan(plan.sizes, plan.capacity, plan.mode, fixed=plan.fixed, held=held)
+    streamed = set(plan.streamed)
+    if not set(alt.streamed) <= streamed or any(alt.initial.get(b) != off for b, off in plan.initial.items()
+                                                 if b not in streamed):
+        return plan
+    return alt
 
 
 # ------------------------------------------------------------------------------------ diagrams (tests, docs)
