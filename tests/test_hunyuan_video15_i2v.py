@@ -217,3 +217,31 @@ def test_fit_refuses_a_sample_size_the_pipeline_would_not_make_before_training(m
     with pytest.raises(UserError, match="64x64, not 80x64; set --width 64 --height 64"):
         Trainer(wide).fit()
     assert steps == []
+
+
+def test_sample_with_an_image_and_no_size_samples_at_the_size_the_pipeline_picks_for_it(model, clip, tmp_path):
+    """`dittrain sample --image` without --width / --height: the size this folder's pipeline picks for that image
+    (a portrait image gives a portrait video, not the config's landscape size with the image cut to it); given
+    sizes are kept (and refused where the pipeline would not make them)."""
+    import diffusers
+
+    from trainer.models import get_adapter
+    from trainer.sample import resolve
+
+    cfg = _config(model, clip, tmp_path)
+    portrait = tmp_path / "portrait.png"
+    Image.fromarray((np.random.RandomState(2).rand(120, 72, 3) * 255).astype(np.uint8)).save(portrait)
+    pipe = diffusers.HunyuanVideo15ImageToVideoPipeline.from_pretrained(str(model), local_files_only=True)
+    h, w = pipe.video_processor.calculate_default_height_width(height=120, width=72, target_size=pipe.target_size)
+    assert h > w and (w, h) != (cfg.sample.width, cfg.sample.height)
+    adapter = get_adapter(cfg.model)
+    s = resolve(cfg, SampleRequest(prompts=[PROMPT], image=portrait), adapter).settings
+    assert (s.width, s.height) == (w, h)
+    s = resolve(cfg, SampleRequest(prompts=[PROMPT], image=portrait, width=64, height=64), adapter).settings
+    assert (s.width, s.height) == (64, 64)
+    (video, _) = run_sample(cfg, SampleRequest(prompts=[PROMPT], image=portrait, steps=1, out=tmp_path / "p"))
+    import av
+
+    with av.open(str(video)) as f:
+        stream = f.streams.video[0]
+        assert (stream.codec_context.width, stream.codec_context.height) == (w, h)

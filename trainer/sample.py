@@ -103,6 +103,11 @@ def resolve(cfg: Config, req: SampleRequest, adapter) -> SamplePlan:
     check_size(width, height, adapter.resolution_divisor, adapter.family)
     image = req.image if req.image is not None else s.image
     check_image(image, adapter)
+    if isinstance(req.image, str | Path) and req.width is None and req.height is None:
+        from .data.images import open_image
+
+        picked = adapter.image_sample_size(*open_image(req.image).size)  # a pipeline that picks it from the image
+        width, height = picked or (width, height)
     frames = req.frames if req.frames is not None else s.frames
     check_frames(frames, adapter)
     if req.num < 1:

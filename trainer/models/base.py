@@ -706,6 +706,12 @@ class ModelAdapter(ABC):
         """Pipeline call kwargs carrying the reference image (a PIL image of the sample's size; None: none)."""
         return {}
 
+    def image_sample_size(self, width: int, height: int) -> tuple[int, int] | None:
+        """Where the family's pipeline picks the sample's size from the image (HunyuanVideo 1.5 I2V), the (width,
+        height) it picks for an image of width x height with this folder's transformer: `dittrain sample --image`
+        without --width / --height samples at it. None elsewhere (the image is cut to the sample's size)."""
+        return None
+
     @classmethod
     def sample_frame(cls, width: int, height: int) -> tuple[int, int]:
         """The (width, height) a sample asked at width x height comes out at, for the presets' `sample` size: the

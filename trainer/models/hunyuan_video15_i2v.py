@@ -18,7 +18,10 @@ image trains as a one-frame clip conditioned on itself). SigLIP and its processo
 kept beside it as `vae.hunyuan_image_encoder` (not a registered submodule), as Wan 2.1 I2V keeps CLIP.
 
 Sampling takes `--image` (`sample.image` during a fit). The pipeline has no height / width arguments: the sample is
-the size it picks for the image (`pipeline_image` refuses another size in one line naming it).
+the size it picks for the image (`pipeline_image` refuses another size in one line naming it). So `dittrain sample
+--image` without --width / --height samples at the size it picks for that image (`image_sample_size`: a portrait
+image gives a portrait video, not the config's size with the image cut to it), and the presets ask a size it picks
+(`sample_frame`: 816x480 for an 832x480 frame).
 
 Left out: the step-distilled I2V models' settings (their folders load; sample them at their guider's scale).
 """
@@ -62,6 +65,14 @@ class HunyuanVideo15ImageToVideoPipeline(diffusers.HunyuanVideo15ImageToVideoPip
 
 #: the attribute of the VAE module that holds (image encoder, its processor)
 _ATTR = "hunyuan_image_encoder"
+
+
+def _picked_size(width: int, height: int, target_size: int, scale: int) -> tuple[int, int]:
+    """(width, height) the pipeline picks for an image of width x height: of its buckets of about target_size^2
+    pixels (sides divisible by the VAE's `scale`), the one closest in aspect ratio (`calculate_default_height_width`)."""
+    h, w = HunyuanVideo15ImageProcessor(vae_scale_factor=scale).calculate_default_height_width(
+        height=height, width=width, target_size=target_size)
+    return w, h
 
 
 def tiny_pipeline_i2v() -> diffusers.HunyuanVideo15ImageToVideoPipeline:
@@ -190,12 +201,14 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
 
     @classmethod
     def sample_frame(cls, width: int, height: int) -> tuple[int, int]:
-        """The size the pipeline picks for an image of width x height: of its buckets of about `target_size`^2
-        pixels (the released 480p I2V model's 640; the presets name it), the one closest in aspect ratio. 832x480
-        comes out 816x480."""
-        h, w = HunyuanVideo15ImageProcessor(vae_scale_factor=cls.latent_scale).calculate_default_height_width(
-            height=height, width=width, target_size=cls.full_config["target_size"])
-        return w, h
+        """The size the released 480p I2V model's pipeline picks for an image of width x height (the presets name
+        it): 832x480 comes out 816x480."""
+        return _picked_size(width, height, cls.full_config["target_size"], cls.latent_scale)
+
+    def image_sample_size(self, width: int, height: int) -> tuple[int, int]:
+        """The size this folder's pipeline picks for an image of width x height (its transformer's `target_size`:
+        640 for the 480p model, 960 for the 720p one)."""
+        return _picked_size(width, height, self.transformer_config.get("target_size", 640), self.latent_scale)
 
     @classmethod
     def pipeline_image(cls, pipe, image) -> dict:
