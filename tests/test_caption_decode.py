@@ -145,3 +145,16 @@ def test_out_of_memory_in_decode_goes_on_at_the_prefills_fraction(models, tmp_pa
     monkeypatch.setattr(vlm, "generate", oom_in_decode(False))
     with pytest.raises(UserError, match=r"out of memory captioning a batch of \d at --offload 1: lower --batch"):
         _run(models, tmp_path / "again", "qwen3-vl", "fp8", 1.0, 0.25)
+
+
+def test_decode_placement_is_opt_in(monkeypatch, tmp_path):
+    """`dittrain caption --offload auto` decodes at the prefill's fraction unless the request asks for the decode
+    placement (measured slower on an H200, vlm.py's essay); asked, the decode steps get `vlm.decode_fraction`'s."""
+    monkeypatch.setattr(captioner, "_budget", lambda device: 7 * GB)
+    monkeypatch.setattr(vlm, "decode_fraction", lambda *a: 0.25)
+    req = captioner.CaptionRequest(data_dir=tmp_path, model=tmp_path)
+    assert captioner._decode_fraction(req, None, [], torch.device("cpu"), 64, 8, 0.5) == 0.5
+    req.decode_placement = True
+    assert captioner._decode_fraction(req, None, [], torch.device("cpu"), 64, 8, 0.5) == 0.25
+    req.offload = 0.5  # a given fraction keeps its one placement
+    assert captioner._decode_fraction(req, None, [], torch.device("cpu"), 64, 8, 0.5) == 0.5

@@ -82,7 +82,8 @@ reserved vs estimated: bf16 at fraction 1 under 7 GB 6.74 vs 7.06 GB, fp8 at 1 u
 measurement; bench/history/2026-11-27.md 22:25 and 14:05). For the same model with fp8 under a 7 GB cap (the budget
 is the cap), before the streamed tower, the one dequantized temporary and `block_grid`: 0.4 for a batch of 4 and
 0.55 for a batch of 8, estimated 6.46 and 6.40 GB against 6.39 and 5.83 GB reserved on an H200
-(bench/history/2026-11-28.md 04:04); with them 0.285 and 0.428 (estimated 6.7 and 6.6 GB; not yet measured).
+(bench/history/2026-11-28.md 04:04); with them 0.285 and 0.428 (estimated 6.7 and 6.6 GB; not yet measured for
+Qwen2.5-VL-7B; Qwen3-VL-8B at batch 8: 0.555, estimated 6.79 GB against 6.61 reserved, 2026-11-28 17:10).
 `streamed_bytes` is what a pass then copies over the bus (`bench_caption --estimate` prints it per row).
 
 Default batch (8 without `--batch`, halved while auto's estimate does not fit it even with every layer streamed:
@@ -97,7 +98,8 @@ streamed, fp8 under 7 GB on an H200: 0.981 images/s at 8 against 0.642 at 4 (ben
 Under 7 GB the fp8 model would fit a batch of 16 as well (0.714), bf16 too (0.892); a default above 8 is not
 measured. Qwen3-VL-8B under 7 GB fits 8 in bf16 (0.833) and fp8 (0.555), 16 in fp8 (0.916), not in bf16.
 
-Decode placement (`--offload auto` on a GPU: `decode_fraction`, `Placement.decode_at`). The prefill's activations
+Decode placement (`--offload auto` on a GPU with `CaptionRequest.decode_placement`, off in `dittrain caption`:
+measured slower, below; `decode_fraction`, `Placement.decode_at`). The prefill's activations
 (the 1.35 x above, the tower's pass) are gone once it is done, and the decode steps that follow (one token a row,
 `max_new_tokens` of them) each copy the streamed layers again. So the decode steps get their own, smaller fraction:
 the smallest of `block_grid`, at most the prefill's, whose `estimate(decode=True)` fits the same budget
@@ -119,8 +121,10 @@ the same captions; one line). Greedy captions are the resident model's (tests/te
 bf16 and fp8, decode fractions 0.25 and 0, two batches; every decode step copies exactly one layer fewer at 0.25,
 none at 0; an out of memory in a decode step). By the estimate, at a 7 GB cap with fp8, batch 8, 1024 px images and
 64 new tokens: Qwen3-VL-8B prefills at 0.555 and decodes at 0.5 (4.25 -> 3.86 GB per new token), Qwen2.5-VL-7B 0.428
-and 0.321 (3.27 -> 2.57 GB); predictions, not yet measured (the decode estimate counts the allocator's 1.35 on its
-activations; the KV cache's `torch.cat` growth is the part a GPU run has to confirm).
+and 0.321 (3.27 -> 2.57 GB). Measured for Qwen3-VL-8B on an H200 (bench/history/2026-11-28.md 17:10): slower,
+0.915 images/s against 1.087 at the prefill's placement, 6.81 GB reserved against 6.61 in the 7 GB cap; our reading
+(not profiled) is the caching allocator at the cap's edge giving blocks back and retrying as the KV cache grows by
+`torch.cat`. Hence off by default; the mechanism stays for a placement that leaves the allocator room.
 
 Decoding is greedy (`do_sample=False`, the model's own repetition penalty kept): captions are then a function of
 the image, the prompt and the weights, equal with and without streaming.
