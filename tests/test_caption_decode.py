@@ -158,3 +158,14 @@ def test_decode_placement_is_opt_in(monkeypatch, tmp_path):
     assert captioner._decode_fraction(req, None, [], torch.device("cpu"), 64, 8, 0.5) == 0.25
     req.offload = 0.5  # a given fraction keeps its one placement
     assert captioner._decode_fraction(req, None, [], torch.device("cpu"), 64, 8, 0.5) == 0.5
+
+
+@pytest.mark.parametrize(("offload", "quantize", "fraction", "said"), [
+    ("auto", "none", 0.75, True), ("auto", "none", 0.25, False), ("auto", "fp8", 0.75, False), (0.75, "none", 0.75,
+                                                                                                False)])
+def test_streaming_most_of_a_bf16_decoder_suggests_fp8(tmp_path, capsys, offload, quantize, fraction, said):
+    """`--offload auto` streaming at least half of a bf16 decoder says once that `--quantize fp8` halves the bytes
+    each new token copies; not for a given fraction, a quantized model or a mostly resident one."""
+    req = captioner.CaptionRequest(data_dir=tmp_path, model=tmp_path, offload=offload, quantize=quantize)
+    captioner._hint_quantize(req, fraction)
+    assert ("--quantize fp8 halves" in capsys.readouterr().err) == said
