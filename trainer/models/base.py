@@ -256,6 +256,10 @@ class ModelAdapter(ABC):
     #: parameters of an image encoder that sits beside the VAE while latents are cached (Wan 2.1 I2V's CLIP ViT-H:
     #: `encode_conditions` moves it to the VAE's device), counted in the planner's latent-caching phase
     cache_encoder_params: ClassVar[int] = 0
+    #: that image encoder also visits the GPU for each sample's image (HunyuanVideo 1.5 I2V's SigLIP: its
+    #: `encode_image`); the planner's sampling phase counts its weights, whose freed blocks stay reserved in the
+    #: CUDA cache through the denoising (Wan 2.1 I2V's pipeline runs CLIP where it waits, on the CPU)
+    sample_encoder_on_device: ClassVar[bool] = False
     #: the frame rate clips are read at where a config sets no `data.fps` (trainer/config.py), and samples are
     #: written at without a data section (trainer/sampling/output.py `video_fps`): 16, Wan's; LTX-2's positions
     #: are in seconds at its pipeline's 24

@@ -107,6 +107,7 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
     #: SigLIP so400m-patch14-384's vision model (27 layers of 1152, its pooling head too, as `SiglipVisionModel`
     #: builds it) beside the VAE while latents are cached (the planner's latent-caching phase)
     cache_encoder_params = 428_225_600
+    sample_encoder_on_device = True  # `encode_image` moves SigLIP to the GPU for its pass
 
     @classmethod
     def tiny_builders(cls):

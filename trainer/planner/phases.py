@@ -170,7 +170,9 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
         else:
             dec = min(sp, SAMPLE_TILE_PIXELS) * VAE_ACT_DECODE * ALLOCATOR_OVERHEAD
         size = f"{s.width}x{s.height}" + (f"x{s.frames}" if clip and s.frames > 1 else "")
-        out.append(PhasePrediction("sampling", train.static + vae + samp.kv_cache + others + samp.prompt
+        # an image encoder the sample's image visits the GPU for (its blocks stay reserved: `sample_encoder_on_device`)
+        image_enc = facts.adapter.cache_encoder_params * esize if facts.adapter.sample_encoder_on_device else 0
+        out.append(PhasePrediction("sampling", train.static + vae + image_enc + samp.kv_cache + others + samp.prompt
                                    + max(sample_act, dec) + WORKSPACE,
                                    between_steps + vae + component_ram(facts), f"every {s.every} steps, {size}"))
     state = (facts.trainable_params * 4 + facts.state_gpu) if facts.method == "lora" else model_bytes + sum(
