@@ -49,8 +49,23 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   way out (`saves_after_emptied_cache`: the final save after the last step's sample, with no periodic checkpoint),
   the step's static part and `WORKSPACE` (Wan 2.2 A14B at 720p x 81, both experts, every block streamed, a sample
   each step: 2.39 GB measured, 2.40 predicted, where the step's 31.52 had been printed; bench/history/2026-11-28.md
-  07:43); in RAM the training peak plus a host copy of the trained weights and optimizer state (safetensors
-  writes from CPU tensors).
+  07:43); in RAM what a process holds between steps plus what the save copies: LoRA's weights and state (to the
+  CPU for their files); a full fine-tune's tensors on the GPU alone (`save_copies`: safetensors writes a CPU
+  tensor from its memory, and a streamed block's weights and state are its host copies after `handle.sync()`),
+  the larger of the weights' file and the optimizer's, not the whole model and state (one of 4 processes,
+  Flux.1-dev Adafactor with masters, every block streamed: 15.4 GB measured, 144.7 predicted before, 15.8 now;
+  issue 40).
+Several processes of one host (`processes`, `shared`; the trainer's phase lines under torchrun): each line is one
+process's RAM as its anonymous RSS counts it. Where the streamed blocks' arena is the host's one /dev/shm file
+(trainer/train/streaming.py `shared_arena`: a LoRA's, or a full fine-tune's over the sharded stream) it is file
+pages, in no process's anonymous RSS: left out of every phase and said once for the node (prediction.py
+`shared_arena_bytes`, the load line's "node: ... shared arena"); a full fine-tune's owned steps (owners.py) keep 1/N
+of the streamed blocks' optimizer state (masters included) in each process, made at the first step (none at load).
+Where each process has its own arena (whole copies, no /dev/shm) the one-process figures stand. Issue 40's runs on
+4 x H200: the full fine-tune above measured 1.8 / 13.9 / 15.4 GB (load / step / save; 2.5 / 14.3 / 15.8 predicted,
+73.6 / 73.6 / 144.7 before) beside a 23.8 GB arena (23.67 predicted); Flux.1-dev's LoRA 48 GB preset 2.1 / 2.3 / 2.7
+(2.5 / 2.5 / 3.1; 14.2 / 14.2 / 14.8 before) beside its 11.67 GB arena. fsdp (train.distributed) has no
+per-process model here: its lines give the one-process figures.
 RAM outside the training step (load, sampling, checkpoint save) holds no offloaded activations: none exist before
 the first step, and the trainer gives their pinned buffers back before sampling and a checkpoint save
 (trainer/offload/activations.py `release`), so those phases count the step's RAM peak less them.
