@@ -49,8 +49,23 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   way out (`saves_after_emptied_cache`: the final save after the last step's sample, with no periodic checkpoint),
   the step's static part and `WORKSPACE` (Wan 2.2 A14B at 720p x 81, both experts, every block streamed, a sample
   each step: 2.39 GB measured, 2.40 predicted, where the step's 31.52 had been printed; bench/history/2026-11-28.md
-  07:43); in RAM the training peak plus a host copy of the trained weights and optimizer state (safetensors
-  writes from CPU tensors).
+  07:43); in RAM what a process holds between steps plus what the save copies: LoRA's weights and state (to the
+  CPU for their files); a full fine-tune's tensors on the GPU alone (`save_copies`: safetensors writes a CPU
+  tensor from its memory, and a streamed block's weights and state are its host copies after `handle.sync()`),
+  the larger of the weights' file and the optimizer's, not the whole model and state (one of 4 processes,
+  Flux.1-dev Adafactor with masters, every block streamed: 15.4 GB measured, 144.7 predicted before, 15.8 now;
+  issue 40).
+Several processes of one host (`processes`, `shared`; the trainer's phase lines under torchrun): each line is one
+process's RAM as its anonymous RSS counts it. Where the streamed blocks' arena is the host's one /dev/shm file
+(trainer/train/streaming.py `shared_arena`: a LoRA's, or a full fine-tune's over the sharded stream) it is file
+pages, in no process's anonymous RSS: left out of every phase and said once for the node (prediction.py
+`shared_arena_bytes`, the load line's "node: ... shared arena"); a full fine-tune's owned steps (owners.py) keep 1/N
+of the streamed blocks' optimizer state (masters included) in each process, made at the first step (none at load).
+Where each process has its own arena (whole copies, no /dev/shm) the one-process figures stand. Issue 40's runs on
+4 x H200: the full fine-tune above measured 1.8 / 13.9 / 15.4 GB (load / step / save; 2.5 / 14.3 / 15.8 predicted,
+73.6 / 73.6 / 144.7 before) beside a 23.8 GB arena (23.67 predicted); Flux.1-dev's LoRA 48 GB preset 2.1 / 2.3 / 2.7
+(2.5 / 2.5 / 3.1; 14.2 / 14.2 / 14.8 before) beside its 11.67 GB arena. fsdp (train.distributed) has no
+per-process model here: its lines give the one-process figures.
 RAM outside the training step (load, sampling, checkpoint save) holds no offloaded activations: none exist before
 the first step, and the trainer gives their pinned buffers back before sampling and a checkpoint save
 (trainer/offload/activations.py `release`), so those phases count the step's RAM peak less them.
@@ -62,7 +77,17 @@ from dataclasses import dataclass, replace
 
 from ..models import adapter_class
 from .meta import TextEncoderSize, shared_sizes
-from .prediction import ALLOCATOR_OVERHEAD, GB, HOST_BASE, WORKSPACE, Facts, predict
+from .prediction import (
+    ALLOCATOR_OVERHEAD,
+    GB,
+    HOST_BASE,
+    WORKSPACE,
+    Facts,
+    held_on_gpu,
+    owned_state_bytes,
+    predict,
+    process_ram,
+)
 from .sampling import SAMPLE_TILE_PIXELS, VAE_ACT_DECODE, cfg_batch, predict_sampling
 from .text import table as text_table
 from .vae import RESERVED_PER_COUNTED, clip_bytes, clip_peak
@@ -123,18 +148,22 @@ def _text_ram(facts: Facts) -> float:
 
 
 def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None = None,
-                   budget: float | None = None, kept: frozenset[int] = frozenset()) -> list[PhasePrediction]:
+                   budget: float | None = None, kept: frozenset[int] = frozenset(), processes: int = 1,
+                   shared: bool = False) -> list[PhasePrediction]:
     """Predicted peaks of every phase of `dittrain fit` for `cfg` at transformer fraction `fraction`; `budget`
     (bytes, the card's): a video family's clips that would not encode untiled within it are counted tiled, as the
     cache encodes them on that card; `kept`: the blocks that keep their activations in the training step
-    (train.gradient_checkpointing: auto, planner/checkpointing.py; the checkpoint save keeps what it reserved)."""
+    (train.gradient_checkpointing: auto, planner/checkpointing.py; the checkpoint save keeps what it reserved).
+    `processes` of one host training together, `shared`: the streamed blocks' arena is the host's one /dev/shm
+    file (trainer/train/streaming.py `shared_arena`): RAM is then one process's (module essay, "Several
+    processes"), the arena said once (prediction.py `shared_arena_bytes`)."""
     te = float(cfg.offload.text_encoders) if te_fraction is None else te_fraction
     res = max(facts.resolutions)
     train = predict(facts, fraction, res, cfg.offload.activations, kept=kept)
+    step_ram = process_ram(facts, train, fraction, processes, shared)  # one process's (its arena, if its own)
     esize = 2 if facts.dtype.itemsize == 2 else facts.dtype.itemsize
     vae = facts.adapter.vae_params * esize  # the full-size VAE's parameters
     text_bytes = HOST_BASE + _text_ram(facts)  # the process's own and the encoders as loaded
-    model_bytes = sum(facts.block_param_bytes) + facts.nonblock_bytes
     encode_batch = cfg.data.encode_batch_size if cfg.data else 4
     text_vram = _text_vram(facts, te, encode_batch)
     s = cfg.sample
@@ -142,15 +171,17 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     prompts_at_load = _text_vram(facts, te, 1, "sample") if s.every and s.prompts else 0.0
     # RAM outside a training step: no offloaded activations (none before the first step; the trainer gives their
     # buffers back before sampling and a checkpoint save, trainer/offload/activations.py `release`)
-    between_steps = train.ram_peak - train.act_checkpoint_host
+    between_steps = step_ram - train.act_checkpoint_host
+    # owned steps: each process's share of the state is made at its parameters' first step (StateOffload)
+    loaded = between_steps - owned_state_bytes(facts, fraction, processes, shared)
     out = [
         PhasePrediction("text caching", text_vram, text_bytes, f"offload.text_encoders {te:g}"),
         _latent_caching(facts, res, vae, encode_batch, budget),
         # RAM: the text encoders are loaded in the load phase too where a sample's prompts are encoded there
-        PhasePrediction("load", max(train.static, prompts_at_load), max(between_steps, text_bytes if prompts_at_load
+        PhasePrediction("load", max(train.static, prompts_at_load), max(loaded, text_bytes if prompts_at_load
                                                                          else 0.0),
                         f"offload.transformer {fraction:g}" + (", sample prompts encoded" if prompts_at_load else "")),
-        PhasePrediction("training step", train.peak_reserved, train.ram_peak, _bucket(facts, res)),
+        PhasePrediction("training step", train.peak_reserved, step_ram, _bucket(facts, res)),
     ]
     if s.every and s.prompts:
         sp = s.width * s.height
@@ -175,8 +206,9 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
         out.append(PhasePrediction("sampling", train.static + vae + image_enc + samp.kv_cache + others + samp.prompt
                                    + max(sample_act, dec) + WORKSPACE,
                                    between_steps + vae + component_ram(facts), f"every {s.every} steps, {size}"))
-    state = (facts.trainable_params * 4 + facts.state_gpu) if facts.method == "lora" else model_bytes + sum(
-        facts.block_states)
+    owners = processes if owned_state_bytes(facts, fraction, processes, shared) else 1
+    state = (facts.trainable_params * 4 + facts.state_gpu) if facts.method == "lora" else save_copies(
+        facts, fraction, owners)
     if saves_after_emptied_cache(cfg):  # the static part alone is live, and the cache holds nothing else
         out.append(PhasePrediction("checkpoint save", train.static + WORKSPACE, between_steps + state,
                                    "trained weights + state; after a phase that empties the cache"))
@@ -184,6 +216,23 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
         out.append(PhasePrediction("checkpoint save", train.peak_reserved, between_steps + state,
                                    "trained weights + state; the step's reserved VRAM kept"))
     return out
+
+
+#: diffusers' `save_pretrained` writes a transformer in files of at most this many bytes (its max_shard_size,
+#: "10GB"), each one `safetensors.torch.save_file`
+SAVE_FILE_BYTES = 10 * 10**9
+
+
+def save_copies(facts: Facts, fraction: float, owners: int = 1) -> float:
+    """Host bytes a full fine-tune's checkpoint save adds to what the process holds between steps. safetensors
+    (0.8, `save_file`) writes a CPU tensor from its own memory and copies a GPU tensor to the CPU first, keeping
+    one file's copies until that file is written; after `handle.sync()` a streamed block's weights and state are
+    its host copies (the arena, StateOffload's buffers), so only what the GPU holds is copied (`held_on_gpu`):
+    the weights (`save_pretrained`, rank 0, one file of at most `SAVE_FILE_BYTES` at a time), then the optimizer
+    state (one file: with owned steps each of the `owners` processes writes its own 1/N, owners.py). The larger
+    of the two: not the whole model and state (a full-size Flux on 4 processes measured 1.5 GB over the step)."""
+    weights, state = held_on_gpu(facts, fraction)
+    return max(min(weights, SAVE_FILE_BYTES), state / owners)
 
 
 def saves_after_emptied_cache(cfg) -> bool:
@@ -299,10 +348,12 @@ def fallbacks(facts: Facts) -> list[str]:
 
 
 def predicted_map(cfg, fraction: float, facts: Facts, budget: float | None = None,
-                  kept: frozenset[int] = frozenset()) -> dict[str, tuple[float, float]]:
+                  kept: frozenset[int] = frozenset(), processes: int = 1,
+                  shared: bool = False) -> dict[str, tuple[float, float]]:
     """{phase: (VRAM, RAM)} for the trainer's log (`budget`: the device's cap in bytes, `kept`: the blocks that keep
-    their activations, `predict_phases`)."""
-    return {p.name: (p.vram, p.ram) for p in predict_phases(cfg, fraction, facts, budget=budget, kept=kept)}
+    their activations, `processes` and `shared`: one of several processes' RAM, `predict_phases`)."""
+    return {p.name: (p.vram, p.ram) for p in predict_phases(cfg, fraction, facts, budget=budget, kept=kept,
+                                                            processes=processes, shared=shared)}
 
 
 def table(preds: list[PhasePrediction], budget_gb: float | None = None, width: int | None = None) -> list[str]:

@@ -871,12 +871,64 @@ def node_ram_of_processes(facts: Facts, pred: Prediction, fraction: float, proce
     """A streamed full fine-tune on `processes` processes of one host: the node's RAM (bytes) with whole copies
     (every process `pred`'s own arena, the optimizer state packed in it or pinned beside it) and with owned steps
     (trainer/train/owners.py: one shared arena of the streamed weights, each process 1/N of their optimizer
-    state). `pred`: the one-process prediction at `fraction`."""
+    state): `shared_arena_bytes` once and `process_ram` per process. `pred`: the one-process prediction at
+    `fraction`."""
     _, streamed, _ = _streaming(tuple(facts.packed), fraction)
     weights = sum(facts.block_param_bytes[b] for b in streamed)
     state = sum(facts.block_states[b] for b in streamed)
     own = pred.ram_peak - pred.pinned  # what a process holds besides its arena and pinned state
     return processes * pred.ram_peak, weights + processes * own + state
+
+
+def shared_arena_bytes(facts: Facts, fraction: float, processes: int = 1, shared: bool = False) -> int:
+    """The host's one arena of streamed blocks at `fraction` when `processes` processes share it (`shared`: a
+    /dev/shm file each maps, trainer/train/streaming.py `shared_arena`; file pages, in no process's anonymous
+    RSS): LoRA's packed frozen blocks, or a full fine-tune's streamed weights alone (owned steps: the state is each
+    owner's, `owned_state_bytes`). 0 where each process has its own (one process, whole copies, no /dev/shm)."""
+    if processes <= 1 or not shared:
+        return 0
+    if facts.method != "full":
+        return streaming(facts.packed, fraction)[1]
+    _, streamed, _ = _streaming(tuple(facts.packed), fraction)
+    return sum(facts.block_param_bytes[b] for b in streamed)
+
+
+def owned_state_bytes(facts: Facts, fraction: float, processes: int = 1, shared: bool = False) -> float:
+    """A full fine-tune over the sharded stream (`shared` arena, `processes` > 1: owned steps, owners.py): one
+    process's share of the streamed blocks' optimizer state (masters included), 1/N of it, in pinned buffers of
+    its own (trainer/optim StateOffload over the parameters it owns, made at their first step). 0 otherwise."""
+    if processes <= 1 or not shared or facts.method != "full":
+        return 0.0
+    _, streamed, _ = _streaming(tuple(facts.packed), fraction)
+    return sum(facts.block_states[b] for b in streamed) / processes
+
+
+def process_ram(facts: Facts, pred: Prediction, fraction: float, processes: int = 1, shared: bool = False) -> float:
+    """One of `processes` processes' host RAM at the training step's peak, as its anonymous RSS counts it: `pred`'s
+    (the one-process prediction at `fraction`) where each process has its own arena (one process, whole copies);
+    with a `shared` arena, without it (`shared_arena_bytes`, the node's once) and with the process's 1/N of a
+    full fine-tune's state (`owned_state_bytes`). `node_ram_of_processes`: `shared_arena_bytes` + N x this."""
+    if processes <= 1 or not shared:
+        return pred.ram_peak
+    return pred.ram_peak - pred.pinned + owned_state_bytes(facts, fraction, processes, shared)
+
+
+def held_on_gpu(facts: Facts, fraction: float) -> tuple[float, int]:
+    """A full fine-tune between steps at `fraction`, after `handle.sync()` (conductor `expose_current_weights`):
+    (weight bytes, optimizer-state bytes) the GPU holds. Weights: the non-block ones, the blocks that never stream
+    and, of the streamed ones, those the ring holds at that moment (at most its streamed slots, counted at the
+    streamed packs' share of weights); every block's at fraction 0. State: the non-block parameters' and the
+    never-streamed blocks' (in their packs in the ring, or the optimizer's own); a streamed block's current state
+    is its host copy (trainer/offload/fused_state.py, or StateOffload's pinned buffers)."""
+    _, streamed, _ = _streaming(tuple(facts.packed), fraction)
+    capacity = streaming(facts.packed, fraction)[0]
+    resident = [b for b in range(len(facts.packed)) if b not in set(streamed)]
+    weights = facts.nonblock_bytes + sum(facts.block_param_bytes[b] for b in resident)
+    if streamed:
+        slots = capacity - sum(facts.packed[b] for b in resident)
+        share = sum(facts.block_param_bytes[b] for b in streamed) / sum(facts.packed[b] for b in streamed)
+        weights += max(0, slots) * share
+    return weights, facts.state_gpu + sum(facts.block_states[b] for b in resident)
 
 
 def check_line(pred: Prediction, reserved_bytes: float, step_s: float | None = None, micro_batches: int = 1) -> str:

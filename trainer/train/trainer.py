@@ -125,6 +125,7 @@ class Trainer(Saving):
         self.dist = distributed.Dist()  # one process until setup reads torchrun's environment
         self.sharded = False  # train.distributed: fsdp with several processes (sharded.py), decided in setup
         self.lockstep = False  # the other ranks join rank 0's transformer calls (fsdp, a sharded stream): setup
+        self.arena_shared = False  # the streamed blocks' arena is the host's one /dev/shm file: `_place_blocks`
         self._smoothing: dict | None = None  # the checkpoint's smoothed loss (monitor.py), on resume
         self._ready = False
         self._sampling_works = True  # until a sampling pass fails (`_sampling_pass`)
@@ -371,6 +372,7 @@ class Trainer(Saving):
         self.ema = EMA.build(cfg, self.transformer, self.params, self.optim)  # train.ema; before blocks stream
         shapes = len({e.bucket for e in getattr(self.data, "entries", ())}) or 8  # train.compile: one per shape
         self.lockstep = gather is not None  # every load is a collective: rank-0 passes are joined (_joins)
+        self.arena_shared = share is not None  # the phase lines then predict one process's RAM without it
         self.offload = streaming.place_blocks(self.transformer, blocks, cfg, self.device, self.fraction, conduct,
                                               self.method, self.optim, shapes,
                                               fill=self._loader and self._loader.fill, share=share, gather=gather)
@@ -438,7 +440,9 @@ class Trainer(Saving):
         return f"{oom_error(self.step + 1, self.fraction, self.method.oom_hint)} [{detail}]"
 
     def _phase_done(self, name: str, peak) -> None:
-        """On a GPU, log each phase's measured peak beside the planner's prediction, once per phase."""
+        """On a GPU, log each phase's measured peak beside the planner's prediction, once per phase. With several
+        processes both are one process's: its anonymous RSS, the planner's without a shared arena (file pages in
+        /dev/shm), which the load line gives once for the host, and with its 1/N of owned optimizer state."""
         logged = self.__dict__.setdefault("_phases_logged", set())
         if name in logged or getattr(self, "device", None) is None or self.device.type != "cuda":
             return
@@ -451,23 +455,31 @@ class Trainer(Saving):
         try:
             from ..planner import analyze
             from ..planner.phases import fallbacks, predicted_map
+            from ..planner.prediction import shared_arena_bytes
             from ..planner.presets import process_fraction
 
             # Keyed by the fraction and the blocks that keep their activations (train.gradient_checkpointing:
             # auto): text caching logs before setup has resolved offload.transformer (auto) and placed the blocks.
             pred = self.__dict__.setdefault("_phase_pred", {})
             ck = getattr(getattr(self, "offload", None), "checkpointed", None) or []  # none kept without a handle
-            key = self.fraction, kept_blocks(ck)
+            n, shared = self.dist.world, self.arena_shared
+            key = self.fraction, kept_blocks(ck), n, shared
             if key not in pred:
                 # the card's cap: clips whose untiled encode would not fit it were cached tiled (placement.encode_tiles)
                 cap = process_fraction(self.device) * torch.cuda.get_device_properties(self.device).total_memory
                 facts, first = analyze(self.cfg), not pred
-                pred[key] = predicted_map(self.cfg, self.fraction or 0.0, facts, budget=cap, kept=key[1])
+                pred[key] = predicted_map(self.cfg, self.fraction or 0.0, facts, budget=cap, kept=key[1],
+                                          processes=n, shared=shared)
+                pred[key, "node"] = shared_arena_bytes(facts, self.fraction or 0.0, n, shared)
                 for note in fallbacks(facts) if first else []:  # said once a run
                     say(note)
             if name in pred[key]:
                 v, r = pred[key][name]
-                line += f" (planner: {v / 1e9:.2f} GB VRAM, {r / 1e9:.1f} GB RAM)"
+                line += f" (planner: {v / 1e9:.2f} GB VRAM, {r / 1e9:.1f} GB RAM{' per process' if n > 1 else ''}"
+                if name == "load" and pred[key, "node"]:
+                    line += (f"; node: {pred[key, 'node'] / 1e9:.1f} GB shared arena in /dev/shm, once for the "
+                             f"host's {self.dist.local_world} processes")
+                line += ")"
         except Exception as e:  # noqa: BLE001 - a prediction that cannot be made must never stop training
             line += f" (no planner prediction: {type(e).__name__})"
         say(line)
