@@ -470,3 +470,30 @@ def test_initial_environ_reads_the_environment_a_process_started_with():
         p.wait()
     if env is not None:  # None where /proc is not there to read
         assert env.get("EARLY") == "x" and "LATE" not in env
+
+
+def test_compile_workers_split_the_cores_among_the_hosts_processes(monkeypatch, capsys):
+    """torch inductor starts min(32, cores) compile workers beside each process: 128 for 4 processes on 64 cores.
+    Each training process gets its share instead (at most 32, at least 1); a value the user set is kept, and one
+    process keeps torch's own choice."""
+    from torch._inductor import config as inductor
+
+    from trainer.train import distributed
+
+    four = {"LOCAL_WORLD_SIZE": "4"}
+    assert distributed.compile_workers(four, cores=64) == 16
+    assert distributed.compile_workers({"LOCAL_WORLD_SIZE": "2"}, cores=128) == 32
+    assert distributed.compile_workers(four, cores=2) == 1
+    assert distributed.compile_workers({**four, "TORCHINDUCTOR_COMPILE_THREADS": "8"}, cores=64) is None
+    assert distributed.compile_workers({"LOCAL_WORLD_SIZE": "1"}, cores=64) is None
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(distributed.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(inductor, "compile_threads", 32)
+    distributed._use_compile_workers(4)
+    assert inductor.compile_threads == 16
+    assert "each of this host's 4 processes compiles with 16 workers" in capsys.readouterr().err
+    monkeypatch.setattr(inductor, "compile_threads", 8)  # already fewer (a small host): left alone, nothing said
+    distributed._use_compile_workers(4)
+    assert inductor.compile_threads == 8 and not capsys.readouterr().err

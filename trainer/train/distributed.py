@@ -48,7 +48,12 @@ CPU threads. torchrun sets OMP_NUM_THREADS=1 in every worker when the user set n
 each process's CPU ops ran on one core: the load's safetensors reads and copies into the host arena, the casts,
 the caches. Where torchrun chose it, `setup` gives each process the host's cores divided by its processes
 (`torchrun_threads`: as many threads in all as one process would use) and says so in one line; a value the user
-set, 1 included, is kept.
+set, 1 included, is kept. torch's compiler also sizes its pool of compile workers by the host (min(32, cores)
+processes each, beside every training process: 128 on a 4-GPU host of 64 cores, each a Python with torch
+imported); `compile_workers` gives each training process its share (cores / local processes, at most 32) unless
+TORCHINDUCTOR_COMPILE_THREADS says otherwise. Not measured apart: the 4-GPU `fit` runs' node RAM counted the
+workers with their processes (bench/history/2026-11-28.md 17:10: 3.9 GB a process, 2.3 GB of it the trainer's
+own line).
 
 Sharded weights and optimizer state: train.distributed: fsdp (trainer/train/sharded.py) uses the same process
 group, data order and noise; only the model and optimizer differ.
@@ -102,6 +107,32 @@ def torchrun_threads(env=None, cores: int | None = None, launcher_env: dict | No
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // local_world)
+
+
+def compile_workers(env=None, cores: int | None = None) -> int | None:
+    """torch inductor's compile workers for this process among LOCAL_WORLD_SIZE training processes of one host:
+    min(32, its share of the cores), at least 1 (the module essay); None where there is one process or the user set
+    TORCHINDUCTOR_COMPILE_THREADS."""
+    env = os.environ if env is None else env
+    local_world = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if local_world <= 1 or "TORCHINDUCTOR_COMPILE_THREADS" in env:
+        return None
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(32, cores // local_world))
+
+
+def _use_compile_workers(local_world: int) -> None:
+    n = compile_workers()
+    if n is None:
+        return
+    from torch._inductor import config as inductor
+
+    if inductor.compile_threads is not None and inductor.compile_threads <= n:
+        return
+    inductor.compile_threads = n  # read when the pool starts (the first compile), after setup
+    say(f"compile: each of this host's {local_world} processes compiles with {n} workers (the cores / "
+        f"{local_world}; set TORCHINDUCTOR_COMPILE_THREADS to choose)")
 
 
 def _initial_environ(pid: int) -> dict | None:
@@ -262,6 +293,7 @@ def setup(device_choice: str, mode: str = "ddp") -> Dist:
         return Dist()
     rank, local, local_world = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
     _use_torchrun_threads(local_world)
+    _use_compile_workers(local_world)
     cuda = torch.cuda.is_available() and device_choice in ("auto", "cuda")
     if device_choice == "cuda" and not torch.cuda.is_available():
         raise UserError("train.device: cuda, but torch sees no CUDA device (set train.device: cpu or auto)")
