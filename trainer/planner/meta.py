@@ -156,7 +156,7 @@ def transformer_config(cfg) -> tuple[dict, str]:
     if size is not None:
         cls = cls.sized(size)
         return dict(cls.full_config), (f"NOT your model: {why}, so this plans the built-in {cls.full_name} config "
-                                       "(the size model.path's name names); point model.path at your model folder "
+                                       "(model.path's folder name names that size); point model.path at your model folder "
                                        "to plan that")
     return dict(cls.full_config), (f"NOT your model: {why}, so this plans the built-in full-size {cfg.model.family} "
                                    "config (the published model's sizes); point model.path at your model folder to "
