@@ -93,6 +93,8 @@ def test_dittrain_presets_lists_a_size_with_its_family_and_alone():
     every = find_presets(ROOT / "configs")
     assert {p.family for p in pick(every, "wan")} == {"wan", "wan-1.3b"}  # not wan-i2v: a family of its own
     assert {p.family for p in pick(every, "wan-1.3b")} == {"wan-1.3b"}
+    with pytest.raises(UserError, match="no presets folder wan-2b .wan's sizes with presets: wan-1.3b"):
+        pick(every, "wan-2b")
     eight = pick(every, "wan", 8)
     assert {(p.family, p.method, p.vram_gb) for p in eight} == {("wan-1.3b", "lora", 8), ("wan-1.3b", "full", 8)}
     r = CliRunner().invoke(app, ["presets", "wan", "--vram", "8", "--dir", str(ROOT / "configs")])

@@ -97,8 +97,11 @@ def pick(presets: list[Preset], family: str | None = None, vram_gb: float | None
 
         key, size = preset_folder(family, where="dittrain presets FAMILY")
         # a size's folder is <family>-<size> and no family's own (wan-i2v is a family, not a size of wan)
-        presets = [p for p in presets if p.family == (f"{key}-{size}" if size else key) or not size and
-                   p.family.startswith(key + "-") and p.family not in ADAPTERS]
+        sizes = {p.family for p in presets if p.family.startswith(key + "-") and p.family not in ADAPTERS}
+        if size and f"{key}-{size}" not in sizes:
+            raise UserError(f"dittrain presets FAMILY: no presets folder {key}-{size} ({key}'s sizes with presets: "
+                            f"{', '.join(sorted(sizes)) or 'none'})")
+        presets = [p for p in presets if p.family == (f"{key}-{size}" if size else key) or not size and p.family in sizes]
     if vram_gb is not None:
         fits = [p for p in presets if p.vram_gb is not None and p.vram_gb <= vram_gb]
         best = {}
