@@ -150,8 +150,11 @@ def test_a_measured_note_is_in_the_header_of_the_preset_it_measured_and_in_no_ot
     import re
 
     noted = {}
-    for family in ADAPTERS:
-        for (method, card), m in adapter_class(family).__dict__.get("measured_presets", {}).items():
+    # every family's folder and its other sizes' (configs/wan-1.3b/: models/base.py `PresetVariant`)
+    folders = [(f, adapter_class(f)) for f in ADAPTERS] + [
+        (f"{f}-{k}", adapter_class(f).sized(k)) for f in ADAPTERS for k in adapter_class(f).sizes()]
+    for family, cls in folders:
+        for (method, card), m in cls.__dict__.get("measured_presets", {}).items():
             path = ROOT / "configs" / family / f"{method}-{card}gb.yaml"
             cfg = load_config(path)
             assert m.describes(float(cfg.offload.transformer), cfg.train.gradient_checkpointing), (

@@ -325,7 +325,8 @@ def _base_weights(model: Path, src: Path, family: str | None):
 @_user_errors
 def presets(
     family: str | None = typer.Argument(None, metavar="[FAMILY]", help="Only this family's presets (a model.family "
-                                        "value); all when left out.", show_default=False),
+                                        "value; with its other sizes', e.g. wan-1.3b, which names one alone); all "
+                                        "when left out.", show_default=False),
     vram: float | None = typer.Option(None, "--vram", help="Only the presets for a card of this many GB (per family "
                                       "and method, the largest card size at or below it).", show_default=False),
     configs_dir: Path = typer.Option(Path("configs"), "--dir", help="Folder of presets."),

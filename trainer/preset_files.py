@@ -6,12 +6,12 @@ A preset's header is its documentation, and `dittrain presets` prints it as a ta
     # trains: <method, rank, resolution>
     # expects: <VRAM, RAM, speed relative to no offloading>
 
-The table groups the presets by folder (family), one row per file with its card size and what it expects,
-wrapped at word boundaries to the terminal's width (100 columns where there is no terminal) under its own column,
-never cut. A preset without `expects:` (the tiny ones) shows its title's first sentence, whole.
-`configs/tiny/` holds the CPU-sized configs of the demo and the tests; they are listed last. `dittrain presets
-FAMILY` lists one family's, `--vram GB` the one preset per family and method for that card (the largest card
-size at or below it); without them, every preset.
+The table groups the presets by folder (a family, or another size of one: configs/wan-1.3b/), one row per file
+with its card size and what it expects, wrapped at word boundaries to the terminal's width (100 columns where there
+is no terminal) under its own column, never cut. A preset without `expects:` (the tiny ones) shows its title's first
+sentence, whole. `configs/tiny/` holds the CPU-sized configs of the demo and the tests; they are listed last.
+`dittrain presets FAMILY` lists one family's (its sizes' too), `--vram GB` the one preset per folder and method for
+that card (the largest card size at or below it); without them, every preset.
 """
 
 from __future__ import annotations
@@ -89,13 +89,19 @@ def _card(p: Preset) -> str:
 
 
 def pick(presets: list[Preset], family: str | None = None, vram_gb: float | None = None) -> list[Preset]:
-    """The presets of `family` (any accepted spelling; None: every family), and with `vram_gb` only the one for
-    that card per family and method: the largest card size at or below it (the tiny CPU configs left out)."""
+    """The presets of `family` (any accepted spelling; None: every family): its folder and its sizes' (`wan`:
+    configs/wan/ and configs/wan-1.3b/), or one size's (`wan-1.3b`); and with `vram_gb` only the one for that card
+    per folder and method: the largest card size at or below it (the tiny CPU configs left out)."""
     if family is not None:
-        from .models import canonical_family
+        from .models import ADAPTERS, preset_folder
 
-        key = canonical_family(family, where="dittrain presets FAMILY")
-        presets = [p for p in presets if p.family == key]
+        key, size = preset_folder(family, where="dittrain presets FAMILY")
+        # a size's folder is <family>-<size> and no family's own (wan-i2v is a family, not a size of wan)
+        sizes = {p.family for p in presets if p.family.startswith(key + "-") and p.family not in ADAPTERS}
+        if size and f"{key}-{size}" not in sizes:
+            raise UserError(f"dittrain presets FAMILY: no presets folder {key}-{size} ({key}'s sizes with presets: "
+                            f"{', '.join(sorted(sizes)) or 'none'})")
+        presets = [p for p in presets if p.family == (f"{key}-{size}" if size else key) or not size and p.family in sizes]
     if vram_gb is not None:
         fits = [p for p in presets if p.vram_gb is not None and p.vram_gb <= vram_gb]
         best = {}

@@ -64,8 +64,9 @@ are printed before it is written, and `--estimate` prints only them. Data: `--im
 JPEGs (bench/program/program_video.py: moving content, `--frames` + 4 frames at the family's rate, Wan's 16 fps,
 at `--resolution` 480p = 832x480, 720p = 1280x720 or WxH, with captions), trained in one bucket of their own size
 (data.resolutions, data.bucket_step, data.fps, data.clip_frames) and sampled at that size with `--sample-frames` (9) frames, 2
-steps (image-to-video: from the first frame, `sample.image`). Config: the family's `lora-<card>gb` preset, else
-the preset of the nearest card, else one built here that streams everything (offload.transformer 1.0,
+steps (image-to-video: from the first frame, `sample.image`). Config: the family's `lora-<card>gb` preset (a size
+with presets of its own, its folder: `wan-1.3b` from configs/wan-1.3b/, not the 14 B's), else the preset of the
+nearest card, else one built here that streams everything (offload.transformer 1.0,
 offload.activations, offload.text_encoders 1.0; `--set` for what to measure); the line `config from ...` says which.
 
 Families that declare their parts in their own file (`full_size_parts`; built on the meta device like the rest):
@@ -719,16 +720,18 @@ def fallback_config(name: str, smoke: bool) -> dict:
 
 def write_config(family: str, model: Path, images: Path, work: Path, res: int | None, steps: int, smoke: bool,
                  card: int, transformer_file: str | None = None, sets: list[str] | None = None, *,
-                 clips=None, image: Path | None = None, method: str = "lora") -> Path:
+                 clips=None, image: Path | None = None, method: str = "lora", preset: str | None = None) -> Path:
     """The run's config: `base_config` pointed at the model, the data (`images`, or for a video family the clips
     in that folder: `clips`, a program_video.Clips, and `image`, an image-to-video family's sample image) and
-    `work`, a few steps, sampling during training on, then `sets`."""
+    `work`, a few steps, sampling during training on, then `sets`. `preset`: the `--families` entry, whose presets
+    folder is taken where it has one (`wan-1.3b`: configs/wan-1.3b/, the 1.3 B's own), else the family's."""
     import yaml
 
     from trainer.models import adapter_class
 
     name = {"qwen_image": "qwen-image"}.get(family, family)  # the registry key: configs/<key>/, tiny/<key>-lora
-    d, source = base_config(name, card, smoke, method)
+    own = preset and not smoke and (ROOT / "configs" / preset).is_dir()  # a size without presets: the family's
+    d, source = base_config(preset if own else name, card, smoke, method)
     print(f"{family} {card}gb: config from {source}", flush=True)
     d["model"]["path"] = str(model)
     ad = adapter_class(name)
@@ -793,7 +796,7 @@ def bench_family(name: str, work: Path, args) -> list[dict]:
     for card in args.card:
         run_dir = fam_dir / (f"{card}gb" + ("-full" if args.method == "full" else "") + (f"-{args.tag}" if args.tag else ""))
         cfg = write_config(family, model, data, run_dir, res, args.steps, args.smoke, card, args.transformer_file,
-                           args.set, clips=clips, image=image, method=args.method)
+                           args.set, clips=clips, image=image, method=args.method, preset=name)
         rows += run_commands(name, card, cfg, run_dir, args)
     if not args.keep:
         shutil.rmtree(model, ignore_errors=True)

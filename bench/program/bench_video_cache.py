@@ -150,7 +150,7 @@ def bench_family(name: str, args) -> dict:
         run_dir = fam_dir / f"{args.card}gb-{n}clips"
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh cache: entries of an earlier run would be reused
         cfg = bp.write_config(family, model, data, run_dir, None, 1, args.smoke, args.card, args.transformer_file,
-                              args.set, clips=clips, image=image)
+                              args.set, clips=clips, image=image, preset=name)
         runner.tag = f"{n} clips"
         (run,) = bp.run_commands(name, args.card, cfg, run_dir, runner)
         rows.append(measure(run, n, bp._records(run_dir / "phases.jsonl")))

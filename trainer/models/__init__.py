@@ -77,7 +77,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
 
 __all__ = [
     "ADAPTERS", "Components", "ModelAdapter", "adapter_class", "adapter_classes", "canonical_family", "families",
-    "get_adapter",
+    "get_adapter", "preset_class", "preset_folder",
 ]
 
 
@@ -106,6 +106,33 @@ def canonical_family(name: str, where: str = "model.family") -> str:
     close = difflib.get_close_matches(norm, list(ADAPTERS), n=1, cutoff=0.5)
     hint = f"did you mean {close[0]!r}? " if close else ""
     raise UserError(f"{where}: unknown family {name!r} ({hint}choose from {', '.join(ADAPTERS)})")
+
+
+def preset_folder(name: str, where: str = "--families") -> tuple[str, str | None]:
+    """A presets folder's name (`configs/<name>/`) -> (registry family, size or None): a family in any spelling,
+    or a family and one of its sizes joined by "-" (`wan-1.3b`: wan at 1.3 B, its `preset_variants`). The size is
+    not checked here (that imports the family's module: `preset_class`); anything else is `canonical_family`'s
+    `UserError`."""
+    norm = str(name).strip().lower().replace("_", "-")
+    if norm in ADAPTERS or name in ADAPTERS:
+        return canonical_family(name, where), None
+    family = max((k for k in ADAPTERS if norm.startswith(k + "-")), key=len, default=None)
+    if family is None:
+        canonical_family(name, where)  # raises, naming the closest family
+    return family, norm[len(family) + 1:]
+
+
+def preset_class(name: str, where: str = "--families") -> type[ModelAdapter]:
+    """The adapter class a presets folder `configs/<name>/` is written for (`preset_folder`): the family's, or that
+    family at one of its sizes (`ModelAdapter.sized`)."""
+    family, size = preset_folder(name, where)
+    cls = adapter_class(family)
+    if size is None:
+        return cls
+    if size not in cls.sizes():
+        raise UserError(f"{where}: {name!r} is not a family nor a size of {family} with presets ("
+                        f"{', '.join(f'{family}-{k}' for k in cls.sizes()) or 'it has none'})")
+    return cls.sized(size)
 
 
 def adapter_class(family: str) -> type[ModelAdapter]:

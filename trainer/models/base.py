@@ -20,6 +20,7 @@ Tensors crossing this boundary:
 from __future__ import annotations
 
 import contextlib
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,6 +60,21 @@ class MeasuredPreset:
     def describes(self, transformer: float, checkpointing: bool | str) -> bool:
         """Whether a preset with these settings is the one measured."""
         return abs(self.transformer - transformer) < 1e-9 and self.checkpointing == checkpointing
+
+
+@dataclass(frozen=True)
+class PresetVariant:
+    """Another published size of a family's transformer (a key of the adapter's `full_variants`) with presets of its
+    own, `configs/<family>-<key>/` (`ModelAdapter.sized`): the small model users of small cards train
+    (Wan2.1-T2V-1.3B, where the 14 B's presets start at 12 GB). Its text encoders, VAE and code are the family's."""
+
+    full_name: str  #: the published name: the presets' titles; a missing model.path that contains it plans this size
+    example_path: str  #: the presets' placeholder model.path (it contains `full_name`)
+    cards: tuple[int, ...]  #: the card sizes (GB) its presets are written for
+    #: its presets' ladder of clips where not the family's (`preset_clips`): a size trained at fewer resolutions
+    clips: tuple[tuple[str, int], ...] | None = None
+    #: {(method, card GB): MeasuredPreset} of its own presets (`ModelAdapter.measured_presets`)
+    measured: dict[tuple[str, int], MeasuredPreset] = field(default_factory=dict)
 
 
 @dataclass
@@ -538,6 +554,29 @@ class ModelAdapter(ABC):
     #: keeps the measured settings (declared on the class itself: a subclass family does not inherit another model's
     #: measurements)
     measured_presets: ClassVar[dict[tuple[str, int], MeasuredPreset]] = {}
+    #: other full sizes of the transformer, key -> config as `full_config` (bench/program/bench_program.py writes
+    #: their folders: `--families wan-1.3b`)
+    full_variants: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: the sizes of `full_variants` with presets of their own, `configs/<family>-<key>/` (`PresetVariant`, `sized`;
+    #: declared on the class itself, read through `sizes`: a subclass family does not inherit another model's sizes)
+    preset_variants: ClassVar[dict[str, PresetVariant]] = {}
+
+    @classmethod
+    def sizes(cls) -> dict[str, PresetVariant]:
+        """This family's own `preset_variants` (never a parent family's)."""
+        return cls.__dict__.get("preset_variants", {})
+
+    @classmethod
+    def sized(cls, key: str) -> type[ModelAdapter]:
+        """This family at its size `key` (`preset_variants`), as the presets generator and the planner see it: a
+        subclass whose full-size config, name, placeholder folder, preset cards and measurements are that size's."""
+        return _sized(cls, key)
+
+    @classmethod
+    def size_named(cls, folder: str) -> str | None:
+        """The key of the `preset_variants` size whose published name the folder name `folder` contains (any case):
+        the size a plan without the folder counts (`Wan2.1-T2V-1.3B-Diffusers`: 1.3b); None: the full size."""
+        return next((k for k, v in cls.sizes().items() if v.full_name.lower() in folder.lower()), None)
 
     @classmethod
     def cache_family(cls) -> str:
@@ -733,3 +772,14 @@ class ModelAdapter(ABC):
     def pipeline_guidance(cls, pipe: Any, guidance: float) -> dict[str, Any]:
         """Pipeline call kwargs carrying the guidance value."""
         return {"guidance_scale": guidance}
+
+
+@functools.cache
+def _sized(cls: type[ModelAdapter], key: str) -> type[ModelAdapter]:
+    """`ModelAdapter.sized`, one class per family and size (so that planner caches keyed on it see one)."""
+    v = cls.sizes()[key]
+    return type(cls)(f"{cls.__name__}_{key.replace('.', '_')}", (cls,), {
+        "__module__": cls.__module__, "__doc__": f"{cls.family} at {v.full_name}'s size ({key})",
+        "full_config": cls.full_variants[key], "full_name": v.full_name, "example_path": v.example_path,
+        "preset_cards": v.cards, "preset_clips": v.clips or cls.preset_clips, "measured_presets": v.measured,
+        "preset_variants": {}})

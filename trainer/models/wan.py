@@ -38,7 +38,7 @@ from diffusers import WanPipeline, WanTransformer3DModel
 from torch import nn
 
 from ._diffusers import DiffusersAdapter
-from .base import Components
+from .base import Components, PresetVariant
 from .lora_keys import KeyRule, LoraKeyMap
 
 _B = _W = "blocks.{i}"
@@ -173,6 +173,12 @@ class WanAdapter(DiffusersAdapter):
     #: bench/program/bench_program.py's other full sizes of this family's transformer (`--families wan-1.3b`):
     #: Wan2.1-T2V-1.3B (1.42 B: 12 heads, ffn_dim 8960, 30 layers)
     full_variants = {"1.3b": {**full_config, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}}
+    #: the 1.3 B's own presets, configs/wan-1.3b/, for the cards the 14 B does not fit (8 GB: it needs 10.5 GB even
+    #: at 480p x 33), on 480p clips only (Wan 2.1's 1.3 B is a 480p model: its 720p is less stable, as its release
+    #: says). Not for 12 GB and up: the 8 GB ones already train 480p x 81, predicted 1.06x (LoRA and full)
+    #: the step without offloading, which is all a larger card could win (configs/README.md)
+    preset_variants = {"1.3b": PresetVariant("Wan2.1-T2V-1.3B", "/path/to/Wan2.1-T2V-1.3B-Diffusers", (8,),
+                                             clips=(("480p", 81), ("480p", 49), ("480p", 33)))}
 
     @classmethod
     def tiny_builders(cls):

@@ -17,7 +17,8 @@ imports it. Modules:
 - vae.py: what a video family's VAE holds while it encodes a clip or decodes one, counted on the meta device;
 - checkpointing.py: which blocks `train.gradient_checkpointing: auto` keeps the activations of;
 - report.py: the text `dittrain plan` prints (`report`, `run_plan`);
-- presets.py: `python -m trainer.planner.presets` writes configs/<family>/<method>-<N>gb.yaml.
+- presets.py: `python -m trainer.planner.presets` writes configs/<family>/<method>-<N>gb.yaml (and a family's other
+  sizes', configs/<family>-<size>/: wan-1.3b).
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@ device, the text encoders' bytes and the optimizer state's bytes.
 
 Configs and text-encoder sizes come from the model folder (`transformer/config.json`, the text encoders'
 safetensors headers) when it is at hand; otherwise from the family's adapter (`full_config`,
-`text_encoder_params` in trainer/models/), which is how presets and `dittrain plan` size full-size models.
+`text_encoder_params` in trainer/models/), which is how presets and `dittrain plan` size full-size models; a
+missing folder whose name contains another published size's name (`preset_variants`: Wan2.1-T2V-1.3B) plans that
+size's config, as that size's presets name it in model.path.
 
 What of a text encoder reaches RAM and the GPU (`text_encoder_sizes`): from a folder, the encoder is built on the
 meta device from its own config.json exactly as the loader builds it (the family's `text_encoder_config`, then
@@ -146,12 +148,19 @@ def transformer_config(cfg) -> tuple[dict, str]:
             return json.loads(path.read_text()), str(path)
         except (OSError, json.JSONDecodeError) as e:
             raise UserError(f"{path}: cannot read the transformer config ({e})") from None
-    full = adapter_class(cfg.model.family).full_config
+    cls = adapter_class(cfg.model.family)
     root = Path(cfg.model.path)
     why = (f"model.path {root} does not exist" if not root.exists()
            else f"{path} not found")
-    return dict(full), (f"NOT your model: {why}, so this plans the built-in full-size {cfg.model.family} config "
-                        "(the published model's sizes); point model.path at your model folder to plan that")
+    size = cls.size_named(root.name)  # a folder named after another published size (Wan2.1-T2V-1.3B): that size
+    if size is not None:
+        cls = cls.sized(size)
+        return dict(cls.full_config), (f"NOT your model: {why}, so this plans the built-in {cls.full_name} config "
+                                       "(model.path's folder name names that size); point model.path at your model folder "
+                                       "to plan that")
+    return dict(cls.full_config), (f"NOT your model: {why}, so this plans the built-in full-size {cfg.model.family} "
+                                   "config (the published model's sizes); point model.path at your model folder to "
+                                   "plan that")
 
 
 def text_encoder_bytes(cfg) -> list[tuple[str, int]]:

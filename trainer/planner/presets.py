@@ -31,6 +31,10 @@ expert's does not (offload.park: auto's rule, prediction.py `auto_parks_on_disk`
 on disk (`offload.park: disk`:
 its blocks read back from its files at each change of expert, the switch's seconds in the header). So does a family whose samples run further transformers (`sampling_components`:
 Ideogram 4's unconditional one).
+A family's other published sizes with presets of their own (`preset_variants`: Wan2.1-T2V-1.3B beside the 14 B) get
+`configs/<family>-<size>/` (`wan-1.3b`), planned the same way at that size (models/base.py `ModelAdapter.sized`), for
+the cards it declares; their model.path names the size, which is how `dittrain plan` of such a preset counts that size
+without the folder (planner/meta.py `transformer_config`).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from pathlib import Path
 
 from ..config import Config, video_frame, video_resolution
 from ..errors import UserError
-from ..models import ADAPTERS, adapter_class, canonical_family
+from ..models import ADAPTERS, preset_class, preset_folder
 from ..optim.specs import OPTIMIZERS
 from .phases import fit_text_fraction, predict_phases, run_ram_peaks
 from .prediction import (
@@ -122,7 +126,7 @@ def _settings(family: str) -> list[tuple[int | str, int, bool, bool]]:
     """(resolution, frames, activation offloading, gradient checkpointing) in order of preference:
     SETTINGS for an image family (frames 1), its clips (`preset_clips`, else VIDEO_CLIPS) x VIDEO_SETTINGS for a
     video family, without chunks (`_first_fit` tries them)."""
-    cls = adapter_class(family)
+    cls = preset_class(family)
     if not cls.video:
         return [(res, 1, act, ckpt) for res, act, ckpt in SETTINGS]
     clips = cls.preset_clips or VIDEO_CLIPS  # the family's own ladder (LTX-2's 121 frames), else Wan's
@@ -140,7 +144,7 @@ def _frame(family: str, res: int | str) -> tuple[int, int]:
     family's divisor: Wan 2.2 TI2V-5B's 720p is 1280x704, as Wan 2.2 samples it)."""
     if not isinstance(res, str):
         return res, res
-    cls = adapter_class(family)
+    cls = preset_class(family)
     div = cls.latent_scale * cls.token_patch
     w, h = video_frame(int(res[:-1]))
     return w // div * div, h // div * div
@@ -160,17 +164,17 @@ def _config(
     nano: int = 1,
 ) -> dict:
     full = method == "full"
-    cls = adapter_class(family)
+    cls = preset_class(family)
     width, height = cls.sample_frame(*_frame(family, res))
     expert = {"expert": EXPERT[method]} if cls.experts else {}
     # qwen-image-edit: its captions are encoded with their reference images (~1400 vision tokens at 1024 px), so
     # one at a time; its samples need a reference image
-    ref_text = adapter_class(family).text_uses_reference
+    ref_text = preset_class(family).text_uses_reference
     # an fp8 base is chosen for RAM: the modulation Linears in the blocks (a quarter to a third of the block bytes,
     # where a family has them) go to fp8 too (bench/history/2026-11-23.md: loss curve unchanged on the bundled data)
-    mod = {"quantize_modulation": True} if adapter_class(family).modulation_linears else {}
+    mod = {"quantize_modulation": True} if preset_class(family).modulation_linears else {}
     return {
-        "model": {"family": family, "path": adapter_class(family).example_path, "dtype": "bf16", **expert,
+        "model": {"family": cls.family, "path": cls.example_path, "dtype": "bf16", **expert,
                   **({"quantize": quantize, **mod} if quantize != "none" else {})},
         "train": {
             "method": method,
@@ -204,11 +208,11 @@ def _config(
             "width": width,
             "height": height,
             **({"frames": frames} if cls.video else {}),
-            **adapter_class(family).sample_defaults,  # a distilled model's steps and guidance
+            **preset_class(family).sample_defaults,  # a distilled model's steps and guidance
             **({"image": "/path/to/reference.png"} if ref_text else {}),
             **({"image": "/path/to/first-frame.png"} if cls.first_frame_conditions else {}),  # image-to-video
             # the family's own sampling settings (e.g. Qwen-Image 2.1: 40 steps without guidance)
-            **adapter_class(family).sample_defaults,
+            **preset_class(family).sample_defaults,
         },
         "output": {"dir": f"out/{family}-{method}" + (f"-{EXPERT[method]}" if expert else "")},
     }
@@ -257,7 +261,7 @@ def _first_fit(family, method, card, opt, cache, quantize="none", ram_gb=None):
             fit = r, (name, frames)
             break
         last = r
-    cls = adapter_class(family)
+    cls = preset_class(family)
     if cls.video:
         clips = list(cls.preset_clips or VIDEO_CLIPS)
         k = clips.index(fit[1]) if fit is not None else len(clips)
@@ -284,7 +288,7 @@ def _fit(family, method, card, opt, cache, quantize, ram_gb, name, frames, act, 
     competes with): at the fraction, from that one up, of the fastest predicted step (presets_auto.py)."""
     budget = card - HEADROOM_GB
     # a family of experts, or one whose samples run other transformers too: sampling off (module essay)
-    cls = adapter_class(family)
+    cls = preset_class(family)
     sample_off = bool(cls.experts or cls.sampling_components)
     d0 = _config(family, method, name, act, 0.0, ckpt, opt, quantize=quantize, frames=frames, nano=nano)
     d0["sample"]["every"] = 0  # the fraction for training; sampling is checked below (off if it does not fit)
@@ -401,7 +405,7 @@ def plan_preset(
 
 def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: float, phases: list,
            why_fp8: str = "", kept: Kept | None = None) -> list[str]:
-    name = adapter_class(family).full_name
+    name = preset_class(family).full_name
     res, act, f = d["data"]["resolutions"][0], d["offload"]["activations"], d["offload"]["transformer"]
     opt = OPTIMIZERS[d["optimizer"]["name"]].label
     what = (
@@ -417,10 +421,10 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
     how += ", gradient checkpointing auto" if ckpt == "auto" else ""
     speed = p.step_s / base_s
     big = max(phases, key=lambda ph: ph.vram)
-    measured = adapter_class(family).measured(method, card, f, ckpt)  # its note only for the settings measured
+    measured = preset_class(family).measured(method, card, f, ckpt)  # its note only for the settings measured
     s = d["sample"]
     te = d["offload"]["text_encoders"]
-    cls = adapter_class(family)
+    cls = preset_class(family)
     frames = d["data"].get("clip_frames", 1)
     clip = f"x{s['frames']}" if cls.video else ""
     sampling = (
@@ -476,7 +480,7 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
         *(auto_header_lines(kept, p, big.vram, measured) if kept is not None else []),
         *experts,
         *([f"# fp8 base: {why_fp8} ("
-           + ("modulation Linears too: model.quantize_modulation; " if adapter_class(family).modulation_linears
+           + ("modulation Linears too: model.quantize_modulation; " if preset_class(family).modulation_linears
               else "the modulation Linears sit outside the blocks and stay bf16; ")
            + "norms and biases stay bf16; the LoRA trains in fp32)."]
           if why_fp8 else []),
@@ -508,7 +512,7 @@ def optional_features(method: str, family: str = "") -> list[str]:
     Validation is left out for families whose captions are encoded with their reference and for video families
     (not supported there)."""
     lora = method == "lora"
-    cls = adapter_class(family) if family else None
+    cls = preset_class(family) if family else None
     val = not (cls.text_uses_reference or cls.video) if cls else True
     ema = not (lora and cls is not None and cls.experts)  # both experts in one run have no EMA yet (train/experts.py)
     train = [
@@ -541,13 +545,19 @@ def optional_features(method: str, family: str = "") -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("configs"))
-    ap.add_argument("--families", nargs="*", default=list(ADAPTERS))
+    ap.add_argument("--families", nargs="*", default=list(ADAPTERS),
+                    help="families (each with its sizes' folders, e.g. wan and wan-1.3b), or one size alone (wan-1.3b)")
     args = ap.parse_args(argv)
     cache: dict = {}
     absent = []
-    for family in [canonical_family(f, "--families") for f in args.families]:
+    folders = []  # each family's, then its sizes' (configs/wan-1.3b/); a size named alone, only its own
+    for name in args.families:
+        family, size = preset_folder(name, "--families")
+        preset_class(name)  # a size it does not have: the UserError
+        folders += [f"{family}-{size}"] if size else [family, *(f"{family}-{k}" for k in preset_class(family).sizes())]
+    for family in folders:
         for method in ("lora", "full"):
-            for card in adapter_class(family).preset_cards:
+            for card in preset_class(family).preset_cards:
                 r = plan_preset(family, method, card, cache)
                 path = args.out / family / f"{method}-{card}gb.yaml"
                 if isinstance(r, str):
