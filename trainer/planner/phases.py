@@ -76,6 +76,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..models import adapter_class
+from ..optim.specs import optimizer_spec
 from .meta import TextEncoderSize, shared_sizes
 from .prediction import (
     ALLOCATOR_OVERHEAD,
@@ -87,6 +88,7 @@ from .prediction import (
     owned_state_bytes,
     predict,
     process_ram,
+    with_owned_steps,
 )
 from .sampling import SAMPLE_TILE_PIXELS, VAE_ACT_DECODE, cfg_batch, predict_sampling
 from .text import table as text_table
@@ -159,6 +161,8 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     processes"), the arena said once (prediction.py `shared_arena_bytes`)."""
     te = float(cfg.offload.text_encoders) if te_fraction is None else te_fraction
     res = max(facts.resolutions)
+    if shared:  # a full fine-tune's shared arena: owned steps, the ring holds the weights alone (`with_owned_steps`)
+        facts = with_owned_steps(facts, processes)
     train = predict(facts, fraction, res, cfg.offload.activations, kept=kept)
     step_ram = process_ram(facts, train, fraction, processes, shared)  # one process's (its arena, if its own)
     esize = 2 if facts.dtype.itemsize == 2 else facts.dtype.itemsize
@@ -231,7 +235,7 @@ def save_copies(facts: Facts, fraction: float, owners: int = 1) -> float:
     the weights (`save_pretrained`, rank 0, one file of at most `SAVE_FILE_BYTES` at a time), then the optimizer
     state (one file: with owned steps each of the `owners` processes writes its own 1/N, owners.py). The larger
     of the two: not the whole model and state (a full-size Flux on 4 processes measured 1.5 GB over the step)."""
-    weights, state = held_on_gpu(facts, fraction)
+    weights, state = held_on_gpu(with_owned_steps(facts, owners), fraction)
     return max(min(weights, SAVE_FILE_BYTES), state / owners)
 
 
@@ -345,6 +349,19 @@ def fallbacks(facts: Facts) -> list[str]:
     2.11's meta device once made every GPU host's figures the eager ones, unnoticed)."""
     return [f"planner: saved tensors counted as {why}; its figures over-count a compiled run"
             for why in sorted({tr.saved_by for tr in facts.traces.values() if "failed" in tr.saved_by})]
+
+
+def arena_shared(cfg, fraction: float, processes: int) -> bool:
+    """Whether `processes` processes of one host training `cfg` at `fraction` stream from the host's one /dev/shm
+    arena, as `dittrain plan --gpus N` counts them (trainer/train/streaming.py `shared_arena` decides it in a run):
+    blocks stream, offload.shared_arena is on, and the method is LoRA or a full fine-tune over the sharded stream
+    (offload.sharded_stream not false, an optimizer with owned steps; `auto` counted on, as on GPUs with peer
+    access)."""
+    if processes <= 1 or fraction <= 0.0 or not cfg.offload.shared_arena:
+        return False
+    if cfg.train.method == "lora":
+        return True
+    return cfg.offload.sharded_stream is not False and optimizer_spec(cfg.optimizer.name).owned_steps
 
 
 def predicted_map(cfg, fraction: float, facts: Facts, budget: float | None = None,
