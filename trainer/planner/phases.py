@@ -61,10 +61,14 @@ process's RAM as its anonymous RSS counts it. Where the streamed blocks' arena i
 pages, in no process's anonymous RSS: left out of every phase and said once for the node (prediction.py
 `shared_arena_bytes`, the load line's "node: ... shared arena"); a full fine-tune's owned steps (owners.py) keep 1/N
 of the streamed blocks' optimizer state (masters included) in each process, made at the first step (none at load).
-Where each process has its own arena (whole copies, no /dev/shm) the one-process figures stand. Issue 40's runs on
-4 x H200: the full fine-tune above measured 1.8 / 13.9 / 15.4 GB (load / step / save; 2.5 / 14.3 / 15.8 predicted,
-73.6 / 73.6 / 144.7 before) beside a 23.8 GB arena (23.67 predicted); Flux.1-dev's LoRA 48 GB preset 2.1 / 2.3 / 2.7
-(2.5 / 2.5 / 3.1; 14.2 / 14.2 / 14.8 before) beside its 11.67 GB arena. fsdp (train.distributed) has no
+VRAM is one GPU's: the one-process figures, except under a full fine-tune's owned steps, whose ring holds the weights
+alone and whose state visits the GPU 1/N at a time (prediction.py `with_owned_steps`). Where each process has its
+own arena (whole copies, no /dev/shm) the one-process figures stand. `dittrain plan --gpus N` prints one process's
+figures too (report.py). Issue 40's runs on 4 x H200: the full fine-tune above measured 1.8 / 13.9 / 15.4 GB of RAM
+(load / step / save; 2.5 / 14.3 / 15.8 predicted, 73.6 / 73.6 / 144.7 before) beside a 23.8 GB arena (23.67
+predicted), and 6.69 GB of VRAM in the step and the save (6.97 predicted, 8.97 before; the load measured 2.46, the
+caching phases' reserve kept, against 1.78); Flux.1-dev's LoRA 48 GB preset 2.1 / 2.3 / 2.7 (2.5 / 2.5 / 3.1;
+14.2 / 14.2 / 14.8 before) beside its 11.67 GB arena. fsdp (train.distributed) has no
 per-process model here: its lines give the one-process figures.
 RAM outside the training step (load, sampling, checkpoint save) holds no offloaded activations: none exist before
 the first step, and the trainer gives their pinned buffers back before sampling and a checkpoint save

@@ -33,6 +33,19 @@ How. Everything is derived from the model's own code and the conductor's own ari
   AOTAutograd's partitioner recomputes casts and pointwise work that eager blocks keep);
 - LoRA: fp32 weights, fp32 gradients and the optimizer state, all resident. Full fine-tune: every block's
   weights train and stream (written back after their step); the embedders train resident;
+- several processes of one host, a full fine-tune over the sharded stream (owned steps, trainer/train/owners.py;
+  `with_owned_steps`, used by the phase lines, the trainer's check line and `dittrain plan --gpus N`): the
+  conductor packs no optimizer state beside the weights (trainer/train/method.py `_packs_state`), so the ring and
+  the arena hold the weights alone (`Facts.weight_packed`); each process's 1/N of the state (masters included)
+  waits in its own pinned buffers and visits the GPU while each of its parameters steps (trainer/optim
+  StateOffload: one parameter's at a time, counted as the largest's, as 8-bit AdamW's in one process), 1/N of the
+  non-block state stays on the GPU, and the gradients on their way to their owners are counted as the largest
+  block's (`owner_grads`, sized from a measurement). Flux.1-dev, Adafactor with fp32 masters, every block streamed,
+  1024 px, 4 x H200 (bench/history/2026-11-28.md 17:10): 6.69 GB reserved a GPU, 6.97 predicted (8.97 before, the
+  one-process ring with the masters packed in it; 6.29 without `owner_grads`). Step time: each process's 1/N of
+  the optimizer steps and of the state copies (the latter at the blocks' rate, though they cross this process's
+  own link whole); the gradient reduces and weight broadcasts are not modelled: 1.40 s predicted there against
+  3.43 s measured (2.67 s before, from the masters crossing PCIe in the ring, which owned steps do not do);
 - peak reserved VRAM = static allocations (ring or resident blocks, non-block weights, trainable state), each
   rounded to the allocator's 2 MiB, + the saved tensors of the blocks that keep their activations, as they are
   (allocated once per step in forward order and held until their block's backward, the same sequence every step:
@@ -409,9 +422,10 @@ def _full_facts(cfg, model: torch.nn.Module, blocks: list, nonblock: list) -> di
     the conductor packs each weight's optimizer state beside it (trainer/offload/fused_state.py), so the state
     crosses PCIe with its block and sits in the pinned arena between steps; 8-bit AdamW's state (layout unknown
     before a step) lives in pinned RAM instead (trainer/optim StateOffload) and visits the GPU while its parameter
-    steps. The state of non-block modules stays on the GPU. optimizer.master_weights adds each bf16/fp16 weight's
-    fp32 master to its state, wherever that is (4 bytes per parameter; with owned steps 1/N on each process, as the
-    rest of the state: `node_ram_of_processes`)."""
+    steps, as every optimizer's does under owned steps (`weight_packed`, `with_owned_steps`). The state of
+    non-block modules stays on the GPU. optimizer.master_weights adds each bf16/fp16 weight's fp32 master to its
+    state, wherever that is (4 bytes per parameter; with owned steps 1/N on each process, as the rest of the state:
+    `node_ram_of_processes`)."""
     model.requires_grad_(True)
     trainable = sum(p.numel() for p in model.parameters())
     name, masters = cfg.optimizer.name, cfg.optimizer.master_weights

@@ -54,7 +54,8 @@ def report(
 ) -> tuple[list[str], float | None]:
     """The lines `dittrain plan` prints, and the chosen fraction (None when no budget was given); with `width`,
     fitted to that many columns (trainer/planner/text.py); `gpus` > 1: also the step of each of that many
-    processes of one host (`_several`).
+    processes of one host (`_several`; a full fine-tune: the node's RAM and owned steps' VRAM, `_several_full`), and
+    the phases as one of them holds them (`_phases`).
 
     The sections, in order: what is trained; with --vram or offload.transformer: auto and a budget, `auto`'s choice
     of fraction; with train.gradient_checkpointing: auto, the blocks that keep their activations (counted in the
