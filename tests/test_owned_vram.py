@@ -108,3 +108,20 @@ def test_the_check_line_uses_owned_steps_and_says_their_step_time_is_not_modelle
     assert said[0].startswith("offload: peak reserved VRAM predicted 6.97 GB, measured 6.69 GB (prediction +4 %)")
     assert said[0].endswith("[owned steps: their gradient reduces and weight broadcasts are not in the predicted "
                             "step time]")
+
+
+def test_plan_counts_a_shared_arena_where_the_trainer_would_make_one():
+    """`arena_shared`: what `dittrain plan --gpus N` assumes of trainer/train/streaming.py `shared_arena`."""
+    from trainer.planner.phases import arena_shared
+
+    def cfg(path, *sets):
+        return load_config(path, ["offload.transformer=1.0", *sets])
+
+    assert arena_shared(cfg("configs/flux/lora-48gb.yaml"), 0.2, 4)
+    assert arena_shared(cfg("configs/flux/full-24gb.yaml", "optimizer.name=adafactor"), 1.0, 4)
+    assert not arena_shared(cfg("configs/flux/full-24gb.yaml", "optimizer.name=adafactor"), 1.0, 1)
+    assert not arena_shared(cfg("configs/flux/full-24gb.yaml", "optimizer.name=adafactor"), 0.0, 4)
+    assert not arena_shared(cfg("configs/flux/full-24gb.yaml", "optimizer.name=prodigy"), 1.0, 4)  # whole copies
+    assert not arena_shared(cfg("configs/flux/full-24gb.yaml", "optimizer.name=adafactor",
+                                "offload.sharded_stream=false"), 1.0, 4)
+    assert not arena_shared(cfg("configs/flux/lora-48gb.yaml", "offload.shared_arena=false"), 0.2, 4)

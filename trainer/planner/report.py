@@ -374,8 +374,8 @@ def _phases(cfg, facts: Facts, fraction: float, budget: float | None, width: int
     if gpus > 1:
         out.append(f"one of {gpus} processes of one host" + (
             f"; node: {shared_arena_bytes(facts, fraction, gpus, shared) / GB:.1f} GB shared arena in /dev/shm, "
-            f"once for the host's {gpus} processes (in no process's RAM above)" if shared else
-            "; each with its own arena (in its RAM above)"))
+            f"once for the host's {gpus} processes (not in the RAM column)" if shared else
+            "; each process has its own arena, in the RAM column"))
     return table[:2] + out + table[2:]
 
 
