@@ -636,13 +636,13 @@ def _placement(facts: Facts, fraction: float) -> _Placement:
 
 def owner_grads(facts: Facts) -> int:
     """Owned steps (trainer/train/owners.py): the GPU bytes of the gradients on their way to their owners, beside
-    the one the fused back pass steps: each gradient is summed onto its owner by an NCCL reduce and freed, and its
-    memory returns to the caching allocator only once the reduce has run, so the gradients of the block being
-    differentiated can all be alive at once: counted as the largest block's, in the model dtype, reserved as they
-    are (the same tensors every step). Measured: Flux.1-dev, Adafactor without masters (its state a few MB), every
-    block streamed, activations offloaded: 6.04 GB reserved a GPU with owned steps on 4 x H200 against 5.25 GB on one
-    GPU (bench/history/2026-11-27.md 16:00), 0.79 GB more, where the largest block's gradients are 0.68 GB. 0 for one
-    process."""
+    the one the fused back pass steps. Each gradient is summed onto its owner by an NCCL reduce and then freed; our
+    reading (not profiled) is that its memory is reused only once the reduce has run on the GPU, so the gradients of
+    the block being differentiated can be alive at once: counted as the largest block's, in the model dtype,
+    reserved as they are (the same tensors every step). Sized from a measurement: Flux.1-dev, Adafactor without
+    masters (its state a few MB), every block streamed, activations offloaded: 6.04 GB reserved a GPU with owned
+    steps on 4 x H200 against 5.25 GB on one GPU (bench/history/2026-11-27.md 16:00), 0.79 GB more, where the
+    largest block's gradients are 0.68 GB. 0 for one process."""
     return max(facts.block_param_bytes) if facts.owners > 1 else 0
 
 
