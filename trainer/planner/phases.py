@@ -61,10 +61,14 @@ process's RAM as its anonymous RSS counts it. Where the streamed blocks' arena i
 pages, in no process's anonymous RSS: left out of every phase and said once for the node (prediction.py
 `shared_arena_bytes`, the load line's "node: ... shared arena"); a full fine-tune's owned steps (owners.py) keep 1/N
 of the streamed blocks' optimizer state (masters included) in each process, made at the first step (none at load).
-Where each process has its own arena (whole copies, no /dev/shm) the one-process figures stand. Issue 40's runs on
-4 x H200: the full fine-tune above measured 1.8 / 13.9 / 15.4 GB (load / step / save; 2.5 / 14.3 / 15.8 predicted,
-73.6 / 73.6 / 144.7 before) beside a 23.8 GB arena (23.67 predicted); Flux.1-dev's LoRA 48 GB preset 2.1 / 2.3 / 2.7
-(2.5 / 2.5 / 3.1; 14.2 / 14.2 / 14.8 before) beside its 11.67 GB arena. fsdp (train.distributed) has no
+VRAM is one GPU's: the one-process figures, except under a full fine-tune's owned steps, whose ring holds the weights
+alone and whose state visits the GPU 1/N at a time (prediction.py `with_owned_steps`). Where each process has its
+own arena (whole copies, no /dev/shm) the one-process figures stand. `dittrain plan --gpus N` prints one process's
+figures too (report.py). Issue 40's runs on 4 x H200: the full fine-tune above measured 1.8 / 13.9 / 15.4 GB of RAM
+(load / step / save; 2.5 / 14.3 / 15.8 predicted, 73.6 / 73.6 / 144.7 before) beside a 23.8 GB arena (23.67
+predicted), and 6.69 GB of VRAM in the step and the save (6.97 predicted, 8.97 before; the load measured 2.46, the
+caching phases' reserve kept, against 1.78); Flux.1-dev's LoRA 48 GB preset 2.1 / 2.3 / 2.7 (2.5 / 2.5 / 3.1;
+14.2 / 14.2 / 14.8 before) beside its 11.67 GB arena. fsdp (train.distributed) has no
 per-process model here: its lines give the one-process figures.
 RAM outside the training step (load, sampling, checkpoint save) holds no offloaded activations: none exist before
 the first step, and the trainer gives their pinned buffers back before sampling and a checkpoint save
@@ -76,6 +80,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..models import adapter_class
+from ..optim.specs import optimizer_spec
 from .meta import TextEncoderSize, shared_sizes
 from .prediction import (
     ALLOCATOR_OVERHEAD,
@@ -87,6 +92,7 @@ from .prediction import (
     owned_state_bytes,
     predict,
     process_ram,
+    with_owned_steps,
 )
 from .sampling import SAMPLE_TILE_PIXELS, VAE_ACT_DECODE, cfg_batch, predict_sampling
 from .text import table as text_table
@@ -159,6 +165,8 @@ def predict_phases(cfg, fraction: float, facts: Facts, te_fraction: float | None
     processes"), the arena said once (prediction.py `shared_arena_bytes`)."""
     te = float(cfg.offload.text_encoders) if te_fraction is None else te_fraction
     res = max(facts.resolutions)
+    if shared:  # a full fine-tune's shared arena: owned steps, the ring holds the weights alone (`with_owned_steps`)
+        facts = with_owned_steps(facts, processes)
     train = predict(facts, fraction, res, cfg.offload.activations, kept=kept)
     step_ram = process_ram(facts, train, fraction, processes, shared)  # one process's (its arena, if its own)
     esize = 2 if facts.dtype.itemsize == 2 else facts.dtype.itemsize
@@ -231,7 +239,7 @@ def save_copies(facts: Facts, fraction: float, owners: int = 1) -> float:
     the weights (`save_pretrained`, rank 0, one file of at most `SAVE_FILE_BYTES` at a time), then the optimizer
     state (one file: with owned steps each of the `owners` processes writes its own 1/N, owners.py). The larger
     of the two: not the whole model and state (a full-size Flux on 4 processes measured 1.5 GB over the step)."""
-    weights, state = held_on_gpu(facts, fraction)
+    weights, state = held_on_gpu(with_owned_steps(facts, owners), fraction)
     return max(min(weights, SAVE_FILE_BYTES), state / owners)
 
 
@@ -345,6 +353,19 @@ def fallbacks(facts: Facts) -> list[str]:
     2.11's meta device once made every GPU host's figures the eager ones, unnoticed)."""
     return [f"planner: saved tensors counted as {why}; its figures over-count a compiled run"
             for why in sorted({tr.saved_by for tr in facts.traces.values() if "failed" in tr.saved_by})]
+
+
+def arena_shared(cfg, fraction: float, processes: int) -> bool:
+    """Whether `processes` processes of one host training `cfg` at `fraction` stream from the host's one /dev/shm
+    arena, as `dittrain plan --gpus N` counts them (trainer/train/streaming.py `shared_arena` decides it in a run):
+    blocks stream, offload.shared_arena is on, and the method is LoRA or a full fine-tune over the sharded stream
+    (offload.sharded_stream not false, an optimizer with owned steps; `auto` counted on, as on GPUs with peer
+    access)."""
+    if processes <= 1 or fraction <= 0.0 or not cfg.offload.shared_arena:
+        return False
+    if cfg.train.method == "lora":
+        return True
+    return cfg.offload.sharded_stream is not False and optimizer_spec(cfg.optimizer.name).owned_steps
 
 
 def predicted_map(cfg, fraction: float, facts: Facts, budget: float | None = None,

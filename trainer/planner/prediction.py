@@ -33,6 +33,19 @@ How. Everything is derived from the model's own code and the conductor's own ari
   AOTAutograd's partitioner recomputes casts and pointwise work that eager blocks keep);
 - LoRA: fp32 weights, fp32 gradients and the optimizer state, all resident. Full fine-tune: every block's
   weights train and stream (written back after their step); the embedders train resident;
+- several processes of one host, a full fine-tune over the sharded stream (owned steps, trainer/train/owners.py;
+  `with_owned_steps`, used by the phase lines, the trainer's check line and `dittrain plan --gpus N`): the
+  conductor packs no optimizer state beside the weights (trainer/train/method.py `_packs_state`), so the ring and
+  the arena hold the weights alone (`Facts.weight_packed`); each process's 1/N of the state (masters included)
+  waits in its own pinned buffers and visits the GPU while each of its parameters steps (trainer/optim
+  StateOffload: one parameter's at a time, counted as the largest's, as 8-bit AdamW's in one process), 1/N of the
+  non-block state stays on the GPU, and the gradients on their way to their owners are counted as the largest
+  block's (`owner_grads`, sized from a measurement). Flux.1-dev, Adafactor with fp32 masters, every block streamed,
+  1024 px, 4 x H200 (bench/history/2026-11-28.md 17:10): 6.69 GB reserved a GPU, 6.97 predicted (8.97 before, the
+  one-process ring with the masters packed in it; 6.29 without `owner_grads`). Step time: each process's 1/N of
+  the optimizer steps and of the state copies (the latter at the blocks' rate, though they cross this process's
+  own link whole); the gradient reduces and weight broadcasts are not modelled: 1.40 s predicted there against
+  3.43 s measured (2.67 s before, from the masters crossing PCIe in the ring, which owned steps do not do);
 - peak reserved VRAM = static allocations (ring or resident blocks, non-block weights, trainable state), each
   rounded to the allocator's 2 MiB, + the saved tensors of the blocks that keep their activations, as they are
   (allocated once per step in forward order and held until their block's backward, the same sequence every step:
@@ -214,6 +227,12 @@ class Facts:
 
     #: the Config this was analyzed from (`analyze`): offload.park: auto reads the whole run's phases from it
     run_cfg: object = None
+    #: full FT: per block, the packed bytes of its weights alone (what owned steps stream: `with_owned_steps`);
+    #: `packed` where the state is not packed
+    weight_packed: list[int] | None = None
+    #: full FT with owned steps (trainer/train/owners.py): the processes stepping 1/owners of the weights each,
+    #: each keeping only their optimizer state (`with_owned_steps`); 1 otherwise
+    owners: int = 1
 
     def parks_on_disk_at(self, fraction: float) -> bool:
         """Whether the run's idle expert waits on disk at transformer fraction `fraction`: offload.park ram / disk as
@@ -403,18 +422,21 @@ def _full_facts(cfg, model: torch.nn.Module, blocks: list, nonblock: list) -> di
     the conductor packs each weight's optimizer state beside it (trainer/offload/fused_state.py), so the state
     crosses PCIe with its block and sits in the pinned arena between steps; 8-bit AdamW's state (layout unknown
     before a step) lives in pinned RAM instead (trainer/optim StateOffload) and visits the GPU while its parameter
-    steps. The state of non-block modules stays on the GPU. optimizer.master_weights adds each bf16/fp16 weight's
-    fp32 master to its state, wherever that is (4 bytes per parameter; with owned steps 1/N on each process, as the
-    rest of the state: `node_ram_of_processes`)."""
+    steps, as every optimizer's does under owned steps (`weight_packed`, `with_owned_steps`). The state of
+    non-block modules stays on the GPU. optimizer.master_weights adds each bf16/fp16 weight's fp32 master to its
+    state, wherever that is (4 bytes per parameter; with owned steps 1/N on each process, as the rest of the state:
+    `node_ram_of_processes`)."""
     model.requires_grad_(True)
     trainable = sum(p.numel() for p in model.parameters())
     name, masters = cfg.optimizer.name, cfg.optimizer.master_weights
     layout = packed_state_layout(name, masters)
     packed = [BlockPacking.of(b, include_trainable=True, state_layout=layout or ()).nbytes for b in blocks]
+    weights = packed if layout is None else [BlockPacking.of(b, include_trainable=True).nbytes for b in blocks]
     biggest = max(model.parameters(), key=lambda p: p.numel())
     return dict(
         trainable_params=trainable,
         packed=packed,
+        weight_packed=weights,
         largest_param=biggest.numel(),
         state_gpu=optimizer_state_bytes(name, nonblock, masters),
         block_states=[optimizer_state_bytes(name, list(b.parameters()), masters) for b in blocks],
@@ -511,6 +533,8 @@ class _Placement:
     switch_out: int = 0  #: and to the host (the outgoing resident part)
     switch_read: int = 0  #: and read from the files (parked on disk: the incoming expert's blocks)
     on_disk: bool = False  #: the idle experts wait on disk (offload.park resolved; `Facts.parks_on_disk_at`)
+    #: owned steps: gradients on their way to their owners (`owner_grads`)
+    to_owners: int = 0
 
 
 @dataclass
@@ -566,8 +590,8 @@ def predict(
         pinned=place.pinned,
         h2d=h2d,
         d2h=d2h,
-        peak_allocated=place.ring + facts.nonblock_bytes + trainable + act,
-        peak_reserved=static + _reserved_part(peak.dynamic, peak.long_lived) + WORKSPACE,
+        peak_allocated=place.ring + facts.nonblock_bytes + trainable + act + place.to_owners,
+        peak_reserved=static + _reserved_part(peak.dynamic, peak.long_lived) + WORKSPACE + _round2m(place.to_owners),
         static=static,
         dynamic=peak.dynamic,
         ram_peak=_ram_peak(facts, place, peak.checkpoint_host),
@@ -598,15 +622,28 @@ def _placement(facts: Facts, fraction: float) -> _Placement:
     elif facts.state_packed:  # each block's state is in its pack: in the ring, or in the pinned arena
         trainable = facts.state_gpu
     else:  # StateOffload: resident blocks' state on the GPU, one streamed parameter's while it steps
+        # (owned steps: the process's 1/owners of the state; the largest parameter's where it is the owner)
         on_gpu = [s for b, s in enumerate(facts.block_states) if b not in streamed]
-        trainable = facts.state_gpu + sum(on_gpu) + (facts.largest_state if streamed else 0)
-        pinned += sum(facts.block_states[b] for b in streamed)
-        state_moved = sum(facts.block_states[b] for b in streamed)  # to the GPU and back, every step
+        trainable = (facts.state_gpu + sum(on_gpu)) // facts.owners + (facts.largest_state if streamed else 0)
+        state_moved = sum(facts.block_states[b] for b in streamed) // facts.owners  # to the GPU and back, every step
+        pinned += state_moved
     # fused back pass: one gradient in the model dtype + the fp32 copies of weight and gradient it steps
     esize = torch.tensor([], dtype=facts.dtype).element_size()
     one_grad = facts.largest_param * (esize + 8) if facts.fused else 0
     # d2h = h2d: every streamed block is written back before its region is reused
-    return _Placement(ring, pinned, h2d, h2d, trainable, one_grad, state_moved, 0)
+    return _Placement(ring, pinned, h2d, h2d, trainable, one_grad, state_moved, 0, to_owners=owner_grads(facts))
+
+
+def owner_grads(facts: Facts) -> int:
+    """Owned steps (trainer/train/owners.py): the GPU bytes of the gradients on their way to their owners, beside
+    the one the fused back pass steps. Each gradient is summed onto its owner by an NCCL reduce and then freed; our
+    reading (not profiled) is that its memory is reused only once the reduce has run on the GPU, so the gradients of
+    the block being differentiated can be alive at once: counted as the largest block's, in the model dtype,
+    reserved as they are (the same tensors every step). Sized from a measurement: Flux.1-dev, Adafactor without
+    masters (its state a few MB), every block streamed, activations offloaded: 6.04 GB reserved a GPU with owned
+    steps on 4 x H200 against 5.25 GB on one GPU (bench/history/2026-11-27.md 16:00), 0.79 GB more, where the
+    largest block's gradients are 0.68 GB. 0 for one process."""
+    return max(facts.block_param_bytes) if facts.owners > 1 else 0
 
 
 def _with_parked_experts(facts: Facts, place: _Placement, fraction: float) -> _Placement:
@@ -741,9 +778,10 @@ def _block_costs(facts: Facts, tr: ptrace.Trace, rates: ptime.Rates, res: int, c
     opt_step = ptime.REF_FULL_STEP_S_PER_PARAM if full else 0.0
     return [
         c.scaled(
-            extra_gpu_bwd=facts.block_param_bytes[b] / esize * opt_step
+            # owned steps: each process steps, and copies the state of, 1/owners of the weights
+            extra_gpu_bwd=facts.block_param_bytes[b] / esize * opt_step / facts.owners
             # StateOffload's state copies run on the compute stream, in the block's backward
-            + (2 * facts.block_states[b] / rates.h2d if state_moved and b in streamed_blocks else 0.0)
+            + (2 * facts.block_states[b] / facts.owners / rates.h2d if state_moved and b in streamed_blocks else 0.0)
             # offload.nano_batches: each chunk of the token-wise MLPs runs its forward once more in backward
             + (tr.block_mlp_linear_flops[b] / rates.rate(res) if facts.nano_batches > 1 and tr.block_mlp_linear_flops
                else 0.0)
@@ -861,10 +899,24 @@ def expected(
 ) -> Prediction:
     """The prediction for the config's largest bucket at `fraction` (what the first real steps are checked
     against); `kept`: blocks that keep their activations (train.gradient_checkpointing: auto); `processes` of one
-    host streaming at once, with whole copies or the `sharded` stream (timing.for_processes)."""
+    host streaming at once, with whole copies or the `sharded` stream (timing.for_processes; a full fine-tune's:
+    owned steps, `with_owned_steps`)."""
     facts = facts or analyze(cfg)
+    if sharded:  # a full fine-tune's sharded stream runs owned steps (trainer/train/streaming.py `owned_steps`)
+        facts = with_owned_steps(facts, processes)
     rates = ptime.for_processes(rates or ptime.reference_rates(), processes, sharded)
     return predict(facts, fraction, max(facts.resolutions), cfg.offload.activations, rates, kept=kept)
+
+
+def with_owned_steps(facts: Facts, processes: int) -> Facts:
+    """`facts` as one of `processes` processes of a full fine-tune with owned steps (trainer/train/owners.py) holds
+    them: the conductor packs no optimizer state beside the weights (trainer/train/method.py `_packs_state`), so
+    the ring and arena hold `weight_packed` alone; the process's own 1/N of the state waits in pinned buffers
+    (StateOffload over the parameters it owns) and visits the GPU while each of its parameters steps, as 8-bit
+    AdamW's does in one process (`_placement`). `facts` itself for LoRA or one process."""
+    if processes <= 1 or facts.method != "full" or facts.weight_packed is None:
+        return facts
+    return replace(facts, packed=facts.weight_packed, state_packed=False, owners=processes)
 
 
 def node_ram_of_processes(facts: Facts, pred: Prediction, fraction: float, processes: int) -> tuple[int, int]:
@@ -872,8 +924,8 @@ def node_ram_of_processes(facts: Facts, pred: Prediction, fraction: float, proce
     (every process `pred`'s own arena, the optimizer state packed in it or pinned beside it) and with owned steps
     (trainer/train/owners.py: one shared arena of the streamed weights, each process 1/N of their optimizer
     state): `shared_arena_bytes` once and `process_ram` per process. `pred`: the one-process prediction at
-    `fraction`."""
-    _, streamed, _ = _streaming(tuple(facts.packed), fraction)
+    `fraction`; the owned steps' blocks stream as `with_owned_steps` packs them (the weights alone)."""
+    _, streamed, _ = _streaming(tuple(with_owned_steps(facts, processes).packed), fraction)
     weights = sum(facts.block_param_bytes[b] for b in streamed)
     state = sum(facts.block_states[b] for b in streamed)
     own = pred.ram_peak - pred.pinned  # what a process holds besides its arena and pinned state

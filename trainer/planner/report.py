@@ -13,7 +13,7 @@ from ..dtypes import DTYPES
 from ..errors import UserError
 from ..offload.plan import kept_blocks
 from . import timing as ptime
-from .phases import fit_text_fraction, predict_phases, run_ram_peaks, text_sizes
+from .phases import arena_shared, fit_text_fraction, predict_phases, run_ram_peaks, text_sizes
 from .phases import table as phase_table
 from .prediction import (
     ALLOCATOR_OVERHEAD,
@@ -28,7 +28,9 @@ from .prediction import (
     node_ram_of_processes,
     physical_ram,
     predict,
+    shared_arena_bytes,
     streaming,
+    with_owned_steps,
 )
 from .sampling import cfg_batch, predict_sampling
 from .text import table as _table
@@ -52,7 +54,8 @@ def report(
 ) -> tuple[list[str], float | None]:
     """The lines `dittrain plan` prints, and the chosen fraction (None when no budget was given); with `width`,
     fitted to that many columns (trainer/planner/text.py); `gpus` > 1: also the step of each of that many
-    processes of one host (`_several`).
+    processes of one host (`_several`; a full fine-tune: the node's RAM and owned steps' VRAM, `_several_full`), and
+    the phases as one of them holds them (`_phases`).
 
     The sections, in order: what is trained; with --vram or offload.transformer: auto and a budget, `auto`'s choice
     of fraction; with train.gradient_checkpointing: auto, the blocks that keep their activations (counted in the
@@ -87,7 +90,7 @@ def report(
     s = cfg.sample  # a video family samples the config's clip (`dittrain sample`'s default); images the bucket
     clip = (s.width, s.height, s.frames) if facts.adapter.video else None
     lines += _sampling(facts, fractions, big, rates, cfg_batch(facts.family, s.guidance), width, clip)
-    lines += _phases(cfg, facts, shown, budget, width, kept)
+    lines += _phases(cfg, facts, shown, budget, width, kept, gpus)
     lines += _experts(cfg, facts, shown, act, rates)
     if ram_gb is not None:
         lines.append(_ram_line(facts, shown, ram_gb, act, rates)[0])
@@ -352,9 +355,11 @@ class DoesNotFit(UserError):
 
 
 def _phases(cfg, facts: Facts, fraction: float, budget: float | None, width: int | None = None,
-            kept: frozenset[int] = frozenset()) -> list[str]:
+            kept: frozenset[int] = frozenset(), gpus: int = 1) -> list[str]:
     """Every phase of `fit` (trainer/planner/phases.py), the training step with the blocks `kept` keeping their
-    activations; with a budget, the text-encoder share that fits it."""
+    activations; with a budget, the text-encoder share that fits it. `gpus` > 1: one of that many processes of one
+    host, as the trainer's phase lines give it under torchrun (its RAM without a shared arena, which is said once
+    for the node; a full fine-tune's owned steps: its VRAM and 1/N of the state)."""
     te = float(cfg.offload.text_encoders)
     out = []
     if budget is not None:
@@ -363,8 +368,14 @@ def _phases(cfg, facts: Facts, fraction: float, budget: float | None, width: int
             out.append(f"text caching needs offload.text_encoders >= {need:.2f} for {budget:g} GB (config: {te:g}); "
                        "the table uses it")
             te = need
-    table = phase_table(predict_phases(cfg, fraction, facts, te, None if budget is None else budget * GB, kept),
-                        budget, width)
+    shared = arena_shared(cfg, fraction, gpus)
+    table = phase_table(predict_phases(cfg, fraction, facts, te, None if budget is None else budget * GB, kept,
+                                       processes=gpus, shared=shared), budget, width)
+    if gpus > 1:
+        out.append(f"one of {gpus} processes of one host" + (
+            f"; node: {shared_arena_bytes(facts, fraction, gpus, shared) / GB:.1f} GB shared arena in /dev/shm, "
+            f"once for the host's {gpus} processes (not in the RAM column)" if shared else
+            "; each process has its own arena, in the RAM column"))
     return table[:2] + out + table[2:]
 
 
@@ -395,13 +406,15 @@ def _several_full(facts: Facts, fractions, res: int, act: bool, rates, gpus: int
     the sharded stream: one arena, 1/N of the optimizer state each); their step times are not modelled."""
     if not fractions:
         return []
-    rows = [("fraction", "whole copies: node RAM", "owned steps: node RAM")]
+    rows = [("fraction", "whole copies: node RAM", "owned steps: node RAM", "owned steps: VRAM a GPU")]
+    owners = with_owned_steps(facts, gpus)
     for f in fractions:
         whole, owned = node_ram_of_processes(facts, predict(facts, f, res, act, rates), f, gpus)
-        rows.append((f"{f:.2f}", _gb(whole), _gb(owned)))
-    return ["", f"{gpus} GPUs of one host, a full fine-tune: host RAM of the node with whole copies per process, and "
-                "with the sharded stream's owned steps (offload.sharded_stream; each process steps 1/N of the "
-                "weights). Step times of owned steps are not modelled (measured: docs/multi-gpu.md):",
+        rows.append((f"{f:.2f}", _gb(whole), _gb(owned), _gb(predict(owners, f, res, act, rates).peak_reserved)))
+    return ["", f"{gpus} GPUs of one host, a full fine-tune: host RAM of the node with whole copies per process (each "
+                "GPU's VRAM as one GPU's), and with the sharded stream's owned steps (offload.sharded_stream; each "
+                "process steps 1/N of the weights; the ring holds the weights alone). Step times of owned steps are "
+                "not modelled (measured: docs/multi-gpu.md):",
             *_table(rows, width=width)]
 
 

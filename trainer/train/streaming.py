@@ -272,4 +272,6 @@ def check_plan(cfg: Config, fraction: float, device: torch.device, step_s: float
     line = check_line(pred, torch.cuda.max_memory_reserved(device), step_s, micro_batches=cfg.train.grad_accum)
     if steps is not None:
         line += f" [measured: median of {steps} steady-state steps, compile steps excluded]"
+    if sharded and cfg.train.method == "full":  # owned steps: planner/prediction.py `with_owned_steps`
+        line += " [owned steps: their gradient reduces and weight broadcasts are not in the predicted step time]"
     say(line)
