@@ -12,22 +12,20 @@ import types
 
 import pytest
 import torch
+from test_phase_ram_processes import flux_full
 
 from trainer.config import load_config
 from trainer.planner.phases import predict_phases
-from trainer.planner.prediction import analyze, expected, predict, with_owned_steps
+from trainer.planner.prediction import expected, predict, with_owned_steps
 from trainer.planner.report import report
 
 GB = 1e9
-MEASURED = 6.69 * GB  # peak reserved a GPU, training step (and checkpoint save): /tmp/x4logs/24gb-full-m4/fit.log
+MEASURED = 6.69 * GB  # peak reserved a GPU, training step (and checkpoint save): bench/logs/2026-11-28g/x4-full-m4-fit.log
 
 
 @pytest.fixture(scope="module")
 def full():
-    cfg = load_config("configs/flux/full-24gb.yaml", ["offload.transformer=1.0", "optimizer.name=adafactor",
-                                                      "optimizer.master_weights=true", "optimizer.stochastic_rounding=false",
-                                                      "sample.every=0"])
-    return cfg, analyze(cfg)
+    return flux_full()
 
 
 def _vram(cfg, facts, **kw) -> dict[str, float]:

@@ -28,12 +28,18 @@ def _ram(cfg, fraction, facts, **kw) -> dict[str, float]:
     return {p.name: p.ram for p in predict_phases(cfg, fraction, facts, **kw)}
 
 
-@pytest.fixture(scope="module")
-def full():
+def flux_full():
+    """Flux.1-dev's 24 GB full preset as the 4 x H200 run had it (bench/logs/2026-11-28g/x4-full-m4-flux.yaml):
+    Adafactor with fp32 masters, every block streamed; the config and its full-size facts."""
     cfg = load_config("configs/flux/full-24gb.yaml", ["offload.transformer=1.0", "optimizer.name=adafactor",
                                                       "optimizer.master_weights=true", "optimizer.stochastic_rounding=false",
                                                       "sample.every=0"])
     return cfg, analyze(cfg)
+
+
+@pytest.fixture(scope="module")
+def full():
+    return flux_full()
 
 
 @pytest.fixture(scope="module")
