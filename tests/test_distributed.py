@@ -490,10 +490,11 @@ def test_compile_workers_split_the_cores_among_the_hosts_processes(monkeypatch, 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     monkeypatch.setattr(distributed.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
-    monkeypatch.setattr(inductor, "compile_threads", 32)
-    distributed._use_compile_workers(4)
-    assert inductor.compile_threads == 16
+    # torch's config module, not monkeypatch (whose undo there deletes the setting for the tests after)
+    with inductor.patch(compile_threads=32):
+        distributed._use_compile_workers(4)
+        assert inductor.compile_threads == 16
     assert "each of this host's 4 processes compiles with 16 workers" in capsys.readouterr().err
-    monkeypatch.setattr(inductor, "compile_threads", 8)  # already fewer (a small host): left alone, nothing said
-    distributed._use_compile_workers(4)
-    assert inductor.compile_threads == 8 and not capsys.readouterr().err
+    with inductor.patch(compile_threads=8):  # already fewer (a small host): left alone, nothing said
+        distributed._use_compile_workers(4)
+        assert inductor.compile_threads == 8 and not capsys.readouterr().err
