@@ -89,6 +89,11 @@ def _env_int(name: str, default: int) -> int:
         raise UserError(f"environment variable {name}={os.environ[name]!r} is not an integer (set by torchrun)") from None
 
 
+def _cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def torchrun_threads(env=None, cores: int | None = None, launcher_env: dict | None = None) -> int | None:
     """torch's CPU threads for this process when torchrun, not the user, set OMP_NUM_THREADS=1 (see the module
     essay): this host's cores (`cores`; default: those this process may run on) divided by LOCAL_WORLD_SIZE,
@@ -105,7 +110,7 @@ def torchrun_threads(env=None, cores: int | None = None, launcher_env: dict | No
     if launcher_env is not None and "OMP_NUM_THREADS" in launcher_env:
         return None  # the user's (or their launcher's) choice
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = _cores()
     return max(1, cores // local_world)
 
 
@@ -118,7 +123,7 @@ def compile_workers(env=None, cores: int | None = None) -> int | None:
     if local_world <= 1 or "TORCHINDUCTOR_COMPILE_THREADS" in env:
         return None
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = _cores()
     return max(1, min(32, cores // local_world))
 
 
