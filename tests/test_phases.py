@@ -540,3 +540,30 @@ def test_bench_program_reports_a_multi_process_phase_as_its_slowest_process_not_
     assert "the slowest process's" in lines[2]
     assert lines[3].endswith("| 23.0 |")  # not 86.0
     assert lines[4].endswith("| median 1.00 of 12 |")  # each process's first step left out, not only rank 0's
+
+
+def test_bench_program_counts_torchs_compile_workers_apart_in_a_process_tree():
+    """A 4-GPU `fit` summed 3.9 GB of anonymous memory a process where the trainer's own line read 2.3 GB: the rest
+    was below it, torch's compile workers. The tree sampler counts the processes whose command line is inductor's
+    compile worker apart (`workers`), and the table says how much of the sum they were."""
+    import subprocess
+    import sys
+    import time
+
+    from bench.program import bench_program as bp
+
+    hold = "import time; x = b'x' * 60_000_000; time.sleep(4)"  # 60 MB written: anonymous, resident
+    # the parent's own command line must not name it: 'compile' + '_worker' is joined in the parent
+    code = (f"import subprocess, sys; w = subprocess.Popen([sys.executable, '-c', {hold!r}, 'compile' + '_worker']); "
+            f"x = b'y' * 30_000_000; w.wait()")
+    p = subprocess.Popen([sys.executable, "-c", code])
+    poll = bp.AnonPoller(p.pid, tree=True)
+    p.wait()
+    time.sleep(0.1)
+    poll.stop()
+    workers = max(b for _, b in poll.workers)
+    assert 55e6 < workers < 90e6  # the worker's 60 MB (and its interpreter), not the parent's
+    assert poll.peak() > workers + 25e6  # the sum has the parent's 30 MB too
+    row = {"label": "flux 48gb", "command": "fit", "rc": 0, "gpus": 4, "anon_peak": 15.6e9, "shmem_peak": 11.8e9,
+           "workers_peak": 6.4e9, "wall_s": 93.0, "phases": {}, "last_line": ""}
+    assert "torch's compile workers 6.4 GB of it at their peak; node shmem peak 11.8 GB" in bp.report([row])[2]

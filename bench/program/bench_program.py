@@ -608,6 +608,15 @@ def _anon(pid: int, proportional: bool = False) -> int:
     return 0
 
 
+def _compile_worker(pid: int) -> bool:
+    """Whether pid is one of torch inductor's compile workers (its pool's sidecar and the processes it forks run
+    torch/_inductor/compile_worker's `__main__.py`)."""
+    try:
+        return b"compile_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _node_shmem() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("Shmem:"):
@@ -618,11 +627,12 @@ def _node_shmem() -> int:
 class AnonPoller:
     """Samples a child's RssAnon every `every` seconds: [(time, bytes)]. `tree`: the sum of Pss_Anon over the child
     and every process below it (a torchrun launch's workers and their compile workers), sampled every second, with
-    the node's shared memory beside (`shmem`: [(time, bytes)], the host's /dev/shm arena). (A sum of RssAnon
-    counted a pool's copy-on-write pages once per worker: 57 GB for a 4-GPU fit whose workers held 2.3 GB each.)"""
+    the node's shared memory beside (`shmem`: [(time, bytes)], the host's /dev/shm arena) and the part of the sum
+    held by torch's compile workers (`workers`: [(time, bytes)], `_compile_worker`). (A sum of RssAnon counted a
+    pool's copy-on-write pages once per worker: 57 GB for a 4-GPU fit whose workers held 2.3 GB each.)"""
 
     def __init__(self, pid: int, every: float = 0.1, tree: bool = False) -> None:
-        self.pid, self.tree, self.samples, self.shmem = pid, tree, [], []
+        self.pid, self.tree, self.samples, self.shmem, self.workers = pid, tree, [], [], []
         self.every = 1.0 if tree else every  # walking /proc for the tree costs more
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
@@ -631,16 +641,19 @@ class AnonPoller:
     def _run(self) -> None:
         while not self._stop.is_set():
             now = time.time()
-            total = 0
+            total = workers = 0
             for pid in _tree(self.pid) if self.tree else [self.pid]:
                 try:
-                    total += _anon(pid, proportional=self.tree)
+                    anon = _anon(pid, proportional=self.tree)
                 except OSError:
-                    pass
+                    continue
+                total += anon
+                workers += anon if self.tree and _compile_worker(pid) else 0
             if total:
                 self.samples.append((now, total))
             if self.tree:
                 self.shmem.append((now, _node_shmem()))
+                self.workers.append((now, workers))
             time.sleep(self.every)
 
     def stop(self) -> list:
@@ -893,6 +906,7 @@ def run_commands(family: str, card: int, cfg: Path, run_dir: Path, args) -> list
         print("\n".join(f"[{label} {cmd_name}] {line}" for line in key), flush=True)
         rows.append({"family": family, "label": label, "command": cmd_name, "rc": rc, "wall_s": wall,
                      "anon_peak": poll.peak(), "shmem_peak": max((b for _, b in poll.shmem), default=0),
+                     "workers_peak": max((b for _, b in poll.workers), default=0),
                      "gpus": args.gpus if cmd_name == "fit" else 1, "last_line": lines[-1] if lines else "", "key_lines": key,
                      "phases": _per_phase(recs, poll)})
     return rows
@@ -941,8 +955,10 @@ def report(rows: list[dict]) -> list[str]:
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         gpus = r.get("gpus", 1)
-        what = "(process)" if gpus == 1 else (f"({gpus} processes: anon PSS summed; node shmem peak "
-                                              f"{r['shmem_peak'] / 1e9:.1f} GB; phase times: the slowest process's)")
+        what = "(process)" if gpus == 1 else (f"({gpus} processes: anon PSS summed, torch's compile workers "
+                                              f"{r.get('workers_peak', 0) / 1e9:.1f} GB of it at their peak; node "
+                                              f"shmem peak {r['shmem_peak'] / 1e9:.1f} GB; phase times: the slowest "
+                                              "process's)")
         lines.append(f"| {r['label']} | {r['command']} | {r['rc']} | {what} | | | {r['anon_peak'] / 1e9:.1f} | "
                      f"{r['wall_s']:.0f} |")
         for name, p in r["phases"].items():
