@@ -932,6 +932,12 @@ def node_ram_of_processes(facts: Facts, pred: Prediction, fraction: float, proce
     return processes * pred.ram_peak, weights + processes * own + state
 
 
+def node_arena_words(nbytes: float, processes: int) -> str:
+    """How a one-process RAM figure's shared arena is said once for the host (the trainer's load line and `dittrain
+    plan --gpus N`)."""
+    return f"node: {nbytes / GB:.1f} GB shared arena in /dev/shm, once for the host's {processes} processes"
+
+
 def shared_arena_bytes(facts: Facts, fraction: float, processes: int = 1, shared: bool = False) -> int:
     """The host's one arena of streamed blocks at `fraction` when `processes` processes share it (`shared`: a
     /dev/shm file each maps, trainer/train/streaming.py `shared_arena`; file pages, in no process's anonymous

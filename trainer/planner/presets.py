@@ -169,10 +169,10 @@ def _config(
     expert = {"expert": EXPERT[method]} if cls.experts else {}
     # qwen-image-edit: its captions are encoded with their reference images (~1400 vision tokens at 1024 px), so
     # one at a time; its samples need a reference image
-    ref_text = preset_class(family).text_uses_reference
+    ref_text = cls.text_uses_reference
     # an fp8 base is chosen for RAM: the modulation Linears in the blocks (a quarter to a third of the block bytes,
     # where a family has them) go to fp8 too (bench/history/2026-11-23.md: loss curve unchanged on the bundled data)
-    mod = {"quantize_modulation": True} if preset_class(family).modulation_linears else {}
+    mod = {"quantize_modulation": True} if cls.modulation_linears else {}
     return {
         "model": {"family": cls.family, "path": cls.example_path, "dtype": "bf16", **expert,
                   **({"quantize": quantize, **mod} if quantize != "none" else {})},
@@ -208,11 +208,11 @@ def _config(
             "width": width,
             "height": height,
             **({"frames": frames} if cls.video else {}),
-            **preset_class(family).sample_defaults,  # a distilled model's steps and guidance
+            **cls.sample_defaults,  # a distilled model's steps and guidance
             **({"image": "/path/to/reference.png"} if ref_text else {}),
             **({"image": "/path/to/first-frame.png"} if cls.first_frame_conditions else {}),  # image-to-video
             # the family's own sampling settings (e.g. Qwen-Image 2.1: 40 steps without guidance)
-            **preset_class(family).sample_defaults,
+            **cls.sample_defaults,
         },
         "output": {"dir": f"out/{family}-{method}" + (f"-{EXPERT[method]}" if expert else "")},
     }
@@ -405,7 +405,8 @@ def plan_preset(
 
 def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: float, phases: list,
            why_fp8: str = "", kept: Kept | None = None) -> list[str]:
-    name = preset_class(family).full_name
+    cls = preset_class(family)
+    name = cls.full_name
     res, act, f = d["data"]["resolutions"][0], d["offload"]["activations"], d["offload"]["transformer"]
     opt = OPTIMIZERS[d["optimizer"]["name"]].label
     what = (
@@ -421,10 +422,9 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
     how += ", gradient checkpointing auto" if ckpt == "auto" else ""
     speed = p.step_s / base_s
     big = max(phases, key=lambda ph: ph.vram)
-    measured = preset_class(family).measured(method, card, f, ckpt)  # its note only for the settings measured
+    measured = cls.measured(method, card, f, ckpt)  # its note only for the settings measured
     s = d["sample"]
     te = d["offload"]["text_encoders"]
-    cls = preset_class(family)
     frames = d["data"].get("clip_frames", 1)
     clip = f"x{s['frames']}" if cls.video else ""
     sampling = (
@@ -480,7 +480,7 @@ def header(family: str, method: str, card: int, d: dict, p: Prediction, base_s: 
         *(auto_header_lines(kept, p, big.vram, measured) if kept is not None else []),
         *experts,
         *([f"# fp8 base: {why_fp8} ("
-           + ("modulation Linears too: model.quantize_modulation; " if preset_class(family).modulation_linears
+           + ("modulation Linears too: model.quantize_modulation; " if cls.modulation_linears
               else "the modulation Linears sit outside the blocks and stay bf16; ")
            + "norms and biases stay bf16; the LoRA trains in fp32)."]
           if why_fp8 else []),

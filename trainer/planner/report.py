@@ -25,6 +25,7 @@ from .prediction import (
     _fraction_of,
     analyze,
     choose_fraction,
+    node_arena_words,
     node_ram_of_processes,
     physical_ram,
     predict,
@@ -373,8 +374,8 @@ def _phases(cfg, facts: Facts, fraction: float, budget: float | None, width: int
                                        processes=gpus, shared=shared), budget, width)
     if gpus > 1:
         out.append(f"one of {gpus} processes of one host" + (
-            f"; node: {shared_arena_bytes(facts, fraction, gpus, shared) / GB:.1f} GB shared arena in /dev/shm, "
-            f"once for the host's {gpus} processes (not in the RAM column)" if shared else
+            f"; {node_arena_words(shared_arena_bytes(facts, fraction, gpus, shared), gpus)} (not in the RAM column)"
+            if shared else
             "; each process has its own arena, in the RAM column"))
     return table[:2] + out + table[2:]
 

@@ -455,7 +455,7 @@ class Trainer(Saving):
         try:
             from ..planner import analyze
             from ..planner.phases import fallbacks, predicted_map
-            from ..planner.prediction import shared_arena_bytes
+            from ..planner.prediction import node_arena_words, shared_arena_bytes
             from ..planner.presets import process_fraction
 
             # Keyed by the fraction and the blocks that keep their activations (train.gradient_checkpointing:
@@ -477,8 +477,7 @@ class Trainer(Saving):
                 v, r = pred[key][name]
                 line += f" (planner: {v / 1e9:.2f} GB VRAM, {r / 1e9:.1f} GB RAM{' per process' if n > 1 else ''}"
                 if name == "load" and pred[key, "node"]:
-                    line += (f"; node: {pred[key, 'node'] / 1e9:.1f} GB shared arena in /dev/shm, once for the "
-                             f"host's {self.dist.local_world} processes")
+                    line += f"; {node_arena_words(pred[key, 'node'], self.dist.local_world)}"
                 line += ")"
         except Exception as e:  # noqa: BLE001 - a prediction that cannot be made must never stop training
             line += f" (no planner prediction: {type(e).__name__})"
