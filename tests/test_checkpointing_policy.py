@@ -258,3 +258,17 @@ def test_fit_streaming_a_lora_that_keeps_every_blocks_activations_trains_bitwise
     assert runs[False][0] == runs[True][0]
     assert runs[False][1].keys() == runs[True][1].keys() and all(torch.equal(runs[False][1][k], runs[True][1][k])
                                                                  for k in runs[True][1])
+
+
+def test_a_run_predicted_over_its_vram_cap_is_warned_before_step_1():
+    """The load line's prediction for the training step against the process's cap: a Wan 2.1 I2V 14B at 81 frames
+    on its 16 GB preset (17.96 GB predicted, 15 GB cap) ran out at step 2 with only the after-the-fact line."""
+    from trainer.train.streaming import over_cap_warning
+
+    GB = 1e9
+    assert over_cap_warning(14.2 * GB, 15 * GB) is None
+    assert over_cap_warning(15 * GB, 15 * GB) is None
+    line = over_cap_warning(17.96 * GB, 15 * GB, video=True)
+    assert line.startswith("warning: the planner predicts 17.96 GB") and "15.00 GB" in line
+    assert "dittrain plan CONFIG --vram" in line and "data.clip_frames" in line
+    assert "clip_frames" not in over_cap_warning(17.96 * GB, 15 * GB)  # images have no clips

@@ -256,6 +256,21 @@ class SteadySteps:
         return statistics.median(self.times)
 
 
+def over_cap_warning(predicted: float, cap: float, video: bool = False) -> str | None:
+    """The line to say at the end of loading when the planner's training-step peak (bytes) is over this process's
+    VRAM `cap` (bytes), else None. A warning, not a refusal: the prediction errs both ways by a few per cent (and
+    more where a step is compiled), and a run that does fit must not be stopped by it. Without it a run over its
+    card found out from an out-of-memory error after loading and a first step (a Wan 2.1 I2V 14B at 81 frames on
+    its 16 GB preset, predicted 17.96 GB against 15: bench/history/2026-11-28.md)."""
+    if predicted <= cap:
+        return None
+    fixes = "a larger offload.transformer, offload.activations: true, offload.nano_batches, " + (
+        "fewer data.clip_frames or a smaller data.resolutions" if video else "a smaller data.resolutions")
+    return (f"warning: the planner predicts {predicted / 1e9:.2f} GB of VRAM for a training step, more than the "
+            f"{cap / 1e9:.2f} GB this process may use, so it will likely run out of GPU memory in its first steps; "
+            f"`dittrain plan CONFIG --vram GB` shows what fits ({fixes})")
+
+
 def check_plan(cfg: Config, fraction: float, device: torch.device, step_s: float, handle=None,
                steps: int | None = None, processes: int = 1) -> None:
     """Log the planner's predicted peak VRAM and step time beside what the real steps measured: `step_s` is the

@@ -452,6 +452,7 @@ class Trainer(Saving):
                 if n in LOG.peaks:
                     self._phase_done(n, LOG.peaks[n])
         line = f"phase {name}: peak reserved VRAM {peak.vram_reserved / 1e9:.2f} GB, {ram_words(peak)}"
+        warning = None
         try:
             from ..planner import analyze
             from ..planner.phases import fallbacks, predicted_map
@@ -471,6 +472,7 @@ class Trainer(Saving):
                 pred[key] = predicted_map(self.cfg, self.fraction or 0.0, facts, budget=cap, kept=key[1],
                                           processes=n, shared=shared)
                 pred[key, "node"] = shared_arena_bytes(facts, self.fraction or 0.0, n, shared)
+                pred[key, "cap"] = cap
                 for note in fallbacks(facts) if first else []:  # said once a run
                     say(note)
             if name in pred[key]:
@@ -479,9 +481,14 @@ class Trainer(Saving):
                 if name == "load" and pred[key, "node"]:
                     line += f"; {node_arena_words(pred[key, 'node'], self.dist.local_world)}"
                 line += ")"
+            if name == "load" and "training step" in pred[key]:  # before step 1, not after its out-of-memory error
+                warning = streaming.over_cap_warning(pred[key]["training step"][0], pred[key, "cap"],
+                                                     video=getattr(self.adapter, "video", False))
         except Exception as e:  # noqa: BLE001 - a prediction that cannot be made must never stop training
             line += f" (no planner prediction: {type(e).__name__})"
         say(line)
+        if warning:
+            say(warning)
 
     def _epoch(self) -> int:
         """The epoch (from 1) of the batch just trained."""
