@@ -51,9 +51,9 @@ the caches. Where torchrun chose it, `setup` gives each process the host's cores
 set, 1 included, is kept. torch's compiler also sizes its pool of compile workers by the host (min(32, cores)
 processes each, beside every training process: 128 on a 4-GPU host of 64 cores, each a Python with torch
 imported); `compile_workers` gives each training process its share (cores / local processes, at most 32) unless
-TORCHINDUCTOR_COMPILE_THREADS says otherwise. Not measured apart: the 4-GPU `fit` runs' node RAM counted the
-workers with their processes (bench/history/2026-11-28.md 17:10: 3.9 GB a process, 2.3 GB of it the trainer's
-own line).
+TORCHINDUCTOR_COMPILE_THREADS says otherwise. Measured on 4 x H200 (bench/history/2026-11-28.md 19:55, the
+Flux.1-dev 48 GB LoRA preset): the node's anonymous memory 15.6 GB with 32 workers a process, 12.8 GB with 16 (4.9 GB
+of it the workers at their peak), 7.2 GB with one compile thread (no workers).
 
 Sharded weights and optimizer state: train.distributed: fsdp (trainer/train/sharded.py) uses the same process
 group, data order and noise; only the model and optimizer differ.
