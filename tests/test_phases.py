@@ -567,3 +567,16 @@ def test_bench_program_counts_torchs_compile_workers_apart_in_a_process_tree():
     row = {"label": "flux 48gb", "command": "fit", "rc": 0, "gpus": 4, "anon_peak": 15.6e9, "shmem_peak": 11.8e9,
            "workers_peak": 6.4e9, "wall_s": 93.0, "phases": {}, "last_line": ""}
     assert "torch's compile workers 6.4 GB of it at their peak; node shmem peak 11.8 GB" in bp.report([row])[2]
+
+
+def test_bench_program_commands_none_writes_the_folder_and_config_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    out = _bench_program(["--smoke", "--families", "flux", "--commands", "none", "--work", str(tmp_path)], capsys,
+                         monkeypatch)
+    run = tmp_path / "flux" / "8gb"
+    assert (run / "flux.yaml").exists() and not list(run.glob("*.log")), out
+    assert list((tmp_path / "flux").rglob("model_index.json"))
+    from bench.program import bench_program as bp
+
+    with pytest.raises(SystemExit):
+        bp.main(["--smoke", "--families", "flux", "--commands", "fit,smaple", "--work", str(tmp_path)])
+    assert "smaple is not cache, fit, sample or none" in capsys.readouterr().err

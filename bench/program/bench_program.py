@@ -897,6 +897,8 @@ def run_commands(family: str, card: int, cfg: Path, run_dir: Path, args) -> list
     label = f"{family} {card}gb" + (" full" if args.method == "full" else "") + (f" {args.tag}" if args.tag else "")
     rows = []
     for cmd_name in args.commands.split(","):
+        if cmd_name == "none":  # the folder, clips and config only
+            continue
         log_file = run_dir / f"{cmd_name}.log"
         before = _records(phase_log)
         rc, poll, wall = run(commands[cmd_name], env, log_file, tree=cmd_name == "fit" and args.gpus > 1)
@@ -1022,8 +1024,13 @@ def main(argv: list[str] | None = None) -> int:
                     "--nproc_per_node; cache and sample run as one process): the fit row's anonymous PSS is summed "
                     "over the processes, the node's shared memory (the /dev/shm arena) beside it, VRAM is the largest GPU's")
     ap.add_argument("--commands", default="cache,fit,sample", help="which commands to run, in order (fit alone "
-                    "caches too)")
+                    "caches too); `none` writes the model folder, the data and the config and runs nothing: on one "
+                    "host write the folders one after another, then run the jobs side by side (four folders written "
+                    "at once took about four times as long each, bench/history/2026-11-28.md 19:55)")
     args = ap.parse_args(argv)
+    unknown = set(args.commands.split(",")) - {"cache", "fit", "sample", "none"}
+    if unknown:
+        ap.error(f"--commands {args.commands}: {', '.join(sorted(unknown))} is not cache, fit, sample or none")
     if args.smoke:
         args.steps = min(args.steps, 2)
     if args.estimate:
