@@ -283,3 +283,16 @@ def test_trainer_points_the_compile_cache_beside_the_data_cache(tiny_models, tmp
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == want and os.path.isdir(want)
     out = capsys.readouterr()
     assert f"compile cache: {want}" in out.err + out.out
+
+
+def test_a_later_step_that_compiled_says_so_in_one_line(monkeypatch):
+    """Step 1's compile has its own line (`report`); a later step that compiled (a new bucket shape, a grad mode)
+    gets one too, naming the step and the seconds, so a slow step in the log is explained or is not a compile."""
+    monkeypatch.setattr(compiled, "_STATS", {"graphs": 4, "seconds": 30.0, "reported": True})
+    before = compiled.stats()
+    assert compiled.later_compile_line(before, 5, 0.6) is None  # nothing new
+    compiled._STATS.update(graphs=6, seconds=52.5)
+    assert compiled.later_compile_line(before, 1, 60.0) is None  # the first step: `report`'s line
+    line = compiled.later_compile_line(before, 5, 23.1)
+    assert line == ("compile: step 5 compiled 2 more block graphs in 22.5 s of its 23.1 s (a new input shape or "
+                    "grad mode; 6 in all)")

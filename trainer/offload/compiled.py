@@ -177,6 +177,19 @@ def _cpu_key() -> str:
     return f"cpu-{cap}{'-amx' if amx else ''}"
 
 
+def later_compile_line(before: dict, step: int, step_s: float) -> str | None:
+    """The log line for a training step after the first that compiled new block graphs (`before`: `stats()` at the
+    step's start), else None: a new bucket shape's compile costs its step tens of seconds, and a slow step with
+    this line is explained by it, one without it is not (the first step's compile has its own line, `report`)."""
+    now = stats()
+    new = now["graphs"] - before["graphs"]
+    if step <= 1 or new <= 0:
+        return None
+    return (f"compile: step {step} compiled {new} more block graph{'s' if new > 1 else ''} in "
+            f"{now['seconds'] - before['seconds']:.1f} s of its {step_s:.1f} s (a new input shape or grad mode; "
+            f"{now['graphs']} in all)")
+
+
 def report(once: bool = True) -> str | None:
     """One line about compilation for the log; None when nothing compiled (or, with `once`, after the first)."""
     if not _STATS["graphs"] or (once and _STATS["reported"]):

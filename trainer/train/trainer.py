@@ -144,12 +144,15 @@ class Trainer(Saving):
             self.stop.install()
             steady = streaming.SteadySteps()  # the planner check's step times: no compile, no warm-up
             while self.step < c.steps:
-                graphs = compiled.stats()["graphs"]
+                before = compiled.stats()
                 with self._phase("training step", message=self._step_oom):
                     metrics = self.train_step()
                 if self.ema is not None:
                     self.ema.after_step(self.step)  # ema.py: unfused, the EMA updates here
-                median = steady.add(metrics["step_time"], compiled=compiled.stats()["graphs"] != graphs)
+                line = compiled.later_compile_line(before, self.step, metrics["step_time"])
+                if line is not None and self.dist.is_main:
+                    say(line)
+                median = steady.add(metrics["step_time"], compiled=compiled.stats()["graphs"] != before["graphs"])
                 if median is not None and self.device.type == "cuda" and self.dist.is_main and not self.sharded:
                     streaming.check_plan(self.cfg, self.fraction, self.device, median, handle=self.offload,
                                          steps=steady.need, processes=self.dist.local_world)
