@@ -901,3 +901,33 @@ def test_hold_keeps_more_blocks_between_passes_and_gives_them_back():
                 assert copied[0] == sum(plan.sizes[ld.block] for ld in plan.step_loads(k))
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     h.close()
+
+
+def test_the_activation_buffer_taken_again_after_release_is_timed_and_the_step_says_so(monkeypatch):
+    """The pass after `release` (a sampling pass, a checkpoint save) page-locks one buffer of the high-water bytes
+    again: seconds for tens of GB on a GPU host. The arena records (bytes, seconds); the trainer's step line says
+    it where it took a second or more, so the slow step after sampling is explained in the log."""
+    from types import SimpleNamespace
+
+    from trainer.offload.allocators import BumpArena
+    from trainer.train.trainer import Trainer
+
+    a = BumpArena(pin=False, chunk=1 << 20, own=1 << 19)
+    a.reset()
+    a.alloc(3 << 19)  # growth: a buffer of its own
+    assert a.retaken is None
+    a.release()
+    a.reset()
+    a.alloc(100)
+    nbytes, seconds = a.retaken
+    assert nbytes == a.high_water >= 3 << 19 and seconds >= 0
+
+    said = []
+    handle = SimpleNamespace(activations_retaken=lambda: (24.6e9, 9.3))
+    fake = SimpleNamespace(offload=handle, step=251, dist=SimpleNamespace(is_main=True))
+    monkeypatch.setattr("trainer.train.trainer.say", said.append)
+    Trainer._say_activations_retaken(fake, 10.1)
+    handle.activations_retaken = lambda: (24.6e9, 0.2)  # under a second: nothing to explain
+    Trainer._say_activations_retaken(fake, 0.9)
+    assert said == ["offload: step 251 page-locked its 24.6 GB activation buffer again in 9.3 s of its 10.1 s "
+                    "(given back before sampling and checkpoint saves, so that their host RAM peak is without it)"]

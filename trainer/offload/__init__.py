@@ -162,6 +162,15 @@ class OffloadHandle:
         if self._c.activations is not None:
             self._c.activations.release()
 
+    def activations_retaken(self) -> tuple[int, float] | None:
+        """(bytes, seconds) of the activation buffer the last pass took again (after growth steps or
+        `release_activations`) since this was last asked, else None."""
+        a = self._c.activations
+        if a is None or a.arena.retaken is None:
+            return None
+        out, a.arena.retaken = a.arena.retaken, None
+        return out
+
     def share_activations(self, other: OffloadHandle) -> None:
         """Offload checkpoint inputs into `other`'s buffers (models that run in turn need one pinned region)."""
         if self._c.activations is not None and other._c.activations is not None:

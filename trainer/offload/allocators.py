@@ -21,6 +21,7 @@ replaced by one exact buffer.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -391,6 +392,7 @@ class BumpArena:
         self._off = 0  # offset inside it
         self.used = 0
         self.high_water = 0
+        self.retaken: tuple[int, float] | None = None  # (bytes, seconds) of the last one-buffer allocation
 
     def reset(self) -> None:
         """Start of a forward pass. Several chunks from last time are given back, to become one buffer of exactly
@@ -414,8 +416,10 @@ class BumpArena:
     def alloc(self, nbytes: int) -> torch.Tensor:
         n = align(nbytes)
         if not self.chunks and self.high_water > 0:
+            t0 = time.perf_counter()
             self._cur = HostArena(self.high_water, self.pin)  # allocation: after growth steps and `release`
             self.chunks = [self._cur]
+            self.retaken = (self.high_water, time.perf_counter() - t0)  # page-locking tens of GB takes seconds
         self.used += n
         self.high_water = max(self.high_water, self.used)
         if self._cur is not None and self._off + n <= self._cur.nbytes:

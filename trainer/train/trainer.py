@@ -152,6 +152,7 @@ class Trainer(Saving):
                 line = compiled.later_compile_line(before, self.step, metrics["step_time"])
                 if line is not None and self.dist.is_main:
                     say(line)
+                self._say_activations_retaken(metrics["step_time"])
                 median = steady.add(metrics["step_time"], compiled=compiled.stats()["graphs"] != before["graphs"])
                 if median is not None and self.device.type == "cuda" and self.dist.is_main and not self.sharded:
                     streaming.check_plan(self.cfg, self.fraction, self.device, median, handle=self.offload,
@@ -560,6 +561,15 @@ class Trainer(Saving):
     # ------------------------------------------------------------------------------------------------ save
 
     # ------------------------------------------------------------------------------------------------ sample
+
+    def _say_activations_retaken(self, step_s: float) -> None:
+        """A step that page-locked its activation buffer again for a second or more (the step after a sampling pass
+        or a checkpoint save, which give it back: `release_activations`) says so, so that its time is explained."""
+        got = self.offload.activations_retaken() if getattr(self, "offload", None) is not None else None
+        if got is not None and got[1] >= 1.0 and self.dist.is_main:
+            say(f"offload: step {self.step} page-locked its {got[0] / 1e9:.1f} GB activation buffer again in "
+                f"{got[1]:.1f} s of its {step_s:.1f} s (given back before sampling and checkpoint saves, so that "
+                f"their host RAM peak is without it)")
 
     def release_activations(self) -> None:
         """Before a checkpoint save and a sampling pass, outside their phases so that each measured RAM peak starts
