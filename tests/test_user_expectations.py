@@ -50,6 +50,55 @@ def test_a_status_line_gives_the_wall_seconds_per_step_since_the_last_one(tmp_pa
     assert "1.30 s/step" in line and "0.14" not in line
 
 
+def test_time_set_aside_between_steps_is_not_in_the_next_status_lines_seconds_per_step(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """A line every step (a short run), steps of 0.5 s, and 1.7 s set aside after step 5 (the planner's check on the
+    H200 host): step 6's line says 0.50 s/step, as every other, not 2.20."""
+    from trainer.train import monitor
+
+    clock = [0.0]
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False, raising=False)
+    monkeypatch.setattr(monitor, "_now", lambda: clock[0])
+    m = Monitor(tmp_path, total=8, start=0, tensorboard=False)
+    for s in range(1, 9):
+        clock[0] += 0.5
+        m.log(s, _metrics(s, 1.0), write=False)
+        if s == 5:
+            with m.aside():
+                clock[0] += 1.7
+    m.close()
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
+    assert len(lines) == 8 and all(", 0.50 s/step" in x for x in lines), lines
+
+
+def test_the_trainers_plan_check_is_set_aside_from_the_status_lines_seconds_per_step(tiny_models, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """The planner's check runs once, after step 5 (the first 4 steady steps), between two steps: on the GPU it took
+    1.3-1.7 s for Flux.1 and the next line read "step 6/8 ... 2.27 s/step, 1.7 img/s" (a step of 0.59 s). Here the
+    check (run as on a GPU) takes 100 s of the status clock and the steps none: no line may say 100."""
+    from test_train_support import make_config, write_images
+
+    from trainer.train import monitor, streaming
+    from trainer.train.trainer import Trainer
+
+    clock, checks = [0.0], []
+
+    def check(*args, **kwargs):
+        checks.append(kwargs["steps"])
+        clock[0] += 100.0
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False, raising=False)
+    monkeypatch.setattr(monitor, "_now", lambda: clock[0])
+    monkeypatch.setattr(streaming, "check_plan", check)
+    monkeypatch.setattr(Trainer, "_checks_plan", lambda self: True)
+    images = write_images(tmp_path / "images", n=2)
+    cfg = make_config(tiny_models, images, tmp_path / "out", tmp_path / "cache", "flux", train={"steps": 6})
+    Trainer(cfg).fit()
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
+    assert checks == [4] and len(lines) == 6 and lines[5].startswith("step 6/6")
+    assert all(", 0.00 s/step" in x for x in lines), lines  # not "100.00 s/step" at step 6
+
+
 def test_status_without_a_terminal_is_a_line_every_5_percent_with_smoothed_loss_and_epoch(tmp_path, capsys,
                                                                                           monkeypatch):
     from trainer.train import monitor

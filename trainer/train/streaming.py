@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 import uuid
 from pathlib import Path
 
@@ -276,8 +277,10 @@ def check_plan(cfg: Config, fraction: float, device: torch.device, step_s: float
     """Log the planner's predicted peak VRAM and step time beside what the real steps measured: `step_s` is the
     median of `steps` steady-state steps (none of which compiled), each of train.grad_accum micro-batches.
     `handle`: its per-block checkpointing, and whether it runs the sharded stream, are what the prediction
-    assumes; `processes`: this host's processes streaming at once."""
+    assumes; `processes`: this host's processes streaming at once. The line says how long the check took: it runs
+    between two steps and is not in the status line's s/step (monitor.py)."""
     kept = offload_plan.kept_blocks(handle.checkpointed) if handle is not None else frozenset()
+    t0 = time.perf_counter()
     try:
         sharded = handle is not None and handle.stats()["gathered_by"] > 1
         pred = expected(cfg, fraction, kept=kept, processes=processes if fraction > 0 else 1, sharded=sharded)
@@ -285,6 +288,7 @@ def check_plan(cfg: Config, fraction: float, device: torch.device, step_s: float
         say(f"offload: no planner prediction to compare with ({type(e).__name__}: {e})")
         return
     line = check_line(pred, torch.cuda.max_memory_reserved(device), step_s, micro_batches=cfg.train.grad_accum)
+    line += f" [this check: {time.perf_counter() - t0:.1f} s between two steps]"
     if steps is not None:
         line += f" [measured: median of {steps} steady-state steps, compile steps excluded]"
     if sharded and cfg.train.method == "full":  # owned steps: planner/prediction.py `with_owned_steps`

@@ -154,9 +154,10 @@ class Trainer(Saving):
                     say(line)
                 self._say_activations_retaken(metrics["step_time"])
                 median = steady.add(metrics["step_time"], compiled=compiled.stats()["graphs"] != before["graphs"])
-                if median is not None and self.device.type == "cuda" and self.dist.is_main and not self.sharded:
-                    streaming.check_plan(self.cfg, self.fraction, self.device, median, handle=self.offload,
-                                         steps=steady.need, processes=self.dist.local_world)
+                if median is not None and self._checks_plan():
+                    with self._aside():  # not step 6's time in the status line (monitor.py)
+                        streaming.check_plan(self.cfg, self.fraction, self.device, median, handle=self.offload,
+                                             steps=steady.need, processes=self.dist.local_world)
                 if self.dist.any(self.stop.requested):  # every rank stops at the same step
                     path = self.save()
                     raise TrainingInterrupted(
@@ -440,6 +441,16 @@ class Trainer(Saving):
         return Phase(name, fix, device=getattr(self, "device", None), on_exit=self._phase_done, message=message,
                      own_cache=own_cache)
 
+    def _checks_plan(self) -> bool:
+        """Whether this process checks the planner's prediction against the first steady steps: rank 0 on a GPU,
+        without fsdp."""
+        return self.device.type == "cuda" and self.dist.is_main and not self.sharded
+
+    def _aside(self):
+        """While the planner's diagnostics run between steps (its check, the phase lines' predictions): their wall
+        time stays out of the status line's s/step (Monitor.aside), which had read as a slow next step."""
+        return self.monitor.aside() if self.monitor is not None else contextlib.nullcontext()
+
     def _step_oom(self, detail: str) -> str:
         return f"{oom_error(self.step + 1, self.fraction, self.method.oom_hint)} [{detail}]"
 
@@ -456,7 +467,16 @@ class Trainer(Saving):
                 if n in LOG.peaks:
                     self._phase_done(n, LOG.peaks[n])
         line = f"phase {name}: peak reserved VRAM {peak.vram_reserved / 1e9:.2f} GB, {ram_words(peak)}"
-        warning = None
+        with self._aside():
+            words, warning = self._phase_prediction(name)
+        say(line + words)
+        if warning:
+            say(warning)
+
+    def _phase_prediction(self, name: str) -> tuple[str, str | None]:
+        """The planner's words for phase `name`'s line (its predicted peaks, or why there are none), and for the
+        load phase the warning to say where the training step is predicted over the VRAM cap (else None)."""
+        line, warning = "", None
         try:
             from ..planner import analyze
             from ..planner.phases import fallbacks, predicted_map
@@ -490,9 +510,7 @@ class Trainer(Saving):
                                                      video=getattr(self.adapter, "video", False))
         except Exception as e:  # noqa: BLE001 - a prediction that cannot be made must never stop training
             line += f" (no planner prediction: {type(e).__name__})"
-        say(line)
-        if warning:
-            say(warning)
+        return line, warning
 
     def _epoch(self) -> int:
         """The epoch (from 1) of the batch just trained."""
