@@ -919,15 +919,19 @@ def test_the_activation_buffer_taken_again_after_release_is_timed_and_the_step_s
     a.release()
     a.reset()
     a.alloc(100)
-    nbytes, seconds = a.retaken
-    assert nbytes == a.high_water >= 3 << 19 and seconds >= 0
+    nbytes, seconds, released = a.retaken
+    assert nbytes == a.high_water >= 3 << 19 and seconds >= 0 and released
+    a.alloc(2 << 20)  # growth again: a second buffer
+    a.reset()  # several buffers: the next pass takes one of the high-water bytes, not after a release
+    a.alloc(100)
+    assert a.retaken[0] == a.high_water and not a.retaken[2]
 
     said = []
-    handle = SimpleNamespace(activations_retaken=lambda: (24.6e9, 9.3))
+    handle = SimpleNamespace(activations_retaken=lambda: (24.6e9, 9.3, True))
     fake = SimpleNamespace(offload=handle, step=251, dist=SimpleNamespace(is_main=True))
     monkeypatch.setattr("trainer.train.trainer.say", said.append)
     Trainer._say_activations_retaken(fake, 10.1)
-    handle.activations_retaken = lambda: (24.6e9, 0.2)  # under a second: nothing to explain
+    handle.activations_retaken = lambda: (24.6e9, 0.2, True)  # under a second: nothing to explain
     Trainer._say_activations_retaken(fake, 0.9)
-    assert said == ["offload: step 251 page-locked its 24.6 GB activation buffer again in 9.3 s of its 10.1 s "
-                    "(given back before sampling and checkpoint saves, so that their host RAM peak is without it)"]
+    assert said == ["offload: step 251 page-locked its 24.6 GB activation buffer in 9.3 s of its 10.1 s (it is "
+                    "given back before sampling and checkpoint saves, so that their host RAM peak is without it)"]

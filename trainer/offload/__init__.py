@@ -162,9 +162,9 @@ class OffloadHandle:
         if self._c.activations is not None:
             self._c.activations.release()
 
-    def activations_retaken(self) -> tuple[int, float] | None:
-        """(bytes, seconds) of the activation buffer the last pass took again (after growth steps or
-        `release_activations`) since this was last asked, else None."""
+    def activations_retaken(self) -> tuple[int, float, bool] | None:
+        """(bytes, seconds, after `release_activations`) of the one activation buffer a pass took since this was
+        last asked (after the first steps' growth, or after a release), else None."""
         a = self._c.activations
         if a is None or a.arena.retaken is None:
             return None

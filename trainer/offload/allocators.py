@@ -392,7 +392,9 @@ class BumpArena:
         self._off = 0  # offset inside it
         self.used = 0
         self.high_water = 0
-        self.retaken: tuple[int, float] | None = None  # (bytes, seconds) of the last one-buffer allocation
+        # (bytes, seconds, after `release`) of the last one-buffer allocation: after growth steps or a `release`
+        self.retaken: tuple[int, float, bool] | None = None
+        self._released = False
 
     def reset(self) -> None:
         """Start of a forward pass. Several chunks from last time are given back, to become one buffer of exactly
@@ -412,6 +414,7 @@ class BumpArena:
         buffer of the most bytes a pass has used."""
         self.close()
         self._off = self.used = 0
+        self._released = True
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         n = align(nbytes)
@@ -419,7 +422,9 @@ class BumpArena:
             t0 = time.perf_counter()
             self._cur = HostArena(self.high_water, self.pin)  # allocation: after growth steps and `release`
             self.chunks = [self._cur]
-            self.retaken = (self.high_water, time.perf_counter() - t0)  # page-locking tens of GB takes seconds
+            # page-locking tens of GB takes seconds
+            self.retaken = (self.high_water, time.perf_counter() - t0, self._released)
+            self._released = False
         self.used += n
         self.high_water = max(self.high_water, self.used)
         if self._cur is not None and self._off + n <= self._cur.nbytes:

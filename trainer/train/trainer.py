@@ -585,9 +585,10 @@ class Trainer(Saving):
         or a checkpoint save, which give it back: `release_activations`) says so, so that its time is explained."""
         got = self.offload.activations_retaken() if getattr(self, "offload", None) is not None else None
         if got is not None and got[1] >= 1.0 and self.dist.is_main:
-            say(f"offload: step {self.step} page-locked its {got[0] / 1e9:.1f} GB activation buffer again in "
-                f"{got[1]:.1f} s of its {step_s:.1f} s (given back before sampling and checkpoint saves, so that "
-                f"their host RAM peak is without it)")
+            why = ("it is given back before sampling and checkpoint saves, so that their host RAM peak is without it"
+                   if got[2] else "one buffer of the most bytes a step used, in place of the first steps' chunks")
+            say(f"offload: step {self.step} page-locked its {got[0] / 1e9:.1f} GB activation buffer in {got[1]:.1f} s "
+                f"of its {step_s:.1f} s ({why})")
 
     def release_activations(self) -> None:
         """Before a checkpoint save and a sampling pass, outside their phases so that each measured RAM peak starts
