@@ -9,7 +9,8 @@ with hooks on every block:
 - the *checkpoint inputs* of a block are the tensors it is called with (what non-reentrant
   `torch.utils.checkpoint` keeps alive between forward and backward, and what activation offloading moves to
   the host). They are counted once per storage: a block's outputs are the next block's inputs, and Flux's
-  single blocks get two views of one tensor;
+  single blocks get two views of one tensor. Those later blocks take too (the timestep's modulations, the text)
+  are made once a call and, where no gradient reaches them, never differentiated (`Trace.block_const_inputs`);
 - the *saved tensors of one block* (what its recompute holds for backward) are counted with
   `torch.autograd.graph.saved_tensors_hooks` around the block, deduplicated by storage, leaving out the
   weights (they are not activations) and the block's inputs (already counted).
