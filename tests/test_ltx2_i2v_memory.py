@@ -5,7 +5,8 @@ every block and held through backward, and each block saves per-token modulation
 H200 (2026-11-28, 16 GB preset settings at 832x480 x 121 with sound) the I2V step peaked at 7.90 GB allocated
 against text-to-video's 6.78, where the planner, tracing text-to-video's (B,) timestep for both, predicted 9.47 GB
 reserved for each. These tests: the planner traces the call `predict` makes (tiny model, real CPU tensors against
-meta), and at full size it counts the difference once, not twice (no gradient reaches those tensors)."""
+meta), and at full size it counts the difference once, in training (no gradient reaches those tensors) and in a
+sample's forward."""
 
 from __future__ import annotations
 
@@ -105,3 +106,8 @@ def test_full_size_i2v_step_counts_its_per_token_modulations_once():
     p, q = planner.predict(t2v, 0.9, res, True), planner.predict(i2v, 0.9, res, True)
     more = q.peak_allocated - p.peak_allocated
     assert per_token < more < 1.35 * GB, more / GB
+    # a sample's forward (no gradient; the pipeline's batch of two) holds them once for the call, beside one
+    # block's input and output and its larger per-token modulation tensor (0.1 GB more, made twice)
+    s, u = planner.predict_sampling(t2v, 0.9, res, batch=2), planner.predict_sampling(i2v, 0.9, res, batch=2)
+    held = (u.peak_reserved - s.peak_reserved) / planner.ALLOCATOR_OVERHEAD / 2
+    assert per_token < held < per_token + 0.3 * GB, held / GB

@@ -254,8 +254,8 @@ class Trace:
     block_attn_bwd_outside_mlp: list[int] = field(default_factory=list)
     block_mlp_attn_bwd: list[int] = field(default_factory=list)
     #: per block: of its block_inputs, those later blocks take too (the timestep's modulations, the text, masks:
-    #: made once a call, before the blocks). Per token where the timestep is (LTX-2 I2V, Wan 2.2 TI2V): 0.58 GB at
-    #: LTX-2's 480p x 121. A no-grad forward holds them once for the call (sampling.py)
+    #: made once a call, before the blocks). Per token where the timestep is (LTX-2 I2V, Wan 2.2 TI2V; Flux.3's
+    #: single blocks): 0.58 GB at LTX-2's 480p x 121. A no-grad forward holds them once for the call (sampling.py)
     block_shared_inputs: list[int] = field(default_factory=list)
     #: per block: of its block_shared_inputs, those no gradient reaches (made by layers LoRA leaves frozen): held
     #: through backward like any checkpoint input, never differentiated (prediction.py `_working_set`)
