@@ -212,8 +212,8 @@ def test_plan_at_720p_x_121_counts_the_regions():
     assert facts.tokens(res) == 111_600
 
     def working_sets(tr):  # per block: the peak is at one of them (the first block's inputs are larger)
-        return {s + max(2 * b, a) + 2 * i for s, b, i, a in zip(tr.block_saved, tr.block_largest, tr.block_inputs,
-                                                                 tr.block_attn_bwd, strict=True)}
+        return {s + max(2 * b, a) + 2 * (i - c) for s, b, i, a, c in zip(
+            tr.block_saved, tr.block_largest, tr.block_inputs, tr.block_attn_bwd, tr.block_const_inputs, strict=True)}
 
     off = predict(facts, 1.0, res, True)
     tr = facts.trace(res)

@@ -56,5 +56,15 @@ class LTX2I2VAdapter(LTX2Adapter):
         return self._call(transformer, pack(x), timestep, text, (f, h, w), sigma=step)
 
     @classmethod
+    def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta",
+                     frames: int | None = None, sound: bool = False) -> dict:
+        """Text-to-video's, with `predict`'s per-token timestep (B, tokens): the transformer then makes its
+        timestep embedding and modulations per token too."""
+        kw = super().dummy_inputs(transformer, batch, height, width, text_tokens, dtype, device, frames, sound)
+        x = kw["hidden_states"]
+        kw["timestep"] = x.new_ones(batch, x.shape[1])
+        return kw
+
+    @classmethod
     def pipeline_image(cls, pipe, image) -> dict[str, Any]:
         return {} if image is None else {"image": image}

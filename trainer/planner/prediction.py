@@ -728,12 +728,15 @@ def _held_before_backward(facts: Facts, tr: ptrace.Trace, ck: list[bool]) -> tup
 
 def _working_set(tr: ptrace.Trace, i: int, recomputed: bool) -> int:
     """Block i's working set while it is differentiated: its saved tensors (when recomputed; a kept block's are
-    counted as held) + twice its input bytes (gradient in, gradient out) + backward's transients: twice its largest
-    saved tensor (the gradient of that tensor and of its producer's input coexist), or, where more, what its
-    attention's backward holds at once (trace.py `attention_backward`: the gradients of q, k and v of the calls
-    that share them, and flash attention's float32 dq accumulator)."""
+    counted as held) + twice its input bytes (gradient in, gradient out) but those no gradient reaches
+    (`Trace.block_const_inputs`: held, never differentiated; until 2026-11-28 they were counted twice more, 1.4 GB
+    of Wan 2.2 TI2V's per-token modulations at 720p) + backward's transients: twice its largest saved tensor
+    (the gradient of that tensor and of its producer's input coexist), or, where more, what its attention's
+    backward holds at once (trace.py `attention_backward`: the gradients of q, k and v of the calls that share
+    them, and flash attention's float32 dq accumulator)."""
     attn = tr.block_attn_bwd[i] if tr.block_attn_bwd else 0
-    ws = tr.block_saved[i] + max(2 * tr.block_largest[i], attn) + 2 * tr.block_inputs[i]
+    const = tr.block_const_inputs[i] if tr.block_const_inputs else 0
+    ws = tr.block_saved[i] + max(2 * tr.block_largest[i], attn) + 2 * (tr.block_inputs[i] - const)
     return ws if recomputed else ws - tr.block_saved[i]
 
 

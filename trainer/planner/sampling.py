@@ -4,7 +4,9 @@ Same sources as training (trainer/planner/prediction.py): the ring and the bytes
 plan the conductor runs (`plan.plan_for(..., "sample")`: the seed's cycle, or a spread resident part plus a
 streaming window when that moves fewer bytes);
 activations of a no-grad forward are small: the block's inputs and outputs plus its largest intermediate twice
-(produced and consumed), from the same meta-device trace. Time per step = max(forward compute, f W / B_h2d).
+(produced and consumed), from the same meta-device trace; the inputs every block takes (`Trace.block_shared_inputs`:
+the timestep's modulations, per token in LTX-2 I2V's and Wan 2.2 TI2V's pipelines, and the text) once, held through
+the call, not as a block's input and output. Time per step = max(forward compute, f W / B_h2d).
 
 Classifier-free guidance (SD3 / Qwen-Image pipelines with guidance > 1) runs the prompt and the negative prompt as
 one batch of two: `batch` (`cfg_batch`) doubles the activations and the compute.
@@ -103,6 +105,12 @@ def cfg_batch(family: str, guidance: float) -> int:
     return 2 if adapter_class(family).runs_cfg(guidance) else 1
 
 
+def _block_in_out(tr) -> int:
+    """A block's inputs and outputs at the largest, with the inputs every block takes held once for the call."""
+    shared = tr.block_shared_inputs or [0] * len(tr.block_inputs)
+    return 2 * max(i - s for i, s in zip(tr.block_inputs, shared, strict=True)) + sum(shared)
+
+
 def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None = None,
                      batch: int = 1, size: tuple[int, int, int] | None = None) -> SamplePrediction:
     """The denoising loop and the decode at bucket `res` (`Facts.size`: an image family's res x res), or at `size`
@@ -116,7 +124,7 @@ def predict_sampling(facts, fraction: float, res: int, rates: ptime.Rates | None
     else:
         ring = capacity_for(packed, fraction)
         moved = plan_for(packed, ring, "sample").bytes_per_step()
-    act = batch * (2 * max(tr.block_inputs) + 2 * max(tr.block_largest) + tr.outside_saved)
+    act = batch * (_block_in_out(tr) + 2 * max(tr.block_largest) + tr.outside_saved)
     kv = kv_cache_bytes(facts, tr, res, batch)
     # a family whose samples also run other transformers of the same size (`sampling_components`: Ideogram 4's
     # unconditional one) places each at this fraction too: their rings and non-block weights sit beside this one's,

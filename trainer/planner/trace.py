@@ -9,7 +9,8 @@ with hooks on every block:
 - the *checkpoint inputs* of a block are the tensors it is called with (what non-reentrant
   `torch.utils.checkpoint` keeps alive between forward and backward, and what activation offloading moves to
   the host). They are counted once per storage: a block's outputs are the next block's inputs, and Flux's
-  single blocks get two views of one tensor;
+  single blocks get two views of one tensor. Those later blocks take too (the timestep's modulations, the text)
+  are made once a call and, where no gradient reaches them, never differentiated (`Trace.block_const_inputs`);
 - the *saved tensors of one block* (what its recompute holds for backward) are counted with
   `torch.autograd.graph.saved_tensors_hooks` around the block, deduplicated by storage, leaving out the
   weights (they are not activations) and the block's inputs (already counted).
@@ -252,6 +253,13 @@ class Trace:
     block_attn_bwd: list[int] = field(default_factory=list)
     block_attn_bwd_outside_mlp: list[int] = field(default_factory=list)
     block_mlp_attn_bwd: list[int] = field(default_factory=list)
+    #: per block: of its block_inputs, those later blocks take too (the timestep's modulations, the text, masks:
+    #: made once a call, before the blocks). Per token where the timestep is (LTX-2 I2V, Wan 2.2 TI2V; Flux.3's
+    #: single blocks): 0.58 GB at LTX-2's 480p x 121. A no-grad forward holds them once for the call (sampling.py)
+    block_shared_inputs: list[int] = field(default_factory=list)
+    #: per block: of its block_shared_inputs, those no gradient reaches (made by layers LoRA leaves frozen): held
+    #: through backward like any checkpoint input, never differentiated (prediction.py `_working_set`)
+    block_const_inputs: list[int] = field(default_factory=list)
 
 
 def chunk_mlps(tr: Trace, n: int, compiled: list[tuple[int, int]] | None = None) -> Trace:
@@ -330,6 +338,9 @@ class _Tracer:
         }
         self.index = {id(b): i for i, b in enumerate(blocks)}
         self.seen: dict[int, int] = {}  # storages already counted as checkpoint inputs
+        self.first: dict[int, int] = {}  # checkpoint-input storage -> the block that took it first
+        self.takers: dict[int, set[int]] = {}  # checkpoint-input storage -> the blocks that take it
+        self.with_grad: set[int] = set()  # checkpoint-input storages that carry a gradient
         self.outside: dict[int, int] = {}  # storage -> bytes saved outside any block
         self.current: list[int] = []  # index of the block being run (a stack of one)
         # Every tensor counted is kept alive until the trace ends: storages are told apart by address, and a freed
@@ -417,8 +428,14 @@ class _Tracer:
             if not t.is_floating_point() and not t.is_complex():
                 continue
             sid, nbytes = _storage(t)
-            if sid not in self.seen and sid not in self.weights:
+            if sid in self.weights:
+                continue
+            self.takers.setdefault(sid, set()).add(i)
+            if t.requires_grad:
+                self.with_grad.add(sid)
+            if sid not in self.seen:
                 self.seen[sid] = nbytes
+                self.first[sid] = i
                 self.outside.pop(sid, None)  # a block input saved outside too (e.g. temb) is counted once, here
                 new += nbytes
         self.b_inputs[i] = new
@@ -474,6 +491,11 @@ class _Tracer:
         """The counts as a Trace; a storage that was a checkpoint input is not also counted outside the blocks."""
         for s in self.seen:
             self.outside.pop(s, None)
+        shared, const = [0] * len(self.b_inputs), [0] * len(self.b_inputs)
+        for s, i in self.first.items():
+            if len(self.takers[s]) > 1:
+                shared[i] += self.seen[s]
+                const[i] += 0 if s in self.with_grad else self.seen[s]
         return Trace(
             checkpoint_inputs=sum(self.seen.values()),
             block_inputs=self.b_inputs,
@@ -496,6 +518,8 @@ class _Tracer:
             block_attn_bwd=[max(o, m) for o, m in zip(self.b_attn_out, self.b_attn_mlp, strict=True)],
             block_attn_bwd_outside_mlp=self.b_attn_out if with_mlps else [],
             block_mlp_attn_bwd=self.b_attn_mlp if with_mlps else [],
+            block_shared_inputs=shared,
+            block_const_inputs=const,
         )
 
 
