@@ -267,6 +267,14 @@ class ExpertHandles:
         for h in self.handles.values():  # one shared offloader: the second call finds nothing to give back
             h.release_activations()
 
+    def activations_retaken(self) -> tuple[int, float, bool] | None:
+        """The shared activation offloader's last buffer taken again (OffloadHandle.activations_retaken)."""
+        for h in self.handles.values():  # one offloader shared by every expert: the first answer is the one
+            got = h.activations_retaken()
+            if got is not None:
+                return got
+        return None
+
     def close(self, keep_weights: bool = True) -> None:
         for hook in self._hooks:
             hook.remove()

@@ -449,7 +449,8 @@ class Trainer(Saving):
     def _aside(self):
         """While the planner's diagnostics run between steps (its check, the phase lines' predictions): their wall
         time stays out of the status line's s/step (Monitor.aside), which had read as a slow next step."""
-        return self.monitor.aside() if self.monitor is not None else contextlib.nullcontext()
+        monitor = getattr(self, "monitor", None)  # none yet in setup's caching phases
+        return monitor.aside() if monitor is not None else contextlib.nullcontext()
 
     def _step_oom(self, detail: str) -> str:
         return f"{oom_error(self.step + 1, self.fraction, self.method.oom_hint)} [{detail}]"
@@ -507,7 +508,7 @@ class Trainer(Saving):
                 line += ")"
             if name == "load" and "training step" in pred[key]:  # before step 1, not after its out-of-memory error
                 warning = streaming.over_cap_warning(pred[key]["training step"][0], pred[key, "cap"],
-                                                     video=getattr(self.adapter, "video", False))
+                                                     video=getattr(getattr(self, "adapter", None), "video", False))
         except Exception as e:  # noqa: BLE001 - a prediction that cannot be made must never stop training
             line += f" (no planner prediction: {type(e).__name__})"
         return line, warning
