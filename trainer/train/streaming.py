@@ -273,17 +273,19 @@ def over_cap_warning(predicted: float, cap: float, video: bool = False) -> str |
 
 
 def check_plan(cfg: Config, fraction: float, device: torch.device, step_s: float, handle=None,
-               steps: int | None = None, processes: int = 1) -> None:
+               steps: int | None = None, processes: int = 1, facts=None) -> None:
     """Log the planner's predicted peak VRAM and step time beside what the real steps measured: `step_s` is the
     median of `steps` steady-state steps (none of which compiled), each of train.grad_accum micro-batches.
     `handle`: its per-block checkpointing, and whether it runs the sharded stream, are what the prediction
-    assumes; `processes`: this host's processes streaming at once. The line says how long the check took: it runs
+    assumes; `processes`: this host's processes streaming at once; `facts`: the planner's `analyze(cfg)` where the
+    caller has it (the trainer's phase lines made it; 1.3-1.7 s on an H200 host to make again). The line says how long the check took: it runs
     between two steps and is not in the status line's s/step (monitor.py)."""
     kept = offload_plan.kept_blocks(handle.checkpointed) if handle is not None else frozenset()
     t0 = time.perf_counter()
     try:
         sharded = handle is not None and handle.stats()["gathered_by"] > 1
-        pred = expected(cfg, fraction, kept=kept, processes=processes if fraction > 0 else 1, sharded=sharded)
+        pred = expected(cfg, fraction, facts=facts, kept=kept, processes=processes if fraction > 0 else 1,
+                        sharded=sharded)
     except Exception as e:  # a prediction that cannot be made must never stop training
         say(f"offload: no planner prediction to compare with ({type(e).__name__}: {e})")
         return

@@ -157,7 +157,8 @@ class Trainer(Saving):
                 if median is not None and self._checks_plan():
                     with self._aside():  # not step 6's time in the status line (monitor.py)
                         streaming.check_plan(self.cfg, self.fraction, self.device, median, handle=self.offload,
-                                             steps=steady.need, processes=self.dist.local_world)
+                                             steps=steady.need, processes=self.dist.local_world,
+                                             facts=self.__dict__.get("_plan_facts"))
                 if self.dist.any(self.stop.requested):  # every rank stops at the same step
                     path = self.save()
                     raise TrainingInterrupted(
@@ -494,6 +495,7 @@ class Trainer(Saving):
                 # the card's cap: clips whose untiled encode would not fit it were cached tiled (placement.encode_tiles)
                 cap = process_fraction(self.device) * torch.cuda.get_device_properties(self.device).total_memory
                 facts, first = analyze(self.cfg), not pred
+                self._plan_facts = facts  # the config's, whatever the key: the planner check reuses it
                 pred[key] = predicted_map(self.cfg, self.fraction or 0.0, facts, budget=cap, kept=key[1],
                                           processes=n, shared=shared)
                 pred[key, "node"] = shared_arena_bytes(facts, self.fraction or 0.0, n, shared)
