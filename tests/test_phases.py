@@ -574,7 +574,8 @@ def test_bench_program_commands_none_writes_the_folder_and_config_and_runs_nothi
                          monkeypatch)
     run = tmp_path / "flux" / "8gb"
     assert (run / "flux.yaml").exists() and not list(run.glob("*.log")), out
-    assert list((tmp_path / "flux").rglob("model_index.json"))
+    # the model folder stays for the invocation that runs it (`none` implies --keep)
+    assert (tmp_path / "flux" / "tiny" / "flux" / "model_index.json").exists(), out
     from bench.program import bench_program as bp
 
     with pytest.raises(SystemExit):

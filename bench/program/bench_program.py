@@ -1024,13 +1024,15 @@ def main(argv: list[str] | None = None) -> int:
                     "--nproc_per_node; cache and sample run as one process): the fit row's anonymous PSS is summed "
                     "over the processes, the node's shared memory (the /dev/shm arena) beside it, VRAM is the largest GPU's")
     ap.add_argument("--commands", default="cache,fit,sample", help="which commands to run, in order (fit alone "
-                    "caches too); `none` writes the model folder, the data and the config and runs nothing: on one "
-                    "host write the folders one after another, then run the jobs side by side (four folders written "
+                    "caches too); `none` writes the model folder (kept, as with --keep), the data and the config and "
+                    "runs nothing: on one host write the folders one after another, then run the jobs side by side (four folders written "
                     "at once took about four times as long each, bench/history/2026-11-28.md 19:55)")
     args = ap.parse_args(argv)
     unknown = set(args.commands.split(",")) - {"cache", "fit", "sample", "none"}
     if unknown:
         ap.error(f"--commands {args.commands}: {', '.join(sorted(unknown))} is not cache, fit, sample or none")
+    if args.commands == "none":  # a folder written to be run by the next invocation (--keep) stays
+        args.keep = True
     if args.smoke:
         args.steps = min(args.steps, 2)
     if args.estimate:
