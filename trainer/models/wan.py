@@ -38,7 +38,7 @@ from diffusers import WanPipeline, WanTransformer3DModel
 from torch import nn
 
 from ._diffusers import DiffusersAdapter
-from .base import Components, PresetVariant
+from .base import Components, MeasuredPreset, PresetVariant
 from .lora_keys import KeyRule, LoraKeyMap
 
 _B = _W = "blocks.{i}"
@@ -177,8 +177,12 @@ class WanAdapter(DiffusersAdapter):
     #: at 480p x 33), on 480p clips only (Wan 2.1's 1.3 B is a 480p model: its 720p is less stable, as its release
     #: says). Not for 12 GB and up: the 8 GB ones already train 480p x 81, predicted 1.06x (LoRA and full)
     #: the step without offloading, which is all a larger card could win (configs/README.md)
-    preset_variants = {"1.3b": PresetVariant("Wan2.1-T2V-1.3B", "/path/to/Wan2.1-T2V-1.3B-Diffusers", (8,),
-                                             clips=(("480p", 81), ("480p", 49), ("480p", 33)))}
+    #: Measured: bench/history/2026-11-28.md 22:12 (480p x 81, another job on the same GPU)
+    preset_variants = {"1.3b": PresetVariant(
+        "Wan2.1-T2V-1.3B", "/path/to/Wan2.1-T2V-1.3B-Diffusers", (8,), clips=(("480p", 81), ("480p", 49), ("480p", 33)),
+        measured={("lora", 8): MeasuredPreset(0.0, True, "measured on an H200: fits, 7.0 GB reserved at the cap, "
+                                                         "6.2 GB allocated"),
+                  ("full", 8): MeasuredPreset(0.85, True, "measured on an H200: fits, 6.1 GB reserved")})}
 
     @classmethod
     def tiny_builders(cls):

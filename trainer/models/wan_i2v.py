@@ -34,7 +34,7 @@ from diffusers import WanImageToVideoPipeline
 from torch import nn
 
 from ..errors import UserError
-from .base import Components, to_pil
+from .base import Components, MeasuredPreset, to_pil
 from .lora_keys import KeyRule, LoraKeyMap
 from .wan import WAN_LORA_KEYS, WAN_SCHEDULER, WanAdapter, tiny_pipeline
 from .wan22 import Wan22A14BAdapter
@@ -91,6 +91,9 @@ class WanI2VAdapter(WanAdapter):
     family = "wan-i2v"
     pipeline_cls = WanImageToVideoPipeline
     full_name, example_path = "Wan2.1-I2V-14B-480P", "/path/to/Wan2.1-I2V-14B-480P-Diffusers"
+    # bench/history/2026-11-28.md 22:12 (fp8 base, 480p x 49; another job on the same GPU; each step with a page-lock)
+    measured_presets = {
+        ("lora", 16): MeasuredPreset(0.7, True, "measured on an H200: fits, 14.5 GB reserved, 11-13 s a step")}
     full_config = {**WanAdapter.full_config, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120}
     first_frame_conditions = True
     #: Wan 2.1's image cross-attention trains too (an I2V LoRA has add_k_proj / add_v_proj: diffusers then loads it as
