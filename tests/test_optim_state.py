@@ -142,3 +142,38 @@ def test_missing_or_foreign_state_is_a_user_error(tmp_path):
     save_optimizer_state(other.opt, tmp_path)
     with pytest.raises(UserError, match="different optimizer"):
         load_optimizer_state(run.opt, tmp_path)
+
+
+def test_disjoint_views_of_one_buffer_are_written_from_their_place(tmp_path):
+    """A streamed full fine-tune's state between steps is disjoint views of one host arena (trainer/offload/
+    fused_state.py): each is handed to safetensors where it lies, with no copy of the state in RAM (a clone of
+    every view of a shared storage held a second copy of it for the whole save, bench/logs/2026-11-28i), and the
+    file is byte for byte the one written from separate tensors. A view overlapping one already stored is cloned
+    (safetensors refuses overlapping tensors) and reads back equal."""
+    run = _Run(_model(), _cfg("adamw"))
+    run.steps(0, 2)
+    (tmp_path / "separate").mkdir()
+    separate = save_optimizer_state(run.opt, tmp_path / "separate").read_bytes()
+    states = [run.opt.state[p] for p in run.opt.param_groups[0]["params"]]
+    arena = torch.empty(sum(st[k].numel() for st in states for k in ("exp_avg", "exp_avg_sq")))
+    off = 0
+    for st in states:
+        for k in ("exp_avg", "exp_avg_sq"):
+            n = st[k].numel()
+            st[k] = arena[off : off + n].view_as(st[k]).copy_(st[k])
+            off += n
+    tensors, _ = optimizer_state_to_safetensors(run.opt)
+    arena_bytes = [(n, t) for n, t in tensors.items() if t.untyped_storage().data_ptr() == arena.data_ptr()]
+    assert sorted(n for n, _ in arena_bytes) == sorted(f"state/{i}/{k}" for i in range(len(states))
+                                                        for k in ("exp_avg", "exp_avg_sq"))
+    assert sum(t.nbytes for _, t in arena_bytes) == arena.nbytes  # every view as it lies: nothing copied
+    assert save_optimizer_state(run.opt, tmp_path).read_bytes() == separate
+
+    states[1]["overlap"] = arena[3:9]  # inside state 0's exp_avg
+    tensors, meta = optimizer_state_to_safetensors(run.opt)
+    assert tensors["state/1/overlap"].untyped_storage().data_ptr() != arena.data_ptr()
+    assert tensors["state/0/exp_avg"].untyped_storage().data_ptr() == arena.data_ptr()
+    other = _Run(_model(), _cfg("adamw"))
+    optimizer_state_from_safetensors(other.opt, tensors, json.loads(json.dumps(meta)))
+    assert torch.equal(other.opt.state_dict()["state"][1]["overlap"], arena[3:9])
+    save_optimizer_state(run.opt, tmp_path)  # safetensors accepts the set

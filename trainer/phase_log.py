@@ -66,7 +66,8 @@ FIXES = {
                      "data.resolutions",
     "sampling": "set sample.every: 0 (sample after training with `dittrain sample`), or lower sample.width / "
                 "sample.height",
-    "checkpoint save": "free host RAM (the checkpoint is gathered in CPU RAM before it is written)",
+    "checkpoint save": "free host RAM (what the GPU holds of the weights and optimizer state is copied to CPU RAM "
+                       "to be written)",
 }
 
 _GIB = 2**30

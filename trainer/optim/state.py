@@ -8,6 +8,13 @@ as `{"__intdict__": [[k, v], ...]}` and tuples (Adam's `betas`) as `{"__tuple__"
 share storage (bitsandbytes shares one quantisation map between parameters) are stored once and referenced
 by name, since safetensors refuses aliased tensors. Floats go through JSON's repr, which round-trips exactly.
 
+No copy of the state. safetensors refuses tensors whose bytes overlap, not tensors that share a storage: a
+streamed full fine-tune's state is thousands of disjoint views of one host arena (trainer/offload/fused_state.py:
+between steps the state points at the arena's copies), and each is written from its place. Only a view that
+overlaps bytes already stored (another view of a bitsandbytes map) is cloned. Cloning every view of a shared
+storage instead held a second copy of the streamed state in RAM for the whole write (Wan 2.1 1.3B's full
+fine-tune: 9-10 GB over the planner's checkpoint-save prediction, bench/logs/2026-11-28i).
+
 `save_optimizer_state(optimizer, folder)` writes `folder/optimizer.safetensors` with the JSON tree in the
 header metadata (key `dittrain.optimizer`), one file per checkpoint; the tensors are the optimizer's live
 state (copied to the CPU by safetensors as it writes), so write them before the next step.
@@ -15,6 +22,7 @@ state (copied to the CPU by safetensors as it writes), so write them before the 
 
 from __future__ import annotations
 
+import bisect
 import json
 from pathlib import Path
 from typing import Any
@@ -30,32 +38,48 @@ FILE_NAME = "optimizer.safetensors"
 _META_KEY = "dittrain.optimizer"
 
 
-def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[Any, str]) -> Any:
+def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[tuple, str],
+            spans: dict[tuple, list[tuple[int, int]]]) -> Any:
+    """`obj` as JSON with its tensors put in `tensors`; `seen`: the views stored so far (view -> name), `spans`:
+    per storage, the byte ranges stored from it (`_claim`)."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         if t.numel():
-            storage = (t.untyped_storage().data_ptr(), str(t.device))
-            view = (*storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            view = (t.untyped_storage().data_ptr(), str(t.device), t.storage_offset(), tuple(t.shape),
+                    tuple(t.stride()), t.dtype)
             if view in seen:
                 return {"__tensor__": seen[view]}
-            if storage in seen:
-                t = t.clone()  # another view of a stored tensor's memory: safetensors wants no overlap
-            seen[view] = seen[storage] = path
-        tensors[path] = t.contiguous()
+            seen[view] = path
+        t = t.contiguous()  # a strided view becomes its own tensor; a contiguous one stays where it is
+        if t.numel() and not _claim(t, spans.setdefault((t.untyped_storage().data_ptr(), str(t.device)), [])):
+            t = t.clone()  # overlaps bytes already stored: safetensors refuses overlapping tensors
+        tensors[path] = t
         return {"__tensor__": path}
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj):
-            return {k: _encode(v, _join(path, k), tensors, seen) for k, v in obj.items()}
+            return {k: _encode(v, _join(path, k), tensors, seen, spans) for k, v in obj.items()}
         if all(isinstance(k, int) for k in obj):
-            return {"__intdict__": [[k, _encode(v, _join(path, k), tensors, seen)] for k, v in obj.items()]}
+            return {"__intdict__": [[k, _encode(v, _join(path, k), tensors, seen, spans)] for k, v in obj.items()]}
         raise TypeError(f"optimizer state at {path!r}: dict keys must be all str or all int")
     if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, _join(path, i), tensors, seen) for i, v in enumerate(obj)]}
+        return {"__tuple__": [_encode(v, _join(path, i), tensors, seen, spans) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [_encode(v, _join(path, i), tensors, seen) for i, v in enumerate(obj)]
+        return [_encode(v, _join(path, i), tensors, seen, spans) for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, bool | int | float | str):
         return obj
     raise TypeError(f"optimizer state at {path!r}: cannot store a {type(obj).__name__} without pickle")
+
+
+def _claim(t: torch.Tensor, spans: list[tuple[int, int]]) -> bool:
+    """Add contiguous `t`'s bytes to `spans` (sorted, disjoint (start, stop) byte ranges already stored from its
+    storage) and return True, or return False where they overlap one of them."""
+    start = t.data_ptr()
+    stop = start + t.numel() * t.element_size()
+    i = bisect.bisect(spans, (start, stop))
+    if (i and spans[i - 1][1] > start) or (i < len(spans) and spans[i][0] < stop):
+        return False
+    spans.insert(i, (start, stop))
+    return True
 
 
 def _join(path: str, key: Any) -> str:
@@ -82,7 +106,7 @@ def optimizer_state_to_safetensors(optimizer) -> tuple[dict[str, torch.Tensor], 
     Works for torch optimizers, `Fp32StepOptimizer` and `FusedBackPass`. The tensors alias the live state.
     """
     tensors: dict[str, torch.Tensor] = {}
-    tree = _encode(optimizer.state_dict(), "", tensors, {})
+    tree = _encode(optimizer.state_dict(), "", tensors, {}, {})
     return tensors, {"format": FORMAT, "state_dict": tree}
 
 

@@ -54,7 +54,9 @@ How each is estimated (bf16 sizes; activations of the encoders are coarse, the b
   tensor from its memory, and a streamed block's weights and state are its host copies after `handle.sync()`),
   the larger of the weights' file and the optimizer's, not the whole model and state (one of 4 processes,
   Flux.1-dev Adafactor with masters, every block streamed: 15.4 GB measured, 144.7 predicted before, 15.8 now;
-  issue 40).
+  issue 40). That needs the optimizer file to take the arena's views of the state where they lie
+  (trainer/optim/state.py): cloning every view of the one arena added the whole streamed state (Wan 2.1 1.3B's
+  8 GB preset, one process: 27.4 GB measured against 16.9 predicted, bench/logs/2026-11-28i).
 Several processes of one host (`processes`, `shared`; the trainer's phase lines under torchrun): each line is one
 process's RAM as its anonymous RSS counts it. Where the streamed blocks' arena is the host's one /dev/shm file
 (trainer/train/streaming.py `shared_arena`: a LoRA's, or a full fine-tune's over the sharded stream) it is file
