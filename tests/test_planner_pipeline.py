@@ -3,6 +3,8 @@ operation counts it takes host time from."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from trainer.offload.plan import capacity_for, make_plan
@@ -28,6 +30,19 @@ def test_mixed_blocks_cost_more_than_either_sum():
     assert st.host_s == st.gpu_s == pytest.approx(12.0)
     # forward ends when the host has launched it (8 s); backward then runs 4 x 2 s on the GPU
     assert st.step_s == pytest.approx(16.0)
+
+
+def test_blocks_that_sync_the_host_add_launches_and_kernels():
+    """A block whose code waits on the GPU (HiDream's expert masks, `BlockCost.syncs`) cannot be launched ahead:
+    4 blocks of host (1, 2) and GPU (1, 2) take 4 x (1 + 1 + 2 + 2) s, not 4 x (1 + 2); with the copies of a
+    streamed plan behind them they still overlap (the copy stream does not wait for the host)."""
+    syncing = [replace(c, syncs=True) for c in _costs(4, host=(1.0, 2.0), gpu=(1.0, 2.0))]
+    assert simulate(_costs(4, host=(1.0, 2.0), gpu=(1.0, 2.0)), None, 1.0).step_s == pytest.approx(12.0)
+    assert simulate(syncing, None, 1.0).step_s == pytest.approx(24.0)
+    sizes = [1] * 4
+    plan = make_plan(sizes, capacity_for(sizes, 0.5), "train")
+    assert simulate(syncing, plan, 1e6).step_s == pytest.approx(24.0, rel=1e-3)
+    assert syncing[0].without_recompute().syncs and syncing[0].scaled(2.0).syncs
 
 
 def test_copies_that_fit_behind_compute_cost_nothing_and_slow_copies_set_the_pace():

@@ -197,6 +197,10 @@ class ModelAdapter(ABC):
     #: recomputed in backward (trainer/offload/nano.py), and the planner counts one chunk's hidden activations
     #: instead of the whole sequence's. None: every diffusers `FeedForward` inside the block
     token_wise: ClassVar[tuple[str, ...] | None] = None
+    #: the blocks' training forward and backward wait on the GPU inside the block (a host sync: HiDream's
+    #: boolean-mask routing of its experts), so the host cannot launch ahead of the kernels: the planner adds the
+    #: block's launch time to its kernel time instead of overlapping them (trainer/planner/replay.py)
+    blocks_sync_host: ClassVar[bool] = False
 
     # ------------------------------------------------------------------------------------------ text encoders
 

@@ -47,7 +47,11 @@ How each piece mirrors diffusers' HiDreamImagePipeline (0.42):
 - the planner: its meta-device trace cannot run the experts' boolean masks (their sizes are data), so the family's
   transformer class (`HiDreamImageTransformer2DModel` here: diffusers' class, same name, config and weights) gives
   each routed expert an equal share of the token-expert pairs on the meta device (balanced routing) and runs
-  diffusers' forward on real tensors, bitwise.
+  diffusers' forward on real tensors, bitwise. The count is every Linear's: the shared expert (SwiGLU 3584 wide) on
+  every token and 2 routed experts (6912 wide) per token, the single blocks' 384 text tokens included; the router
+  (4 x 2560) is left out (tests/test_planner_flops.py counts a block by hand). The masks' host syncs
+  (`blocks_sync_host`) make the step time its launches plus its kernels, not the larger of the two
+  (trainer/planner/replay.py).
 - shift: the scheduler's own, fixed (the class the folder's scheduler config names): HiDream-I1-Full's is, as
   recalled and not checked offline, UniPCMultistepScheduler with flow sigmas and `flow_shift` 3.0; training uses
   the same shift.
@@ -212,6 +216,7 @@ class HiDreamAdapter(DiffusersAdapter):
     comfy_reads_diffusers_lora = True  # comfy/lora.py model_lora_keys_unet: HiDream's `transformer.<module>` keys
     modulation_linears = r"(^|\.)adaLN_modulation\."
     token_wise = ("block.ff_i",)  # the image stream's MoE feed-forward, in both kinds of block
+    blocks_sync_host = True  # the training path's boolean masks: each one's size is read on the host (module essay)
     text_encoder_dirs = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
     text_encoder_classes = ("CLIPTextModelWithProjection", "CLIPTextModelWithProjection", "T5EncoderModel",
                             "LlamaForCausalLM")

@@ -45,6 +45,13 @@ alone: diffusers' forward projects the features over the whole sequence (zeros o
 transients at 1024 px that the planner would not see and 2.3 TFLOP a forward mostly on zeros; the sampling face
 projects each prompt once per image for the same reason (trainer/models/ideogram4_pipeline.py).
 
+Step time: the planner counts every Linear and the attention over the 4608 packed tokens exactly (tests/
+test_planner_flops.py), but not what its attention kernel costs: with the segment mask SDPA cannot use flash
+attention, and at head_dim 256 the memory-efficient kernel's backward is slow. On the H200 (1024 px, LoRA,
+resident, compiled; bench/logs/2026-11-28i) the recompute (one forward) cost 0.23 s, as fast a FLOP as
+ERNIE-Image's (head_dim 128, also masked), while the step took ~0.55 s more than ERNIE-Image's rate gives, with
+every block recomputed (1.46 s) or none (1.24 s): about 27 TFLOP of attention backward at ~40 TFLOP/s.
+
 Left out: prompt upsampling (`Ideogram4PromptEnhancerHead`: captions are used as written; the model was trained on
 structured JSON captions, which a data set's captions may already be), training the unconditional transformer,
 the classic pipeline's `guidance_schedule` from a config, and attention without the (B, 1, S, S) segment mask

@@ -775,7 +775,8 @@ def _block_costs(facts: Facts, tr: ptrace.Trace, rates: ptime.Rates, res: int, c
     StateOffload's state copies (on the compute stream) and nano-batching's second MLP forward."""
     full = facts.method == "full"
     esize = torch.tensor([], dtype=facts.dtype).element_size()
-    costs = ptime.block_costs(facts.blocks, tr, rates, res, full, facts.checkpointing)
+    costs = ptime.block_costs(facts.blocks, tr, rates, res, full, facts.checkpointing,
+                              facts.adapter.blocks_sync_host)
     costs = [c if ck[b] or not facts.checkpointing else c.without_recompute() for b, c in enumerate(costs)]
     streamed_blocks = set(plan.streamed) if plan is not None else set()
     opt_step = ptime.REF_FULL_STEP_S_PER_PARAM if full else 0.0

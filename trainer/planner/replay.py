@@ -15,6 +15,15 @@ and its recompute + backward, and the GPU's time to run them. `simulate` replays
 - the host launches position p after position p-1 (it never waits on the GPU inside a step: the conductor's
   waits are stream events, not host syncs; it does wait at the step's end, where the loss is read), so host
   time is the running sum of launch costs;
+- except in a block whose own code waits on the GPU (`BlockCost.syncs`: the family's `blocks_sync_host`, HiDream's
+  boolean masks routing tokens to its experts, each mask's size read on the host): there the host first waits for
+  every kernel launched before and then, sync after sync, can never be more than a few kernels ahead, so the block
+  takes its launch time plus its kernel time, and the next block's launches start when its kernels end. That is
+  an upper bound (the kernels launched between two syncs overlap their launches); HiDream-I1 LoRA at 1024 px on
+  the H200, compiled, resident (bench/logs/2026-11-28i/s3-hidream-speed.log): 1.83 s a step with every block
+  recomputed and 1.31 s with none, predicted 2.06 / 1.39 s by this sum against 1.12 / 0.75 s overlapped (where
+  plain diffusers + peft took 1.79 s compiled and 1.86 s eager); the 16 GB preset's streamed step (compiled, fp8
+  base; bench/history/2026-11-27.md 21:58) took 2.38 s, predicted 2.33 s by the sum and 1.39 s overlapped;
 - the compute stream finishes position p at max(previous position's end, the arrival of every copy position p
   needs) + its GPU time, and never before the host has launched all of it;
 - the copy stream starts a load at max(its previous copy's end, the end of the load's release position on the
@@ -35,7 +44,7 @@ the H200); activation offloading's copies and a full fine-tune's write-backs, wh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..offload.plan import BWD, Load, Plan, sequence_for
 
@@ -56,15 +65,17 @@ class BlockCost:
     host_bwd: float  #: launching its recompute and backward
     gpu_fwd: float  #: running its forward
     gpu_bwd: float  #: running its recompute and backward
+    #: the block's code waits on the GPU (a host sync) in its forward and backward: launches and kernels add up
+    syncs: bool = False
 
     def scaled(self, gpu: float = 1.0, extra_gpu_bwd: float = 0.0) -> BlockCost:
-        return BlockCost(self.host_fwd, self.host_bwd, self.gpu_fwd * gpu, self.gpu_bwd * gpu + extra_gpu_bwd)
+        return replace(self, gpu_fwd=self.gpu_fwd * gpu, gpu_bwd=self.gpu_bwd * gpu + extra_gpu_bwd)
 
     def without_recompute(self) -> BlockCost:
         """The same block keeping its activations (train.gradient_checkpointing auto / false): its backward
         without the recompute, taken as costing one forward."""
-        return BlockCost(self.host_fwd, max(0.0, self.host_bwd - self.host_fwd), self.gpu_fwd,
-                         max(0.0, self.gpu_bwd - self.gpu_fwd))
+        return replace(self, host_bwd=max(0.0, self.host_bwd - self.host_fwd),
+                       gpu_bwd=max(0.0, self.gpu_bwd - self.gpu_fwd))
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,7 @@ def simulate(costs: list[BlockCost], plan: Plan | None, h2d_rate: float, steps: 
     L = len(seq)
     host = [costs[b].host_bwd if p == BWD else costs[b].host_fwd for p, b in seq]
     gpu = [costs[b].gpu_bwd if p == BWD else costs[b].gpu_fwd for p, b in seq]
+    syncs = [costs[b].syncs for _, b in seq]
     if plan is None:
         total = steps = 1
         period_start = 0
@@ -101,8 +113,12 @@ def simulate(costs: list[BlockCost], plan: Plan | None, h2d_rate: float, steps: 
         for ld in loads:
             by_after.setdefault(ld.after, []).append(ld)
         for pos in range(L):
-            h += host[pos]
-            g = max(max(g, ready.pop(s * L + pos, 0.0)) + gpu[pos], h)
+            arrived = ready.pop(s * L + pos, 0.0)
+            if syncs[pos]:  # the host waits for the kernels before (and the copies they wait on), then no overlap
+                h = g = max(h, g, arrived) + host[pos] + gpu[pos]
+            else:
+                h += host[pos]
+                g = max(max(g, arrived) + gpu[pos], h)
             for ld in by_after.get(pos, ()):
                 dt = plan.sizes[ld.block] / h2d_rate
                 copy_free = max(copy_free, g) + dt
@@ -120,14 +136,17 @@ def simulate(costs: list[BlockCost], plan: Plan | None, h2d_rate: float, steps: 
     )
 
 
-def reference_costs(block_ops: list[int], gpu_fwd: list[float], gpu_bwd: list[float]) -> list[BlockCost]:
-    """Costs without a measurement: host time from the traced operations, GPU time given (from FLOPs)."""
+def reference_costs(block_ops: list[int], gpu_fwd: list[float], gpu_bwd: list[float],
+                    syncs: bool = False) -> list[BlockCost]:
+    """Costs without a measurement: host time from the traced operations, GPU time given (from FLOPs); `syncs`:
+    the blocks wait on the GPU inside (`BlockCost.syncs`)."""
     return [
         BlockCost(
             host_fwd=ops * REF_HOST_S_PER_OP * HOST_FWD_SHARE,
             host_bwd=ops * REF_HOST_S_PER_OP * (1 - HOST_FWD_SHARE),
             gpu_fwd=f,
             gpu_bwd=b,
+            syncs=syncs,
         )
         for ops, f, b in zip(block_ops, gpu_fwd, gpu_bwd, strict=True)
     ]

@@ -88,21 +88,26 @@ def block_train_flops(tr, n: int, checkpointing: bool, weights_train: bool) -> l
 
 
 def block_costs(
-    blocks, tr, rates: Rates, res: int, weights_train: bool, checkpointing: bool
+    blocks, tr, rates: Rates, res: int, weights_train: bool, checkpointing: bool, syncs: bool = False
 ) -> list[BlockCost]:
     """Per block: host and GPU seconds of its forward and of its recompute + backward at bucket `res`.
 
     Measured classes (`rates.blocks[res]`) use the measurement, the GPU part scaled by the block's matmul FLOPs
     against the measured block's (blocks of one class differ only at the ends, e.g. SD3's last); otherwise GPU
     time is FLOPs over the rate and host time comes from the traced operation count
-    (trainer/planner/replay.py)."""
+    (trainer/planner/replay.py; without `checkpointing` less a recompute's launches, as a block that keeps its
+    activations under auto: `BlockCost.without_recompute`); `syncs`: the blocks wait on the GPU inside (the family's `blocks_sync_host`), so
+    their launches and kernels add up (`BlockCost.syncs`). A measured block's time is its wall time where it syncs
+    (`split_time` falls back to it), which the replay's overlap then takes as it is."""
     attn = tr.attn_flops / max(1, len(blocks))
     fwd = [lin + attn for lin in tr.block_linear_flops]
     train = block_train_flops(tr, len(blocks), checkpointing, weights_train)
     rate = rates.rate(res)
     costs = reference_costs(
-        tr.block_ops, [f / rate for f in fwd], [(t - f) / rate for t, f in zip(train, fwd, strict=True)]
+        tr.block_ops, [f / rate for f in fwd], [(t - f) / rate for t, f in zip(train, fwd, strict=True)], syncs
     )
+    if not checkpointing:  # the host's per-operation cost is for a checkpointed pass: no recompute to launch here
+        costs = [replace(c, host_bwd=max(0.0, c.host_bwd - c.host_fwd)) for c in costs]
     measured = rates.blocks.get(res, {})
     for b, blk in enumerate(blocks):
         got = measured.get(type(blk).__name__)
