@@ -496,6 +496,9 @@ class ModelAdapter(ABC):
     #: sampling: does the pipeline run a second, negative-prompt pass when guidance > 1 (so the negative prompt
     #: must be encoded too, and the planner counts a batch of two)? `runs_cfg` says at which guidance values.
     sampling_uses_negative: ClassVar[bool]
+    #: the batch the pipeline denoises per image under guidance (the planner's sampling phase): 2, the prompt's
+    #: and the negative's passes; HiDream-E1's 3 (without the source image, with it, with it and the prompt)
+    guided_batch: ClassVar[int] = 2
     #: sample settings the presets write (`sample.steps`, `sample.guidance`) where the family's pipeline wants
     #: others than the presets' 28 steps and the config's default guidance (a distilled model's few steps)
     sample_defaults: ClassVar[dict[str, Any]] = {}

@@ -137,6 +137,7 @@ class HiDreamE1Adapter(HiDreamAdapter):
     family = "hidream-e1"
     pipeline_cls = HiDreamE1Pipeline
     takes_reference = True
+    guided_batch = 3  # the three passes (module essay)
     full_name, example_path = "HiDream-E1.1", "/path/to/HiDream-E1.1"
     # HiDream-E1's transformer has HiDream-I1-Full's config (17.1 B): HiDreamAdapter.full_config
     #: the release's settings (README: 28 steps; E1-Full's example guidance 5, the pipeline's image guidance 2)
