@@ -56,9 +56,9 @@ How each piece mirrors diffusers' HiDreamImagePipeline (0.42):
   about 1 MP (the ones the model was trained at) it is what the plain pipeline makes. Guidance above 1 runs the
   negative prompt (""), 50 steps at guidance 5 (the release's settings).
 
-Left out: HiDream-E1 (instruction editing): diffusers 0.42.1 ships no edit pipeline for it (only
-`HiDreamImagePipeline`), so there is no reference to check an edit family against; the auxiliary load-balancing
-loss; the pipeline's separate prompts per text encoder (`prompt_2` ... `prompt_4`: every encoder reads the caption).
+HiDream-E1 (instruction editing) is trainer/models/hidream_e1.py, on this adapter and `transformer_prediction`.
+Left out: the auxiliary load-balancing loss; the pipeline's separate prompts per text encoder (`prompt_2` ...
+`prompt_4`: every encoder reads the caption).
 """
 
 from __future__ import annotations

@@ -40,12 +40,11 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from diffusers import UniPCMultistepScheduler
+from diffusers import HiDreamImagePipeline, UniPCMultistepScheduler
 from diffusers.pipelines.hidream_image.pipeline_hidream_image import calculate_shift, retrieve_timesteps
 from diffusers.pipelines.hidream_image.pipeline_output import HiDreamImagePipelineOutput
-from diffusers.utils.torch_utils import randn_tensor
 
-from .hidream import HiDreamAdapter, HiDreamImagePipeline, tiny_pipeline, transformer_prediction, unpadded_tokens
+from .hidream import HiDreamAdapter, tiny_pipeline, transformer_prediction, unpadded_tokens
 
 CONTROL = "control_latents"
 
