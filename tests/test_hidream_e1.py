@@ -152,9 +152,45 @@ def test_streamed_e1_trains_like_resident(method, fraction, tiny_models, pairs, 
     assert got[0] == got[1]
 
 
+def test_sampling_during_training_from_the_pairs_source_streamed_as_resident(tiny_models, pairs, tmp_path,
+                                                                               monkeypatch):
+    """`sample.image` (a pair's control image) at guidance 4 after each of 2 steps, LoRA streamed at 0.5 and
+    resident: the same losses and the same samples, at the size asked."""
+    from trainer.train.trainer import Trainer
+
+    sample = {"prompts": [PROMPT], "every": 1, "steps": 2, "width": 32, "height": 48, "guidance": 4.0,
+              "image": str(pairs / "control" / "img0.png")}
+    runs = {}
+    for f in (0.0, 0.5):
+        if f:
+            monkeypatch.setattr(Trainer, "_can_stream", lambda self: True)
+        cfg = _config(tiny_models / FAMILY, pairs, tmp_path, train={"steps": 2}, sample=sample,
+                      output={"dir": str(tmp_path / f"f{f}")}, offload={"transformer": f})
+        Trainer(Config.model_validate(cfg)).fit()
+        runs[f] = losses(tmp_path / f"f{f}"), sorted((tmp_path / f"f{f}" / "samples").rglob("*.png"))
+    assert runs[0.5][0] == runs[0.0][0]
+    assert len(runs[0.0][1]) == len(runs[0.5][1]) == 2
+    for x, y in zip(runs[0.0][1], runs[0.5][1], strict=True):
+        assert pixels(x).shape == (48, 32, 3)
+        np.testing.assert_array_equal(pixels(x), pixels(y))
+
+
+def test_sampling_during_training_without_a_source_is_refused_before_training(tiny_models, pairs, tmp_path):
+    from trainer.errors import UserError
+    from trainer.train.trainer import Trainer
+
+    cfg = _config(tiny_models / FAMILY, pairs, tmp_path, sample={"prompts": [PROMPT], "every": 1})
+    with pytest.raises(UserError, match="need a reference image"):
+        Trainer(Config.model_validate(cfg)).fit()
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 def test_sample_needs_the_source_image(tiny_models, tmp_path):
     from trainer.errors import UserError
+    from trainer.sampling.request import check_image
 
+    with pytest.raises(UserError, match="need a reference image"):  # before any weights are read
+        check_image(None, adapter_class(FAMILY))
     cfg = Config.model_validate({"model": {"family": FAMILY, "path": str(tiny_models / FAMILY), "dtype": "fp32"},
                                  "sample": {"steps": 1, "width": 32, "height": 32}, "train": {"device": "cpu"},
                                  "output": {"dir": str(tmp_path)}})

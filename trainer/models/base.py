@@ -478,6 +478,10 @@ class ModelAdapter(ABC):
     #: the text encoder sees the reference image too: text-cache entries are per (caption, reference), captions
     #: are encoded one at a time in the presets, validation sets are not supported, and sampling needs `--image`
     text_uses_reference: ClassVar[bool] = False
+    #: sampling needs `--image` / `sample.image` though the text encoder does not see it (HiDream-E1: its pipeline
+    #: has no text-only path): `dittrain sample` refuses before loading, the presets name one; `text_uses_reference`
+    #: implies it (sampling during training refuses at setup through `pipeline_image`)
+    sample_needs_reference: ClassVar[bool] = False
     #: with `takes_reference`: the family also trains plain text-to-image data (Flux.2: the reference tokens are an
     #: optional addition to the sequence). A run trains pairs when its data has references (a `control/` folder or
     #: a "control" metadata key: `DataConfig.has_references`), else plain images; the planner counts the reference

@@ -136,6 +136,7 @@ class HiDreamE1Adapter(HiDreamAdapter):
     family = "hidream-e1"
     pipeline_cls = HiDreamE1Pipeline
     takes_reference = True
+    sample_needs_reference = True  # the official pipeline has no text-only path
     guided_batch = 3  # the three passes (module essay)
     full_name, example_path = "HiDream-E1.1", "/path/to/HiDream-E1.1"
     # HiDream-E1's transformer has HiDream-I1-Full's config (17.1 B): HiDreamAdapter.full_config
