@@ -4,7 +4,8 @@ negated output (eval and training mode); a LoRA `dittrain fit` on `control/` pai
 bitwise like resident (LoRA 0.5, full 1.0); the sampling loop at guidance 1 is the plain conditional path on the
 latents training caches; the three-way guidance's algebra; `dittrain sample --image` without an image is refused;
 the planner sees the doubled, padded sequence and three guided passes. Against HiDream-ai's own pipeline
-(`pipeline_hidream_image_editing.py`, not in this repository): `dittrain sample --image` pixel-identical, run only
+(`pipeline_hidream_image_editing.py`, not in this repository): `dittrain sample --image` pixel-identical, without
+and with a fitted LoRA, run only
 where the snapshot of github.com/HiDream-ai/HiDream-E1 is on the machine (`E1_MIRROR`), skipped elsewhere."""
 
 from __future__ import annotations
@@ -221,13 +222,15 @@ def test_planner_sees_the_padded_double_width_and_three_passes():
 
 @pytest.mark.skipif(not (E1_MIRROR / "HEAD").is_file() or shutil.which("git") is None,
                     reason="no snapshot of github.com/HiDream-ai/HiDream-E1 on this machine")
-def test_sample_equals_hidream_ais_own_pipeline(tiny_models, tmp_path, monkeypatch):
+def test_sample_equals_hidream_ais_own_pipeline(tiny_models, pairs, tmp_path, monkeypatch):
     """`dittrain sample --image` at guidance 4 (its default image guidance 2, clip_cfg_norm) against the official
     HiDreamImageEditingPipeline on the same folder with `max_seq` doubled as inference_e1_1.py sets it, pixel for
-    pixel; its file is read from the snapshot into tmp_path, never into the repository."""
+    pixel, without and with a LoRA fitted on pairs (the official pipeline's `load_lora_weights`); its file is read
+    from the snapshot into tmp_path, never into the repository."""
     from diffusers import DiffusionPipeline
 
     from trainer.models._diffusers import own_aligned_memory
+    from trainer.train.trainer import Trainer
 
     src = subprocess.run(["git", "-C", str(E1_MIRROR), "show", "HEAD:pipeline_hidream_image_editing.py"],
                          capture_output=True, text=True, check=True).stdout
@@ -241,17 +244,25 @@ def test_sample_equals_hidream_ais_own_pipeline(tiny_models, tmp_path, monkeypat
         "model": {"family": FAMILY, "path": str(tiny_models / FAMILY), "dtype": "fp32"},
         "sample": {"steps": 3, "width": 32, "height": 48, "guidance": 4.0}, "train": {"device": "cpu"},
         "output": {"dir": str(tmp_path)}})
-    (png,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=5, image=tmp_path / "src.png",
-                                           out=tmp_path / "a"))
-    base = DiffusionPipeline.from_pretrained(str(tiny_models / FAMILY), torch_dtype=torch.float32,
-                                             local_files_only=True)
-    pipe = HiDreamImageEditingPipeline(**base.components)
-    own_aligned_memory(pipe.transformer)
-    pipe.transformer.max_seq *= 2
-    pipe.set_progress_bar_config(disable=True)
-    theirs = pipe(prompt=PROMPT, image=img, num_inference_steps=3, guidance_scale=4.0, refine_strength=0.0,
-                  generator=torch.Generator().manual_seed(5)).images[0]
-    assert pixels(png).shape == (48, 32, 3)
-    np.testing.assert_array_equal(pixels(png), np.asarray(theirs.convert("RGB")))
+    lora = Trainer(Config.model_validate(_config(tiny_models / FAMILY, pairs, tmp_path, train={"steps": 2},
+                                                 optimizer={"lr": 1e-2}))).fit()
+    ours = {}
+    for name, loras in (("plain", []), ("lora", [str(lora)])):
+        (png,) = run_sample(cfg, SampleRequest(prompts=[PROMPT], seed=5, image=tmp_path / "src.png", loras=loras,
+                                               out=tmp_path / name))
+        base = DiffusionPipeline.from_pretrained(str(tiny_models / FAMILY), torch_dtype=torch.float32,
+                                                 local_files_only=True)
+        pipe = HiDreamImageEditingPipeline(**base.components)
+        own_aligned_memory(pipe.transformer)
+        pipe.transformer.max_seq *= 2
+        pipe.set_progress_bar_config(disable=True)
+        if loras:
+            pipe.load_lora_weights(loras[0])
+        theirs = pipe(prompt=PROMPT, image=img, num_inference_steps=3, guidance_scale=4.0, refine_strength=0.0,
+                      generator=torch.Generator().manual_seed(5)).images[0]
+        ours[name] = pixels(png)
+        assert ours[name].shape == (48, 32, 3)
+        np.testing.assert_array_equal(ours[name], np.asarray(theirs.convert("RGB")))
+    assert (ours["plain"] != ours["lora"]).any(), "the LoRA must change the image"
     del sys.modules["pipeline_hidream_image_editing"]
 
