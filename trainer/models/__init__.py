@@ -69,6 +69,7 @@ ADAPTERS: dict[str, tuple[str, str]] = {
     "anima": ("anima", "AnimaAdapter"),
     "ideogram4": ("ideogram4", "Ideogram4Adapter"),
     "hidream": ("hidream", "HiDreamAdapter"),
+    "hidream-e1": ("hidream_e1", "HiDreamE1Adapter"),
     "hunyuan-video-1.5": ("hunyuan_video15", "HunyuanVideo15Adapter"),
     "hunyuan-video-1.5-i2v": ("hunyuan_video15_i2v", "HunyuanVideo15I2VAdapter"),
     "ltx2": ("ltx2", "LTX2Adapter"),

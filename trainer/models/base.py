@@ -482,6 +482,10 @@ class ModelAdapter(ABC):
     #: the text encoder sees the reference image too: text-cache entries are per (caption, reference), captions
     #: are encoded one at a time in the presets, validation sets are not supported, and sampling needs `--image`
     text_uses_reference: ClassVar[bool] = False
+    #: sampling needs `--image` / `sample.image` though the text encoder does not see it (HiDream-E1: its pipeline
+    #: has no text-only path): `dittrain sample` refuses before loading, the presets name one; `text_uses_reference`
+    #: implies it (sampling during training refuses at setup through `pipeline_image`)
+    sample_needs_reference: ClassVar[bool] = False
     #: with `takes_reference`: the family also trains plain text-to-image data (Flux.2: the reference tokens are an
     #: optional addition to the sequence). A run trains pairs when its data has references (a `control/` folder or
     #: a "control" metadata key: `DataConfig.has_references`), else plain images; the planner counts the reference
@@ -500,6 +504,9 @@ class ModelAdapter(ABC):
     #: sampling: does the pipeline run a second, negative-prompt pass when guidance > 1 (so the negative prompt
     #: must be encoded too, and the planner counts a batch of two)? `runs_cfg` says at which guidance values.
     sampling_uses_negative: ClassVar[bool]
+    #: the batch the pipeline denoises per image under guidance (the planner's sampling phase): 2, the prompt's
+    #: and the negative's passes; HiDream-E1's 3 (without the source image, with it, with it and the prompt)
+    guided_batch: ClassVar[int] = 2
     #: sample settings the presets write (`sample.steps`, `sample.guidance`) where the family's pipeline wants
     #: others than the presets' 28 steps and the config's default guidance (a distilled model's few steps)
     sample_defaults: ClassVar[dict[str, Any]] = {}

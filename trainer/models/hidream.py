@@ -60,9 +60,9 @@ How each piece mirrors diffusers' HiDreamImagePipeline (0.42):
   about 1 MP (the ones the model was trained at) it is what the plain pipeline makes. Guidance above 1 runs the
   negative prompt (""), 50 steps at guidance 5 (the release's settings).
 
-Left out: HiDream-E1 (instruction editing): diffusers 0.42.1 ships no edit pipeline for it (only
-`HiDreamImagePipeline`), so there is no reference to check an edit family against; the auxiliary load-balancing
-loss; the pipeline's separate prompts per text encoder (`prompt_2` ... `prompt_4`: every encoder reads the caption).
+HiDream-E1 (instruction editing) is trainer/models/hidream_e1.py, on this adapter and `transformer_prediction`.
+Left out: the auxiliary load-balancing loss; the pipeline's separate prompts per text encoder (`prompt_2` ...
+`prompt_4`: every encoder reads the caption).
 """
 
 from __future__ import annotations
@@ -361,25 +361,8 @@ class HiDreamAdapter(DiffusersAdapter):
         return self._kl_encode(vae, pixels)
 
     def predict(self, transformer, noisy_latents, t, text, guidance: float = 1.0) -> torch.Tensor:  # noqa: ARG002
-        b, c, h, w = noisy_latents.shape
-        p = transformer.config.patch_size
-        gh, gw = h // p, w // p
-        tokens = {}
-        if h != w and gh * gw > transformer.max_seq:  # no padding to make: the image's tokens alone (module essay)
-            tokens = unpadded_tokens(noisy_latents, p)
-        out = transformer(
-            hidden_states=tokens.pop("hidden_states", noisy_latents),
-            timesteps=t * 1000.0,
-            encoder_hidden_states_t5=text["t5"],
-            encoder_hidden_states_llama3=text["llama"].transpose(0, 1),
-            pooled_embeds=text["pooled"],
-            return_dict=False,
-            **tokens,
-        )[0]
-        if out.shape[-2:] != (h, w):  # training mode's (B, C, tokens, p * p): the image tokens laid out as (h, w)
-            out = out[:, :, : gh * gw].unflatten(2, (gh, gw)).unflatten(-1, (p, p))
-            out = out.permute(0, 1, 2, 4, 3, 5).reshape(b, c, h, w)
-        return -out  # the model's x0 - noise, as (noise - x0)
+        return transformer_prediction(transformer, noisy_latents, t * 1000.0, text["t5"], text["llama"].transpose(0, 1),
+                                      text["pooled"])
 
     @classmethod
     def dummy_inputs(cls, transformer, batch, height, width, text_tokens, dtype, device="meta") -> dict:
@@ -410,19 +393,55 @@ class HiDreamAdapter(DiffusersAdapter):
         return {"area": int(width) * int(height)}
 
 
-def unpadded_tokens(latents: torch.Tensor, p: int) -> dict[str, torch.Tensor]:
-    """The transformer's pre-patchified arguments for (B, C, h, w) latents without padding: its `patchify` (tokens
-    with features (row, column, channel) of each p x p patch, positions (0, row, column)) as it lays out a square
-    image, with a mask of ones, for a non-square image of more tokens than its padding holds."""
+def transformer_prediction(transformer, latents: torch.Tensor, timesteps: torch.Tensor, t5: torch.Tensor,
+                           llama: torch.Tensor, pooled: torch.Tensor, pad_to: int | None = None) -> torch.Tensor:
+    """The velocity (noise - x0) of (B, C, h, w) latents, as (B, C, h, w): the transformer's output negated (it
+    predicts x0 - noise), at the pipeline's `timesteps` (1000: noise), `llama` as the pipeline stacks it (layers
+    first). A non-square image is padded to `pad_to` tokens (None: the transformer's `max_seq`, diffusers' own
+    patchify), or runs unpadded when it has more (module essay); a square one is never padded, as diffusers runs it."""
+    b, c, h, w = latents.shape
+    p = transformer.config.patch_size
+    gh, gw = h // p, w // p
+    n = transformer.max_seq if pad_to is None else pad_to
+    tokens = {}
+    if h != w and (gh * gw > n or n != transformer.max_seq):  # diffusers' patchify cannot pad to n: ours does
+        tokens = unpadded_tokens(latents, p, max(n, gh * gw))
+    out = transformer(
+        hidden_states=tokens.pop("hidden_states", latents),
+        timesteps=timesteps,
+        encoder_hidden_states_t5=t5,
+        encoder_hidden_states_llama3=llama,
+        pooled_embeds=pooled,
+        return_dict=False,
+        **tokens,
+    )[0]
+    if out.shape[-2:] != (h, w):  # training mode's (B, C, tokens, p * p): the image tokens laid out as (h, w)
+        out = out[:, :, : gh * gw].unflatten(2, (gh, gw)).unflatten(-1, (p, p))
+        out = out.permute(0, 1, 2, 4, 3, 5).reshape(b, c, h, w)
+    return -out  # the model's x0 - noise, as (noise - x0)
+
+
+def unpadded_tokens(latents: torch.Tensor, p: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """The transformer's pre-patchified arguments for (B, C, h, w) latents: its `patchify` (tokens with features
+    (row, column, channel) of each p x p patch, positions (0, row, column)) as it lays out a square image, with a
+    mask of ones, for a non-square image of more tokens than its padding holds; with `pad_to`, zero tokens, zero
+    positions and a mask of zeros after the image's up to `pad_to` tokens, as its patchify pads to its `max_seq`."""
     b, c, h, w = latents.shape
     gh, gw = h // p, w // p
-    x = latents.reshape(b, c, gh, p, gw, p).permute(0, 2, 4, 3, 5, 1).reshape(b, gh * gw, p * p * c)
+    n, pad = gh * gw, max((pad_to or 0) - gh * gw, 0)
+    x = latents.reshape(b, c, gh, p, gw, p).permute(0, 2, 4, 3, 5, 1).reshape(b, n, p * p * c)
     ids = torch.zeros(gh, gw, 3, device=latents.device)
     ids[..., 1] += torch.arange(gh, device=latents.device)[:, None]
     ids[..., 2] += torch.arange(gw, device=latents.device)[None, :]
+    ids = ids.reshape(n, 3)
+    mask = latents.new_ones(b, n)
+    if pad:
+        x = torch.cat([x, x.new_zeros(b, pad, x.shape[-1])], dim=1)
+        ids = torch.cat([ids, ids.new_zeros(pad, 3)])
+        mask = torch.cat([mask, mask.new_zeros(b, pad)], dim=1)
     sizes = torch.tensor([gh, gw], dtype=torch.int64, device=latents.device).expand(b, 2)
-    return {"hidden_states": x, "img_ids": ids.reshape(1, gh * gw, 3).expand(b, -1, -1), "img_sizes": sizes,
-            "hidden_states_masks": latents.new_ones(b, gh * gw)}
+    return {"hidden_states": x, "img_ids": ids.reshape(1, n + pad, 3).expand(b, -1, -1), "img_sizes": sizes,
+            "hidden_states_masks": mask}
 
 
 # ---------------------------------------------------------------------------------------------- tiny model

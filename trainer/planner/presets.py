@@ -170,6 +170,7 @@ def _config(
     # qwen-image-edit: its captions are encoded with their reference images (~1400 vision tokens at 1024 px), so
     # one at a time; its samples need a reference image
     ref_text = cls.text_uses_reference
+    ref_sample = ref_text or cls.sample_needs_reference
     # an fp8 base is chosen for RAM: the modulation Linears in the blocks (a quarter to a third of the block bytes,
     # where a family has them) go to fp8 too (bench/history/2026-11-23.md: loss curve unchanged on the bundled data)
     mod = {"quantize_modulation": True} if cls.modulation_linears else {}
@@ -209,7 +210,7 @@ def _config(
             "height": height,
             **({"frames": frames} if cls.video else {}),
             **cls.sample_defaults,  # a distilled model's steps and guidance
-            **({"image": "/path/to/reference.png"} if ref_text else {}),
+            **({"image": "/path/to/reference.png"} if ref_sample else {}),
             **({"image": "/path/to/first-frame.png"} if cls.first_frame_conditions else {}),  # image-to-video
             # the family's own sampling settings (e.g. Qwen-Image 2.1: 40 steps without guidance)
             **cls.sample_defaults,

@@ -101,8 +101,9 @@ def kv_cache_bytes(facts, tr, res: int, batch: int = 1) -> float:
 
 
 def cfg_batch(family: str, guidance: float) -> int:
-    """The batch the family's pipeline denoises per image: 2 where it runs classifier-free guidance."""
-    return 2 if adapter_class(family).runs_cfg(guidance) else 1
+    """The batch the family's pipeline denoises per image: its `guided_batch` where it runs classifier-free guidance."""
+    cls = adapter_class(family)
+    return cls.guided_batch if cls.runs_cfg(guidance) else 1
 
 
 def _block_in_out(tr) -> int:

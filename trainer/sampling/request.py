@@ -222,7 +222,7 @@ def check_image(path: Path | list[Path] | None, adapter) -> None:
     if path is None:
         if adapter.first_frame_conditions:
             raise UserError(f"{adapter.family} is image-to-video: pass --image (or set sample.image), the first frame")
-        if adapter.text_uses_reference:
+        if adapter.text_uses_reference or adapter.sample_needs_reference:
             raise UserError(f"{adapter.family} samples need a reference image: pass --image (or set sample.image)")
         return
     if not adapter.takes_reference and not adapter.first_frame_conditions:
